@@ -1,0 +1,26 @@
+"""tilemm: block-scaled matrix multiplications (FP8, MXFP8, MXFP4, NVFP4) written in NVIDIA cuTile.
+
+Quantize with ``quantize_*``, lay scales out for the tensor cores with ``swizzle_32_4_4`` (or
+``swizzle=True``), multiply with ``*_matmul`` or ``linear``. CPU tensors use the exact pure-PyTorch
+reference; CUDA tensors on Hopper (sm_90) and Blackwell (sm_100 / sm_120) use cuTile kernels.
+"""
+
+from . import formats, reference
+from ._arch import UnsupportedGPUError
+from .formats import FP8_E4M3, FP8_E5M2, MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
+from .matmul import fp8_matmul, linear, mxfp4_matmul, mxfp8_matmul, nvfp4_matmul
+from .quantize import (FP8Tensor, MXFP4Tensor, MXFP8Tensor, NVFP4Tensor, dequantize, dequantize_fp8,
+                       dequantize_mxfp4, dequantize_mxfp8, dequantize_nvfp4, quantize_fp8,
+                       quantize_mxfp4, quantize_mxfp8, quantize_nvfp4)
+from swizzle import swizzle_32_4_4, unswizzle_32_4_4
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Format", "FP8_E4M3", "FP8_E5M2", "MXFP8_E4M3", "MXFP8_E5M2", "MXFP4", "NVFP4",
+    "quantize_mxfp8", "quantize_mxfp4", "quantize_nvfp4", "quantize_fp8",
+    "dequantize", "dequantize_mxfp8", "dequantize_mxfp4", "dequantize_nvfp4", "dequantize_fp8",
+    "MXFP8Tensor", "MXFP4Tensor", "NVFP4Tensor", "FP8Tensor",
+    "mxfp8_matmul", "mxfp4_matmul", "nvfp4_matmul", "fp8_matmul", "linear",
+    "swizzle_32_4_4", "unswizzle_32_4_4", "UnsupportedGPUError", "formats", "reference",
+]

@@ -1,0 +1,440 @@
+"""Public block-scaled matmuls: ``mxfp8_matmul``, ``mxfp4_matmul``, ``nvfp4_matmul``, ``fp8_matmul``
+and the nn.Linear-shaped convenience ``linear``.
+
+Semantics (NUMERICS.md): ``out = dequantize(x) @ dequantize(y)`` accumulated in fp32, then
+``* alpha + bias``, rounded once to ``out_dtype``. x is (..., M, K) row-major; y is (..., K, N) and
+K-major, i.e. ``w.t()`` of an (N, K) quantized weight. For 4-bit formats the stored K is K/2 (two
+elements per byte, packed along K).
+
+Scales come in one of two layouts, told apart by their rank:
+
+* logical: x_scale (..., M, K/B), y_scale (..., K/B, N) (usually ``w_scale.t()``);
+* swizzled 32x4x4 (``swizzle.swizzle_32_4_4``): x_scale (..., ceil(M/128), ceil(K/B/4), 32, 16) and
+  y_scale the same built from the (N, K/B) weight scales: two more dimensions than the operand.
+
+CPU tensors run the pure-PyTorch reference (``tilemm.reference``); CUDA tensors run the cuTile kernel
+for their architecture (``tilemm.kernels``): exact emulation on Hopper (sm_90), ``ct.mma_scaled`` on
+Blackwell (sm_100 / sm_120).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import swizzle as _swizzle
+
+from . import _interop
+from ._validate import (as_fp32_scalar, check_bias, check_dtype, check_out_dtype, check_same_device,
+                        check_tensor)
+from .formats import MXFP4, NVFP4, Format, fp8_format, mxfp8_format
+from .reference import block_scaled_matmul_reference, fp8_matmul_reference
+
+__all__ = ["mxfp8_matmul", "mxfp4_matmul", "nvfp4_matmul", "fp8_matmul", "linear",
+           "BlockScaledProblem", "FP8Problem"]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_BLOCK = 128
+
+
+# --------------------------------------------------------------------------------------------------
+# What the kernels receive: validated, normalised to 3-D, both operands K-contiguous.
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class BlockScaledProblem:
+    """A validated MXFP8 / MXFP4 / NVFP4 matmul, normalised for the kernels.
+
+    a: (Ba, M, Kd) data, stride(-1) == 1.        b: (Bb, N, Kd) data (the (N, K) weight form), stride(-1) == 1.
+    a_scale / b_scale: logical (Ba, M, Ks) / (Bb, N, Ks), or swizzled (Ba, Mt, Kt, 32, 16) / (Bb, Nt, Kt, 32, 16).
+    out: (B, M, N) contiguous, B = max(Ba, Bb); Ba and Bb are B or 1 (broadcast).
+    bias: (N,) fp32 or None.   alpha: 0-d fp32 tensor on the device, or None.
+    """
+
+    fmt: Format
+    a: torch.Tensor
+    a_scale: torch.Tensor
+    b: torch.Tensor
+    b_scale: torch.Tensor
+    swizzled: bool
+    out: torch.Tensor
+    bias: torch.Tensor | None
+    alpha: torch.Tensor | None
+
+    @property
+    def m(self) -> int:
+        return self.a.shape[1]
+
+    @property
+    def n(self) -> int:
+        return self.b.shape[1]
+
+    @property
+    def k(self) -> int:
+        return self.fmt.logical_k(self.a.shape[2])
+
+
+@dataclasses.dataclass
+class FP8Problem:
+    """A validated FP8 matmul, normalised for the kernels.
+
+    a: (Ba, M, K), b: (Bb, N, K), both stride(-1) == 1.
+    granularity "tensorwise" (a_scale, b_scale each (Ba, M) / (Bb, N) broadcast views of one value),
+    "rowwise" (a_scale (Ba, M), b_scale (Bb, N)), or "blockwise" (a_scale (Ba, M, K/128) for 1x128
+    blocks, b_scale (Bb, ceil(N/128), K/128) for 128x128 blocks). Scales are fp32.
+    """
+
+    fmt: Format
+    a: torch.Tensor
+    a_scale: torch.Tensor
+    b: torch.Tensor
+    b_scale: torch.Tensor
+    granularity: str
+    out: torch.Tensor
+    bias: torch.Tensor | None
+    alpha: torch.Tensor | None
+
+    @property
+    def m(self) -> int:
+        return self.a.shape[1]
+
+    @property
+    def n(self) -> int:
+        return self.b.shape[1]
+
+    @property
+    def k(self) -> int:
+        return self.a.shape[2]
+
+
+# --------------------------------------------------------------------------------------------------
+# Shape checks shared by all formats.
+# --------------------------------------------------------------------------------------------------
+
+def _check_operands(fn: str, x: torch.Tensor, y: torch.Tensor, data_dtypes, k_per_byte: int):
+    check_tensor(fn, "x", x)
+    check_tensor(fn, "y", y)
+    check_dtype(fn, "x", x, data_dtypes)
+    check_dtype(fn, "y", y, data_dtypes)
+    if x.dtype != y.dtype:
+        raise TypeError(f"{fn}: x and y must have the same dtype, got x {x.dtype} and y {y.dtype}")
+    if x.ndim < 2 or y.ndim < 2:
+        raise ValueError(f"{fn}: x must be (..., M, K) and y (..., K, N); got x {tuple(x.shape)}, "
+                         f"y {tuple(y.shape)}")
+    if x.shape[-1] != y.shape[-2]:
+        what = "K/2 (packed)" if k_per_byte == 2 else "K"
+        raise ValueError(f"{fn}: x is (..., M, K) and y (..., K, N) but their {what} differ: x "
+                         f"{tuple(x.shape)}, y {tuple(y.shape)}")
+    if y.ndim > 2 and y.shape[:-2] != x.shape[:-2]:
+        raise ValueError(f"{fn}: y's batch dims {tuple(y.shape[:-2])} must equal x's "
+                         f"{tuple(x.shape[:-2])} (or y must be 2-D and shared across the batch)")
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
+        raise ValueError(f"{fn}: x must be row-major (stride 1 along K), got strides {x.stride()}; "
+                         f"call x.contiguous()")
+    if y.stride(-2) != 1 and y.shape[-2] > 1:
+        raise ValueError(f"{fn}: y must be K-major (stride 1 along K), got strides {y.stride()}; pass "
+                         f"w.t() of a contiguous (N, K) weight, or use tilemm.linear(x_q, w_q)")
+
+
+def _scale_layout(fn: str, name: str, scale: torch.Tensor, operand: torch.Tensor) -> bool:
+    """True for swizzled (rank = operand rank + 2), False for logical (same rank)."""
+    if scale.ndim == operand.ndim:
+        return False
+    if scale.ndim == operand.ndim + 2:
+        return True
+    raise ValueError(
+        f"{fn}: {name} must be the logical scale ({operand.ndim}-D) or the swizzled 32x4x4 scale "
+        f"({operand.ndim + 2}-D), got shape {tuple(scale.shape)} for an operand of shape {tuple(operand.shape)}"
+    )
+
+
+def _block_scaled(fn: str, fmt: Format, x, x_scale, y, y_scale, *, out_dtype, bias, alpha):
+    _check_operands(fn, x, y, (fmt.data_dtype,), fmt.elements_per_byte)
+    check_tensor(fn, "x_scale", x_scale)
+    check_tensor(fn, "y_scale", y_scale)
+    scale_dtypes = (fmt.scale_dtype, torch.uint8) if fmt.is_mx else (fmt.scale_dtype,)
+    check_dtype(fn, "x_scale", x_scale, scale_dtypes)
+    check_dtype(fn, "y_scale", y_scale, scale_dtypes)
+    check_out_dtype(fn, out_dtype)
+    device = check_same_device(fn, x=x, y=y, x_scale=x_scale, y_scale=y_scale)
+
+    k = fmt.logical_k(x.shape[-1])
+    if k % fmt.block:
+        raise ValueError(f"{fn}: K must be a multiple of the {fmt.name} block size {fmt.block}, got K={k}")
+    m, n, ks = x.shape[-2], y.shape[-1], k // fmt.block
+    batch = x.shape[:-2]
+
+    x_swz = _scale_layout(fn, "x_scale", x_scale, x)
+    y_swz = _scale_layout(fn, "y_scale", y_scale, y)
+    if x_swz != y_swz:
+        raise ValueError(f"{fn}: x_scale and y_scale must both be logical or both swizzled, got x_scale "
+                         f"{tuple(x_scale.shape)} and y_scale {tuple(y_scale.shape)}")
+    if x_swz:
+        _expect_shape(fn, "x_scale", x_scale, (*batch, *_swizzle.swizzled_shape(m, ks)))
+        _expect_shape(fn, "y_scale", y_scale, (*y.shape[:-2], *_swizzle.swizzled_shape(n, ks)),
+                      hint="the swizzle of the (N, K/B) weight scale")
+    else:
+        _expect_shape(fn, "x_scale", x_scale, (*batch, m, ks))
+        _expect_shape(fn, "y_scale", y_scale, (*y.shape[:-2], ks, n), hint="usually w_scale.t()")
+
+    bias32 = check_bias(fn, bias, n, device)
+    alpha32 = None if alpha is None else as_fp32_scalar(fn, "alpha", alpha, device)
+    return m, n, k, x_swz, device, bias32, alpha32
+
+
+def _expect_shape(fn, name, t, shape, hint=None):
+    if tuple(t.shape) != tuple(shape):
+        extra = f" ({hint})" if hint else ""
+        raise ValueError(f"{fn}: {name} must have shape {tuple(shape)}{extra}, got {tuple(t.shape)}")
+
+
+def _to3d(t: torch.Tensor, tail: int) -> torch.Tensor:
+    """Collapse leading dims so that ``t`` has exactly ``tail`` + 1 dims (a batch dim of 1 if none)."""
+    lead = t.shape[: t.ndim - tail]
+    b = 1
+    for d in lead:
+        b *= d
+    return t.reshape(b, *t.shape[t.ndim - tail:])
+
+
+def _logical_scales(x_scale, y_scale, m, n, ks):
+    rows_x = _swizzle.unswizzle_32_4_4(x_scale, m, ks)
+    rows_y = _swizzle.unswizzle_32_4_4(y_scale, n, ks)
+    return rows_x, rows_y.transpose(-1, -2)
+
+
+def _run_block_scaled(fn, fmt, x, x_scale, y, y_scale, *, out_dtype, bias, alpha):
+    m, n, k, swizzled, device, bias32, alpha32 = _block_scaled(
+        fn, fmt, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha)
+    out_shape = (*x.shape[:-2], m, n)
+    if x.numel() == 0 or y.numel() == 0 or m == 0 or n == 0:
+        return _empty_result(out_shape, k, bias32, out_dtype, device)
+    if device.type != "cuda":
+        if swizzled:
+            x_scale, y_scale = _logical_scales(x_scale, y_scale, m, n, k // fmt.block)
+        return block_scaled_matmul_reference(fmt, x, x_scale, y, y_scale, out_dtype=out_dtype,
+                                             alpha=alpha32, bias=bias32)
+    from . import kernels
+
+    tail = 4 if swizzled else 2
+    b_scale = y_scale if swizzled else y_scale.transpose(-1, -2)
+    problem = BlockScaledProblem(
+        fmt=fmt,
+        a=_to3d(x, 2), a_scale=_to3d(x_scale, tail),
+        b=_to3d(y.transpose(-1, -2), 2), b_scale=_to3d(b_scale, tail),
+        swizzled=swizzled,
+        out=torch.empty(out_shape, dtype=out_dtype, device=device),
+        bias=bias32, alpha=alpha32,
+    )
+    problem.out = problem.out.view(-1, m, n)
+    kernels.block_scaled_matmul(problem)
+    return problem.out.view(out_shape)
+
+
+def _empty_result(shape, k, bias32, out_dtype, device):
+    out = torch.zeros(shape, dtype=torch.float32, device=device)
+    if k == 0 and bias32 is not None:
+        out += bias32
+    return out.to(out_dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------------
+
+@_interop.accepts_cupy
+def mxfp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, alpha=None):
+    """MXFP8 matmul: e4m3 or e5m2 elements with one e8m0 scale per 32 elements of K.
+
+    Args:
+        x: (..., M, K) float8_e4m3fn or float8_e5m2, row-major.
+        x_scale: (..., M, K/32) e8m0 (``torch.float8_e8m0fnu`` or its uint8 bytes), or swizzled.
+        y: (..., K, N) of x's dtype, K-major (``w.t()`` of an (N, K) weight); 2-D y is shared by a batch.
+        y_scale: (..., K/32, N) (``w_scale.t()``), or the swizzle of the (N, K/32) weight scale.
+        out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
+        bias: optional (N,) float tensor, added after ``alpha``.
+        alpha: optional float or 0-d tensor multiplying the fp32 product.
+
+    Returns:
+        (..., M, N) tensor of ``out_dtype``.
+    """
+    fn = "mxfp8_matmul"
+    if isinstance(x, torch.Tensor) and x.dtype in FP8_DTYPES:
+        fmt = mxfp8_format(x.dtype, "x.dtype")
+    else:
+        check_tensor(fn, "x", x)
+        raise TypeError(f"{fn}: x must have dtype torch.float8_e4m3fn or torch.float8_e5m2, got {x.dtype}")
+    return _run_block_scaled(fn, fmt, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha)
+
+
+@_interop.accepts_cupy
+def mxfp4_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, alpha=None):
+    """MXFP4 matmul: e2m1 elements packed two per byte along K, one e8m0 scale per 32 elements.
+
+    x: (..., M, K/2) uint8; y: (..., K/2, N) uint8, K-major (``w.t()`` of an (N, K/2) packed weight);
+    scales as for :func:`mxfp8_matmul` with K/32 columns. Other arguments as for :func:`mxfp8_matmul`.
+    """
+    return _run_block_scaled("mxfp4_matmul", MXFP4, x, x_scale, y, y_scale, out_dtype=out_dtype,
+                             bias=bias, alpha=alpha)
+
+
+@_interop.accepts_cupy
+def nvfp4_matmul(x, x_scale, y, y_scale, *, global_scale_x, global_scale_y, out_dtype=torch.bfloat16,
+                 bias=None, alpha=None):
+    """NVFP4 matmul: e2m1 elements packed two per byte, one e4m3 scale per 16 elements, and one fp32
+    decode ("global") scale per tensor.
+
+    x: (..., M, K/2) uint8; y: (..., K/2, N) uint8, K-major; x_scale (..., M, K/16) and y_scale
+    (..., K/16, N) float8_e4m3fn, or swizzled. ``global_scale_x`` / ``global_scale_y`` are the decode
+    scales returned by :func:`tilemm.quantize_nvfp4`: Python floats or 0-d float tensors (any float
+    dtype, any device; converted exactly to fp32). The product is multiplied by
+    ``global_scale_x * global_scale_y`` (then by ``alpha`` if given) before ``bias``.
+    """
+    fn = "nvfp4_matmul"
+    device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
+    gx = as_fp32_scalar(fn, "global_scale_x", global_scale_x, device)
+    gy = as_fp32_scalar(fn, "global_scale_y", global_scale_y, device)
+    total = gx * gy
+    if alpha is not None:
+        total = total * as_fp32_scalar(fn, "alpha", alpha, device)
+    return _run_block_scaled(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias,
+                             alpha=total)
+
+
+def _fp8_granularity(fn: str, x, sx, y, sy):
+    """Classify the FP8 scales by shape, as ``torch._scaled_mm`` does. Returns the kernel granularity
+    and the scales normalised to FP8Problem's forms (before 3-D collapsing)."""
+    m, k, n = x.shape[-2], x.shape[-1], y.shape[-1]
+    xb, yb = x.shape[:-2], y.shape[:-2]
+    for name, s in (("x_scale", sx), ("y_scale", sy)):
+        check_tensor(fn, name, s)
+        if s.dtype != torch.float32:
+            raise TypeError(f"{fn}: {name} must be float32, got {s.dtype}")
+
+    def kind_x():
+        if sx.ndim == 0:
+            return "tensor"
+        if tuple(sx.shape) == (*xb, m, 1):
+            return "row"
+        if k % FP8_BLOCK == 0 and tuple(sx.shape) == (*xb, m, k // FP8_BLOCK):
+            return "block"
+        raise ValueError(f"{fn}: x_scale must be 0-d (per tensor), {(*xb, m, 1)} (per row) or "
+                         f"{(*xb, m, -(-k // FP8_BLOCK))} (1x128 blocks, K a multiple of 128), got "
+                         f"{tuple(sx.shape)}")
+
+    def kind_y():
+        if sy.ndim == 0:
+            return "tensor"
+        if tuple(sy.shape) == (*yb, 1, n):
+            return "row"
+        if k % FP8_BLOCK == 0 and tuple(sy.shape) == (*yb, k // FP8_BLOCK, -(-n // FP8_BLOCK)):
+            return "block"
+        raise ValueError(f"{fn}: y_scale must be 0-d (per tensor), {(*yb, 1, n)} (per column) or "
+                         f"{(*yb, -(-k // FP8_BLOCK), -(-n // FP8_BLOCK))} (128x128 blocks, the "
+                         f"transpose of quantize_fp8's weight scale), got {tuple(sy.shape)}")
+
+    kx, ky = kind_x(), kind_y()
+    # With K == 128 an (M, 1) scale is both per-row and 1x128; read it as the partner's granularity.
+    if kx == "row" and ky == "block" and k == FP8_BLOCK:
+        kx = "block"
+    if ky == "row" and kx == "block" and k == FP8_BLOCK and n == 1:
+        ky = "block"
+    if (kx == "block") != (ky == "block"):
+        raise ValueError(f"{fn}: 1x128 x-scales pair only with 128x128 y-scales (DeepSeek-style blocks); "
+                         f"got x_scale {tuple(sx.shape)} ({kx}) with y_scale {tuple(sy.shape)} ({ky})")
+    return kx, ky
+
+
+@_interop.accepts_cupy
+def fp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, alpha=None):
+    """FP8 matmul with fp32 scales whose shapes give the granularity, as in ``torch._scaled_mm``.
+
+    x: (..., M, K) float8_e4m3fn / float8_e5m2; y: (..., K, N) of the same dtype, K-major.
+    x_scale: 0-d (per tensor), (..., M, 1) (per row) or (..., M, K/128) (1x128 blocks, e4m3).
+    y_scale: 0-d (per tensor), (..., 1, N) (per column) or (..., K/128, ceil(N/128)) (128x128 blocks:
+    the transpose of the scale :func:`tilemm.quantize_fp8` returns for an (N, K) weight).
+    Per-tensor and per-row scales mix freely; 1x128 pairs with 128x128. Scales are fp32 decode factors.
+    """
+    fn = "fp8_matmul"
+    _check_operands(fn, x, y, FP8_DTYPES, 1)
+    fmt = fp8_format(x.dtype, "x.dtype")
+    check_out_dtype(fn, out_dtype)
+    kx, ky = _fp8_granularity(fn, x, x_scale, y, y_scale)
+    if "block" in (kx, ky) and fmt.element != "e4m3":
+        raise TypeError(f"{fn}: 128-element block scales are defined for float8_e4m3fn, got {x.dtype}")
+    device = check_same_device(fn, x=x, y=y, x_scale=x_scale, y_scale=y_scale)
+    m, k, n = x.shape[-2], x.shape[-1], y.shape[-1]
+    bias32 = check_bias(fn, bias, n, device)
+    alpha32 = None if alpha is None else as_fp32_scalar(fn, "alpha", alpha, device)
+    out_shape = (*x.shape[:-2], m, n)
+    if x.numel() == 0 or y.numel() == 0 or m == 0 or n == 0:
+        return _empty_result(out_shape, k, bias32, out_dtype, device)
+
+    # Scales as (..., M) rows and (..., N) columns, or block grids.
+    if kx == "block":
+        a_scale = x_scale
+        b_scale = y_scale.transpose(-1, -2)  # (..., ceil(N/128), K/128)
+    else:
+        a_scale = x_scale.reshape(()).expand(*x.shape[:-2], m) if kx == "tensor" else x_scale[..., 0]
+        b_scale = y_scale.reshape(()).expand(*y.shape[:-2], n) if ky == "tensor" else y_scale[..., 0, :]
+
+    if device.type != "cuda":
+        if kx == "block":
+            xs = a_scale.repeat_interleave(FP8_BLOCK, dim=-1)
+            ys = b_scale.repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :].repeat_interleave(FP8_BLOCK, dim=-1)
+            ys = ys.transpose(-1, -2)
+        else:
+            xs, ys = a_scale[..., :, None], b_scale[..., None, :]
+        return fp8_matmul_reference(x, xs, y, ys, out_dtype=out_dtype, alpha=alpha32, bias=bias32)
+
+    from . import kernels
+
+    granularity = "blockwise" if kx == "block" else ("tensorwise" if kx == ky == "tensor" else "rowwise")
+    tail = 2 if kx == "block" else 1
+    problem = FP8Problem(
+        fmt=fmt, a=_to3d(x, 2), a_scale=_to3d(a_scale, tail), b=_to3d(y.transpose(-1, -2), 2),
+        b_scale=_to3d(b_scale, tail), granularity=granularity,
+        out=torch.empty(out_shape, dtype=out_dtype, device=device).view(-1, m, n),
+        bias=bias32, alpha=alpha32,
+    )
+    kernels.fp8_matmul(problem)
+    return problem.out.view(out_shape)
+
+
+def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None):
+    """``x @ w.T`` for a quantized activation and a quantized nn.Linear-layout (N, K) weight.
+
+    ``x_q`` and ``w_q`` are what the quantizers return (``MXFP8Tensor``, ``MXFP4Tensor``,
+    ``NVFP4Tensor`` or ``FP8Tensor``), both of the same format and scale layout; the transposes and
+    scale orientation are handled here. For FP8, ``w_q``'s scale may be per tensor, per row (one per
+    output channel) or 128x128 blocks.
+    """
+    from . import quantize as q
+
+    fn = "linear"
+    kinds = (q.MXFP8Tensor, q.MXFP4Tensor, q.NVFP4Tensor, q.FP8Tensor)
+    if not isinstance(x_q, kinds) or not isinstance(w_q, kinds):
+        raise TypeError(f"{fn}: x_q and w_q must be quantized tensors from tilemm.quantize_* "
+                        f"({', '.join(k.__name__ for k in kinds)}), got {type(x_q).__name__} and "
+                        f"{type(w_q).__name__}")
+    if type(x_q) is not type(w_q):
+        raise TypeError(f"{fn}: x_q and w_q must be of one format, got {type(x_q).__name__} and "
+                        f"{type(w_q).__name__}")
+    w, ws = w_q.data, w_q.scale
+    if w.ndim != 2:
+        raise ValueError(f"{fn}: w_q must hold a 2-D (N, K) weight, got data of shape {tuple(w.shape)}")
+    kw = dict(out_dtype=out_dtype, bias=bias, alpha=alpha)
+    if isinstance(x_q, q.FP8Tensor):
+        if ws.ndim == 2 and ws.shape[1] == 1 and ws.shape[0] == w.shape[0]:
+            ys = ws.t()  # per output channel: (N, 1) -> (1, N)
+        else:
+            ys = ws.t() if ws.ndim == 2 else ws
+        return fp8_matmul(x_q.data, x_q.scale, w.t(), ys, **kw)
+    ys = ws if ws.ndim == 4 else ws.t()
+    if isinstance(x_q, q.MXFP8Tensor):
+        return mxfp8_matmul(x_q.data, x_q.scale, w.t(), ys, **kw)
+    if isinstance(x_q, q.MXFP4Tensor):
+        return mxfp4_matmul(x_q.data, x_q.scale, w.t(), ys, **kw)
+    return nvfp4_matmul(x_q.data, x_q.scale, w.t(), ys, global_scale_x=x_q.global_scale,
+                        global_scale_y=w_q.global_scale, **kw)

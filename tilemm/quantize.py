@@ -1,0 +1,690 @@
+"""Quantizers and dequantizers for FP8, MXFP8, MXFP4 and NVFP4, in pure PyTorch.
+
+Each public ``quantize_<fmt>`` validates its input and then calls ``_quantize_<fmt>_reference``,
+which runs on any device (CPU tensors always take it; a GPU kernel will be dispatched from the
+same public function). Blocks run along the last dimension K; leading dimensions are batch (and,
+for 2-D blocks, M). float32, bfloat16 and float16 inputs are converted to fp32 first (exact) and
+every step is an fp32 tensor operation in the order NUMERICS.md gives, so the bits are defined.
+
+Formulas (NUMERICS.md; ``cast_RNE_satfinite`` clamps to +-Qmax, then rounds to nearest even):
+
+* MX (block 32, e8m0 scale byte s, value 2^(s-127)):
+  RCEIL ``d = fp32(amax) * fp32(1/Qmax)``, s = the exponent of the smallest power of two >= d,
+  taken from d's fp32 bits; FLOOR ``s = floor(log2(amax)) - emax + 127``, from amax's bits;
+  both clamped to [0, 254]. Data ``q = cast_RNE_satfinite(x * 2^(127-s))``.
+* NVFP4 (block 16, e4m3 scale s_b, one fp32 decode scale per tensor):
+  ``S_enc = 2688 / amax_g`` (capped at FLT_MAX; 1 when amax_g = 0 or the quotient is 0),
+  ``global_scale = S_dec = 1 / S_enc``, ``s_b = e4m3_RNE(min(amax_b * (S_enc * fp32(1/6)), 448))``,
+  ``enc = min(1 / (fp32(s_b) * S_dec), FLT_MAX)``, ``q = e2m1_RNE(clamp(x * enc, -6, 6))``.
+* FP8 per tensor / per row: ``s = amax / Qmax``, ``q = cast_RNE_satfinite(x / s)``.
+  FP8 blocks (1x128, 128x128; e4m3): ``s = max(amax, 1e-4) / 448``, optionally rounded up to a
+  power of two, ``q = cast_RNE_satfinite(x / s)``.
+
+Behaviour where NUMERICS.md is silent (pinned by tests/test_quantize.py):
+
+* e2m1 sign: the sign bit is set exactly when the fp32 value being rounded is < 0, so a negative
+  value that rounds to zero gives code 8 (as Transformer Engine's reference ``cast_to_fp4x2``),
+  while -0.0 and NaN give code 0.
+* NaN in fp8 data or NVFP4 scales is always the byte 0x7F (sign dropped), so the bits do not
+  depend on how a device propagates NaN payloads.
+* MX: a block whose scale byte is 0 stores +0 bytes (both rounding modes). A block containing a
+  NaN or +-Inf gets scale byte 255 (NaN) and its data is all 0x7F (MXFP8, NaN) or all code 0
+  (MXFP4, which has no NaN); the NaN scale makes the whole block dequantize to NaN.
+* NVFP4: the tensor amax ignores NaN, so a NaN poisons only its own 16-block (s_b = NaN, data
+  code 0 there); +-Inf gives S_enc = 1 and saturates (contract formula). A nonzero block whose
+  s_b rounds to 0 stores saturated codes (+-6) exactly as the formula says (as Transformer
+  Engine does); they dequantize to 0. A given ``global_scale`` must be positive and finite; then
+  ``S_enc = min(1 / global_scale, FLT_MAX)`` in fp32. A Python float is rounded to the nearest
+  fp32; tensors of any float dtype are converted to fp32. An empty x gives global_scale 1.
+* FP8, every granularity: a NaN or +-Inf in a scale group (tensor, row or block) makes that
+  group's scale NaN and all its data 0x7F. Per tensor / row, when ``amax / Qmax`` is 0 (all-zero
+  group, or an amax so small that the quotient underflows) the scale is 1.0 and the data is
+  ``x / 1`` (signed zeros kept). Finite values beyond +-Qmax after scaling saturate to +-Qmax.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from swizzle import swizzle_32_4_4, unswizzle_32_4_4
+
+from .formats import FP8_E4M3, MXFP4, NVFP4, Format, fp8_format, mxfp8_format
+from .numerics import as_uint8, pack_e2m1
+from .reference import dequantize_blocks
+
+__all__ = [
+    "MXFP8Tensor",
+    "MXFP4Tensor",
+    "NVFP4Tensor",
+    "FP8Tensor",
+    "quantize_mxfp8",
+    "quantize_mxfp4",
+    "quantize_nvfp4",
+    "quantize_fp8",
+    "dequantize_mxfp8",
+    "dequantize_mxfp4",
+    "dequantize_nvfp4",
+    "dequantize_fp8",
+    "dequantize",
+]
+
+ROUNDING_MODES = ("rceil", "floor")
+FP8_BLOCK = 128  # DeepSeek-style FP8 block edge: 1x128 activations, 128x128 weights
+FP8_BLOCK_AMAX_FLOOR = 1e-4  # s = max(amax, 1e-4) / 448 keeps all-zero blocks finite
+SWIZZLE_ROW_TILE = 128  # rows of the scale matrix per 32x16 swizzled block
+SWIZZLE_COL_TILE = 4  # scale columns per 32x16 swizzled block
+
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FLT_MAX = torch.finfo(torch.float32).max
+_NAN_BYTE = 0x7F  # positive NaN in both e4m3fn and e5m2
+_E8M0_NAN = 255
+_E8M0_MAX_FINITE = 254
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantized tensors
+# ----------------------------------------------------------------------------------------------
+
+
+class MXFP8Tensor(NamedTuple):
+    """MXFP8 data (..., K) in e4m3fn or e5m2 and e8m0 scales (..., K/32), or swizzled scales."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def format(self) -> Format:
+        return mxfp8_format(self.data.dtype, "data.dtype")
+
+    @property
+    def swizzled(self) -> bool:
+        """True when ``scale`` is in the 32x4x4 layout (..., ceil(M/128), ceil(K/128), 32, 16)."""
+        return self.scale.ndim == self.data.ndim + 2
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_mxfp8(self.data, self.scale)
+
+
+class MXFP4Tensor(NamedTuple):
+    """MXFP4 packed data (..., K/2) uint8 (element 2i in the low nibble) and e8m0 scales."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def format(self) -> Format:
+        return MXFP4
+
+    @property
+    def swizzled(self) -> bool:
+        return self.scale.ndim == self.data.ndim + 2
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_mxfp4(self.data, self.scale)
+
+
+class NVFP4Tensor(NamedTuple):
+    """NVFP4 packed data (..., K/2) uint8, e4m3 scales (..., K/16) and a 0-d fp32 decode scale."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    global_scale: torch.Tensor
+
+    @property
+    def format(self) -> Format:
+        return NVFP4
+
+    @property
+    def swizzled(self) -> bool:
+        return self.scale.ndim == self.data.ndim + 2
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_nvfp4(self.data, self.scale, self.global_scale)
+
+
+class FP8Tensor(NamedTuple):
+    """FP8 data (..., M, K) and fp32 decode scales: 0-d (tensor), (..., M, 1) (row),
+    (..., M, K/128) (1x128) or (..., ceil(M/128), K/128) (128x128)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def format(self) -> Format:
+        return fp8_format(self.data.dtype, "data.dtype")
+
+    @property
+    def swizzled(self) -> bool:
+        return self.scale.ndim == self.data.ndim + 2
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_fp8(self.data, self.scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation helpers (public boundary)
+# ----------------------------------------------------------------------------------------------
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_input(fn: str, x, *, block: int | None, min_ndim: int = 1) -> None:
+    """TypeError/ValueError unless x is a float32/bf16/fp16 tensor whose K fits ``block``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"{fn}: x.dtype must be torch.float32, torch.bfloat16 or torch.float16, "
+                        f"got {x.dtype}")
+    if x.ndim < min_ndim:
+        dims = "(..., M, K)" if min_ndim >= 2 else "(..., K)"
+        raise ValueError(f"{fn}: x must have at least {min_ndim} dimension(s) {dims}, "
+                         f"got shape {tuple(x.shape)}")
+    k = x.shape[-1]
+    if k == 0:
+        raise ValueError(f"{fn}: x.shape[-1] (K) must be non-zero (an empty last dimension has "
+                         f"no blocks), got shape {tuple(x.shape)}")
+    if block is not None and k % block:
+        raise ValueError(f"{fn}: x.shape[-1] (K) must be a multiple of the block size {block}, "
+                         f"got K={k}")
+
+
+def _check_bool(fn: str, name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{fn}: {name} must be True or False, got {value!r}")
+
+
+def _check_rounding(fn: str, rounding) -> None:
+    if not isinstance(rounding, str) or rounding not in ROUNDING_MODES:
+        raise ValueError(f"{fn}: rounding must be 'rceil' or 'floor', got {rounding!r}")
+
+
+def _mxfp8_format_or_raise(fn: str, elem_dtype) -> Format:
+    try:
+        return mxfp8_format(elem_dtype, "elem_dtype")
+    except TypeError as err:
+        raise TypeError(f"{fn}: {err}") from None
+
+
+def _fp8_format_or_raise(fn: str, elem_dtype) -> Format:
+    try:
+        return fp8_format(elem_dtype, "elem_dtype")
+    except TypeError as err:
+        raise TypeError(f"{fn}: {err}") from None
+
+
+def _global_decode_scale(fn: str, global_scale, device: torch.device) -> torch.Tensor:
+    """The NVFP4 decode scale as a 0-d fp32 tensor on ``device``; must be positive and finite."""
+    if isinstance(global_scale, bool) or not isinstance(global_scale, (int, float, torch.Tensor)):
+        raise TypeError(f"{fn}: global_scale must be a Python float or a 0-d floating-point "
+                        f"torch.Tensor, got {type(global_scale).__name__}")
+    if isinstance(global_scale, torch.Tensor):
+        if global_scale.ndim != 0:
+            raise ValueError(f"{fn}: global_scale must be a scalar (a 0-d tensor or a Python "
+                             f"float), got a tensor of shape {tuple(global_scale.shape)}")
+        if not global_scale.is_floating_point():
+            raise TypeError(f"{fn}: global_scale must have a floating-point dtype, "
+                            f"got {global_scale.dtype}")
+        # Every float dtype converts to fp32 exactly except float64, which rounds to nearest.
+        gs = global_scale.detach().to(device=device, dtype=torch.float32)
+    else:
+        gs = torch.tensor(float(global_scale), dtype=torch.float32, device=device)
+    value = gs.item()
+    if not (value > 0.0 and value != float("inf")):
+        raise ValueError(f"{fn}: global_scale must be a positive finite decode scale, "
+                         f"got {value!r}")
+    return gs
+
+
+def _parse_granularity(fn: str, granularity):
+    if isinstance(granularity, str):
+        if granularity in ("tensor", "row"):
+            return granularity
+    elif isinstance(granularity, (tuple, list)):
+        if tuple(granularity) == (1, FP8_BLOCK):
+            return (1, FP8_BLOCK)
+        if tuple(granularity) == (FP8_BLOCK, FP8_BLOCK):
+            return (FP8_BLOCK, FP8_BLOCK)
+    raise ValueError(f"{fn}: granularity must be 'tensor', 'row', (1, 128) or (128, 128), "
+                     f"got {granularity!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Numerics building blocks (all fp32 / int32 tensor ops, any device)
+# ----------------------------------------------------------------------------------------------
+
+
+def _f32(value: float, device: torch.device) -> torch.Tensor:
+    """A 0-d fp32 constant: ``value`` rounded once to the nearest fp32."""
+    return torch.tensor(value, dtype=torch.float32, device=device)
+
+
+def _exponent_and_mantissa(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Biased exponent field and mantissa field of non-negative fp32 values."""
+    bits = v.contiguous().view(torch.int32)
+    return (bits >> 23) & 0xFF, bits & 0x7FFFFF
+
+
+def _e8m0_rceil(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """Scale bytes (int32) = smallest power of two >= amax/Qmax, from the bits of d (NUMERICS)."""
+    d = amax * _f32(1.0 / qmax, amax.device)
+    exponent, mantissa = _exponent_and_mantissa(d)
+    # Normal d: round the exponent up unless d is a power of two. Subnormal d (exponent 0):
+    # d <= 2^-127 (mantissa <= 0x400000) fits byte 0, anything larger needs byte 1.
+    rounded_up = torch.where(exponent == 0, (mantissa > 0x400000).to(torch.int32),
+                             exponent + (mantissa != 0).to(torch.int32))
+    s = rounded_up.clamp(max=_E8M0_MAX_FINITE)
+    return torch.where(torch.isfinite(amax), s, torch.full_like(s, _E8M0_NAN))
+
+
+def _e8m0_floor(amax: torch.Tensor, emax: int) -> torch.Tensor:
+    """Scale bytes (int32) = floor(log2(amax)) - emax + 127 clamped to [0, 254], from amax's bits.
+
+    floor(log2(amax)) is exponent_field - 127 for a normal amax; a zero or subnormal amax
+    (floor(log2) <= -127) always clamps to 0, which is what exponent_field = 0 gives too.
+    """
+    exponent, _ = _exponent_and_mantissa(amax)
+    s = torch.where(exponent == 0, torch.zeros_like(exponent), exponent - emax)
+    s = s.clamp(0, _E8M0_MAX_FINITE)
+    return torch.where(torch.isfinite(amax), s, torch.full_like(s, _E8M0_NAN))
+
+
+def _e8m0_reciprocal(s: torch.Tensor) -> torch.Tensor:
+    """2^(127 - s) in fp32 for scale bytes 0..254, built from bits (2^-127 is subnormal)."""
+    bits = torch.where(s == _E8M0_MAX_FINITE, torch.full_like(s, 0x00400000),
+                       (_E8M0_MAX_FINITE - s).clamp(min=0) << 23)
+    return bits.view(torch.float32)
+
+
+def _cast_fp8_rne_satfinite(y: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """fp32 -> fp8 with RNE, finite values saturated to +-Qmax, every NaN stored as 0x7F (uint8)."""
+    q = as_uint8(y.clamp(-fmt.qmax, fmt.qmax).to(fmt.data_dtype))
+    return torch.where(torch.isnan(y), torch.full_like(q, _NAN_BYTE), q)
+
+
+# e2m1 magnitudes are {0, .5, 1, 1.5, 2, 3, 4, 6}; a magnitude's code is the number of midpoints it
+# passes. At a midpoint, ties go to the even code: strict '>' where the lower code is even,
+# '>=' where the upper one is (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4).
+_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
+                   (3.5, True), (5.0, False))
+
+
+def _e2m1_encode_rne(y: torch.Tensor) -> torch.Tensor:
+    """fp32 -> e2m1 codes (uint8, 0..15), RNE, saturating at 6; sign bit iff y < 0; NaN -> 0."""
+    a = y.abs()
+    code = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
+    for midpoint, tie_rounds_up in _E2M1_MIDPOINTS:
+        code += (a >= midpoint if tie_rounds_up else a > midpoint).to(torch.uint8)
+    return code | ((y < 0).to(torch.uint8) << 3)
+
+
+def _blocks(xf: torch.Tensor, block: int) -> torch.Tensor:
+    """(..., K) -> (..., K/block, block)."""
+    return xf.reshape(*xf.shape[:-1], xf.shape[-1] // block, block)
+
+
+def _swizzle_scale(scale: torch.Tensor) -> torch.Tensor:
+    return swizzle_32_4_4(scale)
+
+
+def _mx_scale_bytes(xb: torch.Tensor, fmt: Format, rounding: str) -> torch.Tensor:
+    amax = xb.abs().amax(dim=-1)  # NaN propagates: a NaN block gets byte 255
+    if rounding == "rceil":
+        return _e8m0_rceil(amax, fmt.qmax)
+    return _e8m0_floor(amax, fmt.emax)
+
+
+def _as_e8m0(s: torch.Tensor) -> torch.Tensor:
+    return s.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference quantizers
+# ----------------------------------------------------------------------------------------------
+
+
+def _quantize_mxfp8_reference(x: torch.Tensor, fmt: Format, rounding: str,
+                              swizzle: bool) -> MXFP8Tensor:
+    xb = _blocks(x.detach().to(torch.float32), fmt.block)
+    s = _mx_scale_bytes(xb, fmt, rounding)
+    y = xb * _e8m0_reciprocal(s).unsqueeze(-1)  # exact: a power of two
+    q = _cast_fp8_rne_satfinite(y, fmt)
+    s_b = s.unsqueeze(-1)
+    q = torch.where(s_b == 0, torch.zeros_like(q), q)
+    q = torch.where(s_b == _E8M0_NAN, torch.full_like(q, _NAN_BYTE), q)
+    data = q.reshape(x.shape).view(fmt.data_dtype)
+    scale = _as_e8m0(s)
+    return MXFP8Tensor(data, _swizzle_scale(scale) if swizzle else scale)
+
+
+def _quantize_mxfp4_reference(x: torch.Tensor, rounding: str, swizzle: bool) -> MXFP4Tensor:
+    fmt = MXFP4
+    xb = _blocks(x.detach().to(torch.float32), fmt.block)
+    s = _mx_scale_bytes(xb, fmt, rounding)
+    codes = _e2m1_encode_rne(xb * _e8m0_reciprocal(s).unsqueeze(-1))
+    s_b = s.unsqueeze(-1)
+    codes = torch.where((s_b == 0) | (s_b == _E8M0_NAN), torch.zeros_like(codes), codes)
+    data = pack_e2m1(codes.reshape(x.shape))
+    scale = _as_e8m0(s)
+    return MXFP4Tensor(data, _swizzle_scale(scale) if swizzle else scale)
+
+
+def _nvfp4_encode_scale(xf: torch.Tensor) -> torch.Tensor:
+    """S_enc = 2688 / amax_g, capped at FLT_MAX, 1 when amax_g = 0 or the quotient is 0."""
+    a = xf.abs()
+    # The tensor amax ignores NaN, so that a NaN only poisons its own block.
+    a = torch.where(torch.isnan(a), torch.zeros_like(a), a)
+    amax_g = a.amax() if a.numel() else _f32(0.0, xf.device)
+    s_enc = (_f32(NVFP4.qmax * FP8_E4M3.qmax, xf.device) / amax_g).clamp(max=_FLT_MAX)
+    return torch.where((amax_g == 0) | (s_enc == 0), _f32(1.0, xf.device), s_enc)
+
+
+def _quantize_nvfp4_reference(x: torch.Tensor, global_scale: torch.Tensor | None,
+                              swizzle: bool) -> NVFP4Tensor:
+    fmt = NVFP4
+    xf = x.detach().to(torch.float32)
+    dev = xf.device
+    if global_scale is None:
+        s_enc = _nvfp4_encode_scale(xf)
+        s_dec = _f32(1.0, dev) / s_enc
+    else:
+        s_dec = global_scale
+        s_enc = (_f32(1.0, dev) / s_dec).clamp(max=_FLT_MAX)
+    xb = _blocks(xf, fmt.block)
+    amax_b = xb.abs().amax(dim=-1)  # NaN propagates into this block's scale
+    # torch.clamp keeps NaN (fminf would not); +-Inf becomes 448.
+    s_b = (amax_b * (s_enc * _f32(1.0 / NVFP4.qmax, dev))).clamp(max=FP8_E4M3.qmax)
+    s_b_bytes = _cast_fp8_rne_satfinite(s_b, FP8_E4M3)
+    s_b_f32 = s_b_bytes.view(torch.float8_e4m3fn).to(torch.float32)
+    enc = (_f32(1.0, dev) / (s_b_f32 * s_dec)).clamp(max=_FLT_MAX)
+    codes = _e2m1_encode_rne((xb * enc.unsqueeze(-1)).clamp(-NVFP4.qmax, NVFP4.qmax))
+    data = pack_e2m1(codes.reshape(x.shape))
+    scale = s_b_bytes.view(torch.float8_e4m3fn)
+    return NVFP4Tensor(data, _swizzle_scale(scale) if swizzle else scale, s_dec)
+
+
+def _nonfinite_to_nan(s: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(amax), s, _f32(float("nan"), s.device))
+
+
+def _round_up_pow2(s: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= s, for positive normal fp32 s (NaN kept), from the bits."""
+    exponent, mantissa = _exponent_and_mantissa(s)
+    up = torch.where(mantissa != 0, exponent + 1, exponent) << 23
+    return torch.where(torch.isfinite(s), up.view(torch.float32), s)
+
+
+def _quantize_fp8_reference(x: torch.Tensor, fmt: Format, granularity,
+                            pow2_scale: bool) -> FP8Tensor:
+    xf = x.detach().to(torch.float32)
+    dev = xf.device
+    qmax = _f32(fmt.qmax, dev)
+    a = xf.abs()
+    if granularity in ("tensor", "row"):
+        if granularity == "tensor":
+            amax = a.amax() if a.numel() else _f32(0.0, dev)
+        else:
+            amax = a.amax(dim=-1, keepdim=True) if a.numel() else a.new_zeros(*a.shape[:-1], 1)
+        s = amax / qmax
+        s = torch.where(s == 0, _f32(1.0, dev), s)
+        s = _nonfinite_to_nan(s, amax)
+        return FP8Tensor(_cast_fp8_rne_satfinite(xf / s, fmt).view(fmt.data_dtype), s)
+
+    k_blocks = xf.shape[-1] // FP8_BLOCK
+    if granularity == (1, FP8_BLOCK):
+        amax = _blocks(a, FP8_BLOCK).amax(dim=-1)  # (..., M, K/128)
+    else:
+        m = xf.shape[-2]
+        m_blocks = _ceil_div(m, FP8_BLOCK)
+        # A partial last row block takes the amax over the rows it has (zero rows change nothing).
+        padded = torch.nn.functional.pad(a, (0, 0, 0, m_blocks * FP8_BLOCK - m))
+        tiles = padded.reshape(*a.shape[:-2], m_blocks, FP8_BLOCK, k_blocks, FP8_BLOCK)
+        amax = tiles.amax(dim=(-3, -1)) if tiles.numel() else tiles.new_zeros(
+            *a.shape[:-2], m_blocks, k_blocks)
+    s = torch.maximum(amax, _f32(FP8_BLOCK_AMAX_FLOOR, dev)) / qmax
+    if pow2_scale:
+        s = _round_up_pow2(s)
+    s = _nonfinite_to_nan(s, amax)
+    s_full = s.repeat_interleave(FP8_BLOCK, dim=-1)
+    if granularity == (FP8_BLOCK, FP8_BLOCK):
+        s_full = s_full.repeat_interleave(FP8_BLOCK, dim=-2)[..., : xf.shape[-2], :]
+    return FP8Tensor(_cast_fp8_rne_satfinite(xf / s_full, fmt).view(fmt.data_dtype), s)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public quantizers
+# ----------------------------------------------------------------------------------------------
+
+
+def quantize_mxfp8(x: torch.Tensor, *, elem_dtype: torch.dtype = torch.float8_e4m3fn,
+                   rounding: str = "rceil", swizzle: bool = False) -> MXFP8Tensor:
+    """Quantize x (..., K) to MXFP8: 32-element blocks along K with e8m0 scales.
+
+    Args:
+        x: float32, bfloat16 or float16 tensor on any device; K a positive multiple of 32.
+        elem_dtype: ``torch.float8_e4m3fn`` (Qmax 448) or ``torch.float8_e5m2`` (Qmax 57344).
+        rounding: ``"rceil"`` (default; smallest power of two >= amax/Qmax, as TE and cuBLAS) or
+            ``"floor"`` (OCP MX spec: floor(log2(amax)) - emax, may clip the block maximum).
+        swizzle: return the scale in the 32x4x4 layout (..., ceil(M/128), ceil(K/128), 32, 16),
+            M = x.shape[-2]; needs x.ndim >= 2.
+
+    Returns:
+        ``MXFP8Tensor(data, scale)``: data (..., K) of ``elem_dtype``, scale (..., K/32)
+        ``torch.float8_e8m0fnu`` (or swizzled).
+    """
+    fn = "quantize_mxfp8"
+    fmt = _mxfp8_format_or_raise(fn, elem_dtype)
+    _check_rounding(fn, rounding)
+    _check_bool(fn, "swizzle", swizzle)
+    _check_input(fn, x, block=fmt.block, min_ndim=2 if swizzle else 1)
+    return _quantize_mxfp8_reference(x, fmt, rounding, swizzle)
+
+
+def quantize_mxfp4(x: torch.Tensor, *, rounding: str = "rceil",
+                   swizzle: bool = False) -> MXFP4Tensor:
+    """Quantize x (..., K) to MXFP4: e2m1 elements packed two per byte, 32-element e8m0 blocks.
+
+    Args:
+        x: float32, bfloat16 or float16 tensor on any device; K a positive multiple of 32.
+        rounding: ``"rceil"`` (default) or ``"floor"``, as for :func:`quantize_mxfp8` (Qmax 6).
+        swizzle: return the scale in the 32x4x4 layout; needs x.ndim >= 2.
+
+    Returns:
+        ``MXFP4Tensor(data, scale)``: data (..., K/2) uint8, element 2i in the low nibble of byte
+        i; scale (..., K/32) ``torch.float8_e8m0fnu`` (or swizzled).
+    """
+    fn = "quantize_mxfp4"
+    _check_rounding(fn, rounding)
+    _check_bool(fn, "swizzle", swizzle)
+    _check_input(fn, x, block=MXFP4.block, min_ndim=2 if swizzle else 1)
+    return _quantize_mxfp4_reference(x, rounding, swizzle)
+
+
+def quantize_nvfp4(x: torch.Tensor, *, global_scale=None, swizzle: bool = False) -> NVFP4Tensor:
+    """Quantize x (..., K) to NVFP4: e2m1 pairs, 16-element e4m3 block scales, one fp32 decode scale.
+
+    Args:
+        x: float32, bfloat16 or float16 tensor on any device; K a positive multiple of 16.
+        global_scale: the fp32 *decode* scale (dequantized value = e2m1 * s_b * global_scale).
+            ``None`` (default) computes it from the tensor amax: 1 / (2688 / amax). Otherwise a
+            positive finite Python float (rounded to fp32) or a 0-d tensor of any float dtype
+            on any device (converted to fp32); every form of the same fp32 value gives
+            identical bits.
+        swizzle: return the scale in the 32x4x4 layout; needs x.ndim >= 2.
+
+    Returns:
+        ``NVFP4Tensor(data, scale, global_scale)``: data (..., K/2) uint8, scale (..., K/16)
+        ``torch.float8_e4m3fn`` (or swizzled), global_scale a 0-d fp32 tensor on x's device.
+    """
+    fn = "quantize_nvfp4"
+    _check_bool(fn, "swizzle", swizzle)
+    _check_input(fn, x, block=NVFP4.block, min_ndim=2 if swizzle else 1)
+    gs = None if global_scale is None else _global_decode_scale(fn, global_scale, x.device)
+    return _quantize_nvfp4_reference(x, gs, swizzle)
+
+
+def quantize_fp8(x: torch.Tensor, *, granularity="tensor",
+                 elem_dtype: torch.dtype = torch.float8_e4m3fn,
+                 pow2_scale: bool = False) -> FP8Tensor:
+    """Quantize x to FP8 with fp32 decode scales (dequantized value = data * scale).
+
+    Args:
+        x: float32, bfloat16 or float16 tensor (..., M, K) on any device ((..., K) is enough
+            for ``"tensor"``, ``"row"`` and ``(1, 128)``).
+        granularity: ``"tensor"`` (scale 0-d), ``"row"`` (scale (..., M, 1), one per row along
+            K), ``(1, 128)`` (scale (..., M, K/128)) or ``(128, 128)`` (scale
+            (..., ceil(M/128), K/128); a partial last row block uses the rows it has). The block
+            forms need K % 128 == 0 and ``elem_dtype=torch.float8_e4m3fn``.
+        elem_dtype: ``torch.float8_e4m3fn`` (Qmax 448) or ``torch.float8_e5m2`` (Qmax 57344).
+        pow2_scale: block granularities only: round each block scale up to a power of two.
+
+    Tensor / row: ``s = amax / Qmax`` (1.0 when that is 0). Blocks: ``s = max(amax, 1e-4) / 448``.
+    Then ``data = cast_RNE_satfinite(x / s)``. A NaN or Inf makes its group's scale and data NaN.
+    """
+    fn = "quantize_fp8"
+    fmt = _fp8_format_or_raise(fn, elem_dtype)
+    gran = _parse_granularity(fn, granularity)
+    _check_bool(fn, "pow2_scale", pow2_scale)
+    if gran in ("tensor", "row"):
+        if pow2_scale:
+            raise ValueError(f"{fn}: pow2_scale=True needs a block granularity (1, 128) or "
+                             f"(128, 128), got granularity={granularity!r}")
+        _check_input(fn, x, block=None)
+    else:
+        if fmt is not FP8_E4M3:
+            raise ValueError(f"{fn}: granularity {gran} needs elem_dtype=torch.float8_e4m3fn, "
+                             f"got {elem_dtype}")
+        _check_input(fn, x, block=FP8_BLOCK, min_ndim=2 if gran == (FP8_BLOCK, FP8_BLOCK) else 1)
+    return _quantize_fp8_reference(x, fmt, gran, pow2_scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dequantizers
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_tensor(fn: str, name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _check_scale_dtype(fn: str, scale: torch.Tensor, fmt: Format) -> None:
+    if scale.dtype not in (fmt.scale_dtype, torch.uint8):
+        raise TypeError(f"{fn}: scale.dtype must be {fmt.scale_dtype} (or torch.uint8 holding its "
+                        f"bytes), got {scale.dtype}")
+
+
+def _logical_block_scale(fn: str, fmt: Format, data: torch.Tensor,
+                         scale: torch.Tensor) -> torch.Tensor:
+    """Validate ``scale`` against ``data`` and return it in the logical (..., K/block) layout."""
+    if data.ndim < 1:
+        raise ValueError(f"{fn}: data must have at least 1 dimension (..., K), got a 0-d tensor")
+    k = fmt.logical_k(data.shape[-1])
+    if k == 0 or k % fmt.block:
+        raise ValueError(f"{fn}: data.shape[-1] must hold a positive multiple of the block size "
+                         f"{fmt.block} elements, got data shape {tuple(data.shape)} "
+                         f"({k} elements)")
+    cols = k // fmt.block
+    if scale.ndim == data.ndim + 2 and data.ndim >= 2:
+        rows = data.shape[-2]
+        expected = (*data.shape[:-2], _ceil_div(rows, SWIZZLE_ROW_TILE),
+                    _ceil_div(cols, SWIZZLE_COL_TILE), 32, 16)
+        if tuple(scale.shape) != expected:
+            raise ValueError(f"{fn}: swizzled scale must have shape {expected} for data shape "
+                             f"{tuple(data.shape)}, got {tuple(scale.shape)}")
+        return unswizzle_32_4_4(scale, rows, cols)
+    expected = (*data.shape[:-1], cols)
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"{fn}: scale must have shape {expected} (logical) for data shape "
+                         f"{tuple(data.shape)}, or the swizzled 32x4x4 form; got "
+                         f"{tuple(scale.shape)}")
+    return scale
+
+
+def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """MXFP8 -> fp32 (..., K). ``scale`` is logical (..., K/32) or swizzled; e8m0 or uint8 bytes."""
+    fn = "dequantize_mxfp8"
+    _check_tensor(fn, "data", data)
+    _check_tensor(fn, "scale", scale)
+    try:
+        fmt = mxfp8_format(data.dtype, "data.dtype")
+    except TypeError as err:
+        raise TypeError(f"{fn}: {err}") from None
+    _check_scale_dtype(fn, scale, fmt)
+    return dequantize_blocks(fmt, data, _logical_block_scale(fn, fmt, data, scale))
+
+
+def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """MXFP4 packed uint8 (..., K/2) -> fp32 (..., K). ``scale`` logical (..., K/32) or swizzled."""
+    fn = "dequantize_mxfp4"
+    _check_tensor(fn, "data", data)
+    _check_tensor(fn, "scale", scale)
+    if data.dtype != torch.uint8:
+        raise TypeError(f"{fn}: data.dtype must be torch.uint8 (two e2m1 per byte), "
+                        f"got {data.dtype}")
+    _check_scale_dtype(fn, scale, MXFP4)
+    return dequantize_blocks(MXFP4, data, _logical_block_scale(fn, MXFP4, data, scale))
+
+
+def dequantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, global_scale) -> torch.Tensor:
+    """NVFP4 -> fp32 (..., K): ``e2m1 * fp32(s_b) * global_scale``.
+
+    ``scale`` is e4m3 (or its uint8 bytes), logical (..., K/16) or swizzled; ``global_scale`` the
+    decode scale as for :func:`quantize_nvfp4`.
+    """
+    fn = "dequantize_nvfp4"
+    _check_tensor(fn, "data", data)
+    _check_tensor(fn, "scale", scale)
+    if data.dtype != torch.uint8:
+        raise TypeError(f"{fn}: data.dtype must be torch.uint8 (two e2m1 per byte), "
+                        f"got {data.dtype}")
+    _check_scale_dtype(fn, scale, NVFP4)
+    gs = _global_decode_scale(fn, global_scale, data.device)
+    return dequantize_blocks(NVFP4, data, _logical_block_scale(fn, NVFP4, data, scale), gs)
+
+
+def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 -> fp32: ``data * scale`` with the scale broadcast over its blocks.
+
+    The granularity is read from the shapes: 0-d (tensor); (..., M, C) with K % C == 0 and
+    blocks of K/C columns over rows of 1 (C rows = M) or 128 (rows = ceil(M/128)).
+    """
+    fn = "dequantize_fp8"
+    _check_tensor(fn, "data", data)
+    _check_tensor(fn, "scale", scale)
+    try:
+        fp8_format(data.dtype, "data.dtype")
+    except TypeError as err:
+        raise TypeError(f"{fn}: {err}") from None
+    if scale.dtype != torch.float32:
+        raise TypeError(f"{fn}: scale.dtype must be torch.float32, got {scale.dtype}")
+    values = data.to(torch.float32)
+    if scale.ndim == 0:
+        return values * scale
+    bad_shape = ValueError(
+        f"{fn}: scale must be 0-d, (..., M, 1), (..., M, K/128) or (..., ceil(M/128), K/128) "
+        f"for data shape {tuple(data.shape)}, got {tuple(scale.shape)}")
+    if data.ndim == 0 or scale.ndim != data.ndim:
+        raise bad_shape
+    k, cols = data.shape[-1], scale.shape[-1]
+    if cols == 0 or k % cols or scale.shape[:-2] != data.shape[:-2]:
+        raise bad_shape
+    s = scale.repeat_interleave(k // cols, dim=-1)
+    if data.ndim >= 2:
+        m, rows = data.shape[-2], scale.shape[-2]
+        if rows != m:
+            if rows != _ceil_div(m, FP8_BLOCK):
+                raise bad_shape
+            s = s.repeat_interleave(FP8_BLOCK, dim=-2)[..., :m, :]
+    return values * s
+
+
+def dequantize(q) -> torch.Tensor:
+    """Dequantize any of MXFP8Tensor, MXFP4Tensor, NVFP4Tensor, FP8Tensor to fp32."""
+    if isinstance(q, (MXFP8Tensor, MXFP4Tensor, NVFP4Tensor, FP8Tensor)):
+        return q.dequantize()
+    raise TypeError("dequantize: q must be an MXFP8Tensor, MXFP4Tensor, NVFP4Tensor or "
+                    f"FP8Tensor, got {type(q).__name__}")

@@ -1,0 +1,79 @@
+"""``python -m tilemm.demo``: quantize, multiply and check, for every format.
+
+For each format it quantizes an activation x (M, K) and an nn.Linear weight w (N, K), multiplies with
+tilemm, and reports two errors against fp32:
+
+* quantization error: the tilemm result against ``x @ w.T`` in fp32 (what the format costs);
+* kernel error: the tilemm result against the exact reference on the same quantized inputs (should
+  be at the output dtype's rounding).
+
+On a CUDA GPU of compute capability 9.x / 10.x / 12.x the cuTile kernels run; otherwise the demo says
+so and runs the pure-PyTorch reference path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import tilemm
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _device_label() -> tuple[torch.device, str]:
+    if not torch.cuda.is_available():
+        return torch.device("cpu"), "no CUDA GPU found: running the exact reference path on the CPU"
+    major, minor = torch.cuda.get_device_capability()
+    name = torch.cuda.get_device_name()
+    if major < 9:
+        return torch.device("cpu"), (f"{name} is sm_{major}{minor}; tilemm's kernels need sm_90 or newer: "
+                                     "running the reference path on the CPU")
+    return torch.device("cuda"), f"{name} (sm_{major}{minor}): running tilemm's cuTile kernels"
+
+
+FORMATS = {
+    "mxfp8": lambda t, s: tilemm.quantize_mxfp8(t, swizzle=s),
+    "mxfp4": lambda t, s: tilemm.quantize_mxfp4(t, swizzle=s),
+    "nvfp4": lambda t, s: tilemm.quantize_nvfp4(t, swizzle=s),
+    "fp8-row": lambda t, s: tilemm.quantize_fp8(t, granularity="row"),
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--m", type=int, default=256)
+    parser.add_argument("--n", type=int, default=512)
+    parser.add_argument("--k", type=int, default=1024)
+    args = parser.parse_args(argv)
+
+    device, label = _device_label()
+    print(f"tilemm {tilemm.__version__}: {label}")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(args.m, args.k, generator=gen).to(device)
+    w = torch.randn(args.n, args.k, generator=gen).to(device) / args.k ** 0.5
+    exact = x @ w.t()
+
+    print(f"x ({args.m}, {args.k}) @ w ({args.n}, {args.k}).T, bf16 output, swizzled scales\n")
+    print(f"{'format':<9} {'vs fp32 (quantization)':>24} {'vs reference (kernel)':>23}")
+    failures = 0
+    for name, quantize in FORMATS.items():
+        xq, wq = quantize(x, True), quantize(w, True)
+        out = tilemm.linear(xq, wq, out_dtype=torch.bfloat16)
+        cpu = lambda q: type(q)(*(f.cpu() if isinstance(f, torch.Tensor) else f for f in q))
+        ref = tilemm.linear(cpu(xq), cpu(wq), out_dtype=torch.float32)
+        quant_err, kernel_err = _rel(out.cpu(), exact.cpu()), _rel(out.cpu(), ref)
+        ok = kernel_err < 4e-3
+        failures += not ok
+        print(f"{name:<9} {quant_err:>24.2e} {kernel_err:>23.2e}  {'ok' if ok else 'MISMATCH'}")
+    print("\nall formats agree with the reference" if not failures else f"\n{failures} format(s) disagree")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

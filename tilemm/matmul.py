@@ -83,6 +83,8 @@ class FP8Problem:
     granularity "tensorwise" (a_scale, b_scale each (Ba, M) / (Bb, N) broadcast views of one value),
     "rowwise" (a_scale (Ba, M), b_scale (Bb, N)), or "blockwise" (a_scale (Ba, M, K/128) for 1x128
     blocks, b_scale (Bb, ceil(N/128), K/128) for 128x128 blocks). Scales are fp32.
+    use_fast_accum: let the kernel skip the extra fp32 accumulation of Hopper's FP8 tensor cores
+    (kernels without such a mode ignore it).
     """
 
     fmt: Format
@@ -94,6 +96,7 @@ class FP8Problem:
     out: torch.Tensor
     bias: torch.Tensor | None
     alpha: torch.Tensor | None
+    use_fast_accum: bool = False
 
     @property
     def m(self) -> int:
@@ -347,7 +350,8 @@ def _fp8_granularity(fn: str, x, sx, y, sy):
 
 
 @_interop.accepts_cupy
-def fp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, alpha=None):
+def fp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, alpha=None,
+               use_fast_accum=False):
     """FP8 matmul with fp32 scales whose shapes give the granularity, as in ``torch._scaled_mm``.
 
     x: (..., M, K) float8_e4m3fn / float8_e5m2; y: (..., K, N) of the same dtype, K-major.
@@ -355,11 +359,16 @@ def fp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, a
     y_scale: 0-d (per tensor), (..., 1, N) (per column) or (..., K/128, ceil(N/128)) (128x128 blocks:
     the transpose of the scale :func:`tilemm.quantize_fp8` returns for an (N, K) weight).
     Per-tensor and per-row scales mix freely; 1x128 pairs with 128x128. Scales are fp32 decode factors.
+    use_fast_accum: as in ``torch._scaled_mm``: on Hopper, accumulate in the FP8 tensor cores' own
+    (reduced-precision) accumulator only, for speed. Default False: a full fp32 accumulation. The CPU
+    reference path and GPUs without such a mode accept it and compute the precise result.
     """
     fn = "fp8_matmul"
     _check_operands(fn, x, y, FP8_DTYPES, 1)
     fmt = fp8_format(x.dtype, "x.dtype")
     check_out_dtype(fn, out_dtype)
+    if not isinstance(use_fast_accum, bool):
+        raise TypeError(f"{fn}: use_fast_accum must be a bool, got {type(use_fast_accum).__name__}")
     kx, ky = _fp8_granularity(fn, x, x_scale, y, y_scale)
     if "block" in (kx, ky) and fmt.element != "e4m3":
         raise TypeError(f"{fn}: 128-element block scales are defined for float8_e4m3fn, got {x.dtype}")
@@ -396,19 +405,19 @@ def fp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, a
         fmt=fmt, a=_to3d(x, 2), a_scale=_to3d(a_scale, tail), b=_to3d(y.transpose(-1, -2), 2),
         b_scale=_to3d(b_scale, tail), granularity=granularity,
         out=torch.empty(out_shape, dtype=out_dtype, device=device).view(-1, m, n),
-        bias=bias32, alpha=alpha32,
+        bias=bias32, alpha=alpha32, use_fast_accum=use_fast_accum,
     )
     kernels.fp8_matmul(problem)
     return problem.out.view(out_shape)
 
 
-def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None):
+def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fast_accum=False):
     """``x @ w.T`` for a quantized activation and a quantized nn.Linear-layout (N, K) weight.
 
     ``x_q`` and ``w_q`` are what the quantizers return (``MXFP8Tensor``, ``MXFP4Tensor``,
     ``NVFP4Tensor`` or ``FP8Tensor``), both of the same format and scale layout; the transposes and
     scale orientation are handled here. For FP8, ``w_q``'s scale may be per tensor, per row (one per
-    output channel) or 128x128 blocks.
+    output channel) or 128x128 blocks. ``use_fast_accum`` (FP8 only) is passed to :func:`fp8_matmul`.
     """
     from . import quantize as q
 
@@ -425,7 +434,10 @@ def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None):
     if w.ndim != 2:
         raise ValueError(f"{fn}: w_q must hold a 2-D (N, K) weight, got data of shape {tuple(w.shape)}")
     kw = dict(out_dtype=out_dtype, bias=bias, alpha=alpha)
+    if use_fast_accum and not isinstance(x_q, q.FP8Tensor):
+        raise ValueError(f"{fn}: use_fast_accum applies to FP8 only, got {type(x_q).__name__} operands")
     if isinstance(x_q, q.FP8Tensor):
+        kw["use_fast_accum"] = use_fast_accum
         if ws.ndim == 2 and ws.shape[1] == 1 and ws.shape[0] == w.shape[0]:
             ys = ws.t()  # per output channel: (N, 1) -> (1, N)
         else:

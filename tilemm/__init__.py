@@ -9,6 +9,7 @@ from . import formats, reference
 from ._arch import UnsupportedGPUError
 from .formats import FP8_E4M3, FP8_E5M2, MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
 from .matmul import fp8_matmul, linear, mxfp4_matmul, mxfp8_matmul, nvfp4_matmul
+from .crosscheck import crosscheck
 from .quantize import (FP8Tensor, MXFP4Tensor, MXFP8Tensor, NVFP4Tensor, dequantize, dequantize_fp8,
                        dequantize_mxfp4, dequantize_mxfp8, dequantize_nvfp4, quantize_fp8,
                        quantize_mxfp4, quantize_mxfp8, quantize_nvfp4)

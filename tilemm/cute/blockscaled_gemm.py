@@ -316,7 +316,7 @@ class BlockScaledGemmSm100:
         # One rounding, RNE, after the fp32 multiply by alpha (NUMERICS.md "Matmul semantics").
         tTR_rOut.store((tTR_rAcc.load() * alpha).to(self.out_dtype))
         rows, cols = mOut.shape[0], mOut.shape[1]
-        for i in cutlass.range_constexpr(cute.size(tTR_rOut)):
+        for i in cutlass.range(cute.size(tTR_rOut), unroll_full=True):
             crd = tTR_cOut[i]
             if crd[0] < rows and crd[1] < cols:  # rows / columns past M / N are not ours to write
                 tTR_gOut[i] = tTR_rOut[i]
@@ -425,10 +425,14 @@ def scale_factor_offsets(rows: int, k: int, block: int):
 
     Runs on the CPU: the layout is built with static shapes and evaluated while tracing.
     """
+    import warnings
+
     import numpy as np
 
     _offsets.clear()
-    _trace_scale_offsets(rows, k, block)
+    with warnings.catch_warnings():  # the long static loops are the point here: they run in Python
+        warnings.filterwarnings("ignore", message="This static loop has")
+        _trace_scale_offsets(rows, k, block)
     if not _offsets:
         raise RuntimeError("scale_factor_offsets: the layout was not traced (a cached compile was reused)")
     r, c, offset = (np.array(v, dtype=np.int64) for v in zip(*_offsets))

@@ -1,0 +1,398 @@
+"""MXFP8, MXFP4 and NVFP4 matmuls on Blackwell (sm_100 / sm_120) with ``ct.mma_scaled``, in cuTile.
+
+What it computes (NUMERICS.md): for each batch entry, ``out = (dequantize(a) @ dequantize(b).T) *
+alpha + bias`` accumulated in fp32 and rounded once to ``out``'s dtype. ``a`` is (Ba, M, Kd) row-major,
+``b`` the (Bb, N, Kd) weight form (both K-contiguous; Kd = K, or K/2 for packed e2m1); scales are e8m0
+(MX, one per 32 elements of K) or e4m3 (NVFP4, one per 16, with the two per-tensor decode scales
+already folded into ``alpha``).
+
+The instruction (shared/seeds/cutile-mma-scaled.md, cuTile's ``ct.mma_scaled`` contract)::
+
+    ct.mma_scaled(x, x_scale, y, y_scale, acc)[i, j] =
+        acc[i, j] + sum_k x[i, k] * x_scale[i, k // B] * y[k, j] * y_scale[k // B, j]
+
+with x (TM, TK), x_scale (TM, TK/B), y (TK, TN), y_scale (TK/B, TN) and B = TK // (TK/B) in {32} for
+e4m3/e5m2 + e8m0, {16, 32} for e2m1 + e8m0, {16} for e2m1 + e4m3. tileiras lowers it to tcgen05
+block-scaled MMA (``UTCQMMA`` for MXFP8, ``UTCOMMA.4X`` for FP4, scales copied to tensor memory with
+``UTCCP``) for sm_100, and to warp-level ``QMMA.SF`` / ``OMMA.SF`` for sm_120: the hardware applies the
+scales, nothing is dequantized in registers.
+
+Per K step the kernel loads, for its (TM, TN) output tile:
+
+* a: a (TM, TK) tile; b: a (TN, TK) tile of the K-major weight, transposed in registers to the (TK, TN)
+  that ``mma_scaled`` wants (the seed's ``ct.load(Y, ..., (TN, TK)).transpose()``). Packed e2m1 arrives
+  as uint8 (TR, TK/2) bytes; ``ct.unpack_from_bytes(bytes.reshape(-1), ct.float4_e2m1fn)`` reads the low
+  nibble of byte i as element 2i and the high nibble as 2i+1 (the packing of NUMERICS.md and of
+  cuTile's own ``test_mma_scaled.py`` reference), and the flat result reshapes back to (TR, TK).
+* scales: always as uint8 bytes, bit-cast in registers to float8_e8m0fnu / float8_e4m3fn. Loading bytes
+  makes "zero padding" mean byte 0 whatever the scale type (2^-127 for e8m0, 0.0 for e4m3), never a
+  NaN. x's scale tile is (TM, TK/B); y's is loaded as (TN, TK/B), the rows of the (N, K/B) weight scale,
+  and transposed to (TK/B, TN).
+
+Scale layouts (told apart by the scale arrays' rank, so each is its own specialisation):
+
+* logical: a_scale (Ba, M, Ks), b_scale (Bb, N, Ks): a plain (1, TR, TK/B) tile.
+* swizzled 32x4x4 (Ba, Rt, Kt, 32, 16): element (r, c) of the logical (R, Ks) matrix lives at
+  ``[r // 128, c // 4, r % 32, ((r % 128) // 32) * 4 + c % 4]``; one (32, 16) block holds 128 rows x 4
+  scale columns. A (TR, TKS) tile of scales (TKS = TK / B) is therefore
+
+      TR / 128 row blocks x TKS / 4 column blocks:  shape (1, TR // 128, TKS // 4, 32, 16),
+      tile index (b, i, kt, 0, 0) -> blocks [i * TR/128, ...) x [kt * TKS/4, ...)
+
+  which is whole blocks only if TR % 128 == 0 and TK % (4 * B) == 0. Examples: MXFP8 with TK = 128 has
+  TKS = 4 = one column block; MXFP4 with TK = 256 has 8 = two; NVFP4 with TK = 256 has 16 = four (and
+  with TK = 128, 8 = two). (The seed sizes the row extent as ``TM // scaling_block_size // 4``, which
+  is TM / 128 only for B = 32; here it comes from the 128-row block, for any B.)
+  ``_unswizzle_32_4_4`` (the seed's inverse, for RB x CB blocks) reshapes (RB, CB, 32, 16) to
+  (RB, CB, m1=32, m2=4, k1=4), permutes to (RB, m2, m1, CB, k1) and flattens to (RB*128, CB*4):
+  row = rb*128 + m2*32 + m1 and column = cb*4 + k1, exactly the inverse of the formula above.
+  The 5-D tile maps onto one TMA box (UTMALDG.5D in the sm_100 cubin).
+
+Edges (padding never reaches a stored output):
+
+* M, N: loads past the edge are zero-filled and stores are masked, so any M, N work (1, 7, 100, 129, 17).
+  Scale rows past M / N (the swizzled layout's padding, which may hold anything, 0xFF included) only
+  scale accumulator rows / columns that are never stored: a NaN there stays in its own row / column.
+* K a multiple of B but not of TK: data past K loads as 0 and its scale as byte 0 (logical layout: the
+  load's zero fill; swizzled layout: zero bytes by contract, or the load's zero fill past the last
+  column block), a finite scale, so the padded part of the last K step adds exactly 0.
+* A real scale byte 255 (e8m0) or an e4m3 NaN makes its row / column NaN, as NUMERICS.md requires.
+
+Batching: one 1-D grid over B * cdiv(M, TM) * cdiv(N, TN) tiles (GROUP_SIZE_M-ordered for L2 reuse);
+Ba or Bb of 1 broadcasts through ``batch % Ba``. When b is shared (Bb == 1) the batch folds into M
+(``plan_launch``): (Ba, M, Kd) -> (1, Ba*M, Kd), as long as the views exist and, for swizzled scales,
+M is a multiple of 128 (the batched swizzled scale is then exactly the swizzle of the folded matrix).
+
+Configs (``_CONFIGS``, not tuned on hardware: no Blackwell GPU was available). TK covers 128 bytes of
+each operand row (TK = 128 for MXFP8, 256 for e2m1): the 128-byte TMA swizzle width and CUTLASS's
+K = 256 tile for FP4. sm_100: 128x128 (one CTA) and 256x256 on a 2-CTA cluster (tcgen05 2-SM MMA,
+``UTCQMMA.2CTA`` in the cubin) for large problems, the config cuTile's own B200 tuning file records for
+MXFP8 ``mma_scaled`` at 4096^3 (256x256x128, num_ctas=2, 71.4 us: about 1.9 PFLOPS). sm_120 (less
+shared memory, no 2-SM MMA): 128x128 only, with num_worker_warps=8 (``ct.ByTarget``), which removes the
+register spills the default 4 warps show in the sm_120 cubin; cuTile's tuning file picks 128x128x128,
+one CTA, on an RTX PRO 6000.
+
+Verified without a GPU: every (format, layout, output dtype, config) compiles for its targets
+(tests/test_aot.py), and tests/test_blackwell_plan.py runs these very kernel functions through a NumPy
+emulation of the cuTile operations they use, against tilemm.reference, on awkward shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import cuda.tile as ct
+import torch
+
+from ..formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
+from ._aot import AotVariant
+from ._common import epilogue, hinted, ones_scalar, tile_coords, zeros_vector
+
+__all__ = ["launch", "aot_variants", "TileConfig", "LaunchPlan", "config_for", "plan_launch",
+           "scale_tile_blocks", "check_config", "FORMATS"]
+
+ConstInt = ct.Constant[int]
+ConstBool = ct.Constant[bool]
+
+_ZERO = ct.PaddingMode.ZERO
+
+#: Rows of one 32x16 block of the 32x4x4 layout (m1 = 32 lanes x m2 = 4 sub-tiles).
+SWIZZLE_ROWS = 128
+#: Scale columns of one 32x16 block (k1).
+SWIZZLE_COLS = 4
+
+#: The formats this module serves.
+FORMATS = (MXFP8_E4M3, MXFP8_E5M2, MXFP4, NVFP4)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tile code
+# --------------------------------------------------------------------------------------------------
+
+def _unswizzle_32_4_4(t, ROW_BLOCKS, COL_BLOCKS):
+    """(1, RB, CB, 32, 16) swizzled scale bytes -> the logical (RB * 128, CB * 4) tile.
+
+    Inner block index (m1, m2 * 4 + k1) holds logical (row, column) = (m2 * 32 + m1, k1) of its block.
+    """
+    t = t.reshape((ROW_BLOCKS, COL_BLOCKS, 32, 4, 4))  # (rb, cb, m1, m2, k1)
+    t = t.permute((0, 3, 2, 1, 4))                     # (rb, m2, m1, cb, k1)
+    return t.reshape((ROW_BLOCKS * SWIZZLE_ROWS, COL_BLOCKS * SWIZZLE_COLS))
+
+
+def _load_elements(X, b, i, kt, ROWS, TK, PACKED):
+    """(ROWS, TK) elements of X[b] at row tile i, K tile kt; zero past the edges.
+
+    PACKED: X holds uint8 bytes of two e2m1 elements each (low nibble first), TK / 2 bytes per row."""
+    if PACKED:
+        raw = ct.load(X, (b, i, kt), (1, ROWS, TK // 2), padding_mode=_ZERO)
+        return ct.unpack_from_bytes(raw.reshape((-1,)), ct.float4_e2m1fn).reshape((ROWS, TK))
+    return ct.load(X, (b, i, kt), (1, ROWS, TK), padding_mode=_ZERO).reshape((ROWS, TK))
+
+
+def _load_scales(S, b, i, kt, ROWS, TKS, E4M3_SCALES):
+    """(ROWS, TKS) scales of S[b] for row tile i, K tile kt, as float8_e8m0fnu or float8_e4m3fn.
+
+    S holds the scale bytes (uint8), logical (B, R, Ks) or swizzled (B, R/128, Ks/4, 32, 16); padding
+    is byte 0 in both, a finite scale."""
+    if S.ndim == 5:
+        raw = ct.load(S, (b, i, kt, 0, 0), (1, ROWS // SWIZZLE_ROWS, TKS // SWIZZLE_COLS, 32, 16),
+                      padding_mode=_ZERO)
+        raw = _unswizzle_32_4_4(raw, ROWS // SWIZZLE_ROWS, TKS // SWIZZLE_COLS)
+    else:
+        raw = ct.load(S, (b, i, kt), (1, ROWS, TKS), padding_mode=_ZERO).reshape((ROWS, TKS))
+    if E4M3_SCALES:
+        return ct.bitcast(raw, ct.float8_e4m3fn)
+    return ct.bitcast(raw, ct.float8_e8m0fnu)
+
+
+@ct.kernel
+def _block_scaled_kernel(A, A_scale, B, B_scale, C, Alpha, Bias,
+                         TM: ConstInt, TN: ConstInt, TK: ConstInt, SCALE_BLOCK: ConstInt,
+                         PACKED: ConstBool, E4M3_SCALES: ConstBool, GROUP_SIZE_M: ConstInt):
+    """One (TM, TN) tile of C[batch] = mma_scaled(A[ba], A_scale[ba], B[bb].T, B_scale[bb].T) * alpha
+    + bias. A (Ba, M, Kd), B (Bb, N, Kd); scale bytes logical or swizzled; C (B, M, N)."""
+    M = C.shape[1]
+    N = C.shape[2]
+    batch, bm, bn = tile_coords(M, N, TM, TN, GROUP_SIZE_M)
+    ba = batch % A.shape[0]
+    bb = batch % B.shape[0]
+    TKS = TK // SCALE_BLOCK
+    k_tiles = ct.cdiv(A.shape[2] * (2 if PACKED else 1), TK)
+    acc = ct.zeros((TM, TN), ct.float32)
+    for kt in range(k_tiles):
+        a = _load_elements(A, ba, bm, kt, TM, TK, PACKED)                     # (TM, TK)
+        b = _load_elements(B, bb, bn, kt, TN, TK, PACKED).transpose()         # (TK, TN)
+        sa = _load_scales(A_scale, ba, bm, kt, TM, TKS, E4M3_SCALES)          # (TM, TKS)
+        sb = _load_scales(B_scale, bb, bn, kt, TN, TKS, E4M3_SCALES).transpose()  # (TKS, TN)
+        acc = ct.mma_scaled(a, sa, b, sb, acc)
+    epilogue(acc, C, Alpha, Bias, batch, bm, bn, TM, TN)
+
+
+# --------------------------------------------------------------------------------------------------
+# Configs
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Output tile (tile_m x tile_n), K step in bytes of each operand row (tile_k = k_bytes elements
+    for FP8, 2 * k_bytes for packed e2m1), CTAs per cluster, the GROUP_SIZE_M order, and whether sm_12x
+    gets num_worker_warps=8. ``targets`` lists the architectures the table offers it on."""
+
+    tile_m: int
+    tile_n: int
+    k_bytes: int = 128
+    num_ctas: int = 1
+    group_size_m: int = 8
+    targets: tuple[str, ...] = ("sm_100", "sm_120")
+
+    def tile_k(self, fmt: Format) -> int:
+        return self.k_bytes * fmt.elements_per_byte
+
+    @property
+    def name(self) -> str:
+        return f"{self.tile_m}x{self.tile_n}x{self.k_bytes}B" + (f"_{self.num_ctas}cta" if self.num_ctas > 1 else "")
+
+    def hints(self) -> dict:
+        # sm_120's warp-level MMA keeps the fp32 accumulator in registers: 4 warps spill a 128x128
+        # tile, 8 do not. sm_100 accumulates in tensor memory and needs no extra warps.
+        return {"num_ctas": self.num_ctas,
+                "num_worker_warps": ct.ByTarget(sm_120=8, sm_121=8)}
+
+
+_SMALL = TileConfig(128, 128)
+_LARGE_2CTA = TileConfig(256, 256, num_ctas=2, targets=("sm_100",))
+
+#: Configs per table: "sm_100" for compute capability 10.x, "sm_120" for 11.x / 12.x.
+_CONFIGS: dict[str, dict[str, TileConfig]] = {
+    "sm_100": {"small": _SMALL, "large": _LARGE_2CTA},
+    "sm_120": {"small": _SMALL},
+}
+
+#: SM count assumed when the device cannot be asked (B200).
+DEFAULT_SM_COUNT = 148
+
+
+def table_for_capability(cap: tuple[int, int]) -> str:
+    """The config table for a Blackwell compute capability: "sm_100" (10.x: tcgen05 with 2-SM MMA and
+    228 KB of shared memory) or "sm_120" (11.x / 12.x: no 2-CTA tile here, about 100 KB)."""
+    return "sm_100" if cap[0] == 10 else "sm_120"
+
+
+def config_for(table: str, batch: int, m: int, n: int, sm_count: int = DEFAULT_SM_COUNT) -> TileConfig:
+    """The table's config for ``batch`` x (m, n) outputs: the large tile once it still gives every SM
+    (pair) a tile, the small one otherwise."""
+    configs = _CONFIGS[table]
+    large = configs.get("large")
+    if large is not None:
+        tiles = batch * -(-m // large.tile_m) * -(-n // large.tile_n)
+        if tiles * large.num_ctas >= sm_count:
+            return large
+    return configs["small"]
+
+
+def scale_tile_blocks(fmt: Format, cfg: TileConfig) -> tuple[int, int]:
+    """(row blocks, column blocks) of one operand's swizzled scale load for ``cfg``: (TM / 128,
+    TK / (B * 4)), e.g. (1, 1) for MXFP8 at 128x128 (TK = 128), (1, 4) for NVFP4 (TK = 256, B = 16)."""
+    check_config(fmt, cfg)
+    return cfg.tile_m // SWIZZLE_ROWS, cfg.tile_k(fmt) // (fmt.block * SWIZZLE_COLS)
+
+
+def check_config(fmt: Format, cfg: TileConfig) -> None:
+    """Raise ValueError unless ``cfg`` can run ``fmt``: power-of-two tiles, whole 128-row swizzle blocks,
+    K steps of whole 4-column scale blocks, and 2-CTA clusters only for 256-row tiles."""
+    if fmt not in FORMATS:
+        raise ValueError(f"blackwell_block_scaled: format must be one of "
+                         f"{', '.join(f.name for f in FORMATS)}, got {fmt!r}")
+    tk = cfg.tile_k(fmt)
+    for what, v in (("tile_m", cfg.tile_m), ("tile_n", cfg.tile_n), ("tile_k", tk)):
+        if v <= 0 or v & (v - 1):
+            raise ValueError(f"blackwell_block_scaled: {what} must be a power of two, got {v} in {cfg}")
+    if cfg.tile_m % SWIZZLE_ROWS or cfg.tile_n % SWIZZLE_ROWS:
+        raise ValueError(f"blackwell_block_scaled: tile_m and tile_n must be multiples of {SWIZZLE_ROWS} "
+                         f"(whole 32x4x4 scale blocks), got {cfg.tile_m}x{cfg.tile_n}")
+    if tk % (fmt.block * SWIZZLE_COLS):
+        raise ValueError(f"blackwell_block_scaled: tile_k must be a multiple of 4 scale blocks "
+                         f"({fmt.block * SWIZZLE_COLS} for {fmt.name}), got {tk}")
+    if cfg.num_ctas not in (1, 2) or (cfg.num_ctas == 2 and cfg.tile_m != 256):
+        raise ValueError(f"blackwell_block_scaled: num_ctas must be 1, or 2 with tile_m = 256 (one "
+                         f"128-row half per CTA), got num_ctas={cfg.num_ctas}, tile_m={cfg.tile_m}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class LaunchPlan:
+    """Everything ``ct.launch`` gets: the hinted kernel, the 1-D grid and the argument tuple."""
+
+    config: TileConfig
+    kernel: object
+    grid: tuple[int, int, int]
+    args: tuple
+    folded: bool
+
+
+def _fold_batch(a, a_scale, out, swizzled):
+    """(Ba, M, ...) views with the batch folded into M, or None where a view is impossible or the
+    swizzled scale has per-batch row padding (M % 128 != 0)."""
+    batch, m = out.shape[0], out.shape[1]
+    if batch == 1 or a.shape[0] != batch or (swizzled and m % SWIZZLE_ROWS):
+        return None
+    try:
+        a2 = a.view(1, batch * m, a.shape[2])
+        if swizzled:
+            s2 = a_scale.view(1, a_scale.shape[0] * a_scale.shape[1], *a_scale.shape[2:])
+        else:
+            s2 = a_scale.view(1, batch * m, a_scale.shape[2])
+        o2 = out.view(1, batch * m, out.shape[2])
+    except RuntimeError:
+        return None
+    return a2, s2, o2
+
+
+def _constants(fmt: Format, cfg: TileConfig) -> tuple:
+    return (cfg.tile_m, cfg.tile_n, cfg.tile_k(fmt), fmt.block, fmt.is_packed,
+            fmt.scale_dtype == torch.float8_e4m3fn, cfg.group_size_m)
+
+
+def _scale_bytes(scale: torch.Tensor) -> torch.Tensor:
+    return scale if scale.dtype == torch.uint8 else scale.view(torch.uint8)
+
+
+def plan_launch(problem, table: str, sm_count: int = DEFAULT_SM_COUNT,
+                config: TileConfig | None = None) -> LaunchPlan:
+    """Choose the config and build the grid and arguments for ``problem`` (a ``BlockScaledProblem``)
+    on a GPU of config table ``table``. Needs no GPU: CPU tensors give the same plan."""
+    fmt = problem.fmt
+    out = problem.out
+    batch, m, n = out.shape
+    a, b = problem.a, problem.b
+    if a.shape[0] not in (1, batch) or b.shape[0] not in (1, batch):
+        raise ValueError(f"blackwell_block_scaled: a and b batch sizes must be 1 or {batch}, got "
+                         f"{a.shape[0]} and {b.shape[0]}")
+    want_ndim = 5 if problem.swizzled else 3
+    if problem.a_scale.ndim != want_ndim or problem.b_scale.ndim != want_ndim:
+        raise ValueError(f"blackwell_block_scaled: swizzled={problem.swizzled} needs {want_ndim}-D scales, "
+                         f"got a_scale {tuple(problem.a_scale.shape)}, b_scale {tuple(problem.b_scale.shape)}")
+    a_scale = _scale_bytes(problem.a_scale)
+    b_scale = _scale_bytes(problem.b_scale)
+
+    folded = False
+    if b.shape[0] == 1:
+        views = _fold_batch(a, a_scale, out, problem.swizzled)
+        if views is not None:
+            a, a_scale, out = views
+            folded = True
+    grid_batch, grid_m = out.shape[0], out.shape[1]
+
+    cfg = config or config_for(table, grid_batch, grid_m, n, sm_count)
+    check_config(fmt, cfg)
+    device = out.device
+    alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
+    bias = zeros_vector(device, n) if problem.bias is None else problem.bias
+    grid = (grid_batch * -(-grid_m // cfg.tile_m) * -(-n // cfg.tile_n), 1, 1)
+    kernel = hinted(_block_scaled_kernel, **cfg.hints())
+    args = (a, a_scale, b, b_scale, out, alpha, bias, *_constants(fmt, cfg))
+    return LaunchPlan(cfg, kernel, grid, args, folded)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def launch(problem, config: TileConfig | None = None) -> None:
+    """Run a ``tilemm.matmul.BlockScaledProblem`` on a Blackwell GPU, writing ``problem.out``.
+
+    ``config`` overrides the table's choice (for tuning and benchmarks)."""
+    from .._arch import capability
+
+    device = problem.out.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    plan = plan_launch(problem, table_for_capability(capability(device)), _sm_count(index), config)
+    with torch.cuda.device(device):
+        ct.launch(torch.cuda.current_stream(device), plan.grid, plan.kernel, plan.args)
+
+
+# --------------------------------------------------------------------------------------------------
+# Ahead-of-time specialisations
+# --------------------------------------------------------------------------------------------------
+
+_OUT_DTYPES = {"bf16": ct.bfloat16, "fp16": ct.float16, "fp32": ct.float32}
+_DATA_DTYPES = {MXFP8_E4M3: ct.float8_e4m3fn, MXFP8_E5M2: ct.float8_e5m2, MXFP4: ct.uint8, NVFP4: ct.uint8}
+
+
+def launch_array(dtype, ndim: int):
+    """An array parameter as ``launch`` passes it for well-aligned tensors, which is what the JIT
+    specialises on: unit stride in the last dimension, other strides and the base address divisible
+    by 16 bytes (TMA's requirement). Without the alignment facts tileiras falls back to byte-wise
+    loads, a different kernel from the one that runs."""
+    from cuda.tile import compilation as cc
+
+    per_16_bytes = max(1, 128 // dtype.bitwidth)
+    return cc.ArrayConstraint(dtype, ndim, index_dtype=ct.int32, stride_lower_bound_incl=0,
+                              alias_groups=(), may_alias_internally=False,
+                              stride_constant=[None] * (ndim - 1) + [1],
+                              stride_divisible_by=[per_16_bytes] * (ndim - 1) + [1],
+                              base_addr_divisible_by=16)
+
+
+def aot_variants() -> list[AotVariant]:
+    """Every (format, scale layout, output dtype, config) ``launch`` can pick, with its targets."""
+    variants = []
+    configs = sorted({c for table in _CONFIGS.values() for c in table.values()}, key=lambda c: c.name)
+    for fmt in FORMATS:
+        data = _DATA_DTYPES[fmt]
+        for layout, sdim in (("logical", 3), ("swizzled", 5)):
+            for out_name, out_dtype in _OUT_DTYPES.items():
+                for cfg in configs:
+                    params = [launch_array(data, 3), launch_array(ct.uint8, sdim), launch_array(data, 3),
+                              launch_array(ct.uint8, sdim), launch_array(out_dtype, 3),
+                              launch_array(ct.float32, 1), launch_array(ct.float32, 1),
+                              *_constants(fmt, cfg)]
+                    name = f"blackwell_block_scaled_{fmt.name}_{layout}_{out_name}_{cfg.name}"
+                    variants.append(AotVariant(name, hinted(_block_scaled_kernel, **cfg.hints()), params,
+                                               targets=cfg.targets))
+    return variants

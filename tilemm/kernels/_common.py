@@ -1,0 +1,168 @@
+"""Tile helpers shared by tilemm's cuTile kernels (any architecture), and small host-side utilities.
+
+Tile-code helpers (called from inside ``@ct.kernel`` functions, inlined by cuTile):
+
+* ``tile_coords``: the batch index and the (M-tile, N-tile) of a block of a 1-D grid, visiting tiles
+  in GROUP_SIZE_M-row groups so that neighbouring blocks share operand tiles in L2.
+* ``e8m0_to_bf16``: e8m0 scale bytes -> their exact bf16 values (2^(s-127); 0 -> 2^-127; 255 -> NaN).
+* ``e2m1_lo_bits_*`` / ``e2m1_hi_bits_*``: the low / high nibble of packed e2m1 bytes as 16-bit float
+  bit patterns (fp16 or bf16), with a known power-of-two offset.
+* ``unswizzle_scale_tile``: a tile of the 32x4x4 ("swizzled") scale layout back to (rows, columns).
+* ``epilogue``: ``acc * alpha + bias``, cast once to the output dtype, stored (partial tiles masked).
+
+Host helpers: ``ones_scalar`` / ``zeros_vector`` (cached device constants that stand in for an
+absent ``alpha`` / ``bias``, so that one kernel specialisation serves calls with and without them),
+``swizzled_scale_view`` (the 6-D view of a swizzled scale tensor that the kernels load from), and
+``hinted`` (cached ``replace_hints``).
+"""
+
+from __future__ import annotations
+
+import cuda.tile as ct
+import torch
+
+__all__ = ["tile_coords", "e8m0_to_bf16", "e2m1_lo_bits_fp16", "e2m1_hi_bits_fp16", "e2m1_lo_bits_bf16",
+           "e2m1_hi_bits_bf16", "unswizzle_scale_tile", "epilogue", "ones_scalar", "zeros_vector",
+           "swizzled_scale_view", "hinted", "SWIZZLE_ROWS", "SWIZZLE_COLS"]
+
+#: Rows and scale columns covered by one 32x16 block of the 32x4x4 layout.
+SWIZZLE_ROWS = 128
+SWIZZLE_COLS = 4
+
+# --------------------------------------------------------------------------------------------------
+# Tile code
+# --------------------------------------------------------------------------------------------------
+
+
+def tile_coords(M, N, TM, TN, GROUP_SIZE_M):
+    """(batch, m_tile, n_tile) of this block in a 1-D grid of B * cdiv(M, TM) * cdiv(N, TN) blocks.
+
+    Within one batch entry, blocks walk GROUP_SIZE_M tile rows column by column, so consecutive blocks
+    reuse the same B tiles (and a group's A tiles) from L2.
+    """
+    bid = ct.bid(0)
+    num_m = ct.cdiv(M, TM)
+    num_n = ct.cdiv(N, TN)
+    per_batch = num_m * num_n
+    batch = bid // per_batch
+    t = bid % per_batch
+    per_group = GROUP_SIZE_M * num_n
+    first_m = (t // per_group) * GROUP_SIZE_M
+    group_m = min(num_m - first_m, GROUP_SIZE_M)
+    bm = first_m + (t % per_group) % group_m
+    bn = (t % per_group) // group_m
+    return batch, bm, bn
+
+
+def e8m0_to_bf16(s):
+    """e8m0 scale bytes (a uint8 tile) -> bf16 tile of exactly 2^(s-127).
+
+    bf16 has fp32's 8-bit exponent, so byte s goes straight into the exponent field (s << 7) for
+    s = 1..254. s = 0 is 2^-127, the bf16 subnormal 0x0040; s = 255 becomes 0x7FC0, a quiet NaN (s << 7
+    alone would be +inf, and inf would survive as inf instead of NaN). Both specials set bit 6.
+    """
+    s16 = s.astype(ct.uint16)
+    special = ((s16 + 1) & 0xFF) < 2  # s == 255 or s == 0
+    bits = (s16 << 7) | ct.where(special, ct.full(s16.shape, 0x40, ct.uint16),
+                                 ct.full(s16.shape, 0, ct.uint16))
+    return ct.bitcast(bits, ct.bfloat16)
+
+
+# e2m1 nibble n (bit 3 sign, bits 2-0 = 2 exponent bits + 1 mantissa bit) placed so that its exponent
+# bits land in the lowest exponent bits of a 16-bit float: the result is a (sub)normal float equal to
+# e2m1(n) * 2^-14 (fp16, exponent bias 15) or e2m1(n) * 2^-126 (bf16, bias 127). Code 1 (0.5) lands on
+# the subnormal encoding, which is what makes the mapping exact for every code.
+
+def e2m1_lo_bits_fp16(p):
+    """Low nibbles of a uint16 tile of packed bytes as fp16 bit patterns of e2m1 * 2^-14."""
+    return ((p & 0x8) << 12) | ((p & 0x7) << 9)
+
+
+def e2m1_hi_bits_fp16(p):
+    """High nibbles of a uint16 tile of packed bytes as fp16 bit patterns of e2m1 * 2^-14."""
+    return ((p & 0x80) << 8) | ((p & 0x70) << 5)
+
+
+def e2m1_lo_bits_bf16(p):
+    """Low nibbles of a uint16 tile of packed bytes as bf16 bit patterns of e2m1 * 2^-126."""
+    return ((p & 0x8) << 12) | ((p & 0x7) << 6)
+
+
+def e2m1_hi_bits_bf16(p):
+    """High nibbles of a uint16 tile of packed bytes as bf16 bit patterns of e2m1 * 2^-126."""
+    return ((p & 0x80) << 8) | ((p & 0x70) << 2)
+
+
+def unswizzle_scale_tile(t, ROWS, COLS):
+    """A tile (ROWS/128, KG, 128, C) loaded from ``swizzled_scale_view`` -> (ROWS, COLS = KG * C).
+
+    The 128 axis is (r % 32) * 4 + (r % 128) // 32 for row r of a 128-row tile (NUMERICS.md, 32x4x4),
+    so splitting it into (32, 4) and moving the 4 in front of the 32 restores row order.
+    """
+    m0 = ROWS // SWIZZLE_ROWS
+    kg = t.shape[1]
+    c = t.shape[3]
+    t = t.reshape((m0, kg, 32, 4, c))
+    t = t.permute((0, 3, 2, 1, 4))  # (m0, 4, 32, kg, c): row = m0 * 128 + m2 * 32 + m1
+    return t.reshape((ROWS, COLS))
+
+
+def epilogue(acc, C, Alpha, Bias, batch, bm, bn, TM, TN):
+    """Store ``acc * alpha + bias`` cast once to C's dtype; rows/columns beyond C's edges are dropped."""
+    alpha = ct.load(Alpha, (0,), (1,)).reshape((1, 1))
+    bias = ct.load(Bias, (bn,), (TN,), padding_mode=ct.PaddingMode.ZERO).reshape((1, TN))
+    out = acc * alpha + bias
+    ct.store(C, (batch, bm, bn), out.astype(C.dtype).reshape((1, TM, TN)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------------
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+_ZEROS: dict[torch.device, torch.Tensor] = {}
+
+
+def ones_scalar(device: torch.device) -> torch.Tensor:
+    """A cached (1,) fp32 tensor holding 1.0 on ``device``: ``alpha`` when none is given."""
+    t = _ONES.get(device)
+    if t is None:
+        t = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return t
+
+
+def zeros_vector(device: torch.device, n: int) -> torch.Tensor:
+    """A cached fp32 zero vector of length ``n`` on ``device``: ``bias`` when none is given.
+
+    Adding +0.0 changes nothing but the sign of a -0.0 result."""
+    t = _ZEROS.get(device)
+    if t is None or t.numel() < n:
+        t = _ZEROS[device] = torch.zeros(max(n, 1024), dtype=torch.float32, device=device)
+    return t[:n]
+
+
+def swizzled_scale_view(scale: torch.Tensor, cols_per_tile: int) -> torch.Tensor:
+    """View a swizzled scale (B, Rt, Kt, 32, 16) as (B, Rt, Kt, 128, G, C) with C = min(cols_per_tile,
+    4) and G = 4 / C, so that a K tile covering ``cols_per_tile`` scale columns is one rectangular
+    load: (1, TR/128, max(cols_per_tile/4, 1), 128, 1, C) at (b, rt, kt // G, 0, kt % G, 0).
+
+    The trailing 16 of a 32x16 block is (m2 = 4 row sub-tiles) x (k1 = 4 columns); k1 splits as (G, C).
+    """
+    c = min(cols_per_tile, SWIZZLE_COLS)
+    b, rt, kt = scale.shape[:3]
+    return scale.reshape(b, rt, kt, 32 * 4, SWIZZLE_COLS // c, c)
+
+
+_HINTED: dict = {}
+
+
+def hinted(kernel, **hints):
+    """``kernel.replace_hints(**hints)``, once per distinct set of hints (each result has its own JIT
+    cache, so calling replace_hints per launch would recompile). Hint values may be ``ct.ByTarget``."""
+    if not hints:
+        return kernel
+    key = (id(kernel), tuple(sorted((k, repr(v)) for k, v in hints.items())))
+    cached = _HINTED.get(key)
+    if cached is None:
+        cached = _HINTED[key] = (kernel, kernel.replace_hints(**hints))
+    return cached[1]

@@ -1,0 +1,216 @@
+"""FP8 matmuls (per-tensor, per-row, DeepSeek-style 1x128 / 128x128 blocks) on Hopper (sm_90), in cuTile.
+
+What it computes (NUMERICS.md): ``out = ((a * sa) @ (b * sb).T) * alpha + bias`` accumulated in fp32,
+rounded once to ``out``'s dtype, for e4m3 / e5m2 ``a`` (Ba, M, K) and ``b`` (Bb, N, K), both K-contiguous.
+
+Kernels (one output tile per block, 1-D GROUP_SIZE_M-swizzled grid, num_worker_warps = 8):
+
+* ``_fp8_scaled_kernel`` (granularity "tensorwise" and "rowwise"): FP8 ``ct.mma`` over all of K into
+  one fp32 accumulator; the epilogue multiplies row r / column c by ``sa[r] * sb[c]``. A per-tensor
+  scale arrives as a broadcast (M,) / (N,) vector, so both granularities share the kernel.
+* ``_fp8_blockwise_kernel`` (granularity "blockwise", e4m3, K a multiple of 128): a (Ba, M, K/128) scale
+  per 1x128 block of a and a (Bb, cdiv(N, 128), K/128) scale per 128x128 block of b. TK = 128 and TN
+  divides 128, so each K step is one scale column: ``acc += mma(a_k, b_k, 0) * sa[:, k] * sb[n, k]``.
+
+Accumulation: by default ``ct.mma(..., use_fast_acc=False)``, which on Hopper keeps a second fp32
+accumulator next to the tensor core's (as ``torch._scaled_mm``'s default does); ``use_fast_acc=True``
+(``tilemm.fp8_matmul(..., use_fast_accum=True)``, named as in ``torch._scaled_mm``) skips it for speed
+at a small cost in accuracy.
+FP8 x FP8 products are exact in fp32; scales are applied in fp32 after the products are summed, which
+differs from the reference's "dequantize, then multiply" by fp32 rounding only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import cuda.tile as ct
+import torch
+
+from ._aot import AotVariant, array
+from ._common import epilogue, hinted, ones_scalar, tile_coords, zeros_vector
+
+__all__ = ["launch", "aot_variants", "TileConfig", "config_for"]
+
+ConstInt = ct.Constant[int]
+ConstBool = ct.Constant[bool]
+
+_ZERO = ct.PaddingMode.ZERO
+#: Block edge of DeepSeek-style scales (1x128 for activations, 128x128 for weights).
+FP8_BLOCK = 128
+
+
+# --------------------------------------------------------------------------------------------------
+# Tile code
+# --------------------------------------------------------------------------------------------------
+
+def _load_operands(A, B, ba, bb, bm, bn, kt, TM, TN, TK, LATENCY):
+    """(TM, TK) tile of A and the (TK, TN) transpose of a (TN, TK) tile of B; zero past the edges."""
+    if LATENCY > 0:
+        a = ct.load(A, (ba, bm, kt), (1, TM, TK), padding_mode=_ZERO, latency=LATENCY)
+        b = ct.load(B, (bb, bn, kt), (1, TN, TK), padding_mode=_ZERO, latency=LATENCY)
+    else:
+        a = ct.load(A, (ba, bm, kt), (1, TM, TK), padding_mode=_ZERO)
+        b = ct.load(B, (bb, bn, kt), (1, TN, TK), padding_mode=_ZERO)
+    return a.reshape((TM, TK)), b.reshape((TN, TK)).transpose()
+
+
+@ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
+def _fp8_scaled_kernel(A, A_scale, B, B_scale, C, Alpha, Bias,
+                       TM: ConstInt, TN: ConstInt, TK: ConstInt, GROUP_SIZE_M: ConstInt,
+                       LATENCY: ConstInt, FAST_ACC: ConstBool):
+    """One (TM, TN) tile of C[batch] = (A[ba] @ B[bb].T) * A_scale[ba][:, None] * B_scale[bb][None, :]
+    * alpha + bias. A (Ba, M, K), B (Bb, N, K) fp8; A_scale (Ba, M), B_scale (Bb, N) fp32."""
+    M = C.shape[1]
+    N = C.shape[2]
+    batch, bm, bn = tile_coords(M, N, TM, TN, GROUP_SIZE_M)
+    ba = batch % A.shape[0]
+    bb = batch % B.shape[0]
+    acc = ct.zeros((TM, TN), ct.float32)
+    for kt in range(ct.cdiv(A.shape[2], TK)):
+        a, b = _load_operands(A, B, ba, bb, bm, bn, kt, TM, TN, TK, LATENCY)
+        acc = ct.mma(a, b, acc, use_fast_acc=FAST_ACC)
+    sa = ct.load(A_scale, (ba, bm), (1, TM), padding_mode=_ZERO).reshape((TM, 1))
+    sb = ct.load(B_scale, (bb, bn), (1, TN), padding_mode=_ZERO).reshape((1, TN))
+    epilogue(acc * sa * sb, C, Alpha, Bias, batch, bm, bn, TM, TN)
+
+
+@ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
+def _fp8_blockwise_kernel(A, A_scale, B, B_scale, C, Alpha, Bias,
+                          TM: ConstInt, TN: ConstInt, GROUP_SIZE_M: ConstInt,
+                          LATENCY: ConstInt, FAST_ACC: ConstBool):
+    """One (TM, TN) tile with DeepSeek-style block scales: A_scale (Ba, M, K/128) per 1x128 block,
+    B_scale (Bb, cdiv(N, 128), K/128) per 128x128 block. TN divides 128; K steps are 128 wide."""
+    TK = FP8_BLOCK
+    M = C.shape[1]
+    N = C.shape[2]
+    batch, bm, bn = tile_coords(M, N, TM, TN, GROUP_SIZE_M)
+    ba = batch % A.shape[0]
+    bb = batch % B.shape[0]
+    nb = bn * TN // FP8_BLOCK  # this tile's 128-row block of B
+    acc = ct.zeros((TM, TN), ct.float32)
+    for kt in range(A.shape[2] // TK):
+        a, b = _load_operands(A, B, ba, bb, bm, bn, kt, TM, TN, TK, LATENCY)
+        part = ct.mma(a, b, ct.zeros((TM, TN), ct.float32), use_fast_acc=FAST_ACC)
+        sa = ct.load(A_scale, (ba, bm, kt), (1, TM, 1), padding_mode=_ZERO).reshape((TM, 1))
+        sb = ct.load(B_scale, (bb, nb, kt), (1, 1, 1), padding_mode=_ZERO).reshape((1, 1))
+        acc = acc + part * (sa * sb)
+    epilogue(acc, C, Alpha, Bias, batch, bm, bn, TM, TN)
+
+
+# --------------------------------------------------------------------------------------------------
+# Configs
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes, the GROUP_SIZE_M swizzle, the load latency hint (0: the compiler's choice) and
+    compiler hints. For "blockwise", tile_k must be 128 and tile_n must divide 128."""
+
+    tile_m: int
+    tile_n: int
+    tile_k: int
+    group_size_m: int = 8
+    latency: int = 0
+    num_worker_warps: int = 8
+    occupancy: int | None = None
+
+    def hints(self) -> dict:
+        h = {"num_worker_warps": ct.ByTarget(sm_90=self.num_worker_warps)}
+        if self.occupancy is not None:
+            h["occupancy"] = self.occupancy
+        return h
+
+
+_LARGE_TILES = 132  # at least one wave of the large tile on the H100's 132 SMs
+
+# Keyed by (kernel, accumulation). Precise accumulation keeps a second fp32 accumulator, so a 128x256
+# tile spills registers (cuobjdump: 184 bytes of stack) and the large precise tile stays 128x128.
+_CONFIGS: dict[tuple[str, bool], dict[str, TileConfig]] = {
+    ("scaled", False): {"small": TileConfig(128, 128, 128), "large": TileConfig(128, 128, 128)},
+    ("scaled", True): {"small": TileConfig(128, 128, 128), "large": TileConfig(128, 256, 128)},
+    ("blockwise", False): {"small": TileConfig(128, 128, FP8_BLOCK), "large": TileConfig(128, 128, FP8_BLOCK)},
+    ("blockwise", True): {"small": TileConfig(128, 128, FP8_BLOCK), "large": TileConfig(128, 128, FP8_BLOCK)},
+}
+
+
+def _kind(granularity: str) -> str:
+    if granularity in ("tensorwise", "rowwise"):
+        return "scaled"
+    if granularity == "blockwise":
+        return "blockwise"
+    raise ValueError(f"hopper_fp8: unknown granularity {granularity!r}; expected 'tensorwise', 'rowwise' "
+                     f"or 'blockwise'")
+
+
+def config_for(granularity: str, batch: int, m: int, n: int, fast_accum: bool = False) -> TileConfig:
+    """The table's config for ``batch`` x (m, n) outputs."""
+    table = _CONFIGS[_kind(granularity), fast_accum]
+    large = table["large"]
+    tiles = batch * -(-m // large.tile_m) * -(-n // large.tile_n)
+    return large if tiles >= _LARGE_TILES else table["small"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch
+# --------------------------------------------------------------------------------------------------
+
+def _constants(kind: str, cfg: TileConfig, fast_acc: bool) -> tuple:
+    if kind == "blockwise":
+        return (cfg.tile_m, cfg.tile_n, cfg.group_size_m, cfg.latency, fast_acc)
+    return (cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.group_size_m, cfg.latency, fast_acc)
+
+
+_KERNELS = {"scaled": _fp8_scaled_kernel, "blockwise": _fp8_blockwise_kernel}
+
+
+def launch(problem, config: TileConfig | None = None) -> None:
+    """Run a ``tilemm.matmul.FP8Problem`` on an sm_90 GPU, writing ``problem.out``.
+
+    ``config`` overrides the table's choice (for tuning and benchmarks)."""
+    kind = _kind(problem.granularity)
+    out = problem.out
+    batch, m, n = out.shape
+    fast_acc = bool(getattr(problem, "use_fast_accum", False))
+    cfg = config or config_for(problem.granularity, batch, m, n, fast_acc)
+    if kind == "blockwise" and (cfg.tile_k != FP8_BLOCK or FP8_BLOCK % cfg.tile_n):
+        raise ValueError(f"hopper_fp8: blockwise configs need tile_k == 128 and tile_n dividing 128, got {cfg}")
+    device = out.device
+    # Scales are tiny: materialise broadcast (per-tensor) and transposed (128x128 block) views.
+    a_scale = problem.a_scale.contiguous()
+    b_scale = problem.b_scale.contiguous()
+    alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
+    bias = zeros_vector(device, n) if problem.bias is None else problem.bias
+    grid = (batch * -(-m // cfg.tile_m) * -(-n // cfg.tile_n), 1, 1)
+    kernel = hinted(_KERNELS[kind], **cfg.hints())
+    ct.launch(torch.cuda.current_stream(device), grid, kernel,
+              (problem.a, a_scale, problem.b, b_scale, out, alpha, bias, *_constants(kind, cfg, fast_acc)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Ahead-of-time specialisations
+# --------------------------------------------------------------------------------------------------
+
+_OUT_DTYPES = {"bf16": ct.bfloat16, "fp16": ct.float16, "fp32": ct.float32}
+_DATA_DTYPES = {"e4m3": ct.float8_e4m3fn, "e5m2": ct.float8_e5m2}
+
+
+def aot_variants() -> list[AotVariant]:
+    """Every (kernel, element dtype, output dtype, config, accumulation mode) ``launch`` can pick."""
+    variants = []
+    for kind, kernel in _KERNELS.items():
+        sdim = 3 if kind == "blockwise" else 2
+        elements = ("e4m3",) if kind == "blockwise" else ("e4m3", "e5m2")
+        for elem in elements:
+            data = _DATA_DTYPES[elem]
+            for out_name, out_dtype in _OUT_DTYPES.items():
+                for fast_acc in (False, True):
+                    for cfg in sorted(set(_CONFIGS[kind, fast_acc].values()), key=repr):
+                        params = [array(data, 3), array(ct.float32, sdim), array(data, 3),
+                                  array(ct.float32, sdim), array(out_dtype, 3), array(ct.float32, 1),
+                                  array(ct.float32, 1), *_constants(kind, cfg, fast_acc)]
+                        name = (f"hopper_fp8_{kind}_{elem}_{out_name}_{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}"
+                                f"{'_fastacc' if fast_acc else ''}")
+                        variants.append(AotVariant(name, hinted(kernel, **cfg.hints()), params,
+                                                   targets=("sm_90",)))
+    return variants

@@ -1,6 +1,6 @@
 """tilemm's own CuTe-DSL block-scaled GEMM for Blackwell datacenter GPUs (sm_100a, tcgen05).
 
-    out[m, n] = alpha * sum_k (A[m, k] * SFA[m, k // B]) * (B[n, k] * SFB[n, k // B])
+    out[m, n] = alpha * sum_k (A[m, k] * SFA[m, k // block]) * (B[n, k] * SFB[n, k // block])
 
 with A (M, K) row-major, B the (N, K) weight (K-major), SFA / SFB in tilemm's 32x4x4 layout
 (``swizzle.swizzle_32_4_4``) and the sum accumulated in fp32 in tensor memory (TMEM). This is the
@@ -55,9 +55,8 @@ NUM_STAGES = 4  # depth of the SMEM ring between the TMA warp and the MMA warp
 THREADS = 128  # four warps; the TMEM accumulator has 128 lanes, one per thread in the epilogue
 TMA_WARP = 0
 MMA_WARP = 1
-TMEM_COLUMNS = 256  # 128 fp32 accumulator columns + 16 SFA + 16 SFB, rounded up to a power of two
-SCALE_ROWS_PER_ATOM = 128  # the 32x4x4 atom: 128 rows (32 lanes x 4 sub-tiles) ...
-SCALES_PER_ATOM_ROW = 4  # ... by 4 scale columns, 512 bytes
+# TMEM columns to allocate (a power of two): the 128 fp32 accumulator columns, then SFA and SFB.
+TMEM_COLUMNS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,8 +310,9 @@ class BlockScaledGemmSm100:
 
         tmem.relinquish_alloc_permit()
         alpha = mAlpha[0]  # fp32; for NVFP4 it already holds global_scale_a * global_scale_b
-        acc_ready_consumer.wait_and_advance()
+        acc_ready = acc_ready_consumer.wait_and_advance()
         cute.copy(t2r, tTR_tAcc, tTR_rAcc)
+        acc_ready.release()
         # One rounding, RNE, after the fp32 multiply by alpha (NUMERICS.md "Matmul semantics").
         tTR_rOut.store((tTR_rAcc.load() * alpha).to(self.out_dtype))
         rows, cols = mOut.shape[0], mOut.shape[1]

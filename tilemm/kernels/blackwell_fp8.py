@@ -1,0 +1,278 @@
+"""FP8 matmuls (per-tensor, per-row, DeepSeek-style 1x128 / 128x128 blocks) on Blackwell (sm_100 /
+sm_120), in cuTile.
+
+What it computes (NUMERICS.md): ``out = ((a * sa) @ (b * sb).T) * alpha + bias`` accumulated in fp32 and
+rounded once to ``out``'s dtype, for e4m3 / e5m2 ``a`` (Ba, M, K) and ``b`` (Bb, N, K), both
+K-contiguous (``b`` is the (N, K) weight form; its (TN, TK) tiles are transposed in registers to the
+(TK, TN) that ``ct.mma`` wants).
+
+Kernels (one output tile per block, 1-D GROUP_SIZE_M-ordered grid over B * tiles, Ba or Bb of 1
+broadcast through ``batch % Ba``):
+
+* ``_fp8_scaled_kernel`` (granularity "tensorwise" and "rowwise"): FP8 ``ct.mma`` over all of K into one
+  fp32 accumulator; the epilogue multiplies row r / column c by ``sa[r] * sb[c]``. A per-tensor scale
+  arrives as a broadcast (stride-0) (M,) / (N,) view and is made contiguous (M + N floats), so both
+  granularities share the kernel. K need not be a multiple of TK: loads past K are zero.
+* ``_fp8_blockwise_kernel`` (granularity "blockwise", e4m3, K a multiple of 128): sa (Ba, M, K/128) per
+  1x128 block of a, sb (Bb, cdiv(N, 128), K/128) per 128x128 block of b. TK = 128 and TN = 128, so each
+  K step is one scale column and one N block: ``acc += mma(a_k, b_k, 0) * sa[:, k] * sb[n, k]`` (the
+  per-block promotion DeepSeek-V3 and CUTLASS's blockwise GEMMs use; on sm_100 each partial product
+  comes out of tensor memory before it is scaled).
+
+Accumulation: Blackwell's tensor cores (tcgen05 on sm_100, the sm_120 warp MMA) accumulate FP8 products
+in full fp32; there is no reduced-precision accumulator for ``use_fast_accum`` to skip, so the flag
+is accepted and changes nothing here (cuTile emits the same cubin either way; Hopper's
+``hopper_fp8`` is where it matters). Scales are applied in fp32 after the products are summed, which
+differs from the reference's "dequantize, then multiply" by fp32 rounding only.
+
+Configs (not tuned on hardware: no Blackwell GPU was available): sm_100 runs 128x128x128 and, for large
+problems, 256x256x128 on a 2-CTA cluster (tcgen05 2-SM MMA; cuTile's own B200 tuning file records
+256x256 tiles, 2 CTAs, as the best cuTile dense matmul and block-scaled matmul configs); sm_120 runs
+128x128x128 with num_worker_warps=8 (``ct.ByTarget``), which keeps the register-resident fp32
+accumulator from spilling. The blockwise kernel keeps TN = 128 (one weight scale block per tile).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import cuda.tile as ct
+import torch
+
+from ._aot import AotVariant
+from ._common import epilogue, hinted, ones_scalar, tile_coords, zeros_vector
+from .blackwell_block_scaled import DEFAULT_SM_COUNT, launch_array, table_for_capability
+
+__all__ = ["launch", "aot_variants", "TileConfig", "LaunchPlan", "config_for", "plan_launch", "check_config"]
+
+ConstInt = ct.Constant[int]
+
+_ZERO = ct.PaddingMode.ZERO
+#: Block edge of DeepSeek-style scales (1x128 for activations, 128x128 for weights).
+FP8_BLOCK = 128
+
+
+# --------------------------------------------------------------------------------------------------
+# Tile code
+# --------------------------------------------------------------------------------------------------
+
+def _load_operands(A, B, ba, bb, bm, bn, kt, TM, TN, TK):
+    """(TM, TK) tile of A and the (TK, TN) transpose of a (TN, TK) tile of B; zero past the edges."""
+    a = ct.load(A, (ba, bm, kt), (1, TM, TK), padding_mode=_ZERO).reshape((TM, TK))
+    b = ct.load(B, (bb, bn, kt), (1, TN, TK), padding_mode=_ZERO).reshape((TN, TK))
+    return a, b.transpose()
+
+
+@ct.kernel
+def _fp8_scaled_kernel(A, A_scale, B, B_scale, C, Alpha, Bias,
+                       TM: ConstInt, TN: ConstInt, TK: ConstInt, GROUP_SIZE_M: ConstInt):
+    """One (TM, TN) tile of C[batch] = (A[ba] @ B[bb].T) * A_scale[ba][:, None] * B_scale[bb][None, :]
+    * alpha + bias. A (Ba, M, K), B (Bb, N, K) fp8; A_scale (Ba, M), B_scale (Bb, N) fp32."""
+    M = C.shape[1]
+    N = C.shape[2]
+    batch, bm, bn = tile_coords(M, N, TM, TN, GROUP_SIZE_M)
+    ba = batch % A.shape[0]
+    bb = batch % B.shape[0]
+    acc = ct.zeros((TM, TN), ct.float32)
+    for kt in range(ct.cdiv(A.shape[2], TK)):
+        a, b = _load_operands(A, B, ba, bb, bm, bn, kt, TM, TN, TK)
+        acc = ct.mma(a, b, acc)
+    sa = ct.load(A_scale, (ba, bm), (1, TM), padding_mode=_ZERO).reshape((TM, 1))
+    sb = ct.load(B_scale, (bb, bn), (1, TN), padding_mode=_ZERO).reshape((1, TN))
+    epilogue(acc * sa * sb, C, Alpha, Bias, batch, bm, bn, TM, TN)
+
+
+@ct.kernel
+def _fp8_blockwise_kernel(A, A_scale, B, B_scale, C, Alpha, Bias,
+                          TM: ConstInt, GROUP_SIZE_M: ConstInt):
+    """One (TM, 128) tile with DeepSeek-style block scales: A_scale (Ba, M, K/128) per 1x128 block,
+    B_scale (Bb, cdiv(N, 128), K/128) per 128x128 block; K is a multiple of 128."""
+    TN = FP8_BLOCK
+    TK = FP8_BLOCK
+    M = C.shape[1]
+    N = C.shape[2]
+    batch, bm, bn = tile_coords(M, N, TM, TN, GROUP_SIZE_M)
+    ba = batch % A.shape[0]
+    bb = batch % B.shape[0]
+    acc = ct.zeros((TM, TN), ct.float32)
+    for kt in range(A.shape[2] // TK):
+        a, b = _load_operands(A, B, ba, bb, bm, bn, kt, TM, TN, TK)
+        part = ct.mma(a, b, ct.zeros((TM, TN), ct.float32))
+        sa = ct.load(A_scale, (ba, bm, kt), (1, TM, 1), padding_mode=_ZERO).reshape((TM, 1))
+        sb = ct.load(B_scale, (bb, bn, kt), (1, 1, 1), padding_mode=_ZERO).reshape((1, 1))
+        acc = acc + part * (sa * sb)
+    epilogue(acc, C, Alpha, Bias, batch, bm, bn, TM, TN)
+
+
+# --------------------------------------------------------------------------------------------------
+# Configs
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Output tile, K step, CTAs per cluster and GROUP_SIZE_M; ``targets`` lists the architectures
+    the table offers it on. Blockwise configs have tile_n = tile_k = 128."""
+
+    tile_m: int
+    tile_n: int
+    tile_k: int = 128
+    num_ctas: int = 1
+    group_size_m: int = 8
+    targets: tuple[str, ...] = ("sm_100", "sm_120")
+
+    @property
+    def name(self) -> str:
+        return (f"{self.tile_m}x{self.tile_n}x{self.tile_k}"
+                + (f"_{self.num_ctas}cta" if self.num_ctas > 1 else ""))
+
+    def hints(self) -> dict:
+        # See blackwell_block_scaled.TileConfig.hints: sm_12x keeps the accumulator in registers.
+        return {"num_ctas": self.num_ctas, "num_worker_warps": ct.ByTarget(sm_120=8, sm_121=8)}
+
+
+_CONFIGS: dict[str, dict[str, dict[str, TileConfig]]] = {
+    "sm_100": {
+        "scaled": {"small": TileConfig(128, 128), "large": TileConfig(256, 256, num_ctas=2, targets=("sm_100",))},
+        "blockwise": {"small": TileConfig(128, 128)},
+    },
+    "sm_120": {
+        "scaled": {"small": TileConfig(128, 128)},
+        "blockwise": {"small": TileConfig(128, 128)},
+    },
+}
+
+
+def _kind(granularity: str) -> str:
+    if granularity in ("tensorwise", "rowwise"):
+        return "scaled"
+    if granularity == "blockwise":
+        return "blockwise"
+    raise ValueError(f"blackwell_fp8: granularity must be 'tensorwise', 'rowwise' or 'blockwise', got "
+                     f"{granularity!r}")
+
+
+def config_for(table: str, granularity: str, batch: int, m: int, n: int,
+               sm_count: int = DEFAULT_SM_COUNT) -> TileConfig:
+    """The table's config: the large tile once every SM (pair) still gets a tile, else the small one."""
+    configs = _CONFIGS[table][_kind(granularity)]
+    large = configs.get("large")
+    if large is not None and batch * -(-m // large.tile_m) * -(-n // large.tile_n) * large.num_ctas >= sm_count:
+        return large
+    return configs["small"]
+
+
+def check_config(granularity: str, cfg: TileConfig) -> None:
+    """Raise ValueError unless ``cfg`` suits the kernel of ``granularity``."""
+    for what, v in (("tile_m", cfg.tile_m), ("tile_n", cfg.tile_n), ("tile_k", cfg.tile_k)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"blackwell_fp8: {what} must be a power of two >= 16, got {v} in {cfg}")
+    if _kind(granularity) == "blockwise" and (cfg.tile_n, cfg.tile_k) != (FP8_BLOCK, FP8_BLOCK):
+        raise ValueError(f"blackwell_fp8: blockwise configs need tile_n = tile_k = {FP8_BLOCK} (one scale "
+                         f"block per tile and K step), got {cfg.tile_n}x{cfg.tile_k}")
+    if cfg.num_ctas not in (1, 2) or (cfg.num_ctas == 2 and cfg.tile_m != 256):
+        raise ValueError(f"blackwell_fp8: num_ctas must be 1, or 2 with tile_m = 256, got "
+                         f"num_ctas={cfg.num_ctas}, tile_m={cfg.tile_m}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class LaunchPlan:
+    """Everything ``ct.launch`` gets: the hinted kernel, the 1-D grid and the argument tuple."""
+
+    config: TileConfig
+    kernel: object
+    grid: tuple[int, int, int]
+    args: tuple
+
+
+_KERNELS = {"scaled": _fp8_scaled_kernel, "blockwise": _fp8_blockwise_kernel}
+
+
+def _constants(kind: str, cfg: TileConfig) -> tuple:
+    if kind == "blockwise":
+        return (cfg.tile_m, cfg.group_size_m)
+    return (cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.group_size_m)
+
+
+def plan_launch(problem, table: str, sm_count: int = DEFAULT_SM_COUNT,
+                config: TileConfig | None = None) -> LaunchPlan:
+    """Choose the config and build the grid and arguments for ``problem`` (an ``FP8Problem``) on a GPU
+    of config table ``table``. Needs no GPU: CPU tensors give the same plan."""
+    kind = _kind(problem.granularity)
+    out = problem.out
+    batch, m, n = out.shape
+    a, b = problem.a, problem.b
+    if a.shape[0] not in (1, batch) or b.shape[0] not in (1, batch):
+        raise ValueError(f"blackwell_fp8: a and b batch sizes must be 1 or {batch}, got {a.shape[0]} and "
+                         f"{b.shape[0]}")
+    if kind == "blockwise" and a.shape[2] % FP8_BLOCK:
+        raise ValueError(f"blackwell_fp8: blockwise scaling needs K to be a multiple of {FP8_BLOCK}, got "
+                         f"K={a.shape[2]}")
+    cfg = config or config_for(table, problem.granularity, batch, m, n, sm_count)
+    check_config(problem.granularity, cfg)
+    device = out.device
+    # Scales are tiny (M + N floats, or (M + N/128) * K/128): materialise the broadcast per-tensor
+    # views and any transposed block-scale views.
+    a_scale = problem.a_scale.contiguous()
+    b_scale = problem.b_scale.contiguous()
+    alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
+    bias = zeros_vector(device, n) if problem.bias is None else problem.bias
+    grid = (batch * -(-m // cfg.tile_m) * -(-n // cfg.tile_n), 1, 1)
+    kernel = hinted(_KERNELS[kind], **cfg.hints())
+    return LaunchPlan(cfg, kernel, grid, (a, a_scale, b, b_scale, out, alpha, bias, *_constants(kind, cfg)))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def launch(problem, config: TileConfig | None = None) -> None:
+    """Run a ``tilemm.matmul.FP8Problem`` on a Blackwell GPU, writing ``problem.out``.
+
+    ``config`` overrides the table's choice (for tuning and benchmarks). ``problem.use_fast_accum`` has
+    no effect here (see the module docstring)."""
+    from .._arch import capability
+
+    device = problem.out.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    plan = plan_launch(problem, table_for_capability(capability(device)), _sm_count(index), config)
+    with torch.cuda.device(device):
+        ct.launch(torch.cuda.current_stream(device), plan.grid, plan.kernel, plan.args)
+
+
+# --------------------------------------------------------------------------------------------------
+# Ahead-of-time specialisations
+# --------------------------------------------------------------------------------------------------
+
+_OUT_DTYPES = {"bf16": ct.bfloat16, "fp16": ct.float16, "fp32": ct.float32}
+_DATA_DTYPES = {"e4m3": ct.float8_e4m3fn, "e5m2": ct.float8_e5m2}
+
+
+def aot_variants() -> list[AotVariant]:
+    """Every (kernel, element dtype, output dtype, config) ``launch`` can pick, with its targets."""
+    variants = []
+    for kind, kernel in _KERNELS.items():
+        sdim = 3 if kind == "blockwise" else 2
+        elements = ("e4m3",) if kind == "blockwise" else ("e4m3", "e5m2")
+        # One entry per distinct config, with the union of the targets that offer it.
+        configs: dict[TileConfig, set[str]] = {}
+        for table in _CONFIGS.values():
+            for cfg in table[kind].values():
+                configs.setdefault(cfg, set()).update(cfg.targets)
+        for elem in elements:
+            data = _DATA_DTYPES[elem]
+            for out_name, out_dtype in _OUT_DTYPES.items():
+                for cfg in sorted(configs, key=lambda c: c.name):
+                    params = [launch_array(data, 3), launch_array(ct.float32, sdim), launch_array(data, 3),
+                              launch_array(ct.float32, sdim), launch_array(out_dtype, 3),
+                              launch_array(ct.float32, 1), launch_array(ct.float32, 1),
+                              *_constants(kind, cfg)]
+                    name = f"blackwell_fp8_{kind}_{elem}_{out_name}_{cfg.name}"
+                    variants.append(AotVariant(name, hinted(kernel, **cfg.hints()), params,
+                                               targets=tuple(sorted(configs[cfg]))))
+    return variants

@@ -11,7 +11,9 @@ What runs where:
 
 from __future__ import annotations
 
+import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -84,6 +86,32 @@ def test_compiles_for_sm100a(fmt_name, out_dtype):
     cubin = compiled.cubin
     assert cubin[:4] == b"\x7fELF" and int.from_bytes(cubin[18:20], "little") == 190
     assert b"sm_100a" in cubin
+
+
+def _cuobjdump():
+    try:
+        import nvidia  # the CUDA toolkit wheels that cuda-tile[tileiras] brings
+        found = [p for root in nvidia.__path__ for p in pathlib.Path(root).glob("cu*/bin/cuobjdump")]
+    except ImportError:
+        found = []
+    return str(found[0]) if found else shutil.which("cuobjdump")
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_no_register_spills(fmt_name, out_dtype, tmp_path):
+    # 128 fp32 accumulator values per thread in the epilogue: check they stay in registers.
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found")
+    cubin = tmp_path / "kernel.cubin"
+    cubin.write_bytes(tc.compile_for_sm100(fmt_name, out_dtype).cubin)
+    usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], check=True,
+                           capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+) STACK:(\d+) .*LOCAL:(\d+)", usage)
+    assert regs, usage
+    assert int(regs[1]) <= 255 and regs[2] == "0" and regs[3] == "0", usage
 
 
 @pytest.mark.aot

@@ -125,7 +125,8 @@ def crosscheck(fmt_name, x_q, w_q, *, out_dtype=torch.bfloat16) -> CrossCheckRep
     _check_quantized(fn, fmt, "w_q", w_q)
     if x_q.swizzled != w_q.swizzled:
         raise ValueError(f"{fn}: x_q and w_q must both have logical or both swizzled scales")
-    device = cute.blackwell_device(x_q.data.device if x_q.data.is_cuda else None)
+    # The operands' GPU if it is a Blackwell, else the first Blackwell (inputs may live anywhere).
+    device = (cute.blackwell_device(x_q.data.device) if x_q.data.is_cuda else None) or cute.blackwell_device()
     if device is None:
         raise UnsupportedGPUError(f"{fn}: {cute.NO_BLACKWELL}")
     if not cute.is_available():

@@ -1,0 +1,98 @@
+"""The tutorials in notebooks/ run top to bottom on a CPU, and are committed without outputs.
+
+Each notebook is executed in a fresh python3 kernel with nbclient; any exception, including a
+failed ``assert`` in a notebook's checks, fails the test. Figures use the Agg backend, so nothing
+is displayed. 03_matmul is also run against synthetic benchmark results, so that its plotting code
+is exercised even where no benchmarks/results/*.json has been committed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = ["01_formats.ipynb", "02_swizzle.ipynb", "03_matmul.ipynb"]
+CELL_TIMEOUT_S = 120
+
+
+def _execute(name: str, monkeypatch, **env: str) -> nbformat.NotebookNode:
+    # The kernel inherits this environment: a non-interactive matplotlib backend, and the
+    # interpreter that runs the tests first on PATH, so the kernel's "python" imports the same tilemm.
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    nb = nbformat.read(NOTEBOOK_DIR / name, as_version=4)
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, startup_timeout=CELL_TIMEOUT_S,
+                            kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
+    client.execute()  # raises CellExecutionError on the first failing cell
+    return nb
+
+
+def _stdout(nb: nbformat.NotebookNode) -> str:
+    return "".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
+                   for out in cell.outputs if out.output_type == "stream")
+
+
+def test_all_notebooks_are_listed():
+    assert sorted(p.name for p in NOTEBOOK_DIR.glob("*.ipynb")) == NOTEBOOKS
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_is_committed_without_outputs(name):
+    nb = nbformat.read(NOTEBOOK_DIR / name, as_version=4)
+    nbformat.validate(nb)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            assert cell.outputs == [], f"{name} cell {i} has outputs: clear them before committing"
+            assert cell.execution_count is None, f"{name} cell {i} has an execution count"
+    assert "widgets" not in nb.metadata
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_tells_its_story(name):
+    """STYLE.md: a background section, a picture, and checks that assert rather than print."""
+    nb = nbformat.read(NOTEBOOK_DIR / name, as_version=4)
+    markdown = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    assert "## Background" in markdown
+    assert "plt.show()" in code
+    assert "assert " in code
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_runs(name, monkeypatch):
+    nb = _execute(name, monkeypatch)
+    if name == "03_matmul.ipynb":
+        # The capability guard says which path ran, and the benchmark cell reports what it found.
+        out = _stdout(nb)
+        assert "GPU part skipped" in out or "Running tilemm's cuTile kernels" in out
+        assert "No benchmark results" in out or ".json:" in out
+
+
+def test_matmul_notebook_plots_benchmark_results(tmp_path, monkeypatch):
+    # One file in bench_matmul.py's schema (meta + records), one in a looser variant (a bare list,
+    # other key names, shapes as strings / lists, records to skip), and one that is not JSON.
+    records = [dict(format=fmt, impl=impl, m=m, n=14336, k=4096, ms=1.0, tflops=m / 20, rel_err=None)
+               for fmt in ("mxfp8", "nvfp4") for impl in ("tilemm", "cublas_bf16")
+               for m in (16, 128, 1024, 8192)]
+    records.append(dict(format="mxfp8", impl="tilemm", m=4096, n=4096, k=4096, ms=1.0, tflops=None))
+    (tmp_path / "NVIDIA_H100_80GB_HBM3.json").write_text(
+        json.dumps(dict(meta=dict(gpu="NVIDIA H100 80GB HBM3"), summary=[], records=records)))
+    loose = [dict(fmt="mxfp4", peer=peer, shape=f"{m}x8192x8192", TFLOPS=m / 10.0)
+             for peer in ("tilemm", "cublas") for m in (64, 256)]
+    loose += [dict(format="mxfp4", impl="tilemm", shape=[2048, 8192, 8192], tflops=300.0), "junk", {}]
+    (tmp_path / "other_gpu.json").write_text(json.dumps(loose))
+    (tmp_path / "broken.json").write_text("{not json")
+
+    out = _stdout(_execute("03_matmul.ipynb", monkeypatch, TILEMM_BENCH_RESULTS=str(tmp_path)))
+    assert "NVIDIA_H100_80GB_HBM3.json: NVIDIA H100 80GB HBM3, 16 records, 1 skipped" in out
+    assert "other_gpu.json: other gpu, 5 records, 2 skipped" in out
+    assert "broken.json: could not be read" in out

@@ -312,6 +312,7 @@ class BlockScaledGemmSm100:
         alpha = mAlpha[0]  # fp32; for NVFP4 it already holds global_scale_a * global_scale_b
         acc_ready = acc_ready_consumer.wait_and_advance()
         cute.copy(t2r, tTR_tAcc, tTR_rAcc)
+        cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld: the registers hold the values now
         acc_ready.release()
         # One rounding, RNE, after the fp32 multiply by alpha (NUMERICS.md "Matmul semantics").
         tTR_rOut.store((tTR_rAcc.load() * alpha).to(self.out_dtype))

@@ -273,6 +273,9 @@ class BlockScaledGemmSm100:
                 cute.copy(tma_b, tBgB[src], tBsB[dst], tma_bar_ptr=stage.barrier)
                 cute.copy(tma_sfa, tAgSFA[src], tAsSFA[dst], tma_bar_ptr=stage.barrier)
                 cute.copy(tma_sfb, tBgSFB[src], tBsSFB[dst], tma_bar_ptr=stage.barrier)
+            # Wait until the MMA warp's last releases (asynchronous tcgen05.commit arrives) have
+            # landed, so that none reaches an mbarrier after the CTA has exited.
+            load_ring.tail()
 
         # --- Warp 1: MMA issuer (guide "Executing the GEMM" with the block-scaled changes) -----------
         if warp == MMA_WARP:

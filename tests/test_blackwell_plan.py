@@ -1,0 +1,582 @@
+"""The Blackwell kernels' launch-side logic, and their tile code run on the CPU.
+
+There is no Blackwell GPU to run ``blackwell_block_scaled`` / ``blackwell_fp8`` on, and cuTile has no
+CPU interpreter. Two things are checked here without one:
+
+* The host side: config choice, the swizzled scale-load shape for block 16 vs 32, argument checks,
+  batch folding, and that every launch specialisation is one that tests/test_aot.py compiles.
+* The tile code: ``TileEmulator`` runs the kernels' own Python functions with ``ct`` replaced by a
+  NumPy model of the handful of cuTile operations they use (tile-indexed ``load`` / ``store`` with
+  zero padding and masked edges, ``reshape`` / ``permute`` / ``transpose``, ``bitcast``,
+  ``unpack_from_bytes``, ``mma`` and ``mma_scaled`` as their documented contracts), block by block over
+  the launch grid, and compares with ``tilemm.reference``. This checks the index arithmetic (tile
+  coordinates, the 32x4x4 unswizzle, the transposes of y and y_scale, K padding, batch broadcast and
+  folding, the epilogue); it does not check cuTile's compiler or the hardware. The model is strict
+  where cuTile is undefined: a load whose padding is not ZERO fills out-of-range elements with NaN, a
+  tile entirely outside its array raises, and ``mma_scaled`` rejects a (data, scale, block) combination
+  that its contract does not list.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import cuda.tile as ct
+import swizzle
+from tilemm.formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, FP8_E4M3, FP8_E5M2
+from tilemm.kernels import blackwell_block_scaled as bbs
+from tilemm.kernels import blackwell_fp8 as bfp8
+from tilemm.matmul import BlockScaledProblem, FP8Problem
+from tilemm.reference import block_scaled_matmul_reference, fp8_matmul_reference
+
+BLOCK_FORMATS = [MXFP8_E4M3, MXFP8_E5M2, MXFP4, NVFP4]
+FMT_IDS = [f.name for f in BLOCK_FORMATS]
+
+# ==================================================================================================
+# A NumPy model of the cuTile operations the kernels use
+# ==================================================================================================
+
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+_TORCH_DTYPES = {ct.float32: torch.float32, ct.bfloat16: torch.bfloat16, ct.float16: torch.float16}
+_CT_DTYPES = {torch.float32: ct.float32, torch.bfloat16: ct.bfloat16, torch.float16: ct.float16,
+              torch.uint8: ct.uint8, torch.float8_e4m3fn: ct.float8_e4m3fn, torch.float8_e5m2: ct.float8_e5m2}
+# mma_scaled's contract: (data dtype, scale dtype) -> allowed scaling block sizes.
+_MMA_SCALED_BLOCKS = {(ct.float8_e4m3fn, ct.float8_e8m0fnu): (32,), (ct.float8_e5m2, ct.float8_e8m0fnu): (32,),
+                      (ct.float4_e2m1fn, ct.float8_e8m0fnu): (16, 32), (ct.float4_e2m1fn, ct.float8_e4m3fn): (16,)}
+
+
+class Tile(np.ndarray):
+    """A tile: float64 values (or int64 for integer tiles) plus the cuTile dtype they stand for."""
+
+    def __new__(cls, values, dtype):
+        t = np.asarray(values).view(cls)
+        t.ct_dtype = dtype
+        return t
+
+    def __array_finalize__(self, obj):
+        self.ct_dtype = getattr(obj, "ct_dtype", None)
+
+    def permute(self, axes):
+        return np.transpose(self, axes)
+
+    def astype(self, dtype, *args, **kwargs):
+        if dtype not in _TORCH_DTYPES:
+            raise NotImplementedError(f"astype to {dtype}")
+        # The value is an fp32 computation result: round to fp32 first, then once to the target.
+        t = torch.from_numpy(np.asarray(self, dtype=np.float64)).to(torch.float32).to(_TORCH_DTYPES[dtype])
+        return Tile(t.to(torch.float64).numpy(), dtype)
+
+
+class EmuArray:
+    """A kernel array argument: its shape and cuTile dtype, values decoded for loads, and the torch
+    tensor that stores write to."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.dtype = _CT_DTYPES[tensor.dtype]
+        self.shape = tuple(tensor.shape)
+        self.ndim = tensor.ndim
+        if tensor.dtype == torch.uint8:
+            self.values = tensor.to(torch.int64).numpy()
+        else:
+            self.values = tensor.to(torch.float64).numpy()
+
+
+def _window(arr_shape, index, shape):
+    starts = [i * s for i, s in zip(index, shape)]
+    src = tuple(slice(st, min(st + s, n)) for st, s, n in zip(starts, shape, arr_shape))
+    dst = tuple(slice(0, sl.stop - sl.start) for sl in src)
+    if any(sl.stop <= sl.start for sl in src):
+        raise IndexError(f"tile {shape} at index {index} lies entirely outside an array of shape {arr_shape} "
+                         f"(undefined in cuTile)")
+    return src, dst
+
+
+class TileEmulator:
+    """``ct`` for the kernels, on NumPy. ``run(kernel, grid, args)`` calls the kernel's Python function
+    once per block of a 1-D grid."""
+
+    PaddingMode = ct.PaddingMode
+    Constant = ct.Constant
+
+    def __init__(self):
+        self._bid = 0
+        for name in ("float32", "float16", "bfloat16", "uint8", "int32", "float8_e4m3fn", "float8_e5m2",
+                     "float8_e8m0fnu", "float4_e2m1fn"):
+            setattr(self, name, getattr(ct, name))
+
+    # --- grid and scalars
+    def bid(self, axis):
+        return self._bid if axis == 0 else 0
+
+    @staticmethod
+    def cdiv(a, b):
+        return -(-a // b)
+
+    # --- tiles
+    @staticmethod
+    def zeros(shape, dtype):
+        return Tile(np.zeros(shape), dtype)
+
+    @staticmethod
+    def load(array, index, shape, *, padding_mode=ct.PaddingMode.UNDETERMINED, **hints):
+        src, dst = _window(array.shape, index, shape)
+        fill = 0 if padding_mode == ct.PaddingMode.ZERO else math.nan
+        out = np.full(shape, fill, dtype=np.float64)
+        out[dst] = array.values[src]
+        if array.dtype == ct.uint8:
+            if math.isnan(fill) and out.size != out[dst].size:
+                raise ValueError("uint8 load past the edge without ZERO padding")
+            out = out.astype(np.int64)
+        return Tile(out, array.dtype)
+
+    @staticmethod
+    def store(array, index, tile):
+        src, dst = _window(array.shape, index, tile.shape)
+        if tile.ct_dtype != array.dtype:
+            raise TypeError(f"storing a {tile.ct_dtype} tile into a {array.dtype} array")
+        array.tensor[src] = torch.from_numpy(np.ascontiguousarray(tile[dst], dtype=np.float64)).to(array.tensor.dtype)
+
+    @staticmethod
+    def bitcast(tile, dtype):
+        if tile.ct_dtype != ct.uint8:
+            raise NotImplementedError(f"bitcast from {tile.ct_dtype}")
+        raw = np.asarray(tile, dtype=np.int64)
+        if dtype == ct.float8_e8m0fnu:
+            vals = np.where(raw == 255, np.nan, np.exp2(raw.astype(np.float64) - 127))
+        elif dtype == ct.float8_e4m3fn:
+            vals = torch.from_numpy(raw.astype(np.uint8)).view(torch.float8_e4m3fn).to(torch.float64).numpy()
+        else:
+            raise NotImplementedError(f"bitcast to {dtype}")
+        return Tile(vals, dtype)
+
+    @staticmethod
+    def unpack_from_bytes(tile, dtype):
+        if tile.ndim != 1 or tile.ct_dtype != ct.uint8 or dtype != ct.float4_e2m1fn:
+            raise TypeError("unpack_from_bytes: 1-D uint8 -> float4_e2m1fn only")
+        raw = np.asarray(tile, dtype=np.int64)
+        vals = np.stack([_E2M1[raw & 0xF], _E2M1[raw >> 4]], axis=-1).reshape(-1)  # low nibble first
+        return Tile(vals, dtype)
+
+    @staticmethod
+    def mma(x, y, acc):
+        assert x.ndim == y.ndim == acc.ndim == 2 and x.shape[1] == y.shape[0]
+        assert acc.shape == (x.shape[0], y.shape[1]) and acc.ct_dtype == ct.float32
+        r = np.asarray(x) @ np.asarray(y) + np.asarray(acc)
+        return Tile(r.astype(np.float32).astype(np.float64), ct.float32)
+
+    @staticmethod
+    def mma_scaled(x, x_scale, y, y_scale, acc):
+        m, k = x.shape
+        k2, n = y.shape
+        ks = x_scale.shape[1]
+        assert k == k2 and x_scale.shape == (m, ks) and y_scale.shape == (ks, n) and acc.shape == (m, n)
+        assert x.ct_dtype == y.ct_dtype and x_scale.ct_dtype == y_scale.ct_dtype
+        block = k // ks
+        allowed = _MMA_SCALED_BLOCKS.get((x.ct_dtype, x_scale.ct_dtype), ())
+        if k % ks or block not in allowed:
+            raise TypeError(f"mma_scaled: {x.ct_dtype} x {x_scale.ct_dtype} with block {block} is not in "
+                            f"the contract (allowed {allowed})")
+        xs = np.repeat(np.asarray(x_scale), block, axis=1)
+        ys = np.repeat(np.asarray(y_scale), block, axis=0)
+        with np.errstate(invalid="ignore"):
+            r = (np.asarray(x) * xs) @ (np.asarray(y) * ys) + np.asarray(acc)
+        return Tile(r.astype(np.float32).astype(np.float64), ct.float32)
+
+    # --- running a kernel
+    def _rebind(self, fn, memo):
+        """``fn`` with ``ct`` replaced by this emulator in its globals and in those of the tilemm.kernels
+        functions it calls (the helpers are inlined into the kernel by cuTile)."""
+        if fn in memo:
+            return memo[fn]
+        g = dict(fn.__globals__)
+        new = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+        memo[fn] = new
+        g["ct"] = self
+        for name, value in list(g.items()):
+            if isinstance(value, types.FunctionType) and value.__module__.startswith("tilemm.kernels"):
+                g[name] = self._rebind(value, memo)
+        return new
+
+    def run(self, kernel, grid, args):
+        fn = self._rebind(kernel._pyfunc, {})
+        emu_args = [EmuArray(a) if isinstance(a, torch.Tensor) else a for a in args]
+        assert grid[1:] == (1, 1)
+        for bid in range(grid[0]):
+            self._bid = bid
+            fn(*emu_args)
+
+
+def emulate(plan):
+    TileEmulator().run(plan.kernel, plan.grid, plan.args)
+
+
+# ==================================================================================================
+# Operands
+# ==================================================================================================
+
+def _elements(fmt, rows, k, gen):
+    """Random stored data (rows, Kd) for ``fmt``."""
+    if fmt.is_packed:
+        return torch.randint(0, 256, (rows, k // 2), dtype=torch.uint8, generator=gen)
+    return (torch.randn(rows, k, generator=gen) * 3).to(fmt.data_dtype)
+
+
+def _scales(fmt, rows, ks, gen):
+    """Random logical scales (rows, Ks): e8m0 bytes 2^-4..2^3, or positive e4m3 values."""
+    if fmt.is_mx:
+        return torch.randint(123, 131, (rows, ks), dtype=torch.uint8, generator=gen).view(torch.float8_e8m0fnu)
+    return (torch.rand(rows, ks, generator=gen) * 4 + 0.25).to(torch.float8_e4m3fn)
+
+
+def _swizzled(scale, poison_rows=False):
+    """32x4x4 layout of a logical (..., R, Ks) scale; padded rows 0xFF when ``poison_rows``."""
+    r, ks = scale.shape[-2:]
+    if not poison_rows:
+        return swizzle.swizzle_32_4_4(scale)
+    rp = -(-r // 128) * 128
+    raw = torch.full((*scale.shape[:-2], rp, ks), 0xFF, dtype=torch.uint8)
+    raw[..., :r, :] = scale.view(torch.uint8)
+    blocked = swizzle.swizzle_32_4_4(raw.view(scale.dtype))
+    assert blocked.shape[-4:] == swizzle.swizzled_shape(r, ks)
+    return blocked
+
+
+def block_scaled_case(fmt, m, n, k, *, ba=1, bb=1, swizzled=False, poison=False, out_dtype=torch.float32,
+                      alpha=None, bias=False, seed=0):
+    """A BlockScaledProblem on the CPU and its reference result."""
+    gen = torch.Generator().manual_seed(seed)
+    ks = k // fmt.block
+    batch = max(ba, bb)
+    a = torch.stack([_elements(fmt, m, k, gen) for _ in range(ba)])
+    b = torch.stack([_elements(fmt, n, k, gen) for _ in range(bb)])              # (Bb, N, Kd)
+    sa = torch.stack([_scales(fmt, m, ks, gen) for _ in range(ba)])              # (Ba, M, Ks)
+    sb = torch.stack([_scales(fmt, n, ks, gen) for _ in range(bb)])              # (Bb, N, Ks)
+    alpha_t = None if alpha is None else torch.tensor(alpha, dtype=torch.float32)
+    bias_t = torch.randn(n, generator=gen) if bias else None
+    ref = block_scaled_matmul_reference(fmt, a, sa, b.transpose(-1, -2), sb.transpose(-1, -2),
+                                        out_dtype=torch.float32, alpha=alpha_t, bias=bias_t)
+    ref = ref.expand(batch, m, n)
+    if swizzled:
+        sa, sb = _swizzled(sa, poison), _swizzled(sb, poison)
+    problem = BlockScaledProblem(fmt=fmt, a=a, a_scale=sa, b=b, b_scale=sb, swizzled=swizzled,
+                                 out=torch.full((batch, m, n), float("nan"), dtype=out_dtype),
+                                 bias=bias_t, alpha=alpha_t)
+    return problem, ref
+
+
+def assert_matches(out, ref, out_dtype):
+    """NUMERICS.md's matmul tolerance: relative Frobenius error 1e-5, plus the output rounding."""
+    tol = {torch.float32: 1e-5, torch.bfloat16: 4e-3 + 1e-5, torch.float16: 1e-3 + 1e-5}[out_dtype]
+    out64, ref64 = out.to(torch.float64), ref.to(torch.float64)
+    assert torch.isfinite(out64).all(), "non-finite outputs (an unwritten tile or poison that leaked)"
+    err = ((out64 - ref64).norm() / ref64.norm().clamp_min(1e-300)).item()
+    assert err < tol, f"relative error {err:.3g} >= {tol}"
+
+
+# ==================================================================================================
+# Host side: configs, scale-load shapes, checks
+# ==================================================================================================
+
+def test_table_for_capability():
+    assert bbs.table_for_capability((10, 0)) == "sm_100"
+    assert bbs.table_for_capability((10, 3)) == "sm_100"
+    assert bbs.table_for_capability((12, 0)) == "sm_120"
+    assert bbs.table_for_capability((12, 1)) == "sm_120"
+
+
+@pytest.mark.parametrize("batch,m,n,expect", [
+    (1, 128, 128, "128x128x128B"),          # one tile: the large tile would leave 147 SMs idle
+    (1, 4096, 4096, "256x256x128B_2cta"),   # 256 tiles x 2 CTAs >= 148 SMs (the upstream B200 shape)
+    (1, 2048, 2048, "128x128x128B"),        # 64 large tiles x 2 = 128 CTAs < 148: stay small
+    (2, 2048, 2048, "256x256x128B_2cta"),   # the batch counts too
+])
+def test_block_scaled_config_choice_sm100(batch, m, n, expect):
+    assert bbs.config_for("sm_100", batch, m, n, sm_count=148).name == expect
+
+
+def test_block_scaled_sm120_has_no_two_cta_config():
+    for shape in [(1, 128, 128), (1, 8192, 8192)]:
+        cfg = bbs.config_for("sm_120", *shape, sm_count=188)
+        assert cfg.num_ctas == 1 and cfg.tile_m == 128 and "sm_120" in cfg.targets
+
+
+@pytest.mark.parametrize("fmt,cfg,expect", [
+    # TK covers 128 bytes: 128 e4m3/e5m2 elements = 4 scale columns = one 4-column block ...
+    (MXFP8_E4M3, bbs.TileConfig(128, 128), (1, 1)),
+    # ... 256 e2m1 elements: 8 e8m0 columns (block 32) = two blocks, 16 e4m3 columns (block 16) = four.
+    (MXFP4, bbs.TileConfig(128, 128), (1, 2)),
+    (NVFP4, bbs.TileConfig(128, 128), (1, 4)),
+    # A 256-row tile loads two 128-row blocks per operand.
+    (NVFP4, bbs.TileConfig(256, 256, num_ctas=2), (2, 4)),
+    # TK = 128 e2m1 elements: 8 NVFP4 scale columns = two blocks, but 4 MXFP4 columns = one.
+    (NVFP4, bbs.TileConfig(128, 128, k_bytes=64), (1, 2)),
+    (MXFP4, bbs.TileConfig(128, 128, k_bytes=64), (1, 1)),
+], ids=["mxfp8", "mxfp4", "nvfp4", "nvfp4-256", "nvfp4-tk128", "mxfp4-tk128"])
+def test_swizzled_scale_load_shape(fmt, cfg, expect):
+    assert bbs.scale_tile_blocks(fmt, cfg) == expect
+    rb, cb = expect
+    # The unswizzled tile is exactly (TM, TK / B).
+    assert (rb * 128, cb * 4) == (cfg.tile_m, cfg.tile_k(fmt) // fmt.block)
+
+
+@pytest.mark.parametrize("fmt,cfg,match", [
+    (MXFP8_E4M3, bbs.TileConfig(64, 128), "multiples of 128"),
+    (MXFP8_E4M3, bbs.TileConfig(128, 128, k_bytes=64), "multiple of 4 scale blocks \\(128 for mxfp8_e4m3\\)"),
+    (NVFP4, bbs.TileConfig(128, 128, k_bytes=16), "multiple of 4 scale blocks \\(64 for nvfp4\\)"),
+    (MXFP4, bbs.TileConfig(128, 128, num_ctas=2), "num_ctas must be 1, or 2 with tile_m = 256"),
+    (MXFP4, bbs.TileConfig(128, 96), "tile_n must be a power of two"),
+    (FP8_E4M3, bbs.TileConfig(128, 128), "format must be one of"),
+])
+def test_block_scaled_config_errors(fmt, cfg, match):
+    with pytest.raises(ValueError, match=match):
+        bbs.check_config(fmt, cfg)
+
+
+def test_fp8_config_choice_and_errors():
+    assert bfp8.config_for("sm_100", "rowwise", 1, 4096, 4096, 148).num_ctas == 2
+    assert bfp8.config_for("sm_100", "tensorwise", 1, 256, 256, 148).num_ctas == 1
+    assert bfp8.config_for("sm_100", "blockwise", 1, 8192, 8192, 148).tile_n == 128
+    assert bfp8.config_for("sm_120", "rowwise", 1, 8192, 8192, 188).num_ctas == 1
+    with pytest.raises(ValueError, match="granularity must be 'tensorwise', 'rowwise' or 'blockwise', got 'colwise'"):
+        bfp8.config_for("sm_100", "colwise", 1, 1, 1)
+    with pytest.raises(ValueError, match="blockwise configs need tile_n = tile_k = 128"):
+        bfp8.check_config("blockwise", bfp8.TileConfig(128, 256))
+    with pytest.raises(ValueError, match="num_ctas must be 1, or 2 with tile_m = 256"):
+        bfp8.check_config("rowwise", bfp8.TileConfig(128, 256, num_ctas=2))
+
+
+def test_plan_rejects_inconsistent_problems():
+    problem, _ = block_scaled_case(MXFP8_E4M3, 7, 17, 64, ba=2, bb=2)
+    problem.out = problem.out[:1].expand(3, 7, 17)
+    with pytest.raises(ValueError, match="batch sizes must be 1 or 3, got 2 and 2"):
+        bbs.plan_launch(problem, "sm_100")
+    problem, _ = block_scaled_case(MXFP8_E4M3, 7, 17, 64, swizzled=True)
+    problem.swizzled = False
+    with pytest.raises(ValueError, match="swizzled=False needs 3-D scales"):
+        bbs.plan_launch(problem, "sm_100")
+    fp8, _ = fp8_case("blockwise", 7, 17, 128)
+    fp8.a = fp8.a[:, :, :100]
+    with pytest.raises(ValueError, match="K to be a multiple of 128, got K=100"):
+        bfp8.plan_launch(fp8, "sm_100")
+
+
+@pytest.mark.parametrize("swizzled,m,folds", [
+    (False, 100, True),    # logical scales fold for any M
+    (True, 128, True),     # swizzled: the batched layout equals the folded one when M % 128 == 0
+    (True, 100, False),    # ... and not otherwise (each batch entry pads its rows to 128)
+])
+def test_shared_weight_folds_batch_into_m(swizzled, m, folds):
+    problem, _ = block_scaled_case(MXFP8_E4M3, m, 17, 64, ba=3, bb=1, swizzled=swizzled)
+    plan = bbs.plan_launch(problem, "sm_100")
+    assert plan.folded == folds
+    a, out = plan.args[0], plan.args[4]
+    if folds:
+        assert a.shape == (1, 3 * m, 64) and out.shape == (1, 3 * m, 17)
+        assert out.data_ptr() == problem.out.data_ptr()
+        assert plan.grid == (-(-3 * m // 128), 1, 1)
+    else:
+        assert a.shape == (3, m, 64) and plan.grid == (3, 1, 1)
+
+
+def test_scales_and_epilogue_arguments():
+    """Scales travel as bytes; an absent alpha / bias becomes 1.0 / zeros; NVFP4 sets the e4m3 flag."""
+    problem, _ = block_scaled_case(NVFP4, 7, 17, 64)
+    plan = bbs.plan_launch(problem, "sm_120")
+    a, sa, b, sb, out, alpha, bias, tm, tn, tk, block, packed, e4m3, group = plan.args
+    assert sa.dtype == sb.dtype == torch.uint8
+    assert alpha.tolist() == [1.0] and bias.shape == (17,) and not bias.any()
+    assert (tm, tn, tk, block, packed, e4m3) == (128, 128, 256, 16, True, True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Every specialisation a launch can produce is one that test_aot.py compiles.
+# --------------------------------------------------------------------------------------------------
+
+def _signature(args):
+    sig = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            sig.append((_CT_DTYPES[a.dtype], a.ndim))
+        else:
+            sig.append(a)
+    return tuple(sig)
+
+
+def _variant_signatures(variants):
+    out = {}
+    for v in variants:
+        sig = tuple((p.dtype, p.ndim) if hasattr(p, "ndim") else p for p in v.params)
+        for t in v.targets:
+            out[(sig, t)] = v
+    return out
+
+
+@pytest.mark.parametrize("table", ["sm_100", "sm_120"])
+@pytest.mark.parametrize("swizzled", [False, True], ids=["logical", "swizzled"])
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=FMT_IDS)
+def test_block_scaled_launches_are_aot_variants(fmt, swizzled, table):
+    known = _variant_signatures(bbs.aot_variants())
+    for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        problem, _ = block_scaled_case(fmt, 7, 17, 64, swizzled=swizzled, out_dtype=out_dtype)
+        for sm_count in (1, 10_000):  # forces the large config where the table has one, then the small
+            plan = bbs.plan_launch(problem, table, sm_count)
+            assert (_signature(plan.args), table) in known, f"{plan.config} is not in aot_variants()"
+
+
+@pytest.mark.parametrize("table", ["sm_100", "sm_120"])
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise", "blockwise"])
+def test_fp8_launches_are_aot_variants(granularity, table):
+    known = _variant_signatures(bfp8.aot_variants())
+    dtypes = (torch.float8_e4m3fn,) if granularity == "blockwise" else (torch.float8_e4m3fn, torch.float8_e5m2)
+    for dt in dtypes:
+        for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
+            problem, _ = fp8_case(granularity, 7, 17, 128, dtype=dt, out_dtype=out_dtype)
+            for sm_count in (1, 10_000):
+                plan = bfp8.plan_launch(problem, table, sm_count)
+                assert (_signature(plan.args), table) in known, f"{plan.config} is not in aot_variants()"
+
+
+def test_aot_arrays_declare_launch_alignment():
+    """AOT compiles the kernel the JIT builds for 16-byte-aligned tensors (TMA), not a byte-load one."""
+    p = bbs.launch_array(ct.float8_e4m3fn, 3)
+    assert p.stride_constant == (None, None, 1)
+    assert p.stride_divisible_by == (16, 16, 1) and p.base_addr_divisible_by == 16
+    assert bbs.launch_array(ct.float32, 2).stride_divisible_by == (4, 1)
+
+
+# ==================================================================================================
+# The tile code, emulated
+# ==================================================================================================
+
+# The output dtype is fp32 unless a case is about the cast. Shapes: M = 1, 7, 100, 129 (a second
+# partial M tile), N = 17 (partial N tile); K a multiple of the block but not of TK (128 for MXFP8,
+# 256 for FP4), so the last K step is padded, and K > TK so that more than one step runs.
+EDGE_SHAPES = [(1, 17, 160), (7, 17, 96), (100, 17, 288), (129, 17, 416)]
+
+
+@pytest.mark.parametrize("swizzled", [False, True], ids=["logical", "swizzled"])
+@pytest.mark.parametrize("m,n,k", EDGE_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in EDGE_SHAPES])
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=FMT_IDS)
+def test_block_scaled_kernel_emulated(fmt, m, n, k, swizzled):
+    problem, ref = block_scaled_case(fmt, m, n, k, swizzled=swizzled, poison=swizzled)
+    emulate(bbs.plan_launch(problem, "sm_100"))
+    assert_matches(problem.out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("swizzled", [False, True], ids=["logical", "swizzled"])
+@pytest.mark.parametrize("fmt", [MXFP8_E4M3, NVFP4], ids=["mxfp8", "nvfp4"])
+def test_block_scaled_two_cta_tile_emulated(fmt, swizzled):
+    """The 256x256 config: two 128-row scale blocks per load, partial tiles in both directions."""
+    problem, ref = block_scaled_case(fmt, 300, 260, 160, swizzled=swizzled, poison=swizzled)
+    plan = bbs.plan_launch(problem, "sm_100", sm_count=1)
+    assert plan.config.num_ctas == 2
+    emulate(plan)
+    assert_matches(problem.out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("ba,bb", [(2, 2), (3, 1), (1, 2)], ids=["batched", "shared_b", "shared_a"])
+@pytest.mark.parametrize("swizzled", [False, True], ids=["logical", "swizzled"])
+@pytest.mark.parametrize("fmt", [MXFP8_E5M2, MXFP4], ids=["mxfp8_e5m2", "mxfp4"])
+def test_block_scaled_batches_emulated(fmt, swizzled, ba, bb):
+    problem, ref = block_scaled_case(fmt, 100, 17, 96, ba=ba, bb=bb, swizzled=swizzled, poison=swizzled)
+    emulate(bbs.plan_launch(problem, "sm_100"))
+    assert_matches(problem.out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("fmt", [MXFP8_E4M3, NVFP4], ids=["mxfp8", "nvfp4"])
+def test_block_scaled_epilogue_emulated(fmt, out_dtype):
+    """alpha (NVFP4's folded global scales) and bias, then one cast."""
+    problem, ref = block_scaled_case(fmt, 7, 17, 64, out_dtype=out_dtype, alpha=0.375, bias=True)
+    emulate(bbs.plan_launch(problem, "sm_120"))
+    assert_matches(problem.out, ref.to(out_dtype), out_dtype)
+
+
+@pytest.mark.parametrize("swizzled", [False, True], ids=["logical", "swizzled"])
+def test_nan_scale_poisons_exactly_its_row_and_column_emulated(swizzled):
+    problem, _ = block_scaled_case(MXFP8_E4M3, 7, 17, 64, swizzled=False)
+    sa, sb = problem.a_scale.view(torch.uint8).clone(), problem.b_scale.view(torch.uint8).clone()
+    sa[0, 3, 1] = 255
+    sb[0, 5, 0] = 255
+    if swizzled:
+        sa, sb = swizzle.swizzle_32_4_4(sa), swizzle.swizzle_32_4_4(sb)
+    problem.a_scale, problem.b_scale, problem.swizzled = sa, sb, swizzled
+    emulate(bbs.plan_launch(problem, "sm_100"))
+    nan = problem.out[0].isnan()
+    expect = torch.zeros(7, 17, dtype=torch.bool)
+    expect[3, :] = True
+    expect[:, 5] = True
+    assert torch.equal(nan, expect)
+
+
+def test_plain_sample_sizing_would_miss_nvfp4_scales():
+    """Sizing the swizzled row extent as TM // B // 4 (right only for B = 32) reads two 128-row blocks
+    for NVFP4 (B = 16) at TM = 128: the derivation from the 128-row block is what the kernel uses."""
+    cfg = bbs.TileConfig(128, 128)
+    assert cfg.tile_m // NVFP4.block // 4 == 2
+    assert bbs.scale_tile_blocks(NVFP4, cfg)[0] == 1
+
+
+# --------------------------------------------------------------------------------------------------
+# FP8
+# --------------------------------------------------------------------------------------------------
+
+def fp8_case(granularity, m, n, k, *, ba=1, bb=1, dtype=torch.float8_e4m3fn, out_dtype=torch.float32,
+             bias=False, alpha=None, seed=0):
+    """An FP8Problem on the CPU (scales in FP8Problem's forms) and its reference result."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = max(ba, bb)
+    a = (torch.randn(ba, m, k, generator=gen) * 3).to(dtype)
+    b = (torch.randn(bb, n, k, generator=gen) * 3).to(dtype)
+    if granularity == "blockwise":
+        sa = torch.rand(ba, m, k // 128, generator=gen) + 0.5
+        sb = torch.rand(bb, -(-n // 128), k // 128, generator=gen) + 0.5
+        xs = sa.repeat_interleave(128, dim=-1)
+        ys = sb.repeat_interleave(128, dim=-2)[:, :n].repeat_interleave(128, dim=-1)  # (Bb, N, K)
+    elif granularity == "tensorwise":
+        sa = torch.tensor(0.75).expand(ba, m)          # stride-0 views, as fp8_matmul passes them
+        sb = torch.tensor(1.25).expand(bb, n)
+        xs, ys = sa[..., None], sb[..., None]
+    else:
+        sa = torch.rand(ba, m, generator=gen) + 0.5
+        sb = torch.rand(bb, n, generator=gen) + 0.5
+        xs, ys = sa[..., None], sb[..., None]
+    alpha_t = None if alpha is None else torch.tensor(alpha, dtype=torch.float32)
+    bias_t = torch.randn(n, generator=gen) if bias else None
+    ref = fp8_matmul_reference(a, xs.expand(ba, m, k), b.transpose(-1, -2), ys.expand(bb, n, k).transpose(-1, -2),
+                               out_dtype=torch.float32, alpha=alpha_t, bias=bias_t).expand(batch, m, n)
+    fmt = FP8_E4M3 if dtype == torch.float8_e4m3fn else FP8_E5M2
+    problem = FP8Problem(fmt=fmt, a=a, a_scale=sa, b=b, b_scale=sb, granularity=granularity,
+                         out=torch.full((batch, m, n), float("nan"), dtype=out_dtype), bias=bias_t,
+                         alpha=alpha_t)
+    return problem, ref
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 17, 128), (100, 17, 384), (129, 17, 256)], ids=str)
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise", "blockwise"])
+def test_fp8_kernel_emulated(granularity, m, n, k):
+    problem, ref = fp8_case(granularity, m, n, k)
+    emulate(bfp8.plan_launch(problem, "sm_100"))
+    assert_matches(problem.out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("granularity", ["rowwise", "blockwise"])
+def test_fp8_batches_and_epilogue_emulated(granularity):
+    problem, ref = fp8_case(granularity, 100, 130, 256, ba=2, bb=1, out_dtype=torch.bfloat16, bias=True,
+                            alpha=1.5)
+    emulate(bfp8.plan_launch(problem, "sm_120"))
+    assert_matches(problem.out, ref.to(torch.bfloat16), torch.bfloat16)
+
+
+def test_fp8_two_cta_tile_and_k_not_multiple_of_tile_emulated():
+    problem, ref = fp8_case("rowwise", 300, 260, 200, dtype=torch.float8_e5m2)
+    plan = bfp8.plan_launch(problem, "sm_100", sm_count=1)
+    assert plan.config.num_ctas == 2
+    emulate(plan)
+    assert_matches(problem.out, ref, torch.float32)

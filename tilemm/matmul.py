@@ -15,6 +15,10 @@ Scales come in one of two layouts, told apart by their rank:
 CPU tensors run the pure-PyTorch reference (``tilemm.reference``); CUDA tensors run the cuTile kernel
 for their architecture (``tilemm.kernels``): exact emulation on Hopper (sm_90), ``ct.mma_scaled`` on
 Blackwell (sm_100 / sm_120).
+
+Each public function handles its Python-level arguments and calls the custom operator of the same
+name, ``torch.ops.tilemm.<name>`` (``tilemm.ops``), which checks the tensors and runs the computation;
+NumPy (CPU) and CuPy (GPU) arrays are accepted and returned in kind (``tilemm._interop``).
 """
 
 from __future__ import annotations
@@ -207,7 +211,8 @@ def _logical_scales(x_scale, y_scale, m, n, ks):
     return rows_x, rows_y.transpose(-1, -2)
 
 
-def _run_block_scaled(fn, fmt, x, x_scale, y, y_scale, *, out_dtype, bias, alpha):
+def run_block_scaled(fn, fmt, x, x_scale, y, y_scale, *, out_dtype, bias, alpha):
+    """What torch.ops.tilemm.{mxfp8,mxfp4,nvfp4}_matmul run: the checks, then the reference or a kernel."""
     m, n, k, swizzled, device, bias32, alpha32 = _block_scaled(
         fn, fmt, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha)
     out_shape = (*x.shape[:-2], m, n)
@@ -243,66 +248,32 @@ def _empty_result(shape, k, bias32, out_dtype, device):
 
 
 # --------------------------------------------------------------------------------------------------
-# Public functions
+# What the custom operators torch.ops.tilemm.*_matmul run (registered in tilemm.ops): every check on
+# the tensors, then the reference (CPU) or a kernel (CUDA). The fake ("meta") versions run the same
+# checks, which read only shapes, dtypes and devices, and return an empty output of the right shape.
 # --------------------------------------------------------------------------------------------------
 
-@_interop.accepts_cupy
-def mxfp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, alpha=None):
-    """MXFP8 matmul: e4m3 or e5m2 elements with one e8m0 scale per 32 elements of K.
-
-    Args:
-        x: (..., M, K) float8_e4m3fn or float8_e5m2, row-major.
-        x_scale: (..., M, K/32) e8m0 (``torch.float8_e8m0fnu`` or its uint8 bytes), or swizzled.
-        y: (..., K, N) of x's dtype, K-major (``w.t()`` of an (N, K) weight); 2-D y is shared by a batch.
-        y_scale: (..., K/32, N) (``w_scale.t()``), or the swizzle of the (N, K/32) weight scale.
-        out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
-        bias: optional (N,) float tensor, added after ``alpha``.
-        alpha: optional float or 0-d tensor multiplying the fp32 product.
-
-    Returns:
-        (..., M, N) tensor of ``out_dtype``.
-    """
-    fn = "mxfp8_matmul"
+def mxfp8_operand_format(fn: str, x) -> Format:
+    """The MXFP8 descriptor for the dtype of ``x`` (e4m3 or e5m2), or a TypeError naming ``fn``."""
     if isinstance(x, torch.Tensor) and x.dtype in FP8_DTYPES:
-        fmt = mxfp8_format(x.dtype, "x.dtype")
-    else:
-        check_tensor(fn, "x", x)
-        raise TypeError(f"{fn}: x must have dtype torch.float8_e4m3fn or torch.float8_e5m2, got {x.dtype}")
-    return _run_block_scaled(fn, fmt, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha)
+        return mxfp8_format(x.dtype, "x.dtype")
+    check_tensor(fn, "x", x)
+    raise TypeError(f"{fn}: x must have dtype torch.float8_e4m3fn or torch.float8_e5m2, got {x.dtype}")
 
 
-@_interop.accepts_cupy
-def mxfp4_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, alpha=None):
-    """MXFP4 matmul: e2m1 elements packed two per byte along K, one e8m0 scale per 32 elements.
-
-    x: (..., M, K/2) uint8; y: (..., K/2, N) uint8, K-major (``w.t()`` of an (N, K/2) packed weight);
-    scales as for :func:`mxfp8_matmul` with K/32 columns. Other arguments as for :func:`mxfp8_matmul`.
-    """
-    return _run_block_scaled("mxfp4_matmul", MXFP4, x, x_scale, y, y_scale, out_dtype=out_dtype,
-                             bias=bias, alpha=alpha)
+def block_scaled_matmul_fake(fn, fmt, x, x_scale, y, y_scale, *, out_dtype, bias, alpha):
+    """The output a block-scaled matmul would return, empty, after the same checks."""
+    m, n, *_ = _block_scaled(fn, fmt, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha)
+    return x.new_empty((*x.shape[:-2], m, n), dtype=out_dtype)
 
 
-@_interop.accepts_cupy
-def nvfp4_matmul(x, x_scale, y, y_scale, *, global_scale_x, global_scale_y, out_dtype=torch.bfloat16,
-                 bias=None, alpha=None):
-    """NVFP4 matmul: e2m1 elements packed two per byte, one e4m3 scale per 16 elements, and one fp32
-    decode ("global") scale per tensor.
-
-    x: (..., M, K/2) uint8; y: (..., K/2, N) uint8, K-major; x_scale (..., M, K/16) and y_scale
-    (..., K/16, N) float8_e4m3fn, or swizzled. ``global_scale_x`` / ``global_scale_y`` are the decode
-    scales returned by :func:`tilemm.quantize_nvfp4`: Python floats or 0-d float tensors (any float
-    dtype, any device; converted exactly to fp32). The product is multiplied by
-    ``global_scale_x * global_scale_y`` (then by ``alpha`` if given) before ``bias``.
-    """
-    fn = "nvfp4_matmul"
-    device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
-    gx = as_fp32_scalar(fn, "global_scale_x", global_scale_x, device)
-    gy = as_fp32_scalar(fn, "global_scale_y", global_scale_y, device)
-    total = gx * gy
+def nvfp4_alpha(fn, global_scale_x, global_scale_y, alpha, device) -> torch.Tensor:
+    """``global_scale_x * global_scale_y (* alpha)`` as a 0-d fp32 tensor on ``device``."""
+    total = (as_fp32_scalar(fn, "global_scale_x", global_scale_x, device)
+             * as_fp32_scalar(fn, "global_scale_y", global_scale_y, device))
     if alpha is not None:
         total = total * as_fp32_scalar(fn, "alpha", alpha, device)
-    return _run_block_scaled(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias,
-                             alpha=total)
+    return total
 
 
 def _fp8_granularity(fn: str, x, sx, y, sy):
@@ -349,20 +320,8 @@ def _fp8_granularity(fn: str, x, sx, y, sy):
     return kx, ky
 
 
-@_interop.accepts_cupy
-def fp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, alpha=None,
-               use_fast_accum=False):
-    """FP8 matmul with fp32 scales whose shapes give the granularity, as in ``torch._scaled_mm``.
-
-    x: (..., M, K) float8_e4m3fn / float8_e5m2; y: (..., K, N) of the same dtype, K-major.
-    x_scale: 0-d (per tensor), (..., M, 1) (per row) or (..., M, K/128) (1x128 blocks, e4m3).
-    y_scale: 0-d (per tensor), (..., 1, N) (per column) or (..., K/128, ceil(N/128)) (128x128 blocks:
-    the transpose of the scale :func:`tilemm.quantize_fp8` returns for an (N, K) weight).
-    Per-tensor and per-row scales mix freely; 1x128 pairs with 128x128. Scales are fp32 decode factors.
-    use_fast_accum: as in ``torch._scaled_mm``: on Hopper, accumulate in the FP8 tensor cores' own
-    (reduced-precision) accumulator only, for speed. Default False: a full fp32 accumulation. The CPU
-    reference path and GPUs without such a mode accept it and compute the precise result.
-    """
+def fp8_matmul_checked(x, x_scale, y, y_scale, *, out_dtype, bias, alpha, use_fast_accum):
+    """Every check of :func:`fp8_matmul` on tensors; returns what the computation needs."""
     fn = "fp8_matmul"
     _check_operands(fn, x, y, FP8_DTYPES, 1)
     fmt = fp8_format(x.dtype, "x.dtype")
@@ -373,9 +332,22 @@ def fp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, a
     if "block" in (kx, ky) and fmt.element != "e4m3":
         raise TypeError(f"{fn}: 128-element block scales are defined for float8_e4m3fn, got {x.dtype}")
     device = check_same_device(fn, x=x, y=y, x_scale=x_scale, y_scale=y_scale)
-    m, k, n = x.shape[-2], x.shape[-1], y.shape[-1]
-    bias32 = check_bias(fn, bias, n, device)
+    bias32 = check_bias(fn, bias, y.shape[-1], device)
     alpha32 = None if alpha is None else as_fp32_scalar(fn, "alpha", alpha, device)
+    return fmt, kx, ky, device, bias32, alpha32
+
+
+def fp8_matmul_fake(x, x_scale, y, y_scale, *, out_dtype, bias, alpha, use_fast_accum):
+    fp8_matmul_checked(x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
+                       use_fast_accum=use_fast_accum)
+    return x.new_empty((*x.shape[:-2], x.shape[-2], y.shape[-1]), dtype=out_dtype)
+
+
+def run_fp8_matmul(x, x_scale, y, y_scale, *, out_dtype, bias, alpha, use_fast_accum):
+    """What torch.ops.tilemm.fp8_matmul runs: the checks, then the reference or a kernel."""
+    fmt, kx, ky, device, bias32, alpha32 = fp8_matmul_checked(
+        x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha, use_fast_accum=use_fast_accum)
+    m, k, n = x.shape[-2], x.shape[-1], y.shape[-1]
     out_shape = (*x.shape[:-2], m, n)
     if x.numel() == 0 or y.numel() == 0 or m == 0 or n == 0:
         return _empty_result(out_shape, k, bias32, out_dtype, device)
@@ -409,6 +381,125 @@ def fp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, a
     )
     kernels.fp8_matmul(problem)
     return problem.out.view(out_shape)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public functions: Python-level argument handling (non-tensor arguments, FP8 bytes from NumPy or
+# CuPy, scalars to 0-d tensors), then the custom operator, which torch.compile sees as one opaque op.
+# --------------------------------------------------------------------------------------------------
+
+def _fp8_bytes(fn: str, name: str, t, elem_dtype):
+    """FP8 data given as raw uint8 bytes (NumPy / CuPy arrays have no float8) viewed as ``elem_dtype``
+    (default e4m3); float8 tensors must agree with an explicit ``elem_dtype``."""
+    if elem_dtype is not None and elem_dtype not in FP8_DTYPES:
+        raise TypeError(f"{fn}: elem_dtype must be torch.float8_e4m3fn or torch.float8_e5m2 (the encoding "
+                        f"of uint8 FP8 bytes), got {elem_dtype!r}")
+    if not isinstance(t, torch.Tensor):
+        return t  # check_tensor reports it
+    if t.dtype == torch.uint8:
+        return t.view(torch.float8_e4m3fn if elem_dtype is None else elem_dtype)
+    if elem_dtype is not None and t.dtype in FP8_DTYPES and t.dtype != elem_dtype:
+        raise TypeError(f"{fn}: {name} has dtype {t.dtype} but elem_dtype={elem_dtype}; elem_dtype only "
+                        f"says how to read uint8 bytes, so leave it out or make it agree")
+    return t
+
+
+def _check_op_args(fn: str, out_dtype, bias, **tensors) -> None:
+    for name, t in tensors.items():
+        check_tensor(fn, name, t)
+    if bias is not None:
+        check_tensor(fn, "bias", bias)
+    check_out_dtype(fn, out_dtype)
+
+
+def _alpha_tensor(fn: str, alpha, device):
+    return None if alpha is None else as_fp32_scalar(fn, "alpha", alpha, device)
+
+
+@_interop.accepts_arrays
+def mxfp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, alpha=None, elem_dtype=None):
+    """MXFP8 matmul: e4m3 or e5m2 elements with one e8m0 scale per 32 elements of K.
+
+    Args:
+        x: (..., M, K) float8_e4m3fn or float8_e5m2, row-major (or uint8 bytes, see ``elem_dtype``).
+        x_scale: (..., M, K/32) e8m0 (``torch.float8_e8m0fnu`` or its uint8 bytes), or swizzled.
+        y: (..., K, N) of x's dtype, K-major (``w.t()`` of an (N, K) weight); 2-D y is shared by a batch.
+        y_scale: (..., K/32, N) (``w_scale.t()``), or the swizzle of the (N, K/32) weight scale.
+        out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
+        bias: optional (N,) float tensor, added after ``alpha``.
+        alpha: optional float or 0-d tensor multiplying the fp32 product.
+        elem_dtype: the FP8 encoding of x and y when they are uint8 bytes (NumPy and CuPy arrays, which
+            have no float8): ``torch.float8_e4m3fn`` (the default for bytes) or ``torch.float8_e5m2``.
+
+    Returns:
+        (..., M, N) tensor of ``out_dtype`` (an array of the input's kind for NumPy / CuPy inputs).
+    """
+    fn = "mxfp8_matmul"
+    x, y = _fp8_bytes(fn, "x", x, elem_dtype), _fp8_bytes(fn, "y", y, elem_dtype)
+    _check_op_args(fn, out_dtype, bias, x=x, x_scale=x_scale, y=y, y_scale=y_scale)
+    return torch.ops.tilemm.mxfp8_matmul(x, x_scale, y, y_scale, out_dtype, bias,
+                                         _alpha_tensor(fn, alpha, x.device))
+
+
+@_interop.accepts_arrays
+def mxfp4_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, alpha=None):
+    """MXFP4 matmul: e2m1 elements packed two per byte along K, one e8m0 scale per 32 elements.
+
+    x: (..., M, K/2) uint8; y: (..., K/2, N) uint8, K-major (``w.t()`` of an (N, K/2) packed weight);
+    scales as for :func:`mxfp8_matmul` with K/32 columns. Other arguments as for :func:`mxfp8_matmul`.
+    """
+    fn = "mxfp4_matmul"
+    _check_op_args(fn, out_dtype, bias, x=x, x_scale=x_scale, y=y, y_scale=y_scale)
+    return torch.ops.tilemm.mxfp4_matmul(x, x_scale, y, y_scale, out_dtype, bias,
+                                         _alpha_tensor(fn, alpha, x.device))
+
+
+@_interop.accepts_arrays
+def nvfp4_matmul(x, x_scale, y, y_scale, *, global_scale_x, global_scale_y, out_dtype=torch.bfloat16,
+                 bias=None, alpha=None):
+    """NVFP4 matmul: e2m1 elements packed two per byte, one e4m3 scale per 16 elements, and one fp32
+    decode ("global") scale per tensor.
+
+    x: (..., M, K/2) uint8; y: (..., K/2, N) uint8, K-major; x_scale (..., M, K/16) and y_scale
+    (..., K/16, N) float8_e4m3fn (or its uint8 bytes), or swizzled. ``global_scale_x`` /
+    ``global_scale_y`` are the decode scales returned by :func:`tilemm.quantize_nvfp4`: Python floats
+    or 0-d float tensors (any float dtype, any device; converted exactly to fp32). The product is
+    multiplied by ``global_scale_x * global_scale_y`` (then by ``alpha`` if given) before ``bias``.
+    """
+    fn = "nvfp4_matmul"
+    _check_op_args(fn, out_dtype, bias, x=x, x_scale=x_scale, y=y, y_scale=y_scale)
+    # e4m3 scale bytes (NumPy / CuPy arrays have no float8) are unambiguous: view them as e4m3.
+    x_scale, y_scale = (s.view(NVFP4.scale_dtype) if s.dtype == torch.uint8 else s for s in (x_scale, y_scale))
+    device = x.device
+    gx = as_fp32_scalar(fn, "global_scale_x", global_scale_x, device)
+    gy = as_fp32_scalar(fn, "global_scale_y", global_scale_y, device)
+    return torch.ops.tilemm.nvfp4_matmul(x, x_scale, y, y_scale, gx, gy, out_dtype, bias,
+                                         _alpha_tensor(fn, alpha, device))
+
+
+@_interop.accepts_arrays
+def fp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, alpha=None,
+               use_fast_accum=False, elem_dtype=None):
+    """FP8 matmul with fp32 scales whose shapes give the granularity, as in ``torch._scaled_mm``.
+
+    x: (..., M, K) float8_e4m3fn / float8_e5m2; y: (..., K, N) of the same dtype, K-major.
+    x_scale: 0-d (per tensor), (..., M, 1) (per row) or (..., M, K/128) (1x128 blocks, e4m3).
+    y_scale: 0-d (per tensor), (..., 1, N) (per column) or (..., K/128, ceil(N/128)) (128x128 blocks:
+    the transpose of the scale :func:`tilemm.quantize_fp8` returns for an (N, K) weight).
+    Per-tensor and per-row scales mix freely; 1x128 pairs with 128x128. Scales are fp32 decode factors.
+    use_fast_accum: as in ``torch._scaled_mm``: on Hopper, accumulate in the FP8 tensor cores' own
+    (reduced-precision) accumulator only, for speed. Default False: a full fp32 accumulation. The CPU
+    reference path and GPUs without such a mode accept it and compute the precise result.
+    elem_dtype: the FP8 encoding of x and y when they are uint8 bytes (NumPy / CuPy arrays):
+    ``torch.float8_e4m3fn`` (the default for bytes) or ``torch.float8_e5m2``.
+    """
+    fn = "fp8_matmul"
+    x, y = _fp8_bytes(fn, "x", x, elem_dtype), _fp8_bytes(fn, "y", y, elem_dtype)
+    _check_op_args(fn, out_dtype, bias, x=x, x_scale=x_scale, y=y, y_scale=y_scale)
+    if not isinstance(use_fast_accum, bool):
+        raise TypeError(f"{fn}: use_fast_accum must be a bool, got {type(use_fast_accum).__name__}")
+    return torch.ops.tilemm.fp8_matmul(x, x_scale, y, y_scale, out_dtype, bias,
+                                       _alpha_tensor(fn, alpha, x.device), use_fast_accum)
 
 
 def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fast_accum=False):

@@ -50,6 +50,7 @@ import torch
 
 from swizzle import swizzle_32_4_4, unswizzle_32_4_4
 
+from . import _interop
 from .formats import FP8_E4M3, MXFP4, NVFP4, Format, fp8_format, mxfp8_format
 from .numerics import as_uint8, pack_e2m1
 from .reference import dequantize_blocks
@@ -216,8 +217,13 @@ def _fp8_format_or_raise(fn: str, elem_dtype) -> Format:
         raise TypeError(f"{fn}: {err}") from None
 
 
-def _global_decode_scale(fn: str, global_scale, device: torch.device) -> torch.Tensor:
-    """The NVFP4 decode scale as a 0-d fp32 tensor on ``device``; must be positive and finite."""
+def _global_decode_scale(fn: str, global_scale, device: torch.device,
+                         check_value: bool = True) -> torch.Tensor:
+    """The NVFP4 decode scale as a 0-d fp32 tensor on ``device``; must be positive and finite.
+
+    ``check_value=False`` skips the check of the value, which reads it back to the host (``.item()``):
+    for fake tensors, and while torch.compile traces (the custom op checks it when it runs).
+    """
     if isinstance(global_scale, bool) or not isinstance(global_scale, (int, float, torch.Tensor)):
         raise TypeError(f"{fn}: global_scale must be a Python float or a 0-d floating-point "
                         f"torch.Tensor, got {type(global_scale).__name__}")
@@ -232,6 +238,8 @@ def _global_decode_scale(fn: str, global_scale, device: torch.device) -> torch.T
         gs = global_scale.detach().to(device=device, dtype=torch.float32)
     else:
         gs = torch.tensor(float(global_scale), dtype=torch.float32, device=device)
+    if not check_value:
+        return gs
     value = gs.item()
     if not (value > 0.0 and value != float("inf")):
         raise ValueError(f"{fn}: global_scale must be a positive finite decode scale, "
@@ -459,12 +467,105 @@ def _quantize_fp8_reference(x: torch.Tensor, fmt: Format, granularity,
 # ----------------------------------------------------------------------------------------------
 
 
+# What the custom operators torch.ops.tilemm.quantize_* run (registered in tilemm.ops): every check,
+# then the quantizer (the reference on every device for now; GPU kernels are dispatched here). The
+# public functions below check first too, for the arguments the operator schema cannot carry, then
+# call the operator, which torch.compile sees as one opaque op.
+
+FP8_GRANULARITY_NAMES = {"tensor": "tensor", "row": "row", "1x128": (1, FP8_BLOCK),
+                         "128x128": (FP8_BLOCK, FP8_BLOCK)}
+
+
+def fp8_granularity_name(granularity) -> str:
+    """The operator's name for a parsed granularity: 'tensor', 'row', '1x128' or '128x128'."""
+    return granularity if isinstance(granularity, str) else f"{granularity[0]}x{granularity[1]}"
+
+
+def check_quantize_mxfp8(x, elem_dtype, rounding, swizzle) -> Format:
+    fn = "quantize_mxfp8"
+    fmt = _mxfp8_format_or_raise(fn, elem_dtype)
+    _check_rounding(fn, rounding)
+    _check_bool(fn, "swizzle", swizzle)
+    _check_input(fn, x, block=fmt.block, min_ndim=2 if swizzle else 1)
+    return fmt
+
+
+def check_quantize_mxfp4(x, rounding, swizzle) -> Format:
+    fn = "quantize_mxfp4"
+    _check_rounding(fn, rounding)
+    _check_bool(fn, "swizzle", swizzle)
+    _check_input(fn, x, block=MXFP4.block, min_ndim=2 if swizzle else 1)
+    return MXFP4
+
+
+def check_quantize_nvfp4(x, global_scale, swizzle, check_value: bool = True):
+    """Returns the decode scale as a 0-d fp32 tensor on x's device, or None."""
+    fn = "quantize_nvfp4"
+    _check_bool(fn, "swizzle", swizzle)
+    _check_input(fn, x, block=NVFP4.block, min_ndim=2 if swizzle else 1)
+    if global_scale is None:
+        return None
+    return _global_decode_scale(fn, global_scale, x.device, check_value)
+
+
+def check_quantize_fp8(x, granularity, elem_dtype, pow2_scale):
+    """Returns the format and the parsed granularity ('tensor', 'row', (1, 128) or (128, 128))."""
+    fn = "quantize_fp8"
+    fmt = _fp8_format_or_raise(fn, elem_dtype)
+    gran = _parse_granularity(fn, granularity)
+    _check_bool(fn, "pow2_scale", pow2_scale)
+    if gran in ("tensor", "row"):
+        if pow2_scale:
+            raise ValueError(f"{fn}: pow2_scale=True needs a block granularity (1, 128) or "
+                             f"(128, 128), got granularity={granularity!r}")
+        _check_input(fn, x, block=None)
+    else:
+        if fmt is not FP8_E4M3:
+            raise ValueError(f"{fn}: granularity {gran} needs elem_dtype=torch.float8_e4m3fn, "
+                             f"got {elem_dtype}")
+        _check_input(fn, x, block=FP8_BLOCK, min_ndim=2 if gran == (FP8_BLOCK, FP8_BLOCK) else 1)
+    return fmt, gran
+
+
+def run_quantize_mxfp8(x, elem_dtype, rounding, swizzle):
+    fmt = check_quantize_mxfp8(x, elem_dtype, rounding, swizzle)
+    return tuple(_quantize_mxfp8_reference(x.contiguous(), fmt, rounding, swizzle))
+
+
+def run_quantize_mxfp4(x, rounding, swizzle):
+    check_quantize_mxfp4(x, rounding, swizzle)
+    return tuple(_quantize_mxfp4_reference(x.contiguous(), rounding, swizzle))
+
+
+def run_quantize_nvfp4(x, global_scale, swizzle):
+    gs = check_quantize_nvfp4(x, global_scale, swizzle)
+    data, scale, decode = _quantize_nvfp4_reference(x.contiguous(), gs, swizzle)
+    # A given decode scale comes back out; an operator's outputs must not alias its inputs.
+    return data, scale, decode if gs is None else decode.clone()
+
+
+def fp8_granularity_from_name(granularity: str):
+    try:
+        return FP8_GRANULARITY_NAMES[granularity]
+    except KeyError:
+        raise ValueError(f"tilemm::quantize_fp8: granularity must be 'tensor', 'row', '1x128' or "
+                         f"'128x128', got {granularity!r}") from None
+
+
+def run_quantize_fp8(x, granularity, elem_dtype, pow2_scale):
+    gran = fp8_granularity_from_name(granularity)
+    fmt, gran = check_quantize_fp8(x, gran, elem_dtype, pow2_scale)
+    return tuple(_quantize_fp8_reference(x.contiguous(), fmt, gran, pow2_scale))
+
+
+@_interop.accepts_arrays
 def quantize_mxfp8(x: torch.Tensor, *, elem_dtype: torch.dtype = torch.float8_e4m3fn,
                    rounding: str = "rceil", swizzle: bool = False) -> MXFP8Tensor:
     """Quantize x (..., K) to MXFP8: 32-element blocks along K with e8m0 scales.
 
     Args:
         x: float32, bfloat16 or float16 tensor on any device; K a positive multiple of 32.
+            NumPy / CuPy arrays give arrays back, data and scale as uint8 bytes.
         elem_dtype: ``torch.float8_e4m3fn`` (Qmax 448) or ``torch.float8_e5m2`` (Qmax 57344).
         rounding: ``"rceil"`` (default; smallest power of two >= amax/Qmax, as TE and cuBLAS) or
             ``"floor"`` (OCP MX spec: floor(log2(amax)) - emax, may clip the block maximum).
@@ -475,14 +576,11 @@ def quantize_mxfp8(x: torch.Tensor, *, elem_dtype: torch.dtype = torch.float8_e4
         ``MXFP8Tensor(data, scale)``: data (..., K) of ``elem_dtype``, scale (..., K/32)
         ``torch.float8_e8m0fnu`` (or swizzled).
     """
-    fn = "quantize_mxfp8"
-    fmt = _mxfp8_format_or_raise(fn, elem_dtype)
-    _check_rounding(fn, rounding)
-    _check_bool(fn, "swizzle", swizzle)
-    _check_input(fn, x, block=fmt.block, min_ndim=2 if swizzle else 1)
-    return _quantize_mxfp8_reference(x, fmt, rounding, swizzle)
+    fmt = check_quantize_mxfp8(x, elem_dtype, rounding, swizzle)
+    return MXFP8Tensor(*torch.ops.tilemm.quantize_mxfp8(x.detach(), fmt.data_dtype, rounding, swizzle))
 
 
+@_interop.accepts_arrays
 def quantize_mxfp4(x: torch.Tensor, *, rounding: str = "rceil",
                    swizzle: bool = False) -> MXFP4Tensor:
     """Quantize x (..., K) to MXFP4: e2m1 elements packed two per byte, 32-element e8m0 blocks.
@@ -496,13 +594,11 @@ def quantize_mxfp4(x: torch.Tensor, *, rounding: str = "rceil",
         ``MXFP4Tensor(data, scale)``: data (..., K/2) uint8, element 2i in the low nibble of byte
         i; scale (..., K/32) ``torch.float8_e8m0fnu`` (or swizzled).
     """
-    fn = "quantize_mxfp4"
-    _check_rounding(fn, rounding)
-    _check_bool(fn, "swizzle", swizzle)
-    _check_input(fn, x, block=MXFP4.block, min_ndim=2 if swizzle else 1)
-    return _quantize_mxfp4_reference(x, rounding, swizzle)
+    check_quantize_mxfp4(x, rounding, swizzle)
+    return MXFP4Tensor(*torch.ops.tilemm.quantize_mxfp4(x.detach(), rounding, swizzle))
 
 
+@_interop.accepts_arrays
 def quantize_nvfp4(x: torch.Tensor, *, global_scale=None, swizzle: bool = False) -> NVFP4Tensor:
     """Quantize x (..., K) to NVFP4: e2m1 pairs, 16-element e4m3 block scales, one fp32 decode scale.
 
@@ -519,13 +615,12 @@ def quantize_nvfp4(x: torch.Tensor, *, global_scale=None, swizzle: bool = False)
         ``NVFP4Tensor(data, scale, global_scale)``: data (..., K/2) uint8, scale (..., K/16)
         ``torch.float8_e4m3fn`` (or swizzled), global_scale a 0-d fp32 tensor on x's device.
     """
-    fn = "quantize_nvfp4"
-    _check_bool(fn, "swizzle", swizzle)
-    _check_input(fn, x, block=NVFP4.block, min_ndim=2 if swizzle else 1)
-    gs = None if global_scale is None else _global_decode_scale(fn, global_scale, x.device)
-    return _quantize_nvfp4_reference(x, gs, swizzle)
+    # The value of a given global_scale is checked by the operator (reading it back syncs a GPU).
+    gs = check_quantize_nvfp4(x, global_scale, swizzle, check_value=False)
+    return NVFP4Tensor(*torch.ops.tilemm.quantize_nvfp4(x.detach(), gs, swizzle))
 
 
+@_interop.accepts_arrays
 def quantize_fp8(x: torch.Tensor, *, granularity="tensor",
                  elem_dtype: torch.dtype = torch.float8_e4m3fn,
                  pow2_scale: bool = False) -> FP8Tensor:
@@ -544,21 +639,9 @@ def quantize_fp8(x: torch.Tensor, *, granularity="tensor",
     Tensor / row: ``s = amax / Qmax`` (1.0 when that is 0). Blocks: ``s = max(amax, 1e-4) / 448``.
     Then ``data = cast_RNE_satfinite(x / s)``. A NaN or Inf makes its group's scale and data NaN.
     """
-    fn = "quantize_fp8"
-    fmt = _fp8_format_or_raise(fn, elem_dtype)
-    gran = _parse_granularity(fn, granularity)
-    _check_bool(fn, "pow2_scale", pow2_scale)
-    if gran in ("tensor", "row"):
-        if pow2_scale:
-            raise ValueError(f"{fn}: pow2_scale=True needs a block granularity (1, 128) or "
-                             f"(128, 128), got granularity={granularity!r}")
-        _check_input(fn, x, block=None)
-    else:
-        if fmt is not FP8_E4M3:
-            raise ValueError(f"{fn}: granularity {gran} needs elem_dtype=torch.float8_e4m3fn, "
-                             f"got {elem_dtype}")
-        _check_input(fn, x, block=FP8_BLOCK, min_ndim=2 if gran == (FP8_BLOCK, FP8_BLOCK) else 1)
-    return _quantize_fp8_reference(x, fmt, gran, pow2_scale)
+    fmt, gran = check_quantize_fp8(x, granularity, elem_dtype, pow2_scale)
+    return FP8Tensor(*torch.ops.tilemm.quantize_fp8(x.detach(), fp8_granularity_name(gran),
+                                                    fmt.data_dtype, pow2_scale))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -604,11 +687,29 @@ def _logical_block_scale(fn: str, fmt: Format, data: torch.Tensor,
     return scale
 
 
-def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """MXFP8 -> fp32 (..., K). ``scale`` is logical (..., K/32) or swizzled; e8m0 or uint8 bytes."""
+def _fp8_data_bytes(fn: str, data, elem_dtype):
+    """uint8 FP8 bytes (NumPy / CuPy arrays have no float8) viewed as ``elem_dtype`` (default e4m3)."""
+    if elem_dtype is not None:
+        _fp8_format_or_raise(fn, elem_dtype)
+        if data.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and data.dtype != elem_dtype:
+            raise TypeError(f"{fn}: data has dtype {data.dtype} but elem_dtype={elem_dtype}; elem_dtype "
+                            f"only says how to read uint8 bytes, so leave it out or make it agree")
+    if data.dtype == torch.uint8:
+        return data.view(torch.float8_e4m3fn if elem_dtype is None else elem_dtype)
+    return data
+
+
+@_interop.accepts_arrays
+def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, *, elem_dtype=None) -> torch.Tensor:
+    """MXFP8 -> fp32 (..., K). ``scale`` is logical (..., K/32) or swizzled; e8m0 or uint8 bytes.
+
+    ``elem_dtype`` says which FP8 encoding uint8 ``data`` holds (NumPy / CuPy arrays have no float8):
+    ``torch.float8_e4m3fn`` (the default for bytes) or ``torch.float8_e5m2``.
+    """
     fn = "dequantize_mxfp8"
     _check_tensor(fn, "data", data)
     _check_tensor(fn, "scale", scale)
+    data = _fp8_data_bytes(fn, data, elem_dtype)
     try:
         fmt = mxfp8_format(data.dtype, "data.dtype")
     except TypeError as err:
@@ -617,6 +718,7 @@ def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return dequantize_blocks(fmt, data, _logical_block_scale(fn, fmt, data, scale))
 
 
+@_interop.accepts_arrays
 def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """MXFP4 packed uint8 (..., K/2) -> fp32 (..., K). ``scale`` logical (..., K/32) or swizzled."""
     fn = "dequantize_mxfp4"
@@ -629,6 +731,7 @@ def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return dequantize_blocks(MXFP4, data, _logical_block_scale(fn, MXFP4, data, scale))
 
 
+@_interop.accepts_arrays
 def dequantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, global_scale) -> torch.Tensor:
     """NVFP4 -> fp32 (..., K): ``e2m1 * fp32(s_b) * global_scale``.
 
@@ -642,19 +745,22 @@ def dequantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, global_scale) -> t
         raise TypeError(f"{fn}: data.dtype must be torch.uint8 (two e2m1 per byte), "
                         f"got {data.dtype}")
     _check_scale_dtype(fn, scale, NVFP4)
-    gs = _global_decode_scale(fn, global_scale, data.device)
+    gs = _global_decode_scale(fn, global_scale, data.device, not torch.compiler.is_compiling())
     return dequantize_blocks(NVFP4, data, _logical_block_scale(fn, NVFP4, data, scale), gs)
 
 
-def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+@_interop.accepts_arrays
+def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, *, elem_dtype=None) -> torch.Tensor:
     """FP8 -> fp32: ``data * scale`` with the scale broadcast over its blocks.
 
     The granularity is read from the shapes: 0-d (tensor); (..., M, C) with K % C == 0 and
     blocks of K/C columns over rows of 1 (C rows = M) or 128 (rows = ceil(M/128)).
+    ``elem_dtype`` says which FP8 encoding uint8 ``data`` holds, as for :func:`dequantize_mxfp8`.
     """
     fn = "dequantize_fp8"
     _check_tensor(fn, "data", data)
     _check_tensor(fn, "scale", scale)
+    data = _fp8_data_bytes(fn, data, elem_dtype)
     try:
         fp8_format(data.dtype, "data.dtype")
     except TypeError as err:

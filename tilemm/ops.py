@@ -1,0 +1,194 @@
+"""tilemm's quantizers and matmuls as PyTorch custom operators, ``torch.ops.tilemm.*``.
+
+The public functions (``tilemm.quantize_mxfp8``, ``tilemm.mxfp8_matmul``, ...) handle the Python-level
+arguments (NamedTuples, Python floats, NumPy / CuPy arrays, FP8 bytes) and then call these operators,
+so there is one code path and ``torch.compile`` sees each quantizer or matmul as one opaque op (with
+``fullgraph=True`` too). Each operator checks its arguments itself, with the public function's
+messages, so calling ``torch.ops.tilemm.*`` directly is safe; its fake (meta) implementation runs the
+same checks, which read only shapes, dtypes and devices, and returns empty outputs of the exact shapes
+and dtypes, swizzled scales and NVFP4's decode scale included.
+
+Operators take and return tensors::
+
+    quantize_mxfp8(Tensor x, ScalarType? elem_dtype=None, str rounding="rceil", bool swizzle=False)
+        -> (Tensor data, Tensor scale)
+    quantize_mxfp4(Tensor x, str rounding="rceil", bool swizzle=False) -> (Tensor data, Tensor scale)
+    quantize_nvfp4(Tensor x, Tensor? global_scale=None, bool swizzle=False)
+        -> (Tensor data, Tensor scale, Tensor global_scale)
+    quantize_fp8(Tensor x, str granularity="tensor", ScalarType? elem_dtype=None, bool pow2_scale=False)
+        -> (Tensor data, Tensor scale)          # granularity: 'tensor', 'row', '1x128' or '128x128'
+    mxfp8_matmul(Tensor x, Tensor x_scale, Tensor y, Tensor y_scale, ScalarType out_dtype=bfloat16,
+                 Tensor? bias=None, Tensor? alpha=None) -> Tensor       # and mxfp4_matmul alike
+    nvfp4_matmul(Tensor x, Tensor x_scale, Tensor y, Tensor y_scale, Tensor global_scale_x,
+                 Tensor global_scale_y, ScalarType out_dtype=bfloat16, Tensor? bias=None,
+                 Tensor? alpha=None) -> Tensor
+    fp8_matmul(Tensor x, Tensor x_scale, Tensor y, Tensor y_scale, ScalarType out_dtype=bfloat16,
+               Tensor? bias=None, Tensor? alpha=None, bool use_fast_accum=False) -> Tensor
+
+``elem_dtype=None`` means ``torch.float8_e4m3fn``. Arguments and results mean what they mean for the
+public function of the same name. The operators are for inference: no autograd formula is registered,
+so a backward pass through one raises.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import matmul as _matmul
+from . import quantize as _quantize
+from .formats import MXFP4, NVFP4
+
+__all__ = ["quantize_mxfp8", "quantize_mxfp4", "quantize_nvfp4", "quantize_fp8",
+           "mxfp8_matmul", "mxfp4_matmul", "nvfp4_matmul", "fp8_matmul"]
+
+_E4M3 = torch.float8_e4m3fn
+SWIZZLE_ROWS = 128  # scale rows per 32x16 block of the 32x4x4 layout
+SWIZZLE_COLS = 4  # scale columns per 32x16 block
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def _block_scale_shape(shape, block: int, swizzle: bool) -> tuple:
+    """Scale shape for data of logical ``shape`` (..., K): (..., K/block), or swizzled 32x4x4
+    (..., ceil(M/128), ceil(K/block/4), 32, 16). Plain arithmetic, so symbolic sizes work."""
+    cols = shape[-1] // block
+    if not swizzle:
+        return (*shape[:-1], cols)
+    return (*shape[:-2], _ceil_div(shape[-2], SWIZZLE_ROWS), _ceil_div(cols, SWIZZLE_COLS), 32, 16)
+
+
+# --------------------------------------------------------------------------------------------------
+# Quantizers
+# --------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("tilemm::quantize_mxfp8", mutates_args=())
+def quantize_mxfp8(x: Tensor, elem_dtype: Optional[torch.dtype] = None, rounding: str = "rceil",
+                   swizzle: bool = False) -> tuple[Tensor, Tensor]:
+    return _quantize.run_quantize_mxfp8(x, elem_dtype or _E4M3, rounding, swizzle)
+
+
+@quantize_mxfp8.register_fake
+def _(x, elem_dtype=None, rounding="rceil", swizzle=False):
+    fmt = _quantize.check_quantize_mxfp8(x, elem_dtype or _E4M3, rounding, swizzle)
+    return (x.new_empty(x.shape, dtype=fmt.data_dtype),
+            x.new_empty(_block_scale_shape(x.shape, fmt.block, swizzle), dtype=fmt.scale_dtype))
+
+
+@torch.library.custom_op("tilemm::quantize_mxfp4", mutates_args=())
+def quantize_mxfp4(x: Tensor, rounding: str = "rceil", swizzle: bool = False) -> tuple[Tensor, Tensor]:
+    return _quantize.run_quantize_mxfp4(x, rounding, swizzle)
+
+
+@quantize_mxfp4.register_fake
+def _(x, rounding="rceil", swizzle=False):
+    _quantize.check_quantize_mxfp4(x, rounding, swizzle)
+    return (x.new_empty((*x.shape[:-1], x.shape[-1] // 2), dtype=MXFP4.data_dtype),
+            x.new_empty(_block_scale_shape(x.shape, MXFP4.block, swizzle), dtype=MXFP4.scale_dtype))
+
+
+@torch.library.custom_op("tilemm::quantize_nvfp4", mutates_args=())
+def quantize_nvfp4(x: Tensor, global_scale: Optional[Tensor] = None,
+                   swizzle: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    return _quantize.run_quantize_nvfp4(x, global_scale, swizzle)
+
+
+@quantize_nvfp4.register_fake
+def _(x, global_scale=None, swizzle=False):
+    _quantize.check_quantize_nvfp4(x, global_scale, swizzle, check_value=False)
+    return (x.new_empty((*x.shape[:-1], x.shape[-1] // 2), dtype=NVFP4.data_dtype),
+            x.new_empty(_block_scale_shape(x.shape, NVFP4.block, swizzle), dtype=NVFP4.scale_dtype),
+            x.new_empty((), dtype=torch.float32))
+
+
+@torch.library.custom_op("tilemm::quantize_fp8", mutates_args=())
+def quantize_fp8(x: Tensor, granularity: str = "tensor", elem_dtype: Optional[torch.dtype] = None,
+                 pow2_scale: bool = False) -> tuple[Tensor, Tensor]:
+    return _quantize.run_quantize_fp8(x, granularity, elem_dtype or _E4M3, pow2_scale)
+
+
+@quantize_fp8.register_fake
+def _(x, granularity="tensor", elem_dtype=None, pow2_scale=False):
+    gran = _quantize.fp8_granularity_from_name(granularity)
+    fmt, gran = _quantize.check_quantize_fp8(x, gran, elem_dtype or _E4M3, pow2_scale)
+    block = _quantize.FP8_BLOCK
+    if gran == "tensor":
+        scale_shape = ()
+    elif gran == "row":
+        scale_shape = (*x.shape[:-1], 1)
+    elif gran == (1, block):
+        scale_shape = (*x.shape[:-1], x.shape[-1] // block)
+    else:
+        scale_shape = (*x.shape[:-2], _ceil_div(x.shape[-2], block), x.shape[-1] // block)
+    return x.new_empty(x.shape, dtype=fmt.data_dtype), x.new_empty(scale_shape, dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Matmuls
+# --------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("tilemm::mxfp8_matmul", mutates_args=())
+def mxfp8_matmul(x: Tensor, x_scale: Tensor, y: Tensor, y_scale: Tensor,
+                 out_dtype: torch.dtype = torch.bfloat16, bias: Optional[Tensor] = None,
+                 alpha: Optional[Tensor] = None) -> Tensor:
+    fn = "mxfp8_matmul"
+    return _matmul.run_block_scaled(fn, _matmul.mxfp8_operand_format(fn, x), x, x_scale, y, y_scale,
+                                    out_dtype=out_dtype, bias=bias, alpha=alpha)
+
+
+@mxfp8_matmul.register_fake
+def _(x, x_scale, y, y_scale, out_dtype=torch.bfloat16, bias=None, alpha=None):
+    fn = "mxfp8_matmul"
+    return _matmul.block_scaled_matmul_fake(fn, _matmul.mxfp8_operand_format(fn, x), x, x_scale, y,
+                                            y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha)
+
+
+@torch.library.custom_op("tilemm::mxfp4_matmul", mutates_args=())
+def mxfp4_matmul(x: Tensor, x_scale: Tensor, y: Tensor, y_scale: Tensor,
+                 out_dtype: torch.dtype = torch.bfloat16, bias: Optional[Tensor] = None,
+                 alpha: Optional[Tensor] = None) -> Tensor:
+    return _matmul.run_block_scaled("mxfp4_matmul", MXFP4, x, x_scale, y, y_scale, out_dtype=out_dtype,
+                                    bias=bias, alpha=alpha)
+
+
+@mxfp4_matmul.register_fake
+def _(x, x_scale, y, y_scale, out_dtype=torch.bfloat16, bias=None, alpha=None):
+    return _matmul.block_scaled_matmul_fake("mxfp4_matmul", MXFP4, x, x_scale, y, y_scale,
+                                            out_dtype=out_dtype, bias=bias, alpha=alpha)
+
+
+@torch.library.custom_op("tilemm::nvfp4_matmul", mutates_args=())
+def nvfp4_matmul(x: Tensor, x_scale: Tensor, y: Tensor, y_scale: Tensor, global_scale_x: Tensor,
+                 global_scale_y: Tensor, out_dtype: torch.dtype = torch.bfloat16,
+                 bias: Optional[Tensor] = None, alpha: Optional[Tensor] = None) -> Tensor:
+    fn = "nvfp4_matmul"
+    total = _matmul.nvfp4_alpha(fn, global_scale_x, global_scale_y, alpha, x.device)
+    return _matmul.run_block_scaled(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias,
+                                    alpha=total)
+
+
+@nvfp4_matmul.register_fake
+def _(x, x_scale, y, y_scale, global_scale_x, global_scale_y, out_dtype=torch.bfloat16, bias=None,
+      alpha=None):
+    fn = "nvfp4_matmul"
+    total = _matmul.nvfp4_alpha(fn, global_scale_x, global_scale_y, alpha, x.device)
+    return _matmul.block_scaled_matmul_fake(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype,
+                                            bias=bias, alpha=total)
+
+
+@torch.library.custom_op("tilemm::fp8_matmul", mutates_args=())
+def fp8_matmul(x: Tensor, x_scale: Tensor, y: Tensor, y_scale: Tensor,
+               out_dtype: torch.dtype = torch.bfloat16, bias: Optional[Tensor] = None,
+               alpha: Optional[Tensor] = None, use_fast_accum: bool = False) -> Tensor:
+    return _matmul.run_fp8_matmul(x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
+                                  use_fast_accum=use_fast_accum)
+
+
+@fp8_matmul.register_fake
+def _(x, x_scale, y, y_scale, out_dtype=torch.bfloat16, bias=None, alpha=None, use_fast_accum=False):
+    return _matmul.fp8_matmul_fake(x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
+                                   use_fast_accum=use_fast_accum)

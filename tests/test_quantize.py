@@ -392,8 +392,9 @@ def awkward_blocks(element: str, block: int, dtype: torch.dtype, seed: int = 0) 
         for amax in (qmax * 2.0 ** -127, qmax * 2.0 ** -126, qmax * 1.5 * 2.0 ** -127,
                      nextafter32(qmax * 2.0 ** -127, INF), nextafter32(qmax * 2.0 ** -127, 0)):
             out.append(_fill(rng, [amax], block, amax))
-        # Very large blocks: the scale byte near its top; the fp32 maximum.
-        out.append(_fill(rng, [FLT_MAX], block, FLT_MAX))
+        # Very large blocks: the scale byte near its top; the dtype's largest finite value.
+        top = float(torch.finfo(dtype).max)
+        out.append(_fill(rng, [top], block, top))
         out.append(_fill(rng, [-2.0 ** 127], block, 2.0 ** 120))
     else:
         out.append(_fill(rng, [65504.0], block, 65504.0))  # fp16 maximum
@@ -638,8 +639,10 @@ def test_nvfp4_matches_oracle(case, dtype):
 
 
 # Given decode scales: a power of two, a value whose reciprocal is inexact, one so small that
-# 1 / global_scale is huge (s_b saturates at 448), and one so large that s_b underflows.
-GIVEN_GLOBAL_SCALES = [1.0, 2.0 ** -3, 0.37, 1e-30, 3e4]
+# 1 / global_scale is huge (s_b saturates at 448), an fp32 subnormal whose reciprocal overflows
+# (S_enc is capped at FLT_MAX, so zero blocks still get s_b = 0, not 0 * inf = NaN), and one so
+# large that s_b underflows.
+GIVEN_GLOBAL_SCALES = [1.0, 2.0 ** -3, 0.37, 1e-30, 1e-40, 3e4]
 
 
 @pytest.mark.parametrize("gs", GIVEN_GLOBAL_SCALES, ids=[repr(g) for g in GIVEN_GLOBAL_SCALES])
@@ -676,10 +679,12 @@ def _fp8_input(case: str, element: str, k: int, dtype: torch.dtype, m: int) -> t
                         + [0.0] * max(0, k - 1 - 2 * len(chunk)))
         return torch.tensor(rows).to(dtype)
     if case == "zeros_and_subnormals":  # amax = 0 (s = 1 / 1e-4 floor) and tiny amax rows
-        x = torch.zeros(4, k)
+        x = torch.zeros(5, k)
         if dtype != torch.float16:
             x[1, :5] = torch.tensor([2.0 ** -149, -2.0 ** -140, 2.0 ** -127, 1e-39, -1e-38])
             x[2, 7] = 2.0 ** -126
+            # amax / Qmax underflows to 0 in fp32: per row, the scale must be 1 (not 0 -> inf data).
+            x[4, :2] = torch.tensor([2.0 ** -149, -2.0 ** -145])
         x[3, :3] = torch.tensor([1e-5, -3e-5, 6e-5])  # below the 1e-4 block amax floor
         return x.to(dtype)
     raise KeyError(case)
@@ -724,6 +729,15 @@ def test_fp8_nonfinite_poisons_its_group(granularity):
     assert poisoned[granularity].isnan().all()
     if granularity != "tensor":
         assert not deq[4:128, 128:].isnan().any()
+
+
+def test_fp8_scale_underflow_hand_written():
+    # amax = 2^-145: amax / 448 ~ 2^-153.8 rounds to 0 in fp32, so the scale is 1.0 and x / 1
+    # rounds to signed zeros; the data must not be x / 0 = +-inf saturated to +-448.
+    x = torch.tensor([2.0 ** -149, -2.0 ** -145, 0.0, -0.0])
+    q = quantize_fp8(x)
+    assert q.scale.item() == 1.0
+    assert as_uint8(q.data).tolist() == [0x00, 0x80, 0x00, 0x80]
 
 
 def test_fp8_pow2_scales_are_powers_of_two_at_least_the_plain_scale():

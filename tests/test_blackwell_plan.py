@@ -31,6 +31,7 @@ import swizzle
 from tilemm.formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, FP8_E4M3, FP8_E5M2
 from tilemm.kernels import blackwell_block_scaled as bbs
 from tilemm.kernels import blackwell_fp8 as bfp8
+from tilemm.kernels.blackwell_block_scaled import _load_scale_bytes
 from tilemm.matmul import BlockScaledProblem, FP8Problem
 from tilemm.reference import block_scaled_matmul_reference, fp8_matmul_reference
 
@@ -580,3 +581,65 @@ def test_fp8_two_cta_tile_and_k_not_multiple_of_tile_emulated():
     assert plan.config.num_ctas == 2
     emulate(plan)
     assert_matches(problem.out, ref, torch.float32)
+
+
+# ==================================================================================================
+# On a GPU: the architecture-neutral parts, on whatever GPU is there (Hopper included)
+# ==================================================================================================
+# ct.mma_scaled, float8_e8m0fnu and float4_e2m1fn need sm_100, but the scale-tile loads (uint8) and the
+# whole FP8 module (ct.mma on e4m3 / e5m2) compile for sm_90 too, so an H100 checks them against
+# cuTile's real semantics rather than the NumPy model.
+
+def _fp8_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("FP8 ct.mma needs compute capability >= 9.0")
+    return torch.device("cuda")
+
+
+@ct.kernel
+def _scale_bytes_probe(S, Out, ROWS: ct.Constant[int], TKS: ct.Constant[int]):
+    """Out[b] (B, R, Ks) <- the (ROWS, TKS) tiles ``_load_scale_bytes`` returns, one per block."""
+    tiles_k = ct.cdiv(Out.shape[2], TKS)
+    tiles_r = ct.cdiv(Out.shape[1], ROWS)
+    bid = ct.bid(0)
+    b = bid // (tiles_r * tiles_k)
+    i = (bid // tiles_k) % tiles_r
+    kt = bid % tiles_k
+    raw = _load_scale_bytes(S, b, i, kt, ROWS, TKS)
+    ct.store(Out, (b, i, kt), raw.reshape((1, ROWS, TKS)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,ks", [(100, 5), (129, 12), (300, 33)], ids=str)
+@pytest.mark.parametrize("tile_rows,tks", [(128, 4), (128, 8), (128, 16), (256, 16)],
+                         ids=["mxfp8", "mxfp4", "nvfp4", "nvfp4-256"])
+@pytest.mark.parametrize("swizzled", [False, True], ids=["logical", "swizzled"])
+def test_scale_tile_loads_on_gpu(swizzled, tile_rows, tks, rows, ks):
+    device = _fp8_gpu()
+    gen = torch.Generator().manual_seed(rows * ks)
+    logical = torch.randint(0, 255, (2, rows, ks), dtype=torch.uint8, generator=gen)
+    src = _swizzled(logical.view(torch.float8_e8m0fnu), poison_rows=True).view(torch.uint8) if swizzled else logical
+    out = torch.zeros_like(logical, device=device)
+    grid = (2 * -(-rows // tile_rows) * -(-ks // tks), 1, 1)
+    ct.launch(torch.cuda.current_stream(), grid, _scale_bytes_probe, (src.to(device), out, tile_rows, tks))
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), logical)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("table,sm_count", [("sm_100", 10_000), ("sm_100", 1), ("sm_120", 1)],
+                         ids=["128x128", "256x256-2cta", "sm120"])
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise", "blockwise"])
+def test_blackwell_fp8_kernels_on_gpu(granularity, table, sm_count):
+    device = _fp8_gpu()
+    for (m, n, k, ba, bb) in [(129, 17, 256, 1, 1), (100, 130, 384, 2, 1), (7, 300, 128, 1, 2)]:
+        problem, ref = fp8_case(granularity, m, n, k, ba=ba, bb=bb, bias=True, alpha=0.5,
+                                out_dtype=torch.bfloat16)
+        for field in ("a", "a_scale", "b", "b_scale", "out", "bias", "alpha"):
+            setattr(problem, field, getattr(problem, field).to(device))
+        plan = bfp8.plan_launch(problem, table, sm_count)
+        ct.launch(torch.cuda.current_stream(), plan.grid, plan.kernel, plan.args)
+        torch.cuda.synchronize()
+        assert_matches(problem.out.cpu(), ref.to(torch.bfloat16), torch.bfloat16)

@@ -130,17 +130,22 @@ def _load_elements(X, b, i, kt, ROWS, TK, PACKED):
     return ct.load(X, (b, i, kt), (1, ROWS, TK), padding_mode=_ZERO).reshape((ROWS, TK))
 
 
-def _load_scales(S, b, i, kt, ROWS, TKS, E4M3_SCALES):
-    """(ROWS, TKS) scales of S[b] for row tile i, K tile kt, as float8_e8m0fnu or float8_e4m3fn.
+def _load_scale_bytes(S, b, i, kt, ROWS, TKS):
+    """(ROWS, TKS) scale bytes of S[b] for row tile i, K tile kt, in logical (row, column) order.
 
     S holds the scale bytes (uint8), logical (B, R, Ks) or swizzled (B, R/128, Ks/4, 32, 16); padding
-    is byte 0 in both, a finite scale."""
+    is byte 0 in both."""
     if S.ndim == 5:
         raw = ct.load(S, (b, i, kt, 0, 0), (1, ROWS // SWIZZLE_ROWS, TKS // SWIZZLE_COLS, 32, 16),
                       padding_mode=_ZERO)
-        raw = _unswizzle_32_4_4(raw, ROWS // SWIZZLE_ROWS, TKS // SWIZZLE_COLS)
-    else:
-        raw = ct.load(S, (b, i, kt), (1, ROWS, TKS), padding_mode=_ZERO).reshape((ROWS, TKS))
+        return _unswizzle_32_4_4(raw, ROWS // SWIZZLE_ROWS, TKS // SWIZZLE_COLS)
+    return ct.load(S, (b, i, kt), (1, ROWS, TKS), padding_mode=_ZERO).reshape((ROWS, TKS))
+
+
+def _load_scales(S, b, i, kt, ROWS, TKS, E4M3_SCALES):
+    """``_load_scale_bytes`` as float8_e8m0fnu or float8_e4m3fn (byte 0, the padding, is a finite
+    scale in both)."""
+    raw = _load_scale_bytes(S, b, i, kt, ROWS, TKS)
     if E4M3_SCALES:
         return ct.bitcast(raw, ct.float8_e4m3fn)
     return ct.bitcast(raw, ct.float8_e8m0fnu)

@@ -13,9 +13,10 @@ The instruction (shared/seeds/cutile-mma-scaled.md, cuTile's ``ct.mma_scaled`` c
 
 with x (TM, TK), x_scale (TM, TK/B), y (TK, TN), y_scale (TK/B, TN) and B = TK // (TK/B) in {32} for
 e4m3/e5m2 + e8m0, {16, 32} for e2m1 + e8m0, {16} for e2m1 + e4m3. tileiras lowers it to tcgen05
-block-scaled MMA (``UTCQMMA`` for MXFP8, ``UTCOMMA.4X`` for FP4, scales copied to tensor memory with
-``UTCCP``) for sm_100, and to warp-level ``QMMA.SF`` / ``OMMA.SF`` for sm_120: the hardware applies the
-scales, nothing is dequantized in registers.
+block-scaled MMA for sm_100 (``UTCQMMA`` for MXFP8, ``UTCOMMA`` for MXFP4, ``UTCOMMA.4X`` for NVFP4's
+16-element blocks; scales copied to tensor memory with ``UTCCP``) and to warp-level ``QMMA.SF`` /
+``OMMA.SF`` for sm_120: the hardware applies the scales, nothing is dequantized in registers. (Both
+read e4m3 scales as unsigned ``UE4M3``: NVFP4 scales are non-negative by construction.)
 
 Per K step the kernel loads, for its (TM, TN) output tile:
 
@@ -55,7 +56,10 @@ Edges (padding never reaches a stored output):
   scale accumulator rows / columns that are never stored: a NaN there stays in its own row / column.
 * K a multiple of B but not of TK: data past K loads as 0 and its scale as byte 0 (logical layout: the
   load's zero fill; swizzled layout: zero bytes by contract, or the load's zero fill past the last
-  column block), a finite scale, so the padded part of the last K step adds exactly 0.
+  column block), a finite scale, so the padded part of the last K step adds exactly 0. The swizzled
+  layout's padding columns are trusted to be zero (NUMERICS.md; ``swizzle.swizzle_32_4_4`` writes
+  zeros) rather than masked: a mask compiles, but moves the scales through registers and changes the
+  sm_100 pipeline (221 KB -> 135 KB of shared memory for MXFP8 at 128x128), untested for speed.
 * A real scale byte 255 (e8m0) or an e4m3 NaN makes its row / column NaN, as NUMERICS.md requires.
 
 Batching: one 1-D grid over B * cdiv(M, TM) * cdiv(N, TN) tiles (GROUP_SIZE_M-ordered for L2 reuse);

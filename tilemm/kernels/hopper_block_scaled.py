@@ -43,6 +43,12 @@ as in the reference.
 
 Swizzled (32x4x4) scales are loaded as whole 128-row blocks (TM and TN are multiples of 128) and
 unswizzled in registers; scale columns past K/B are forced to 0 so that only real data is scaled.
+
+Speed (H100, 8192^3, bf16 out, swizzled scales, 2026-11-22): MXFP8 222-224 TFLOPS, MXFP4 191-195,
+NVFP4 141-147, against cuBLAS bf16 747-752 and eager dequantize + cuBLAS bf16 351-364 / 223-225 /
+196-206. The SASS shows why: each K step converts, stores the B operand to shared memory, runs the
+HGMMAs and waits for them (``WARPGROUP.DEPBAR gsb0``) before converting the next tile, so conversion
+never overlaps the tensor cores. Overlapping the two is the first thing to tune.
 """
 
 from __future__ import annotations

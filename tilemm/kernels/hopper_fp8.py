@@ -17,7 +17,14 @@ accumulator next to the tensor core's (as ``torch._scaled_mm``'s default does); 
 (``tilemm.fp8_matmul(..., use_fast_accum=True)``, named as in ``torch._scaled_mm``) skips it for speed
 at a small cost in accuracy.
 FP8 x FP8 products are exact in fp32; scales are applied in fp32 after the products are summed, which
-differs from the reference's "dequantize, then multiply" by fp32 rounding only.
+differs from the reference's "dequantize, then multiply" by fp32 rounding only. Hopper's FP8 tensor
+cores, however, add the products of each k-step with reduced precision before the fp32 accumulator
+sees them: measured on an H100 (256x256x4096, fp32 out) relative error 1.26e-4 precise and 1.34e-3
+fast, identical to ``torch._scaled_mm``'s, above NUMERICS.md's 1e-5 for fp32 output. (The
+block-scaled kernels, which run bf16 / fp16 MMAs, meet it: ~5e-8.)
+
+Speed (H100, 8192^3, bf16 out, 2026-11-22): per tensor / per row 1007-1040 TFLOPS precise,
+978-1185 fast; 1x128 / 128x128 blocks 399-412; ``torch._scaled_mm`` 1337-1446.
 """
 
 from __future__ import annotations

@@ -219,14 +219,16 @@ def _random_bytes_operands(fmt, m, n, k, seed):
         b = torch.randint(0, 256, (rows, kd), generator=gen, dtype=torch.uint8)
         if fmt.is_packed:
             return b
-        bad = {torch.float8_e4m3fn: (0x7F, 0xFF), torch.float8_e5m2: tuple(range(0x7C, 0x80)) + tuple(range(0xFC, 0x100))}
-        for code in bad[fmt.data_dtype]:  # NaN / Inf codes -> zero
+        nan_or_inf = {torch.float8_e4m3fn: (0x7F, 0xFF),
+                      torch.float8_e5m2: (*range(0x7C, 0x80), *range(0xFC, 0x100))}
+        for code in nan_or_inf[fmt.data_dtype]:  # -> zero
             b[b == code] = 0
         return b.view(fmt.data_dtype)
 
     def scale(rows):
         if fmt.is_mx:
-            return torch.randint(112, 143, (rows, ks), generator=gen, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+            s = torch.randint(112, 143, (rows, ks), generator=gen, dtype=torch.uint8)
+            return s.view(torch.float8_e8m0fnu)
         b = torch.randint(0, 0x7F, (rows, ks), generator=gen, dtype=torch.uint8)  # positive, no NaN
         return b.view(torch.float8_e4m3fn)
 

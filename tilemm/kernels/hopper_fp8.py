@@ -136,8 +136,10 @@ _LARGE_TILES = 132  # at least one wave of the large tile on the H100's 132 SMs
 _CONFIGS: dict[tuple[str, bool], dict[str, TileConfig]] = {
     ("scaled", False): {"small": TileConfig(128, 128, 128), "large": TileConfig(128, 128, 128)},
     ("scaled", True): {"small": TileConfig(128, 128, 128), "large": TileConfig(128, 256, 128)},
-    ("blockwise", False): {"small": TileConfig(128, 128, FP8_BLOCK), "large": TileConfig(128, 128, FP8_BLOCK)},
-    ("blockwise", True): {"small": TileConfig(128, 128, FP8_BLOCK), "large": TileConfig(128, 128, FP8_BLOCK)},
+    ("blockwise", False): {"small": TileConfig(128, 128, FP8_BLOCK),
+                           "large": TileConfig(128, 128, FP8_BLOCK)},
+    ("blockwise", True): {"small": TileConfig(128, 128, FP8_BLOCK),
+                          "large": TileConfig(128, 128, FP8_BLOCK)},
 }
 
 
@@ -181,7 +183,8 @@ def launch(problem, config: TileConfig | None = None) -> None:
     fast_acc = bool(getattr(problem, "use_fast_accum", False))
     cfg = config or config_for(problem.granularity, batch, m, n, fast_acc)
     if kind == "blockwise" and (cfg.tile_k != FP8_BLOCK or FP8_BLOCK % cfg.tile_n):
-        raise ValueError(f"hopper_fp8: blockwise configs need tile_k == 128 and tile_n dividing 128, got {cfg}")
+        raise ValueError(f"hopper_fp8: blockwise configs need tile_k == 128 and tile_n dividing 128, "
+                         f"got {cfg}")
     device = out.device
     # Scales are tiny: materialise broadcast (per-tensor) and transposed (128x128 block) views.
     a_scale = problem.a_scale.contiguous()

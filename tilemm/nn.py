@@ -1,0 +1,371 @@
+"""``tilemm.nn.Linear``: an nn.Linear whose weight is stored quantized, and ``quantize_model``.
+
+``Linear.from_float(linear, format)`` quantizes a ``torch.nn.Linear``'s weight once ("mxfp8", "mxfp4",
+"nvfp4" or "fp8"); ``forward`` then quantizes the activations on the fly to the same format and runs
+tilemm's block-scaled matmul (``tilemm.linear``): ``y = dequantize(q(x)) @ dequantize(W).T + b``,
+accumulated in fp32 and returned in x's dtype (float32, bfloat16 or float16), for x of any leading
+dimensions. ``weight_only=True`` keeps x in its own precision instead: the weight is dequantized on
+every call and multiplied with ``torch.nn.functional.linear`` (tilemm's kernels take quantized
+operands on both sides, so weight-only runs through dequantization, in x's dtype).
+
+The quantized weight, its scales (and NVFP4's decode scale) and the bias are buffers, so
+``state_dict`` / ``load_state_dict`` round-trip them bit for bit; ``Module.to(dtype)``, ``.half()``
+and ``.bfloat16()`` move them between devices but never cast their encodings (the bias does follow).
+Inference only: no gradient flows through the quantized matmul.
+
+``quantize_model(model, format)`` swaps every ``torch.nn.Linear`` of a model for this class in place.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from . import matmul as _matmul
+from . import quantize as _quantize
+
+__all__ = ["Linear", "quantize_model", "FORMATS"]
+
+FORMATS = ("mxfp8", "mxfp4", "nvfp4", "fp8")
+FP8_GRANULARITIES = ("row", "tensor", (128, 128))
+_BLOCK = {"mxfp8": 32, "mxfp4": 32, "nvfp4": 16}  # elements per scale along K (in_features)
+_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_QUANTIZED_BUFFERS = ("weight", "weight_scale", "weight_global_scale")
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class _Options:
+    """Checked options of one quantized Linear (the keywords of ``Linear.from_float``)."""
+
+    def __init__(self, fn, format, *, swizzle, weight_only, granularity, elem_dtype, rounding):
+        if not isinstance(format, str):
+            raise TypeError(f"{fn}: format must be a str, one of {', '.join(map(repr, FORMATS))}; "
+                            f"got {type(format).__name__}")
+        if format not in FORMATS:
+            raise ValueError(f"{fn}: format must be one of {', '.join(map(repr, FORMATS))}, got {format!r}")
+        if not isinstance(weight_only, bool):
+            raise TypeError(f"{fn}: weight_only must be True or False, got {weight_only!r}")
+        is_fp8, is_mx = format == "fp8", format in ("mxfp8", "mxfp4")
+        if swizzle is None:
+            swizzle = not is_fp8 and not weight_only  # weight-only unswizzles to dequantize
+        elif not isinstance(swizzle, bool):
+            raise TypeError(f"{fn}: swizzle must be True, False or None, got {swizzle!r}")
+        elif swizzle and is_fp8:
+            raise ValueError(f"{fn}: swizzle=True applies to the block-scaled formats (mxfp8, mxfp4, "
+                             f"nvfp4); fp8's scales have no swizzled layout")
+        if granularity is None:
+            granularity = "row" if is_fp8 else None
+        elif not is_fp8:
+            raise ValueError(f"{fn}: granularity applies to format 'fp8' only, got granularity="
+                             f"{granularity!r} with format {format!r}")
+        else:
+            if isinstance(granularity, list):
+                granularity = tuple(granularity)
+            if granularity not in FP8_GRANULARITIES:
+                raise ValueError(f"{fn}: fp8 weight granularity must be 'row', 'tensor' or (128, 128), "
+                                 f"got {granularity!r}")
+        if elem_dtype is None:
+            elem_dtype = torch.float8_e4m3fn if format in ("mxfp8", "fp8") else None
+        elif format not in ("mxfp8", "fp8"):
+            raise ValueError(f"{fn}: elem_dtype applies to formats 'mxfp8' and 'fp8' only, got "
+                             f"elem_dtype={elem_dtype!r} with format {format!r}")
+        elif elem_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise TypeError(f"{fn}: elem_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
+                            f"got {elem_dtype!r}")
+        elif elem_dtype == torch.float8_e5m2 and granularity == (128, 128):
+            raise ValueError(f"{fn}: fp8 (128, 128) blocks are defined for float8_e4m3fn, got "
+                             f"elem_dtype=torch.float8_e5m2")
+        if rounding is None:
+            rounding = "rceil" if is_mx else None
+        elif not is_mx:
+            raise ValueError(f"{fn}: rounding applies to formats 'mxfp8' and 'mxfp4' only, got "
+                             f"rounding={rounding!r} with format {format!r}")
+        elif rounding not in _quantize.ROUNDING_MODES:
+            raise ValueError(f"{fn}: rounding must be 'rceil' or 'floor', got {rounding!r}")
+        self.format, self.swizzle, self.weight_only = format, swizzle, weight_only
+        self.granularity, self.elem_dtype, self.rounding = granularity, elem_dtype, rounding
+
+    @property
+    def k_multiple(self) -> int:
+        """in_features must be a multiple of this: the block size along K."""
+        if self.format == "fp8":
+            return 128 if self.granularity == (128, 128) else 1
+        return _BLOCK[self.format]
+
+    def describe(self) -> str:
+        """``format='fp8', granularity='row'``: the options that set the storage, for messages."""
+        parts = [f"format={self.format!r}"]
+        if self.elem_dtype is not None and self.elem_dtype != torch.float8_e4m3fn:
+            parts.append(f"elem_dtype={self.elem_dtype}")
+        if self.format == "fp8":
+            parts.append(f"granularity={self.granularity!r}")
+        if self.rounding not in (None, "rceil"):
+            parts.append(f"rounding={self.rounding!r}")
+        if self.format != "fp8":
+            parts.append(f"swizzle={self.swizzle}")
+        return ", ".join(parts)
+
+    def as_kwargs(self) -> dict:
+        return dict(swizzle=self.swizzle, weight_only=self.weight_only, granularity=self.granularity,
+                    elem_dtype=self.elem_dtype, rounding=self.rounding)
+
+    def quantize_weight(self, w: torch.Tensor):
+        return self._quantize(w, weight=True)
+
+    def quantize_activation(self, x: torch.Tensor):
+        return self._quantize(x, weight=False)
+
+    def _quantize(self, t, weight):
+        if self.format == "mxfp8":
+            return _quantize.quantize_mxfp8(t, elem_dtype=self.elem_dtype, rounding=self.rounding,
+                                            swizzle=self.swizzle)
+        if self.format == "mxfp4":
+            return _quantize.quantize_mxfp4(t, rounding=self.rounding, swizzle=self.swizzle)
+        if self.format == "nvfp4":
+            return _quantize.quantize_nvfp4(t, swizzle=self.swizzle)
+        # fp8: per-row weights pair with per-row activations, per-tensor with per-tensor, and
+        # 128x128 weight blocks with 1x128 activation blocks (DeepSeek style).
+        granularity = self.granularity
+        if granularity == (128, 128) and not weight:
+            granularity = (1, 128)
+        return _quantize.quantize_fp8(t, granularity=granularity, elem_dtype=self.elem_dtype)
+
+
+class Linear(torch.nn.Module):
+    """``torch.nn.Linear`` with its weight stored in a tilemm format; see the module docstring.
+
+    Build one with :meth:`from_float`. The constructor makes a module of the same layout with a
+    zero weight, to ``load_state_dict`` into: ``Linear(in_features, out_features, bias, format=...)``
+    with the same keywords as the saved module.
+
+    Buffers: ``weight`` (out_features, in_features) (or in_features / 2 packed bytes for mxfp4 and
+    nvfp4), ``weight_scale`` (logical or 32x4x4 swizzled), ``weight_global_scale`` (nvfp4 only, 0-d
+    fp32) and ``bias`` (out_features,) or None.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, format: str = "mxfp8",
+                 swizzle: bool | None = None, weight_only: bool = False, granularity=None,
+                 elem_dtype: torch.dtype | None = None, rounding: str | None = None,
+                 device=None, bias_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        fn = "tilemm.nn.Linear"
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{fn}: {name} must be a positive int, got {value!r}")
+        self._options = _Options(fn, format, swizzle=swizzle, weight_only=weight_only,
+                                 granularity=granularity, elem_dtype=elem_dtype, rounding=rounding)
+        if in_features % self._options.k_multiple:
+            raise ValueError(f"{fn}: in_features must be a multiple of {self._options.k_multiple} for "
+                             f"{self._describe_format()}, got {in_features}")
+        self.in_features, self.out_features = in_features, out_features
+        # The buffers' shapes and dtypes are those of a quantized (out, in) weight: quantize one on
+        # the meta device (the operators' fake implementations) and allocate zeros like it.
+        meta = self._options.quantize_weight(torch.empty(out_features, in_features, device="meta"))
+        for name, t in zip(_QUANTIZED_BUFFERS, meta):
+            zeros = torch.zeros(t.shape, dtype=_SAME_SIZE_INT[t.element_size()], device=device)
+            self.register_buffer(name, zeros.view(t.dtype))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device)
+                             if bias else None)
+
+    # ---------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_float(cls, linear: torch.nn.Linear, format: str, *, swizzle: bool | None = None,
+                   weight_only: bool = False, granularity=None, elem_dtype: torch.dtype | None = None,
+                   rounding: str | None = None) -> "Linear":
+        """Quantize ``linear``'s weight (on its device) into a new :class:`Linear`.
+
+        Args:
+            linear: a ``torch.nn.Linear`` with a float32, bfloat16 or float16 weight (float64 is
+                converted to float32 first). Its bias is kept as it is.
+            format: ``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"`` or ``"fp8"``.
+            swizzle: store the weight scale in the 32x4x4 layout and quantize activations likewise;
+                default True for the block-scaled formats (False with ``weight_only``, which only
+                dequantizes). fp8 has no swizzled layout.
+            weight_only: keep activations unquantized; the weight is dequantized on every call.
+            granularity: fp8 only: ``"row"`` (default: one scale per output channel, activations per
+                row), ``"tensor"`` (activations per tensor) or ``(128, 128)`` blocks (activations in
+                1x128 blocks; in_features a multiple of 128).
+            elem_dtype: mxfp8 and fp8: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
+            rounding: mxfp8 and mxfp4: e8m0 scale rounding, ``"rceil"`` (default) or ``"floor"``.
+        """
+        fn = "tilemm.nn.Linear.from_float"
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"{fn}: linear must be a torch.nn.Linear, got {type(linear).__name__}")
+        options = _Options(fn, format, swizzle=swizzle, weight_only=weight_only, granularity=granularity,
+                           elem_dtype=elem_dtype, rounding=rounding)
+        if linear.in_features % options.k_multiple:
+            raise ValueError(f"{fn}: in_features must be a multiple of {options.k_multiple} for "
+                             f"{options.describe()}, got {linear.in_features}")
+        weight = linear.weight.detach()
+        if weight.dtype not in _ACTIVATION_DTYPES:
+            weight = weight.to(torch.float32)
+        bias = linear.bias
+        module = cls(linear.in_features, linear.out_features, bias is not None, format=format,
+                     device=weight.device, bias_dtype=torch.float32 if bias is None else bias.dtype,
+                     **options.as_kwargs())
+        for name, t in zip(_QUANTIZED_BUFFERS, options.quantize_weight(weight)):
+            setattr(module, name, t)
+        if bias is not None:
+            module.bias = bias.detach().clone()
+        return module
+
+    # ---------------------------------------------------------------------------------------------
+
+    @property
+    def format(self) -> str:
+        return self._options.format
+
+    @property
+    def weight_only(self) -> bool:
+        return self._options.weight_only
+
+    def quantized_weight(self):
+        """The weight as the quantizer returned it (``MXFP8Tensor``, ..., ``FP8Tensor``)."""
+        kind = {"mxfp8": _quantize.MXFP8Tensor, "mxfp4": _quantize.MXFP4Tensor,
+                "nvfp4": _quantize.NVFP4Tensor, "fp8": _quantize.FP8Tensor}[self.format]
+        fields = (self.weight, self.weight_scale, self._buffers.get("weight_global_scale"))
+        return kind(*fields[: len(kind._fields)])
+
+    def dequantize_weight(self) -> torch.Tensor:
+        """The weight as float32 (out_features, in_features), exactly as the matmul reads it."""
+        return self.quantized_weight().dequantize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fn = "tilemm.nn.Linear"
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{fn}: input must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in _ACTIVATION_DTYPES:
+            raise TypeError(f"{fn}: input dtype must be torch.float32, torch.bfloat16 or torch.float16, "
+                            f"got {x.dtype}")
+        if x.ndim == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"{fn}: input must be (..., in_features) = (..., {self.in_features}), got "
+                             f"shape {tuple(x.shape)}")
+        rows = x.reshape(-1, self.in_features)
+        if self.weight_only:
+            # No kernel takes one quantized operand yet: dequantize the weight (exact in fp32), round it
+            # once to x's dtype and multiply there.
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            out = F.linear(rows, self.dequantize_weight().to(x.dtype), bias)
+        else:
+            out = _matmul.linear(self._options.quantize_activation(rows), self.quantized_weight(),
+                                 bias=self.bias, out_dtype=x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    # ---------------------------------------------------------------------------------------------
+
+    def _describe_format(self) -> str:
+        return self._options.describe()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, {self._describe_format()}, weight_only={self.weight_only}")
+
+    def _apply(self, fn, recurse=True):
+        # Module.to(dtype), .half() and .bfloat16() cast every floating-point tensor, which would turn
+        # the FP8 / e8m0 / e4m3 codes and fp32 scales into other numbers. Same-size integer views are
+        # only moved between devices, so the quantized buffers travel as those.
+        dtypes = {}
+        for name in _QUANTIZED_BUFFERS:
+            t = self._buffers.get(name)
+            if t is not None and t.is_floating_point():
+                dtypes[name] = t.dtype
+                self._buffers[name] = t.view(_SAME_SIZE_INT[t.element_size()])
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            for name, dtype in dtypes.items():
+                self._buffers[name] = self._buffers[name].view(dtype)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # load_state_dict copies into the existing buffers, converting dtypes: loading e5m2 codes into
+        # an e4m3 module would silently re-encode them. Refuse a dtype that differs instead.
+        for name in _QUANTIZED_BUFFERS:
+            key, mine = prefix + name, self._buffers.get(name)
+            if mine is not None and key in state_dict and state_dict[key].dtype != mine.dtype:
+                error_msgs.append(f"{key}: the state dict holds {state_dict[key].dtype} but this "
+                                  f"tilemm.nn.Linear ({self._describe_format()}) stores {mine.dtype}; "
+                                  f"build it with the options of the saved module")
+                return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+
+# --------------------------------------------------------------------------------------------------
+
+def quantize_model(model: torch.nn.Module, format: str, *,
+                   skip: Iterable[str] | Callable[[str, torch.nn.Module], bool] = (),
+                   swizzle: bool | None = None, weight_only: bool = False, granularity=None,
+                   elem_dtype: torch.dtype | None = None, rounding: str | None = None) -> torch.nn.Module:
+    """Replace every ``torch.nn.Linear`` in ``model`` with :class:`tilemm.nn.Linear`, in place.
+
+    Args:
+        model: any module. Only modules whose type is exactly ``torch.nn.Linear`` are replaced:
+            subclasses (such as ``nn.MultiheadAttention``'s ``out_proj``, whose parent reads its
+            ``.weight`` directly) are left alone. A Linear registered under several names (tied) is
+            replaced everywhere by one quantized module.
+        format: ``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"`` or ``"fp8"``.
+        skip: module names to leave unquantized (a name also covers everything below it, e.g.
+            ``"encoder.layer.0"``), or a predicate ``skip(name, module) -> bool``. Every name must
+            exist in ``model``.
+        swizzle, weight_only, granularity, elem_dtype, rounding: as for :meth:`Linear.from_float`.
+
+    Layers whose ``in_features`` is not a multiple of the format's block size (32 for mxfp8 / mxfp4,
+    16 for nvfp4, 128 for fp8 (128, 128) blocks) stay unquantized; one ``UserWarning`` lists them.
+
+    Returns:
+        ``model`` (a bare ``torch.nn.Linear`` cannot be swapped in place: the quantized module is
+        returned instead).
+    """
+    fn = "tilemm.quantize_model"
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{fn}: model must be a torch.nn.Module, got {type(model).__name__}")
+    options = _Options(fn, format, swizzle=swizzle, weight_only=weight_only, granularity=granularity,
+                       elem_dtype=elem_dtype, rounding=rounding)
+    is_skipped = _skip_predicate(fn, model, skip)
+    if type(model) is torch.nn.Linear:
+        if is_skipped("", model):
+            return model
+        return Linear.from_float(model, format, **options.as_kwargs())
+
+    converted: dict[int, Linear] = {}
+    misfits = []
+    for name, module in list(model.named_modules(remove_duplicate=False)):
+        if type(module) is not torch.nn.Linear or is_skipped(name, module):
+            continue
+        if module.in_features % options.k_multiple:
+            misfits.append(f"{name} (in_features={module.in_features})")
+            continue
+        if id(module) not in converted:
+            converted[id(module)] = Linear.from_float(module, format, **options.as_kwargs())
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, converted[id(module)])
+    if misfits:
+        warnings.warn(f"{fn}: left {len(misfits)} torch.nn.Linear layer(s) unquantized because their "
+                      f"in_features is not a multiple of {options.k_multiple} (the {format} block size): "
+                      f"{', '.join(misfits)}", UserWarning, stacklevel=2)
+    return model
+
+
+def _skip_predicate(fn: str, model: torch.nn.Module, skip) -> Callable[[str, torch.nn.Module], bool]:
+    if callable(skip):
+        return skip
+    if isinstance(skip, str):
+        skip = (skip,)
+    try:
+        names = tuple(skip)
+    except TypeError:
+        raise TypeError(f"{fn}: skip must be module names or a predicate (name, module) -> bool, got "
+                        f"{type(skip).__name__}") from None
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise TypeError(f"{fn}: skip names must be str, got {bad[0]!r}")
+    known = {name for name, _ in model.named_modules(remove_duplicate=False)}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"{fn}: skip names not found in the model: {', '.join(map(repr, unknown))}")
+    return lambda name, module: any(name == n or name.startswith(n + ".") for n in names)

@@ -13,8 +13,8 @@ from .crosscheck import crosscheck
 from .quantize import (FP8Tensor, MXFP4Tensor, MXFP8Tensor, NVFP4Tensor, dequantize, dequantize_fp8,
                        dequantize_mxfp4, dequantize_mxfp8, dequantize_nvfp4, quantize_fp8,
                        quantize_mxfp4, quantize_mxfp8, quantize_nvfp4)
-from .nn import quantize_model  # and tilemm.nn.Linear
 from . import ops  # registers torch.ops.tilemm.* (the public functions above call them)
+from .nn import quantize_model  # and tilemm.nn.Linear
 from swizzle import swizzle_32_4_4, unswizzle_32_4_4
 
 __version__ = "0.1.0"

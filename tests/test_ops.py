@@ -244,3 +244,15 @@ def test_matmul_fake_shapes_match_real_outputs_gpu(op, args):
     args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
     real, fake = op(*args), op(*_meta(args))
     assert (tuple(fake.shape), fake.dtype, fake.stride()) == (tuple(real.shape), real.dtype, real.stride())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_skip_reason() is not None, reason=_gpu_skip_reason() or "")
+@pytest.mark.parametrize("name,op,args", QUANTIZE_CASES, ids=[c[0] for c in QUANTIZE_CASES])
+def test_quantize_fake_shapes_match_real_outputs_gpu(name, op, args):
+    # The GPU quantizers write their own outputs: their shapes, dtypes and strides must be the fake's.
+    args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+    real, fake = op(*args), op(*_meta(args))
+    assert [(tuple(t.shape), t.dtype, t.stride()) for t in fake] == \
+        [(tuple(t.shape), t.dtype, t.stride()) for t in real]
+    assert all(t.device.type == "cuda" for t in real)

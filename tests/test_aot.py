@@ -6,8 +6,9 @@ longer fits) fails CI. Each test compiles one ``AotVariant`` of one module for o
 that a cubin (an ELF image) comes back.
 
 Cost: about 1-2 s per cubin with a cold cuTile cache (cuTile caches cubins in ~/.cache/cutile-python;
-set CUDA_TILE_CACHE_DIR=off to measure the cold cost). The Blackwell modules alone give 96 cubins,
-about 2 minutes on a 2-core machine.
+set CUDA_TILE_CACHE_DIR=off to measure the cold cost). The Blackwell modules give 96 cubins: about
+80 s of compiler time on a quiet 2-core machine, 3.3 minutes when it is busy. cuTile reads a kernel's
+source file when it compiles, so editing kernel sources while this runs gives spurious failures.
 """
 
 from __future__ import annotations

@@ -19,37 +19,32 @@ import pytest
 
 pytestmark = pytest.mark.aot
 
-# module -> the targets its family runs on (tilemm.kernels: Hopper sm_90, Blackwell sm_100 / sm_120).
-MODULES = {
-    "hopper_block_scaled": ("sm_90",),
-    "hopper_fp8": ("sm_90",),
-    "blackwell_block_scaled": ("sm_100", "sm_120"),
-    "blackwell_fp8": ("sm_100", "sm_120"),
-}
-
-# The Hopper modules are written alongside; until they land, a missing module is skipped (as with
-# pytest.importorskip) rather than failing collection. Set True once all four exist.
-REQUIRE_ALL_MODULES = False
+# Every module of tilemm.kernels that offers aot_variants() is compiled, each variant for the targets
+# its launcher can pick it on (Hopper kernels sm_90; Blackwell kernels sm_100 / sm_120; portable
+# kernels, such as the quantizers, all three).
+FAMILY_TARGETS = {"hopper": ("sm_90",), "blackwell": ("sm_100", "sm_120")}
 
 
-def _load(name: str):
-    """The kernel module, or None if it does not exist yet (and REQUIRE_ALL_MODULES is off)."""
-    path = f"tilemm.kernels.{name}"
-    try:
-        return importlib.import_module(path)
-    except ModuleNotFoundError as e:
-        if REQUIRE_ALL_MODULES or e.name != path:
-            raise
-        return None
+def _kernel_modules():
+    import pkgutil
+
+    import tilemm.kernels
+
+    names = sorted(m.name for m in pkgutil.iter_modules(tilemm.kernels.__path__) if not m.name.startswith("_"))
+    modules = {name: importlib.import_module(f"tilemm.kernels.{name}") for name in names}
+    return {name: mod for name, mod in modules.items() if hasattr(mod, "aot_variants")}
+
+
+MODULES = _kernel_modules()
+
+
+def _allowed_targets(name: str):
+    family = name.split("_", 1)[0]
+    return FAMILY_TARGETS.get(family, ("sm_90", "sm_100", "sm_120"))
 
 
 def _cases():
-    for name, family_targets in MODULES.items():
-        module = _load(name)
-        if module is None:
-            yield pytest.param(name, None, None, id=f"{name}-missing",
-                               marks=pytest.mark.skip(reason=f"tilemm.kernels.{name} does not exist yet"))
-            continue
+    for name, module in MODULES.items():
         for variant in module.aot_variants():
             short = variant.name.removeprefix(f"{name}_")
             for target in variant.targets:
@@ -63,7 +58,7 @@ CASES = list(_cases())
 def test_variant_compiles(module_name, variant, target):
     from tilemm.kernels._aot import compile_variant
 
-    assert target in MODULES[module_name], (
+    assert target in _allowed_targets(module_name), (
         f"{variant.name} lists target {target}, which {module_name}'s family does not run on")
     cubin = compile_variant(variant, target)
     assert len(cubin) > 0
@@ -74,11 +69,9 @@ def test_variant_compiles(module_name, variant, target):
 def test_module_lists_variants_with_unique_names(module_name):
     """Every module offers at least one specialisation per family target, under unique names (the
     names become the cubins' kernel symbols)."""
-    module = _load(module_name)
-    if module is None:
-        pytest.skip(f"tilemm.kernels.{module_name} does not exist yet")
+    module = MODULES[module_name]
     variants = module.aot_variants()
     names = [v.name for v in variants]
     assert len(names) == len(set(names)), "duplicate variant names"
     covered = {t for v in variants for t in v.targets}
-    assert covered == set(MODULES[module_name]), f"targets covered: {sorted(covered)}"
+    assert covered == set(_allowed_targets(module_name)), f"targets covered: {sorted(covered)}"

@@ -468,9 +468,10 @@ def _quantize_fp8_reference(x: torch.Tensor, fmt: Format, granularity,
 
 
 # What the custom operators torch.ops.tilemm.quantize_* run (registered in tilemm.ops): every check,
-# then the quantizer (the reference on every device for now; GPU kernels are dispatched here). The
-# public functions below check first too, for the arguments the operator schema cannot carry, then
-# call the operator, which torch.compile sees as one opaque op.
+# then the quantizer: the cuTile kernels of tilemm.kernels.quantize_kernels for non-empty CUDA tensors
+# on sm_90 or newer (bit-identical to the reference), the reference everywhere else. The public
+# functions below check first too, for the arguments the operator schema cannot carry, then call the
+# operator, which torch.compile sees as one opaque op.
 
 FP8_GRANULARITY_NAMES = {"tensor": "tensor", "row": "row", "1x128": (1, FP8_BLOCK),
                          "128x128": (FP8_BLOCK, FP8_BLOCK)}
@@ -527,18 +528,40 @@ def check_quantize_fp8(x, granularity, elem_dtype, pow2_scale):
     return fmt, gran
 
 
+def _quantize_kernels(x: torch.Tensor):
+    """The GPU quantizer module when x is served by it (a non-empty CUDA tensor on sm_90 or newer),
+    else None. The kernels read transposed views (the ``axis=-2`` form) as they are stored."""
+    if not x.is_cuda or x.numel() == 0:
+        return None
+    from .kernels import quantize_kernels
+
+    return quantize_kernels if quantize_kernels.supported(x) else None
+
+
 def run_quantize_mxfp8(x, elem_dtype, rounding, swizzle):
     fmt = check_quantize_mxfp8(x, elem_dtype, rounding, swizzle)
+    kernels = _quantize_kernels(x)
+    if kernels is not None:
+        data, scale = kernels.quantize_mx(x, fmt, rounding, swizzle)
+        return data, scale.view(fmt.scale_dtype)
     return tuple(_quantize_mxfp8_reference(x.contiguous(), fmt, rounding, swizzle))
 
 
 def run_quantize_mxfp4(x, rounding, swizzle):
     check_quantize_mxfp4(x, rounding, swizzle)
+    kernels = _quantize_kernels(x)
+    if kernels is not None:
+        data, scale = kernels.quantize_mx(x, MXFP4, rounding, swizzle)
+        return data, scale.view(MXFP4.scale_dtype)
     return tuple(_quantize_mxfp4_reference(x.contiguous(), rounding, swizzle))
 
 
 def run_quantize_nvfp4(x, global_scale, swizzle):
     gs = check_quantize_nvfp4(x, global_scale, swizzle)
+    kernels = _quantize_kernels(x)
+    if kernels is not None:
+        data, scale, decode = kernels.quantize_nvfp4(x, gs, swizzle)  # decode: a new tensor
+        return data, scale.view(NVFP4.scale_dtype), decode
     data, scale, decode = _quantize_nvfp4_reference(x.contiguous(), gs, swizzle)
     # A given decode scale comes back out; an operator's outputs must not alias its inputs.
     return data, scale, decode if gs is None else decode.clone()
@@ -555,12 +578,29 @@ def fp8_granularity_from_name(granularity: str):
 def run_quantize_fp8(x, granularity, elem_dtype, pow2_scale):
     gran = fp8_granularity_from_name(granularity)
     fmt, gran = check_quantize_fp8(x, gran, elem_dtype, pow2_scale)
+    kernels = _quantize_kernels(x)
+    if kernels is not None:
+        return kernels.quantize_fp8(x, fmt, gran, pow2_scale)
     return tuple(_quantize_fp8_reference(x.contiguous(), fmt, gran, pow2_scale))
+
+
+def _along(fn: str, x, axis):
+    """x with its blocks' dimension last: x for axis -1, the view x.mT for axis -2 (no copy)."""
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise TypeError(f"{fn}: axis must be -1 or -2 (an int), got {type(axis).__name__} {axis!r}")
+    if axis not in (-1, -2):
+        raise ValueError(f"{fn}: axis must be -1 (blocks along the last dimension) or -2 (along the "
+                         f"second to last, for the K-major operand), got {axis}")
+    if axis == -1 or not isinstance(x, torch.Tensor):
+        return x  # a non-tensor x fails the input checks with its own message
+    if x.ndim < 2:
+        raise ValueError(f"{fn}: axis=-2 needs x with at least 2 dimensions, got shape {tuple(x.shape)}")
+    return x.mT
 
 
 @_interop.accepts_arrays
 def quantize_mxfp8(x: torch.Tensor, *, elem_dtype: torch.dtype = torch.float8_e4m3fn,
-                   rounding: str = "rceil", swizzle: bool = False) -> MXFP8Tensor:
+                   rounding: str = "rceil", swizzle: bool = False, axis: int = -1) -> MXFP8Tensor:
     """Quantize x (..., K) to MXFP8: 32-element blocks along K with e8m0 scales.
 
     Args:
@@ -571,35 +611,44 @@ def quantize_mxfp8(x: torch.Tensor, *, elem_dtype: torch.dtype = torch.float8_e4
             ``"floor"`` (OCP MX spec: floor(log2(amax)) - emax, may clip the block maximum).
         swizzle: return the scale in the 32x4x4 layout (..., ceil(M/128), ceil(K/128), 32, 16),
             M = x.shape[-2]; needs x.ndim >= 2.
+        axis: the dimension the blocks run along: -1 (default; x is (..., M, K)) or -2 (x is
+            (..., K, M), e.g. the second operand of a matmul, which wants K-major data). axis=-2
+            quantizes ``x.mT``: the result is exactly that of ``quantize(x.mT)`` (data (..., M, K)
+            and scales along its K), and the GPU kernels read x as it is stored, without a copy.
 
     Returns:
         ``MXFP8Tensor(data, scale)``: data (..., K) of ``elem_dtype``, scale (..., K/32)
         ``torch.float8_e8m0fnu`` (or swizzled).
     """
+    x = _along("quantize_mxfp8", x, axis)
     fmt = check_quantize_mxfp8(x, elem_dtype, rounding, swizzle)
     return MXFP8Tensor(*torch.ops.tilemm.quantize_mxfp8(x.detach(), fmt.data_dtype, rounding, swizzle))
 
 
 @_interop.accepts_arrays
 def quantize_mxfp4(x: torch.Tensor, *, rounding: str = "rceil",
-                   swizzle: bool = False) -> MXFP4Tensor:
+                   swizzle: bool = False, axis: int = -1) -> MXFP4Tensor:
     """Quantize x (..., K) to MXFP4: e2m1 elements packed two per byte, 32-element e8m0 blocks.
 
     Args:
         x: float32, bfloat16 or float16 tensor on any device; K a positive multiple of 32.
         rounding: ``"rceil"`` (default) or ``"floor"``, as for :func:`quantize_mxfp8` (Qmax 6).
         swizzle: return the scale in the 32x4x4 layout; needs x.ndim >= 2.
+        axis: -1 (default) or -2 (quantize ``x.mT``, read without a copy), as for
+            :func:`quantize_mxfp8`.
 
     Returns:
         ``MXFP4Tensor(data, scale)``: data (..., K/2) uint8, element 2i in the low nibble of byte
         i; scale (..., K/32) ``torch.float8_e8m0fnu`` (or swizzled).
     """
+    x = _along("quantize_mxfp4", x, axis)
     check_quantize_mxfp4(x, rounding, swizzle)
     return MXFP4Tensor(*torch.ops.tilemm.quantize_mxfp4(x.detach(), rounding, swizzle))
 
 
 @_interop.accepts_arrays
-def quantize_nvfp4(x: torch.Tensor, *, global_scale=None, swizzle: bool = False) -> NVFP4Tensor:
+def quantize_nvfp4(x: torch.Tensor, *, global_scale=None, swizzle: bool = False,
+                   axis: int = -1) -> NVFP4Tensor:
     """Quantize x (..., K) to NVFP4: e2m1 pairs, 16-element e4m3 block scales, one fp32 decode scale.
 
     Args:
@@ -610,11 +659,14 @@ def quantize_nvfp4(x: torch.Tensor, *, global_scale=None, swizzle: bool = False)
             on any device (converted to fp32); every form of the same fp32 value gives
             identical bits.
         swizzle: return the scale in the 32x4x4 layout; needs x.ndim >= 2.
+        axis: -1 (default) or -2 (quantize ``x.mT``, read without a copy), as for
+            :func:`quantize_mxfp8`.
 
     Returns:
         ``NVFP4Tensor(data, scale, global_scale)``: data (..., K/2) uint8, scale (..., K/16)
         ``torch.float8_e4m3fn`` (or swizzled), global_scale a 0-d fp32 tensor on x's device.
     """
+    x = _along("quantize_nvfp4", x, axis)
     # The value of a given global_scale is checked by the operator (reading it back syncs a GPU).
     gs = check_quantize_nvfp4(x, global_scale, swizzle, check_value=False)
     return NVFP4Tensor(*torch.ops.tilemm.quantize_nvfp4(x.detach(), gs, swizzle))
@@ -623,7 +675,7 @@ def quantize_nvfp4(x: torch.Tensor, *, global_scale=None, swizzle: bool = False)
 @_interop.accepts_arrays
 def quantize_fp8(x: torch.Tensor, *, granularity="tensor",
                  elem_dtype: torch.dtype = torch.float8_e4m3fn,
-                 pow2_scale: bool = False) -> FP8Tensor:
+                 pow2_scale: bool = False, axis: int = -1) -> FP8Tensor:
     """Quantize x to FP8 with fp32 decode scales (dequantized value = data * scale).
 
     Args:
@@ -635,10 +687,13 @@ def quantize_fp8(x: torch.Tensor, *, granularity="tensor",
             forms need K % 128 == 0 and ``elem_dtype=torch.float8_e4m3fn``.
         elem_dtype: ``torch.float8_e4m3fn`` (Qmax 448) or ``torch.float8_e5m2`` (Qmax 57344).
         pow2_scale: block granularities only: round each block scale up to a power of two.
+        axis: -1 (default) or -2 (quantize ``x.mT``, read without a copy), as for
+            :func:`quantize_mxfp8`.
 
     Tensor / row: ``s = amax / Qmax`` (1.0 when that is 0). Blocks: ``s = max(amax, 1e-4) / 448``.
     Then ``data = cast_RNE_satfinite(x / s)``. A NaN or Inf makes its group's scale and data NaN.
     """
+    x = _along("quantize_fp8", x, axis)
     fmt, gran = check_quantize_fp8(x, granularity, elem_dtype, pow2_scale)
     return FP8Tensor(*torch.ops.tilemm.quantize_fp8(x.detach(), fp8_granularity_name(gran),
                                                     fmt.data_dtype, pow2_scale))

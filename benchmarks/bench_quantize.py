@@ -1,0 +1,184 @@
+"""tilemm's GPU quantizers against a device-to-device copy of the same input, on one GPU in one run.
+
+    python benchmarks/bench_quantize.py               # 64 MiB and 256 MiB bf16 inputs
+    python benchmarks/bench_quantize.py --warm-only   # compile every kernel the run needs, time nothing
+
+For each input size (bf16 (M, K) with 64 MiB and 256 MiB) and each quantizer it first checks the GPU
+result against the eager PyTorch reference run on the same GPU (bit for bit), then times, with CUDA
+events after warm-up, the median of ``--reps`` (>= 20) runs of:
+
+* the quantizer (``tilemm.quantize_*`` on a CUDA tensor: the cuTile kernels, including NVFP4's and
+  per-tensor FP8's amax pass);
+* the eager reference (``tilemm.quantize._quantize_*_reference`` on the same CUDA tensor);
+* a device-to-device copy of the input (``dst.copy_(x)``), the memory-bound ceiling.
+
+GB/s counts the bytes a quantizer must move once: the input read plus data and scales written (an
+amax pass re-reads the input but is not credited). The copy moves the input's bytes twice (read +
+write). ``% copy`` is the quantizer's GB/s over the copy's.
+
+Writes ``benchmarks/results/quantize-<gpu>.json`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import statistics
+
+import torch
+
+import tilemm
+from tilemm import quantize as q
+from tilemm.formats import FP8_E4M3, MXFP4, MXFP8_E4M3, MXFP8_E5M2
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+MIB = 1 << 20
+# bf16 (M, K) inputs of 64 MiB and 256 MiB.
+SIZES = {"64MiB": (8192, 4096), "256MiB": (16384, 8192)}
+
+
+def _cases():
+    """name -> (GPU quantizer, eager reference); both take the CUDA input x."""
+    gs = {}
+
+    def nvfp4_given(x):
+        return tilemm.quantize_nvfp4(x, global_scale=gs["nvfp4"], swizzle=True)
+
+    def nvfp4_given_ref(x):
+        return q._quantize_nvfp4_reference(x, gs["nvfp4"], True)
+
+    cases = {
+        "mxfp8 e4m3": (lambda x: tilemm.quantize_mxfp8(x),
+                       lambda x: q._quantize_mxfp8_reference(x, MXFP8_E4M3, "rceil", False)),
+        "mxfp8 e4m3 swizzled": (lambda x: tilemm.quantize_mxfp8(x, swizzle=True),
+                                lambda x: q._quantize_mxfp8_reference(x, MXFP8_E4M3, "rceil", True)),
+        "mxfp8 e5m2 floor swizzled": (
+            lambda x: tilemm.quantize_mxfp8(x, elem_dtype=torch.float8_e5m2, rounding="floor", swizzle=True),
+            lambda x: q._quantize_mxfp8_reference(x, MXFP8_E5M2, "floor", True)),
+        "mxfp8 e4m3 swizzled axis=-2": (
+            lambda x: tilemm.quantize_mxfp8(x, swizzle=True, axis=-2),
+            lambda x: q._quantize_mxfp8_reference(x.mT, MXFP8_E4M3, "rceil", True)),
+        "mxfp4 swizzled": (lambda x: tilemm.quantize_mxfp4(x, swizzle=True),
+                           lambda x: q._quantize_mxfp4_reference(x, "rceil", True)),
+        "nvfp4 swizzled (amax pass)": (lambda x: tilemm.quantize_nvfp4(x, swizzle=True),
+                                       lambda x: q._quantize_nvfp4_reference(x, None, True)),
+        "nvfp4 swizzled (given scale)": (nvfp4_given, nvfp4_given_ref),
+        "fp8 tensor (amax pass)": (lambda x: tilemm.quantize_fp8(x),
+                                   lambda x: q._quantize_fp8_reference(x, FP8_E4M3, "tensor", False)),
+        "fp8 row": (lambda x: tilemm.quantize_fp8(x, granularity="row"),
+                    lambda x: q._quantize_fp8_reference(x, FP8_E4M3, "row", False)),
+        "fp8 1x128": (lambda x: tilemm.quantize_fp8(x, granularity=(1, 128)),
+                      lambda x: q._quantize_fp8_reference(x, FP8_E4M3, (1, 128), False)),
+        "fp8 128x128": (lambda x: tilemm.quantize_fp8(x, granularity=(128, 128)),
+                        lambda x: q._quantize_fp8_reference(x, FP8_E4M3, (128, 128), False)),
+    }
+    return cases, gs
+
+
+def _bytes(t) -> int:
+    return sum(v.numel() * v.element_size() for v in t)
+
+
+def time_ms(fn, reps: int) -> float:
+    """Median of ``reps`` CUDA-event timings of ``fn`` after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _same_bits(a, b) -> bool:
+    for x, y in zip(a, b):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        xv, yv = x.contiguous(), y.contiguous()
+        width = {1: torch.uint8, 4: torch.int32}[x.element_size()]
+        if not torch.equal(xv.view(width), yv.view(width)):
+            return False
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=20, help="timed runs per measurement (>= 20)")
+    parser.add_argument("--ref-reps", type=int, default=20, help="timed runs of the eager reference")
+    parser.add_argument("--warm-only", action="store_true", help="compile the kernels and exit")
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default: results/)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_quantize.py needs a CUDA GPU")
+
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    cases, gs = _cases()
+    gs["nvfp4"] = torch.tensor(1.0 / 2688.0 * 8.0, device=dev)
+    rows = []
+    for size_name, (m, k) in SIZES.items():
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16) * 4
+        in_bytes = x.numel() * x.element_size()
+        dst = torch.empty_like(x)
+        if args.warm_only:
+            for fn, _ in cases.values():
+                fn(x)
+            torch.cuda.synchronize()
+            continue
+        copy_ms = time_ms(lambda: dst.copy_(x), args.reps)
+        copy_gbs = 2 * in_bytes / copy_ms / 1e6
+        rows.append({"size": size_name, "shape": [m, k], "quantizer": "copy (dst.copy_(x))",
+                     "ms": copy_ms, "bytes": 2 * in_bytes, "gb_s": copy_gbs, "pct_copy": 100.0})
+        for name, (fn, ref_fn) in cases.items():
+            got = fn(x)
+            exact = _same_bits(got, ref_fn(x))
+            moved = in_bytes + _bytes(got)
+            ms = time_ms(lambda: fn(x), args.reps)
+            ref_ms = time_ms(lambda: ref_fn(x), args.ref_reps)
+            rows.append({"size": size_name, "shape": [m, k], "quantizer": name, "bit_exact": exact,
+                         "ms": ms, "bytes": moved, "gb_s": moved / ms / 1e6,
+                         "pct_copy": 100.0 * moved / ms / 1e6 / copy_gbs,
+                         "ref_ms": ref_ms, "speedup_vs_ref": ref_ms / ms})
+            del got
+        del x, dst
+        torch.cuda.empty_cache()
+    if args.warm_only:
+        print("kernels compiled")
+        return
+
+    gpu = props.name
+    result = {
+        "date": "2026-11-22",
+        "recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
+        "input_dtype": "bfloat16", "reps": args.reps,
+        "method": "median of CUDA-event timings after 3 warm-up calls; GB/s = (input read + data and "
+                  "scales written) / time; copy GB/s = 2 * input bytes / time",
+        "rows": rows,
+    }
+    out = args.out or RESULTS / f"quantize-{gpu.lower().replace(' ', '-')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+
+    print(f"\n{gpu}, bf16 input, median of {args.reps}\n")
+    print("| input | quantizer | bit-exact | time (us) | GB/s | % of copy | eager ref (us) | speedup |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        if "ref_ms" not in r:
+            print(f"| {r['size']} | {r['quantizer']} | | {r['ms'] * 1e3:.1f} | {r['gb_s']:.0f} | 100 | | |")
+            continue
+        print(f"| {r['size']} | {r['quantizer']} | {'yes' if r['bit_exact'] else 'NO'} | "
+              f"{r['ms'] * 1e3:.1f} | {r['gb_s']:.0f} | {r['pct_copy']:.0f} | {r['ref_ms'] * 1e3:.0f} | "
+              f"{r['speedup_vs_ref']:.0f}x |")
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,741 @@
+"""GPU quantizers: MXFP8, MXFP4, NVFP4 and FP8 in cuTile, bit-identical to ``tilemm.quantize``'s reference.
+
+What they compute: exactly what ``tilemm.quantize._quantize_<fmt>_reference`` computes (NUMERICS.md),
+for float32 / bfloat16 / float16 input (converted to fp32 in registers, which is exact). Each element
+is read once -- NVFP4 without a global scale and FP8 per tensor first run ``_amax_kernel`` (one more
+read), FP8 per row reads each row twice (the second time mostly from L2) -- and data plus scales are
+written in one pass, the scales already in the 32x4x4 layout when asked, its padding included.
+``tilemm.quantize.run_quantize_*`` dispatch non-empty CUDA tensors on sm_90 or newer here.
+
+Every rounding step works on fp32 values and bits, in the reference's order:
+
+* e8m0 scales (MX): RCEIL from the bits of ``d = amax * fp32(1/Qmax)``, FLOOR from the bits of amax,
+  clamped to [0, 254]; a block holding NaN or +-Inf gets 255 (``_e8m0_scale``).
+* MX data: ``x * 2^(127-s)``, the power of two built from bits (an exact multiply), then
+  e4m3 / e5m2 through ``ct.astype``, which is ``cvt.rn.satfinite`` (F2FP.SATFINITE on sm_90): round to
+  nearest even, saturating at +-Qmax, i.e. the reference's clamp-then-round; or e2m1 by
+  ``_e2m1_codes`` (ties to even, from three exactly rounded fp32 adds). Blocks with scale byte 0 store
+  +0 and NaN blocks 0x7F (fp8) or code 0 (e2m1); the fp8 path does those selects only in tiles that
+  have such blocks.
+* NVFP4: ``S_enc``, ``s_b``, ``enc`` as the reference, divisions IEEE (``ct.truediv`` with
+  ``RoundingMode.RN``: no approximate reciprocal, no flush to zero).
+* FP8: ``x / s`` with an IEEE division per element; NaN groups store 0x7F.
+
+One portable implementation serves sm_90, sm_100 and sm_120 (``aot_variants`` lists every
+specialisation for all three): nothing uses float8_e8m0fnu or float4_e2m1fn, which cuTile rejects on
+Hopper. Scale bytes are stored as uint8 (e8m0, e4m3), fp8 data as float8 arrays, e2m1 packed in uint8.
+
+Layout and grid: the input is a 3-D view (B, R, K) -- R rows per batch entry, blocks along K -- or,
+with ``TRANSPOSED``, the (B, K, R) storage of ``x.mT``, loaded through ``order=(0, 2, 1)`` (the
+``axis=-2`` quantizers: no copy). One block quantizes one (TILE_R, TILE_K) tile; the grid is 1-D over
+B x row tiles x cdiv(K, TILE_K), K fastest. Logical scales of a contiguous batch are quantized as one
+(1, B * R, K) matrix. Swizzled scales are stored through the (B, R/128, Ks/4, 32, 4, 4) view of the
+32x4x4 layout (its 16 columns split as 4 row sub-tiles m2 x 4 columns k1): with TILE_R in {32, 64,
+128} and TILE_K / block = 4 * G, the tile's scales s (TILE_R, 4G) go to::
+
+    row 32 * m2 + m1 of the 128-row block, column 4 * g + k1  ->  [g, m1, m2, k1]
+
+i.e. ``s.reshape(TILE_R / 32, 32, G, 4).permute(2, 1, 0, 3)``. Rows past R and columns past K load as
+zeros, whose scale byte is 0; tiles wholly in the rows that pad R to 128 only store zero scales. So the
+padding comes out zero without a separate fill, and no byte of the outputs (torch.empty) is left
+unwritten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import cuda.tile as ct
+import torch
+from cuda.tile import compilation as cc
+
+from ..formats import FP8_E4M3, MXFP4, NVFP4, Format
+from ._aot import AotVariant, array
+from ._common import SWIZZLE_COLS, SWIZZLE_ROWS
+
+__all__ = ["quantize_mx", "quantize_nvfp4", "quantize_fp8", "aot_variants", "supported"]
+
+ConstInt = ct.Constant[int]
+ConstBool = ct.Constant[bool]
+ConstFloat = ct.Constant[float]
+
+_ZERO = ct.PaddingMode.ZERO
+#: Blocks per SM the compiler plans registers for (64 per thread at 256 threads). Without it, it takes
+#: all 255 registers and one block per SM, which starves a memory-bound one-tile-per-block kernel.
+_OCCUPANCY = 4
+#: FP8's IEEE divisions need more registers (128 per thread).
+_FP8_OCCUPANCY = 2
+_RN = ct.RoundingMode.RN
+
+
+def _f32(value: float) -> float:
+    """``value`` rounded once to the nearest fp32 (as a Python float, so the kernel sees it exactly)."""
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
+_FLT_MAX = _f32(3.4028234663852886e38)
+_ONE_SIXTH = _f32(1.0 / 6.0)  # fp32(1/6), as the reference's _f32(1.0 / NVFP4.qmax)
+_NVFP4_AMAX_TARGET = NVFP4.qmax * FP8_E4M3.qmax  # 2688 = 6 * 448, exact
+_FP8_BLOCK_AMAX_FLOOR = _f32(1e-4)
+_INV_QMAX_E4M3 = _f32(1.0 / 448.0)  # fp32(1/Qmax) for RCEIL, as the reference's _f32(1.0 / qmax)
+_INV_QMAX_E5M2 = _f32(1.0 / 57344.0)
+_INV_QMAX_E2M1 = _f32(1.0 / 6.0)
+
+# Element codes (the ELEMENT constant).
+_E4M3 = 0
+_E5M2 = 1
+_E2M1 = 2
+_ELEMENT_CODE = {"e4m3": _E4M3, "e5m2": _E5M2, "e2m1": _E2M1}
+
+# FP8 granularities of ``_fp8_quantize_kernel`` (GRANULARITY); per row has its own kernel.
+_FP8_TENSOR = 0
+_FP8_1X128 = 1
+_FP8_128X128 = 2
+FP8_BLOCK = 128  # DeepSeek-style block edge
+
+_NAN_BYTE = 0x7F  # positive NaN in e4m3fn and e5m2
+_E8M0_NAN = 255
+_E8M0_MAX_FINITE = 254
+_EXP_MASK = 0x7F800000  # fp32 exponent field; bits >= this (sign cleared) are Inf or NaN
+_ROUND_MAGIC = 12582912.0  # 1.5 * 2^23: v + M rounds v (|v| < 2^22) to an integer, ties to even
+_ROUND_MAGIC_BITS = 0x4B400000
+
+
+# --------------------------------------------------------------------------------------------------
+# Tile code
+# --------------------------------------------------------------------------------------------------
+
+def _tile_index(row_tiles, K, TILE_K):
+    """(batch, row tile, K tile) of this block in a 1-D grid of B * row_tiles * cdiv(K, TILE_K)."""
+    num_k = ct.cdiv(K, TILE_K)
+    per_batch = row_tiles * num_k
+    bid = ct.bid(0)
+    b = bid // per_batch
+    t = bid % per_batch
+    return b, t // num_k, t % num_k
+
+
+def _row_tiles(R, TILE_R, SWIZZLED):
+    """Row tiles per batch entry: swizzled scales cover R rounded up to 128 rows (the layout's
+    padding, which tiles past R fill with zeros)."""
+    if SWIZZLED:
+        return ct.cdiv(R, SWIZZLE_ROWS) * (SWIZZLE_ROWS // TILE_R)
+    return ct.cdiv(R, TILE_R)
+
+
+def _rows_and_k(X, TRANSPOSED):
+    """(R, K) of the (B, R, K) tensor being quantized; X is (B, K, R) when TRANSPOSED."""
+    if TRANSPOSED:
+        return X.shape[2], X.shape[1]
+    return X.shape[1], X.shape[2]
+
+
+def _load_fp32(X, b, rt, kt, TILE_R, TILE_K, TRANSPOSED):
+    """The (TILE_R, TILE_K) tile (rt, kt) of batch entry b as fp32; zeros past the edges."""
+    if TRANSPOSED:
+        # X is (B, K, R): tile axis 1 walks array axis 2 (R), tile axis 2 walks array axis 1 (K).
+        x = ct.load(X, (b, rt, kt), (1, TILE_R, TILE_K), order=(0, 2, 1), padding_mode=_ZERO)
+    else:
+        x = ct.load(X, (b, rt, kt), (1, TILE_R, TILE_K), padding_mode=_ZERO)
+    return x.reshape((TILE_R, TILE_K)).astype(ct.float32)
+
+
+def _bits(v):
+    return ct.bitcast(v, ct.int32)
+
+
+def _is_finite(v):
+    """Finite-ness of an fp32 tile from its bits (NaN and Inf have all exponent bits set), whatever
+    the sign bit of a NaN."""
+    return (_bits(v) & 0x7FFFFFFF) < _EXP_MASK
+
+
+def _e8m0_rceil(amax, INV_QMAX):
+    """Smallest power of two >= d = amax * fp32(1/Qmax), as an e8m0 byte (int32), from d's bits.
+
+    Normal d: exponent field, plus one unless the mantissa is zero. Subnormal d: d <= 2^-127
+    (mantissa <= 0x400000) fits byte 0, anything larger needs byte 1."""
+    d = _bits(amax * INV_QMAX)
+    exponent = d >> 23
+    mantissa = d & 0x7FFFFF
+    sub = ct.where(mantissa > 0x400000, 1, 0)
+    normal = exponent + ct.where(mantissa != 0, 1, 0)
+    return ct.where(exponent == 0, sub, normal)
+
+
+def _e8m0_floor(amax, EMAX):
+    """floor(log2(amax)) - emax + 127 from amax's exponent field (zero / subnormal amax -> 0)."""
+    exponent = _bits(amax) >> 23
+    return ct.where(exponent == 0, 0, exponent - EMAX)
+
+
+def _e8m0_scale(amax, Floor, INV_QMAX, EMAX):
+    """Scale bytes (int32 0..255) for non-negative block maxima (NaN for a block holding NaN).
+
+    ``Floor`` is a runtime flag (0: RCEIL, 1: FLOOR): both are a few integer operations per block,
+    cheaper than a second compiled kernel."""
+    s = ct.where(Floor != 0, _e8m0_floor(amax, EMAX), _e8m0_rceil(amax, INV_QMAX))
+    s = ct.minimum(ct.maximum(s, 0), _E8M0_MAX_FINITE)
+    return ct.where(_is_finite(amax), s, _E8M0_NAN)
+
+
+def _e8m0_multiplier(s):
+    """x -> x * 2^(127 - s) multipliers (fp32, exact powers of two, from bits) for scale bytes s.
+
+    Byte 254 gives the subnormal 2^-127. Bytes 0 and 255 give 0: their blocks store zero data
+    (the fp8 path sets NaN blocks afterwards)."""
+    bits = ct.where(s == _E8M0_MAX_FINITE, 0x00400000, (_E8M0_MAX_FINITE - s) << 23)
+    bits = ct.where((s == 0) | (s == _E8M0_NAN), 0, bits)
+    return ct.bitcast(bits, ct.float32)
+
+
+def _fp8_cast(y, dtype):
+    """fp32 -> e4m3 / e5m2 (``dtype``) with RNE and saturation to +-Qmax.
+
+    ``ct.astype`` to float8 is ``cvt.rn.satfinite`` (F2FP.SATFINITE on sm_90): round to nearest even,
+    finite values and +-Inf beyond +-Qmax become +-Qmax, which is the reference's clamp-then-round.
+    NaN inputs are the callers' business (``_set_bytes``)."""
+    return ct.astype(y, dtype)
+
+
+def _set_bytes(q, where, byte):
+    """The float8 tile q with the byte ``byte`` wherever ``where`` holds (broadcast)."""
+    raw = ct.bitcast(q, ct.uint8)
+    return ct.bitcast(ct.where(where, ct.full(raw.shape, byte, ct.uint8), raw), q.dtype)
+
+
+def _fp8_bytes(y):
+    """e4m3 bytes (uint8) of y as the reference's cast_RNE_satfinite, NaN as 0x7F (for NVFP4's scales)."""
+    raw = ct.bitcast(_fp8_cast(y, ct.float8_e4m3fn), ct.uint8)
+    return ct.where(ct.isnan(y), ct.full(raw.shape, _NAN_BYTE, ct.uint8), raw)
+
+
+def _e2m1_codes(y):
+    """fp32 -> e2m1 codes (int32 0..15), round to nearest even, saturating at 6, as the reference.
+
+    The code of a magnitude a <= 6 is the rounded value of the concave piecewise-linear
+    f(a) = min(2a, a + 2, a/2 + 4) (slope 2, 1, 1/2 on [0, 2], [2, 4], [4, 6]: one code per grid step
+    of e2m1). Rounding is monotonic, so round(f(a)) = min(round(2a), round(a) + 2, round(a/2) + 4),
+    and each round() is exact and ties-to-even: adding M = 1.5 * 2^23 (ulp 1) to the exact 2a, a or
+    a/2 rounds once to an integer, with the even offsets 2 and 4 folded into M. Even values are even
+    codes, so ties go where the reference's midpoints send them (0.25 -> 0, 0.75 -> 1, 1.25 -> 1,
+    1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4). Capping at M + 7 saturates everything past 6 (Inf
+    included); NaN becomes 0 (max(NaN, 0) = 0). The sign bit (8) is set exactly when y < 0 (a negative
+    value that rounds to 0 gives code 8, -0.0 and NaN give 0), the reference's rule."""
+    a = ct.maximum(ct.abs(y), 0.0)
+    t = ct.minimum(ct.minimum(a * 2.0 + _ROUND_MAGIC, a + (_ROUND_MAGIC + 2.0)),
+                   ct.minimum(a * 0.5 + (_ROUND_MAGIC + 4.0), _ROUND_MAGIC + 7.0))
+    code = _bits(t) - _ROUND_MAGIC_BITS
+    return code | ct.where(y < 0.0, 8, 0)
+
+
+def _pack_e2m1(codes, TILE_R, TILE_K):
+    """Codes (TILE_R, TILE_K) int32 -> bytes (TILE_R, TILE_K / 2) uint8, element 2i in the low nibble."""
+    pairs = codes.reshape((TILE_R, TILE_K // 2, 2))
+    weight = ct.arange(2, dtype=ct.int32).reshape((1, 1, 2)) * 15 + 1  # (1, 16)
+    return ct.sum(pairs * weight, axis=2).astype(ct.uint8)
+
+
+def _store_scales(Scale, s, b, rt, kt, TILE_R, NB, SWIZZLED):
+    """Store the (TILE_R, NB) scale bytes (uint8) of tile (rt, kt).
+
+    Logical: Scale is (B, R, Ks). Swizzled: Scale is the (B, cdiv(R, 128), cdiv(Ks, 4), 32, 4, 4) view
+    of the 32x4x4 layout (the last 16 split as m2 x k1), TILE_R in {32, 64, 128} and NB = 4 * G: row
+    32 * m2 + m1 of the tile's 128-row block and column 4 * g + k1 go to block g, row m1, m2, k1."""
+    if SWIZZLED:
+        G = NB // SWIZZLE_COLS
+        M2 = TILE_R // 32  # 32-row sub-tiles in this tile
+        PER_BLOCK = SWIZZLE_ROWS // TILE_R  # tiles per 128-row block
+        t = ct.permute(s.reshape((M2, 32, G, SWIZZLE_COLS)), (2, 1, 0, 3))  # (G, 32, M2, 4)
+        ct.store(Scale, (b, rt // PER_BLOCK, kt, 0, rt % PER_BLOCK, 0),
+                 t.reshape((1, 1, G, 32, M2, SWIZZLE_COLS)))
+    else:
+        ct.store(Scale, (b, rt, kt), s.reshape((1, TILE_R, NB)))
+
+
+@ct.kernel(occupancy=_OCCUPANCY)
+def _mx_quantize_kernel(X, Data, Scale, Floor,
+                        ELEMENT: ConstInt, SWIZZLED: ConstBool, TRANSPOSED: ConstBool,
+                        TILE_R: ConstInt, TILE_K: ConstInt):
+    """MXFP8 / MXFP4 quantization of one (TILE_R, TILE_K) tile.
+
+    X: (B, R, K) input ((B, K, R) when TRANSPOSED). Data: (B, R, K) float8_e4m3fn / float8_e5m2, or
+    (B, R, K/2) uint8 packed e2m1. Scale: e8m0 bytes, logical (B, R, K/32) or swizzled (B, Rt, Kt, 32, 16).
+    Floor: int32, 1 for FLOOR scale rounding, 0 for RCEIL.
+    """
+    BLOCK = 32
+    NB = TILE_K // BLOCK
+    if ELEMENT == _E4M3:
+        INV_QMAX = _INV_QMAX_E4M3
+        EMAX = 8
+    elif ELEMENT == _E5M2:
+        INV_QMAX = _INV_QMAX_E5M2
+        EMAX = 15
+    else:
+        INV_QMAX = _INV_QMAX_E2M1
+        EMAX = 2
+    R, K = _rows_and_k(X, TRANSPOSED)
+    b, rt, kt = _tile_index(_row_tiles(R, TILE_R, SWIZZLED), K, TILE_K)
+    if rt * TILE_R >= R:  # swizzle padding rows only
+        _store_scales(Scale, ct.zeros((TILE_R, NB), ct.uint8), b, rt, kt, TILE_R, NB, SWIZZLED)
+        return
+
+    x = _load_fp32(X, b, rt, kt, TILE_R, TILE_K, TRANSPOSED).reshape((TILE_R, NB, BLOCK))
+    amax = ct.max(ct.abs(x), axis=2, keepdims=True, propagate_nan=True)  # (TILE_R, NB, 1)
+    s = _e8m0_scale(amax, Floor, INV_QMAX, EMAX)
+    # Exact: a power of two (or 0 for blocks with scale byte 0 or 255). -0 * 2^k stays -0 (byte
+    # 0x80, as the reference); x * 0 may be -0, which the zero blocks then fix.
+    y = x * _e8m0_multiplier(s)
+    if ELEMENT == _E2M1:
+        # Zero and NaN / Inf blocks: y is +-0 or NaN, both code 0, as the reference stores.
+        q = _pack_e2m1(_e2m1_codes(y).reshape((TILE_R, TILE_K)), TILE_R, TILE_K)
+        ct.store(Data, (b, rt, kt), q.reshape((1, TILE_R, TILE_K // 2)))
+    else:
+        q = _fp8_cast(y, Data.dtype)
+        # Blocks with scale byte 0 store +0 bytes and NaN / Inf blocks 0x7F; rare, so a tile without
+        # them skips the per-element selects.
+        if (ct.min(s) == 0) | (ct.max(s) == _E8M0_NAN):
+            q = _set_bytes(_set_bytes(q, s == 0, 0), s == _E8M0_NAN, _NAN_BYTE)
+        ct.store(Data, (b, rt, kt), q.reshape((1, TILE_R, TILE_K)))
+    _store_scales(Scale, s.astype(ct.uint8).reshape((TILE_R, NB)), b, rt, kt, TILE_R, NB, SWIZZLED)
+
+
+def _nvfp4_encode_scale(g, FROM_AMAX):
+    """(S_enc, S_dec) from a (1,) fp32 tile: the tensor amax (FROM_AMAX) or a given decode scale."""
+    if FROM_AMAX:
+        s_enc = ct.minimum(ct.truediv(_NVFP4_AMAX_TARGET, g, rounding_mode=_RN), _FLT_MAX)
+        s_enc = ct.where((g == 0.0) | (s_enc == 0.0), 1.0, s_enc)
+        s_dec = ct.truediv(1.0, s_enc, rounding_mode=_RN)
+    else:
+        s_dec = g
+        s_enc = ct.minimum(ct.truediv(1.0, g, rounding_mode=_RN), _FLT_MAX)
+    return s_enc, s_dec
+
+
+@ct.kernel(occupancy=_OCCUPANCY)
+def _nvfp4_quantize_kernel(X, Data, Scale, Global, GlobalOut,
+                           FROM_AMAX: ConstBool, SWIZZLED: ConstBool, TRANSPOSED: ConstBool,
+                           TILE_R: ConstInt, TILE_K: ConstInt):
+    """NVFP4 quantization of one (TILE_R, TILE_K) tile.
+
+    X as for ``_mx_quantize_kernel``; Data (B, R, K/2) packed e2m1; Scale e4m3 bytes, logical
+    (B, R, K/16) or swizzled. Global (1,) fp32: the tensor amax (FROM_AMAX) or the decode scale.
+    Block 0 writes the decode scale S_dec to GlobalOut (1,).
+    """
+    BLOCK = 16
+    NB = TILE_K // BLOCK
+    R, K = _rows_and_k(X, TRANSPOSED)
+    b, rt, kt = _tile_index(_row_tiles(R, TILE_R, SWIZZLED), K, TILE_K)
+
+    s_enc, s_dec = _nvfp4_encode_scale(ct.load(Global, (0,), (1,)), FROM_AMAX)
+    if ct.bid(0) == 0:
+        ct.store(GlobalOut, (0,), s_dec)
+    if rt * TILE_R >= R:  # swizzle padding rows only
+        _store_scales(Scale, ct.zeros((TILE_R, NB), ct.uint8), b, rt, kt, TILE_R, NB, SWIZZLED)
+        return
+    s_enc = s_enc.reshape((1, 1, 1))
+    s_dec = s_dec.reshape((1, 1, 1))
+
+    x = _load_fp32(X, b, rt, kt, TILE_R, TILE_K, TRANSPOSED).reshape((TILE_R, NB, BLOCK))
+    amax = ct.max(ct.abs(x), axis=2, keepdims=True, propagate_nan=True)  # (TILE_R, NB, 1)
+    # s_b = e4m3(min(amax * (S_enc * fp32(1/6)), 448)); NaN stays NaN (byte 0x7F), Inf becomes 448.
+    s_b = ct.minimum(amax * (s_enc * _ONE_SIXTH), 448.0, propagate_nan=True)
+    s_b_bytes = _fp8_bytes(s_b)
+    s_b_f32 = ct.bitcast(s_b_bytes, ct.float8_e4m3fn).astype(ct.float32)
+    enc = ct.minimum(ct.truediv(1.0, s_b_f32 * s_dec, rounding_mode=_RN), _FLT_MAX, propagate_nan=True)
+    # e2m1(clamp(x * enc, -6, 6)): the clamp changes no code, so it is left out.
+    q = _e2m1_codes(x * enc).reshape((TILE_R, TILE_K))
+    ct.store(Data, (b, rt, kt), _pack_e2m1(q, TILE_R, TILE_K).reshape((1, TILE_R, TILE_K // 2)))
+    _store_scales(Scale, s_b_bytes.reshape((TILE_R, NB)), b, rt, kt, TILE_R, NB, SWIZZLED)
+
+
+@ct.kernel(occupancy=_OCCUPANCY)
+def _amax_kernel(X, Amax, PROPAGATE_NAN: ConstBool, TILE_R: ConstInt, TILE_K: ConstInt):
+    """Amax[0] = max(Amax[0], max |x| over X (B, R, K)) as fp32 bits in an int32 (atomic).
+
+    Non-negative fp32 values order like their bit patterns, and NaN's bits exceed +Inf's, so an integer
+    maximum of the bits is the float maximum with NaN propagating; without PROPAGATE_NAN, NaN counts
+    as 0. Blocks stride over the tiles of X.
+    """
+    num_r = ct.cdiv(X.shape[1], TILE_R)
+    num_k = ct.cdiv(X.shape[2], TILE_K)
+    per_batch = num_r * num_k
+    acc = ct.zeros((TILE_R, TILE_K), ct.int32)
+    for t in range(ct.bid(0), X.shape[0] * per_batch, ct.num_blocks(0)):
+        b = t // per_batch
+        rk = t % per_batch
+        x = _load_fp32(X, b, rk // num_k, rk % num_k, TILE_R, TILE_K, False)
+        bits = _bits(x) & 0x7FFFFFFF
+        if not PROPAGATE_NAN:
+            bits = ct.where(bits > _EXP_MASK, 0, bits)
+        acc = ct.maximum(acc, bits)
+    ct.atomic_max(Amax, 0, ct.max(acc))
+
+
+
+def _fp8_tensor_scale(amax, QMAX):
+    """Per tensor / row: s = amax / Qmax, 1 where that is 0, NaN where amax is NaN or +Inf."""
+    s = ct.truediv(amax, QMAX, rounding_mode=_RN)
+    s = ct.where(s == 0.0, 1.0, s)
+    return ct.where(_is_finite(amax), s, _nan_like(s))
+
+
+def _fp8_block_scale(amax, Pow2):
+    """1x128 / 128x128 blocks: s = max(amax, 1e-4) / 448, rounded up to a power of two (from the bits)
+    when Pow2 != 0; NaN where amax is NaN or +Inf."""
+    s = ct.truediv(ct.maximum(amax, _FP8_BLOCK_AMAX_FLOOR, propagate_nan=True), 448.0, rounding_mode=_RN)
+    bits = _bits(s)
+    up = ct.bitcast(ct.where((bits & 0x7FFFFF) != 0, (bits >> 23) + 1, bits >> 23) << 23, ct.float32)
+    s = ct.where((Pow2 != 0) & _is_finite(s), up, s)
+    return ct.where(_is_finite(amax), s, _nan_like(s))
+
+
+def _nan_like(v):
+    """The canonical quiet NaN (0x7FC00000) in v's shape, as the reference's float('nan')."""
+    return ct.bitcast(ct.full(v.shape, 0x7FC00000, ct.int32), ct.float32)
+
+
+def _fp8_qmax(ELEMENT):
+    if ELEMENT == _E4M3:
+        return 448.0
+    return 57344.0
+
+
+def _fp8_divide(x, s, dtype):
+    """cast_RNE_satfinite(x / s) to ``dtype`` with IEEE division; NaN (byte 0x7F) where s is NaN. A
+    group with a finite scale has finite data, so tiles without a NaN scale skip the NaN selects."""
+    y = ct.truediv(x, s, rounding_mode=_RN)
+    q = _fp8_cast(y, dtype)
+    if ct.max(ct.where(ct.isnan(s), 1, 0)) > 0:
+        q = _set_bytes(q, ct.isnan(y), _NAN_BYTE)
+    return q
+
+
+@ct.kernel(occupancy=_FP8_OCCUPANCY)
+def _fp8_quantize_kernel(X, Data, Scale, Amax, Pow2,
+                         ELEMENT: ConstInt, GRANULARITY: ConstInt, TRANSPOSED: ConstBool,
+                         TILE_R: ConstInt, TILE_K: ConstInt):
+    """FP8 per tensor, 1x128 or 128x128 (GRANULARITY) of one (TILE_R, TILE_K) tile: q = sat(x / s).
+
+    X as for ``_mx_quantize_kernel``; Data (B, R, K) e4m3 / e5m2 bytes. Per tensor: Amax (1,) holds
+    max |x| (NaN propagated), Scale is (1,) and block 0 writes it. 1x128: Scale (B, R, K/128).
+    128x128 (TILE_R = TILE_K = 128): Scale (B, cdiv(R, 128), K/128). Amax is only read per tensor.
+    Pow2: int32, 1 to round block scales up to a power of two.
+    """
+    QMAX = _fp8_qmax(ELEMENT)
+    R, K = _rows_and_k(X, TRANSPOSED)
+    b, rt, kt = _tile_index(ct.cdiv(R, TILE_R), K, TILE_K)
+    x = _load_fp32(X, b, rt, kt, TILE_R, TILE_K, TRANSPOSED)
+    if GRANULARITY == _FP8_TENSOR:
+        s = _fp8_tensor_scale(ct.load(Amax, (0,), (1,)), QMAX)
+        if ct.bid(0) == 0:
+            ct.store(Scale, (0,), s)
+        q = _fp8_divide(x, s.reshape((1, 1)), Data.dtype)
+    elif GRANULARITY == _FP8_1X128:
+        NB = TILE_K // FP8_BLOCK
+        xb = x.reshape((TILE_R, NB, FP8_BLOCK))
+        s = _fp8_block_scale(ct.max(ct.abs(xb), axis=2, keepdims=True, propagate_nan=True), Pow2)
+        q = _fp8_divide(xb, s, Data.dtype).reshape((TILE_R, TILE_K))
+        ct.store(Scale, (b, rt, kt), s.reshape((1, TILE_R, NB)))
+    else:
+        amax = ct.max(ct.abs(x), axis=(0, 1), keepdims=True, propagate_nan=True)  # (1, 1)
+        s = _fp8_block_scale(amax, Pow2)
+        q = _fp8_divide(x, s, Data.dtype)
+        ct.store(Scale, (b, rt, kt), s.reshape((1, 1, 1)))
+    ct.store(Data, (b, rt, kt), q.reshape((1, TILE_R, TILE_K)))
+
+
+@ct.kernel(occupancy=_FP8_OCCUPANCY)
+def _fp8_row_kernel(X, Data, Scale, ELEMENT: ConstInt, TRANSPOSED: ConstBool,
+                    TILE_R: ConstInt, TILE_K: ConstInt):
+    """FP8 per row of TILE_R rows: the row amax over all of K (first loop), then q = sat(x / s)
+    (second loop, which reads the rows again, mostly from L2). Scale (B, R, 1)."""
+    QMAX = _fp8_qmax(ELEMENT)
+    R, K = _rows_and_k(X, TRANSPOSED)
+    num_r = ct.cdiv(R, TILE_R)
+    b = ct.bid(0) // num_r
+    rt = ct.bid(0) % num_r
+    num_k = ct.cdiv(K, TILE_K)
+    amax = ct.zeros((TILE_R, 1), ct.float32)
+    for kt in range(num_k):
+        x = _load_fp32(X, b, rt, kt, TILE_R, TILE_K, TRANSPOSED)
+        amax = ct.maximum(amax, ct.max(ct.abs(x), axis=1, keepdims=True, propagate_nan=True),
+                          propagate_nan=True)
+    s = _fp8_tensor_scale(amax, QMAX)
+    for kt in range(num_k):
+        x = _load_fp32(X, b, rt, kt, TILE_R, TILE_K, TRANSPOSED)
+        q = _fp8_divide(x, s, Data.dtype)
+        ct.store(Data, (b, rt, kt), q.reshape((1, TILE_R, TILE_K)))
+    ct.store(Scale, (b, rt, 0), s.reshape((1, TILE_R, 1)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Configs
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Rows and K columns per block. Block-scaled formats need tile_r in {32, 64, 128} and
+    tile_k / block a multiple of 4 (whole 32x16 blocks of swizzled scales); FP8 blocks need
+    tile_k % 128 == 0 and, for 128x128, tile_r = tile_k = 128."""
+
+    tile_r: int
+    tile_k: int
+
+
+#: 8K elements per block (32 per thread at 256 threads): 64 registers, no spills, 4 blocks per SM.
+#: MX: 4 scale columns of 32; NVFP4: 4 of 16.
+MX_CONFIG = TileConfig(64, 128)
+NVFP4_CONFIG = TileConfig(128, 64)
+FP8_CONFIG = TileConfig(64, 128)
+FP8_BLOCK_CONFIG = TileConfig(128, 128)  # 128x128 blocks: one block per tile
+FP8_ROW_CONFIG = TileConfig(16, 512)
+AMAX_CONFIG = TileConfig(16, 256)
+#: Blocks of the amax reduction per SM (each loops over its share of the tiles).
+AMAX_BLOCKS_PER_SM = 4
+
+
+# --------------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------------
+
+def supported(x: torch.Tensor) -> bool:
+    """True when the quantizer kernels can run on x: a CUDA tensor on sm_90 or newer
+    (``TILEMM_ARCH`` overrides the detected capability, as everywhere in tilemm)."""
+    from .._arch import capability
+
+    return x.is_cuda and capability(x.device)[0] >= 9
+
+
+@dataclasses.dataclass
+class _Operand:
+    """x (..., R, K) as the kernel reads it: ``view`` is (B, R, K), or (B, K, R) -- the storage of
+    ``x.mT`` -- when ``transposed``, so that a transposed view is read without a copy."""
+
+    view: torch.Tensor
+    batch: int
+    rows: int
+    k: int
+    transposed: bool
+    lead: tuple  # x.shape[:-2] (empty for 1-D x)
+
+
+def _operand(x: torch.Tensor) -> _Operand:
+    if x.ndim == 1:
+        return _Operand(x.contiguous().view(1, 1, x.shape[0]), 1, 1, x.shape[0], False, ())
+    *lead, r, k = x.shape
+    transposed = x.stride(-1) != 1 and x.stride(-2) == 1 and k > 1
+    if not transposed and x.stride(-1) != 1 and k > 1:
+        x = x.contiguous()
+    view = x.mT.reshape(-1, k, r) if transposed else x.reshape(-1, r, k)
+    return _Operand(view, view.shape[0], r, k, transposed, tuple(lead))
+
+
+def _rows_flattened(op: _Operand) -> _Operand:
+    """Logical scales do not care about batch boundaries: (B, R, K) -> (1, B * R, K) when that is a
+    view, so that small R wastes no rows of a tile."""
+    v = op.view
+    if op.transposed or op.batch == 1 or v.stride(0) != v.shape[1] * v.stride(1):
+        return op
+    flat = v.view(1, op.batch * op.rows, op.k)
+    return _Operand(flat, 1, op.batch * op.rows, op.k, False, op.lead)
+
+
+def _grid(batch: int, rows: int, k: int, cfg: TileConfig, swizzle: bool = False) -> tuple[int, int, int]:
+    """One block per tile; swizzled scales also need the tiles of the rows padding R to 128."""
+    if swizzle:
+        rows = -(-rows // SWIZZLE_ROWS) * SWIZZLE_ROWS
+    return (batch * -(-rows // cfg.tile_r) * -(-k // cfg.tile_k), 1, 1)
+
+
+def _launch_kernel(device: torch.device, grid, kernel, args: tuple) -> None:
+    ct.launch(torch.cuda.current_stream(device), grid, kernel, args)
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _launch(kernel, op: _Operand, cfg: TileConfig, args: tuple, grid=None, swizzle: bool = False) -> None:
+    _launch_kernel(op.view.device, grid or _grid(op.batch, op.rows, op.k, cfg, swizzle), kernel, args)
+
+
+def _scale_operand(scale: torch.Tensor, swizzle: bool) -> torch.Tensor:
+    """The scale buffer as the kernel stores to it: swizzled (B, Rt, Ct, 32, 16) as (B, Rt, Ct, 32, 4, 4)."""
+    return scale.view(*scale.shape[:4], 4, 4) if swizzle else scale
+
+
+def _block_scale_buffer(op: _Operand, cols: int, swizzle: bool, dtype) -> torch.Tensor:
+    """Scale output for ``cols`` scale columns per row: (B, R, cols), or swizzled (B, Rt, Ct, 32, 16).
+    Uninitialised: the kernel writes every byte, the layout's zero padding included."""
+    if swizzle:
+        shape = (op.batch, -(-op.rows // SWIZZLE_ROWS), -(-cols // SWIZZLE_COLS), 32, 16)
+    else:
+        shape = (op.batch, op.rows, cols)
+    return torch.empty(shape, dtype=dtype, device=op.view.device)
+
+
+def _shaped(op: _Operand, x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, swizzle: bool):
+    """Data and scale reshaped to the reference's shapes for x (..., R, K)."""
+    head = (*op.lead, op.rows) if x.ndim >= 2 else ()
+    data = data.reshape(*head, data.shape[-1])
+    if swizzle:
+        return data, scale.reshape(*op.lead, *scale.shape[1:])
+    return data, scale.reshape(*head, scale.shape[-1])
+
+
+def quantize_mx(x: torch.Tensor, fmt: Format, rounding: str, swizzle: bool):
+    """MXFP8 / MXFP4 of x (..., K) on the GPU: (data, scale) as uint8 bytes in the reference's shapes
+    (data (..., K) or (..., K/2) packed; scale (..., K/32) or swizzled). A transposed view
+    (x.stride(-2) == 1) is read as it is stored."""
+    full = _operand(x)
+    op = full if swizzle else _rows_flattened(full)
+    cfg = MX_CONFIG
+    data = torch.empty(op.batch, op.rows, fmt.data_k(op.k), dtype=fmt.data_dtype, device=x.device)
+    scale = _block_scale_buffer(op, op.k // fmt.block, swizzle, torch.uint8)
+    floor = 1 if rounding == "floor" else 0
+    _launch(_mx_quantize_kernel, op, cfg, (op.view, data, _scale_operand(scale, swizzle), floor,
+                                           _ELEMENT_CODE[fmt.element], swizzle, op.transposed, cfg.tile_r,
+                                           cfg.tile_k), swizzle=swizzle)
+    return _shaped(full, x, data, scale, swizzle)
+
+
+def tensor_amax(x: torch.Tensor, propagate_nan: bool) -> torch.Tensor:
+    """max |x| over all of x as a (1,) fp32 tensor, in one read: NaN if x holds a NaN and
+    ``propagate_nan``, else NaN counts as 0. The blocks of ``_amax_kernel`` combine with an atomic."""
+    amax = torch.zeros(1, dtype=torch.int32, device=x.device)
+    op = _operand(x)
+    view = op.view.mT if op.transposed else op.view  # the order does not matter, only the storage
+    cfg = AMAX_CONFIG
+    tiles = view.shape[0] * -(-view.shape[1] // cfg.tile_r) * -(-view.shape[2] // cfg.tile_k)
+    grid = (min(tiles, _num_sms(x.device) * AMAX_BLOCKS_PER_SM), 1, 1)
+    _launch_kernel(x.device, grid, _amax_kernel, (view, amax, propagate_nan, cfg.tile_r, cfg.tile_k))
+    return amax.view(torch.float32)
+
+
+def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None, swizzle: bool):
+    """NVFP4 of x (..., K) on the GPU: (data uint8, scale e4m3 bytes as uint8, 0-d fp32 decode scale).
+
+    ``global_scale`` (a 0-d fp32 decode scale on x's device) or None: S_enc from the tensor amax (NaN
+    ignored), computed by ``tensor_amax`` first."""
+    from_amax = global_scale is None
+    g = tensor_amax(x, propagate_nan=False) if from_amax else global_scale.reshape(1)
+    g_out = torch.empty(1, dtype=torch.float32, device=x.device)
+    full = _operand(x)
+    op = full if swizzle else _rows_flattened(full)
+    cfg = NVFP4_CONFIG
+    data = torch.empty(op.batch, op.rows, op.k // 2, dtype=torch.uint8, device=x.device)
+    scale = _block_scale_buffer(op, op.k // NVFP4.block, swizzle, torch.uint8)
+    _launch(_nvfp4_quantize_kernel, op, cfg, (op.view, data, _scale_operand(scale, swizzle), g, g_out,
+                                              from_amax, swizzle, op.transposed, cfg.tile_r, cfg.tile_k),
+            swizzle=swizzle)
+    data, scale = _shaped(full, x, data, scale, swizzle)
+    return data, scale, g_out.reshape(())
+
+
+def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool):
+    """FP8 of x on the GPU: (data bytes as uint8 in x's shape, fp32 scale in the reference's shape).
+
+    granularity: "tensor" (scale 0-d; a NaN-propagating ``tensor_amax`` first), "row" (..., M, 1),
+    (1, 128) (..., M, K/128) or (128, 128) (..., cdiv(M, 128), K/128)."""
+    element = _ELEMENT_CODE[fmt.element]
+    full = _operand(x)
+    if granularity == "row":
+        op = _rows_flattened(full)
+        cfg = FP8_ROW_CONFIG
+        data = torch.empty(op.batch, op.rows, op.k, dtype=fmt.data_dtype, device=x.device)
+        scale = torch.empty(op.batch, op.rows, 1, dtype=torch.float32, device=x.device)
+        grid = (op.batch * -(-op.rows // cfg.tile_r), 1, 1)
+        _launch(_fp8_row_kernel, op, cfg, (op.view, data, scale, element, op.transposed, cfg.tile_r,
+                                           cfg.tile_k), grid)
+        return _shaped(full, x, data, scale, False)
+    cfg = FP8_CONFIG
+    if granularity == "tensor":
+        op = _rows_flattened(full)
+        amax = tensor_amax(x, propagate_nan=True)
+        scale = torch.empty(1, dtype=torch.float32, device=x.device)
+        gran = _FP8_TENSOR
+    elif granularity == (1, FP8_BLOCK):
+        op = _rows_flattened(full)
+        amax = scale = _block_scale_buffer(op, op.k // FP8_BLOCK, False, torch.float32)
+        gran = _FP8_1X128
+    else:
+        op = full
+        cfg = FP8_BLOCK_CONFIG
+        scale = torch.empty(op.batch, -(-op.rows // FP8_BLOCK), op.k // FP8_BLOCK, dtype=torch.float32,
+                            device=x.device)
+        amax = scale
+        gran = _FP8_128X128
+    data = torch.empty(op.batch, op.rows, op.k, dtype=fmt.data_dtype, device=x.device)
+    _launch(_fp8_quantize_kernel, op, cfg, (op.view, data, scale, amax, 1 if pow2_scale else 0, element,
+                                            gran, op.transposed, cfg.tile_r, cfg.tile_k))
+    head = (*full.lead, full.rows) if x.ndim >= 2 else ()
+    data = data.reshape(*head, op.k)
+    if gran == _FP8_TENSOR:
+        return data, scale.reshape(())
+    if gran == _FP8_1X128:
+        return data, scale.reshape(*head, scale.shape[-1])
+    return data, scale.reshape(*full.lead, *scale.shape[1:])
+
+
+# --------------------------------------------------------------------------------------------------
+# Ahead-of-time specialisations
+# --------------------------------------------------------------------------------------------------
+
+_INPUT_DTYPES = {"fp32": ct.float32, "bf16": ct.bfloat16, "fp16": ct.float16}
+_INT32 = cc.ScalarConstraint(ct.int32)
+
+
+def _data_array(element: str):
+    return array({"e4m3": ct.float8_e4m3fn, "e5m2": ct.float8_e5m2, "e2m1": ct.uint8}[element], 3)
+
+
+def aot_variants() -> list[AotVariant]:
+    """Every kernel specialisation the launchers can pick, for sm_90, sm_100 and sm_120."""
+    variants = []
+    u8 = array(ct.uint8, 3)
+    f32_1 = array(ct.float32, 1)
+    for in_name, in_dtype in _INPUT_DTYPES.items():
+        x = array(in_dtype, 3)
+        for transposed in (False, True):
+            t = "_t" if transposed else ""
+            for swizzled in (False, True):
+                scale = array(ct.uint8, 6 if swizzled else 3)
+                layout = ("swz" if swizzled else "log") + t
+                for element, code in _ELEMENT_CODE.items():
+                    cfg = MX_CONFIG
+                    params = [x, _data_array(element), scale, _INT32, code, swizzled, transposed, cfg.tile_r,
+                              cfg.tile_k]
+                    variants.append(AotVariant(f"quantize_mx_{element}_{in_name}_{layout}",
+                                               _mx_quantize_kernel, params))
+                for from_amax in (False, True):
+                    cfg = NVFP4_CONFIG
+                    params = [x, u8, scale, f32_1, f32_1, from_amax, swizzled, transposed, cfg.tile_r,
+                              cfg.tile_k]
+                    name = f"quantize_nvfp4_{'amax' if from_amax else 'given'}_{in_name}_{layout}"
+                    variants.append(AotVariant(name, _nvfp4_quantize_kernel, params))
+            for element in ("e4m3", "e5m2"):
+                code = _ELEMENT_CODE[element]
+                cfg = FP8_ROW_CONFIG
+                params = [x, _data_array(element), array(ct.float32, 3), code, transposed, cfg.tile_r,
+                          cfg.tile_k]
+                variants.append(AotVariant(f"quantize_fp8_row_{element}_{in_name}{t}", _fp8_row_kernel,
+                                           params))
+                grans = {"tensor": _FP8_TENSOR}
+                if element == "e4m3":
+                    grans.update({"1x128": _FP8_1X128, "128x128": _FP8_128X128})
+                for gname, gran in grans.items():
+                    cfg = FP8_BLOCK_CONFIG if gran == _FP8_128X128 else FP8_CONFIG
+                    scale = f32_1 if gran == _FP8_TENSOR else array(ct.float32, 3)
+                    amax = f32_1 if gran == _FP8_TENSOR else array(ct.float32, 3)
+                    params = [x, _data_array(element), scale, amax, _INT32, code, gran, transposed, cfg.tile_r,
+                              cfg.tile_k]
+                    variants.append(AotVariant(f"quantize_fp8_{gname}_{element}_{in_name}{t}",
+                                               _fp8_quantize_kernel, params))
+        for propagate in (False, True):
+            cfg = AMAX_CONFIG
+            params = [x, array(ct.int32, 1), propagate, cfg.tile_r, cfg.tile_k]
+            variants.append(AotVariant(f"amax_{'nan' if propagate else 'nonan'}_{in_name}", _amax_kernel,
+                                       params))
+    return variants

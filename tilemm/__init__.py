@@ -5,17 +5,19 @@ Quantize with ``quantize_*``, lay scales out for the tensor cores with ``swizzle
 reference; CUDA tensors on Hopper (sm_90) and Blackwell (sm_100 / sm_120) use cuTile kernels.
 """
 
-from . import formats, reference
+from swizzle import swizzle_32_4_4, unswizzle_32_4_4
+
+from . import formats, numerics, reference
 from ._arch import UnsupportedGPUError
+from .crosscheck import crosscheck
 from .formats import FP8_E4M3, FP8_E5M2, MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
 from .matmul import fp8_matmul, linear, mxfp4_matmul, mxfp8_matmul, nvfp4_matmul
-from .crosscheck import crosscheck
 from .quantize import (FP8Tensor, MXFP4Tensor, MXFP8Tensor, NVFP4Tensor, dequantize, dequantize_fp8,
                        dequantize_mxfp4, dequantize_mxfp8, dequantize_nvfp4, quantize_fp8,
                        quantize_mxfp4, quantize_mxfp8, quantize_nvfp4)
 from . import ops  # registers torch.ops.tilemm.* (the public functions above call them)
-from .nn import quantize_model  # and tilemm.nn.Linear
-from swizzle import swizzle_32_4_4, unswizzle_32_4_4
+from . import nn
+from .nn import quantize_model
 
 __version__ = "0.1.0"
 
@@ -25,5 +27,6 @@ __all__ = [
     "dequantize", "dequantize_mxfp8", "dequantize_mxfp4", "dequantize_nvfp4", "dequantize_fp8",
     "MXFP8Tensor", "MXFP4Tensor", "NVFP4Tensor", "FP8Tensor",
     "mxfp8_matmul", "mxfp4_matmul", "nvfp4_matmul", "fp8_matmul", "linear",
-    "swizzle_32_4_4", "unswizzle_32_4_4", "UnsupportedGPUError", "formats", "reference",
+    "swizzle_32_4_4", "unswizzle_32_4_4", "UnsupportedGPUError", "crosscheck",
+    "nn", "quantize_model", "ops", "formats", "numerics", "reference",
 ]

@@ -341,3 +341,13 @@ def test_linear_errors():
         tilemm.linear(a, b)
     with pytest.raises(TypeError, match=r"linear: x_q and w_q must be quantized tensors"):
         tilemm.linear(a, torch.zeros(3))
+
+
+def test_quantized_tensors_move_between_devices_but_keep_their_encoding():
+    q = tilemm.quantize_nvfp4(torch.randn(4, 32))
+    moved = q.to("cpu")
+    assert type(moved) is tilemm.NVFP4Tensor and moved.device == torch.device("cpu")
+    assert all(torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                           b.view(torch.uint8) if b.element_size() == 1 else b) for a, b in zip(q, q.cpu()))
+    with pytest.raises(TypeError, match=r"NVFP4Tensor.to moves between devices; a dtype would change"):
+        q.to(torch.float32)

@@ -164,6 +164,31 @@ class FP8Tensor(NamedTuple):
         return dequantize_fp8(self.data, self.scale)
 
 
+def _to(self, *args, **kwargs):
+    """The same quantized tensor with every field moved by ``Tensor.to(*args, **kwargs)`` (devices
+    only: the encodings are the data, so a dtype argument is refused)."""
+    if any(isinstance(a, torch.dtype) for a in (*args, *kwargs.values())):
+        raise TypeError(f"{type(self).__name__}.to moves between devices; a dtype would change the "
+                        f"encoding (use dequantize() for floats)")
+    return type(self)(*(f.to(*args, **kwargs) for f in self))
+
+
+def _cpu(self):
+    """The same quantized tensor on the CPU."""
+    return _to(self, "cpu")
+
+
+def _cuda(self, device=None):
+    """The same quantized tensor on a CUDA device."""
+    return _to(self, torch.device("cuda") if device is None else device)
+
+
+for _cls in (MXFP8Tensor, MXFP4Tensor, NVFP4Tensor, FP8Tensor):
+    _cls.to, _cls.cpu, _cls.cuda = _to, _cpu, _cuda
+    _cls.device = property(lambda self: self.data.device, doc="The device of the data.")
+del _cls
+
+
 # ----------------------------------------------------------------------------------------------
 # Validation helpers (public boundary)
 # ----------------------------------------------------------------------------------------------

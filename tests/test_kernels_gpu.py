@@ -209,6 +209,18 @@ def test_block_scaled_larger(fmt, m, n, k, swizzled):
     check_close(out, ref, oracle(xq, wq), torch.bfloat16)
 
 
+@pytest.mark.parametrize("m,n,k,swizzled", [(7, 300, 2048, True), (33, 17, 1024, False)],
+                         ids=["7x300x2048_swizzled", "33x17x1024"])
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=FMT_IDS)
+def test_block_scaled_split_k(fmt, m, n, k, swizzled):
+    # Few output tiles and a long K: the stream kernel splits K (4 and 2 ways here) and a second
+    # kernel adds the fp32 partial tiles; M = 33 takes the 64-row tile (the MMA's N side).
+    xq, wq = quantized_pair(fmt, m, n, k, swizzled=swizzled, seed=13)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(14))
+    out, ref = run_both(fmt, xq, wq, swizzled, out_dtype=torch.bfloat16, alpha=0.5, bias=bias)
+    check_close(out, ref, oracle(xq, wq, alpha=0.5, bias=bias), torch.bfloat16)
+
+
 def _random_bytes_operands(fmt, m, n, k, seed):
     """Adversarial but valid inputs: every finite element code and scale bytes over a wide range."""
     gen = torch.Generator().manual_seed(seed)

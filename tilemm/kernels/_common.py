@@ -2,8 +2,9 @@
 
 Tile-code helpers (called from inside ``@ct.kernel`` functions, inlined by cuTile):
 
-* ``tile_coords``: the batch index and the (M-tile, N-tile) of a block of a 1-D grid, visiting tiles
-  in GROUP_SIZE_M-row groups so that neighbouring blocks share operand tiles in L2.
+* ``tile_coords`` / ``tile_coords_at``: the batch index and the (M-tile, N-tile) of a block of a 1-D
+  grid (or of tile number t of a persistent block), visiting tiles in GROUP_SIZE_M-row groups so that
+  neighbouring blocks share operand tiles in L2.
 * ``e8m0_to_bf16``: e8m0 scale bytes -> their exact bf16 values (2^(s-127); 0 -> 2^-127; 255 -> NaN).
 * ``e2m1_lo_bits_*`` / ``e2m1_hi_bits_*``: the low / high nibble of packed e2m1 bytes as 16-bit float
   bit patterns (fp16 or bf16), with a known power-of-two offset.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import cuda.tile as ct
 import torch
 
-__all__ = ["tile_coords", "e8m0_to_bf16", "e2m1_lo_bits_fp16", "e2m1_hi_bits_fp16", "e2m1_lo_bits_bf16",
+__all__ = ["tile_coords", "tile_coords_at", "e8m0_to_bf16", "e2m1_lo_bits_fp16", "e2m1_hi_bits_fp16", "e2m1_lo_bits_bf16",
            "e2m1_hi_bits_bf16", "unswizzle_scale_tile", "epilogue", "ones_scalar", "zeros_vector",
            "swizzled_scale_view", "hinted", "SWIZZLE_ROWS", "SWIZZLE_COLS"]
 
@@ -40,12 +41,16 @@ def tile_coords(M, N, TM, TN, GROUP_SIZE_M):
     Within one batch entry, blocks walk GROUP_SIZE_M tile rows column by column, so consecutive blocks
     reuse the same B tiles (and a group's A tiles) from L2.
     """
-    bid = ct.bid(0)
+    return tile_coords_at(ct.bid(0), M, N, TM, TN, GROUP_SIZE_M)
+
+
+def tile_coords_at(t, M, N, TM, TN, GROUP_SIZE_M):
+    """``tile_coords`` for output tile number ``t`` (a persistent block's loop variable)."""
     num_m = ct.cdiv(M, TM)
     num_n = ct.cdiv(N, TN)
     per_batch = num_m * num_n
-    batch = bid // per_batch
-    t = bid % per_batch
+    batch = t // per_batch
+    t = t % per_batch
     per_group = GROUP_SIZE_M * num_n
     first_m = (t // per_group) * GROUP_SIZE_M
     group_m = min(num_m - first_m, GROUP_SIZE_M)

@@ -7,24 +7,37 @@ per-tensor decode scales arrive folded into ``alpha``).
 
 Why emulate: sm_90 has no block-scaled tensor-core instruction, and cuTile rejects float8_e8m0fnu and
 float4_e2m1fn there, so ``ct.mma_scaled`` cannot run. Scales and packed FP4 data come in as uint8 and
-are decoded with integer operations and ``ct.bitcast``.
+are decoded with integer operations and ``ct.bitcast`` into a 16-bit float type in which every scaled
+element is exact; the tensor cores then multiply 16-bit floats exactly into fp32 accumulators.
 
-Design (one kernel, one output tile per block):
+Two designs, picked by M (``plan``), for every format:
 
-* Grid: 1-D over B * cdiv(M, TM) * cdiv(N, TN) tiles, GROUP_SIZE_M-swizzled for L2 reuse; Ba or Bb of 1
-  broadcasts (batch index ``batch % Ba``). num_worker_warps = 8 so 128x256 fp32 accumulators fit.
-* Per K step both operand tiles are loaded K-major ((TM, TK) and (TN, TK), B transposed in registers),
-  decoded and multiplied by their block scale in a 16-bit float type, then fed to ``ct.mma`` with an
-  fp32 accumulator:
+* **stream** (M < ``TWO_PASS_MIN_M``, memory-bound: the weight dominates the bytes). One kernel reads
+  each quantized weight byte once (per M tile) and never writes a 16-bit copy. Operands are swapped
+  so that the weight's rows fill the tensor cores' M side (``acc (TN, TM) = deq(b) @ deq(a).T``, the
+  small M side is the MMA's N = 16..128), then transposed in the epilogue. When the output has fewer
+  tiles than the GPU has SMs, K is split over ``split_k`` blocks whose fp32 partial tiles a second
+  kernel (``_splitk_reduce_kernel``) adds in a fixed order before ``* alpha + bias`` and the cast.
+* **two-pass** (M >= ``TWO_PASS_MIN_M``, compute-bound). ``_dequantize_kernel`` writes each operand
+  once as bf16 (MX) / fp16 (NVFP4), every element times its block scale, exactly; then the dense
+  ``hopper_gemm`` kernel (128x256 tiles, two MMA warpgroups) multiplies them with ``alpha`` and
+  ``bias`` in its epilogue. Decoding once per element instead of once per output tile that reads it
+  is what makes this faster than fusing the decode into the GEMM's K loop, where on sm_90 the
+  conversion does not overlap the tensor cores (the fused kernel, measured: MXFP8 222 TFLOPS, MXFP4
+  191, NVFP4 141 at 8192^3, against 600+ for this design). The cost is the 16-bit round trip
+  through HBM: 4 bytes per element of (M + N) x K.
 
-  - MXFP8 (e4m3 / e5m2): element -> bf16 (exact), times 2^(s-127) in bf16 (``e8m0_to_bf16``).
-  - MXFP4: nibble -> bf16 bits of e2m1 * 2^-126, times 2^126, times 2^(s-127), all in bf16.
-  - NVFP4: nibble -> fp16 bits of e2m1 * 2^-14, times 2^14, times the e4m3 scale (-> fp16), in fp16.
-    Packed bytes are split into a low-nibble and a high-nibble half tile, concatenated along K. Both
-    operands use the same order, so the permutation of K leaves every dot product unchanged.
+Decoding (``_decode``), per format, into (rows, TK) 16-bit tiles:
 
-* Epilogue: ``acc * alpha + bias`` (alpha a 1-element fp32 device tensor, bias (N,) fp32; absent ones
-  are replaced by cached 1.0 / zeros so one specialisation serves all calls), one cast, masked store.
+* MXFP8 (e4m3 / e5m2): element -> bf16 (exact), times 2^(s-127) in bf16 (``e8m0_to_bf16``).
+* MXFP4: nibble -> bf16 bits of e2m1 * 2^-126, times 2^126, times 2^(s-127), all in bf16.
+* NVFP4: nibble -> fp16 bits of e2m1 * 2^-14; the dequantize kernel multiplies by 2^14 and by the
+  e4m3 scale (-> fp16); the stream kernel multiplies once, by ``scale * 2^7`` (exact: at most
+  448 * 2^7 < 65504), so each element is e2m1 * scale * 2^-7 and each product carries 2^-14, which
+  the epilogue takes back with an exact ``acc * 2^14`` before ``alpha``.
+* Packed bytes are split into a low-nibble and a high-nibble half tile, concatenated along K. Both
+  operands use the same order (and the dequantized copies are padded with zeros to a multiple of the
+  decode tile), so this permutation of K leaves every dot product unchanged.
 
 Exactness: every scaled element is exactly representable in the 16-bit type, and the tensor cores
 multiply 16-bit floats exactly into the fp32 accumulator, so the only rounding is fp32 accumulation,
@@ -34,21 +47,21 @@ as in the reference.
   same point. So MXFP8 is exact for scale bytes s >= 3 (e4m3) / s >= 10 (e5m2); for smaller s, products
   below 2^-133 are lost, where the fp32 reference keeps them down to 2^-149 (an absolute difference of
   at most 2^-133 per element, far below any normally scaled data).
-* e2m1 x 2^k is exact in bf16 for every e8m0 byte (MXFP4), e2m1 x e4m3 (max 2688, step 2^-10) in fp16.
+* e2m1 x 2^k is exact in bf16 for every e8m0 byte (MXFP4); e2m1 x e4m3 (max 2688, step 2^-10) and
+  e2m1 x e4m3 x 2^-7 (step 2^-17) are exact in fp16.
 * Scale byte 255 (MX) or an e4m3 NaN (NVFP4) becomes NaN, so NaN reaches exactly the outputs whose
   row (x) or column (y) has it, whatever the element value (NaN * 0 = NaN).
 * K beyond the operand (K a multiple of the block but not of TK) loads as zero data with zero scale
   bytes (2^-127 or 0.0: finite), so it contributes exactly 0. Scale rows beyond M / N (padding of the
   swizzled layout, possibly garbage) only reach accumulator rows / columns that are never stored.
+* Split-K changes only the order of the fp32 additions (fixed, so results are deterministic).
 
-Swizzled (32x4x4) scales are loaded as whole 128-row blocks (TM and TN are multiples of 128) and
-unswizzled in registers; scale columns past K/B are forced to 0 so that only real data is scaled.
+Swizzled (32x4x4) scales are read through a (B, R/128, K/B/4, 32, 4, 4) view ([m1, m2, k1] inside each
+32x16 block): whole 128-row blocks for row tiles of 128 and more, or the (m1, m2) slice that holds a
+16-, 32- or 64-row tile; scale columns past K/B (the 4-column padding) are forced to 0. Tiles hold a
+multiple of 4 scale columns (TK a multiple of 4 x block).
 
-Speed (H100, 8192^3, bf16 out, swizzled scales, 2026-11-22): MXFP8 222-224 TFLOPS, MXFP4 191-195,
-NVFP4 141-147, against cuBLAS bf16 747-752 and eager dequantize + cuBLAS bf16 351-364 / 223-225 /
-196-206. The SASS shows why: each K step converts, stores the B operand to shared memory, runs the
-HGMMAs and waits for them (``WARPGROUP.DEPBAR gsb0``) before converting the next tile, so conversion
-never overlaps the tensor cores. Overlapping the two is the first thing to tune.
+Speed: see ``benchmarks/results`` and the ``_CONFIGS`` notes below.
 """
 
 from __future__ import annotations
@@ -60,44 +73,61 @@ import torch
 
 from ..formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
 from ._aot import AotVariant, array
-from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, e2m1_hi_bits_bf16, e2m1_hi_bits_fp16, e2m1_lo_bits_bf16,
-                      e2m1_lo_bits_fp16, e8m0_to_bf16, epilogue, hinted, ones_scalar, swizzled_scale_view,
-                      tile_coords, unswizzle_scale_tile, zeros_vector)
+from ._common import (e2m1_hi_bits_bf16, e2m1_hi_bits_fp16, e2m1_lo_bits_bf16, e2m1_lo_bits_fp16, e8m0_to_bf16,
+                      epilogue, hinted, ones_scalar, tile_coords, zeros_vector)
+from .hopper_gemm import GemmConfig, gemm_constants, gemm_kernel, launch_gemm, num_sms
 
-__all__ = ["launch", "aot_variants", "TileConfig", "config_for"]
+__all__ = ["launch", "aot_variants", "StreamConfig", "TwoPassConfig", "plan", "TWO_PASS_MIN_M"]
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
 
-# Element decodings the kernel knows (the ELEMENT constant).
+# Element decodings the kernels know (the ELEMENT constant).
 _MXFP8 = 0  # e4m3 / e5m2 elements (the array's dtype says which), e8m0 scales, bf16 math
 _MXFP4 = 1  # packed e2m1, e8m0 scales, bf16 math
 _NVFP4 = 2  # packed e2m1, e4m3 scales, fp16 math
 
+#: The stream kernel's NVFP4 elements carry 2^-7 each (see the module docstring); products 2^-14.
+_NVFP4_FOLD = 2.0 ** 7
+
 _ZERO = ct.PaddingMode.ZERO
+
+#: Rows and scale columns of one 32x16 block of the 32x4x4 layout.
+_SWZ_ROWS = 128
+_SWZ_COLS = 4
 
 
 # --------------------------------------------------------------------------------------------------
 # Tile code
 # --------------------------------------------------------------------------------------------------
 
-def _load_scales(S, b, rt, kt, ROWS, SC, SWIZZLED, KS):
-    """Scale tile (ROWS, SC) for rows rt*ROWS.. and K tile kt (SC scale columns per K tile).
+def _load_scale_tile(S, b, r_tile, kt, ROWS, SC, SWIZZLED, KS):
+    """Scale tile (ROWS, SC), as stored (uint8 e8m0 bytes or e4m3), for rows r_tile*ROWS.. and K tile
+    kt (SC scale columns per K tile).
 
-    Logical S is (Bs, R, Ks): out-of-bounds rows and columns load as 0. Swizzled S is the 6-D view
-    from ``swizzled_scale_view``; columns at or past KS (the 4-column padding) are forced to 0.
+    Logical S is (Bs, R, Ks): rows and columns past the edges load as 0. Swizzled S is the
+    (Bs, R/128, Ks/4, 32, 4, 4) view; SC is a multiple of 4; ROWS is 16, 32, 64 or a multiple of 128;
+    columns at or past KS (the 4-column padding) are forced to 0.
     """
     if SWIZZLED:
-        c = min(SC, SWIZZLE_COLS)
-        g = SWIZZLE_COLS // c
-        kg = max(SC // SWIZZLE_COLS, 1)
-        t = ct.load(S, (b, rt, kt // g, 0, kt % g, 0), (1, ROWS // SWIZZLE_ROWS, kg, SWIZZLE_ROWS, 1, c),
-                    padding_mode=_ZERO)
-        t = unswizzle_scale_tile(t.reshape((ROWS // SWIZZLE_ROWS, kg, SWIZZLE_ROWS, c)), ROWS, SC)
+        KG = SC // _SWZ_COLS
+        if ROWS >= _SWZ_ROWS:
+            t = ct.load(S, (b, r_tile, kt, 0, 0, 0), (1, ROWS // _SWZ_ROWS, KG, 32, 4, _SWZ_COLS),
+                        padding_mode=_ZERO)
+            # (rb, kg, m1, m2, k1) -> (rb, m2, m1, kg, k1): row = rb * 128 + m2 * 32 + m1
+            t = t.reshape((ROWS // _SWZ_ROWS, KG, 32, 4, _SWZ_COLS)).permute((0, 3, 2, 1, 4))
+        else:
+            R1 = min(ROWS, 32)  # rows of the tile along m1 (lanes of one 32-row sub-block)
+            R2 = ROWS // R1     # and along m2 (32-row sub-blocks)
+            r0 = r_tile * ROWS
+            t = ct.load(S, (b, r0 // _SWZ_ROWS, kt, (r0 % 32) // R1, (r0 % _SWZ_ROWS) // (32 * R2), 0),
+                        (1, 1, KG, R1, R2, _SWZ_COLS), padding_mode=_ZERO)
+            t = t.reshape((KG, R1, R2, _SWZ_COLS)).permute((2, 1, 0, 3))  # (m2, m1, kg, k1)
+        t = t.reshape((ROWS, SC))
         col = kt * SC + ct.arange(SC, dtype=ct.int32)
         keep = ct.broadcast_to((col < KS).reshape((1, SC)), (ROWS, SC))
         return ct.where(keep, t, ct.zeros((ROWS, SC), t.dtype))
-    return ct.load(S, (b, rt, kt), (1, ROWS, SC), padding_mode=_ZERO).reshape((ROWS, SC))
+    return ct.load(S, (b, r_tile, kt), (1, ROWS, SC), padding_mode=_ZERO).reshape((ROWS, SC))
 
 
 def _scale_blocks(x, s, ROWS, WIDTH, SC):
@@ -106,9 +136,10 @@ def _scale_blocks(x, s, ROWS, WIDTH, SC):
     return x.reshape((ROWS, WIDTH))
 
 
-def _dequantize(raw, s_raw, ROWS, TK, SC, ELEMENT):
+def _decode(raw, s_raw, ROWS, TK, SC, ELEMENT, FOLD_NVFP4):
     """Raw operand tile (ROWS, TK or TK/2 bytes) and its raw scale tile (ROWS, SC) -> (ROWS, TK) in bf16
-    (MX) or fp16 (NVFP4), each element times its block scale, exactly."""
+    (MX) or fp16 (NVFP4), each element times its block scale (times 2^-7 for NVFP4 with
+    FOLD_NVFP4), exactly. Packed tiles come out as [low nibbles | high nibbles]."""
     if ELEMENT == _MXFP8:
         return _scale_blocks(raw.astype(ct.bfloat16), e8m0_to_bf16(s_raw), ROWS, TK, SC)
     p = raw.astype(ct.uint16)
@@ -116,6 +147,10 @@ def _dequantize(raw, s_raw, ROWS, TK, SC, ELEMENT):
         s = e8m0_to_bf16(s_raw)
         lo = ct.bitcast(e2m1_lo_bits_bf16(p), ct.bfloat16) * ct.bfloat16(2.0 ** 126)
         hi = ct.bitcast(e2m1_hi_bits_bf16(p), ct.bfloat16) * ct.bfloat16(2.0 ** 126)
+    elif FOLD_NVFP4:
+        s = s_raw.astype(ct.float16) * ct.float16(_NVFP4_FOLD)
+        lo = ct.bitcast(e2m1_lo_bits_fp16(p), ct.float16)
+        hi = ct.bitcast(e2m1_hi_bits_fp16(p), ct.float16)
     else:
         s = s_raw.astype(ct.float16)
         lo = ct.bitcast(e2m1_lo_bits_fp16(p), ct.float16) * ct.float16(2.0 ** 14)
@@ -127,19 +162,36 @@ def _dequantize(raw, s_raw, ROWS, TK, SC, ELEMENT):
     return ct.cat((lo, hi), 1)
 
 
-@ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
-def _block_scaled_kernel(A, A_scale, B, B_scale, C, Alpha, Bias,
-                         ELEMENT: ConstInt, SCALE_BLOCK: ConstInt, SWIZZLED: ConstBool,
-                         TM: ConstInt, TN: ConstInt, TK: ConstInt, GROUP_SIZE_M: ConstInt,
-                         LATENCY: ConstInt):
-    """One (TM, TN) tile of C[batch] = (deq(A[ba]) @ deq(B[bb]).T) * alpha + bias.
+def _load_bytes(X, b, r_tile, kt, ROWS, TKD, LATENCY):
+    if LATENCY > 0:
+        t = ct.load(X, (b, r_tile, kt), (1, ROWS, TKD), padding_mode=_ZERO, latency=LATENCY)
+    else:
+        t = ct.load(X, (b, r_tile, kt), (1, ROWS, TKD), padding_mode=_ZERO)
+    return t.reshape((ROWS, TKD))
 
-    A (Ba, M, Kd), B (Bb, N, Kd): data (Kd = K, or K/2 packed bytes). A_scale / B_scale: logical
-    (B*, R, K/SCALE_BLOCK) or the 6-D swizzled view. C (B, M, N). Alpha (1,) fp32, Bias (N,) fp32.
+
+@ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
+def _stream_kernel(A, A_scale, B, B_scale, C, Alpha, Bias, Partial,
+                   ELEMENT: ConstInt, SCALE_BLOCK: ConstInt, SWIZZLED: ConstBool,
+                   TM: ConstInt, TN: ConstInt, TK: ConstInt, SPLIT_K: ConstInt, LATENCY: ConstInt):
+    """One (TM, TN) output tile (or, with SPLIT_K > 1, one K slice of it) with swapped operands:
+    acc (TN, TM) = deq(B[bb]) @ deq(A[ba]).T over this block's K tiles.
+
+    Grid: SPLIT_K * Bt * cdiv(N, TN) * cdiv(M, TM) blocks, M tiles fastest (blocks that share a weight
+    tile run together). A (Ba, M, Kd), B (Bb, N, Kd); scales logical (B*, R, Ks) or the 6-D swizzled
+    view; C (Bt, M, N); Partial (SPLIT_K * Bt, M, N) fp32 (read only when SPLIT_K > 1).
     """
     M = C.shape[1]
     N = C.shape[2]
-    batch, bm, bn = tile_coords(M, N, TM, TN, GROUP_SIZE_M)
+    num_m = ct.cdiv(M, TM)
+    num_n = ct.cdiv(N, TN)
+    pid = ct.bid(0)
+    bm = pid % num_m
+    rest = pid // num_m
+    bn = rest % num_n
+    rest = rest // num_n
+    batch = rest % C.shape[0]
+    split = rest // C.shape[0]
     ba = batch % A.shape[0]
     bb = batch % B.shape[0]
 
@@ -147,36 +199,77 @@ def _block_scaled_kernel(A, A_scale, B, B_scale, C, Alpha, Bias,
     TKD = TK // EPB                       # stored K per tile
     SC = TK // SCALE_BLOCK                # scale columns per tile
     KS = A.shape[2] * EPB // SCALE_BLOCK  # scale columns in all
+    k_tiles = ct.cdiv(A.shape[2], TKD)
+    per_split = ct.cdiv(k_tiles, SPLIT_K)
+    k_begin = split * per_split
+    k_end = min(k_begin + per_split, k_tiles)
 
+    acc = ct.zeros((TN, TM), ct.float32)
+    for kt in range(k_begin, k_end):
+        w_raw = _load_bytes(B, bb, bn, kt, TN, TKD, LATENCY)
+        x_raw = _load_bytes(A, ba, bm, kt, TM, TKD, LATENCY)
+        sw = _load_scale_tile(B_scale, bb, bn, kt, TN, SC, SWIZZLED, KS)
+        sx = _load_scale_tile(A_scale, ba, bm, kt, TM, SC, SWIZZLED, KS)
+        w = _decode(w_raw, sw, TN, TK, SC, ELEMENT, True)
+        x = _decode(x_raw, sx, TM, TK, SC, ELEMENT, True)
+        acc = ct.mma(w, x.transpose(), acc)
+    if ELEMENT == _NVFP4:
+        acc = acc * (_NVFP4_FOLD * _NVFP4_FOLD)  # exact: a power of two
+    out = acc.transpose()
+    if SPLIT_K == 1:
+        epilogue(out, C, Alpha, Bias, batch, bm, bn, TM, TN)
+    else:
+        ct.store(Partial, (split * C.shape[0] + batch, bm, bn), out.reshape((1, TM, TN)))
+
+
+@ct.kernel
+def _splitk_reduce_kernel(Partial, C, Alpha, Bias, SPLIT_K: ConstInt, TM: ConstInt, TN: ConstInt):
+    """C[b] tile = (sum over s of Partial[s * Bt + b]) * alpha + bias, s in order."""
+    batch, bm, bn = tile_coords(C.shape[1], C.shape[2], TM, TN, 1)
     acc = ct.zeros((TM, TN), ct.float32)
-    for kt in range(ct.cdiv(A.shape[2], TKD)):
-        if LATENCY > 0:
-            a_raw = ct.load(A, (ba, bm, kt), (1, TM, TKD), padding_mode=_ZERO, latency=LATENCY)
-            b_raw = ct.load(B, (bb, bn, kt), (1, TN, TKD), padding_mode=_ZERO, latency=LATENCY)
-        else:
-            a_raw = ct.load(A, (ba, bm, kt), (1, TM, TKD), padding_mode=_ZERO)
-            b_raw = ct.load(B, (bb, bn, kt), (1, TN, TKD), padding_mode=_ZERO)
-        sa = _load_scales(A_scale, ba, bm, kt, TM, SC, SWIZZLED, KS)
-        sb = _load_scales(B_scale, bb, bn, kt, TN, SC, SWIZZLED, KS)
-        a = _dequantize(a_raw.reshape((TM, TKD)), sa, TM, TK, SC, ELEMENT)
-        b = _dequantize(b_raw.reshape((TN, TKD)), sb, TN, TK, SC, ELEMENT)
-        acc = ct.mma(a, b.transpose(), acc)
+    for s in range(SPLIT_K):
+        part = ct.load(Partial, (s * C.shape[0] + batch, bm, bn), (1, TM, TN), padding_mode=_ZERO)
+        acc = acc + part.reshape((TM, TN))
     epilogue(acc, C, Alpha, Bias, batch, bm, bn, TM, TN)
 
 
+@ct.kernel
+def _dequantize_kernel(X, X_scale, Out, ELEMENT: ConstInt, SCALE_BLOCK: ConstInt, SWIZZLED: ConstBool,
+                       TR: ConstInt, TK: ConstInt):
+    """Out[b] tile (TR, TK) = deq(X[b]) as bf16 (MX) / fp16 (NVFP4); packed tiles as [lo | hi].
+
+    X (Bx, R, Kd); Out (Bx, R, Kp), Kp a multiple of TK (columns past K come out 0). Grid:
+    Bx * cdiv(R, TR) * Kp / TK, K tiles fastest.
+    """
+    EPB = 1 if ELEMENT == _MXFP8 else 2
+    SC = TK // SCALE_BLOCK
+    KS = X.shape[2] * EPB // SCALE_BLOCK
+    k_tiles = Out.shape[2] // TK
+    r_tiles = ct.cdiv(Out.shape[1], TR)
+    pid = ct.bid(0)
+    kt = pid % k_tiles
+    rt = (pid // k_tiles) % r_tiles
+    b = pid // (k_tiles * r_tiles)
+    raw = ct.load(X, (b, rt, kt), (1, TR, TK // EPB), padding_mode=_ZERO).reshape((TR, TK // EPB))
+    s = _load_scale_tile(X_scale, b, rt, kt, TR, SC, SWIZZLED, KS)
+    out = _decode(raw, s, TR, TK, SC, ELEMENT, False)
+    ct.store(Out, (b, rt, kt), out.reshape((1, TR, TK)))
+
+
 # --------------------------------------------------------------------------------------------------
-# Configs: a small table per format, keyed by shape bucket
+# Configs
 # --------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class TileConfig:
-    """Tile sizes (TM and TN multiples of 128: swizzled scales are read in 128-row blocks), the
-    GROUP_SIZE_M swizzle, the load latency hint (0: the compiler's choice) and compiler hints."""
+class StreamConfig:
+    """The stream kernel's tiles: tile_m (16, 64 or 128: the MMA's N side), tile_n (weight rows,
+    a multiple of 128), tile_k (a multiple of 4 x block), the K split, a load latency hint (0: the
+    compiler's choice) and compiler hints."""
 
     tile_m: int
-    tile_n: int
-    tile_k: int
-    group_size_m: int = 8
+    tile_n: int = 128
+    tile_k: int = 128
+    split_k: int = 1
     latency: int = 0
     num_worker_warps: int = 8
     occupancy: int | None = None
@@ -187,18 +280,47 @@ class TileConfig:
             h["occupancy"] = self.occupancy
         return h
 
+    @property
+    def name(self) -> str:
+        s = f"stream_{self.tile_m}x{self.tile_n}x{self.tile_k}_s{self.split_k}"
+        if self.latency:
+            s += f"_lat{self.latency}"
+        if self.num_worker_warps != 8:
+            s += f"_w{self.num_worker_warps}"
+        if self.occupancy:
+            s += f"_occ{self.occupancy}"
+        return s
 
-#: A tile grid with at least this many 128x256 tiles fills the H100's 132 SMs: use the large tile.
-_LARGE_TILES = 132
 
-# "small": fewer output tiles than SMs; "large": at least one full wave of 128x256 tiles. The large
-# tiles use TK = 64 (MXFP4 at TK = 128 spills registers); at sm_90's 168 registers per thread with
-# num_worker_warps = 8 none of these spill (cuobjdump, JIT-like specialisation at 8192^3).
-_CONFIGS: dict[str, dict[str, TileConfig]] = {
-    "mxfp8": {"small": TileConfig(128, 128, 128), "large": TileConfig(128, 256, 64)},
-    "mxfp4": {"small": TileConfig(128, 128, 128), "large": TileConfig(128, 256, 64)},
-    "nvfp4": {"small": TileConfig(128, 128, 64), "large": TileConfig(128, 256, 64)},
-}
+@dataclasses.dataclass(frozen=True)
+class TwoPassConfig:
+    """Dequantize tiles (rows x K elements) and the 16-bit GEMM's config."""
+
+    gemm: GemmConfig
+    dequant_rows: int = 128
+    dequant_k: int = 256
+
+    @property
+    def name(self) -> str:
+        return f"twopass_{self.dequant_rows}x{self.dequant_k}_{self.gemm.name}"
+
+
+#: M from which the two-pass design is used (below it the stream kernel reads the weight once).
+TWO_PASS_MIN_M = 512
+
+#: Output tiles of the split-K reduction.
+_REDUCE_TILE = (64, 128)
+
+_TWO_PASS = TwoPassConfig(GemmConfig(256, 256, 64, num_ctas=2, persistent=True), 64, 128)
+
+# tile_k per family: 4 scale columns (MX, 32-element blocks) or 8 (NVFP4, 16-element blocks).
+_STREAM_TK = {"mxfp8": 128, "mxfp4": 128, "nvfp4": 128}
+
+_STREAM_TILE_M = (16, 64, 128)
+# Two blocks per SM where the registers allow it (80 per thread at 16- and 64-row tiles; a 128-row
+# tile needs 168): the decode chain of one block stalls on LDS and HGMMA latency.
+_STREAM_OCCUPANCY = {16: 2, 64: 2, 128: None}
+_STREAM_SPLITS = (1, 2, 4, 8)
 
 
 def _family(fmt: Format) -> str:
@@ -211,51 +333,110 @@ def _element_code(fmt: Format) -> int:
     return {"mxfp8": _MXFP8, "mxfp4": _MXFP4, "nvfp4": _NVFP4}[_family(fmt)]
 
 
-def config_for(fmt: Format, batch: int, m: int, n: int) -> TileConfig:
-    """The table's config for a problem of ``batch`` x (m, n) outputs."""
-    table = _CONFIGS[_family(fmt)]
-    big = batch * -(-m // 128) * -(-n // 256)
-    return table["large" if big >= _LARGE_TILES else "small"]
+def stream_config(fmt: Format, batch: int, m: int, n: int, k: int, sms: int = 132) -> StreamConfig:
+    """The stream kernel's config: the smallest tile_m that covers M (up to 128), and a K split
+    that gives at least ``occupancy`` blocks per SM when the output alone has too few tiles."""
+    tile_m = next((t for t in _STREAM_TILE_M if t >= m), _STREAM_TILE_M[-1])
+    tile_n, tile_k = 128, _STREAM_TK[_family(fmt)]
+    occupancy = _STREAM_OCCUPANCY[tile_m]
+    tiles = batch * -(-m // tile_m) * -(-n // tile_n)
+    k_tiles = -(-k // tile_k)
+    split = 1
+    while (tiles * split < (occupancy or 1) * sms and split * 2 <= _STREAM_SPLITS[-1]
+           and k_tiles >= split * 2 * 4):
+        split *= 2
+    return StreamConfig(tile_m, tile_n, tile_k, split, occupancy=occupancy)
+
+
+def plan(fmt: Format, batch: int, m: int, n: int, k: int, sms: int = 132):
+    """The design and config for a problem: a StreamConfig or a TwoPassConfig."""
+    if m >= TWO_PASS_MIN_M:
+        return _TWO_PASS
+    return stream_config(fmt, batch, m, n, k, sms)
 
 
 # --------------------------------------------------------------------------------------------------
 # Launch
 # --------------------------------------------------------------------------------------------------
 
-def _constants(fmt: Format, swizzled: bool, cfg: TileConfig) -> tuple:
-    return (_element_code(fmt), fmt.block, swizzled, cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.group_size_m,
-            cfg.latency)
-
-
-def _scale_operand(fmt: Format, scale: torch.Tensor, swizzled: bool, cfg: TileConfig) -> torch.Tensor:
-    """The scale tensor as the kernel reads it: uint8 bytes for e8m0 (cuTile has no e8m0 on sm_90),
+def _scale_operand(fmt: Format, scale: torch.Tensor, swizzled: bool) -> torch.Tensor:
+    """The scale tensor as the kernels read it: uint8 bytes for e8m0 (cuTile has no e8m0 on sm_90),
     e4m3 as it is; logical scales with unit stride along K; swizzled ones as the 6-D view."""
     if fmt.is_mx:
         scale = scale.view(torch.uint8)
     if swizzled:
-        return swizzled_scale_view(scale.contiguous(), cfg.tile_k // fmt.block)
+        b, rt, kt = scale.shape[:3]
+        return scale.contiguous().reshape(b, rt, kt, 32, 4, _SWZ_COLS)
     return scale if scale.stride(-1) == 1 or scale.shape[-1] == 1 else scale.contiguous()
 
 
-def launch(problem, config: TileConfig | None = None) -> None:
+def _stream_constants(fmt: Format, swizzled: bool, cfg: StreamConfig) -> tuple:
+    return (_element_code(fmt), fmt.block, swizzled, cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.split_k,
+            cfg.latency)
+
+
+def _check_scale_tile(fmt: Format, tile_k: int, what: str) -> None:
+    if tile_k % (fmt.block * _SWZ_COLS):
+        raise ValueError(f"hopper_block_scaled: {what} tile_k must be a multiple of {fmt.block * _SWZ_COLS} "
+                         f"for {fmt.name}, got {tile_k}")
+
+
+def _launch_stream(problem, cfg: StreamConfig, a, a_scale, b, b_scale, alpha, bias) -> None:
+    fmt, out = problem.fmt, problem.out
+    batch, m, n = out.shape
+    _check_scale_tile(fmt, cfg.tile_k, "stream")
+    stream = torch.cuda.current_stream(out.device)
+    partial = out if cfg.split_k == 1 else torch.empty((cfg.split_k * batch, m, n), dtype=torch.float32,
+                                                       device=out.device)
+    grid = (cfg.split_k * batch * -(-m // cfg.tile_m) * -(-n // cfg.tile_n), 1, 1)
+    ct.launch(stream, grid, hinted(_stream_kernel, **cfg.hints()),
+              (a, a_scale, b, b_scale, out, alpha, bias, partial,
+               *_stream_constants(fmt, problem.swizzled, cfg)))
+    if cfg.split_k > 1:
+        tm, tn = _REDUCE_TILE
+        ct.launch(stream, (batch * -(-m // tm) * -(-n // tn), 1, 1), _splitk_reduce_kernel,
+                  (partial, out, alpha, bias, cfg.split_k, tm, tn))
+
+
+def _dequantize(fmt: Format, data, scale, swizzled: bool, cfg: TwoPassConfig) -> torch.Tensor:
+    bx, rows, kd = data.shape
+    k = fmt.logical_k(kd)
+    kp = -(-k // cfg.dequant_k) * cfg.dequant_k
+    out = torch.empty((bx, rows, kp), dtype=torch.float16 if fmt.has_global_scale else torch.bfloat16,
+                      device=data.device)
+    grid = (bx * -(-rows // cfg.dequant_rows) * (kp // cfg.dequant_k), 1, 1)
+    ct.launch(torch.cuda.current_stream(data.device), grid, _dequantize_kernel,
+              (data, scale, out, _element_code(fmt), fmt.block, swizzled, cfg.dequant_rows, cfg.dequant_k))
+    return out
+
+
+def _launch_two_pass(problem, cfg: TwoPassConfig, a, a_scale, b, b_scale, alpha, bias) -> None:
+    fmt = problem.fmt
+    _check_scale_tile(fmt, cfg.dequant_k, "dequantize")
+    a16 = _dequantize(fmt, a, a_scale, problem.swizzled, cfg)
+    b16 = _dequantize(fmt, b, b_scale, problem.swizzled, cfg)
+    launch_gemm(a16, alpha, b16, alpha, problem.out, alpha, bias, cfg.gemm, fast_acc=False, scaled=False)
+
+
+def launch(problem, config: StreamConfig | TwoPassConfig | None = None) -> None:
     """Run a ``tilemm.matmul.BlockScaledProblem`` on an sm_90 GPU, writing ``problem.out``.
 
-    ``config`` overrides the table's choice (for tuning and benchmarks)."""
+    ``config`` overrides ``plan``'s choice (for tuning and benchmarks)."""
     fmt = problem.fmt
     out = problem.out
     batch, m, n = out.shape
-    cfg = config or config_for(fmt, batch, m, n)
     device = out.device
+    cfg = config or plan(fmt, batch, m, n, problem.k, num_sms(device))
     a = problem.a if fmt.is_packed else problem.a.view(fmt.data_dtype)
     b = problem.b if fmt.is_packed else problem.b.view(fmt.data_dtype)
-    a_scale = _scale_operand(fmt, problem.a_scale, problem.swizzled, cfg)
-    b_scale = _scale_operand(fmt, problem.b_scale, problem.swizzled, cfg)
+    a_scale = _scale_operand(fmt, problem.a_scale, problem.swizzled)
+    b_scale = _scale_operand(fmt, problem.b_scale, problem.swizzled)
     alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
     bias = zeros_vector(device, n) if problem.bias is None else problem.bias
-    grid = (batch * -(-m // cfg.tile_m) * -(-n // cfg.tile_n), 1, 1)
-    kernel = hinted(_block_scaled_kernel, **cfg.hints())
-    ct.launch(torch.cuda.current_stream(device), grid, kernel,
-              (a, a_scale, b, b_scale, out, alpha, bias, *_constants(fmt, problem.swizzled, cfg)))
+    if isinstance(cfg, TwoPassConfig):
+        _launch_two_pass(problem, cfg, a, a_scale, b, b_scale, alpha, bias)
+    else:
+        _launch_stream(problem, cfg, a, a_scale, b, b_scale, alpha, bias)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -270,22 +451,50 @@ def _data_dtype(fmt: Format):
     return {"e4m3": ct.float8_e4m3fn, "e5m2": ct.float8_e5m2, "e2m1": ct.uint8}[fmt.element]
 
 
+def _stream_configs(fmt: Format) -> list[StreamConfig]:
+    """Every StreamConfig ``plan`` can return for ``fmt`` (tile_m x split)."""
+    tk = _STREAM_TK[_family(fmt)]
+    return [StreamConfig(tm, 128, tk, split, occupancy=_STREAM_OCCUPANCY[tm]) for tm in _STREAM_TILE_M
+            for split in _STREAM_SPLITS]
+
+
 def aot_variants() -> list[AotVariant]:
-    """Every (format, scale layout, output dtype, config) that ``launch`` can pick, for sm_90."""
+    """Every specialisation ``launch`` can pick, for sm_90: stream kernels per (format, scale layout,
+    output dtype, config), the split-K reduction per output dtype and split, the dequantize kernel per
+    (format, layout) and the 16-bit GEMM per (input, output dtype)."""
     variants = []
     for fmt in _FORMATS:
         data = _data_dtype(fmt)
         scale = ct.uint8 if fmt.is_mx else ct.float8_e4m3fn
-        configs = sorted(set(_CONFIGS[_family(fmt)].values()), key=repr)
         for swizzled in (False, True):
             sdim = 6 if swizzled else 3
+            layout = "swz" if swizzled else "log"
             for out_name, out_dtype in _OUT_DTYPES.items():
-                for cfg in configs:
+                for cfg in _stream_configs(fmt):
+                    if cfg.split_k > 1 and out_name != "bf16":
+                        continue  # the output dtype only enters the reduction then
                     params = [array(data, 3), array(scale, sdim), array(data, 3), array(scale, sdim),
                               array(out_dtype, 3), array(ct.float32, 1), array(ct.float32, 1),
-                              *_constants(fmt, swizzled, cfg)]
-                    name = (f"hopper_{fmt.name}_{'swz' if swizzled else 'log'}_{out_name}_"
-                            f"{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}")
-                    variants.append(AotVariant(name, hinted(_block_scaled_kernel, **cfg.hints()), params,
-                                               targets=("sm_90",)))
+                              array(ct.float32 if cfg.split_k > 1 else out_dtype, 3),
+                              *_stream_constants(fmt, swizzled, cfg)]
+                    variants.append(AotVariant(f"hopper_{fmt.name}_{layout}_{out_name}_{cfg.name}",
+                                               hinted(_stream_kernel, **cfg.hints()), params, ("sm_90",)))
+            d16 = ct.float16 if fmt.has_global_scale else ct.bfloat16
+            params = [array(data, 3), array(scale, sdim), array(d16, 3), _element_code(fmt), fmt.block,
+                      swizzled, _TWO_PASS.dequant_rows, _TWO_PASS.dequant_k]
+            variants.append(AotVariant(f"hopper_{fmt.name}_{layout}_dequantize", _dequantize_kernel, params,
+                                       ("sm_90",)))
+    for out_name, out_dtype in _OUT_DTYPES.items():
+        for split in _STREAM_SPLITS[1:]:
+            params = [array(ct.float32, 3), array(out_dtype, 3), array(ct.float32, 1), array(ct.float32, 1),
+                      split, *_REDUCE_TILE]
+            variants.append(AotVariant(f"hopper_splitk_reduce_{out_name}_s{split}", _splitk_reduce_kernel,
+                                       params, ("sm_90",)))
+        for d16_name, d16 in (("bf16", ct.bfloat16), ("fp16", ct.float16)):
+            g = _TWO_PASS.gemm
+            params = [array(d16, 3), array(ct.float32, 1), array(d16, 3), array(ct.float32, 1),
+                      array(out_dtype, 3), array(ct.float32, 1), array(ct.float32, 1),
+                      *gemm_constants(g, False, False)]
+            variants.append(AotVariant(f"hopper_gemm_{d16_name}_{out_name}_{g.name}",
+                                       hinted(gemm_kernel(), **g.hints()), params, ("sm_90",)))
     return variants

@@ -81,11 +81,41 @@ def _bytes(t) -> int:
     return sum(v.numel() * v.element_size() for v in t)
 
 
-def time_ms(fn, reps: int) -> float:
-    """Median of ``reps`` CUDA-event timings of ``fn`` after 3 warm-up calls."""
+def time_ms(fn, reps: int) -> tuple[float, str]:
+    """Median time of ``fn`` in ms and how it was taken: CUDA-graph replays when ``fn`` captures (the
+    kernels alone, no Python dispatch), else eager calls between CUDA events (NVFP4 with a given
+    scale: the quantizer checks the scale's value, which reads it back to the host)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        run, how = graph.replay, "graph"
+    except Exception:  # not capturable: time eager calls
+        torch.cuda.synchronize()
+        run, how = fn, "events"
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), how
+
+
+def _eager_ms(fn, reps: int) -> float:
+    """Median of eager calls between CUDA events, Python dispatch included (what one call costs)."""
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -108,12 +138,58 @@ def _same_bits(a, b) -> bool:
     return True
 
 
+SWEEP = {
+    # kernel attribute -> (config attributes, [(tile_r, tile_k, occupancy), ...])
+    "_mx_quantize_kernel": (("MX_CONFIG", "MXFP4_CONFIG"), [(64, 128, 4), (32, 128, 4), (32, 128, 8),
+                                                           (64, 128, 2), (128, 128, 2)]),
+    "_nvfp4_quantize_kernel": (("NVFP4_CONFIG",), [(64, 128, 4), (128, 64, 4), (64, 64, 4), (64, 64, 8),
+                                                   (128, 128, 2)]),
+}
+
+
+def sweep(x: torch.Tensor, reps: int, warm_only: bool) -> list[dict]:
+    """Tile shape and occupancy of the MX and NVFP4 kernels on one input (kernel launchers called
+    directly, so every variant captures in a CUDA graph). The first config of each is the default."""
+    from tilemm.kernels import quantize_kernels as qk
+
+    gs = torch.tensor(1.0 / 336.0, device=x.device)
+    runs = {
+        "_mx_quantize_kernel": [("mxfp8 e4m3 swizzled", lambda: qk.quantize_mx(x, MXFP8_E4M3, "rceil", True)),
+                                ("mxfp4 swizzled", lambda: qk.quantize_mx(x, MXFP4, "rceil", True))],
+        "_nvfp4_quantize_kernel": [("nvfp4 swizzled (given scale)", lambda: qk.quantize_nvfp4(x, gs, True))],
+    }
+    rows = []
+    for kernel_name, (cfg_names, configs) in SWEEP.items():
+        kernel, cfgs = getattr(qk, kernel_name), [getattr(qk, n) for n in cfg_names]
+        try:
+            for tile_r, tile_k, occupancy in configs:
+                setattr(qk, kernel_name, kernel.replace_hints(occupancy=occupancy))
+                for cfg_name in cfg_names:
+                    setattr(qk, cfg_name, qk.TileConfig(tile_r, tile_k))
+                for name, fn in runs[kernel_name]:
+                    got = fn()
+                    moved = x.numel() * x.element_size() + _bytes(got)
+                    if warm_only:
+                        continue
+                    ms, how = time_ms(fn, reps)
+                    rows.append({"quantizer": name, "tile": [tile_r, tile_k], "occupancy": occupancy,
+                                 "ms": ms, "timing": how, "gb_s": moved / ms / 1e6})
+        finally:
+            setattr(qk, kernel_name, kernel)
+            for cfg_name, cfg in zip(cfg_names, cfgs):
+                setattr(qk, cfg_name, cfg)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=20, help="timed runs per measurement (>= 20)")
     parser.add_argument("--ref-reps", type=int, default=20, help="timed runs of the eager reference")
     parser.add_argument("--warm-only", action="store_true", help="compile the kernels and exit")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default: results/)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time tile shapes and occupancies of the MX / NVFP4 kernels (256 MiB)")
+    parser.add_argument("--sweep-only", action="store_true", help="only the sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_quantize.py needs a CUDA GPU")
@@ -123,7 +199,11 @@ def main() -> None:
     cases, gs = _cases()
     gs["nvfp4"] = torch.tensor(1.0 / 2688.0 * 8.0, device=dev)
     rows = []
-    for size_name, (m, k) in SIZES.items():
+    sweep_rows = []
+    if args.sweep or args.sweep_only:
+        m, k = SIZES["256MiB"]
+        sweep_rows = sweep(torch.randn(m, k, device=dev, dtype=torch.bfloat16), args.reps, args.warm_only)
+    for size_name, (m, k) in ({} if args.sweep_only else SIZES).items():
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16) * 4
         in_bytes = x.numel() * x.element_size()
         dst = torch.empty_like(x)
@@ -132,7 +212,7 @@ def main() -> None:
                 fn(x)
             torch.cuda.synchronize()
             continue
-        copy_ms = time_ms(lambda: dst.copy_(x), args.reps)
+        copy_ms, _ = time_ms(lambda: dst.copy_(x), args.reps)
         copy_gbs = 2 * in_bytes / copy_ms / 1e6
         rows.append({"size": size_name, "shape": [m, k], "quantizer": "copy (dst.copy_(x))",
                      "ms": copy_ms, "bytes": 2 * in_bytes, "gb_s": copy_gbs, "pct_copy": 100.0})
@@ -140,10 +220,12 @@ def main() -> None:
             got = fn(x)
             exact = _same_bits(got, ref_fn(x))
             moved = in_bytes + _bytes(got)
-            ms = time_ms(lambda: fn(x), args.reps)
-            ref_ms = time_ms(lambda: ref_fn(x), args.ref_reps)
+            ms, how = time_ms(lambda: fn(x), args.reps)
+            eager_ms = _eager_ms(lambda: fn(x), args.reps)
+            ref_ms, _ = time_ms(lambda: ref_fn(x), args.ref_reps)
             rows.append({"size": size_name, "shape": [m, k], "quantizer": name, "bit_exact": exact,
-                         "ms": ms, "bytes": moved, "gb_s": moved / ms / 1e6,
+                         "ms": ms, "timing": how, "eager_call_ms": eager_ms, "bytes": moved,
+                         "gb_s": moved / ms / 1e6,
                          "pct_copy": 100.0 * moved / ms / 1e6 / copy_gbs,
                          "ref_ms": ref_ms, "speedup_vs_ref": ref_ms / ms})
             del got
@@ -159,24 +241,39 @@ def main() -> None:
         "recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
         "input_dtype": "bfloat16", "reps": args.reps,
-        "method": "median of CUDA-event timings after 3 warm-up calls; GB/s = (input read + data and "
-                  "scales written) / time; copy GB/s = 2 * input bytes / time",
+        "method": "median of CUDA-event timings of CUDA-graph replays (eager calls where a quantizer "
+                  "does not capture) after 3 warm-up calls; GB/s = (input read + data and scales "
+                  "written) / time; copy GB/s = 2 * input bytes / time; eager_call_ms: one eager call "
+                  "between events, Python dispatch included",
         "rows": rows,
+        "sweep": sweep_rows,
     }
+    copy_256 = [r["gb_s"] for r in rows if r["size"] == "256MiB" and "ref_ms" not in r]
+    if sweep_rows:
+        print("\n| sweep (256MiB) | tile | occupancy | time (us) | GB/s | % of copy |")
+        print("|---|---|---:|---:|---:|---:|")
+        for r in sweep_rows:
+            pct = f"{100 * r['gb_s'] / copy_256[0]:.0f}" if copy_256 else ""
+            print(f"| {r['quantizer']} | {r['tile'][0]}x{r['tile'][1]} | {r['occupancy']} | "
+                  f"{r['ms'] * 1e3:.1f} | {r['gb_s']:.0f} | {pct} |")
+    if args.sweep_only:
+        return
     out = args.out or RESULTS / f"quantize-{gpu.lower().replace(' ', '-')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
 
     print(f"\n{gpu}, bf16 input, median of {args.reps}\n")
-    print("| input | quantizer | bit-exact | time (us) | GB/s | % of copy | eager ref (us) | speedup |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    print("| input | quantizer | bit-exact | time (us) | GB/s | % of copy | one eager call (us) "
+          "| eager ref (us) | speedup |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "ref_ms" not in r:
-            print(f"| {r['size']} | {r['quantizer']} | | {r['ms'] * 1e3:.1f} | {r['gb_s']:.0f} | 100 | | |")
+            print(f"| {r['size']} | {r['quantizer']} | | {r['ms'] * 1e3:.1f} | {r['gb_s']:.0f} | 100 | | | |")
             continue
+        timed = "" if r["timing"] == "graph" else " (events)"
         print(f"| {r['size']} | {r['quantizer']} | {'yes' if r['bit_exact'] else 'NO'} | "
-              f"{r['ms'] * 1e3:.1f} | {r['gb_s']:.0f} | {r['pct_copy']:.0f} | {r['ref_ms'] * 1e3:.0f} | "
-              f"{r['speedup_vs_ref']:.0f}x |")
+              f"{r['ms'] * 1e3:.1f}{timed} | {r['gb_s']:.0f} | {r['pct_copy']:.0f} | "
+              f"{r['eager_call_ms'] * 1e3:.0f} | {r['ref_ms'] * 1e3:.0f} | {r['speedup_vs_ref']:.0f}x |")
     print(f"\nwrote {out}")
 
 

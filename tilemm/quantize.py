@@ -246,8 +246,10 @@ def _global_decode_scale(fn: str, global_scale, device: torch.device,
                          check_value: bool = True) -> torch.Tensor:
     """The NVFP4 decode scale as a 0-d fp32 tensor on ``device``; must be positive and finite.
 
-    ``check_value=False`` skips the check of the value, which reads it back to the host (``.item()``):
-    for fake tensors, and while torch.compile traces (the custom op checks it when it runs).
+    The value is checked when the host already holds it (a Python number or a CPU tensor). A scale
+    that lives on the GPU is not read back, since that would synchronise every call and break CUDA
+    graph capture. ``check_value=False`` skips the check altogether: for fake tensors, and while
+    torch.compile traces (the custom op checks it when it runs).
     """
     if isinstance(global_scale, bool) or not isinstance(global_scale, (int, float, torch.Tensor)):
         raise TypeError(f"{fn}: global_scale must be a Python float or a 0-d floating-point "
@@ -263,9 +265,11 @@ def _global_decode_scale(fn: str, global_scale, device: torch.device,
         gs = global_scale.detach().to(device=device, dtype=torch.float32)
     else:
         gs = torch.tensor(float(global_scale), dtype=torch.float32, device=device)
-    if not check_value:
+    on_host = not isinstance(global_scale, torch.Tensor) or global_scale.device.type == "cpu"
+    if not check_value or not on_host:
         return gs
-    value = gs.item()
+    host = global_scale if isinstance(global_scale, torch.Tensor) else torch.tensor(float(global_scale))
+    value = host.to(torch.float32).item()
     if not (value > 0.0 and value != float("inf")):
         raise ValueError(f"{fn}: global_scale must be a positive finite decode scale, "
                          f"got {value!r}")

@@ -61,7 +61,17 @@ Swizzled (32x4x4) scales are read through a (B, R/128, K/B/4, 32, 4, 4) view ([m
 16-, 32- or 64-row tile; scale columns past K/B (the 4-column padding) are forced to 0. Tiles hold a
 multiple of 4 scale columns (TK a multiple of 4 x block).
 
-Speed: see ``benchmarks/results`` and the ``_CONFIGS`` notes below.
+Speed (H100, bf16 out, L2 flushed, 2026-11-22; ``benchmarks/results`` has every shape):
+
+* two-pass at 8192^3: MXFP8 755, MXFP4 790, NVFP4 755 TFLOPS against cuBLAS bf16 786-792 (the fused
+  kernel this replaces: 222 / 191 / 141); at M = 1024 over the LLM projections 0.60-0.73x cuBLAS,
+  where the weight's dequantize round trip through HBM is a quarter to a third of the time. The
+  dequantize kernel streams 2.7 TB/s (MXFP8) and 2.0-2.1 TB/s (4-bit formats); the 16-bit GEMM
+  matches cuBLAS on random bf16 (786 vs 778 TFLOPS).
+* stream at M = 16: 0.73-0.84x cuBLAS bf16 (geomean over the LLM projections). It is bound by the
+  decode, not by HBM: ~735 (MXFP8) to ~880 (MXFP4) SASS instructions per thread per 128x128 weight
+  tile and K step (PRMT-heavy byte shuffles, LOP3 / IMAD for nibbles), a latency-bound chain with
+  one or two blocks per SM; the 4-bit weight's 4x fewer bytes are not the limit yet.
 """
 
 from __future__ import annotations
@@ -306,11 +316,17 @@ class TwoPassConfig:
 
 
 #: M from which the two-pass design is used (below it the stream kernel reads the weight once).
+#: Measured at N=14336, K=4096: M = 128 stream 120 us vs two-pass 133-142 us; M = 1024 stream 760 us vs
+#: two-pass 260 us.
 TWO_PASS_MIN_M = 512
 
 #: Output tiles of the split-K reduction.
 _REDUCE_TILE = (64, 128)
 
+# 8192^3 bf16 on the H100 (TFLOPS): 256x256x64 on 2-CTA clusters, persistent 786; 128x256x64 742
+# (persistent 747); 256x256x64 2-CTA one block per tile 745; 128x256x32 714; 128x128x64 643; 256x128x64
+# 2-CTA 614; latency hints 3 on 128x256x64 627. Dequantize tiles 64x128: 2.7 / 2.1 / 2.0 TB/s (MXFP8 /
+# MXFP4 / NVFP4) against 2.6 / 1.5-1.8 / 1.4-1.7 for 64x256, 128x128 and 128x256.
 _TWO_PASS = TwoPassConfig(GemmConfig(256, 256, 64, num_ctas=2, persistent=True), 64, 128)
 
 # tile_k per family: 4 scale columns (MX, 32-element blocks) or 8 (NVFP4, 16-element blocks).

@@ -3,14 +3,17 @@
 What it computes (NUMERICS.md): ``out = ((a * sa) @ (b * sb).T) * alpha + bias`` accumulated in fp32,
 rounded once to ``out``'s dtype, for e4m3 / e5m2 ``a`` (Ba, M, K) and ``b`` (Bb, N, K), both K-contiguous.
 
-Kernels (one output tile per block, 1-D GROUP_SIZE_M-swizzled grid, num_worker_warps = 8):
+Kernels (1-D GROUP_SIZE_M-swizzled tile order, num_worker_warps = 8: two MMA warpgroups):
 
-* ``_fp8_scaled_kernel`` (granularity "tensorwise" and "rowwise"): FP8 ``ct.mma`` over all of K into
-  one fp32 accumulator; the epilogue multiplies row r / column c by ``sa[r] * sb[c]``. A per-tensor
-  scale arrives as a broadcast (M,) / (N,) vector, so both granularities share the kernel.
+* granularity "tensorwise" and "rowwise": ``hopper_gemm``'s kernel with ``SCALED``: FP8 ``ct.mma`` over
+  all of K into one fp32 accumulator; the epilogue multiplies row r / column c by ``sa[r] * sb[c]``. A
+  per-tensor scale arrives as a broadcast (M,) / (N,) vector, so both granularities share the kernel.
+  Persistent scheduling (one block per SM walking the output tiles), 128x128x128 tiles for precise
+  accumulation and 128x256x128 for fast (see ``_CONFIGS`` for the measurements behind them).
 * ``_fp8_blockwise_kernel`` (granularity "blockwise", e4m3, K a multiple of 128): a (Ba, M, K/128) scale
   per 1x128 block of a and a (Bb, cdiv(N, 128), K/128) scale per 128x128 block of b. TK = 128 and TN
-  divides 128, so each K step is one scale column: ``acc += mma(a_k, b_k, 0) * sa[:, k] * sb[n, k]``.
+  divides 128, so each K step is one scale column: ``acc += mma(a_k, b_k, 0) * sa[:, k] * sb[n, k]``;
+  one output tile per block.
 
 Accumulation: by default ``ct.mma(..., use_fast_acc=False)``, which on Hopper keeps a second fp32
 accumulator next to the tensor core's (as ``torch._scaled_mm``'s default does); ``use_fast_acc=True``
@@ -23,8 +26,9 @@ sees them: measured on an H100 (256x256x4096, fp32 out) relative error 1.26e-4 p
 fast, identical to ``torch._scaled_mm``'s, above NUMERICS.md's 1e-5 for fp32 output. (The
 block-scaled kernels, which run bf16 / fp16 MMAs, meet it: ~5e-8.)
 
-Speed (H100, 8192^3, bf16 out, 2026-11-22): per tensor / per row 1007-1040 TFLOPS precise,
-978-1185 fast; 1x128 / 128x128 blocks 399-412; ``torch._scaled_mm`` 1337-1446.
+Speed (H100, 8192^3, bf16 out, L2 flushed, 2026-11-22, same run): per row 1255 TFLOPS precise
+(``torch._scaled_mm`` 1234) and 1485 fast (1500); 1x128 / 128x128 blocks 399-412 (earlier run).
+``benchmarks/results`` has every shape.
 """
 
 from __future__ import annotations

@@ -414,9 +414,11 @@ def markdown(records, summary, targets, meta) -> str:
              f"`{meta['command']}`; torch {meta['torch']}, triton {meta['triton']}, cuda-tile "
              f"{meta['cuda_tile']}; median of {meta['reps']} CUDA-graph replays, L2 flushed before each; "
              f"{meta['wall_s']:.0f} s in all."
-             + (f" Skipped (time budget): {', '.join(meta['skipped_shapes'])}." if meta.get("skipped_shapes") else ""),
+             + (f" Skipped (time budget): {', '.join(meta['skipped_shapes'])}."
+                if meta.get("skipped_shapes") else ""),
              "",
-             *([f"Peers that did not run: {'; '.join(meta['peer_failures'])}.", ""] if meta.get("peer_failures") else []),
+             *([f"Peers that did not run: {'; '.join(meta['peer_failures'])}.", ""]
+               if meta.get("peer_failures") else []),
              "## Targets", "", "| target | value | goal | met |", "|---|---|---|---|"]
     for t in targets:
         v = "n/a" if t["value"] is None else f"{t['value']:.3f}"
@@ -569,7 +571,8 @@ def main(argv=None) -> int:
     except ImportError:
         triton_version = "absent"
     gpu = torch.cuda.get_device_name().replace(" ", "_")
-    meta = dict(gpu=torch.cuda.get_device_name(), capability=".".join(map(str, torch.cuda.get_device_capability())),
+    meta = dict(gpu=torch.cuda.get_device_name(),
+                capability=".".join(map(str, torch.cuda.get_device_capability())),
                 date=datetime.date.today().isoformat(), torch=torch.__version__, triton=triton_version,
                 cuda_tile=getattr(cuda.tile, "__version__", "?"), reps=args.reps,
                 command="python benchmarks/bench_matmul.py" + (" --quick" if args.quick else ""))

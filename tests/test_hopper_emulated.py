@@ -201,7 +201,8 @@ class HopperEmulator:
         src, dst = _window(array.shape, index, tile.shape)
         if tile.ct_dtype != array.dtype:
             raise TypeError(f"storing a {tile.ct_dtype} tile into a {array.dtype} array")
-        array.tensor[src] = torch.from_numpy(np.ascontiguousarray(tile[dst], dtype=np.float64)).to(array.tensor.dtype)
+        values = np.ascontiguousarray(tile[dst], dtype=np.float64)
+        array.tensor[src] = torch.from_numpy(values).to(array.tensor.dtype)
 
     @staticmethod
     def mma(x, y, acc, use_fast_acc=False):
@@ -254,13 +255,13 @@ def _dt(dtype):
 def emulated(monkeypatch):
     """Route the Hopper launchers' ``ct.launch`` to the emulator, on CPU tensors."""
     emu = HopperEmulator()
-    fake_ct = types.SimpleNamespace(launch=emu.launch)
     for module in (hbs, hgemm, hfp8):
         monkeypatch.setattr(module, "ct", _LaunchProxy(emu))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)
+    # 4 "SMs": persistent grids are smaller than the tile count, so blocks loop over several tiles.
     monkeypatch.setattr(hgemm, "num_sms", lambda device: 4)
     monkeypatch.setattr(hbs, "num_sms", lambda device: 4)
-    return fake_ct
+    return emu
 
 
 class _LaunchProxy:
@@ -284,7 +285,8 @@ def _elements(fmt, rows, k, gen):
     if fmt.is_packed:
         return torch.randint(0, 256, (rows, k // 2), dtype=torch.uint8, generator=gen)
     b = torch.randint(0, 256, (rows, k), dtype=torch.uint8, generator=gen)
-    bad = (0x7F, 0xFF) if fmt.data_dtype == torch.float8_e4m3fn else tuple(range(0x7C, 0x80)) + tuple(range(0xFC, 0x100))
+    bad = ((0x7F, 0xFF) if fmt.data_dtype == torch.float8_e4m3fn
+           else tuple(range(0x7C, 0x80)) + tuple(range(0xFC, 0x100)))  # NaN / Inf codes -> 0
     for code in bad:
         b[b == code] = 0
     return b.view(fmt.data_dtype)
@@ -389,8 +391,8 @@ def test_plan_configs_are_aot_variants():
 # FP8 through hopper_gemm
 # --------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("cfg", [hgemm.GemmConfig(128, 128, 128), hgemm.GemmConfig(128, 256, 64, persistent=True)],
-                         ids=lambda c: c.name)
+@pytest.mark.parametrize("cfg", [hgemm.GemmConfig(128, 128, 128),
+                                 hgemm.GemmConfig(128, 256, 64, persistent=True)], ids=lambda c: c.name)
 def test_fp8_rowwise_emulated(emulated, cfg):
     gen = torch.Generator().manual_seed(4)
     m, n, k = 130, 300, 200

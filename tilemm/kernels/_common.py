@@ -22,7 +22,8 @@ from __future__ import annotations
 import cuda.tile as ct
 import torch
 
-__all__ = ["tile_coords", "tile_coords_at", "e8m0_to_bf16", "e2m1_lo_bits_fp16", "e2m1_hi_bits_fp16", "e2m1_lo_bits_bf16",
+__all__ = ["tile_coords", "tile_coords_at", "e8m0_to_bf16", "e2m1_lo_bits_fp16", "e2m1_hi_bits_fp16",
+           "e2m1_lo_bits_bf16",
            "e2m1_hi_bits_bf16", "unswizzle_scale_tile", "epilogue", "ones_scalar", "zeros_vector",
            "swizzled_scale_view", "hinted", "SWIZZLE_ROWS", "SWIZZLE_COLS"]
 

@@ -15,6 +15,8 @@ import pathlib
 import pytest
 import torch
 
+from _gpu import GPU_SKIP_REASON
+
 _SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "model_accuracy.py"
 _spec = importlib.util.spec_from_file_location("model_accuracy", _SCRIPT)
 model_accuracy = importlib.util.module_from_spec(_spec)
@@ -76,16 +78,7 @@ def test_minilm_embeddings_stay_close_cpu():
     _check("cpu")
 
 
-def _gpu_skip_reason():
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU (torch.cuda.is_available() is False)"
-    cap = torch.cuda.get_device_capability()
-    if cap < (9, 0):
-        return f"needs compute capability >= 9.0, this GPU is sm_{cap[0]}{cap[1]}"
-    return None
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpu_skip_reason() is not None, reason=_gpu_skip_reason() or "")
+@pytest.mark.skipif(GPU_SKIP_REASON is not None, reason=GPU_SKIP_REASON or "")
 def test_minilm_embeddings_stay_close_gpu():
     _check("cuda")

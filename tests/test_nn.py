@@ -12,6 +12,8 @@ import warnings
 
 import pytest
 import torch
+
+from _gpu import GPU_SKIP_REASON
 import torch.nn.functional as F
 
 import tilemm
@@ -298,17 +300,8 @@ def test_errors_name_the_argument_and_what_is_accepted():
 # GPU: the kernels behind the same module
 # --------------------------------------------------------------------------------------------------
 
-def _gpu_skip_reason():
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU (torch.cuda.is_available() is False)"
-    cap = torch.cuda.get_device_capability()
-    if cap < (9, 0):
-        return f"needs compute capability >= 9.0, this GPU is sm_{cap[0]}{cap[1]}"
-    return None
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpu_skip_reason() is not None, reason=_gpu_skip_reason() or "")
+@pytest.mark.skipif(GPU_SKIP_REASON is not None, reason=GPU_SKIP_REASON or "")
 @pytest.mark.parametrize("name,kw,quantize_x,quantize_w", CONFIGS, ids=CONFIG_IDS)
 def test_gpu_module_matches_cpu_module(name, kw, quantize_x, quantize_w):
     q = Linear.from_float(_linear(), **kw)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _gpu import GPU_SKIP_REASON
+
 import tilemm
 
 ops = torch.ops.tilemm
@@ -222,23 +224,14 @@ def test_compile_fullgraph_equals_eager_cpu():
     _check_compiled_equals_eager("cpu")
 
 
-def _gpu_skip_reason():
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU (torch.cuda.is_available() is False)"
-    cap = torch.cuda.get_device_capability()
-    if cap < (9, 0):
-        return f"needs compute capability >= 9.0, this GPU is sm_{cap[0]}{cap[1]}"
-    return None
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpu_skip_reason() is not None, reason=_gpu_skip_reason() or "")
+@pytest.mark.skipif(GPU_SKIP_REASON is not None, reason=GPU_SKIP_REASON or "")
 def test_compile_fullgraph_equals_eager_gpu():
     _check_compiled_equals_eager("cuda")
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpu_skip_reason() is not None, reason=_gpu_skip_reason() or "")
+@pytest.mark.skipif(GPU_SKIP_REASON is not None, reason=GPU_SKIP_REASON or "")
 @pytest.mark.parametrize("op,args", [c[1:] for c in MATMUL_CASES], ids=MATMUL_IDS)
 def test_matmul_fake_shapes_match_real_outputs_gpu(op, args):
     args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
@@ -247,7 +240,7 @@ def test_matmul_fake_shapes_match_real_outputs_gpu(op, args):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpu_skip_reason() is not None, reason=_gpu_skip_reason() or "")
+@pytest.mark.skipif(GPU_SKIP_REASON is not None, reason=GPU_SKIP_REASON or "")
 @pytest.mark.parametrize("name,op,args", QUANTIZE_CASES, ids=[c[0] for c in QUANTIZE_CASES])
 def test_quantize_fake_shapes_match_real_outputs_gpu(name, op, args):
     # The GPU quantizers write their own outputs: their shapes, dtypes and strides must be the fake's.

@@ -25,21 +25,9 @@ import tilemm
 from tilemm.formats import FP8_E4M3, FP8_E5M2, MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
 
 
-def _skip_reason() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU (torch.cuda.is_available() is False)"
-    cap = torch.cuda.get_device_capability()
-    if cap < (9, 0):
-        return f"needs compute capability >= 9.0 (Hopper or Blackwell), this GPU is sm_{cap[0]}{cap[1]}"
-    try:
-        import cuda.tile  # noqa: F401
-    except ImportError as err:
-        return f"needs cuda-tile ({err})"
-    return None
+from _gpu import GPU_SKIP_REASON as _SKIP, requires_gpu
 
-
-_SKIP = _skip_reason()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+pytestmark = requires_gpu
 
 DEV = torch.device("cuda")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -32,13 +32,23 @@ class AotVariant:
     targets: Sequence[str] = TARGETS
 
 
-def array(dtype, ndim: int, *, contiguous_last: bool = True, index_dtype=ct.int32) -> cc.ArrayConstraint:
-    """An array parameter as the launcher passes it: non-aliasing, non-negative strides, and (by
-    default) unit stride in the last dimension."""
+def array(dtype, ndim: int, *, contiguous_last: bool = True, aligned: bool = True,
+          index_dtype=ct.int32) -> cc.ArrayConstraint:
+    """An array parameter as the launcher passes it: non-aliasing, non-negative strides, (by default)
+    unit stride in the last dimension and, with ``aligned``, the other strides and the base address
+    divisible by 16 bytes. That alignment is what the JIT specialises on for ordinary torch tensors
+    and what TMA needs; without it tileiras compiles byte-wise loads, a different kernel from the one
+    that runs."""
     stride_constant = [None] * (ndim - 1) + [1] if contiguous_last else None
+    facts = {}
+    if aligned:
+        facts["base_addr_divisible_by"] = 16
+        if contiguous_last:
+            per_16_bytes = max(1, 128 // dtype.bitwidth)
+            facts["stride_divisible_by"] = [per_16_bytes] * (ndim - 1) + [1]
     return cc.ArrayConstraint(
         dtype, ndim, index_dtype=index_dtype, stride_lower_bound_incl=0, alias_groups=(),
-        may_alias_internally=False, stride_constant=stride_constant,
+        may_alias_internally=False, stride_constant=stride_constant, **facts,
     )
 
 

@@ -90,7 +90,7 @@ import cuda.tile as ct
 import torch
 
 from ..formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
-from ._aot import AotVariant
+from ._aot import AotVariant, array
 from ._common import epilogue, hinted, ones_scalar, tile_coords, zeros_vector
 
 __all__ = ["launch", "aot_variants", "TileConfig", "LaunchPlan", "config_for", "plan_launch",
@@ -374,18 +374,8 @@ _DATA_DTYPES = {MXFP8_E4M3: ct.float8_e4m3fn, MXFP8_E5M2: ct.float8_e5m2, MXFP4:
 
 
 def launch_array(dtype, ndim: int):
-    """An array parameter as ``launch`` passes it for well-aligned tensors, which is what the JIT
-    specialises on: unit stride in the last dimension, other strides and the base address divisible
-    by 16 bytes (TMA's requirement). Without the alignment facts tileiras falls back to byte-wise
-    loads, a different kernel from the one that runs."""
-    from cuda.tile import compilation as cc
-
-    per_16_bytes = max(1, 128 // dtype.bitwidth)
-    return cc.ArrayConstraint(dtype, ndim, index_dtype=ct.int32, stride_lower_bound_incl=0,
-                              alias_groups=(), may_alias_internally=False,
-                              stride_constant=[None] * (ndim - 1) + [1],
-                              stride_divisible_by=[per_16_bytes] * (ndim - 1) + [1],
-                              base_addr_divisible_by=16)
+    """An array parameter as ``launch`` passes it for well-aligned tensors (``_aot.array``)."""
+    return array(dtype, ndim)
 
 
 def aot_variants() -> list[AotVariant]:

@@ -334,6 +334,7 @@ def assert_matches(out, ref, out_dtype):
 # --------------------------------------------------------------------------------------------------
 
 SMALL = [hbs.StreamConfig(16, 128, 128, 1), hbs.StreamConfig(16, 128, 128, 2),
+         hbs.StreamConfig(16, 64, 128, 2, num_worker_warps=4, occupancy=4),
          hbs.StreamConfig(64, 128, 128, 4), hbs.StreamConfig(128, 128, 128, 1)]
 
 

@@ -72,6 +72,14 @@ Speed (H100, bf16 out, L2 flushed, 2026-11-22; ``benchmarks/results`` has every 
   decode, not by HBM: ~735 (MXFP8) to ~880 (MXFP4) SASS instructions per thread per 128x128 weight
   tile and K step (PRMT-heavy byte shuffles, LOP3 / IMAD for nibbles), a latency-bound chain with
   one or two blocks per SM; the 4-bit weight's 4x fewer bytes are not the limit yet.
+* Tried for the stream kernel and measured slower on the H100 (M = 16, swizzled scales, ratio to
+  cuBLAS bf16 over four LLM projections): the e2m1 formats on the FP8 tensor cores (both operands
+  decoded to e4m3 bytes of e2m1 * 2^-6, one MMA per 32-element scale block from a zero accumulator,
+  which is exact -- bit-identical to an fp64 matmul at K = 32 -- then scaled into the fp32
+  accumulator): MXFP4 0.64-0.72x against 0.79-0.90x, NVFP4 0.34-0.45x (two MMAs per 32-element chunk
+  for its 16-element blocks); the per-block partial products go through shared memory with a
+  barrier and a WARPGROUP.DEPBAR wait each. Two MMAs on the low- and high-nibble halves instead of
+  concatenating them: 2-4 % slower.
 """
 
 from __future__ import annotations
@@ -273,7 +281,7 @@ def _dequantize_kernel(X, X_scale, Out, ELEMENT: ConstInt, SCALE_BLOCK: ConstInt
 @dataclasses.dataclass(frozen=True)
 class StreamConfig:
     """The stream kernel's tiles: tile_m (16, 64 or 128: the MMA's N side), tile_n (weight rows,
-    a multiple of 128), tile_k (a multiple of 4 x block), the K split, a load latency hint (0: the
+    64 or a multiple of 128), tile_k (a multiple of 4 x block), the K split, a load latency hint (0: the
     compiler's choice) and compiler hints."""
 
     tile_m: int
@@ -333,9 +341,13 @@ _TWO_PASS = TwoPassConfig(GemmConfig(256, 256, 64, num_ctas=2, persistent=True),
 _STREAM_TK = {"mxfp8": 128, "mxfp4": 128, "nvfp4": 128}
 
 _STREAM_TILE_M = (16, 64, 128)
-# Two blocks per SM where the registers allow it (80 per thread at 16- and 64-row tiles; a 128-row
-# tile needs 168): the decode chain of one block stalls on LDS and HGMMA latency.
-_STREAM_OCCUPANCY = {16: 2, 64: 2, 128: None}
+# Per tile_m: (tile_n, num_worker_warps, occupancy). The decode chain of one block stalls on LDS and
+# HGMMA latency, so more blocks per SM help where the registers allow it (80 per thread at 16- and
+# 64-row tiles; a 128-row tile needs 168). At M = 16 one warpgroup on 64 weight rows with 4 blocks per
+# SM beats two warpgroups on 128 rows with 2 per SM (H100, swizzled scales, N x K = 14336 x 4096 /
+# 8192 x 8192: MXFP8 0.86 / 0.87x cuBLAS bf16 against 0.79 / 0.82, MXFP4 0.89 / 0.92 against
+# 0.80 / 0.89, NVFP4 0.76 / 0.74 against 0.70 / 0.74).
+_STREAM_SHAPE = {16: (64, 4, 4), 64: (128, 8, 2), 128: (128, 8, None)}
 _STREAM_SPLITS = (1, 2, 4, 8)
 
 
@@ -353,15 +365,15 @@ def stream_config(fmt: Format, batch: int, m: int, n: int, k: int, sms: int = 13
     """The stream kernel's config: the smallest tile_m that covers M (up to 128), and a K split
     that gives at least ``occupancy`` blocks per SM when the output alone has too few tiles."""
     tile_m = next((t for t in _STREAM_TILE_M if t >= m), _STREAM_TILE_M[-1])
-    tile_n, tile_k = 128, _STREAM_TK[_family(fmt)]
-    occupancy = _STREAM_OCCUPANCY[tile_m]
+    tile_n, warps, occupancy = _STREAM_SHAPE[tile_m]
+    tile_k = _STREAM_TK[_family(fmt)]
     tiles = batch * -(-m // tile_m) * -(-n // tile_n)
     k_tiles = -(-k // tile_k)
     split = 1
     while (tiles * split < (occupancy or 1) * sms and split * 2 <= _STREAM_SPLITS[-1]
            and k_tiles >= split * 2 * 4):
         split *= 2
-    return StreamConfig(tile_m, tile_n, tile_k, split, occupancy=occupancy)
+    return StreamConfig(tile_m, tile_n, tile_k, split, num_worker_warps=warps, occupancy=occupancy)
 
 
 def plan(fmt: Format, batch: int, m: int, n: int, k: int, sms: int = 132):
@@ -470,8 +482,8 @@ def _data_dtype(fmt: Format):
 def _stream_configs(fmt: Format) -> list[StreamConfig]:
     """Every StreamConfig ``plan`` can return for ``fmt`` (tile_m x split)."""
     tk = _STREAM_TK[_family(fmt)]
-    return [StreamConfig(tm, 128, tk, split, occupancy=_STREAM_OCCUPANCY[tm]) for tm in _STREAM_TILE_M
-            for split in _STREAM_SPLITS]
+    return [StreamConfig(tm, _STREAM_SHAPE[tm][0], tk, split, num_worker_warps=_STREAM_SHAPE[tm][1],
+                         occupancy=_STREAM_SHAPE[tm][2]) for tm in _STREAM_TILE_M for split in _STREAM_SPLITS]
 
 
 def aot_variants() -> list[AotVariant]:

@@ -40,7 +40,7 @@ import torch
 
 from ._aot import AotVariant, array
 from ._common import epilogue, hinted, ones_scalar, tile_coords, zeros_vector
-from .hopper_gemm import GemmConfig, gemm_constants, gemm_kernel, launch_gemm
+from .hopper_gemm import GemmConfig, gemm_constants, gemm_kernel, launch_gemm, num_sms
 
 __all__ = ["launch", "aot_variants", "TileConfig", "config_for"]
 
@@ -126,12 +126,31 @@ def _kind(granularity: str) -> str:
                      f"or 'blockwise'")
 
 
-def config_for(granularity: str, batch: int, m: int, n: int, fast_accum: bool = False) -> TileConfig:
-    """The table's config for ``batch`` x (m, n) outputs."""
+#: Below this share of SMs busy over all waves, the large tile gives way to the small one (if that
+#: fills the waves better). H100, fast accumulation, M x N x K = 1024 x 14336 x 4096: 448 tiles of
+#: 128x256 on 132 SMs are 3.4 waves (85 %): 0.80x torch._scaled_mm, 896 tiles of 128x128 (97 %):
+#: 0.87x; the other benchmark shapes fill >= 97 % of their waves with the large tile and keep it.
+_MIN_WAVE_FILL = 0.9
+
+
+def _wave_fill(tiles: int, sms: int) -> float:
+    """The share of SM time that ``tiles`` equal tiles keep busy on ``sms`` SMs (1.0: whole waves)."""
+    return tiles / (-(-tiles // sms) * sms)
+
+
+def config_for(granularity: str, batch: int, m: int, n: int, fast_accum: bool = False,
+               sms: int = 132) -> TileConfig:
+    """The table's config for ``batch`` x (m, n) outputs: the large tile when there are at least
+    ``_LARGE_TILES`` of it and its last wave is not mostly empty, else the small one."""
     table = _CONFIGS[_kind(granularity), fast_accum]
-    large = table["large"]
+    large, small = table["large"], table["small"]
     tiles = batch * -(-m // large.tile_m) * -(-n // large.tile_n)
-    return large if tiles >= _LARGE_TILES else table["small"]
+    if tiles < _LARGE_TILES:
+        return small
+    small_tiles = batch * -(-m // small.tile_m) * -(-n // small.tile_n)
+    if _wave_fill(tiles, sms) < _MIN_WAVE_FILL and _wave_fill(small_tiles, sms) > _wave_fill(tiles, sms):
+        return small
+    return large
 
 
 # --------------------------------------------------------------------------------------------------
@@ -150,7 +169,7 @@ def launch(problem, config: GemmConfig | None = None) -> None:
     out = problem.out
     batch, m, n = out.shape
     fast_acc = bool(getattr(problem, "use_fast_accum", False))
-    cfg = config or config_for(problem.granularity, batch, m, n, fast_acc)
+    cfg = config or config_for(problem.granularity, batch, m, n, fast_acc, num_sms(out.device))
     device = out.device
     # Scales are tiny: materialise broadcast (per-tensor) and transposed (128x128 block) views.
     a_scale = problem.a_scale.contiguous()

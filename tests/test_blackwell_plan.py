@@ -5,24 +5,17 @@ CPU interpreter. Two things are checked here without one:
 
 * The host side: config choice, the swizzled scale-load shape for block 16 vs 32, argument checks,
   batch folding, and that every launch specialisation is one that tests/test_aot.py compiles.
-* The tile code: ``TileEmulator`` runs the kernels' own Python functions with ``ct`` replaced by a
-  NumPy model of the handful of cuTile operations they use (tile-indexed ``load`` / ``store`` with
-  zero padding and masked edges, ``reshape`` / ``permute`` / ``transpose``, ``bitcast``,
-  ``unpack_from_bytes``, ``mma`` and ``mma_scaled`` as their documented contracts), block by block over
-  the launch grid, and compares with ``tilemm.reference``. This checks the index arithmetic (tile
-  coordinates, the 32x4x4 unswizzle, the transposes of y and y_scale, K padding, batch broadcast and
-  folding, the epilogue); it does not check cuTile's compiler or the hardware. The model is strict
-  where cuTile is undefined: a load whose padding is not ZERO fills out-of-range elements with NaN, a
-  tile entirely outside its array raises, and ``mma_scaled`` rejects a (data, scale, block) combination
-  that its contract does not list.
+* The tile code: the kernels' own Python functions run block by block over the launch grid on the
+  NumPy model of cuTile in tests/_emulator.py (tile-indexed ``load`` / ``store`` with zero padding
+  and masked edges, ``reshape`` / ``permute`` / ``transpose``, ``bitcast``, ``unpack_from_bytes``,
+  ``mma`` and ``mma_scaled`` as their documented contracts), and are compared with
+  ``tilemm.reference``. This checks the index arithmetic (tile coordinates, the 32x4x4 unswizzle, the
+  transposes of y and y_scale, K padding, batch broadcast and folding, the epilogue); it does not
+  check cuTile's compiler or the hardware.
 """
 
 from __future__ import annotations
 
-import math
-import types
-
-import numpy as np
 import pytest
 import torch
 
@@ -35,186 +28,15 @@ from tilemm.kernels.blackwell_block_scaled import _load_scale_bytes
 from tilemm.matmul import BlockScaledProblem, FP8Problem
 from tilemm.reference import block_scaled_matmul_reference, fp8_matmul_reference
 
+from _emulator import CT_DTYPE_OF_TORCH, TileEmulator, assert_matches
+
 BLOCK_FORMATS = [MXFP8_E4M3, MXFP8_E5M2, MXFP4, NVFP4]
 FMT_IDS = [f.name for f in BLOCK_FORMATS]
 
-# ==================================================================================================
-# A NumPy model of the cuTile operations the kernels use
-# ==================================================================================================
-
-_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-_TORCH_DTYPES = {ct.float32: torch.float32, ct.bfloat16: torch.bfloat16, ct.float16: torch.float16}
-_CT_DTYPES = {torch.float32: ct.float32, torch.bfloat16: ct.bfloat16, torch.float16: ct.float16,
-              torch.uint8: ct.uint8, torch.float8_e4m3fn: ct.float8_e4m3fn, torch.float8_e5m2: ct.float8_e5m2}
-# mma_scaled's contract: (data dtype, scale dtype) -> allowed scaling block sizes.
-_MMA_SCALED_BLOCKS = {(ct.float8_e4m3fn, ct.float8_e8m0fnu): (32,), (ct.float8_e5m2, ct.float8_e8m0fnu): (32,),
-                      (ct.float4_e2m1fn, ct.float8_e8m0fnu): (16, 32), (ct.float4_e2m1fn, ct.float8_e4m3fn): (16,)}
-
-
-class Tile(np.ndarray):
-    """A tile: float64 values (or int64 for integer tiles) plus the cuTile dtype they stand for."""
-
-    def __new__(cls, values, dtype):
-        t = np.asarray(values).view(cls)
-        t.ct_dtype = dtype
-        return t
-
-    def __array_finalize__(self, obj):
-        self.ct_dtype = getattr(obj, "ct_dtype", None)
-
-    def permute(self, axes):
-        return np.transpose(self, axes)
-
-    def astype(self, dtype, *args, **kwargs):
-        if dtype not in _TORCH_DTYPES:
-            raise NotImplementedError(f"astype to {dtype}")
-        # The value is an fp32 computation result: round to fp32 first, then once to the target.
-        t = torch.from_numpy(np.asarray(self, dtype=np.float64)).to(torch.float32).to(_TORCH_DTYPES[dtype])
-        return Tile(t.to(torch.float64).numpy(), dtype)
-
-
-class EmuArray:
-    """A kernel array argument: its shape and cuTile dtype, values decoded for loads, and the torch
-    tensor that stores write to."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-        self.dtype = _CT_DTYPES[tensor.dtype]
-        self.shape = tuple(tensor.shape)
-        self.ndim = tensor.ndim
-        if tensor.dtype == torch.uint8:
-            self.values = tensor.to(torch.int64).numpy()
-        else:
-            self.values = tensor.to(torch.float64).numpy()
-
-
-def _window(arr_shape, index, shape):
-    starts = [i * s for i, s in zip(index, shape)]
-    src = tuple(slice(st, min(st + s, n)) for st, s, n in zip(starts, shape, arr_shape))
-    dst = tuple(slice(0, sl.stop - sl.start) for sl in src)
-    if any(sl.stop <= sl.start for sl in src):
-        raise IndexError(f"tile {shape} at index {index} lies entirely outside an array of shape {arr_shape} "
-                         f"(undefined in cuTile)")
-    return src, dst
-
-
-class TileEmulator:
-    """``ct`` for the kernels, on NumPy. ``run(kernel, grid, args)`` calls the kernel's Python function
-    once per block of a 1-D grid."""
-
-    PaddingMode = ct.PaddingMode
-    Constant = ct.Constant
-
-    def __init__(self):
-        self._bid = 0
-        for name in ("float32", "float16", "bfloat16", "uint8", "int32", "float8_e4m3fn", "float8_e5m2",
-                     "float8_e8m0fnu", "float4_e2m1fn"):
-            setattr(self, name, getattr(ct, name))
-
-    # --- grid and scalars
-    def bid(self, axis):
-        return self._bid if axis == 0 else 0
-
-    @staticmethod
-    def cdiv(a, b):
-        return -(-a // b)
-
-    # --- tiles
-    @staticmethod
-    def zeros(shape, dtype):
-        return Tile(np.zeros(shape), dtype)
-
-    @staticmethod
-    def load(array, index, shape, *, padding_mode=ct.PaddingMode.UNDETERMINED, **hints):
-        src, dst = _window(array.shape, index, shape)
-        fill = 0 if padding_mode == ct.PaddingMode.ZERO else math.nan
-        out = np.full(shape, fill, dtype=np.float64)
-        out[dst] = array.values[src]
-        if array.dtype == ct.uint8:
-            if math.isnan(fill) and out.size != out[dst].size:
-                raise ValueError("uint8 load past the edge without ZERO padding")
-            out = out.astype(np.int64)
-        return Tile(out, array.dtype)
-
-    @staticmethod
-    def store(array, index, tile):
-        src, dst = _window(array.shape, index, tile.shape)
-        if tile.ct_dtype != array.dtype:
-            raise TypeError(f"storing a {tile.ct_dtype} tile into a {array.dtype} array")
-        array.tensor[src] = torch.from_numpy(np.ascontiguousarray(tile[dst], dtype=np.float64)).to(array.tensor.dtype)
-
-    @staticmethod
-    def bitcast(tile, dtype):
-        if tile.ct_dtype != ct.uint8:
-            raise NotImplementedError(f"bitcast from {tile.ct_dtype}")
-        raw = np.asarray(tile, dtype=np.int64)
-        if dtype == ct.float8_e8m0fnu:
-            vals = np.where(raw == 255, np.nan, np.exp2(raw.astype(np.float64) - 127))
-        elif dtype == ct.float8_e4m3fn:
-            vals = torch.from_numpy(raw.astype(np.uint8)).view(torch.float8_e4m3fn).to(torch.float64).numpy()
-        else:
-            raise NotImplementedError(f"bitcast to {dtype}")
-        return Tile(vals, dtype)
-
-    @staticmethod
-    def unpack_from_bytes(tile, dtype):
-        if tile.ndim != 1 or tile.ct_dtype != ct.uint8 or dtype != ct.float4_e2m1fn:
-            raise TypeError("unpack_from_bytes: 1-D uint8 -> float4_e2m1fn only")
-        raw = np.asarray(tile, dtype=np.int64)
-        vals = np.stack([_E2M1[raw & 0xF], _E2M1[raw >> 4]], axis=-1).reshape(-1)  # low nibble first
-        return Tile(vals, dtype)
-
-    @staticmethod
-    def mma(x, y, acc):
-        assert x.ndim == y.ndim == acc.ndim == 2 and x.shape[1] == y.shape[0]
-        assert acc.shape == (x.shape[0], y.shape[1]) and acc.ct_dtype == ct.float32
-        r = np.asarray(x) @ np.asarray(y) + np.asarray(acc)
-        return Tile(r.astype(np.float32).astype(np.float64), ct.float32)
-
-    @staticmethod
-    def mma_scaled(x, x_scale, y, y_scale, acc):
-        m, k = x.shape
-        k2, n = y.shape
-        ks = x_scale.shape[1]
-        assert k == k2 and x_scale.shape == (m, ks) and y_scale.shape == (ks, n) and acc.shape == (m, n)
-        assert x.ct_dtype == y.ct_dtype and x_scale.ct_dtype == y_scale.ct_dtype
-        block = k // ks
-        allowed = _MMA_SCALED_BLOCKS.get((x.ct_dtype, x_scale.ct_dtype), ())
-        if k % ks or block not in allowed:
-            raise TypeError(f"mma_scaled: {x.ct_dtype} x {x_scale.ct_dtype} with block {block} is not in "
-                            f"the contract (allowed {allowed})")
-        xs = np.repeat(np.asarray(x_scale), block, axis=1)
-        ys = np.repeat(np.asarray(y_scale), block, axis=0)
-        with np.errstate(invalid="ignore"):
-            r = (np.asarray(x) * xs) @ (np.asarray(y) * ys) + np.asarray(acc)
-        return Tile(r.astype(np.float32).astype(np.float64), ct.float32)
-
-    # --- running a kernel
-    def _rebind(self, fn, memo):
-        """``fn`` with ``ct`` replaced by this emulator in its globals and in those of the tilemm.kernels
-        functions it calls (the helpers are inlined into the kernel by cuTile)."""
-        if fn in memo:
-            return memo[fn]
-        g = dict(fn.__globals__)
-        new = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
-        memo[fn] = new
-        g["ct"] = self
-        for name, value in list(g.items()):
-            if isinstance(value, types.FunctionType) and value.__module__.startswith("tilemm.kernels"):
-                g[name] = self._rebind(value, memo)
-        return new
-
-    def run(self, kernel, grid, args):
-        fn = self._rebind(kernel._pyfunc, {})
-        emu_args = [EmuArray(a) if isinstance(a, torch.Tensor) else a for a in args]
-        assert grid[1:] == (1, 1)
-        for bid in range(grid[0]):
-            self._bid = bid
-            fn(*emu_args)
-
 
 def emulate(plan):
-    TileEmulator().run(plan.kernel, plan.grid, plan.args)
+    """Run ``plan`` (a ``plan_launch`` result) through the NumPy model of cuTile."""
+    TileEmulator().launch(None, plan.grid, plan.kernel, plan.args)
 
 
 # ==================================================================================================
@@ -269,15 +91,6 @@ def block_scaled_case(fmt, m, n, k, *, ba=1, bb=1, swizzled=False, poison=False,
                                  out=torch.full((batch, m, n), float("nan"), dtype=out_dtype),
                                  bias=bias_t, alpha=alpha_t)
     return problem, ref
-
-
-def assert_matches(out, ref, out_dtype):
-    """NUMERICS.md's matmul tolerance: relative Frobenius error 1e-5, plus the output rounding."""
-    tol = {torch.float32: 1e-5, torch.bfloat16: 4e-3 + 1e-5, torch.float16: 1e-3 + 1e-5}[out_dtype]
-    out64, ref64 = out.to(torch.float64), ref.to(torch.float64)
-    assert torch.isfinite(out64).all(), "non-finite outputs (an unwritten tile or poison that leaked)"
-    err = ((out64 - ref64).norm() / ref64.norm().clamp_min(1e-300)).item()
-    assert err < tol, f"relative error {err:.3g} >= {tol}"
 
 
 # ==================================================================================================
@@ -403,7 +216,7 @@ def _signature(args):
     sig = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            sig.append((_CT_DTYPES[a.dtype], a.ndim))
+            sig.append((CT_DTYPE_OF_TORCH[a.dtype], a.ndim))
         else:
             sig.append(a)
     return tuple(sig)

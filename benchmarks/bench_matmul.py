@@ -338,7 +338,11 @@ LIMITS = {
         "per-row precise, where PyTorch runs another kernel, is at parity (1.02x). Fast accumulation is "
         "within 1-3% (the medians move about 2% from run to run). Tried: one block per tile (1174 precise / "
         "1394 fast at 8192^3), 2-CTA clusters with TMA multicast (256x128, 128x256, 256x256: 1099-1490), "
-        "load latency hints (-8% precise, +3% fast, without persistence), GROUP_SIZE_M 16, TK 256."),
+        "load latency hints (-8% precise, +3% fast, without persistence), GROUP_SIZE_M 16, TK 256. At "
+        "M = 1024 (one to four waves of tiles on 132 SMs) a sweep of 128x256x{64,128}, 128x128x{64,128,256}, "
+        "2-CTA 256x128 / 128x256, GROUP_SIZE_M 4 and non-persistent scheduling found no config above "
+        "0.91x fast / 0.86x precise except 128x128 where 128x256 leaves its last wave mostly empty "
+        "(1024x14336: 0.80 -> 0.87x fast), now chosen by wave fill."),
     "block_large": (
         "M >= 512 runs two passes: the exact dequantize kernel (bf16 for MX, fp16 for NVFP4; 64x128 "
         "tiles; 2.7 TB/s for MXFP8 and 2.0-2.1 TB/s for the 4-bit formats at 8192x8192, counting 1 or "
@@ -358,20 +362,24 @@ LIMITS = {
         "8192^3; per K step the SASS converts, stores B to shared memory, runs the HGMMAs and waits on "
         "WARPGROUP.DEPBAR); the stream kernel at M = 1024 reaches 158 TFLOPS."),
     "block_small": (
-        "M <= 128 runs the stream kernel: weight rows on the MMA's M side (128), M on its N side (16, 64 "
-        "or 128), K split so that the GPU has work, two blocks per SM for 16- and 64-row tiles "
-        "(cuobjdump: REG 80, STACK 0). Roofline: at M = 16 the weight bytes dominate, 0.5625 B per element "
-        "for e2m1 with its scales against 2 B for bf16, so HBM allows 3.6x cuBLAS (which streams "
-        "14336x4096 bf16 in 55 us, 2.1 TB/s). The kernel is bound by its decode instead: the SASS main "
-        "loop per 128x128 weight tile and K step is 735 instructions per thread for MXFP8 (249 PRMT, 72 "
-        "F2FP, 72 HADD2, 36 HMUL2, 49 LDS, 8 HGMMA), 877 for MXFP4 (245 PRMT, 191 LOP3, 188 IMAD, 72 "
-        "HMUL2) and 797 for NVFP4: 11-14 instructions per weight element, 23-27 us of pure issue for "
-        "14336x4096 on 132 SMs x 4 schedulers; measured 70 us (MXFP4), as each block's LDS -> convert -> "
-        "HGMMA -> wait chain is latency-bound with one or two blocks per SM (2.5 us per K step with "
-        "one). Tried: split K 1-8, TK 128 and 256, load latency hints, two blocks per SM (82 -> 70 us "
-        "for 14336x4096), and a decode to unscaled fp16 with the scales applied per block to fp32 "
-        "partial products (1044-2060 instructions per K step: more, not fewer); 64-row weight tiles "
-        "with 4 warps and 3-4 blocks per SM compile without spills but were not timed."),
+        "M <= 128 runs the stream kernel: weight rows on the MMA's M side, M on its N side, K split so "
+        "that the GPU has work. M <= 16: 64 weight rows per block, one warpgroup, 4 blocks per SM "
+        "(cuobjdump: REG 64, STACK 0); M = 64 / 128: 128 rows, two warpgroups (REG 80 / 168). For M > 16 "
+        "and the 4-bit formats the activation is dequantized once and read as 16-bit tiles. Roofline: at "
+        "M = 16 the weight bytes dominate, 0.5625 B per element for e2m1 with its scales against 2 B for "
+        "bf16, so HBM allows 3.6x cuBLAS (which streams 14336x4096 bf16 in 55 us, 2.1 TB/s). The kernel "
+        "is bound by its decode instead: the SASS main loop per 128x128 weight tile and K step was 735 "
+        "instructions per thread for MXFP8 (249 PRMT, 72 F2FP, 72 HADD2, 36 HMUL2, 49 LDS, 8 HGMMA), 877 "
+        "for MXFP4 (245 PRMT, 191 LOP3, 188 IMAD, 72 HMUL2) and 797 for NVFP4: 11-14 instructions per "
+        "weight element, 23-27 us of pure issue for 14336x4096 on 132 SMs x 4 schedulers; measured "
+        "55-70 us, as each block's LDS -> convert -> HGMMA -> wait chain is latency-bound. Tried: split K "
+        "1-8, TK 128 and 256, load latency hints, 2-4 blocks per SM and 64-row tiles (adopted: +0-10%), a "
+        "decode to unscaled fp16 with the scales applied per block to fp32 partial products (1044-2060 "
+        "instructions per K step: more, not fewer), the e2m1 formats on the FP8 tensor cores (exact: one "
+        "MMA per 32-element block from a zero accumulator, bit-identical to fp64 at K = 32; but MXFP4 "
+        "0.64-0.72x and NVFP4 0.34-0.45x against 0.79-0.90x, as each block's partial product goes through "
+        "shared memory behind a barrier and a WARPGROUP.DEPBAR wait), and two MMAs on the low- and "
+        "high-nibble halves instead of concatenating them (2-4% slower)."),
 }
 
 #: Peers that could not run, filled in during the run (reported in the results' meta).

@@ -96,7 +96,9 @@ def block_scaled_case(fmt, m, n, k, *, ba=1, bb=1, swizzled=False, out_dtype=tor
 
 SMALL = [hbs.StreamConfig(16, 128, 128, 1), hbs.StreamConfig(16, 128, 128, 2),
          hbs.StreamConfig(16, 64, 128, 2, num_worker_warps=4, occupancy=4),
-         hbs.StreamConfig(64, 128, 128, 4), hbs.StreamConfig(128, 128, 128, 1)]
+         hbs.StreamConfig(64, 128, 128, 4), hbs.StreamConfig(128, 128, 128, 1),
+         hbs.StreamConfig(16, 64, 128, 2, num_worker_warps=4, occupancy=4, x16=True),
+         hbs.StreamConfig(128, 128, 128, 2, x16=True)]
 
 
 @pytest.mark.parametrize("swizzled", [False, True], ids=["logical", "swizzled"])

@@ -208,6 +208,62 @@ def test_fp8_blocks(granularity, dtype):
                   granularity=granularity, pow2_scale=pow2)
 
 
+def _fp8_grid_and_midpoints(fmt):
+    """Every non-negative finite value of fmt's fp8 type and every midpoint between neighbours
+    (subnormal ones included), as fp64."""
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt.data_dtype).double()
+    values = values[torch.isfinite(values) & (values >= 0)].unique().sort().values
+    return torch.cat([values, (values[:-1] + values[1:]) / 2])
+
+
+def _near_fp8_boundaries(fmt, amax: float, k: int, rows: int, near: bool, g) -> torch.Tensor:
+    """fp32 x (rows, k) with x / s within a few fp32 ulps of fp8 values and midpoints, s = fp32(amax /
+    Qmax) (the scale every group gets: each row and each 128-block holds +-amax at its start).
+
+    near=False: offsets of 6..40 ulps, where the kernel's two bracketing casts agree and it skips the
+    division; near=True: offsets of -3..3 ulps, which put a rounding boundary inside the bracket
+    (the tile falls back to the IEEE division) or hit a tie exactly."""
+    s = torch.tensor(amax, dtype=torch.float32) / fmt.qmax
+    points = _fp8_grid_and_midpoints(fmt)
+    points = points[points <= fmt.qmax]  # keep |x| <= amax, so that the scale stays s
+    picks = points[torch.randint(0, len(points), (rows, k), generator=g)]
+    x = (picks * s.double()).float()
+    mag = torch.randint(6, 41, (rows, k), generator=g)
+    offsets = torch.randint(-3, 4, (rows, k), generator=g) if near else mag * torch.where(
+        torch.rand(rows, k, generator=g) < 0.5, -1, 1)
+    x = (x.view(torch.int32) + offsets.to(torch.int32)).clamp(min=0).view(torch.float32)  # x >= 0 here
+    x = torch.minimum(x.abs(), torch.tensor(amax, dtype=torch.float32)) * torch.where(
+        torch.rand(rows, k, generator=g) < 0.5, -1.0, 1.0)
+    x[:, ::128] = torch.where(torch.rand(rows, k // 128 if k >= 128 else 1, generator=g) < 0.5, -amax, amax)
+    return x
+
+
+# amax values: s = amax / Qmax not a power of two (the bracketing multiplies), a power of two (exact
+# reciprocal, never a fallback), tiny (s an fp32 subnormal: the IEEE division throughout for per
+# tensor / row) and huge.
+FP8_BOUNDARY_AMAX = [448.0 * 0.0123, 448.0 * 2.0 ** -7, 1e-39, 3.0e38]
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", (1, 128), (128, 128)],
+                         ids=["tensor", "row", "1x128", "128x128"])
+@pytest.mark.parametrize("fmt", [FP8_E4M3, FP8_E5M2], ids=lambda f: f.name)
+def test_fp8_near_rounding_boundaries(fmt, granularity):
+    """x / s a few ulps from every fp8 rounding boundary, normal and subnormal fp8 results: the
+    kernel's division-free path (two bracketing multiplies) and its per-tile fallback both match the
+    IEEE division of the reference. The first 128 columns hold far offsets, the next 128 near ones."""
+    if fmt is FP8_E5M2 and granularity not in ("tensor", "row"):
+        pytest.skip("FP8 blocks are e4m3 only")
+    g = torch.Generator().manual_seed(zlib.crc32(repr((fmt.name, granularity)).encode()))
+    for amax in FP8_BOUNDARY_AMAX:
+        x = torch.cat([_near_fp8_boundaries(fmt, amax, 128, 130, False, g),
+                       _near_fp8_boundaries(fmt, amax, 128, 130, True, g)], dim=1)
+        for pow2 in ((False, True) if granularity in ((1, 128), (128, 128)) else (False,)):
+            check(tilemm.quantize_fp8, x, f"{fmt.name} {granularity} amax={amax} pow2={pow2}",
+                  granularity=granularity, elem_dtype=fmt.data_dtype, pow2_scale=pow2)
+            check(tilemm.quantize_fp8, x.to(torch.bfloat16), f"{fmt.name} {granularity} amax={amax} bf16",
+                  granularity=granularity, elem_dtype=fmt.data_dtype, pow2_scale=pow2)
+
+
 # --------------------------------------------------------------------------------------------------
 # Layouts: axis=-2 (a transposed read), non-contiguous inputs, empty tensors, poisoned memory
 # --------------------------------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 What they compute: exactly what ``tilemm.quantize._quantize_<fmt>_reference`` computes (NUMERICS.md),
 for float32 / bfloat16 / float16 input (converted to fp32 in registers, which is exact). Each element
 is read once -- NVFP4 without a global scale and FP8 per tensor first run ``_amax_kernel`` (one more
-read), FP8 per row reads each row twice (the second time mostly from L2) -- and data plus scales are
-written in one pass, the scales already in the 32x4x4 layout when asked, its padding included.
+read), FP8 per row with K > 1024 reads each row twice (the second time partly from L2) -- and data
+plus scales are written in one pass, the scales already in the 32x4x4 layout when asked, its padding
+included.
 ``tilemm.quantize.run_quantize_*`` dispatch non-empty CUDA tensors on sm_90 or newer here.
 
 Every rounding step works on fp32 values and bits, in the reference's order:
@@ -19,7 +20,9 @@ Every rounding step works on fp32 values and bits, in the reference's order:
   have such blocks.
 * NVFP4: ``S_enc``, ``s_b``, ``enc`` as the reference, divisions IEEE (``ct.truediv`` with
   ``RoundingMode.RN``: no approximate reciprocal, no flush to zero).
-* FP8: ``x / s`` with an IEEE division per element; NaN groups store 0x7F.
+* FP8: ``fp32(x / s)`` correctly rounded without a division per element: one IEEE division per
+  group, then Markstein's residual correction with fused multiply-adds (``_fp8_divide``, where the
+  proof is); NaN groups store 0x7F.
 
 One portable implementation serves sm_90, sm_100 and sm_120 (``aot_variants`` lists every
 specialisation for all three): nothing uses float8_e8m0fnu or float4_e2m1fn, which cuTile rejects on
@@ -41,10 +44,14 @@ padding comes out zero without a separate fill, and no byte of the outputs (torc
 unwritten.
 
 Measured on an H100 (2026-11-22; tests/test_quantize_gpu.py: bit-exact against the CPU reference on
-every case; benchmarks/bench_quantize.py, 256 MiB bf16, CUDA-graph replays, against a 2.95 TB/s
-device-to-device copy): MXFP8 swizzled 2.8 TB/s (96 % of the copy), logical scales 82 %, axis=-2
-77 %; MXFP4 64 %; NVFP4 with a given scale 62 % (its kernel alone), 39 % with the amax pass; FP8
-38-48 % (an IEEE division per element). The e2m1 paths are bound by their per-element arithmetic.
+every case; benchmarks/bench_quantize.py, bf16 input, CUDA-graph replays, against a device-to-device
+copy of 2.56 TB/s at 64 MiB and 2.90 TB/s at 256 MiB; % of the copy at 64 / 256 MiB): MXFP8 logical
+scales 95 / 87, swizzled 89 / 87, axis=-2 84 / 76; MXFP4 83 / 78; NVFP4 with a given scale 85 / 80
+(kernel alone), 46 / 45 with the amax pass; FP8 per tensor 94 / 86 (kernel alone), 54 / 51 with the
+amax pass, 1x128 80 / 78, 128x128 73 / 74, per row 70 / 65. The amax pass alone reads at 74 / 81 % of
+the copy's rate. A pass that reads the input twice moves about 2/5 more bytes than it is credited,
+so it cannot pass ~60 %. Run to run the same kernels measured up to 10 points higher at 256 MiB
+(FP8 per tensor kernel 99.7 %, MXFP8 swizzled 96 %, NVFP4 86 %, amax 95 %).
 """
 
 from __future__ import annotations
@@ -69,8 +76,6 @@ _ZERO = ct.PaddingMode.ZERO
 #: Blocks per SM the compiler plans registers for (64 per thread at 256 threads). Without it, it takes
 #: all 255 registers and one block per SM, which starves a memory-bound one-tile-per-block kernel.
 _OCCUPANCY = 4
-#: FP8's IEEE divisions need more registers (128 per thread).
-_FP8_OCCUPANCY = 2
 _RN = ct.RoundingMode.RN
 
 
@@ -103,6 +108,7 @@ _NAN_BYTE = 0x7F  # positive NaN in e4m3fn and e5m2
 _E8M0_NAN = 255
 _E8M0_MAX_FINITE = 254
 _EXP_MASK = 0x7F800000  # fp32 exponent field; bits >= this (sign cleared) are Inf or NaN
+_SIGN_BIT = -0x80000000  # 0x80000000 as an int32
 _ROUND_MAGIC = 12582912.0  # 1.5 * 2^23: v + M rounds v (|v| < 2^22) to an integer, ties to even
 _ROUND_MAGIC_BITS = 0x4B400000
 
@@ -111,13 +117,13 @@ _ROUND_MAGIC_BITS = 0x4B400000
 # Tile code
 # --------------------------------------------------------------------------------------------------
 
-def _tile_index(row_tiles, K, TILE_K):
-    """(batch, row tile, K tile) of this block in a 1-D grid of B * row_tiles * cdiv(K, TILE_K)."""
+def _tile_index(tile, row_tiles, K, TILE_K):
+    """(batch, row tile, K tile) of tile number ``tile`` (the block index) of B * row_tiles *
+    cdiv(K, TILE_K), K fastest."""
     num_k = ct.cdiv(K, TILE_K)
     per_batch = row_tiles * num_k
-    bid = ct.bid(0)
-    b = bid // per_batch
-    t = bid % per_batch
+    b = tile // per_batch
+    t = tile % per_batch
     return b, t // num_k, t % num_k
 
 
@@ -231,15 +237,20 @@ def _e2m1_codes(y):
     a = ct.maximum(ct.abs(y), 0.0)
     t = ct.minimum(ct.minimum(a * 2.0 + _ROUND_MAGIC, a + (_ROUND_MAGIC + 2.0)),
                    ct.minimum(a * 0.5 + (_ROUND_MAGIC + 4.0), _ROUND_MAGIC + 7.0))
-    code = _bits(t) - _ROUND_MAGIC_BITS
-    return code | ct.where(y < 0.0, 8, 0)
+    # code + 8 = code | 8 (code <= 7): one three-input integer add with the magic's bits.
+    return _bits(t) + (ct.where(y < 0.0, 8, 0) - _ROUND_MAGIC_BITS)
 
 
 def _pack_e2m1(codes, TILE_R, TILE_K):
-    """Codes (TILE_R, TILE_K) int32 -> bytes (TILE_R, TILE_K / 2) uint8, element 2i in the low nibble."""
+    """Codes (TILE_R, TILE_K) int32 -> bytes (TILE_R, TILE_K / 2) uint8, element 2i in the low nibble.
+
+    The even and odd elements are taken apart with ``ct.extract`` on the (.., 2) view: unlike a
+    multiply-and-sum over that axis, it keeps each pair in the thread that holds it (no round trip
+    through shared memory in the NVFP4 kernel)."""
     pairs = codes.reshape((TILE_R, TILE_K // 2, 2))
-    weight = ct.arange(2, dtype=ct.int32).reshape((1, 1, 2)) * 15 + 1  # (1, 16)
-    return ct.sum(pairs * weight, axis=2).astype(ct.uint8)
+    low = ct.extract(pairs, (0, 0, 0), (TILE_R, TILE_K // 2, 1))
+    high = ct.extract(pairs, (0, 0, 1), (TILE_R, TILE_K // 2, 1))
+    return (low | (high << 4)).reshape((TILE_R, TILE_K // 2)).astype(ct.uint8)
 
 
 def _store_scales(Scale, s, b, rt, kt, TILE_R, NB, SWIZZLED):
@@ -269,8 +280,7 @@ def _mx_quantize_kernel(X, Data, Scale, Floor,
     (B, R, K/2) uint8 packed e2m1. Scale: e8m0 bytes, logical (B, R, K/32) or swizzled (B, Rt, Kt, 32, 16).
     Floor: int32, 1 for FLOOR scale rounding, 0 for RCEIL.
     """
-    BLOCK = 32
-    NB = TILE_K // BLOCK
+    NB = TILE_K // 32
     if ELEMENT == _E4M3:
         INV_QMAX = _INV_QMAX_E4M3
         EMAX = 8
@@ -281,11 +291,19 @@ def _mx_quantize_kernel(X, Data, Scale, Floor,
         INV_QMAX = _INV_QMAX_E2M1
         EMAX = 2
     R, K = _rows_and_k(X, TRANSPOSED)
-    b, rt, kt = _tile_index(_row_tiles(R, TILE_R, SWIZZLED), K, TILE_K)
+    b, rt, kt = _tile_index(ct.bid(0), _row_tiles(R, TILE_R, SWIZZLED), K, TILE_K)
     if rt * TILE_R >= R:  # swizzle padding rows only
         _store_scales(Scale, ct.zeros((TILE_R, NB), ct.uint8), b, rt, kt, TILE_R, NB, SWIZZLED)
-        return
+    else:
+        _mx_tile(X, Data, Scale, Floor, b, rt, kt, INV_QMAX, EMAX, ELEMENT, SWIZZLED, TRANSPOSED, TILE_R,
+                 TILE_K)
 
+
+def _mx_tile(X, Data, Scale, Floor, b, rt, kt, INV_QMAX, EMAX, ELEMENT, SWIZZLED, TRANSPOSED,
+             TILE_R, TILE_K):
+    """MXFP8 / MXFP4 of tile (b, rt, kt), which holds rows of the input."""
+    BLOCK = 32
+    NB = TILE_K // BLOCK
     x = _load_fp32(X, b, rt, kt, TILE_R, TILE_K, TRANSPOSED).reshape((TILE_R, NB, BLOCK))
     amax = ct.max(ct.abs(x), axis=2, keepdims=True, propagate_nan=True)  # (TILE_R, NB, 1)
     s = _e8m0_scale(amax, Floor, INV_QMAX, EMAX)
@@ -328,20 +346,23 @@ def _nvfp4_quantize_kernel(X, Data, Scale, Global, GlobalOut,
     (B, R, K/16) or swizzled. Global (1,) fp32: the tensor amax (FROM_AMAX) or the decode scale.
     Block 0 writes the decode scale S_dec to GlobalOut (1,).
     """
-    BLOCK = 16
-    NB = TILE_K // BLOCK
+    NB = TILE_K // 16
     R, K = _rows_and_k(X, TRANSPOSED)
-    b, rt, kt = _tile_index(_row_tiles(R, TILE_R, SWIZZLED), K, TILE_K)
-
+    b, rt, kt = _tile_index(ct.bid(0), _row_tiles(R, TILE_R, SWIZZLED), K, TILE_K)
     s_enc, s_dec = _nvfp4_encode_scale(ct.load(Global, (0,), (1,)), FROM_AMAX)
     if ct.bid(0) == 0:
         ct.store(GlobalOut, (0,), s_dec)
     if rt * TILE_R >= R:  # swizzle padding rows only
         _store_scales(Scale, ct.zeros((TILE_R, NB), ct.uint8), b, rt, kt, TILE_R, NB, SWIZZLED)
-        return
-    s_enc = s_enc.reshape((1, 1, 1))
-    s_dec = s_dec.reshape((1, 1, 1))
+    else:
+        _nvfp4_tile(X, Data, Scale, s_enc.reshape((1, 1, 1)), s_dec.reshape((1, 1, 1)), b, rt, kt, SWIZZLED,
+                    TRANSPOSED, TILE_R, TILE_K)
 
+
+def _nvfp4_tile(X, Data, Scale, s_enc, s_dec, b, rt, kt, SWIZZLED, TRANSPOSED, TILE_R, TILE_K):
+    """NVFP4 of tile (b, rt, kt), which holds rows of the input; s_enc, s_dec (1, 1, 1)."""
+    BLOCK = 16
+    NB = TILE_K // BLOCK
     x = _load_fp32(X, b, rt, kt, TILE_R, TILE_K, TRANSPOSED).reshape((TILE_R, NB, BLOCK))
     amax = ct.max(ct.abs(x), axis=2, keepdims=True, propagate_nan=True)  # (TILE_R, NB, 1)
     # s_b = e4m3(min(amax * (S_enc * fp32(1/6)), 448)); NaN stays NaN (byte 0x7F), Inf becomes 448.
@@ -408,16 +429,46 @@ def _fp8_qmax(ELEMENT):
 
 
 def _fp8_divide(x, s, dtype):
-    """cast_RNE_satfinite(x / s) to ``dtype`` with IEEE division; NaN (byte 0x7F) where s is NaN. A
-    group with a finite scale has finite data, so tiles without a NaN scale skip the NaN selects."""
-    y = ct.truediv(x, s, rounding_mode=_RN)
-    q = _fp8_cast(y, dtype)
+    """cast_RNE_satfinite(fp32(x / s)) to ``dtype``, bit for bit, with one IEEE division per group
+    instead of one per element (Markstein's correctly rounded division); NaN (byte 0x7F) where s is
+    NaN.
+
+    Per group, s is first brought to s' = s * p in [1, 2) (p = 2^(127 - E) from s's exponent field
+    E; 2^126 for an fp32-subnormal s, which lands in [2^-23, 1)), and x to x' = x * p: the quotient
+    is the same real number, and x' is exact wherever the quotient matters (below). Then
+    y = fp32(1/s') (IEEE) and y_lo = fp32((1 - s' * y) * y), whose residual 1 - s' * y is exact (y
+    is faithful). Per element, every ``a * b + c`` one fused multiply-add (cuTile fuses a multiply
+    whose only use is an add or subtract; the SASS shows FFMA):
+
+        q0 = x' * y + fp32(x' * y_lo)    within 1/2 ulp + 2^-45 relative of x / s: faithful
+        r  = q0 * s' - x'                exact (the remainder of a faithful quotient is an fp32)
+        q1 = r * (-y) + q0               = fp32(q0 + (x' - s' * q0) * y) = fp32(x / s)
+
+    the last line by Markstein's theorem (Muller et al., Handbook of Floating-Point Arithmetic):
+    q0 faithful and y within 2^-24 relative of 1/s' give the correctly rounded quotient, barring
+    underflow. None occurs where it matters: for |x / s| >= 2^-20, x' >= 2^-20 * s' is normal, the
+    remainder is a multiple of ulp(q0) * ulp(s') >= 2^-66 and x' * y_lo is normal; smaller
+    quotients round to +-0 in e4m3 and e5m2 either way (both round |v| <= 2^-17 to zero). No
+    overflow either: s >= amax / Qmax, so |x / s| <= Qmax (1 + 2^-23). The sign is x's, set from
+    its bits (q1 can lose the sign of a zero x), as the IEEE quotient has it. Checked against exact
+    rational arithmetic on every fp8 value and midpoint +-4 ulps, scales 2^-80 .. 2^99."""
+    sb = _bits(s)
+    exponent = ct.minimum(sb >> 23, 253)  # s > 0; NaN scales are patched below
+    p = ct.bitcast(ct.where(exponent == 0, 253 << 23, (254 - exponent) << 23), ct.float32)
+    s1 = s * p
+    y = ct.truediv(1.0, s1, rounding_mode=_RN)
+    y_lo = (1.0 - s1 * y) * y
+    x1 = x * p
+    q0 = x1 * y + x1 * y_lo
+    r = q0 * s1 - x1
+    q1 = r * (-y) + q0
+    q = _fp8_cast(ct.bitcast((_bits(q1) & 0x7FFFFFFF) | (_bits(x) & _SIGN_BIT), ct.float32), dtype)
     if ct.max(ct.where(ct.isnan(s), 1, 0)) > 0:
-        q = _set_bytes(q, ct.isnan(y), _NAN_BYTE)
+        q = _set_bytes(q, ct.isnan(s), _NAN_BYTE)
     return q
 
 
-@ct.kernel(occupancy=_FP8_OCCUPANCY)
+@ct.kernel(occupancy=_OCCUPANCY)
 def _fp8_quantize_kernel(X, Data, Scale, Amax, Pow2,
                          ELEMENT: ConstInt, GRANULARITY: ConstInt, TRANSPOSED: ConstBool,
                          TILE_R: ConstInt, TILE_K: ConstInt):
@@ -430,7 +481,7 @@ def _fp8_quantize_kernel(X, Data, Scale, Amax, Pow2,
     """
     QMAX = _fp8_qmax(ELEMENT)
     R, K = _rows_and_k(X, TRANSPOSED)
-    b, rt, kt = _tile_index(ct.cdiv(R, TILE_R), K, TILE_K)
+    b, rt, kt = _tile_index(ct.bid(0), ct.cdiv(R, TILE_R), K, TILE_K)
     x = _load_fp32(X, b, rt, kt, TILE_R, TILE_K, TRANSPOSED)
     if GRANULARITY == _FP8_TENSOR:
         s = _fp8_tensor_scale(ct.load(Amax, (0,), (1,)), QMAX)
@@ -451,27 +502,36 @@ def _fp8_quantize_kernel(X, Data, Scale, Amax, Pow2,
     ct.store(Data, (b, rt, kt), q.reshape((1, TILE_R, TILE_K)))
 
 
-@ct.kernel(occupancy=_FP8_OCCUPANCY)
+#: The 128x128 granularity holds 128 elements per thread: registers for 2 blocks per SM.
+_fp8_block128_kernel = _fp8_quantize_kernel.replace_hints(occupancy=2)
+
+
+@ct.kernel(occupancy=_OCCUPANCY)
 def _fp8_row_kernel(X, Data, Scale, ELEMENT: ConstInt, TRANSPOSED: ConstBool,
                     TILE_R: ConstInt, TILE_K: ConstInt):
-    """FP8 per row of TILE_R rows: the row amax over all of K (first loop), then q = sat(x / s)
-    (second loop, which reads the rows again, mostly from L2). Scale (B, R, 1)."""
+    """FP8 per row of TILE_R rows, Scale (B, R, 1). When one (TILE_R, TILE_K) tile spans K, the rows
+    are read once: amax, s and q = sat(x / s) from the same registers. Otherwise the row amax over
+    all of K (first loop), then q (second loop, which reads the rows again, partly from L2)."""
     QMAX = _fp8_qmax(ELEMENT)
     R, K = _rows_and_k(X, TRANSPOSED)
     num_r = ct.cdiv(R, TILE_R)
     b = ct.bid(0) // num_r
     rt = ct.bid(0) % num_r
     num_k = ct.cdiv(K, TILE_K)
-    amax = ct.zeros((TILE_R, 1), ct.float32)
-    for kt in range(num_k):
-        x = _load_fp32(X, b, rt, kt, TILE_R, TILE_K, TRANSPOSED)
-        amax = ct.maximum(amax, ct.max(ct.abs(x), axis=1, keepdims=True, propagate_nan=True),
-                          propagate_nan=True)
-    s = _fp8_tensor_scale(amax, QMAX)
-    for kt in range(num_k):
-        x = _load_fp32(X, b, rt, kt, TILE_R, TILE_K, TRANSPOSED)
-        q = _fp8_divide(x, s, Data.dtype)
-        ct.store(Data, (b, rt, kt), q.reshape((1, TILE_R, TILE_K)))
+    if num_k == 1:
+        x = _load_fp32(X, b, rt, 0, TILE_R, TILE_K, TRANSPOSED)
+        s = _fp8_tensor_scale(ct.max(ct.abs(x), axis=1, keepdims=True, propagate_nan=True), QMAX)
+        ct.store(Data, (b, rt, 0), _fp8_divide(x, s, Data.dtype).reshape((1, TILE_R, TILE_K)))
+    else:
+        amax = ct.zeros((TILE_R, 1), ct.float32)
+        for kt in range(num_k):
+            x = _load_fp32(X, b, rt, kt, TILE_R, TILE_K, TRANSPOSED)
+            amax = ct.maximum(amax, ct.max(ct.abs(x), axis=1, keepdims=True, propagate_nan=True),
+                              propagate_nan=True)
+        s = _fp8_tensor_scale(amax, QMAX)
+        for kt in range(num_k):
+            x = _load_fp32(X, b, rt, kt, TILE_R, TILE_K, TRANSPOSED)
+            ct.store(Data, (b, rt, kt), _fp8_divide(x, s, Data.dtype).reshape((1, TILE_R, TILE_K)))
     ct.store(Scale, (b, rt, 0), s.reshape((1, TILE_R, 1)))
 
 
@@ -489,17 +549,25 @@ class TileConfig:
     tile_k: int
 
 
-#: Measured on the H100 (benchmarks/bench_quantize.py --sweep, 256 MiB bf16, tile x occupancy):
-#: MXFP8 64x128 (8K elements per block, 32 per thread at 256 threads; 64 registers, no spills, 4
-#: blocks per SM) reaches the copy bandwidth; the e2m1 encoders do more arithmetic per element and
-#: prefer MXFP4 32x128 and NVFP4 64x128 (4 and 8 scale columns).
+#: Measured on the H100 (benchmarks/bench_quantize.py --sweep, 256 MiB bf16, tile x occupancy, 4
+#: blocks per SM unless said): MXFP8 64x128 (8K elements per block, 64 per thread at 128 threads; 64
+#: registers, no spills) reaches the copy bandwidth with swizzled scales; logical scales want 16x512
+#: (each row's scale bytes one 16-byte store; 64x128 gave 77 %); the e2m1 encoders prefer 32x256
+#: swizzled (85 % against 65 % at 32x128) and 16x512 logical. FP8 per tensor / 1x128: 64x128.
 MX_CONFIG = TileConfig(64, 128)
-MXFP4_CONFIG = TileConfig(32, 128)
-NVFP4_CONFIG = TileConfig(64, 128)
+MXFP4_CONFIG = TileConfig(32, 256)
+MX_LOGICAL_CONFIG = TileConfig(16, 512)
+MXFP4_LOGICAL_CONFIG = TileConfig(16, 512)
+NVFP4_CONFIG = TileConfig(32, 256)
+NVFP4_LOGICAL_CONFIG = TileConfig(16, 512)
 FP8_CONFIG = TileConfig(64, 128)
-FP8_BLOCK_CONFIG = TileConfig(128, 128)  # 128x128 blocks: one block per tile
-FP8_ROW_CONFIG = TileConfig(16, 512)
-AMAX_CONFIG = TileConfig(16, 256)
+#: 128x128 blocks: one block per tile, 128 elements per thread, so 2 blocks per SM
+#: (``_fp8_block128_kernel``): 72 % of the copy against 44 % with 4 and spills.
+FP8_BLOCK_CONFIG = TileConfig(128, 128)
+#: Per row: K <= 1024 reads the rows once; longer rows loop twice (tileiras 13.4 crashes on this
+#: kernel with tile_k >= 2048, so one tile cannot span the usual K).
+FP8_ROW_CONFIG = TileConfig(4, 1024)
+AMAX_CONFIG = TileConfig(64, 128)
 #: Blocks of the amax reduction per SM (each loops over its share of the tiles).
 AMAX_BLOCKS_PER_SM = 4
 
@@ -593,13 +661,19 @@ def _shaped(op: _Operand, x: torch.Tensor, data: torch.Tensor, scale: torch.Tens
     return data, scale.reshape(*head, scale.shape[-1])
 
 
+def _mx_config(packed: bool, swizzle: bool) -> TileConfig:
+    if packed:
+        return MXFP4_CONFIG if swizzle else MXFP4_LOGICAL_CONFIG
+    return MX_CONFIG if swizzle else MX_LOGICAL_CONFIG
+
+
 def quantize_mx(x: torch.Tensor, fmt: Format, rounding: str, swizzle: bool):
     """MXFP8 / MXFP4 of x (..., K) on the GPU: (data, scale bytes) in the reference's shapes: data
     (..., K) of fmt.data_dtype or (..., K/2) packed uint8; scale (..., K/32) or swizzled, uint8. A transposed view
     (x.stride(-2) == 1) is read as it is stored."""
     full = _operand(x)
     op = full if swizzle else _rows_flattened(full)
-    cfg = MXFP4_CONFIG if fmt.is_packed else MX_CONFIG
+    cfg = _mx_config(fmt.is_packed, swizzle)
     data = torch.empty(op.batch, op.rows, fmt.data_k(op.k), dtype=fmt.data_dtype, device=x.device)
     scale = _block_scale_buffer(op, op.k // fmt.block, swizzle, torch.uint8)
     floor = 1 if rounding == "floor" else 0
@@ -632,7 +706,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None, swizzle: 
     g_out = torch.empty(1, dtype=torch.float32, device=x.device)
     full = _operand(x)
     op = full if swizzle else _rows_flattened(full)
-    cfg = NVFP4_CONFIG
+    cfg = NVFP4_CONFIG if swizzle else NVFP4_LOGICAL_CONFIG
     data = torch.empty(op.batch, op.rows, op.k // 2, dtype=torch.uint8, device=x.device)
     scale = _block_scale_buffer(op, op.k // NVFP4.block, swizzle, torch.uint8)
     _launch(_nvfp4_quantize_kernel, op, cfg, (op.view, data, _scale_operand(scale, swizzle), g, g_out,
@@ -642,11 +716,13 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None, swizzle: 
     return data, scale, g_out.reshape(())
 
 
-def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool):
+def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
+                 amax: torch.Tensor | None = None):
     """FP8 of x on the GPU: (data of fmt.data_dtype in x's shape, fp32 scale in the reference's shape).
 
-    granularity: "tensor" (scale 0-d; a NaN-propagating ``tensor_amax`` first), "row" (..., M, 1),
-    (1, 128) (..., M, K/128) or (128, 128) (..., cdiv(M, 128), K/128)."""
+    granularity: "tensor" (scale 0-d; a NaN-propagating ``tensor_amax`` first, unless ``amax``, a
+    (1,) fp32 tensor holding it, is given: the benchmark times the kernel alone that way), "row"
+    (..., M, 1), (1, 128) (..., M, K/128) or (128, 128) (..., cdiv(M, 128), K/128)."""
     element = _ELEMENT_CODE[fmt.element]
     full = _operand(x)
     if granularity == "row":
@@ -661,7 +737,7 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool):
     cfg = FP8_CONFIG
     if granularity == "tensor":
         op = _rows_flattened(full)
-        amax = tensor_amax(x, propagate_nan=True)
+        amax = tensor_amax(x, propagate_nan=True) if amax is None else amax
         scale = torch.empty(1, dtype=torch.float32, device=x.device)
         gran = _FP8_TENSOR
     elif granularity == (1, FP8_BLOCK):
@@ -676,8 +752,9 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool):
         amax = scale
         gran = _FP8_128X128
     data = torch.empty(op.batch, op.rows, op.k, dtype=fmt.data_dtype, device=x.device)
-    _launch(_fp8_quantize_kernel, op, cfg, (op.view, data, scale, amax, 1 if pow2_scale else 0, element,
-                                            gran, op.transposed, cfg.tile_r, cfg.tile_k))
+    kernel = _fp8_block128_kernel if gran == _FP8_128X128 else _fp8_quantize_kernel
+    _launch(kernel, op, cfg, (op.view, data, scale, amax, 1 if pow2_scale else 0, element,
+                              gran, op.transposed, cfg.tile_r, cfg.tile_k))
     head = (*full.lead, full.rows) if x.ndim >= 2 else ()
     data = data.reshape(*head, op.k)
     if gran == _FP8_TENSOR:
@@ -712,13 +789,13 @@ def aot_variants() -> list[AotVariant]:
                 scale = array(ct.uint8, 6 if swizzled else 3)
                 layout = ("swz" if swizzled else "log") + t
                 for element, code in _ELEMENT_CODE.items():
-                    cfg = MXFP4_CONFIG if element == "e2m1" else MX_CONFIG
+                    cfg = _mx_config(element == "e2m1", swizzled)
                     params = [x, _data_array(element), scale, _INT32, code, swizzled, transposed, cfg.tile_r,
                               cfg.tile_k]
                     variants.append(AotVariant(f"quantize_mx_{element}_{in_name}_{layout}",
                                                _mx_quantize_kernel, params))
                 for from_amax in (False, True):
-                    cfg = NVFP4_CONFIG
+                    cfg = NVFP4_CONFIG if swizzled else NVFP4_LOGICAL_CONFIG
                     params = [x, u8, scale, f32_1, f32_1, from_amax, swizzled, transposed, cfg.tile_r,
                               cfg.tile_k]
                     name = f"quantize_nvfp4_{'amax' if from_amax else 'given'}_{in_name}_{layout}"
@@ -739,8 +816,8 @@ def aot_variants() -> list[AotVariant]:
                     amax = f32_1 if gran == _FP8_TENSOR else array(ct.float32, 3)
                     params = [x, _data_array(element), scale, amax, _INT32, code, gran, transposed, cfg.tile_r,
                               cfg.tile_k]
-                    variants.append(AotVariant(f"quantize_fp8_{gname}_{element}_{in_name}{t}",
-                                               _fp8_quantize_kernel, params))
+                    kernel = _fp8_block128_kernel if gran == _FP8_128X128 else _fp8_quantize_kernel
+                    variants.append(AotVariant(f"quantize_fp8_{gname}_{element}_{in_name}{t}", kernel, params))
         for propagate in (False, True):
             cfg = AMAX_CONFIG
             params = [x, array(ct.int32, 1), propagate, cfg.tile_r, cfg.tile_k]

@@ -140,8 +140,12 @@ def _triton_dot_scaled():
         kd, ks = K // PACK, K // 32
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
+            # Data arrive as raw bytes (uint8): fp8 elements are reinterpreted after the masked load.
             a = tl.load(a_ptr + rm[:, None] * kd + (k0 // PACK + rk)[None, :], mask=rm[:, None] < M, other=0)
             b = tl.load(b_ptr + rn[None, :] * kd + (k0 // PACK + rk)[:, None], mask=rn[None, :] < N, other=0)
+            if FMT == "e4m3":
+                a = a.to(tl.float8e4nv, bitcast=True)
+                b = b.to(tl.float8e4nv, bitcast=True)
             sa = tl.load(as_ptr + rm[:, None] * ks + (k0 // 32 + rs)[None, :], mask=rm[:, None] < M, other=0)
             sb = tl.load(bs_ptr + rn[:, None] * ks + (k0 // 32 + rs)[None, :], mask=rn[:, None] < N, other=0)
             acc = tl.dot_scaled(a, sa, FMT, b, sb, FMT, acc)
@@ -162,6 +166,7 @@ def triton_mx_matmul(a, sa, b_nk, sb, fmt: str, config):
     k = a.shape[1] * pack
     c = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    a, b_nk = a.view(torch.uint8), b_nk.view(torch.uint8)
     _triton_dot_scaled()[grid](a, sa, b_nk, sb, c, m, n, k, FMT=fmt, PACK=pack, BM=bm, BN=bn, BK=bk,
                                num_warps=warps, num_stages=stages)
     return c
@@ -335,8 +340,10 @@ LIMITS = {
         "1433) and 75% (fast, 1489). The real gap is per-tensor precise: cuBLAS keeps a large tile with "
         "its second accumulator, while a cuTile precise 128x256 tile spills (REG 168, STACK 184, 112 STL) "
         "so precise stays at 128x128, which moves twice the shared-memory operand bytes per FLOP; "
-        "per-row precise, where PyTorch runs another kernel, is at parity (1.02x). Fast accumulation is "
-        "within 1-3% (the medians move about 2% from run to run). Tried: one block per tile (1174 precise / "
+        "per-row precise, where PyTorch runs another kernel, is near parity (0.99x geomean at M >= 1024). "
+        "Fast accumulation is within 1-8%. Single shapes move by up to 8% between runs of the same kernels "
+        "on the same H100 (8192^3 per row precise: 1.02x, 0.91x and 0.95x in three runs on 2026-11-22), "
+        "geomeans by about 2%. Tried: one block per tile (1174 precise / "
         "1394 fast at 8192^3), 2-CTA clusters with TMA multicast (256x128, 128x256, 256x256: 1099-1490), "
         "load latency hints (-8% precise, +3% fast, without persistence), GROUP_SIZE_M 16, TK 256. At "
         "M = 1024 (one to four waves of tiles on 132 SMs) a sweep of 128x256x{64,128}, 128x128x{64,128,256}, "
@@ -417,6 +424,16 @@ def evaluate_targets(summary):
 
 # ------------------------------------------------------------------------------------------ output
 
+def _failure_summary(failures) -> str:
+    """'<peer config> (<n> shapes): <error>' per distinct peer config and error (the JSON lists each)."""
+    groups: dict[tuple[str, str], int] = {}
+    for f in failures:
+        head, _, err = f.partition(": ")
+        key = (head.split(" M=")[0], err)
+        groups[key] = groups.get(key, 0) + 1
+    return "; ".join(f"{name} ({n} shape{'s' if n > 1 else ''}): {err}" for (name, err), n in groups.items())
+
+
 def markdown(records, summary, targets, meta) -> str:
     lines = [f"# tilemm matmul benchmark: {meta['gpu']} ({meta['date']})", "",
              f"`{meta['command']}`; torch {meta['torch']}, triton {meta['triton']}, cuda-tile "
@@ -425,7 +442,7 @@ def markdown(records, summary, targets, meta) -> str:
              + (f" Skipped (time budget): {', '.join(meta['skipped_shapes'])}."
                 if meta.get("skipped_shapes") else ""),
              "",
-             *([f"Peers that did not run: {'; '.join(meta['peer_failures'])}.", ""]
+             *([f"Peers that did not run: {_failure_summary(meta['peer_failures'])}.", ""]
                if meta.get("peer_failures") else []),
              "## Targets", "", "| target | value | goal | met |", "|---|---|---|---|"]
     for t in targets:

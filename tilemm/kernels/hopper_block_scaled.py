@@ -71,10 +71,11 @@ Speed (H100, bf16 out, L2 flushed, 2026-11-22; ``benchmarks/results`` has every 
   where the weight's dequantize round trip through HBM is a quarter to a third of the time. The
   dequantize kernel streams 2.7 TB/s (MXFP8) and 2.0-2.1 TB/s (4-bit formats); the 16-bit GEMM
   matches cuBLAS on random bf16 (786 vs 778 TFLOPS).
-* stream at M = 16: 0.73-0.84x cuBLAS bf16 (geomean over the LLM projections). It is bound by the
-  decode, not by HBM: ~735 (MXFP8) to ~880 (MXFP4) SASS instructions per thread per 128x128 weight
-  tile and K step (PRMT-heavy byte shuffles, LOP3 / IMAD for nibbles), a latency-bound chain with
-  one or two blocks per SM; the 4-bit weight's 4x fewer bytes are not the limit yet.
+* stream, geomean over the LLM projections: M <= 16 MXFP8 0.97x, MXFP4 0.92x, NVFP4 0.77x cuBLAS
+  bf16; M = 128 0.59 / 0.57 / 0.48x (before the 64-row tiles and X16: 0.83 / 0.84 / 0.73 and
+  0.44 / 0.44 / 0.35). It is bound by the decode, not by HBM: ~735 (MXFP8) to ~880 (MXFP4) SASS
+  instructions per thread per 128x128 weight tile and K step (PRMT-heavy byte shuffles, LOP3 / IMAD
+  for nibbles), a latency-bound chain; the 4-bit weight's 4x fewer bytes are not the limit yet.
 * Tried for the stream kernel and measured slower on the H100 (M = 16, swizzled scales, ratio to
   cuBLAS bf16 over four LLM projections): the e2m1 formats on the FP8 tensor cores (both operands
   decoded to e4m3 bytes of e2m1 * 2^-6, one MMA per 32-element scale block from a zero accumulator,

@@ -352,8 +352,9 @@ LIMITS = {
         "(1024x14336: 0.80 -> 0.87x fast), now chosen by wave fill."),
     "block_large": (
         "M >= 512 runs two passes: the exact dequantize kernel (bf16 for MX, fp16 for NVFP4; 64x128 "
-        "tiles; 2.7 TB/s for MXFP8 and 2.0-2.1 TB/s for the 4-bit formats at 8192x8192, counting 1 or "
-        "0.5 B read and 2 B written per element) and hopper_gemm on the 16-bit copies (256x256x64 tiles "
+        "tiles for MXFP8, 16x512 for the 4-bit formats, 8 blocks per SM; 2.8 TB/s for MXFP8 and "
+        "2.5-2.6 TB/s for the 4-bit formats at 14336x8192, counting 1 or 0.5 B read and 2 B written per "
+        "element; 2.0-2.2 TB/s at 64x128 without the occupancy hint) and hopper_gemm on the 16-bit copies (256x256x64 tiles "
         "on 2-CTA clusters, persistent: 786 TFLOPS at 8192^3 on random bf16 against cuBLAS's 778 in the "
         "same probe). Roofline: GEMM time at cuBLAS speed plus the dequantize traffic ((M + N) x K x 3 "
         "or 2.5 B) is the ceiling: at 8192^3, 1.40 + 0.15 ms, 0.90x cuBLAS bf16. The measured 0.96-1.01x "
@@ -362,7 +363,7 @@ LIMITS = {
         "(H100 clocks under the 700 W limit depend on it), an advantage cuBLAS would share on the same "
         "data. At M = 1024 the "
         "weight's round trip through HBM (N x K x 3 B: 0.26 ms of 0.83 ms for 1024x28672x8192 MXFP8) "
-        "holds the geomean to 0.77-0.81x. Fusing the decode cannot help on sm_90 in cuTile: there is no "
+        "holds the geomean to 0.80-0.85x. Fusing the decode cannot help on sm_90 in cuTile: there is no "
         "block-scaled MMA, FP8 tensor cores (QGMMA) are not exact over a 32-element block (1.3e-4 "
         "relative error against the 1e-5 contract), and a decode inside the GEMM's K loop does not "
         "overlap the HGMMAs (the previous fused kernel: MXFP8 222, MXFP4 191, NVFP4 141 TFLOPS at "

@@ -42,3 +42,9 @@ def test_stream_config_reads_a_16_bit_activation_copy_above_m_16_and_for_4_bit_f
     assert hbs.plan(MXFP8_E4M3, 1, 17, 4096, 4096).x16
     assert hbs.plan(MXFP4, 1, 1, 4096, 4096).x16
     assert hbs.plan(NVFP4, 1, 128, 4096, 4096).x16
+
+
+def test_two_pass_dequantizes_4_bit_formats_in_16x512_tiles():
+    for fmt, tiles in ((MXFP8_E4M3, (64, 128)), (MXFP4, (16, 512)), (NVFP4, (16, 512))):
+        cfg = hbs.plan(fmt, 1, 1024, 4096, 4096)
+        assert (cfg.dequant_rows, cfg.dequant_k) == tiles

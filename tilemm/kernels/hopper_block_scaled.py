@@ -66,11 +66,11 @@ multiple of 4 scale columns (TK a multiple of 4 x block).
 
 Speed (H100, bf16 out, L2 flushed, 2026-11-22; ``benchmarks/results`` has every shape):
 
-* two-pass at 8192^3: MXFP8 755, MXFP4 790, NVFP4 755 TFLOPS against cuBLAS bf16 786-792 (the fused
-  kernel this replaces: 222 / 191 / 141); at M = 1024 over the LLM projections 0.60-0.73x cuBLAS,
-  where the weight's dequantize round trip through HBM is a quarter to a third of the time. The
-  dequantize kernel streams 2.7 TB/s (MXFP8) and 2.0-2.1 TB/s (4-bit formats); the 16-bit GEMM
-  matches cuBLAS on random bf16 (786 vs 778 TFLOPS).
+* two-pass at 8192^3: 0.99 (MXFP8), 1.03 (MXFP4) and 0.99x (NVFP4) cuBLAS bf16 (the fused kernel this
+  replaces: 222 / 191 / 141 TFLOPS); over the LLM projections at M >= 1024 0.80 / 0.85 / 0.80x, where
+  the weight's dequantize round trip through HBM is a quarter to a third of the time at M = 1024.
+  The dequantize kernel streams 2.8 TB/s (MXFP8, 64x128 tiles) and 2.5-2.6 TB/s (4-bit formats,
+  16x512 tiles, 8 blocks per SM); the 16-bit GEMM matches cuBLAS on random bf16 (786 vs 778 TFLOPS).
 * stream, geomean over the LLM projections: M <= 16 MXFP8 0.97x, MXFP4 0.92x, NVFP4 0.77x cuBLAS
   bf16; M = 128 0.59 / 0.57 / 0.48x (before the 64-row tiles and X16: 0.83 / 0.84 / 0.73 and
   0.44 / 0.44 / 0.35). It is bound by the decode, not by HBM: ~735 (MXFP8) to ~880 (MXFP4) SASS
@@ -262,7 +262,9 @@ def _splitk_reduce_kernel(Partial, C, Alpha, Bias, SPLIT_K: ConstInt, TM: ConstI
     epilogue(acc, C, Alpha, Bias, batch, bm, bn, TM, TN)
 
 
-@ct.kernel
+#: 8 blocks per SM: 4-bit formats 2.16 -> 2.39 TB/s at 64x128 tiles and 2.37 -> 2.61 at 16x512 (MXFP4,
+#: 14336 x 8192 on the H100; NVFP4 2.05 -> 2.53 at 16x512); MXFP8 2.76-2.81 either way.
+@ct.kernel(occupancy=8)
 def _dequantize_kernel(X, X_scale, Out, ELEMENT: ConstInt, SCALE_BLOCK: ConstInt, SWIZZLED: ConstBool,
                        TR: ConstInt, TK: ConstInt):
     """Out[b] tile (TR, TK) = deq(X[b]) as bf16 (MX) / fp16 (NVFP4); packed tiles as [lo | hi].
@@ -350,6 +352,8 @@ _REDUCE_TILE = (64, 128)
 # 2-CTA 614; latency hints 3 on 128x256x64 627. Dequantize tiles 64x128: 2.7 / 2.1 / 2.0 TB/s (MXFP8 /
 # MXFP4 / NVFP4) against 2.6 / 1.5-1.8 / 1.4-1.7 for 64x256, 128x128 and 128x256.
 _TWO_PASS = TwoPassConfig(GemmConfig(256, 256, 64, num_ctas=2, persistent=True), 64, 128)
+#: The 4-bit formats' dequantize pass streams fastest in 16x512 tiles (see ``_dequantize_kernel``).
+_TWO_PASS_PACKED = dataclasses.replace(_TWO_PASS, dequant_rows=16, dequant_k=512)
 #: Rows per tile of the activation's dequantize pass before an X16 stream kernel (as the two-pass one).
 _X16_DEQUANT_ROWS = _TWO_PASS.dequant_rows
 
@@ -404,7 +408,7 @@ def stream_config(fmt: Format, batch: int, m: int, n: int, k: int, sms: int = 13
 def plan(fmt: Format, batch: int, m: int, n: int, k: int, sms: int = 132):
     """The design and config for a problem: a StreamConfig or a TwoPassConfig."""
     if m >= TWO_PASS_MIN_M:
-        return _TWO_PASS
+        return _TWO_PASS_PACKED if fmt.is_packed else _TWO_PASS
     return stream_config(fmt, batch, m, n, k, sms)
 
 
@@ -539,7 +543,8 @@ def aot_variants() -> list[AotVariant]:
                                                hinted(_stream_kernel, **cfg.hints()), params, ("sm_90",)))
             d16 = ct.float16 if fmt.has_global_scale else ct.bfloat16
             # the two-pass tiles and the X16 stream kernel's activation tiles (often the same)
-            for rows, k in sorted({(_TWO_PASS.dequant_rows, _TWO_PASS.dequant_k),
+            two_pass = _TWO_PASS_PACKED if fmt.is_packed else _TWO_PASS
+            for rows, k in sorted({(two_pass.dequant_rows, two_pass.dequant_k),
                                    (_X16_DEQUANT_ROWS, _STREAM_TK[_family(fmt)])}):
                 params = [array(data, 3), array(scale, sdim), array(d16, 3), _element_code(fmt), fmt.block,
                           swizzled, rows, k]

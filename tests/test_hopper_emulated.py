@@ -113,11 +113,13 @@ def test_stream_kernel_emulated(emulated, fmt, cfg, swizzled):
     assert_matches(problem.out, ref, torch.float32)
 
 
+@pytest.mark.parametrize("dequant", [(64, 256), (16, 512)], ids=["64x256", "16x512"])
 @pytest.mark.parametrize("swizzled", [False, True], ids=["logical", "swizzled"])
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=FMT_IDS)
-def test_two_pass_emulated(emulated, fmt, swizzled):
-    # K = 160: the dequantized copies are padded to 256 (a nibble-order half tile is partly empty).
-    cfg = hbs.TwoPassConfig(hgemm.GemmConfig(128, 128, 64), 64, 256)
+def test_two_pass_emulated(emulated, fmt, swizzled, dequant):
+    # K = 160: the dequantized copies are padded to 256 / 512 (a nibble-order half tile is partly
+    # empty); 16x512 is the 4-bit formats' planned dequantize tile.
+    cfg = hbs.TwoPassConfig(hgemm.GemmConfig(128, 128, 64), *dequant)
     problem, ref = block_scaled_case(fmt, 130, 70, 160, swizzled=swizzled, bias=True, seed=2)
     hbs.launch(problem, cfg)
     assert_matches(problem.out, ref, torch.float32)

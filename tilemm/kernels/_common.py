@@ -147,6 +147,17 @@ def zeros_vector(device: torch.device, n: int) -> torch.Tensor:
     return t[:n]
 
 
+def fp8_kind(granularity: str, where: str) -> str:
+    """The FP8 kernel family for a ``tilemm.matmul.FP8Problem`` granularity: "scaled" (per tensor or
+    per row: one kernel, scales in the epilogue) or "blockwise"; ``where`` names the caller in errors."""
+    if granularity in ("tensorwise", "rowwise"):
+        return "scaled"
+    if granularity == "blockwise":
+        return "blockwise"
+    raise ValueError(f"{where}: granularity must be 'tensorwise', 'rowwise' or 'blockwise', got "
+                     f"{granularity!r}")
+
+
 def swizzled_scale_view(scale: torch.Tensor, cols_per_tile: int) -> torch.Tensor:
     """View a swizzled scale (B, Rt, Kt, 32, 16) as (B, Rt, Kt, 128, G, C) with C = min(cols_per_tile,
     4) and G = 4 / C, so that a K tile covering ``cols_per_tile`` scale columns is one rectangular

@@ -42,7 +42,7 @@ import cuda.tile as ct
 import torch
 
 from ._aot import AotVariant
-from ._common import epilogue, hinted, ones_scalar, tile_coords, zeros_vector
+from ._common import epilogue, fp8_kind, hinted, ones_scalar, tile_coords, zeros_vector
 from .blackwell_block_scaled import DEFAULT_SM_COUNT, launch_array, table_for_capability
 
 __all__ = ["launch", "aot_variants", "TileConfig", "LaunchPlan", "config_for", "plan_launch", "check_config"]
@@ -145,12 +145,7 @@ _CONFIGS: dict[str, dict[str, dict[str, TileConfig]]] = {
 
 
 def _kind(granularity: str) -> str:
-    if granularity in ("tensorwise", "rowwise"):
-        return "scaled"
-    if granularity == "blockwise":
-        return "blockwise"
-    raise ValueError(f"blackwell_fp8: granularity must be 'tensorwise', 'rowwise' or 'blockwise', got "
-                     f"{granularity!r}")
+    return fp8_kind(granularity, "blackwell_fp8")
 
 
 def config_for(table: str, granularity: str, batch: int, m: int, n: int,

@@ -262,8 +262,9 @@ def _splitk_reduce_kernel(Partial, C, Alpha, Bias, SPLIT_K: ConstInt, TM: ConstI
     epilogue(acc, C, Alpha, Bias, batch, bm, bn, TM, TN)
 
 
-#: 8 blocks per SM: 4-bit formats 2.16 -> 2.39 TB/s at 64x128 tiles and 2.37 -> 2.61 at 16x512 (MXFP4,
-#: 14336 x 8192 on the H100; NVFP4 2.05 -> 2.53 at 16x512); MXFP8 2.76-2.81 either way.
+#: 8 blocks per SM (against the compiler's default): MXFP4 2.16 -> 2.39 TB/s at 64x128 tiles and
+#: 2.37 -> 2.61 at 16x512, NVFP4 2.05 -> 2.35 and 2.33 -> 2.53 (14336 x 8192 on the H100); MXFP8
+#: 2.76-2.81 either way.
 @ct.kernel(occupancy=8)
 def _dequantize_kernel(X, X_scale, Out, ELEMENT: ConstInt, SCALE_BLOCK: ConstInt, SWIZZLED: ConstBool,
                        TR: ConstInt, TK: ConstInt):
@@ -362,8 +363,8 @@ _STREAM_TK = {"mxfp8": 128, "mxfp4": 128, "nvfp4": 128}
 
 _STREAM_TILE_M = (16, 64, 128)
 # Per tile_m: (tile_n, num_worker_warps, occupancy). The decode chain of one block stalls on LDS and
-# HGMMA latency, so more blocks per SM help where the registers allow it (80 per thread at 16- and
-# 64-row tiles; a 128-row tile needs 168). At M = 16 one warpgroup on 64 weight rows with 4 blocks per
+# HGMMA latency, so more blocks per SM help where the registers allow it (cuobjdump: 64 per thread at
+# 16x64 tiles with one warpgroup, 80 at 64x128, 168 at 128x128). At M = 16 one warpgroup on 64 weight rows with 4 blocks per
 # SM beats two warpgroups on 128 rows with 2 per SM (H100, swizzled scales, N x K = 14336 x 4096 /
 # 8192 x 8192: MXFP8 0.86 / 0.87x cuBLAS bf16 against 0.79 / 0.82, MXFP4 0.89 / 0.92 against
 # 0.80 / 0.89, NVFP4 0.76 / 0.74 against 0.70 / 0.74).
@@ -385,7 +386,7 @@ def _x16(fmt: Format, tile_m: int) -> bool:
     """Whether the stream kernel reads a dequantized 16-bit copy of the activation instead of decoding
     it in every block. H100, swizzled scales, ratio to cuBLAS bf16 at N x K = 14336 x 4096, 8192 x 8192,
     4096 x 14336: M = 128 MXFP8 0.42-0.49x -> 0.57-0.64x, MXFP4 0.42-0.49 -> 0.56-0.63, NVFP4 0.34-0.40
-    -> 0.46-0.53; M = 64 +6-10 %; M = 16 the 4-bit formats 0-3 % faster, MXFP8 -5 to +1 %."""
+    -> 0.46-0.53; M = 64 +7-17 %; M = 16 the 4-bit formats 0-3 % faster, MXFP8 -5 to +1 %."""
     return tile_m >= 64 or fmt.is_packed
 
 
@@ -416,10 +417,10 @@ def plan(fmt: Format, batch: int, m: int, n: int, k: int, sms: int = 132):
 # Launch
 # --------------------------------------------------------------------------------------------------
 
-def _scale_operand(fmt: Format, scale: torch.Tensor, swizzled: bool) -> torch.Tensor:
-    """The scale tensor as the kernels read it: uint8 bytes (cuTile has no e8m0 on sm_90; e4m3 bytes
-    are reinterpreted after the tile is loaded and un-swizzled, which measured faster than moving
-    float8 tiles); logical scales with unit stride along K; swizzled ones as the 6-D view."""
+def _scale_operand(scale: torch.Tensor, swizzled: bool) -> torch.Tensor:
+    """The scale tensor as the kernels read it: uint8 bytes (cuTile has no e8m0 on sm_90; NVFP4's e4m3
+    bytes are reinterpreted in the kernel once the tile is loaded, so both scale kinds share the byte
+    path); logical scales with unit stride along K; swizzled ones as the 6-D view."""
     scale = scale.view(torch.uint8)
     if swizzled:
         b, rt, kt = scale.shape[:3]
@@ -489,8 +490,8 @@ def launch(problem, config: StreamConfig | TwoPassConfig | None = None) -> None:
     cfg = config or plan(fmt, batch, m, n, problem.k, num_sms(device))
     a = problem.a if fmt.is_packed else problem.a.view(fmt.data_dtype)
     b = problem.b if fmt.is_packed else problem.b.view(fmt.data_dtype)
-    a_scale = _scale_operand(fmt, problem.a_scale, problem.swizzled)
-    b_scale = _scale_operand(fmt, problem.b_scale, problem.swizzled)
+    a_scale = _scale_operand(problem.a_scale, problem.swizzled)
+    b_scale = _scale_operand(problem.b_scale, problem.swizzled)
     alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
     bias = zeros_vector(device, n) if problem.bias is None else problem.bias
     if isinstance(cfg, TwoPassConfig):

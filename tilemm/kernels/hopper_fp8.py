@@ -39,7 +39,7 @@ import cuda.tile as ct
 import torch
 
 from ._aot import AotVariant, array
-from ._common import epilogue, hinted, ones_scalar, tile_coords, zeros_vector
+from ._common import epilogue, fp8_kind, hinted, ones_scalar, tile_coords, zeros_vector
 from .hopper_gemm import GemmConfig, gemm_constants, gemm_kernel, launch_gemm, num_sms
 
 __all__ = ["launch", "aot_variants", "TileConfig", "config_for"]
@@ -118,12 +118,7 @@ _CONFIGS: dict[tuple[str, bool], dict[str, GemmConfig]] = {
 
 
 def _kind(granularity: str) -> str:
-    if granularity in ("tensorwise", "rowwise"):
-        return "scaled"
-    if granularity == "blockwise":
-        return "blockwise"
-    raise ValueError(f"hopper_fp8: unknown granularity {granularity!r}; expected 'tensorwise', 'rowwise' "
-                     f"or 'blockwise'")
+    return fp8_kind(granularity, "hopper_fp8")
 
 
 #: Below this share of SMs busy over all waves, the large tile gives way to the small one (if that

@@ -85,12 +85,18 @@ def _cases():
         "mxfp8 e4m3 swizzled axis=-2": (
             lambda x: tilemm.quantize_mxfp8(x, swizzle=True, axis=-2),
             lambda x: q._quantize_mxfp8_reference(x.mT, MXFP8_E4M3, "rceil", True)),
+        "mxfp8 e4m3 axis=-2": (lambda x: tilemm.quantize_mxfp8(x, axis=-2),
+                               lambda x: q._quantize_mxfp8_reference(x.mT, MXFP8_E4M3, "rceil", False)),
         "mxfp4 swizzled": (lambda x: tilemm.quantize_mxfp4(x, swizzle=True),
                            lambda x: q._quantize_mxfp4_reference(x, "rceil", True)),
+        "mxfp4 swizzled axis=-2": (lambda x: tilemm.quantize_mxfp4(x, swizzle=True, axis=-2),
+                                   lambda x: q._quantize_mxfp4_reference(x.mT, "rceil", True)),
         "nvfp4 swizzled (amax pass)": (lambda x: tilemm.quantize_nvfp4(x, swizzle=True),
                                        lambda x: q._quantize_nvfp4_reference(x, None, True)),
         "nvfp4 swizzled (given scale)": (nvfp4_given, nvfp4_given_ref),
         "nvfp4 swizzled (given scale, kernel only)": (nvfp4_kernel_only, nvfp4_given_ref),
+        "nvfp4 swizzled axis=-2 (given scale, kernel only)": (
+            lambda x: nvfp4_kernel_only(x.mT), lambda x: nvfp4_given_ref(x.mT)),
         "amax pass alone (reads x)": (amax_alone, amax_ref),
         "fp8 tensor (amax pass)": (lambda x: tilemm.quantize_fp8(x),
                                    lambda x: q._quantize_fp8_reference(x, FP8_E4M3, "tensor", False)),
@@ -167,45 +173,76 @@ def _same_bits(a, b) -> bool:
     return True
 
 
-SWEEP = {
-    # (kernel attribute, config attribute) -> [(tile_r, tile_k, occupancy), ...], the default first
-    ("_mx_quantize_kernel", "MX_CONFIG"): [(64, 128, 4), (32, 256, 4), (64, 256, 2)],
-    ("_mx_quantize_kernel", "MXFP4_CONFIG"): [(32, 256, 4), (64, 128, 4), (32, 128, 4)],
-    ("_nvfp4_quantize_kernel", "NVFP4_CONFIG"): [(32, 256, 4), (64, 128, 4), (128, 64, 4)],
-    ("_fp8_quantize_kernel", "FP8_CONFIG"): [(64, 128, 4), (32, 256, 4), (16, 512, 4)],
-}
+def _sweep_plan():
+    """(quantizer, input orientation, config slot, candidates): a slot is (name, key) of a module-level
+    config of quantize_kernels -- a TileConfig, or the entry ``key`` of a dict of them; the current
+    config is timed first."""
+    from tilemm.kernels.quantize_kernels import TileConfig as T
+
+    logical_t = [T(128, 64), T(64, 128), T(128, 128, 2), T(256, 64, 2), T(64, 64)]
+    swizzled_t = [T(32, 256), T(64, 128), T(128, 128, 2), T(32, 128)]
+    return [
+        ("mxfp8 e4m3 swizzled axis=-2", "t", ("BLOCK_CONFIGS", ("mxfp8", True, True)), swizzled_t),
+        ("mxfp8 e4m3 axis=-2", "t", ("BLOCK_CONFIGS", ("mxfp8", False, True)), logical_t),
+        ("mxfp4 swizzled axis=-2", "t", ("BLOCK_CONFIGS", ("mxfp4", True, True)), swizzled_t),
+        ("mxfp4 axis=-2", "t", ("BLOCK_CONFIGS", ("mxfp4", False, True)), logical_t),
+        ("nvfp4 swizzled axis=-2", "t", ("BLOCK_CONFIGS", ("nvfp4", True, True)), swizzled_t + [T(128, 64)]),
+        ("nvfp4 axis=-2", "t", ("BLOCK_CONFIGS", ("nvfp4", False, True)), logical_t),
+        ("fp8 1x128", "", ("FP8_1X128_CONFIG", None), [T(32, 128), T(16, 256), T(64, 128, 3), T(64, 128)]),
+        ("fp8 128x128", "", ("FP8_BLOCK_CONFIG", None), [T(128, 128, 3)]),
+        ("fp8 row axis=-2", "t", ("ROW_TRANSPOSED_CONFIG", None), [T(8, 512), T(16, 256), T(2, 2048)]),
+    ]
 
 
 def sweep(x: torch.Tensor, reps: int, warm_only: bool) -> list[dict]:
-    """Tile shape and occupancy of the swizzled MX / NVFP4 kernels and the FP8 1x128 kernel on one
-    input (kernel launchers called directly, so every variant captures in a CUDA graph)."""
+    """Tile shapes and occupancies of the quantizer kernels on one input (kernel launchers called
+    directly, so every variant captures in a CUDA graph); each variant is checked bit for bit against
+    the current config's output."""
     from tilemm.kernels import quantize_kernels as qk
 
     gs = torch.tensor(1.0 / 336.0, device=x.device)
     runs = {
-        "MX_CONFIG": ("mxfp8 e4m3 swizzled", lambda: qk.quantize_mx(x, MXFP8_E4M3, "rceil", True)),
-        "MXFP4_CONFIG": ("mxfp4 swizzled", lambda: qk.quantize_mx(x, MXFP4, "rceil", True)),
-        "NVFP4_CONFIG": ("nvfp4 swizzled (given scale)", lambda: qk.quantize_nvfp4(x, gs, True)),
-        "FP8_CONFIG": ("fp8 1x128", lambda: qk.quantize_fp8(x, FP8_E4M3, (1, 128), False)),
+        "mxfp8 e4m3 swizzled axis=-2": lambda v: qk.quantize_mx(v, MXFP8_E4M3, "rceil", True),
+        "mxfp8 e4m3 axis=-2": lambda v: qk.quantize_mx(v, MXFP8_E4M3, "rceil", False),
+        "mxfp4 swizzled axis=-2": lambda v: qk.quantize_mx(v, MXFP4, "rceil", True),
+        "mxfp4 axis=-2": lambda v: qk.quantize_mx(v, MXFP4, "rceil", False),
+        "nvfp4 swizzled axis=-2": lambda v: qk.quantize_nvfp4(v, gs, True),
+        "nvfp4 axis=-2": lambda v: qk.quantize_nvfp4(v, gs, False),
+        "fp8 1x128": lambda v: qk.quantize_fp8(v, FP8_E4M3, (1, 128), False),
+        "fp8 128x128": lambda v: qk.quantize_fp8(v, FP8_E4M3, (128, 128), False),
+        "fp8 row axis=-2": lambda v: qk.quantize_fp8(v, FP8_E4M3, "row", False),
     }
-    rows = []
-    for (kernel_name, cfg_name), configs in SWEEP.items():
-        kernel, cfg = getattr(qk, kernel_name), getattr(qk, cfg_name)
-        name, fn = runs[cfg_name]
+    dst = torch.empty_like(x)
+    copy_ms, _ = time_ms(lambda: dst.copy_(x), reps)
+    copy_gbs = 2 * x.numel() * x.element_size() / copy_ms / 1e6
+    rows = [{"quantizer": "copy (dst.copy_(x))", "ms": copy_ms, "gb_s": copy_gbs, "pct_copy": 100.0}]
+    for name, orient, (attr, key), candidates in _sweep_plan():
+        v = x.mT if orient == "t" else x
+        holder = getattr(qk, attr)
+        current = holder[key] if key is not None else holder
+
+        def use(cfg):
+            if key is not None:
+                holder[key] = cfg
+            else:
+                setattr(qk, attr, cfg)
+
+        fn = lambda: runs[name](v)  # noqa: E731
+        ref = [t.clone() for t in fn()]
         try:
-            for tile_r, tile_k, occupancy in configs:
-                setattr(qk, kernel_name, kernel.replace_hints(occupancy=occupancy))
-                setattr(qk, cfg_name, qk.TileConfig(tile_r, tile_k))
+            for cfg in [current, *[c for c in candidates if c != current]]:
+                use(cfg)
                 got = fn()
+                exact = _same_bits(got, ref)
                 moved = x.numel() * x.element_size() + _bytes(got)
                 if warm_only:
                     continue
                 ms, how = time_ms(fn, reps)
-                rows.append({"quantizer": name, "tile": [tile_r, tile_k], "occupancy": occupancy,
-                             "ms": ms, "timing": how, "gb_s": moved / ms / 1e6})
+                rows.append({"quantizer": name, "tile": [cfg.tile_r, cfg.tile_k], "occupancy": cfg.occupancy,
+                             "bit_exact": exact, "ms": ms, "timing": how, "gb_s": moved / ms / 1e6,
+                             "pct_copy": 100 * moved / ms / 1e6 / copy_gbs})
         finally:
-            setattr(qk, kernel_name, kernel)
-            setattr(qk, cfg_name, cfg)
+            use(current)
     return rows
 
 
@@ -216,7 +253,7 @@ def main() -> None:
     parser.add_argument("--warm-only", action="store_true", help="compile the kernels and exit")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default: results/)")
     parser.add_argument("--sweep", action="store_true",
-                        help="also time tile shapes and occupancies of the MX / NVFP4 kernels (256 MiB)")
+                        help="also time other tile shapes and occupancies of the kernels (256 MiB)")
     parser.add_argument("--sweep-only", action="store_true", help="only the sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -277,14 +314,16 @@ def main() -> None:
         "rows": rows,
         "sweep": sweep_rows,
     }
-    copy_256 = [r["gb_s"] for r in rows if r["size"] == "256MiB" and "ref_ms" not in r]
     if sweep_rows:
-        print("\n| sweep (256MiB) | tile | occupancy | time (us) | GB/s | % of copy |")
-        print("|---|---|---:|---:|---:|---:|")
+        print("\n| sweep (256MiB) | tile | occupancy | bit-exact | time (us) | GB/s | % of copy |")
+        print("|---|---|---:|---|---:|---:|---:|")
         for r in sweep_rows:
-            pct = f"{100 * r['gb_s'] / copy_256[0]:.0f}" if copy_256 else ""
+            if "tile" not in r:
+                print(f"| {r['quantizer']} | | | | {r['ms'] * 1e3:.1f} | {r['gb_s']:.0f} | 100 |")
+                continue
             print(f"| {r['quantizer']} | {r['tile'][0]}x{r['tile'][1]} | {r['occupancy']} | "
-                  f"{r['ms'] * 1e3:.1f} | {r['gb_s']:.0f} | {pct} |")
+                  f"{'yes' if r['bit_exact'] else 'NO'} | {r['ms'] * 1e3:.1f} | {r['gb_s']:.0f} | "
+                  f"{r['pct_copy']:.0f} |")
     if args.sweep_only:
         return
     out = args.out or RESULTS / f"quantize-{gpu.lower().replace(' ', '-')}.json"

@@ -3,7 +3,7 @@
 What they compute: exactly what ``tilemm.quantize._quantize_<fmt>_reference`` computes (NUMERICS.md),
 for float32 / bfloat16 / float16 input (converted to fp32 in registers, which is exact). Each element
 is read once -- NVFP4 without a global scale and FP8 per tensor first run ``_amax_kernel`` (one more
-read), FP8 per row with K > 1024 reads each row twice (the second time partly from L2) -- and data
+read), FP8 per row with K > 8192 reads each row twice (the second time from L2) -- and data
 plus scales are written in one pass, the scales already in the 32x4x4 layout when asked, its padding
 included.
 ``tilemm.quantize.run_quantize_*`` dispatch non-empty CUDA tensors on sm_90 or newer here.
@@ -29,8 +29,10 @@ specialisation for all three): nothing uses float8_e8m0fnu or float4_e2m1fn, whi
 Hopper. Scale bytes are stored as uint8 (e8m0, e4m3), fp8 data as float8 arrays, e2m1 packed in uint8.
 
 Layout and grid: the input is a 3-D view (B, R, K) -- R rows per batch entry, blocks along K -- or,
-with ``TRANSPOSED``, the (B, K, R) storage of ``x.mT``, loaded through ``order=(0, 2, 1)`` (the
-``axis=-2`` quantizers: no copy). One block quantizes one (TILE_R, TILE_K) tile; the grid is 1-D over
+with ``TRANSPOSED``, the (B, K, R) storage of ``x.mT`` (the ``axis=-2`` quantizers: no copy). The
+block-scaled kernels load its tiles in storage order and transpose only the quantized bytes on the
+store; the FP8 kernels load through ``order=(0, 2, 1)``. One block quantizes one (TILE_R, TILE_K)
+tile; the grid is 1-D over
 B x row tiles x cdiv(K, TILE_K), K fastest. Logical scales of a contiguous batch are quantized as one
 (1, B * R, K) matrix. Swizzled scales are stored through the (B, R/128, Ks/4, 32, 4, 4) view of the
 32x4x4 layout (its 16 columns split as 4 row sub-tiles m2 x 4 columns k1): with TILE_R in {32, 64,
@@ -57,6 +59,7 @@ so it cannot pass ~60 %. Run to run the same kernels measured up to 10 points hi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 
 import cuda.tile as ct
@@ -76,6 +79,9 @@ _ZERO = ct.PaddingMode.ZERO
 #: Blocks per SM the compiler plans registers for (64 per thread at 256 threads). Without it, it takes
 #: all 255 registers and one block per SM, which starves a memory-bound one-tile-per-block kernel.
 _OCCUPANCY = 4
+#: ``latency`` hint of the input loads (1..10: how heavy the DRAM traffic is). The highest measured
+#: best on the H100 (amax pass 88 -> 94 % of the copy, FP8 128x128 63 -> 76 %, the rest within noise).
+_LATENCY = 10
 _RN = ct.RoundingMode.RN
 
 
@@ -146,10 +152,42 @@ def _load_fp32(X, b, rt, kt, TILE_R, TILE_K, TRANSPOSED):
     """The (TILE_R, TILE_K) tile (rt, kt) of batch entry b as fp32; zeros past the edges."""
     if TRANSPOSED:
         # X is (B, K, R): tile axis 1 walks array axis 2 (R), tile axis 2 walks array axis 1 (K).
-        x = ct.load(X, (b, rt, kt), (1, TILE_R, TILE_K), order=(0, 2, 1), padding_mode=_ZERO)
+        x = ct.load(X, (b, rt, kt), (1, TILE_R, TILE_K), order=(0, 2, 1), padding_mode=_ZERO,
+                    latency=_LATENCY)
     else:
-        x = ct.load(X, (b, rt, kt), (1, TILE_R, TILE_K), padding_mode=_ZERO)
+        x = ct.load(X, (b, rt, kt), (1, TILE_R, TILE_K), padding_mode=_ZERO, latency=_LATENCY)
     return x.reshape((TILE_R, TILE_K)).astype(ct.float32)
+
+
+def _load_blocks(X, b, rt, kt, TILE_R, TILE_K, BLOCK, TRANSPOSED):
+    """The (TILE_R, TILE_K) tile (rt, kt) of batch entry b as fp32 blocks of BLOCK elements along K,
+    zeros past the edges: (TILE_R, NB, BLOCK), or with TRANSPOSED (NB, BLOCK, TILE_R), in X's storage
+    order (rows contiguous), so that the transposed operand is read without a transposition: only the
+    quantized bytes are transposed, on the store (``_store_data``)."""
+    NB = TILE_K // BLOCK
+    if TRANSPOSED:
+        x = ct.load(X, (b, kt, rt), (1, TILE_K, TILE_R), padding_mode=_ZERO, latency=_LATENCY)
+        return x.reshape((NB, BLOCK, TILE_R)).astype(ct.float32)
+    x = ct.load(X, (b, rt, kt), (1, TILE_R, TILE_K), padding_mode=_ZERO, latency=_LATENCY)
+    return x.reshape((TILE_R, NB, BLOCK)).astype(ct.float32)
+
+
+def _block_amax(x, TRANSPOSED):
+    """max |x| over each block of ``_load_blocks``' tile, NaN propagating: (TILE_R, NB, 1), or
+    (NB, 1, TILE_R) with TRANSPOSED."""
+    if TRANSPOSED:
+        return ct.max(ct.abs(x), axis=1, keepdims=True, propagate_nan=True)
+    return ct.max(ct.abs(x), axis=2, keepdims=True, propagate_nan=True)
+
+
+def _store_data(Data, q, b, rt, kt, TILE_R, COLS, TRANSPOSED):
+    """Store q, the quantized tile (rt, kt) with COLS bytes or fp8 values per row, to Data (B, R, *):
+    q has the shape of ``_load_blocks``' tile, (TILE_R, ...) or with TRANSPOSED (..., TILE_R), which
+    is stored transposed."""
+    if TRANSPOSED:
+        ct.store(Data, (b, kt, rt), q.reshape((1, COLS, TILE_R)), order=(0, 2, 1))
+    else:
+        ct.store(Data, (b, rt, kt), q.reshape((1, TILE_R, COLS)))
 
 
 def _bits(v):
@@ -241,20 +279,28 @@ def _e2m1_codes(y):
     return _bits(t) + (ct.where(y < 0.0, 8, 0) - _ROUND_MAGIC_BITS)
 
 
-def _pack_e2m1(codes, TILE_R, TILE_K):
-    """Codes (TILE_R, TILE_K) int32 -> bytes (TILE_R, TILE_K / 2) uint8, element 2i in the low nibble.
+def _pack_e2m1(codes, TILE_R, TILE_K, TRANSPOSED):
+    """Codes int32 in the shape of ``_load_blocks``' tile -> bytes uint8, (TILE_R, TILE_K / 2) or with
+    TRANSPOSED (TILE_K / 2, TILE_R), element 2i along K in the low nibble.
 
-    The even and odd elements are taken apart with ``ct.extract`` on the (.., 2) view: unlike a
+    The even and odd elements are taken apart with ``ct.extract`` on a view with a pair axis: unlike a
     multiply-and-sum over that axis, it keeps each pair in the thread that holds it (no round trip
     through shared memory in the NVFP4 kernel)."""
-    pairs = codes.reshape((TILE_R, TILE_K // 2, 2))
-    low = ct.extract(pairs, (0, 0, 0), (TILE_R, TILE_K // 2, 1))
-    high = ct.extract(pairs, (0, 0, 1), (TILE_R, TILE_K // 2, 1))
-    return (low | (high << 4)).reshape((TILE_R, TILE_K // 2)).astype(ct.uint8)
+    HALF = TILE_K // 2
+    if TRANSPOSED:
+        pairs = codes.reshape((HALF, 2, TILE_R))
+        low = ct.extract(pairs, (0, 0, 0), (HALF, 1, TILE_R))
+        high = ct.extract(pairs, (0, 1, 0), (HALF, 1, TILE_R))
+        return (low | (high << 4)).reshape((HALF, TILE_R)).astype(ct.uint8)
+    pairs = codes.reshape((TILE_R, HALF, 2))
+    low = ct.extract(pairs, (0, 0, 0), (TILE_R, HALF, 1))
+    high = ct.extract(pairs, (0, 0, 1), (TILE_R, HALF, 1))
+    return (low | (high << 4)).reshape((TILE_R, HALF)).astype(ct.uint8)
 
 
-def _store_scales(Scale, s, b, rt, kt, TILE_R, NB, SWIZZLED):
-    """Store the (TILE_R, NB) scale bytes (uint8) of tile (rt, kt).
+def _store_scales(Scale, s, b, rt, kt, TILE_R, NB, SWIZZLED, TRANSPOSED):
+    """Store the scale bytes (uint8) of tile (rt, kt): s holds TILE_R x NB of them in the shape of the
+    block maxima of ``_load_blocks``' tile, (TILE_R, NB, 1), or with TRANSPOSED (NB, 1, TILE_R).
 
     Logical: Scale is (B, R, Ks). Swizzled: Scale is the (B, cdiv(R, 128), cdiv(Ks, 4), 32, 4, 4) view
     of the 32x4x4 layout (the last 16 split as m2 x k1), TILE_R in {32, 64, 128} and NB = 4 * G: row
@@ -263,11 +309,24 @@ def _store_scales(Scale, s, b, rt, kt, TILE_R, NB, SWIZZLED):
         G = NB // SWIZZLE_COLS
         M2 = TILE_R // 32  # 32-row sub-tiles in this tile
         PER_BLOCK = SWIZZLE_ROWS // TILE_R  # tiles per 128-row block
-        t = ct.permute(s.reshape((M2, 32, G, SWIZZLE_COLS)), (2, 1, 0, 3))  # (G, 32, M2, 4)
+        if TRANSPOSED:  # [4g + k1, 32 m2 + m1] -> [g, m1, m2, k1]
+            t = ct.permute(s.reshape((G, SWIZZLE_COLS, M2, 32)), (0, 3, 2, 1))
+        else:  # [32 m2 + m1, 4g + k1] -> [g, m1, m2, k1]
+            t = ct.permute(s.reshape((M2, 32, G, SWIZZLE_COLS)), (2, 1, 0, 3))
         ct.store(Scale, (b, rt // PER_BLOCK, kt, 0, rt % PER_BLOCK, 0),
                  t.reshape((1, 1, G, 32, M2, SWIZZLE_COLS)))
+    elif TRANSPOSED:
+        ct.store(Scale, (b, kt, rt), s.reshape((1, NB, TILE_R)), order=(0, 2, 1))
     else:
         ct.store(Scale, (b, rt, kt), s.reshape((1, TILE_R, NB)))
+
+
+def _store_zero_scales(Scale, b, rt, kt, TILE_R, NB, SWIZZLED, TRANSPOSED):
+    """Zero scale bytes for tile (rt, kt), which lies wholly in the rows padding R to 128."""
+    if TRANSPOSED:
+        _store_scales(Scale, ct.zeros((NB, 1, TILE_R), ct.uint8), b, rt, kt, TILE_R, NB, SWIZZLED, True)
+    else:
+        _store_scales(Scale, ct.zeros((TILE_R, NB, 1), ct.uint8), b, rt, kt, TILE_R, NB, SWIZZLED, False)
 
 
 @ct.kernel(occupancy=_OCCUPANCY)
@@ -293,7 +352,7 @@ def _mx_quantize_kernel(X, Data, Scale, Floor,
     R, K = _rows_and_k(X, TRANSPOSED)
     b, rt, kt = _tile_index(ct.bid(0), _row_tiles(R, TILE_R, SWIZZLED), K, TILE_K)
     if rt * TILE_R >= R:  # swizzle padding rows only
-        _store_scales(Scale, ct.zeros((TILE_R, NB), ct.uint8), b, rt, kt, TILE_R, NB, SWIZZLED)
+        _store_zero_scales(Scale, b, rt, kt, TILE_R, NB, SWIZZLED, TRANSPOSED)
     else:
         _mx_tile(X, Data, Scale, Floor, b, rt, kt, INV_QMAX, EMAX, ELEMENT, SWIZZLED, TRANSPOSED, TILE_R,
                  TILE_K)
@@ -303,25 +362,23 @@ def _mx_tile(X, Data, Scale, Floor, b, rt, kt, INV_QMAX, EMAX, ELEMENT, SWIZZLED
              TILE_R, TILE_K):
     """MXFP8 / MXFP4 of tile (b, rt, kt), which holds rows of the input."""
     BLOCK = 32
-    NB = TILE_K // BLOCK
-    x = _load_fp32(X, b, rt, kt, TILE_R, TILE_K, TRANSPOSED).reshape((TILE_R, NB, BLOCK))
-    amax = ct.max(ct.abs(x), axis=2, keepdims=True, propagate_nan=True)  # (TILE_R, NB, 1)
-    s = _e8m0_scale(amax, Floor, INV_QMAX, EMAX)
+    x = _load_blocks(X, b, rt, kt, TILE_R, TILE_K, BLOCK, TRANSPOSED)
+    s = _e8m0_scale(_block_amax(x, TRANSPOSED), Floor, INV_QMAX, EMAX)
     # Exact: a power of two (or 0 for blocks with scale byte 0 or 255). -0 * 2^k stays -0 (byte
     # 0x80, as the reference); x * 0 may be -0, which the zero blocks then fix.
     y = x * _e8m0_multiplier(s)
     if ELEMENT == _E2M1:
         # Zero and NaN / Inf blocks: y is +-0 or NaN, both code 0, as the reference stores.
-        q = _pack_e2m1(_e2m1_codes(y).reshape((TILE_R, TILE_K)), TILE_R, TILE_K)
-        ct.store(Data, (b, rt, kt), q.reshape((1, TILE_R, TILE_K // 2)))
+        q = _pack_e2m1(_e2m1_codes(y), TILE_R, TILE_K, TRANSPOSED)
+        _store_data(Data, q, b, rt, kt, TILE_R, TILE_K // 2, TRANSPOSED)
     else:
         q = _fp8_cast(y, Data.dtype)
         # Blocks with scale byte 0 store +0 bytes and NaN / Inf blocks 0x7F; rare, so a tile without
         # them skips the per-element selects.
         if (ct.min(s) == 0) | (ct.max(s) == _E8M0_NAN):
             q = _set_bytes(_set_bytes(q, s == 0, 0), s == _E8M0_NAN, _NAN_BYTE)
-        ct.store(Data, (b, rt, kt), q.reshape((1, TILE_R, TILE_K)))
-    _store_scales(Scale, s.astype(ct.uint8).reshape((TILE_R, NB)), b, rt, kt, TILE_R, NB, SWIZZLED)
+        _store_data(Data, q, b, rt, kt, TILE_R, TILE_K, TRANSPOSED)
+    _store_scales(Scale, s.astype(ct.uint8), b, rt, kt, TILE_R, TILE_K // BLOCK, SWIZZLED, TRANSPOSED)
 
 
 def _nvfp4_encode_scale(g, FROM_AMAX):
@@ -353,7 +410,7 @@ def _nvfp4_quantize_kernel(X, Data, Scale, Global, GlobalOut,
     if ct.bid(0) == 0:
         ct.store(GlobalOut, (0,), s_dec)
     if rt * TILE_R >= R:  # swizzle padding rows only
-        _store_scales(Scale, ct.zeros((TILE_R, NB), ct.uint8), b, rt, kt, TILE_R, NB, SWIZZLED)
+        _store_zero_scales(Scale, b, rt, kt, TILE_R, NB, SWIZZLED, TRANSPOSED)
     else:
         _nvfp4_tile(X, Data, Scale, s_enc.reshape((1, 1, 1)), s_dec.reshape((1, 1, 1)), b, rt, kt, SWIZZLED,
                     TRANSPOSED, TILE_R, TILE_K)
@@ -362,18 +419,17 @@ def _nvfp4_quantize_kernel(X, Data, Scale, Global, GlobalOut,
 def _nvfp4_tile(X, Data, Scale, s_enc, s_dec, b, rt, kt, SWIZZLED, TRANSPOSED, TILE_R, TILE_K):
     """NVFP4 of tile (b, rt, kt), which holds rows of the input; s_enc, s_dec (1, 1, 1)."""
     BLOCK = 16
-    NB = TILE_K // BLOCK
-    x = _load_fp32(X, b, rt, kt, TILE_R, TILE_K, TRANSPOSED).reshape((TILE_R, NB, BLOCK))
-    amax = ct.max(ct.abs(x), axis=2, keepdims=True, propagate_nan=True)  # (TILE_R, NB, 1)
+    x = _load_blocks(X, b, rt, kt, TILE_R, TILE_K, BLOCK, TRANSPOSED)
+    amax = _block_amax(x, TRANSPOSED)
     # s_b = e4m3(min(amax * (S_enc * fp32(1/6)), 448)); NaN stays NaN (byte 0x7F), Inf becomes 448.
     s_b = ct.minimum(amax * (s_enc * _ONE_SIXTH), 448.0, propagate_nan=True)
     s_b_bytes = _fp8_bytes(s_b)
     s_b_f32 = ct.bitcast(s_b_bytes, ct.float8_e4m3fn).astype(ct.float32)
     enc = ct.minimum(ct.truediv(1.0, s_b_f32 * s_dec, rounding_mode=_RN), _FLT_MAX, propagate_nan=True)
     # e2m1(clamp(x * enc, -6, 6)): the clamp changes no code, so it is left out.
-    q = _e2m1_codes(x * enc).reshape((TILE_R, TILE_K))
-    ct.store(Data, (b, rt, kt), _pack_e2m1(q, TILE_R, TILE_K).reshape((1, TILE_R, TILE_K // 2)))
-    _store_scales(Scale, s_b_bytes.reshape((TILE_R, NB)), b, rt, kt, TILE_R, NB, SWIZZLED)
+    q = _pack_e2m1(_e2m1_codes(x * enc), TILE_R, TILE_K, TRANSPOSED)
+    _store_data(Data, q, b, rt, kt, TILE_R, TILE_K // 2, TRANSPOSED)
+    _store_scales(Scale, s_b_bytes, b, rt, kt, TILE_R, TILE_K // BLOCK, SWIZZLED, TRANSPOSED)
 
 
 @ct.kernel(occupancy=_OCCUPANCY)
@@ -499,11 +555,8 @@ def _fp8_quantize_kernel(X, Data, Scale, Amax, Pow2,
         s = _fp8_block_scale(amax, Pow2)
         q = _fp8_divide(x, s, Data.dtype)
         ct.store(Scale, (b, rt, kt), s.reshape((1, 1, 1)))
-    ct.store(Data, (b, rt, kt), q.reshape((1, TILE_R, TILE_K)))
-
-
-#: The 128x128 granularity holds 128 elements per thread: registers for 2 blocks per SM.
-_fp8_block128_kernel = _fp8_quantize_kernel.replace_hints(occupancy=2)
+    # Plain stores, not TMA: measured on the H100, 1x128 82 -> 89 % of the copy, 128x128 76 -> 86 %.
+    ct.store(Data, (b, rt, kt), q.reshape((1, TILE_R, TILE_K)), allow_tma=False)
 
 
 @ct.kernel(occupancy=_OCCUPANCY)
@@ -541,35 +594,88 @@ def _fp8_row_kernel(X, Data, Scale, ELEMENT: ConstInt, TRANSPOSED: ConstBool,
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
-    """Rows and K columns per block. Block-scaled formats need tile_r in {32, 64, 128} and
-    tile_k / block a multiple of 4 (whole 32x16 blocks of swizzled scales); FP8 blocks need
-    tile_k % 128 == 0 and, for 128x128, tile_r = tile_k = 128."""
+    """Rows and K columns per block, and blocks per SM (the compiler's register budget: 64 registers
+    per thread at 4). Block-scaled formats need tile_r in {32, 64, 128} and tile_k / block a multiple
+    of 4 (whole 32x16 blocks of swizzled scales) when swizzled; FP8 blocks need tile_k % 128 == 0 and,
+    for 128x128, tile_r = tile_k = 128."""
 
     tile_r: int
     tile_k: int
+    occupancy: int = _OCCUPANCY
 
 
-#: Measured on the H100 (benchmarks/bench_quantize.py --sweep, 256 MiB bf16, tile x occupancy, 4
-#: blocks per SM unless said): MXFP8 64x128 (8K elements per block, 64 per thread at 128 threads; 64
+#: (format, swizzled scales, transposed input) -> tile. Measured on the H100 (bench_quantize.py
+#: --sweep, 256 MiB bf16): MXFP8 64x128 (8K elements per block, 64 per thread at 128 threads; 64
 #: registers, no spills) reaches the copy bandwidth with swizzled scales; logical scales want 16x512
 #: (each row's scale bytes one 16-byte store; 64x128 gave 77 %); the e2m1 encoders prefer 32x256
-#: swizzled (85 % against 65 % at 32x128) and 16x512 logical. FP8 per tensor / 1x128: 64x128.
-MX_CONFIG = TileConfig(64, 128)
-MXFP4_CONFIG = TileConfig(32, 256)
-MX_LOGICAL_CONFIG = TileConfig(16, 512)
-MXFP4_LOGICAL_CONFIG = TileConfig(16, 512)
-NVFP4_CONFIG = TileConfig(32, 256)
-NVFP4_LOGICAL_CONFIG = TileConfig(16, 512)
+#: swizzled (85 % against 65 % at 32x128) and 16x512 logical. A transposed input (axis=-2) is read
+#: in storage order, tile_r rows contiguous: logical scales 128x64 (MXFP8 91 %, against 33 % when it
+#: was loaded transposed; MXFP4 80 %, NVFP4 82 %), swizzled MXFP8 32x256 (85 %), MXFP4 and NVFP4
+#: 64x128 (73 / 74 %; 128x128 at 2 blocks per SM: 54-61 %).
+BLOCK_CONFIGS = {
+    ("mxfp8", True, False): TileConfig(64, 128),
+    ("mxfp8", False, False): TileConfig(16, 512),
+    ("mxfp8", True, True): TileConfig(32, 256),
+    ("mxfp8", False, True): TileConfig(128, 64),
+    ("mxfp4", True, False): TileConfig(32, 256),
+    ("mxfp4", False, False): TileConfig(16, 512),
+    ("mxfp4", True, True): TileConfig(64, 128),
+    ("mxfp4", False, True): TileConfig(128, 64),
+    ("nvfp4", True, False): TileConfig(32, 256),
+    ("nvfp4", False, False): TileConfig(16, 512),
+    ("nvfp4", True, True): TileConfig(64, 128),
+    ("nvfp4", False, True): TileConfig(128, 64),
+}
+#: FP8 per tensor.
 FP8_CONFIG = TileConfig(64, 128)
-#: 128x128 blocks: one block per tile, 128 elements per thread, so 2 blocks per SM
-#: (``_fp8_block128_kernel``): 72 % of the copy against 44 % with 4 and spills.
-FP8_BLOCK_CONFIG = TileConfig(128, 128)
-#: Per row: K <= 1024 reads the rows once; longer rows loop twice (tileiras 13.4 crashes on this
-#: kernel with tile_k >= 2048, so one tile cannot span the usual K).
-FP8_ROW_CONFIG = TileConfig(4, 1024)
+#: FP8 1x128 blocks: 64x128 spills (STACK 136 with bf16 input) and is still the fastest measured: 89 %
+#: of the copy, against 81 % at 3 blocks per SM (no spills) and 72-73 % for 32x128 and 16x256.
+FP8_1X128_CONFIG = TileConfig(64, 128)
+#: 128x128 blocks: one block per tile, 128 elements per thread, so 2 blocks per SM (44 % of the copy
+#: with 4, which spills).
+FP8_BLOCK_CONFIG = TileConfig(128, 128, occupancy=2)
 AMAX_CONFIG = TileConfig(64, 128)
 #: Blocks of the amax reduction per SM (each loops over its share of the tiles).
 AMAX_BLOCKS_PER_SM = 4
+#: FP8 per row: one block holds ROW_ELEMENTS elements, whole rows when K <= ROW_MAX_K. Measured on
+#: the H100 at 256 MiB: 2x4096 at K = 4096 91 %, 1x8192 at K = 8192 91 %, at K = 7168 88 %, and at
+#: K = 16384 (two passes over each row, the second from L2) 93 %; the earlier 4x1024 with two passes
+#: made 56-65 %.
+ROW_ELEMENTS = 8192
+ROW_MIN_K = 1024
+ROW_MAX_K = 8192
+
+
+#: A transposed input (axis=-2) is read across its storage rows, a few elements from each: 16x256
+#: made 39 % of the copy, 8x512 35 %, 4x1024 22 %, 2x2048 13 %.
+ROW_TRANSPOSED_CONFIG = TileConfig(16, 256)
+
+
+def row_config(k: int, transposed: bool = False) -> TileConfig:
+    """FP8 per-row tile for rows of k elements: tile_k the power of two >= k within [1024, 8192],
+    ``ROW_ELEMENTS`` per block."""
+    if transposed:
+        return ROW_TRANSPOSED_CONFIG
+    tile_k = min(ROW_MAX_K, max(ROW_MIN_K, 1 << max(0, k - 1).bit_length()))
+    return TileConfig(ROW_ELEMENTS // tile_k, tile_k)
+
+
+def _row_tiles_k() -> list[int]:
+    tile_k, out = ROW_MIN_K, []
+    while tile_k <= ROW_MAX_K:
+        out.append(tile_k)
+        tile_k *= 2
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _with_occupancy(kernel, occupancy: int):
+    return kernel if occupancy == _OCCUPANCY else kernel.replace_hints(occupancy=occupancy)
+
+
+def _kernel(kernel, cfg: TileConfig):
+    """``kernel`` compiled for cfg's blocks per SM."""
+    return _with_occupancy(kernel, cfg.occupancy)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -634,7 +740,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _launch(kernel, op: _Operand, cfg: TileConfig, args: tuple, grid=None, swizzle: bool = False) -> None:
-    _launch_kernel(op.view.device, grid or _grid(op.batch, op.rows, op.k, cfg, swizzle), kernel, args)
+    _launch_kernel(op.view.device, grid or _grid(op.batch, op.rows, op.k, cfg, swizzle), _kernel(kernel, cfg),
+                   args)
 
 
 def _scale_operand(scale: torch.Tensor, swizzle: bool) -> torch.Tensor:
@@ -661,19 +768,13 @@ def _shaped(op: _Operand, x: torch.Tensor, data: torch.Tensor, scale: torch.Tens
     return data, scale.reshape(*head, scale.shape[-1])
 
 
-def _mx_config(packed: bool, swizzle: bool) -> TileConfig:
-    if packed:
-        return MXFP4_CONFIG if swizzle else MXFP4_LOGICAL_CONFIG
-    return MX_CONFIG if swizzle else MX_LOGICAL_CONFIG
-
-
 def quantize_mx(x: torch.Tensor, fmt: Format, rounding: str, swizzle: bool):
     """MXFP8 / MXFP4 of x (..., K) on the GPU: (data, scale bytes) in the reference's shapes: data
     (..., K) of fmt.data_dtype or (..., K/2) packed uint8; scale (..., K/32) or swizzled, uint8. A transposed view
     (x.stride(-2) == 1) is read as it is stored."""
     full = _operand(x)
     op = full if swizzle else _rows_flattened(full)
-    cfg = _mx_config(fmt.is_packed, swizzle)
+    cfg = BLOCK_CONFIGS["mxfp4" if fmt.is_packed else "mxfp8", swizzle, op.transposed]
     data = torch.empty(op.batch, op.rows, fmt.data_k(op.k), dtype=fmt.data_dtype, device=x.device)
     scale = _block_scale_buffer(op, op.k // fmt.block, swizzle, torch.uint8)
     floor = 1 if rounding == "floor" else 0
@@ -706,7 +807,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None, swizzle: 
     g_out = torch.empty(1, dtype=torch.float32, device=x.device)
     full = _operand(x)
     op = full if swizzle else _rows_flattened(full)
-    cfg = NVFP4_CONFIG if swizzle else NVFP4_LOGICAL_CONFIG
+    cfg = BLOCK_CONFIGS["nvfp4", swizzle, op.transposed]
     data = torch.empty(op.batch, op.rows, op.k // 2, dtype=torch.uint8, device=x.device)
     scale = _block_scale_buffer(op, op.k // NVFP4.block, swizzle, torch.uint8)
     _launch(_nvfp4_quantize_kernel, op, cfg, (op.view, data, _scale_operand(scale, swizzle), g, g_out,
@@ -727,7 +828,7 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
     full = _operand(x)
     if granularity == "row":
         op = _rows_flattened(full)
-        cfg = FP8_ROW_CONFIG
+        cfg = row_config(op.k, op.transposed)
         data = torch.empty(op.batch, op.rows, op.k, dtype=fmt.data_dtype, device=x.device)
         scale = torch.empty(op.batch, op.rows, 1, dtype=torch.float32, device=x.device)
         grid = (op.batch * -(-op.rows // cfg.tile_r), 1, 1)
@@ -742,6 +843,7 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
         gran = _FP8_TENSOR
     elif granularity == (1, FP8_BLOCK):
         op = _rows_flattened(full)
+        cfg = FP8_1X128_CONFIG
         amax = scale = _block_scale_buffer(op, op.k // FP8_BLOCK, False, torch.float32)
         gran = _FP8_1X128
     else:
@@ -752,9 +854,8 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
         amax = scale
         gran = _FP8_128X128
     data = torch.empty(op.batch, op.rows, op.k, dtype=fmt.data_dtype, device=x.device)
-    kernel = _fp8_block128_kernel if gran == _FP8_128X128 else _fp8_quantize_kernel
-    _launch(kernel, op, cfg, (op.view, data, scale, amax, 1 if pow2_scale else 0, element,
-                              gran, op.transposed, cfg.tile_r, cfg.tile_k))
+    _launch(_fp8_quantize_kernel, op, cfg, (op.view, data, scale, amax, 1 if pow2_scale else 0, element,
+                                            gran, op.transposed, cfg.tile_r, cfg.tile_k))
     head = (*full.lead, full.rows) if x.ndim >= 2 else ()
     data = data.reshape(*head, op.k)
     if gran == _FP8_TENSOR:
@@ -781,6 +882,10 @@ def aot_variants() -> list[AotVariant]:
     variants = []
     u8 = array(ct.uint8, 3)
     f32_1 = array(ct.float32, 1)
+
+    def add(name, kernel, cfg, params):
+        variants.append(AotVariant(name, _kernel(kernel, cfg), [*params, cfg.tile_r, cfg.tile_k]))
+
     for in_name, in_dtype in _INPUT_DTYPES.items():
         x = array(in_dtype, 3)
         for transposed in (False, True):
@@ -789,38 +894,29 @@ def aot_variants() -> list[AotVariant]:
                 scale = array(ct.uint8, 6 if swizzled else 3)
                 layout = ("swz" if swizzled else "log") + t
                 for element, code in _ELEMENT_CODE.items():
-                    cfg = _mx_config(element == "e2m1", swizzled)
-                    params = [x, _data_array(element), scale, _INT32, code, swizzled, transposed, cfg.tile_r,
-                              cfg.tile_k]
-                    variants.append(AotVariant(f"quantize_mx_{element}_{in_name}_{layout}",
-                                               _mx_quantize_kernel, params))
+                    cfg = BLOCK_CONFIGS["mxfp4" if element == "e2m1" else "mxfp8", swizzled, transposed]
+                    add(f"quantize_mx_{element}_{in_name}_{layout}", _mx_quantize_kernel, cfg,
+                        [x, _data_array(element), scale, _INT32, code, swizzled, transposed])
                 for from_amax in (False, True):
-                    cfg = NVFP4_CONFIG if swizzled else NVFP4_LOGICAL_CONFIG
-                    params = [x, u8, scale, f32_1, f32_1, from_amax, swizzled, transposed, cfg.tile_r,
-                              cfg.tile_k]
-                    name = f"quantize_nvfp4_{'amax' if from_amax else 'given'}_{in_name}_{layout}"
-                    variants.append(AotVariant(name, _nvfp4_quantize_kernel, params))
+                    add(f"quantize_nvfp4_{'amax' if from_amax else 'given'}_{in_name}_{layout}",
+                        _nvfp4_quantize_kernel, BLOCK_CONFIGS["nvfp4", swizzled, transposed],
+                        [x, u8, scale, f32_1, f32_1, from_amax, swizzled, transposed])
             for element in ("e4m3", "e5m2"):
                 code = _ELEMENT_CODE[element]
-                cfg = FP8_ROW_CONFIG
-                params = [x, _data_array(element), array(ct.float32, 3), code, transposed, cfg.tile_r,
-                          cfg.tile_k]
-                variants.append(AotVariant(f"quantize_fp8_row_{element}_{in_name}{t}", _fp8_row_kernel,
-                                           params))
+                for tile_k in [0] if transposed else _row_tiles_k():
+                    cfg = row_config(tile_k, transposed)
+                    add(f"quantize_fp8_row{cfg.tile_k}_{element}_{in_name}{t}", _fp8_row_kernel, cfg,
+                        [x, _data_array(element), array(ct.float32, 3), code, transposed])
                 grans = {"tensor": _FP8_TENSOR}
                 if element == "e4m3":
                     grans.update({"1x128": _FP8_1X128, "128x128": _FP8_128X128})
                 for gname, gran in grans.items():
-                    cfg = FP8_BLOCK_CONFIG if gran == _FP8_128X128 else FP8_CONFIG
+                    cfg = {_FP8_TENSOR: FP8_CONFIG, _FP8_1X128: FP8_1X128_CONFIG}.get(gran, FP8_BLOCK_CONFIG)
                     scale = f32_1 if gran == _FP8_TENSOR else array(ct.float32, 3)
                     amax = f32_1 if gran == _FP8_TENSOR else array(ct.float32, 3)
-                    params = [x, _data_array(element), scale, amax, _INT32, code, gran, transposed, cfg.tile_r,
-                              cfg.tile_k]
-                    kernel = _fp8_block128_kernel if gran == _FP8_128X128 else _fp8_quantize_kernel
-                    variants.append(AotVariant(f"quantize_fp8_{gname}_{element}_{in_name}{t}", kernel, params))
+                    add(f"quantize_fp8_{gname}_{element}_{in_name}{t}", _fp8_quantize_kernel, cfg,
+                        [x, _data_array(element), scale, amax, _INT32, code, gran, transposed])
         for propagate in (False, True):
-            cfg = AMAX_CONFIG
-            params = [x, array(ct.int32, 1), propagate, cfg.tile_r, cfg.tile_k]
-            variants.append(AotVariant(f"amax_{'nan' if propagate else 'nonan'}_{in_name}", _amax_kernel,
-                                       params))
+            add(f"amax_{'nan' if propagate else 'nonan'}_{in_name}", _amax_kernel, AMAX_CONFIG,
+                [x, array(ct.int32, 1), propagate])
     return variants

@@ -179,18 +179,21 @@ def _sweep_plan():
     config is timed first."""
     from tilemm.kernels.quantize_kernels import TileConfig as T
 
-    logical_t = [T(128, 64), T(64, 128), T(128, 128, 2), T(256, 64, 2), T(64, 64)]
-    swizzled_t = [T(32, 256), T(64, 128), T(128, 128, 2), T(32, 128)]
+    logical_t = [T(128, 64), T(64, 128), T(128, 128, 2), T(256, 64, 2)]
+    swizzled_t = [T(32, 256), T(64, 128), T(128, 128, 2)]
     return [
+        ("mxfp4 swizzled", "", ("BLOCK_CONFIGS", ("mxfp4", True, False)), [T(64, 128), T(32, 128)]),
+        ("nvfp4 swizzled (given scale)", "", ("BLOCK_CONFIGS", ("nvfp4", True, False)), [T(64, 128), T(128, 64)]),
+        ("mxfp8 e4m3 swizzled", "", ("BLOCK_CONFIGS", ("mxfp8", True, False)), [T(32, 256), T(64, 256, 2)]),
         ("mxfp8 e4m3 swizzled axis=-2", "t", ("BLOCK_CONFIGS", ("mxfp8", True, True)), swizzled_t),
         ("mxfp8 e4m3 axis=-2", "t", ("BLOCK_CONFIGS", ("mxfp8", False, True)), logical_t),
         ("mxfp4 swizzled axis=-2", "t", ("BLOCK_CONFIGS", ("mxfp4", True, True)), swizzled_t),
         ("mxfp4 axis=-2", "t", ("BLOCK_CONFIGS", ("mxfp4", False, True)), logical_t),
-        ("nvfp4 swizzled axis=-2", "t", ("BLOCK_CONFIGS", ("nvfp4", True, True)), swizzled_t + [T(128, 64)]),
+        ("nvfp4 swizzled axis=-2", "t", ("BLOCK_CONFIGS", ("nvfp4", True, True)), swizzled_t),
         ("nvfp4 axis=-2", "t", ("BLOCK_CONFIGS", ("nvfp4", False, True)), logical_t),
-        ("fp8 1x128", "", ("FP8_1X128_CONFIG", None), [T(32, 128), T(16, 256), T(64, 128, 3), T(64, 128)]),
+        ("fp8 1x128", "", ("FP8_1X128_CONFIG", None), [T(32, 128), T(16, 256), T(64, 128, 3)]),
         ("fp8 128x128", "", ("FP8_BLOCK_CONFIG", None), [T(128, 128, 3)]),
-        ("fp8 row axis=-2", "t", ("ROW_TRANSPOSED_CONFIG", None), [T(8, 512), T(16, 256), T(2, 2048)]),
+        ("fp8 row axis=-2", "t", ("ROW_TRANSPOSED_CONFIG", None), [T(8, 512), T(4, 1024)]),
     ]
 
 
@@ -202,6 +205,9 @@ def sweep(x: torch.Tensor, reps: int, warm_only: bool) -> list[dict]:
 
     gs = torch.tensor(1.0 / 336.0, device=x.device)
     runs = {
+        "mxfp4 swizzled": lambda v: qk.quantize_mx(v, MXFP4, "rceil", True),
+        "nvfp4 swizzled (given scale)": lambda v: qk.quantize_nvfp4(v, gs, True),
+        "mxfp8 e4m3 swizzled": lambda v: qk.quantize_mx(v, MXFP8_E4M3, "rceil", True),
         "mxfp8 e4m3 swizzled axis=-2": lambda v: qk.quantize_mx(v, MXFP8_E4M3, "rceil", True),
         "mxfp8 e4m3 axis=-2": lambda v: qk.quantize_mx(v, MXFP8_E4M3, "rceil", False),
         "mxfp4 swizzled axis=-2": lambda v: qk.quantize_mx(v, MXFP4, "rceil", True),

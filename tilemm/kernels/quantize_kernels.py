@@ -611,7 +611,9 @@ class TileConfig:
 #: swizzled (85 % against 65 % at 32x128) and 16x512 logical. A transposed input (axis=-2) is read
 #: in storage order, tile_r rows contiguous: logical scales 128x64 (MXFP8 91 %, against 33 % when it
 #: was loaded transposed; MXFP4 80 %, NVFP4 82 %), swizzled MXFP8 32x256 (85 %), MXFP4 and NVFP4
-#: 64x128 (73 / 74 %; 128x128 at 2 blocks per SM: 54-61 %).
+#: 64x128 (73 / 74 %; 128x128 at 2 blocks per SM: 54-61 %). Eight worker warps (``num_worker_warps``)
+#: at 2 or 3 blocks per SM were slower for every format and orientation (e.g. MXFP4 swizzled 63-80 %
+#: against 85 %).
 BLOCK_CONFIGS = {
     ("mxfp8", True, False): TileConfig(64, 128),
     ("mxfp8", False, False): TileConfig(16, 512),

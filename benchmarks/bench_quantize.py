@@ -3,9 +3,11 @@
     python benchmarks/bench_quantize.py               # 64 MiB and 256 MiB bf16 inputs
     python benchmarks/bench_quantize.py --warm-only   # compile every kernel the run needs, time nothing
 
-For each input size (bf16 (M, K) with 64 MiB and 256 MiB) and each quantizer it first checks the GPU
+For each input size (bf16 (M, K) with 64 MiB and 256 MiB) it first checks every quantizer's GPU
 result against the eager PyTorch reference run on the same GPU (bit for bit), then times, with CUDA
-events after warm-up, the median of ``--reps`` (>= 20) runs of:
+events after warm-up, the median of ``--reps`` (>= 20) runs of the copy and all quantizers back to
+back (the references, which run for milliseconds each, come after, so that they do not sit between
+the kernels being compared), then the eager calls and references:
 
 * the quantizer (``tilemm.quantize_*`` on a CUDA tensor: the cuTile kernels, including NVFP4's and
   per-tensor FP8's amax pass);
@@ -284,15 +286,27 @@ def main() -> None:
                 fn(x)
             torch.cuda.synchronize()
             continue
-        copy_ms, _ = time_ms(lambda: dst.copy_(x), args.reps)
-        copy_gbs = 2 * in_bytes / copy_ms / 1e6
-        rows.append({"size": size_name, "shape": [m, k], "quantizer": "copy (dst.copy_(x))",
-                     "ms": copy_ms, "bytes": 2 * in_bytes, "gb_s": copy_gbs, "pct_copy": 100.0})
+        # Bit-exactness first; then the copy and the kernels back to back (the eager references run
+        # for milliseconds each and would sit between them); then eager calls and references.
+        checked = {}
         for name, (fn, ref_fn) in cases.items():
             got = fn(x)
-            exact = _same_bits(got, ref_fn(x))
-            moved = in_bytes + _bytes(got)
-            ms, how = time_ms(lambda: fn(x), args.reps)
+            checked[name] = (_same_bits(got, ref_fn(x)), in_bytes + _bytes(got))
+            del got
+        # The copy right after the references measured up to 15 % slow on the H100, so it is timed
+        # before and after the kernels and the faster of the two is the ceiling.
+        time_ms(lambda: dst.copy_(x), args.reps)  # settle
+        copy_before_ms, _ = time_ms(lambda: dst.copy_(x), args.reps)
+        timed = {name: time_ms(lambda: fn(x), args.reps) for name, (fn, _) in cases.items()}
+        copy_after_ms, _ = time_ms(lambda: dst.copy_(x), args.reps)
+        copy_ms = min(copy_before_ms, copy_after_ms)
+        copy_gbs = 2 * in_bytes / copy_ms / 1e6
+        rows.append({"size": size_name, "shape": [m, k], "quantizer": "copy (dst.copy_(x))",
+                     "ms": copy_ms, "ms_before_kernels": copy_before_ms, "ms_after_kernels": copy_after_ms,
+                     "bytes": 2 * in_bytes, "gb_s": copy_gbs, "pct_copy": 100.0})
+        for name, (fn, ref_fn) in cases.items():
+            exact, moved = checked[name]
+            ms, how = timed[name]
             eager_ms = _eager_ms(lambda: fn(x), args.reps)
             ref_ms, _ = time_ms(lambda: ref_fn(x), args.ref_reps)
             rows.append({"size": size_name, "shape": [m, k], "quantizer": name, "bit_exact": exact,
@@ -300,7 +314,6 @@ def main() -> None:
                          "gb_s": moved / ms / 1e6,
                          "pct_copy": 100.0 * moved / ms / 1e6 / copy_gbs,
                          "ref_ms": ref_ms, "speedup_vs_ref": ref_ms / ms})
-            del got
         del x, dst
         torch.cuda.empty_cache()
     if args.warm_only:
@@ -314,9 +327,11 @@ def main() -> None:
         "gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
         "input_dtype": "bfloat16", "reps": args.reps,
         "method": "median of CUDA-event timings of CUDA-graph replays (eager calls where a quantizer "
-                  "does not capture) after 3 warm-up calls; GB/s = (input read + data and scales "
-                  "written) / time; copy GB/s = 2 * input bytes / time; eager_call_ms: one eager call "
-                  "between events, Python dispatch included",
+                  "does not capture) after 3 warm-up calls; per size the copy and every quantizer are "
+                  "timed back to back, the copy before and after them (the faster is the ceiling), after "
+                  "the bit-exact checks and before the eager calls and references; GB/s = (input read + data and "
+                  "scales written) / time; copy GB/s = 2 * input bytes / time; eager_call_ms: one eager "
+                  "call between events, Python dispatch included",
         "rows": rows,
         "sweep": sweep_rows,
     }

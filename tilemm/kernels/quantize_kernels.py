@@ -46,14 +46,15 @@ padding comes out zero without a separate fill, and no byte of the outputs (torc
 unwritten.
 
 Measured on an H100 (2026-11-22; tests/test_quantize_gpu.py: bit-exact against the CPU reference on
-every case; benchmarks/bench_quantize.py, bf16 input, CUDA-graph replays, against a device-to-device
-copy of 2.56 TB/s at 64 MiB and 2.90 TB/s at 256 MiB; % of the copy at 64 / 256 MiB): MXFP8 logical
-scales 95 / 87, swizzled 89 / 87, axis=-2 84 / 76; MXFP4 83 / 78; NVFP4 with a given scale 85 / 80
-(kernel alone), 46 / 45 with the amax pass; FP8 per tensor 94 / 86 (kernel alone), 54 / 51 with the
-amax pass, 1x128 80 / 78, 128x128 73 / 74, per row 70 / 65. The amax pass alone reads at 74 / 81 % of
-the copy's rate. A pass that reads the input twice moves about 2/5 more bytes than it is credited,
-so it cannot pass ~60 %. Run to run the same kernels measured up to 10 points higher at 256 MiB
-(FP8 per tensor kernel 99.7 %, MXFP8 swizzled 96 %, NVFP4 86 %, amax 95 %).
+every case; benchmarks/bench_quantize.py, bf16 input, CUDA-graph replays timed back to back with a
+device-to-device copy of 2.69 TB/s at 64 MiB and 2.95 TB/s at 256 MiB; % of the copy at 64 / 256
+MiB): MXFP8 logical scales 91 / 98, swizzled 92 / 97, axis=-2 89 / 93 (swizzled 80 / 84); MXFP4
+80 / 86 (axis=-2 swizzled 71 / 74); NVFP4 with a given scale 82 / 86 (kernel alone; axis=-2 swizzled
+74 / 77), 44 / 50 with the amax pass; FP8 per tensor 93 / 99 (kernel alone), 52 / 58 with the amax
+pass, per row 84 / 93, 1x128 87 / 90, 128x128 79 / 86. The amax pass alone reads at 76 / 94 % of the
+copy's rate. A pass that reads the input twice moves about 2/5 more bytes than it is credited, so it
+cannot pass ~60 %. Timed right after the eager references instead, the same kernels measured up to
+10 points lower.
 """
 
 from __future__ import annotations

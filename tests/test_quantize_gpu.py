@@ -279,6 +279,18 @@ _RESULT = {"mxfp8_e4m3": tilemm.MXFP8Tensor, "mxfp8_e5m2": tilemm.MXFP8Tensor, "
            "nvfp4": tilemm.NVFP4Tensor}
 
 
+@pytest.mark.parametrize("k", [1500, 3000, 8192, 9000], ids=lambda k: f"K{k}")
+def test_fp8_row_tiles(k):
+    """Per row, each row tile (2048, 4096, 8192 columns) and rows longer than 8192 (two passes)."""
+    from tilemm.kernels import quantize_kernels as qk
+
+    assert qk.row_config(k).tile_k == min(8192, 1 << (k - 1).bit_length())
+    for kind in ("random", "specials"):
+        x = make_input((5, k), kind, torch.bfloat16)
+        torch.full((16 << 20,), 0xFF, dtype=torch.uint8, device=DEV)  # freed at once: 0xFF in the cache
+        check(tilemm.quantize_fp8, x, f"fp8 row K={k} {kind}", granularity="row")
+
+
 def _check_named(name, x_cpu, what, **kwargs):
     ref = QUANTIZERS[name](x_cpu, **kwargs)
     got = QUANTIZERS[name](x_cpu.to(DEV), **kwargs)

@@ -131,6 +131,14 @@ def assert_same_bits(got, ref, what: str) -> None:
                              f"(gpu, reference) = {pairs}")
 
 
+def poison_allocator_cache() -> None:
+    """Leave 0xFF bytes in the blocks PyTorch's caching allocator hands out next: outputs of up to 1 MiB
+    come from its small pool (2 MiB segments), larger ones from the large pool."""
+    small = [torch.full((1 << 20,), 0xFF, dtype=torch.uint8, device=DEV) for _ in range(32)]
+    large = torch.full((64 << 20,), 0xFF, dtype=torch.uint8, device=DEV)
+    del small, large
+
+
 def check(quantize, x_cpu: torch.Tensor, what: str, **kwargs) -> None:
     ref = quantize(x_cpu, **kwargs)
     got = quantize(x_cpu.to(DEV), **kwargs)
@@ -287,7 +295,7 @@ def test_fp8_row_tiles(k):
     assert qk.row_config(k).tile_k == min(8192, 1 << (k - 1).bit_length())
     for kind in ("random", "specials"):
         x = make_input((5, k), kind, torch.bfloat16)
-        torch.full((16 << 20,), 0xFF, dtype=torch.uint8, device=DEV)  # freed at once: 0xFF in the cache
+        poison_allocator_cache()
         check(tilemm.quantize_fp8, x, f"fp8 row K={k} {kind}", granularity="row")
 
 
@@ -315,8 +323,23 @@ def test_axis_minus_2_reads_the_transpose(name, swizzle):
 @pytest.mark.parametrize("granularity", ["tensor", "row", (1, 128), (128, 128)],
                          ids=["tensor", "row", "1x128", "128x128"])
 def test_fp8_axis_minus_2(granularity):
-    x = make_input((256, 130), "specials", torch.bfloat16)  # (K, M)
-    check(tilemm.quantize_fp8, x, f"fp8 {granularity} axis=-2", granularity=granularity, axis=-2)
+    # (K, M); per row, K = 640 takes three 256-column passes of the transposed row tile.
+    for shape in ((256, 130), (640, 130)):
+        x = make_input(shape, "specials", torch.bfloat16)
+        check(tilemm.quantize_fp8, x, f"fp8 {granularity} axis=-2 {shape}", granularity=granularity, axis=-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_axis_minus_2_other_input_dtypes(name, dtype):
+    """The transposed kernels with fp32 and fp16 input (the test above runs bf16), over a poisoned
+    allocator cache."""
+    shape = SHAPES[2][0]
+    for swizzle in (False, True):
+        for kind in ("random", "specials"):
+            x = make_input((shape[1], shape[0]), kind, dtype)  # (K, M)
+            poison_allocator_cache()
+            _check_named(name, x, f"{name} axis=-2 {dtype} {kind} swizzle={swizzle}", swizzle=swizzle, axis=-2)
 
 
 def test_non_contiguous_rows():
@@ -337,8 +360,7 @@ def test_padding_written_over_poisoned_memory():
     """Outputs come from torch.empty; fill the allocator's cache with 0xFF first so that a padding byte
     the kernel forgot to write shows up as 0xFF instead of a lucky zero."""
     for _ in range(3):
-        poison = torch.full((64 << 20,), 0xFF, dtype=torch.uint8, device=DEV)
-        del poison
+        poison_allocator_cache()
         for name in QUANTIZERS:
             _check_named(name, make_input((17, 96), "random", torch.bfloat16), f"{name} poisoned",
                          swizzle=True)

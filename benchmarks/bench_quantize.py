@@ -195,7 +195,8 @@ def _sweep_plan():
         ("nvfp4 axis=-2", "t", ("BLOCK_CONFIGS", ("nvfp4", False, True)), logical_t),
         ("fp8 1x128", "", ("FP8_1X128_CONFIG", None), [T(32, 128), T(16, 256), T(64, 128, 3)]),
         ("fp8 128x128", "", ("FP8_BLOCK_CONFIG", None), [T(128, 128, 3)]),
-        ("fp8 row axis=-2", "t", ("ROW_TRANSPOSED_CONFIG", None), [T(8, 512), T(4, 1024)]),
+        ("fp8 row axis=-2", "t", ("ROW_TRANSPOSED_CONFIG", None),
+         [T(32, 128), T(16, 256), T(16, 512), T(64, 128)]),
     ]
 
 

@@ -140,19 +140,12 @@ def time_ms(fn, reps: int) -> tuple[float, str]:
         run, how = fn, "events"
     run()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), how
+    return _eager_ms(run, reps), how
 
 
 def _eager_ms(fn, reps: int) -> float:
-    """Median of eager calls between CUDA events, Python dispatch included (what one call costs)."""
+    """Median of ``reps`` calls of fn, each between CUDA events (for an eager call: Python dispatch
+    included, what one call costs)."""
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

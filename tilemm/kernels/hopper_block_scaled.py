@@ -97,7 +97,7 @@ from ..formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
 from ._aot import AotVariant, array
 from ._common import (e2m1_hi_bits_bf16, e2m1_hi_bits_fp16, e2m1_lo_bits_bf16, e2m1_lo_bits_fp16, e8m0_to_bf16,
                       epilogue, hinted, ones_scalar, tile_coords, zeros_vector)
-from .hopper_gemm import GemmConfig, gemm_constants, gemm_kernel, launch_gemm, num_sms
+from .hopper_gemm import GemmConfig, gemm_constants, gemm_kernel, launch_gemm, load_k_tile, num_sms
 
 __all__ = ["launch", "aot_variants", "StreamConfig", "TwoPassConfig", "plan", "TWO_PASS_MIN_M"]
 
@@ -184,14 +184,6 @@ def _decode(raw, s_raw, ROWS, TK, SC, ELEMENT, FOLD_NVFP4):
     return ct.cat((lo, hi), 1)
 
 
-def _load_bytes(X, b, r_tile, kt, ROWS, TKD, LATENCY):
-    if LATENCY > 0:
-        t = ct.load(X, (b, r_tile, kt), (1, ROWS, TKD), padding_mode=_ZERO, latency=LATENCY)
-    else:
-        t = ct.load(X, (b, r_tile, kt), (1, ROWS, TKD), padding_mode=_ZERO)
-    return t.reshape((ROWS, TKD))
-
-
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
 def _stream_kernel(A, A_scale, B, B_scale, C, Alpha, Bias, Partial,
                    ELEMENT: ConstInt, SCALE_BLOCK: ConstInt, SWIZZLED: ConstBool,
@@ -231,13 +223,13 @@ def _stream_kernel(A, A_scale, B, B_scale, C, Alpha, Bias, Partial,
 
     acc = ct.zeros((TN, TM), ct.float32)
     for kt in range(k_begin, k_end):
-        w_raw = _load_bytes(B, bb, bn, kt, TN, TKD, LATENCY)
+        w_raw = load_k_tile(B, bb, bn, kt, TN, TKD, LATENCY)
         sw = _load_scale_tile(B_scale, bb, bn, kt, TN, SC, SWIZZLED, KS)
         w = _decode(w_raw, sw, TN, TK, SC, ELEMENT, True)
         if X16:
-            x = _load_bytes(A, ba, bm, kt, TM, TK, LATENCY)
+            x = load_k_tile(A, ba, bm, kt, TM, TK, LATENCY)
         else:
-            x_raw = _load_bytes(A, ba, bm, kt, TM, TKD, LATENCY)
+            x_raw = load_k_tile(A, ba, bm, kt, TM, TKD, LATENCY)
             sx = _load_scale_tile(A_scale, ba, bm, kt, TM, SC, SWIZZLED, KS)
             x = _decode(x_raw, sx, TM, TK, SC, ELEMENT, True)
         acc = ct.mma(w, x.transpose(), acc)

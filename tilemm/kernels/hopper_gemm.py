@@ -47,7 +47,7 @@ _ZERO = ct.PaddingMode.ZERO
 # Tile code
 # --------------------------------------------------------------------------------------------------
 
-def _load_k_tile(X, batch, row_tile, kt, ROWS, TK, LATENCY):
+def load_k_tile(X, batch, row_tile, kt, ROWS, TK, LATENCY):
     """(ROWS, TK) tile of X (B, R, K) at (batch, row_tile, kt); zero past the edges."""
     if LATENCY > 0:
         t = ct.load(X, (batch, row_tile, kt), (1, ROWS, TK), padding_mode=_ZERO, latency=LATENCY)
@@ -64,8 +64,8 @@ def _gemm_tile(A, A_scale, B, B_scale, C, Alpha, Bias, t, TM, TN, TK, GROUP_SIZE
     bb = batch % B.shape[0]
     acc = ct.zeros((TM, TN), ct.float32)
     for kt in range(ct.cdiv(A.shape[2], TK)):
-        a = _load_k_tile(A, ba, bm, kt, TM, TK, LATENCY_A)
-        b = _load_k_tile(B, bb, bn, kt, TN, TK, LATENCY_B)
+        a = load_k_tile(A, ba, bm, kt, TM, TK, LATENCY_A)
+        b = load_k_tile(B, bb, bn, kt, TN, TK, LATENCY_B)
         acc = ct.mma(a, b.transpose(), acc, use_fast_acc=FAST_ACC)
     if SCALED:
         sa = ct.load(A_scale, (ba, bm), (1, TM), padding_mode=_ZERO).reshape((TM, 1))

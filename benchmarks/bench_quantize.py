@@ -261,8 +261,9 @@ def main() -> None:
     parser.add_argument("--warm-only", action="store_true", help="compile the kernels and exit")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default: results/)")
     parser.add_argument("--sweep", action="store_true",
-                        help="also time other tile shapes and occupancies of the kernels (256 MiB)")
+                        help="also time other tile shapes and occupancies of the kernels")
     parser.add_argument("--sweep-only", action="store_true", help="only the sweep")
+    parser.add_argument("--sweep-size", choices=sorted(SIZES), default="256MiB", help="the sweep's input size")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_quantize.py needs a CUDA GPU")
@@ -274,7 +275,7 @@ def main() -> None:
     rows = []
     sweep_rows = []
     if args.sweep or args.sweep_only:
-        m, k = SIZES["256MiB"]
+        m, k = SIZES[args.sweep_size]
         sweep_rows = sweep(torch.randn(m, k, device=dev, dtype=torch.bfloat16), args.reps, args.warm_only)
     for size_name, (m, k) in ({} if args.sweep_only else SIZES).items():
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16) * 4
@@ -333,10 +334,11 @@ def main() -> None:
                   "scales written) / time; copy GB/s = 2 * input bytes / time; eager_call_ms: one eager "
                   "call between events, Python dispatch included",
         "rows": rows,
+        "sweep_size": args.sweep_size if sweep_rows else None,
         "sweep": sweep_rows,
     }
     if sweep_rows:
-        print("\n| sweep (256MiB) | tile | occupancy | bit-exact | time (us) | GB/s | % of copy |")
+        print(f"\n| sweep ({args.sweep_size}) | tile | occupancy | bit-exact | time (us) | GB/s | % of copy |")
         print("|---|---|---:|---|---:|---:|---:|")
         for r in sweep_rows:
             if "tile" not in r:

@@ -28,6 +28,12 @@ Every rounding step works on fp32 values and bits, in the reference's order:
 One portable implementation serves sm_90, sm_100 and sm_120 (``aot_variants`` lists every
 specialisation for all three): nothing uses float8_e8m0fnu or float4_e2m1fn, which cuTile rejects on
 Hopper. Scale bytes are stored as uint8 (e8m0, e4m3), fp8 data as float8 arrays, e2m1 packed in uint8.
+Blackwell's native e2m1 conversion does not pay here: compiled for sm_100 (MXFP4, bf16, 32x256),
+``y.astype(ct.float4_e2m1fn)`` gives one F2FP.SATFINITE.E2M1 per element, and ``ct.pack_to_bytes``
+routes the nibbles through shared memory (64 STS per thread, a 32-byte spill): 1360 SASS instructions
+before the -0 and NaN fix-ups the reference needs, against 1448 for the portable encode, which sm_100
+already issues as paired FFMA2 and three-input FMNMX3. The e8m0 scale is a few integer operations per
+32 elements either way. With no Blackwell GPU to time the difference, the portable code stays.
 
 Layout and grid: the input is a 3-D view (B, R, K) -- R rows per batch entry, blocks along K -- or,
 with ``TRANSPOSED``, the (B, K, R) storage of ``x.mT`` (the ``axis=-2`` quantizers: no copy). The
@@ -637,7 +643,14 @@ class TileConfig:
 #: was loaded transposed; MXFP4 80 %, NVFP4 82 %), swizzled MXFP8 32x256 (85 %), MXFP4 and NVFP4
 #: 64x128 (73 / 74 %; 128x128 at 2 blocks per SM: 54-61 %). Eight worker warps (``num_worker_warps``)
 #: at 2 or 3 blocks per SM were slower for every format and orientation (e.g. MXFP4 swizzled 63-80 %
-#: against 85 %).
+#: against 85 %). The same sweep at 64 MiB (``--sweep-size 64MiB``) picks the same tiles: MXFP4 and
+#: NVFP4 swizzled 32x256 78-79 % (64x128 77-80 %; 64x256 and 32x512 at 2 blocks per SM, 128x128 at 2
+#: and 32x256 at 3: 58-71 %), swizzled axis=-2 64x128 71-77 % (MXFP8 64x256 at 2: 79 %, within noise).
+#: Neither a persistent grid-stride loop (MXFP4 77 / 86 % at 64 / 256 MiB) nor loading the next tile
+#: before encoding this one (69-75 / 75-84 %) beat one tile per block (81 / 85 % in that run).
+#: What the e2m1 encode costs: with it replaced by a shift (wrong bytes, same loads and stores)
+#: the MXFP4 kernel ran at 85 / 97 %. A shorter encode (the multiply folded into an FMA, the sign
+#: from the bits) saved one or two of its ~17 instructions per element and timed within noise.
 BLOCK_CONFIGS = {
     ("mxfp8", True, False): TileConfig(64, 128),
     ("mxfp8", False, False): TileConfig(16, 512),
@@ -658,7 +671,8 @@ FP8_CONFIG = TileConfig(64, 128)
 #: of the copy, against 81 % at 3 blocks per SM (no spills) and 72-73 % for 32x128 and 16x256.
 FP8_1X128_CONFIG = TileConfig(64, 128)
 #: 128x128 blocks: one block per tile, 128 elements per thread, so 2 blocks per SM (44 % of the copy
-#: with 4, which spills).
+#: with 4, which spills). Eight worker warps at 1-3 blocks per SM were slower for 1x128, 128x128 and per
+#: row alike (at 64 MiB 40-74 % against 80-85 %).
 FP8_BLOCK_CONFIG = TileConfig(128, 128, occupancy=2)
 AMAX_CONFIG = TileConfig(64, 128)
 #: Blocks of the amax reduction per SM (each loops over its share of the tiles).
@@ -676,7 +690,9 @@ ROW_MAX_K = 8192
 #: twice. Measured on the H100 at 256 MiB (R = 8192, K = 16384): 32x256 47 % of the copy (STACK 48),
 #: 32x128 40 %, 16x256 39 %, 16x512 31 %, 64x128 28 %; the tile loaded through order=(0, 2, 1) made 39 %
 #: at best (16x256). Each row's amax needs all of K before a byte is written, and R / tile_r blocks
-#: (256 here) do not fill the GPU.
+#: (256 here) do not fill the GPU. Splitting it into two kernels that do fill it -- per-column amax
+#: over chunks of K with atomic maxima, then one storage-order tile per block quantized and stored
+#: transposed -- was slower: 31-43 % over 128x64, 64x128, 256x32 and 64x64 quantize tiles.
 ROW_TRANSPOSED_CONFIG = TileConfig(32, 256)
 
 

@@ -20,8 +20,9 @@ write). ``% copy`` is the quantizer's GB/s over the copy's. Rows marked "kernel 
 kernel launcher of ``tilemm.kernels.quantize_kernels`` with the global scale / amax already known
 (what the quantizer runs after its amax pass, or without the public NVFP4 function's host-side check
 of the given scale); "amax pass alone" is ``tensor_amax``, which only reads the input (at the copy's
-speed it would show 100 %). A quantizer with an amax pass moves 2/5 more bytes than it is credited
-(bf16 -> fp8: 2 bytes read twice, 1 written), so it tops out near 60 % of the copy.
+speed it would show 100 %). A quantizer with an amax pass (NVFP4 without a global scale, FP8 per
+tensor, FP8 per row along axis=-2) moves 2/5 more bytes than it is credited (bf16 -> fp8: 2 bytes
+read twice, 1 written), so it tops out near 60 % of the copy.
 
 Writes ``benchmarks/results/quantize-<gpu>.json`` and prints a markdown table.
 """
@@ -106,6 +107,8 @@ def _cases():
             fp8_tensor_kernel_only, lambda x: q._quantize_fp8_reference(x, FP8_E4M3, "tensor", False)),
         "fp8 row": (lambda x: tilemm.quantize_fp8(x, granularity="row"),
                     lambda x: q._quantize_fp8_reference(x, FP8_E4M3, "row", False)),
+        "fp8 row axis=-2": (lambda x: tilemm.quantize_fp8(x, granularity="row", axis=-2),
+                            lambda x: q._quantize_fp8_reference(x.mT, FP8_E4M3, "row", False)),
         "fp8 1x128": (lambda x: tilemm.quantize_fp8(x, granularity=(1, 128)),
                       lambda x: q._quantize_fp8_reference(x, FP8_E4M3, (1, 128), False)),
         "fp8 128x128": (lambda x: tilemm.quantize_fp8(x, granularity=(128, 128)),
@@ -188,8 +191,8 @@ def _sweep_plan():
         ("nvfp4 axis=-2", "t", ("BLOCK_CONFIGS", ("nvfp4", False, True)), logical_t),
         ("fp8 1x128", "", ("FP8_1X128_CONFIG", None), [T(32, 128), T(16, 256), T(64, 128, 3)]),
         ("fp8 128x128", "", ("FP8_BLOCK_CONFIG", None), [T(128, 128, 3)]),
-        ("fp8 row axis=-2", "t", ("ROW_TRANSPOSED_CONFIG", None),
-         [T(32, 128), T(16, 256), T(16, 512), T(64, 128)]),
+        ("fp8 row axis=-2", "t", ("ROW_TRANSPOSED_CONFIG", None), [T(16, 512), T(32, 128)]),
+        ("fp8 row axis=-2 (amax pass)", "t", ("ROW_AMAX_CONFIG", None), [T(128, 64), T(32, 256)]),
     ]
 
 
@@ -213,6 +216,7 @@ def sweep(x: torch.Tensor, reps: int, warm_only: bool) -> list[dict]:
         "fp8 1x128": lambda v: qk.quantize_fp8(v, FP8_E4M3, (1, 128), False),
         "fp8 128x128": lambda v: qk.quantize_fp8(v, FP8_E4M3, (128, 128), False),
         "fp8 row axis=-2": lambda v: qk.quantize_fp8(v, FP8_E4M3, "row", False),
+        "fp8 row axis=-2 (amax pass)": lambda v: qk.quantize_fp8(v, FP8_E4M3, "row", False),
     }
     dst = torch.empty_like(x)
     time_ms(lambda: dst.copy_(x), reps)  # settle

@@ -3,10 +3,9 @@
 What they compute: exactly what ``tilemm.quantize._quantize_<fmt>_reference`` computes (NUMERICS.md),
 for float32 / bfloat16 / float16 input (converted to fp32 in registers, which is exact). Each element
 is read once -- NVFP4 without a global scale and FP8 per tensor first run ``_amax_kernel`` (one more
-read), FP8 per row reads each row twice when K > 8192 (the second time mostly from L2), or along
-axis=-2 when K > 256 -- and data
-plus scales are written in one pass, the scales already in the 32x4x4 layout when asked, its padding
-included.
+read), FP8 per row reads each row twice when K > 8192 (the second time mostly from L2), and along
+axis=-2 first runs ``_column_amax_kernel`` -- and data plus scales are written in one pass, the scales
+already in the 32x4x4 layout when asked, its padding included.
 ``tilemm.quantize.run_quantize_*`` dispatch non-empty CUDA tensors on sm_90 or newer here.
 
 Every rounding step works on fp32 values and bits, in the reference's order:
@@ -38,7 +37,7 @@ already issues as paired FFMA2 and three-input FMNMX3. The e8m0 scale is a few i
 Layout and grid: the input is a 3-D view (B, R, K) -- R rows per batch entry, blocks along K -- or,
 with ``TRANSPOSED``, the (B, K, R) storage of ``x.mT`` (the ``axis=-2`` quantizers: no copy). The
 block-scaled kernels and FP8 per row load its tiles in storage order and transpose only the quantized
-bytes on the store; the other FP8 kernels load through ``order=(0, 2, 1)``. One block quantizes one (TILE_R, TILE_K)
+bytes on the store; FP8 per tensor, 1x128 and 128x128 load through ``order=(0, 2, 1)``. One block quantizes one (TILE_R, TILE_K)
 tile; the grid is 1-D over B x row tiles x cdiv(K, TILE_K), K fastest. Logical scales of a contiguous batch are quantized as one
 (1, B * R, K) matrix. Swizzled scales are stored through the (B, R/128, Ks/4, 32, 4, 4) view of the
 32x4x4 layout (its 16 columns split as 4 row sub-tiles m2 x 4 columns k1): with TILE_R in {32, 64,
@@ -54,14 +53,15 @@ unwritten.
 
 Measured on an H100 (2026-11-22; tests/test_quantize_gpu.py: bit-exact against the CPU reference on
 every case; benchmarks/bench_quantize.py, bf16 input, CUDA-graph replays timed back to back with a
-device-to-device copy of 2.69 TB/s at 64 MiB and 2.95 TB/s at 256 MiB; % of the copy at 64 / 256
-MiB): MXFP8 logical scales 91 / 98, swizzled 92 / 97, axis=-2 89 / 93 (swizzled 80 / 84); MXFP4
-80 / 86 (axis=-2 swizzled 71 / 74); NVFP4 with a given scale 82 / 86 (kernel alone; axis=-2 swizzled
-74 / 77), 44 / 50 with the amax pass; FP8 per tensor 93 / 99 (kernel alone), 52 / 58 with the amax
-pass, per row 84 / 93, 1x128 87 / 90, 128x128 79 / 86. The amax pass alone reads at 76 / 94 % of the
-copy's rate. A pass that reads the input twice moves about 2/5 more bytes than it is credited, so it
-cannot pass ~60 %. Timed right after the eager references instead, the same kernels measured up to
-10 points lower.
+device-to-device copy of 2.57 TB/s at 64 MiB and 2.94 TB/s at 256 MiB; % of the copy at 64 / 256
+MiB): MXFP8 logical scales 89 / 96, swizzled 90 / 96, axis=-2 87 / 92 (swizzled 79 / 83); MXFP4
+78 / 85 (axis=-2 swizzled 70 / 73); NVFP4 with a given scale 79 / 86 (kernel alone; axis=-2 swizzled
+72 / 76), 45 / 50 with the amax pass; FP8 per tensor 91 / 98 (kernel alone), 53 / 58 with the amax
+pass, per row 82 / 93 (axis=-2, with its amax pass: 48 / 50), 1x128 85 / 90, 128x128 77 / 86. The
+amax pass alone reads at 74 / 94 % of the copy's rate. A pass that reads the input twice moves about
+2/5 more bytes than it is credited, so it cannot pass ~60 %. An earlier run of the same kernels read
+1-3 points higher at 64 MiB; timed right after the eager references instead, they measured up to 10
+points lower.
 """
 
 from __future__ import annotations
@@ -569,21 +569,19 @@ def _fp8_quantize_kernel(X, Data, Scale, Amax, Pow2,
 
 
 @ct.kernel(occupancy=_OCCUPANCY)
-def _fp8_row_kernel(X, Data, Scale, ELEMENT: ConstInt, TRANSPOSED: ConstBool,
-                    TILE_R: ConstInt, TILE_K: ConstInt):
-    """FP8 per row of TILE_R rows, Scale (B, R, 1). When one (TILE_R, TILE_K) tile spans K, the rows
-    are read once: amax, s and q = sat(x / s) from the same registers. Otherwise the row amax over
-    all of K (first loop), then q (second loop, which reads the rows again: from L2 when the blocks
-    in flight hold few enough rows). A transposed input goes through ``_fp8_rows_transposed``."""
+def _fp8_row_kernel(X, Data, Scale, ELEMENT: ConstInt, TILE_R: ConstInt, TILE_K: ConstInt):
+    """FP8 per row of TILE_R rows, X (B, R, K), Scale (B, R, 1). When one (TILE_R, TILE_K) tile spans
+    K, the rows are read once: amax, s and q = sat(x / s) from the same registers. Otherwise the row
+    amax over all of K (first loop), then q (second loop, which reads the rows again: from L2 when the
+    blocks in flight hold few enough rows). A transposed input goes through ``_column_amax_kernel``
+    and ``_fp8_columns_kernel`` instead."""
     QMAX = _fp8_qmax(ELEMENT)
-    R, K = _rows_and_k(X, TRANSPOSED)
+    R, K = X.shape[1], X.shape[2]
     num_r = ct.cdiv(R, TILE_R)
     b = ct.bid(0) // num_r
     rt = ct.bid(0) % num_r
     num_k = ct.cdiv(K, TILE_K)
-    if TRANSPOSED:
-        s = _fp8_rows_transposed(X, Data, QMAX, b, rt, num_k, TILE_R, TILE_K)
-    elif num_k == 1:
+    if num_k == 1:
         x = _load_fp32(X, b, rt, 0, TILE_R, TILE_K, False)
         s = _fp8_tensor_scale(ct.max(ct.abs(x), axis=1, keepdims=True, propagate_nan=True), QMAX)
         ct.store(Data, (b, rt, 0), _fp8_divide(x, s, Data.dtype).reshape((1, TILE_R, TILE_K)))
@@ -600,22 +598,46 @@ def _fp8_row_kernel(X, Data, Scale, ELEMENT: ConstInt, TRANSPOSED: ConstBool,
     ct.store(Scale, (b, rt, 0), s.reshape((1, TILE_R, 1)))
 
 
-def _fp8_rows_transposed(X, Data, QMAX, b, rt, num_k, TILE_R, TILE_K):
-    """FP8 per row of TILE_R rows of a transposed input, X (B, K, R), those rows contiguous in its
-    storage: (TILE_K, TILE_R) tiles loaded in storage order down K, the row amax over all of K (first
-    loop), then q stored transposed (second loop). Returns the scales, (TILE_R, 1)."""
-    amax = ct.zeros((1, TILE_R), ct.float32)
-    for kt in range(num_k):
-        x = ct.load(X, (b, kt, rt), (1, TILE_K, TILE_R), padding_mode=_ZERO, latency=_LATENCY)
-        x = x.reshape((TILE_K, TILE_R)).astype(ct.float32)
-        amax = ct.maximum(amax, ct.max(ct.abs(x), axis=0, keepdims=True, propagate_nan=True),
-                          propagate_nan=True)
-    s = _fp8_tensor_scale(amax, QMAX)  # (1, TILE_R)
-    for kt in range(num_k):
-        x = ct.load(X, (b, kt, rt), (1, TILE_K, TILE_R), padding_mode=_ZERO, latency=_LATENCY)
-        q = _fp8_divide(x.reshape((TILE_K, TILE_R)).astype(ct.float32), s, Data.dtype)
-        ct.store(Data, (b, kt, rt), q.reshape((1, TILE_K, TILE_R)), order=(0, 2, 1))
-    return s.reshape((TILE_R, 1))
+def _column_tile(X, b, kt, rt, TILE_K, TILE_R):
+    """The (TILE_K, TILE_R) tile (kt, rt) of X (B, K, R) in storage order, as fp32; zeros past the edges."""
+    x = ct.load(X, (b, kt, rt), (1, TILE_K, TILE_R), padding_mode=_ZERO, latency=_LATENCY)
+    return x.reshape((TILE_K, TILE_R)).astype(ct.float32)
+
+
+@ct.kernel(occupancy=_OCCUPANCY)
+def _column_amax_kernel(X, Amax, CHUNK: ConstInt, TILE_R: ConstInt, TILE_K: ConstInt):
+    """FP8 per row of a transposed input, first pass. X (B, K, R) is the storage of the input, whose
+    rows are its columns; Amax (B, R) int32, zeroed, gets max |x| over each column as fp32 bits, by an
+    atomic integer maximum (non-negative floats order like their bits, and NaN's exceed +Inf's, so NaN
+    propagates). Each block reduces CHUNK tiles down K in registers: the blocks fill the GPU whatever
+    R is, which one block per row tile over all of K did not."""
+    R, K = X.shape[2], X.shape[1]
+    num_c = ct.cdiv(ct.cdiv(K, TILE_K), CHUNK)
+    per_batch = ct.cdiv(R, TILE_R) * num_c
+    b = ct.bid(0) // per_batch
+    rt = ct.bid(0) % per_batch // num_c
+    c = ct.bid(0) % num_c
+    acc = ct.zeros((1, TILE_R), ct.int32)
+    for kt in range(c * CHUNK, ct.minimum((c + 1) * CHUNK, ct.cdiv(K, TILE_K))):
+        acc = ct.maximum(acc, ct.max(_bits(_column_tile(X, b, kt, rt, TILE_K, TILE_R)) & 0x7FFFFFFF,
+                                     axis=0, keepdims=True))
+    cols = rt * TILE_R + ct.arange(TILE_R, dtype=ct.int32)
+    ct.atomic_max(Amax, (b, cols), acc.reshape((TILE_R,)), memory_order=ct.MemoryOrder.RELAXED)
+
+
+@ct.kernel(occupancy=_OCCUPANCY)
+def _fp8_columns_kernel(X, Data, Scale, Amax, ELEMENT: ConstInt, TILE_R: ConstInt, TILE_K: ConstInt):
+    """FP8 per row of a transposed input, second pass: tile (kt, rt) of X (B, K, R), read in storage
+    order, becomes q = sat(x / s), s from ``_column_amax_kernel``'s Amax (B, R), and its fp8 bytes are
+    stored transposed into Data (B, R, K). The blocks with kt = 0 store the scales, Scale (B, R, 1)."""
+    QMAX = _fp8_qmax(ELEMENT)
+    R, K = X.shape[2], X.shape[1]
+    b, rt, kt = _tile_index(ct.bid(0), ct.cdiv(R, TILE_R), K, TILE_K)
+    s = _fp8_tensor_scale(ct.bitcast(ct.load(Amax, (b, rt), (1, TILE_R)), ct.float32), QMAX)  # (1, TILE_R)
+    q = _fp8_divide(_column_tile(X, b, kt, rt, TILE_K, TILE_R), s, Data.dtype)
+    ct.store(Data, (b, kt, rt), q.reshape((1, TILE_K, TILE_R)), order=(0, 2, 1))
+    if kt == 0:
+        ct.store(Scale, (b, rt, 0), s.reshape((1, TILE_R, 1)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -686,21 +708,24 @@ ROW_MIN_K = 1024
 ROW_MAX_K = 8192
 
 
-#: A transposed input (axis=-2): tile_r rows, contiguous in its storage, walked down K tile_k at a time,
-#: twice. Measured on the H100 at 256 MiB (R = 8192, K = 16384): 32x256 47 % of the copy (STACK 48),
-#: 32x128 40 %, 16x256 39 %, 16x512 31 %, 64x128 28 %; the tile loaded through order=(0, 2, 1) made 39 %
-#: at best (16x256). Each row's amax needs all of K before a byte is written, and R / tile_r blocks
-#: (256 here) do not fill the GPU. Splitting it into two kernels that do fill it -- per-column amax
-#: over chunks of K with atomic maxima, then one storage-order tile per block quantized and stored
-#: transposed -- was slower: 31-43 % over 128x64, 64x128, 256x32 and 64x64 quantize tiles.
+#: FP8 per row of a transposed input (axis=-2), whose rows are the columns of its (B, K, R) storage:
+#: ``_column_amax_kernel`` reduces ROW_AMAX_CHUNK tiles of ROW_AMAX_CONFIG (tile_r input rows, contiguous
+#: in storage, by tile_k of K) per block, then ``_fp8_columns_kernel`` quantizes one
+#: ROW_TRANSPOSED_CONFIG tile per block. Measured on the H100 (bf16, x.mT of a (K, R) tensor, % of the
+#: copy): the amax pass 64x128 by 16 reads at 83 / 93 / 90 % of the copy's rate at R x K = 4096 x
+#: 8192 / 8192 x 16384 / 1024 x 65536 (32x256, 128x64, 128x128 at 2 blocks per SM: 74-90 %; chunks
+#: of 4 and 8 within 3 points); the quantize pass at 32x256 79 / 81 / 78 % (16x512 74-76 %, 32x128,
+#: 16x256 61-69 %, 64x256 at 2 blocks per SM 58-59 %, 32x512 51-53 %). The single kernel it replaces
+#: (one block per 32 rows walking all of K twice) made 35 / 48 / 11 %: R / 32 blocks do not fill the
+#: GPU.
+ROW_AMAX_CONFIG = TileConfig(64, 128)
+ROW_AMAX_CHUNK = 16
 ROW_TRANSPOSED_CONFIG = TileConfig(32, 256)
 
 
-def row_config(k: int, transposed: bool = False) -> TileConfig:
-    """FP8 per-row tile for rows of k elements: tile_k the power of two >= k within [1024, 8192],
-    ``ROW_ELEMENTS`` per block; ``ROW_TRANSPOSED_CONFIG`` for a transposed input."""
-    if transposed:
-        return ROW_TRANSPOSED_CONFIG
+def row_config(k: int) -> TileConfig:
+    """FP8 per-row tile for rows of k elements (an input that is not transposed): tile_k the power of
+    two >= k within [1024, 8192], ``ROW_ELEMENTS`` per block."""
     tile_k = min(ROW_MAX_K, max(ROW_MIN_K, 1 << max(0, k - 1).bit_length()))
     return TileConfig(ROW_ELEMENTS // tile_k, tile_k)
 
@@ -869,12 +894,20 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
     full = _operand(x)
     if granularity == "row":
         op = _rows_flattened(full)
-        cfg = row_config(op.k, op.transposed)
         data = torch.empty(op.batch, op.rows, op.k, dtype=fmt.data_dtype, device=x.device)
         scale = torch.empty(op.batch, op.rows, 1, dtype=torch.float32, device=x.device)
-        grid = (op.batch * -(-op.rows // cfg.tile_r), 1, 1)
-        _launch(_fp8_row_kernel, op, cfg, (op.view, data, scale, element, op.transposed, cfg.tile_r,
-                                           cfg.tile_k), grid)
+        if op.transposed:
+            amax = torch.zeros(op.batch, op.rows, dtype=torch.int32, device=x.device)
+            acfg = ROW_AMAX_CONFIG
+            chunks = -(-(-(-op.k // acfg.tile_k)) // ROW_AMAX_CHUNK)
+            _launch(_column_amax_kernel, op, acfg, (op.view, amax, ROW_AMAX_CHUNK, acfg.tile_r, acfg.tile_k),
+                    (op.batch * -(-op.rows // acfg.tile_r) * chunks, 1, 1))
+            cfg = ROW_TRANSPOSED_CONFIG
+            _launch(_fp8_columns_kernel, op, cfg, (op.view, data, scale, amax, element, cfg.tile_r, cfg.tile_k))
+        else:
+            cfg = row_config(op.k)
+            _launch(_fp8_row_kernel, op, cfg, (op.view, data, scale, element, cfg.tile_r, cfg.tile_k),
+                    (op.batch * -(-op.rows // cfg.tile_r), 1, 1))
         return _shaped(full, x, data, scale, False)
     cfg = FP8_CONFIG
     if granularity == "tensor":
@@ -944,10 +977,13 @@ def aot_variants() -> list[AotVariant]:
                         [x, u8, scale, f32_1, f32_1, from_amax, swizzled, transposed])
             for element in ("e4m3", "e5m2"):
                 code = _ELEMENT_CODE[element]
-                for tile_k in [0] if transposed else _row_tiles_k():
-                    cfg = row_config(tile_k, transposed)
-                    add(f"quantize_fp8_row{cfg.tile_k}_{element}_{in_name}{t}", _fp8_row_kernel, cfg,
-                        [x, _data_array(element), array(ct.float32, 3), code, transposed])
+                if transposed:
+                    add(f"quantize_fp8_rowcols_{element}_{in_name}", _fp8_columns_kernel, ROW_TRANSPOSED_CONFIG,
+                        [x, _data_array(element), array(ct.float32, 3), array(ct.int32, 2), code])
+                for tile_k in [] if transposed else _row_tiles_k():
+                    cfg = row_config(tile_k)
+                    add(f"quantize_fp8_row{cfg.tile_k}_{element}_{in_name}", _fp8_row_kernel, cfg,
+                        [x, _data_array(element), array(ct.float32, 3), code])
                 grans = {"tensor": _FP8_TENSOR}
                 if element == "e4m3":
                     grans.update({"1x128": _FP8_1X128, "128x128": _FP8_128X128})
@@ -957,6 +993,8 @@ def aot_variants() -> list[AotVariant]:
                     amax = f32_1 if gran == _FP8_TENSOR else array(ct.float32, 3)
                     add(f"quantize_fp8_{gname}_{element}_{in_name}{t}", _fp8_quantize_kernel, cfg,
                         [x, _data_array(element), scale, amax, _INT32, code, gran, transposed])
+        add(f"amax_columns_{in_name}", _column_amax_kernel, ROW_AMAX_CONFIG,
+            [array(in_dtype, 3), array(ct.int32, 2), ROW_AMAX_CHUNK])
         for propagate in (False, True):
             add(f"amax_{'nan' if propagate else 'nonan'}_{in_name}", _amax_kernel, AMAX_CONFIG,
                 [x, array(ct.int32, 1), propagate])

@@ -668,6 +668,9 @@ class TileConfig:
 #: against 85 %). The same sweep at 64 MiB (``--sweep-size 64MiB``) picks the same tiles: MXFP4 and
 #: NVFP4 swizzled 32x256 78-79 % (64x128 77-80 %; 64x256 and 32x512 at 2 blocks per SM, 128x128 at 2
 #: and 32x256 at 3: 58-71 %), swizzled axis=-2 64x128 71-77 % (MXFP8 64x256 at 2: 79 %, within noise).
+#: Swizzled axis=-2 NVFP4 at 128x64 (the logical tile; 16-element blocks make it whole 4-column scale
+#: groups) ran at 59 / 62 % at 64 / 256 MiB against 73 / 77 % at 64x128 and 76 / 83 % with logical
+#: scales: the permuted scale store is what a narrow-K transposed tile cannot afford.
 #: Neither a persistent grid-stride loop (MXFP4 77 / 86 % at 64 / 256 MiB) nor loading the next tile
 #: before encoding this one (69-75 / 75-84 %) beat one tile per block (81 / 85 % in that run).
 #: What the e2m1 encode costs: with it replaced by a shift (wrong bytes, same loads and stores)

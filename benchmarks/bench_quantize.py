@@ -178,7 +178,7 @@ def _sweep_plan():
     from tilemm.kernels.quantize_kernels import TileConfig as T
 
     logical_t = [T(128, 64), T(64, 128), T(128, 128, 2), T(256, 64, 2)]
-    swizzled_t = [T(32, 256), T(64, 128), T(128, 128, 2)]
+    swizzled_t = [T(32, 256), T(64, 128), T(128, 128, 2)]  # whole 4-column scale groups (128 of K) for MX
     return [
         ("mxfp4 swizzled", "", ("BLOCK_CONFIGS", ("mxfp4", True, False)), [T(64, 128), T(32, 128)]),
         ("nvfp4 swizzled (given scale)", "", ("BLOCK_CONFIGS", ("nvfp4", True, False)), [T(64, 128), T(128, 64)]),
@@ -187,7 +187,7 @@ def _sweep_plan():
         ("mxfp8 e4m3 axis=-2", "t", ("BLOCK_CONFIGS", ("mxfp8", False, True)), logical_t),
         ("mxfp4 swizzled axis=-2", "t", ("BLOCK_CONFIGS", ("mxfp4", True, True)), swizzled_t),
         ("mxfp4 axis=-2", "t", ("BLOCK_CONFIGS", ("mxfp4", False, True)), logical_t),
-        ("nvfp4 swizzled axis=-2", "t", ("BLOCK_CONFIGS", ("nvfp4", True, True)), swizzled_t),
+        ("nvfp4 swizzled axis=-2", "t", ("BLOCK_CONFIGS", ("nvfp4", True, True)), [T(128, 64), *swizzled_t]),
         ("nvfp4 axis=-2", "t", ("BLOCK_CONFIGS", ("nvfp4", False, True)), logical_t),
         ("fp8 1x128", "", ("FP8_1X128_CONFIG", None), [T(32, 128), T(16, 256), T(64, 128, 3)]),
         ("fp8 128x128", "", ("FP8_BLOCK_CONFIG", None), [T(128, 128, 3)]),

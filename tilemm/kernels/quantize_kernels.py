@@ -53,15 +53,14 @@ unwritten.
 
 Measured on an H100 (2026-11-22; tests/test_quantize_gpu.py: bit-exact against the CPU reference on
 every case; benchmarks/bench_quantize.py, bf16 input, CUDA-graph replays timed back to back with a
-device-to-device copy of 2.57 TB/s at 64 MiB and 2.94 TB/s at 256 MiB; % of the copy at 64 / 256
-MiB): MXFP8 logical scales 89 / 96, swizzled 90 / 96, axis=-2 87 / 92 (swizzled 79 / 83); MXFP4
-78 / 85 (axis=-2 swizzled 70 / 73); NVFP4 with a given scale 79 / 86 (kernel alone; axis=-2 swizzled
-72 / 76), 45 / 50 with the amax pass; FP8 per tensor 91 / 98 (kernel alone), 53 / 58 with the amax
-pass, per row 82 / 93 (axis=-2, with its amax pass: 48 / 50), 1x128 85 / 90, 128x128 77 / 86. The
-amax pass alone reads at 74 / 94 % of the copy's rate. A pass that reads the input twice moves about
-2/5 more bytes than it is credited, so it cannot pass ~60 %. An earlier run of the same kernels read
-1-3 points higher at 64 MiB; timed right after the eager references instead, they measured up to 10
-points lower.
+device-to-device copy of 2.61 TB/s at 64 MiB and 2.90 TB/s at 256 MiB; % of the copy at 64 / 256
+MiB): MXFP8 logical scales 90 / 97, swizzled 89 / 96, axis=-2 87 / 92 (swizzled 87 / 90); MXFP4
+79 / 84 (axis=-2 swizzled 74 / 78); NVFP4 with a given scale 80 / 85 (kernel alone; axis=-2 swizzled
+71 / 75), 44 / 50 with the amax pass; FP8 per tensor 91 / 98 (kernel alone), 52 / 58 with the amax
+pass, per row 82 / 93 (axis=-2, with its amax pass: 47 / 51), 1x128 85 / 89, 128x128 77 / 86. The
+amax pass alone reads at 75 / 93 % of the copy's rate. A pass that reads the input twice moves about
+2/5 more bytes than it is credited, so it cannot pass ~60 %. Runs of the same kernels differ by up to
+3 points; timed right after the eager references instead, they measured up to 10 points lower.
 """
 
 from __future__ import annotations
@@ -311,17 +310,21 @@ def _store_scales(Scale, s, b, rt, kt, TILE_R, NB, SWIZZLED, TRANSPOSED):
 
     Logical: Scale is (B, R, Ks). Swizzled: Scale is the (B, cdiv(R, 128), cdiv(Ks, 4), 32, 4, 4) view
     of the 32x4x4 layout (the last 16 split as m2 x k1), TILE_R in {32, 64, 128} and NB = 4 * G: row
-    32 * m2 + m1 of the tile's 128-row block and column 4 * g + k1 go to block g, row m1, m2, k1."""
-    if SWIZZLED:
+    32 * m2 + m1 of the tile's 128-row block and column 4 * g + k1 go to block g, row m1, m2, k1.
+
+    The transposed kernels scatter their bytes to those places: the tile store of the permuted
+    scales cost them up to 14 points of the copy (on the H100, swizzled MXFP8 along axis=-2 went from
+    79 / 83 % to 87 / 90 % at 64 / 256 MiB, as fast as logical scales)."""
+    if SWIZZLED and TRANSPOSED:  # scale (k, r) -> [r // 128, c // 4, r % 32, r // 32 % 4, c % 4]
+        r = rt * TILE_R + ct.arange(TILE_R, dtype=ct.int32).reshape((1, 1, TILE_R))
+        c = kt * NB + ct.arange(NB, dtype=ct.int32).reshape((NB, 1, 1))
+        ct.scatter(Scale, (b, r // SWIZZLE_ROWS, c // SWIZZLE_COLS, r % 32, r // 32 % 4, c % SWIZZLE_COLS), s)
+    elif SWIZZLED:  # [32 m2 + m1, 4g + k1] -> [g, m1, m2, k1]
         G = NB // SWIZZLE_COLS
         M2 = TILE_R // 32  # 32-row sub-tiles in this tile
         PER_BLOCK = SWIZZLE_ROWS // TILE_R  # tiles per 128-row block
-        if TRANSPOSED:  # [4g + k1, 32 m2 + m1] -> [g, m1, m2, k1]
-            t = ct.permute(s.reshape((G, SWIZZLE_COLS, M2, 32)), (0, 3, 2, 1))
-        else:  # [32 m2 + m1, 4g + k1] -> [g, m1, m2, k1]
-            t = ct.permute(s.reshape((M2, 32, G, SWIZZLE_COLS)), (2, 1, 0, 3))
-        ct.store(Scale, (b, rt // PER_BLOCK, kt, 0, rt % PER_BLOCK, 0),
-                 t.reshape((1, 1, G, 32, M2, SWIZZLE_COLS)))
+        t = ct.permute(s.reshape((M2, 32, G, SWIZZLE_COLS)), (2, 1, 0, 3))
+        ct.store(Scale, (b, rt // PER_BLOCK, kt, 0, rt % PER_BLOCK, 0), t.reshape((1, 1, G, 32, M2, SWIZZLE_COLS)))
     elif TRANSPOSED:
         ct.store(Scale, (b, kt, rt), s.reshape((1, NB, TILE_R)), order=(0, 2, 1))
     else:
@@ -656,30 +659,31 @@ class TileConfig:
     occupancy: int = _OCCUPANCY
 
 
-#: (format, swizzled scales, transposed input) -> tile. Measured on the H100 (bench_quantize.py
-#: --sweep, 256 MiB bf16): MXFP8 64x128 (8K elements per block, 64 per thread at 128 threads; 64
-#: registers, no spills) reaches the copy bandwidth with swizzled scales; logical scales want 16x512
-#: (each row's scale bytes one 16-byte store; 64x128 gave 77 %); the e2m1 encoders prefer 32x256
-#: swizzled (85 % against 65 % at 32x128) and 16x512 logical. A transposed input (axis=-2) is read
-#: in storage order, tile_r rows contiguous: logical scales 128x64 (MXFP8 91 %, against 33 % when it
-#: was loaded transposed; MXFP4 80 %, NVFP4 82 %), swizzled MXFP8 32x256 (85 %), MXFP4 and NVFP4
-#: 64x128 (73 / 74 %; 128x128 at 2 blocks per SM: 54-61 %). Eight worker warps (``num_worker_warps``)
-#: at 2 or 3 blocks per SM were slower for every format and orientation (e.g. MXFP4 swizzled 63-80 %
-#: against 85 %). The same sweep at 64 MiB (``--sweep-size 64MiB``) picks the same tiles: MXFP4 and
-#: NVFP4 swizzled 32x256 78-79 % (64x128 77-80 %; 64x256 and 32x512 at 2 blocks per SM, 128x128 at 2
-#: and 32x256 at 3: 58-71 %), swizzled axis=-2 64x128 71-77 % (MXFP8 64x256 at 2: 79 %, within noise).
-#: Swizzled axis=-2 NVFP4 at 128x64 (the logical tile; 16-element blocks make it whole 4-column scale
-#: groups) ran at 59 / 62 % at 64 / 256 MiB against 73 / 77 % at 64x128 and 76 / 83 % with logical
-#: scales: the permuted scale store is what a narrow-K transposed tile cannot afford.
-#: Neither a persistent grid-stride loop (MXFP4 77 / 86 % at 64 / 256 MiB) nor loading the next tile
-#: before encoding this one (69-75 / 75-84 %) beat one tile per block (81 / 85 % in that run).
-#: What the e2m1 encode costs: with it replaced by a shift (wrong bytes, same loads and stores)
-#: the MXFP4 kernel ran at 85 / 97 %. A shorter encode (the multiply folded into an FMA, the sign
-#: from the bits) saved one or two of its ~17 instructions per element and timed within noise.
+#: (format, swizzled scales, transposed input) -> tile, from ``bench_quantize.py --sweep`` on the H100
+#: (bf16; % of the copy).
+#: axis=-1: MXFP8 64x128 (8K elements per block, 64 per thread at 128 threads; 64 registers, no
+#: spills) reaches the copy bandwidth with swizzled scales; logical scales want 16x512 (each row's
+#: scale bytes one 16-byte store; 64x128 gave 77 %); the e2m1 encoders prefer 32x256 swizzled (85 %
+#: against 65 % at 32x128) and 16x512 logical. At 64 MiB (``--sweep-size 64MiB``) the same tiles win:
+#: MXFP4 and NVFP4 swizzled 32x256 78-79 % (64x128 77-80 %; 64x256 and 32x512 at 2 blocks per SM,
+#: 128x128 at 2, 32x256 at 3: 58-71 %).
+#: axis=-2, read in storage order (tile_r rows contiguous): logical scales 128x64 (MXFP8 91 % at 256
+#: MiB, against 33 % when the tile was loaded transposed; MXFP4 80 %, NVFP4 82 %). Swizzled scales
+#: are scattered to their places (``_store_scales``): MXFP8 64x128 87 / 90 % at 64 / 256 MiB (32x256:
+#: 62 / 67 %), MXFP4 64x128 78 / 79 % (32x256 and 128x128 at 2 blocks per SM: 59-73 %), NVFP4 128x64
+#: 73 / 75 % (64x128: 55 / 58 %). Stored as a permuted tile they made 79 / 83 % (MXFP8 32x256), 70 /
+#: 73 % (MXFP4 64x128) and 72-73 / 76-77 % (NVFP4 64x128; at 128x64 59 / 62 %).
+#: Not adopted: eight worker warps (``num_worker_warps``) at 2 or 3 blocks per SM, slower for every
+#: format and orientation (e.g. MXFP4 swizzled 63-80 % against 85 %); a persistent grid-stride loop
+#: (MXFP4 77 / 86 % at 64 / 256 MiB) and loading the next tile before encoding this one (69-75 /
+#: 75-84 %), against 81 / 85 % for one tile per block in that run. What the e2m1 encode costs: with it
+#: replaced by a shift (wrong bytes, same loads and stores) the MXFP4 kernel ran at 85 / 97 %; a
+#: shorter encode (the multiply folded into an FMA, the sign from the bits) saved one or two of its
+#: ~17 instructions per element and timed within noise.
 BLOCK_CONFIGS = {
     ("mxfp8", True, False): TileConfig(64, 128),
     ("mxfp8", False, False): TileConfig(16, 512),
-    ("mxfp8", True, True): TileConfig(32, 256),
+    ("mxfp8", True, True): TileConfig(64, 128),
     ("mxfp8", False, True): TileConfig(128, 64),
     ("mxfp4", True, False): TileConfig(32, 256),
     ("mxfp4", False, False): TileConfig(16, 512),
@@ -687,7 +691,7 @@ BLOCK_CONFIGS = {
     ("mxfp4", False, True): TileConfig(128, 64),
     ("nvfp4", True, False): TileConfig(32, 256),
     ("nvfp4", False, False): TileConfig(16, 512),
-    ("nvfp4", True, True): TileConfig(64, 128),
+    ("nvfp4", True, True): TileConfig(128, 64),
     ("nvfp4", False, True): TileConfig(128, 64),
 }
 #: FP8 per tensor.

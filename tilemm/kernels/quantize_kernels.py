@@ -316,7 +316,7 @@ def _store_scales(Scale, s, b, rt, kt, TILE_R, NB, SWIZZLED, TRANSPOSED):
     scales cost them up to 14 points of the copy (on the H100, swizzled MXFP8 along axis=-2 went from
     79 / 83 % to 87 / 90 % at 64 / 256 MiB, as fast as logical scales). The others keep the tile
     store: scattered, swizzled MXFP8 fell from 89 / 96 % to 71 / 76 % (64x128; 79 / 82 % at best,
-    16x512), MXFP4 and NVFP4 from 79-80 / 84-85 % to 66-74 / 73-78 %."""
+    16x512), MXFP4 and NVFP4 from 79-80 / 84-85 % to 66-74 / 73-78 % (16x256: 56-59 %)."""
     if SWIZZLED and TRANSPOSED:  # scale (k, r) -> [r // 128, c // 4, r % 32, r // 32 % 4, c % 4]
         r = rt * TILE_R + ct.arange(TILE_R, dtype=ct.int32).reshape((1, 1, TILE_R))
         c = kt * NB + ct.arange(NB, dtype=ct.int32).reshape((NB, 1, 1))

@@ -267,7 +267,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true",
                         help="also time other tile shapes and occupancies of the kernels")
     parser.add_argument("--sweep-only", action="store_true", help="only the sweep")
-    parser.add_argument("--sweep-size", choices=sorted(SIZES), default="256MiB", help="the sweep's input size")
+    parser.add_argument("--sweep-size", choices=sorted(SIZES), default="256MiB",
+                        help="the sweep's input size")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_quantize.py needs a CUDA GPU")
@@ -342,7 +343,8 @@ def main() -> None:
         "sweep": sweep_rows,
     }
     if sweep_rows:
-        print(f"\n| sweep ({args.sweep_size}) | tile | occupancy | bit-exact | time (us) | GB/s | % of copy |")
+        print(f"\n| sweep ({args.sweep_size}) | tile | occupancy | bit-exact | time (us) | GB/s "
+              "| % of copy |")
         print("|---|---|---:|---|---:|---:|---:|")
         for r in sweep_rows:
             if "tile" not in r:

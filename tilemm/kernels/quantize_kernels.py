@@ -326,7 +326,8 @@ def _store_scales(Scale, s, b, rt, kt, TILE_R, NB, SWIZZLED, TRANSPOSED):
         M2 = TILE_R // 32  # 32-row sub-tiles in this tile
         PER_BLOCK = SWIZZLE_ROWS // TILE_R  # tiles per 128-row block
         t = ct.permute(s.reshape((M2, 32, G, SWIZZLE_COLS)), (2, 1, 0, 3))
-        ct.store(Scale, (b, rt // PER_BLOCK, kt, 0, rt % PER_BLOCK, 0), t.reshape((1, 1, G, 32, M2, SWIZZLE_COLS)))
+        ct.store(Scale, (b, rt // PER_BLOCK, kt, 0, rt % PER_BLOCK, 0),
+                 t.reshape((1, 1, G, 32, M2, SWIZZLE_COLS)))
     elif TRANSPOSED:
         ct.store(Scale, (b, kt, rt), s.reshape((1, NB, TILE_R)), order=(0, 2, 1))
     else:
@@ -912,7 +913,8 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
             _launch(_column_amax_kernel, op, acfg, (op.view, amax, ROW_AMAX_CHUNK, acfg.tile_r, acfg.tile_k),
                     (op.batch * -(-op.rows // acfg.tile_r) * chunks, 1, 1))
             cfg = ROW_TRANSPOSED_CONFIG
-            _launch(_fp8_columns_kernel, op, cfg, (op.view, data, scale, amax, element, cfg.tile_r, cfg.tile_k))
+            _launch(_fp8_columns_kernel, op, cfg,
+                    (op.view, data, scale, amax, element, cfg.tile_r, cfg.tile_k))
         else:
             cfg = row_config(op.k)
             _launch(_fp8_row_kernel, op, cfg, (op.view, data, scale, element, cfg.tile_r, cfg.tile_k),
@@ -987,7 +989,8 @@ def aot_variants() -> list[AotVariant]:
             for element in ("e4m3", "e5m2"):
                 code = _ELEMENT_CODE[element]
                 if transposed:
-                    add(f"quantize_fp8_rowcols_{element}_{in_name}", _fp8_columns_kernel, ROW_TRANSPOSED_CONFIG,
+                    add(f"quantize_fp8_rowcols_{element}_{in_name}", _fp8_columns_kernel,
+                        ROW_TRANSPOSED_CONFIG,
                         [x, _data_array(element), array(ct.float32, 3), array(ct.int32, 2), code])
                 for tile_k in [] if transposed else _row_tiles_k():
                     cfg = row_config(tile_k)

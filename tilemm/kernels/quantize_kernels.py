@@ -909,8 +909,10 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
         if op.transposed:
             amax = torch.zeros(op.batch, op.rows, dtype=torch.int32, device=x.device)
             acfg = ROW_AMAX_CONFIG
-            chunks = -(-(-(-op.k // acfg.tile_k)) // ROW_AMAX_CHUNK)
-            _launch(_column_amax_kernel, op, acfg, (op.view, amax, ROW_AMAX_CHUNK, acfg.tile_r, acfg.tile_k),
+            k_tiles = -(-op.k // acfg.tile_k)
+            chunks = -(-k_tiles // ROW_AMAX_CHUNK)
+            _launch(_column_amax_kernel, op, acfg,
+                    (op.view, amax, ROW_AMAX_CHUNK, acfg.tile_r, acfg.tile_k),
                     (op.batch * -(-op.rows // acfg.tile_r) * chunks, 1, 1))
             cfg = ROW_TRANSPOSED_CONFIG
             _launch(_fp8_columns_kernel, op, cfg,

@@ -605,9 +605,9 @@ def _fp8_row_kernel(X, Data, Scale, ELEMENT: ConstInt, TILE_R: ConstInt, TILE_K:
 
 
 def _column_tile(X, b, kt, rt, TILE_K, TILE_R):
-    """The (TILE_K, TILE_R) tile (kt, rt) of X (B, K, R) in storage order, as fp32; zeros past the edges."""
-    x = ct.load(X, (b, kt, rt), (1, TILE_K, TILE_R), padding_mode=_ZERO, latency=_LATENCY)
-    return x.reshape((TILE_K, TILE_R)).astype(ct.float32)
+    """The (TILE_K, TILE_R) tile (kt, rt) of X (B, K, R) in storage order, as fp32: ``_load_blocks``'
+    transposed tile as one block."""
+    return _load_blocks(X, b, rt, kt, TILE_R, TILE_K, TILE_K, True).reshape((TILE_K, TILE_R))
 
 
 @ct.kernel(occupancy=_OCCUPANCY)

@@ -724,8 +724,8 @@ ROW_MAX_K = 8192
 #: ROW_TRANSPOSED_CONFIG tile per block. Measured on the H100 (bf16, x.mT of a (K, R) tensor, % of the
 #: copy): the amax pass 64x128 by 16 reads at 83 / 93 / 90 % of the copy's rate at R x K = 4096 x
 #: 8192 / 8192 x 16384 / 1024 x 65536 (32x256, 128x64, 128x128 at 2 blocks per SM: 74-90 %; chunks
-#: of 4 and 8 within 3 points); the quantize pass at 32x256 79 / 81 / 78 % (16x512 74-76 %, 32x128,
-#: 16x256 61-69 %, 64x256 at 2 blocks per SM 58-59 %, 32x512 51-53 %). End to end (the zeroed Amax
+#: of 4 and 8: 82-91 %); the quantize pass at 32x256 79 / 81 / 78 % (16x512 73-76 %, 32x128 and
+#: 16x256 60-69 %, 64x256 at 2 blocks per SM 58-59 %, 32x512 51-53 %). End to end (the zeroed Amax
 #: and both passes): 47 / 51 / 50 %, and 42 % at 512 x 4096. The single kernel it replaces (one block
 #: per 32 rows walking all of K twice) made 35 / 48 / 11 %: R / 32 blocks do not fill the GPU.
 ROW_AMAX_CONFIG = TileConfig(64, 128)

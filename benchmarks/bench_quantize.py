@@ -121,10 +121,19 @@ def _bytes(t) -> int:
     return sum(v.numel() * v.element_size() for v in t)
 
 
+#: GPU clock cycles of ``torch.cuda._sleep`` queued before each timed graph replay (~0.1 ms): the GPU
+#: is still busy when the host has submitted the replay, so the start event fires right before the
+#: kernels and the interval is GPU time. Timed from an idle GPU instead, the interval also holds the
+#: host's submission (about 3.5 us on the H100, 7 % of a 64 MiB copy), and single runs varied by 3-4
+#: points of the copy where they now vary by about 1.
+GPU_BUSY_CYCLES = 200_000
+
+
 def time_ms(fn, reps: int) -> tuple[float, str]:
     """Median time of ``fn`` in ms and how it was taken: CUDA-graph replays when ``fn`` captures (the
-    kernels alone, no Python dispatch), else eager calls between CUDA events (NVFP4 with a given
-    scale: the quantizer checks the scale's value, which reads it back to the host)."""
+    kernels alone, no Python dispatch, each replay queued behind ``GPU_BUSY_CYCLES`` of GPU sleep),
+    else eager calls between CUDA events (NVFP4 with a given scale: the quantizer checks the scale's
+    value, which reads it back to the host)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -143,15 +152,17 @@ def time_ms(fn, reps: int) -> tuple[float, str]:
         run, how = fn, "events"
     run()
     torch.cuda.synchronize()
-    return _eager_ms(run, reps), how
+    return _eager_ms(run, reps, busy=how == "graph"), how
 
 
-def _eager_ms(fn, reps: int) -> float:
+def _eager_ms(fn, reps: int, busy: bool = False) -> float:
     """Median of ``reps`` calls of fn, each between CUDA events (for an eager call: Python dispatch
-    included, what one call costs)."""
+    included, what one call costs); with ``busy``, each behind ``GPU_BUSY_CYCLES`` of GPU sleep."""
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if busy:
+            torch.cuda._sleep(GPU_BUSY_CYCLES)
         start.record()
         fn()
         end.record()
@@ -327,13 +338,15 @@ def main() -> None:
         return
 
     gpu = props.name
+    now = datetime.datetime.now(datetime.timezone.utc)
     result = {
-        "date": "2026-11-22",
-        "recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": now.date().isoformat(),
+        "recorded": now.isoformat(timespec="seconds"),
         "gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
         "input_dtype": "bfloat16", "reps": args.reps,
-        "method": "median of CUDA-event timings of CUDA-graph replays (eager calls where a quantizer "
-                  "does not capture) after 3 warm-up calls; per size the copy and every quantizer are "
+        "method": "median of CUDA-event timings of CUDA-graph replays, each queued behind "
+                  f"torch.cuda._sleep({GPU_BUSY_CYCLES}) so that the interval is GPU time (eager calls "
+                  "where a quantizer does not capture) after 3 warm-up calls; per size the copy and every quantizer are "
                   "timed back to back, the copy before and after them (the faster is the ceiling), after "
                   "the bit-exact checks and before the eager calls and references; GB/s = (input read + data and "
                   "scales written) / time; copy GB/s = 2 * input bytes / time; eager_call_ms: one eager "

@@ -704,7 +704,9 @@ FP8_CONFIG = TileConfig(64, 128)
 FP8_1X128_CONFIG = TileConfig(64, 128)
 #: 128x128 blocks: one block per tile, 128 elements per thread, so 2 blocks per SM (44 % of the copy
 #: with 4, which spills). Eight worker warps at 1-3 blocks per SM were slower for 1x128, 128x128 and per
-#: row alike (at 64 MiB 40-74 % against 80-85 %).
+#: row alike (at 64 MiB 40-74 % against 80-85 %). Reading each 128x128 block in strips of 32 or 64 rows
+#: (the block amax over the strips, then every strip again from L2, 32-64 registers, 4-8 blocks per SM)
+#: was slower at 64 / 256 MiB: 64-row strips 73 / 82 %, 32-row 53-59 / 59-62 %, against 78 / 85 %.
 FP8_BLOCK_CONFIG = TileConfig(128, 128, occupancy=2)
 AMAX_CONFIG = TileConfig(64, 128)
 #: Blocks of the amax reduction per SM (each loops over its share of the tiles).
@@ -712,7 +714,8 @@ AMAX_BLOCKS_PER_SM = 4
 #: FP8 per row: one block holds ROW_ELEMENTS elements, whole rows when K <= ROW_MAX_K. Measured on
 #: the H100 at 256 MiB: 2x4096 at K = 4096 91 %, 1x8192 at K = 8192 91 %, at K = 7168 88 %, and at
 #: K = 16384 (two passes over each row, the second from L2) 93 %; the earlier 4x1024 with two passes
-#: made 80, 65, 70 and 56 % at those K.
+#: made 80, 65, 70 and 56 % at those K. At 64 MiB (K = 4096) 2x4096 makes 82-84 %; 1x4096 (4 or 8
+#: blocks per SM), 2x4096 at 3, 4x4096 at 2 and 2048-column tiles with two passes made 66-76 %.
 ROW_ELEMENTS = 8192
 ROW_MIN_K = 1024
 ROW_MAX_K = 8192

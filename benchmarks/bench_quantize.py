@@ -5,9 +5,10 @@
 
 For each input size (bf16 (M, K) with 64 MiB and 256 MiB) it first checks every quantizer's GPU
 result against the eager PyTorch reference run on the same GPU (bit for bit), then times, with CUDA
-events after warm-up, the median of ``--reps`` (>= 20) runs of the copy and all quantizers back to
-back (the references, which run for milliseconds each, come after, so that they do not sit between
-the kernels being compared), then the eager calls and references:
+events after warm-up (CUDA-graph replays, each queued behind a GPU sleep: ``GPU_BUSY_CYCLES``), the
+median of ``--reps`` (>= 20) runs of the copy and all quantizers back to back (the references, which
+run for milliseconds each, come after, so that they do not sit between the kernels being compared),
+then the eager calls and references:
 
 * the quantizer (``tilemm.quantize_*`` on a CUDA tensor: the cuTile kernels, including NVFP4's and
   per-tensor FP8's amax pass);
@@ -18,11 +19,12 @@ GB/s counts the bytes a quantizer must move once: the input read plus data and s
 amax pass re-reads the input but is not credited). The copy moves the input's bytes twice (read +
 write). ``% copy`` is the quantizer's GB/s over the copy's. Rows marked "kernel only" call the
 kernel launcher of ``tilemm.kernels.quantize_kernels`` with the global scale / amax already known
-(what the quantizer runs after its amax pass, or without the public NVFP4 function's host-side check
-of the given scale); "amax pass alone" is ``tensor_amax``, which only reads the input (at the copy's
-speed it would show 100 %). A quantizer with an amax pass (NVFP4 without a global scale, FP8 per
-tensor, FP8 per row along axis=-2) moves 2/5 more bytes than it is credited (bf16 -> fp8: 2 bytes
-read twice, 1 written), so it tops out near 60 % of the copy.
+(what the quantizer runs after its amax pass; NVFP4 "given scale" is the same kernel behind the
+public function's checks, which a CUDA graph does not replay); "amax pass alone" is
+``tensor_amax``, which only reads the input (at the copy's speed it would show 100 %). A quantizer
+with an amax pass (NVFP4 without a global scale, FP8 per tensor, FP8 per row along axis=-2) moves
+2/5 more bytes than it is credited (bf16 -> fp8: 2 bytes read twice, 1 written), so it tops out
+near 60 % of the copy.
 
 Writes ``benchmarks/results/quantize-<gpu>.json`` and prints a markdown table.
 """
@@ -142,8 +144,8 @@ GPU_BUSY_CYCLES = 200_000
 def time_ms(fn, reps: int) -> tuple[float, str]:
     """Median time of ``fn`` in ms and how it was taken: CUDA-graph replays when ``fn`` captures (the
     kernels alone, no Python dispatch, each replay queued behind ``GPU_BUSY_CYCLES`` of GPU sleep),
-    else eager calls between CUDA events (NVFP4 with a given scale: the quantizer checks the scale's
-    value, which reads it back to the host)."""
+    else eager calls between CUDA events (a quantizer that reads a value back to the host would not
+    capture; none does now)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()

@@ -73,7 +73,7 @@ import torch
 from cuda.tile import compilation as cc
 
 from ..formats import FP8_E4M3, NVFP4, Format
-from ._aot import AotVariant, array
+from ._aot import TARGETS, AotVariant, array
 from ._common import SWIZZLE_COLS, SWIZZLE_ROWS, hinted
 
 __all__ = ["quantize_mx", "quantize_nvfp4", "quantize_fp8", "aot_variants", "supported"]
@@ -745,12 +745,15 @@ AMAX_PARTIALS = 512
 ROW_ELEMENTS = 8192
 ROW_MIN_K = 1024
 ROW_MAX_K = 8192
-#: Row tiles up to this many columns store their fp8 bytes with plain stores, longer ones through TMA.
-#: Measured on the H100 (% of the copy, TMA -> plain, at 64 / 256 MiB, two runs): K = 1024 79.3-79.6 /
+#: On sm_90, row tiles up to this many columns store their fp8 bytes with plain stores, longer ones
+#: through TMA. Measured on the H100 (% of the copy, TMA -> plain, at 64 / 256 MiB, two runs): K = 1024 79.3-79.6 /
 #: 86.5-86.8 -> 82.5-83.5 / 88.4-88.9, K = 2048 82.1-82.9 / 90.0-90.2 -> 84.9-85.5 / 91.0-91.3, K = 4096
 #: 83.2-83.3 / 90.4-90.7 -> 88.9-89.0 / 94.0-94.6; but the 1x8192 tile (K = 8192) 86.2-86.3 / 93.3-93.4
-#: -> 66.9 / 70.2-70.3.
+#: -> 66.9 / 70.2-70.3. Blackwell keeps TMA stores: compiled for sm_120, the plain-store tiles take 118
+#: registers (2048 columns) or spill (1024), where the TMA ones fit 64 registers; nothing was timed there.
 ROW_PLAIN_STORE_K = 4096
+#: Targets on which the per-row kernel may store plainly (``ROW_PLAIN_STORE_K``).
+ROW_PLAIN_STORE_TARGETS = ("sm_90",)
 
 
 #: FP8 per row of a transposed input (axis=-2), whose rows are the columns of its (B, K, R) storage:
@@ -775,9 +778,9 @@ def row_config(k: int) -> TileConfig:
     return TileConfig(ROW_ELEMENTS // tile_k, tile_k)
 
 
-def _row_tma_store(cfg: TileConfig) -> bool:
-    """Whether the per-row kernel stores its fp8 tile through TMA (plain stores up to ROW_PLAIN_STORE_K)."""
-    return cfg.tile_k > ROW_PLAIN_STORE_K
+def _row_tma_store(cfg: TileConfig, target: str) -> bool:
+    """Whether the per-row kernel stores its fp8 tile through TMA on ``target`` (e.g. "sm_90")."""
+    return cfg.tile_k > ROW_PLAIN_STORE_K or target not in ROW_PLAIN_STORE_TARGETS
 
 
 def _row_tiles_k() -> list[int]:
@@ -852,6 +855,12 @@ def _launch_kernel(device: torch.device, grid, kernel, args: tuple) -> None:
 
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _target(device: torch.device) -> str:
+    """The device's architecture as an ``aot_variants`` target, e.g. "sm_90"."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
 
 
 def _launch(kernel, op: _Operand, cfg: TileConfig, args: tuple, grid=None, swizzle: bool = False) -> None:
@@ -967,7 +976,8 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
         else:
             cfg = row_config(op.k)
             _launch(_fp8_row_kernel, op, cfg,
-                    (op.view, data, scale, element, _row_tma_store(cfg), cfg.tile_r, cfg.tile_k),
+                    (op.view, data, scale, element, _row_tma_store(cfg, _target(x.device)), cfg.tile_r,
+                     cfg.tile_k),
                     (op.batch * -(-op.rows // cfg.tile_r), 1, 1))
         return _shaped(full, x, data, scale, False)
     cfg = FP8_CONFIG
@@ -1019,8 +1029,8 @@ def aot_variants() -> list[AotVariant]:
     f32_1 = array(ct.float32, 1)
     i32_1 = array(ct.int32, 1)
 
-    def add(name, kernel, cfg, params):
-        variants.append(AotVariant(name, _kernel(kernel, cfg), [*params, cfg.tile_r, cfg.tile_k]))
+    def add(name, kernel, cfg, params, targets=TARGETS):
+        variants.append(AotVariant(name, _kernel(kernel, cfg), [*params, cfg.tile_r, cfg.tile_k], targets))
 
     for in_name, in_dtype in _INPUT_DTYPES.items():
         x = array(in_dtype, 3)
@@ -1046,8 +1056,12 @@ def aot_variants() -> list[AotVariant]:
                         [x, _data_array(element), array(ct.float32, 3), array(ct.int32, 2), code])
                 for tile_k in [] if transposed else _row_tiles_k():
                     cfg = row_config(tile_k)
-                    add(f"quantize_fp8_row{cfg.tile_k}_{element}_{in_name}", _fp8_row_kernel, cfg,
-                        [x, _data_array(element), array(ct.float32, 3), code, _row_tma_store(cfg)])
+                    for tma in (True, False):
+                        targets = tuple(t for t in TARGETS if _row_tma_store(cfg, t) == tma)
+                        if targets:
+                            add(f"quantize_fp8_row{cfg.tile_k}_{element}_{in_name}{'' if tma else '_plain'}",
+                                _fp8_row_kernel, cfg,
+                                [x, _data_array(element), array(ct.float32, 3), code, tma], targets)
                 grans = {"tensor": _FP8_TENSOR}
                 if element == "e4m3":
                     grans.update({"1x128": _FP8_1X128, "128x128": _FP8_128X128})

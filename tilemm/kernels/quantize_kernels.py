@@ -52,15 +52,15 @@ padding comes out zero without a separate fill, and no byte of the outputs (torc
 unwritten.
 
 Measured on an H100 (2026-11-22; tests/test_quantize_gpu.py: bit-exact against the CPU reference on
-every case; benchmarks/bench_quantize.py, bf16 input, CUDA-graph replays timed back to back with a
-device-to-device copy of 2.61 TB/s at 64 MiB and 2.90 TB/s at 256 MiB; % of the copy at 64 / 256
-MiB): MXFP8 logical scales 90 / 97, swizzled 89 / 96, axis=-2 87 / 92 (swizzled 87 / 90); MXFP4
-79 / 84 (axis=-2 swizzled 74 / 78); NVFP4 with a given scale 80 / 85 (kernel alone; axis=-2 swizzled
-71 / 75), 44 / 50 with the amax pass; FP8 per tensor 91 / 98 (kernel alone), 52 / 58 with the amax
-pass, per row 82 / 93 (axis=-2, with its amax pass: 47 / 51), 1x128 85 / 89, 128x128 77 / 86. The
-amax pass alone reads at 75 / 93 % of the copy's rate. A pass that reads the input twice moves about
-2/5 more bytes than it is credited, so it cannot pass ~60 %. Runs of the same kernels differ by up to
-3 points; timed right after the eager references instead, they measured up to 10 points lower.
+every case; benchmarks/bench_quantize.py, bf16 input, CUDA-graph replays queued behind a GPU sleep and
+timed back to back with a device-to-device copy of 2.81 TB/s at 64 MiB and 2.98 TB/s at 256 MiB; % of
+the copy at 64 / 256 MiB): MXFP8 logical scales 91 / 97, swizzled 92 / 97, axis=-2 89 / 92 (swizzled
+87 / 90); MXFP4 80 / 85 (axis=-2 swizzled 75 / 78); NVFP4 with a given scale 81 / 86 (axis=-2
+swizzled 71 / 75), 45 / 51 with the amax pass; FP8 per tensor 93 / 99 (kernel alone), 53 / 59 with
+the amax pass, per row 87 / 94 (axis=-2, with its amax pass: 46 / 51), 1x128 86 / 90, 128x128
+78 / 87. The amax pass alone reads at 85 / 97 % of the copy's rate. A pass that reads the input twice
+moves about 2/5 more bytes than it is credited, so it cannot pass ~60 %. Runs of the same kernels
+differ by 1-2 points.
 """
 
 from __future__ import annotations
@@ -740,8 +740,9 @@ AMAX_PARTIALS = 512
 #: FP8 per row: one block holds ROW_ELEMENTS elements, whole rows when K <= ROW_MAX_K. Measured on
 #: the H100 at 256 MiB: 2x4096 at K = 4096 91 %, 1x8192 at K = 8192 91 %, at K = 7168 88 %, and at
 #: K = 16384 (two passes over each row, the second from L2) 93 %; the earlier 4x1024 with two passes
-#: made 80, 65, 70 and 56 % at those K. At 64 MiB (K = 4096) 2x4096 makes 82-84 %; 1x4096 (4 or 8
-#: blocks per SM), 2x4096 at 3, 4x4096 at 2 and 2048-column tiles with two passes made 66-76 %.
+#: made 80, 65, 70 and 56 % at those K (all with TMA stores). At 64 MiB (K = 4096, TMA stores) 2x4096
+#: made 82-84 %; 1x4096 (4 or 8 blocks per SM), 2x4096 at 3, 4x4096 at 2 and 2048-column tiles with
+#: two passes 66-76 %.
 ROW_ELEMENTS = 8192
 ROW_MIN_K = 1024
 ROW_MAX_K = 8192

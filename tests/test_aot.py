@@ -91,17 +91,17 @@ def _unaligned(param):
 
 
 def _unaligned_cases():
-    """One variant per kernel (the first that a module lists), with every array unaligned."""
+    """One variant per kernel and target (the first that a module lists for it), with every array
+    unaligned."""
     for name, module in MODULES.items():
         seen = set()
         for variant in module.aot_variants():
             kernel = getattr(variant.kernel, "__name__", None) or repr(variant.kernel)
-            if kernel in seen:
-                continue
-            seen.add(kernel)
             short = variant.name.removeprefix(f"{name}_")
             for target in variant.targets:
-                yield pytest.param(name, variant, target, id=f"{name}-{short}-unaligned-{target}")
+                if (kernel, target) not in seen:
+                    seen.add((kernel, target))
+                    yield pytest.param(name, variant, target, id=f"{name}-{short}-unaligned-{target}")
 
 
 @pytest.mark.parametrize("module_name,variant,target", list(_unaligned_cases()))

@@ -198,7 +198,9 @@ def _store_data(Data, q, b, rt, kt, TILE_R, COLS, TRANSPOSED):
     at 64 / 256 MiB, TMA -> plain): MXFP4 and NVFP4 swizzled 80-82 / 85-86 -> 76-78 / 80-82, the
     transposed stores 71-89 / 75-93 -> 59-80 / 62-81, NVFP4 swizzled along axis=-2 equal; only MXFP8
     gained, 92-93 / 96-97 -> 94-95 / 99-100, but spilling 500-550 bytes per thread (sm_90, sm_120;
-    136-176 on sm_100) where the TMA kernel spills none, so it was not adopted."""
+    136-176 on sm_100) where the TMA kernel spills none, so it was not adopted. A ``latency`` hint on
+    this store (1 or 10) changed no swizzled MXFP8, MXFP4 or NVFP4 kernel, either orientation, by more
+    than a point."""
     if TRANSPOSED:
         ct.store(Data, (b, kt, rt), q.reshape((1, COLS, TILE_R)), order=(0, 2, 1))
     else:
@@ -696,7 +698,10 @@ class TileConfig:
 #: are scattered to their places (``_store_scales``): MXFP8 64x128 87 / 90 % at 64 / 256 MiB (32x256:
 #: 62 / 67 %), MXFP4 64x128 78 / 79 % (32x256 and 128x128 at 2 blocks per SM: 59-73 %), NVFP4 128x64
 #: 73 / 75 % (64x128: 55 / 58 %). Stored as a permuted tile they made 79 / 83 % (MXFP8 32x256), 70 /
-#: 73 % (MXFP4 64x128) and 72-73 / 76-77 % (NVFP4 64x128; at 128x64 59 / 62 %).
+#: 73 % (MXFP4 64x128) and 72-73 / 76-77 % (NVFP4 64x128; at 128x64 59 / 62 %). Wider K tiles, which
+#: would write longer runs of packed bytes per row, were slower for the 4-bit formats along axis=-2
+#: (logical and swizzled, 64 / 256 MiB): 64x256 and 32x512 at 2 blocks per SM and 128x256 at 1 made
+#: 7-73 % against 71-82 % for the tiles above.
 #: Not adopted: eight worker warps (``num_worker_warps``) at 2 or 3 blocks per SM, slower for every
 #: format and orientation (e.g. MXFP4 swizzled 63-80 % against 85 %); a persistent grid-stride loop
 #: (MXFP4 77 / 86 % at 64 / 256 MiB) and loading the next tile before encoding this one (69-75 /

@@ -107,6 +107,9 @@ def _cases():
                                    lambda x: q._quantize_fp8_reference(x, FP8_E4M3, "tensor", False)),
         "fp8 tensor (kernel only, amax given)": (
             fp8_tensor_kernel_only, lambda x: q._quantize_fp8_reference(x, FP8_E4M3, "tensor", False)),
+        "fp8 tensor axis=-2 (kernel only, amax given)": (
+            lambda x: fp8_tensor_kernel_only(x.mT),
+            lambda x: q._quantize_fp8_reference(x.mT, FP8_E4M3, "tensor", False)),
         "fp8 row": (lambda x: tilemm.quantize_fp8(x, granularity="row"),
                     lambda x: q._quantize_fp8_reference(x, FP8_E4M3, "row", False)),
         "fp8 row axis=-2": (lambda x: tilemm.quantize_fp8(x, granularity="row", axis=-2),
@@ -115,6 +118,10 @@ def _cases():
                       lambda x: q._quantize_fp8_reference(x, FP8_E4M3, (1, 128), False)),
         "fp8 128x128": (lambda x: tilemm.quantize_fp8(x, granularity=(128, 128)),
                         lambda x: q._quantize_fp8_reference(x, FP8_E4M3, (128, 128), False)),
+        "fp8 1x128 axis=-2": (lambda x: tilemm.quantize_fp8(x, granularity=(1, 128), axis=-2),
+                              lambda x: q._quantize_fp8_reference(x.mT, FP8_E4M3, (1, 128), False)),
+        "fp8 128x128 axis=-2": (lambda x: tilemm.quantize_fp8(x, granularity=(128, 128), axis=-2),
+                                lambda x: q._quantize_fp8_reference(x.mT, FP8_E4M3, (128, 128), False)),
     }
     return cases, gs
 

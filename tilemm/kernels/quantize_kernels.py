@@ -36,9 +36,10 @@ already issues as paired FFMA2 and three-input FMNMX3. The e8m0 scale is a few i
 
 Layout and grid: the input is a 3-D view (B, R, K) -- R rows per batch entry, blocks along K -- or,
 with ``TRANSPOSED``, the (B, K, R) storage of ``x.mT`` (the ``axis=-2`` quantizers: no copy). The
-block-scaled kernels and FP8 per row load its tiles in storage order and transpose only the quantized
-bytes on the store; FP8 per tensor, 1x128 and 128x128 load through ``order=(0, 2, 1)``. One block quantizes one (TILE_R, TILE_K)
-tile; the grid is 1-D over B x row tiles x cdiv(K, TILE_K), K fastest. Logical scales of a contiguous batch are quantized as one
+block-scaled kernels, FP8 per tensor and FP8 per row load its tiles in storage order and transpose
+only the quantized bytes on the store; FP8 1x128 and 128x128 load through ``order=(0, 2, 1)``, which
+measured faster for them. One block quantizes one (TILE_R, TILE_K) tile; the grid is 1-D over B x row
+tiles x cdiv(K, TILE_K), K fastest. Logical scales of a contiguous batch are quantized as one
 (1, B * R, K) matrix. Swizzled scales are stored through the (B, R/128, Ks/4, 32, 4, 4) view of the
 32x4x4 layout (its 16 columns split as 4 row sub-tiles m2 x 4 columns k1): with TILE_R in {32, 64,
 128} and TILE_K / block = 4 * G, the tile's scales s (TILE_R, 4G) go to::
@@ -572,6 +573,15 @@ def _fp8_quantize_kernel(X, Data, Scale, Amax, Pow2,
     QMAX = _fp8_qmax(ELEMENT)
     R, K = _rows_and_k(X, TRANSPOSED)
     b, rt, kt = _tile_index(ct.bid(0), ct.cdiv(R, TILE_R), K, TILE_K)
+    if TRANSPOSED and GRANULARITY == _FP8_TENSOR:
+        _fp8_tensor_tile_transposed(X, Data, Scale, Amax, QMAX, b, rt, kt, TILE_R, TILE_K)
+    else:
+        _fp8_tile(X, Data, Scale, Amax, Pow2, QMAX, GRANULARITY, TRANSPOSED, b, rt, kt, TILE_R, TILE_K)
+
+
+def _fp8_tile(X, Data, Scale, Amax, Pow2, QMAX, GRANULARITY, TRANSPOSED, b, rt, kt, TILE_R, TILE_K):
+    """FP8 per tensor, 1x128 or 128x128 of the (TILE_R, TILE_K) tile (b, rt, kt), loaded through
+    ``order`` when TRANSPOSED."""
     x = _load_fp32(X, b, rt, kt, TILE_R, TILE_K, TRANSPOSED)
     if GRANULARITY == _FP8_TENSOR:
         s = _fp8_tensor_scale(_tensor_amax(Amax), QMAX)
@@ -592,6 +602,21 @@ def _fp8_quantize_kernel(X, Data, Scale, Amax, Pow2,
     # Plain stores, not TMA: measured on the H100, 1x128 82 -> 89 % of the copy, 128x128 76 -> 86 %
     # (per tensor the same within noise, 98 % either way).
     ct.store(Data, (b, rt, kt), q.reshape((1, TILE_R, TILE_K)), allow_tma=False)
+
+
+def _fp8_tensor_tile_transposed(X, Data, Scale, Amax, QMAX, b, rt, kt, TILE_R, TILE_K):
+    """FP8 per tensor of tile (b, rt, kt) of a transposed input, X (B, K, R): read in storage order as a
+    (TILE_K, TILE_R) tile and the fp8 bytes stored transposed into Data (B, R, K), as
+    ``_fp8_columns_kernel`` does. Measured on the H100 (% of the copy at 64 / 256 MiB): 32x256 88 / 92,
+    against 76 / 78 loaded through ``order`` (16x512 83 / 87, 64x128 72 / 75, 64x256 at 2 blocks per SM
+    64 / 68, 128x64 44 %). The same for 1x128 and 128x128 blocks was slower than their transposed
+    loads: 1x128 39-53 % against 61-65 %, 128x128 28-37 % against 48-51 %."""
+    x = _column_tile(X, b, kt, rt, TILE_K, TILE_R)
+    s = _fp8_tensor_scale(_tensor_amax(Amax), QMAX)
+    if ct.bid(0) == 0:
+        ct.store(Scale, (0,), s)
+    q = _fp8_divide(x, s.reshape((1, 1)), Data.dtype)
+    ct.store(Data, (b, kt, rt), q.reshape((1, TILE_K, TILE_R)), order=(0, 2, 1))
 
 
 @ct.kernel(occupancy=_OCCUPANCY)
@@ -734,6 +759,18 @@ FP8_1X128_CONFIG = TileConfig(64, 128)
 #: (the block amax over the strips, then every strip again from L2, 32-64 registers, 4-8 blocks per SM)
 #: was slower at 64 / 256 MiB: 64-row strips 73 / 82 %, 32-row 53-59 / 59-62 %, against 78 / 85 %.
 FP8_BLOCK_CONFIG = TileConfig(128, 128, occupancy=2)
+#: FP8 per tensor of a transposed input (axis=-2), read in storage order (``_fp8_tensor_tile_transposed``,
+#: where the measurements are): tile_r input columns by tile_k of K.
+FP8_TENSOR_TRANSPOSED_CONFIG = TileConfig(32, 256)
+
+
+def fp8_config(gran: int, transposed: bool) -> TileConfig:
+    """The tile of ``_fp8_quantize_kernel`` for granularity code ``gran``."""
+    if transposed and gran == _FP8_TENSOR:
+        return FP8_TENSOR_TRANSPOSED_CONFIG
+    return {_FP8_TENSOR: FP8_CONFIG, _FP8_1X128: FP8_1X128_CONFIG, _FP8_128X128: FP8_BLOCK_CONFIG}[gran]
+
+
 AMAX_CONFIG = TileConfig(64, 128)
 #: Blocks of the amax reduction per SM (each loops over its share of the tiles).
 AMAX_BLOCKS_PER_SM = 4
@@ -989,7 +1026,6 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
                      cfg.tile_k),
                     (op.batch * -(-op.rows // cfg.tile_r), 1, 1))
         return _shaped(full, x, data, scale, False)
-    cfg = FP8_CONFIG
     if granularity == "tensor":
         op = _rows_flattened(full)
         amax = tensor_amax(x, propagate_nan=True) if amax is None else amax.view(torch.int32)
@@ -997,17 +1033,16 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
         gran = _FP8_TENSOR
     elif granularity == (1, FP8_BLOCK):
         op = _rows_flattened(full)
-        cfg = FP8_1X128_CONFIG
         amax = scale = _block_scale_buffer(op, op.k // FP8_BLOCK, False, torch.float32)
         gran = _FP8_1X128
     else:
         op = full
-        cfg = FP8_BLOCK_CONFIG
         scale = torch.empty(op.batch, -(-op.rows // FP8_BLOCK), op.k // FP8_BLOCK, dtype=torch.float32,
                             device=x.device)
         amax = scale
         gran = _FP8_128X128
     data = torch.empty(op.batch, op.rows, op.k, dtype=fmt.data_dtype, device=x.device)
+    cfg = fp8_config(gran, op.transposed)
     _launch(_fp8_quantize_kernel, op, cfg, (op.view, data, scale, amax, 1 if pow2_scale else 0, element,
                                             gran, op.transposed, cfg.tile_r, cfg.tile_k))
     head = (*full.lead, full.rows) if x.ndim >= 2 else ()
@@ -1075,7 +1110,7 @@ def aot_variants() -> list[AotVariant]:
                 if element == "e4m3":
                     grans.update({"1x128": _FP8_1X128, "128x128": _FP8_128X128})
                 for gname, gran in grans.items():
-                    cfg = {_FP8_TENSOR: FP8_CONFIG, _FP8_1X128: FP8_1X128_CONFIG}.get(gran, FP8_BLOCK_CONFIG)
+                    cfg = fp8_config(gran, transposed)
                     scale = f32_1 if gran == _FP8_TENSOR else array(ct.float32, 3)
                     amax = i32_1 if gran == _FP8_TENSOR else array(ct.float32, 3)
                     add(f"quantize_fp8_{gname}_{element}_{in_name}{t}", _fp8_quantize_kernel, cfg,

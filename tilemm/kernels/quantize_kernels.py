@@ -54,14 +54,14 @@ unwritten.
 
 Measured on an H100 (2026-11-22; tests/test_quantize_gpu.py: bit-exact against the CPU reference on
 every case; benchmarks/bench_quantize.py, bf16 input, CUDA-graph replays queued behind a GPU sleep and
-timed back to back with a device-to-device copy of 2.81 TB/s at 64 MiB and 2.98 TB/s at 256 MiB; % of
+timed back to back with a device-to-device copy of 2.82 TB/s at 64 MiB and 2.98 TB/s at 256 MiB; % of
 the copy at 64 / 256 MiB): MXFP8 logical scales 91 / 97, swizzled 92 / 97, axis=-2 89 / 92 (swizzled
-87 / 90); MXFP4 80 / 85 (axis=-2 swizzled 75 / 78); NVFP4 with a given scale 81 / 86 (axis=-2
-swizzled 71 / 75), 45 / 51 with the amax pass; FP8 per tensor 93 / 99 (kernel alone), 53 / 59 with
-the amax pass, per row 87 / 94 (axis=-2, with its amax pass: 46 / 51), 1x128 86 / 90, 128x128
-78 / 87. The amax pass alone reads at 85 / 97 % of the copy's rate. A pass that reads the input twice
-moves about 2/5 more bytes than it is credited, so it cannot pass ~60 %. Runs of the same kernels
-differ by 1-2 points.
+87 / 90); MXFP4 80 / 85 (axis=-2 swizzled 75 / 78); NVFP4 with a given scale 81 / 85 (axis=-2
+swizzled 70 / 74), 45 / 50 with the amax pass; FP8 per tensor 93 / 99 (kernel alone; axis=-2 87 /
+91), 52 / 59 with the amax pass, per row 87 / 93 (axis=-2, with its amax pass: 46 / 51), 1x128
+86 / 90 (axis=-2 61 / 65), 128x128 77 / 86 (axis=-2 48 / 50). The amax pass alone reads at 85 / 97 %
+of the copy's rate. A pass that reads the input twice moves about 2/5 more bytes than it is credited,
+so it cannot pass ~60 %. Runs of the same kernels differ by 1-2 points.
 """
 
 from __future__ import annotations

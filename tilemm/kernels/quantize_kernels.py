@@ -759,15 +759,23 @@ FP8_1X128_CONFIG = TileConfig(64, 128)
 #: (the block amax over the strips, then every strip again from L2, 32-64 registers, 4-8 blocks per SM)
 #: was slower at 64 / 256 MiB: 64-row strips 73 / 82 %, 32-row 53-59 / 59-62 %, against 78 / 85 %.
 FP8_BLOCK_CONFIG = TileConfig(128, 128, occupancy=2)
-#: FP8 per tensor of a transposed input (axis=-2), read in storage order (``_fp8_tensor_tile_transposed``,
-#: where the measurements are): tile_r input columns by tile_k of K.
-FP8_TENSOR_TRANSPOSED_CONFIG = TileConfig(32, 256)
+#: FP8 of a transposed input (axis=-2), by granularity: per tensor read in storage order
+#: (``_fp8_tensor_tile_transposed``, where the measurements are; tile_r input columns by tile_k of K),
+#: 1x128 and 128x128 loaded through ``order``. Measured on the H100 (% of the copy at 64 / 256 MiB):
+#: 1x128 at 64x128 62 / 65 (32x128 54 / 57, 64x128 at 3 blocks per SM 54 / 56, 128x128 at 2 51,
+#: 32x128 at 8 46 / 45, 16x128 42-44, 32x256 40-42, 64x256 at 2 34-35); 128x128 at 2 blocks per SM
+#: 48 / 51 (at 3 46 / 49, at 1 39).
+FP8_TRANSPOSED_CONFIGS = {
+    _FP8_TENSOR: TileConfig(32, 256),
+    _FP8_1X128: TileConfig(64, 128),
+    _FP8_128X128: TileConfig(128, 128, occupancy=2),
+}
 
 
 def fp8_config(gran: int, transposed: bool) -> TileConfig:
     """The tile of ``_fp8_quantize_kernel`` for granularity code ``gran``."""
-    if transposed and gran == _FP8_TENSOR:
-        return FP8_TENSOR_TRANSPOSED_CONFIG
+    if transposed:
+        return FP8_TRANSPOSED_CONFIGS[gran]
     return {_FP8_TENSOR: FP8_CONFIG, _FP8_1X128: FP8_1X128_CONFIG, _FP8_128X128: FP8_BLOCK_CONFIG}[gran]
 
 

@@ -561,14 +561,15 @@ def _fp8_divide(x, s, dtype):
 
 @ct.kernel(occupancy=_OCCUPANCY)
 def _fp8_quantize_kernel(X, Data, Scale, Amax, Pow2,
-                         ELEMENT: ConstInt, GRANULARITY: ConstInt, TRANSPOSED: ConstBool,
+                         ELEMENT: ConstInt, GRANULARITY: ConstInt, TRANSPOSED: ConstBool, TMA_STORE: ConstBool,
                          TILE_R: ConstInt, TILE_K: ConstInt):
     """FP8 per tensor, 1x128 or 128x128 (GRANULARITY) of one (TILE_R, TILE_K) tile: q = sat(x / s).
 
     X as for ``_mx_quantize_kernel``; Data (B, R, K) e4m3 / e5m2 bytes. Per tensor: Amax holds
     ``tensor_amax``'s int32 maxima (NaN propagated), Scale is (1,) and block 0 writes it. 1x128: Scale (B, R, K/128).
     128x128 (TILE_R = TILE_K = 128): Scale (B, cdiv(R, 128), K/128). Amax is only read per tensor.
-    Pow2: int32, 1 to round block scales up to a power of two.
+    Pow2: int32, 1 to round block scales up to a power of two. TMA_STORE: the fp8 tile of a tile loaded
+    in its logical order is stored through TMA rather than with plain stores (``fp8_tma_store``).
     """
     QMAX = _fp8_qmax(ELEMENT)
     R, K = _rows_and_k(X, TRANSPOSED)
@@ -576,10 +577,12 @@ def _fp8_quantize_kernel(X, Data, Scale, Amax, Pow2,
     if TRANSPOSED and GRANULARITY == _FP8_TENSOR:
         _fp8_tensor_tile_transposed(X, Data, Scale, Amax, QMAX, b, rt, kt, TILE_R, TILE_K)
     else:
-        _fp8_tile(X, Data, Scale, Amax, Pow2, QMAX, GRANULARITY, TRANSPOSED, b, rt, kt, TILE_R, TILE_K)
+        _fp8_tile(X, Data, Scale, Amax, Pow2, QMAX, GRANULARITY, TRANSPOSED, TMA_STORE, b, rt, kt, TILE_R,
+                  TILE_K)
 
 
-def _fp8_tile(X, Data, Scale, Amax, Pow2, QMAX, GRANULARITY, TRANSPOSED, b, rt, kt, TILE_R, TILE_K):
+def _fp8_tile(X, Data, Scale, Amax, Pow2, QMAX, GRANULARITY, TRANSPOSED, TMA_STORE, b, rt, kt, TILE_R,
+              TILE_K):
     """FP8 per tensor, 1x128 or 128x128 of the (TILE_R, TILE_K) tile (b, rt, kt), loaded through
     ``order`` when TRANSPOSED."""
     x = _load_fp32(X, b, rt, kt, TILE_R, TILE_K, TRANSPOSED)
@@ -599,9 +602,7 @@ def _fp8_tile(X, Data, Scale, Amax, Pow2, QMAX, GRANULARITY, TRANSPOSED, b, rt, 
         s = _fp8_block_scale(amax, Pow2)
         q = _fp8_divide(x, s, Data.dtype)
         ct.store(Scale, (b, rt, kt), s.reshape((1, 1, 1)))
-    # Plain stores, not TMA: measured on the H100, 1x128 82 -> 89 % of the copy, 128x128 76 -> 86 %
-    # (per tensor the same within noise, 98 % either way).
-    ct.store(Data, (b, rt, kt), q.reshape((1, TILE_R, TILE_K)), allow_tma=False)
+    ct.store(Data, (b, rt, kt), q.reshape((1, TILE_R, TILE_K)), allow_tma=TMA_STORE)
 
 
 def _fp8_tensor_tile_transposed(X, Data, Scale, Amax, QMAX, b, rt, kt, TILE_R, TILE_K):
@@ -806,8 +807,9 @@ ROW_MAX_K = 8192
 #: -> 66.9 / 70.2-70.3. Blackwell keeps TMA stores: compiled for sm_120, the plain-store tiles take 118
 #: registers (2048 columns) or spill (1024), where the TMA ones fit 64 registers; nothing was timed there.
 ROW_PLAIN_STORE_K = 4096
-#: Targets on which the per-row kernel may store plainly (``ROW_PLAIN_STORE_K``).
-ROW_PLAIN_STORE_TARGETS = ("sm_90",)
+#: Targets on which the per-row and 1x128 kernels may store plainly (``ROW_PLAIN_STORE_K``,
+#: ``fp8_tma_store``), where that was measured faster.
+PLAIN_STORE_TARGETS = ("sm_90",)
 
 
 #: FP8 per row of a transposed input (axis=-2), whose rows are the columns of its (B, K, R) storage:
@@ -834,7 +836,20 @@ def row_config(k: int) -> TileConfig:
 
 def _row_tma_store(cfg: TileConfig, target: str) -> bool:
     """Whether the per-row kernel stores its fp8 tile through TMA on ``target`` (e.g. "sm_90")."""
-    return cfg.tile_k > ROW_PLAIN_STORE_K or target not in ROW_PLAIN_STORE_TARGETS
+    return cfg.tile_k > ROW_PLAIN_STORE_K or target not in PLAIN_STORE_TARGETS
+
+
+def fp8_tma_store(gran: int, target: str) -> bool:
+    """Whether ``_fp8_quantize_kernel`` stores its fp8 tile through TMA on ``target``.
+
+    Plain stores measured faster on the H100 (% of the copy at 64 / 256 MiB, TMA -> plain): 1x128
+    78 / 82 -> 86 / 90, 128x128 72 / 77 -> 77 / 86, per tensor 95 / 100 -> 95 / 98; along axis=-2
+    (loaded through ``order``) 1x128 50 / 52 -> 61 / 65 and 128x128 36 / 37 -> 48 / 50. Per tensor and
+    128x128 store plainly on every target (no spills either way). 1x128 does so only on sm_90: with
+    plain stores it spills 136-264 bytes per thread (bf16 input; sm_90 / sm_100 / sm_120), with TMA
+    none, and Blackwell was never timed. A transposed per-tensor tile is stored through TMA regardless
+    (``_fp8_tensor_tile_transposed``)."""
+    return gran == _FP8_1X128 and target not in PLAIN_STORE_TARGETS
 
 
 def _row_tiles_k() -> list[int]:
@@ -1052,7 +1067,8 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
     data = torch.empty(op.batch, op.rows, op.k, dtype=fmt.data_dtype, device=x.device)
     cfg = fp8_config(gran, op.transposed)
     _launch(_fp8_quantize_kernel, op, cfg, (op.view, data, scale, amax, 1 if pow2_scale else 0, element,
-                                            gran, op.transposed, cfg.tile_r, cfg.tile_k))
+                                            gran, op.transposed, fp8_tma_store(gran, _target(x.device)),
+                                            cfg.tile_r, cfg.tile_k))
     head = (*full.lead, full.rows) if x.ndim >= 2 else ()
     data = data.reshape(*head, op.k)
     if gran == _FP8_TENSOR:
@@ -1121,8 +1137,13 @@ def aot_variants() -> list[AotVariant]:
                     cfg = fp8_config(gran, transposed)
                     scale = f32_1 if gran == _FP8_TENSOR else array(ct.float32, 3)
                     amax = i32_1 if gran == _FP8_TENSOR else array(ct.float32, 3)
-                    add(f"quantize_fp8_{gname}_{element}_{in_name}{t}", _fp8_quantize_kernel, cfg,
-                        [x, _data_array(element), scale, amax, _INT32, code, gran, transposed])
+                    for tma in (False, True):
+                        targets = tuple(tg for tg in TARGETS if fp8_tma_store(gran, tg) == tma)
+                        if targets:
+                            add(f"quantize_fp8_{gname}_{element}_{in_name}{t}{'_tma' if tma else ''}",
+                                _fp8_quantize_kernel, cfg,
+                                [x, _data_array(element), scale, amax, _INT32, code, gran, transposed, tma],
+                                targets)
         add(f"amax_columns_{in_name}", _column_amax_kernel, ROW_AMAX_CONFIG,
             [array(in_dtype, 3), array(ct.int32, 2), ROW_AMAX_CHUNK])
         for propagate in (False, True):

@@ -765,7 +765,9 @@ FP8_BLOCK_CONFIG = TileConfig(128, 128, occupancy=2)
 #: 1x128 and 128x128 loaded through ``order``. Measured on the H100 (% of the copy at 64 / 256 MiB):
 #: 1x128 at 64x128 62 / 65 (32x128 54 / 57, 64x128 at 3 blocks per SM 54 / 56, 128x128 at 2 51,
 #: 32x128 at 8 46 / 45, 16x128 42-44, 32x256 40-42, 64x256 at 2 34-35); 128x128 at 2 blocks per SM
-#: 48.0 / 50.5 (at 3 46.2 / 49.1, at 1 38.9 / 39.0).
+#: 48.0 / 50.5 (at 3 46.2 / 49.1, at 1 38.9 / 39.0). 1x128 read in storage order with the 128-row
+#: maxima taken as maxima of four 32-row ones (as the MX kernels reduce 32-row blocks): 37-38 % at 64x128
+#: and 32x128, 29 % at 128x128 (2 blocks per SM), against 62 / 65 %.
 FP8_TRANSPOSED_CONFIGS = {
     _FP8_TENSOR: TileConfig(32, 256),
     _FP8_1X128: TileConfig(64, 128),

@@ -366,8 +366,8 @@ def main() -> None:
         "input_dtype": "bfloat16", "reps": args.reps,
         "method": "median of CUDA-event timings of CUDA-graph replays, each queued behind "
                   f"torch.cuda._sleep({GPU_BUSY_CYCLES}) so that the interval is GPU time (eager calls "
-                  "where a quantizer does not capture) after 3 warm-up calls; per size the copy and every quantizer are "
-                  "timed back to back, the copy before and after them (the faster is the ceiling), after "
+                  "where a quantizer does not capture) after 3 warm-up calls; per size the copy and every "
+                  "quantizer are timed back to back, the copy before and after them (the faster is the ceiling), after "
                   "the bit-exact checks and before the eager calls and references; GB/s = (input read + data and "
                   "scales written) / time; copy GB/s = 2 * input bytes / time; eager_call_ms: one eager "
                   "call between events, Python dispatch included",

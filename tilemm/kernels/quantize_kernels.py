@@ -561,13 +561,13 @@ def _fp8_divide(x, s, dtype):
 
 @ct.kernel(occupancy=_OCCUPANCY)
 def _fp8_quantize_kernel(X, Data, Scale, Amax, Pow2,
-                         ELEMENT: ConstInt, GRANULARITY: ConstInt, TRANSPOSED: ConstBool, TMA_STORE: ConstBool,
-                         TILE_R: ConstInt, TILE_K: ConstInt):
+                         ELEMENT: ConstInt, GRANULARITY: ConstInt, TRANSPOSED: ConstBool,
+                         TMA_STORE: ConstBool, TILE_R: ConstInt, TILE_K: ConstInt):
     """FP8 per tensor, 1x128 or 128x128 (GRANULARITY) of one (TILE_R, TILE_K) tile: q = sat(x / s).
 
     X as for ``_mx_quantize_kernel``; Data (B, R, K) e4m3 / e5m2 bytes. Per tensor: Amax holds
-    ``tensor_amax``'s int32 maxima (NaN propagated), Scale is (1,) and block 0 writes it. 1x128: Scale (B, R, K/128).
-    128x128 (TILE_R = TILE_K = 128): Scale (B, cdiv(R, 128), K/128). Amax is only read per tensor.
+    ``tensor_amax``'s int32 maxima (NaN propagated), Scale is (1,) and block 0 writes it. 1x128: Scale
+    (B, R, K/128). 128x128 (TILE_R = TILE_K = 128): Scale (B, cdiv(R, 128), K/128). Amax is only read per tensor.
     Pow2: int32, 1 to round block scales up to a power of two. TMA_STORE: the fp8 tile of a tile loaded
     in its logical order is stored through TMA rather than with plain stores (``fp8_tma_store``).
     """
@@ -587,10 +587,7 @@ def _fp8_tile(X, Data, Scale, Amax, Pow2, QMAX, GRANULARITY, TRANSPOSED, TMA_STO
     ``order`` when TRANSPOSED."""
     x = _load_fp32(X, b, rt, kt, TILE_R, TILE_K, TRANSPOSED)
     if GRANULARITY == _FP8_TENSOR:
-        s = _fp8_tensor_scale(_tensor_amax(Amax), QMAX)
-        if ct.bid(0) == 0:
-            ct.store(Scale, (0,), s)
-        q = _fp8_divide(x, s.reshape((1, 1)), Data.dtype)
+        q = _fp8_tensor_quantize(x, Scale, Amax, QMAX, Data.dtype)
     elif GRANULARITY == _FP8_1X128:
         NB = TILE_K // FP8_BLOCK
         xb = x.reshape((TILE_R, NB, FP8_BLOCK))
@@ -612,12 +609,17 @@ def _fp8_tensor_tile_transposed(X, Data, Scale, Amax, QMAX, b, rt, kt, TILE_R, T
     against 76 / 78 loaded through ``order`` (16x512 83 / 87, 64x128 72 / 75, 64x256 at 2 blocks per SM
     64 / 68, 128x64 44 %). The same for 1x128 and 128x128 blocks was slower than their transposed
     loads: 1x128 39-53 % against 61-65 %, 128x128 28-37 % against 48-51 %."""
-    x = _column_tile(X, b, kt, rt, TILE_K, TILE_R)
+    q = _fp8_tensor_quantize(_column_tile(X, b, kt, rt, TILE_K, TILE_R), Scale, Amax, QMAX, Data.dtype)
+    ct.store(Data, (b, kt, rt), q.reshape((1, TILE_K, TILE_R)), order=(0, 2, 1))
+
+
+def _fp8_tensor_quantize(x, Scale, Amax, QMAX, dtype):
+    """sat(x / s) of a 2-D tile with the per-tensor scale s from ``tensor_amax``'s maxima; block 0
+    stores s to Scale (1,)."""
     s = _fp8_tensor_scale(_tensor_amax(Amax), QMAX)
     if ct.bid(0) == 0:
         ct.store(Scale, (0,), s)
-    q = _fp8_divide(x, s.reshape((1, 1)), Data.dtype)
-    ct.store(Data, (b, kt, rt), q.reshape((1, TILE_K, TILE_R)), order=(0, 2, 1))
+    return _fp8_divide(x, s.reshape((1, 1)), dtype)
 
 
 @ct.kernel(occupancy=_OCCUPANCY)
@@ -803,10 +805,10 @@ ROW_ELEMENTS = 8192
 ROW_MIN_K = 1024
 ROW_MAX_K = 8192
 #: On sm_90, row tiles up to this many columns store their fp8 bytes with plain stores, longer ones
-#: through TMA. Measured on the H100 (% of the copy, TMA -> plain, at 64 / 256 MiB, two runs): K = 1024 79.3-79.6 /
-#: 86.5-86.8 -> 82.5-83.5 / 88.4-88.9, K = 2048 82.1-82.9 / 90.0-90.2 -> 84.9-85.5 / 91.0-91.3, K = 4096
-#: 83.2-83.3 / 90.4-90.7 -> 88.9-89.0 / 94.0-94.6; but the 1x8192 tile (K = 8192) 86.2-86.3 / 93.3-93.4
-#: -> 66.9 / 70.2-70.3. Blackwell keeps TMA stores: compiled for sm_120, the plain-store tiles take 118
+#: through TMA. Measured on the H100 (% of the copy, TMA -> plain, at 64 / 256 MiB, two runs):
+#: K = 1024 79.3-79.6 / 86.5-86.8 -> 82.5-83.5 / 88.4-88.9, K = 2048 82.1-82.9 / 90.0-90.2 ->
+#: 84.9-85.5 / 91.0-91.3, K = 4096 83.2-83.3 / 90.4-90.7 -> 88.9-89.0 / 94.0-94.6; but the 1x8192 tile
+#: (K = 8192) 86.2-86.3 / 93.3-93.4 -> 66.9 / 70.2-70.3. Blackwell keeps TMA stores: compiled for sm_120, the plain-store tiles take 118
 #: registers (2048 columns) or spill (1024), where the TMA ones fit 64 registers; nothing was timed there.
 ROW_PLAIN_STORE_K = 4096
 #: Targets on which the per-row and 1x128 kernels may store plainly (``ROW_PLAIN_STORE_K``,
@@ -1127,7 +1129,7 @@ def aot_variants() -> list[AotVariant]:
                 for tile_k in [] if transposed else _row_tiles_k():
                     cfg = row_config(tile_k)
                     for tma in (True, False):
-                        targets = tuple(t for t in TARGETS if _row_tma_store(cfg, t) == tma)
+                        targets = tuple(tg for tg in TARGETS if _row_tma_store(cfg, tg) == tma)
                         if targets:
                             add(f"quantize_fp8_row{cfg.tile_k}_{element}_{in_name}{'' if tma else '_plain'}",
                                 _fp8_row_kernel, cfg,

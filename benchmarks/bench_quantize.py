@@ -220,7 +220,8 @@ def _sweep_plan():
         ("nvfp4 swizzled axis=-2", "t", ("BLOCK_CONFIGS", ("nvfp4", True, True)), [T(128, 64), *swizzled_t]),
         ("nvfp4 axis=-2", "t", ("BLOCK_CONFIGS", ("nvfp4", False, True)), logical_t),
         ("fp8 1x128", "", ("FP8_1X128_CONFIG", None), [T(32, 128), T(16, 256), T(64, 128, 3)]),
-        ("fp8 128x128", "", ("FP8_BLOCK_CONFIG", None), [T(128, 128, 3)]),
+        ("fp8 128x128", "", ("FP8_BLOCK_CONFIGS", (False, 2)), [T(128, 128, 2), T(128, 128, 4)]),
+        ("fp8 128x128 axis=-2", "t", ("FP8_BLOCK_CONFIGS", (True, 2)), [T(128, 128, 2), T(128, 128, 3)]),
         ("fp8 row axis=-2", "t", ("ROW_TRANSPOSED_CONFIG", None), [T(16, 512), T(32, 128)]),
         ("fp8 row axis=-2 (amax pass)", "t", ("ROW_AMAX_CONFIG", None), [T(128, 64), T(32, 256)]),
     ]
@@ -245,6 +246,7 @@ def sweep(x: torch.Tensor, reps: int, warm_only: bool) -> list[dict]:
         "nvfp4 axis=-2": lambda v: qk.quantize_nvfp4(v, gs, False),
         "fp8 1x128": lambda v: qk.quantize_fp8(v, FP8_E4M3, (1, 128), False),
         "fp8 128x128": lambda v: qk.quantize_fp8(v, FP8_E4M3, (128, 128), False),
+        "fp8 128x128 axis=-2": lambda v: qk.quantize_fp8(v, FP8_E4M3, (128, 128), False),
         "fp8 row axis=-2": lambda v: qk.quantize_fp8(v, FP8_E4M3, "row", False),
         "fp8 row axis=-2 (amax pass)": lambda v: qk.quantize_fp8(v, FP8_E4M3, "row", False),
     }

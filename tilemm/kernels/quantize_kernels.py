@@ -36,10 +36,10 @@ already issues as paired FFMA2 and three-input FMNMX3. The e8m0 scale is a few i
 
 Layout and grid: the input is a 3-D view (B, R, K) -- R rows per batch entry, blocks along K -- or,
 with ``TRANSPOSED``, the (B, K, R) storage of ``x.mT`` (the ``axis=-2`` quantizers: no copy). The
-block-scaled kernels, FP8 per tensor and FP8 per row load its tiles in storage order and transpose
-only the quantized bytes on the store; FP8 1x128 and 128x128 load through ``order=(0, 2, 1)``, which
-measured faster for them. One block quantizes one (TILE_R, TILE_K) tile; the grid is 1-D over B x row
-tiles x cdiv(K, TILE_K), K fastest. Logical scales of a contiguous batch are quantized as one
+block-scaled kernels, FP8 per tensor, FP8 per row and FP8 128x128 load its tiles in storage order
+(128x128 transposes strips of the input tile in registers, the others only the quantized bytes on the
+store); FP8 1x128 loads through ``order=(0, 2, 1)``, which measured faster for it. One block
+quantizes one (TILE_R, TILE_K) tile; the grid is 1-D over B x row tiles x cdiv(K, TILE_K), K fastest. Logical scales of a contiguous batch are quantized as one
 (1, B * R, K) matrix. Swizzled scales are stored through the (B, R/128, Ks/4, 32, 4, 4) view of the
 32x4x4 layout (its 16 columns split as 4 row sub-tiles m2 x 4 columns k1): with TILE_R in {32, 64,
 128} and TILE_K / block = 4 * G, the tile's scales s (TILE_R, 4G) go to::
@@ -54,12 +54,12 @@ unwritten.
 
 Measured on an H100 (2026-11-22; tests/test_quantize_gpu.py: bit-exact against the CPU reference on
 every case; benchmarks/bench_quantize.py, bf16 input, CUDA-graph replays queued behind a GPU sleep and
-timed back to back with a device-to-device copy of 2.82 TB/s at 64 MiB and 2.98 TB/s at 256 MiB; % of
-the copy at 64 / 256 MiB): MXFP8 logical scales 91 / 97, swizzled 92 / 97, axis=-2 89 / 92 (swizzled
-87 / 90); MXFP4 80 / 85 (axis=-2 swizzled 75 / 78); NVFP4 with a given scale 81 / 85 (axis=-2
-swizzled 70 / 74), 45 / 50 with the amax pass; FP8 per tensor 93 / 99 (kernel alone; axis=-2 87 /
-91), 52 / 59 with the amax pass, per row 87 / 93 (axis=-2, with its amax pass: 46 / 51), 1x128
-86 / 90 (axis=-2 61 / 65), 128x128 77 / 86 (axis=-2 48 / 50). The amax pass alone reads at 85 / 97 %
+timed back to back with a device-to-device copy of 2.78 TB/s at 64 MiB and 2.98 TB/s at 256 MiB; % of
+the copy at 64 / 256 MiB): MXFP8 logical scales 92 / 97, swizzled 92 / 97, axis=-2 89 / 92 (swizzled
+88 / 90); MXFP4 80 / 85 (axis=-2 swizzled 75 / 78); NVFP4 with a given scale 82 / 86 (axis=-2
+swizzled 72 / 75), 45 / 50 with the amax pass; FP8 per tensor 94 / 98 (kernel alone; axis=-2 88 /
+91), 53 / 58 with the amax pass, per row 88 / 93 (axis=-2, with its amax pass: 46 / 51), 1x128
+86 / 90 (axis=-2 62 / 65), 128x128 91 / 98 (axis=-2 69 / 75). The amax pass alone reads at 84 / 96 %
 of the copy's rate. A pass that reads the input twice moves about 2/5 more bytes than it is credited,
 so it cannot pass ~60 %. Runs of the same kernels differ by 1-2 points.
 """
@@ -119,6 +119,7 @@ _FP8_TENSOR = 0
 _FP8_1X128 = 1
 _FP8_128X128 = 2
 FP8_BLOCK = 128  # DeepSeek-style block edge
+FP8_STRIP = 32  # rows of a 128x128 block quantized at a time (``_fp8_square_tile``)
 
 _NAN_BYTE = 0x7F  # positive NaN in e4m3fn and e5m2
 _E8M0_NAN = 255
@@ -574,7 +575,9 @@ def _fp8_quantize_kernel(X, Data, Scale, Amax, Pow2,
     QMAX = _fp8_qmax(ELEMENT)
     R, K = _rows_and_k(X, TRANSPOSED)
     b, rt, kt = _tile_index(ct.bid(0), ct.cdiv(R, TILE_R), K, TILE_K)
-    if TRANSPOSED and GRANULARITY == _FP8_TENSOR:
+    if GRANULARITY == _FP8_128X128:
+        _fp8_square_tile(X, Data, Scale, Pow2, TRANSPOSED, b, rt, kt)
+    elif TRANSPOSED and GRANULARITY == _FP8_TENSOR:
         _fp8_tensor_tile_transposed(X, Data, Scale, Amax, QMAX, b, rt, kt, TILE_R, TILE_K)
     else:
         _fp8_tile(X, Data, Scale, Amax, Pow2, QMAX, GRANULARITY, TRANSPOSED, TMA_STORE, b, rt, kt, TILE_R,
@@ -583,23 +586,50 @@ def _fp8_quantize_kernel(X, Data, Scale, Amax, Pow2,
 
 def _fp8_tile(X, Data, Scale, Amax, Pow2, QMAX, GRANULARITY, TRANSPOSED, TMA_STORE, b, rt, kt, TILE_R,
               TILE_K):
-    """FP8 per tensor, 1x128 or 128x128 of the (TILE_R, TILE_K) tile (b, rt, kt), loaded through
-    ``order`` when TRANSPOSED."""
+    """FP8 per tensor or 1x128 of the (TILE_R, TILE_K) tile (b, rt, kt), loaded through ``order``
+    when TRANSPOSED."""
     x = _load_fp32(X, b, rt, kt, TILE_R, TILE_K, TRANSPOSED)
     if GRANULARITY == _FP8_TENSOR:
         q = _fp8_tensor_quantize(x, Scale, Amax, QMAX, Data.dtype)
-    elif GRANULARITY == _FP8_1X128:
+    else:
         NB = TILE_K // FP8_BLOCK
         xb = x.reshape((TILE_R, NB, FP8_BLOCK))
         s = _fp8_block_scale(ct.max(ct.abs(xb), axis=2, keepdims=True, propagate_nan=True), Pow2)
         q = _fp8_divide(xb, s, Data.dtype).reshape((TILE_R, TILE_K))
         ct.store(Scale, (b, rt, kt), s.reshape((1, TILE_R, NB)))
-    else:
-        amax = ct.max(ct.abs(x), axis=(0, 1), keepdims=True, propagate_nan=True)  # (1, 1)
-        s = _fp8_block_scale(amax, Pow2)
-        q = _fp8_divide(x, s, Data.dtype)
-        ct.store(Scale, (b, rt, kt), s.reshape((1, 1, 1)))
     ct.store(Data, (b, rt, kt), q.reshape((1, TILE_R, TILE_K)), allow_tma=TMA_STORE)
+
+
+def _fp8_square_tile(X, Data, Scale, Pow2, TRANSPOSED, b, rt, kt):
+    """FP8 of the 128x128 block (b, rt, kt), in its input dtype and X's storage order ((K, R) when
+    TRANSPOSED: a block's maximum does not depend on the orientation). Quantized in strips of
+    FP8_STRIP rows (of the output, so transposed strips of the stored tile when TRANSPOSED), each
+    widened to fp32 only when it is divided, and stored plainly.
+
+    Measured on the H100 against one fp32 tile divided and stored whole (the previous kernel; % of
+    the copy at 64 / 256 MiB, bf16): 91 / 98 against 78 / 86, and along axis=-2 68 / 74 against 48 /
+    50 (the transposed load through ``order``); fp32 input 84 against 76 at 64 MiB, 73 against 69 along
+    axis=-2. The bf16 tile is half the registers of the fp32 one, which lets 3 blocks (4 along
+    axis=-2) share an SM without spilling (``FP8_BLOCK_CONFIGS``). Strips of 16, 32 or 64 rows time
+    within a point of each other. Keeping the transposed strips as they are stored and storing them
+    transposed instead (as the per-tensor kernel does) made 35-42 % along axis=-2."""
+    if TRANSPOSED:
+        raw = ct.load(X, (b, kt, rt), (1, FP8_BLOCK, FP8_BLOCK), padding_mode=_ZERO, latency=_LATENCY)
+    else:
+        raw = ct.load(X, (b, rt, kt), (1, FP8_BLOCK, FP8_BLOCK), padding_mode=_ZERO, latency=_LATENCY)
+    raw = raw.reshape((FP8_BLOCK, FP8_BLOCK))
+    # The maximum of |x| in the input dtype is the fp32 one: widening is exact and monotonic.
+    amax = ct.max(ct.abs(raw), axis=(0, 1), keepdims=True, propagate_nan=True).astype(ct.float32)
+    s = _fp8_block_scale(amax, Pow2)
+    ct.store(Scale, (b, rt, kt), s.reshape((1, 1, 1)))
+    STRIPS = FP8_BLOCK // FP8_STRIP
+    for i in ct.static_iter(range(STRIPS)):
+        if TRANSPOSED:
+            x = ct.transpose(ct.extract(raw, (0, i), (FP8_BLOCK, FP8_STRIP)).astype(ct.float32))
+        else:
+            x = ct.extract(raw, (i, 0), (FP8_STRIP, FP8_BLOCK)).astype(ct.float32)
+        q = _fp8_divide(x, s, Data.dtype)
+        ct.store(Data, (b, rt * STRIPS + i, kt), q.reshape((1, FP8_STRIP, FP8_BLOCK)), allow_tma=False)
 
 
 def _fp8_tensor_tile_transposed(X, Data, Scale, Amax, QMAX, b, rt, kt, TILE_R, TILE_K):
@@ -756,32 +786,44 @@ FP8_CONFIG = TileConfig(64, 128)
 #: FP8 1x128 blocks: 64x128 spills (STACK 136 with bf16 input) and is still the fastest measured: 89 %
 #: of the copy, against 81 % at 3 blocks per SM (no spills) and 72-73 % for 32x128 and 16x256.
 FP8_1X128_CONFIG = TileConfig(64, 128)
-#: 128x128 blocks: one block per tile, 128 elements per thread, so 2 blocks per SM (44 % of the copy
-#: with 4, which spills). Eight worker warps at 1-3 blocks per SM were slower for 1x128, 128x128 and per
-#: row alike (at 64 MiB 40-74 % against 80-85 %). Reading each 128x128 block in strips of 32 or 64 rows
-#: (the block amax over the strips, then every strip again from L2, 32-64 registers, 4-8 blocks per SM)
-#: was slower at 64 / 256 MiB: 64-row strips 73 / 82 %, 32-row 53-59 / 59-62 %, against 78 / 85 %.
-FP8_BLOCK_CONFIG = TileConfig(128, 128, occupancy=2)
-#: FP8 of a transposed input (axis=-2), by granularity: per tensor read in storage order
+#: 128x128 blocks (``_fp8_square_tile``, one block per tile), blocks per SM by (transposed input,
+#: bytes per input element): the input tile stays in its dtype, 64 registers per thread for bf16 and
+#: fp16, 128 for fp32. Measured on the H100 (% of the copy at 64 / 256 MiB): bf16 at 2 / 3 / 4 blocks
+#: per SM 82 / 87, 91 / 98-99, 89 / 97; fp32 at 2 84, at 3 or 4 67 (64 MiB); along axis=-2 bf16 59 /
+#: 62, 64 / 67, 68 / 75, fp32 73 at 2, 59 at 3 or 4. Earlier, with an fp32 tile: eight worker warps
+#: at 1-3 blocks per SM were slower for 1x128, 128x128 and per row alike (at 64 MiB 40-74 % against
+#: 80-85 %), and so was reading each block twice in strips (the second time from L2): 53-73 / 59-82
+#: % against 78 / 85 %.
+FP8_BLOCK_CONFIGS = {
+    (False, 2): TileConfig(128, 128, occupancy=3),
+    (False, 4): TileConfig(128, 128, occupancy=2),
+    (True, 2): TileConfig(128, 128, occupancy=4),
+    (True, 4): TileConfig(128, 128, occupancy=2),
+}
+#: FP8 of a transposed input (axis=-2), per tensor and 1x128: per tensor read in storage order
 #: (``_fp8_tensor_tile_transposed``, where the measurements are; tile_r input columns by tile_k of K),
-#: 1x128 and 128x128 loaded through ``order``. Measured on the H100 (% of the copy at 64 / 256 MiB):
-#: 1x128 at 64x128 62 / 65 (32x128 54 / 57, 64x128 at 3 blocks per SM 54 / 56, 128x128 at 2 51,
-#: 32x128 at 8 46 / 45, 16x128 42-44, 32x256 40-42, 64x256 at 2 34-35); 128x128 at 2 blocks per SM
-#: 48.0 / 50.5 (at 3 46.2 / 49.1, at 1 38.9 / 39.0). 1x128 read in storage order with the 128-row
-#: maxima taken as maxima of four 32-row ones (as the MX kernels reduce 32-row blocks): 37-38 % at 64x128
-#: and 32x128, 29 % at 128x128 (2 blocks per SM), against 62 / 65 %.
+#: 1x128 loaded through ``order``. Measured on the H100 (% of the copy at 64 / 256 MiB): 1x128 at
+#: 64x128 62 / 65 (32x128 54 / 57, 64x128 at 3 blocks per SM 54 / 56, 128x128 at 2 51, 32x128 at 8
+#: 46 / 45, 16x128 42-44, 32x256 40-42, 64x256 at 2 34-35). 1x128 read in storage order with the
+#: 128-row maxima taken as maxima of four 32-row ones (as the MX kernels reduce 32-row blocks): 37-38
+#: % at 64x128 and 32x128, 29 % at 128x128 (2 blocks per SM), against 62 / 65 %. As the 128x128
+#: kernel does (strips of the bf16 tile in storage order, widened and transposed one at a time, the
+#: maxima per strip): 60-62 / 63-65 % at 64x128 (16- or 32-row strips), 50-61 / 55-66 % at 128x128;
+#: the fp32 tile transposed whole: 63 / 67 %, within two points.
 FP8_TRANSPOSED_CONFIGS = {
     _FP8_TENSOR: TileConfig(32, 256),
     _FP8_1X128: TileConfig(64, 128),
-    _FP8_128X128: TileConfig(128, 128, occupancy=2),
 }
 
 
-def fp8_config(gran: int, transposed: bool) -> TileConfig:
-    """The tile of ``_fp8_quantize_kernel`` for granularity code ``gran``."""
+def fp8_config(gran: int, transposed: bool, itemsize: int) -> TileConfig:
+    """The tile of ``_fp8_quantize_kernel`` for granularity code ``gran`` and an input of ``itemsize``
+    bytes per element."""
+    if gran == _FP8_128X128:
+        return FP8_BLOCK_CONFIGS[transposed, itemsize]
     if transposed:
         return FP8_TRANSPOSED_CONFIGS[gran]
-    return {_FP8_TENSOR: FP8_CONFIG, _FP8_1X128: FP8_1X128_CONFIG, _FP8_128X128: FP8_BLOCK_CONFIG}[gran]
+    return {_FP8_TENSOR: FP8_CONFIG, _FP8_1X128: FP8_1X128_CONFIG}[gran]
 
 
 AMAX_CONFIG = TileConfig(64, 128)
@@ -1069,7 +1111,7 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
         amax = scale
         gran = _FP8_128X128
     data = torch.empty(op.batch, op.rows, op.k, dtype=fmt.data_dtype, device=x.device)
-    cfg = fp8_config(gran, op.transposed)
+    cfg = fp8_config(gran, op.transposed, x.element_size())
     _launch(_fp8_quantize_kernel, op, cfg, (op.view, data, scale, amax, 1 if pow2_scale else 0, element,
                                             gran, op.transposed, fp8_tma_store(gran, _target(x.device)),
                                             cfg.tile_r, cfg.tile_k))
@@ -1138,7 +1180,7 @@ def aot_variants() -> list[AotVariant]:
                 if element == "e4m3":
                     grans.update({"1x128": _FP8_1X128, "128x128": _FP8_128X128})
                 for gname, gran in grans.items():
-                    cfg = fp8_config(gran, transposed)
+                    cfg = fp8_config(gran, transposed, in_dtype.bitwidth // 8)
                     scale = f32_1 if gran == _FP8_TENSOR else array(ct.float32, 3)
                     amax = i32_1 if gran == _FP8_TENSOR else array(ct.float32, 3)
                     for tma in (False, True):

@@ -384,3 +384,28 @@ def test_large_matches_reference_on_device():
     for field, g, r in zip(tilemm.NVFP4Tensor._fields, got, ref):
         assert_same_bits(g, r, f"nvfp4 large {field}")
     assert math.isfinite(float(got.global_scale))
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "columns"])
+def test_tensor_amax_visits_every_tile(transposed):
+    """The amax pass walks its tiles last to first, row by row or (a transposed input) column by
+    column, some blocks taking more than one tile. A single largest value placed in the first, the
+    last, an edge (partial) and an interior tile, in each batch entry, must be found every time; NaN
+    counts only when propagated."""
+    from tilemm.kernels import quantize_kernels as qk
+
+    shape = (2, 2100, 1030)  # storage (B, rows, cols): 2 x 33 x 9 tiles of 64x128, more than one wave
+    g = torch.Generator().manual_seed(7)
+    base = (torch.rand(shape, generator=g) - 0.5).to(torch.bfloat16).to(DEV)
+    spots = [(0, 0, 0), (1, 2099, 1029), (0, 2099, 5), (1, 7, 1029), (1, 1000, 600), (0, 64 * 20, 128 * 4)]
+    for b, r, c in spots:
+        x = base.clone()
+        x[b, r, c] = -3.5
+        view = x.mT if transposed else x  # the kernel reads x's storage either way
+        for propagate in (False, True):
+            got = qk.amax_value(qk.tensor_amax(view, propagate_nan=propagate))
+            assert got.item() == 3.5, f"spot {(b, r, c)} propagate={propagate}: {got.item()}"
+        x[1 - b, r // 2, c // 2] = float("nan")
+        view = x.mT if transposed else x
+        assert qk.amax_value(qk.tensor_amax(view, propagate_nan=False)).item() == 3.5
+        assert math.isnan(qk.amax_value(qk.tensor_amax(view, propagate_nan=True)).item())

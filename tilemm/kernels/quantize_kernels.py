@@ -462,7 +462,8 @@ def _nvfp4_tile(X, Data, Scale, s_enc, s_dec, b, rt, kt, SWIZZLED, TRANSPOSED, T
 
 
 @ct.kernel(occupancy=_OCCUPANCY)
-def _amax_kernel(X, Partial, PROPAGATE_NAN: ConstBool, TILE_R: ConstInt, TILE_K: ConstInt):
+def _amax_kernel(X, Partial, PROPAGATE_NAN: ConstBool, COLUMNS: ConstBool, TILE_R: ConstInt,
+                 TILE_K: ConstInt):
     """Partial[block] = max |x| over the tiles of X (B, R, K) that this block strides over, as fp32 bits
     in an int32 (``_tensor_amax`` combines them where they are used).
 
@@ -470,12 +471,16 @@ def _amax_kernel(X, Partial, PROPAGATE_NAN: ConstBool, TILE_R: ConstInt, TILE_K:
     maximum of the bits is the float maximum with NaN propagating; without PROPAGATE_NAN, NaN counts
     as 0. Each block writes its own slot: no zeroed buffer, no atomic.
 
-    The blocks walk the tiles from the last to the first, so the input they read last is its start,
-    where the quantize kernel that follows begins (for an input that is not transposed): that part
-    is still in L2 (50 MB on the H100) when it is read again. Measured on the H100 (bf16, us, first
-    to last -> last to first, two benchmark runs): NVFP4 with its amax pass 68.4 -> 61.6 at 64 MiB,
-    230.3 -> 222.1 at 256 MiB; FP8 per tensor 68.2 -> 61.4 and 232.0 -> 224.2. The same order in the
-    per-row pass along axis=-2 (``_column_amax_kernel``, whose blocks all run at once) changed nothing.
+    The blocks walk the tiles from the last to the first, so the input they read last is where the
+    quantize kernel that follows begins, and that part is still in L2 (50 MB on the H100) when it is
+    read again: the start of X, or with COLUMNS (X the (B, K, R) storage of a transposed input, whose
+    quantize kernel walks it a column strip at a time) its first column strips, the tiles walked
+    column by column. Measured on the H100 (bf16, us, first to last -> last to first, two benchmark
+    runs): NVFP4 with its amax pass 68.4 -> 61.6 at 64 MiB, 230.3 -> 222.1 at 256 MiB; FP8 per tensor
+    68.2 -> 61.4 and 232.0 -> 224.2. Along axis=-2, row by row -> column by column (both last to
+    first): NVFP4 68.0-68.8 -> 66.3-66.5 and 242.7-242.9 -> 238.1-238.4, FP8 per tensor 68.4-68.7 ->
+    65.1-65.2 and 237.6-238.0 -> 232.4-232.7. The same order in the per-row pass along axis=-2
+    (``_column_amax_kernel``, whose blocks all run at once) changed nothing.
     """
     num_r = ct.cdiv(X.shape[1], TILE_R)
     num_k = ct.cdiv(X.shape[2], TILE_K)
@@ -486,7 +491,10 @@ def _amax_kernel(X, Partial, PROPAGATE_NAN: ConstBool, TILE_R: ConstInt, TILE_K:
         t = tiles - 1 - i
         b = t // per_batch
         rk = t % per_batch
-        x = _load_fp32(X, b, rk // num_k, rk % num_k, TILE_R, TILE_K, False)
+        if COLUMNS:
+            x = _load_fp32(X, b, rk % num_r, rk // num_r, TILE_R, TILE_K, False)
+        else:
+            x = _load_fp32(X, b, rk // num_k, rk % num_k, TILE_R, TILE_K, False)
         bits = _bits(x) & 0x7FFFFFFF
         if not PROPAGATE_NAN:
             bits = ct.where(bits > _EXP_MASK, 0, bits)
@@ -1050,7 +1058,7 @@ def tensor_amax(x: torch.Tensor, propagate_nan: bool) -> torch.Tensor:
     blocks = min(tiles, _num_sms(x.device) * AMAX_BLOCKS_PER_SM, AMAX_PARTIALS)
     partial = torch.empty(blocks, dtype=torch.int32, device=x.device)
     _launch_kernel(x.device, (blocks, 1, 1), _kernel(_amax_kernel, cfg),
-                   (view, partial, propagate_nan, cfg.tile_r, cfg.tile_k))
+                   (view, partial, propagate_nan, op.transposed, cfg.tile_r, cfg.tile_k))
     return partial
 
 
@@ -1208,6 +1216,7 @@ def aot_variants() -> list[AotVariant]:
         add(f"amax_columns_{in_name}", _column_amax_kernel, ROW_AMAX_CONFIG,
             [array(in_dtype, 3), array(ct.int32, 2), ROW_AMAX_CHUNK])
         for propagate in (False, True):
-            add(f"amax_{'nan' if propagate else 'nonan'}_{in_name}", _amax_kernel, AMAX_CONFIG,
-                [x, i32_1, propagate])
+            for columns in (False, True):
+                add(f"amax_{'nan' if propagate else 'nonan'}_{in_name}{'_t' if columns else ''}", _amax_kernel,
+                    AMAX_CONFIG, [x, i32_1, propagate, columns])
     return variants

@@ -323,14 +323,25 @@ def test_axis_minus_2_reads_the_transpose(name, swizzle):
 @pytest.mark.parametrize("granularity", ["tensor", "row", (1, 128), (128, 128)],
                          ids=["tensor", "row", "1x128", "128x128"])
 def test_fp8_axis_minus_2(granularity):
-    # (K, M). Per row, the transposed amax pass reduces 16 tiles of 128 down K per block: K = 2560
-    # takes two blocks per column tile (the second one partial), K = 640 one, the quantize pass's
+    # (K, M). Per row, the transposed amax pass reduces up to 16 tiles of 128 down K per block: K =
+    # 2560 takes two blocks per column tile (every other tile each), K = 640 one, the quantize pass's
     # 256-row tiles end partial at K = 640 and K = 7 (per tensor and row only: blocks need K % 128 == 0);
     # M = 130 and 200 end in partial column tiles; and a batch of two.
     shapes = [(256, 130), (640, 130), (2560, 130), (2, 768, 200)]
     for shape in shapes + ([(7, 130)] if granularity in ("tensor", "row") else []):
         x = make_input(shape, "specials", torch.bfloat16)
         check(tilemm.quantize_fp8, x, f"fp8 {granularity} axis=-2 {shape}", granularity=granularity, axis=-2)
+
+
+def test_fp8_row_axis_minus_2_visits_every_k_tile():
+    """Per row along axis=-2, each column's maximum sits in a different one of the 21 K tiles, which
+    the amax pass's two blocks per column tile take in turns (last to first): every scale must come
+    from its spike."""
+    k, m = 21 * 128, 130
+    x = make_input((k, m), "random", torch.bfloat16).clamp(-1, 1)
+    cols = torch.arange(m)
+    x[(cols * 131 + 17) % k, cols] = (100 + cols).to(torch.bfloat16) * torch.where(cols % 2 == 0, 1, -1)
+    check(tilemm.quantize_fp8, x, "fp8 row axis=-2 spikes", granularity="row", axis=-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

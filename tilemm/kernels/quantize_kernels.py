@@ -54,14 +54,15 @@ unwritten.
 
 Measured on an H100 (2026-11-22; tests/test_quantize_gpu.py: bit-exact against the CPU reference on
 every case; benchmarks/bench_quantize.py, bf16 input, CUDA-graph replays queued behind a GPU sleep and
-timed back to back with a device-to-device copy of 2.78 TB/s at 64 MiB and 2.98 TB/s at 256 MiB; % of
-the copy at 64 / 256 MiB): MXFP8 logical scales 92 / 97, swizzled 92 / 97, axis=-2 89 / 92 (swizzled
-88 / 90); MXFP4 80 / 85 (axis=-2 swizzled 75 / 78); NVFP4 with a given scale 82 / 86 (axis=-2
-swizzled 72 / 75), 45 / 50 with the amax pass; FP8 per tensor 94 / 98 (kernel alone; axis=-2 88 /
-91), 53 / 58 with the amax pass, per row 88 / 93 (axis=-2, with its amax pass: 46 / 51), 1x128
-86 / 90 (axis=-2 62 / 65), 128x128 91 / 98 (axis=-2 69 / 75). The amax pass alone reads at 84 / 96 %
-of the copy's rate. A pass that reads the input twice moves about 2/5 more bytes than it is credited,
-so it cannot pass ~60 %. Runs of the same kernels differ by 1-2 points.
+timed back to back with a device-to-device copy of 2.79 TB/s at 64 MiB and 2.98 TB/s at 256 MiB; % of
+the copy at 64 / 256 MiB): MXFP8 logical scales 91 / 97, swizzled 92 / 96, axis=-2 89 / 92 (swizzled
+88 / 90); MXFP4 80 / 85 (axis=-2 swizzled 75 / 78); NVFP4 with a given scale 81 / 86 (axis=-2
+swizzled 71 / 75), 50 / 52 with the amax pass; FP8 per tensor 94 / 99 (kernel alone; axis=-2 88 /
+91), 58 / 60 with the amax pass, per row 88 / 94 (axis=-2, with its amax pass: 47 / 51), 1x128
+86 / 90 (axis=-2 62 / 65), 128x128 91 / 98 (axis=-2 68 / 74). The amax pass alone reads at 85 / 97 %
+of the copy's rate. A pass that reads the input twice from DRAM moves about 2/5 more bytes than it
+is credited, which caps it near 60 %; part of the second read comes from L2 instead (``_amax_kernel``).
+Runs of the same kernels differ by 1-2 points.
 """
 
 from __future__ import annotations

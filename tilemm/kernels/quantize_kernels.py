@@ -39,10 +39,11 @@ with ``TRANSPOSED``, the (B, K, R) storage of ``x.mT`` (the ``axis=-2`` quantize
 block-scaled kernels, FP8 per tensor, FP8 per row and FP8 128x128 load its tiles in storage order
 (128x128 transposes strips of the input tile in registers, the others only the quantized bytes on the
 store); FP8 1x128 loads through ``order=(0, 2, 1)``, which measured faster for it. One block
-quantizes one (TILE_R, TILE_K) tile; the grid is 1-D over B x row tiles x cdiv(K, TILE_K), K fastest. Logical scales of a contiguous batch are quantized as one
-(1, B * R, K) matrix. Swizzled scales are stored through the (B, R/128, Ks/4, 32, 4, 4) view of the
-32x4x4 layout (its 16 columns split as 4 row sub-tiles m2 x 4 columns k1): with TILE_R in {32, 64,
-128} and TILE_K / block = 4 * G, the tile's scales s (TILE_R, 4G) go to::
+quantizes one (TILE_R, TILE_K) tile; the grid is 1-D over B x row tiles x cdiv(K, TILE_K), K fastest.
+Logical scales of a contiguous batch are quantized as one (1, B * R, K) matrix. Swizzled scales are
+stored through the (B, R/128, Ks/4, 32, 4, 4) view of the 32x4x4 layout (its 16 columns split as 4
+row sub-tiles m2 x 4 columns k1): with TILE_R in {32, 64, 128} and TILE_K / block = 4 * G, the tile's
+scales s (TILE_R, 4G) go to::
 
     row 32 * m2 + m1 of the 128-row block, column 4 * g + k1  ->  [g, m1, m2, k1]
 
@@ -888,8 +889,9 @@ ROW_MAX_K = 8192
 #: through TMA. Measured on the H100 (% of the copy, TMA -> plain, at 64 / 256 MiB, two runs):
 #: K = 1024 79.3-79.6 / 86.5-86.8 -> 82.5-83.5 / 88.4-88.9, K = 2048 82.1-82.9 / 90.0-90.2 ->
 #: 84.9-85.5 / 91.0-91.3, K = 4096 83.2-83.3 / 90.4-90.7 -> 88.9-89.0 / 94.0-94.6; but the 1x8192 tile
-#: (K = 8192) 86.2-86.3 / 93.3-93.4 -> 66.9 / 70.2-70.3. Blackwell keeps TMA stores: compiled for sm_120, the plain-store tiles take 118
-#: registers (2048 columns) or spill (1024), where the TMA ones fit 64 registers; nothing was timed there.
+#: (K = 8192) 86.2-86.3 / 93.3-93.4 -> 66.9 / 70.2-70.3. Blackwell keeps TMA stores: compiled for
+#: sm_120, the plain-store tiles take 118 registers (2048 columns) or spill (1024), where the TMA ones
+#: fit 64 registers; nothing was timed there.
 ROW_PLAIN_STORE_K = 4096
 #: Targets on which the per-row and 1x128 kernels may store plainly (``ROW_PLAIN_STORE_K``,
 #: ``fp8_tma_store``), where that was measured faster.
@@ -928,8 +930,9 @@ def fp8_tma_store(gran: int, target: str) -> bool:
 
     Plain stores measured faster on the H100 (% of the copy at 64 / 256 MiB, TMA -> plain): 1x128
     78 / 82 -> 86 / 90, 128x128 72 / 77 -> 77 / 86, per tensor 95 / 100 -> 95 / 98; along axis=-2
-    (loaded through ``order``) 1x128 50 / 52 -> 61 / 65 and 128x128 36 / 37 -> 48 / 50. Per tensor and
-    128x128 store plainly on every target (no spills either way). 1x128 does so only on sm_90: with
+    (loaded through ``order``) 1x128 50 / 52 -> 61 / 65 and 128x128 36 / 37 -> 48 / 50 (128x128 then
+    stored its whole fp32 tile; ``_fp8_square_tile`` stores its strips plainly).
+    Per tensor stores plainly on every target (no spills either way). 1x128 does so only on sm_90: with
     plain stores it spills 136-264 bytes per thread (bf16 input; sm_90 / sm_100 / sm_120), with TMA
     none, and Blackwell was never timed. A transposed per-tensor tile is stored through TMA regardless
     (``_fp8_tensor_tile_transposed``)."""

@@ -23,8 +23,9 @@ kernel launcher of ``tilemm.kernels.quantize_kernels`` with the global scale / a
 public function's checks, which a CUDA graph does not replay); "amax pass alone" is
 ``tensor_amax``, which only reads the input (at the copy's speed it would show 100 %). A quantizer
 with an amax pass (NVFP4 without a global scale, FP8 per tensor, FP8 per row along axis=-2) moves
-2/5 more bytes than it is credited (bf16 -> fp8: 2 bytes read twice, 1 written), so it tops out
-near 60 % of the copy.
+2/5 more bytes than it is credited (bf16 -> fp8: 2 bytes read twice, 1 written), so read twice from
+DRAM it tops out near 60 % of the copy (the amax pass ends where the quantize pass begins, so part of
+the second read comes from L2).
 
 Writes ``benchmarks/results/quantize-<gpu>.json`` and prints a markdown table.
 """

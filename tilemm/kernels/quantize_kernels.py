@@ -92,7 +92,7 @@ _OCCUPANCY = 4
 #: best on the H100 (amax pass 88 -> 94 % of the copy, FP8 128x128 63 -> 76 %, the rest within noise).
 #: The loads go through TMA: with ``allow_tma=False`` cuTile loads bf16 two bytes per instruction, and
 #: FP8 per tensor / 1x128 / 128x128 / per row fell from 94 / 86 / 77 / 88 % of the copy to 68 / 50 / 34
-#: / 82 % at 64 MiB (H100).
+#: / 82 % at 64 MiB (H100; 128x128 as one fp32 tile, before ``_fp8_square_tile``).
 _LATENCY = 10
 _RN = ct.RoundingMode.RN
 
@@ -480,9 +480,10 @@ def _amax_kernel(X, Partial, PROPAGATE_NAN: ConstBool, COLUMNS: ConstBool, TILE_
     column by column. Measured on the H100 (bf16, us, first to last -> last to first, two benchmark
     runs): NVFP4 with its amax pass 68.4 -> 61.6 at 64 MiB, 230.3 -> 222.1 at 256 MiB; FP8 per tensor
     68.2 -> 61.4 and 232.0 -> 224.2. Along axis=-2, row by row -> column by column (both last to
-    first): NVFP4 68.0-68.8 -> 66.3-66.5 and 242.7-242.9 -> 238.1-238.4, FP8 per tensor 68.4-68.7 ->
-    65.1-65.2 and 237.6-238.0 -> 232.4-232.7. The same order in the per-row pass along axis=-2
-    (``_column_amax_kernel``, whose blocks all run at once) changed nothing.
+    first; a probe, two runs each): NVFP4 68.0-68.8 -> 66.3-66.5 and 242.7-242.9 -> 238.1-238.4,
+    FP8 per tensor 68.4-68.7 -> 65.1-65.2 and 237.6-238.0 -> 232.4-232.7. The same order in the
+    per-row pass along axis=-2 (``_column_amax_kernel``, whose blocks all run at once) changed
+    nothing.
     """
     num_r = ct.cdiv(X.shape[1], TILE_R)
     num_k = ct.cdiv(X.shape[2], TILE_K)
@@ -656,8 +657,8 @@ def _fp8_tensor_tile_transposed(X, Data, Scale, Amax, QMAX, b, rt, kt, TILE_R, T
     (TILE_K, TILE_R) tile and the fp8 bytes stored transposed into Data (B, R, K), as
     ``_fp8_columns_kernel`` does. Measured on the H100 (% of the copy at 64 / 256 MiB): 32x256 88 / 92,
     against 76 / 78 loaded through ``order`` (16x512 83 / 87, 64x128 72 / 75, 64x256 at 2 blocks per SM
-    64 / 68, 128x64 44 %). The same for 1x128 and 128x128 blocks was slower than their transposed
-    loads: 1x128 39-53 % against 61-65 %, 128x128 28-37 % against 48-51 %."""
+    64 / 68, 128x64 44 %). The same for 1x128 blocks was slower than their transposed loads: 39-53 %
+    against 61-65 % (128x128 blocks: ``_fp8_square_tile``)."""
     q = _fp8_tensor_quantize(_column_tile(X, b, kt, rt, TILE_K, TILE_R), Scale, Amax, QMAX, Data.dtype)
     ct.store(Data, (b, kt, rt), q.reshape((1, TILE_K, TILE_R)), order=(0, 2, 1))
 

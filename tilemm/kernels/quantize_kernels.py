@@ -805,7 +805,16 @@ class TileConfig:
 #: 75-84 %), against 81 / 85 % for one tile per block in that run. What the e2m1 encode costs: with it
 #: replaced by a shift (wrong bytes, same loads and stores) the MXFP4 kernel ran at 85 / 97 %; a
 #: shorter encode (the multiply folded into an FMA, the sign from the bits) saved one or two of its
-#: ~17 instructions per element and timed within noise.
+#: ~17 instructions per element and timed within noise. So did the encode in packed bf16 arithmetic
+#: for bf16 input (HFMA2 / HMNMX2: round(2y), round(y) + 2, round(y / 2) + 4 from |x| times 2m, m, m/2
+#: plus 192, 194, 196 in bf16, which is exact for MXFP4 because x * m is; the sign from x * 2^16 m,
+#: which underflows exactly where fp32's x * m does; bit-identical on the H100, and checked on the CPU
+#: for every bf16 value and scale byte): the compiler paired the candidates of one element rather than
+#: two elements, 1461 SASS instructions against 1508 (sm_90), and it ran 37.9-38.2 against 37.7-38.2
+#: us at 64 MiB, 134.9-135.0 against 134.3-135.2 us at 256 MiB. Block maxima taken on the bf16 tile
+#: (packed, before widening) gained nothing either: MXFP4 37.7-38.0 against 37.7-38.2 us and
+#: 133.8-133.9 against 134.3-135.2; MXFP8 39.8-40.2 against 39.4-39.6 and 143.7-144.4 against
+#: 141.5-141.6; NVFP4 39.3-39.6 against 37.5-37.7 and 140.1-140.2 against 134.6 (it spills 24 bytes).
 BLOCK_CONFIGS = {
     ("mxfp8", True, False): TileConfig(64, 128),
     ("mxfp8", False, False): TileConfig(16, 512),
@@ -876,6 +885,9 @@ AMAX_BLOCKS_PER_SM = 4
 #: 13.0-13.2 / 21.0-21.4 / 71.0-71.3 / 231.2-231.8 -> 10.9-11.2 / 19.2-19.5 / 67.9-68.0 / 228.6-228.8
 #: us, FP8 per tensor 11.7-12.0 / 19.0 / 70.5-70.6 / 234.1-234.5 -> 9.9-10.2 / 18.0-18.2 / 68.2-68.3 /
 #: 231.5-231.9 us. With 1024 slots the users' reduction cost FP8 per tensor up to 0.4 us at 16 MiB.
+#: Programmatic dependent launch of NVFP4's quantize kernel after this pass (the pass letting it start
+#: at once, each quantize block loading its tile before waiting for the pass to finish) was slower:
+#: 67.0-67.2 against 61.5-61.8 us at 64 MiB, 245.7-246.2 against 222.1-222.2 us at 256 MiB.
 AMAX_PARTIALS = 512
 #: FP8 per row: one block holds ROW_ELEMENTS elements, whole rows when K <= ROW_MAX_K. Measured on
 #: the H100 at 256 MiB: 2x4096 at K = 4096 91 %, 1x8192 at K = 8192 91 %, at K = 7168 88 %, and at

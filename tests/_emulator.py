@@ -29,10 +29,12 @@ import cuda.tile as ct
 __all__ = ["Tile", "EmuArray", "TileEmulator", "LaunchProxy", "CT_DTYPE_OF_TORCH", "assert_matches"]
 
 CT_DTYPE_OF_TORCH = {torch.float32: ct.float32, torch.bfloat16: ct.bfloat16, torch.float16: ct.float16,
-                     torch.uint8: ct.uint8, torch.float8_e4m3fn: ct.float8_e4m3fn,
+                     torch.uint8: ct.uint8, torch.int32: ct.int32, torch.float8_e4m3fn: ct.float8_e4m3fn,
                      torch.float8_e5m2: ct.float8_e5m2}
 _FLOAT_TORCH = {ct.float32: torch.float32, ct.bfloat16: torch.bfloat16, ct.float16: torch.float16}
-_INT_DTYPES = (ct.uint8, ct.uint16, ct.int32)
+_INT_DTYPES = (ct.uint8, ct.uint16, ct.int32, ct.uint32)
+# Integer tiles hold int64 values; results wrap to the dtype's width, as the hardware's do.
+_INT_BITS = {ct.uint8: 8, ct.uint16: 16, ct.int32: 32, ct.uint32: 32}
 _SIXTEEN_BIT = (ct.bfloat16, ct.float16)
 _E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 # mma_scaled's contract: (data dtype, scale dtype) -> allowed scaling block sizes.
@@ -86,6 +88,12 @@ class Tile(np.ndarray):
 
     def __array_wrap__(self, out, context=None, return_scalar=False):
         out = super().__array_wrap__(out, context, return_scalar)
+        if isinstance(out, Tile) and out.ct_dtype in _INT_BITS and out.dtype.kind == "i":
+            bits = _INT_BITS[out.ct_dtype]
+            wrapped = np.asarray(out) & ((1 << bits) - 1)
+            if out.ct_dtype == ct.int32:
+                wrapped = np.where(wrapped >= 1 << 31, wrapped - (1 << 32), wrapped)
+            return Tile(wrapped, out.ct_dtype)
         if isinstance(out, Tile) and out.ct_dtype in _FLOAT_TORCH and out.dtype.kind == "f":
             rounded = _round(np.asarray(out), out.ct_dtype)
             if out.ct_dtype in _SIXTEEN_BIT:  # the decode's products must be exact
@@ -117,7 +125,7 @@ class EmuArray:
         self.dtype = CT_DTYPE_OF_TORCH[tensor.dtype]
         self.shape = tuple(tensor.shape)
         self.ndim = tensor.ndim
-        if tensor.dtype == torch.uint8:
+        if tensor.dtype in (torch.uint8, torch.int32):
             self.values = tensor.to(torch.int64).numpy()
         else:
             self.values = tensor.to(torch.float64).numpy()
@@ -165,7 +173,7 @@ class TileEmulator:
     def __init__(self):
         self._bid = 0
         self._grid = 1
-        for name in ("uint8", "uint16", "int32", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu",
+        for name in ("uint8", "uint16", "int32", "uint32", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu",
                      "float4_e2m1fn"):
             setattr(self, name, getattr(ct, name))
         for name in ("float32", "float16", "bfloat16"):
@@ -214,15 +222,37 @@ class TileEmulator:
     @staticmethod
     def bitcast(tile, dtype):
         dtype = _dt(dtype)
+        if tile.ct_dtype == ct.int32 and dtype == ct.uint32:
+            return Tile(np.asarray(tile, dtype=np.int64) & 0xFFFFFFFF, dtype)
         decode = _BITCASTS.get((tile.ct_dtype, dtype))
         if decode is None:
             raise NotImplementedError(f"bitcast {tile.ct_dtype} -> {dtype}")
         return Tile(decode(np.asarray(tile, dtype=np.int64)), dtype)
 
     @staticmethod
+    def pack_to_bytes(tile):
+        """The tile's bytes, little-endian, flattened (uint32 and uint16 tiles)."""
+        width = {ct.uint32: 4, ct.uint16: 2, ct.uint8: 1}[tile.ct_dtype]
+        raw = np.asarray(tile, dtype=np.int64).reshape(-1)
+        out = np.stack([(raw >> (8 * i)) & 0xFF for i in range(width)], axis=-1).reshape(-1)
+        return Tile(out, ct.uint8)
+
+    @staticmethod
+    def extract(tile, index, shape):
+        sl = tuple(slice(i * s, (i + 1) * s) for i, s in zip(index, shape))
+        return Tile(np.asarray(tile)[sl].copy(), tile.ct_dtype)
+
+    @staticmethod
+    def static_iter(iterable):
+        return iterable
+
+    @staticmethod
     def unpack_from_bytes(tile, dtype):
+        if tile.ndim == 1 and tile.ct_dtype == ct.uint8 and _dt(dtype) == ct.bfloat16:
+            raw = np.asarray(tile, dtype=np.int64)
+            return Tile(_bf16_values(raw[0::2] | (raw[1::2] << 8)), ct.bfloat16)
         if tile.ndim != 1 or tile.ct_dtype != ct.uint8 or _dt(dtype) != ct.float4_e2m1fn:
-            raise TypeError("unpack_from_bytes: 1-D uint8 -> float4_e2m1fn only")
+            raise TypeError("unpack_from_bytes: 1-D uint8 -> float4_e2m1fn or bfloat16 only")
         raw = np.asarray(tile, dtype=np.int64)
         vals = np.stack([_E2M1[raw & 0xF], _E2M1[raw >> 4]], axis=-1).reshape(-1)  # low nibble first
         return Tile(vals, ct.float4_e2m1fn)
@@ -234,9 +264,9 @@ class TileEmulator:
         fill = 0 if padding_mode == ct.PaddingMode.ZERO else math.nan  # undefined in cuTile: poison it
         out = np.full(shape, fill, dtype=np.float64)
         out[dst] = array.values[src]
-        if array.dtype == ct.uint8:
+        if array.dtype in (ct.uint8, ct.int32):
             if math.isnan(fill) and out.size != out[dst].size:
-                raise ValueError("uint8 load past the edge without ZERO padding")
+                raise ValueError("integer load past the edge without ZERO padding")
             out = out.astype(np.int64)
         return Tile(out, array.dtype)
 

@@ -1,0 +1,180 @@
+"""The weight-only path: ``tilemm.prepack`` / ``unpack`` and the weight-only kernel's tile code.
+
+The kernel runs on the CPU through the NumPy model of cuTile (tests/_emulator.py), which asserts that
+every bf16 operand reaching ``ct.mma`` holds its value exactly and that every bf16 product of the
+decode is exact; its result is compared with the reference ``x @ dequantize(w).T`` in fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import swizzle
+import tilemm
+from tilemm.formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
+from tilemm.kernels import hopper_weight_only as wo
+from tilemm.packed import PackedWeight, layout_of, prepack, unpack
+
+from _emulator import LaunchProxy, TileEmulator, assert_matches
+
+FORMATS = [MXFP4, NVFP4, MXFP8_E4M3, MXFP8_E5M2]
+IDS = [f.name for f in FORMATS]
+
+
+def quantized_weight(fmt, n, k, *, seed=0, swizzle_scale=False, scale_bytes=None):
+    """A random quantized (N, K) weight: every element code, scales from ``scale_bytes`` (a range)."""
+    gen = torch.Generator().manual_seed(seed)
+    ks = k // fmt.block
+    if fmt.is_packed:
+        data = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    else:
+        raw = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen)
+        nonfinite = (raw & 0x7F) == 0x7F if fmt.element == "e4m3" else (raw & 0x7F) >= 0x7C
+        data = torch.where(nonfinite, raw & 0x80, raw).view(fmt.data_dtype)
+    lo, hi = scale_bytes or ((118, 136) if fmt.is_mx else (1, 0x7F))
+    scale = torch.randint(lo, hi, (n, ks), dtype=torch.uint8, generator=gen).view(fmt.scale_dtype)
+    if swizzle_scale:
+        scale = swizzle.swizzle_32_4_4(scale)
+    if fmt is NVFP4:
+        return tilemm.NVFP4Tensor(data, scale, torch.tensor(0.0123, dtype=torch.float32))
+    return (tilemm.MXFP4Tensor if fmt is MXFP4 else tilemm.MXFP8Tensor)(data, scale)
+
+
+def _logical(w_q):
+    n = w_q.data.shape[0]
+    k = w_q.format.logical_k(w_q.data.shape[1])
+    if w_q.swizzled:
+        return swizzle.unswizzle_32_4_4(w_q.scale, n, k // w_q.format.block)
+    return w_q.scale
+
+
+def _bytes(t):
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+@pytest.mark.parametrize("swizzled", [False, True], ids=["logical", "swizzled"])
+# K = 96 / 160: not a multiple of any tile_k (the words are zero-padded); N = 17: not a tile multiple.
+@pytest.mark.parametrize("n,k", [(17, 96), (130, 512), (8, 160)])
+def test_unpack_returns_the_exact_bytes(fmt, swizzled, n, k):
+    if k % fmt.block:
+        pytest.skip("K must be a multiple of the block")
+    w_q = quantized_weight(fmt, n, k, swizzle_scale=swizzled)
+    packed = prepack(w_q)
+    assert packed.shape == (n, k)
+    assert packed.words.shape == (n, -(-k // layout_of(fmt).tile_k) * layout_of(fmt).words_per_tile)
+    back = unpack(packed)
+    assert type(back) is type(w_q)
+    assert torch.equal(_bytes(back.data), _bytes(w_q.data))
+    assert torch.equal(_bytes(back.scale), _bytes(_logical(w_q)))
+    if fmt is NVFP4:
+        assert torch.equal(back.global_scale, w_q.global_scale)
+
+
+def test_prepack_errors_name_the_argument():
+    with pytest.raises(TypeError, match="w_q must be an MXFP4Tensor"):
+        prepack(torch.zeros(4, 4))
+    w = tilemm.quantize_fp8(torch.randn(4, 32), granularity="row")
+    with pytest.raises(TypeError, match="w_q must be"):
+        prepack(w)
+    w = tilemm.quantize_mxfp4(torch.randn(2, 4, 32))
+    with pytest.raises(ValueError, match="2-D"):
+        prepack(w)
+
+
+def test_e5m2_inf_and_fp32_overflow_are_refused():
+    w_q = quantized_weight(MXFP8_E5M2, 4, 64)
+    data = _bytes(w_q.data).clone()
+    data[1, 3] = 0x7C  # +inf
+    with pytest.raises(ValueError, match="Inf elements"):
+        prepack(tilemm.MXFP8Tensor(data.view(torch.float8_e5m2), w_q.scale))
+    w_q = quantized_weight(MXFP4, 4, 64)
+    data = w_q.data.clone()
+    data[0, 0] = 0x07  # element 0 = 6.0
+    scale = _bytes(w_q.scale).clone()
+    scale[0, 0] = 254  # 6 * 2^127 overflows fp32
+    with pytest.raises(ValueError, match="overflow float32"):
+        prepack(tilemm.MXFP4Tensor(data, scale.view(torch.float8_e8m0fnu)))
+
+
+def test_exponent_offset():
+    """E = 0 for ordinary MX scales; large block scales move the multipliers down by 2^E."""
+    assert prepack(quantized_weight(MXFP4, 4, 64, scale_bytes=(100, 129))).exponent == 0
+    assert prepack(quantized_weight(MXFP4, 4, 64, scale_bytes=(135, 136))).exponent == 7
+    assert prepack(quantized_weight(MXFP8_E4M3, 4, 64, scale_bytes=(100, 135))).exponent == 0
+    nv = prepack(tilemm.quantize_nvfp4(torch.randn(8, 64)))
+    assert nv.exponent == 7  # the largest block scale is 448 = 1.75 * 2^8
+
+
+# --------------------------------------------------------------------------------------------------
+# The kernel's tile code on the CPU
+# --------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def emulated(monkeypatch):
+    emu = TileEmulator()
+    monkeypatch.setattr(wo, "ct", LaunchProxy(emu))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)
+    return emu
+
+
+def _reference(x, w_q, bias=None, out_dtype=torch.float32):
+    w = w_q.dequantize().to(torch.float64)
+    out = x.to(torch.float64) @ w.T
+    if bias is not None:
+        out = out + bias.to(torch.float64)
+    return out.to(out_dtype)
+
+
+def _run(x, packed, cfg, bias=None):
+    n = packed.out_features
+    out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    b = torch.zeros(n, dtype=torch.float32) if bias is None else bias.float()
+    wo.launch(x, packed.words, packed.scale_t, packed.constants, b, out, packed.layout, cfg)
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "fp16", "fp32"])
+def test_kernel_matches_reference(emulated, fmt, x_dtype):
+    # M = 3 (a partial 16-row tile), N = 20 (a partial weight tile), K = 320: not a multiple of
+    # tile_k, so the last K tile reads zero words and zero-padded activations; split 2 over 2 tiles.
+    m, n, k = 3, 20, 320
+    # scales small enough that fp16 outputs stay finite
+    w_q = quantized_weight(fmt, n, k, seed=1, scale_bytes=(105, 122) if fmt.is_mx else (1, 0x50))
+    packed = prepack(w_q)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(2)) * 3).to(x_dtype)
+    bias = torch.randn(n)
+    for cfg in (wo.WeightOnlyConfig(16, 16, 1), wo.WeightOnlyConfig(16, 16, 2)):
+        out = _run(x, packed, cfg, bias)
+        assert_matches(out.float(), _reference(x, w_q, bias), torch.float32 if x_dtype == torch.float32
+                       else x_dtype)
+
+
+@pytest.mark.parametrize("fmt", [MXFP4, MXFP8_E4M3], ids=["mxfp4", "mxfp8_e4m3"])
+def test_kernel_with_large_scales(emulated, fmt):
+    """E > 0: the MMA operand is the weight times 2^-E, the epilogue multiplies 2^E back."""
+    w_q = quantized_weight(fmt, 16, 128, scale_bytes=(125, 150))
+    packed = prepack(w_q)
+    assert packed.exponent > 0
+    x = torch.randn(2, 128)
+    out = _run(x, packed, wo.WeightOnlyConfig(16, 16, 1))
+    assert_matches(out, _reference(x, w_q), torch.float32)
+
+
+def test_nan_scales_and_elements_reach_their_columns(emulated):
+    """A NaN scale (MX byte 255) or a NaN element makes exactly its weight row's output column NaN."""
+    w_q = quantized_weight(MXFP8_E4M3, 16, 64)
+    data, scale = _bytes(w_q.data).clone(), _bytes(w_q.scale).clone()
+    scale[3, 1] = 255
+    data[9, 40] = 0x7F  # e4m3 NaN
+    w_q = tilemm.MXFP8Tensor(data.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu))
+    packed = prepack(w_q)
+    x = torch.randn(2, 64)
+    out = _run(x, packed, wo.WeightOnlyConfig(16, 16, 1))
+    ref = _reference(x, w_q)
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert out.isnan()[:, [3, 9]].all() and out.isnan().sum() == 4
+    assert torch.equal(_bytes(unpack(packed).scale), scale)  # the original bytes come back

@@ -1,0 +1,335 @@
+"""Weight-only matmul on Hopper (sm_90): bf16 / fp16 / fp32 activations times a prepacked MXFP4,
+NVFP4 or MXFP8 weight, in one cuTile kernel that reads each weight byte once and never writes a
+dequantized weight.
+
+What it computes: ``out = (x @ dequantize(w).T) * alpha + bias``, accumulated in fp32, rounded once to
+``out``'s dtype; ``x`` is (M, K), the weight (N, K). The weight arrives in the layout that
+``tilemm.prepack`` builds once at load time (``tilemm.packed``), described here because the kernel's
+decode is that layout's other half.
+
+Planes. A K tile of ``TK = PLANES * G * B`` elements (B the scale block) is cut into PLANES
+contiguous "planes" of ``G * B`` elements, so a plane holds G whole scale blocks. Each 32-bit word of a
+weight row holds two elements of every plane, one per 16-bit half ("lane"): element
+``kt * TK + p * G * B + g * B + 2 * w + lane`` sits in word ``g * B / 2 + w`` of tile kt.
+Decoding plane p is then one shift and one mask per source field on whole 32-bit words, which makes
+two bf16 bit patterns at once, with no byte shuffles:
+
+* e2m1 (4 planes, 4 elements per lane): element p's magnitude bits (e1 e0 m) are stored at lane bits
+  3p..3p+2 and its sign at bit 12 + p. ``((w << (6 - 3p)) & 0x01C001C0) | ((w << (3 - p)) &
+  0x80008000)`` (a right shift for p = 3) puts them at bf16 bits 6..8 and 15: the bf16 number
+  e2m1 * 2^-126, exact for every code (code 1, 0.5, lands on the subnormal 2^-127).
+* e4m3 / e5m2 (2 planes, 2 elements per lane): plane 0 in each lane's low byte, plane 1 in its high
+  byte; the 7 magnitude bits go to bf16 bits 4..10 (e4m3, giving e4m3 * 2^-120) or 5..11 (e5m2, e5m2 *
+  2^-112), the sign to bit 15. Subnormal e4m3 / e5m2 land on bf16 subnormals of the same value.
+
+Bits shifted across the lane boundary always fall outside the masks. Each decoded plane (TN, G * B) is
+multiplied by one bf16 multiplier per row and scale block, ``scale * 2^(OFFSET - E)`` (OFFSET = 126
+for e2m1, 120 for e4m3, 112 for e5m2: the decode's power of two taken back), so the MMA operand is the
+dequantized weight times 2^-E; the epilogue multiplies by ``alpha = 2^E * ...`` in fp32. E >= 0 is
+chosen per weight by ``tilemm.prepack`` so that the largest multiplier fits bf16: E = 0 for any weight
+whose block scales stay below 2^2 (MX) -- then the MMA operand is the dequantized weight itself.
+NaN scales decode to NaN multipliers, so NaN reaches exactly the output columns the reference makes
+NaN (a NaN weight element poisons its whole output column, so prepack marks such a block's scale NaN).
+
+Exactness. Every decoded, scaled element is exactly representable in bf16 (at most 5 significant bits,
+and within bf16's exponent range given E, with the same lower limit as the block-scaled kernels for
+scale bytes near 0), and bf16 x bf16 products are exact in the fp32 accumulator. Activations in fp16
+or fp32 are split in the kernel into 2 or 3 bf16 parts whose sum is exactly x (8 + 8 (+ 8) significant
+bits); each part runs its own MMA into the same accumulator. So the result equals an fp32-accumulated
+``x @ dequantize(w).T`` up to the order of the fp32 additions (and, with E > 0 or NVFP4's decode scale,
+the placement of one power-of-two or fp32 factor).
+
+Operands sit as Hopper's wgmma wants them at small M: the decoded weight plane is the left operand
+(registers), ``x`` the right one, ``acc (TN, TM) = W_plane @ x_plane.T``; TM = 16 covers M <= 16 with
+one MMA column block. K is split over ``SPLIT_K`` blocks when the output alone has too few tiles for
+the GPU; their fp32 partial tiles are added in a fixed order (deterministic) by a second kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import cuda.tile as ct
+import torch
+
+from ._aot import AotVariant, array
+from ._common import e8m0_to_bf16, epilogue, hinted, tile_coords
+from .hopper_gemm import num_sms
+
+__all__ = ["WeightOnlyConfig", "plan", "launch", "aot_variants", "LAYOUTS", "Layout"]
+
+ConstInt = ct.Constant[int]
+
+_ZERO = ct.PaddingMode.ZERO
+
+# Element codes (the ELEMENT constant of the kernel).
+E2M1 = 0
+E4M3 = 1
+E5M2 = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A prepacked weight layout: element code, scale block B, planes per K tile and blocks per plane G.
+
+    ``tile_k = planes * group * block`` elements make one K tile; a row of a tile is
+    ``group * block / 2`` 32-bit words. ``offset`` is the power of two the element decode divides by.
+    ``scale`` is "e8m0" or "e4m3".
+    """
+
+    element: int
+    block: int
+    planes: int
+    group: int
+    offset: int
+    scale: str
+
+    @property
+    def tile_k(self) -> int:
+        return self.planes * self.group * self.block
+
+    @property
+    def words_per_tile(self) -> int:
+        return self.group * self.block // 2
+
+    @property
+    def elements_per_word(self) -> int:
+        return 2 * self.planes
+
+
+#: One layout per weight family. tile_k = 256 (4-bit) / 128 (8-bit): 128 bytes of a weight row per
+#: K tile, one 128-byte line.
+LAYOUTS = {
+    "mxfp4": Layout(E2M1, 32, 4, 2, 126, "e8m0"),
+    "nvfp4": Layout(E2M1, 16, 4, 4, 126, "e4m3"),
+    "mxfp8_e4m3": Layout(E4M3, 32, 2, 2, 120, "e8m0"),
+    "mxfp8_e5m2": Layout(E5M2, 32, 2, 2, 112, "e8m0"),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Tile code
+# --------------------------------------------------------------------------------------------------
+
+def _decode_plane(w, P, ELEMENT):
+    """Plane P of a (TN, WORDS) uint32 word tile as uint32 words of two bf16 bit patterns each."""
+    if ELEMENT == E2M1:
+        if P == 3:
+            mag = (w >> 3) & 0x01C001C0
+        else:
+            mag = (w << (6 - 3 * P)) & 0x01C001C0
+        return mag | ((w << (3 - P)) & 0x80008000)
+    if ELEMENT == E4M3:
+        if P == 0:
+            return ((w << 4) & 0x07F007F0) | ((w << 8) & 0x80008000)
+        return ((w >> 4) & 0x07F007F0) | (w & 0x80008000)
+    # e5m2
+    if P == 0:
+        return ((w << 5) & 0x0FE00FE0) | ((w << 8) & 0x80008000)
+    return ((w >> 3) & 0x0FE00FE0) | (w & 0x80008000)
+
+
+def _as_bf16_pairs(bits, ROWS, WORDS):
+    """(ROWS, WORDS) uint32 -> (ROWS, 2 * WORDS) bf16: low half of word j is element 2j, high 2j + 1."""
+    raw = ct.pack_to_bytes(bits.reshape((ROWS * WORDS,)))
+    return ct.unpack_from_bytes(raw, ct.bfloat16).reshape((ROWS, 2 * WORDS))
+
+
+def _multipliers(s_raw, Mult, SCALE_E8M0):
+    """Scale bytes (TN, SC) -> fp32 ``scale * 2^(OFFSET - E)`` (Mult holds 2^(OFFSET - E))."""
+    if SCALE_E8M0:
+        s = e8m0_to_bf16(s_raw).astype(ct.float32)
+    else:
+        s = ct.bitcast(s_raw, ct.float8_e4m3fn).astype(ct.float32)
+    return s * ct.load(Mult, (0,), (1,)).reshape((1, 1))
+
+
+def _mma_x(plane, x, acc, X_PARTS):
+    """acc + plane @ x.T, with x (fp32 / fp16 / bf16) split into X_PARTS bf16 tiles whose sum is
+    exactly x (8 significant bits each), one MMA per part."""
+    if X_PARTS == 1:
+        return ct.mma(plane, x.transpose(), acc)
+    xf = x.astype(ct.float32)
+    hi = xf.astype(ct.bfloat16)
+    rest = xf - hi.astype(ct.float32)
+    mid = rest.astype(ct.bfloat16)
+    acc = ct.mma(plane, hi.transpose(), acc)
+    acc = ct.mma(plane, mid.transpose(), acc)
+    if X_PARTS == 3:
+        lo = (rest - mid.astype(ct.float32)).astype(ct.bfloat16)
+        acc = ct.mma(plane, lo.transpose(), acc)
+    return acc
+
+
+@ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
+def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial,
+                        ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
+                        GROUP: ConstInt, TM: ConstInt, TN: ConstInt, SPLIT_K: ConstInt,
+                        X_PARTS: ConstInt):
+    """acc (TN, TM) = sum over this block's K tiles and planes of decode(W plane) @ x_plane.T.
+
+    X (M, K) activations; W (N, k_tiles * WORDS) int32, WORDS = GROUP * BLOCK / 2 words per row and
+    K tile; S (K / BLOCK, N) raw scale bytes (transposed, so that a tile's rows are N-contiguous); C
+    (1, M, N) output; Partial (SPLIT_K, M, N) fp32, used when SPLIT_K > 1. Grid: SPLIT_K * cdiv(N, TN)
+    * cdiv(M, TM) blocks, M tiles fastest.
+    """
+    M = X.shape[0]
+    N = W.shape[0]
+    WORDS = GROUP * BLOCK // 2
+    TP = GROUP * BLOCK          # elements per plane
+    TK = PLANES * TP            # elements per K tile
+    SC = PLANES * GROUP         # scale columns per K tile
+    num_m = ct.cdiv(M, TM)
+    num_n = ct.cdiv(N, TN)
+    pid = ct.bid(0)
+    bm = pid % num_m
+    bn = (pid // num_m) % num_n
+    split = pid // (num_m * num_n)
+    k_tiles = ct.cdiv(W.shape[1], WORDS)
+    per_split = ct.cdiv(k_tiles, SPLIT_K)
+    k_begin = split * per_split
+    k_end = min(k_begin + per_split, k_tiles)
+
+    acc = ct.zeros((TN, TM), ct.float32)
+    for kt in range(k_begin, k_end):
+        w = ct.bitcast(ct.load(W, (bn, kt), (TN, WORDS), padding_mode=_ZERO), ct.uint32)
+        s_raw = ct.load(S, (kt, bn), (SC, TN), padding_mode=_ZERO).transpose()
+        mult = _multipliers(s_raw, Mult, SCALE_E8M0).astype(ct.bfloat16).reshape((TN, PLANES, GROUP, 1))
+        x = ct.load(X, (bm, kt), (TM, TK), padding_mode=_ZERO)
+        for p in ct.static_iter(range(PLANES)):
+            plane = _as_bf16_pairs(_decode_plane(w, p, ELEMENT), TN, WORDS).reshape((TN, GROUP, BLOCK))
+            m_p = ct.extract(mult, (0, p, 0, 0), (TN, 1, GROUP, 1)).reshape((TN, GROUP, 1))
+            plane = (plane * m_p).reshape((TN, TP))
+            acc = _mma_x(plane, ct.extract(x, (0, p), (TM, TP)), acc, X_PARTS)
+    out = acc.transpose()
+    if SPLIT_K == 1:
+        epilogue(out, C, Alpha, Bias, 0, bm, bn, TM, TN)
+    else:
+        ct.store(Partial, (split, bm, bn), out.reshape((1, TM, TN)))
+
+
+@ct.kernel
+def _splitk_reduce_kernel(Partial, C, Alpha, Bias, SPLIT_K: ConstInt, TM: ConstInt, TN: ConstInt):
+    """C tile = (sum over s of Partial[s], s in order) * alpha + bias."""
+    batch, bm, bn = tile_coords(C.shape[1], C.shape[2], TM, TN, 1)
+    acc = ct.zeros((TM, TN), ct.float32)
+    for s in range(SPLIT_K):
+        acc = acc + ct.load(Partial, (s, bm, bn), (1, TM, TN), padding_mode=_ZERO).reshape((TM, TN))
+    epilogue(acc, C, Alpha, Bias, batch, bm, bn, TM, TN)
+
+
+# --------------------------------------------------------------------------------------------------
+# Configs and launch
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class WeightOnlyConfig:
+    """tile_m (the MMA's N side: 16 .. 128), tile_n (weight rows per block), the K split and the
+    compiler hints."""
+
+    tile_m: int
+    tile_n: int = 128
+    split_k: int = 1
+    num_worker_warps: int = 8
+    occupancy: int | None = None
+
+    def hints(self) -> dict:
+        h = {"num_worker_warps": ct.ByTarget(sm_90=self.num_worker_warps)}
+        if self.occupancy is not None:
+            h["occupancy"] = self.occupancy
+        return h
+
+    @property
+    def name(self) -> str:
+        s = f"wo_{self.tile_m}x{self.tile_n}_s{self.split_k}_w{self.num_worker_warps}"
+        return s + (f"_occ{self.occupancy}" if self.occupancy else "")
+
+
+_TILE_M = (16, 32, 64, 128)
+_SPLITS = (1, 2, 4, 8, 16)
+#: The K split aims at this many blocks per SM (one 8-warp block fits an SM's registers).
+_BLOCKS_PER_SM = 2
+#: Output tiles of the split-K reduction.
+_REDUCE_TILE = (16, 128)
+_X_PARTS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+
+
+def plan(m: int, n: int, k: int, layout: Layout, sms: int = 132) -> WeightOnlyConfig:
+    """The weight-only kernel's config for an (M, K) x (N, K) problem: the smallest tile_m that covers
+    M (up to 128), and a power-of-two K split, at least 2 K tiles per split, that brings the grid to
+    ``_BLOCKS_PER_SM`` blocks per SM when the output alone has fewer tiles."""
+    tile_m = next((t for t in _TILE_M if t >= m), _TILE_M[-1])
+    tile_n = 128
+    tiles = -(-m // tile_m) * -(-n // tile_n)
+    k_tiles = -(-k // layout.tile_k)
+    split = 1
+    while tiles * split < _BLOCKS_PER_SM * sms and split * 2 <= _SPLITS[-1] and k_tiles >= split * 4:
+        split *= 2
+    return WeightOnlyConfig(tile_m, tile_n, split)
+
+
+def _constants(layout: Layout, cfg: WeightOnlyConfig, x_parts: int) -> tuple:
+    return (layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
+            cfg.tile_m, cfg.tile_n, cfg.split_k, x_parts)
+
+
+def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
+           bias: torch.Tensor, out: torch.Tensor, layout: Layout, cfg: WeightOnlyConfig,
+           alpha: torch.Tensor | None = None) -> None:
+    """out (M, N) = (x (M, K) @ W.T) * alpha + bias, W the prepacked weight (words, scale_t).
+
+    ``constants`` is the PackedWeight's [2^E * decode scale, 2^(offset - E)]; ``alpha`` (a (1,) fp32
+    tensor) replaces its first entry when given. ``bias`` is an (N,) fp32 tensor (zeros for none).
+    """
+    m, n = out.shape
+    stream = torch.cuda.current_stream(out.device)
+    c = out.view(1, m, n)
+    alpha = constants[0:1] if alpha is None else alpha
+    partial = c if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32,
+                                                      device=out.device)
+    grid = (cfg.split_k * -(-m // cfg.tile_m) * -(-n // cfg.tile_n), 1, 1)
+    ct.launch(stream, grid, hinted(_weight_only_kernel, **cfg.hints()),
+              (x, words, scale_t, c, alpha, constants[1:2], bias, partial,
+               *_constants(layout, cfg, _X_PARTS[x.dtype])))
+    if cfg.split_k > 1:
+        tm, tn = _REDUCE_TILE
+        ct.launch(stream, (-(-m // tm) * -(-n // tn), 1, 1), _splitk_reduce_kernel,
+                  (partial, c, alpha, bias, cfg.split_k, tm, tn))
+
+
+# --------------------------------------------------------------------------------------------------
+# Ahead-of-time specialisations
+# --------------------------------------------------------------------------------------------------
+
+_CT_DTYPES = {torch.bfloat16: ct.bfloat16, torch.float16: ct.float16, torch.float32: ct.float32}
+
+
+def _configs() -> list[WeightOnlyConfig]:
+    return [WeightOnlyConfig(tm, 128, split) for tm in _TILE_M for split in _SPLITS]
+
+
+def aot_variants(full: bool = True) -> list[AotVariant]:
+    """The weight-only kernel per (layout, activation dtype, config) and the split-K reduction per
+    output dtype and split, for sm_90, sm_100 and sm_120 (the kernel uses bf16 ``ct.mma`` and integer
+    operations only, so one kernel serves every architecture). ``full=False`` keeps one config per
+    (layout, activation dtype) and the splits that differ in code (1 and > 1)."""
+    variants = []
+    configs = _configs() if full else [WeightOnlyConfig(16, 128, 1), WeightOnlyConfig(16, 128, 4)]
+    for name, layout in LAYOUTS.items():
+        for x_dtype, x_ct in _CT_DTYPES.items():
+            for cfg in configs:
+                if x_dtype != torch.bfloat16 and cfg != configs[0] and not full:
+                    continue
+                params = [array(x_ct, 2), array(ct.int32, 2), array(ct.uint8, 2), array(x_ct, 3),
+                          array(ct.float32, 1), array(ct.float32, 1), array(ct.float32, 1),
+                          array(ct.float32 if cfg.split_k > 1 else x_ct, 3),
+                          *_constants(layout, cfg, _X_PARTS[x_dtype])]
+                variants.append(AotVariant(f"weight_only_{name}_{x_ct.name}_{cfg.name}",
+                                           hinted(_weight_only_kernel, **cfg.hints()), params))
+    for x_dtype, x_ct in _CT_DTYPES.items():
+        for split in _SPLITS[1:]:
+            params = [array(ct.float32, 3), array(x_ct, 3), array(ct.float32, 1), array(ct.float32, 1),
+                      split, *_REDUCE_TILE]
+            variants.append(AotVariant(f"weight_only_reduce_{x_ct.name}_s{split}", _splitk_reduce_kernel,
+                                       params))
+    return variants

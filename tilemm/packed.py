@@ -1,0 +1,240 @@
+"""Prepacked weights for the weight-only matmul: ``prepack`` and ``unpack``.
+
+Weights are static in inference, so the weight-only path stores them once in the layout its kernel
+decodes cheapest (``tilemm.kernels.hopper_weight_only`` describes the "planes" layout), and keeps the
+quantizers' tensors (``MXFP8Tensor``, ``MXFP4Tensor``, ``NVFP4Tensor``) as the interchange format:
+``unpack(prepack(w))`` returns exactly the bytes of ``w`` (with logical scales).
+
+A ``PackedWeight`` holds:
+
+* ``words`` (N, k_tiles * words_per_tile) int32: the elements of each row, permuted within K tiles of
+  ``layout.tile_k`` elements (K padded with zero elements to a whole tile);
+* ``scale_t`` (K / B, N) uint8: the scale bytes (e8m0, or e4m3 for NVFP4), transposed, which is how
+  the kernel loads them. MXFP8 only: a block holding a NaN element gets the NaN scale byte 255, since
+  a NaN anywhere in weight row n makes output column n NaN either way (the original bytes are kept in
+  ``nan_scale`` for ``unpack``);
+* ``exponent`` E and ``constants`` = [2^E * decode scale, 2^(offset - E)] (fp32, on the device): the
+  kernel's multipliers are ``scale * 2^(offset - E)`` in bf16, which must stay finite; E = 0 unless a
+  block scale is large (MX: above 2^1 for MXFP4, 2^7 for e4m3, 2^15 for e5m2; NVFP4: E = 7 for the
+  usual block scales up to 448, the decode scale taking the rest).
+
+Weights that the kernel cannot reproduce exactly are refused with a ValueError naming the reason: an
+e5m2 Inf element, or a block whose dequantized values overflow fp32 (the reference gives +-inf there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+import swizzle as _swizzle
+
+from .formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
+from .kernels.hopper_weight_only import LAYOUTS, Layout
+from .numerics import as_uint8, e2m1_decode, unpack_e2m1, pack_e2m1
+from .reference import decode_scales
+
+__all__ = ["PackedWeight", "prepack", "unpack", "layout_of"]
+
+_FP32_MAX_LOG2 = 128.0  # values at or above 2^128 overflow fp32
+
+
+def layout_of(fmt: Format) -> Layout:
+    """The prepacked layout for a weight format (MXFP4, NVFP4, MXFP8 e4m3 / e5m2)."""
+    key = {MXFP4: "mxfp4", NVFP4: "nvfp4", MXFP8_E4M3: "mxfp8_e4m3", MXFP8_E5M2: "mxfp8_e5m2"}.get(fmt)
+    if key is None:
+        raise TypeError(f"prepack: weight-only layouts exist for MXFP4, NVFP4 and MXFP8 weights, got {fmt}")
+    return LAYOUTS[key]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedWeight:
+    """A quantized (N, K) weight in the weight-only kernel's layout; see the module docstring."""
+
+    fmt: Format
+    words: torch.Tensor
+    scale_t: torch.Tensor
+    constants: torch.Tensor
+    exponent: int
+    in_features: int
+    global_scale: torch.Tensor | None = None
+    nan_scale: torch.Tensor | None = None
+
+    @property
+    def layout(self) -> Layout:
+        return layout_of(self.fmt)
+
+    @property
+    def out_features(self) -> int:
+        return self.words.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The logical (N, K) shape of the weight."""
+        return (self.out_features, self.in_features)
+
+    @property
+    def device(self) -> torch.device:
+        return self.words.device
+
+    def to(self, device) -> "PackedWeight":
+        """The same weight on another device."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return dataclasses.replace(self, words=move(self.words), scale_t=move(self.scale_t),
+                                   constants=move(self.constants), global_scale=move(self.global_scale),
+                                   nan_scale=move(self.nan_scale))
+
+    def __repr__(self) -> str:
+        return (f"PackedWeight({self.fmt.name}, shape={self.shape}, tile_k={self.layout.tile_k}, "
+                f"exponent={self.exponent}, device={self.device})")
+
+
+# --------------------------------------------------------------------------------------------------
+
+def _to_int32_words(w: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2^32) -> the int32 tensor with the same bits."""
+    return torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)
+
+
+def _from_int32_words(w: torch.Tensor) -> torch.Tensor:
+    return w.to(torch.int64) & 0xFFFFFFFF
+
+
+def _tiles(t: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """(N, K) element codes -> (N, T, planes, group, block / 2, 2), K zero-padded to whole tiles."""
+    n, k = t.shape
+    pad = -k % layout.tile_k
+    if pad:
+        t = torch.nn.functional.pad(t, (0, pad))
+    return t.reshape(n, -1, layout.planes, layout.group, layout.block // 2, 2)
+
+
+def _pack_words(codes: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Element codes (N, K) (e2m1 nibbles, or FP8 bytes) -> words (N, T * words_per_tile) int32."""
+    t = _tiles(codes.to(torch.int64), layout)  # (N, T, P, G, W, 2)
+    if layout.planes == 4:
+        mag, sign = t & 0x7, (t >> 3) & 0x1
+        shift = torch.arange(4, device=t.device).reshape(1, 1, 4, 1, 1, 1)
+        lane = ((mag << (3 * shift)) | (sign << (12 + shift))).sum(dim=2)
+    else:
+        lane = t[:, :, 0] | (t[:, :, 1] << 8)
+    words = lane[..., 0] | (lane[..., 1] << 16)  # (N, T, G, W)
+    return _to_int32_words(words.reshape(codes.shape[0], -1))
+
+
+def _unpack_words(words: torch.Tensor, layout: Layout, k: int) -> torch.Tensor:
+    """Inverse of ``_pack_words``: (N, K) element codes as uint8."""
+    n = words.shape[0]
+    w = _from_int32_words(words).reshape(n, -1, layout.group, layout.block // 2)
+    lane = torch.stack((w & 0xFFFF, w >> 16), dim=-1)  # (N, T, G, W, 2)
+    if layout.planes == 4:
+        shift = torch.arange(4, device=w.device).reshape(1, 1, 4, 1, 1, 1)
+        lane = lane.unsqueeze(2)
+        codes = ((lane >> (3 * shift)) & 0x7) | (((lane >> (12 + shift)) & 0x1) << 3)
+    else:
+        codes = torch.stack((lane & 0xFF, lane >> 8), dim=2)
+    return codes.reshape(n, -1)[:, :k].to(torch.uint8)
+
+
+def _logical_scale(fn: str, w_q, n: int, k: int) -> torch.Tensor:
+    fmt = w_q.format
+    ks = k // fmt.block
+    scale = as_uint8(w_q.scale)
+    if w_q.swizzled:
+        scale = _swizzle.unswizzle_32_4_4(scale, n, ks)
+    if tuple(scale.shape) != (n, ks):
+        raise ValueError(f"{fn}: the weight's scale must be (N, K/{fmt.block}) = ({n}, {ks}) or its "
+                         f"32x4x4 swizzle, got {tuple(w_q.scale.shape)}")
+    return scale.contiguous()
+
+
+def _check_finite_dequant(fn: str, fmt: Format, values: torch.Tensor, scale: torch.Tensor, gs) -> None:
+    """Refuse a weight whose dequantized values overflow fp32 (the kernel would stay finite)."""
+    amax = values.abs().reshape(values.shape[0], -1, fmt.block).amax(dim=-1).to(torch.float64)
+    s = decode_scales(fmt, scale).to(torch.float64)
+    big = amax * s * (1.0 if gs is None else float(gs))
+    if bool((big >= 2.0 ** _FP32_MAX_LOG2).any()):
+        raise ValueError(f"{fn}: the weight holds blocks whose dequantized values overflow float32 (to "
+                         f"+-inf); the weight-only kernel reproduces only finite weights exactly. Use "
+                         f"tilemm.linear with a quantized activation, or rescale the weight")
+
+
+def prepack(w_q) -> PackedWeight:
+    """Lay out a quantized (N, K) weight for the weight-only matmul, once.
+
+    Args:
+        w_q: an ``MXFP4Tensor``, ``NVFP4Tensor`` or ``MXFP8Tensor`` holding a 2-D (N, K) weight (an
+            ``nn.Linear`` weight quantized along K), with logical or swizzled scales, on any device.
+
+    Returns:
+        A :class:`PackedWeight` on the same device; ``unpack`` inverts it exactly.
+    """
+    from .quantize import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
+
+    fn = "tilemm.prepack"
+    if not isinstance(w_q, (MXFP4Tensor, NVFP4Tensor, MXFP8Tensor)):
+        raise TypeError(f"{fn}: w_q must be an MXFP4Tensor, NVFP4Tensor or MXFP8Tensor (from "
+                        f"tilemm.quantize_*), got {type(w_q).__name__}")
+    if w_q.data.ndim != 2:
+        raise ValueError(f"{fn}: w_q must hold a 2-D (N, K) weight, got data of shape {tuple(w_q.data.shape)}")
+    fmt = w_q.format
+    layout = layout_of(fmt)
+    n = w_q.data.shape[0]
+    k = fmt.logical_k(w_q.data.shape[1])
+    scale = _logical_scale(fn, w_q, n, k)
+    gs = None
+    if fmt.has_global_scale:
+        gs = torch.as_tensor(w_q.global_scale, dtype=torch.float32, device=w_q.data.device).reshape(())
+
+    nan_scale = None
+    if fmt.is_packed:
+        codes = unpack_e2m1(w_q.data)
+        values = e2m1_decode(codes)
+    else:
+        codes = as_uint8(w_q.data)
+        mag = codes & 0x7F
+        if fmt.element == "e5m2" and bool((mag == 0x7C).any()):
+            raise ValueError(f"{fn}: the e5m2 weight holds Inf elements, which the weight-only kernel "
+                             f"cannot reproduce; dequantize it or use a quantized activation")
+        nan = (mag == 0x7F) if fmt.element == "e4m3" else (mag > 0x7C)
+        nan_block = nan.reshape(n, -1, fmt.block).any(dim=-1)
+        if bool(nan_block.any()):
+            nan_scale = scale
+            scale = torch.where(nan_block, torch.full_like(scale, 255), scale)
+        values = torch.where(nan, torch.zeros((), device=codes.device), w_q.data.view(fmt.data_dtype).float())
+    finite = ~decode_scales(fmt, scale).isnan()
+    _check_finite_dequant(fn, fmt, values, torch.where(finite, scale, torch.zeros_like(scale)), gs)
+
+    # E: the smallest power of two that keeps every multiplier scale * 2^(offset - E) below 2^128.
+    s = decode_scales(fmt, scale)[finite]
+    top = float(s.max()) if s.numel() else 0.0
+    exponent = max(0, math.floor(math.log2(top)) + layout.offset - 127) if top > 0 else 0
+    alpha = 2.0 ** exponent
+    constants = torch.tensor([alpha, 2.0 ** (layout.offset - exponent)], dtype=torch.float32,
+                             device=w_q.data.device)
+    if gs is not None:
+        constants[0] = constants[0] * gs
+    return PackedWeight(fmt=fmt, words=_pack_words(codes, layout), scale_t=scale.t().contiguous(),
+                        constants=constants, exponent=exponent, in_features=k, global_scale=gs,
+                        nan_scale=nan_scale)
+
+
+def unpack(packed: PackedWeight):
+    """The quantized weight ``packed`` was built from, with logical scales, bit for bit."""
+    from .quantize import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
+
+    if not isinstance(packed, PackedWeight):
+        raise TypeError(f"tilemm.unpack: packed must be a PackedWeight (from tilemm.prepack), got "
+                        f"{type(packed).__name__}")
+    fmt, layout = packed.fmt, packed.layout
+    codes = _unpack_words(packed.words, layout, packed.in_features)
+    scale = packed.nan_scale if packed.nan_scale is not None else packed.scale_t.t().contiguous()
+    scale = scale.view(fmt.scale_dtype)
+    if fmt.is_packed:
+        data = pack_e2m1(codes)
+        if fmt.has_global_scale:
+            return NVFP4Tensor(data, scale, packed.global_scale)
+        return MXFP4Tensor(data, scale)
+    return MXFP8Tensor(codes.view(fmt.data_dtype), scale)

@@ -15,6 +15,7 @@ from .matmul import fp8_matmul, linear, mxfp4_matmul, mxfp8_matmul, nvfp4_matmul
 from .quantize import (FP8Tensor, MXFP4Tensor, MXFP8Tensor, NVFP4Tensor, dequantize, dequantize_fp8,
                        dequantize_mxfp4, dequantize_mxfp8, dequantize_nvfp4, quantize_fp8,
                        quantize_mxfp4, quantize_mxfp8, quantize_nvfp4)
+from .packed import PackedWeight, prepack, unpack
 from . import ops  # registers torch.ops.tilemm.* (the public functions above call them)
 from . import nn
 from .nn import quantize_model
@@ -27,6 +28,7 @@ __all__ = [
     "dequantize", "dequantize_mxfp8", "dequantize_mxfp4", "dequantize_nvfp4", "dequantize_fp8",
     "MXFP8Tensor", "MXFP4Tensor", "NVFP4Tensor", "FP8Tensor",
     "mxfp8_matmul", "mxfp4_matmul", "nvfp4_matmul", "fp8_matmul", "linear",
+    "prepack", "unpack", "PackedWeight",
     "swizzle_32_4_4", "unswizzle_32_4_4", "UnsupportedGPUError", "crosscheck",
     "nn", "quantize_model", "ops", "formats", "numerics", "reference",
 ]

@@ -503,20 +503,36 @@ def fp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, a
 
 
 def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fast_accum=False):
-    """``x @ w.T`` for a quantized activation and a quantized nn.Linear-layout (N, K) weight.
+    """``x @ w.T`` for an nn.Linear-layout (N, K) quantized weight; the recommended entry point.
 
-    ``x_q`` and ``w_q`` are what the quantizers return (``MXFP8Tensor``, ``MXFP4Tensor``,
-    ``NVFP4Tensor`` or ``FP8Tensor``), both of the same format and scale layout; the transposes and
-    scale orientation are handled here. For FP8, ``w_q``'s scale may be per tensor, per row (one per
-    output channel) or 128x128 blocks. ``use_fast_accum`` (FP8 only) is passed to :func:`fp8_matmul`.
+    Two kinds of call:
+
+    * **block-scaled** (both operands quantized): ``x_q`` and ``w_q`` are what the quantizers return
+      (``MXFP8Tensor``, ``MXFP4Tensor``, ``NVFP4Tensor`` or ``FP8Tensor``), both of the same format and
+      scale layout; the transposes and scale orientation are handled here. For FP8, ``w_q``'s scale may
+      be per tensor, per row (one per output channel) or 128x128 blocks. ``use_fast_accum`` (FP8 only)
+      is passed to :func:`fp8_matmul`. The result has ``out_dtype``.
+    * **weight-only**: ``x_q`` is a plain float32 / bfloat16 / float16 tensor (..., K) and ``w_q`` a
+      :class:`tilemm.PackedWeight` (``tilemm.prepack`` of an MXFP4, NVFP4 or MXFP8 weight, done once)
+      or such a quantized weight (prepacked on every call: slow, for experiments). The result has x's
+      dtype (``out_dtype`` is not used) and equals ``x @ dequantize(w).T`` accumulated in fp32.
     """
     from . import quantize as q
+    from .packed import PackedWeight, prepack
+    from .weight_only import weight_only_linear
 
     fn = "linear"
     kinds = (q.MXFP8Tensor, q.MXFP4Tensor, q.NVFP4Tensor, q.FP8Tensor)
+    if isinstance(x_q, torch.Tensor) and isinstance(w_q, (PackedWeight, q.MXFP8Tensor, q.MXFP4Tensor,
+                                                            q.NVFP4Tensor)):
+        if use_fast_accum:
+            raise ValueError(f"{fn}: use_fast_accum applies to FP8 operands only, not to a weight-only call")
+        packed = w_q if isinstance(w_q, PackedWeight) else prepack(w_q)
+        return weight_only_linear(x_q, packed, bias=bias, alpha=alpha)
     if not isinstance(x_q, kinds) or not isinstance(w_q, kinds):
         raise TypeError(f"{fn}: x_q and w_q must be quantized tensors from tilemm.quantize_* "
-                        f"({', '.join(k.__name__ for k in kinds)}), got {type(x_q).__name__} and "
+                        f"({', '.join(k.__name__ for k in kinds)}), or x_q a float tensor and w_q a "
+                        f"tilemm.PackedWeight (weight-only); got {type(x_q).__name__} and "
                         f"{type(w_q).__name__}")
     if type(x_q) is not type(w_q):
         raise TypeError(f"{fn}: x_q and w_q must be of one format, got {type(x_q).__name__} and "

@@ -24,8 +24,13 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
+import swizzle as _swizzle
+
 from . import matmul as _matmul
+from . import packed as _packed
 from . import quantize as _quantize
+from . import weight_only as _weight_only
+from .formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
 
 __all__ = ["Linear", "quantize_model", "FORMATS"]
 
@@ -34,6 +39,11 @@ FP8_GRANULARITIES = ("row", "tensor", (128, 128))
 _BLOCK = {"mxfp8": 32, "mxfp4": 32, "nvfp4": 16}  # elements per scale along K (in_features)
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _QUANTIZED_BUFFERS = ("weight", "weight_scale", "weight_global_scale")
+# Buffers of a weight-only layer whose encodings a dtype cast must not touch (see Linear._apply).
+_ENCODED_BUFFERS = _QUANTIZED_BUFFERS + ("weight_constants",)
+# (format, elem_dtype) -> the weight's format descriptor, for the prepacked (weight-only) layouts.
+_FORMAT_OF = {("mxfp8", torch.float8_e4m3fn): MXFP8_E4M3, ("mxfp8", torch.float8_e5m2): MXFP8_E5M2,
+              ("mxfp4", None): MXFP4, ("nvfp4", None): NVFP4}
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -87,6 +97,11 @@ class _Options:
             raise ValueError(f"{fn}: rounding must be 'rceil' or 'floor', got {rounding!r}")
         self.format, self.swizzle, self.weight_only = format, swizzle, weight_only
         self.granularity, self.elem_dtype, self.rounding = granularity, elem_dtype, rounding
+
+    @property
+    def packed(self) -> bool:
+        """Weight-only with a block-scaled format: the weight is stored prepacked for the fused kernel."""
+        return self.weight_only and self.format != "fp8"
 
     @property
     def k_multiple(self) -> int:
@@ -164,9 +179,28 @@ class Linear(torch.nn.Module):
         # The buffers' shapes and dtypes are those of a quantized (out, in) weight: quantize one on
         # the meta device (the operators' fake implementations) and allocate zeros like it.
         meta = self._options.quantize_weight(torch.empty(out_features, in_features, device="meta"))
-        for name, t in zip(_QUANTIZED_BUFFERS, meta):
-            zeros = torch.zeros(t.shape, dtype=_SAME_SIZE_INT[t.element_size()], device=device)
-            self.register_buffer(name, zeros.view(t.dtype))
+        self._runner = None
+        self._exponent = 0
+        if self._options.packed:
+            # Weight-only: the weight lives only in the prepacked layout (non-persistent buffers);
+            # state_dict shows the interchange form (see _packed_state_dict / _load_from_state_dict).
+            layout = _packed.layout_of(_FORMAT_OF[(format, self._options.elem_dtype)])
+            words = -(-in_features // layout.tile_k) * layout.words_per_tile
+            self.register_buffer("weight_packed", torch.zeros(out_features, words, dtype=torch.int32,
+                                                              device=device), persistent=False)
+            self.register_buffer("weight_scale_packed", torch.zeros(in_features // layout.block,
+                                                                    out_features, dtype=torch.uint8,
+                                                                    device=device), persistent=False)
+            self.register_buffer("weight_constants", torch.tensor([1.0, 2.0 ** layout.offset],
+                                                                  device=device), persistent=False)
+            self.register_buffer("weight_nan_scale", None, persistent=False)
+            if format == "nvfp4":
+                self.register_buffer("weight_global_scale", torch.ones((), device=device))
+            self._register_state_dict_hook(_packed_state_dict)
+        else:
+            for name, t in zip(_QUANTIZED_BUFFERS, meta):
+                zeros = torch.zeros(t.shape, dtype=_SAME_SIZE_INT[t.element_size()], device=device)
+                self.register_buffer(name, zeros.view(t.dtype))
         self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device)
                              if bias else None)
 
@@ -207,8 +241,12 @@ class Linear(torch.nn.Module):
         module = cls(linear.in_features, linear.out_features, bias is not None, format=format,
                      device=weight.device, bias_dtype=torch.float32 if bias is None else bias.dtype,
                      **options.as_kwargs())
-        for name, t in zip(_QUANTIZED_BUFFERS, options.quantize_weight(weight)):
-            setattr(module, name, t)
+        w_q = options.quantize_weight(weight)
+        if options.packed:
+            module._set_packed(_packed.prepack(w_q))
+        else:
+            for name, t in zip(_QUANTIZED_BUFFERS, w_q):
+                setattr(module, name, t)
         if bias is not None:
             module.bias = bias.detach().clone()
         return module
@@ -225,16 +263,45 @@ class Linear(torch.nn.Module):
 
     def quantized_weight(self):
         """The weight as the quantizer returned it (``MXFP8Tensor``, ..., ``FP8Tensor``)."""
+        if self._options.packed:
+            w_q = _packed.unpack(self.packed_weight())
+            if self._options.swizzle:
+                w_q = w_q._replace(scale=_swizzle.swizzle_32_4_4(w_q.scale))
+            return w_q
         kind = {"mxfp8": _quantize.MXFP8Tensor, "mxfp4": _quantize.MXFP4Tensor,
                 "nvfp4": _quantize.NVFP4Tensor, "fp8": _quantize.FP8Tensor}[self.format]
         fields = (self.weight, self.weight_scale, self._buffers.get("weight_global_scale"))
         return kind(*fields[: len(kind._fields)])
+
+    def packed_weight(self) -> "_packed.PackedWeight":
+        """The weight-only layout (``weight_only=True`` with mxfp8, mxfp4 or nvfp4) as a PackedWeight."""
+        if not self._options.packed:
+            raise ValueError(f"tilemm.nn.Linear.packed_weight: this layer ({self._describe_format()}, "
+                             f"weight_only={self.weight_only}) stores no prepacked weight")
+        fmt = _FORMAT_OF[(self.format, self._options.elem_dtype)]
+        return _packed.PackedWeight(fmt=fmt, words=self.weight_packed, scale_t=self.weight_scale_packed,
+                                    constants=self.weight_constants, exponent=self._exponent,
+                                    in_features=self.in_features,
+                                    global_scale=self._buffers.get("weight_global_scale"),
+                                    nan_scale=self.weight_nan_scale)
+
+    def _set_packed(self, packed: "_packed.PackedWeight") -> None:
+        self.weight_packed = packed.words
+        self.weight_scale_packed = packed.scale_t
+        self.weight_constants = packed.constants
+        self.weight_nan_scale = packed.nan_scale
+        if packed.global_scale is not None:
+            self.weight_global_scale = packed.global_scale
+        self._exponent = packed.exponent
+        self._runner = None
 
     def dequantize_weight(self) -> torch.Tensor:
         """The weight as float32 (out_features, in_features), exactly as the matmul reads it."""
         return self.quantized_weight().dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._options.packed:
+            return self._forward_weight_only(x)
         fn = "tilemm.nn.Linear"
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{fn}: input must be a torch.Tensor, got {type(x).__name__}")
@@ -246,14 +313,55 @@ class Linear(torch.nn.Module):
                              f"shape {tuple(x.shape)}")
         rows = x.reshape(-1, self.in_features)
         if self.weight_only:
-            # No kernel takes one quantized operand yet: dequantize the weight (exact in fp32), round it
-            # once to x's dtype and multiply there.
+            # fp8 weight-only: no fused kernel; dequantize the weight (exact in fp32), round it once to
+            # x's dtype and multiply there.
             bias = None if self.bias is None else self.bias.to(x.dtype)
             out = F.linear(rows, self.dequantize_weight().to(x.dtype), bias)
         else:
             out = _matmul.linear(self._options.quantize_activation(rows), self.quantized_weight(),
                                  bias=self.bias, out_dtype=x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _forward_weight_only(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused weight-only kernel. Eager CUDA calls go straight to a cached WeightOnlyRunner (one
+        or two kernel launches and the output allocation); torch.compile and CPU tensors go through
+        ``torch.ops.tilemm.weight_only_linear``."""
+        if (type(x) is not torch.Tensor or x.dtype not in _ACTIVATION_DTYPES or x.ndim == 0
+                or x.shape[-1] != self.in_features):
+            self._check_input(x)
+        rows = x.reshape(-1, self.in_features)
+        if x.is_cuda and not torch.compiler.is_compiling():
+            runner = self._runner
+            bias = self.bias
+            if (runner is None or runner.packed.words is not self.weight_packed
+                    or runner.device != x.device or (bias is not None and runner.bias_source != (
+                        bias, bias._version))):
+                runner = self._make_runner(x.device)
+            out = runner(rows if rows.is_contiguous() else rows.contiguous())
+        else:
+            out = _weight_only.weight_only_linear(rows, self.packed_weight(), bias=self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _make_runner(self, device):
+        if self.weight_packed.device != device:
+            raise ValueError(f"tilemm.nn.Linear: input is on {device} but the layer is on "
+                             f"{self.weight_packed.device}")
+        bias = self.bias
+        runner = _weight_only.WeightOnlyRunner(self.packed_weight(), bias)
+        runner.bias_source = None if bias is None else (bias, bias._version)
+        self._runner = runner
+        return runner
+
+    def _check_input(self, x) -> None:
+        fn = "tilemm.nn.Linear"
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{fn}: input must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in _ACTIVATION_DTYPES:
+            raise TypeError(f"{fn}: input dtype must be torch.float32, torch.bfloat16 or torch.float16, "
+                            f"got {x.dtype}")
+        if x.ndim == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"{fn}: input must be (..., in_features) = (..., {self.in_features}), got "
+                             f"shape {tuple(x.shape)}")
 
     # ---------------------------------------------------------------------------------------------
 
@@ -269,7 +377,7 @@ class Linear(torch.nn.Module):
         # the FP8 / e8m0 / e4m3 codes and fp32 scales into other numbers. Same-size integer views are
         # only moved between devices, so the quantized buffers travel as those.
         dtypes = {}
-        for name in _QUANTIZED_BUFFERS:
+        for name in _ENCODED_BUFFERS:
             t = self._buffers.get(name)
             if t is not None and t.is_floating_point():
                 dtypes[name] = t.dtype
@@ -282,6 +390,8 @@ class Linear(torch.nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        if self._options.packed:
+            self._load_packed(state_dict, prefix, strict, missing_keys, error_msgs)
         # load_state_dict copies into the existing buffers, converting dtypes: loading e5m2 codes into
         # an e4m3 module would silently re-encode them. Refuse a dtype that differs instead.
         for name in _QUANTIZED_BUFFERS:
@@ -293,6 +403,47 @@ class Linear(torch.nn.Module):
                 return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+
+
+    def _load_packed(self, state_dict, prefix, strict, missing_keys, error_msgs) -> None:
+        """Weight-only layers store the prepacked layout: prepack the interchange tensors of the state
+        dict (``weight``, ``weight_scale``, ``weight_global_scale``) on this layer's device. The two
+        keys are taken out of ``state_dict`` (load_state_dict's own copy) so that the base class does
+        not report them as unexpected."""
+        keys = (prefix + "weight", prefix + "weight_scale")
+        if not all(k in state_dict for k in keys):
+            if strict:
+                missing_keys.extend(k for k in keys if k not in state_dict)
+            return
+        data, scale = (state_dict.pop(k) for k in keys)
+        fmt = _FORMAT_OF[(self.format, self._options.elem_dtype)]
+        if data.dtype != fmt.data_dtype or scale.dtype not in (fmt.scale_dtype, torch.uint8):
+            error_msgs.append(f"{keys[0]}: the state dict holds {data.dtype} data with {scale.dtype} "
+                              f"scales but this tilemm.nn.Linear ({self._describe_format()}) stores "
+                              f"{fmt.data_dtype} with {fmt.scale_dtype}; build it with the options of the "
+                              f"saved module")
+            return
+        device = self.weight_packed.device
+        fields = [data.to(device), scale.view(fmt.scale_dtype).to(device)]
+        if fmt.has_global_scale:
+            fields.append(state_dict.get(prefix + "weight_global_scale", self.weight_global_scale).to(device))
+        kind = {MXFP8_E4M3: _quantize.MXFP8Tensor, MXFP8_E5M2: _quantize.MXFP8Tensor,
+                MXFP4: _quantize.MXFP4Tensor, NVFP4: _quantize.NVFP4Tensor}[fmt]
+        expected = (self.out_features, fmt.data_k(self.in_features))
+        if tuple(data.shape) != expected:
+            error_msgs.append(f"{keys[0]}: expected shape {expected}, got {tuple(data.shape)}")
+            return
+        try:
+            self._set_packed(_packed.prepack(kind(*fields)))
+        except (TypeError, ValueError) as e:
+            error_msgs.append(f"{keys[0]}: {e}")
+
+
+def _packed_state_dict(module, state_dict, prefix, local_metadata):
+    """State-dict hook of weight-only layers: the interchange tensors instead of the packed layout."""
+    w_q = module.quantized_weight()
+    state_dict[prefix + "weight"] = w_q.data
+    state_dict[prefix + "weight_scale"] = w_q.scale
 
 
 # --------------------------------------------------------------------------------------------------

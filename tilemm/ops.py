@@ -24,6 +24,9 @@ Operators take and return tensors::
                  Tensor? alpha=None) -> Tensor
     fp8_matmul(Tensor x, Tensor x_scale, Tensor y, Tensor y_scale, ScalarType out_dtype=bfloat16,
                Tensor? bias=None, Tensor? alpha=None, bool use_fast_accum=False) -> Tensor
+    weight_only_linear(Tensor x, Tensor words, Tensor scale_t, Tensor constants, str format,
+                       int in_features, Tensor? bias=None, Tensor? alpha=None) -> Tensor
+                       # x (M, K) float; the other tensors are a tilemm.PackedWeight's
 
 ``elem_dtype=None`` means ``torch.float8_e4m3fn``. Arguments and results mean what they mean for the
 public function of the same name. The operators are for inference: no autograd formula is registered,
@@ -39,10 +42,11 @@ from torch import Tensor
 
 from . import matmul as _matmul
 from . import quantize as _quantize
+from . import weight_only as _weight_only
 from .formats import MXFP4, NVFP4
 
 __all__ = ["quantize_mxfp8", "quantize_mxfp4", "quantize_nvfp4", "quantize_fp8",
-           "mxfp8_matmul", "mxfp4_matmul", "nvfp4_matmul", "fp8_matmul"]
+           "mxfp8_matmul", "mxfp4_matmul", "nvfp4_matmul", "fp8_matmul", "weight_only_linear"]
 
 _E4M3 = torch.float8_e4m3fn
 SWIZZLE_ROWS = 128  # scale rows per 32x16 block of the 32x4x4 layout
@@ -192,3 +196,21 @@ def fp8_matmul(x: Tensor, x_scale: Tensor, y: Tensor, y_scale: Tensor,
 def _(x, x_scale, y, y_scale, out_dtype=torch.bfloat16, bias=None, alpha=None, use_fast_accum=False):
     return _matmul.fp8_matmul_fake(x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
                                    use_fast_accum=use_fast_accum)
+
+
+# --------------------------------------------------------------------------------------------------
+# Weight-only linear
+# --------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("tilemm::weight_only_linear", mutates_args=())
+def weight_only_linear(x: Tensor, words: Tensor, scale_t: Tensor, constants: Tensor, format: str,
+                       in_features: int, bias: Optional[Tensor] = None,
+                       alpha: Optional[Tensor] = None) -> Tensor:
+    """x (M, K) float times a prepacked (N, K) weight (``tilemm.packed.PackedWeight``'s tensors);
+    ``alpha`` replaces constants[0] (2^E * decode scale) in the epilogue when given."""
+    return _weight_only.run_weight_only(x, words, scale_t, constants, format, in_features, bias, alpha)
+
+
+@weight_only_linear.register_fake
+def _(x, words, scale_t, constants, format, in_features, bias=None, alpha=None):
+    return x.new_empty((x.shape[0], words.shape[0]))

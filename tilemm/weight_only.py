@@ -1,0 +1,136 @@
+"""Weight-only linear layers: ``x @ dequantize(w).T`` with x in bf16, fp16 or fp32 and w a prepacked
+MXFP4, NVFP4 or MXFP8 weight (``tilemm.prepack``).
+
+``weight_only_linear(x, packed, bias=None, alpha=None)`` is what ``tilemm.linear(x, w)`` runs when x is
+a plain float tensor; ``WeightOnlyRunner`` is the same call with everything that does not depend on x
+worked out once (``tilemm.nn.Linear`` holds one per layer), so an eager call costs one or two kernel
+launches and little else. Both run:
+
+* on CUDA (Hopper and Blackwell): the fused kernel of ``tilemm.kernels.hopper_weight_only`` (bf16
+  ``ct.mma`` on the decoded weight: the same kernel compiles for sm_90, sm_100 and sm_120; Blackwell's
+  ``ct.mma_scaled`` takes no bf16 operand, and quantizing the activation would change the result);
+* on the CPU: the same arithmetic in PyTorch: ``(x @ (element * block scale).T) * (decode scale *
+  alpha) + bias`` in fp32, rounded once to x's dtype.
+
+Under ``torch.compile`` the call is the custom operator ``torch.ops.tilemm.weight_only_linear``
+(registered in ``tilemm.ops``), which traces with ``fullgraph=True``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._validate import FLOAT_INPUT_DTYPES, as_fp32_scalar, check_bias, check_tensor
+from .formats import FORMATS
+from .kernels import hopper_weight_only as _kernel
+from .packed import PackedWeight, _unpack_words, layout_of
+from .reference import decode_elements, decode_scales
+from .numerics import pack_e2m1
+
+__all__ = ["weight_only_linear", "WeightOnlyRunner"]
+
+
+def _check_x(fn: str, x, k: int) -> None:
+    check_tensor(fn, "x", x)
+    if x.dtype not in FLOAT_INPUT_DTYPES:
+        raise TypeError(f"{fn}: x must be a float32, bfloat16 or float16 tensor for a weight-only matmul, "
+                        f"got {x.dtype}")
+    if x.ndim == 0 or x.shape[-1] != k:
+        raise ValueError(f"{fn}: x must be (..., K) with K = {k} (the weight's in_features), got shape "
+                         f"{tuple(x.shape)}")
+
+
+def reference_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: int, bias, alpha):
+    """The CPU path (and the oracle of the GPU tests): fp32 products and sums, one rounding."""
+    fmt = FORMATS[fmt_name]
+    layout = layout_of(fmt)
+    codes = _unpack_words(words, layout, in_features)
+    data = pack_e2m1(codes) if fmt.is_packed else codes.view(fmt.data_dtype)
+    values = decode_elements(fmt, data)
+    scale = decode_scales(fmt, scale_t.t().contiguous().view(fmt.scale_dtype))
+    w = values * scale.repeat_interleave(fmt.block, dim=-1)
+    # The kernel's accumulator carries 2^-E (constants[1] = 2^(offset - E)); this one does not.
+    c = constants.to(torch.float64)
+    first = c[0] if alpha is None else alpha.reshape(()).to(torch.float64)
+    factor = (first * c[1] * 2.0 ** -layout.offset).to(torch.float32)
+    acc = (x2d.to(torch.float32) @ w.T) * factor
+    if bias is not None:
+        acc = acc + bias
+    return acc.to(x2d.dtype)
+
+
+class WeightOnlyRunner:
+    """One weight-only layer on one device, ready to run: ``runner(x2d)`` for x2d (M, K) contiguous.
+
+    Holds the PackedWeight's tensors, the fp32 bias (or a zero vector), the kernel configs per M, and
+    the output / split-K buffers' shapes; nothing in a call allocates except the output (and the
+    split-K partials), through PyTorch's caching allocator, so a call can be captured in a CUDA graph.
+    """
+
+    __slots__ = ("packed", "bias", "layout", "n", "k", "device", "_configs", "_sms", "_fmt_name",
+                 "bias_source")
+
+    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None):
+        self.packed = packed
+        self.layout = packed.layout
+        self.n, self.k = packed.shape
+        self.device = packed.device
+        self.bias = (torch.zeros(self.n, dtype=torch.float32, device=self.device) if bias is None
+                     else bias.detach().to(device=self.device, dtype=torch.float32).contiguous())
+        self._configs: dict[int, _kernel.WeightOnlyConfig] = {}
+        self._sms = None
+        self._fmt_name = packed.fmt.name
+        self.bias_source = None  # what the owner built ``bias`` from, to tell when it is stale
+
+    def config(self, m: int) -> _kernel.WeightOnlyConfig:
+        cfg = self._configs.get(m)
+        if cfg is None:
+            if self._sms is None:
+                self._sms = _kernel.num_sms(self.device)
+            cfg = self._configs[m] = _kernel.plan(m, self.n, self.k, self.layout, self._sms)
+        return cfg
+
+    def __call__(self, x2d: torch.Tensor, alpha: torch.Tensor | None = None) -> torch.Tensor:
+        m = x2d.shape[0]
+        out = torch.empty((m, self.n), dtype=x2d.dtype, device=self.device)
+        if m == 0:
+            return out
+        p = self.packed
+        _kernel.launch(x2d, p.words, p.scale_t, p.constants, self.bias, out, self.layout, self.config(m),
+                       alpha)
+        return out
+
+
+def run_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: int, bias, alpha):
+    """What ``torch.ops.tilemm.weight_only_linear`` runs on checked tensors."""
+    if x2d.device.type != "cuda":
+        return reference_weight_only(x2d, words, scale_t, constants, fmt_name, in_features, bias, alpha)
+    from ._arch import family
+
+    family(x2d.device)  # raises UnsupportedGPUError below sm_90
+    fmt = FORMATS[fmt_name]
+    packed = PackedWeight(fmt=fmt, words=words, scale_t=scale_t, constants=constants, exponent=0,
+                          in_features=in_features)
+    return WeightOnlyRunner(packed, bias)(x2d.contiguous(), None if alpha is None else alpha.reshape(1))
+
+
+def weight_only_linear(x: torch.Tensor, packed: PackedWeight, *, bias=None, alpha=None) -> torch.Tensor:
+    """``x @ dequantize(w).T (* alpha) + bias`` for a float x (..., K) and a prepacked (N, K) weight.
+
+    The result has x's dtype and shape (..., N). It equals an fp32-accumulated product of x with the
+    exactly dequantized weight up to the order of the fp32 additions (NVFP4: the decode scale is applied
+    to the fp32 sum, as in ``nvfp4_matmul``'s alpha).
+    """
+    fn = "linear"
+    if not isinstance(packed, PackedWeight):
+        raise TypeError(f"{fn}: w must be a PackedWeight here, got {type(packed).__name__}")
+    n, k = packed.shape
+    _check_x(fn, x, k)
+    if x.device != packed.device:
+        raise ValueError(f"{fn}: x is on {x.device} but the weight is on {packed.device}")
+    bias32 = check_bias(fn, bias, n, x.device)
+    alpha32 = None if alpha is None else as_fp32_scalar(fn, "alpha", alpha, x.device) * packed.constants[0]
+    rows = x.reshape(-1, k)
+    out = torch.ops.tilemm.weight_only_linear(rows, packed.words, packed.scale_t, packed.constants,
+                                              packed.fmt.name, k, bias32, alpha32)
+    return out.reshape(*x.shape[:-1], n)

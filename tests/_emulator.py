@@ -118,17 +118,26 @@ class Tile(np.ndarray):
 
 class EmuArray:
     """A kernel array argument: its shape and cuTile dtype, values decoded for loads, and the torch
-    tensor that stores write to."""
+    tensor that stores write to (a load after a store in the same launch sees the store)."""
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
         self.dtype = CT_DTYPE_OF_TORCH[tensor.dtype]
         self.shape = tuple(tensor.shape)
         self.ndim = tensor.ndim
-        if tensor.dtype in (torch.uint8, torch.int32):
-            self.values = tensor.to(torch.int64).numpy()
-        else:
-            self.values = tensor.to(torch.float64).numpy()
+        self._values = None
+
+    @property
+    def values(self):
+        if self._values is None:
+            if self.tensor.dtype in (torch.uint8, torch.int32):
+                self._values = self.tensor.to(torch.int64).numpy()
+            else:
+                self._values = self.tensor.to(torch.float64).numpy()
+        return self._values
+
+    def stored(self):
+        self._values = None
 
 
 def _window(arr_shape, index, shape):
@@ -243,6 +252,20 @@ class TileEmulator:
         return Tile(np.asarray(tile)[sl].copy(), tile.ct_dtype)
 
     @staticmethod
+    def atomic_add(array, index, value, **kwargs):
+        old = int(array.tensor[index])
+        array.tensor[index] = old + value
+        array.stored()
+        return old
+
+    @staticmethod
+    def atomic_xchg(array, index, value, **kwargs):
+        old = int(array.tensor[index])
+        array.tensor[index] = value
+        array.stored()
+        return old
+
+    @staticmethod
     def static_iter(iterable):
         return iterable
 
@@ -277,6 +300,7 @@ class TileEmulator:
             raise TypeError(f"storing a {tile.ct_dtype} tile into a {array.dtype} array")
         values = np.ascontiguousarray(tile[dst], dtype=np.float64)
         array.tensor[src] = torch.from_numpy(values).to(array.tensor.dtype)
+        array.stored()
 
     # --- matrix multiply-accumulate
     @staticmethod

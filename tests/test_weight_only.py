@@ -147,7 +147,7 @@ def test_kernel_matches_reference(emulated, fmt, x_dtype):
     packed = prepack(w_q)
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(2)) * 3).to(x_dtype)
     bias = torch.randn(n)
-    for cfg in (wo.WeightOnlyConfig(16, 16, 1), wo.WeightOnlyConfig(16, 16, 2)):
+    for cfg in (wo.WeightOnlyConfig(16, 16, 1), wo.WeightOnlyConfig(16, 16, 2), wo.WeightOnlyConfig(16, 16, 4)):
         out = _run(x, packed, cfg, bias)
         assert_matches(out.float(), _reference(x, w_q, bias), torch.float32 if x_dtype == torch.float32
                        else x_dtype)
@@ -162,6 +162,15 @@ def test_kernel_with_large_scales(emulated, fmt):
     x = torch.randn(2, 128)
     out = _run(x, packed, wo.WeightOnlyConfig(16, 16, 1))
     assert_matches(out, _reference(x, w_q), torch.float32)
+
+
+def test_split_k_counters_return_to_zero(emulated):
+    """The last block of each output tile resets its counter, so the next launch starts from zero."""
+    packed = prepack(quantized_weight(MXFP4, 40, 1024))
+    x = torch.randn(5, 1024)
+    first = _run(x, packed, wo.WeightOnlyConfig(16, 16, 4))
+    assert all(int(t.count_nonzero()) == 0 for t in wo._COUNTERS.values())
+    assert torch.equal(_run(x, packed, wo.WeightOnlyConfig(16, 16, 4)), first)
 
 
 def test_nan_scales_and_elements_reach_their_columns(emulated):

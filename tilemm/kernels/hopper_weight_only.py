@@ -42,7 +42,8 @@ the placement of one power-of-two or fp32 factor).
 Operands sit as Hopper's wgmma wants them at small M: the decoded weight plane is the left operand
 (registers), ``x`` the right one, ``acc (TN, TM) = W_plane @ x_plane.T``; TM = 16 covers M <= 16 with
 one MMA column block. K is split over ``SPLIT_K`` blocks when the output alone has too few tiles for
-the GPU; their fp32 partial tiles are added in a fixed order (deterministic) by a second kernel.
+the GPU; the last block of each output tile adds their fp32 partial tiles in a fixed order
+(deterministic), in the same launch.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ import cuda.tile as ct
 import torch
 
 from ._aot import AotVariant, array
-from ._common import e8m0_to_bf16, epilogue, hinted, tile_coords
+from ._common import e8m0_to_bf16, epilogue, hinted
 from .hopper_gemm import num_sms
 
 __all__ = ["WeightOnlyConfig", "plan", "launch", "aot_variants", "LAYOUTS", "Layout"]
@@ -162,7 +163,7 @@ def _mma_x(plane, x, acc, X_PARTS):
 
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
-def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial,
+def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
                         ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                         GROUP: ConstInt, TM: ConstInt, TN: ConstInt, SPLIT_K: ConstInt,
                         X_PARTS: ConstInt):
@@ -170,8 +171,15 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial,
 
     X (M, K) activations; W (N, k_tiles * WORDS) int32, WORDS = GROUP * BLOCK / 2 words per row and
     K tile; S (K / BLOCK, N) raw scale bytes (transposed, so that a tile's rows are N-contiguous); C
-    (1, M, N) output; Partial (SPLIT_K, M, N) fp32, used when SPLIT_K > 1. Grid: SPLIT_K * cdiv(N, TN)
-    * cdiv(M, TM) blocks, M tiles fastest.
+    (1, M, N) output; Partial (SPLIT_K, M, N) fp32 and Counter (one int32 per output tile, zero
+    between launches), used when SPLIT_K > 1. Grid: SPLIT_K * cdiv(N, TN) * cdiv(M, TM) blocks, M tiles
+    fastest.
+
+    Split-K in one launch: every block stores its fp32 partial tile, then increments its output
+    tile's counter (acquire-release, device scope: its stores are visible to whoever reads the
+    increment). The block that brings the counter to SPLIT_K adds the SPLIT_K partials in split order
+    -- the same order whichever block finishes last, so results are deterministic -- runs the epilogue
+    and sets the counter back to zero for the next launch (or CUDA-graph replay).
     """
     M = X.shape[0]
     N = W.shape[0]
@@ -206,16 +214,14 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial,
         epilogue(out, C, Alpha, Bias, 0, bm, bn, TM, TN)
     else:
         ct.store(Partial, (split, bm, bn), out.reshape((1, TM, TN)))
-
-
-@ct.kernel
-def _splitk_reduce_kernel(Partial, C, Alpha, Bias, SPLIT_K: ConstInt, TM: ConstInt, TN: ConstInt):
-    """C tile = (sum over s of Partial[s], s in order) * alpha + bias."""
-    batch, bm, bn = tile_coords(C.shape[1], C.shape[2], TM, TN, 1)
-    acc = ct.zeros((TM, TN), ct.float32)
-    for s in range(SPLIT_K):
-        acc = acc + ct.load(Partial, (s, bm, bn), (1, TM, TN), padding_mode=_ZERO).reshape((TM, TN))
-    epilogue(acc, C, Alpha, Bias, batch, bm, bn, TM, TN)
+        tile = bn * num_m + bm
+        arrived = ct.atomic_add(Counter, tile, 1)
+        if arrived == SPLIT_K - 1:
+            total = ct.zeros((TM, TN), ct.float32)
+            for s in range(SPLIT_K):
+                total = total + ct.load(Partial, (s, bm, bn), (1, TM, TN), padding_mode=_ZERO).reshape((TM, TN))
+            epilogue(total, C, Alpha, Bias, 0, bm, bn, TM, TN)
+            ct.atomic_xchg(Counter, tile, 0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -249,8 +255,6 @@ _TILE_M = (16, 32, 64, 128)
 _SPLITS = (1, 2, 4, 8, 16)
 #: The K split aims at this many blocks per SM (one 8-warp block fits an SM's registers).
 _BLOCKS_PER_SM = 2
-#: Output tiles of the split-K reduction.
-_REDUCE_TILE = (16, 128)
 _X_PARTS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 
 
@@ -287,14 +291,24 @@ def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constant
     alpha = constants[0:1] if alpha is None else alpha
     partial = c if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32,
                                                       device=out.device)
-    grid = (cfg.split_k * -(-m // cfg.tile_m) * -(-n // cfg.tile_n), 1, 1)
-    ct.launch(stream, grid, hinted(_weight_only_kernel, **cfg.hints()),
-              (x, words, scale_t, c, alpha, constants[1:2], bias, partial,
+    tiles = -(-m // cfg.tile_m) * -(-n // cfg.tile_n)
+    counter = _counters(out.device, stream, tiles) if cfg.split_k > 1 else bias
+    ct.launch(stream, (cfg.split_k * tiles, 1, 1), hinted(_weight_only_kernel, **cfg.hints()),
+              (x, words, scale_t, c, alpha, constants[1:2], bias, partial, counter,
                *_constants(layout, cfg, _X_PARTS[x.dtype])))
-    if cfg.split_k > 1:
-        tm, tn = _REDUCE_TILE
-        ct.launch(stream, (-(-m // tm) * -(-n // tn), 1, 1), _splitk_reduce_kernel,
-                  (partial, c, alpha, bias, cfg.split_k, tm, tn))
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(device: torch.device, stream, tiles: int) -> torch.Tensor:
+    """Zeroed int32 split-K arrival counters, one per output tile, per (device, stream): the kernel
+    leaves them at zero, so launches on one stream (in order) share them, and streams never do."""
+    key = (device, getattr(stream, "cuda_stream", None))
+    t = _COUNTERS.get(key)
+    if t is None or t.numel() < tiles:
+        t = _COUNTERS[key] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return t
 
 
 # --------------------------------------------------------------------------------------------------
@@ -309,8 +323,7 @@ def _configs() -> list[WeightOnlyConfig]:
 
 
 def aot_variants(full: bool = True) -> list[AotVariant]:
-    """The weight-only kernel per (layout, activation dtype, config) and the split-K reduction per
-    output dtype and split, for sm_90, sm_100 and sm_120 (the kernel uses bf16 ``ct.mma`` and integer
+    """The weight-only kernel per (layout, activation dtype, config), for sm_90, sm_100 and sm_120 (the kernel uses bf16 ``ct.mma`` and integer
     operations only, so one kernel serves every architecture). ``full=False`` keeps one config per
     (layout, activation dtype) and the splits that differ in code (1 and > 1)."""
     variants = []
@@ -323,13 +336,8 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                 params = [array(x_ct, 2), array(ct.int32, 2), array(ct.uint8, 2), array(x_ct, 3),
                           array(ct.float32, 1), array(ct.float32, 1), array(ct.float32, 1),
                           array(ct.float32 if cfg.split_k > 1 else x_ct, 3),
+                          array(ct.int32 if cfg.split_k > 1 else ct.float32, 1),
                           *_constants(layout, cfg, _X_PARTS[x_dtype])]
                 variants.append(AotVariant(f"weight_only_{name}_{x_ct.name}_{cfg.name}",
                                            hinted(_weight_only_kernel, **cfg.hints()), params))
-    for x_dtype, x_ct in _CT_DTYPES.items():
-        for split in _SPLITS[1:]:
-            params = [array(ct.float32, 3), array(x_ct, 3), array(ct.float32, 1), array(ct.float32, 1),
-                      split, *_REDUCE_TILE]
-            variants.append(AotVariant(f"weight_only_reduce_{x_ct.name}_s{split}", _splitk_reduce_kernel,
-                                       params))
     return variants

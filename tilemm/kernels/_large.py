@@ -42,7 +42,8 @@ from typing import Sequence
 import torch
 
 __all__ = ["LIMIT", "Axis", "Operand", "Piece", "span", "fits", "fits_shape", "int32_view", "plan_extents",
-           "pieces", "split", "TooLargeError"]
+           "pieces", "split", "TooLargeError",
+           "matmul_axes", "rows_of", "out_dims", "BATCH", "M", "N"]
 
 #: Exclusive bound on every shape, stride and element offset of an int32-indexed cuTile array.
 LIMIT = 2 ** 31
@@ -176,13 +177,18 @@ def _candidates(size: int, unit: int) -> list[int]:
     return sorted(set(out), reverse=True)
 
 
-@functools.lru_cache(maxsize=256)
 def plan_extents(sizes: tuple[int, ...], units: tuple[int, ...], specs: tuple[_Spec, ...]) -> tuple[int, ...] | None:
     """Piece extents, one per axis, for a launch whose index space has these axis ``sizes`` and cut
     ``units``, and whose operands are ``specs`` ((shape, strides, itemsize, dims) as ``Operand``):
     the fewest pieces in which every operand's view ``fits`` (ties: the larger extents on the earlier
     axes), every extent a multiple of its (alignment-grown) unit or the whole axis; None when even
-    pieces of one unit along every axis do not fit. A pure function of shapes and strides."""
+    pieces of one unit along every axis do not fit. A pure function of shapes and strides (and
+    ``LIMIT``), cached."""
+    return _plan_extents(tuple(sizes), tuple(units), tuple(specs), LIMIT)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_extents(sizes, units, specs, limit) -> tuple[int, ...] | None:
     if not sizes:
         return None
     units = _aligned_units(sizes, units, specs)
@@ -272,3 +278,30 @@ def pieces(where: str, axes: Sequence[Axis], operands: Sequence[Operand]) -> lis
 
     walk(0, ())
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Matmuls: out (B, M, N) cut along its batch, M (x's rows) and N (the weight's rows); never along K.
+# --------------------------------------------------------------------------------------------------
+
+BATCH, M, N = 0, 1, 2  # axis indices of ``matmul_axes``
+
+
+def matmul_axes(batch: int, m: int, n: int, m_unit: int, n_unit: int) -> tuple[Axis, Axis, Axis]:
+    """The index space of a matmul's output: batch entries, then M cut on multiples of ``m_unit``
+    and N on multiples of ``n_unit`` (whole output tiles, and whole 128-row blocks of swizzled
+    scales)."""
+    return Axis("batch", batch), Axis("M", m, m_unit), Axis("N", n, n_unit)
+
+
+def rows_of(t: torch.Tensor, batch: int, axis: int, per: int = 1) -> tuple[tuple[int, int, int], ...]:
+    """Dims of a (Bt, R, ...) operand whose dimension 1 follows ``axis`` (M or N) at ``per`` rows per
+    index (128 for the row blocks of swizzled scales) and whose dimension 0 follows the batch when
+    it has one entry per batch entry (Bt = 1: shared by the whole batch, taken whole)."""
+    dims = ((1, axis, per),)
+    return ((0, BATCH, 1), *dims) if t.shape[0] == batch != 1 else dims
+
+
+def out_dims() -> tuple[tuple[int, int, int], ...]:
+    """Dims of the (B, M, N) output."""
+    return (0, BATCH, 1), (1, M, 1), (2, N, 1)

@@ -43,7 +43,7 @@ import torch
 
 __all__ = ["LIMIT", "Axis", "Operand", "Piece", "span", "fits", "fits_shape", "int32_view", "plan_extents",
            "pieces", "split", "TooLargeError",
-           "matmul_axes", "rows_of", "out_dims", "BATCH", "M", "N"]
+           "matmul_axes", "rows_of", "out_dims", "BATCH", "M", "N", "MAX_MATMUL_K", "check_matmul_k"]
 
 #: Exclusive bound on every shape, stride and element offset of an int32-indexed cuTile array.
 LIMIT = 2 ** 31
@@ -181,17 +181,22 @@ def plan_extents(sizes: tuple[int, ...], units: tuple[int, ...], specs: tuple[_S
     """Piece extents, one per axis, for a launch whose index space has these axis ``sizes`` and cut
     ``units``, and whose operands are ``specs`` ((shape, strides, itemsize, dims) as ``Operand``):
     the fewest pieces in which every operand's view ``fits`` (ties: the larger extents on the earlier
-    axes), every extent a multiple of its (alignment-grown) unit or the whole axis; None when even
-    pieces of one unit along every axis do not fit. A pure function of shapes and strides (and
+    axes), every extent a multiple of its unit or the whole axis; None when even pieces of one unit
+    along every axis do not fit. Units are first grown so that every view keeps its tensor's 16-byte
+    base alignment (``_aligned_units``), and taken as given only where that leaves no plan. A pure function of shapes and strides (and
     ``LIMIT``), cached."""
-    return _plan_extents(tuple(sizes), tuple(units), tuple(specs), LIMIT)
+    return _plan_extents(tuple(sizes), tuple(units), tuple(specs), LIMIT, True)
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_extents(sizes, units, specs, limit) -> tuple[int, ...] | None:
+def _plan_extents(sizes, units, specs, limit, align) -> tuple[int, ...] | None:
     if not sizes:
         return None
-    units = _aligned_units(sizes, units, specs)
+    if align:
+        # Aligned cuts where they exist; otherwise any (a piece may then need its own specialisation).
+        aligned = _plan_extents(sizes, tuple(_aligned_units(sizes, units, specs)), specs, limit, False)
+        return aligned if aligned is not None else _plan_extents(sizes, units, specs, limit, False)
+    units = [min(u, max(n, 1)) for u, n in zip(units, sizes)]
     if _extents_fit(sizes, sizes, specs):
         return tuple(sizes)
     best, best_count = None, None
@@ -247,14 +252,15 @@ def pieces(where: str, axes: Sequence[Axis], operands: Sequence[Operand]) -> lis
     specs = tuple(_spec(op) for op in operands)
     extents = plan_extents(sizes, tuple(max(1, a.unit) for a in axes), specs)
     if extents is None:
-        units = _aligned_units(sizes, [max(1, a.unit) for a in axes], specs)
+        units = [min(max(1, a.unit), max(a.size, 1)) for a in axes]
         smallest = [(0, min(u, n), u >= n) for n, u in zip(sizes, units)]
         bad = next((op for op, spec in zip(operands, specs)
                     if not _spec_fits(spec, _piece_shape(spec[0], spec[3], smallest))), operands[0])
         cuts = ", ".join(f"{a.name} in steps of {u}" for a, u in zip(axes, units) if u < a.size) or "none"
         raise TooLargeError(
             f"{where}: {bad.name} of shape {tuple(bad.tensor.shape)} and strides {tuple(bad.tensor.stride())} "
-            f"cannot be cut into pieces whose sizes, strides and element offsets stay below 2^31 = {LIMIT} "
+            f"cannot be cut into pieces whose sizes, strides and element offsets stay below "
+            f"2^{LIMIT.bit_length() - 1} = {LIMIT} "
             f"(the kernels index in 32 bits; possible cuts: {cuts})")
     out = []
     starts = [range(0, max(n, 1), e) for n, e in zip(sizes, extents)]
@@ -305,3 +311,19 @@ def rows_of(t: torch.Tensor, batch: int, axis: int, per: int = 1) -> tuple[tuple
 def out_dims() -> tuple[tuple[int, int, int], ...]:
     """Dims of the (B, M, N) output."""
     return (0, BATCH, 1), (1, M, 1), (2, N, 1)
+
+
+#: The largest K (elements) of a matmul on the GPU. K is never cut (that would change the fp32
+#: summation), so the smallest piece of an operand is one tile of rows by all of K: 256 rows (the
+#: largest tile_m / tile_n of any matmul kernel, also of the 16-bit copies that Hopper's two-pass
+#: design multiplies, whose K is padded up to 512) times K must stay below 2^31, i.e. K <= 2^23 - 512;
+#: the bound is rounded down to a power of two.
+MAX_MATMUL_K = 2 ** 22
+
+
+def check_matmul_k(fn: str, name: str, shape: Sequence[int], k: int) -> None:
+    """Raise ValueError unless a GPU matmul can take K = ``k`` (``MAX_MATMUL_K``); ``name`` and
+    ``shape`` describe the operand it comes from, ``fn`` the public function."""
+    if k > MAX_MATMUL_K:
+        raise ValueError(f"{fn}: {name} of shape {tuple(shape)} has K = {k}; GPU matmuls take K up to "
+                         f"2^22 = {MAX_MATMUL_K} (the kernels index in 32 bits and never split K)")

@@ -2,10 +2,11 @@
 kernels run on pieces below 2^31 (``tilemm.kernels._large``), bit for bit.
 
 The big tensors: a (65600, 32768) bf16 activation (2.15e9 elements, 4.3 GB), a stacked (66, 1024,
-32768) bf16 weight (2.21e9 elements) and an NVFP4 weight whose packed bytes alone are 2.2e9. The
+32768) bf16 weight (2.21e9 elements) and an NVFP4 weight whose packed bytes alone are 2.7e9. The
 references are the public functions on row (or batch entry, or weight row) chunks below 2^31
-elements (each one launch, uncut), compared chunk by chunk, so no second full-size result is ever held; chunks are large enough that
-the matmul launchers pick the same config as for the whole. Peak memory stays near 14 GB.
+elements (each one launch, uncut), compared chunk by chunk, so no second full-size result is ever
+held; matmul chunks are large enough that the launchers pick the same design and config as for the
+whole. Peak memory stays near 14 GB.
 """
 
 from __future__ import annotations

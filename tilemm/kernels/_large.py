@@ -69,13 +69,26 @@ def span(shape: Sequence[int], strides: Sequence[int]) -> int:
 def fits_shape(shape: Sequence[int], strides: Sequence[int]) -> bool:
     """Whether an array of this shape and these strides can be passed to an int32-indexed kernel:
     every size and stride, and its largest element offset, below ``LIMIT``."""
-    return (all(n < LIMIT for n in shape) and all(0 <= s < LIMIT for s in strides)
-            and span(shape, strides) <= LIMIT)
+    last, empty = 0, False
+    for n, s in zip(shape, strides):
+        if n >= LIMIT or not 0 <= s < LIMIT:
+            return False
+        last += (n - 1) * s
+        empty = empty or n == 0
+    return empty or last < LIMIT
 
 
 def fits(*tensors: torch.Tensor) -> bool:
-    """``fits_shape`` for each tensor (the launchers' common-path check)."""
-    return all(fits_shape(t.shape, t.stride()) for t in tensors)
+    """``fits_shape`` for each tensor: the launchers' common-path check, so a contiguous tensor of
+    fewer than ``LIMIT`` elements (whose sizes, strides and span are at most its element count; torch
+    gives size-1 dimensions of such views the contiguous stride) is settled without walking its
+    shape."""
+    for t in tensors:
+        if t.numel() < LIMIT and t.is_contiguous():
+            continue
+        if not fits_shape(t.shape, t.stride()):
+            return False
+    return True
 
 
 def int32_view(t: torch.Tensor) -> torch.Tensor:
@@ -183,8 +196,8 @@ def plan_extents(sizes: tuple[int, ...], units: tuple[int, ...], specs: tuple[_S
     the fewest pieces in which every operand's view ``fits`` (ties: the larger extents on the earlier
     axes), every extent a multiple of its unit or the whole axis; None when even pieces of one unit
     along every axis do not fit. Units are first grown so that every view keeps its tensor's 16-byte
-    base alignment (``_aligned_units``), and taken as given only where that leaves no plan. A pure function of shapes and strides (and
-    ``LIMIT``), cached."""
+    base alignment (``_aligned_units``), and taken as given only where that leaves no plan. A pure
+    function of shapes and strides (and ``LIMIT``), cached."""
     return _plan_extents(tuple(sizes), tuple(units), tuple(specs), LIMIT, True)
 
 
@@ -235,12 +248,16 @@ def _spec(op: Operand) -> _Spec:
     return (tuple(t.shape), tuple(t.stride()), t.element_size(), tuple(op.dims))
 
 
-def split(where: str, axes: Sequence[Axis], operands: Sequence[Operand]) -> list[tuple[torch.Tensor, ...]]:
+def split(where: str, axes: Sequence, operands: Sequence) -> list[tuple[torch.Tensor, ...]]:
     """The operands per launch: the tensors themselves, once, when they all ``fit`` (the common case,
-    which costs only that check), else each piece's views (``pieces``)."""
-    tensors = tuple(op.tensor for op in operands)
+    which costs only that check), else each piece's views (``pieces``). ``axes`` and ``operands``
+    may be given as the plain tuples (name, size, unit) and (name, tensor, dims), which become
+    ``Axis`` / ``Operand`` only when there is something to cut."""
+    tensors = tuple(op.tensor if isinstance(op, Operand) else op[1] for op in operands)
     if fits(*tensors):
         return [tensors]
+    axes = [a if isinstance(a, Axis) else Axis(*a) for a in axes]
+    operands = [op if isinstance(op, Operand) else Operand(*op) for op in operands]
     return [p.tensors for p in pieces(where, axes, operands)]
 
 
@@ -293,11 +310,11 @@ def pieces(where: str, axes: Sequence[Axis], operands: Sequence[Operand]) -> lis
 BATCH, M, N = 0, 1, 2  # axis indices of ``matmul_axes``
 
 
-def matmul_axes(batch: int, m: int, n: int, m_unit: int, n_unit: int) -> tuple[Axis, Axis, Axis]:
-    """The index space of a matmul's output: batch entries, then M cut on multiples of ``m_unit``
-    and N on multiples of ``n_unit`` (whole output tiles, and whole 128-row blocks of swizzled
-    scales)."""
-    return Axis("batch", batch), Axis("M", m, m_unit), Axis("N", n, n_unit)
+def matmul_axes(batch: int, m: int, n: int, m_unit: int, n_unit: int) -> tuple[tuple[str, int, int], ...]:
+    """The index space of a matmul's output, as ``split`` takes it: batch entries, then M cut on
+    multiples of ``m_unit`` and N on multiples of ``n_unit`` (whole output tiles, and whole 128-row
+    blocks of swizzled scales)."""
+    return ("batch", batch, 1), ("M", m, m_unit), ("N", n, n_unit)
 
 
 def rows_of(t: torch.Tensor, batch: int, axis: int, per: int = 1) -> tuple[tuple[int, int, int], ...]:

@@ -447,12 +447,12 @@ def _launch_stream(problem, cfg: StreamConfig, a, a_scale, b, b_scale, alpha, bi
     lg = _large
     per = _SWZ_ROWS if problem.swizzled else 1
     axes = lg.matmul_axes(batch, m, n, math.lcm(cfg.tile_m, per), math.lcm(cfg.tile_n, per))
-    operands = [lg.Operand("x", a, lg.rows_of(a, batch, lg.M)),
-                lg.Operand("x_scale", a_scale, lg.rows_of(a_scale, batch, lg.M, per)),
-                lg.Operand("y", b, lg.rows_of(b, batch, lg.N)),
-                lg.Operand("y_scale", b_scale, lg.rows_of(b_scale, batch, lg.N, per)),
-                lg.Operand("out", out, lg.out_dims()), lg.Operand("alpha", alpha),
-                lg.Operand("bias", bias, ((0, lg.N, 1),))]
+    operands = [("x", a, lg.rows_of(a, batch, lg.M)),
+                ("x_scale", a_scale, lg.rows_of(a_scale, batch, lg.M, per)),
+                ("y", b, lg.rows_of(b, batch, lg.N)),
+                ("y_scale", b_scale, lg.rows_of(b_scale, batch, lg.N, per)),
+                ("out", out, lg.out_dims()), ("alpha", alpha),
+                ("bias", bias, ((0, lg.N, 1),))]
     kernel = hinted(_stream_kernel, **cfg.hints())
     for pa, psa, pb, psb, pout, palpha, pbias in lg.split("block-scaled matmul", axes, operands):
         pbatch, pm, pn = pout.shape
@@ -477,11 +477,10 @@ def _dequantize(fmt: Format, data, scale, swizzled: bool, dequant_rows: int, deq
     # decode is per element, so any cut on whole tiles (and 128-row / 4-column scale blocks) is exact.
     lg = _large
     per_row, per_col = (_SWZ_ROWS, fmt.block * _SWZ_COLS) if swizzled else (1, fmt.block)
-    axes = (lg.Axis("batch", bx), lg.Axis("rows", rows, math.lcm(dequant_rows, per_row)),
-            lg.Axis("K", kp, dequant_k))
-    operands = [lg.Operand("data", data, ((0, 0, 1), (1, 1, 1), (2, 2, fmt.elements_per_byte))),
-                lg.Operand("scale", scale, ((0, 0, 1), (1, 1, per_row), (2, 2, per_col))),
-                lg.Operand("dequantized", out, ((0, 0, 1), (1, 1, 1), (2, 2, 1)))]
+    axes = (("batch", bx, 1), ("rows", rows, math.lcm(dequant_rows, per_row)), ("K", kp, dequant_k))
+    operands = [("data", data, ((0, 0, 1), (1, 1, 1), (2, 2, fmt.elements_per_byte))),
+                ("scale", scale, ((0, 0, 1), (1, 1, per_row), (2, 2, per_col))),
+                ("dequantized", out, ((0, 0, 1), (1, 1, 1), (2, 2, 1)))]
     for pdata, pscale, pout in lg.split("block-scaled matmul (dequantize)", axes, operands):
         pb, pr, pk = pout.shape
         grid = (pb * -(-pr // dequant_rows) * (pk // dequant_k), 1, 1)

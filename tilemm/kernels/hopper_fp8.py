@@ -184,12 +184,12 @@ def launch(problem, config: GemmConfig | None = None) -> None:
     # as in one launch, K never cut); N cuts fall on the weight's 128-row scale blocks.
     lg = _large
     axes = lg.matmul_axes(batch, m, n, cfg.tile_m, math.lcm(cfg.tile_n, FP8_BLOCK))
-    operands = [lg.Operand("x", problem.a, lg.rows_of(problem.a, batch, lg.M)),
-                lg.Operand("x_scale", a_scale, lg.rows_of(a_scale, batch, lg.M)),
-                lg.Operand("y", problem.b, lg.rows_of(problem.b, batch, lg.N)),
-                lg.Operand("y_scale", b_scale, lg.rows_of(b_scale, batch, lg.N, FP8_BLOCK)),
-                lg.Operand("out", out, lg.out_dims()), lg.Operand("alpha", alpha),
-                lg.Operand("bias", bias, ((0, lg.N, 1),))]
+    operands = [("x", problem.a, lg.rows_of(problem.a, batch, lg.M)),
+                ("x_scale", a_scale, lg.rows_of(a_scale, batch, lg.M)),
+                ("y", problem.b, lg.rows_of(problem.b, batch, lg.N)),
+                ("y_scale", b_scale, lg.rows_of(b_scale, batch, lg.N, FP8_BLOCK)),
+                ("out", out, lg.out_dims()), ("alpha", alpha),
+                ("bias", bias, ((0, lg.N, 1),))]
     kernel = hinted(_fp8_blockwise_kernel, **cfg.hints())
     for views in lg.split("fp8_matmul", axes, operands):
         pb, pm, pn = views[4].shape

@@ -180,12 +180,12 @@ def launch_gemm(a, a_scale, b, b_scale, out, alpha, bias, cfg: GemmConfig, *, fa
     # Operands of 2^31 elements and more: one launch per piece of the output (``_large``), each
     # output tile computed exactly as in one launch (K is never cut).
     lg = _large
-    operands = [lg.Operand("x", a, lg.rows_of(a, batch, lg.M)),
-                lg.Operand("x scale", a_scale, lg.rows_of(a_scale, batch, lg.M) if scaled else ()),
-                lg.Operand("y", b, lg.rows_of(b, batch, lg.N)),
-                lg.Operand("y scale", b_scale, lg.rows_of(b_scale, batch, lg.N) if scaled else ()),
-                lg.Operand("out", out, lg.out_dims()), lg.Operand("alpha", alpha),
-                lg.Operand("bias", bias, ((0, lg.N, 1),))]
+    operands = [("x", a, lg.rows_of(a, batch, lg.M)),
+                ("x scale", a_scale, lg.rows_of(a_scale, batch, lg.M) if scaled else ()),
+                ("y", b, lg.rows_of(b, batch, lg.N)),
+                ("y scale", b_scale, lg.rows_of(b_scale, batch, lg.N) if scaled else ()),
+                ("out", out, lg.out_dims()), ("alpha", alpha),
+                ("bias", bias, ((0, lg.N, 1),))]
     for views in lg.split("matmul", lg.matmul_axes(batch, m, n, cfg.tile_m, cfg.tile_n), operands):
         grid = (gemm_grid(cfg, *views[4].shape, sms), 1, 1)
         ct.launch(torch.cuda.current_stream(out.device), grid, kernel,

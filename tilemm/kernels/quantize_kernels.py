@@ -1063,9 +1063,8 @@ def _pieces(where: str, op: _Operand, row_unit: int, k_unit: int, operands) -> l
     """The arrays of each launch over op's (batch, rows, K): ``operands`` is (name, tensor, dims)
     per array (``_large.Operand``); rows are cut on multiples of ``row_unit``, K on multiples of
     ``k_unit`` (op.k: never)."""
-    axes = (_large.Axis("batch", op.batch), _large.Axis("rows", op.rows, row_unit),
-            _large.Axis("K", op.k, k_unit))
-    return _large.split(where, axes, [_large.Operand(*o) for o in operands])
+    return _large.split(where, (("batch", op.batch, 1), ("rows", op.rows, row_unit), ("K", op.k, k_unit)),
+                        operands)
 
 
 def _row_unit(cfg: TileConfig, swizzle: bool) -> int:

@@ -10,7 +10,7 @@ offset reaches 2^31 must not reach a kernel either, even where each stride fits.
 Why not 64-bit kernels. An int64-indexed twin of every kernel would double the specialisations (and
 the ahead-of-time compiles), and put 64-bit address arithmetic into kernels whose common case never
 needs it. Instead a launcher whose arrays do not all ``fit`` (the only extra work on the common path:
-a few multiplications per array) cuts its index space into rectangular pieces along axes where that
+an element count and contiguity check per array) cuts its index space into rectangular pieces along axes where that
 is exact, and launches the unchanged kernel once per piece on views of the pieces:
 
 * along a batch, or along rows, of any kernel whose outputs per row (block quantizers, FP8 per row

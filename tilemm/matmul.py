@@ -133,6 +133,10 @@ def _check_operands(fn: str, x: torch.Tensor, y: torch.Tensor, data_dtypes, k_pe
         what = "K/2 (packed)" if k_per_byte == 2 else "K"
         raise ValueError(f"{fn}: x is (..., M, K) and y (..., K, N) but their {what} differ: x "
                          f"{tuple(x.shape)}, y {tuple(y.shape)}")
+    if x.is_cuda:
+        from .kernels._large import check_matmul_k
+
+        check_matmul_k(fn, "x", x.shape, x.shape[-1] * k_per_byte)
     if y.ndim > 2 and y.shape[:-2] != x.shape[:-2]:
         raise ValueError(f"{fn}: y's batch dims {tuple(y.shape[:-2])} must equal x's "
                          f"{tuple(x.shape[:-2])} (or y must be 2-D and shared across the batch)")

@@ -90,6 +90,7 @@ import cuda.tile as ct
 import torch
 
 from ..formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
+from . import _large
 from ._aot import AotVariant, array
 from ._common import epilogue, hinted, ones_scalar, tile_coords, zeros_vector
 
@@ -281,6 +282,9 @@ class LaunchPlan:
     grid: tuple[int, int, int]
     args: tuple
     folded: bool
+    #: (grid, args) per launch: ((grid, args),) unless an operand has 2^31 elements or more
+    #: (``_large``), then one per piece of the output, ``grid`` and ``args`` being the first.
+    launches: tuple = ()
 
 
 def _fold_batch(a, a_scale, out, swizzled):
@@ -341,10 +345,24 @@ def plan_launch(problem, table: str, sm_count: int = DEFAULT_SM_COUNT,
     device = out.device
     alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
     bias = zeros_vector(device, n) if problem.bias is None else problem.bias
-    grid = (grid_batch * -(-grid_m // cfg.tile_m) * -(-n // cfg.tile_n), 1, 1)
     kernel = hinted(_block_scaled_kernel, **cfg.hints())
-    args = (a, a_scale, b, b_scale, out, alpha, bias, *_constants(fmt, cfg))
-    return LaunchPlan(cfg, kernel, grid, args, folded)
+    # Operands of 2^31 elements and more: one launch per piece of the output along M and N
+    # (``_large``; tiles are whole 128-row scale blocks), each tile computed as in one launch.
+    lg = _large
+    per = SWIZZLE_ROWS if problem.swizzled else 1
+    operands = [("x", a, lg.rows_of(a, grid_batch, lg.M)),
+                ("x_scale", a_scale, lg.rows_of(a_scale, grid_batch, lg.M, per)),
+                ("y", b, lg.rows_of(b, grid_batch, lg.N)),
+                ("y_scale", b_scale, lg.rows_of(b_scale, grid_batch, lg.N, per)),
+                ("out", out, lg.out_dims()), ("alpha", alpha),
+                ("bias", bias, ((0, lg.N, 1),))]
+    launches = []
+    for views in lg.split("block-scaled matmul", lg.matmul_axes(grid_batch, grid_m, n, cfg.tile_m, cfg.tile_n),
+                          operands):
+        pb, pm, pn = views[4].shape
+        launches.append(((pb * -(-pm // cfg.tile_m) * -(-pn // cfg.tile_n), 1, 1), (*views, *_constants(fmt, cfg))))
+    grid, args = launches[0]
+    return LaunchPlan(cfg, kernel, grid, args, folded, tuple(launches))
 
 
 @functools.lru_cache(maxsize=None)
@@ -362,7 +380,8 @@ def launch(problem, config: TileConfig | None = None) -> None:
     index = device.index if device.index is not None else torch.cuda.current_device()
     plan = plan_launch(problem, table_for_capability(capability(device)), _sm_count(index), config)
     with torch.cuda.device(device):
-        ct.launch(torch.cuda.current_stream(device), plan.grid, plan.kernel, plan.args)
+        for grid, args in plan.launches:
+            ct.launch(torch.cuda.current_stream(device), grid, plan.kernel, args)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import cuda.tile as ct
 import torch
 
+from . import _large
 from ._aot import AotVariant
 from ._common import epilogue, fp8_kind, hinted, ones_scalar, tile_coords, zeros_vector
 from .blackwell_block_scaled import DEFAULT_SM_COUNT, launch_array, table_for_capability
@@ -183,6 +185,9 @@ class LaunchPlan:
     kernel: object
     grid: tuple[int, int, int]
     args: tuple
+    #: (grid, args) per launch: ((grid, args),) unless an operand has 2^31 elements or more
+    #: (``_large``), then one per piece of the output, ``grid`` and ``args`` being the first.
+    launches: tuple = ()
 
 
 _KERNELS = {"scaled": _fp8_scaled_kernel, "blockwise": _fp8_blockwise_kernel}
@@ -217,9 +222,24 @@ def plan_launch(problem, table: str, sm_count: int = DEFAULT_SM_COUNT,
     b_scale = problem.b_scale.contiguous()
     alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
     bias = zeros_vector(device, n) if problem.bias is None else problem.bias
-    grid = (batch * -(-m // cfg.tile_m) * -(-n // cfg.tile_n), 1, 1)
     kernel = hinted(_KERNELS[kind], **cfg.hints())
-    return LaunchPlan(cfg, kernel, grid, (a, a_scale, b, b_scale, out, alpha, bias, *_constants(kind, cfg)))
+    # Operands of 2^31 elements and more: one launch per piece of the output along M and N
+    # (``_large``), each tile computed as in one launch; N cuts fall on 128-row scale blocks.
+    lg = _large
+    per = FP8_BLOCK if kind == "blockwise" else 1
+    operands = [("x", a, lg.rows_of(a, batch, lg.M)),
+                ("x_scale", a_scale, lg.rows_of(a_scale, batch, lg.M)),
+                ("y", b, lg.rows_of(b, batch, lg.N)),
+                ("y_scale", b_scale, lg.rows_of(b_scale, batch, lg.N, per)),
+                ("out", out, lg.out_dims()), ("alpha", alpha),
+                ("bias", bias, ((0, lg.N, 1),))]
+    launches = []
+    for views in lg.split("fp8_matmul", lg.matmul_axes(batch, m, n, cfg.tile_m, math.lcm(cfg.tile_n, per)),
+                          operands):
+        pb, pm, pn = views[4].shape
+        launches.append(((pb * -(-pm // cfg.tile_m) * -(-pn // cfg.tile_n), 1, 1), (*views, *_constants(kind, cfg))))
+    grid, args = launches[0]
+    return LaunchPlan(cfg, kernel, grid, args, tuple(launches))
 
 
 @functools.lru_cache(maxsize=None)
@@ -238,7 +258,8 @@ def launch(problem, config: TileConfig | None = None) -> None:
     index = device.index if device.index is not None else torch.cuda.current_device()
     plan = plan_launch(problem, table_for_capability(capability(device)), _sm_count(index), config)
     with torch.cuda.device(device):
-        ct.launch(torch.cuda.current_stream(device), plan.grid, plan.kernel, plan.args)
+        for grid, args in plan.launches:
+            ct.launch(torch.cuda.current_stream(device), grid, plan.kernel, args)
 
 
 # --------------------------------------------------------------------------------------------------

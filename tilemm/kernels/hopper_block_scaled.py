@@ -89,11 +89,13 @@ Speed (H100, bf16 out, L2 flushed, 2026-11-22; ``benchmarks/results`` has every 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import cuda.tile as ct
 import torch
 
 from ..formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
+from . import _large
 from ._aot import AotVariant, array
 from ._common import (e2m1_hi_bits_bf16, e2m1_hi_bits_fp16, e2m1_lo_bits_bf16, e2m1_lo_bits_fp16, e8m0_to_bf16,
                       epilogue, hinted, ones_scalar, tile_coords, zeros_vector)
@@ -436,19 +438,33 @@ def _launch_stream(problem, cfg: StreamConfig, a, a_scale, b, b_scale, alpha, bi
     batch, m, n = out.shape
     _check_scale_tile(fmt, cfg.tile_k, "stream")
     stream = torch.cuda.current_stream(out.device)
-    partial = out if cfg.split_k == 1 else torch.empty((cfg.split_k * batch, m, n), dtype=torch.float32,
-                                                       device=out.device)
     if cfg.x16:
         a = _dequantize(fmt, a, a_scale, problem.swizzled, dequant_rows=_X16_DEQUANT_ROWS,
                         dequant_k=cfg.tile_k)
-    grid = (cfg.split_k * batch * -(-m // cfg.tile_m) * -(-n // cfg.tile_n), 1, 1)
-    ct.launch(stream, grid, hinted(_stream_kernel, **cfg.hints()),
-              (a, a_scale, b, b_scale, out, alpha, bias, partial,
-               *_stream_constants(fmt, problem.swizzled, cfg)))
-    if cfg.split_k > 1:
-        tm, tn = _REDUCE_TILE
-        ct.launch(stream, (batch * -(-m // tm) * -(-n // tn), 1, 1), _splitk_reduce_kernel,
-                  (partial, out, alpha, bias, cfg.split_k, tm, tn))
+    # Operands of 2^31 elements and more (in practice the weight): one launch per piece of the
+    # output along M and N (``_large``), each with the whole problem's config, so every output tile,
+    # K split included, is computed exactly as in one launch.
+    lg = _large
+    per = _SWZ_ROWS if problem.swizzled else 1
+    axes = lg.matmul_axes(batch, m, n, math.lcm(cfg.tile_m, per), math.lcm(cfg.tile_n, per))
+    operands = [("x", a, lg.rows_of(a, batch, lg.M)),
+                ("x_scale", a_scale, lg.rows_of(a_scale, batch, lg.M, per)),
+                ("y", b, lg.rows_of(b, batch, lg.N)),
+                ("y_scale", b_scale, lg.rows_of(b_scale, batch, lg.N, per)),
+                ("out", out, lg.out_dims()), ("alpha", alpha),
+                ("bias", bias, ((0, lg.N, 1),))]
+    kernel = hinted(_stream_kernel, **cfg.hints())
+    for pa, psa, pb, psb, pout, palpha, pbias in lg.split("block-scaled matmul", axes, operands):
+        pbatch, pm, pn = pout.shape
+        partial = pout if cfg.split_k == 1 else torch.empty((cfg.split_k * pbatch, pm, pn), dtype=torch.float32,
+                                                            device=out.device)
+        grid = (cfg.split_k * pbatch * -(-pm // cfg.tile_m) * -(-pn // cfg.tile_n), 1, 1)
+        ct.launch(stream, grid, kernel, (pa, psa, pb, psb, pout, palpha, pbias, partial,
+                                         *_stream_constants(fmt, problem.swizzled, cfg)))
+        if cfg.split_k > 1:
+            tm, tn = _REDUCE_TILE
+            ct.launch(stream, (pbatch * -(-pm // tm) * -(-pn // tn), 1, 1), _splitk_reduce_kernel,
+                      (partial, pout, palpha, pbias, cfg.split_k, tm, tn))
 
 
 def _dequantize(fmt: Format, data, scale, swizzled: bool, dequant_rows: int, dequant_k: int) -> torch.Tensor:
@@ -457,9 +473,19 @@ def _dequantize(fmt: Format, data, scale, swizzled: bool, dequant_rows: int, deq
     kp = -(-k // dequant_k) * dequant_k
     out = torch.empty((bx, rows, kp), dtype=torch.float16 if fmt.has_global_scale else torch.bfloat16,
                       device=data.device)
-    grid = (bx * -(-rows // dequant_rows) * (kp // dequant_k), 1, 1)
-    ct.launch(torch.cuda.current_stream(data.device), grid, _dequantize_kernel,
-              (data, scale, out, _element_code(fmt), fmt.block, swizzled, dequant_rows, dequant_k))
+    # Operands of 2^31 elements and more: one launch per piece of (batch, rows, K) (``_large``); the
+    # decode is per element, so any cut on whole tiles (and 128-row / 4-column scale blocks) is exact.
+    lg = _large
+    per_row, per_col = (_SWZ_ROWS, fmt.block * _SWZ_COLS) if swizzled else (1, fmt.block)
+    axes = (("batch", bx, 1), ("rows", rows, math.lcm(dequant_rows, per_row)), ("K", kp, dequant_k))
+    operands = [("data", data, ((0, 0, 1), (1, 1, 1), (2, 2, fmt.elements_per_byte))),
+                ("scale", scale, ((0, 0, 1), (1, 1, per_row), (2, 2, per_col))),
+                ("dequantized", out, ((0, 0, 1), (1, 1, 1), (2, 2, 1)))]
+    for pdata, pscale, pout in lg.split("block-scaled matmul (dequantize)", axes, operands):
+        pb, pr, pk = pout.shape
+        grid = (pb * -(-pr // dequant_rows) * (pk // dequant_k), 1, 1)
+        ct.launch(torch.cuda.current_stream(data.device), grid, _dequantize_kernel,
+                  (pdata, pscale, pout, _element_code(fmt), fmt.block, swizzled, dequant_rows, dequant_k))
     return out
 
 

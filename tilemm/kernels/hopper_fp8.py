@@ -34,10 +34,12 @@ Speed (H100, 8192^3, bf16 out, L2 flushed, 2026-11-22, same run): per row 1255 T
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import cuda.tile as ct
 import torch
 
+from . import _large
 from ._aot import AotVariant, array
 from ._common import epilogue, fp8_kind, hinted, ones_scalar, tile_coords, zeros_vector
 from .hopper_gemm import GemmConfig, gemm_constants, gemm_kernel, launch_gemm, num_sms
@@ -178,9 +180,21 @@ def launch(problem, config: GemmConfig | None = None) -> None:
     if cfg.tile_k != FP8_BLOCK or FP8_BLOCK % cfg.tile_n or cfg.persistent:
         raise ValueError(f"hopper_fp8: blockwise configs need tile_k == 128, tile_n dividing 128 and no "
                          f"persistent scheduling, got {cfg}")
-    grid = (batch * -(-m // cfg.tile_m) * -(-n // cfg.tile_n), 1, 1)
-    ct.launch(torch.cuda.current_stream(device), grid, hinted(_fp8_blockwise_kernel, **cfg.hints()),
-              (problem.a, a_scale, problem.b, b_scale, out, alpha, bias, *_blockwise_constants(cfg, fast_acc)))
+    # Operands of 2^31 elements and more: one launch per piece of the output (``_large``; each tile
+    # as in one launch, K never cut); N cuts fall on the weight's 128-row scale blocks.
+    lg = _large
+    axes = lg.matmul_axes(batch, m, n, cfg.tile_m, math.lcm(cfg.tile_n, FP8_BLOCK))
+    operands = [("x", problem.a, lg.rows_of(problem.a, batch, lg.M)),
+                ("x_scale", a_scale, lg.rows_of(a_scale, batch, lg.M)),
+                ("y", problem.b, lg.rows_of(problem.b, batch, lg.N)),
+                ("y_scale", b_scale, lg.rows_of(b_scale, batch, lg.N, FP8_BLOCK)),
+                ("out", out, lg.out_dims()), ("alpha", alpha),
+                ("bias", bias, ((0, lg.N, 1),))]
+    kernel = hinted(_fp8_blockwise_kernel, **cfg.hints())
+    for views in lg.split("fp8_matmul", axes, operands):
+        pb, pm, pn = views[4].shape
+        grid = (pb * -(-pm // cfg.tile_m) * -(-pn // cfg.tile_n), 1, 1)
+        ct.launch(torch.cuda.current_stream(device), grid, kernel, (*views, *_blockwise_constants(cfg, fast_acc)))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ import cuda.tile as ct
 import torch
 
 from ._common import epilogue, hinted, tile_coords_at
+from . import _large
 
 __all__ = ["GemmConfig", "launch_gemm", "gemm_constants", "gemm_kernel", "gemm_grid", "num_sms"]
 
@@ -174,7 +175,18 @@ def launch_gemm(a, a_scale, b, b_scale, out, alpha, bias, cfg: GemmConfig, *, fa
     a (Ba, M, K), b (Bb, N, K), out (B, M, N); scales (Ba, M) / (Bb, N) fp32 when ``scaled`` (pass any
     tensors otherwise, e.g. ``alpha``); alpha (1,) and bias (N,) fp32."""
     batch, m, n = out.shape
-    grid = (gemm_grid(cfg, batch, m, n, num_sms(out.device)), 1, 1)
+    sms = num_sms(out.device)
     kernel = hinted(_gemm_kernel, **cfg.hints())
-    ct.launch(torch.cuda.current_stream(out.device), grid, kernel,
-              (a, a_scale, b, b_scale, out, alpha, bias, *gemm_constants(cfg, fast_acc, scaled)))
+    # Operands of 2^31 elements and more: one launch per piece of the output (``_large``), each
+    # output tile computed exactly as in one launch (K is never cut).
+    lg = _large
+    operands = [("x", a, lg.rows_of(a, batch, lg.M)),
+                ("x scale", a_scale, lg.rows_of(a_scale, batch, lg.M) if scaled else ()),
+                ("y", b, lg.rows_of(b, batch, lg.N)),
+                ("y scale", b_scale, lg.rows_of(b_scale, batch, lg.N) if scaled else ()),
+                ("out", out, lg.out_dims()), ("alpha", alpha),
+                ("bias", bias, ((0, lg.N, 1),))]
+    for views in lg.split("matmul", lg.matmul_axes(batch, m, n, cfg.tile_m, cfg.tile_n), operands):
+        grid = (gemm_grid(cfg, *views[4].shape, sms), 1, 1)
+        ct.launch(torch.cuda.current_stream(out.device), grid, kernel,
+                  (*views, *gemm_constants(cfg, fast_acc, scaled)))

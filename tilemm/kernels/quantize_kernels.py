@@ -76,6 +76,7 @@ import torch
 from cuda.tile import compilation as cc
 
 from ..formats import FP8_E4M3, NVFP4, Format
+from . import _large
 from ._aot import TARGETS, AotVariant, array
 from ._common import SWIZZLE_COLS, SWIZZLE_ROWS, hinted
 
@@ -1032,9 +1033,49 @@ def _target(device: torch.device) -> str:
     return f"sm_{major}{minor}"
 
 
-def _launch(kernel, op: _Operand, cfg: TileConfig, args: tuple, grid=None, swizzle: bool = False) -> None:
-    _launch_kernel(op.view.device, grid or _grid(op.batch, op.rows, op.k, cfg, swizzle), _kernel(kernel, cfg),
-                   args)
+# Tensors of 2^31 elements and more (``_large``): every launch below goes through ``_pieces``, which
+# returns the arrays themselves when they fit 32-bit indexing (one launch, the common case) and
+# otherwise views of rectangular pieces of (batch entries, rows, K), one launch each. The cuts are
+# exact for every quantizer: rows are independent, and cuts along K fall on whole tiles, so every
+# block and its scale lie in one piece; cuts along rows of swizzled scales fall on 128-row blocks,
+# K cuts on 4-column groups, so each piece's scales are one slab of the 32x4x4 layout, its padding
+# written by the last piece. Per-tensor maxima are taken over all pieces first (``tensor_amax``);
+# FP8 per row along axis=-2 takes the column maxima of every piece (an atomic maximum, exact) before
+# any piece is quantized.
+
+_BRK = ((0, 0, 1), (1, 1, 1), (2, 2, 1))  # a (B, R, K) array: batch, rows, K
+_BKR = ((0, 0, 1), (1, 2, 1), (2, 1, 1))  # the (B, K, R) storage of a transposed input
+
+
+def _input_dims(op: _Operand):
+    return _BKR if op.transposed else _BRK
+
+
+def _block_scale_dims(block: int, swizzle: bool):
+    """How a block-scale buffer follows (batch, rows, K): logical (B, R, K / block), or the
+    (B, R / 128, Ks / 4, ...) blocks of the swizzled layout."""
+    if swizzle:
+        return (0, 0, 1), (1, 1, SWIZZLE_ROWS), (2, 2, block * SWIZZLE_COLS)
+    return (0, 0, 1), (1, 1, 1), (2, 2, block)
+
+
+def _pieces(where: str, op: _Operand, row_unit: int, k_unit: int, operands) -> list[tuple[torch.Tensor, ...]]:
+    """The arrays of each launch over op's (batch, rows, K): ``operands`` is (name, tensor, dims)
+    per array (``_large.Operand``); rows are cut on multiples of ``row_unit``, K on multiples of
+    ``k_unit`` (op.k: never)."""
+    return _large.split(where, (("batch", op.batch, 1), ("rows", op.rows, row_unit), ("K", op.k, k_unit)),
+                        operands)
+
+
+def _row_unit(cfg: TileConfig, swizzle: bool) -> int:
+    """Row cuts on whole tiles, and for swizzled scales on whole 128-row blocks."""
+    return max(cfg.tile_r, SWIZZLE_ROWS) if swizzle else cfg.tile_r
+
+
+def _view_grid(view: torch.Tensor, transposed: bool, cfg: TileConfig, swizzle: bool = False):
+    """``_grid`` of a piece's input view, (B, R, K) or transposed (B, K, R)."""
+    b, r, k = (view.shape[0], view.shape[2], view.shape[1]) if transposed else view.shape
+    return _grid(b, r, k, cfg, swizzle)
 
 
 def _scale_operand(scale: torch.Tensor, swizzle: bool) -> torch.Tensor:
@@ -1071,9 +1112,15 @@ def quantize_mx(x: torch.Tensor, fmt: Format, rounding: str, swizzle: bool):
     data = torch.empty(op.batch, op.rows, fmt.data_k(op.k), dtype=fmt.data_dtype, device=x.device)
     scale = _block_scale_buffer(op, op.k // fmt.block, swizzle, torch.uint8)
     floor = 1 if rounding == "floor" else 0
-    _launch(_mx_quantize_kernel, op, cfg, (op.view, data, _scale_operand(scale, swizzle), floor,
-                                           _ELEMENT_CODE[fmt.element], swizzle, op.transposed, cfg.tile_r,
-                                           cfg.tile_k), swizzle=swizzle)
+    kernel = _kernel(_mx_quantize_kernel, cfg)
+    where = "quantize_mxfp4" if fmt.is_packed else "quantize_mxfp8"
+    for view, d, s in _pieces(where, op, _row_unit(cfg, swizzle), cfg.tile_k,
+                              (("x", op.view, _input_dims(op)),
+                               ("data", data, ((0, 0, 1), (1, 1, 1), (2, 2, fmt.elements_per_byte))),
+                               ("scale", _scale_operand(scale, swizzle), _block_scale_dims(fmt.block, swizzle)))):
+        _launch_kernel(x.device, _view_grid(view, op.transposed, cfg, swizzle), kernel,
+                       (view, d, s, floor, _ELEMENT_CODE[fmt.element], swizzle, op.transposed, cfg.tile_r,
+                        cfg.tile_k))
     return _shaped(full, x, data, scale, swizzle)
 
 
@@ -1085,11 +1132,19 @@ def tensor_amax(x: torch.Tensor, propagate_nan: bool) -> torch.Tensor:
     op = _operand(x)
     view = op.view  # the storage, (B, K, R) for a transposed x: a maximum does not care about order
     cfg = AMAX_CONFIG
-    tiles = view.shape[0] * -(-view.shape[1] // cfg.tile_r) * -(-view.shape[2] // cfg.tile_k)
-    blocks = min(tiles, _num_sms(x.device) * AMAX_BLOCKS_PER_SM, AMAX_PARTIALS)
-    partial = torch.empty(blocks, dtype=torch.int32, device=x.device)
-    _launch_kernel(x.device, (blocks, 1, 1), _kernel(_amax_kernel, cfg),
-                   (view, partial, propagate_nan, op.transposed, cfg.tile_r, cfg.tile_k))
+    # The storage's pieces (``_pieces`` with the storage as (batch, rows, K)): each writes its own
+    # share of the AMAX_PARTIALS slots, so the users' maximum covers every piece.
+    storage = _Operand(view, view.shape[0], view.shape[1], view.shape[2], False, op.lead)
+    views = [v for v, in _pieces("tensor amax", storage, cfg.tile_r, cfg.tile_k, (("x", view, _BRK),))]
+    share = AMAX_PARTIALS // len(views)
+    blocks = [min(v.shape[0] * -(-v.shape[1] // cfg.tile_r) * -(-v.shape[2] // cfg.tile_k),
+                  _num_sms(x.device) * AMAX_BLOCKS_PER_SM, share) for v in views]
+    partial = torch.empty(sum(blocks), dtype=torch.int32, device=x.device)
+    start = 0
+    for v, n in zip(views, blocks):
+        _launch_kernel(x.device, (n, 1, 1), _kernel(_amax_kernel, cfg),
+                       (v, partial[start:start + n], propagate_nan, op.transposed, cfg.tile_r, cfg.tile_k))
+        start += n
     return partial
 
 
@@ -1111,9 +1166,15 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None, swizzle: 
     cfg = BLOCK_CONFIGS["nvfp4", swizzle, op.transposed]
     data = torch.empty(op.batch, op.rows, op.k // 2, dtype=torch.uint8, device=x.device)
     scale = _block_scale_buffer(op, op.k // NVFP4.block, swizzle, torch.uint8)
-    _launch(_nvfp4_quantize_kernel, op, cfg, (op.view, data, _scale_operand(scale, swizzle), g, g_out,
-                                              from_amax, swizzle, op.transposed, cfg.tile_r, cfg.tile_k),
-            swizzle=swizzle)
+    kernel = _kernel(_nvfp4_quantize_kernel, cfg)
+    for view, d, s, g_in, g_o in _pieces("quantize_nvfp4", op, _row_unit(cfg, swizzle), cfg.tile_k,
+                                         (("x", op.view, _input_dims(op)),
+                                          ("data", data, ((0, 0, 1), (1, 1, 1), (2, 2, 2))),
+                                          ("scale", _scale_operand(scale, swizzle),
+                                           _block_scale_dims(NVFP4.block, swizzle)),
+                                          ("global scale", g, ()), ("decode scale", g_out, ()))):
+        _launch_kernel(x.device, _view_grid(view, op.transposed, cfg, swizzle), kernel,
+                       (view, d, s, g_in, g_o, from_amax, swizzle, op.transposed, cfg.tile_r, cfg.tile_k))
     data, scale = _shaped(full, x, data, scale, swizzle)
     return data, scale, g_out.reshape(())
 
@@ -1131,44 +1192,61 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
         op = _rows_flattened(full)
         data = torch.empty(op.batch, op.rows, op.k, dtype=fmt.data_dtype, device=x.device)
         scale = torch.empty(op.batch, op.rows, 1, dtype=torch.float32, device=x.device)
+        row_scale = ((0, 0, 1), (1, 1, 1))  # (B, R, 1): its last dimension follows no axis
         if op.transposed:
             amax = torch.zeros(op.batch, op.rows, dtype=torch.int32, device=x.device)
-            acfg = ROW_AMAX_CONFIG
-            k_tiles = -(-op.k // acfg.tile_k)
-            chunks = -(-k_tiles // ROW_AMAX_CHUNK)
-            _launch(_column_amax_kernel, op, acfg,
-                    (op.view, amax, ROW_AMAX_CHUNK, acfg.tile_r, acfg.tile_k),
-                    (op.batch * -(-op.rows // acfg.tile_r) * chunks, 1, 1))
-            cfg = ROW_TRANSPOSED_CONFIG
-            _launch(_fp8_columns_kernel, op, cfg,
-                    (op.view, data, scale, amax, element, cfg.tile_r, cfg.tile_k))
+            acfg, cfg = ROW_AMAX_CONFIG, ROW_TRANSPOSED_CONFIG
+            # Every piece's column maxima (atomic, into the rows of Amax it covers) before any piece
+            # is quantized: pieces cut along K share their rows' maxima.
+            views = _pieces("quantize_fp8", op, max(acfg.tile_r, cfg.tile_r), max(acfg.tile_k, cfg.tile_k),
+                            (("x", op.view, _BKR), ("data", data, _BRK), ("scale", scale, row_scale),
+                             ("amax", amax, ((0, 0, 1), (1, 1, 1)))))
+            for view, _, _, a in views:
+                k_tiles = -(-view.shape[1] // acfg.tile_k)
+                chunks = -(-k_tiles // ROW_AMAX_CHUNK)
+                _launch_kernel(x.device, (view.shape[0] * -(-view.shape[2] // acfg.tile_r) * chunks, 1, 1),
+                               _kernel(_column_amax_kernel, acfg),
+                               (view, a, ROW_AMAX_CHUNK, acfg.tile_r, acfg.tile_k))
+            for view, d, s, a in views:
+                _launch_kernel(x.device, _view_grid(view, True, cfg), _kernel(_fp8_columns_kernel, cfg),
+                               (view, d, s, a, element, cfg.tile_r, cfg.tile_k))
         else:
             cfg = row_config(op.k)
-            _launch(_fp8_row_kernel, op, cfg,
-                    (op.view, data, scale, element, _row_tma_store(cfg, _target(x.device)), cfg.tile_r,
-                     cfg.tile_k),
-                    (op.batch * -(-op.rows // cfg.tile_r), 1, 1))
+            tma = _row_tma_store(cfg, _target(x.device))
+            for view, d, s in _pieces("quantize_fp8", op, cfg.tile_r, op.k,
+                                      (("x", op.view, _BRK), ("data", data, _BRK), ("scale", scale, row_scale))):
+                _launch_kernel(x.device, (view.shape[0] * -(-view.shape[1] // cfg.tile_r), 1, 1),
+                               _kernel(_fp8_row_kernel, cfg),
+                               (view, d, s, element, tma, cfg.tile_r, cfg.tile_k))
         return _shaped(full, x, data, scale, False)
     if granularity == "tensor":
         op = _rows_flattened(full)
         amax = tensor_amax(x, propagate_nan=True) if amax is None else amax.view(torch.int32)
         scale = torch.empty(1, dtype=torch.float32, device=x.device)
         gran = _FP8_TENSOR
+        scale_dims = amax_dims = ()
     elif granularity == (1, FP8_BLOCK):
         op = _rows_flattened(full)
         amax = scale = _block_scale_buffer(op, op.k // FP8_BLOCK, False, torch.float32)
         gran = _FP8_1X128
+        scale_dims = amax_dims = ((0, 0, 1), (1, 1, 1), (2, 2, FP8_BLOCK))
     else:
         op = full
         scale = torch.empty(op.batch, -(-op.rows // FP8_BLOCK), op.k // FP8_BLOCK, dtype=torch.float32,
                             device=x.device)
         amax = scale
         gran = _FP8_128X128
+        scale_dims = amax_dims = ((0, 0, 1), (1, 1, FP8_BLOCK), (2, 2, FP8_BLOCK))
     data = torch.empty(op.batch, op.rows, op.k, dtype=fmt.data_dtype, device=x.device)
     cfg = fp8_config(gran, op.transposed, x.element_size())
-    _launch(_fp8_quantize_kernel, op, cfg, (op.view, data, scale, amax, 1 if pow2_scale else 0, element,
-                                            gran, op.transposed, fp8_tma_store(gran, _target(x.device)),
-                                            cfg.tile_r, cfg.tile_k))
+    kernel = _kernel(_fp8_quantize_kernel, cfg)
+    tma = fp8_tma_store(gran, _target(x.device))
+    for view, d, s, a in _pieces("quantize_fp8", op, cfg.tile_r, cfg.tile_k,
+                                 (("x", op.view, _input_dims(op)), ("data", data, _BRK), ("scale", scale, scale_dims),
+                                  ("amax", amax, amax_dims))):
+        _launch_kernel(x.device, _view_grid(view, op.transposed, cfg), kernel,
+                       (view, d, s, a, 1 if pow2_scale else 0, element, gran, op.transposed, tma, cfg.tile_r,
+                        cfg.tile_k))
     head = (*full.lead, full.rows) if x.ndim >= 2 else ()
     data = data.reshape(*head, op.k)
     if gran == _FP8_TENSOR:

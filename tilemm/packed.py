@@ -183,6 +183,9 @@ def prepack(w_q) -> PackedWeight:
     layout = layout_of(fmt)
     n = w_q.data.shape[0]
     k = fmt.logical_k(w_q.data.shape[1])
+    if n * (k // layout.elements_per_word) >= 2 ** 31:
+        raise ValueError(f"{fn}: a weight of shape ({n}, {k}) has 2^31 or more 32-bit words in the "
+                         f"weight-only layout, more than its kernel indexes; split it along N")
     scale = _logical_scale(fn, w_q, n, k)
     gs = None
     if fmt.has_global_scale:

@@ -22,6 +22,7 @@ import torch
 
 from ._validate import FLOAT_INPUT_DTYPES, as_fp32_scalar, check_bias, check_tensor
 from .formats import FORMATS
+from .kernels import _large
 from .kernels import hopper_weight_only as _kernel
 from .packed import PackedWeight, _unpack_words, layout_of
 from .reference import decode_elements, decode_scales
@@ -96,8 +97,17 @@ class WeightOnlyRunner:
         if m == 0:
             return out
         p = self.packed
-        _kernel.launch(x2d, p.words, p.scale_t, p.constants, self.bias, out, self.layout, self.config(m),
-                       alpha)
+        if m * max(self.k, self.n) < _large.LIMIT:
+            _kernel.launch(x2d, p.words, p.scale_t, p.constants, self.bias, out, self.layout,
+                           self.config(m), alpha)
+            return out
+        # 2^31 elements or more in x or out: launch per block of rows (each output row depends on its
+        # x row only, and the config, chosen for the whole M, is the same in every piece).
+        rows = (_large.LIMIT - 1) // max(self.k, self.n) // 128 * 128
+        cfg = self.config(m)
+        for r0 in range(0, m, rows):
+            _kernel.launch(x2d[r0:r0 + rows], p.words, p.scale_t, p.constants, self.bias,
+                           out[r0:r0 + rows], self.layout, cfg, alpha)
         return out
 
 

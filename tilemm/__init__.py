@@ -18,6 +18,8 @@ from .quantize import (FP8Tensor, MXFP4Tensor, MXFP8Tensor, NVFP4Tensor, dequant
 from . import ops  # registers torch.ops.tilemm.* (the public functions above call them)
 from . import nn
 from .nn import quantize_model
+from . import checkpoints
+from .checkpoints import export_quantized, load_quantized
 
 __version__ = "0.1.0"
 
@@ -28,5 +30,6 @@ __all__ = [
     "MXFP8Tensor", "MXFP4Tensor", "NVFP4Tensor", "FP8Tensor",
     "mxfp8_matmul", "mxfp4_matmul", "nvfp4_matmul", "fp8_matmul", "linear",
     "swizzle_32_4_4", "unswizzle_32_4_4", "UnsupportedGPUError", "crosscheck",
-    "nn", "quantize_model", "ops", "formats", "numerics", "reference",
+    "nn", "quantize_model", "checkpoints", "load_quantized", "export_quantized",
+    "ops", "formats", "numerics", "reference",
 ]

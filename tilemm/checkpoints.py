@@ -313,7 +313,7 @@ def to_compressed_tensors(q) -> tuple[dict[str, torch.Tensor], str, dict]:
 
     The inverse of :func:`from_compressed_tensors`: bytes are views where the layouts agree; scales
     are unswizzled; NVFP4's decode scale becomes the encode scale ``fp32(1 / global_scale)``
-    (which dequantizes within one fp32 rounding of tilemm's value; see ``docs/numerics.md``).
+    (which dequantizes within 2^-22 relative of tilemm's value; see ``docs/checkpoints.md``).
     Raises ValueError for what compressed-tensors cannot hold: e5m2 elements, FP8 1x128 blocks.
     """
     fn = "tilemm.checkpoints.to_compressed_tensors"
@@ -783,8 +783,9 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
         if not name:
             raise ValueError(f"{fn}: model is a bare torch.nn.Linear; use tilemm.nn.Linear.from_quantized")
         bias = local.get("bias")
-        weight_tensors = {k: v for k, v in local.items() if k != "bias"} \
-            if convention != "torchao" else {"weight": layer}
+        if convention != "torchao":
+            layer = {k: v for k, v in local.items() if k != "bias"}
+        weight_tensors = layer if convention != "torchao" else {"weight": layer}
         try:
             q = to_tilemm(layer, convention, **options)
         except (TypeError, ValueError) as err:

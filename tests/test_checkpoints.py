@@ -194,7 +194,7 @@ def test_compressed_tensors_reads_what_tilemm_writes(fmt):
 def test_compressed_tensors_nvfp4_quantizer_agrees_with_tilemm():
     """Where the two specifications agree the bytes agree: same global scale (448 * 6 / amax, fp32),
     block scales e4m3(amax_b / 6 * S_enc), elements e2m1 RNE. The two round the scale products in
-    different places (docs/numerics.md); on these data no product lands on a rounding boundary."""
+    different places (docs/checkpoints.md); on these data no product lands on a rounding boundary."""
     _ct()
     from compressed_tensors.compressors.nvfp4.helpers import quantize_and_pack_fp4
     from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam

@@ -6,8 +6,9 @@ get wrong and that still give a model that runs: which nibble holds the first el
 NVFP4 per-tensor scale is the *encode* scale (448 * 6 / amax) or its reciprocal, whether e8m0 scales
 travel as ``uint8`` or ``float8_e8m0fnu``, whether e4m3 scales travel as ``uint8`` or ``float8_e4m3fn``,
 and how the scales are laid out. Each converter here names its convention's choices and turns them
-into tilemm's (``docs/numerics.md``; the peers' differences are in ``docs/checkpoints.md``): elements in the low nibble first, e8m0 / e4m3 scale bytes, NVFP4's
-per-tensor *decode* scale as a 0-d fp32 tensor, scales logical (N, K / block) or in the 32x4x4 layout.
+into tilemm's (``docs/numerics.md``): elements in the low nibble first, e8m0 / e4m3 scale bytes,
+NVFP4's per-tensor *decode* scale as a 0-d fp32 tensor, scales logical (N, K / block) or in the
+32x4x4 layout. ``docs/checkpoints.md`` lists where the writing libraries compute differently.
 
 | convention | formats | per layer (N = out_features, K = in_features) | direction |
 |---|---|---|---|

@@ -10,12 +10,15 @@ into tilemm's (``docs/numerics.md``): elements in the low nibble first, e8m0 / e
 NVFP4's per-tensor *decode* scale as a 0-d fp32 tensor, scales logical (N, K / block) or in the
 32x4x4 layout. ``docs/checkpoints.md`` lists where the writing libraries compute differently.
 
-| convention | formats | per layer (N = out_features, K = in_features) | direction |
-|---|---|---|---|
-| ``"compressed-tensors"`` (llm-compressor, vLLM) | ``nvfp4-pack-quantized``, ``mxfp4-pack-quantized``, ``mxfp8-quantized``, ``float-quantized`` / ``naive-quantized`` (FP8 per channel, per tensor, 128x128 blocks) | ``weight_packed`` uint8 (N, K/2) or ``weight`` fp8 (N, K); ``weight_scale`` e4m3 (N, K/16), uint8 e8m0 exponents (N, K/32) or float (N, 1), (1,), (N/128, K/128); ``weight_global_scale`` fp32 (1,) = **encode** scale | read, write |
-| ``"modelopt"`` (NVIDIA ModelOpt) | NVFP4, FP8 per tensor | ``weight`` uint8 (N, K/2) or fp8 (N, K); ``weight_scale`` e4m3 (N, K/16) or fp32 0-d; ``weight_scale_2`` fp32 0-d = **decode** scale | read, write |
-| ``"gpt-oss"`` | MXFP4 | ``*_blocks`` uint8 (..., N, K/32, 16), ``*_scales`` uint8 e8m0 (..., N, K/32) | read, write |
-| ``"torchao"`` | ``NVFP4Tensor``, ``MXTensor`` (fp8 and fp4 elements) | tensor subclasses; ``per_tensor_scale`` = **decode** scale; scales logical or 32x4x4 (``is_swizzled_scales``) | read, write (views, no copy) |
+Conventions (layouts in each reader's docstring and in ``docs/checkpoints.md``), all read and written:
+
+* ``"compressed-tensors"`` (llm-compressor, vLLM): ``nvfp4-pack-quantized``, ``mxfp4-pack-quantized``,
+  ``mxfp8-quantized``, ``float-quantized`` / ``naive-quantized`` (FP8 per channel, per tensor,
+  128x128 blocks). Its NVFP4 ``weight_global_scale`` is the **encode** scale.
+* ``"modelopt"`` (NVIDIA ModelOpt): NVFP4 and FP8 per tensor. ``weight_scale_2`` is the **decode** scale.
+* ``"gpt-oss"``: MXFP4 ``*_blocks`` (..., N, K/32, 16) and ``*_scales`` (..., N, K/32), uint8.
+* ``"torchao"``: ``NVFP4Tensor`` (``per_tensor_scale`` is the **decode** scale) and ``MXTensor``;
+  logical or 32x4x4 scales; converted as views, no copy.
 
 Every convention packs element 2i in the low nibble of byte i, as tilemm does, so packed bytes are
 taken as they are. Data and scale bytes are reinterpreted (``Tensor.view``), never copied, except where

@@ -239,9 +239,9 @@ class Linear(torch.nn.Module):
         format, storage = checkpoints.linear_options(q)
         options = _Options(fn, format, swizzle=swizzle, weight_only=weight_only, rounding=rounding,
                            granularity=storage.get("granularity"), elem_dtype=storage.get("elem_dtype"))
-        if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != q.data.shape[:1]):
-            raise ValueError(f"{fn}: bias must be a ({q.data.shape[0]},) tensor or None, got "
-                             f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
+        if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != q.data.shape[:1]):
+            got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+            raise ValueError(f"{fn}: bias must be a ({q.data.shape[0]},) tensor or None, got {got}")
         in_features = q.data.shape[1] * (2 if format in ("mxfp4", "nvfp4") else 1)
         module = cls(in_features, q.data.shape[0], bias is not None, format=format, device="meta",
                      bias_dtype=torch.float32 if bias is None else bias.dtype, **options.as_kwargs())
@@ -249,8 +249,8 @@ class Linear(torch.nn.Module):
         for name, t in zip(_QUANTIZED_BUFFERS, fields):
             expected = module._buffers[name]
             if t.dtype != expected.dtype or t.shape != expected.shape:
-                raise ValueError(f"{fn}: {name} must be {expected.dtype} of shape {tuple(expected.shape)} for "
-                                 f"{options.describe()}, got {t.dtype} of shape {tuple(t.shape)}")
+                raise ValueError(f"{fn}: {name} must be {expected.dtype} of shape {tuple(expected.shape)} "
+                                 f"for {options.describe()}, got {t.dtype} of shape {tuple(t.shape)}")
             setattr(module, name, t)
         module.bias = None if bias is None else bias.detach()
         return module

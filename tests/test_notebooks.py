@@ -18,7 +18,7 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
-NOTEBOOKS = ["01_formats.ipynb", "02_swizzle.ipynb", "03_matmul.ipynb"]
+NOTEBOOKS = ["01_formats.ipynb", "02_swizzle.ipynb", "03_matmul.ipynb", "04_checkpoints.ipynb"]
 CELL_TIMEOUT_S = 120
 
 

@@ -19,6 +19,8 @@ from .packed import PackedWeight, prepack, unpack
 from . import ops  # registers torch.ops.tilemm.* (the public functions above call them)
 from . import nn
 from .nn import quantize_model
+from . import checkpoints
+from .checkpoints import export_quantized, load_quantized
 
 __version__ = "0.1.0"
 
@@ -30,5 +32,6 @@ __all__ = [
     "mxfp8_matmul", "mxfp4_matmul", "nvfp4_matmul", "fp8_matmul", "linear",
     "prepack", "unpack", "PackedWeight",
     "swizzle_32_4_4", "unswizzle_32_4_4", "UnsupportedGPUError", "crosscheck",
-    "nn", "quantize_model", "ops", "formats", "numerics", "reference",
+    "nn", "quantize_model", "checkpoints", "load_quantized", "export_quantized",
+    "ops", "formats", "numerics", "reference",
 ]

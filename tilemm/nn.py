@@ -251,6 +251,48 @@ class Linear(torch.nn.Module):
             module.bias = bias.detach().clone()
         return module
 
+    @classmethod
+    def from_quantized(cls, weight, *, bias: torch.Tensor | None = None, convention: str | None = None,
+                       weight_only: bool = False, swizzle: bool | None = None, rounding: str | None = None,
+                       **convention_options) -> "Linear":
+        """A :class:`Linear` around an already-quantized weight, without dequantizing it.
+
+        Args:
+            weight: a tilemm ``MXFP8Tensor`` / ``MXFP4Tensor`` / ``NVFP4Tensor`` / ``FP8Tensor`` of a 2-D
+                (out_features, in_features) weight, or, with ``convention``, one layer of a checkpoint
+                written by another tool (see ``tilemm.checkpoints.to_tilemm``).
+            bias: (out_features,) or None; kept as it is.
+            convention: ``None`` (a tilemm tensor), ``"compressed-tensors"`` (with ``format=``),
+                ``"modelopt"``, ``"gpt-oss"`` or ``"torchao"``; ``convention_options`` go to it.
+            weight_only, swizzle, rounding: as for :meth:`from_float` (rounding is the activations'
+                e8m0 rounding). The format, FP8 element dtype and granularity are the weight's own.
+
+        The data and scale bytes become the buffers as they are (views of ``weight``'s tensors);
+        only a scale whose layout differs from ``swizzle`` is re-laid out.
+        """
+        from . import checkpoints
+
+        fn = "tilemm.nn.Linear.from_quantized"
+        q = checkpoints.to_tilemm(weight, convention, **convention_options)
+        format, storage = checkpoints.linear_options(q)
+        options = _Options(fn, format, swizzle=swizzle, weight_only=weight_only, rounding=rounding,
+                           granularity=storage.get("granularity"), elem_dtype=storage.get("elem_dtype"))
+        if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != q.data.shape[:1]):
+            got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+            raise ValueError(f"{fn}: bias must be a ({q.data.shape[0]},) tensor or None, got {got}")
+        in_features = q.data.shape[1] * (2 if format in ("mxfp4", "nvfp4") else 1)
+        module = cls(in_features, q.data.shape[0], bias is not None, format=format, device="meta",
+                     bias_dtype=torch.float32 if bias is None else bias.dtype, **options.as_kwargs())
+        fields = (q.data, checkpoints.scale_for_layout(q, options.swizzle), *q[2:])
+        for name, t in zip(_QUANTIZED_BUFFERS, fields):
+            expected = module._buffers[name]
+            if t.dtype != expected.dtype or t.shape != expected.shape:
+                raise ValueError(f"{fn}: {name} must be {expected.dtype} of shape {tuple(expected.shape)} "
+                                 f"for {options.describe()}, got {t.dtype} of shape {tuple(t.shape)}")
+            setattr(module, name, t)
+        module.bias = None if bias is None else bias.detach()
+        return module
+
     # ---------------------------------------------------------------------------------------------
 
     @property

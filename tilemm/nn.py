@@ -283,6 +283,10 @@ class Linear(torch.nn.Module):
         in_features = q.data.shape[1] * (2 if format in ("mxfp4", "nvfp4") else 1)
         module = cls(in_features, q.data.shape[0], bias is not None, format=format, device="meta",
                      bias_dtype=torch.float32 if bias is None else bias.dtype, **options.as_kwargs())
+        if options.packed:  # weight-only: the prepacked layout, built from the logical scale
+            module._set_packed(_packed.prepack(type(q)(q.data, checkpoints.scale_for_layout(q, False), *q[2:])))
+            module.bias = None if bias is None else bias.detach()
+            return module
         fields = (q.data, checkpoints.scale_for_layout(q, options.swizzle), *q[2:])
         for name, t in zip(_QUANTIZED_BUFFERS, fields):
             expected = module._buffers[name]

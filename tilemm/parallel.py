@@ -47,7 +47,9 @@ What the sharded layer computes, against the unsharded one (``tests/test_paralle
   global (NVFP4) or per-row / per-tensor (FP8) scale from the amax of the values it sees, and each
   rank sees only its K-slice. Each rank's activation is therefore a valid quantization of its slice
   with its own scale, not the unsharded layer's bytes: the result differs from the unsharded one by
-  a quantization-level amount (for NVFP4, a few percent relative; see the tests), not by rounding.
+  a quantization-level amount, not by rounding. It is no less accurate: against the product with
+  the unquantized activation, both have the same error on the tests' data (NVFP4 about 9%, FP8
+  2.5% relative Frobenius), the per-slice scales being at least as fine as the whole-tensor ones.
   Making it exact needs the ranks to agree on the amax first (an all-reduce of the activation amax
   before quantizing), which ``tilemm.nn.Linear`` has no hook for yet.
 
@@ -236,16 +238,19 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
 
 
 def _broadcast_layer(layer: Linear, mesh: DeviceMesh, src_data_rank: int) -> None:
-    """Make every rank's buffers equal src_data_rank's (the bytes travel as same-size integers)."""
+    """Make every rank's buffers equal src_data_rank's.
+
+    The bytes travel as uint8, which every backend carries (gloo has no float8 or int16), and are
+    never converted.
+    """
     group = mesh.get_group()
     for name in (*_QUANTIZED_BUFFERS, "bias"):
         t = layer._buffers.get(name)
         if t is None:
             continue
-        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-        raw = t.contiguous().view(ints) if t.is_floating_point() else t.contiguous()
+        raw = t.contiguous().reshape(-1).view(torch.uint8)
         dist.broadcast(raw, group=group, group_src=src_data_rank)
-        layer._buffers[name] = raw.view(t.dtype)
+        layer._buffers[name] = raw.view(t.dtype).reshape(t.shape)
 
 
 def _adopt(module: Linear, local: Linear) -> None:
@@ -264,6 +269,8 @@ def _adopt(module: Linear, local: Linear) -> None:
 
 def _input_to_local(x, mesh: DeviceMesh, given: tuple[Placement, ...], desired: tuple[Placement, ...]):
     if not isinstance(x, DTensor):
+        if given == desired:  # already this rank's local input: skip the DTensor round trip
+            return x
         x = DTensor.from_local(x, mesh, given, run_check=False)
     if tuple(x.placements) != desired:
         x = x.redistribute(placements=desired)
@@ -311,6 +318,8 @@ def _shard_in_place(fn: str, module: Linear, mesh: DeviceMesh, style: str, *, sr
         return (_input_to_local(args[0], mesh, input_layouts, desired_input), *args[1:])
 
     def prepare_output(mod, args, out):
+        if output_layouts == local_output and use_local_output:  # column-wise default: nothing to do
+            return out
         if style == "colwise":
             shape = (*out.shape[:-1], full_out)
             out = DTensor.from_local(out, mesh, local_output, run_check=False, shape=torch.Size(shape),

@@ -201,8 +201,12 @@ def _build_local(layer: Linear, shard: ShardInfo, device) -> Linear:
     bias = layer.bias
     local = Linear(in_features, out_features, bias is not None, format=layer.format, device=device,
                    bias_dtype=torch.float32 if bias is None else bias.dtype, **layer._options.as_kwargs())
-    state = _shard_tensors(layer, shard)
-    local.load_state_dict({name: t.to(device) for name, t in state.items()})
+    state = {name: t.to(device) for name, t in _shard_tensors(layer, shard).items()}
+    # Only the interchange buffers are loaded; anything else the layer keeps is derived from them,
+    # by its load path or by _refresh() below.
+    _, unexpected = local.load_state_dict(state, strict=False)
+    if unexpected:
+        raise RuntimeError(f"tilemm.parallel: tilemm.nn.Linear no longer has buffers {unexpected}")
     refresh = getattr(local, "_refresh", None)
     if callable(refresh):
         refresh()
@@ -217,7 +221,8 @@ def local_shard(layer: Linear, style: str, rank: int, world_size: int) -> Linear
     module docstring for what each buffer becomes and which boundaries raise ``ValueError``. The
     result's forward computes this rank's output columns (colwise) or partial sum (rowwise) from
     local inputs; summing the row-wise pieces' outputs over ranks gives the unsharded output up to
-    the reduction order. ``layer`` is left as it is. ``shard_linear`` and the styles build on this.
+    the reduction order (except where the activation scale spans K: see the module docstring).
+    ``layer`` is left as it is. ``shard_linear`` and the styles build on this.
     """
     fn = "tilemm.parallel.local_shard"
     _check_layer(fn, layer)

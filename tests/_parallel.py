@@ -129,7 +129,8 @@ def run_cases(cases: dict, backend: str, tmp_dir: str) -> list[dict]:
     torch.save(cases, os.path.join(tmp_dir, "cases.pt"))
     try:
         mp.spawn(_worker, args=(backend, _free_port(), str(tmp_dir)), nprocs=WORLD_SIZE, join=True)
-    except mp.ProcessRaisedException as err:
-        logs = [open(os.path.join(tmp_dir, f)).read() for f in sorted(os.listdir(tmp_dir)) if f.endswith(".err")]
+    except Exception as err:  # a worker raised or died: show its traceback, not just its exit
+        logs = [open(os.path.join(tmp_dir, f)).read() for f in sorted(os.listdir(tmp_dir))
+                if f.endswith(".err")]
         raise RuntimeError("a tensor-parallel worker failed:\n" + "\n".join(logs)) from err
     return [torch.load(os.path.join(tmp_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD_SIZE)]

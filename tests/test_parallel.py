@@ -103,8 +103,8 @@ def test_shards_hold_the_unsharded_bytes(name, style):
             if s._options.swizzle:
                 # The rebuilt swizzled scale is the shard's own layout with zero padding.
                 rows, cols = s.out_features, s.in_features // s._options.k_multiple
-                assert torch.equal(swizzle_32_4_4(unswizzle_32_4_4(s.weight_scale, rows, cols)).view(torch.uint8),
-                                   s.weight_scale.view(torch.uint8))
+                rebuilt = swizzle_32_4_4(unswizzle_32_4_4(s.weight_scale, rows, cols))
+                assert torch.equal(rebuilt.view(torch.uint8), s.weight_scale.view(torch.uint8))
         biases = [s.bias for s in shards]
         if style == "colwise":
             assert torch.equal(torch.cat(biases), layer.bias)
@@ -130,8 +130,10 @@ def test_local_shard_leaves_the_layer_alone():
     # 48 / 2 = 24: not a whole number of NVFP4's 16-blocks.
     (dict(format="nvfp4"), 48, 8, "rowwise", 2, r"pieces of 24 .* multiple of 16"),
     # FP8 (128, 128): 256 rows over 4 ranks = 64, inside a 128-row block; K likewise.
-    (dict(format="fp8", granularity=(128, 128)), 128, 256, "colwise", 4, r"out_features=256 .* multiple of 128"),
-    (dict(format="fp8", granularity=(128, 128)), 256, 8, "rowwise", 4, r"in_features=256 .* multiple of 128"),
+    (dict(format="fp8", granularity=(128, 128)), 128, 256, "colwise", 4,
+     r"out_features=256 .* multiple of 128"),
+    (dict(format="fp8", granularity=(128, 128)), 256, 8, "rowwise", 4,
+     r"in_features=256 .* multiple of 128"),
     # 5 rows over 4 ranks, 2 per rank as torch.chunk splits: the last rank gets none.
     (dict(format="fp8"), 32, 5, "colwise", 4, r"leaves rank 3 without features"),
 ])

@@ -24,6 +24,17 @@ from .checkpoints import export_quantized, load_quantized
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # tilemm.parallel imports torch.distributed.tensor (about 0.4 s), so it loads on first use.
+    if name in ("parallel", "shard_linear"):
+        import importlib
+
+        parallel = importlib.import_module(".parallel", __name__)
+        return parallel if name == "parallel" else parallel.shard_linear
+    raise AttributeError(f"module 'tilemm' has no attribute {name!r}")
+
+
 __all__ = [
     "Format", "FP8_E4M3", "FP8_E5M2", "MXFP8_E4M3", "MXFP8_E5M2", "MXFP4", "NVFP4",
     "quantize_mxfp8", "quantize_mxfp4", "quantize_nvfp4", "quantize_fp8",
@@ -33,5 +44,5 @@ __all__ = [
     "prepack", "unpack", "PackedWeight",
     "swizzle_32_4_4", "unswizzle_32_4_4", "UnsupportedGPUError", "crosscheck",
     "nn", "quantize_model", "checkpoints", "load_quantized", "export_quantized",
-    "ops", "formats", "numerics", "reference",
+    "parallel", "shard_linear", "ops", "formats", "numerics", "reference",
 ]

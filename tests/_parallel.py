@@ -1,0 +1,136 @@
+"""Two-process tensor-parallel runs of tilemm MLPs, shared by the gloo (CPU) and NCCL (GPU) tests.
+
+``run_cases(cases, backend, tmp_dir)`` spawns two processes once; each builds a column-then-row
+parallel MLP for every case, runs it, checks the state_dict round trip, and saves what it computed
+(next to the unsharded model's output on the same device) for the test process to compare.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import tilemm
+from tilemm.nn import Linear
+
+WORLD_SIZE = 2
+
+
+class MLP(torch.nn.Module):
+    """fc2(relu(fc1(x))): the column-then-row pair of a transformer feed-forward block."""
+
+    def __init__(self, fc1: torch.nn.Module, fc2: torch.nn.Module):
+        super().__init__()
+        self.fc1, self.fc2 = fc1, fc2
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def make_mlp(d_model: int, hidden: int, seed: int = 0, **quantize) -> MLP:
+    """A float MLP (d_model -> hidden -> d_model, with biases) quantized with ``from_float(**quantize)``."""
+    torch.manual_seed(seed)
+    fc1, fc2 = torch.nn.Linear(d_model, hidden), torch.nn.Linear(hidden, d_model)
+    return MLP(Linear.from_float(fc1, **quantize), Linear.from_float(fc2, **quantize))
+
+
+def empty_like(layer: Linear) -> Linear:
+    """A zero layer of ``layer``'s shape and options, built by the constructor (for load_state_dict)."""
+    return Linear(layer.in_features, layer.out_features, layer.bias is not None, format=layer.format,
+                  bias_dtype=layer.bias.dtype, **layer._options.as_kwargs())
+
+
+def tp_plan():
+    return {"fc1": tilemm.parallel.ColwiseParallel(), "fc2": tilemm.parallel.RowwiseParallel()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    x = x.to(device)
+    full = copy.deepcopy(mlp).to(device)
+    with torch.no_grad():
+        hidden_full = full.fc1(x)
+        out_full = full(x)
+        hidden_act = torch.relu(hidden_full)
+
+    # shard_linear on single layers: a DTensor output (gathered), and a replicated DTensor input that
+    # the row-wise hook redistributes to its shard.
+    fc1 = tilemm.shard_linear(copy.deepcopy(mlp.fc1), mesh, "colwise", use_local_output=False)
+    fc2 = tilemm.shard_linear(copy.deepcopy(mlp.fc2), mesh, "rowwise")
+    with torch.no_grad():
+        hidden_gathered = fc1(x).full_tensor()
+        out_rowwise = fc2(DTensor.from_local(hidden_act, mesh, [Replicate()], run_check=False))
+
+    model = parallelize_module(copy.deepcopy(mlp), mesh, tp_plan())
+    captured = {}
+    model.fc1.register_forward_hook(lambda mod, args, out: captured.setdefault("hidden", out))
+    with torch.no_grad():
+        out = model(x)
+
+    # state_dict round trip: a zero model sharded the same way loads this rank's shard.
+    fresh = parallelize_module(MLP(empty_like(mlp.fc1), empty_like(mlp.fc2)), mesh, tp_plan())
+    state = model.state_dict()
+    fresh.load_state_dict(state)
+    with torch.no_grad():
+        out_fresh = fresh(x)
+    fresh_state = fresh.state_dict()
+    same_state = state.keys() == fresh_state.keys() and all(
+        a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        if a.element_size() == 1 else torch.equal(a, b) for a, b in zip(state.values(), fresh_state.values()))
+
+    cpu = lambda t: t.detach().cpu()  # noqa: E731
+    return dict(out=cpu(out), out_full=cpu(out_full), hidden=cpu(captured["hidden"]),
+                hidden_full=cpu(hidden_full), hidden_gathered=cpu(hidden_gathered),
+                out_rowwise=cpu(out_rowwise), out_fresh=cpu(out_fresh), same_state=bool(same_state),
+                shards={name: (m.tp_shard.offset, m.tp_shard.length) for name, m in
+                        (("fc1", model.fc1), ("fc2", model.fc2))})
+
+
+def _worker(rank: int, backend: str, port: int, tmp_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+        else:
+            device = torch.device("cpu")
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=WORLD_SIZE)
+        mesh = init_device_mesh(device.type, (WORLD_SIZE,))
+        cases = torch.load(os.path.join(tmp_dir, "cases.pt"), weights_only=False)
+        results = {name: _run_case(mlp, x, mesh, device) for name, (mlp, x) in cases.items()}
+        torch.save(results, os.path.join(tmp_dir, f"rank{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(tmp_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_cases(cases: dict, backend: str, tmp_dir: str) -> list[dict]:
+    """Run every ``name: (mlp, x)`` case on two ranks; returns one ``{name: results}`` per rank."""
+    torch.save(cases, os.path.join(tmp_dir, "cases.pt"))
+    try:
+        mp.spawn(_worker, args=(backend, _free_port(), str(tmp_dir)), nprocs=WORLD_SIZE, join=True)
+    except Exception as err:  # a worker raised or died: show its traceback, not just its exit
+        logs = [open(os.path.join(tmp_dir, f)).read() for f in sorted(os.listdir(tmp_dir))
+                if f.endswith(".err")]
+        raise RuntimeError("a tensor-parallel worker failed:\n" + "\n".join(logs)) from err
+    return [torch.load(os.path.join(tmp_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD_SIZE)]

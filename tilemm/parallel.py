@@ -1,0 +1,406 @@
+"""Tensor parallelism for :class:`tilemm.nn.Linear` with ``torch.distributed`` (DTensor styles).
+
+A quantized linear layer ``y = x @ W.T + b`` with W of shape (N, K) (N = out_features, K =
+in_features) is split over the ranks of a 1-D device mesh in one of two ways, as Megatron-LM and
+``torch.distributed.tensor.parallel`` split ``torch.nn.Linear``:
+
+- **column-wise** (``"colwise"``): each rank holds a slice of the N output rows of W (with their
+  scales and bias). The input is replicated; each rank computes its slice of the output columns,
+  which is a ``Shard(-1)`` tensor.
+- **row-wise** (``"rowwise"``): each rank holds a slice of the K input columns of W. The input is
+  ``Shard(-1)`` (the column-wise layer's output); each rank computes a partial sum over its slice of
+  K, and the partial sums are reduced (all-reduce to ``Replicate()`` by default) through DTensor.
+
+The slices follow ``torch.chunk`` (DTensor's ``Shard``): rank r of W ranks gets ``ceil(S / W)``
+features starting at ``r * ceil(S / W)``, the last rank what is left, so a column-wise layer's local
+output is exactly the slice of its features that a following row-wise layer expects.
+
+What is sharded, and how (nothing is re-quantized; every shard holds bytes of the unsharded layer):
+
+- ``weight``: rows (column-wise) or columns (row-wise; for MXFP4 / NVFP4 two elements per byte).
+- ``weight_scale``, logical: the matching rows, or the matching columns of scale blocks. Swizzled
+  (32x4x4): unswizzled to (N, K / block), sliced, and swizzled again for the shard's own shape, so
+  a shard boundary inside a 128-row or 4-column swizzle tile is handled exactly (the shard's new
+  padding is zero, as NUMERICS.md requires). FP8 scales: per tensor, replicated; per row, sliced
+  column-wise and replicated row-wise; (128, 128) blocks, sliced by block.
+- ``weight_global_scale`` (NVFP4): replicated. It stays the one decode scale of the whole weight, so
+  every shard decodes exactly the values the unsharded layer decodes.
+- ``bias``: sliced column-wise. Row-wise, rank 0 holds the whole bias and every other rank a zero
+  bias, so the reduced sum adds it once (a ``Partial`` bias in DTensor's terms); the reduction then
+  happens in the activation dtype, like ``torch.nn.Linear`` under ``RowwiseParallel``.
+
+A shard boundary that would split a scale block raises ``ValueError`` naming the constraint: row-wise,
+``ceil(in_features / world_size)`` must be a multiple of the block (32 for MXFP8 / MXFP4, 16 for
+NVFP4, 128 for FP8 (128, 128)); column-wise with FP8 (128, 128), ``ceil(out_features /
+world_size)`` must be a multiple of 128. Every rank must also receive at least one feature.
+
+What the sharded layer computes, against the unsharded one (``tests/test_parallel.py`` pins it):
+
+- Column-wise, every format and mode: each rank's output columns are bit-identical to the unsharded
+  layer's (same activation, same bytes, same per-column reduction over K).
+- Row-wise, ``weight_only=True`` and the both-sides formats whose activation scales are local along
+  K (MXFP8, MXFP4: 32-blocks; FP8 (128, 128): 1x128 activation blocks): each rank quantizes its
+  K-slice of the activation to exactly the bytes the unsharded layer produces for that slice, so
+  the result equals the unsharded one up to the order of the fp32 reduction over K and the rounding
+  of each rank's partial sum to the output dtype before the all-reduce.
+- Row-wise, both sides, NVFP4 and FP8 per row / per tensor: the activation quantizer computes its
+  global (NVFP4) or per-row / per-tensor (FP8) scale from the amax of the values it sees, and each
+  rank sees only its K-slice. Each rank's activation is therefore a valid quantization of its slice
+  with its own scale, not the unsharded layer's bytes: the result differs from the unsharded one by
+  a quantization-level amount, not by rounding. It is no less accurate: against the product with
+  the unquantized activation, both have the same error on the tests' data (NVFP4 about 9%, FP8
+  2.5% relative Frobenius), the per-slice scales being at least as fine as the whole-tensor ones.
+  Making it exact needs the ranks to agree on the amax first (an all-reduce of the activation amax
+  before quantizing), which ``tilemm.nn.Linear`` has no hook for yet.
+
+The sharded module is the same :class:`tilemm.nn.Linear` object, rebuilt in place for its shard
+through the public constructor and ``load_state_dict`` (so state derived from the buffers follows
+the shard), with hooks that convert inputs and outputs to and from DTensor. Its buffers are plain
+local tensors, so ``state_dict()`` holds this rank's shard and loads into a layer sharded the same
+way (same mesh size and style); it is not a DTensor state dict for ``torch.distributed.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import parallel as _torch_tp
+from torch.distributed.tensor.placement_types import Placement
+
+from swizzle import swizzle_32_4_4, unswizzle_32_4_4
+
+from .nn import Linear
+
+__all__ = ["STYLES", "ShardInfo", "ColwiseParallel", "RowwiseParallel", "shard_linear", "local_shard"]
+
+STYLES = ("colwise", "rowwise")
+_PACKED = {"mxfp4", "nvfp4"}  # two e2m1 elements per byte along K
+_SWIZZLE_ROWS, _SWIZZLE_COLS = 128, 4  # one 32x4x4 tile covers 128 scale rows x 4 scale columns
+_FP8_BLOCK = 128  # FP8 (128, 128) weight blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardInfo:
+    """Where a sharded layer sits in the unsharded one (``layer.tp_shard`` after sharding).
+
+    ``style`` is ``"colwise"`` (the shard holds output features ``offset .. offset + length - 1``)
+    or ``"rowwise"`` (input features ``offset .. offset + length - 1``) of a layer of
+    ``in_features`` x ``out_features``, on ``rank`` of ``world_size`` ranks.
+    """
+
+    style: str
+    rank: int
+    world_size: int
+    in_features: int
+    out_features: int
+    offset: int
+    length: int
+
+
+def _chunk(size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """(offset, length) of rank's piece of ``size`` under ``torch.chunk`` (DTensor ``Shard``)."""
+    step = -(-size // world_size)
+    offset = min(rank * step, size)
+    return offset, min(step, size - offset)
+
+
+def _check_style(fn: str, style) -> str:
+    if not isinstance(style, str) or style not in STYLES:
+        raise ValueError(f"{fn}: style must be 'colwise' or 'rowwise', got {style!r}")
+    return style
+
+
+def _check_layer(fn: str, layer) -> None:
+    if not isinstance(layer, Linear):
+        raise TypeError(f"{fn}: layer must be a tilemm.nn.Linear, got {type(layer).__name__}")
+    if getattr(layer, "tp_shard", None) is not None:
+        raise ValueError(f"{fn}: layer is already sharded ({layer.tp_shard}); shard the unsharded layer")
+
+
+def _shard_of(fn: str, layer: Linear, style: str, rank: int, world_size: int) -> ShardInfo:
+    """The slice rank gets, or a ValueError naming the constraint a boundary breaks."""
+    for name, value in (("world_size", world_size), ("rank", rank)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{fn}: {name} must be an int, got {type(value).__name__}")
+    if world_size < 1:
+        raise ValueError(f"{fn}: world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"{fn}: rank must be in [0, {world_size}), got {rank}")
+    options = layer._options
+    what = "out_features" if style == "colwise" else "in_features"
+    size = layer.out_features if style == "colwise" else layer.in_features
+    step = -(-size // world_size)
+    offset, length = _chunk(size, rank, world_size)
+    if length <= 0:
+        raise ValueError(f"{fn}: {what}={size} split over world_size={world_size} ranks as torch.chunk "
+                         f"does ({step} per rank) leaves rank {rank} without features; every rank needs "
+                         f"at least one (use at most {-(-size // step)} ranks)")
+    if style == "rowwise":
+        multiple = options.k_multiple  # a scale block may not straddle two ranks
+    elif options.format == "fp8" and options.granularity == (_FP8_BLOCK, _FP8_BLOCK):
+        multiple = _FP8_BLOCK
+    else:
+        multiple = 1
+    if world_size > 1 and step % multiple:
+        raise ValueError(f"{fn}: {style} sharding splits {what}={size} into pieces of {step} "
+                         f"(ceil({size} / world_size={world_size})), which must be a multiple of "
+                         f"{multiple}, the scale block along {'K' if style == 'rowwise' else 'N'} of "
+                         f"{options.describe()}: a scale block cannot straddle two ranks")
+    return ShardInfo(style, rank, world_size, layer.in_features, layer.out_features, offset, length)
+
+
+def _shard_tensors(layer: Linear, shard: ShardInfo) -> dict[str, torch.Tensor]:
+    """The local shard's buffers (new tensors; the layer is not modified)."""
+    options = layer._options
+    n, k = layer.out_features, layer.in_features
+    lo, hi = shard.offset, shard.offset + shard.length
+    col = shard.style == "colwise"
+    w_q = layer.quantized_weight()  # the interchange tensors (weight-only layers store a packed form)
+    data = w_q.data
+    if col:
+        data = data[lo:hi]
+    else:
+        per_byte = 2 if options.format in _PACKED else 1
+        data = data[:, lo // per_byte: hi // per_byte]
+    out = {"weight": data.contiguous()}
+
+    scale = w_q.scale
+    if options.format == "fp8":
+        if scale.ndim == 0:  # per tensor
+            pass
+        elif options.granularity == "row":  # (N, 1)
+            scale = scale[lo:hi] if col else scale
+        else:  # (128, 128) blocks: (ceil(N / 128), K / 128); boundaries checked to fall on blocks
+            b = _FP8_BLOCK
+            scale = scale[lo // b: -(-hi // b)] if col else scale[:, lo // b: hi // b]
+    else:
+        block = options.k_multiple
+        logical = unswizzle_32_4_4(scale, n, k // block) if options.swizzle else scale
+        logical = logical[lo:hi] if col else logical[:, lo // block: hi // block]
+        scale = swizzle_32_4_4(logical) if options.swizzle else logical
+    out["weight_scale"] = scale.contiguous()
+    if "weight_global_scale" in layer._buffers and layer.weight_global_scale is not None:
+        out["weight_global_scale"] = layer.weight_global_scale.clone()
+    if layer.bias is not None:
+        if col:
+            out["bias"] = layer.bias[lo:hi].contiguous()
+        elif shard.rank == 0:  # added once to the reduced sum
+            out["bias"] = layer.bias.clone()
+        else:
+            out["bias"] = torch.zeros_like(layer.bias)
+    return out
+
+
+def _device_of(layer: Linear) -> torch.device:
+    return next(iter(layer.buffers())).device
+
+
+def _build_local(layer: Linear, shard: ShardInfo, device) -> Linear:
+    """A new Linear of the shard's shape, built by the constructor and filled by load_state_dict."""
+    in_features = shard.length if shard.style == "rowwise" else layer.in_features
+    out_features = shard.length if shard.style == "colwise" else layer.out_features
+    bias = layer.bias
+    local = Linear(in_features, out_features, bias is not None, format=layer.format, device=device,
+                   bias_dtype=torch.float32 if bias is None else bias.dtype, **layer._options.as_kwargs())
+    state = {name: t.to(device) for name, t in _shard_tensors(layer, shard).items()}
+    # Only the interchange buffers are loaded; anything else the layer keeps is derived from them,
+    # by its load path or by _refresh() below.
+    _, unexpected = local.load_state_dict(state, strict=False)
+    if unexpected:
+        raise RuntimeError(f"tilemm.parallel: tilemm.nn.Linear no longer has buffers {unexpected}")
+    refresh = getattr(local, "_refresh", None)
+    if callable(refresh):
+        refresh()
+    local.tp_shard = shard
+    return local
+
+
+def local_shard(layer: Linear, style: str, rank: int, world_size: int) -> Linear:
+    """Rank ``rank``'s piece of ``layer`` as a new, ordinary :class:`tilemm.nn.Linear`; no communication.
+
+    ``style`` is ``"colwise"`` (out_features split) or ``"rowwise"`` (in_features split); see the
+    module docstring for what each buffer becomes and which boundaries raise ``ValueError``. The
+    result's forward computes this rank's output columns (colwise) or partial sum (rowwise) from
+    local inputs; summing the row-wise pieces' outputs over ranks gives the unsharded output up to
+    the reduction order (except where the activation scale spans K: see the module docstring).
+    ``layer`` is left as it is. ``shard_linear`` and the styles build on this.
+    """
+    fn = "tilemm.parallel.local_shard"
+    _check_layer(fn, layer)
+    style = _check_style(fn, style)
+    shard = _shard_of(fn, layer, style, rank, world_size)
+    return _build_local(layer, shard, _device_of(layer))
+
+
+# --------------------------------------------------------------------------------------------------
+# In-place sharding with DTensor input / output hooks
+# --------------------------------------------------------------------------------------------------
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = torch.get_device_module(mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
+
+
+def _broadcast_layer(layer: Linear, mesh: DeviceMesh, src_data_rank: int) -> None:
+    """Make every rank's buffers equal src_data_rank's.
+
+    The bytes travel as uint8, which every backend carries (gloo has no float8 or int16), and are
+    never converted.
+    """
+    group = mesh.get_group()
+    for name in list(layer._buffers):
+        t = layer._buffers.get(name)
+        if t is None:
+            continue
+        raw = t.contiguous().reshape(-1).view(torch.uint8)
+        dist.broadcast(raw, group=group, group_src=src_data_rank)
+        layer._buffers[name] = raw.view(t.dtype).reshape(t.shape)
+
+
+def _adopt(module: Linear, local: Linear) -> None:
+    """Make ``module`` the local shard in place: take every attribute of ``local`` except hooks.
+
+    parallelize_module does not put the module a style returns back into its parent, so the shard
+    must live in the original object. Copying all of local's state (buffers, sizes, options and any
+    state derived from the buffers) rather than naming fields keeps this right as the class grows;
+    ``module``'s own hooks and training flag stay.
+    """
+    for key, value in vars(local).items():
+        if "hook" in key or key == "training":
+            continue
+        module.__dict__[key] = value
+
+
+def _input_to_local(x, mesh: DeviceMesh, given: tuple[Placement, ...], desired: tuple[Placement, ...]):
+    if not isinstance(x, DTensor):
+        if given == desired:  # already this rank's local input: skip the DTensor round trip
+            return x
+        x = DTensor.from_local(x, mesh, given, run_check=False)
+    if tuple(x.placements) != desired:
+        x = x.redistribute(placements=desired)
+    return x.to_local()
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(stride))
+
+
+def _shard_in_place(fn: str, module: Linear, mesh: DeviceMesh, style: str, *, src_data_rank,
+                    input_layouts: tuple[Placement, ...], output_layouts: tuple[Placement, ...],
+                    use_local_output: bool) -> Linear:
+    _check_layer(fn, module)
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{fn}: device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got "
+                        f"{type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(f"{fn}: device_mesh must be 1-D (slice a multi-dimensional mesh, e.g. "
+                         f"mesh['tp']), got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}")
+    if src_data_rank is not None and (isinstance(src_data_rank, bool) or not isinstance(src_data_rank, int)
+                                      or not 0 <= src_data_rank < mesh.size()):
+        raise ValueError(f"{fn}: src_data_rank must be None or a rank of the mesh in [0, {mesh.size()}), "
+                         f"got {src_data_rank!r}")
+    rank, world_size = mesh.get_local_rank(), mesh.size()
+    shard = _shard_of(fn, module, style, rank, world_size)  # check before any communication
+    device = _mesh_device(mesh)
+    if _device_of(module) != device:
+        module.to(device)
+    if src_data_rank is not None:
+        _broadcast_layer(module, mesh, src_data_rank)
+    _adopt(module, _build_local(module, shard, device))
+
+    if style == "colwise":
+        desired_input, local_output = (Replicate(),), (Shard(-1),)
+    else:
+        desired_input, local_output = (Shard(-1),), (Partial(),)
+    full_out = shard.out_features
+
+    def prepare_input(mod, args):
+        return (_input_to_local(args[0], mesh, input_layouts, desired_input), *args[1:])
+
+    def prepare_output(mod, args, out):
+        if output_layouts == local_output and use_local_output:  # column-wise default: nothing to do
+            return out
+        if style == "colwise":
+            shape = (*out.shape[:-1], full_out)
+            out = DTensor.from_local(out, mesh, local_output, run_check=False, shape=torch.Size(shape),
+                                     stride=_contiguous_stride(shape))
+        else:
+            out = DTensor.from_local(out, mesh, local_output, run_check=False)
+        if tuple(out.placements) != output_layouts:
+            out = out.redistribute(placements=output_layouts)
+        return out.to_local() if use_local_output else out
+
+    module.register_forward_pre_hook(prepare_input)
+    module.register_forward_hook(prepare_output)
+    return module
+
+
+class ColwiseParallel(_torch_tp.ColwiseParallel):
+    """``torch.distributed.tensor.parallel.ColwiseParallel`` that also shards :class:`tilemm.nn.Linear`.
+
+    Same keywords (``input_layouts``, default ``Replicate()``; ``output_layouts``, default
+    ``Shard(-1)``; ``use_local_output``, default True) and the same placements on the module's
+    inputs and outputs. A tilemm layer is sharded in place as the module docstring describes
+    (output features split; the quantized bytes come from rank ``src_data_rank`` of
+    ``parallelize_module``, default 0, or from each rank itself with None); any other module goes to
+    torch's style, so one plan can mix tilemm and torch layers.
+    """
+
+    def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+        if not isinstance(module, Linear):
+            return super()._apply(module, device_mesh)
+        return _shard_in_place("tilemm.parallel.ColwiseParallel", module, device_mesh, "colwise",
+                               src_data_rank=self.src_data_rank, input_layouts=self.input_layouts,
+                               output_layouts=self.output_layouts, use_local_output=self.use_local_output)
+
+
+class RowwiseParallel(_torch_tp.RowwiseParallel):
+    """``torch.distributed.tensor.parallel.RowwiseParallel`` that also shards :class:`tilemm.nn.Linear`.
+
+    Same keywords (``input_layouts``, default ``Shard(-1)``; ``output_layouts``, default
+    ``Replicate()``, reached by an all-reduce of the partial sums, or ``Shard(...)`` by a
+    reduce-scatter; ``use_local_output``, default True). A tilemm layer is sharded in place (input
+    features split; bias on rank 0 only, so the sum adds it once); any other module goes to torch's
+    style.
+    """
+
+    def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+        if not isinstance(module, Linear):
+            return super()._apply(module, device_mesh)
+        return _shard_in_place("tilemm.parallel.RowwiseParallel", module, device_mesh, "rowwise",
+                               src_data_rank=self.src_data_rank, input_layouts=self.input_layouts,
+                               output_layouts=self.output_layouts, use_local_output=self.use_local_output)
+
+
+def shard_linear(layer: Linear, device_mesh: DeviceMesh, style: str, *, src_data_rank: int | None = 0,
+                 use_local_output: bool = True) -> Linear:
+    """Shard an already-quantized :class:`tilemm.nn.Linear` over a 1-D mesh, in place; returns it.
+
+    ``style="colwise"`` is ``parallelize_module(layer, device_mesh, ColwiseParallel())``: replicated
+    input, output features split, the local output is this rank's ``Shard(-1)`` slice.
+    ``style="rowwise"`` is the same with ``RowwiseParallel()``: ``Shard(-1)`` input (a local slice of
+    the features, as a column-wise layer returns it, or a DTensor), partial sums all-reduced to a
+    replicated output. Nothing is re-quantized (see the module docstring for the exact bytes each rank
+    keeps and the ValueErrors for boundaries inside a scale block). ``src_data_rank`` (default 0)
+    broadcasts that rank's layer first, so all ranks shard the same bytes; None uses each rank's own.
+    The layer moves to the mesh's device (the current CUDA device for a "cuda" mesh).
+    """
+    fn = "tilemm.shard_linear"
+    _check_layer(fn, layer)
+    style = _check_style(fn, style)
+    if not isinstance(use_local_output, bool):
+        raise TypeError(f"{fn}: use_local_output must be True or False, got {use_local_output!r}")
+    given = (Replicate(),) if style == "colwise" else (Shard(-1),)
+    output = (Shard(-1),) if style == "colwise" else (Replicate(),)
+    return _shard_in_place(fn, layer, device_mesh, style, src_data_rank=src_data_rank, input_layouts=given,
+                           output_layouts=output, use_local_output=use_local_output)

@@ -63,13 +63,13 @@ def reference_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_feat
 class WeightOnlyRunner:
     """One weight-only layer on one device, ready to run: ``runner(x2d)`` for x2d (M, K) contiguous.
 
-    Holds the PackedWeight's tensors, the fp32 bias (or a zero vector), the kernel configs per M, and
-    the output / split-K buffers' shapes; nothing in a call allocates except the output (and the
-    split-K partials), through PyTorch's caching allocator, so a call can be captured in a CUDA graph.
+    Holds the PackedWeight's tensors, the fp32 bias (or a zero vector) and, per (M, x dtype), the
+    prepared launch (config, grid, kernel, fixed arguments), so that a call is the output allocation
+    and one ``ct.launch``. Nothing a call allocates changes between calls of one shape (PyTorch's
+    caching allocator), so calls can be captured in a CUDA graph.
     """
 
-    __slots__ = ("packed", "bias", "layout", "n", "k", "device", "_configs", "_sms", "_fmt_name",
-                 "bias_source")
+    __slots__ = ("packed", "bias", "layout", "n", "k", "device", "_prepared", "_sms", "bias_source")
 
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None):
         self.packed = packed
@@ -78,36 +78,40 @@ class WeightOnlyRunner:
         self.device = packed.device
         self.bias = (torch.zeros(self.n, dtype=torch.float32, device=self.device) if bias is None
                      else bias.detach().to(device=self.device, dtype=torch.float32).contiguous())
-        self._configs: dict[int, _kernel.WeightOnlyConfig] = {}
+        self._prepared: dict = {}
         self._sms = None
-        self._fmt_name = packed.fmt.name
         self.bias_source = None  # what the owner built ``bias`` from, to tell when it is stale
 
     def config(self, m: int) -> _kernel.WeightOnlyConfig:
-        cfg = self._configs.get(m)
+        if self._sms is None:
+            self._sms = _kernel.num_sms(self.device)
+        return _kernel.plan(m, self.n, self.k, self.layout, self._sms)
+
+    def _prepare(self, m: int, dtype: torch.dtype, cfg=None) -> _kernel.Prepared:
+        p = self.packed
+        prepared = _kernel.Prepared(p.words, p.scale_t, p.constants, self.bias, self.layout,
+                                    cfg or self.config(m), m, dtype)
         if cfg is None:
-            if self._sms is None:
-                self._sms = _kernel.num_sms(self.device)
-            cfg = self._configs[m] = _kernel.plan(m, self.n, self.k, self.layout, self._sms)
-        return cfg
+            self._prepared[(m, dtype)] = prepared
+        return prepared
 
     def __call__(self, x2d: torch.Tensor, alpha: torch.Tensor | None = None) -> torch.Tensor:
         m = x2d.shape[0]
         out = torch.empty((m, self.n), dtype=x2d.dtype, device=self.device)
         if m == 0:
             return out
-        p = self.packed
+        stream = torch.cuda.current_stream(self.device)
         if m * max(self.k, self.n) < _large.LIMIT:
-            _kernel.launch(x2d, p.words, p.scale_t, p.constants, self.bias, out, self.layout,
-                           self.config(m), alpha)
+            prepared = self._prepared.get((m, x2d.dtype)) or self._prepare(m, x2d.dtype)
+            prepared.run(x2d, out, stream, alpha)
             return out
         # 2^31 elements or more in x or out: launch per block of rows (each output row depends on its
         # x row only, and the config, chosen for the whole M, is the same in every piece).
         rows = (_large.LIMIT - 1) // max(self.k, self.n) // 128 * 128
         cfg = self.config(m)
         for r0 in range(0, m, rows):
-            _kernel.launch(x2d[r0:r0 + rows], p.words, p.scale_t, p.constants, self.bias,
-                           out[r0:r0 + rows], self.layout, cfg, alpha)
+            piece = x2d[r0:r0 + rows]
+            self._prepare(piece.shape[0], x2d.dtype, cfg).run(piece, out[r0:r0 + rows], stream, alpha)
         return out
 
 

@@ -57,7 +57,7 @@ from ._aot import AotVariant, array
 from ._common import e8m0_to_bf16, epilogue, hinted
 from .hopper_gemm import num_sms
 
-__all__ = ["WeightOnlyConfig", "plan", "launch", "aot_variants", "LAYOUTS", "Layout"]
+__all__ = ["WeightOnlyConfig", "plan", "launch", "Prepared", "aot_variants", "LAYOUTS", "Layout"]
 
 ConstInt = ct.Constant[int]
 
@@ -277,6 +277,38 @@ def _constants(layout: Layout, cfg: WeightOnlyConfig, x_parts: int) -> tuple:
             cfg.tile_m, cfg.tile_n, cfg.split_k, x_parts)
 
 
+class Prepared:
+    """One weight-only launch with everything but the activation and the output worked out: the
+    grid, the specialised kernel and the argument tuple's fixed parts. ``run`` costs one
+    ``ct.launch`` (plus an fp32 partial buffer when K is split)."""
+
+    __slots__ = ("grid", "kernel", "m", "n", "split", "tiles", "words", "scale_t", "alpha", "mult", "bias",
+                 "consts")
+
+    def __init__(self, words, scale_t, constants, bias, layout: Layout, cfg: WeightOnlyConfig, m: int,
+                 x_dtype: torch.dtype, alpha: torch.Tensor | None = None):
+        self.m, self.n = m, words.shape[0]
+        self.split = cfg.split_k
+        self.tiles = -(-m // cfg.tile_m) * -(-self.n // cfg.tile_n)
+        self.grid = (cfg.split_k * self.tiles, 1, 1)
+        self.kernel = hinted(_weight_only_kernel, **cfg.hints())
+        self.words, self.scale_t, self.bias = words, scale_t, bias
+        self.alpha = constants[0:1] if alpha is None else alpha
+        self.mult = constants[1:2]
+        self.consts = _constants(layout, cfg, _X_PARTS[x_dtype])
+
+    def run(self, x: torch.Tensor, out: torch.Tensor, stream, alpha: torch.Tensor | None = None) -> None:
+        c = out.view(1, self.m, self.n)
+        if self.split == 1:
+            partial = counter = c
+        else:
+            partial = torch.empty((self.split, self.m, self.n), dtype=torch.float32, device=out.device)
+            counter = _counters(out.device, stream, self.tiles)
+        ct.launch(stream, self.grid, self.kernel,
+                  (x, self.words, self.scale_t, c, self.alpha if alpha is None else alpha, self.mult,
+                   self.bias, partial, counter, *self.consts))
+
+
 def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
            bias: torch.Tensor, out: torch.Tensor, layout: Layout, cfg: WeightOnlyConfig,
            alpha: torch.Tensor | None = None) -> None:
@@ -285,17 +317,8 @@ def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constant
     ``constants`` is the PackedWeight's [2^E * decode scale, 2^(offset - E)]; ``alpha`` (a (1,) fp32
     tensor) replaces its first entry when given. ``bias`` is an (N,) fp32 tensor (zeros for none).
     """
-    m, n = out.shape
-    stream = torch.cuda.current_stream(out.device)
-    c = out.view(1, m, n)
-    alpha = constants[0:1] if alpha is None else alpha
-    partial = c if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32,
-                                                      device=out.device)
-    tiles = -(-m // cfg.tile_m) * -(-n // cfg.tile_n)
-    counter = _counters(out.device, stream, tiles) if cfg.split_k > 1 else bias
-    ct.launch(stream, (cfg.split_k * tiles, 1, 1), hinted(_weight_only_kernel, **cfg.hints()),
-              (x, words, scale_t, c, alpha, constants[1:2], bias, partial, counter,
-               *_constants(layout, cfg, _X_PARTS[x.dtype])))
+    prepared = Prepared(words, scale_t, constants, bias, layout, cfg, out.shape[0], x.dtype, alpha)
+    prepared.run(x, out, torch.cuda.current_stream(out.device))
 
 
 _COUNTERS: dict = {}

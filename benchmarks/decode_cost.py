@@ -1,0 +1,129 @@
+"""Decode cost of the small-M kernels, without a GPU: SASS instructions per weight element.
+
+    python benchmarks/decode_cost.py              # every weight-only layout at tile_m 16, and the
+                                                  # block-scaled stream kernel for comparison
+    python benchmarks/decode_cost.py --json out.json
+
+Each kernel variant is compiled ahead of time for sm_90 (``tileiras``, as CI does), disassembled with
+``nvdisasm`` (the ``nvidia-cuda-nvdisasm`` wheel), and its main loop -- the smallest loop of the
+disassembly that contains the tensor-core instructions (HGMMA) -- is counted: instructions per
+iteration, divided by the weight elements one thread handles per iteration, with the most frequent
+opcodes. This is a static count (the loop body as compiled), the quantity that bounds a decode-limited
+kernel: at small M the weight-only kernel issues these instructions for every weight element it reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import cuda.tile as ct
+
+from tilemm.kernels import hopper_block_scaled as hbs
+from tilemm.kernels import hopper_weight_only as wo
+from tilemm.kernels._aot import AotVariant, array, compile_variant
+from tilemm.kernels._common import hinted
+from tilemm.formats import MXFP4, MXFP8_E4M3, NVFP4
+
+
+def nvdisasm() -> str:
+    """Path of nvdisasm: on PATH, or from the nvidia-cuda-nvdisasm wheel."""
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            for path in pathlib.Path(root).glob("*/bin/nvdisasm"):
+                return str(path)
+    except ImportError:
+        pass
+    raise FileNotFoundError("nvdisasm not found: pip install nvidia-cuda-nvdisasm")
+
+
+def main_loop(cubin: bytes) -> collections.Counter:
+    """Opcode counts of the smallest loop that contains HGMMA instructions."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([nvdisasm(), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    ins, labels = [], {}
+    for line in text.splitlines():
+        m = re.match(r"\.(L_x_\d+):", line.strip())
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if m:
+            ins.append(m.group(1).strip())
+    best = None
+    for i, t in enumerate(ins):
+        m = re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", t)
+        if m and m.group(1) in labels and labels[m.group(1)] <= i:
+            body = ins[labels[m.group(1)]:i + 1]
+            if any("HGMMA" in b for b in body) and (best is None or len(body) < len(best)):
+                best = body
+    if best is None:
+        raise ValueError("no loop with HGMMA instructions in the disassembly")
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0] for b in best)
+
+
+def weight_only_variant(name: str, cfg: wo.WeightOnlyConfig) -> tuple[AotVariant, float]:
+    """(variant, weight elements per thread per main-loop iteration) for a bf16 activation."""
+    layout = wo.LAYOUTS[name]
+    v = [a for a in wo.aot_variants(full=True) if a.name == f"weight_only_{name}_bfloat16_{cfg.name}"]
+    if not v:
+        raise KeyError(f"no weight-only variant {name} {cfg.name}")
+    threads = 32 * cfg.num_worker_warps
+    return v[0], cfg.tile_n * layout.tile_k / threads
+
+
+def stream_variant(fmt, tile_m: int = 16) -> tuple[AotVariant, float]:
+    """The block-scaled stream kernel (both operands quantized) as ``plan`` picks it for small M."""
+    cfg = hbs.stream_config(fmt, 1, tile_m, 14336, 4096)
+    name = f"hopper_{fmt.name}_swz_bf16_{cfg.name}"
+    v = [a for a in hbs.aot_variants() if a.name == name]
+    if not v:
+        raise KeyError(name)
+    return v[0], cfg.tile_n * cfg.tile_k / (32 * cfg.num_worker_warps)
+
+
+def report(variant: AotVariant, elements: float) -> dict:
+    counts = main_loop(compile_variant(variant, "sm_90"))
+    total = sum(counts.values())
+    return {"variant": variant.name, "loop_instructions": total, "elements_per_thread": elements,
+            "per_element": total / elements, "top": dict(counts.most_common(8))}
+
+
+def default_variants():
+    out = [weight_only_variant(name, wo.WeightOnlyConfig(16, 128, 4)) for name in wo.LAYOUTS]
+    out += [stream_variant(fmt) for fmt in (MXFP4, NVFP4, MXFP8_E4M3)]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="decode_cost.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="also write the rows to this file")
+    args = ap.parse_args(argv)
+    rows = []
+    for variant, elements in default_variants():
+        row = report(variant, elements)
+        rows.append(row)
+        top = " ".join(f"{k}:{v}" for k, v in row["top"].items())
+        print(f"{row['variant']:60s} {row['per_element']:5.2f} instr/element "
+              f"({row['loop_instructions']} per loop, {elements:.0f} elements/thread)  {top}", flush=True)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

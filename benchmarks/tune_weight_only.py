@@ -1,0 +1,74 @@
+"""Sweep of the weight-only kernel's tile shape, hints and K split on one GPU (CUDA-graph replays, L2
+flushed), against cuBLAS bf16 in the same run; the winners set ``hopper_weight_only.plan``.
+
+    python benchmarks/tune_weight_only.py [--formats mxfp4] [--ms 1,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_matmul import Timer  # noqa: E402
+
+import tilemm  # noqa: E402
+from tilemm.kernels import hopper_weight_only as wo  # noqa: E402
+
+NK = [(14336, 4096), (4096, 14336), (8192, 8192)]
+# (tile_n, num_worker_warps, occupancy, blocks per SM the K split aims at)
+CANDIDATES = [(128, 8, None, 1), (128, 8, 2, 2), (64, 4, 3, 3), (64, 4, 4, 4), (128, 8, 2, 4), (256, 8, None, 1)]
+
+
+def split_for(tiles: int, k_tiles: int, per_sm: int, sms: int) -> int:
+    split = 1
+    while tiles * split * 2 <= per_sm * sms and k_tiles >= split * 2 * 2:
+        split *= 2
+    return split
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="tune_weight_only.py")
+    ap.add_argument("--formats", default="mxfp4")
+    ap.add_argument("--ms", default="1,16")
+    ap.add_argument("--candidates", default=None, help="JSON list of [tile_n, warps, occupancy, per_sm]")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    timer = Timer(20, dev)
+    cands = json.loads(args.candidates) if args.candidates else CANDIDATES
+    rows = []
+    for fmt in args.formats.split(","):
+        for n, k in NK:
+            lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
+            w = lin.weight.detach()
+            packed = tilemm.nn.Linear.from_float(lin, fmt, weight_only=True).packed_weight()
+            bias = torch.zeros(n, device=dev)
+            for m in map(int, args.ms.split(",")):
+                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                t_bf16, _ = timer(lambda: F.linear(x, w))
+                out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+                line = []
+                for tn, warps, occ, per_sm in cands:
+                    tm = next(t for t in (16, 32, 64, 128) if t >= m)
+                    tiles = -(-m // tm) * -(-n // tn)
+                    split = split_for(tiles, -(-k // packed.layout.tile_k), per_sm, sms)
+                    cfg = wo.WeightOnlyConfig(tm, tn, split, warps, occ)
+                    run = lambda: wo.launch(x, packed.words, packed.scale_t, packed.constants, bias, out,  # noqa: E731
+                                            packed.layout, cfg)
+                    t, _ = timer(run)
+                    rows.append({"fmt": fmt, "n": n, "k": k, "m": m, "cfg": cfg.name, "per_sm": per_sm,
+                                 "us": t * 1e3, "vs_bf16": t_bf16 / t})
+                    line.append(f"{cfg.name}/{per_sm}: {t_bf16 / t:.2f}x")
+                print(f"{fmt} N={n} K={k} M={m} bf16 {t_bf16 * 1e3:.1f} us | " + " | ".join(line), flush=True)
+    print(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Small-M inference on one GPU: tilemm's weight-only and block-scaled linears against cuBLAS bf16.
 
-    python benchmarks/bench_inference.py            # 6 shapes x M in {1, 2, 4, ..., 256}
+    python benchmarks/bench_inference.py            # 6 shapes x M in {1, 2, 4, ..., 256, 1024}
     python benchmarks/bench_inference.py --quick    # 3 shapes x M in {1, 16, 64, 128}
 
 For (N, K) in {4096x4096, 14336x4096, 4096x14336, 8192x8192, 28672x8192, 8192x28672} and each M, with
@@ -12,11 +12,12 @@ the exactly dequantized weight, then times CUDA-graph replays (L2 flushed before
 * tilemm ``nn.Linear`` with both operands quantized (the activation quantizer included, as a model
   runs it) per format;
 * ``torch._weight_int4pack_mm`` (int4, group 32), the 4-bit weight-only kernel PyTorch ships;
+* at M >= 512, the weight-only layer as it was before the fused path (dequantize the whole weight on
+  every call, round it to bf16, ``F.linear``);
 * the HBM bound of each weight format: its bytes (data + scales) at the device-to-device copy
   bandwidth measured in the same run.
 
-It also times eager calls at M = 1 (host time per call: 200 back-to-back calls, where the host is the
-bottleneck) and counts the kernels one call launches (torch.profiler).
+Host time per eager call and kernels per call: ``benchmarks/bench_host.py``.
 
 Writes ``benchmarks/results/inference-<gpu>.json`` and ``.md`` (speed-up over bf16 per format and M,
 geomeans, the HBM fraction), and ``.png`` (speed-up against M per format).
@@ -44,7 +45,7 @@ import tilemm  # noqa: E402
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 NK = [(4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]
 NK_QUICK = [(14336, 4096), (4096, 14336), (8192, 8192)]
-MS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024]
 MS_QUICK = [1, 16, 64, 128]
 FORMATS = ("mxfp4", "nvfp4", "mxfp8")
 TOLERANCE = 1e-2  # bf16 output against the fp32 oracle
@@ -155,18 +156,15 @@ def main(argv=None) -> int:
                 rec[f"{mode}_{fmt}_err"] = err
                 if mode == "weight_only":
                     rec[f"{mode}_{fmt}_hbm_fraction"] = weight_bytes(fmt, n, k) / bw / (t * 1e-3)
+            if m >= 512:
+                for fmt in formats:
+                    layer = layers[("weight_only", fmt)]
+                    rec[f"dequant_then_bf16_{fmt}_ms"], _ = timer(
+                        lambda: F.linear(x, layer.dequantize_weight().to(torch.bfloat16)))
             records.append(rec)
             line = " ".join(f"{key[:-3]}={ms_bf16 / v:.2f}x" for key, v in rec.items()
                             if key.endswith("_ms") and key != "bf16_ms")
             print(f"N={n:5d} K={k:5d} M={m:3d} bf16 {ms_bf16 * 1e3:7.1f} us | {line}", flush=True)
-        if (n, k) == (4096, 4096) or (n, k) == nks[0]:
-            x1 = torch.randn(1, k, device=device, dtype=torch.bfloat16)
-            host[f"{n}x{k}"] = {"bf16_us": host_time_us(lambda: F.linear(x1, w))}
-            for (mode, fmt), layer in layers.items():
-                host[f"{n}x{k}"][f"{mode}_{fmt}_us"] = host_time_us(lambda: layer(x1))
-                host[f"{n}x{k}"][f"{mode}_{fmt}_kernels"] = kernels_per_call(lambda: layer(x1))
-            print("host time per eager call at M=1:", json.dumps(host[f"{n}x{k}"], indent=None), flush=True)
-
     summary = summarize(records, formats)
     meta = {"gpu": gpu, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "copy_bandwidth_TBps": bw / 1e12, "command": "python benchmarks/bench_inference.py"
@@ -222,12 +220,14 @@ def markdown(meta, summary, host, records, formats) -> str:
         for shape, h in host.items():
             lines.append(f"- {shape}: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                                                     for k, v in h.items()))
-    lines += ["", "| N | K | M | bf16 us | " + " | ".join(k[:-3] for k in records[0] if k.endswith("_ms")
-                                                          and k != "bf16_ms") + " |"]
-    lines.append("|---|---|---|---|" + "---|" * (len(lines[-1].split("|")) - 6))
+    cols = []
+    for r in records:
+        cols += [k for k in r if k.endswith("_ms") and k != "bf16_ms" and k not in cols]
+    lines += ["", "| N | K | M | bf16 us | " + " | ".join(k[:-3] for k in cols) + " |",
+              "|---|---|---|---|" + "---|" * len(cols)]
     for r in records:
         lines.append(f"| {r['n']} | {r['k']} | {r['m']} | {r['bf16_ms'] * 1e3:.1f} | " + " | ".join(
-            f"{r['bf16_ms'] / v:.2f}x" for k, v in r.items() if k.endswith("_ms") and k != "bf16_ms") + " |")
+            f"{r['bf16_ms'] / r[k]:.2f}x" if k in r else "-" for k in cols) + " |")
     return "\n".join(lines) + "\n"
 
 

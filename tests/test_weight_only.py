@@ -187,3 +187,17 @@ def test_nan_scales_and_elements_reach_their_columns(emulated):
     assert torch.equal(out.isnan(), ref.isnan())
     assert out.isnan()[:, [3, 9]].all() and out.isnan().sum() == 4
     assert torch.equal(_bytes(unpack(packed).scale), scale)  # the original bytes come back
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_dequantize_kernel_is_the_weight_times_2_to_minus_e(emulated, fmt):
+    """The large-M path's decode: the prepacked weight as bf16, exactly dequantize(w) * 2^-E (NVFP4:
+    without its decode scale), K padding cut off."""
+    w_q = quantized_weight(fmt, 70, 160)
+    packed = prepack(w_q)
+    w16 = wo.dequantize(packed.words, packed.scale_t, packed.constants, packed.layout, 160)
+    assert w16.shape == (70, 160) and w16.dtype == torch.bfloat16
+    expected = w_q.dequantize() * 2.0 ** -packed.exponent
+    if fmt is NVFP4:
+        expected = expected / w_q.global_scale
+    torch.testing.assert_close(w16.double(), expected.double(), rtol=2 ** -20, atol=0)

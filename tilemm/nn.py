@@ -181,6 +181,7 @@ class Linear(torch.nn.Module):
         meta = self._options.quantize_weight(torch.empty(out_features, in_features, device="meta"))
         self._runner = None
         self._exponent = 0
+        self._alpha_host = 1.0
         if self._options.packed:
             # Weight-only: the weight lives only in the prepacked layout (non-persistent buffers);
             # state_dict shows the interchange form (see _packed_state_dict / _load_from_state_dict).
@@ -329,7 +330,7 @@ class Linear(torch.nn.Module):
                                     constants=self.weight_constants, exponent=self._exponent,
                                     in_features=self.in_features,
                                     global_scale=self._buffers.get("weight_global_scale"),
-                                    nan_scale=self.weight_nan_scale)
+                                    nan_scale=self.weight_nan_scale, alpha_host=self._alpha_host)
 
     def _set_packed(self, packed: "_packed.PackedWeight") -> None:
         self.weight_packed = packed.words
@@ -339,6 +340,7 @@ class Linear(torch.nn.Module):
         if packed.global_scale is not None:
             self.weight_global_scale = packed.global_scale
         self._exponent = packed.exponent
+        self._alpha_host = packed.alpha_host
         self._runner = None
 
     def dequantize_weight(self) -> torch.Tensor:
@@ -375,7 +377,7 @@ class Linear(torch.nn.Module):
         if (type(x) is not torch.Tensor or x.dtype not in _ACTIVATION_DTYPES or x.ndim == 0
                 or x.shape[-1] != self.in_features):
             self._check_input(x)
-        rows = x.reshape(-1, self.in_features)
+        rows = x if x.ndim == 2 else x.reshape(-1, self.in_features)
         if x.is_cuda and not torch.compiler.is_compiling():
             runner = self._runner
             bias = self.bias
@@ -386,7 +388,7 @@ class Linear(torch.nn.Module):
             out = runner(rows if rows.is_contiguous() else rows.contiguous())
         else:
             out = _weight_only.weight_only_linear(rows, self.packed_weight(), bias=self.bias)
-        return out.view(*x.shape[:-1], self.out_features)
+        return out if x.ndim == 2 else out.view(*x.shape[:-1], self.out_features)
 
     def _make_runner(self, device):
         if self.weight_packed.device != device:

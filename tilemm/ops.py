@@ -25,7 +25,8 @@ Operators take and return tensors::
     fp8_matmul(Tensor x, Tensor x_scale, Tensor y, Tensor y_scale, ScalarType out_dtype=bfloat16,
                Tensor? bias=None, Tensor? alpha=None, bool use_fast_accum=False) -> Tensor
     weight_only_linear(Tensor x, Tensor words, Tensor scale_t, Tensor constants, str format,
-                       int in_features, Tensor? bias=None, Tensor? alpha=None) -> Tensor
+                       int in_features, Tensor? bias=None, Tensor? alpha=None,
+                       float alpha_host=1.0) -> Tensor
                        # x (M, K) float; the other tensors are a tilemm.PackedWeight's
 
 ``elem_dtype=None`` means ``torch.float8_e4m3fn``. Arguments and results mean what they mean for the
@@ -205,12 +206,14 @@ def _(x, x_scale, y, y_scale, out_dtype=torch.bfloat16, bias=None, alpha=None, u
 @torch.library.custom_op("tilemm::weight_only_linear", mutates_args=())
 def weight_only_linear(x: Tensor, words: Tensor, scale_t: Tensor, constants: Tensor, format: str,
                        in_features: int, bias: Optional[Tensor] = None,
-                       alpha: Optional[Tensor] = None) -> Tensor:
+                       alpha: Optional[Tensor] = None, alpha_host: float = 1.0) -> Tensor:
     """x (M, K) float times a prepacked (N, K) weight (``tilemm.packed.PackedWeight``'s tensors);
-    ``alpha`` replaces constants[0] (2^E * decode scale) in the epilogue when given."""
-    return _weight_only.run_weight_only(x, words, scale_t, constants, format, in_features, bias, alpha)
+    ``alpha`` replaces constants[0] (2^E * decode scale) in the epilogue when given; ``alpha_host`` is
+    constants[0] as a float (for the large-M GEMM, which takes a host scalar)."""
+    return _weight_only.run_weight_only(x, words, scale_t, constants, format, in_features, bias, alpha,
+                                        alpha_host)
 
 
 @weight_only_linear.register_fake
-def _(x, words, scale_t, constants, format, in_features, bias=None, alpha=None):
+def _(x, words, scale_t, constants, format, in_features, bias=None, alpha=None, alpha_host=1.0):
     return x.new_empty((x.shape[0], words.shape[0]))

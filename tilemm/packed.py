@@ -61,6 +61,8 @@ class PackedWeight:
     in_features: int
     global_scale: torch.Tensor | None = None
     nan_scale: torch.Tensor | None = None
+    #: constants[0] as a Python float (2^E * decode scale), for host-side GEMM calls without a sync.
+    alpha_host: float = 1.0
 
     @property
     def layout(self) -> Layout:
@@ -221,7 +223,7 @@ def prepack(w_q) -> PackedWeight:
         constants[0] = constants[0] * gs
     return PackedWeight(fmt=fmt, words=_pack_words(codes, layout), scale_t=scale.t().contiguous(),
                         constants=constants, exponent=exponent, in_features=k, global_scale=gs,
-                        nan_scale=nan_scale)
+                        nan_scale=nan_scale, alpha_host=float(constants[0]))
 
 
 def unpack(packed: PackedWeight):

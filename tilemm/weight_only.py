@@ -60,6 +60,10 @@ def reference_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_feat
     return acc.to(x2d.dtype)
 
 
+#: Whether this PyTorch has cuBLAS bf16 x bf16 -> fp32 ``addmm(..., out_dtype=)`` (the large-M path).
+_GEMM_FP32_OUT = [True]
+
+
 class WeightOnlyRunner:
     """One weight-only layer on one device, ready to run: ``runner(x2d)`` for x2d (M, K) contiguous.
 
@@ -69,7 +73,8 @@ class WeightOnlyRunner:
     caching allocator), so calls can be captured in a CUDA graph.
     """
 
-    __slots__ = ("packed", "bias", "layout", "n", "k", "device", "_prepared", "_sms", "bias_source")
+    __slots__ = ("packed", "bias", "layout", "n", "k", "device", "_prepared", "_sms", "bias_source",
+                 )
 
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None):
         self.packed = packed
@@ -95,11 +100,24 @@ class WeightOnlyRunner:
             self._prepared[(m, dtype)] = prepared
         return prepared
 
+    def _large_m(self, x2d: torch.Tensor) -> torch.Tensor:
+        """M >= LARGE_M, bf16 x: decode the weight once to bf16 (exact, times 2^-E), then cuBLAS's bf16
+        GEMM with ``alpha = 2^E * decode scale`` and the bias in its fp32 epilogue, rounded once."""
+        p = self.packed
+        w16 = _kernel.dequantize(p.words, p.scale_t, p.constants, self.layout, self.k)
+        acc = torch.addmm(self.bias, x2d, w16.t(), out_dtype=torch.float32, alpha=p.alpha_host)
+        return acc.to(x2d.dtype)
+
     def __call__(self, x2d: torch.Tensor, alpha: torch.Tensor | None = None) -> torch.Tensor:
         m = x2d.shape[0]
         out = torch.empty((m, self.n), dtype=x2d.dtype, device=self.device)
         if m == 0:
             return out
+        if m >= _kernel.LARGE_M and x2d.dtype == torch.bfloat16 and alpha is None and _GEMM_FP32_OUT[0]:
+            try:
+                return self._large_m(x2d)
+            except (RuntimeError, TypeError):  # a PyTorch without addmm(..., out_dtype): the fused kernel
+                _GEMM_FP32_OUT[0] = False
         stream = torch.cuda.current_stream(self.device)
         if m * max(self.k, self.n) < _large.LIMIT:
             prepared = self._prepared.get((m, x2d.dtype)) or self._prepare(m, x2d.dtype)
@@ -115,7 +133,8 @@ class WeightOnlyRunner:
         return out
 
 
-def run_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: int, bias, alpha):
+def run_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: int, bias, alpha,
+                    alpha_host: float = 1.0):
     """What ``torch.ops.tilemm.weight_only_linear`` runs on checked tensors."""
     if x2d.device.type != "cuda":
         return reference_weight_only(x2d, words, scale_t, constants, fmt_name, in_features, bias, alpha)
@@ -124,7 +143,7 @@ def run_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: 
     family(x2d.device)  # raises UnsupportedGPUError below sm_90
     fmt = FORMATS[fmt_name]
     packed = PackedWeight(fmt=fmt, words=words, scale_t=scale_t, constants=constants, exponent=0,
-                          in_features=in_features)
+                          in_features=in_features, alpha_host=alpha_host)
     return WeightOnlyRunner(packed, bias)(x2d.contiguous(), None if alpha is None else alpha.reshape(1))
 
 
@@ -146,5 +165,5 @@ def weight_only_linear(x: torch.Tensor, packed: PackedWeight, *, bias=None, alph
     alpha32 = None if alpha is None else as_fp32_scalar(fn, "alpha", alpha, x.device) * packed.constants[0]
     rows = x.reshape(-1, k)
     out = torch.ops.tilemm.weight_only_linear(rows, packed.words, packed.scale_t, packed.constants,
-                                              packed.fmt.name, k, bias32, alpha32)
+                                              packed.fmt.name, k, bias32, alpha32, packed.alpha_host)
     return out.reshape(*x.shape[:-1], n)

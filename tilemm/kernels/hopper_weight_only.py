@@ -224,6 +224,50 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
             ct.atomic_xchg(Counter, tile, 0)
 
 
+@ct.kernel
+def _dequantize_kernel(W, S, Out, Mult, ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt,
+                       PLANES: ConstInt, GROUP: ConstInt, TN: ConstInt):
+    """Out (N, Kp) bf16 = the prepacked weight decoded, times 2^-E (the MMA operand of the kernel
+    above, in K order); Kp = k_tiles * TK, columns past K are zero. Grid: cdiv(N, TN) * k_tiles, K
+    tiles fastest."""
+    WORDS = GROUP * BLOCK // 2
+    TP = GROUP * BLOCK
+    SC = PLANES * GROUP
+    k_tiles = ct.cdiv(W.shape[1], WORDS)
+    pid = ct.bid(0)
+    kt = pid % k_tiles
+    bn = pid // k_tiles
+    w = ct.bitcast(ct.load(W, (bn, kt), (TN, WORDS), padding_mode=_ZERO), ct.uint32)
+    s_raw = ct.load(S, (kt, bn), (SC, TN), padding_mode=_ZERO).transpose()
+    mult = _multipliers(s_raw, Mult, SCALE_E8M0).astype(ct.bfloat16).reshape((TN, PLANES, GROUP, 1))
+    for p in ct.static_iter(range(PLANES)):
+        plane = _as_bf16_pairs(_decode_plane(w, p, ELEMENT), TN, WORDS).reshape((TN, GROUP, BLOCK))
+        m_p = ct.extract(mult, (0, p, 0, 0), (TN, 1, GROUP, 1)).reshape((TN, GROUP, 1))
+        ct.store(Out, (bn, kt * PLANES + p), (plane * m_p).reshape((TN, TP)))
+
+
+#: Rows per block of the dequantize kernel.
+DEQUANT_TN = 64
+#: From this M on, the weight-only path decodes the weight once into bf16 (``dequantize``) and runs
+#: cuBLAS's bf16 GEMM: the fused kernel decodes each weight tile once per 128 rows of x, which costs
+#: more than the bf16 round trip through HBM once M is large.
+LARGE_M = 512
+
+
+def dequantize(words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor, layout: Layout,
+               k: int) -> torch.Tensor:
+    """The prepacked weight as an (N, K) bf16 view (of an (N, Kp) tensor) holding dequantize(w) * 2^-E,
+    exactly."""
+    n = words.shape[0]
+    k_tiles = words.shape[1] // layout.words_per_tile
+    out = torch.empty((n, k_tiles * layout.tile_k), dtype=torch.bfloat16, device=words.device)
+    ct.launch(torch.cuda.current_stream(words.device), (-(-n // DEQUANT_TN) * k_tiles, 1, 1),
+              _dequantize_kernel, (words, scale_t, out, constants[1:2], layout.element,
+                                   int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
+                                   DEQUANT_TN))
+    return out[:, :k]
+
+
 # --------------------------------------------------------------------------------------------------
 # Configs and launch
 # --------------------------------------------------------------------------------------------------
@@ -253,23 +297,31 @@ class WeightOnlyConfig:
 
 _TILE_M = (16, 32, 64, 128)
 _SPLITS = (1, 2, 4, 8, 16)
-#: The K split aims at this many blocks per SM (one 8-warp block fits an SM's registers).
-_BLOCKS_PER_SM = 2
+#: bf16 parts the kernel splits an activation into (exactly) per activation dtype.
 _X_PARTS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+#: Per tile_m: (tile_n, num_worker_warps, occupancy). One warpgroup on 64 weight rows with four blocks
+#: per SM where the registers allow it (64 per thread at tile_m 16 / 32, no spills on sm_90; 128 at
+#: tile_m 64 with two blocks); tile_m 128 takes two warpgroups on 128 rows. The decode of one block
+#: stalls on load and MMA latency, which other resident blocks hide
+#: (``benchmarks/tune_weight_only.py`` measures the alternatives).
+_SHAPE = {16: (64, 4, 4), 32: (64, 4, 4), 64: (64, 4, 2), 128: (128, 8, None)}
 
 
 def plan(m: int, n: int, k: int, layout: Layout, sms: int = 132) -> WeightOnlyConfig:
     """The weight-only kernel's config for an (M, K) x (N, K) problem: the smallest tile_m that covers
-    M (up to 128), and a power-of-two K split, at least 2 K tiles per split, that brings the grid to
-    ``_BLOCKS_PER_SM`` blocks per SM when the output alone has fewer tiles."""
+    M (up to 128) with its tile shape, and a K split: none when the output tiles alone give 1.5 blocks
+    per SM, else the largest power of two (each split at least 2 K tiles) that keeps the grid within
+    the blocks the GPU holds at once."""
     tile_m = next((t for t in _TILE_M if t >= m), _TILE_M[-1])
-    tile_n = 128
+    tile_n, warps, occupancy = _SHAPE[tile_m]
     tiles = -(-m // tile_m) * -(-n // tile_n)
     k_tiles = -(-k // layout.tile_k)
     split = 1
-    while tiles * split < _BLOCKS_PER_SM * sms and split * 2 <= _SPLITS[-1] and k_tiles >= split * 4:
-        split *= 2
-    return WeightOnlyConfig(tile_m, tile_n, split)
+    if 2 * tiles < 3 * sms:
+        while (tiles * split * 2 <= (occupancy or 1) * sms and split * 2 <= _SPLITS[-1]
+               and k_tiles >= split * 2 * 2):
+            split *= 2
+    return WeightOnlyConfig(tile_m, tile_n, split, warps, occupancy)
 
 
 def _constants(layout: Layout, cfg: WeightOnlyConfig, x_parts: int) -> tuple:
@@ -283,7 +335,7 @@ class Prepared:
     ``ct.launch`` (plus an fp32 partial buffer when K is split)."""
 
     __slots__ = ("grid", "kernel", "m", "n", "split", "tiles", "words", "scale_t", "alpha", "mult", "bias",
-                 "consts")
+                 "consts", "_work")
 
     def __init__(self, words, scale_t, constants, bias, layout: Layout, cfg: WeightOnlyConfig, m: int,
                  x_dtype: torch.dtype, alpha: torch.Tensor | None = None):
@@ -296,14 +348,24 @@ class Prepared:
         self.alpha = constants[0:1] if alpha is None else alpha
         self.mult = constants[1:2]
         self.consts = _constants(layout, cfg, _X_PARTS[x_dtype])
+        self._work = {}
+
+    def _workspace(self, device, stream):
+        """fp32 partial tiles and arrival counters for split-K, per stream: launches on one stream run
+        in order, so they share a workspace (the counters end every launch at zero)."""
+        key = getattr(stream, "cuda_stream", None)
+        work = self._work.get(key)
+        if work is None:
+            work = self._work[key] = (torch.empty((self.split, self.m, self.n), dtype=torch.float32,
+                                                  device=device), _counters(device, stream, self.tiles))
+        return work
 
     def run(self, x: torch.Tensor, out: torch.Tensor, stream, alpha: torch.Tensor | None = None) -> None:
         c = out.view(1, self.m, self.n)
         if self.split == 1:
             partial = counter = c
         else:
-            partial = torch.empty((self.split, self.m, self.n), dtype=torch.float32, device=out.device)
-            counter = _counters(out.device, stream, self.tiles)
+            partial, counter = self._workspace(out.device, stream)
         ct.launch(stream, self.grid, self.kernel,
                   (x, self.words, self.scale_t, c, self.alpha if alpha is None else alpha, self.mult,
                    self.bias, partial, counter, *self.consts))
@@ -342,7 +404,9 @@ _CT_DTYPES = {torch.bfloat16: ct.bfloat16, torch.float16: ct.float16, torch.floa
 
 
 def _configs() -> list[WeightOnlyConfig]:
-    return [WeightOnlyConfig(tm, 128, split) for tm in _TILE_M for split in _SPLITS]
+    """Every config ``plan`` can return."""
+    return [WeightOnlyConfig(tm, _SHAPE[tm][0], split, _SHAPE[tm][1], _SHAPE[tm][2])
+            for tm in _TILE_M for split in _SPLITS]
 
 
 def aot_variants(full: bool = True) -> list[AotVariant]:
@@ -350,7 +414,7 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
     operations only, so one kernel serves every architecture). ``full=False`` keeps one config per
     (layout, activation dtype) and the splits that differ in code (1 and > 1)."""
     variants = []
-    configs = _configs() if full else [WeightOnlyConfig(16, 128, 1), WeightOnlyConfig(16, 128, 4)]
+    configs = _configs() if full else [_configs()[0], _configs()[2]]
     for name, layout in LAYOUTS.items():
         for x_dtype, x_ct in _CT_DTYPES.items():
             for cfg in configs:
@@ -363,4 +427,9 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                           *_constants(layout, cfg, _X_PARTS[x_dtype])]
                 variants.append(AotVariant(f"weight_only_{name}_{x_ct.name}_{cfg.name}",
                                            hinted(_weight_only_kernel, **cfg.hints()), params))
+    for name, layout in LAYOUTS.items():
+        params = [array(ct.int32, 2), array(ct.uint8, 2), array(ct.bfloat16, 2), array(ct.float32, 1),
+                  layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
+                  DEQUANT_TN]
+        variants.append(AotVariant(f"weight_only_dequantize_{name}", _dequantize_kernel, params))
     return variants

@@ -74,10 +74,11 @@ class WeightOnlyRunner:
     """
 
     __slots__ = ("packed", "bias", "layout", "n", "k", "device", "_prepared", "_sms", "bias_source",
-                 )
+                 "keep_workspace")
 
-    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None):
+    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None, keep_workspace: bool = True):
         self.packed = packed
+        self.keep_workspace = keep_workspace
         self.layout = packed.layout
         self.n, self.k = packed.shape
         self.device = packed.device
@@ -95,7 +96,7 @@ class WeightOnlyRunner:
     def _prepare(self, m: int, dtype: torch.dtype, cfg=None) -> _kernel.Prepared:
         p = self.packed
         prepared = _kernel.Prepared(p.words, p.scale_t, p.constants, self.bias, self.layout,
-                                    cfg or self.config(m), m, dtype)
+                                    cfg or self.config(m), m, dtype, keep_workspace=self.keep_workspace)
         if cfg is None:
             self._prepared[(m, dtype)] = prepared
         return prepared
@@ -144,7 +145,10 @@ def run_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: 
     fmt = FORMATS[fmt_name]
     packed = PackedWeight(fmt=fmt, words=words, scale_t=scale_t, constants=constants, exponent=0,
                           in_features=in_features, alpha_host=alpha_host)
-    return WeightOnlyRunner(packed, bias)(x2d.contiguous(), None if alpha is None else alpha.reshape(1))
+    # A runner per call, keeping nothing: under torch.compile's CUDA graphs (mode="reduce-overhead")
+    # every allocation of the op must be an output or die with the call.
+    runner = WeightOnlyRunner(packed, bias, keep_workspace=False)
+    return runner(x2d.contiguous(), None if alpha is None else alpha.reshape(1))
 
 
 def weight_only_linear(x: torch.Tensor, packed: PackedWeight, *, bias=None, alpha=None) -> torch.Tensor:

@@ -338,7 +338,7 @@ class Prepared:
                  "consts", "_work")
 
     def __init__(self, words, scale_t, constants, bias, layout: Layout, cfg: WeightOnlyConfig, m: int,
-                 x_dtype: torch.dtype, alpha: torch.Tensor | None = None):
+                 x_dtype: torch.dtype, alpha: torch.Tensor | None = None, keep_workspace: bool = True):
         self.m, self.n = m, words.shape[0]
         self.split = cfg.split_k
         self.tiles = -(-m // cfg.tile_m) * -(-self.n // cfg.tile_n)
@@ -348,11 +348,14 @@ class Prepared:
         self.alpha = constants[0:1] if alpha is None else alpha
         self.mult = constants[1:2]
         self.consts = _constants(layout, cfg, _X_PARTS[x_dtype])
-        self._work = {}
+        self._work = {} if keep_workspace else None
 
     def _workspace(self, device, stream):
         """fp32 partial tiles and arrival counters for split-K, per stream: launches on one stream run
         in order, so they share a workspace (the counters end every launch at zero)."""
+        if self._work is None:  # fresh each call (inside torch.compile's CUDA graphs nothing may linger)
+            return (torch.empty((self.split, self.m, self.n), dtype=torch.float32, device=device),
+                    torch.zeros(self.tiles, dtype=torch.int32, device=device))
         key = getattr(stream, "cuda_stream", None)
         work = self._work.get(key)
         if work is None:
@@ -379,7 +382,8 @@ def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constant
     ``constants`` is the PackedWeight's [2^E * decode scale, 2^(offset - E)]; ``alpha`` (a (1,) fp32
     tensor) replaces its first entry when given. ``bias`` is an (N,) fp32 tensor (zeros for none).
     """
-    prepared = Prepared(words, scale_t, constants, bias, layout, cfg, out.shape[0], x.dtype, alpha)
+    prepared = Prepared(words, scale_t, constants, bias, layout, cfg, out.shape[0], x.dtype, alpha,
+                        keep_workspace=False)
     prepared.run(x, out, torch.cuda.current_stream(out.device))
 
 

@@ -168,9 +168,16 @@ def test_split_k_counters_return_to_zero(emulated):
     """The last block of each output tile resets its counter, so the next launch starts from zero."""
     packed = prepack(quantized_weight(MXFP4, 40, 1024))
     x = torch.randn(5, 1024)
-    first = _run(x, packed, wo.WeightOnlyConfig(16, 16, 4))
-    assert all(int(t.count_nonzero()) == 0 for t in wo._COUNTERS.values())
-    assert torch.equal(_run(x, packed, wo.WeightOnlyConfig(16, 16, 4)), first)
+    prepared = wo.Prepared(packed.words, packed.scale_t, packed.constants, torch.zeros(40), packed.layout,
+                           wo.WeightOnlyConfig(16, 16, 4), 5, x.dtype)  # keeps its workspace
+    outs = []
+    for _ in range(2):
+        outs.append(torch.full((5, 40), float("nan")))
+        prepared.run(x, outs[-1], None)
+        partial, counter = prepared._work[None]
+        assert counter.numel() >= 3 and int(counter.count_nonzero()) == 0
+    assert torch.equal(outs[0], outs[1])
+    assert_matches(outs[0], _reference(x, unpack(packed)), torch.float32)
 
 
 def test_nan_scales_and_elements_reach_their_columns(emulated):

@@ -167,8 +167,7 @@ def main(argv=None) -> int:
             print(f"N={n:5d} K={k:5d} M={m:3d} bf16 {ms_bf16 * 1e3:7.1f} us | {line}", flush=True)
     summary = summarize(records, formats)
     meta = {"gpu": gpu, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "copy_bandwidth_TBps": bw / 1e12, "command": "python benchmarks/bench_inference.py"
-            + (" --quick" if args.quick else ""), "seconds": time.time() - t_start}
+            "copy_bandwidth_TBps": bw / 1e12, "command": " ".join(["python benchmarks/bench_inference.py", *sys.argv[1:]]), "seconds": time.time() - t_start}
     stem = args.out or "inference-" + gpu.lower().replace(" ", "-")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps({"meta": meta, "summary": summary, "host": host,

@@ -61,7 +61,7 @@ def test_notebook_is_committed_without_outputs(name):
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_tells_its_story(name):
-    """STYLE.md: a background section, a picture, and checks that assert rather than print."""
+    """Each notebook has a background section, a picture, and checks that assert rather than print."""
     nb = nbformat.read(NOTEBOOK_DIR / name, as_version=4)
     markdown = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")

@@ -418,7 +418,7 @@ def make_input(blocks: list[list[float]], block: int, k_blocks: int, dtype: torc
 # Hand-written expectations
 # ==============================================================================================
 
-# The e2m1 tie table from NUMERICS.md, and the codes: midpoints go to the even code.
+# The e2m1 tie table from docs/numerics.md, and the codes: midpoints go to the even code.
 TIE_INPUTS = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
 TIE_CODES = [0, 2, 2, 4, 4, 6, 6]  # 0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0
 
@@ -464,7 +464,7 @@ def test_mxfp8_e4m3_ties_hand_written():
 
 
 def test_nvfp4_block_scale_operation_order_hand_written():
-    # NUMERICS fixes s_b = e4m3(amax_b * (S_enc * fp32(1/6))). For this pair the product is exactly
+    # docs/numerics.md fixes s_b = e4m3(amax_b * (S_enc * fp32(1/6))). For this pair the product is exactly
     # 1.1875, an e4m3 tie that rounds to even 1.25 (0x3A); the other association,
     # (amax_b * S_enc) * fp32(1/6), gives 1.1874999 -> 1.125 (0x39).
     amax_g, amax_b = float.fromhex("0x1.6065d0p+9"), float.fromhex("0x1.de4104p+0")
@@ -835,7 +835,7 @@ def test_swizzle_true_equals_swizzled_logical_scale(fmt, shape):
     assert torch.equal(as_uint8(qs.scale), as_uint8(swizzle.swizzle_32_4_4(q.scale)))
     m, cols = shape[-2], q.scale.shape[-1]
     assert qs.scale.shape == (*shape[:-2], math.ceil(m / 128), math.ceil(cols / 4), 32, 16)
-    # Spot-check NUMERICS' flat index formula without the swizzle package, and zero padding.
+    # Spot-check the flat index formula of docs/numerics.md without the swizzle package, and zero padding.
     flat = as_uint8(qs.scale).reshape(*shape[:-2], -1)
     logical = as_uint8(q.scale)
     c_pad = math.ceil(cols / 4) * 4

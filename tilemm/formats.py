@@ -1,7 +1,7 @@
 """The quantized formats tilemm knows, one frozen descriptor each.
 
 Every other module reads element dtype, scale dtype, block size, Qmax and packing from these
-descriptors; nothing re-derives them from tensor dtypes. See NUMERICS.md for the contract.
+descriptors; nothing re-derives them from tensor dtypes. See docs/numerics.md for the contract.
 
 | format        | element          | block (along K) | scale              | extra                     |
 |---------------|------------------|-----------------|--------------------|---------------------------|

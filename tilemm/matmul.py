@@ -1,7 +1,7 @@
 """Public block-scaled matmuls: ``mxfp8_matmul``, ``mxfp4_matmul``, ``nvfp4_matmul``, ``fp8_matmul``
 and the nn.Linear-shaped convenience ``linear``.
 
-Semantics (NUMERICS.md): ``out = dequantize(x) @ dequantize(y)`` accumulated in fp32, then
+Semantics (docs/numerics.md): ``out = dequantize(x) @ dequantize(y)`` accumulated in fp32, then
 ``* alpha + bias``, rounded once to ``out_dtype``. x is (..., M, K) row-major; y is (..., K, N) and
 K-major, i.e. ``w.t()`` of an (N, K) quantized weight. For 4-bit formats the stored K is K/2 (two
 elements per byte, packed along K).

@@ -1,45 +1,14 @@
 """Quantizers and dequantizers for FP8, MXFP8, MXFP4 and NVFP4, in pure PyTorch.
 
-Each public ``quantize_<fmt>`` validates its input and then calls ``_quantize_<fmt>_reference``,
-which runs on any device (CPU tensors always take it; a GPU kernel will be dispatched from the
-same public function). Blocks run along the last dimension K; leading dimensions are batch (and,
-for 2-D blocks, M). float32, bfloat16 and float16 inputs are converted to fp32 first (exact) and
-every step is an fp32 tensor operation in the order NUMERICS.md gives, so the bits are defined.
-
-Formulas (NUMERICS.md; ``cast_RNE_satfinite`` clamps to +-Qmax, then rounds to nearest even):
-
-* MX (block 32, e8m0 scale byte s, value 2^(s-127)):
-  RCEIL ``d = fp32(amax) * fp32(1/Qmax)``, s = the exponent of the smallest power of two >= d,
-  taken from d's fp32 bits; FLOOR ``s = floor(log2(amax)) - emax + 127``, from amax's bits;
-  both clamped to [0, 254]. Data ``q = cast_RNE_satfinite(x * 2^(127-s))``.
-* NVFP4 (block 16, e4m3 scale s_b, one fp32 decode scale per tensor):
-  ``S_enc = 2688 / amax_g`` (capped at FLT_MAX; 1 when amax_g = 0 or the quotient is 0),
-  ``global_scale = S_dec = 1 / S_enc``, ``s_b = e4m3_RNE(min(amax_b * (S_enc * fp32(1/6)), 448))``,
-  ``enc = min(1 / (fp32(s_b) * S_dec), FLT_MAX)``, ``q = e2m1_RNE(clamp(x * enc, -6, 6))``.
-* FP8 per tensor / per row: ``s = amax / Qmax``, ``q = cast_RNE_satfinite(x / s)``.
-  FP8 blocks (1x128, 128x128; e4m3): ``s = max(amax, 1e-4) / 448``, optionally rounded up to a
-  power of two, ``q = cast_RNE_satfinite(x / s)``.
-
-Behaviour where NUMERICS.md is silent (pinned by tests/test_quantize.py):
-
-* e2m1 sign: the sign bit is set exactly when the fp32 value being rounded is < 0, so a negative
-  value that rounds to zero gives code 8 (as Transformer Engine's reference ``cast_to_fp4x2``),
-  while -0.0 and NaN give code 0.
-* NaN in fp8 data or NVFP4 scales is always the byte 0x7F (sign dropped), so the bits do not
-  depend on how a device propagates NaN payloads.
-* MX: a block whose scale byte is 0 stores +0 bytes (both rounding modes). A block containing a
-  NaN or +-Inf gets scale byte 255 (NaN) and its data is all 0x7F (MXFP8, NaN) or all code 0
-  (MXFP4, which has no NaN); the NaN scale makes the whole block dequantize to NaN.
-* NVFP4: the tensor amax ignores NaN, so a NaN poisons only its own 16-block (s_b = NaN, data
-  code 0 there); +-Inf gives S_enc = 1 and saturates (contract formula). A nonzero block whose
-  s_b rounds to 0 stores saturated codes (+-6) exactly as the formula says (as Transformer
-  Engine does); they dequantize to 0. A given ``global_scale`` must be positive and finite; then
-  ``S_enc = min(1 / global_scale, FLT_MAX)`` in fp32. A Python float is rounded to the nearest
-  fp32; tensors of any float dtype are converted to fp32. An empty x gives global_scale 1.
-* FP8, every granularity: a NaN or +-Inf in a scale group (tensor, row or block) makes that
-  group's scale NaN and all its data 0x7F. Per tensor / row, when ``amax / Qmax`` is 0 (all-zero
-  group, or an amax so small that the quotient underflows) the scale is 1.0 and the data is
-  ``x / 1`` (signed zeros kept). Finite values beyond +-Qmax after scaling saturate to +-Qmax.
+Each public ``quantize_<fmt>`` validates its input and calls the custom operator
+``torch.ops.tilemm.quantize_<fmt>`` (``tilemm.ops``), which runs the cuTile kernels of
+``tilemm.kernels.quantize_kernels`` for CUDA tensors on sm_90 or newer and
+``_quantize_<fmt>_reference`` everywhere else; both give the same bits. Blocks run along the last
+dimension K; leading dimensions are batch (and, for 2-D blocks, M). float32, bfloat16 and float16
+inputs are converted to fp32 first (exact), and every step is an fp32 tensor operation in the order
+that docs/numerics.md gives, so the bits are defined. That page states every formula and every
+special case (zero, NaN and Inf blocks, the e2m1 sign of values that round to zero); the tests in
+tests/test_quantize.py pin each of them.
 """
 
 from __future__ import annotations
@@ -306,7 +275,7 @@ def _exponent_and_mantissa(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _e8m0_rceil(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    """Scale bytes (int32) = smallest power of two >= amax/Qmax, from the bits of d (NUMERICS)."""
+    """Scale bytes (int32) = smallest power of two >= amax/Qmax, from the bits of d (docs/numerics.md)."""
     d = amax * _f32(1.0 / qmax, amax.device)
     exponent, mantissa = _exponent_and_mantissa(d)
     # Normal d: round the exponent up unless d is a power of two. Subnormal d (exponent 0):

@@ -1,7 +1,7 @@
 """The pure-PyTorch reference path: exact dequantization and an fp32-accumulated matmul.
 
 CPU tensors run this path, and the GPU tests compare every kernel against it on the same quantized
-inputs. It follows NUMERICS.md: ``out = dequantize(x) @ dequantize(y)`` accumulated in fp32, then
+inputs. It follows docs/numerics.md: ``out = dequantize(x) @ dequantize(y)`` accumulated in fp32, then
 ``* alpha + bias``, rounded once to ``out_dtype``.
 """
 

@@ -317,7 +317,7 @@ class BlockScaledGemmSm100:
         cute.copy(t2r, tTR_tAcc, tTR_rAcc)
         cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld: the registers hold the values now
         acc_ready.release()
-        # One rounding, RNE, after the fp32 multiply by alpha (NUMERICS.md "Matmul semantics").
+        # One rounding, RNE, after the fp32 multiply by alpha (docs/numerics.md, "Matmuls").
         tTR_rOut.store((tTR_rAcc.load() * alpha).to(self.out_dtype))
         rows, cols = mOut.shape[0], mOut.shape[1]
         for i in cutlass.range(cute.size(tTR_rOut), unroll_full=True):

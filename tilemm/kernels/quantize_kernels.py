@@ -1,6 +1,6 @@
 """GPU quantizers: MXFP8, MXFP4, NVFP4 and FP8 in cuTile, bit-identical to ``tilemm.quantize``'s reference.
 
-What they compute: exactly what ``tilemm.quantize._quantize_<fmt>_reference`` computes (NUMERICS.md),
+What they compute: exactly what ``tilemm.quantize._quantize_<fmt>_reference`` computes (docs/numerics.md),
 for float32 / bfloat16 / float16 input (converted to fp32 in registers, which is exact). Each element
 is read once -- NVFP4 without a global scale and FP8 per tensor first run ``_amax_kernel`` (one more
 read), FP8 per row reads each row twice when K > 8192 (the second time mostly from L2), and along

@@ -569,6 +569,34 @@ def test_mx_nonfinite_blocks(element, rounding):
     assert torch.equal(deq[0, 32:], torch.full((32,), 2.0))
 
 
+def test_nvfp4_inf_saturates_and_nan_poisons_its_block():
+    # The MX rule (NaN or Inf block -> NaN scale) is not NVFP4's: there an Inf follows the formulas
+    # (amax_g = Inf gives S_enc = 1, s_b = 448, element 6) and stays finite; a NaN makes its block's
+    # e4m3 scale NaN (0x7F) and leaves the other blocks alone (docs/numerics.md, "NVFP4").
+    x = torch.ones(2, 32)
+    x[0, 3] = INF
+    x[1, 20] = NAN
+    q = quantize_nvfp4(x)
+    assert q.global_scale.item() == 1.0
+    # s_b: 448 (0x7E) for the Inf block, e4m3(1/6) (0x23) for all-ones blocks, NaN (0x7F).
+    assert as_uint8(q.scale).tolist() == [[0x7E, 0x23], [0x23, 0x7F]]
+    deq = dequantize(q)
+    assert deq[0, 3].item() == 2688.0 and deq[0].isfinite().all()
+    assert deq[1, 16:].isnan().all() and deq[1, :16].isfinite().all()
+    # Negative infinity saturates to the negative end.
+    assert dequantize(quantize_nvfp4(-x[:1]))[0, 3].item() == -2688.0
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", (1, 128)])
+def test_fp8_inf_gives_the_nan_scale(granularity):
+    # FP8 treats Inf as MX does: its scale group gets a NaN scale and NaN data (0x7F).
+    x = torch.ones(2, 128)
+    x[0, 5] = INF
+    q = quantize_fp8(x, granularity=granularity)
+    assert q.scale.flatten()[0].isnan()
+    assert (as_uint8(q.data)[0] == 0x7F).all()
+
+
 @settings(max_examples=80, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(block=st.lists(st.floats(width=32, allow_nan=False), min_size=32, max_size=32),

@@ -521,6 +521,12 @@ def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fas
     if type(x_q) is not type(w_q):
         raise TypeError(f"{fn}: x_q and w_q must be of one format, got {type(x_q).__name__} and "
                         f"{type(w_q).__name__}")
+    for name, t in (("x_q", x_q), ("w_q", w_q)):
+        if isinstance(t, tuple) and not all(isinstance(f, torch.Tensor) for f in t):
+            arrays = ", ".join(sorted({f"{type(f).__module__}.{type(f).__name__}" for f in t}))
+            raise TypeError(f"{fn}: {name} must hold torch tensors, got a {type(t).__name__} of {arrays}; "
+                            f"for NumPy / CuPy arrays (FP8 as raw bytes) quantize torch.from_numpy(x) / "
+                            f"torch.from_dlpack(x) instead, or call the format's *_matmul with the arrays")
     w, ws = w_q.data, w_q.scale
     if w.ndim != 2:
         raise ValueError(f"{fn}: w_q must hold a 2-D (N, K) weight, got data of shape {tuple(w.shape)}")

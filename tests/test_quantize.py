@@ -1191,6 +1191,45 @@ def test_errors(call, exc, match):
 
 
 # ==============================================================================================
+# repr
+# ==============================================================================================
+
+REPR_CASES = [
+    ("mxfp8", lambda x: quantize_mxfp8(x, elem_dtype=torch.float8_e5m2),
+     "MXFP8Tensor(format=mxfp8_e5m2, shape=(300, 256), data=float8_e5m2(300, 256), "
+     "scale=float8_e8m0fnu(300, 8), layout=logical, device=cpu)"),
+    ("mxfp4-swizzled", lambda x: quantize_mxfp4(x, swizzle=True),
+     "MXFP4Tensor(format=mxfp4, shape=(300, 256), data=uint8(300, 128), "
+     "scale=float8_e8m0fnu(3, 2, 32, 16), layout=swizzled, device=cpu)"),
+    ("nvfp4-swizzled", lambda x: quantize_nvfp4(x, swizzle=True, global_scale=0.25),
+     "NVFP4Tensor(format=nvfp4, shape=(300, 256), data=uint8(300, 128), "
+     "scale=float8_e4m3fn(3, 4, 32, 16), layout=swizzled, global_scale=0.25, device=cpu)"),
+    ("fp8-row", lambda x: quantize_fp8(x, granularity="row"),
+     "FP8Tensor(format=fp8_e4m3, shape=(300, 256), data=float8_e4m3fn(300, 256), "
+     "scale=float32(300, 1), device=cpu)"),
+    ("mxfp8-numpy", lambda x: quantize_mxfp8(x.numpy()),
+     "MXFP8Tensor(format=mxfp8 bytes, shape=(300, 256), data=uint8(300, 256), scale=uint8(300, 8), "
+     "layout=logical, device=cpu (NumPy arrays))"),
+]
+
+
+@pytest.mark.parametrize("quantize,expected", [c[1:] for c in REPR_CASES], ids=[c[0] for c in REPR_CASES])
+def test_quantized_tensors_print_one_line(quantize, expected):
+    # The NamedTuple default printed every element (over 100 lines for a small tensor).
+    q = quantize(torch.randn(300, 256, generator=torch.Generator().manual_seed(0)))
+    assert repr(q) == str(q) == expected
+
+
+def test_repr_does_not_read_a_device_global_scale():
+    # Reading a GPU value would synchronise; a meta tensor has no value to read at all.
+    meta = dict(device="meta")
+    q = NVFP4Tensor(torch.empty(4, 8, dtype=torch.uint8, **meta),
+                    torch.empty(4, 1, dtype=torch.float8_e4m3fn, **meta), torch.empty((), **meta))
+    assert repr(q) == ("NVFP4Tensor(format=nvfp4, shape=(4, 16), data=uint8(4, 8), scale=float8_e4m3fn(4, 1), "
+                       "layout=logical, global_scale=<fp32 on device>, device=meta)")
+
+
+# ==============================================================================================
 # GPU: the same bits as on the CPU (the reference runs on any device)
 # ==============================================================================================
 

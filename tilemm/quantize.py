@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from swizzle import swizzle_32_4_4, unswizzle_32_4_4
@@ -152,8 +153,38 @@ def _cuda(self, device=None):
     return _to(self, torch.device("cuda") if device is None else device)
 
 
+def _array_summary(a) -> str:
+    """``dtype(shape)`` of a tensor or array, e.g. ``float8_e4m3fn(128, 256)``."""
+    return f"{str(a.dtype).removeprefix('torch.')}{tuple(a.shape)}"
+
+
+def _repr(self) -> str:
+    """One line: format, logical shape, each field's dtype and shape, scale layout, device.
+
+    (The NamedTuple default prints every element of every field.)"""
+    is_torch = isinstance(self.data, torch.Tensor)
+    try:
+        fmt = self.format.name
+    except TypeError:  # FP8 data held as the uint8 bytes of a NumPy / CuPy array
+        fmt = "fp8 bytes" if isinstance(self, FP8Tensor) else "mxfp8 bytes"
+    per_byte = 2 if isinstance(self, (MXFP4Tensor, NVFP4Tensor)) else 1
+    shape = (*self.data.shape[:-1], self.data.shape[-1] * per_byte) if self.data.ndim else ()
+    fields = [f"format={fmt}", f"shape={shape}", f"data={_array_summary(self.data)}",
+              f"scale={_array_summary(self.scale)}"]
+    if not isinstance(self, FP8Tensor):  # FP8 scales have no swizzled form
+        fields.append(f"layout={'swizzled' if self.swizzled else 'logical'}")
+    if isinstance(self, NVFP4Tensor):
+        gs = self.global_scale
+        on_host = not is_torch or gs.device.type == "cpu"  # reading a GPU value would synchronise
+        fields.append(f"global_scale={float(gs):.6g}" if on_host else "global_scale=<fp32 on device>")
+    device = str(self.data.device) if is_torch else ("cpu (NumPy arrays)" if isinstance(self.data, np.ndarray)
+                                                     else "cuda (CuPy arrays)")
+    fields.append(f"device={device}")
+    return f"{type(self).__name__}({', '.join(fields)})"
+
+
 for _cls in (MXFP8Tensor, MXFP4Tensor, NVFP4Tensor, FP8Tensor):
-    _cls.to, _cls.cpu, _cls.cuda = _to, _cpu, _cuda
+    _cls.to, _cls.cpu, _cls.cuda, _cls.__repr__ = _to, _cpu, _cuda, _repr
     _cls.device = property(lambda self: self.data.device, doc="The device of the data.")
 del _cls
 

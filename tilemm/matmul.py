@@ -12,6 +12,11 @@ Scales come in one of two layouts, told apart by their rank:
 * swizzled 32x4x4 (``swizzle.swizzle_32_4_4``): x_scale (..., ceil(M/128), ceil(K/B/4), 32, 16) and
   y_scale the same built from the (N, K/B) weight scales: two more dimensions than the operand.
 
+Swizzled scales do not record which operand they belong to. When x_scale and y_scale have the same
+padded shape (M and N in the same multiple of 128), passing them swapped is accepted and gives a wrong
+result that no check can catch. :func:`linear` takes each operand with its own scale and cannot swap
+them: prefer it.
+
 CPU tensors run the pure-PyTorch reference (``tilemm.reference``); CUDA tensors run the cuTile kernel
 for their architecture (``tilemm.kernels``): exact emulation on Hopper (sm_90), ``ct.mma_scaled`` on
 Blackwell (sm_100 / sm_120).
@@ -433,6 +438,9 @@ def mxfp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None,
 
     Returns:
         (..., M, N) tensor of ``out_dtype`` (an array of the input's kind for NumPy / CuPy inputs).
+
+    Swizzled x_scale and y_scale of the same padded shape cannot be told apart: swapped, they give a
+    silently wrong result. :func:`linear`, which takes each operand with its scale, cannot swap them.
     """
     fn = "mxfp8_matmul"
     x, y = _fp8_bytes(fn, "x", x, elem_dtype), _fp8_bytes(fn, "y", y, elem_dtype)
@@ -447,6 +455,9 @@ def mxfp4_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None,
 
     x: (..., M, K/2) uint8; y: (..., K/2, N) uint8, K-major (``w.t()`` of an (N, K/2) packed weight);
     scales as for :func:`mxfp8_matmul` with K/32 columns. Other arguments as for :func:`mxfp8_matmul`.
+
+    Swizzled x_scale and y_scale of the same padded shape cannot be told apart: swapped, they give a
+    silently wrong result. :func:`linear`, which takes each operand with its scale, cannot swap them.
     """
     fn = "mxfp4_matmul"
     _check_op_args(fn, out_dtype, bias, x=x, x_scale=x_scale, y=y, y_scale=y_scale)
@@ -465,6 +476,9 @@ def nvfp4_matmul(x, x_scale, y, y_scale, *, global_scale_x, global_scale_y, out_
     ``global_scale_y`` are the decode scales returned by :func:`tilemm.quantize_nvfp4`: Python floats
     or 0-d float tensors (any float dtype, any device; converted exactly to fp32). The product is
     multiplied by ``global_scale_x * global_scale_y`` (then by ``alpha`` if given) before ``bias``.
+
+    Swizzled x_scale and y_scale of the same padded shape cannot be told apart: swapped, they give a
+    silently wrong result. :func:`linear`, which takes each operand with its scale, cannot swap them.
     """
     fn = "nvfp4_matmul"
     _check_op_args(fn, out_dtype, bias, x=x, x_scale=x_scale, y=y, y_scale=y_scale)
@@ -509,6 +523,10 @@ def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fas
     ``NVFP4Tensor`` or ``FP8Tensor``), both of the same format and scale layout; the transposes and
     scale orientation are handled here. For FP8, ``w_q``'s scale may be per tensor, per row (one per
     output channel) or 128x128 blocks. ``use_fast_accum`` (FP8 only) is passed to :func:`fp8_matmul`.
+
+    The recommended entry point: the ``*_matmul`` functions take four loose tensors, and two swizzled
+    scales of the same padded shape swapped there give a wrong result that nothing can detect; here
+    each scale travels with its operand.
     """
     from . import quantize as q
 

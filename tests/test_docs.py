@@ -35,3 +35,19 @@ def test_cited_documents_exist(path):
     assert not re.search(r"\b(NUMERICS|STYLE)\.md\b", text), f"{path.name} cites a file the repository lacks"
     for cited in set(re.findall(r"\bdocs/[\w./-]+\.md\b", text)):
         assert (ROOT / cited).is_file(), f"{path.name} cites {cited}, which does not exist"
+
+
+def _readme_python_blocks():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def test_readme_has_python_examples():
+    assert len(_readme_python_blocks()) >= 2
+
+
+@pytest.mark.parametrize("index", range(len(_readme_python_blocks())))
+def test_readme_python_block_runs_as_written(index):
+    # Each block runs on its own, on whatever machine runs the tests (a CPU one in CI).
+    code = _readme_python_blocks()[index]
+    exec(compile(code, f"README.md python block {index}", "exec"), {"__name__": "__readme__"})

@@ -18,10 +18,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from swizzle import swizzle_32_4_4, unswizzle_32_4_4
+from swizzle import swizzle_32_4_4, swizzled_shape, unswizzle_32_4_4
 
 from . import _interop
-from .formats import FP8_E4M3, MXFP4, NVFP4, Format, fp8_format, mxfp8_format
+from .formats import FP8_BLOCK, FP8_E4M3, MXFP4, NVFP4, Format, fp8_format, mxfp8_format
 from .numerics import as_uint8, pack_e2m1
 from .reference import dequantize_blocks
 
@@ -42,10 +42,7 @@ __all__ = [
 ]
 
 ROUNDING_MODES = ("rceil", "floor")
-FP8_BLOCK = 128  # DeepSeek-style FP8 block edge: 1x128 activations, 128x128 weights
 FP8_BLOCK_AMAX_FLOOR = 1e-4  # s = max(amax, 1e-4) / 448 keeps all-zero blocks finite
-SWIZZLE_ROW_TILE = 128  # rows of the scale matrix per 32x16 swizzled block
-SWIZZLE_COL_TILE = 4  # scale columns per 32x16 swizzled block
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FLT_MAX = torch.finfo(torch.float32).max
@@ -757,8 +754,7 @@ def _logical_block_scale(fn: str, fmt: Format, data: torch.Tensor,
     cols = k // fmt.block
     if scale.ndim == data.ndim + 2 and data.ndim >= 2:
         rows = data.shape[-2]
-        expected = (*data.shape[:-2], _ceil_div(rows, SWIZZLE_ROW_TILE),
-                    _ceil_div(cols, SWIZZLE_COL_TILE), 32, 16)
+        expected = (*data.shape[:-2], *swizzled_shape(rows, cols))
         if tuple(scale.shape) != expected:
             raise ValueError(f"{fn}: swizzled scale must have shape {expected} for data shape "
                              f"{tuple(data.shape)}, got {tuple(scale.shape)}")

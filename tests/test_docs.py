@@ -51,3 +51,21 @@ def test_readme_python_block_runs_as_written(index):
     # Each block runs on its own, on whatever machine runs the tests (a CPU one in CI).
     code = _readme_python_blocks()[index]
     exec(compile(code, f"README.md python block {index}", "exec"), {"__name__": "__readme__"})
+
+
+def test_install_commands_name_real_extras_and_the_cpu_install_needs_no_compiler():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    # The base install runs the CPU path: cuda-tile without its 540 MB compiler extra.
+    assert any(d.startswith("cuda-tile") for d in project["dependencies"])
+    assert not any("tileiras" in d for d in project["dependencies"])
+    assert extras["tileiras"] == ["cuda-tile[tileiras]>=1.7"]
+    # Every extra the README or CI installs exists, and CI installs the compiler for the aot tests.
+    readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
+    named = {e.strip() for text in (readme, ci) for group in re.findall(r'-e "\.\[([\w,]+)\]"', text)
+             for e in group.split(",")}
+    assert named >= {"dev", "tileiras", "cute"} and named <= set(extras)
+    assert re.search(r'-e "\.\[[\w,]*tileiras[\w,]*\]"', ci)
+    assert "--aot-all" in ci

@@ -16,8 +16,7 @@ def test_sources_found():
     assert {"quantize.py", "README.md", "numerics.md", "01_formats.ipynb"} <= names
 
 
-# hopper_block_scaled.py is being reworked separately; its module docstring still cites the contract
-# by its old name.
+# Known: hopper_block_scaled.py's module docstring still cites the contract by its old name.
 KNOWN_STALE = {"tilemm/kernels/hopper_block_scaled.py"}
 
 

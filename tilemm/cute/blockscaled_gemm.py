@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import time
 
 import cutlass
@@ -373,13 +372,14 @@ def compile_kernel(fmt_name: str, out_dtype: str, arch: str = GPU_ARCH) -> Compi
                         seconds)
 
 
+@functools.cache
 def _dump_dir() -> str:
-    """Where the DSL may write the .ptx / .cubin it is asked to keep (they are also kept in memory)."""
+    """Where the DSL writes the .ptx / .cubin it is asked to keep, and reads them back from: a folder of
+    this process's own, since every format's kernel has the same name and two processes compiling at
+    once (pytest-xdist workers) would otherwise read each other's files."""
     import tempfile
 
-    path = os.path.join(tempfile.gettempdir(), "tilemm-cute")
-    os.makedirs(path, exist_ok=True)
-    return path
+    return tempfile.mkdtemp(prefix="tilemm-cute-")
 
 
 def launch(fmt_name: str, a, b, a_scale, b_scale, out, alpha, m: int, n: int, k: int, *,

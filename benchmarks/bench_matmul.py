@@ -31,13 +31,14 @@ import datetime
 import json
 import math
 import pathlib
-import statistics
 import sys
 import time
 
 import torch
 
 import tilemm
+from tilemm.reference import matmul_fp32
+from _timing import Timer  # run as a script: benchmarks/ is on sys.path
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -58,59 +59,9 @@ def shapes(quick: bool):
     return out
 
 
-# ------------------------------------------------------------------------------------------ timing
-
-class Timer:
-    """Median time of one call, in milliseconds, with L2 flushed before each replay."""
-
-    def __init__(self, reps: int, device: torch.device):
-        self.reps = reps
-        self.flush = torch.empty(64 * 1024 * 1024, dtype=torch.float32, device=device)  # 256 MB > L2
-
-    def __call__(self, fn, capture: bool = True) -> tuple[float, str]:
-        fn()
-        torch.cuda.synchronize()
-        try:
-            if not capture:
-                raise RuntimeError("eager timing requested")
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fn()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            run, how = graph.replay, "graph"
-        except Exception:  # not capturable (host syncs): time eager launches
-            torch.cuda.synchronize()
-            run, how = fn, "events"
-        run()
-        torch.cuda.synchronize()
-        events = []
-        for _ in range(self.reps):
-            self.flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            events.append((start, end))
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in events), how
-
-
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.float(), ref.float()
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def fp32_matmul(a: torch.Tensor, b_nk: torch.Tensor) -> torch.Tensor:
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        return torch.matmul(a, b_nk.t())
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
 
 
 # ------------------------------------------------------------------------------------------ Triton peer
@@ -234,7 +185,7 @@ def _bench_fp8(m, n, x, w, record, check):
     for gran in ("tensor", "row"):
         xq = tilemm.quantize_fp8(x, granularity=gran)
         wq = tilemm.quantize_fp8(w, granularity=gran)
-        oracle = fp32_matmul(tilemm.dequantize(xq), tilemm.dequantize(wq))
+        oracle = matmul_fp32(tilemm.dequantize(xq), tilemm.dequantize(wq).t())
         sa = xq.scale if gran == "row" else xq.scale.reshape(())
         sb = wq.scale.reshape(1, n) if gran == "row" else wq.scale.reshape(())
         for fast in (False, True):
@@ -254,7 +205,7 @@ def _bench_block_scaled(fmt, quantize, x, w, record, check, timer, log):
     xq, wq = quantize(x, swizzle=True), quantize(w, swizzle=True)
     xl, wl = quantize(x), quantize(w)  # logical scales for the peers
     xd, wd = tilemm.dequantize(xl), tilemm.dequantize(wl)
-    oracle = fp32_matmul(xd, wd)
+    oracle = matmul_fp32(xd, wd.t())
     mine = lambda: tilemm.linear(xq, wq)
     record(fmt, "tilemm", mine, check(fmt, "tilemm", mine(), oracle))
     record(fmt, "cublas_bf16", lambda: torch.matmul(x, w.t()), note="torch.matmul on the bf16 originals")

@@ -36,11 +36,11 @@ import argparse
 import datetime
 import json
 import pathlib
-import statistics
 
 import torch
 
 import tilemm
+from _timing import Timer, median_ms  # run as a script: benchmarks/ is on sys.path
 from tilemm import quantize as q
 from tilemm.formats import FP8_E4M3, MXFP4, MXFP8_E4M3, MXFP8_E5M2
 
@@ -152,43 +152,14 @@ GPU_BUSY_CYCLES = 200_000
 def time_ms(fn, reps: int) -> tuple[float, str]:
     """Median time of ``fn`` in ms and how it was taken: CUDA-graph replays when ``fn`` captures (the
     kernels alone, no Python dispatch, each replay queued behind ``GPU_BUSY_CYCLES`` of GPU sleep),
-    else eager calls between CUDA events (a quantizer that reads a value back to the host would not
-    capture; none does now)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        run, how = graph.replay, "graph"
-    except Exception:  # not capturable: time eager calls
-        torch.cuda.synchronize()
-        run, how = fn, "events"
-    run()
-    torch.cuda.synchronize()
-    return _eager_ms(run, reps, busy=how == "graph"), how
+    else eager calls between CUDA events. No L2 flush: the inputs are larger than the L2."""
+    return Timer(reps, flush_l2=False, busy_cycles=GPU_BUSY_CYCLES, warmup=3, sync_each=True)(fn)
 
 
-def _eager_ms(fn, reps: int, busy: bool = False) -> float:
-    """Median of ``reps`` calls of fn, each between CUDA events (for an eager call: Python dispatch
-    included, what one call costs); with ``busy``, each behind ``GPU_BUSY_CYCLES`` of GPU sleep."""
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if busy:
-            torch.cuda._sleep(GPU_BUSY_CYCLES)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def _eager_ms(fn, reps: int) -> float:
+    """Median of ``reps`` eager calls of fn, each between CUDA events: Python dispatch included, what
+    one call costs."""
+    return median_ms(fn, reps, sync_each=True)
 
 
 def _same_bits(a, b) -> bool:

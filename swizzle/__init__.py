@@ -2,7 +2,7 @@
 
 A scale matrix S of shape (..., R, C) -- R rows of the operand, C = K / block -- is zero-padded to
 (round_up(R, 128), round_up(C, 4)) and stored as (..., R/128, C/4, 32, 16) blocks; see
-:func:`swizzle_32_4_4` for the index formula and a diagram, and NUMERICS.md "Scale layout: 32x4x4".
+:func:`swizzle_32_4_4` for the index formula and a diagram, and docs/numerics.md, "The 32x4x4 scale layout".
 
 Works on numpy arrays, torch tensors (any device, including float8_e8m0fnu / float8_e4m3fn) and
 CuPy arrays, and needs only numpy to import.

@@ -1,6 +1,6 @@
 """The 32x4x4 block-scale layout ("swizzled", "blocked") on numpy, torch and CuPy arrays.
 
-See NUMERICS.md, section "Scale layout: 32x4x4". Nothing here is GPU-specific: the same code
+See docs/numerics.md, "The 32x4x4 scale layout". Nothing here is GPU-specific: the same code
 moves bytes for numpy arrays, torch tensors on any device and CuPy arrays. torch and CuPy are
 never imported by this module; an input can only be one of their arrays if its library is
 already loaded, so they are looked up in ``sys.modules``.

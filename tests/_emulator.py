@@ -373,7 +373,7 @@ class LaunchProxy:
 
 
 def assert_matches(out, ref, out_dtype):
-    """NUMERICS.md's matmul tolerance: relative Frobenius error 1e-5, plus the output rounding."""
+    """docs/numerics.md's matmul tolerance: relative Frobenius error 1e-5, plus the output rounding."""
     tol = {torch.float32: 1e-5, torch.bfloat16: 4e-3 + 1e-5, torch.float16: 1e-3 + 1e-5}[out_dtype]
     out64, ref64 = out.to(torch.float64), ref.to(torch.float64)
     assert torch.isfinite(out64).all(), "non-finite outputs (an unwritten tile or poison that leaked)"

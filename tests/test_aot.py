@@ -1,22 +1,42 @@
-"""Ahead-of-time compilation of every kernel specialisation, for every architecture it can run on.
+"""Ahead-of-time compilation of the kernels, for every architecture they can run on.
 
-No GPU is needed: ``tileiras`` compiles for sm_90 / sm_100 / sm_120 on a CPU-only machine, so a kernel
-that stops compiling (a cuTile API change, a shape or dtype the compiler rejects, a tile that no
-longer fits) fails CI. Each test compiles one ``AotVariant`` of one module for one target and checks
-that a cubin (an ELF image) comes back.
+No GPU is needed: ``tileiras`` (``pip install tilemm[tileiras]``) compiles for sm_90 / sm_100 / sm_120
+on a CPU-only machine, so a kernel that stops compiling (a cuTile API change, a shape or dtype the
+compiler rejects, a tile that no longer fits) fails CI. Each test compiles one ``AotVariant`` of one
+module for one target and checks that a cubin (an ELF image) comes back.
 
-Cost: about 1-2 s per cubin with a cold cuTile cache (cuTile caches cubins in ~/.cache/cutile-python;
-set CUDA_TILE_CACHE_DIR=off to measure the cold cost). The Blackwell modules give 96 cubins: about
-80 s of compiler time on a quiet 2-core machine, 3.3 minutes when it is busy. cuTile reads a kernel's
-source file when it compiles, so editing kernel sources while this runs gives spurious failures.
-Each kernel is also compiled once with no alignment facts (``test_unaligned_variant_compiles``: 34
-cubins, about 50 s), the specialisation the JIT builds for odd strides.
+What the default run compiles: one variant per code path and target. A variant's code path is its
+kernel function and, parameter by parameter,
+
+* for an array: its rank, and its dtype unless that is a 16/32-bit float (an input or output
+  precision: fp32 / bf16 / fp16 take the same path), so that FP8 data, packed e2m1 bytes, e8m0 / e4m3
+  scale bytes and int32 amax words keep their paths apart;
+* for a constant: its value (format, element code, scale block, swizzled or not, transposed or not,
+  TMA store or not, ...), except the tuning constants in ``TUNING`` (tile shapes, pipeline latencies,
+  group sizes, chunk sizes), and ``SPLIT_K``, which counts only as split or not.
+
+Compiler hints (occupancy, CTAs per cluster) are tuning too. Then, so that no setting goes uncompiled,
+variants are added until every value of every tuning constant, every hint set and every array dtype
+has been compiled at least once per kernel function. That is about a third of the variants. The full
+sweep, every variant the launchers can pick, runs with ``--aot-all`` (``pytest -m aot --aot-all``) or
+``-m aot_full``; CI runs it after the default run.
+
+Each kernel is also compiled with no alignment facts (``test_unaligned_variant_compiles``), the
+specialisation the JIT builds for odd strides: by default once per kernel function and target, with
+``--aot-all`` once per distinct hinted kernel and target.
+
+Cost: about 1 s of compiler time per cubin on a 2-core machine. cuTile keeps compiled cubins in
+~/.cache/cutile-python (``CUDA_TILE_CACHE_DIR`` moves it; ``off`` disables it), so a second run only
+compiles what changed. cuTile reads a kernel's source file when it compiles, so editing kernel sources
+while this runs gives spurious failures.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
+import pkgutil
 
 import pytest
 
@@ -27,10 +47,28 @@ pytestmark = pytest.mark.aot
 # kernels, such as the quantizers, all three).
 FAMILY_TARGETS = {"hopper": ("sm_90",), "blackwell": ("sm_100", "sm_120")}
 
+# Kernel constants that choose how fast a kernel runs, not what it computes or which code it runs.
+TUNING = {"TILE_R", "TILE_K", "TM", "TN", "TK", "TR", "LATENCY", "LATENCY_A", "LATENCY_B",
+          "GROUP_SIZE_M", "CHUNK"}
+PRECISION_DTYPES = {"float32", "float16", "bfloat16"}
+
+
+def _compiler_missing() -> str | None:
+    """Why tileiras cannot be found, or None. (cuTile looks it up the same way when it compiles.)"""
+    try:
+        from cuda.tile._compile import _find_compiler_bin
+
+        _find_compiler_bin()
+    except FileNotFoundError as err:
+        return f"needs the cuTile compiler tileiras (pip install tilemm[tileiras]): {err}"
+    return None
+
+
+COMPILER_MISSING = _compiler_missing()
+needs_compiler = pytest.mark.skipif(COMPILER_MISSING is not None, reason=COMPILER_MISSING or "")
+
 
 def _kernel_modules():
-    import pkgutil
-
     import tilemm.kernels
 
     names = sorted(m.name for m in pkgutil.iter_modules(tilemm.kernels.__path__) if not m.name.startswith("_"))
@@ -46,18 +84,73 @@ def _allowed_targets(name: str):
     return FAMILY_TARGETS.get(family, ("sm_90", "sm_100", "sm_120"))
 
 
-def _cases():
+def _kernel_function(variant):
+    """The Python function under a (possibly hinted) cuTile kernel."""
+    return getattr(variant.kernel, "_pyfunc", variant.kernel)
+
+
+def _path_and_settings(variant):
+    """(code path, tuning settings) of a variant, as the module docstring defines them."""
+    from cuda.tile import compilation as cc
+
+    fn = _kernel_function(variant)
+    names = list(inspect.signature(fn).parameters)
+    path, settings = [fn.__qualname__], {("hints", repr(getattr(variant.kernel, "_compiler_options", None)))}
+    for name, param in zip(names, variant.params):
+        if isinstance(param, cc.ArrayConstraint):
+            dtype = str(param.dtype)
+            path.append((name, "float" if dtype in PRECISION_DTYPES else dtype, param.ndim))
+            settings.add((name, dtype))
+        elif name == "SPLIT_K":
+            path.append((name, param > 1))
+            settings.add((name, param))
+        elif name in TUNING:
+            settings.add((name, param))
+        else:
+            path.append((name, repr(param)))
+    return tuple(path), settings
+
+
+def _all_cases():
+    """Every (module, variant, target), in the modules' order."""
     for name, module in MODULES.items():
         for variant in module.aot_variants():
-            short = variant.name.removeprefix(f"{name}_")
             for target in variant.targets:
-                yield pytest.param(name, variant, target, id=f"{name}-{short}-{target}")
+                yield name, variant, target
 
 
-CASES = list(_cases())
+def _default_selection(cases):
+    """The indices of ``cases`` that the default run compiles: the first variant of every code path and
+    target, then, in order, any variant that brings a setting not yet compiled for its kernel."""
+    chosen, paths, covered = [], set(), set()
+    described = [(_path_and_settings(variant), target) for _, variant, target in cases]
+    for i, ((path, settings), target) in enumerate(described):
+        if (path, target) not in paths:
+            paths.add((path, target))
+            chosen.append(i)
+            covered |= {(path[0], s) for s in settings}
+    for i, ((path, settings), _) in enumerate(described):
+        new = {(path[0], s) for s in settings} - covered
+        if new:
+            chosen.append(i)
+            covered |= new
+    return sorted(chosen)
 
 
-@pytest.mark.parametrize("module_name,variant,target", CASES)
+ALL_CASES = list(_all_cases())
+DEFAULT = set(_default_selection(ALL_CASES))
+
+
+def _param(name, variant, target, *, default: bool, suffix=""):
+    """A test case; one outside the default selection carries the ``aot_full`` marker."""
+    short = variant.name.removeprefix(f"{name}_")
+    marks = [] if default else [pytest.mark.aot_full]
+    return pytest.param(name, variant, target, id=f"{name}-{short}{suffix}-{target}", marks=marks)
+
+
+@needs_compiler
+@pytest.mark.parametrize("module_name,variant,target",
+                         [_param(*case, default=i in DEFAULT) for i, case in enumerate(ALL_CASES)])
 def test_variant_compiles(module_name, variant, target):
     from tilemm.kernels._aot import compile_variant
 
@@ -80,6 +173,35 @@ def test_module_lists_variants_with_unique_names(module_name):
     assert covered == set(_allowed_targets(module_name)), f"targets covered: {sorted(covered)}"
 
 
+def test_default_run_compiles_every_path_and_every_setting():
+    """The default selection loses no code path on any target, and no tuning value, hint set or array
+    dtype of any kernel; and it is a real reduction, not the full sweep."""
+    default = [ALL_CASES[i] for i in sorted(DEFAULT)]
+    described = [(_path_and_settings(v), t) for _, v, t in ALL_CASES]
+    chosen = [(_path_and_settings(v), t) for _, v, t in default]
+    assert {(p, t) for (p, _), t in described} == {(p, t) for (p, _), t in chosen}
+    settings = {(p[0], s) for (p, ss), _ in described for s in ss}
+    assert settings == {(p[0], s) for (p, ss), _ in chosen for s in ss}
+    assert len(default) < len(ALL_CASES) / 2
+
+
+def test_split_and_precision_are_paths_but_tile_shapes_are_not():
+    """The path key on real variants: mxfp8's stream kernel with and without split-K differ in path,
+    fp32 and bf16 outputs (or two tile shapes) of one kernel do not."""
+    variants = {v.name: v for v in MODULES["hopper_block_scaled"].aot_variants()}
+    path = {name: _path_and_settings(v)[0] for name, v in variants.items()}
+    base = "hopper_mxfp8_e4m3_swz_{}_stream_{}"
+    assert path[base.format("bf16", "128x128x128_s1_x16")] == path[base.format("fp32", "128x128x128_s1_x16")]
+    assert path[base.format("bf16", "128x128x128_s1_x16")] == path[base.format("bf16", "64x128x128_s1_occ2_x16")]
+    assert path[base.format("bf16", "128x128x128_s2_x16")] == path[base.format("bf16", "128x128x128_s8_x16")]
+    assert path[base.format("bf16", "128x128x128_s1_x16")] != path[base.format("bf16", "128x128x128_s2_x16")]
+    # e4m3 and e5m2 data, and swizzled and logical scales, are separate paths.
+    assert path[base.format("bf16", "128x128x128_s1_x16")] != path[
+        "hopper_mxfp8_e5m2_swz_bf16_stream_128x128x128_s1_x16"]
+    assert path[base.format("bf16", "128x128x128_s1_x16")] != path[
+        "hopper_mxfp8_e4m3_log_bf16_stream_128x128x128_s1_x16"]
+
+
 def _unaligned(param):
     """An array parameter with no alignment facts: what the JIT specialises on for a tensor whose base
     address or strides are not multiples of 16 bytes (an odd row length, a sliced view)."""
@@ -91,19 +213,20 @@ def _unaligned(param):
 
 
 def _unaligned_cases():
-    """One variant per kernel and target (the first that a module lists for it), with every array
-    unaligned."""
-    for name, module in MODULES.items():
-        seen = set()
-        for variant in module.aot_variants():
-            kernel = getattr(variant.kernel, "__name__", None) or repr(variant.kernel)
-            short = variant.name.removeprefix(f"{name}_")
-            for target in variant.targets:
-                if (kernel, target) not in seen:
-                    seen.add((kernel, target))
-                    yield pytest.param(name, variant, target, id=f"{name}-{short}-unaligned-{target}")
+    """One variant per hinted kernel and target (the first that a module lists for it), with every array
+    unaligned; those beyond the first per kernel function and target run only in the full sweep."""
+    seen, seen_function = set(), set()
+    for name, variant, target in ALL_CASES:
+        kernel = repr(variant.kernel)
+        if (kernel, target) in seen:
+            continue
+        seen.add((kernel, target))
+        key = (_kernel_function(variant), target)
+        yield _param(name, variant, target, default=key not in seen_function, suffix="-unaligned")
+        seen_function.add(key)
 
 
+@needs_compiler
 @pytest.mark.parametrize("module_name,variant,target", list(_unaligned_cases()))
 def test_unaligned_variant_compiles(module_name, variant, target):
     """The byte-aligned specialisation of each kernel compiles too (it is the one that runs for odd

@@ -318,7 +318,7 @@ GPU_SHAPES = [(1, 17, 64), (100, 129, 320), (256, 256, 1024)]
 def test_crosscheck(fmt_name, m, n, k):
     x, w = _operands(fmt_name, m, n, k, seed=m + n + k)
     report = tilemm.crosscheck(fmt_name, x, w, out_dtype=torch.float32)
-    # Two fp32 accumulations of the same exact products, in different orders (NUMERICS.md tolerance).
+    # Two fp32 accumulations of the same exact products, in different orders (docs/numerics.md tolerance).
     for pair, err in report.errors.items():
         assert err.rel_fro < 1e-5, f"{pair}: {err}\n{report}"
 

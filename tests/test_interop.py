@@ -159,6 +159,27 @@ def test_a_numpy_argument_makes_the_result_numpy():
     xq, wq = tilemm.quantize_mxfp4(torch.from_numpy(x)), tilemm.quantize_mxfp4(w)  # torch x, numpy w
     out = tilemm.mxfp4_matmul(xq.data, xq.scale, wq.data.T, wq.scale.T)
     assert isinstance(out, np.ndarray) and out.dtype == np.float32
+    # The value is the product of the dequantized operands (exact inputs, fp32 accumulation).
+    x_deq = tilemm.dequantize(xq).double()
+    w_deq = torch.from_numpy(tilemm.dequantize_mxfp4(wq.data, wq.scale)).double()
+    ref = (x_deq @ w_deq.T).numpy()
+    assert np.linalg.norm(out - ref) <= 1e-6 * np.linalg.norm(ref)
+
+
+@pytest.mark.parametrize("quantize", [tilemm.quantize_mxfp8, tilemm.quantize_mxfp4, tilemm.quantize_nvfp4,
+                                      tilemm.quantize_fp8], ids=lambda f: f.__name__)
+def test_linear_refuses_numpy_operands_with_the_fix(quantize):
+    # A quantizer given arrays returns arrays (FP8 as bytes that do not say which encoding they hold),
+    # so linear, which works on quantized torch tensors, says what to do instead.
+    xq, wq = quantize(_np(4, 64)), quantize(_np(8, 64, seed=1))
+    kind = type(xq).__name__
+    with pytest.raises(TypeError, match=rf"linear: x_q must hold torch tensors, got a {kind} of "
+                                        rf"numpy.ndarray; .*quantize torch.from_numpy\(x\)"):
+        tilemm.linear(xq, wq)
+    # With torch tensors on either side, it is w_q that is named.
+    t_xq = quantize(torch.from_numpy(_np(4, 64)))
+    with pytest.raises(TypeError, match=r"linear: w_q must hold torch tensors"):
+        tilemm.linear(t_xq, wq)
 
 
 def test_uint8_fp8_tensors_need_elem_dtype_to_agree():

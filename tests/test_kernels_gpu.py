@@ -4,7 +4,7 @@ Every case quantizes on the CPU (tilemm's reference quantizers, or raw random by
 wants adversarial values), runs the public function once on CUDA copies (the cuTile kernel of this GPU's
 family) and once on the CPU tensors (the reference path), and checks both against an fp64 matmul of
 the dequantized operands: relative Frobenius error below 1e-5 for fp32 output plus the output
-dtype's rounding (NUMERICS.md).
+dtype's rounding (docs/numerics.md).
 
 FP8 on Hopper: the FP8 tensor cores themselves add up each k-step with reduced precision (see
 FP8_TENSOR_CORE_ERR), so FP8 results there get that extra bound and the 1e-5 fp32 contract is a strict
@@ -263,7 +263,7 @@ def test_nan_scale_poisons_exactly_its_row_and_column(fmt):
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=FMT_IDS)
 def test_zero_blocks(fmt):
-    # A block whose scale byte is 0 holds zero data (NUMERICS.md); the rest of the row stays exact.
+    # A block whose scale byte is 0 holds zero data (docs/numerics.md); the rest of the row stays exact.
     xq, wq = quantized_pair(fmt, 7, 17, 96, seed=11)
     per_block = fmt.block // fmt.elements_per_byte
     xq.data.view(torch.uint8)[1, per_block:2 * per_block] = 0

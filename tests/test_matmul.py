@@ -277,6 +277,25 @@ def test_linear_fp8_blocks():
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("quant,matmul", [(tilemm.quantize_mxfp8, tilemm.mxfp8_matmul),
+                                          (tilemm.quantize_mxfp4, tilemm.mxfp4_matmul)],
+                         ids=["mxfp8", "mxfp4"])
+def test_swapped_swizzled_scales_are_silently_wrong_and_linear_cannot_swap(quant, matmul):
+    # The limitation the matmul docstrings state: with M and N in the same 128-row tile and one K, the
+    # two swizzled scales have the same shape, so nothing can tell them apart.
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(20, 64, generator=gen) * torch.logspace(-3, 3, 20).unsqueeze(1)  # rows of many scales
+    w = torch.randn(50, 64, generator=gen)
+    xq, wq = quant(x, swizzle=True), quant(w, swizzle=True)
+    assert xq.scale.shape == wq.scale.shape
+    right = matmul(xq.data, xq.scale, wq.data.t(), wq.scale, out_dtype=torch.float32)
+    swapped = matmul(xq.data, wq.scale, wq.data.t(), xq.scale, out_dtype=torch.float32)  # no error
+    ref = tilemm.dequantize(xq).double() @ tilemm.dequantize(wq).double().t()
+    assert rel_err(right, ref) < 1e-5
+    assert rel_err(swapped, ref) > 0.5
+    assert torch.equal(tilemm.linear(xq, wq, out_dtype=torch.float32), right)
+
+
 # ---------------------------------------------------------------- errors
 
 def test_errors_name_argument_value_and_accepted():

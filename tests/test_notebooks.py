@@ -1,9 +1,10 @@
 """The tutorials in notebooks/ run top to bottom on a CPU, and are committed without outputs.
 
 Each notebook is executed in a fresh python3 kernel with nbclient; any exception, including a
-failed ``assert`` in a notebook's checks, fails the test. Figures use the Agg backend, so nothing
-is displayed. 03_matmul's benchmark cell is also run against synthetic results, so that its plotting
-code is exercised even where no benchmarks/results/*.json has been committed.
+failed ``assert`` in a notebook's checks, fails the test. Each notebook is also run once with one
+thing it checks deliberately broken, to show that its checks catch it. Figures use the Agg backend,
+so nothing is displayed. 03_matmul's benchmark cell is also run against synthetic results, so that
+its plotting code is exercised on results of more than one shape.
 """
 
 from __future__ import annotations
@@ -16,14 +17,18 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+from _gpu import GPU_SKIP_REASON
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = ["01_formats.ipynb", "02_swizzle.ipynb", "03_matmul.ipynb", "04_checkpoints.ipynb"]
 CELL_TIMEOUT_S = 120
 
 
-def _execute(name: str, monkeypatch, keep=None, **env: str) -> nbformat.NotebookNode:
-    """Run notebook ``name`` (only the cells for which ``keep(index, cell)`` is true, if given)."""
+def _execute(name: str, monkeypatch, keep=None, after_imports=None, **env: str) -> nbformat.NotebookNode:
+    """Run notebook ``name`` (only the cells for which ``keep(index, cell)`` is true, if given; with a
+    code cell ``after_imports`` inserted after the first code cell, if given)."""
     # The kernel inherits this environment: a non-interactive matplotlib backend, and the
     # interpreter that runs the tests first on PATH, so the kernel's "python" imports the same tilemm.
     monkeypatch.setenv("MPLBACKEND", "Agg")
@@ -33,6 +38,9 @@ def _execute(name: str, monkeypatch, keep=None, **env: str) -> nbformat.Notebook
     nb = nbformat.read(NOTEBOOK_DIR / name, as_version=4)
     if keep is not None:
         nb.cells = [cell for i, cell in enumerate(nb.cells) if keep(i, cell)]
+    if after_imports is not None:
+        first = next(i for i, cell in enumerate(nb.cells) if cell.cell_type == "code")
+        nb.cells.insert(first + 1, nbformat.v4.new_code_cell(after_imports))
     client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, startup_timeout=CELL_TIMEOUT_S,
                             kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
     client.execute()  # raises CellExecutionError on the first failing cell
@@ -59,25 +67,52 @@ def test_notebook_is_committed_without_outputs(name):
     assert "widgets" not in nb.metadata
 
 
+# The last line each notebook prints once all its checks have passed.
+LAST_LINE = {
+    "01_formats.ipynb": "e4m3 ties to even, zero blocks, NaN and Inf blocks: ok",
+    "02_swizzle.ipynb": "quantize_nvfp4: logical scale (129, 10) -> swizzled (2, 3, 32, 16)",
+    "03_matmul.ipynb": "NVIDIA_H100_80GB_HBM3.json: NVIDIA H100 80GB HBM3, ",
+}
+
+# One wrong implementation per notebook, put in place right after its imports; its checks must fail.
+BREAK = {
+    # e2m1 ties rounded away from even instead of to even.
+    "01_formats.ipynb": "tilemm.quantize._E2M1_MIDPOINTS = tuple((m, not up) for m, up in "
+                        "tilemm.quantize._E2M1_MIDPOINTS)",
+    # A swizzle that puts the 32 rows of each block in reverse order.
+    "02_swizzle.ipynb": "_right_swizzle = swizzle_32_4_4\n"
+                        "swizzle_32_4_4 = lambda s: _right_swizzle(s)[..., ::-1, :].copy()",
+    # A matmul 0.1 % off (on any device).
+    "03_matmul.ipynb": "_right_linear = tilemm.linear\n"
+                       "tilemm.linear = lambda *args, **kw: _right_linear(*args, **kw) * 1.001",
+}
+
+
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_tells_its_story(name):
-    """STYLE.md: a background section, a picture, and checks that assert rather than print."""
+def test_notebook_has_background_picture_and_checks(name):
     nb = nbformat.read(NOTEBOOK_DIR / name, as_version=4)
     markdown = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
     assert "## Background" in markdown
     assert "plt.show()" in code
-    assert "assert " in code
+    assert code.count("assert ") >= 5
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs(name, monkeypatch):
-    nb = _execute(name, monkeypatch)
+    out = _stdout(_execute(name, monkeypatch))
+    assert out.splitlines()[-1].startswith(LAST_LINE[name]), out[-500:]
     if name == "03_matmul.ipynb":
-        # The capability guard says which path ran, and the benchmark cell reports what it found.
-        out = _stdout(nb)
-        assert "GPU part skipped" in out or "Running tilemm's cuTile kernels" in out
-        assert "No benchmark results" in out or ".json:" in out
+        # The capability guard says which path ran: the kernels exactly where a suitable GPU is.
+        expected = "GPU part skipped: " if GPU_SKIP_REASON else "Running tilemm's cuTile kernels on "
+        assert out.startswith(expected), out[:200]
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_checks_catch_a_wrong_implementation(name, monkeypatch):
+    with pytest.raises(CellExecutionError) as failure:
+        _execute(name, monkeypatch, after_imports=BREAK[name])
+    assert failure.value.ename == "AssertionError", str(failure.value)[-2000:]
 
 
 def test_matmul_notebook_plots_benchmark_results(tmp_path, monkeypatch):

@@ -418,7 +418,7 @@ def make_input(blocks: list[list[float]], block: int, k_blocks: int, dtype: torc
 # Hand-written expectations
 # ==============================================================================================
 
-# The e2m1 tie table from NUMERICS.md, and the codes: midpoints go to the even code.
+# The e2m1 tie table from docs/numerics.md, and the codes: midpoints go to the even code.
 TIE_INPUTS = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
 TIE_CODES = [0, 2, 2, 4, 4, 6, 6]  # 0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0
 
@@ -464,7 +464,7 @@ def test_mxfp8_e4m3_ties_hand_written():
 
 
 def test_nvfp4_block_scale_operation_order_hand_written():
-    # NUMERICS fixes s_b = e4m3(amax_b * (S_enc * fp32(1/6))). For this pair the product is exactly
+    # docs/numerics.md fixes s_b = e4m3(amax_b * (S_enc * fp32(1/6))). For this pair the product is exactly
     # 1.1875, an e4m3 tie that rounds to even 1.25 (0x3A); the other association,
     # (amax_b * S_enc) * fp32(1/6), gives 1.1874999 -> 1.125 (0x39).
     amax_g, amax_b = float.fromhex("0x1.6065d0p+9"), float.fromhex("0x1.de4104p+0")
@@ -567,6 +567,34 @@ def test_mx_nonfinite_blocks(element, rounding):
     deq = dequantize(q)
     assert deq[0, :32].isnan().all() and deq[1].isnan().all()
     assert torch.equal(deq[0, 32:], torch.full((32,), 2.0))
+
+
+def test_nvfp4_inf_saturates_and_nan_poisons_its_block():
+    # The MX rule (NaN or Inf block -> NaN scale) is not NVFP4's: there an Inf follows the formulas
+    # (amax_g = Inf gives S_enc = 1, s_b = 448, element 6) and stays finite; a NaN makes its block's
+    # e4m3 scale NaN (0x7F) and leaves the other blocks alone (docs/numerics.md, "NVFP4").
+    x = torch.ones(2, 32)
+    x[0, 3] = INF
+    x[1, 20] = NAN
+    q = quantize_nvfp4(x)
+    assert q.global_scale.item() == 1.0
+    # s_b: 448 (0x7E) for the Inf block, e4m3(1/6) (0x23) for all-ones blocks, NaN (0x7F).
+    assert as_uint8(q.scale).tolist() == [[0x7E, 0x23], [0x23, 0x7F]]
+    deq = dequantize(q)
+    assert deq[0, 3].item() == 2688.0 and deq[0].isfinite().all()
+    assert deq[1, 16:].isnan().all() and deq[1, :16].isfinite().all()
+    # Negative infinity saturates to the negative end.
+    assert dequantize(quantize_nvfp4(-x[:1]))[0, 3].item() == -2688.0
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", (1, 128)])
+def test_fp8_inf_gives_the_nan_scale(granularity):
+    # FP8 treats Inf as MX does: its scale group gets a NaN scale and NaN data (0x7F).
+    x = torch.ones(2, 128)
+    x[0, 5] = INF
+    q = quantize_fp8(x, granularity=granularity)
+    assert q.scale.flatten()[0].isnan()
+    assert (as_uint8(q.data)[0] == 0x7F).all()
 
 
 @settings(max_examples=80, deadline=None, derandomize=True,
@@ -835,7 +863,7 @@ def test_swizzle_true_equals_swizzled_logical_scale(fmt, shape):
     assert torch.equal(as_uint8(qs.scale), as_uint8(swizzle.swizzle_32_4_4(q.scale)))
     m, cols = shape[-2], q.scale.shape[-1]
     assert qs.scale.shape == (*shape[:-2], math.ceil(m / 128), math.ceil(cols / 4), 32, 16)
-    # Spot-check NUMERICS' flat index formula without the swizzle package, and zero padding.
+    # Spot-check the flat index formula of docs/numerics.md without the swizzle package, and zero padding.
     flat = as_uint8(qs.scale).reshape(*shape[:-2], -1)
     logical = as_uint8(q.scale)
     c_pad = math.ceil(cols / 4) * 4
@@ -1160,6 +1188,45 @@ ERROR_CASES = [
 def test_errors(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+# ==============================================================================================
+# repr
+# ==============================================================================================
+
+REPR_CASES = [
+    ("mxfp8", lambda x: quantize_mxfp8(x, elem_dtype=torch.float8_e5m2),
+     "MXFP8Tensor(format=mxfp8_e5m2, shape=(300, 256), data=float8_e5m2(300, 256), "
+     "scale=float8_e8m0fnu(300, 8), layout=logical, device=cpu)"),
+    ("mxfp4-swizzled", lambda x: quantize_mxfp4(x, swizzle=True),
+     "MXFP4Tensor(format=mxfp4, shape=(300, 256), data=uint8(300, 128), "
+     "scale=float8_e8m0fnu(3, 2, 32, 16), layout=swizzled, device=cpu)"),
+    ("nvfp4-swizzled", lambda x: quantize_nvfp4(x, swizzle=True, global_scale=0.25),
+     "NVFP4Tensor(format=nvfp4, shape=(300, 256), data=uint8(300, 128), "
+     "scale=float8_e4m3fn(3, 4, 32, 16), layout=swizzled, global_scale=0.25, device=cpu)"),
+    ("fp8-row", lambda x: quantize_fp8(x, granularity="row"),
+     "FP8Tensor(format=fp8_e4m3, shape=(300, 256), data=float8_e4m3fn(300, 256), "
+     "scale=float32(300, 1), device=cpu)"),
+    ("mxfp8-numpy", lambda x: quantize_mxfp8(x.numpy()),
+     "MXFP8Tensor(format=mxfp8 bytes, shape=(300, 256), data=uint8(300, 256), scale=uint8(300, 8), "
+     "layout=logical, device=cpu (NumPy arrays))"),
+]
+
+
+@pytest.mark.parametrize("quantize,expected", [c[1:] for c in REPR_CASES], ids=[c[0] for c in REPR_CASES])
+def test_quantized_tensors_print_one_line(quantize, expected):
+    # The NamedTuple default printed every element (over 100 lines for a small tensor).
+    q = quantize(torch.randn(300, 256, generator=torch.Generator().manual_seed(0)))
+    assert repr(q) == str(q) == expected
+
+
+def test_repr_does_not_read_a_device_global_scale():
+    # Reading a GPU value would synchronise; a meta tensor has no value to read at all.
+    meta = dict(device="meta")
+    q = NVFP4Tensor(torch.empty(4, 8, dtype=torch.uint8, **meta),
+                    torch.empty(4, 1, dtype=torch.float8_e4m3fn, **meta), torch.empty((), **meta))
+    assert repr(q) == ("NVFP4Tensor(format=nvfp4, shape=(4, 16), data=uint8(4, 8), scale=float8_e4m3fn(4, 1), "
+                       "layout=logical, global_scale=<fp32 on device>, device=meta)")
 
 
 # ==============================================================================================

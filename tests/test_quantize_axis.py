@@ -75,7 +75,7 @@ def test_axis_minus_2_feeds_the_matmul_as_the_k_major_operand():
     xq, yq = tilemm.quantize_mxfp8(x), tilemm.quantize_mxfp8(y, axis=-2)
     out = tilemm.mxfp8_matmul(xq.data, xq.scale, yq.data.mT, yq.scale.mT, out_dtype=torch.float32)
     ref = xq.dequantize().double() @ yq.dequantize().double().mT
-    assert (out.double() - ref).norm() <= 1e-5 * ref.norm()  # NUMERICS.md's fp32 matmul bound
+    assert (out.double() - ref).norm() <= 1e-5 * ref.norm()  # docs/numerics.md's fp32 matmul bound
 
 
 def test_axis_with_numpy():

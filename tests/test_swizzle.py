@@ -1,4 +1,4 @@
-"""Tests for swizzle: the 32x4x4 block-scale layout (NUMERICS.md, "Scale layout: 32x4x4").
+"""Tests for swizzle: the 32x4x4 block-scale layout (docs/numerics.md, "The 32x4x4 scale layout").
 
 Everything is bit-exact. The oracle is a loop that walks the blocked layout in storage order
 (block row-major over (r // 128, c // 4), then 32 lanes, then 4 sub-tiles of 4 columns), written

@@ -1,4 +1,4 @@
-"""``python -m tilemm.demo``: quantize, multiply and check, for every format.
+"""``python -m tilemm`` (or ``python -m tilemm.demo``): quantize, multiply and check, for every format.
 
 For each format it quantizes an activation x (M, K) and an nn.Linear weight w (N, K), multiplies with
 tilemm, and reports two errors against fp32:
@@ -37,6 +37,9 @@ def _device_label() -> tuple[torch.device, str]:
     return torch.device("cuda"), f"{name} (sm_{major}{minor}): running tilemm's cuTile kernels"
 
 
+# MXFP8 and MXFP4 scale blocks of 32 elements along K (NVFP4's are 16).
+K_MULTIPLE = 32
+
 FORMATS = {
     "mxfp8": lambda t, s: tilemm.quantize_mxfp8(t, swizzle=s),
     "mxfp4": lambda t, s: tilemm.quantize_mxfp4(t, swizzle=s),
@@ -45,12 +48,38 @@ FORMATS = {
 }
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--m", type=int, default=256)
-    parser.add_argument("--n", type=int, default=512)
-    parser.add_argument("--k", type=int, default=1024)
-    args = parser.parse_args(argv)
+def _size(text: str) -> int:
+    """argparse type: a positive int."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def parser(prog: str = "python -m tilemm.demo") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Quantize an activation x (M, K) and a weight w (N, K) in every format, compute "
+                    "x @ w.T with tilemm, and compare it with fp32 and with the exact reference. "
+                    "Runs tilemm's cuTile kernels on a GPU of compute capability 9.0 or newer, "
+                    "the pure-PyTorch reference elsewhere.")
+    p.add_argument("--m", type=_size, default=256, metavar="M", help="rows of x, tokens (default: %(default)s)")
+    p.add_argument("--n", type=_size, default=512, metavar="N",
+                   help="rows of w, output features (default: %(default)s)")
+    p.add_argument("--k", type=_size, default=1024, metavar="K",
+                   help=f"the shared dimension, input features; a multiple of {K_MULTIPLE}, the largest "
+                        f"block of the formats shown (default: %(default)s)")
+    return p
+
+
+def main(argv=None, prog: str = "python -m tilemm.demo") -> int:
+    cli = parser(prog)
+    args = cli.parse_args(argv)
+    if args.k % K_MULTIPLE:
+        cli.error(f"argument --k: must be a multiple of {K_MULTIPLE}, got {args.k}")
 
     device, label = _device_label()
     print(f"tilemm {tilemm.__version__}: {label}")

@@ -1,7 +1,7 @@
 """The quantized formats tilemm knows, one frozen descriptor each.
 
 Every other module reads element dtype, scale dtype, block size, Qmax and packing from these
-descriptors; nothing re-derives them from tensor dtypes. See NUMERICS.md for the contract.
+descriptors; nothing re-derives them from tensor dtypes. See docs/numerics.md for the contract.
 
 | format        | element          | block (along K) | scale              | extra                     |
 |---------------|------------------|-----------------|--------------------|---------------------------|
@@ -29,9 +29,13 @@ __all__ = [
     "NVFP4",
     "FORMATS",
     "E2M1_VALUES",
+    "FP8_BLOCK",
     "mxfp8_format",
     "fp8_format",
 ]
+
+#: The edge of DeepSeek-style FP8 blocks: 1x128 for activations, 128x128 for weights (e4m3 only).
+FP8_BLOCK = 128
 
 # The 8 non-negative e2m1 magnitudes, indexed by the low 3 bits of a nibble; bit 3 is the sign.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

@@ -1,7 +1,7 @@
 """Public block-scaled matmuls: ``mxfp8_matmul``, ``mxfp4_matmul``, ``nvfp4_matmul``, ``fp8_matmul``
 and the nn.Linear-shaped convenience ``linear``.
 
-Semantics (NUMERICS.md): ``out = dequantize(x) @ dequantize(y)`` accumulated in fp32, then
+Semantics (docs/numerics.md): ``out = dequantize(x) @ dequantize(y)`` accumulated in fp32, then
 ``* alpha + bias``, rounded once to ``out_dtype``. x is (..., M, K) row-major; y is (..., K, N) and
 K-major, i.e. ``w.t()`` of an (N, K) quantized weight. For 4-bit formats the stored K is K/2 (two
 elements per byte, packed along K).
@@ -11,6 +11,11 @@ Scales come in one of two layouts, told apart by their rank:
 * logical: x_scale (..., M, K/B), y_scale (..., K/B, N) (usually ``w_scale.t()``);
 * swizzled 32x4x4 (``swizzle.swizzle_32_4_4``): x_scale (..., ceil(M/128), ceil(K/B/4), 32, 16) and
   y_scale the same built from the (N, K/B) weight scales: two more dimensions than the operand.
+
+Swizzled scales do not record which operand they belong to. When x_scale and y_scale have the same
+padded shape (M and N in the same multiple of 128), passing them swapped is accepted and gives a wrong
+result that no check can catch. :func:`linear` takes each operand with its own scale and cannot swap
+them: prefer it.
 
 CPU tensors run the pure-PyTorch reference (``tilemm.reference``); CUDA tensors run the cuTile kernel
 for their architecture (``tilemm.kernels``): exact emulation on Hopper (sm_90), ``ct.mma_scaled`` on
@@ -437,6 +442,9 @@ def mxfp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None,
 
     Returns:
         (..., M, N) tensor of ``out_dtype`` (an array of the input's kind for NumPy / CuPy inputs).
+
+    Swizzled x_scale and y_scale of the same padded shape cannot be told apart: swapped, they give a
+    silently wrong result. :func:`linear`, which takes each operand with its scale, cannot swap them.
     """
     fn = "mxfp8_matmul"
     x, y = _fp8_bytes(fn, "x", x, elem_dtype), _fp8_bytes(fn, "y", y, elem_dtype)
@@ -451,6 +459,9 @@ def mxfp4_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None,
 
     x: (..., M, K/2) uint8; y: (..., K/2, N) uint8, K-major (``w.t()`` of an (N, K/2) packed weight);
     scales as for :func:`mxfp8_matmul` with K/32 columns. Other arguments as for :func:`mxfp8_matmul`.
+
+    Swizzled x_scale and y_scale of the same padded shape cannot be told apart: swapped, they give a
+    silently wrong result. :func:`linear`, which takes each operand with its scale, cannot swap them.
     """
     fn = "mxfp4_matmul"
     _check_op_args(fn, out_dtype, bias, x=x, x_scale=x_scale, y=y, y_scale=y_scale)
@@ -469,6 +480,9 @@ def nvfp4_matmul(x, x_scale, y, y_scale, *, global_scale_x, global_scale_y, out_
     ``global_scale_y`` are the decode scales returned by :func:`tilemm.quantize_nvfp4`: Python floats
     or 0-d float tensors (any float dtype, any device; converted exactly to fp32). The product is
     multiplied by ``global_scale_x * global_scale_y`` (then by ``alpha`` if given) before ``bias``.
+
+    Swizzled x_scale and y_scale of the same padded shape cannot be told apart: swapped, they give a
+    silently wrong result. :func:`linear`, which takes each operand with its scale, cannot swap them.
     """
     fn = "nvfp4_matmul"
     _check_op_args(fn, out_dtype, bias, x=x, x_scale=x_scale, y=y, y_scale=y_scale)
@@ -520,6 +534,10 @@ def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fas
       :class:`tilemm.PackedWeight` (``tilemm.prepack`` of an MXFP4, NVFP4 or MXFP8 weight, done once)
       or such a quantized weight (prepacked on every call: slow, for experiments). The result has x's
       dtype (``out_dtype`` is not used) and equals ``x @ dequantize(w).T`` accumulated in fp32.
+
+    Why this is the entry point to use: the ``*_matmul`` functions take four loose tensors, and two
+    swizzled scales of the same padded shape swapped there give a wrong result that nothing can
+    detect; here each scale travels with its operand.
     """
     from . import quantize as q
     from .packed import PackedWeight, prepack
@@ -541,6 +559,12 @@ def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fas
     if type(x_q) is not type(w_q):
         raise TypeError(f"{fn}: x_q and w_q must be of one format, got {type(x_q).__name__} and "
                         f"{type(w_q).__name__}")
+    for name, t in (("x_q", x_q), ("w_q", w_q)):
+        if isinstance(t, tuple) and not all(isinstance(f, torch.Tensor) for f in t):
+            arrays = ", ".join(sorted({f"{type(f).__module__}.{type(f).__name__}" for f in t}))
+            raise TypeError(f"{fn}: {name} must hold torch tensors, got a {type(t).__name__} of {arrays}; "
+                            f"for NumPy / CuPy arrays (FP8 as raw bytes) quantize torch.from_numpy(x) / "
+                            f"torch.from_dlpack(x) instead, or call the format's *_matmul with the arrays")
     w, ws = w_q.data, w_q.scale
     if w.ndim != 2:
         raise ValueError(f"{fn}: w_q must hold a 2-D (N, K) weight, got data of shape {tuple(w.shape)}")

@@ -1,7 +1,7 @@
 """Exact element and scale decoders shared by the quantizers, the reference matmul and the tests.
 
 Everything here is pure PyTorch, runs on any device, and is exact: decoded values are fp32 numbers
-equal to the encoded ones (NUMERICS.md).
+equal to the encoded ones (docs/numerics.md).
 """
 
 from __future__ import annotations

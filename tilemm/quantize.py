@@ -1,57 +1,27 @@
 """Quantizers and dequantizers for FP8, MXFP8, MXFP4 and NVFP4, in pure PyTorch.
 
-Each public ``quantize_<fmt>`` validates its input and then calls ``_quantize_<fmt>_reference``,
-which runs on any device (CPU tensors always take it; a GPU kernel will be dispatched from the
-same public function). Blocks run along the last dimension K; leading dimensions are batch (and,
-for 2-D blocks, M). float32, bfloat16 and float16 inputs are converted to fp32 first (exact) and
-every step is an fp32 tensor operation in the order NUMERICS.md gives, so the bits are defined.
-
-Formulas (NUMERICS.md; ``cast_RNE_satfinite`` clamps to +-Qmax, then rounds to nearest even):
-
-* MX (block 32, e8m0 scale byte s, value 2^(s-127)):
-  RCEIL ``d = fp32(amax) * fp32(1/Qmax)``, s = the exponent of the smallest power of two >= d,
-  taken from d's fp32 bits; FLOOR ``s = floor(log2(amax)) - emax + 127``, from amax's bits;
-  both clamped to [0, 254]. Data ``q = cast_RNE_satfinite(x * 2^(127-s))``.
-* NVFP4 (block 16, e4m3 scale s_b, one fp32 decode scale per tensor):
-  ``S_enc = 2688 / amax_g`` (capped at FLT_MAX; 1 when amax_g = 0 or the quotient is 0),
-  ``global_scale = S_dec = 1 / S_enc``, ``s_b = e4m3_RNE(min(amax_b * (S_enc * fp32(1/6)), 448))``,
-  ``enc = min(1 / (fp32(s_b) * S_dec), FLT_MAX)``, ``q = e2m1_RNE(clamp(x * enc, -6, 6))``.
-* FP8 per tensor / per row: ``s = amax / Qmax``, ``q = cast_RNE_satfinite(x / s)``.
-  FP8 blocks (1x128, 128x128; e4m3): ``s = max(amax, 1e-4) / 448``, optionally rounded up to a
-  power of two, ``q = cast_RNE_satfinite(x / s)``.
-
-Behaviour where NUMERICS.md is silent (pinned by tests/test_quantize.py):
-
-* e2m1 sign: the sign bit is set exactly when the fp32 value being rounded is < 0, so a negative
-  value that rounds to zero gives code 8 (as Transformer Engine's reference ``cast_to_fp4x2``),
-  while -0.0 and NaN give code 0.
-* NaN in fp8 data or NVFP4 scales is always the byte 0x7F (sign dropped), so the bits do not
-  depend on how a device propagates NaN payloads.
-* MX: a block whose scale byte is 0 stores +0 bytes (both rounding modes). A block containing a
-  NaN or +-Inf gets scale byte 255 (NaN) and its data is all 0x7F (MXFP8, NaN) or all code 0
-  (MXFP4, which has no NaN); the NaN scale makes the whole block dequantize to NaN.
-* NVFP4: the tensor amax ignores NaN, so a NaN poisons only its own 16-block (s_b = NaN, data
-  code 0 there); +-Inf gives S_enc = 1 and saturates (contract formula). A nonzero block whose
-  s_b rounds to 0 stores saturated codes (+-6) exactly as the formula says (as Transformer
-  Engine does); they dequantize to 0. A given ``global_scale`` must be positive and finite; then
-  ``S_enc = min(1 / global_scale, FLT_MAX)`` in fp32. A Python float is rounded to the nearest
-  fp32; tensors of any float dtype are converted to fp32. An empty x gives global_scale 1.
-* FP8, every granularity: a NaN or +-Inf in a scale group (tensor, row or block) makes that
-  group's scale NaN and all its data 0x7F. Per tensor / row, when ``amax / Qmax`` is 0 (all-zero
-  group, or an amax so small that the quotient underflows) the scale is 1.0 and the data is
-  ``x / 1`` (signed zeros kept). Finite values beyond +-Qmax after scaling saturate to +-Qmax.
+Each public ``quantize_<fmt>`` validates its input and calls the custom operator
+``torch.ops.tilemm.quantize_<fmt>`` (``tilemm.ops``), which runs the cuTile kernels of
+``tilemm.kernels.quantize_kernels`` for CUDA tensors on sm_90 or newer and
+``_quantize_<fmt>_reference`` everywhere else; both give the same bits. Blocks run along the last
+dimension K; leading dimensions are batch (and, for 2-D blocks, M). float32, bfloat16 and float16
+inputs are converted to fp32 first (exact), and every step is an fp32 tensor operation in the order
+that docs/numerics.md gives, so the bits are defined. That page states every formula and every
+special case (zero, NaN and Inf blocks, the e2m1 sign of values that round to zero); the tests in
+tests/test_quantize.py pin each of them.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from swizzle import swizzle_32_4_4, unswizzle_32_4_4
+from swizzle import swizzle_32_4_4, swizzled_shape, unswizzle_32_4_4
 
 from . import _interop
-from .formats import FP8_E4M3, MXFP4, NVFP4, Format, fp8_format, mxfp8_format
+from .formats import FP8_BLOCK, FP8_E4M3, MXFP4, NVFP4, Format, fp8_format, mxfp8_format
 from .numerics import as_uint8, pack_e2m1
 from .reference import dequantize_blocks
 
@@ -72,10 +42,7 @@ __all__ = [
 ]
 
 ROUNDING_MODES = ("rceil", "floor")
-FP8_BLOCK = 128  # DeepSeek-style FP8 block edge: 1x128 activations, 128x128 weights
 FP8_BLOCK_AMAX_FLOOR = 1e-4  # s = max(amax, 1e-4) / 448 keeps all-zero blocks finite
-SWIZZLE_ROW_TILE = 128  # rows of the scale matrix per 32x16 swizzled block
-SWIZZLE_COL_TILE = 4  # scale columns per 32x16 swizzled block
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FLT_MAX = torch.finfo(torch.float32).max
@@ -183,8 +150,38 @@ def _cuda(self, device=None):
     return _to(self, torch.device("cuda") if device is None else device)
 
 
+def _array_summary(a) -> str:
+    """``dtype(shape)`` of a tensor or array, e.g. ``float8_e4m3fn(128, 256)``."""
+    return f"{str(a.dtype).removeprefix('torch.')}{tuple(a.shape)}"
+
+
+def _repr(self) -> str:
+    """One line: format, logical shape, each field's dtype and shape, scale layout, device.
+
+    (The NamedTuple default prints every element of every field.)"""
+    is_torch = isinstance(self.data, torch.Tensor)
+    try:
+        fmt = self.format.name
+    except TypeError:  # FP8 data held as the uint8 bytes of a NumPy / CuPy array
+        fmt = "fp8 bytes" if isinstance(self, FP8Tensor) else "mxfp8 bytes"
+    per_byte = 2 if isinstance(self, (MXFP4Tensor, NVFP4Tensor)) else 1
+    shape = (*self.data.shape[:-1], self.data.shape[-1] * per_byte) if self.data.ndim else ()
+    fields = [f"format={fmt}", f"shape={shape}", f"data={_array_summary(self.data)}",
+              f"scale={_array_summary(self.scale)}"]
+    if not isinstance(self, FP8Tensor):  # FP8 scales have no swizzled form
+        fields.append(f"layout={'swizzled' if self.swizzled else 'logical'}")
+    if isinstance(self, NVFP4Tensor):
+        gs = self.global_scale
+        on_host = not is_torch or gs.device.type == "cpu"  # reading a GPU value would synchronise
+        fields.append(f"global_scale={float(gs):.6g}" if on_host else "global_scale=<fp32 on device>")
+    device = str(self.data.device) if is_torch else ("cpu (NumPy arrays)" if isinstance(self.data, np.ndarray)
+                                                     else "cuda (CuPy arrays)")
+    fields.append(f"device={device}")
+    return f"{type(self).__name__}({', '.join(fields)})"
+
+
 for _cls in (MXFP8Tensor, MXFP4Tensor, NVFP4Tensor, FP8Tensor):
-    _cls.to, _cls.cpu, _cls.cuda = _to, _cpu, _cuda
+    _cls.to, _cls.cpu, _cls.cuda, _cls.__repr__ = _to, _cpu, _cuda, _repr
     _cls.device = property(lambda self: self.data.device, doc="The device of the data.")
 del _cls
 
@@ -306,7 +303,7 @@ def _exponent_and_mantissa(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _e8m0_rceil(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    """Scale bytes (int32) = smallest power of two >= amax/Qmax, from the bits of d (NUMERICS)."""
+    """Scale bytes (int32) = smallest power of two >= amax/Qmax, from the bits of d (docs/numerics.md)."""
     d = amax * _f32(1.0 / qmax, amax.device)
     exponent, mantissa = _exponent_and_mantissa(d)
     # Normal d: round the exponent up unless d is a power of two. Subnormal d (exponent 0):
@@ -757,8 +754,7 @@ def _logical_block_scale(fn: str, fmt: Format, data: torch.Tensor,
     cols = k // fmt.block
     if scale.ndim == data.ndim + 2 and data.ndim >= 2:
         rows = data.shape[-2]
-        expected = (*data.shape[:-2], _ceil_div(rows, SWIZZLE_ROW_TILE),
-                    _ceil_div(cols, SWIZZLE_COL_TILE), 32, 16)
+        expected = (*data.shape[:-2], *swizzled_shape(rows, cols))
         if tuple(scale.shape) != expected:
             raise ValueError(f"{fn}: swizzled scale must have shape {expected} for data shape "
                              f"{tuple(data.shape)}, got {tuple(scale.shape)}")

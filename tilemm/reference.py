@@ -1,7 +1,7 @@
 """The pure-PyTorch reference path: exact dequantization and an fp32-accumulated matmul.
 
 CPU tensors run this path, and the GPU tests compare every kernel against it on the same quantized
-inputs. It follows NUMERICS.md: ``out = dequantize(x) @ dequantize(y)`` accumulated in fp32, then
+inputs. It follows docs/numerics.md: ``out = dequantize(x) @ dequantize(y)`` accumulated in fp32, then
 ``* alpha + bias``, rounded once to ``out_dtype``.
 """
 
@@ -12,8 +12,8 @@ import torch
 from .formats import Format
 from .numerics import as_uint8, e2m1_decode, e8m0_decode, unpack_e2m1
 
-__all__ = ["decode_elements", "decode_scales", "dequantize_blocks", "block_scaled_matmul_reference",
-           "fp8_matmul_reference"]
+__all__ = ["decode_elements", "decode_scales", "dequantize_blocks", "matmul_fp32",
+           "block_scaled_matmul_reference", "fp8_matmul_reference"]
 
 
 def decode_elements(fmt: Format, data: torch.Tensor) -> torch.Tensor:
@@ -66,7 +66,7 @@ def block_scaled_matmul_reference(fmt: Format, x: torch.Tensor, x_scale: torch.T
     """
     xf = dequantize_blocks(fmt, x, x_scale)
     yf = dequantize_blocks(fmt, y.transpose(-1, -2), y_scale.transpose(-1, -2)).transpose(-1, -2)
-    return _epilogue(_matmul_fp32(xf, yf), alpha, bias, out_dtype)
+    return _epilogue(matmul_fp32(xf, yf), alpha, bias, out_dtype)
 
 
 def fp8_matmul_reference(x: torch.Tensor, x_scale_full: torch.Tensor, y: torch.Tensor,
@@ -75,11 +75,12 @@ def fp8_matmul_reference(x: torch.Tensor, x_scale_full: torch.Tensor, y: torch.T
     """Reference for FP8 with scales already broadcast to the element shapes of x and y."""
     xf = x.to(torch.float32) * x_scale_full
     yf = y.to(torch.float32) * y_scale_full
-    return _epilogue(_matmul_fp32(xf, yf), alpha, bias, out_dtype)
+    return _epilogue(matmul_fp32(xf, yf), alpha, bias, out_dtype)
 
 
-def _matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """fp32 matmul with fp32 accumulation (TF32 off on GPUs)."""
+def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in fp32 with fp32 accumulation (TF32 off on GPUs): the reference path's product, and
+    the benchmarks' oracle."""
     if a.is_cuda:
         prev = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = False

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import time
 
 import cutlass
@@ -317,7 +316,7 @@ class BlockScaledGemmSm100:
         cute.copy(t2r, tTR_tAcc, tTR_rAcc)
         cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld: the registers hold the values now
         acc_ready.release()
-        # One rounding, RNE, after the fp32 multiply by alpha (NUMERICS.md "Matmul semantics").
+        # One rounding, RNE, after the fp32 multiply by alpha (docs/numerics.md, "Matmuls").
         tTR_rOut.store((tTR_rAcc.load() * alpha).to(self.out_dtype))
         rows, cols = mOut.shape[0], mOut.shape[1]
         for i in cutlass.range(cute.size(tTR_rOut), unroll_full=True):
@@ -373,13 +372,14 @@ def compile_kernel(fmt_name: str, out_dtype: str, arch: str = GPU_ARCH) -> Compi
                         seconds)
 
 
+@functools.cache
 def _dump_dir() -> str:
-    """Where the DSL may write the .ptx / .cubin it is asked to keep (they are also kept in memory)."""
+    """Where the DSL writes the .ptx / .cubin it is asked to keep, and reads them back from: a folder of
+    this process's own, since every format's kernel has the same name and two processes compiling at
+    once (pytest-xdist workers) would otherwise read each other's files."""
     import tempfile
 
-    path = os.path.join(tempfile.gettempdir(), "tilemm-cute")
-    os.makedirs(path, exist_ok=True)
-    return path
+    return tempfile.mkdtemp(prefix="tilemm-cute-")
 
 
 def launch(fmt_name: str, a, b, a_scale, b_scale, out, alpha, m: int, n: int, k: int, *,

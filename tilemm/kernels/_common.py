@@ -102,8 +102,8 @@ def e2m1_hi_bits_bf16(p):
 def unswizzle_scale_tile(t, ROWS, COLS):
     """A tile (ROWS/128, KG, 128, C) loaded from ``swizzled_scale_view`` -> (ROWS, COLS = KG * C).
 
-    The 128 axis is (r % 32) * 4 + (r % 128) // 32 for row r of a 128-row tile (NUMERICS.md, 32x4x4),
-    so splitting it into (32, 4) and moving the 4 in front of the 32 restores row order.
+    The 128 axis is (r % 32) * 4 + (r % 128) // 32 for row r of a 128-row tile (docs/numerics.md,
+    the 32x4x4 layout), so splitting it into (32, 4) and moving the 4 in front of the 32 restores row order.
     """
     m0 = ROWS // SWIZZLE_ROWS
     kg = t.shape[1]

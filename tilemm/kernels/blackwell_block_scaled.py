@@ -1,6 +1,6 @@
 """MXFP8, MXFP4 and NVFP4 matmuls on Blackwell (sm_100 / sm_120) with ``ct.mma_scaled``, in cuTile.
 
-What it computes (NUMERICS.md): for each batch entry, ``out = (dequantize(a) @ dequantize(b).T) *
+What it computes (docs/numerics.md): for each batch entry, ``out = (dequantize(a) @ dequantize(b).T) *
 alpha + bias`` accumulated in fp32 and rounded once to ``out``'s dtype. ``a`` is (Ba, M, Kd) row-major,
 ``b`` the (Bb, N, Kd) weight form (both K-contiguous; Kd = K, or K/2 for packed e2m1); scales are e8m0
 (MX, one per 32 elements of K) or e4m3 (NVFP4, one per 16, with the two per-tensor decode scales
@@ -23,7 +23,7 @@ Per K step the kernel loads, for its (TM, TN) output tile:
 * a: a (TM, TK) tile; b: a (TN, TK) tile of the K-major weight, transposed in registers to the (TK, TN)
   that ``mma_scaled`` wants (the seed's ``ct.load(Y, ..., (TN, TK)).transpose()``). Packed e2m1 arrives
   as uint8 (TR, TK/2) bytes; ``ct.unpack_from_bytes(bytes.reshape(-1), ct.float4_e2m1fn)`` reads the low
-  nibble of byte i as element 2i and the high nibble as 2i+1 (the packing of NUMERICS.md and of
+  nibble of byte i as element 2i and the high nibble as 2i+1 (the packing of docs/numerics.md and of
   cuTile's own ``test_mma_scaled.py`` reference), and the flat result reshapes back to (TR, TK).
 * scales: always as uint8 bytes, bit-cast in registers to float8_e8m0fnu / float8_e4m3fn. Loading bytes
   makes "zero padding" mean byte 0 whatever the scale type (2^-127 for e8m0, 0.0 for e4m3), never a
@@ -57,10 +57,10 @@ Edges (padding never reaches a stored output):
 * K a multiple of B but not of TK: data past K loads as 0 and its scale as byte 0 (logical layout: the
   load's zero fill; swizzled layout: zero bytes by contract, or the load's zero fill past the last
   column block), a finite scale, so the padded part of the last K step adds exactly 0. The swizzled
-  layout's padding columns are trusted to be zero (NUMERICS.md; ``swizzle.swizzle_32_4_4`` writes
+  layout's padding columns are trusted to be zero (docs/numerics.md; ``swizzle.swizzle_32_4_4`` writes
   zeros) rather than masked: a mask compiles, but moves the scales through registers and changes the
   sm_100 pipeline (221 KB -> 135 KB of shared memory for MXFP8 at 128x128), untested for speed.
-* A real scale byte 255 (e8m0) or an e4m3 NaN makes its row / column NaN, as NUMERICS.md requires.
+* A real scale byte 255 (e8m0) or an e4m3 NaN makes its row / column NaN, as docs/numerics.md requires.
 
 Batching: one 1-D grid over B * cdiv(M, TM) * cdiv(N, TN) tiles (GROUP_SIZE_M-ordered for L2 reuse);
 Ba or Bb of 1 broadcasts through ``batch % Ba``. When b is shared (Bb == 1) the batch folds into M

@@ -1,7 +1,7 @@
 """FP8 matmuls (per-tensor, per-row, DeepSeek-style 1x128 / 128x128 blocks) on Blackwell (sm_100 /
 sm_120), in cuTile.
 
-What it computes (NUMERICS.md): ``out = ((a * sa) @ (b * sb).T) * alpha + bias`` accumulated in fp32 and
+What it computes (docs/numerics.md): ``out = ((a * sa) @ (b * sb).T) * alpha + bias`` accumulated in fp32 and
 rounded once to ``out``'s dtype, for e4m3 / e5m2 ``a`` (Ba, M, K) and ``b`` (Bb, N, K), both
 K-contiguous (``b`` is the (N, K) weight form; its (TN, TK) tiles are transposed in registers to the
 (TK, TN) that ``ct.mma`` wants).

@@ -1,6 +1,6 @@
 """FP8 matmuls (per-tensor, per-row, DeepSeek-style 1x128 / 128x128 blocks) on Hopper (sm_90), in cuTile.
 
-What it computes (NUMERICS.md): ``out = ((a * sa) @ (b * sb).T) * alpha + bias`` accumulated in fp32,
+What it computes (docs/numerics.md): ``out = ((a * sa) @ (b * sb).T) * alpha + bias`` accumulated in fp32,
 rounded once to ``out``'s dtype, for e4m3 / e5m2 ``a`` (Ba, M, K) and ``b`` (Bb, N, K), both K-contiguous.
 
 Kernels (1-D GROUP_SIZE_M-swizzled tile order, num_worker_warps = 8: two MMA warpgroups):
@@ -23,7 +23,7 @@ FP8 x FP8 products are exact in fp32; scales are applied in fp32 after the produ
 differs from the reference's "dequantize, then multiply" by fp32 rounding only. Hopper's FP8 tensor
 cores, however, add the products of each k-step with reduced precision before the fp32 accumulator
 sees them: measured on an H100 (256x256x4096, fp32 out) relative error 1.26e-4 precise and 1.34e-3
-fast, identical to ``torch._scaled_mm``'s, above NUMERICS.md's 1e-5 for fp32 output. (The
+fast, identical to ``torch._scaled_mm``'s, above docs/numerics.md's 1e-5 for fp32 output. (The
 block-scaled kernels, which run bf16 / fp16 MMAs, meet it: ~5e-8.)
 
 Speed (H100, 8192^3, bf16 out, L2 flushed, 2026-11-22, same run): per row 1255 TFLOPS precise

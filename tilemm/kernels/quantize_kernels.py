@@ -1,6 +1,6 @@
 """GPU quantizers: MXFP8, MXFP4, NVFP4 and FP8 in cuTile, bit-identical to ``tilemm.quantize``'s reference.
 
-What they compute: exactly what ``tilemm.quantize._quantize_<fmt>_reference`` computes (NUMERICS.md),
+What they compute: exactly what ``tilemm.quantize._quantize_<fmt>_reference`` computes (docs/numerics.md),
 for float32 / bfloat16 / float16 input (converted to fp32 in registers, which is exact). Each element
 is read once -- NVFP4 without a global scale and FP8 per tensor first run ``_amax_kernel`` (one more
 read), FP8 per row reads each row twice when K > 8192 (the second time mostly from L2), and along
@@ -27,18 +27,14 @@ Every rounding step works on fp32 values and bits, in the reference's order:
 One portable implementation serves sm_90, sm_100 and sm_120 (``aot_variants`` lists every
 specialisation for all three): nothing uses float8_e8m0fnu or float4_e2m1fn, which cuTile rejects on
 Hopper. Scale bytes are stored as uint8 (e8m0, e4m3), fp8 data as float8 arrays, e2m1 packed in uint8.
-Blackwell's native e2m1 conversion does not pay here: compiled for sm_100 (MXFP4, bf16, 32x256),
-``y.astype(ct.float4_e2m1fn)`` gives one F2FP.SATFINITE.E2M1 per element, and ``ct.pack_to_bytes``
-routes the nibbles through shared memory (64 STS per thread, a 32-byte spill): 1360 SASS instructions
-before the -0 and NaN fix-ups the reference needs, against 1448 for the portable encode, which sm_100
-already issues as paired FFMA2 and three-input FMNMX3. The e8m0 scale is a few integer operations per
-32 elements either way. With no Blackwell GPU to time the difference, the portable code stays.
+Blackwell's native e2m1 conversion was compiled and compared and does not pay here (the figures are in
+benchmarks/results/quantize-nvidia-h100-80gb-hbm3.md).
 
 Layout and grid: the input is a 3-D view (B, R, K) -- R rows per batch entry, blocks along K -- or,
 with ``TRANSPOSED``, the (B, K, R) storage of ``x.mT`` (the ``axis=-2`` quantizers: no copy). The
 block-scaled kernels, FP8 per tensor, FP8 per row and FP8 128x128 load its tiles in storage order
 (128x128 transposes strips of the input tile in registers, the others only the quantized bytes on the
-store); FP8 1x128 loads through ``order=(0, 2, 1)``, which measured faster for it. One block
+store); FP8 1x128 loads through ``order=(0, 2, 1)``, which was faster for it. One block
 quantizes one (TILE_R, TILE_K) tile; the grid is 1-D over B x row tiles x cdiv(K, TILE_K), K fastest.
 Logical scales of a contiguous batch are quantized as one (1, B * R, K) matrix. Swizzled scales are
 stored through the (B, R/128, Ks/4, 32, 4, 4) view of the 32x4x4 layout (its 16 columns split as 4
@@ -53,17 +49,8 @@ zeros, whose scale byte is 0; tiles wholly in the rows that pad R to 128 only st
 padding comes out zero without a separate fill, and no byte of the outputs (torch.empty) is left
 unwritten.
 
-Measured on an H100 (2026-11-22; tests/test_quantize_gpu.py: bit-exact against the CPU reference on
-every case; benchmarks/bench_quantize.py, bf16 input, CUDA-graph replays queued behind a GPU sleep and
-timed back to back with a device-to-device copy of 2.79 TB/s at 64 MiB and 2.98 TB/s at 256 MiB; % of
-the copy at 64 / 256 MiB): MXFP8 logical scales 91 / 97, swizzled 92 / 96, axis=-2 89 / 92 (swizzled
-88 / 90); MXFP4 80 / 85 (axis=-2 swizzled 75 / 78); NVFP4 with a given scale 81 / 86 (axis=-2
-swizzled 71 / 75), 50 / 52 with the amax pass; FP8 per tensor 94 / 99 (kernel alone; axis=-2 88 /
-91), 58 / 60 with the amax pass, per row 88 / 94 (axis=-2, with its amax pass: 47 / 51), 1x128
-86 / 90 (axis=-2 62 / 65), 128x128 91 / 98 (axis=-2 68 / 74). The amax pass alone reads at 85 / 97 %
-of the copy's rate. A pass that reads the input twice from DRAM moves about 2/5 more bytes than it
-is credited, which caps it near 60 %; part of the second read comes from L2 instead (``_amax_kernel``).
-Runs of the same kernels differ by 1-2 points.
+How fast they run, against a device-to-device copy, and the tile and store choices that were measured
+and not adopted: benchmarks/results/quantize-nvidia-h100-80gb-hbm3.md (``benchmarks/bench_quantize.py``).
 """
 
 from __future__ import annotations
@@ -89,11 +76,8 @@ _ZERO = ct.PaddingMode.ZERO
 #: Blocks per SM the compiler plans registers for (64 per thread at 256 threads). Without it, it takes
 #: all 255 registers and one block per SM, which starves a memory-bound one-tile-per-block kernel.
 _OCCUPANCY = 4
-#: ``latency`` hint of the input loads (1..10: how heavy the DRAM traffic is). The highest measured
-#: best on the H100 (amax pass 88 -> 94 % of the copy, FP8 128x128 63 -> 76 %, the rest within noise).
-#: The loads go through TMA: with ``allow_tma=False`` cuTile loads bf16 two bytes per instruction, and
-#: FP8 per tensor / 1x128 / 128x128 / per row fell from 94 / 86 / 77 / 88 % of the copy to 68 / 50 / 34
-#: / 82 % at 64 MiB (H100; 128x128 as one fp32 tile, before ``_fp8_square_tile``).
+#: ``latency`` hint of the input loads (1..10: how heavy the DRAM traffic is); the highest was the
+#: fastest. The loads go through TMA: without it cuTile loads bf16 two bytes per instruction.
 _LATENCY = 10
 _RN = ct.RoundingMode.RN
 
@@ -199,13 +183,8 @@ def _store_data(Data, q, b, rt, kt, TILE_R, COLS, TRANSPOSED):
     q has the shape of ``_load_blocks``' tile, (TILE_R, ...) or with TRANSPOSED (..., TILE_R), which
     is stored transposed.
 
-    Through TMA (the default). Plain stores (``allow_tma=False``), measured on the H100 (% of the copy
-    at 64 / 256 MiB, TMA -> plain): MXFP4 and NVFP4 swizzled 80-82 / 85-86 -> 76-78 / 80-82, the
-    transposed stores 71-89 / 75-93 -> 59-80 / 62-81, NVFP4 swizzled along axis=-2 equal; only MXFP8
-    gained, 92-93 / 96-97 -> 94-95 / 99-100, but spilling 500-550 bytes per thread (sm_90, sm_120;
-    136-176 on sm_100) where the TMA kernel spills none, so it was not adopted. A ``latency`` hint on
-    this store (1 or 10) moved no swizzled MXFP8, MXFP4 or NVFP4 kernel, either orientation, by more
-    than about a point (at most 1.1, on MXFP8 at 64 MiB)."""
+    Through TMA (the default): plain stores were slower for the 4-bit formats and the transposed
+    stores, and made MXFP8 spill."""
     if TRANSPOSED:
         ct.store(Data, (b, kt, rt), q.reshape((1, COLS, TILE_R)), order=(0, 2, 1))
     else:
@@ -328,11 +307,8 @@ def _store_scales(Scale, s, b, rt, kt, TILE_R, NB, SWIZZLED, TRANSPOSED):
     of the 32x4x4 layout (the last 16 split as m2 x k1), TILE_R in {32, 64, 128} and NB = 4 * G: row
     32 * m2 + m1 of the tile's 128-row block and column 4 * g + k1 go to block g, row m1, m2, k1.
 
-    The transposed kernels scatter their bytes to those places: the tile store of the permuted
-    scales cost them up to 14 points of the copy (on the H100, swizzled MXFP8 along axis=-2 went from
-    79 / 83 % to 87 / 90 % at 64 / 256 MiB, as fast as logical scales). The others keep the tile
-    store: scattered, swizzled MXFP8 fell from 89 / 96 % to 71 / 76 % (64x128; 79 / 82 % at best,
-    16x512), MXFP4 and NVFP4 from 79-80 / 84-85 % to 66-74 / 73-78 % (16x256: 56-59 %)."""
+    The transposed kernels scatter their bytes to those places, which was faster for them than a tile
+    store of the permuted scales; the others keep the tile store, which was faster for them."""
     if SWIZZLED and TRANSPOSED:  # scale (k, r) -> [r // 128, c // 4, r % 32, r // 32 % 4, c % 4]
         r = rt * TILE_R + ct.arange(TILE_R, dtype=ct.int32).reshape((1, 1, TILE_R))
         c = kt * NB + ct.arange(NB, dtype=ct.int32).reshape((NB, 1, 1))
@@ -478,13 +454,8 @@ def _amax_kernel(X, Partial, PROPAGATE_NAN: ConstBool, COLUMNS: ConstBool, TILE_
     quantize kernel that follows begins, and that part is still in L2 (50 MB on the H100) when it is
     read again: the start of X, or with COLUMNS (X the (B, K, R) storage of a transposed input, whose
     quantize kernel walks it a column strip at a time) its first column strips, the tiles walked
-    column by column. Measured on the H100 (bf16, us, first to last -> last to first, two benchmark
-    runs): NVFP4 with its amax pass 68.4 -> 61.6 at 64 MiB, 230.3 -> 222.1 at 256 MiB; FP8 per tensor
-    68.2 -> 61.4 and 232.0 -> 224.2. Along axis=-2, row by row -> column by column (both last to
-    first; a probe, two runs each): NVFP4 68.0-68.8 -> 66.3-66.5 and 242.7-242.9 -> 238.1-238.4,
-    FP8 per tensor 68.4-68.7 -> 65.1-65.2 and 237.6-238.0 -> 232.4-232.7. The same order in the
-    per-row pass along axis=-2 (``_column_amax_kernel``, whose blocks all run at once) changed
-    nothing.
+    column by column. (The same order in ``_column_amax_kernel``, whose blocks all run at once, gains
+    nothing.)
     """
     num_r = ct.cdiv(X.shape[1], TILE_R)
     num_k = ct.cdiv(X.shape[2], TILE_K)
@@ -627,13 +598,9 @@ def _fp8_square_tile(X, Data, Scale, Pow2, TRANSPOSED, b, rt, kt):
     FP8_STRIP rows (of the output, so transposed strips of the stored tile when TRANSPOSED), each
     widened to fp32 only when it is divided, and stored plainly.
 
-    Measured on the H100 against one fp32 tile divided and stored whole (the previous kernel; % of
-    the copy at 64 / 256 MiB, bf16): 91 / 98 against 78 / 86, and along axis=-2 68 / 74 against 48 /
-    50 (the transposed load through ``order``); fp32 input 84 against 76 at 64 MiB, 73 against 69 along
-    axis=-2. The bf16 tile is half the registers of the fp32 one, which lets 3 blocks (4 along
-    axis=-2) share an SM without spilling (``FP8_BLOCK_CONFIGS``). Strips of 16, 32 or 64 rows time
-    within a point of each other. Keeping the transposed strips as they are stored and storing them
-    transposed instead (as the per-tensor kernel does) made 35-42 % along axis=-2."""
+    Keeping the tile in its input dtype (half the registers of fp32 for bf16) lets 3 blocks (4 along
+    axis=-2) share an SM without spilling (``FP8_BLOCK_CONFIGS``); that was faster than one fp32 tile
+    divided and stored whole."""
     if TRANSPOSED:
         raw = ct.load(X, (b, kt, rt), (1, FP8_BLOCK, FP8_BLOCK), padding_mode=_ZERO, latency=_LATENCY)
     else:
@@ -656,10 +623,8 @@ def _fp8_square_tile(X, Data, Scale, Pow2, TRANSPOSED, b, rt, kt):
 def _fp8_tensor_tile_transposed(X, Data, Scale, Amax, QMAX, b, rt, kt, TILE_R, TILE_K):
     """FP8 per tensor of tile (b, rt, kt) of a transposed input, X (B, K, R): read in storage order as a
     (TILE_K, TILE_R) tile and the fp8 bytes stored transposed into Data (B, R, K), as
-    ``_fp8_columns_kernel`` does. Measured on the H100 (% of the copy at 64 / 256 MiB): 32x256 88 / 92,
-    against 76 / 78 loaded through ``order`` (16x512 83 / 87, 64x128 72 / 75, 64x256 at 2 blocks per SM
-    64 / 68, 128x64 44 %). The same for 1x128 blocks was slower than their transposed loads: 39-53 %
-    against 61-65 % (128x128 blocks: ``_fp8_square_tile``)."""
+    ``_fp8_columns_kernel`` does; faster than a load through ``order``. (For 1x128 blocks it was
+    slower than their transposed loads.)"""
     q = _fp8_tensor_quantize(_column_tile(X, b, kt, rt, TILE_K, TILE_R), Scale, Amax, QMAX, Data.dtype)
     ct.store(Data, (b, kt, rt), q.reshape((1, TILE_K, TILE_R)), order=(0, 2, 1))
 
@@ -743,11 +708,8 @@ def _fp8_columns_kernel(X, Data, Scale, Amax, ELEMENT: ConstInt, TILE_R: ConstIn
     order, becomes q = sat(x / s), s from ``_column_amax_kernel``'s Amax (B, R), and its fp8 bytes are
     stored transposed into Data (B, R, K). The blocks with kt = 0 store the scales, Scale (B, R, 1).
 
-    The tiles go row tile by row tile of X (rt fastest), first rows first, where the amax pass ended.
-    Measured on the H100 (bf16, both passes, x.mT of a (M, K) and of a (K, M) tensor, two runs each):
-    at 64 MiB 78.1-78.9 -> 75.5-75.8 us, at 256 MiB 266.2-267.2 -> 264.5-265.3 us, against rt slowest
-    and each amax block's tiles contiguous, first to last. Either change alone gained nothing
-    (78.4-80.6 / 265.8-269.0 us)."""
+    The tiles go row tile by row tile of X (rt fastest), first rows first, where the amax pass ended
+    (so those tiles are still in L2)."""
     QMAX = _fp8_qmax(ELEMENT)
     R, K = X.shape[2], X.shape[1]
     num_r = ct.cdiv(R, TILE_R)
@@ -778,44 +740,9 @@ class TileConfig:
     occupancy: int = _OCCUPANCY
 
 
-#: (format, swizzled scales, transposed input) -> tile, from ``bench_quantize.py --sweep`` on the H100
-#: (bf16; % of the copy).
-#: axis=-1: MXFP8 64x128 (8K elements per block, 64 per thread at 128 threads; 64 registers, no
-#: spills) reaches the copy bandwidth with swizzled scales; logical scales want 16x512 (each row's
-#: scale bytes one 16-byte store; 64x128 gave 77 %); the e2m1 encoders prefer 32x256 swizzled (85 %
-#: against 65 % at 32x128) and 16x512 logical. At 64 MiB (``--sweep-size 64MiB``) the same tiles win:
-#: MXFP4 and NVFP4 swizzled 32x256 78-79 % (64x128 77-80 %; 64x256 and 32x512 at 2 blocks per SM,
-#: 128x128 at 2, 32x256 at 3: 58-71 %).
-#: axis=-2, read in storage order (tile_r rows contiguous): logical scales 128x64 (MXFP8 91 % at 256
-#: MiB, against 33 % when the tile was loaded transposed; MXFP4 80 %, NVFP4 82 %). Swizzled scales
-#: are scattered to their places (``_store_scales``): MXFP8 64x128 87 / 90 % at 64 / 256 MiB (32x256:
-#: 62 / 67 %), MXFP4 64x128 78 / 79 % (32x256 and 128x128 at 2 blocks per SM: 59-73 %), NVFP4 128x64
-#: 73 / 75 % (64x128: 55 / 58 %). Stored as a permuted tile they made 79 / 83 % (MXFP8 32x256), 70 /
-#: 73 % (MXFP4 64x128) and 72-73 / 76-77 % (NVFP4 64x128; at 128x64 59 / 62 %). Wider K tiles, which
-#: would write longer runs of packed bytes per row, were slower for the 4-bit formats along axis=-2
-#: (logical and swizzled, 64 / 256 MiB): 64x256 and 32x512 at 2 blocks per SM and 128x256 at 1 made
-#: 7-73 % against 71-82 % for the tiles above.
-#: Along axis=-2, the fp32 tile transposed in registers and quantized as rows (the tile store of
-#: swizzled scales, no scatter) was slower or level (64 / 256 MiB): MXFP8 swizzled 75-80 / 81-82 %
-#: (64x128, 32x256) against 88 / 91, logical 89 / 93 % at 128x64 against 90 / 93, MXFP4 swizzled 68-71
-#: / 73-75 % against 75 / 79, NVFP4 swizzled 73 / 77 % at 64x128 against 71 / 75 (59-70 / 62-70 % at
-#: 128x64 and 32x256).
-#: Not adopted: eight worker warps (``num_worker_warps``) at 2 or 3 blocks per SM, slower for every
-#: format and orientation (e.g. MXFP4 swizzled 63-80 % against 85 %); a persistent grid-stride loop
-#: (MXFP4 77 / 86 % at 64 / 256 MiB) and loading the next tile before encoding this one (69-75 /
-#: 75-84 %), against 81 / 85 % for one tile per block in that run. What the e2m1 encode costs: with it
-#: replaced by a shift (wrong bytes, same loads and stores) the MXFP4 kernel ran at 85 / 97 %; a
-#: shorter encode (the multiply folded into an FMA, the sign from the bits) saved one or two of its
-#: ~17 instructions per element and timed within noise. So did the encode in packed bf16 arithmetic
-#: for bf16 input (HFMA2 / HMNMX2: round(2y), round(y) + 2, round(y / 2) + 4 from |x| times 2m, m, m/2
-#: plus 192, 194, 196 in bf16, which is exact for MXFP4 because x * m is; the sign from x * 2^16 m,
-#: which underflows exactly where fp32's x * m does; bit-identical on the H100, and checked on the CPU
-#: for every bf16 value and scale byte): the compiler paired the candidates of one element rather than
-#: two elements, 1461 SASS instructions against 1508 (sm_90), and it ran 37.9-38.2 against 37.7-38.2
-#: us at 64 MiB, 134.9-135.0 against 134.3-135.2 us at 256 MiB. Block maxima taken on the bf16 tile
-#: (packed, before widening) gained nothing either: MXFP4 37.7-38.0 against 37.7-38.2 us and
-#: 133.8-133.9 against 134.3-135.2; MXFP8 39.8-40.2 against 39.4-39.6 and 143.7-144.4 against
-#: 141.5-141.6; NVFP4 39.3-39.6 against 37.5-37.7 and 140.1-140.2 against 134.6 (it spills 24 bytes).
+#: (format, swizzled scales, transposed input) -> tile: the fastest of ``bench_quantize.py --sweep`` on
+#: the H100 (bf16 input). Transposed inputs are read in storage order (tile_r rows contiguous), and
+#: their swizzled scales scattered (``_store_scales``).
 BLOCK_CONFIGS = {
     ("mxfp8", True, False): TileConfig(64, 128),
     ("mxfp8", False, False): TileConfig(16, 512),
@@ -832,17 +759,11 @@ BLOCK_CONFIGS = {
 }
 #: FP8 per tensor.
 FP8_CONFIG = TileConfig(64, 128)
-#: FP8 1x128 blocks: 64x128 spills (STACK 136 with bf16 input) and is still the fastest measured: 89 %
-#: of the copy, against 81 % at 3 blocks per SM (no spills) and 72-73 % for 32x128 and 16x256.
+#: FP8 1x128 blocks: 64x128 spills (with bf16 input) and is still the fastest.
 FP8_1X128_CONFIG = TileConfig(64, 128)
 #: 128x128 blocks (``_fp8_square_tile``, one block per tile), blocks per SM by (transposed input,
 #: bytes per input element): the input tile stays in its dtype, 64 registers per thread for bf16 and
-#: fp16, 128 for fp32. Measured on the H100 (% of the copy at 64 / 256 MiB): bf16 at 2 / 3 / 4 blocks
-#: per SM 82 / 87, 91 / 98-99, 89 / 97; fp32 at 2 84, at 3 or 4 67 (64 MiB); along axis=-2 bf16 59 /
-#: 62, 64 / 67, 68 / 75, fp32 73 at 2, 59 at 3 or 4. Earlier, with an fp32 tile: eight worker warps
-#: at 1-3 blocks per SM were slower for 1x128, 128x128 and per row alike (at 64 MiB 40-74 % against
-#: 80-85 %), and so was reading each block twice in strips (the second time from L2): 53-73 / 59-82
-#: % against 78 / 85 %.
+#: fp16, 128 for fp32; the occupancies are the fastest measured.
 FP8_BLOCK_CONFIGS = {
     (False, 2): TileConfig(128, 128, occupancy=3),
     (False, 4): TileConfig(128, 128, occupancy=2),
@@ -850,16 +771,8 @@ FP8_BLOCK_CONFIGS = {
     (True, 4): TileConfig(128, 128, occupancy=2),
 }
 #: FP8 of a transposed input (axis=-2), per tensor and 1x128: per tensor read in storage order
-#: (``_fp8_tensor_tile_transposed``, where the measurements are; tile_r input columns by tile_k of K),
-#: 1x128 loaded through ``order``. Measured on the H100 (% of the copy at 64 / 256 MiB): 1x128 at
-#: 64x128 62 / 65 (32x128 54 / 57, 64x128 at 3 blocks per SM 54 / 56, 128x128 at 2 51, 32x128 at 8
-#: 46 / 45, 16x128 42-44, 32x256 40-42, 64x256 at 2 34-35). 1x128 read in storage order with the
-#: 128-row maxima taken as maxima of four 32-row ones (as the MX kernels reduce 32-row blocks): 37-38
-#: % at 64x128 and 32x128, 29 % at 128x128 (2 blocks per SM), against 62 / 65 %. As the 128x128
-#: kernel does (strips of the bf16 tile in storage order, widened and transposed one at a time, the
-#: maxima per strip): 60-62 / 63-65 % at 64x128 (16- or 32-row strips), 50-61 / 55-66 % at 128x128;
-#: the fp32 tile transposed whole: 61-63 / 65-67 %, within two points. With the maxima taken from the
-#: bf16 tile in storage order first: 48-61 / 51-63 % (whole or in strips, 32x128 to 128x128).
+#: (``_fp8_tensor_tile_transposed``; tile_r input columns by tile_k of K), 1x128 loaded through
+#: ``order``; both the fastest of the forms measured.
 FP8_TRANSPOSED_CONFIGS = {
     _FP8_TENSOR: TileConfig(32, 256),
     _FP8_1X128: TileConfig(64, 128),
@@ -879,33 +792,17 @@ def fp8_config(gran: int, transposed: bool, itemsize: int) -> TileConfig:
 AMAX_CONFIG = TileConfig(64, 128)
 #: Blocks of the amax reduction per SM (each loops over its share of the tiles).
 AMAX_BLOCKS_PER_SM = 4
-#: Most blocks of the amax reduction, and the per-block maxima its users reduce with one tile load.
-#: Measured on the H100 (bf16, NaN in x), against one zeroed int32 that every block took an atomic
-#: maximum into: the amax pass at 4 / 16 / 64 / 256 MiB 8.0-8.3 / 11.1-11.3 / 30.8 / 95.3-95.4 us ->
-#: 6.1-6.3 / 9.2 / 28.4-28.6 / 92.7-92.8 us (the fill kernel is gone); NVFP4 with its amax pass
-#: 13.0-13.2 / 21.0-21.4 / 71.0-71.3 / 231.2-231.8 -> 10.9-11.2 / 19.2-19.5 / 67.9-68.0 / 228.6-228.8
-#: us, FP8 per tensor 11.7-12.0 / 19.0 / 70.5-70.6 / 234.1-234.5 -> 9.9-10.2 / 18.0-18.2 / 68.2-68.3 /
-#: 231.5-231.9 us. With 1024 slots the users' reduction cost FP8 per tensor up to 0.4 us at 16 MiB.
-#: Programmatic dependent launch of NVFP4's quantize kernel after this pass (the pass letting it start
-#: at once, each quantize block loading its tile before waiting for the pass to finish) was slower:
-#: 67.0-67.2 against 61.5-61.8 us at 64 MiB, 245.7-246.2 against 222.1-222.2 us at 256 MiB.
+#: Most blocks of the amax reduction, and the per-block maxima its users reduce with one tile load:
+#: one slot per block instead of an atomic maximum into a zeroed word (no fill kernel).
 AMAX_PARTIALS = 512
-#: FP8 per row: one block holds ROW_ELEMENTS elements, whole rows when K <= ROW_MAX_K. Measured on
-#: the H100 at 256 MiB: 2x4096 at K = 4096 91 %, 1x8192 at K = 8192 91 %, at K = 7168 88 %, and at
-#: K = 16384 (two passes over each row, the second from L2) 93 %; the earlier 4x1024 with two passes
-#: made 80, 65, 70 and 56 % at those K (all with TMA stores). At 64 MiB (K = 4096, TMA stores) 2x4096
-#: made 82-84 %; 1x4096 (4 or 8 blocks per SM), 2x4096 at 3, 4x4096 at 2 and 2048-column tiles with
-#: two passes 66-76 %.
+#: FP8 per row: one block holds ROW_ELEMENTS elements, whole rows when K <= ROW_MAX_K (longer rows
+#: take two passes, the second from L2).
 ROW_ELEMENTS = 8192
 ROW_MIN_K = 1024
 ROW_MAX_K = 8192
-#: On sm_90, row tiles up to this many columns store their fp8 bytes with plain stores, longer ones
-#: through TMA. Measured on the H100 (% of the copy, TMA -> plain, at 64 / 256 MiB, two runs):
-#: K = 1024 79.3-79.6 / 86.5-86.8 -> 82.5-83.5 / 88.4-88.9, K = 2048 82.1-82.9 / 90.0-90.2 ->
-#: 84.9-85.5 / 91.0-91.3, K = 4096 83.2-83.3 / 90.4-90.7 -> 88.9-89.0 / 94.0-94.6; but the 1x8192 tile
-#: (K = 8192) 86.2-86.3 / 93.3-93.4 -> 66.9 / 70.2-70.3. Blackwell keeps TMA stores: compiled for
-#: sm_120, the plain-store tiles take 118 registers (2048 columns) or spill (1024), where the TMA ones
-#: fit 64 registers; nothing was timed there.
+#: On sm_90, row tiles up to this many columns store their fp8 bytes with plain stores (faster there),
+#: longer ones through TMA. Blackwell keeps TMA stores: the plain-store tiles need more registers
+#: there, and nothing was timed.
 ROW_PLAIN_STORE_K = 4096
 #: Targets on which the per-row and 1x128 kernels may store plainly (``ROW_PLAIN_STORE_K``,
 #: ``fp8_tma_store``), where that was measured faster.
@@ -915,13 +812,7 @@ PLAIN_STORE_TARGETS = ("sm_90",)
 #: FP8 per row of a transposed input (axis=-2), whose rows are the columns of its (B, K, R) storage:
 #: ``_column_amax_kernel`` reduces ROW_AMAX_CHUNK tiles of ROW_AMAX_CONFIG (tile_r input rows, contiguous
 #: in storage, by tile_k of K) per block, then ``_fp8_columns_kernel`` quantizes one
-#: ROW_TRANSPOSED_CONFIG tile per block. Measured on the H100 (bf16, x.mT of a (K, R) tensor, % of the
-#: copy): the amax pass 64x128 by 16 reads at 83 / 93 / 90 % of the copy's rate at R x K = 4096 x
-#: 8192 / 8192 x 16384 / 1024 x 65536 (32x256, 128x64, 128x128 at 2 blocks per SM: 74-90 %; chunks
-#: of 4 and 8: 82-91 %); the quantize pass at 32x256 79 / 81 / 78 % (16x512 73-76 %, 32x128 and
-#: 16x256 60-69 %, 64x256 at 2 blocks per SM 58-59 %, 32x512 51-53 %). End to end (the zeroed Amax
-#: and both passes): 47 / 51 / 50 %, and 42 % at 512 x 4096. The single kernel it replaces (one block
-#: per 32 rows walking all of K twice) made 35 / 48 / 11 %: R / 32 blocks do not fill the GPU.
+#: ROW_TRANSPOSED_CONFIG tile per block (two kernels, so that enough blocks fill the GPU).
 ROW_AMAX_CONFIG = TileConfig(64, 128)
 ROW_AMAX_CHUNK = 16
 ROW_TRANSPOSED_CONFIG = TileConfig(32, 256)
@@ -942,13 +833,9 @@ def _row_tma_store(cfg: TileConfig, target: str) -> bool:
 def fp8_tma_store(gran: int, target: str) -> bool:
     """Whether ``_fp8_quantize_kernel`` stores its fp8 tile through TMA on ``target``.
 
-    Plain stores measured faster on the H100 (% of the copy at 64 / 256 MiB, TMA -> plain): 1x128
-    78 / 82 -> 86 / 90, 128x128 72 / 77 -> 77 / 86, per tensor 95 / 100 -> 95 / 98; along axis=-2
-    (loaded through ``order``) 1x128 50 / 52 -> 61 / 65 and 128x128 36 / 37 -> 48 / 50 (128x128 then
-    stored its whole fp32 tile; ``_fp8_square_tile`` stores its strips plainly).
-    Per tensor stores plainly on every target (no spills either way). 1x128 does so only on sm_90: with
-    plain stores it spills 136-264 bytes per thread (bf16 input; sm_90 / sm_100 / sm_120), with TMA
-    none, and Blackwell was never timed. A transposed per-tensor tile is stored through TMA regardless
+    Plain stores were faster on the H100. Per tensor stores plainly on every target (no spills either
+    way); 1x128 only on sm_90 (``PLAIN_STORE_TARGETS``), since with plain stores it spills and
+    Blackwell was never timed. A transposed per-tensor tile is stored through TMA regardless
     (``_fp8_tensor_tile_transposed``)."""
     return gran == _FP8_1X128 and target not in PLAIN_STORE_TARGETS
 

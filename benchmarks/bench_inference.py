@@ -38,9 +38,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_matmul import Timer, fp32_matmul, rel_err  # noqa: E402
+from _timing import Timer  # noqa: E402
 
 import tilemm  # noqa: E402
+from tilemm.reference import matmul_fp32  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 NK = [(4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]
@@ -49,6 +50,11 @@ MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024]
 MS_QUICK = [1, 16, 64, 128]
 FORMATS = ("mxfp4", "nvfp4", "mxfp8")
 TOLERANCE = 1e-2  # bf16 output against the fp32 oracle
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def weight_bytes(fmt: str, n: int, k: int) -> int:
@@ -144,10 +150,10 @@ def main(argv=None) -> int:
             for (mode, fmt), layer in layers.items():
                 out = layer(x)
                 if mode == "weight_only":
-                    ref = fp32_matmul(x.float(), layer.dequantize_weight())
+                    ref = matmul_fp32(x.float(), layer.dequantize_weight().t())
                 else:
-                    ref = fp32_matmul(layer._options.quantize_activation(x).dequantize(),
-                                      layer.dequantize_weight())
+                    ref = matmul_fp32(layer._options.quantize_activation(x).dequantize(),
+                                      layer.dequantize_weight().t())
                 err = rel_err(out, ref)
                 if not err < TOLERANCE:
                     failures.append(f"{mode} {fmt} m={m} n={n} k={k}: rel err {err:.3g}")

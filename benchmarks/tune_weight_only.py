@@ -1,5 +1,5 @@
 """Sweep of the weight-only kernel's tile shape, hints and K split on one GPU (CUDA-graph replays, L2
-flushed), against cuBLAS bf16 in the same run; the winners set ``hopper_weight_only.plan``.
+flushed), against cuBLAS bf16 in the same run; the winners set ``weight_only_kernels.plan``.
 
     python benchmarks/tune_weight_only.py [--formats mxfp4] [--ms 1,16]
 """
@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_matmul import Timer  # noqa: E402
+from _timing import Timer  # noqa: E402
 
 import tilemm  # noqa: E402
-from tilemm.kernels import hopper_weight_only as wo  # noqa: E402
+from tilemm.kernels import weight_only_kernels as wo  # noqa: E402
 
 NK = [(14336, 4096), (4096, 14336), (8192, 8192)]
 # (tile_n, num_worker_warps, occupancy, blocks per SM the K split aims at)

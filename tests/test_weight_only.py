@@ -13,7 +13,7 @@ import torch
 import swizzle
 import tilemm
 from tilemm.formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
-from tilemm.kernels import hopper_weight_only as wo
+from tilemm.kernels import weight_only_kernels as wo
 from tilemm.packed import PackedWeight, layout_of, prepack, unpack
 
 from _emulator import LaunchProxy, TileEmulator, assert_matches

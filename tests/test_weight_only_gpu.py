@@ -8,7 +8,7 @@ import torch
 
 import tilemm
 from tilemm.formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
-from tilemm.kernels import hopper_weight_only as wo
+from tilemm.kernels import weight_only_kernels as wo
 
 from _gpu import requires_gpu
 from test_weight_only import quantized_weight

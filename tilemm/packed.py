@@ -1,7 +1,7 @@
 """Prepacked weights for the weight-only matmul: ``prepack`` and ``unpack``.
 
 Weights are static in inference, so the weight-only path stores them once in the layout its kernel
-decodes cheapest (``tilemm.kernels.hopper_weight_only`` describes the "planes" layout), and keeps the
+decodes cheapest (``tilemm.kernels.weight_only_kernels`` describes the "planes" layout), and keeps the
 quantizers' tensors (``MXFP8Tensor``, ``MXFP4Tensor``, ``NVFP4Tensor``) as the interchange format:
 ``unpack(prepack(w))`` returns exactly the bytes of ``w`` (with logical scales).
 
@@ -32,7 +32,7 @@ import torch
 import swizzle as _swizzle
 
 from .formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
-from .kernels.hopper_weight_only import LAYOUTS, Layout
+from .kernels.weight_only_kernels import LAYOUTS, Layout
 from .numerics import as_uint8, e2m1_decode, unpack_e2m1, pack_e2m1
 from .reference import decode_scales
 

@@ -6,7 +6,7 @@ a plain float tensor; ``WeightOnlyRunner`` is the same call with everything that
 worked out once (``tilemm.nn.Linear`` holds one per layer), so an eager call costs one or two kernel
 launches and little else. Both run:
 
-* on CUDA (Hopper and Blackwell): the fused kernel of ``tilemm.kernels.hopper_weight_only`` (bf16
+* on CUDA (Hopper and Blackwell): the fused kernel of ``tilemm.kernels.weight_only_kernels`` (bf16
   ``ct.mma`` on the decoded weight: the same kernel compiles for sm_90, sm_100 and sm_120; Blackwell's
   ``ct.mma_scaled`` takes no bf16 operand, and quantizing the activation would change the result);
 * on the CPU: the same arithmetic in PyTorch: ``(x @ (element * block scale).T) * (decode scale *
@@ -23,7 +23,7 @@ import torch
 from ._validate import FLOAT_INPUT_DTYPES, as_fp32_scalar, check_bias, check_tensor
 from .formats import FORMATS
 from .kernels import _large
-from .kernels import hopper_weight_only as _kernel
+from .kernels import weight_only_kernels as _kernel
 from .packed import PackedWeight, _unpack_words, layout_of
 from .reference import decode_elements, decode_scales
 from .numerics import pack_e2m1

@@ -7,6 +7,9 @@
 
 Each module exposes ``launch(problem)`` for the problems built in ``tilemm.matmul`` and
 ``aot_variants()`` listing every specialisation it can launch, for ahead-of-time compile tests.
+
+Portable kernels, the same on every family: ``quantize_kernels`` (the quantizers) and
+``weight_only_kernels`` (float activations times a prepacked quantized weight, ``tilemm.weight_only``).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ the model gets ``tilemm.quantize_model`` on all 37 ``nn.Linear`` layers (per enc
 key, value, attention output, intermediate 384->1536, output 1536->384; plus the pooler, whose output
 the embedding does not use), and we report the cosine similarity of each sentence's embedding with the
 unquantized float32 model's: the minimum and the mean over the sentences. Activations are quantized on
-the fly unless the configuration is weight-only (activations stay float32, the weight is dequantized).
+the fly unless the configuration is weight-only (activations stay float32; the block-scaled formats run
+the fused weight-only path, fp8 dequantizes its weight).
 
 On the CPU every quantizer and matmul is tilemm's exact reference; on a GPU the cuTile kernels. The
 numbers should agree to within float32 summation order.
@@ -61,6 +62,8 @@ CONFIGS = [
     ("fp8-128x128", dict(format="fp8", granularity=(128, 128))),
     ("mxfp4-weight-only", dict(format="mxfp4", weight_only=True)),
     ("nvfp4-weight-only", dict(format="nvfp4", weight_only=True)),
+    ("mxfp8-weight-only", dict(format="mxfp8", weight_only=True)),
+    ("fp8-row-weight-only", dict(format="fp8", weight_only=True)),
 ]
 
 

@@ -17,14 +17,8 @@ def test_sources_found():
 
 
 # Known: hopper_block_scaled.py's module docstring still cites the contract by its old name.
-KNOWN_STALE = {"tilemm/kernels/hopper_block_scaled.py"}
-
-
 def _source_param(path):
-    rel = str(path.relative_to(ROOT))
-    stale = pytest.mark.xfail(strict=True, reason="its docstring cites the contract by its old name")
-    marks = [stale] if rel in KNOWN_STALE else []
-    return pytest.param(path, id=rel, marks=marks)
+    return pytest.param(path, id=str(path.relative_to(ROOT)))
 
 
 @pytest.mark.parametrize("path", [_source_param(p) for p in SOURCES])

@@ -21,7 +21,7 @@ What is sharded, and how (nothing is re-quantized; every shard holds bytes of th
 - ``weight_scale``, logical: the matching rows, or the matching columns of scale blocks. Swizzled
   (32x4x4): unswizzled to (N, K / block), sliced, and swizzled again for the shard's own shape, so
   a shard boundary inside a 128-row or 4-column swizzle tile is handled exactly (the shard's new
-  padding is zero, as NUMERICS.md requires). FP8 scales: per tensor, replicated; per row, sliced
+  padding is zero, as docs/numerics.md requires). FP8 scales: per tensor, replicated; per row, sliced
   column-wise and replicated row-wise; (128, 128) blocks, sliced by block.
 - ``weight_global_scale`` (NVFP4): replicated. It stays the one decode scale of the whole weight, so
   every shard decodes exactly the values the unsharded layer decodes.

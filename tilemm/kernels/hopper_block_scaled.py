@@ -1,6 +1,6 @@
 """MXFP8, MXFP4 and NVFP4 matmuls on Hopper (sm_90), exact, in cuTile.
 
-What it computes (NUMERICS.md): for each batch entry, ``out = (dequantize(a) @ dequantize(b).T) *
+What it computes (docs/numerics.md): for each batch entry, ``out = (dequantize(a) @ dequantize(b).T) *
 alpha + bias`` with fp32 accumulation, rounded once to ``out``'s dtype. ``a`` is (Ba, M, Kd), ``b`` is
 the (Bb, N, Kd) weight form (both K-contiguous), scales are e8m0 bytes (MX) or e4m3 (NVFP4, whose two
 per-tensor decode scales arrive folded into ``alpha``).

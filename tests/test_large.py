@@ -111,7 +111,7 @@ def test_matmul_k_limit_message():
 def recorded(monkeypatch):
     calls = []
     monkeypatch.setattr(qk, "_launch_kernel", lambda device, grid, kernel, args: calls.append((grid, kernel, args)))
-    monkeypatch.setattr(qk, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(qk, "num_sms", lambda device: 132)
     monkeypatch.setattr(qk, "_target", lambda device: "sm_90")
     return calls
 

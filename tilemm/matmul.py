@@ -37,14 +37,13 @@ import swizzle as _swizzle
 from . import _interop
 from ._validate import (as_fp32_scalar, check_bias, check_dtype, check_out_dtype, check_same_device,
                         check_tensor)
-from .formats import MXFP4, NVFP4, Format, fp8_format, mxfp8_format
+from .formats import FP8_BLOCK, MXFP4, NVFP4, Format, fp8_format, mxfp8_format
 from .reference import block_scaled_matmul_reference, fp8_matmul_reference
 
 __all__ = ["mxfp8_matmul", "mxfp4_matmul", "nvfp4_matmul", "fp8_matmul", "linear",
            "BlockScaledProblem", "FP8Problem"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-FP8_BLOCK = 128
 
 
 # --------------------------------------------------------------------------------------------------

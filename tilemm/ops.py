@@ -41,6 +41,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+import swizzle as _swizzle
+
 from . import matmul as _matmul
 from . import quantize as _quantize
 from . import weight_only as _weight_only
@@ -50,8 +52,8 @@ __all__ = ["quantize_mxfp8", "quantize_mxfp4", "quantize_nvfp4", "quantize_fp8",
            "mxfp8_matmul", "mxfp4_matmul", "nvfp4_matmul", "fp8_matmul", "weight_only_linear"]
 
 _E4M3 = torch.float8_e4m3fn
-SWIZZLE_ROWS = 128  # scale rows per 32x16 block of the 32x4x4 layout
-SWIZZLE_COLS = 4  # scale columns per 32x16 block
+SWIZZLE_ROWS = _swizzle.ROW_TILE  # scale rows per 32x16 block of the 32x4x4 layout
+SWIZZLE_COLS = _swizzle.COL_TILE  # scale columns per 32x16 block
 
 
 def _ceil_div(a, b):

@@ -71,16 +71,18 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor import parallel as _torch_tp
 from torch.distributed.tensor.placement_types import Placement
 
+import swizzle as _swizzle
 from swizzle import swizzle_32_4_4, unswizzle_32_4_4
 
+from .formats import FP8_BLOCK
 from .nn import Linear
 
 __all__ = ["STYLES", "ShardInfo", "ColwiseParallel", "RowwiseParallel", "shard_linear", "local_shard"]
 
 STYLES = ("colwise", "rowwise")
 _PACKED = {"mxfp4", "nvfp4"}  # two e2m1 elements per byte along K
-_SWIZZLE_ROWS, _SWIZZLE_COLS = 128, 4  # one 32x4x4 tile covers 128 scale rows x 4 scale columns
-_FP8_BLOCK = 128  # FP8 (128, 128) weight blocks
+_SWIZZLE_ROWS, _SWIZZLE_COLS = _swizzle.ROW_TILE, _swizzle.COL_TILE  # one 32x4x4 tile: 128 rows x 4 columns
+_FP8_BLOCK = FP8_BLOCK  # FP8 (128, 128) weight blocks
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,23 +14,19 @@ Portable kernels, the same on every family: ``quantize_kernels`` (the quantizers
 
 from __future__ import annotations
 
-import importlib
-
 from .._arch import Family, family
+from . import blackwell_block_scaled, blackwell_fp8, hopper_block_scaled, hopper_fp8
 
-_BLOCK_SCALED = {Family.HOPPER: "hopper_block_scaled", Family.BLACKWELL: "blackwell_block_scaled"}
-_FP8 = {Family.HOPPER: "hopper_fp8", Family.BLACKWELL: "blackwell_fp8"}
-
-
-def _module(table, device):
-    return importlib.import_module(f"{__name__}.{table[family(device)]}")
+#: Launchers per kernel family: what each problem runs on a GPU of that family.
+BLOCK_SCALED = {Family.HOPPER: hopper_block_scaled.launch, Family.BLACKWELL: blackwell_block_scaled.launch}
+FP8 = {Family.HOPPER: hopper_fp8.launch, Family.BLACKWELL: blackwell_fp8.launch}
 
 
 def block_scaled_matmul(problem) -> None:
     """Run a ``tilemm.matmul.BlockScaledProblem`` on its GPU, writing ``problem.out``."""
-    _module(_BLOCK_SCALED, problem.out.device).launch(problem)
+    BLOCK_SCALED[family(problem.out.device)](problem)
 
 
 def fp8_matmul(problem) -> None:
     """Run a ``tilemm.matmul.FP8Problem`` on its GPU, writing ``problem.out``."""
-    _module(_FP8, problem.out.device).launch(problem)
+    FP8[family(problem.out.device)](problem)

@@ -22,14 +22,16 @@ from __future__ import annotations
 import cuda.tile as ct
 import torch
 
+import swizzle as _swizzle
+
 __all__ = ["tile_coords", "tile_coords_at", "e8m0_to_bf16", "e2m1_lo_bits_fp16", "e2m1_hi_bits_fp16",
            "e2m1_lo_bits_bf16",
            "e2m1_hi_bits_bf16", "unswizzle_scale_tile", "epilogue", "ones_scalar", "zeros_vector",
-           "swizzled_scale_view", "hinted", "SWIZZLE_ROWS", "SWIZZLE_COLS"]
+           "swizzled_scale_view", "hinted", "num_sms", "SWIZZLE_ROWS", "SWIZZLE_COLS"]
 
 #: Rows and scale columns covered by one 32x16 block of the 32x4x4 layout.
-SWIZZLE_ROWS = 128
-SWIZZLE_COLS = 4
+SWIZZLE_ROWS = _swizzle.ROW_TILE
+SWIZZLE_COLS = _swizzle.COL_TILE
 
 # --------------------------------------------------------------------------------------------------
 # Tile code
@@ -168,6 +170,19 @@ def swizzled_scale_view(scale: torch.Tensor, cols_per_tile: int) -> torch.Tensor
     c = min(cols_per_tile, SWIZZLE_COLS)
     b, rt, kt = scale.shape[:3]
     return scale.reshape(b, rt, kt, 32 * 4, SWIZZLE_COLS // c, c)
+
+
+_SMS: dict[int, int] = {}
+
+
+def num_sms(device: torch.device | int) -> int:
+    """Streaming multiprocessors of a CUDA device (cached per device index)."""
+    index = device if isinstance(device, int) else (
+        device.index if device.index is not None else torch.cuda.current_device())
+    count = _SMS.get(index)
+    if count is None:
+        count = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
 
 
 _HINTED: dict = {}

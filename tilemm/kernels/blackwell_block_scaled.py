@@ -84,7 +84,6 @@ emulation of the cuTile operations they use, against tilemm.reference, on awkwar
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import cuda.tile as ct
 import torch
@@ -92,7 +91,7 @@ import torch
 from ..formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
 from . import _large
 from ._aot import AotVariant, array
-from ._common import epilogue, hinted, ones_scalar, tile_coords, zeros_vector
+from ._common import SWIZZLE_COLS, SWIZZLE_ROWS, epilogue, hinted, num_sms, ones_scalar, tile_coords, zeros_vector
 
 __all__ = ["launch", "aot_variants", "TileConfig", "LaunchPlan", "config_for", "plan_launch",
            "scale_tile_blocks", "check_config", "FORMATS"]
@@ -101,11 +100,6 @@ ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
 
 _ZERO = ct.PaddingMode.ZERO
-
-#: Rows of one 32x16 block of the 32x4x4 layout (m1 = 32 lanes x m2 = 4 sub-tiles).
-SWIZZLE_ROWS = 128
-#: Scale columns of one 32x16 block (k1).
-SWIZZLE_COLS = 4
 
 #: The formats this module serves.
 FORMATS = (MXFP8_E4M3, MXFP8_E5M2, MXFP4, NVFP4)
@@ -365,9 +359,6 @@ def plan_launch(problem, table: str, sm_count: int = DEFAULT_SM_COUNT,
     return LaunchPlan(cfg, kernel, grid, args, folded, tuple(launches))
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def launch(problem, config: TileConfig | None = None) -> None:
@@ -378,7 +369,7 @@ def launch(problem, config: TileConfig | None = None) -> None:
 
     device = problem.out.device
     index = device.index if device.index is not None else torch.cuda.current_device()
-    plan = plan_launch(problem, table_for_capability(capability(device)), _sm_count(index), config)
+    plan = plan_launch(problem, table_for_capability(capability(device)), num_sms(index), config)
     with torch.cuda.device(device):
         for grid, args in plan.launches:
             ct.launch(torch.cuda.current_stream(device), grid, plan.kernel, args)

@@ -36,15 +36,15 @@ accumulator from spilling. The blockwise kernel keeps TN = 128 (one weight scale
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import cuda.tile as ct
 import torch
 
+from ..formats import FP8_BLOCK
 from . import _large
 from ._aot import AotVariant
-from ._common import epilogue, fp8_kind, hinted, ones_scalar, tile_coords, zeros_vector
+from ._common import epilogue, fp8_kind, hinted, num_sms, ones_scalar, tile_coords, zeros_vector
 from .blackwell_block_scaled import DEFAULT_SM_COUNT, launch_array, table_for_capability
 
 __all__ = ["launch", "aot_variants", "TileConfig", "LaunchPlan", "config_for", "plan_launch", "check_config"]
@@ -52,8 +52,6 @@ __all__ = ["launch", "aot_variants", "TileConfig", "LaunchPlan", "config_for", "
 ConstInt = ct.Constant[int]
 
 _ZERO = ct.PaddingMode.ZERO
-#: Block edge of DeepSeek-style scales (1x128 for activations, 128x128 for weights).
-FP8_BLOCK = 128
 
 
 # --------------------------------------------------------------------------------------------------
@@ -242,9 +240,6 @@ def plan_launch(problem, table: str, sm_count: int = DEFAULT_SM_COUNT,
     return LaunchPlan(cfg, kernel, grid, args, tuple(launches))
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def launch(problem, config: TileConfig | None = None) -> None:
@@ -256,7 +251,7 @@ def launch(problem, config: TileConfig | None = None) -> None:
 
     device = problem.out.device
     index = device.index if device.index is not None else torch.cuda.current_device()
-    plan = plan_launch(problem, table_for_capability(capability(device)), _sm_count(index), config)
+    plan = plan_launch(problem, table_for_capability(capability(device)), num_sms(index), config)
     with torch.cuda.device(device):
         for grid, args in plan.launches:
             ct.launch(torch.cuda.current_stream(device), grid, plan.kernel, args)

@@ -97,7 +97,7 @@ import torch
 from ..formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
 from . import _large
 from ._aot import AotVariant, array
-from ._common import (e2m1_hi_bits_bf16, e2m1_hi_bits_fp16, e2m1_lo_bits_bf16, e2m1_lo_bits_fp16, e8m0_to_bf16,
+from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, e2m1_hi_bits_bf16, e2m1_hi_bits_fp16, e2m1_lo_bits_bf16, e2m1_lo_bits_fp16, e8m0_to_bf16,
                       epilogue, hinted, ones_scalar, tile_coords, zeros_vector)
 from .hopper_gemm import GemmConfig, gemm_constants, gemm_kernel, launch_gemm, load_k_tile, num_sms
 
@@ -117,8 +117,8 @@ _NVFP4_FOLD = 2.0 ** 7
 _ZERO = ct.PaddingMode.ZERO
 
 #: Rows and scale columns of one 32x16 block of the 32x4x4 layout.
-_SWZ_ROWS = 128
-_SWZ_COLS = 4
+_SWZ_ROWS = SWIZZLE_ROWS
+_SWZ_COLS = SWIZZLE_COLS
 
 
 # --------------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ import math
 import cuda.tile as ct
 import torch
 
+from ..formats import FP8_BLOCK
 from . import _large
 from ._aot import AotVariant, array
 from ._common import epilogue, fp8_kind, hinted, ones_scalar, tile_coords, zeros_vector
@@ -50,8 +51,6 @@ ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
 
 _ZERO = ct.PaddingMode.ZERO
-#: Block edge of DeepSeek-style scales (1x128 for activations, 128x128 for weights).
-FP8_BLOCK = 128
 
 
 # --------------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ import dataclasses
 import cuda.tile as ct
 import torch
 
-from ._common import epilogue, hinted, tile_coords_at
+from ._common import epilogue, hinted, num_sms, tile_coords_at
 from . import _large
 
 __all__ = ["GemmConfig", "launch_gemm", "gemm_constants", "gemm_kernel", "gemm_grid", "num_sms"]
@@ -142,14 +142,6 @@ class GemmConfig:
         return s + ("_pers" if self.persistent else "")
 
 
-_SMS: dict[int, int] = {}
-
-
-def num_sms(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
 
 
 def gemm_grid(cfg: GemmConfig, batch: int, m: int, n: int, sms: int) -> int:

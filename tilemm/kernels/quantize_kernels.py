@@ -62,10 +62,10 @@ import cuda.tile as ct
 import torch
 from cuda.tile import compilation as cc
 
-from ..formats import FP8_E4M3, NVFP4, Format
+from ..formats import FP8_BLOCK, FP8_E4M3, NVFP4, Format
 from . import _large
 from ._aot import TARGETS, AotVariant, array
-from ._common import SWIZZLE_COLS, SWIZZLE_ROWS, hinted
+from ._common import SWIZZLE_COLS, SWIZZLE_ROWS, hinted, num_sms
 
 __all__ = ["quantize_mx", "quantize_nvfp4", "quantize_fp8", "aot_variants", "supported"]
 
@@ -105,7 +105,6 @@ _ELEMENT_CODE = {"e4m3": _E4M3, "e5m2": _E5M2, "e2m1": _E2M1}
 _FP8_TENSOR = 0
 _FP8_1X128 = 1
 _FP8_128X128 = 2
-FP8_BLOCK = 128  # DeepSeek-style block edge
 FP8_STRIP = 32  # rows of a 128x128 block quantized at a time (``_fp8_square_tile``)
 
 _NAN_BYTE = 0x7F  # positive NaN in e4m3fn and e5m2
@@ -910,8 +909,6 @@ def _launch_kernel(device: torch.device, grid, kernel, args: tuple) -> None:
     ct.launch(torch.cuda.current_stream(device), grid, kernel, args)
 
 
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _target(device: torch.device) -> str:
@@ -1025,7 +1022,7 @@ def tensor_amax(x: torch.Tensor, propagate_nan: bool) -> torch.Tensor:
     views = [v for v, in _pieces("tensor amax", storage, cfg.tile_r, cfg.tile_k, (("x", view, _BRK),))]
     share = AMAX_PARTIALS // len(views)
     blocks = [min(v.shape[0] * -(-v.shape[1] // cfg.tile_r) * -(-v.shape[2] // cfg.tile_k),
-                  _num_sms(x.device) * AMAX_BLOCKS_PER_SM, share) for v in views]
+                  num_sms(x.device) * AMAX_BLOCKS_PER_SM, share) for v in views]
     partial = torch.empty(sum(blocks), dtype=torch.int32, device=x.device)
     start = 0
     for v, n in zip(views, blocks):

@@ -59,8 +59,8 @@ import cuda.tile as ct
 import torch
 
 from ._aot import AotVariant, array
-from ._common import e8m0_to_bf16, epilogue, hinted
-from .hopper_gemm import num_sms
+from ._common import e8m0_to_bf16, epilogue, hinted, num_sms
+
 
 __all__ = ["WeightOnlyConfig", "plan", "launch", "Prepared", "aot_variants", "LAYOUTS", "Layout"]
 

@@ -120,6 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20, help="timed replays per measurement (median)")
     ap.add_argument("--formats", default=",".join(FORMATS), help="comma-separated weight formats")
     ap.add_argument("--no-both-sides", action="store_true", help="skip the block-scaled nn.Linear rows")
+    ap.add_argument("--ms", default=None, help="comma-separated M values (default: the full or quick list)")
     ap.add_argument("--out", default=None, help="result file stem (default inference-<gpu>)")
     args = ap.parse_args(argv)
     device = torch.device("cuda")
@@ -130,6 +131,8 @@ def main(argv=None) -> int:
     print(f"{gpu}: copy bandwidth {bw / 1e12:.2f} TB/s")
     records, failures, host = [], [], {}
     nks, ms = (NK_QUICK, MS_QUICK) if args.quick else (NK, MS)
+    if args.ms:
+        ms = [int(v) for v in args.ms.split(",")]
     t_start = time.time()
     for n, k in nks:
         torch.manual_seed(0)

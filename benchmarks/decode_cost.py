@@ -104,7 +104,9 @@ def report(variant: AotVariant, elements: float) -> dict:
 
 
 def default_variants():
-    out = [weight_only_variant(name, wo.WeightOnlyConfig(16, 128, 4)) for name in wo.LAYOUTS]
+    """The weight-only kernel as ``plan`` picks it at M = 16 (N = K = 4096), per layout, and the
+    block-scaled stream kernel at M = 16."""
+    out = [weight_only_variant(name, wo.plan(16, 4096, 4096, layout)) for name, layout in wo.LAYOUTS.items()]
     out += [stream_variant(fmt) for fmt in (MXFP4, NVFP4, MXFP8_E4M3)]
     return out
 

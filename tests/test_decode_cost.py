@@ -1,0 +1,47 @@
+"""The weight-only kernel's decode cost, in SASS instructions per weight element, without a GPU.
+
+``benchmarks/decode_cost.py`` compiles the kernel as ``plan`` picks it at M = 16 for sm_90, disassembles
+it (``nvdisasm``) and counts the main loop. At small M this kernel issues those instructions for every
+weight element it reads, so a change that adds decode work shows here before any GPU run. The bounds
+sit a little above the counts of the committed kernel (4.35 MXFP4, 4.74 NVFP4, 4.83 MXFP8, with
+``tileiras`` 13.4) and well below the block-scaled stream kernel's 9.3-10.3.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+from test_aot import COMPILER_MISSING
+
+pytestmark = pytest.mark.aot
+
+_SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "decode_cost.py"
+_spec = importlib.util.spec_from_file_location("decode_cost", _SCRIPT)
+decode_cost = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(decode_cost)
+
+BOUNDS = {"mxfp4": 4.8, "nvfp4": 5.2, "mxfp8_e4m3": 5.3, "mxfp8_e5m2": 5.3}
+
+
+def _nvdisasm_missing():
+    try:
+        decode_cost.nvdisasm()
+    except FileNotFoundError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.skipif(COMPILER_MISSING is not None, reason=COMPILER_MISSING or "")
+@pytest.mark.skipif(_nvdisasm_missing() is not None, reason=_nvdisasm_missing() or "")
+@pytest.mark.parametrize("layout", list(BOUNDS))
+def test_weight_only_main_loop_instructions_per_element(layout):
+    from tilemm.kernels import weight_only_kernels as wo
+
+    variant, elements = decode_cost.weight_only_variant(layout, wo.plan(16, 4096, 4096, wo.LAYOUTS[layout]))
+    row = decode_cost.report(variant, elements)  # main_loop raises unless the loop holds HGMMA
+    assert row["per_element"] <= BOUNDS[layout], (
+        f"{variant.name}: {row['per_element']:.2f} SASS instructions per weight element in the main loop "
+        f"(bound {BOUNDS[layout]}): {row['top']}")

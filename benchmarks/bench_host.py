@@ -17,7 +17,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 import tilemm
 

@@ -30,7 +30,6 @@ import datetime
 import json
 import math
 import pathlib
-import statistics
 import sys
 import time
 

@@ -24,12 +24,9 @@ import subprocess
 import sys
 import tempfile
 
-import cuda.tile as ct
-
 from tilemm.kernels import hopper_block_scaled as hbs
 from tilemm.kernels import weight_only_kernels as wo
-from tilemm.kernels._aot import AotVariant, array, compile_variant
-from tilemm.kernels._common import hinted
+from tilemm.kernels._aot import AotVariant, compile_variant
 from tilemm.formats import MXFP4, MXFP8_E4M3, NVFP4
 
 

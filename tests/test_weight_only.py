@@ -14,7 +14,7 @@ import swizzle
 import tilemm
 from tilemm.formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
 from tilemm.kernels import weight_only_kernels as wo
-from tilemm.packed import PackedWeight, layout_of, prepack, unpack
+from tilemm.packed import layout_of, prepack, unpack
 
 from _emulator import LaunchProxy, TileEmulator, assert_matches
 

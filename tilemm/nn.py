@@ -4,12 +4,15 @@
 "nvfp4" or "fp8"); ``forward`` then quantizes the activations on the fly to the same format and runs
 tilemm's block-scaled matmul (``tilemm.linear``): ``y = dequantize(q(x)) @ dequantize(W).T + b``,
 accumulated in fp32 and returned in x's dtype (float32, bfloat16 or float16), for x of any leading
-dimensions. ``weight_only=True`` keeps x in its own precision instead: the weight is dequantized on
-every call and multiplied with ``torch.nn.functional.linear`` (tilemm's kernels take quantized
-operands on both sides, so weight-only runs through dequantization, in x's dtype).
+dimensions. ``weight_only=True`` keeps x in its own precision instead: mxfp8, mxfp4 and nvfp4 weights
+are stored prepacked (``tilemm.prepack``) and multiplied by the fused weight-only kernel
+(``tilemm.weight_only``): ``y = x @ dequantize(W).T + b`` accumulated in fp32, one kernel launch per
+eager call; fp8 weights are dequantized on every call and multiplied with ``F.linear``.
 
 The quantized weight, its scales (and NVFP4's decode scale) and the bias are buffers, so
-``state_dict`` / ``load_state_dict`` round-trip them bit for bit; ``Module.to(dtype)``, ``.half()``
+``state_dict`` / ``load_state_dict`` round-trip them bit for bit (a weight-only layer keeps only the
+prepacked form in memory; its state dict holds the same interchange tensors, unpacked on the way
+out and prepacked on the way in); ``Module.to(dtype)``, ``.half()``
 and ``.bfloat16()`` move them between devices but never cast their encodings (the bias does follow).
 Inference only: no gradient flows through the quantized matmul.
 
@@ -60,7 +63,7 @@ class _Options:
             raise TypeError(f"{fn}: weight_only must be True or False, got {weight_only!r}")
         is_fp8, is_mx = format == "fp8", format in ("mxfp8", "mxfp4")
         if swizzle is None:
-            swizzle = not is_fp8 and not weight_only  # weight-only unswizzles to dequantize
+            swizzle = not is_fp8 and not weight_only  # weight-only keeps logical scales (prepacked)
         elif not isinstance(swizzle, bool):
             raise TypeError(f"{fn}: swizzle must be True, False or None, got {swizzle!r}")
         elif swizzle and is_fp8:
@@ -219,8 +222,9 @@ class Linear(torch.nn.Module):
             format: ``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"`` or ``"fp8"``.
             swizzle: store the weight scale in the 32x4x4 layout and quantize activations likewise;
                 default True for the block-scaled formats (False with ``weight_only``, which only
-                dequantizes). fp8 has no swizzled layout.
-            weight_only: keep activations unquantized; the weight is dequantized on every call.
+                stores its weight prepacked). fp8 has no swizzled layout.
+            weight_only: keep activations unquantized: the fused weight-only kernel for mxfp8, mxfp4
+                and nvfp4 (the weight stored prepacked); fp8 dequantizes its weight on every call.
             granularity: fp8 only: ``"row"`` (default: one scale per output channel, activations per
                 row), ``"tensor"`` (activations per tensor) or ``(128, 128)`` blocks (activations in
                 1x128 blocks; in_features a multiple of 128).

@@ -3,8 +3,8 @@ MXFP4, NVFP4 or MXFP8 weight (``tilemm.prepack``).
 
 ``weight_only_linear(x, packed, bias=None, alpha=None)`` is what ``tilemm.linear(x, w)`` runs when x is
 a plain float tensor; ``WeightOnlyRunner`` is the same call with everything that does not depend on x
-worked out once (``tilemm.nn.Linear`` holds one per layer), so an eager call costs one or two kernel
-launches and little else. Both run:
+worked out once (``tilemm.nn.Linear`` holds one per layer), so an eager call costs one kernel launch
+and little else. Both run:
 
 * on CUDA (Hopper and Blackwell): the fused kernel of ``tilemm.kernels.weight_only_kernels`` (bf16
   ``ct.mma`` on the decoded weight: the same kernel compiles for sm_90, sm_100 and sm_120; Blackwell's

@@ -22,15 +22,19 @@ for their architecture (``tilemm.kernels``): exact emulation on Hopper (sm_90), 
 Blackwell (sm_100 / sm_120).
 
 Each public function handles its Python-level arguments and calls the custom operator of the same
-name, ``torch.ops.tilemm.<name>`` (``tilemm.ops``), which checks the tensors and runs the computation;
-NumPy (CPU) and CuPy (GPU) arrays are accepted and returned in kind (``tilemm._interop``).
+name, ``torch.ops.tilemm.<name>`` (registered in this module), which checks the tensors and runs the
+computation: ``run_block_scaled`` / ``run_fp8_matmul`` -> ``tilemm.kernels`` (a table from GPU family
+to launcher) -> the launcher and its tile kernels. NumPy (CPU) and CuPy (GPU) arrays are accepted and
+returned in kind (``tilemm._interop``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
+from torch import Tensor
 
 import swizzle as _swizzle
 
@@ -256,7 +260,7 @@ def _empty_result(shape, k, bias32, out_dtype, device):
 
 
 # --------------------------------------------------------------------------------------------------
-# What the custom operators torch.ops.tilemm.*_matmul run (registered in tilemm.ops): every check on
+# What the custom operators torch.ops.tilemm.*_matmul run (registered below): every check on
 # the tensors, then the reference (CPU) or a kernel (CUDA). The fake ("meta") versions run the same
 # checks, which read only shapes, dtypes and devices, and return an empty output of the right shape.
 # --------------------------------------------------------------------------------------------------
@@ -392,6 +396,74 @@ def run_fp8_matmul(x, x_scale, y, y_scale, *, out_dtype, bias, alpha, use_fast_a
 
 
 # --------------------------------------------------------------------------------------------------
+# The custom operators ``torch.ops.tilemm.*_matmul``: one opaque op each for torch.compile, whose
+# real implementation is the ``run_*`` function above and whose fake one the ``*_fake`` function.
+# --------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("tilemm::mxfp8_matmul", mutates_args=())
+def _mxfp8_matmul_op(x: Tensor, x_scale: Tensor, y: Tensor, y_scale: Tensor,
+                 out_dtype: torch.dtype = torch.bfloat16, bias: Optional[Tensor] = None,
+                 alpha: Optional[Tensor] = None) -> Tensor:
+    fn = "mxfp8_matmul"
+    return run_block_scaled(fn, mxfp8_operand_format(fn, x), x, x_scale, y, y_scale,
+                                    out_dtype=out_dtype, bias=bias, alpha=alpha)
+
+
+@_mxfp8_matmul_op.register_fake
+def _(x, x_scale, y, y_scale, out_dtype=torch.bfloat16, bias=None, alpha=None):
+    fn = "mxfp8_matmul"
+    return block_scaled_matmul_fake(fn, mxfp8_operand_format(fn, x), x, x_scale, y,
+                                            y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha)
+
+
+@torch.library.custom_op("tilemm::mxfp4_matmul", mutates_args=())
+def _mxfp4_matmul_op(x: Tensor, x_scale: Tensor, y: Tensor, y_scale: Tensor,
+                 out_dtype: torch.dtype = torch.bfloat16, bias: Optional[Tensor] = None,
+                 alpha: Optional[Tensor] = None) -> Tensor:
+    return run_block_scaled("mxfp4_matmul", MXFP4, x, x_scale, y, y_scale, out_dtype=out_dtype,
+                                    bias=bias, alpha=alpha)
+
+
+@_mxfp4_matmul_op.register_fake
+def _(x, x_scale, y, y_scale, out_dtype=torch.bfloat16, bias=None, alpha=None):
+    return block_scaled_matmul_fake("mxfp4_matmul", MXFP4, x, x_scale, y, y_scale,
+                                            out_dtype=out_dtype, bias=bias, alpha=alpha)
+
+
+@torch.library.custom_op("tilemm::nvfp4_matmul", mutates_args=())
+def _nvfp4_matmul_op(x: Tensor, x_scale: Tensor, y: Tensor, y_scale: Tensor, global_scale_x: Tensor,
+                 global_scale_y: Tensor, out_dtype: torch.dtype = torch.bfloat16,
+                 bias: Optional[Tensor] = None, alpha: Optional[Tensor] = None) -> Tensor:
+    fn = "nvfp4_matmul"
+    total = nvfp4_alpha(fn, global_scale_x, global_scale_y, alpha, x.device)
+    return run_block_scaled(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias,
+                                    alpha=total)
+
+
+@_nvfp4_matmul_op.register_fake
+def _(x, x_scale, y, y_scale, global_scale_x, global_scale_y, out_dtype=torch.bfloat16, bias=None,
+      alpha=None):
+    fn = "nvfp4_matmul"
+    total = nvfp4_alpha(fn, global_scale_x, global_scale_y, alpha, x.device)
+    return block_scaled_matmul_fake(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype,
+                                            bias=bias, alpha=total)
+
+
+@torch.library.custom_op("tilemm::fp8_matmul", mutates_args=())
+def _fp8_matmul_op(x: Tensor, x_scale: Tensor, y: Tensor, y_scale: Tensor,
+               out_dtype: torch.dtype = torch.bfloat16, bias: Optional[Tensor] = None,
+               alpha: Optional[Tensor] = None, use_fast_accum: bool = False) -> Tensor:
+    return run_fp8_matmul(x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
+                                  use_fast_accum=use_fast_accum)
+
+
+@_fp8_matmul_op.register_fake
+def _(x, x_scale, y, y_scale, out_dtype=torch.bfloat16, bias=None, alpha=None, use_fast_accum=False):
+    return fp8_matmul_fake(x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
+                                   use_fast_accum=use_fast_accum)
+
+
+# --------------------------------------------------------------------------------------------------
 # Public functions: Python-level argument handling (non-tensor arguments, FP8 bytes from NumPy or
 # CuPy, scalars to 0-d tensors), then the custom operator, which torch.compile sees as one opaque op.
 # --------------------------------------------------------------------------------------------------
@@ -448,7 +520,7 @@ def mxfp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None,
     fn = "mxfp8_matmul"
     x, y = _fp8_bytes(fn, "x", x, elem_dtype), _fp8_bytes(fn, "y", y, elem_dtype)
     _check_op_args(fn, out_dtype, bias, x=x, x_scale=x_scale, y=y, y_scale=y_scale)
-    return torch.ops.tilemm.mxfp8_matmul(x, x_scale, y, y_scale, out_dtype, bias,
+    return _mxfp8_matmul_op(x, x_scale, y, y_scale, out_dtype, bias,
                                          _alpha_tensor(fn, alpha, x.device))
 
 
@@ -464,7 +536,7 @@ def mxfp4_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None,
     """
     fn = "mxfp4_matmul"
     _check_op_args(fn, out_dtype, bias, x=x, x_scale=x_scale, y=y, y_scale=y_scale)
-    return torch.ops.tilemm.mxfp4_matmul(x, x_scale, y, y_scale, out_dtype, bias,
+    return _mxfp4_matmul_op(x, x_scale, y, y_scale, out_dtype, bias,
                                          _alpha_tensor(fn, alpha, x.device))
 
 
@@ -490,7 +562,7 @@ def nvfp4_matmul(x, x_scale, y, y_scale, *, global_scale_x, global_scale_y, out_
     device = x.device
     gx = as_fp32_scalar(fn, "global_scale_x", global_scale_x, device)
     gy = as_fp32_scalar(fn, "global_scale_y", global_scale_y, device)
-    return torch.ops.tilemm.nvfp4_matmul(x, x_scale, y, y_scale, gx, gy, out_dtype, bias,
+    return _nvfp4_matmul_op(x, x_scale, y, y_scale, gx, gy, out_dtype, bias,
                                          _alpha_tensor(fn, alpha, device))
 
 
@@ -515,7 +587,7 @@ def fp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, a
     _check_op_args(fn, out_dtype, bias, x=x, x_scale=x_scale, y=y, y_scale=y_scale)
     if not isinstance(use_fast_accum, bool):
         raise TypeError(f"{fn}: use_fast_accum must be a bool, got {type(use_fast_accum).__name__}")
-    return torch.ops.tilemm.fp8_matmul(x, x_scale, y, y_scale, out_dtype, bias,
+    return _fp8_matmul_op(x, x_scale, y, y_scale, out_dtype, bias,
                                        _alpha_tensor(fn, alpha, x.device), use_fast_accum)
 
 

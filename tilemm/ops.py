@@ -1,6 +1,8 @@
 """tilemm's quantizers and matmuls as PyTorch custom operators, ``torch.ops.tilemm.*``.
 
-The public functions (``tilemm.quantize_mxfp8``, ``tilemm.mxfp8_matmul``, ...) handle the Python-level
+The quantizer operators are registered here; the matmul operators next to their public functions
+(``tilemm.matmul``, ``tilemm.weight_only``) and named here too. The public functions
+(``tilemm.quantize_mxfp8``, ``tilemm.mxfp8_matmul``, ...) handle the Python-level
 arguments (NamedTuples, Python floats, NumPy / CuPy arrays, FP8 bytes) and then call these operators,
 so there is one code path and ``torch.compile`` sees each quantizer or matmul as one opaque op (with
 ``fullgraph=True`` too). Each operator checks its arguments itself, with the public function's
@@ -43,9 +45,7 @@ from torch import Tensor
 
 import swizzle as _swizzle
 
-from . import matmul as _matmul
 from . import quantize as _quantize
-from . import weight_only as _weight_only
 from .formats import MXFP4, NVFP4
 
 __all__ = ["quantize_mxfp8", "quantize_mxfp4", "quantize_nvfp4", "quantize_fp8",
@@ -135,87 +135,10 @@ def _(x, granularity="tensor", elem_dtype=None, pow2_scale=False):
 
 
 # --------------------------------------------------------------------------------------------------
-# Matmuls
+# Matmuls: registered next to their public functions (``tilemm.matmul``, ``tilemm.weight_only``),
+# which call them directly; named here as the operators they are.
 # --------------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("tilemm::mxfp8_matmul", mutates_args=())
-def mxfp8_matmul(x: Tensor, x_scale: Tensor, y: Tensor, y_scale: Tensor,
-                 out_dtype: torch.dtype = torch.bfloat16, bias: Optional[Tensor] = None,
-                 alpha: Optional[Tensor] = None) -> Tensor:
-    fn = "mxfp8_matmul"
-    return _matmul.run_block_scaled(fn, _matmul.mxfp8_operand_format(fn, x), x, x_scale, y, y_scale,
-                                    out_dtype=out_dtype, bias=bias, alpha=alpha)
-
-
-@mxfp8_matmul.register_fake
-def _(x, x_scale, y, y_scale, out_dtype=torch.bfloat16, bias=None, alpha=None):
-    fn = "mxfp8_matmul"
-    return _matmul.block_scaled_matmul_fake(fn, _matmul.mxfp8_operand_format(fn, x), x, x_scale, y,
-                                            y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha)
-
-
-@torch.library.custom_op("tilemm::mxfp4_matmul", mutates_args=())
-def mxfp4_matmul(x: Tensor, x_scale: Tensor, y: Tensor, y_scale: Tensor,
-                 out_dtype: torch.dtype = torch.bfloat16, bias: Optional[Tensor] = None,
-                 alpha: Optional[Tensor] = None) -> Tensor:
-    return _matmul.run_block_scaled("mxfp4_matmul", MXFP4, x, x_scale, y, y_scale, out_dtype=out_dtype,
-                                    bias=bias, alpha=alpha)
-
-
-@mxfp4_matmul.register_fake
-def _(x, x_scale, y, y_scale, out_dtype=torch.bfloat16, bias=None, alpha=None):
-    return _matmul.block_scaled_matmul_fake("mxfp4_matmul", MXFP4, x, x_scale, y, y_scale,
-                                            out_dtype=out_dtype, bias=bias, alpha=alpha)
-
-
-@torch.library.custom_op("tilemm::nvfp4_matmul", mutates_args=())
-def nvfp4_matmul(x: Tensor, x_scale: Tensor, y: Tensor, y_scale: Tensor, global_scale_x: Tensor,
-                 global_scale_y: Tensor, out_dtype: torch.dtype = torch.bfloat16,
-                 bias: Optional[Tensor] = None, alpha: Optional[Tensor] = None) -> Tensor:
-    fn = "nvfp4_matmul"
-    total = _matmul.nvfp4_alpha(fn, global_scale_x, global_scale_y, alpha, x.device)
-    return _matmul.run_block_scaled(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias,
-                                    alpha=total)
-
-
-@nvfp4_matmul.register_fake
-def _(x, x_scale, y, y_scale, global_scale_x, global_scale_y, out_dtype=torch.bfloat16, bias=None,
-      alpha=None):
-    fn = "nvfp4_matmul"
-    total = _matmul.nvfp4_alpha(fn, global_scale_x, global_scale_y, alpha, x.device)
-    return _matmul.block_scaled_matmul_fake(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype,
-                                            bias=bias, alpha=total)
-
-
-@torch.library.custom_op("tilemm::fp8_matmul", mutates_args=())
-def fp8_matmul(x: Tensor, x_scale: Tensor, y: Tensor, y_scale: Tensor,
-               out_dtype: torch.dtype = torch.bfloat16, bias: Optional[Tensor] = None,
-               alpha: Optional[Tensor] = None, use_fast_accum: bool = False) -> Tensor:
-    return _matmul.run_fp8_matmul(x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
-                                  use_fast_accum=use_fast_accum)
-
-
-@fp8_matmul.register_fake
-def _(x, x_scale, y, y_scale, out_dtype=torch.bfloat16, bias=None, alpha=None, use_fast_accum=False):
-    return _matmul.fp8_matmul_fake(x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
-                                   use_fast_accum=use_fast_accum)
-
-
-# --------------------------------------------------------------------------------------------------
-# Weight-only linear
-# --------------------------------------------------------------------------------------------------
-
-@torch.library.custom_op("tilemm::weight_only_linear", mutates_args=())
-def weight_only_linear(x: Tensor, words: Tensor, scale_t: Tensor, constants: Tensor, format: str,
-                       in_features: int, bias: Optional[Tensor] = None,
-                       alpha: Optional[Tensor] = None, alpha_host: float = 1.0) -> Tensor:
-    """x (M, K) float times a prepacked (N, K) weight (``tilemm.packed.PackedWeight``'s tensors);
-    ``alpha`` replaces constants[0] (2^E * decode scale) in the epilogue when given; ``alpha_host`` is
-    constants[0] as a float (for the large-M GEMM, which takes a host scalar)."""
-    return _weight_only.run_weight_only(x, words, scale_t, constants, format, in_features, bias, alpha,
-                                        alpha_host)
-
-
-@weight_only_linear.register_fake
-def _(x, words, scale_t, constants, format, in_features, bias=None, alpha=None, alpha_host=1.0):
-    return x.new_empty((x.shape[0], words.shape[0]))
+from .matmul import (_fp8_matmul_op as fp8_matmul, _mxfp4_matmul_op as mxfp4_matmul,  # noqa: E402
+                     _mxfp8_matmul_op as mxfp8_matmul, _nvfp4_matmul_op as nvfp4_matmul)
+from .weight_only import _weight_only_linear_op as weight_only_linear  # noqa: E402

@@ -12,13 +12,16 @@ and little else. Both run:
 * on the CPU: the same arithmetic in PyTorch: ``(x @ (element * block scale).T) * (decode scale *
   alpha) + bias`` in fp32, rounded once to x's dtype.
 
-Under ``torch.compile`` the call is the custom operator ``torch.ops.tilemm.weight_only_linear``
-(registered in ``tilemm.ops``), which traces with ``fullgraph=True``.
+``weight_only_linear`` calls the custom operator ``torch.ops.tilemm.weight_only_linear`` (registered
+here), which ``torch.compile`` traces as one op with ``fullgraph=True``.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch import Tensor
 
 from ._validate import FLOAT_INPUT_DTYPES, as_fp32_scalar, check_bias, check_tensor
 from .formats import FORMATS
@@ -151,6 +154,22 @@ def run_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: 
     return runner(x2d.contiguous(), None if alpha is None else alpha.reshape(1))
 
 
+@torch.library.custom_op("tilemm::weight_only_linear", mutates_args=())
+def _weight_only_linear_op(x: Tensor, words: Tensor, scale_t: Tensor, constants: Tensor, format: str,
+                       in_features: int, bias: Optional[Tensor] = None,
+                       alpha: Optional[Tensor] = None, alpha_host: float = 1.0) -> Tensor:
+    """x (M, K) float times a prepacked (N, K) weight (``tilemm.packed.PackedWeight``'s tensors);
+    ``alpha`` replaces constants[0] (2^E * decode scale) in the epilogue when given; ``alpha_host`` is
+    constants[0] as a float (for the large-M GEMM, which takes a host scalar)."""
+    return run_weight_only(x, words, scale_t, constants, format, in_features, bias, alpha,
+                           alpha_host)
+
+
+@_weight_only_linear_op.register_fake
+def _(x, words, scale_t, constants, format, in_features, bias=None, alpha=None, alpha_host=1.0):
+    return x.new_empty((x.shape[0], words.shape[0]))
+
+
 def weight_only_linear(x: torch.Tensor, packed: PackedWeight, *, bias=None, alpha=None) -> torch.Tensor:
     """``x @ dequantize(w).T (* alpha) + bias`` for a float x (..., K) and a prepacked (N, K) weight.
 
@@ -168,6 +187,6 @@ def weight_only_linear(x: torch.Tensor, packed: PackedWeight, *, bias=None, alph
     bias32 = check_bias(fn, bias, n, x.device)
     alpha32 = None if alpha is None else as_fp32_scalar(fn, "alpha", alpha, x.device) * packed.constants[0]
     rows = x.reshape(-1, k)
-    out = torch.ops.tilemm.weight_only_linear(rows, packed.words, packed.scale_t, packed.constants,
+    out = _weight_only_linear_op(rows, packed.words, packed.scale_t, packed.constants,
                                               packed.fmt.name, k, bias32, alpha32, packed.alpha_host)
     return out.reshape(*x.shape[:-1], n)

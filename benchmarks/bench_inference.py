@@ -89,30 +89,6 @@ def int4_peer(w: torch.Tensor):
         return None
 
 
-def host_time_us(fn, calls: int = 200) -> float:
-    """Wall time per eager call, in microseconds, over back-to-back calls (then one sync)."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
-
-
-def kernels_per_call(fn) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and "memcpy" not in e.name.lower()
-               and "memset" not in e.name.lower())
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="bench_inference.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="3 shapes, M in {1, 16, 64, 128}")
@@ -128,7 +104,7 @@ def main(argv=None) -> int:
     formats = args.formats.split(",")
     bw = copy_bandwidth(timer, device)
     print(f"{gpu}: copy bandwidth {bw / 1e12:.2f} TB/s")
-    records, failures, host = [], [], {}
+    records, failures = [], []
     nks, ms = (NK_QUICK, MS_QUICK) if args.quick else (NK, MS)
     if args.ms:
         ms = [int(v) for v in args.ms.split(",")]
@@ -178,14 +154,14 @@ def main(argv=None) -> int:
             "copy_bandwidth_TBps": bw / 1e12, "command": " ".join(["python benchmarks/bench_inference.py", *sys.argv[1:]]), "seconds": time.time() - t_start}
     stem = args.out or "inference-" + gpu.lower().replace(" ", "-")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps({"meta": meta, "summary": summary, "host": host,
+    (RESULTS / f"{stem}.json").write_text(json.dumps({"meta": meta, "summary": summary,
                                                       "records": records, "failures": failures}, indent=1))
-    (RESULTS / f"{stem}.md").write_text(markdown(meta, summary, host, records, formats))
+    (RESULTS / f"{stem}.md").write_text(markdown(meta, summary, records, formats))
     try:
         plot(summary, RESULTS / f"{stem}.png", gpu, formats)
     except Exception as e:  # noqa: BLE001
         print(f"plot skipped: {e}")
-    print(markdown(meta, summary, host, records, formats))
+    print(markdown(meta, summary, records, formats))
     if failures:
         print("FAILED:", *failures, sep="\n  ")
         return 1
@@ -213,7 +189,7 @@ def summarize(records, formats):
     return out
 
 
-def markdown(meta, summary, host, records, formats) -> str:
+def markdown(meta, summary, records, formats) -> str:
     ms = sorted({r["m"] for r in records})
     lines = [f"# Small-M inference on {meta['gpu']} ({meta['date']})", "",
              f"`{meta['command']}`; copy bandwidth {meta['copy_bandwidth_TBps']:.2f} TB/s. Speed-up over "
@@ -222,11 +198,6 @@ def markdown(meta, summary, host, records, formats) -> str:
              "| row | " + " | ".join(f"M={m}" for m in ms) + " |", "|---|" + "---|" * len(ms)]
     for key, per_m in summary.items():
         lines.append(f"| {key} | " + " | ".join(f"{per_m.get(m, float('nan')):.2f}" for m in ms) + " |")
-    if host:
-        lines += ["", "Eager calls at M = 1 (host time per call, microseconds; kernels per call):", ""]
-        for shape, h in host.items():
-            lines.append(f"- {shape}: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
-                                                    for k, v in h.items()))
     cols = []
     for r in records:
         cols += [k for k in r if k.endswith("_ms") and k != "bf16_ms" and k not in cols]

@@ -354,15 +354,7 @@ class Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._options.packed:
             return self._forward_weight_only(x)
-        fn = "tilemm.nn.Linear"
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{fn}: input must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in _ACTIVATION_DTYPES:
-            raise TypeError(f"{fn}: input dtype must be torch.float32, torch.bfloat16 or torch.float16, "
-                            f"got {x.dtype}")
-        if x.ndim == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(f"{fn}: input must be (..., in_features) = (..., {self.in_features}), got "
-                             f"shape {tuple(x.shape)}")
+        self._check_input(x)
         rows = x.reshape(-1, self.in_features)
         if self.weight_only:
             # fp8 weight-only: no fused kernel; dequantize the weight (exact in fp32), round it once to

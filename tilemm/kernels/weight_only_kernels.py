@@ -31,8 +31,9 @@ Bits shifted across the lane boundary always fall outside the masks. Each decode
 multiplied by one bf16 multiplier per row and scale block, ``scale * 2^(OFFSET - E)`` (OFFSET = 126
 for e2m1, 120 for e4m3, 112 for e5m2: the decode's power of two taken back), so the MMA operand is the
 dequantized weight times 2^-E; the epilogue multiplies by ``alpha = 2^E * ...`` in fp32. E >= 0 is
-chosen per weight by ``tilemm.prepack`` so that the largest multiplier fits bf16: E = 0 for any weight
-whose block scales stay below 2^2 (MX) -- then the MMA operand is the dequantized weight itself.
+chosen per weight by ``tilemm.prepack`` so that the largest multiplier fits bf16: E = 0 for an MX weight
+whose block scales are at most 2^1 (MXFP4), 2^7 (e4m3) or 2^15 (e5m2) -- then the MMA operand is the
+dequantized weight itself; NVFP4 weights with block scales up to 448 take E = 7.
 NaN scales decode to NaN multipliers, so NaN reaches exactly the output columns the reference makes
 NaN (a NaN weight element poisons its whole output column, so prepack marks such a block's scale NaN).
 
@@ -40,7 +41,8 @@ Exactness. Every decoded, scaled element is exactly representable in bf16 (at mo
 and within bf16's exponent range given E, with the same lower limit as the block-scaled kernels for
 scale bytes near 0), and bf16 x bf16 products are exact in the fp32 accumulator. Activations in fp16
 or fp32 are split in the kernel into 2 or 3 bf16 parts whose sum is exactly x (8 + 8 (+ 8) significant
-bits); each part runs its own MMA into the same accumulator. So the result equals an fp32-accumulated
+bits; for fp32 values below about 2^-110 the last part can fall under bf16's smallest subnormal,
+2^-133, and be lost); each part runs its own MMA into the same accumulator. So the result equals an fp32-accumulated
 ``x @ dequantize(w).T`` up to the order of the fp32 additions (and, with E > 0 or NVFP4's decode scale,
 the placement of one power-of-two or fp32 factor).
 

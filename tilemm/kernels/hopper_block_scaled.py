@@ -26,8 +26,8 @@ Two designs, picked by M (``plan``), for every format:
   ``hopper_gemm`` kernel (128x256 tiles, two MMA warpgroups) multiplies them with ``alpha`` and
   ``bias`` in its epilogue. Decoding once per element instead of once per output tile that reads it
   is what makes this faster than fusing the decode into the GEMM's K loop, where on sm_90 the
-  conversion does not overlap the tensor cores (the fused kernel, measured: MXFP8 222 TFLOPS, MXFP4
-  191, NVFP4 141 at 8192^3, against 600+ for this design). The cost is the 16-bit round trip
+  conversion does not overlap the tensor cores (the fused kernel reached about a third of this design's
+  rate at 8192^3; figures in the results notes named below). The cost is the 16-bit round trip
   through HBM: 4 bytes per element of (M + N) x K.
 
 Decoding (``_decode``), per format, into (rows, TK) 16-bit tiles:
@@ -64,26 +64,12 @@ Swizzled (32x4x4) scales are read through a (B, R/128, K/B/4, 32, 4, 4) view ([m
 16-, 32- or 64-row tile; scale columns past K/B (the 4-column padding) are forced to 0. Tiles hold a
 multiple of 4 scale columns (TK a multiple of 4 x block).
 
-Speed (H100, bf16 out, L2 flushed, 2026-11-22; ``benchmarks/results`` has every shape):
-
-* two-pass at 8192^3: 0.99 (MXFP8), 1.03 (MXFP4) and 0.99x (NVFP4) cuBLAS bf16 (the fused kernel this
-  replaces: 222 / 191 / 141 TFLOPS); over the LLM projections at M >= 1024 0.80 / 0.85 / 0.80x, where
-  the weight's dequantize round trip through HBM is a quarter to a third of the time at M = 1024.
-  The dequantize kernel streams 2.8 TB/s (MXFP8, 64x128 tiles) and 2.5-2.6 TB/s (4-bit formats,
-  16x512 tiles, 8 blocks per SM); the 16-bit GEMM matches cuBLAS on random bf16 (786 vs 778 TFLOPS).
-* stream, geomean over the LLM projections: M <= 16 MXFP8 0.97x, MXFP4 0.92x, NVFP4 0.77x cuBLAS
-  bf16; M = 128 0.59 / 0.57 / 0.48x (before the 64-row tiles and X16: 0.83 / 0.84 / 0.73 and
-  0.44 / 0.44 / 0.35). It is bound by the decode, not by HBM: ~735 (MXFP8) to ~880 (MXFP4) SASS
-  instructions per thread per 128x128 weight tile and K step (PRMT-heavy byte shuffles, LOP3 / IMAD
-  for nibbles), a latency-bound chain; the 4-bit weight's 4x fewer bytes are not the limit yet.
-* Tried for the stream kernel and measured slower on the H100 (M = 16, swizzled scales, ratio to
-  cuBLAS bf16 over four LLM projections): the e2m1 formats on the FP8 tensor cores (both operands
-  decoded to e4m3 bytes of e2m1 * 2^-6, one MMA per 32-element scale block from a zero accumulator,
-  which is exact -- bit-identical to an fp64 matmul at K = 32 -- then scaled into the fp32
-  accumulator): MXFP4 0.64-0.72x against 0.79-0.90x, NVFP4 0.34-0.45x (two MMAs per 32-element chunk
-  for its 16-element blocks); the per-block partial products go through shared memory with a
-  barrier and a WARPGROUP.DEPBAR wait each. Two MMAs on the low- and high-nibble halves instead of
-  concatenating them: 2-4 % slower.
+Why these designs, and what was measured and not adopted: the measured figures live in
+``benchmarks/results/hopper-block-scaled-design-nvidia-h100-80gb-hbm3.md`` (``benchmarks/bench_matmul.py``
+and ``launch(problem, config)`` overrides produce them). In short: the two-pass design matches cuBLAS
+bf16 at 8192^3 where the fused K-loop decode reached about a third of it; the stream kernel is bound by
+its decode instructions and their latency, not by HBM; the e2m1 formats on the FP8 tensor cores (exact
+per 32-element block) were slower.
 """
 
 from __future__ import annotations
@@ -256,9 +242,7 @@ def _splitk_reduce_kernel(Partial, C, Alpha, Bias, SPLIT_K: ConstInt, TM: ConstI
     epilogue(acc, C, Alpha, Bias, batch, bm, bn, TM, TN)
 
 
-#: 8 blocks per SM (against the compiler's default): MXFP4 2.16 -> 2.39 TB/s at 64x128 tiles and
-#: 2.37 -> 2.61 at 16x512, NVFP4 2.05 -> 2.35 and 2.33 -> 2.53 (14336 x 8192 on the H100); MXFP8
-#: 2.76-2.81 either way.
+#: 8 blocks per SM (against the compiler's default): faster for the 4-bit formats, the same for MXFP8.
 @ct.kernel(occupancy=8)
 def _dequantize_kernel(X, X_scale, Out, ELEMENT: ConstInt, SCALE_BLOCK: ConstInt, SWIZZLED: ConstBool,
                        TR: ConstInt, TK: ConstInt):
@@ -334,18 +318,14 @@ class TwoPassConfig:
         return f"twopass_{self.dequant_rows}x{self.dequant_k}_{self.gemm.name}"
 
 
-#: M from which the two-pass design is used (below it the stream kernel reads the weight once).
-#: Measured at N=14336, K=4096: M = 128 stream 120 us vs two-pass 133-142 us; M = 1024 stream 760 us vs
-#: two-pass 260 us.
+#: M from which the two-pass design is used (below it the stream kernel reads the weight once); the
+#: crossing point measured at N=14336, K=4096 lies between M = 128 and M = 1024.
 TWO_PASS_MIN_M = 512
 
 #: Output tiles of the split-K reduction.
 _REDUCE_TILE = (64, 128)
 
-# 8192^3 bf16 on the H100 (TFLOPS): 256x256x64 on 2-CTA clusters, persistent 786; 128x256x64 742
-# (persistent 747); 256x256x64 2-CTA one block per tile 745; 128x256x32 714; 128x128x64 643; 256x128x64
-# 2-CTA 614; latency hints 3 on 128x256x64 627. Dequantize tiles 64x128: 2.7 / 2.1 / 2.0 TB/s (MXFP8 /
-# MXFP4 / NVFP4) against 2.6 / 1.5-1.8 / 1.4-1.7 for 64x256, 128x128 and 128x256.
+# The fastest GEMM tiles and dequantize tiles measured (the alternatives are in the results notes).
 _TWO_PASS = TwoPassConfig(GemmConfig(256, 256, 64, num_ctas=2, persistent=True), 64, 128)
 #: The 4-bit formats' dequantize pass streams fastest in 16x512 tiles (see ``_dequantize_kernel``).
 _TWO_PASS_PACKED = dataclasses.replace(_TWO_PASS, dequant_rows=16, dequant_k=512)
@@ -358,10 +338,8 @@ _STREAM_TK = {"mxfp8": 128, "mxfp4": 128, "nvfp4": 128}
 _STREAM_TILE_M = (16, 64, 128)
 # Per tile_m: (tile_n, num_worker_warps, occupancy). The decode chain of one block stalls on LDS and
 # HGMMA latency, so more blocks per SM help where the registers allow it (cuobjdump: 64 per thread at
-# 16x64 tiles with one warpgroup, 80 at 64x128, 168 at 128x128). At M = 16 one warpgroup on 64 weight rows with 4 blocks per
-# SM beats two warpgroups on 128 rows with 2 per SM (H100, swizzled scales, N x K = 14336 x 4096 /
-# 8192 x 8192: MXFP8 0.86 / 0.87x cuBLAS bf16 against 0.79 / 0.82, MXFP4 0.89 / 0.92 against
-# 0.80 / 0.89, NVFP4 0.76 / 0.74 against 0.70 / 0.74).
+# 16x64 tiles with one warpgroup, 80 at 64x128, 168 at 128x128). At M = 16 one warpgroup on 64 weight
+# rows with 4 blocks per SM beat two warpgroups on 128 rows with 2 per SM for every format.
 _STREAM_SHAPE = {16: (64, 4, 4), 64: (128, 8, 2), 128: (128, 8, None)}
 _STREAM_SPLITS = (1, 2, 4, 8)
 
@@ -378,9 +356,7 @@ def _element_code(fmt: Format) -> int:
 
 def _x16(fmt: Format, tile_m: int) -> bool:
     """Whether the stream kernel reads a dequantized 16-bit copy of the activation instead of decoding
-    it in every block. H100, swizzled scales, ratio to cuBLAS bf16 at N x K = 14336 x 4096, 8192 x 8192,
-    4096 x 14336: M = 128 MXFP8 0.42-0.49x -> 0.57-0.64x, MXFP4 0.42-0.49 -> 0.56-0.63, NVFP4 0.34-0.40
-    -> 0.46-0.53; M = 64 +7-17 %; M = 16 the 4-bit formats 0-3 % faster, MXFP8 -5 to +1 %."""
+    it in every block: faster from M = 64 on for every format, and at M = 16 for the 4-bit formats."""
     return tile_m >= 64 or fmt.is_packed
 
 

@@ -65,7 +65,7 @@ Swizzled (32x4x4) scales are read through a (B, R/128, K/B/4, 32, 4, 4) view ([m
 multiple of 4 scale columns (TK a multiple of 4 x block).
 
 Why these designs, and what was measured and not adopted: the measured figures live in
-``benchmarks/results/hopper-block-scaled-design-nvidia-h100-80gb-hbm3.md`` (``benchmarks/bench_matmul.py``
+``benchmarks/results/hopper-design-nvidia-h100-80gb-hbm3.md`` (``benchmarks/bench_matmul.py``
 and ``launch(problem, config)`` overrides produce them). In short: the two-pass design matches cuBLAS
 bf16 at 8192^3 where the fused K-loop decode reached about a third of it; the stream kernel is bound by
 its decode instructions and their latency, not by HBM; the e2m1 formats on the FP8 tensor cores (exact

@@ -26,9 +26,7 @@ sees them: measured on an H100 (256x256x4096, fp32 out) relative error 1.26e-4 p
 fast, identical to ``torch._scaled_mm``'s, above docs/numerics.md's 1e-5 for fp32 output. (The
 block-scaled kernels, which run bf16 / fp16 MMAs, meet it: ~5e-8.)
 
-Speed (H100, 8192^3, bf16 out, L2 flushed, 2026-11-22, same run): per row 1255 TFLOPS precise
-(``torch._scaled_mm`` 1234) and 1485 fast (1500); 1x128 / 128x128 blocks 399-412 (earlier run).
-``benchmarks/results`` has every shape.
+Speed against ``torch._scaled_mm``: ``benchmarks/results`` (``benchmarks/bench_matmul.py``).
 """
 
 from __future__ import annotations
@@ -103,9 +101,8 @@ _LARGE_TILES = 132  # at least one wave of the large tile on the H100's 132 SMs
 
 # Keyed by (kernel, accumulation). Precise accumulation keeps a second fp32 accumulator, so a 128x256
 # tile spills registers (cuobjdump: 184 bytes of stack) and the precise tile stays 128x128. Persistent
-# scheduling (one block per SM walking the tiles) measured +4-7% over one block per tile on the H100
-# (8192^3: precise 1255 vs 1174 TFLOPS, fast 1485 vs 1394); with fewer tiles than SMs it launches one
-# block per tile anyway.
+# scheduling (one block per SM walking the tiles) was faster than one block per tile; with fewer tiles
+# than SMs it launches one block per tile anyway.
 _CONFIGS: dict[tuple[str, bool], dict[str, GemmConfig]] = {
     ("scaled", False): {"small": GemmConfig(128, 128, 128, persistent=True),
                         "large": GemmConfig(128, 128, 128, persistent=True)},
@@ -123,9 +120,8 @@ def _kind(granularity: str) -> str:
 
 
 #: Below this share of SMs busy over all waves, the large tile gives way to the small one (if that
-#: fills the waves better). H100, fast accumulation, M x N x K = 1024 x 14336 x 4096: 448 tiles of
-#: 128x256 on 132 SMs are 3.4 waves (85 %): 0.80x torch._scaled_mm, 896 tiles of 128x128 (97 %):
-#: 0.87x; the other benchmark shapes fill >= 97 % of their waves with the large tile and keep it.
+#: fills the waves better): at 1024 x 14336 x 4096 the 128x128 tile (97 % of 7 waves busy) beat the
+#: 128x256 one (85 % of 3.4 waves); the other benchmark shapes keep the large tile.
 _MIN_WAVE_FILL = 0.9
 
 

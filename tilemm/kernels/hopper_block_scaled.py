@@ -26,8 +26,8 @@ Two designs, picked by M (``plan``), for every format:
   ``hopper_gemm`` kernel (128x256 tiles, two MMA warpgroups) multiplies them with ``alpha`` and
   ``bias`` in its epilogue. Decoding once per element instead of once per output tile that reads it
   is what makes this faster than fusing the decode into the GEMM's K loop, where on sm_90 the
-  conversion does not overlap the tensor cores (the fused kernel reached about a third of this design's
-  rate at 8192^3; figures in the results notes named below). The cost is the 16-bit round trip
+  conversion does not overlap the tensor cores (the fused kernel reached a quarter to a third of this
+  design's rate at 8192^3; figures in the results notes named below). The cost is the 16-bit round trip
   through HBM: 4 bytes per element of (M + N) x K.
 
 Decoding (``_decode``), per format, into (rows, TK) 16-bit tiles:
@@ -67,7 +67,7 @@ multiple of 4 scale columns (TK a multiple of 4 x block).
 Why these designs, and what was measured and not adopted: the measured figures live in
 ``benchmarks/results/hopper-design-nvidia-h100-80gb-hbm3.md`` (``benchmarks/bench_matmul.py``
 and ``launch(problem, config)`` overrides produce them). In short: the two-pass design matches cuBLAS
-bf16 at 8192^3 where the fused K-loop decode reached about a third of it; the stream kernel is bound by
+bf16 at 8192^3 where the fused K-loop decode reached a fifth to a third of it; the stream kernel is bound by
 its decode instructions and their latency, not by HBM; the e2m1 formats on the FP8 tensor cores (exact
 per 32-element block) were slower.
 """

@@ -46,8 +46,11 @@ def nvdisasm() -> str:
     raise FileNotFoundError("nvdisasm not found: pip install nvidia-cuda-nvdisasm")
 
 
-def main_loop(cubin: bytes) -> collections.Counter:
-    """Opcode counts of the smallest loop that contains HGMMA instructions."""
+def main_loop(cubin: bytes, unroll: int = 1) -> collections.Counter:
+    """Opcode counts of the main loop: the smallest loop that contains HGMMA instructions, or, for a
+    kernel that loads ``unroll`` K tiles at a time (and has a one-tile loop for the remainder), the
+    smallest loop with ``unroll`` times that loop's HGMMAs. (Spans between a barrier wait's backward
+    branch and its target can contain more; they are not loops of the kernel.)"""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -61,49 +64,57 @@ def main_loop(cubin: bytes) -> collections.Counter:
         m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
         if m:
             ins.append(m.group(1).strip())
-    best = None
+    loops = []
     for i, t in enumerate(ins):
         m = re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", t)
         if m and m.group(1) in labels and labels[m.group(1)] <= i:
             body = ins[labels[m.group(1)]:i + 1]
-            if any("HGMMA" in b for b in body) and (best is None or len(body) < len(best)):
-                best = body
+            hgmma = sum("HGMMA" in b for b in body)
+            if hgmma:
+                loops.append((len(body), hgmma, body))
+    best = None
+    if loops:
+        one_tile = min(loops, key=lambda lp: lp[0])[1]
+        fits = [lp for lp in loops if lp[1] == unroll * one_tile] or [min(loops, key=lambda lp: lp[0])]
+        best = (None, min(fits, key=lambda lp: lp[0])[2])
     if best is None:
         raise ValueError("no loop with HGMMA instructions in the disassembly")
-    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0] for b in best)
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0] for b in best[1])
 
 
-def weight_only_variant(name: str, cfg: wo.WeightOnlyConfig) -> tuple[AotVariant, float]:
-    """(variant, weight elements per thread per main-loop iteration) for a bf16 activation."""
+def weight_only_variant(name: str, cfg: wo.WeightOnlyConfig) -> tuple[AotVariant, float, int]:
+    """(variant, weight elements per thread per main-loop iteration, K tiles per iteration) for a bf16
+    activation."""
     layout = wo.LAYOUTS[name]
     v = [a for a in wo.aot_variants(full=True) if a.name == f"weight_only_{name}_bfloat16_{cfg.name}"]
     if not v:
         raise KeyError(f"no weight-only variant {name} {cfg.name}")
     threads = 32 * cfg.num_worker_warps
-    return v[0], cfg.tile_n * layout.tile_k / threads
+    return v[0], cfg.tile_n * layout.tile_k * cfg.unroll / threads, cfg.unroll
 
 
-def stream_variant(fmt, tile_m: int = 16) -> tuple[AotVariant, float]:
+def stream_variant(fmt, tile_m: int = 16) -> tuple[AotVariant, float, int]:
     """The block-scaled stream kernel (both operands quantized) as ``plan`` picks it for small M."""
     cfg = hbs.stream_config(fmt, 1, tile_m, 14336, 4096)
     name = f"hopper_{fmt.name}_swz_bf16_{cfg.name}"
     v = [a for a in hbs.aot_variants() if a.name == name]
     if not v:
         raise KeyError(name)
-    return v[0], cfg.tile_n * cfg.tile_k / (32 * cfg.num_worker_warps)
+    return v[0], cfg.tile_n * cfg.tile_k / (32 * cfg.num_worker_warps), 1
 
 
-def report(variant: AotVariant, elements: float) -> dict:
-    counts = main_loop(compile_variant(variant, "sm_90"))
+def report(variant: AotVariant, elements: float, unroll: int = 1) -> dict:
+    counts = main_loop(compile_variant(variant, "sm_90"), unroll)
     total = sum(counts.values())
     return {"variant": variant.name, "loop_instructions": total, "elements_per_thread": elements,
             "per_element": total / elements, "top": dict(counts.most_common(8))}
 
 
 def default_variants():
-    """The weight-only kernel as ``plan`` picks it at M = 16 (N = K = 4096), per layout, and the
-    block-scaled stream kernel at M = 16."""
-    out = [weight_only_variant(name, wo.plan(16, 4096, 4096, layout)) for name, layout in wo.LAYOUTS.items()]
+    """The weight-only kernel as ``plan`` picks it at M = 16, per layout, with a K split (N = K = 4096)
+    and without (N = 14336, K = 4096), and the block-scaled stream kernel at M = 16."""
+    out = [weight_only_variant(name, wo.plan(16, n, 4096, layout)) for name, layout in wo.LAYOUTS.items()
+           for n in (4096, 14336)]
     out += [stream_variant(fmt) for fmt in (MXFP4, NVFP4, MXFP8_E4M3)]
     return out
 
@@ -113,8 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
     rows = []
-    for variant, elements in default_variants():
-        row = report(variant, elements)
+    for variant, elements, unroll in default_variants():
+        row = report(variant, elements, unroll)
         rows.append(row)
         top = " ".join(f"{k}:{v}" for k, v in row["top"].items())
         print(f"{row['variant']:60s} {row['per_element']:5.2f} instr/element "

@@ -36,7 +36,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="tune_weight_only.py")
     ap.add_argument("--formats", default="mxfp4")
     ap.add_argument("--ms", default="1,16")
-    ap.add_argument("--candidates", default=None, help="JSON list of [tile_n, warps, occupancy, per_sm]")
+    ap.add_argument("--candidates", default=None,
+                    help="JSON list of [tile_n, warps, occupancy, per_sm(, unroll, cat)]")
+    ap.add_argument("--shapes", default=None, help="NxK,NxK,... (default: the three of the targets)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -44,7 +46,8 @@ def main(argv=None) -> int:
     cands = json.loads(args.candidates) if args.candidates else CANDIDATES
     rows = []
     for fmt in args.formats.split(","):
-        for n, k in NK:
+        shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else NK
+        for n, k in shapes:
             lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
             w = lin.weight.detach()
             packed = tilemm.nn.Linear.from_float(lin, fmt, weight_only=True).packed_weight()
@@ -54,11 +57,11 @@ def main(argv=None) -> int:
                 t_bf16, _ = timer(lambda: F.linear(x, w))
                 out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
                 line = []
-                for tn, warps, occ, per_sm in cands:
+                for tn, warps, occ, per_sm, *extra in cands:
                     tm = next(t for t in (16, 32, 64, 128) if t >= m)
                     tiles = -(-m // tm) * -(-n // tn)
                     split = split_for(tiles, -(-k // packed.layout.tile_k), per_sm, sms)
-                    cfg = wo.WeightOnlyConfig(tm, tn, split, warps, occ)
+                    cfg = wo.WeightOnlyConfig(tm, tn, split, warps, occ, *extra)
                     run = lambda: wo.launch(x, packed.words, packed.scale_t, packed.constants, bias, out,  # noqa: E731
                                             packed.layout, cfg)
                     t, _ = timer(run)

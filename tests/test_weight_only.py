@@ -208,3 +208,37 @@ def test_dequantize_kernel_is_the_weight_times_2_to_minus_e(emulated, fmt):
     if fmt is NVFP4:
         expected = expected / w_q.global_scale
     torch.testing.assert_close(w16.double(), expected.double(), rtol=2 ** -20, atol=0)
+
+
+@pytest.mark.parametrize("fmt", [MXFP4, NVFP4, MXFP8_E4M3], ids=["mxfp4", "nvfp4", "mxfp8_e4m3"])
+@pytest.mark.parametrize("scheme", [dict(unroll=2), dict(cat=1), dict(unroll=2, cat=1)],
+                         ids=["unroll2", "cat", "unroll2_cat"])
+def test_load_schemes_match_reference(emulated, fmt, scheme):
+    # K = 1344: 5.25 4-bit K tiles / 10.5 8-bit ones, so splits of 1, 2 and 4 end in odd remainders,
+    # empty splits and partial tiles; unroll 2 rounds each split's range to an even number of tiles.
+    m, n, k = 3, 20, 1344
+    w_q = quantized_weight(fmt, n, k, seed=1, scale_bytes=(105, 122) if fmt.is_mx else (1, 0x50))
+    packed = prepack(w_q)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16)
+    bias = torch.randn(n)
+    for split in (1, 2, 4):
+        out = _run(x, packed, wo.WeightOnlyConfig(16, 16, split, 8, None, **scheme), bias)
+        assert_matches(out.float(), _reference(x, w_q, bias), torch.bfloat16)
+
+
+def test_plan_schemes():
+    """The output tiles alone fill the GPU: one MMA per K tile (4-bit weights: two K tiles per load);
+    otherwise a K split loading two K tiles at a time; from tile_m 32 on, neither."""
+    mx4, mx8 = wo.LAYOUTS["mxfp4"], wo.LAYOUTS["mxfp8_e4m3"]
+    cfg = wo.plan(1, 14336, 4096, mx4)
+    assert (cfg.split_k, cfg.cat, cfg.unroll, cfg.occupancy) == (1, 1, 2, 3)
+    cfg = wo.plan(1, 14336, 4096, mx8)
+    assert (cfg.split_k, cfg.cat, cfg.unroll, cfg.occupancy) == (1, 1, 1, 2)
+    cfg = wo.plan(16, 4096, 14336, mx4)
+    assert cfg.split_k > 1 and cfg.unroll == 2 and not cfg.cat
+    cfg = wo.plan(32, 4096, 14336, mx4)
+    assert cfg.unroll == 1 and not cfg.cat
+    for layout in wo.LAYOUTS.values():
+        for m in (1, 16, 32, 64, 128):
+            for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (1024, 256)):
+                assert wo.plan(m, n, k, layout) in wo._configs(layout)

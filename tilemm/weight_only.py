@@ -63,6 +63,10 @@ def reference_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_feat
     return acc.to(x2d.dtype)
 
 
+#: The current stream's raw handle (an int) for a device index: ``torch.cuda.current_stream()`` builds a
+#: Stream object per call, which costs several times a whole kernel launch.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
 #: Whether this PyTorch has cuBLAS bf16 x bf16 -> fp32 ``addmm(..., out_dtype=)`` (the large-M path).
 _GEMM_FP32_OUT = [True]
 
@@ -122,7 +126,8 @@ class WeightOnlyRunner:
                 return self._large_m(x2d)
             except (RuntimeError, TypeError):  # a PyTorch without addmm(..., out_dtype): the fused kernel
                 _GEMM_FP32_OUT[0] = False
-        stream = torch.cuda.current_stream(self.device)
+        stream = (_raw_stream(self.device.index) if _raw_stream is not None
+                  else torch.cuda.current_stream(self.device))
         if m * max(self.k, self.n) < _large.LIMIT:
             prepared = self._prepared.get((m, x2d.dtype)) or self._prepare(m, x2d.dtype)
             prepared.run(x2d, out, stream, alpha)

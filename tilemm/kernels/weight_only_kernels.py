@@ -61,7 +61,7 @@ import cuda.tile as ct
 import torch
 
 from ._aot import AotVariant, array
-from ._common import e8m0_to_bf16, epilogue, hinted, num_sms
+from ._common import e8m0_to_bf16, hinted, num_sms
 
 
 __all__ = ["WeightOnlyConfig", "plan", "launch", "Prepared", "aot_variants", "LAYOUTS", "Layout"]
@@ -169,18 +169,62 @@ def _mma_x(plane, x, acc, X_PARTS):
     return acc
 
 
+def _scaled_plane(w, mult, P, ELEMENT, BLOCK, GROUP, TN):
+    """Plane P of the word tile w, decoded and times its per-row, per-block multipliers: (TN, G * B)
+    bf16, the dequantized weight times 2^-E."""
+    plane = _as_bf16_pairs(_decode_plane(w, P, ELEMENT), TN, GROUP * BLOCK // 2).reshape((TN, GROUP, BLOCK))
+    m_p = ct.extract(mult, (0, P, 0, 0), (TN, 1, GROUP, 1)).reshape((TN, GROUP, 1))
+    return (plane * m_p).reshape((TN, GROUP * BLOCK))
+
+
+def _k_tile(w, s_raw, Mult, x, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT):
+    """acc + decode(w) @ x.T for one K tile: w (TN, WORDS) uint32 words, s_raw (TN, PLANES * GROUP)
+    scale bytes, x (TM, TK).
+
+    CAT = 1 concatenates the decoded planes into one (TN, TK) operand and runs one ``ct.mma`` (one
+    wait for the tensor cores per K tile, but all planes' registers live at once); CAT = 0 runs one
+    ``ct.mma`` per plane, reusing the registers, and waits after each."""
+    TP = GROUP * BLOCK
+    mult = _multipliers(s_raw, Mult, SCALE_E8M0).astype(ct.bfloat16).reshape((TN, PLANES, GROUP, 1))
+    if CAT == 1:
+        a = ct.cat((_scaled_plane(w, mult, 0, ELEMENT, BLOCK, GROUP, TN),
+                    _scaled_plane(w, mult, 1, ELEMENT, BLOCK, GROUP, TN)), 1)
+        if PLANES == 4:
+            a = ct.cat((a, ct.cat((_scaled_plane(w, mult, 2, ELEMENT, BLOCK, GROUP, TN),
+                                   _scaled_plane(w, mult, 3, ELEMENT, BLOCK, GROUP, TN)), 1)), 1)
+        return _mma_x(a, x, acc, X_PARTS)
+    for p in ct.static_iter(range(PLANES)):
+        plane = _scaled_plane(w, mult, p, ELEMENT, BLOCK, GROUP, TN)
+        acc = _mma_x(plane, ct.extract(x, (0, p), (TM, TP)), acc, X_PARTS)
+    return acc
+
+
+def _epilogue(acc, C, Alpha, Bias, bm, bn, TM, TN):
+    """C (M, N) tile (bm, bn) = acc * alpha + bias, rounded once to C's dtype."""
+    alpha = ct.load(Alpha, (0,), (1,)).reshape((1, 1))
+    bias = ct.load(Bias, (bn,), (TN,), padding_mode=_ZERO).reshape((1, TN))
+    ct.store(C, (bm, bn), (acc * alpha + bias).astype(C.dtype))
+
+
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
 def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
                         ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                         GROUP: ConstInt, TM: ConstInt, TN: ConstInt, SPLIT_K: ConstInt,
-                        X_PARTS: ConstInt):
+                        X_PARTS: ConstInt, UNROLL: ConstInt, CAT: ConstInt):
     """acc (TN, TM) = sum over this block's K tiles and planes of decode(W plane) @ x_plane.T.
 
     X (M, K) activations; W (N, k_tiles * WORDS) int32, WORDS = GROUP * BLOCK / 2 words per row and
     K tile; S (K / BLOCK, N) raw scale bytes (transposed, so that a tile's rows are N-contiguous); C
-    (1, M, N) output; Partial (SPLIT_K, M, N) fp32 and Counter (one int32 per output tile, zero
+    (M, N) output; Partial (SPLIT_K, M, N) fp32 and Counter (one int32 per output tile, zero
     between launches), used when SPLIT_K > 1. Grid: SPLIT_K * cdiv(N, TN) * cdiv(M, TM) blocks, M tiles
     fastest.
+
+    Loads. cuTile gives each load in the loop one shared-memory buffer, so a block has as many weight
+    bytes in flight as its loads ask for. UNROLL = 2 loads two K tiles of W, S and x at once (one
+    buffer twice the size; each split's K range is rounded to a multiple of UNROLL, the remainder
+    runs one tile at a time). (Carrying the next K tile's loaded W across loop iterations, as a
+    software prefetch, compiled for sm_90 with tileiras 13.4 but gave wrong results on the H100, so the
+    kernel does not.)
 
     Split-K in one launch: every block stores its fp32 partial tile, then increments its output
     tile's counter (acquire-release, device scope: its stores are visible to whoever reads the
@@ -189,36 +233,48 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
     and sets the counter back to zero for the next launch (or CUDA-graph replay).
     """
     M = X.shape[0]
-    N = W.shape[0]
+    N = C.shape[1]
     WORDS = GROUP * BLOCK // 2
-    TP = GROUP * BLOCK          # elements per plane
-    TK = PLANES * TP            # elements per K tile
-    SC = PLANES * GROUP         # scale columns per K tile
+    TK = PLANES * GROUP * BLOCK  # elements per K tile
+    SC = PLANES * GROUP          # scale rows per K tile
     num_m = ct.cdiv(M, TM)
     num_n = ct.cdiv(N, TN)
     pid = ct.bid(0)
     bm = pid % num_m
     bn = (pid // num_m) % num_n
     split = pid // (num_m * num_n)
-    k_tiles = ct.cdiv(W.shape[1], WORDS)
-    per_split = ct.cdiv(k_tiles, SPLIT_K)
+    k_tiles = ct.cdiv(X.shape[1], TK)
+    per_split = ct.cdiv(ct.cdiv(k_tiles, SPLIT_K), UNROLL) * UNROLL
     k_begin = split * per_split
-    k_end = min(k_begin + per_split, k_tiles)
+    k_end = max(min(k_begin + per_split, k_tiles), k_begin)
 
     acc = ct.zeros((TN, TM), ct.float32)
-    for kt in range(k_begin, k_end):
-        w = ct.bitcast(ct.load(W, (bn, kt), (TN, WORDS), padding_mode=_ZERO), ct.uint32)
-        s_raw = ct.load(S, (kt, bn), (SC, TN), padding_mode=_ZERO).transpose()
-        mult = _multipliers(s_raw, Mult, SCALE_E8M0).astype(ct.bfloat16).reshape((TN, PLANES, GROUP, 1))
-        x = ct.load(X, (bm, kt), (TM, TK), padding_mode=_ZERO)
-        for p in ct.static_iter(range(PLANES)):
-            plane = _as_bf16_pairs(_decode_plane(w, p, ELEMENT), TN, WORDS).reshape((TN, GROUP, BLOCK))
-            m_p = ct.extract(mult, (0, p, 0, 0), (TN, 1, GROUP, 1)).reshape((TN, GROUP, 1))
-            plane = (plane * m_p).reshape((TN, TP))
-            acc = _mma_x(plane, ct.extract(x, (0, p), (TM, TP)), acc, X_PARTS)
+    if UNROLL == 1:
+        for kt in range(k_begin, k_end):
+            w = ct.bitcast(ct.load(W, (bn, kt), (TN, WORDS), padding_mode=_ZERO), ct.uint32)
+            s_raw = ct.load(S, (kt, bn), (SC, TN), padding_mode=_ZERO)
+            x = ct.load(X, (bm, kt), (TM, TK), padding_mode=_ZERO)
+            acc = _k_tile(w, s_raw.transpose(), Mult, x, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN,
+                          TM, X_PARTS, CAT)
+    else:
+        groups = (k_end - k_begin) // UNROLL
+        for g in range(k_begin // UNROLL, k_begin // UNROLL + groups):
+            ws = ct.bitcast(ct.load(W, (bn, g), (TN, UNROLL * WORDS), padding_mode=_ZERO), ct.uint32)
+            ss = ct.load(S, (g, bn), (UNROLL * SC, TN), padding_mode=_ZERO)
+            xs = ct.load(X, (bm, g), (TM, UNROLL * TK), padding_mode=_ZERO)
+            for u in ct.static_iter(range(UNROLL)):
+                acc = _k_tile(ct.extract(ws, (0, u), (TN, WORDS)), ct.extract(ss, (u, 0), (SC, TN)).transpose(),
+                              Mult, ct.extract(xs, (0, u), (TM, TK)), acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES,
+                              GROUP, TN, TM, X_PARTS, CAT)
+        for kt in range(k_begin + groups * UNROLL, k_end):  # the K tiles left over, one at a time
+            w = ct.bitcast(ct.load(W, (bn, kt), (TN, WORDS), padding_mode=_ZERO), ct.uint32)
+            s_raw = ct.load(S, (kt, bn), (SC, TN), padding_mode=_ZERO)
+            x = ct.load(X, (bm, kt), (TM, TK), padding_mode=_ZERO)
+            acc = _k_tile(w, s_raw.transpose(), Mult, x, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN,
+                          TM, X_PARTS, CAT)
     out = acc.transpose()
     if SPLIT_K == 1:
-        epilogue(out, C, Alpha, Bias, 0, bm, bn, TM, TN)
+        _epilogue(out, C, Alpha, Bias, bm, bn, TM, TN)
     else:
         ct.store(Partial, (split, bm, bn), out.reshape((1, TM, TN)))
         tile = bn * num_m + bm
@@ -227,7 +283,7 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
             total = ct.zeros((TM, TN), ct.float32)
             for s in range(SPLIT_K):
                 total = total + ct.load(Partial, (s, bm, bn), (1, TM, TN), padding_mode=_ZERO).reshape((TM, TN))
-            epilogue(total, C, Alpha, Bias, 0, bm, bn, TM, TN)
+            _epilogue(total, C, Alpha, Bias, bm, bn, TM, TN)
             ct.atomic_xchg(Counter, tile, 0)
 
 
@@ -281,14 +337,17 @@ def dequantize(words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tens
 
 @dataclasses.dataclass(frozen=True)
 class WeightOnlyConfig:
-    """tile_m (the MMA's N side: 16 .. 128), tile_n (weight rows per block), the K split and the
-    compiler hints."""
+    """tile_m (the MMA's N side: 16 .. 128), tile_n (weight rows per block), the K split, the compiler
+    hints, and the kernel's load and MMA scheme: ``unroll`` K tiles per load (1 or 2) and ``cat`` (one
+    MMA per K tile)."""
 
     tile_m: int
     tile_n: int = 128
     split_k: int = 1
     num_worker_warps: int = 8
     occupancy: int | None = None
+    unroll: int = 1
+    cat: int = 0
 
     def hints(self) -> dict:
         h = {"num_worker_warps": ct.ByTarget(sm_90=self.num_worker_warps)}
@@ -299,7 +358,8 @@ class WeightOnlyConfig:
     @property
     def name(self) -> str:
         s = f"wo_{self.tile_m}x{self.tile_n}_s{self.split_k}_w{self.num_worker_warps}"
-        return s + (f"_occ{self.occupancy}" if self.occupancy else "")
+        s += f"_occ{self.occupancy}" if self.occupancy else ""
+        return s + (f"_u{self.unroll}" if self.unroll > 1 else "") + ("_cat" if self.cat else "")
 
 
 _TILE_M = (16, 32, 64, 128)
@@ -314,71 +374,116 @@ _X_PARTS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 _SHAPE = {16: (64, 4, 4), 32: (64, 4, 4), 64: (64, 4, 2), 128: (128, 8, None)}
 
 
+#: tile_m up to which the small-M load schemes apply (one MMA per K tile when the output tiles fill
+#: the GPU; two K tiles per load). At tile_m 32 their
+#: registers and shared memory no longer fit the occupancy the plan asks for (sm_90 compiles).
+_SMALL_M = 16
+
+
+def _unsplit(tile_m: int, layout: Layout) -> WeightOnlyConfig:
+    """The config when the output tiles alone fill the GPU. Small M: the decoded planes concatenated
+    into one MMA per K tile (registers for all of them: occupancy 3; 8-bit weights, whose two planes
+    hold twice the bytes each, take occupancy 2), 4-bit weights two K tiles per load."""
+    tile_n, warps, occupancy = _SHAPE[tile_m]
+    if tile_m > _SMALL_M:
+        return WeightOnlyConfig(tile_m, tile_n, 1, warps, occupancy)
+    four_bit = layout.planes == 4
+    return WeightOnlyConfig(tile_m, tile_n, 1, warps, 3 if four_bit else 2, unroll=2 if four_bit else 1, cat=1)
+
+
 def plan(m: int, n: int, k: int, layout: Layout, sms: int = 132) -> WeightOnlyConfig:
     """The weight-only kernel's config for an (M, K) x (N, K) problem: the smallest tile_m that covers
     M (up to 128) with its tile shape, and a K split: none when the output tiles alone give 1.5 blocks
-    per SM, else the largest power of two (each split at least 2 K tiles) that keeps the grid within
-    the blocks the GPU holds at once."""
+    per SM (then ``_unsplit``), else the largest power of two (each split at least 2 K tiles) that
+    keeps the grid within the blocks the GPU holds at once, loading two K tiles at a time at small M.
+    ``benchmarks/tune_weight_only.py`` measures the alternatives."""
     tile_m = next((t for t in _TILE_M if t >= m), _TILE_M[-1])
     tile_n, warps, occupancy = _SHAPE[tile_m]
     tiles = -(-m // tile_m) * -(-n // tile_n)
     k_tiles = -(-k // layout.tile_k)
+    if 2 * tiles >= 3 * sms:
+        return _unsplit(tile_m, layout)
     split = 1
-    if 2 * tiles < 3 * sms:
-        while (tiles * split * 2 <= (occupancy or 1) * sms and split * 2 <= _SPLITS[-1]
-               and k_tiles >= split * 2 * 2):
-            split *= 2
-    return WeightOnlyConfig(tile_m, tile_n, split, warps, occupancy)
+    while (tiles * split * 2 <= (occupancy or 1) * sms and split * 2 <= _SPLITS[-1]
+           and k_tiles >= split * 2 * 2):
+        split *= 2
+    if split == 1:  # too few K tiles to split
+        return _unsplit(tile_m, layout)
+    return WeightOnlyConfig(tile_m, tile_n, split, warps, occupancy, unroll=2 if tile_m <= _SMALL_M else 1)
 
 
 def _constants(layout: Layout, cfg: WeightOnlyConfig, x_parts: int) -> tuple:
     return (layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
-            cfg.tile_m, cfg.tile_n, cfg.split_k, x_parts)
+            cfg.tile_m, cfg.tile_n, cfg.split_k, x_parts, cfg.unroll, cfg.cat)
+
+
+class _Described:
+    """A tensor's memory as cuTile reads it (``__cuda_array_interface__``), worked out once.
+
+    ``ct.launch`` describes every torch tensor argument anew on each call (about a microsecond each);
+    a launch prepared for many calls passes its fixed tensors through this instead. It holds the
+    tensor, so the memory it describes lives as long as it does."""
+
+    __slots__ = ("__cuda_array_interface__", "_tensor")
+
+    def __init__(self, t: torch.Tensor):
+        self.__cuda_array_interface__ = t.__cuda_array_interface__
+        self._tensor = t
 
 
 class Prepared:
     """One weight-only launch with everything but the activation and the output worked out: the
     grid, the specialised kernel and the argument tuple's fixed parts. ``run`` costs one
-    ``ct.launch`` (plus an fp32 partial buffer when K is split)."""
+    ``ct.launch`` (plus an fp32 partial buffer when K is split and the workspace is not kept).
 
-    __slots__ = ("grid", "kernel", "m", "n", "split", "tiles", "words", "scale_t", "alpha", "mult", "bias",
-                 "consts", "_work")
+    With ``keep_workspace`` (a launch made for many calls) the fixed tensors are passed to cuTile
+    already described (``_Described``) and the split-K workspace is kept per stream."""
+
+    __slots__ = ("grid", "kernel", "m", "n", "split", "tiles", "fixed", "alpha", "rest", "consts", "_work")
 
     def __init__(self, words, scale_t, constants, bias, layout: Layout, cfg: WeightOnlyConfig, m: int,
-                 x_dtype: torch.dtype, alpha: torch.Tensor | None = None, keep_workspace: bool = True):
-        self.m, self.n = m, words.shape[0]
+                 x_dtype: torch.dtype, alpha: torch.Tensor | None = None, keep_workspace: bool = True,
+                 n: int | None = None):
+        self.m, self.n = m, words.shape[0] if n is None else n
         self.split = cfg.split_k
         self.tiles = -(-m // cfg.tile_m) * -(-self.n // cfg.tile_n)
         self.grid = (cfg.split_k * self.tiles, 1, 1)
         self.kernel = hinted(_weight_only_kernel, **cfg.hints())
-        self.words, self.scale_t, self.bias = words, scale_t, bias
-        self.alpha = constants[0:1] if alpha is None else alpha
-        self.mult = constants[1:2]
+        wrap = _Described if keep_workspace and words.is_cuda else (lambda t: t)
+        self.fixed = (wrap(words), wrap(scale_t))
+        self.alpha = wrap(constants[0:1] if alpha is None else alpha)
+        self.rest = (wrap(constants[1:2]), wrap(bias))
         self.consts = _constants(layout, cfg, _X_PARTS[x_dtype])
         self._work = {} if keep_workspace else None
 
-    def _workspace(self, device, stream):
-        """fp32 partial tiles and arrival counters for split-K, per stream: launches on one stream run
-        in order, so they share a workspace (the counters end every launch at zero)."""
+    def _workspace(self, out, stream):
+        """(partial, counter): the fp32 partial tiles and arrival counters of split-K (per stream:
+        launches on one stream run in order, so they share a workspace; the counters end every launch
+        at zero), or, without a split, stand-ins the kernel never reads."""
+        if self.split == 1:
+            return out, self.alpha
         if self._work is None:  # fresh each call (inside torch.compile's CUDA graphs nothing may linger)
-            return (torch.empty((self.split, self.m, self.n), dtype=torch.float32, device=device),
-                    torch.zeros(self.tiles, dtype=torch.int32, device=device))
-        key = getattr(stream, "cuda_stream", None)
+            return (torch.empty((self.split, self.m, self.n), dtype=torch.float32, device=out.device),
+                    torch.zeros(self.tiles, dtype=torch.int32, device=out.device))
+        key = _stream_key(stream)
         work = self._work.get(key)
         if work is None:
-            work = self._work[key] = (torch.empty((self.split, self.m, self.n), dtype=torch.float32,
-                                                  device=device), _counters(device, stream, self.tiles))
+            wrap = _Described if out.is_cuda else (lambda t: t)
+            work = self._work[key] = (
+                wrap(torch.empty((self.split, self.m, self.n), dtype=torch.float32, device=out.device)),
+                wrap(_counters(out.device, stream, self.tiles)))
         return work
 
     def run(self, x: torch.Tensor, out: torch.Tensor, stream, alpha: torch.Tensor | None = None) -> None:
-        c = out.view(1, self.m, self.n)
-        if self.split == 1:
-            partial = counter = c
-        else:
-            partial, counter = self._workspace(out.device, stream)
+        """out (M, N) = the product for x (M, K); ``stream`` is a torch.cuda.Stream or a raw stream
+        handle (int)."""
         ct.launch(stream, self.grid, self.kernel,
-                  (x, self.words, self.scale_t, c, self.alpha if alpha is None else alpha, self.mult,
-                   self.bias, partial, counter, *self.consts))
+                  (x, *self.fixed, out, self.alpha if alpha is None else alpha, *self.rest,
+                   *self._workspace(out, stream), *self.consts))
+
+
+def _stream_key(stream):
+    return stream if isinstance(stream, int) else getattr(stream, "cuda_stream", None)
 
 
 def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
@@ -390,7 +495,7 @@ def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constant
     tensor) replaces its first entry when given. ``bias`` is an (N,) fp32 tensor (zeros for none).
     """
     prepared = Prepared(words, scale_t, constants, bias, layout, cfg, out.shape[0], x.dtype, alpha,
-                        keep_workspace=False)
+                        keep_workspace=False, n=out.shape[1])
     prepared.run(x, out, torch.cuda.current_stream(out.device))
 
 
@@ -400,7 +505,7 @@ _COUNTERS: dict = {}
 def _counters(device: torch.device, stream, tiles: int) -> torch.Tensor:
     """Zeroed int32 split-K arrival counters, one per output tile, per (device, stream): the kernel
     leaves them at zero, so launches on one stream (in order) share them, and streams never do."""
-    key = (device, getattr(stream, "cuda_stream", None))
+    key = (device, _stream_key(stream))
     t = _COUNTERS.get(key)
     if t is None or t.numel() < tiles:
         t = _COUNTERS[key] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
@@ -414,10 +519,15 @@ def _counters(device: torch.device, stream, tiles: int) -> torch.Tensor:
 _CT_DTYPES = {torch.bfloat16: ct.bfloat16, torch.float16: ct.float16, torch.float32: ct.float32}
 
 
-def _configs() -> list[WeightOnlyConfig]:
-    """Every config ``plan`` can return."""
-    return [WeightOnlyConfig(tm, _SHAPE[tm][0], split, _SHAPE[tm][1], _SHAPE[tm][2])
-            for tm in _TILE_M for split in _SPLITS]
+def _configs(layout: Layout) -> list[WeightOnlyConfig]:
+    """Every config ``plan`` can return for ``layout``."""
+    out = []
+    for tm in _TILE_M:
+        tile_n, warps, occupancy = _SHAPE[tm]
+        unroll = 2 if tm <= _SMALL_M else 1
+        out.append(_unsplit(tm, layout))
+        out += [WeightOnlyConfig(tm, tile_n, split, warps, occupancy, unroll=unroll) for split in _SPLITS[1:]]
+    return out
 
 
 def aot_variants(full: bool = True) -> list[AotVariant]:
@@ -425,15 +535,15 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
     operations only, so one kernel serves every architecture). ``full=False`` keeps one config per
     (layout, activation dtype) and the splits that differ in code (1 and > 1)."""
     variants = []
-    configs = _configs() if full else [_configs()[0], _configs()[2]]
     for name, layout in LAYOUTS.items():
+        configs = _configs(layout) if full else [_configs(layout)[0], _configs(layout)[2]]
         for x_dtype, x_ct in _CT_DTYPES.items():
             for cfg in configs:
                 if x_dtype != torch.bfloat16 and cfg != configs[0] and not full:
                     continue
-                params = [array(x_ct, 2), array(ct.int32, 2), array(ct.uint8, 2), array(x_ct, 3),
+                params = [array(x_ct, 2), array(ct.int32, 2), array(ct.uint8, 2), array(x_ct, 2),
                           array(ct.float32, 1), array(ct.float32, 1), array(ct.float32, 1),
-                          array(ct.float32 if cfg.split_k > 1 else x_ct, 3),
+                          array(ct.float32, 3) if cfg.split_k > 1 else array(x_ct, 2),
                           array(ct.int32 if cfg.split_k > 1 else ct.float32, 1),
                           *_constants(layout, cfg, _X_PARTS[x_dtype])]
                 variants.append(AotVariant(f"weight_only_{name}_{x_ct.name}_{cfg.name}",
@@ -444,3 +554,4 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                   DEQUANT_TN]
         variants.append(AotVariant(f"weight_only_dequantize_{name}", _dequantize_kernel, params))
     return variants
+

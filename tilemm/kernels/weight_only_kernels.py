@@ -192,10 +192,11 @@ def _k_tile(w, s_raw, Mult, x, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, T
         if PLANES == 4:
             a = ct.cat((a, ct.cat((_scaled_plane(w, mult, 2, ELEMENT, BLOCK, GROUP, TN),
                                    _scaled_plane(w, mult, 3, ELEMENT, BLOCK, GROUP, TN)), 1)), 1)
-        return _mma_x(a, x, acc, X_PARTS)
-    for p in ct.static_iter(range(PLANES)):
-        plane = _scaled_plane(w, mult, p, ELEMENT, BLOCK, GROUP, TN)
-        acc = _mma_x(plane, ct.extract(x, (0, p), (TM, TP)), acc, X_PARTS)
+        acc = _mma_x(a, x, acc, X_PARTS)
+    else:
+        for p in ct.static_iter(range(PLANES)):
+            plane = _scaled_plane(w, mult, p, ELEMENT, BLOCK, GROUP, TN)
+            acc = _mma_x(plane, ct.extract(x, (0, p), (TM, TP)), acc, X_PARTS)
     return acc
 
 

@@ -59,9 +59,12 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     lin = torch.nn.Linear(args.k, args.n, device=dev, dtype=torch.bfloat16)
     x = torch.randn(1, args.k, device=dev, dtype=torch.bfloat16)
-    rows = {"shape": f"M=1 N={args.n} K={args.k}", "F.linear bf16": per_call_us(lambda: lin(x))}
+    rows = {"shape": f"M=1 N={args.n} K={args.k}", "torch.nn.Linear bf16": per_call_us(lambda: lin(x)),
+            "F.linear bf16": per_call_us(lambda: torch.nn.functional.linear(x, lin.weight, lin.bias))}
     empty = torch.empty(1, device=dev)
     rows["torch.empty (1,)"] = per_call_us(lambda: torch.empty(1, device=dev))
+    rows["torch.cuda.current_stream()"] = per_call_us(lambda: torch.cuda.current_stream())
+    rows["raw stream handle"] = per_call_us(lambda: torch._C._cuda_getCurrentRawStream(0))
     del empty
     for fmt in args.formats.split(","):
         wo = tilemm.nn.Linear.from_float(lin, fmt, weight_only=True)

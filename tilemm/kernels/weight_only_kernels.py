@@ -42,15 +42,19 @@ and within bf16's exponent range given E, with the same lower limit as the block
 scale bytes near 0), and bf16 x bf16 products are exact in the fp32 accumulator. Activations in fp16
 or fp32 are split in the kernel into 2 or 3 bf16 parts whose sum is exactly x (8 + 8 (+ 8) significant
 bits; for fp32 values below about 2^-110 the last part can fall under bf16's smallest subnormal,
-2^-133, and be lost); each part runs its own MMA into the same accumulator. So the result equals an fp32-accumulated
-``x @ dequantize(w).T`` up to the order of the fp32 additions (and, with E > 0 or NVFP4's decode scale,
-the placement of one power-of-two or fp32 factor).
+2^-133, and be lost); each part runs its own MMA into the same accumulator. So the result equals an
+fp32-accumulated ``x @ dequantize(w).T`` up to the order of the fp32 additions (and, with E > 0 or
+NVFP4's decode scale, the placement of one power-of-two or fp32 factor).
 
 Operands sit as Hopper's wgmma wants them at small M: the decoded weight plane is the left operand
 (registers), ``x`` the right one, ``acc (TN, TM) = W_plane @ x_plane.T``; TM = 16 covers M <= 16 with
 one MMA column block. K is split over ``SPLIT_K`` blocks when the output alone has too few tiles for
 the GPU; the last block of each output tile adds their fp32 partial tiles in a fixed order
-(deterministic), in the same launch.
+(deterministic), in the same launch. At M <= 16 the kernel loads two K tiles at a time (cuTile gives
+each load one shared-memory buffer, so a bigger load is more weight in flight) and, where the output
+tiles alone fill the GPU, concatenates the decoded planes into one MMA per K tile (one wait for the
+tensor cores instead of one per plane). What was measured for these choices and their alternatives is
+in ``benchmarks/results/weight-only-designs-*.md``.
 """
 
 from __future__ import annotations
@@ -264,9 +268,10 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
             ss = ct.load(S, (g, bn), (UNROLL * SC, TN), padding_mode=_ZERO)
             xs = ct.load(X, (bm, g), (TM, UNROLL * TK), padding_mode=_ZERO)
             for u in ct.static_iter(range(UNROLL)):
-                acc = _k_tile(ct.extract(ws, (0, u), (TN, WORDS)), ct.extract(ss, (u, 0), (SC, TN)).transpose(),
-                              Mult, ct.extract(xs, (0, u), (TM, TK)), acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES,
-                              GROUP, TN, TM, X_PARTS, CAT)
+                w = ct.extract(ws, (0, u), (TN, WORDS))
+                s_raw = ct.extract(ss, (u, 0), (SC, TN))
+                acc = _k_tile(w, s_raw.transpose(), Mult, ct.extract(xs, (0, u), (TM, TK)), acc, ELEMENT,
+                              SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT)
         for kt in range(k_begin + groups * UNROLL, k_end):  # the K tiles left over, one at a time
             w = ct.bitcast(ct.load(W, (bn, kt), (TN, WORDS), padding_mode=_ZERO), ct.uint32)
             s_raw = ct.load(S, (kt, bn), (SC, TN), padding_mode=_ZERO)
@@ -283,7 +288,8 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
         if arrived == SPLIT_K - 1:
             total = ct.zeros((TM, TN), ct.float32)
             for s in range(SPLIT_K):
-                total = total + ct.load(Partial, (s, bm, bn), (1, TM, TN), padding_mode=_ZERO).reshape((TM, TN))
+                part = ct.load(Partial, (s, bm, bn), (1, TM, TN), padding_mode=_ZERO)
+                total = total + part.reshape((TM, TN))
             _epilogue(total, C, Alpha, Bias, bm, bn, TM, TN)
             ct.atomic_xchg(Counter, tile, 0)
 
@@ -389,7 +395,8 @@ def _unsplit(tile_m: int, layout: Layout) -> WeightOnlyConfig:
     if tile_m > _SMALL_M:
         return WeightOnlyConfig(tile_m, tile_n, 1, warps, occupancy)
     four_bit = layout.planes == 4
-    return WeightOnlyConfig(tile_m, tile_n, 1, warps, 3 if four_bit else 2, unroll=2 if four_bit else 1, cat=1)
+    return WeightOnlyConfig(tile_m, tile_n, 1, warps, 3 if four_bit else 2, unroll=2 if four_bit else 1,
+                            cat=1)
 
 
 def plan(m: int, n: int, k: int, layout: Layout, sms: int = 132) -> WeightOnlyConfig:
@@ -532,9 +539,10 @@ def _configs(layout: Layout) -> list[WeightOnlyConfig]:
 
 
 def aot_variants(full: bool = True) -> list[AotVariant]:
-    """The weight-only kernel per (layout, activation dtype, config), for sm_90, sm_100 and sm_120 (the kernel uses bf16 ``ct.mma`` and integer
-    operations only, so one kernel serves every architecture). ``full=False`` keeps one config per
-    (layout, activation dtype) and the splits that differ in code (1 and > 1)."""
+    """The weight-only kernel per (layout, activation dtype, config), for sm_90, sm_100 and sm_120 (the
+    kernel uses bf16 ``ct.mma`` and integer operations only, so one kernel serves every architecture).
+    ``full=False`` keeps one config per (layout, activation dtype) and the splits that differ in code
+    (1 and > 1)."""
     variants = []
     for name, layout in LAYOUTS.items():
         configs = _configs(layout) if full else [_configs(layout)[0], _configs(layout)[2]]

@@ -196,11 +196,10 @@ def _k_tile(w, s_raw, Mult, x, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, T
         if PLANES == 4:
             a = ct.cat((a, ct.cat((_scaled_plane(w, mult, 2, ELEMENT, BLOCK, GROUP, TN),
                                    _scaled_plane(w, mult, 3, ELEMENT, BLOCK, GROUP, TN)), 1)), 1)
-        acc = _mma_x(a, x, acc, X_PARTS)
-    else:
-        for p in ct.static_iter(range(PLANES)):
-            plane = _scaled_plane(w, mult, p, ELEMENT, BLOCK, GROUP, TN)
-            acc = _mma_x(plane, ct.extract(x, (0, p), (TM, TP)), acc, X_PARTS)
+        return _mma_x(a, x, acc, X_PARTS)
+    for p in ct.static_iter(range(PLANES)):
+        plane = _scaled_plane(w, mult, p, ELEMENT, BLOCK, GROUP, TN)
+        acc = _mma_x(plane, ct.extract(x, (0, p), (TM, TP)), acc, X_PARTS)
     return acc
 
 
@@ -268,10 +267,9 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
             ss = ct.load(S, (g, bn), (UNROLL * SC, TN), padding_mode=_ZERO)
             xs = ct.load(X, (bm, g), (TM, UNROLL * TK), padding_mode=_ZERO)
             for u in ct.static_iter(range(UNROLL)):
-                w = ct.extract(ws, (0, u), (TN, WORDS))
-                s_raw = ct.extract(ss, (u, 0), (SC, TN))
-                acc = _k_tile(w, s_raw.transpose(), Mult, ct.extract(xs, (0, u), (TM, TK)), acc, ELEMENT,
-                              SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT)
+                acc = _k_tile(ct.extract(ws, (0, u), (TN, WORDS)), ct.extract(ss, (u, 0), (SC, TN)).transpose(),
+                              Mult, ct.extract(xs, (0, u), (TM, TK)), acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES,
+                              GROUP, TN, TM, X_PARTS, CAT)
         for kt in range(k_begin + groups * UNROLL, k_end):  # the K tiles left over, one at a time
             w = ct.bitcast(ct.load(W, (bn, kt), (TN, WORDS), padding_mode=_ZERO), ct.uint32)
             s_raw = ct.load(S, (kt, bn), (SC, TN), padding_mode=_ZERO)
@@ -288,8 +286,7 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
         if arrived == SPLIT_K - 1:
             total = ct.zeros((TM, TN), ct.float32)
             for s in range(SPLIT_K):
-                part = ct.load(Partial, (s, bm, bn), (1, TM, TN), padding_mode=_ZERO)
-                total = total + part.reshape((TM, TN))
+                total = total + ct.load(Partial, (s, bm, bn), (1, TM, TN), padding_mode=_ZERO).reshape((TM, TN))
             _epilogue(total, C, Alpha, Bias, bm, bn, TM, TN)
             ct.atomic_xchg(Counter, tile, 0)
 

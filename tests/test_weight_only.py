@@ -242,3 +242,25 @@ def test_plan_schemes():
         for m in (1, 16, 32, 64, 128):
             for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (1024, 256)):
                 assert wo.plan(m, n, k, layout) in wo._configs(layout)
+
+
+def test_split_k_workspace_is_kept_per_stream():
+    """A prepared launch keeps one split-K workspace per stream, keyed by the raw handle (an int, as the
+    runner passes it) or a Stream object's handle; streams never share one."""
+    packed = prepack(quantized_weight(MXFP4, 40, 1024))
+    prepared = wo.Prepared(packed.words, packed.scale_t, packed.constants, torch.zeros(40), packed.layout,
+                           wo.WeightOnlyConfig(16, 16, 4), 5, torch.float32)
+    out = torch.empty(5, 40)
+
+    class FakeStream:
+        cuda_stream = 7
+
+    first = prepared._workspace(out, 7)
+    assert prepared._workspace(out, 7) is first
+    assert prepared._workspace(out, FakeStream()) is first
+    other = prepared._workspace(out, 8)
+    assert other[0] is not first[0] and other[1] is not first[1]
+    assert first[0].shape == (4, 5, 40) and first[1].dtype == torch.int32
+    unsplit = wo.Prepared(packed.words, packed.scale_t, packed.constants, torch.zeros(40), packed.layout,
+                          wo.WeightOnlyConfig(16, 16, 1), 5, torch.float32)
+    assert unsplit._workspace(out, 7)[0] is out  # no split: stand-ins the kernel never reads

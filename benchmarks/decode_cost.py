@@ -72,14 +72,11 @@ def main_loop(cubin: bytes, unroll: int = 1) -> collections.Counter:
             hgmma = sum("HGMMA" in b for b in body)
             if hgmma:
                 loops.append((len(body), hgmma, body))
-    best = None
-    if loops:
-        one_tile = min(loops, key=lambda lp: lp[0])[1]
-        fits = [lp for lp in loops if lp[1] == unroll * one_tile] or [min(loops, key=lambda lp: lp[0])]
-        best = (None, min(fits, key=lambda lp: lp[0])[2])
-    if best is None:
+    if not loops:
         raise ValueError("no loop with HGMMA instructions in the disassembly")
-    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0] for b in best[1])
+    smallest = min(loops, key=lambda lp: lp[0])
+    body = min((lp for lp in loops if lp[1] == unroll * smallest[1]), key=lambda lp: lp[0], default=smallest)[2]
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0] for b in body)
 
 
 def weight_only_variant(name: str, cfg: wo.WeightOnlyConfig) -> tuple[AotVariant, float, int]:

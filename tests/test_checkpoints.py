@@ -23,8 +23,6 @@ the two dequantizations agree bit for bit when the per-tensor scale is a power o
 from __future__ import annotations
 
 import json
-import math
-import os
 import warnings
 
 import pytest
@@ -33,7 +31,7 @@ import torch
 import tilemm
 from tilemm import checkpoints
 from tilemm.nn import Linear
-from tilemm.numerics import e2m1_decode, e8m0_decode, unpack_e2m1
+from tilemm.numerics import e2m1_decode, unpack_e2m1
 
 warnings.filterwarnings("ignore", message=".*Enum subclass.*")
 

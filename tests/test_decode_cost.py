@@ -4,7 +4,7 @@
 two K tiles per load) for sm_90, disassembles it (``nvdisasm``) and counts the main loop. At small M
 this kernel issues those instructions for every weight element it reads, so a change that adds decode
 work shows here before any GPU run. The bounds sit a little above the counts of the committed kernel
-(4.56 MXFP4, 4.93 NVFP4, 4.97 MXFP8, with ``tileiras`` 13.4) and well below the block-scaled stream
+(4.61 MXFP4, 4.92 NVFP4, 4.97 MXFP8, with ``tileiras`` 13.4) and well below the block-scaled stream
 kernel's 9.3-10.3.
 """
 

@@ -43,13 +43,13 @@ import fnmatch
 import json
 import os
 import re
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
 
 from swizzle import swizzle_32_4_4, unswizzle_32_4_4
 
-from .formats import FP8_E4M3, MXFP4, NVFP4
+from .formats import MXFP4, NVFP4
 from .quantize import FP8_BLOCK, FP8Tensor, MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
 
 __all__ = [

@@ -26,6 +26,7 @@ from torch import Tensor
 from ._validate import FLOAT_INPUT_DTYPES, as_fp32_scalar, check_bias, check_tensor
 from .formats import FORMATS
 from .kernels import _large
+from .kernels._common import num_sms
 from .kernels import weight_only_kernels as _kernel
 from .packed import PackedWeight, _unpack_words, layout_of
 from .reference import decode_elements, decode_scales
@@ -97,7 +98,7 @@ class WeightOnlyRunner:
 
     def config(self, m: int) -> _kernel.WeightOnlyConfig:
         if self._sms is None:
-            self._sms = _kernel.num_sms(self.device)
+            self._sms = num_sms(self.device)
         return _kernel.plan(m, self.n, self.k, self.layout, self._sms)
 
     def _prepare(self, m: int, dtype: torch.dtype, cfg=None) -> _kernel.Prepared:

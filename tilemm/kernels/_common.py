@@ -188,6 +188,17 @@ def num_sms(device: torch.device | int) -> int:
 _HINTED: dict = {}
 
 
+def sm90_hints(num_worker_warps: int, occupancy: int | None = None, num_ctas: int | None = None) -> dict:
+    """The compiler hints of a Hopper config: worker warps on sm_90 (other targets keep their
+    defaults), and occupancy / CTAs per cluster where the config sets them."""
+    h = {"num_worker_warps": ct.ByTarget(sm_90=num_worker_warps)}
+    if occupancy is not None:
+        h["occupancy"] = occupancy
+    if num_ctas is not None:
+        h["num_ctas"] = num_ctas
+    return h
+
+
 def hinted(kernel, **hints):
     """``kernel.replace_hints(**hints)``, once per distinct set of hints (each result has its own JIT
     cache, so calling replace_hints per launch would recompile). Hint values may be ``ct.ByTarget``."""

@@ -330,6 +330,20 @@ def out_dims() -> tuple[tuple[int, int, int], ...]:
     return (0, BATCH, 1), (1, M, 1), (2, N, 1)
 
 
+def matmul_operands(a, a_scale, b, b_scale, out, alpha, bias, batch: int, a_per: int = 1, b_per: int = 1,
+                    scaled: bool = True) -> list:
+    """The operands of a matmul launch as ``split`` takes them, in the kernels' order: x (B, M, K),
+    its scales (``a_per`` rows of x per scale row), y (B, N, K), its scales, the (B, M, N) output,
+    alpha (taken whole) and the (N,) bias. ``scaled=False``: the scale arguments are stand-ins, taken
+    whole."""
+    return [("x", a, rows_of(a, batch, M)),
+            ("x_scale", a_scale, rows_of(a_scale, batch, M, a_per) if scaled else ()),
+            ("y", b, rows_of(b, batch, N)),
+            ("y_scale", b_scale, rows_of(b_scale, batch, N, b_per) if scaled else ()),
+            ("out", out, out_dims()), ("alpha", alpha),
+            ("bias", bias, ((0, N, 1),))]
+
+
 #: The largest K (elements) of a matmul on the GPU. K is never cut (that would change the fp32
 #: summation), so the smallest piece of an operand is one tile of rows by all of K: 256 rows (the
 #: largest tile_m / tile_n of any matmul kernel, also of the 16-bit copies that Hopper's two-pass

@@ -344,12 +344,7 @@ def plan_launch(problem, table: str, sm_count: int = DEFAULT_SM_COUNT,
     # (``_large``; tiles are whole 128-row scale blocks), each tile computed as in one launch.
     lg = _large
     per = SWIZZLE_ROWS if problem.swizzled else 1
-    operands = [("x", a, lg.rows_of(a, grid_batch, lg.M)),
-                ("x_scale", a_scale, lg.rows_of(a_scale, grid_batch, lg.M, per)),
-                ("y", b, lg.rows_of(b, grid_batch, lg.N)),
-                ("y_scale", b_scale, lg.rows_of(b_scale, grid_batch, lg.N, per)),
-                ("out", out, lg.out_dims()), ("alpha", alpha),
-                ("bias", bias, ((0, lg.N, 1),))]
+    operands = lg.matmul_operands(a, a_scale, b, b_scale, out, alpha, bias, grid_batch, per, per)
     launches = []
     for views in lg.split("block-scaled matmul", lg.matmul_axes(grid_batch, grid_m, n, cfg.tile_m, cfg.tile_n),
                           operands):

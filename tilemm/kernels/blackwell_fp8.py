@@ -225,12 +225,7 @@ def plan_launch(problem, table: str, sm_count: int = DEFAULT_SM_COUNT,
     # (``_large``), each tile computed as in one launch; N cuts fall on 128-row scale blocks.
     lg = _large
     per = FP8_BLOCK if kind == "blockwise" else 1
-    operands = [("x", a, lg.rows_of(a, batch, lg.M)),
-                ("x_scale", a_scale, lg.rows_of(a_scale, batch, lg.M)),
-                ("y", b, lg.rows_of(b, batch, lg.N)),
-                ("y_scale", b_scale, lg.rows_of(b_scale, batch, lg.N, per)),
-                ("out", out, lg.out_dims()), ("alpha", alpha),
-                ("bias", bias, ((0, lg.N, 1),))]
+    operands = lg.matmul_operands(a, a_scale, b, b_scale, out, alpha, bias, batch, b_per=per)
     launches = []
     for views in lg.split("fp8_matmul", lg.matmul_axes(batch, m, n, cfg.tile_m, math.lcm(cfg.tile_n, per)),
                           operands):

@@ -83,8 +83,9 @@ import torch
 from ..formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
 from . import _large
 from ._aot import AotVariant, array
-from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, e2m1_hi_bits_bf16, e2m1_hi_bits_fp16, e2m1_lo_bits_bf16, e2m1_lo_bits_fp16, e8m0_to_bf16,
-                      epilogue, hinted, ones_scalar, tile_coords, zeros_vector)
+from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, e2m1_hi_bits_bf16, e2m1_hi_bits_fp16, e2m1_lo_bits_bf16,
+                      e2m1_lo_bits_fp16, e8m0_to_bf16, epilogue, hinted, ones_scalar, sm90_hints, tile_coords,
+                      zeros_vector)
 from .hopper_gemm import GemmConfig, gemm_constants, gemm_kernel, launch_gemm, load_k_tile, num_sms
 
 __all__ = ["launch", "aot_variants", "StreamConfig", "TwoPassConfig", "plan", "TWO_PASS_MIN_M"]
@@ -286,10 +287,7 @@ class StreamConfig:
     x16: bool = False
 
     def hints(self) -> dict:
-        h = {"num_worker_warps": ct.ByTarget(sm_90=self.num_worker_warps)}
-        if self.occupancy is not None:
-            h["occupancy"] = self.occupancy
-        return h
+        return sm90_hints(self.num_worker_warps, self.occupancy)
 
     @property
     def name(self) -> str:
@@ -423,12 +421,7 @@ def _launch_stream(problem, cfg: StreamConfig, a, a_scale, b, b_scale, alpha, bi
     lg = _large
     per = _SWZ_ROWS if problem.swizzled else 1
     axes = lg.matmul_axes(batch, m, n, math.lcm(cfg.tile_m, per), math.lcm(cfg.tile_n, per))
-    operands = [("x", a, lg.rows_of(a, batch, lg.M)),
-                ("x_scale", a_scale, lg.rows_of(a_scale, batch, lg.M, per)),
-                ("y", b, lg.rows_of(b, batch, lg.N)),
-                ("y_scale", b_scale, lg.rows_of(b_scale, batch, lg.N, per)),
-                ("out", out, lg.out_dims()), ("alpha", alpha),
-                ("bias", bias, ((0, lg.N, 1),))]
+    operands = lg.matmul_operands(a, a_scale, b, b_scale, out, alpha, bias, batch, per, per)
     kernel = hinted(_stream_kernel, **cfg.hints())
     for pa, psa, pb, psb, pout, palpha, pbias in lg.split("block-scaled matmul", axes, operands):
         pbatch, pm, pn = pout.shape

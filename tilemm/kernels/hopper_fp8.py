@@ -31,7 +31,6 @@ Speed against ``torch._scaled_mm``: ``benchmarks/results`` (``benchmarks/bench_m
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import cuda.tile as ct
@@ -179,12 +178,8 @@ def launch(problem, config: GemmConfig | None = None) -> None:
     # as in one launch, K never cut); N cuts fall on the weight's 128-row scale blocks.
     lg = _large
     axes = lg.matmul_axes(batch, m, n, cfg.tile_m, math.lcm(cfg.tile_n, FP8_BLOCK))
-    operands = [("x", problem.a, lg.rows_of(problem.a, batch, lg.M)),
-                ("x_scale", a_scale, lg.rows_of(a_scale, batch, lg.M)),
-                ("y", problem.b, lg.rows_of(problem.b, batch, lg.N)),
-                ("y_scale", b_scale, lg.rows_of(b_scale, batch, lg.N, FP8_BLOCK)),
-                ("out", out, lg.out_dims()), ("alpha", alpha),
-                ("bias", bias, ((0, lg.N, 1),))]
+    operands = lg.matmul_operands(problem.a, a_scale, problem.b, b_scale, out, alpha, bias, batch,
+                                  b_per=FP8_BLOCK)
     kernel = hinted(_fp8_blockwise_kernel, **cfg.hints())
     for views in lg.split("fp8_matmul", axes, operands):
         pb, pm, pn = views[4].shape

@@ -32,7 +32,7 @@ import dataclasses
 import cuda.tile as ct
 import torch
 
-from ._common import epilogue, hinted, num_sms, tile_coords_at
+from ._common import epilogue, hinted, num_sms, sm90_hints, tile_coords_at
 from . import _large
 
 __all__ = ["GemmConfig", "launch_gemm", "gemm_constants", "gemm_kernel", "gemm_grid", "num_sms"]
@@ -120,12 +120,7 @@ class GemmConfig:
     persistent: bool = False
 
     def hints(self) -> dict:
-        h = {"num_worker_warps": ct.ByTarget(sm_90=self.num_worker_warps)}
-        if self.occupancy is not None:
-            h["occupancy"] = self.occupancy
-        if self.num_ctas is not None:
-            h["num_ctas"] = self.num_ctas
-        return h
+        return sm90_hints(self.num_worker_warps, self.occupancy, self.num_ctas)
 
     @property
     def name(self) -> str:
@@ -171,12 +166,7 @@ def launch_gemm(a, a_scale, b, b_scale, out, alpha, bias, cfg: GemmConfig, *, fa
     # Operands of 2^31 elements and more: one launch per piece of the output (``_large``), each
     # output tile computed exactly as in one launch (K is never cut).
     lg = _large
-    operands = [("x", a, lg.rows_of(a, batch, lg.M)),
-                ("x scale", a_scale, lg.rows_of(a_scale, batch, lg.M) if scaled else ()),
-                ("y", b, lg.rows_of(b, batch, lg.N)),
-                ("y scale", b_scale, lg.rows_of(b_scale, batch, lg.N) if scaled else ()),
-                ("out", out, lg.out_dims()), ("alpha", alpha),
-                ("bias", bias, ((0, lg.N, 1),))]
+    operands = lg.matmul_operands(a, a_scale, b, b_scale, out, alpha, bias, batch, scaled=scaled)
     for views in lg.split("matmul", lg.matmul_axes(batch, m, n, cfg.tile_m, cfg.tile_n), operands):
         grid = (gemm_grid(cfg, *views[4].shape, sms), 1, 1)
         ct.launch(torch.cuda.current_stream(out.device), grid, kernel,

@@ -65,7 +65,7 @@ import cuda.tile as ct
 import torch
 
 from ._aot import AotVariant, array
-from ._common import e8m0_to_bf16, hinted, num_sms
+from ._common import e8m0_to_bf16, hinted, sm90_hints
 
 
 __all__ = ["WeightOnlyConfig", "plan", "launch", "Prepared", "aot_variants", "LAYOUTS", "Layout"]
@@ -354,10 +354,7 @@ class WeightOnlyConfig:
     cat: int = 0
 
     def hints(self) -> dict:
-        h = {"num_worker_warps": ct.ByTarget(sm_90=self.num_worker_warps)}
-        if self.occupancy is not None:
-            h["occupancy"] = self.occupancy
-        return h
+        return sm90_hints(self.num_worker_warps, self.occupancy)
 
     @property
     def name(self) -> str:
@@ -379,8 +376,8 @@ _SHAPE = {16: (64, 4, 4), 32: (64, 4, 4), 64: (64, 4, 2), 128: (128, 8, None)}
 
 
 #: tile_m up to which the small-M load schemes apply (one MMA per K tile when the output tiles fill
-#: the GPU; two K tiles per load). At tile_m 32 their
-#: registers and shared memory no longer fit the occupancy the plan asks for (sm_90 compiles).
+#: the GPU; two K tiles per load). At tile_m 32 their registers and shared memory no longer fit the
+#: occupancy the plan asks for (sm_90 compiles).
 _SMALL_M = 16
 
 

@@ -48,6 +48,10 @@ _ENCODED_BUFFERS = _QUANTIZED_BUFFERS + ("weight_constants",)
 _FORMAT_OF = {("mxfp8", torch.float8_e4m3fn): MXFP8_E4M3, ("mxfp8", torch.float8_e5m2): MXFP8_E5M2,
               ("mxfp4", None): MXFP4, ("nvfp4", None): NVFP4}
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: Rows (the product of x's leading dimensions) up to which a block-scaled layer on Hopper runs
+#: ``QuantizedActivationRunner``: the activation decoded once, then the weight-only kernel on a
+#: prepacked copy of the weight. Above it, the block-scaled matmul (``tilemm.linear``).
+SMALL_BATCH_ROWS = 128
 
 
 class _Options:
@@ -362,9 +366,38 @@ class Linear(torch.nn.Module):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             out = F.linear(rows, self.dequantize_weight().to(x.dtype), bias)
         else:
-            out = _matmul.linear(self._options.quantize_activation(rows), self.quantized_weight(),
-                                 bias=self.bias, out_dtype=x.dtype)
+            runner = (self._small_batch_runner(x.device) if x.is_cuda and rows.shape[0] <= SMALL_BATCH_ROWS
+                      and self.format != "fp8" and not torch.compiler.is_compiling() else None)
+            if runner is not None:
+                out = runner(rows if rows.is_contiguous() else rows.contiguous())
+            else:
+                out = _matmul.linear(self._options.quantize_activation(rows), self.quantized_weight(),
+                                     bias=self.bias, out_dtype=x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _small_batch_runner(self, device):
+        """The two-launch path of an MXFP8 / MXFP4 / NVFP4 layer at small batch on Hopper
+        (``weight_only.QuantizedActivationRunner``), built on first use from a prepacked copy of the
+        weight and rebuilt when the weight, its scales or the bias change; None where it does not apply
+        (another GPU family, or a weight that ``prepack`` refuses)."""
+        bias = self.bias
+        key = (device, self.weight, self.weight._version, self.weight_scale._version,
+               None if bias is None else (bias, bias._version))
+        runner = self._runner
+        if runner is not None and runner.source == key:
+            return runner.runner
+        from ._arch import Family, family
+
+        built = None
+        if family(device) == Family.HOPPER and self.weight.device == device:
+            try:
+                packed = _packed.prepack(self.quantized_weight())
+            except ValueError:  # e.g. an e5m2 weight holding Inf, which the weight-only kernel refuses
+                packed = None
+            if packed is not None:
+                built = _weight_only.QuantizedActivationRunner(packed, bias, packed.fmt, self._options.rounding)
+        self._runner = _SmallBatch(built, key)
+        return built
 
     def _forward_weight_only(self, x: torch.Tensor) -> torch.Tensor:
         """The fused weight-only kernel. Eager CUDA calls go straight to a cached WeightOnlyRunner (one
@@ -481,6 +514,15 @@ class Linear(torch.nn.Module):
             self._set_packed(_packed.prepack(kind(*fields)))
         except (TypeError, ValueError) as e:
             error_msgs.append(f"{keys[0]}: {e}")
+
+
+class _SmallBatch:
+    """A block-scaled layer's cached small-batch runner (or None) and the state it was built from."""
+
+    __slots__ = ("runner", "source")
+
+    def __init__(self, runner, source):
+        self.runner, self.source = runner, source
 
 
 def _packed_state_dict(module, state_dict, prefix, local_metadata):

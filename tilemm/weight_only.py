@@ -32,7 +32,7 @@ from .packed import PackedWeight, _unpack_words, layout_of
 from .reference import decode_elements, decode_scales
 from .numerics import pack_e2m1
 
-__all__ = ["weight_only_linear", "WeightOnlyRunner"]
+__all__ = ["weight_only_linear", "WeightOnlyRunner", "QuantizedActivationRunner"]
 
 
 def _check_x(fn: str, x, k: int) -> None:
@@ -109,22 +109,26 @@ class WeightOnlyRunner:
             self._prepared[(m, dtype)] = prepared
         return prepared
 
-    def _large_m(self, x2d: torch.Tensor) -> torch.Tensor:
+    def _large_m(self, x2d: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """M >= LARGE_M, bf16 x: decode the weight once to bf16 (exact, times 2^-E), then cuBLAS's bf16
         GEMM with ``alpha = 2^E * decode scale`` and the bias in its fp32 epilogue, rounded once."""
         p = self.packed
         w16 = _kernel.dequantize(p.words, p.scale_t, p.constants, self.layout, self.k)
         acc = torch.addmm(self.bias, x2d, w16.t(), out_dtype=torch.float32, alpha=p.alpha_host)
-        return acc.to(x2d.dtype)
+        return acc.to(out_dtype)
 
-    def __call__(self, x2d: torch.Tensor, alpha: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x2d: torch.Tensor, alpha: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The (M, N) product in ``out_dtype`` (default: x2d's dtype); ``alpha``, a (1,) fp32 tensor,
+        replaces the weight's own epilogue factor."""
         m = x2d.shape[0]
-        out = torch.empty((m, self.n), dtype=x2d.dtype, device=self.device)
+        out_dtype = out_dtype or x2d.dtype
+        out = torch.empty((m, self.n), dtype=out_dtype, device=self.device)
         if m == 0:
             return out
         if m >= _kernel.LARGE_M and x2d.dtype == torch.bfloat16 and alpha is None and _GEMM_FP32_OUT[0]:
             try:
-                return self._large_m(x2d)
+                return self._large_m(x2d, out_dtype)
             except (RuntimeError, TypeError):  # a PyTorch without addmm(..., out_dtype): the fused kernel
                 _GEMM_FP32_OUT[0] = False
         stream = (_raw_stream(self.device.index) if _raw_stream is not None
@@ -141,6 +145,39 @@ class WeightOnlyRunner:
             piece = x2d[r0:r0 + rows]
             self._prepare(piece.shape[0], x2d.dtype, cfg).run(piece, out[r0:r0 + rows], stream, alpha)
         return out
+
+
+class QuantizedActivationRunner:
+    """A block-scaled layer (activation and weight quantized) at small batch on Hopper, as two launches:
+    ``dequantize(quantize(x))`` into bf16 (``quantize_kernels.FakeQuant``, exactly the activation the
+    block-scaled matmul reads; NVFP4's decode scale goes to the epilogue's alpha), then the weight-only
+    kernel on that bf16 activation and the prepacked weight.
+
+    The result equals the block-scaled matmul's, ``dequantize(q(x)) @ dequantize(w).T``, up to the
+    order of the fp32 additions: every product is exact in fp32 either way (the decoded activation is a
+    bf16 number; for MXFP8 with scale bytes below 3 / 10, as in the block-scaled kernels, magnitudes
+    under 2^-133 are lost). On Hopper the block-scaled kernels decode both operands in software; at
+    small M the weight-only kernel reads the weight at a higher rate, and the activation is too small
+    for its decode to matter."""
+
+    __slots__ = ("inner", "fake_quant", "source")
+
+    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, fmt, rounding: str | None):
+        from .kernels.quantize_kernels import FakeQuant
+
+        self.inner = WeightOnlyRunner(packed, bias)
+        # The activation's decode scale (NVFP4) multiplies the weight's factor on the device.
+        self.fake_quant = FakeQuant(fmt, rounding, packed.constants[0:1])
+        self.source = None  # what the owner built this from, to tell when it is stale
+
+    def __call__(self, x2d: torch.Tensor) -> torch.Tensor:
+        """x2d (M, K) contiguous float -> (M, N) in x2d's dtype."""
+        if x2d.shape[0] == 0:
+            return torch.empty((0, self.inner.n), dtype=x2d.dtype, device=x2d.device)
+        stream = (_raw_stream(x2d.device.index) if _raw_stream is not None
+                  else torch.cuda.current_stream(x2d.device))
+        xq, alpha = self.fake_quant.run(x2d, stream)
+        return self.inner(xq, alpha, out_dtype=x2d.dtype)
 
 
 def run_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: int, bias, alpha,

@@ -67,7 +67,7 @@ from . import _large
 from ._aot import TARGETS, AotVariant, array
 from ._common import SWIZZLE_COLS, SWIZZLE_ROWS, hinted, num_sms
 
-__all__ = ["quantize_mx", "quantize_nvfp4", "quantize_fp8", "aot_variants", "supported"]
+__all__ = ["quantize_mx", "quantize_nvfp4", "quantize_fp8", "FakeQuant", "aot_variants", "supported"]
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -114,6 +114,7 @@ _EXP_MASK = 0x7F800000  # fp32 exponent field; bits >= this (sign cleared) are I
 _SIGN_BIT = -0x80000000  # 0x80000000 as an int32
 _ROUND_MAGIC = 12582912.0  # 1.5 * 2^23: v + M rounds v (|v| < 2^22) to an integer, ties to even
 _ROUND_MAGIC_BITS = 0x4B400000
+_TWO_126 = 2.0 ** 126
 
 
 # --------------------------------------------------------------------------------------------------
@@ -437,6 +438,94 @@ def _nvfp4_tile(X, Data, Scale, s_enc, s_dec, b, rt, kt, SWIZZLED, TRANSPOSED, T
     q = _pack_e2m1(_e2m1_codes(x * enc), TILE_R, TILE_K, TRANSPOSED)
     _store_data(Data, q, b, rt, kt, TILE_R, TILE_K // 2, TRANSPOSED)
     _store_scales(Scale, s_b_bytes, b, rt, kt, TILE_R, TILE_K // BLOCK, SWIZZLED, TRANSPOSED)
+
+
+def _e2m1_values(codes):
+    """e2m1 codes (int32 0..15) -> their values in fp32, exactly: the three magnitude bits put at fp32
+    bits 22..24 make e2m1 * 2^-126 (code 1, 0.5, lands on the subnormal 2^-127), the sign at bit 31."""
+    bits = ((codes & 7) << 22) | ((codes & 8) << 28)
+    return ct.bitcast(bits, ct.float32) * _TWO_126
+
+
+def _e8m0_value(s):
+    """Scale bytes s (int32 0..255) -> 2^(s - 127) in fp32 (byte 0: the subnormal 2^-127; 255: NaN)."""
+    v = ct.bitcast(ct.where(s == 0, 0x00400000, s << 23), ct.float32)
+    return ct.where(s == _E8M0_NAN, _nan_like(v), v)
+
+
+@ct.kernel(occupancy=_OCCUPANCY)
+def _fake_quant_kernel(X, Out, Floor, Amax, Alpha, AlphaOut, ELEMENT: ConstInt, NV: ConstBool,
+                       INLINE_AMAX: ConstBool, TILE_R: ConstInt, TILE_K: ConstInt):
+    """Out (R, K) bf16 = dequantize(quantize(X)) for X (R, K): the activation as the block-scaled
+    matmul reads it, quantized exactly as ``_mx_quantize_kernel`` / ``_nvfp4_quantize_kernel`` do
+    (logical scales), then decoded, in one pass and with no quantized bytes stored.
+
+    MX (NV false): ``element * 2^(s - 127)``, with ELEMENT e4m3 / e5m2 / e2m1 and Floor the scale
+    rounding as in ``_mx_quantize_kernel``; blocks with scale byte 0 give +0, byte 255 NaN. NVFP4 (NV):
+    ``element * s_b``, without the tensor's decode scale S_dec, which block 0 instead multiplies into
+    ``AlphaOut = S_dec * Alpha`` (so that the matmul's epilogue applies it to the fp32 sum, as
+    ``nvfp4_matmul``'s alpha does). The tensor amax (NaN ignored) comes from ``tensor_amax``'s partial
+    maxima in Amax, or, with INLINE_AMAX (few rows: X is small and mostly in L2), every block reduces
+    all of X itself, which saves a launch.
+
+    Exactness: e2m1 * 2^k is a bf16 number for every e8m0 byte and e2m1 * e4m3 (at most 5
+    significant bits, 2^-10 .. 2688) too; e4m3 * 2^k for k >= -124 and e5m2 * 2^k for k >= -117, so
+    MXFP8 blocks with scale bytes below 3 (e4m3) / 10 (e5m2) lose the magnitudes under bf16's
+    smallest subnormal, 2^-133, exactly as the block-scaled kernels' decode does. Grid: cdiv(R, TILE_R)
+    * cdiv(K, TILE_K) blocks, K fastest.
+    """
+    R = X.shape[0]
+    K = X.shape[1]
+    num_k = ct.cdiv(K, TILE_K)
+    rt = ct.bid(0) // num_k
+    kt = ct.bid(0) % num_k
+    if NV:
+        BLOCK = 16
+    else:
+        BLOCK = 32
+    NB = TILE_K // BLOCK
+    x = ct.load(X, (rt, kt), (TILE_R, TILE_K), padding_mode=_ZERO, latency=_LATENCY).astype(
+        ct.float32).reshape((TILE_R, NB, BLOCK))
+    amax = ct.max(ct.abs(x), axis=2, keepdims=True, propagate_nan=True)
+    if NV:
+        if INLINE_AMAX:
+            acc = ct.zeros((TILE_R, TILE_K), ct.int32)
+            for t in range(ct.cdiv(R, TILE_R) * num_k):
+                bits = _bits(ct.load(X, (t // num_k, t % num_k), (TILE_R, TILE_K), padding_mode=_ZERO,
+                                     latency=_LATENCY).astype(ct.float32)) & 0x7FFFFFFF
+                acc = ct.maximum(acc, ct.where(bits > _EXP_MASK, 0, bits))
+            g = ct.bitcast(ct.max(acc).reshape((1,)), ct.float32)
+        else:
+            g = _tensor_amax(Amax)
+        s_enc, s_dec = _nvfp4_encode_scale(g, True)
+        if ct.bid(0) == 0:
+            ct.store(AlphaOut, (0,), s_dec * ct.load(Alpha, (0,), (1,)))
+        s_b = ct.minimum(amax * (s_enc.reshape((1, 1, 1)) * _ONE_SIXTH), 448.0, propagate_nan=True)
+        s_b_f32 = ct.bitcast(_fp8_bytes(s_b), ct.float8_e4m3fn).astype(ct.float32)
+        enc = ct.minimum(ct.truediv(1.0, s_b_f32 * s_dec.reshape((1, 1, 1)), rounding_mode=_RN), _FLT_MAX,
+                         propagate_nan=True)
+        v = _e2m1_values(_e2m1_codes(x * enc)) * s_b_f32
+    else:
+        if ELEMENT == _E4M3:
+            INV_QMAX = _INV_QMAX_E4M3
+            EMAX = 8
+        elif ELEMENT == _E5M2:
+            INV_QMAX = _INV_QMAX_E5M2
+            EMAX = 15
+        else:
+            INV_QMAX = _INV_QMAX_E2M1
+            EMAX = 2
+        sb = _e8m0_scale(amax, Floor, INV_QMAX, EMAX)
+        y = x * _e8m0_multiplier(sb)
+        if ELEMENT == _E2M1:
+            q = _e2m1_values(_e2m1_codes(y))
+        elif ELEMENT == _E4M3:
+            q = _fp8_cast(y, ct.float8_e4m3fn).astype(ct.float32)
+        else:
+            q = _fp8_cast(y, ct.float8_e5m2).astype(ct.float32)
+        # Scale byte 0 blocks store +0 data; NaN blocks give q * NaN = NaN whatever q is.
+        v = ct.where(sb == 0, 0.0, q * _e8m0_value(sb))
+    ct.store(Out, (rt, kt), v.reshape((TILE_R, TILE_K)).astype(ct.bfloat16))
 
 
 @ct.kernel(occupancy=_OCCUPANCY)
@@ -1063,6 +1152,46 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None, swizzle: 
     return data, scale, g_out.reshape(())
 
 
+#: Tile of ``_fake_quant_kernel`` (activations of a few rows), and the rows up to which NVFP4 reduces the
+#: tensor amax in the same launch (each block reads all of x, from L2) instead of ``tensor_amax`` first.
+FAKE_QUANT_CONFIG = TileConfig(16, 256)
+FAKE_QUANT_INLINE_ROWS = 16
+
+
+class FakeQuant:
+    """``dequantize(quantize(x))`` of an activation x (M, K), contiguous, as a bf16 (M, K) tensor, with
+    everything but x worked out once: the format ("mxfp8" with e4m3 / e5m2, "mxfp4", "nvfp4"), the MX
+    scale rounding, and for NVFP4 the (1,) fp32 ``alpha`` that the tensor's decode scale multiplies
+    (``run`` returns ``S_dec * alpha`` as a new (1,) tensor). One launch (NVFP4 above
+    ``FAKE_QUANT_INLINE_ROWS`` rows: two, ``tensor_amax`` first)."""
+
+    __slots__ = ("element", "nv", "floor", "alpha", "_stub_i32", "_kernel")
+
+    def __init__(self, fmt: Format, rounding: str | None, alpha: torch.Tensor | None = None):
+        self.element = _ELEMENT_CODE[fmt.element]
+        self.nv = fmt is NVFP4
+        self.floor = 1 if rounding == "floor" else 0
+        device = alpha.device if alpha is not None else None
+        self.alpha = alpha if alpha is not None else torch.ones(1, dtype=torch.float32, device=device)
+        self._stub_i32 = torch.zeros(1, dtype=torch.int32, device=self.alpha.device)
+        self._kernel = _kernel(_fake_quant_kernel, FAKE_QUANT_CONFIG)
+
+    def run(self, x: torch.Tensor, stream) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(bf16 (M, K) fake-quantized x, NVFP4's ``S_dec * alpha`` or None). ``stream``: a raw handle
+        or a torch.cuda.Stream, the one x's producer ran on."""
+        m, k = x.shape
+        cfg = FAKE_QUANT_CONFIG
+        out = torch.empty((m, k), dtype=torch.bfloat16, device=x.device)
+        alpha_out = torch.empty(1, dtype=torch.float32, device=x.device) if self.nv else self.alpha
+        inline = m <= FAKE_QUANT_INLINE_ROWS
+        amax = tensor_amax(x, propagate_nan=False) if self.nv and not inline else self._stub_i32
+        grid = (-(-m // cfg.tile_r) * -(-k // cfg.tile_k), 1, 1)
+        ct.launch(stream, grid, self._kernel,
+                  (x, out, self.floor, amax, self.alpha, alpha_out, self.element, self.nv, inline, cfg.tile_r,
+                   cfg.tile_k))
+        return out, alpha_out if self.nv else None
+
+
 def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
                  amax: torch.Tensor | None = None):
     """FP8 of x on the GPU: (data of fmt.data_dtype in x's shape, fp32 scale in the reference's shape).
@@ -1206,6 +1335,12 @@ def aot_variants() -> list[AotVariant]:
                                 _fp8_quantize_kernel, cfg,
                                 [x, _data_array(element), scale, amax, _INT32, code, gran, transposed, tma],
                                 targets)
+        for element, code in _ELEMENT_CODE.items():
+            for nv, inline in ((False, False),) if element != "e2m1" else ((False, False), (True, False),
+                                                                            (True, True)):
+                kind = ("nvfp4_inline" if inline else "nvfp4") if nv else f"mx_{element}"
+                add(f"fake_quant_{kind}_{in_name}", _fake_quant_kernel, FAKE_QUANT_CONFIG,
+                    [array(in_dtype, 2), array(ct.bfloat16, 2), _INT32, i32_1, f32_1, f32_1, code, nv, inline])
         add(f"amax_columns_{in_name}", _column_amax_kernel, ROW_AMAX_CONFIG,
             [array(in_dtype, 3), array(ct.int32, 2), ROW_AMAX_CHUNK])
         for propagate in (False, True):

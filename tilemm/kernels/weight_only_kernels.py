@@ -196,10 +196,11 @@ def _k_tile(w, s_raw, Mult, x, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, T
         if PLANES == 4:
             a = ct.cat((a, ct.cat((_scaled_plane(w, mult, 2, ELEMENT, BLOCK, GROUP, TN),
                                    _scaled_plane(w, mult, 3, ELEMENT, BLOCK, GROUP, TN)), 1)), 1)
-        return _mma_x(a, x, acc, X_PARTS)
-    for p in ct.static_iter(range(PLANES)):
-        plane = _scaled_plane(w, mult, p, ELEMENT, BLOCK, GROUP, TN)
-        acc = _mma_x(plane, ct.extract(x, (0, p), (TM, TP)), acc, X_PARTS)
+        acc = _mma_x(a, x, acc, X_PARTS)
+    else:
+        for p in ct.static_iter(range(PLANES)):
+            plane = _scaled_plane(w, mult, p, ELEMENT, BLOCK, GROUP, TN)
+            acc = _mma_x(plane, ct.extract(x, (0, p), (TM, TP)), acc, X_PARTS)
     return acc
 
 
@@ -539,18 +540,25 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
     (1 and > 1)."""
     variants = []
     for name, layout in LAYOUTS.items():
-        configs = _configs(layout) if full else [_configs(layout)[0], _configs(layout)[2]]
+        every = _configs(layout)
+        configs = every if full else [every[0], every[2]]
         for x_dtype, x_ct in _CT_DTYPES.items():
-            for cfg in configs:
-                if x_dtype != torch.bfloat16 and cfg != configs[0] and not full:
-                    continue
-                params = [array(x_ct, 2), array(ct.int32, 2), array(ct.uint8, 2), array(x_ct, 2),
-                          array(ct.float32, 1), array(ct.float32, 1), array(ct.float32, 1),
-                          array(ct.float32, 3) if cfg.split_k > 1 else array(x_ct, 2),
-                          array(ct.int32 if cfg.split_k > 1 else ct.float32, 1),
-                          *_constants(layout, cfg, _X_PARTS[x_dtype])]
-                variants.append(AotVariant(f"weight_only_{name}_{x_ct.name}_{cfg.name}",
-                                           hinted(_weight_only_kernel, **cfg.hints()), params))
+            # bf16 x with an fp16 / fp32 output: the small-batch path of block-scaled layers (the
+            # decoded activation is bf16; the output has the caller's dtype), one config per code path.
+            outs = [(x_ct, configs)] + ([(c, [every[0], every[2]]) for c in (ct.float16, ct.float32)]
+                                        if x_dtype == torch.bfloat16 else [])
+            for c_ct, c_configs in outs:
+                for cfg in c_configs:
+                    if x_dtype != torch.bfloat16 and cfg != configs[0] and not full:
+                        continue
+                    params = [array(x_ct, 2), array(ct.int32, 2), array(ct.uint8, 2), array(c_ct, 2),
+                              array(ct.float32, 1), array(ct.float32, 1), array(ct.float32, 1),
+                              array(ct.float32, 3) if cfg.split_k > 1 else array(c_ct, 2),
+                              array(ct.int32 if cfg.split_k > 1 else ct.float32, 1),
+                              *_constants(layout, cfg, _X_PARTS[x_dtype])]
+                    out = "" if c_ct is x_ct else f"_out_{c_ct.name}"
+                    variants.append(AotVariant(f"weight_only_{name}_{x_ct.name}_{cfg.name}{out}",
+                                               hinted(_weight_only_kernel, **cfg.hints()), params))
     for name, layout in LAYOUTS.items():
         params = [array(ct.int32, 2), array(ct.uint8, 2), array(ct.bfloat16, 2), array(ct.float32, 1),
                   layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,

@@ -209,3 +209,17 @@ def hinted(kernel, **hints):
     if cached is None:
         cached = _HINTED[key] = (kernel, kernel.replace_hints(**hints))
     return cached[1]
+
+
+class Described:
+    """A tensor's memory as cuTile reads it (``__cuda_array_interface__``), worked out once.
+
+    ``ct.launch`` describes every torch tensor argument anew on each call (about a microsecond each);
+    a launch prepared for many calls passes its fixed tensors through this instead. It holds the
+    tensor, so the memory it describes lives as long as it does."""
+
+    __slots__ = ("__cuda_array_interface__", "_tensor")
+
+    def __init__(self, t: torch.Tensor):
+        self.__cuda_array_interface__ = t.__cuda_array_interface__
+        self._tensor = t

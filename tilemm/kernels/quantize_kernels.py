@@ -65,7 +65,7 @@ from cuda.tile import compilation as cc
 from ..formats import FP8_BLOCK, FP8_E4M3, NVFP4, Format
 from . import _large
 from ._aot import TARGETS, AotVariant, array
-from ._common import SWIZZLE_COLS, SWIZZLE_ROWS, hinted, num_sms
+from ._common import SWIZZLE_COLS, SWIZZLE_ROWS, Described, hinted, num_sms
 
 __all__ = ["quantize_mx", "quantize_nvfp4", "quantize_fp8", "FakeQuant", "aot_variants", "supported"]
 
@@ -1167,13 +1167,13 @@ class FakeQuant:
 
     __slots__ = ("element", "nv", "floor", "alpha", "_stub_i32", "_kernel")
 
-    def __init__(self, fmt: Format, rounding: str | None, alpha: torch.Tensor | None = None):
+    def __init__(self, fmt: Format, rounding: str | None, alpha: torch.Tensor):
         self.element = _ELEMENT_CODE[fmt.element]
         self.nv = fmt is NVFP4
         self.floor = 1 if rounding == "floor" else 0
-        device = alpha.device if alpha is not None else None
-        self.alpha = alpha if alpha is not None else torch.ones(1, dtype=torch.float32, device=device)
-        self._stub_i32 = torch.zeros(1, dtype=torch.int32, device=self.alpha.device)
+        # Fixed arguments, described for cuTile once (``Described``).
+        self.alpha = Described(alpha)
+        self._stub_i32 = Described(torch.zeros(1, dtype=torch.int32, device=alpha.device))
         self._kernel = _kernel(_fake_quant_kernel, FAKE_QUANT_CONFIG)
 
     def run(self, x: torch.Tensor, stream) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -65,7 +65,7 @@ import cuda.tile as ct
 import torch
 
 from ._aot import AotVariant, array
-from ._common import e8m0_to_bf16, hinted, sm90_hints
+from ._common import Described, e8m0_to_bf16, hinted, sm90_hints
 
 
 __all__ = ["WeightOnlyConfig", "plan", "launch", "Prepared", "aot_variants", "LAYOUTS", "Layout"]
@@ -420,27 +420,13 @@ def _constants(layout: Layout, cfg: WeightOnlyConfig, x_parts: int) -> tuple:
             cfg.tile_m, cfg.tile_n, cfg.split_k, x_parts, cfg.unroll, cfg.cat)
 
 
-class _Described:
-    """A tensor's memory as cuTile reads it (``__cuda_array_interface__``), worked out once.
-
-    ``ct.launch`` describes every torch tensor argument anew on each call (about a microsecond each);
-    a launch prepared for many calls passes its fixed tensors through this instead. It holds the
-    tensor, so the memory it describes lives as long as it does."""
-
-    __slots__ = ("__cuda_array_interface__", "_tensor")
-
-    def __init__(self, t: torch.Tensor):
-        self.__cuda_array_interface__ = t.__cuda_array_interface__
-        self._tensor = t
-
-
 class Prepared:
     """One weight-only launch with everything but the activation and the output worked out: the
     grid, the specialised kernel and the argument tuple's fixed parts. ``run`` costs one
     ``ct.launch`` (plus an fp32 partial buffer when K is split and the workspace is not kept).
 
     With ``keep_workspace`` (a launch made for many calls) the fixed tensors are passed to cuTile
-    already described (``_Described``) and the split-K workspace is kept per stream."""
+    already described (``Described``) and the split-K workspace is kept per stream."""
 
     __slots__ = ("grid", "kernel", "m", "n", "split", "tiles", "fixed", "alpha", "rest", "consts", "_work")
 
@@ -452,7 +438,7 @@ class Prepared:
         self.tiles = -(-m // cfg.tile_m) * -(-self.n // cfg.tile_n)
         self.grid = (cfg.split_k * self.tiles, 1, 1)
         self.kernel = hinted(_weight_only_kernel, **cfg.hints())
-        wrap = _Described if keep_workspace and words.is_cuda else (lambda t: t)
+        wrap = Described if keep_workspace and words.is_cuda else (lambda t: t)
         self.fixed = (wrap(words), wrap(scale_t))
         self.alpha = wrap(constants[0:1] if alpha is None else alpha)
         self.rest = (wrap(constants[1:2]), wrap(bias))
@@ -471,7 +457,7 @@ class Prepared:
         key = _stream_key(stream)
         work = self._work.get(key)
         if work is None:
-            wrap = _Described if out.is_cuda else (lambda t: t)
+            wrap = Described if out.is_cuda else (lambda t: t)
             work = self._work[key] = (
                 wrap(torch.empty((self.split, self.m, self.n), dtype=torch.float32, device=out.device)),
                 wrap(_counters(out.device, stream, self.tiles)))

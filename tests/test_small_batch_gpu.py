@@ -9,7 +9,7 @@ import torch
 
 import tilemm
 from tilemm.formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
-from tilemm.kernels.quantize_kernels import FAKE_QUANT_INLINE_ROWS, FakeQuant
+from tilemm.kernels.quantize_kernels import FakeQuant
 
 from _gpu import requires_gpu
 
@@ -42,13 +42,15 @@ def _same(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert torch.equal(out.float()[~nan], ref[~nan])
 
 
-@pytest.mark.parametrize("m", [1, 5, FAKE_QUANT_INLINE_ROWS, 40])
+# K = 288: 9 MX blocks / 18 NVFP4 blocks, one whole and one partial 256-column tile; K = 36864 with 3
+# rows: 144 tiles, more than the H100's 132 SMs, so NVFP4 takes tensor_amax first instead of the
+# in-launch amax.
+@pytest.mark.parametrize("m,k", [(1, 288), (5, 288), (16, 288), (40, 288), (3, 36864)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("fmt,rounding", [(MXFP4, "rceil"), (MXFP4, "floor"), (MXFP8_E4M3, "rceil"),
                                           (MXFP8_E4M3, "floor"), (MXFP8_E5M2, "rceil"), (NVFP4, None)],
                          ids=["mxfp4", "mxfp4_floor", "e4m3", "e4m3_floor", "e5m2", "nvfp4"])
-def test_fake_quant_is_the_quantizers_decode(fmt, rounding, dtype, m):
-    k = 288  # 9 MX blocks / 18 NVFP4 blocks: one whole and one partial 256-column tile
+def test_fake_quant_is_the_quantizers_decode(fmt, rounding, dtype, m, k):
     x = _activation(m, k, dtype, seed=m)
     alpha = torch.tensor([3.0], device=DEV)
     out, alpha_out = FakeQuant(fmt, rounding, alpha).run(x, torch.cuda.current_stream())

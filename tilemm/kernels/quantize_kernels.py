@@ -453,9 +453,27 @@ def _e8m0_value(s):
     return ct.where(s == _E8M0_NAN, _nan_like(v), v)
 
 
+def _grid_amax(Sync, bits):
+    """The maximum of every block's ``bits`` (non-negative int32), as a (1,) tile, through Sync
+    (int32 [maximum, arrived, departed], zero on entry and again on exit): a barrier over the whole
+    grid, so every block of the launch must be resident at once. Atomics are acquire-release at device
+    scope: a block that has seen all arrivals sees every block's maximum."""
+    n = ct.num_blocks(0)
+    ct.atomic_max(Sync, 0, bits)
+    ct.atomic_add(Sync, 1, 1)
+    while ct.atomic_add(Sync, 1, 0) < n:
+        pass
+    g = ct.atomic_max(Sync, 0, 0)
+    if ct.atomic_add(Sync, 2, 1) == n - 1:  # the last block out resets Sync for the next launch
+        ct.atomic_xchg(Sync, 0, 0)
+        ct.atomic_xchg(Sync, 1, 0)
+        ct.atomic_xchg(Sync, 2, 0)
+    return ct.full((1,), 0, ct.int32) + g
+
+
 @ct.kernel(occupancy=_OCCUPANCY)
 def _fake_quant_kernel(X, Out, Floor, Amax, Alpha, AlphaOut, ELEMENT: ConstInt, NV: ConstBool,
-                       INLINE_AMAX: ConstBool, TILE_R: ConstInt, TILE_K: ConstInt):
+                       GRID_AMAX: ConstBool, TILE_R: ConstInt, TILE_K: ConstInt):
     """Out (R, K) bf16 = dequantize(quantize(X)) for X (R, K): the activation as the block-scaled
     matmul reads it, quantized exactly as ``_mx_quantize_kernel`` / ``_nvfp4_quantize_kernel`` do
     (logical scales), then decoded, in one pass and with no quantized bytes stored.
@@ -465,8 +483,10 @@ def _fake_quant_kernel(X, Out, Floor, Amax, Alpha, AlphaOut, ELEMENT: ConstInt, 
     ``element * s_b``, without the tensor's decode scale S_dec, which block 0 instead multiplies into
     ``AlphaOut = S_dec * Alpha`` (so that the matmul's epilogue applies it to the fp32 sum, as
     ``nvfp4_matmul``'s alpha does). The tensor amax (NaN ignored) comes from ``tensor_amax``'s partial
-    maxima in Amax, or, with INLINE_AMAX (few rows: X is small and mostly in L2), every block reduces
-    all of X itself, which saves a launch.
+    maxima in Amax, or, with GRID_AMAX, from this launch: every block adds its tile's maximum to Amax
+    (int32 [maximum bits, arrived, departed], zero between launches) and waits until all blocks have
+    (``_grid_amax``), which saves a launch. The grid must then be resident at once (the launcher keeps
+    it within one block per SM).
 
     Exactness: e2m1 * 2^k is a bf16 number for every e8m0 byte and e2m1 * e4m3 (at most 5
     significant bits, 2^-10 .. 2688) too; e4m3 * 2^k for k >= -124 and e5m2 * 2^k for k >= -117, so
@@ -488,13 +508,9 @@ def _fake_quant_kernel(X, Out, Floor, Amax, Alpha, AlphaOut, ELEMENT: ConstInt, 
         ct.float32).reshape((TILE_R, NB, BLOCK))
     amax = ct.max(ct.abs(x), axis=2, keepdims=True, propagate_nan=True)
     if NV:
-        if INLINE_AMAX:
-            acc = ct.zeros((TILE_R, TILE_K), ct.int32)
-            for t in range(ct.cdiv(R, TILE_R) * num_k):
-                bits = _bits(ct.load(X, (t // num_k, t % num_k), (TILE_R, TILE_K), padding_mode=_ZERO,
-                                     latency=_LATENCY).astype(ct.float32)) & 0x7FFFFFFF
-                acc = ct.maximum(acc, ct.where(bits > _EXP_MASK, 0, bits))
-            g = ct.bitcast(ct.max(acc).reshape((1,)), ct.float32)
+        if GRID_AMAX:
+            bits = _bits(x) & 0x7FFFFFFF
+            g = ct.bitcast(_grid_amax(Amax, ct.max(ct.where(bits > _EXP_MASK, 0, bits))), ct.float32)
         else:
             g = _tensor_amax(Amax)
         s_enc, s_dec = _nvfp4_encode_scale(g, True)
@@ -1152,20 +1168,18 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None, swizzle: 
     return data, scale, g_out.reshape(())
 
 
-#: Tile of ``_fake_quant_kernel`` (activations of a few rows), and the rows up to which NVFP4 reduces the
-#: tensor amax in the same launch (each block reads all of x, from L2) instead of ``tensor_amax`` first.
+#: Tile of ``_fake_quant_kernel`` (activations of a few rows).
 FAKE_QUANT_CONFIG = TileConfig(16, 256)
-FAKE_QUANT_INLINE_ROWS = 16
 
 
 class FakeQuant:
     """``dequantize(quantize(x))`` of an activation x (M, K), contiguous, as a bf16 (M, K) tensor, with
     everything but x worked out once: the format ("mxfp8" with e4m3 / e5m2, "mxfp4", "nvfp4"), the MX
     scale rounding, and for NVFP4 the (1,) fp32 ``alpha`` that the tensor's decode scale multiplies
-    (``run`` returns ``S_dec * alpha`` as a new (1,) tensor). One launch (NVFP4 above
-    ``FAKE_QUANT_INLINE_ROWS`` rows: two, ``tensor_amax`` first)."""
+    (``run`` returns ``S_dec * alpha`` as a new (1,) tensor). One launch; NVFP4 with more tiles than
+    the GPU has SMs: two, ``tensor_amax`` first."""
 
-    __slots__ = ("element", "nv", "floor", "alpha", "_stub_i32", "_kernel")
+    __slots__ = ("element", "nv", "floor", "alpha", "_stub_i32", "_kernel", "_sms")
 
     def __init__(self, fmt: Format, rounding: str | None, alpha: torch.Tensor):
         self.element = _ELEMENT_CODE[fmt.element]
@@ -1175,6 +1189,7 @@ class FakeQuant:
         self.alpha = Described(alpha)
         self._stub_i32 = Described(torch.zeros(1, dtype=torch.int32, device=alpha.device))
         self._kernel = _kernel(_fake_quant_kernel, FAKE_QUANT_CONFIG)
+        self._sms = num_sms(alpha.device)
 
     def run(self, x: torch.Tensor, stream) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(bf16 (M, K) fake-quantized x, NVFP4's ``S_dec * alpha`` or None). ``stream``: a raw handle
@@ -1183,13 +1198,31 @@ class FakeQuant:
         cfg = FAKE_QUANT_CONFIG
         out = torch.empty((m, k), dtype=torch.bfloat16, device=x.device)
         alpha_out = torch.empty(1, dtype=torch.float32, device=x.device) if self.nv else self.alpha
-        inline = m <= FAKE_QUANT_INLINE_ROWS
-        amax = tensor_amax(x, propagate_nan=False) if self.nv and not inline else self._stub_i32
-        grid = (-(-m // cfg.tile_r) * -(-k // cfg.tile_k), 1, 1)
-        ct.launch(stream, grid, self._kernel,
-                  (x, out, self.floor, amax, self.alpha, alpha_out, self.element, self.nv, inline, cfg.tile_r,
+        blocks = -(-m // cfg.tile_r) * -(-k // cfg.tile_k)
+        grid_amax = self.nv and blocks <= self._sms
+        if not self.nv:
+            amax = self._stub_i32
+        elif grid_amax:
+            amax = _grid_sync(x.device, stream)
+        else:
+            amax = tensor_amax(x, propagate_nan=False)
+        ct.launch(stream, (blocks, 1, 1), self._kernel,
+                  (x, out, self.floor, amax, self.alpha, alpha_out, self.element, self.nv, grid_amax, cfg.tile_r,
                    cfg.tile_k))
         return out, alpha_out if self.nv else None
+
+
+_GRID_SYNC: dict = {}
+
+
+def _grid_sync(device: torch.device, stream):
+    """``_grid_amax``'s zeroed int32 (3,) buffer per (device, stream): the kernel leaves it at zero,
+    so launches on one stream (in order) share it, and streams never do."""
+    key = (device, stream if isinstance(stream, int) else getattr(stream, "cuda_stream", None))
+    t = _GRID_SYNC.get(key)
+    if t is None:
+        t = _GRID_SYNC[key] = Described(torch.zeros(3, dtype=torch.int32, device=device))
+    return t
 
 
 def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
@@ -1336,11 +1369,12 @@ def aot_variants() -> list[AotVariant]:
                                 [x, _data_array(element), scale, amax, _INT32, code, gran, transposed, tma],
                                 targets)
         for element, code in _ELEMENT_CODE.items():
-            for nv, inline in ((False, False),) if element != "e2m1" else ((False, False), (True, False),
-                                                                            (True, True)):
-                kind = ("nvfp4_inline" if inline else "nvfp4") if nv else f"mx_{element}"
+            for nv, grid_amax in ((False, False),) if element != "e2m1" else ((False, False), (True, False),
+                                                                               (True, True)):
+                kind = ("nvfp4_grid_amax" if grid_amax else "nvfp4") if nv else f"mx_{element}"
                 add(f"fake_quant_{kind}_{in_name}", _fake_quant_kernel, FAKE_QUANT_CONFIG,
-                    [array(in_dtype, 2), array(ct.bfloat16, 2), _INT32, i32_1, f32_1, f32_1, code, nv, inline])
+                    [array(in_dtype, 2), array(ct.bfloat16, 2), _INT32, i32_1, f32_1, f32_1, code, nv,
+                     grid_amax])
         add(f"amax_columns_{in_name}", _column_amax_kernel, ROW_AMAX_CONFIG,
             [array(in_dtype, 3), array(ct.int32, 2), ROW_AMAX_CHUNK])
         for propagate in (False, True):

@@ -16,6 +16,13 @@ out and prepacked on the way in); ``Module.to(dtype)``, ``.half()``
 and ``.bfloat16()`` move them between devices but never cast their encodings (the bias does follow).
 Inference only: no gradient flows through the quantized matmul.
 
+Small batch on Hopper: a block-scaled layer (mxfp8, mxfp4, nvfp4) called eagerly on CUDA with at most
+``SMALL_BATCH_ROWS`` rows runs ``weight_only.QuantizedActivationRunner`` instead of the block-scaled
+matmul: one kernel writes ``dequantize(q(x))`` as bf16 (exactly the activation the matmul would read;
+NVFP4's decode scale goes to the epilogue), the weight-only kernel multiplies it with a prepacked copy
+of the weight. Same result up to the order of the fp32 additions, two launches instead of four to
+seven; the copy is made on the first such call and doubles the layer's weight memory on the GPU.
+
 ``quantize_model(model, format)`` swaps every ``torch.nn.Linear`` of a model for this class in place.
 """
 

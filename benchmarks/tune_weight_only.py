@@ -39,6 +39,8 @@ def main(argv=None) -> int:
     ap.add_argument("--candidates", default=None,
                     help="JSON list of [tile_n, warps, occupancy, per_sm(, unroll, cat)]")
     ap.add_argument("--shapes", default=None, help="NxK,NxK,... (default: the three of the targets)")
+    ap.add_argument("--tile-m", type=int, default=None,
+                    help="force this tile_m (default: the smallest of 16, 32, 64, 128 that covers M)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -58,7 +60,7 @@ def main(argv=None) -> int:
                 out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
                 line = []
                 for tn, warps, occ, per_sm, *extra in cands:
-                    tm = next(t for t in (16, 32, 64, 128) if t >= m)
+                    tm = args.tile_m or next(t for t in (16, 32, 64, 128) if t >= m)
                     tiles = -(-m // tm) * -(-n // tn)
                     split = split_for(tiles, -(-k // packed.layout.tile_k), per_sm, sms)
                     cfg = wo.WeightOnlyConfig(tm, tn, split, warps, occ, *extra)

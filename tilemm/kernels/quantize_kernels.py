@@ -80,6 +80,7 @@ _OCCUPANCY = 4
 #: fastest. The loads go through TMA: without it cuTile loads bf16 two bytes per instruction.
 _LATENCY = 10
 _RN = ct.RoundingMode.RN
+_RELAXED = ct.MemoryOrder.RELAXED
 
 
 def _f32(value: float) -> float:
@@ -456,12 +457,14 @@ def _e8m0_value(s):
 def _grid_amax(Sync, bits):
     """The maximum of every block's ``bits`` (non-negative int32), as a (1,) tile, through Sync
     (int32 [maximum, arrived, departed], zero on entry and again on exit): a barrier over the whole
-    grid, so every block of the launch must be resident at once. Atomics are acquire-release at device
-    scope: a block that has seen all arrivals sees every block's maximum."""
+    grid, so every block of the launch must be resident at once. The maximum and the arrival are
+    acquire-release atomics at device scope; the wait polls with relaxed ones (no fence per poll), and
+    the read of the maximum after it is an acquire-release atomic again, which sees every block's
+    maximum."""
     n = ct.num_blocks(0)
     ct.atomic_max(Sync, 0, bits)
     ct.atomic_add(Sync, 1, 1)
-    while ct.atomic_add(Sync, 1, 0) < n:
+    while ct.atomic_add(Sync, 1, 0, memory_order=_RELAXED) < n:
         pass
     g = ct.atomic_max(Sync, 0, 0)
     if ct.atomic_add(Sync, 2, 1) == n - 1:  # the last block out resets Sync for the next launch

@@ -81,6 +81,8 @@ _OCCUPANCY = 4
 _LATENCY = 10
 _RN = ct.RoundingMode.RN
 _RELAXED = ct.MemoryOrder.RELAXED
+_RELEASE = ct.MemoryOrder.RELEASE
+_ACQUIRE = ct.MemoryOrder.ACQUIRE
 
 
 def _f32(value: float) -> float:
@@ -457,20 +459,23 @@ def _e8m0_value(s):
 def _grid_amax(Sync, bits):
     """The maximum of every block's ``bits`` (non-negative int32), as a (1,) tile, through Sync
     (int32 [maximum, arrived, departed], zero on entry and again on exit): a barrier over the whole
-    grid, so every block of the launch must be resident at once. The maximum and the arrival are
-    acquire-release atomics at device scope; the wait polls with relaxed ones (no fence per poll), and
-    the read of the maximum after it is an acquire-release atomic again, which sees every block's
-    maximum."""
+    grid, so every block of the launch must be resident at once.
+
+    Ordering (device scope): the maximum is a relaxed atomic that the arrival, a release, publishes;
+    the wait polls relaxed and ends with an acquire read of the arrivals, after which the maximum reads
+    every block's contribution. The departure is acquire-release, so the last block out resets Sync
+    only after every block has read it."""
     n = ct.num_blocks(0)
-    ct.atomic_max(Sync, 0, bits)
-    ct.atomic_add(Sync, 1, 1)
+    ct.atomic_max(Sync, 0, bits, memory_order=_RELAXED)
+    ct.atomic_add(Sync, 1, 1, memory_order=_RELEASE)
     while ct.atomic_add(Sync, 1, 0, memory_order=_RELAXED) < n:
         pass
-    g = ct.atomic_max(Sync, 0, 0)
+    ct.atomic_add(Sync, 1, 0, memory_order=_ACQUIRE)
+    g = ct.atomic_max(Sync, 0, 0, memory_order=_RELAXED)
     if ct.atomic_add(Sync, 2, 1) == n - 1:  # the last block out resets Sync for the next launch
-        ct.atomic_xchg(Sync, 0, 0)
-        ct.atomic_xchg(Sync, 1, 0)
-        ct.atomic_xchg(Sync, 2, 0)
+        ct.atomic_xchg(Sync, 0, 0, memory_order=_RELAXED)
+        ct.atomic_xchg(Sync, 1, 0, memory_order=_RELAXED)
+        ct.atomic_xchg(Sync, 2, 0, memory_order=_RELAXED)
     return ct.full((1,), 0, ct.int32) + g
 
 

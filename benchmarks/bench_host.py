@@ -5,8 +5,9 @@
 The host time of a call is the time to issue it: a few hundred calls back to back, which the GPU's
 launch queue absorbs, timed on the host (best of five), then one synchronisation. It
 prints, per format and mode, at M = 1: ``F.linear`` (bf16) for reference, ``tilemm.nn.Linear``, and the
-pieces of the weight-only call (the prepared ``ct.launch`` alone, the runner with its output
-allocation), plus kernels per call (torch.profiler).
+pieces of the call (weight-only: the prepared ``ct.launch`` alone, the runner with its output
+allocation; both sides on Hopper: the activation decode alone, the two-launch runner), plus kernels
+per call (torch.profiler).
 """
 
 from __future__ import annotations
@@ -78,6 +79,11 @@ def main(argv=None) -> int:
         rows[f"{fmt} weight-only: nn.Linear"] = per_call_us(lambda: wo(x))
         rows[f"{fmt} weight-only: kernels"] = kernels_per_call(lambda: wo(x))
         both = tilemm.nn.Linear.from_float(lin, fmt)
+        both(x)
+        small = both._runner.runner  # the small-batch path (Hopper), or None
+        if small is not None:
+            rows[f"{fmt} both sides: FakeQuant.run"] = per_call_us(lambda: small.fake_quant.run(x, stream))
+            rows[f"{fmt} both sides: runner"] = per_call_us(lambda: small(x))
         rows[f"{fmt} both sides: nn.Linear"] = per_call_us(lambda: both(x))
         rows[f"{fmt} both sides: kernels"] = kernels_per_call(lambda: both(x))
     for k, v in rows.items():

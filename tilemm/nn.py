@@ -365,6 +365,13 @@ class Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._options.packed:
             return self._forward_weight_only(x)
+        small = self._runner
+        if (small is not None and type(x) is torch.Tensor and x.ndim == 2 and x.is_cuda
+                and x.shape[0] <= SMALL_BATCH_ROWS and x.shape[1] == self.in_features
+                and x.dtype in _ACTIVATION_DTYPES and small.runner is not None
+                and small.source == self._small_batch_key(x.device) and not torch.compiler.is_compiling()):
+            # The common eager call, already checked by the conditions above.
+            return small.runner(x if x.is_contiguous() else x.contiguous())
         self._check_input(x)
         rows = x.reshape(-1, self.in_features)
         if self.weight_only:
@@ -387,9 +394,8 @@ class Linear(torch.nn.Module):
         (``weight_only.QuantizedActivationRunner``), built on first use from a prepacked copy of the
         weight and rebuilt when the weight, its scales or the bias change; None where it does not apply
         (another GPU family, or a weight that ``prepack`` refuses)."""
+        key = self._small_batch_key(device)
         bias = self.bias
-        key = (device, self.weight, self.weight._version, self.weight_scale._version,
-               None if bias is None else (bias, bias._version))
         runner = self._runner
         if runner is not None and runner.source == key:
             return runner.runner
@@ -405,6 +411,14 @@ class Linear(torch.nn.Module):
                 built = _weight_only.QuantizedActivationRunner(packed, bias, packed.fmt, self._options.rounding)
         self._runner = _SmallBatch(built, key)
         return built
+
+    def _small_batch_key(self, device) -> tuple:
+        """What the small-batch runner is built from: the device and the quantized buffers and bias,
+        each with its version counter (in-place changes, ``load_state_dict``, bump it)."""
+        buffers = self._buffers
+        weight, bias, gs = buffers["weight"], buffers["bias"], buffers.get("weight_global_scale")
+        return (device, weight, weight._version, buffers["weight_scale"]._version,
+                None if gs is None else (gs, gs._version), None if bias is None else (bias, bias._version))
 
     def _forward_weight_only(self, x: torch.Tensor) -> torch.Tensor:
         """The fused weight-only kernel. Eager CUDA calls go straight to a cached WeightOnlyRunner (one

@@ -22,6 +22,8 @@ matmul: one kernel writes ``dequantize(q(x))`` as bf16 (exactly the activation t
 NVFP4's decode scale goes to the epilogue), the weight-only kernel multiplies it with a prepacked copy
 of the weight. Same result up to the order of the fp32 additions, two launches instead of four to
 seven; the copy is made on the first such call and doubles the layer's weight memory on the GPU.
+``torch.compile`` traces the block-scaled path instead, so a compiled and an eager call of such a
+layer agree to the matmul tolerance of docs/numerics.md, not bit for bit.
 
 ``quantize_model(model, format)`` swaps every ``torch.nn.Linear`` of a model for this class in place.
 """

@@ -322,3 +322,13 @@ def test_gpu_module_matches_cpu_module(name, kw, quantize_x, quantize_w):
     gpu = q.to("cuda")(x.cuda())
     # Same quantized operands on both sides; only the fp32 summation order differs, then one bf16 rounding.
     torch.testing.assert_close(gpu.cpu().float(), cpu.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("weight_only", [False, True])
+def test_moving_a_layer_drops_its_cached_runner(weight_only):
+    # The runner holds device tensors (a block-scaled layer's small-batch runner: a prepacked copy of
+    # the weight); a move must not keep them alive on the old device.
+    layer = tilemm.nn.Linear.from_float(torch.nn.Linear(64, 8), "mxfp4", weight_only=weight_only)
+    layer._runner = object()
+    layer.to(torch.bfloat16)
+    assert layer._runner is None

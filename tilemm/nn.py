@@ -487,6 +487,9 @@ class Linear(torch.nn.Module):
         finally:
             for name, dtype in dtypes.items():
                 self._buffers[name] = self._buffers[name].view(dtype)
+            # The cached runner holds device tensors (for a block-scaled layer, a prepacked copy of the
+            # weight): drop it, so that moving the layer frees them; the next call rebuilds it.
+            self._runner = None
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):

@@ -394,7 +394,7 @@ class Linear(torch.nn.Module):
     def _small_batch_runner(self, device):
         """The two-launch path of an MXFP8 / MXFP4 / NVFP4 layer at small batch on Hopper
         (``weight_only.QuantizedActivationRunner``), built on first use from a prepacked copy of the
-        weight and rebuilt when the weight, its scales or the bias change; None where it does not apply
+        weight and rebuilt when what ``_small_batch_key`` lists changes; None where it does not apply
         (another GPU family, or a weight that ``prepack`` refuses)."""
         key = self._small_batch_key(device)
         bias = self.bias
@@ -410,7 +410,7 @@ class Linear(torch.nn.Module):
             except ValueError:  # e.g. an e5m2 weight holding Inf, which the weight-only kernel refuses
                 packed = None
             if packed is not None:
-                built = _weight_only.QuantizedActivationRunner(packed, bias, packed.fmt, self._options.rounding)
+                built = _weight_only.QuantizedActivationRunner(packed, bias, self._options.rounding)
         self._runner = _SmallBatch(built, key)
         return built
 

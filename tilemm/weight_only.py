@@ -160,15 +160,16 @@ class QuantizedActivationRunner:
     small M the weight-only kernel reads the weight at a higher rate, and the activation is too small
     for its decode to matter."""
 
-    __slots__ = ("inner", "fake_quant", "source")
+    __slots__ = ("inner", "fake_quant")
 
-    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, fmt, rounding: str | None):
+    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, rounding: str | None):
+        """``packed``: the layer's weight, prepacked; the activation is quantized to the same format
+        (MX scales rounded by ``rounding``, "rceil" or "floor")."""
         from .kernels.quantize_kernels import FakeQuant
 
         self.inner = WeightOnlyRunner(packed, bias)
         # The activation's decode scale (NVFP4) multiplies the weight's factor on the device.
-        self.fake_quant = FakeQuant(fmt, rounding, packed.constants[0:1])
-        self.source = None  # what the owner built this from, to tell when it is stale
+        self.fake_quant = FakeQuant(packed.fmt, rounding, packed.constants[0:1])
 
     def __call__(self, x2d: torch.Tensor) -> torch.Tensor:
         """x2d (M, K) contiguous float -> (M, N) in x2d's dtype."""

@@ -502,7 +502,6 @@ def _fake_quant_kernel(X, Out, Floor, Amax, Alpha, AlphaOut, ELEMENT: ConstInt, 
     smallest subnormal, 2^-133, exactly as the block-scaled kernels' decode does. Grid: cdiv(R, TILE_R)
     * cdiv(K, TILE_K) blocks, K fastest.
     """
-    R = X.shape[0]
     K = X.shape[1]
     num_k = ct.cdiv(K, TILE_K)
     rt = ct.bid(0) // num_k

@@ -337,6 +337,15 @@ def _store_zero_scales(Scale, b, rt, kt, TILE_R, NB, SWIZZLED, TRANSPOSED):
         _store_scales(Scale, ct.zeros((TILE_R, NB, 1), ct.uint8), b, rt, kt, TILE_R, NB, SWIZZLED, False)
 
 
+def _mx_limits(ELEMENT):
+    """(fp32(1/Qmax), emax) of an MX element type: what RCEIL and FLOOR scale rounding take."""
+    if ELEMENT == _E4M3:
+        return _INV_QMAX_E4M3, 8
+    if ELEMENT == _E5M2:
+        return _INV_QMAX_E5M2, 15
+    return _INV_QMAX_E2M1, 2
+
+
 @ct.kernel(occupancy=_OCCUPANCY)
 def _mx_quantize_kernel(X, Data, Scale, Floor,
                         ELEMENT: ConstInt, SWIZZLED: ConstBool, TRANSPOSED: ConstBool,
@@ -349,15 +358,7 @@ def _mx_quantize_kernel(X, Data, Scale, Floor,
     Floor: int32, 1 for FLOOR scale rounding, 0 for RCEIL.
     """
     NB = TILE_K // 32
-    if ELEMENT == _E4M3:
-        INV_QMAX = _INV_QMAX_E4M3
-        EMAX = 8
-    elif ELEMENT == _E5M2:
-        INV_QMAX = _INV_QMAX_E5M2
-        EMAX = 15
-    else:
-        INV_QMAX = _INV_QMAX_E2M1
-        EMAX = 2
+    INV_QMAX, EMAX = _mx_limits(ELEMENT)
     R, K = _rows_and_k(X, TRANSPOSED)
     b, rt, kt = _tile_index(ct.bid(0), _row_tiles(R, TILE_R, SWIZZLED), K, TILE_K)
     if rt * TILE_R >= R:  # swizzle padding rows only
@@ -529,15 +530,7 @@ def _fake_quant_kernel(X, Out, Floor, Amax, Alpha, AlphaOut, ELEMENT: ConstInt, 
                          propagate_nan=True)
         v = _e2m1_values(_e2m1_codes(x * enc)) * s_b_f32
     else:
-        if ELEMENT == _E4M3:
-            INV_QMAX = _INV_QMAX_E4M3
-            EMAX = 8
-        elif ELEMENT == _E5M2:
-            INV_QMAX = _INV_QMAX_E5M2
-            EMAX = 15
-        else:
-            INV_QMAX = _INV_QMAX_E2M1
-            EMAX = 2
+        INV_QMAX, EMAX = _mx_limits(ELEMENT)
         sb = _e8m0_scale(amax, Floor, INV_QMAX, EMAX)
         y = x * _e8m0_multiplier(sb)
         if ELEMENT == _E2M1:

@@ -11,7 +11,8 @@ import tilemm
 from tilemm.formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
 from tilemm.kernels.quantize_kernels import FakeQuant
 
-from _gpu import requires_gpu
+from _gpu import capture, kernels_per_call, requires_gpu
+from test_weight_only_gpu import _model
 
 pytestmark = requires_gpu
 
@@ -106,20 +107,9 @@ def test_small_batch_follows_a_new_weight():
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "mxfp8"])
 def test_small_batch_in_a_cuda_graph(fmt):
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.GELU(), torch.nn.Linear(256, 128))
-    net = tilemm.quantize_model(net.to(DEV, torch.bfloat16), fmt)
+    net = _model(fmt, weight_only=False)
     x = torch.randn(4, 512, device=DEV, dtype=torch.bfloat16)
-    eager = net(x)
-    static_x = x.clone()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        net(static_x)
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        static_out = net(static_x)
+    g, static_x, static_out = capture(net, x)
     static_x.copy_(x * 2)
     g.replay()
     assert torch.equal(static_out, net(x * 2))
@@ -128,14 +118,7 @@ def test_small_batch_in_a_cuda_graph(fmt):
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "mxfp8"])
 @pytest.mark.parametrize("m", [1, 16])
 def test_an_eager_block_scaled_call_launches_at_most_two_kernels(fmt, m):
-    from torch.profiler import ProfilerActivity, profile
-
     layer = tilemm.nn.Linear.from_float(torch.nn.Linear(4096, 4096, device=DEV, dtype=torch.bfloat16), fmt)
     x = torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16)
-    layer(x)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        layer(x)
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    kernels = kernels_per_call(lambda: layer(x))
     assert 1 <= len(kernels) <= 2, kernels

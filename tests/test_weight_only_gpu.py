@@ -10,7 +10,7 @@ import tilemm
 from tilemm.formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
 from tilemm.kernels import weight_only_kernels as wo
 
-from _gpu import requires_gpu
+from _gpu import capture, kernels_per_call, requires_gpu
 from test_weight_only import quantized_weight
 
 pytestmark = requires_gpu
@@ -96,15 +96,7 @@ def test_cuda_graph_and_compile(fmt):
     net = _model(fmt, True)
     x = torch.randn(4, 512, device=DEV, dtype=torch.bfloat16)
     eager = net(x)
-    static_x = x.clone()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        net(static_x)
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        static_out = net(static_x)
+    g, _, static_out = capture(net, x)
     g.replay()
     assert torch.equal(static_out, eager)
     compiled = torch.compile(net, fullgraph=True)
@@ -117,15 +109,8 @@ def test_cuda_graph_and_compile(fmt):
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "mxfp8"])
 def test_an_eager_weight_only_call_launches_at_most_two_kernels(fmt):
-    from torch.profiler import ProfilerActivity, profile
-
     layer = tilemm.nn.Linear.from_float(torch.nn.Linear(4096, 4096, device=DEV, dtype=torch.bfloat16), fmt,
                                         weight_only=True)
     x = torch.randn(1, 4096, device=DEV, dtype=torch.bfloat16)
-    layer(x)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        layer(x)
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    kernels = kernels_per_call(lambda: layer(x))
     assert 1 <= len(kernels) <= 2, kernels

@@ -1,12 +1,14 @@
 """Decode cost of the small-M kernels, without a GPU: SASS instructions per weight element.
 
-    python benchmarks/decode_cost.py              # every weight-only layout at tile_m 16, and the
-                                                  # block-scaled stream kernel for comparison
+    python benchmarks/decode_cost.py              # every weight-only layout's kernels as plan
+                                                  # picks them at M = 1 and 16, and the block-scaled
+                                                  # stream kernel for comparison
     python benchmarks/decode_cost.py --json out.json
 
 Each kernel variant is compiled ahead of time for sm_90 (``tileiras``, as CI does), disassembled with
 ``nvdisasm`` (the ``nvidia-cuda-nvdisasm`` wheel), and its main loop -- the smallest loop of the
-disassembly that contains the tensor-core instructions (HGMMA) -- is counted: instructions per
+disassembly that contains the tensor-core instructions (HGMMA; for the FMA kernel, its one loop of
+FFMAs) -- is counted: instructions per
 iteration, divided by the weight elements one thread handles per iteration, with the most frequent
 opcodes. This is a static count (the loop body as compiled), the quantity that bounds a decode-limited
 kernel: at small M the weight-only kernel issues these instructions for every weight element it reads.
@@ -46,11 +48,12 @@ def nvdisasm() -> str:
     raise FileNotFoundError("nvdisasm not found: pip install nvidia-cuda-nvdisasm")
 
 
-def main_loop(cubin: bytes, unroll: int = 1) -> collections.Counter:
-    """Opcode counts of the main loop: the smallest loop that contains HGMMA instructions, or, for a
-    kernel that loads ``unroll`` K tiles at a time (and has a one-tile loop for the remainder), the
-    smallest loop with ``unroll`` times that loop's HGMMAs. (Spans between a barrier wait's backward
-    branch and its target can contain more; they are not loops of the kernel.)"""
+def main_loop(cubin: bytes, unroll: int = 1, marker: str = "HGMMA") -> collections.Counter:
+    """Opcode counts of the main loop: the smallest loop that contains ``marker`` instructions (HGMMA
+    for the MMA kernels, FFMA for the FMA kernel), or, for a kernel that loads ``unroll`` K tiles at a
+    time (and has a one-tile loop for the remainder), the smallest loop with ``unroll`` times that
+    loop's markers. (Spans between a barrier wait's backward branch and its target can contain more;
+    they are not loops of the kernel.)"""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -69,13 +72,20 @@ def main_loop(cubin: bytes, unroll: int = 1) -> collections.Counter:
         m = re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", t)
         if m and m.group(1) in labels and labels[m.group(1)] <= i:
             body = ins[labels[m.group(1)]:i + 1]
-            hgmma = sum("HGMMA" in b for b in body)
-            if hgmma:
-                loops.append((len(body), hgmma, body))
+            hits = sum(marker in b for b in body)
+            if hits:
+                loops.append((len(body), hits, body))
     if not loops:
-        raise ValueError("no loop with HGMMA instructions in the disassembly")
+        raise ValueError(f"no loop with {marker} instructions in the disassembly")
+    if marker == "FFMA":  # the FMA kernel's FMAs all sit in its main loop; other loops may hold a few
+        most = max(lp[1] for lp in loops)
+        return _opcodes(min((lp for lp in loops if lp[1] == most), key=lambda lp: lp[0])[2])
     smallest = min(loops, key=lambda lp: lp[0])
     body = min((lp for lp in loops if lp[1] == unroll * smallest[1]), key=lambda lp: lp[0], default=smallest)[2]
+    return _opcodes(body)
+
+
+def _opcodes(body: list[str]) -> collections.Counter:
     return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0] for b in body)
 
 
@@ -87,7 +97,8 @@ def weight_only_variant(name: str, cfg: wo.WeightOnlyConfig) -> tuple[AotVariant
     if not v:
         raise KeyError(f"no weight-only variant {name} {cfg.name}")
     threads = 32 * cfg.num_worker_warps
-    return v[0], cfg.tile_n * layout.tile_k * cfg.unroll / threads, cfg.unroll
+    # The FMA kernel's one loop takes all of a load's K tiles (no remainder loop): count it whole.
+    return v[0], cfg.tile_n * layout.tile_k * cfg.unroll / threads, 1 if cfg.gemv else cfg.unroll
 
 
 def stream_variant(fmt, tile_m: int = 16) -> tuple[AotVariant, float, int]:
@@ -101,17 +112,19 @@ def stream_variant(fmt, tile_m: int = 16) -> tuple[AotVariant, float, int]:
 
 
 def report(variant: AotVariant, elements: float, unroll: int = 1) -> dict:
-    counts = main_loop(compile_variant(variant, "sm_90"), unroll)
+    marker = "FFMA" if "_wo_gemv" in variant.name else "HGMMA"
+    counts = main_loop(compile_variant(variant, "sm_90"), unroll, marker)
     total = sum(counts.values())
     return {"variant": variant.name, "loop_instructions": total, "elements_per_thread": elements,
             "per_element": total / elements, "top": dict(counts.most_common(8))}
 
 
 def default_variants():
-    """The weight-only kernel as ``plan`` picks it at M = 16, per layout, with a K split (N = K = 4096)
-    and without (N = 14336, K = 4096), and the block-scaled stream kernel at M = 16."""
-    out = [weight_only_variant(name, wo.plan(16, n, 4096, layout)) for name, layout in wo.LAYOUTS.items()
-           for n in (4096, 14336)]
+    """The weight-only kernels as ``plan`` picks them, per layout: the FMA kernel at M = 1 (N = 14336,
+    K = 4096), the MMA kernel at M = 16 with a K split (N = K = 4096) and without (N = 14336, K = 4096);
+    and the block-scaled stream kernel at M = 16."""
+    out = [weight_only_variant(name, wo.plan(m, n, 4096, layout)) for name, layout in wo.LAYOUTS.items()
+           for m, n in ((1, 14336), (16, 4096), (16, 14336))]
     out += [stream_variant(fmt) for fmt in (MXFP4, NVFP4, MXFP8_E4M3)]
     return out
 

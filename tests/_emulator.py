@@ -233,6 +233,9 @@ class TileEmulator:
         dtype = _dt(dtype)
         if tile.ct_dtype == ct.int32 and dtype == ct.uint32:
             return Tile(np.asarray(tile, dtype=np.int64) & 0xFFFFFFFF, dtype)
+        if tile.ct_dtype == ct.uint32 and dtype == ct.float32:  # bits past 32 (a shift's) are dropped
+            bits = (np.asarray(tile, dtype=np.int64) & 0xFFFFFFFF).astype(np.uint32)
+            return Tile(bits.view(np.float32).astype(np.float64), dtype)
         decode = _BITCASTS.get((tile.ct_dtype, dtype))
         if decode is None:
             raise NotImplementedError(f"bitcast {tile.ct_dtype} -> {dtype}")
@@ -240,9 +243,14 @@ class TileEmulator:
 
     @staticmethod
     def pack_to_bytes(tile):
-        """The tile's bytes, little-endian, flattened (uint32 and uint16 tiles)."""
-        width = {ct.uint32: 4, ct.uint16: 2, ct.uint8: 1}[tile.ct_dtype]
-        raw = np.asarray(tile, dtype=np.int64).reshape(-1)
+        """The tile's bytes, little-endian, flattened (uint32, uint16 and bf16 tiles)."""
+        if tile.ct_dtype == ct.bfloat16:
+            values = torch.from_numpy(np.asarray(tile, dtype=np.float64).reshape(-1).copy())
+            raw = (values.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF).numpy()
+            width = 2
+        else:
+            width = {ct.uint32: 4, ct.uint16: 2, ct.uint8: 1}[tile.ct_dtype]
+            raw = np.asarray(tile, dtype=np.int64).reshape(-1)
         out = np.stack([(raw >> (8 * i)) & 0xFF for i in range(width)], axis=-1).reshape(-1)
         return Tile(out, ct.uint8)
 
@@ -266,11 +274,20 @@ class TileEmulator:
         return old
 
     @staticmethod
+    def sum(tile, axis):
+        """Sum along ``axis``, rounded once to the tile's dtype (the order of a reduction is not
+        specified, so the model takes the exact sum)."""
+        return Tile(_round(np.sum(np.asarray(tile, dtype=np.float64), axis=axis), tile.ct_dtype), tile.ct_dtype)
+
+    @staticmethod
     def static_iter(iterable):
         return iterable
 
     @staticmethod
     def unpack_from_bytes(tile, dtype):
+        if tile.ndim == 1 and tile.ct_dtype == ct.uint8 and _dt(dtype) == ct.uint32:
+            raw = np.asarray(tile, dtype=np.int64)
+            return Tile(raw[0::4] | (raw[1::4] << 8) | (raw[2::4] << 16) | (raw[3::4] << 24), ct.uint32)
         if tile.ndim == 1 and tile.ct_dtype == ct.uint8 and _dt(dtype) == ct.bfloat16:
             raw = np.asarray(tile, dtype=np.int64)
             return Tile(_bf16_values(raw[0::2] | (raw[1::2] << 8)), ct.bfloat16)

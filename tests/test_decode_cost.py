@@ -1,11 +1,11 @@
-"""The weight-only kernel's decode cost, in SASS instructions per weight element, without a GPU.
+"""The weight-only kernels' decode cost, in SASS instructions per weight element, without a GPU.
 
-``benchmarks/decode_cost.py`` compiles the kernel as ``plan`` picks it at M = 16 (N = K = 4096: a K split,
-two K tiles per load) for sm_90, disassembles it (``nvdisasm``) and counts the main loop. At small M
-this kernel issues those instructions for every weight element it reads, so a change that adds decode
-work shows here before any GPU run. The bounds sit a little above the counts of the committed kernel
-(4.61 MXFP4, 4.92 NVFP4, 4.97 MXFP8, with ``tileiras`` 13.4) and well below the block-scaled stream
-kernel's 9.3-10.3.
+``benchmarks/decode_cost.py`` compiles the kernels as ``plan`` picks them -- the MMA kernel at M = 16
+(N = K = 4096: a K split, two K tiles per load), the FMA kernel at M = 1 -- for sm_90, disassembles
+them (``nvdisasm``) and counts the main loop. At small M these kernels issue those instructions for
+every weight element they read, so a change that adds decode work shows here before any GPU run. The
+bounds sit a little above the counts of the committed kernels (MMA: 4.61 MXFP4, 4.92 NVFP4, 4.97
+MXFP8, with ``tileiras`` 13.4, well below the block-scaled stream kernel's 9.3-10.3; FMA: below).
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ decode_cost = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(decode_cost)
 
 BOUNDS = {"mxfp4": 4.8, "nvfp4": 5.2, "mxfp8_e4m3": 5.3, "mxfp8_e5m2": 5.3}
+# The FMA kernel at M = 1 (N = 14336, K = 4096): 8.02 MXFP4, 7.73 NVFP4, 10.14 MXFP8 with tileiras 13.4
+# (one FFMA per element and the conversions to fp32 on top of the MMA kernel's decode).
+FMA_BOUNDS = {"mxfp4": 8.3, "nvfp4": 8.0, "mxfp8_e4m3": 10.5, "mxfp8_e5m2": 10.5}
 
 
 def _nvdisasm_missing():
@@ -46,3 +49,18 @@ def test_weight_only_main_loop_instructions_per_element(layout):
     assert row["per_element"] <= BOUNDS[layout], (
         f"{variant.name}: {row['per_element']:.2f} SASS instructions per weight element in the main loop "
         f"(bound {BOUNDS[layout]}): {row['top']}")
+
+
+@pytest.mark.skipif(COMPILER_MISSING is not None, reason=COMPILER_MISSING or "")
+@pytest.mark.skipif(_nvdisasm_missing() is not None, reason=_nvdisasm_missing() or "")
+@pytest.mark.parametrize("layout", list(FMA_BOUNDS))
+def test_fma_kernel_main_loop_instructions_per_element(layout):
+    from tilemm.kernels import weight_only_kernels as wo
+
+    cfg = wo.plan(1, 14336, 4096, wo.LAYOUTS[layout])
+    assert cfg.gemv
+    variant, elements, unroll = decode_cost.weight_only_variant(layout, cfg)
+    row = decode_cost.report(variant, elements, unroll)  # main_loop raises unless the loop holds FFMA
+    assert row["per_element"] <= FMA_BOUNDS[layout], (
+        f"{variant.name}: {row['per_element']:.2f} SASS instructions per weight element in the main loop "
+        f"(bound {FMA_BOUNDS[layout]}): {row['top']}")

@@ -127,6 +127,13 @@ def _reference(x, w_q, bias=None, out_dtype=torch.float32):
     return out.to(out_dtype)
 
 
+def _gemv(tile_m, split, unroll):
+    """The FMA kernel's config (its block shape as ``plan`` picks it) with ``tile_m`` rows of x per
+    block, a K split and K tiles per load."""
+    tile_n, warps, occupancy = wo._GEMV_SHAPE
+    return wo.WeightOnlyConfig(tile_m, tile_n, split, warps, occupancy, unroll=unroll, gemv=1)
+
+
 def _run(x, packed, cfg, bias=None):
     n = packed.out_features
     out = torch.empty(x.shape[0], n, dtype=x.dtype)
@@ -147,7 +154,8 @@ def test_kernel_matches_reference(emulated, fmt, x_dtype):
     packed = prepack(w_q)
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(2)) * 3).to(x_dtype)
     bias = torch.randn(n)
-    for cfg in (wo.WeightOnlyConfig(16, 16, 1), wo.WeightOnlyConfig(16, 16, 2), wo.WeightOnlyConfig(16, 16, 4)):
+    for cfg in (wo.WeightOnlyConfig(16, 16, 1), wo.WeightOnlyConfig(16, 16, 2), wo.WeightOnlyConfig(16, 16, 4),
+                _gemv(1, 1, 2), _gemv(2, 1, 1), _gemv(3, 2, 2)):
         out = _run(x, packed, cfg, bias)
         assert_matches(out.float(), _reference(x, w_q, bias), torch.float32 if x_dtype == torch.float32
                        else x_dtype)
@@ -226,13 +234,38 @@ def test_load_schemes_match_reference(emulated, fmt, scheme):
         assert_matches(out.float(), _reference(x, w_q, bias), torch.bfloat16)
 
 
+@pytest.mark.parametrize("fmt", [MXFP4, NVFP4, MXFP8_E4M3], ids=["mxfp4", "nvfp4", "mxfp8_e4m3"])
+@pytest.mark.parametrize("unroll", [2, 8])
+def test_fma_kernel_loads_match_reference(emulated, fmt, unroll):
+    # K = 1344 as above: with 8 K tiles per load the last (or only) load reaches past K, and splits of
+    # 2 and 4 leave some blocks no load at all; M = 1 as in a decode step, N = 40 (a partial block).
+    m, n, k = 1, 40, 1344
+    w_q = quantized_weight(fmt, n, k, seed=3, scale_bytes=(105, 122) if fmt.is_mx else (1, 0x50))
+    packed = prepack(w_q)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(4)) * 3).to(torch.bfloat16)
+    bias = torch.randn(n)
+    for split in (1, 2, 4):
+        out = _run(x, packed, _gemv(1, split, unroll), bias)
+        assert_matches(out.float(), _reference(x, w_q, bias), torch.bfloat16)
+
+
 def test_plan_schemes():
-    """The output tiles alone fill the GPU: one MMA per K tile (4-bit weights: two K tiles per load);
-    otherwise a K split loading two K tiles at a time; from tile_m 32 on, neither."""
+    """One row of x: the FMA kernel, 8 K tiles per load where K has them, a K split only below one
+    block per SM. Up to 16 rows, where the output tiles alone fill the GPU: one MMA per K tile (4-bit
+    weights: two K tiles per load); otherwise a K split loading two K tiles at a time; from tile_m 32
+    on, neither."""
     mx4, mx8 = wo.LAYOUTS["mxfp4"], wo.LAYOUTS["mxfp8_e4m3"]
     cfg = wo.plan(1, 14336, 4096, mx4)
+    assert (cfg.gemv, cfg.tile_m, cfg.split_k, cfg.unroll) == (1, 1, 1, 8)
+    cfg = wo.plan(1, 4096, 14336, mx8)
+    assert (cfg.gemv, cfg.split_k, cfg.unroll) == (1, 1, 8)
+    cfg = wo.plan(1, 1024, 1024, mx4)  # 64 blocks of 16 rows, 4 K tiles
+    assert (cfg.gemv, cfg.split_k, cfg.unroll) == (1, 2, 2)
+    cfg = wo.plan(2, 14336, 4096, mx4)
+    assert not cfg.gemv
+    cfg = wo.plan(16, 14336, 4096, mx4)
     assert (cfg.split_k, cfg.cat, cfg.unroll, cfg.occupancy) == (1, 1, 2, 3)
-    cfg = wo.plan(1, 14336, 4096, mx8)
+    cfg = wo.plan(16, 14336, 4096, mx8)
     assert (cfg.split_k, cfg.cat, cfg.unroll, cfg.occupancy) == (1, 1, 1, 2)
     cfg = wo.plan(16, 4096, 14336, mx4)
     assert cfg.split_k > 1 and cfg.unroll == 2 and not cfg.cat

@@ -211,6 +211,20 @@ def _epilogue(acc, C, Alpha, Bias, bm, bn, TM, TN):
     ct.store(C, (bm, bn), (acc * alpha + bias).astype(C.dtype))
 
 
+def _split_k_finish(out, C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m, SPLIT_K, TM, TN):
+    """Store this block's fp32 partial tile ``out`` (TM, TN); the block that completes its output tile
+    adds the SPLIT_K partials in split order and runs the epilogue (see ``_weight_only_kernel``)."""
+    ct.store(Partial, (split, bm, bn), out.reshape((1, TM, TN)))
+    tile = bn * num_m + bm
+    arrived = ct.atomic_add(Counter, tile, 1)
+    if arrived == SPLIT_K - 1:
+        total = ct.zeros((TM, TN), ct.float32)
+        for s in range(SPLIT_K):
+            total = total + ct.load(Partial, (s, bm, bn), (1, TM, TN), padding_mode=_ZERO).reshape((TM, TN))
+        _epilogue(total, C, Alpha, Bias, bm, bn, TM, TN)
+        ct.atomic_xchg(Counter, tile, 0)
+
+
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
 def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
                         ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
@@ -281,15 +295,79 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
     if SPLIT_K == 1:
         _epilogue(out, C, Alpha, Bias, bm, bn, TM, TN)
     else:
-        ct.store(Partial, (split, bm, bn), out.reshape((1, TM, TN)))
-        tile = bn * num_m + bm
-        arrived = ct.atomic_add(Counter, tile, 1)
-        if arrived == SPLIT_K - 1:
-            total = ct.zeros((TM, TN), ct.float32)
-            for s in range(SPLIT_K):
-                total = total + ct.load(Partial, (s, bm, bn), (1, TM, TN), padding_mode=_ZERO).reshape((TM, TN))
-            _epilogue(total, C, Alpha, Bias, bm, bn, TM, TN)
-            ct.atomic_xchg(Counter, tile, 0)
+        _split_k_finish(out, C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m, SPLIT_K, TM, TN)
+
+
+def _f32_halves(t, ROWS, COLS, BF16):
+    """A (ROWS, COLS) bf16 (BF16 true) / fp16 / fp32 tile as two (ROWS, COLS / 2) fp32 tiles: its even
+    and its odd columns, exactly. bf16 takes no conversion instruction: the low half of each 32-bit pair word
+    shifted up, and the high half masked, are already the fp32 bit patterns."""
+    if BF16:
+        pairs = ct.unpack_from_bytes(ct.pack_to_bytes(t.reshape((ROWS * COLS,))), ct.uint32)
+        pairs = pairs.reshape((ROWS, COLS // 2))
+        return ct.bitcast(pairs << 16, ct.float32), ct.bitcast(pairs & 0xFFFF0000, ct.float32)
+    f = t.astype(ct.float32).reshape((ROWS, COLS // 2, 2))
+    return (ct.extract(f, (0, 0, 0), (ROWS, COLS // 2, 1)).reshape((ROWS, COLS // 2)),
+            ct.extract(f, (0, 0, 1), (ROWS, COLS // 2, 1)).reshape((ROWS, COLS // 2)))
+
+
+@ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
+def _gemv_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
+                 ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
+                 GROUP: ConstInt, TM: ConstInt, TN: ConstInt, SPLIT_K: ConstInt, UNROLL: ConstInt):
+    """The weight-only product for the few rows of a decode step, on the FMA pipes, without ``ct.mma``:
+    acc (TM, TN, TP / 2) += decode(W plane) * x_plane, element by element in fp32, reduced over K once
+    at the end.
+
+    Same arguments and grid as ``_weight_only_kernel`` (TM rows of x per block, usually all of M).
+    Each decoded, scaled plane is exact in bf16 (see the module docstring); its even and odd columns
+    become fp32 by bit operations (``_f32_halves``) and meet x's even and odd columns in two fp32
+    accumulators, so every product is rounded once into an fp32 sum, as in an fp32 GEMM (exact for
+    bf16 and fp16 x). Why not the MMA: a wgmma needs 64 weight rows per block and keeps one
+    shared-memory stage for every load of its loop; this kernel's blocks take 16 rows (the output
+    alone gives the GPU enough blocks, with no K split, from N = 2048 on) and tileiras pipelines its
+    loads, which is what a decode step, bound by streaming the weight, needs. From a few rows of x on,
+    the per-element FMAs cost more than the MMA (``plan``). The UNROLL K tiles of a load form one
+    group; the groups are split over SPLIT_K blocks, with the same deterministic last-block reduction.
+    """
+    M = X.shape[0]
+    N = C.shape[1]
+    WORDS = GROUP * BLOCK // 2
+    TP = GROUP * BLOCK           # elements per plane
+    TK = PLANES * TP             # elements per K tile
+    SC = PLANES * GROUP          # scale rows per K tile
+    num_m = ct.cdiv(M, TM)
+    num_n = ct.cdiv(N, TN)
+    pid = ct.bid(0)
+    bm = pid % num_m
+    bn = (pid // num_m) % num_n
+    split = pid // (num_m * num_n)
+    groups = ct.cdiv(ct.cdiv(X.shape[1], TK), UNROLL)
+    per_split = ct.cdiv(groups, SPLIT_K)
+    g_begin = split * per_split
+    g_end = max(min(g_begin + per_split, groups), g_begin)
+
+    acc_lo = ct.zeros((TM, TN, TP // 2), ct.float32)
+    acc_hi = ct.zeros((TM, TN, TP // 2), ct.float32)
+    for g in range(g_begin, g_end):
+        ws = ct.bitcast(ct.load(W, (bn, g), (TN, UNROLL * WORDS), padding_mode=_ZERO), ct.uint32)
+        ss = ct.load(S, (g, bn), (UNROLL * SC, TN), padding_mode=_ZERO)
+        xs = ct.load(X, (bm, g), (TM, UNROLL * TK), padding_mode=_ZERO)
+        for u in ct.static_iter(range(UNROLL)):
+            w = ct.extract(ws, (0, u), (TN, WORDS))
+            mult = _multipliers(ct.extract(ss, (u, 0), (SC, TN)).transpose(), Mult, SCALE_E8M0)
+            mult = mult.astype(ct.bfloat16).reshape((TN, PLANES, GROUP, 1))
+            for p in ct.static_iter(range(PLANES)):
+                w_lo, w_hi = _f32_halves(_scaled_plane(w, mult, p, ELEMENT, BLOCK, GROUP, TN), TN, TP, True)
+                x_lo, x_hi = _f32_halves(ct.extract(xs, (0, u * PLANES + p), (TM, TP)), TM, TP,
+                                         X.dtype == ct.bfloat16)
+                acc_lo = acc_lo + w_lo.reshape((1, TN, TP // 2)) * x_lo.reshape((TM, 1, TP // 2))
+                acc_hi = acc_hi + w_hi.reshape((1, TN, TP // 2)) * x_hi.reshape((TM, 1, TP // 2))
+    out = ct.sum(acc_lo + acc_hi, axis=2)
+    if SPLIT_K == 1:
+        _epilogue(out, C, Alpha, Bias, bm, bn, TM, TN)
+    else:
+        _split_k_finish(out, C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m, SPLIT_K, TM, TN)
 
 
 @ct.kernel
@@ -342,9 +420,9 @@ def dequantize(words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tens
 
 @dataclasses.dataclass(frozen=True)
 class WeightOnlyConfig:
-    """tile_m (the MMA's N side: 16 .. 128), tile_n (weight rows per block), the K split, the compiler
-    hints, and the kernel's load and MMA scheme: ``unroll`` K tiles per load (1 or 2) and ``cat`` (one
-    MMA per K tile)."""
+    """tile_m (the MMA's N side: 16 .. 128; rows of x per block), tile_n (weight rows per block), the K
+    split, the compiler hints, and the kernel's load and MMA scheme: ``unroll`` K tiles per load and
+    ``cat`` (one MMA per K tile). ``gemv`` selects ``_gemv_kernel`` (no MMA; tile_m = M)."""
 
     tile_m: int
     tile_n: int = 128
@@ -353,13 +431,18 @@ class WeightOnlyConfig:
     occupancy: int | None = None
     unroll: int = 1
     cat: int = 0
+    gemv: int = 0
 
     def hints(self) -> dict:
         return sm90_hints(self.num_worker_warps, self.occupancy)
 
     @property
+    def kernel(self):
+        return hinted(_gemv_kernel if self.gemv else _weight_only_kernel, **self.hints())
+
+    @property
     def name(self) -> str:
-        s = f"wo_{self.tile_m}x{self.tile_n}_s{self.split_k}_w{self.num_worker_warps}"
+        s = f"wo_{'gemv' if self.gemv else ''}{self.tile_m}x{self.tile_n}_s{self.split_k}_w{self.num_worker_warps}"
         s += f"_occ{self.occupancy}" if self.occupancy else ""
         return s + (f"_u{self.unroll}" if self.unroll > 1 else "") + ("_cat" if self.cat else "")
 
@@ -394,12 +477,39 @@ def _unsplit(tile_m: int, layout: Layout) -> WeightOnlyConfig:
                             cat=1)
 
 
+#: Up to this many rows of x, ``plan`` picks the FMA kernel (``_gemv_kernel``); each thread then
+#: multiplies every weight element it decodes by GEMV_M rows of x.
+GEMV_M = 1
+#: Its block shape: 16 weight rows, one warpgroup, four blocks per SM (64 registers per thread).
+_GEMV_SHAPE = (16, 4, 4)
+#: K tiles per load of the FMA kernel: 8 (2048 4-bit elements of a row, 16 KB of weight per block)
+#: where K has that many, else 2 (a load past K is zero-filled, and its decode wasted).
+_GEMV_UNROLL = (8, 2)
+
+
+def _gemv(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig:
+    """The FMA kernel's config: 16-row blocks, a K split only while the output tiles alone give fewer
+    blocks than SMs (each split at least one load)."""
+    tile_n, warps, occupancy = _GEMV_SHAPE
+    k_tiles = -(-k // layout.tile_k)
+    unroll = next(u for u in _GEMV_UNROLL if u <= k_tiles or u == _GEMV_UNROLL[-1])
+    groups = -(-k_tiles // unroll)
+    tiles = -(-n // tile_n)
+    split = 1
+    while tiles * split < sms and split * 2 <= _SPLITS[-1] and groups >= split * 2:
+        split *= 2
+    return WeightOnlyConfig(m, tile_n, split, warps, occupancy, unroll=unroll, gemv=1)
+
+
 def plan(m: int, n: int, k: int, layout: Layout, sms: int = 132) -> WeightOnlyConfig:
     """The weight-only kernel's config for an (M, K) x (N, K) problem: the smallest tile_m that covers
     M (up to 128) with its tile shape, and a K split: none when the output tiles alone give 1.5 blocks
     per SM (then ``_unsplit``), else the largest power of two (each split at least 2 K tiles) that
     keeps the grid within the blocks the GPU holds at once, loading two K tiles at a time at small M.
-    ``benchmarks/tune_weight_only.py`` measures the alternatives."""
+    ``benchmarks/tune_weight_only.py`` measures the alternatives. Up to ``GEMV_M`` rows: the FMA
+    kernel (``_gemv``)."""
+    if m <= GEMV_M:
+        return _gemv(m, n, k, layout, sms)
     tile_m = next((t for t in _TILE_M if t >= m), _TILE_M[-1])
     tile_n, warps, occupancy = _SHAPE[tile_m]
     tiles = -(-m // tile_m) * -(-n // tile_n)
@@ -416,8 +526,11 @@ def plan(m: int, n: int, k: int, layout: Layout, sms: int = 132) -> WeightOnlyCo
 
 
 def _constants(layout: Layout, cfg: WeightOnlyConfig, x_parts: int) -> tuple:
-    return (layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
-            cfg.tile_m, cfg.tile_n, cfg.split_k, x_parts, cfg.unroll, cfg.cat)
+    common = (layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
+              cfg.tile_m, cfg.tile_n, cfg.split_k)
+    if cfg.gemv:
+        return common + (cfg.unroll,)
+    return common + (x_parts, cfg.unroll, cfg.cat)
 
 
 class Prepared:
@@ -437,7 +550,7 @@ class Prepared:
         self.split = cfg.split_k
         self.tiles = -(-m // cfg.tile_m) * -(-self.n // cfg.tile_n)
         self.grid = (cfg.split_k * self.tiles, 1, 1)
-        self.kernel = hinted(_weight_only_kernel, **cfg.hints())
+        self.kernel = cfg.kernel
         wrap = Described if keep_workspace and words.is_cuda else (lambda t: t)
         self.fixed = (wrap(words), wrap(scale_t))
         self.alpha = wrap(constants[0:1] if alpha is None else alpha)
@@ -516,27 +629,37 @@ def _configs(layout: Layout) -> list[WeightOnlyConfig]:
         unroll = 2 if tm <= _SMALL_M else 1
         out.append(_unsplit(tm, layout))
         out += [WeightOnlyConfig(tm, tile_n, split, warps, occupancy, unroll=unroll) for split in _SPLITS[1:]]
+    tile_n, warps, occupancy = _GEMV_SHAPE
+    out += [WeightOnlyConfig(m, tile_n, split, warps, occupancy, unroll=unroll, gemv=1)
+            for m in range(1, GEMV_M + 1) for unroll in _GEMV_UNROLL for split in _SPLITS]
+    return out
+
+
+def _code_paths(every: list[WeightOnlyConfig]) -> list[WeightOnlyConfig]:
+    """One config per code path of ``every``: each kernel without and with a K split."""
+    out = []
+    for cfg in every:
+        if not any(c.gemv == cfg.gemv and (c.split_k > 1) == (cfg.split_k > 1) for c in out):
+            out.append(cfg)
     return out
 
 
 def aot_variants(full: bool = True) -> list[AotVariant]:
     """The weight-only kernel per (layout, activation dtype, config), for sm_90, sm_100 and sm_120 (the
     kernel uses bf16 ``ct.mma`` and integer operations only, so one kernel serves every architecture).
-    ``full=False`` keeps one config per (layout, activation dtype) and the splits that differ in code
-    (1 and > 1)."""
+    ``full=False`` keeps one config per code path (kernel, with and without a K split)."""
     variants = []
     for name, layout in LAYOUTS.items():
         every = _configs(layout)
-        configs = every if full else [every[0], every[2]]
+        paths = _code_paths(every)
+        configs = every if full else paths
         for x_dtype, x_ct in _CT_DTYPES.items():
             # bf16 x with an fp16 / fp32 output: the small-batch path of block-scaled layers (the
             # decoded activation is bf16; the output has the caller's dtype), one config per code path.
-            outs = [(x_ct, configs)] + ([(c, [every[0], every[2]]) for c in (ct.float16, ct.float32)]
+            outs = [(x_ct, configs)] + ([(c, paths) for c in (ct.float16, ct.float32)]
                                         if x_dtype == torch.bfloat16 else [])
             for c_ct, c_configs in outs:
                 for cfg in c_configs:
-                    if x_dtype != torch.bfloat16 and cfg != configs[0] and not full:
-                        continue
                     params = [array(x_ct, 2), array(ct.int32, 2), array(ct.uint8, 2), array(c_ct, 2),
                               array(ct.float32, 1), array(ct.float32, 1), array(ct.float32, 1),
                               array(ct.float32, 3) if cfg.split_k > 1 else array(c_ct, 2),
@@ -544,7 +667,7 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                               *_constants(layout, cfg, _X_PARTS[x_dtype])]
                     out = "" if c_ct is x_ct else f"_out_{c_ct.name}"
                     variants.append(AotVariant(f"weight_only_{name}_{x_ct.name}_{cfg.name}{out}",
-                                               hinted(_weight_only_kernel, **cfg.hints()), params))
+                                               cfg.kernel, params))
     for name, layout in LAYOUTS.items():
         params = [array(ct.int32, 2), array(ct.uint8, 2), array(ct.bfloat16, 2), array(ct.float32, 1),
                   layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,

@@ -6,9 +6,10 @@ a plain float tensor; ``WeightOnlyRunner`` is the same call with everything that
 worked out once (``tilemm.nn.Linear`` holds one per layer), so an eager call costs one kernel launch
 and little else. Both run:
 
-* on CUDA (Hopper and Blackwell): the fused kernel of ``tilemm.kernels.weight_only_kernels`` (bf16
-  ``ct.mma`` on the decoded weight: the same kernel compiles for sm_90, sm_100 and sm_120; Blackwell's
-  ``ct.mma_scaled`` takes no bf16 operand, and quantizing the activation would change the result);
+* on CUDA (Hopper and Blackwell): the fused kernels of ``tilemm.kernels.weight_only_kernels`` (bf16
+  ``ct.mma`` on the decoded weight, or fp32 FMAs for a single row of x: the same kernels compile for
+  sm_90, sm_100 and sm_120; Blackwell's ``ct.mma_scaled`` takes no bf16 operand, and quantizing the
+  activation would change the result);
 * on the CPU: the same arithmetic in PyTorch: ``(x @ (element * block scale).T) * (decode scale *
   alpha) + bias`` in fp32, rounded once to x's dtype.
 

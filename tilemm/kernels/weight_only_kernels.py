@@ -1,9 +1,11 @@
 """Weight-only matmul: bf16 / fp16 / fp32 activations times a prepacked MXFP4, NVFP4 or MXFP8 weight,
-in one cuTile kernel that reads each weight byte once and never writes a dequantized weight.
+in one cuTile kernel that reads each weight byte once and never writes a dequantized weight: the
+tensor-core kernel ``_weight_only_kernel``, or, for a single row of x, the FMA kernel ``_gemv_kernel``
+(``plan`` chooses).
 
-The kernel uses integer operations and bf16 ``ct.mma`` only, so the same code runs on Hopper (sm_90)
-and Blackwell (sm_100 / sm_120; ``ct.mma_scaled`` there takes no bf16 operand, and quantizing the
-activation would change the result). From ``LARGE_M`` rows of bf16 activations on, the caller
+The kernels use integer operations, bf16 ``ct.mma`` and fp32 arithmetic only, so the same code runs
+on Hopper (sm_90) and Blackwell (sm_100 / sm_120; ``ct.mma_scaled`` there takes no bf16 operand, and
+quantizing the activation would change the result). From ``LARGE_M`` rows of bf16 activations on, the caller
 (``tilemm.weight_only``) instead decodes the weight once per call with ``_dequantize_kernel`` and runs
 cuBLAS's bf16 GEMM, where decoding every weight tile once per 128 activation rows would cost more.
 

@@ -233,6 +233,9 @@ class TileEmulator:
         dtype = _dt(dtype)
         if tile.ct_dtype == ct.int32 and dtype == ct.uint32:
             return Tile(np.asarray(tile, dtype=np.int64) & 0xFFFFFFFF, dtype)
+        if tile.ct_dtype == ct.float32 and dtype == ct.int32:
+            bits = np.asarray(tile, dtype=np.float64).astype(np.float32).view(np.int32)
+            return Tile(bits.astype(np.int64), dtype)
         if tile.ct_dtype == ct.uint32 and dtype == ct.float32:  # bits past 32 (a shift's) are dropped
             bits = (np.asarray(tile, dtype=np.int64) & 0xFFFFFFFF).astype(np.uint32)
             return Tile(bits.view(np.float32).astype(np.float64), dtype)

@@ -172,6 +172,23 @@ def test_kernel_with_large_scales(emulated, fmt):
     assert_matches(out, _reference(x, w_q), torch.float32)
 
 
+def test_kernels_with_scale_bytes_0_and_large(emulated):
+    """The multiplier of scale byte s is built as the bf16 exponent field s + offset - E: with E = 2,
+    bytes 0 to 3 (2^-127 ..) sit next to 2^3 in one weight, every product still a bf16 number; both
+    kernels. (With larger E, or 8-bit elements, products of bytes near 0 fall below bf16's range:
+    the documented lower limit.)"""
+    fmt = MXFP4
+    w_q = quantized_weight(fmt, 16, 256, scale_bytes=(0, 4))
+    scale = _bytes(w_q.scale).clone()
+    scale[::3] = 130
+    w_q = type(w_q)(w_q.data, scale.view(torch.float8_e8m0fnu))
+    packed = prepack(w_q)
+    assert packed.exponent == 2 and int((scale == 0).sum()) > 0
+    x = torch.randn(1, 256)
+    for cfg in (wo.WeightOnlyConfig(16, 16, 1), _gemv(1, 1, 2)):
+        assert_matches(_run(x, packed, cfg), _reference(x, w_q), torch.float32)
+
+
 def test_split_k_counters_return_to_zero(emulated):
     """The last block of each output tile resets its counter, so the next launch starts from zero."""
     packed = prepack(quantized_weight(MXFP4, 40, 1024))

@@ -67,7 +67,7 @@ import cuda.tile as ct
 import torch
 
 from ._aot import AotVariant, array
-from ._common import Described, e8m0_to_bf16, hinted, sm90_hints
+from ._common import Described, hinted, sm90_hints
 
 
 __all__ = ["WeightOnlyConfig", "plan", "launch", "Prepared", "aot_variants", "LAYOUTS", "Layout"]
@@ -150,12 +150,20 @@ def _as_bf16_pairs(bits, ROWS, WORDS):
 
 
 def _multipliers(s_raw, Mult, SCALE_E8M0):
-    """Scale bytes (TN, SC) -> fp32 ``scale * 2^(OFFSET - E)`` (Mult holds 2^(OFFSET - E))."""
+    """Scale bytes (TN, SC) -> bf16 ``scale * 2^(OFFSET - E)`` (Mult holds 2^(OFFSET - E)), exactly.
+
+    e8m0: the product is 2^(s - 127 + OFFSET - E), whose bf16 exponent field is s plus Mult's fp32
+    exponent field less 127 -- an integer add, no float arithmetic. ``prepack`` picks E so that this
+    field stays in 1..254 for every finite scale byte of the weight (s = 0 included, the zero padding
+    past K too), so only s = 255 (NaN) needs its own encoding."""
+    mult = ct.load(Mult, (0,), (1,)).reshape((1, 1))
     if SCALE_E8M0:
-        s = e8m0_to_bf16(s_raw).astype(ct.float32)
-    else:
-        s = ct.bitcast(s_raw, ct.float8_e4m3fn).astype(ct.float32)
-    return s * ct.load(Mult, (0,), (1,)).reshape((1, 1))
+        shift = (ct.bitcast(mult, ct.int32) >> 23) - 127
+        bits = ((s_raw.astype(ct.int32) + shift) << 7).astype(ct.uint16)
+        bits = ct.where(s_raw == 255, ct.full(bits.shape, 0x7FC0, ct.uint16), bits)
+        return ct.bitcast(bits, ct.bfloat16)
+    s = ct.bitcast(s_raw, ct.float8_e4m3fn).astype(ct.float32)
+    return (s * mult).astype(ct.bfloat16)
 
 
 def _mma_x(plane, x, acc, X_PARTS):
@@ -191,7 +199,7 @@ def _k_tile(w, s_raw, Mult, x, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, T
     wait for the tensor cores per K tile, but all planes' registers live at once); CAT = 0 runs one
     ``ct.mma`` per plane, reusing the registers, and waits after each."""
     TP = GROUP * BLOCK
-    mult = _multipliers(s_raw, Mult, SCALE_E8M0).astype(ct.bfloat16).reshape((TN, PLANES, GROUP, 1))
+    mult = _multipliers(s_raw, Mult, SCALE_E8M0).reshape((TN, PLANES, GROUP, 1))
     if CAT == 1:
         a = ct.cat((_scaled_plane(w, mult, 0, ELEMENT, BLOCK, GROUP, TN),
                     _scaled_plane(w, mult, 1, ELEMENT, BLOCK, GROUP, TN)), 1)
@@ -358,7 +366,7 @@ def _gemv_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
         for u in ct.static_iter(range(UNROLL)):
             w = ct.extract(ws, (0, u), (TN, WORDS))
             mult = _multipliers(ct.extract(ss, (u, 0), (SC, TN)).transpose(), Mult, SCALE_E8M0)
-            mult = mult.astype(ct.bfloat16).reshape((TN, PLANES, GROUP, 1))
+            mult = mult.reshape((TN, PLANES, GROUP, 1))
             for p in ct.static_iter(range(PLANES)):
                 w_lo, w_hi = _f32_halves(_scaled_plane(w, mult, p, ELEMENT, BLOCK, GROUP, TN), TN, TP, True)
                 x_lo, x_hi = _f32_halves(ct.extract(xs, (0, u * PLANES + p), (TM, TP)), TM, TP,
@@ -387,7 +395,7 @@ def _dequantize_kernel(W, S, Out, Mult, ELEMENT: ConstInt, SCALE_E8M0: ConstInt,
     bn = pid // k_tiles
     w = ct.bitcast(ct.load(W, (bn, kt), (TN, WORDS), padding_mode=_ZERO), ct.uint32)
     s_raw = ct.load(S, (kt, bn), (SC, TN), padding_mode=_ZERO).transpose()
-    mult = _multipliers(s_raw, Mult, SCALE_E8M0).astype(ct.bfloat16).reshape((TN, PLANES, GROUP, 1))
+    mult = _multipliers(s_raw, Mult, SCALE_E8M0).reshape((TN, PLANES, GROUP, 1))
     for p in ct.static_iter(range(PLANES)):
         plane = _as_bf16_pairs(_decode_plane(w, p, ELEMENT), TN, WORDS).reshape((TN, GROUP, BLOCK))
         m_p = ct.extract(mult, (0, p, 0, 0), (TN, 1, GROUP, 1)).reshape((TN, GROUP, 1))

@@ -5,8 +5,13 @@ Python dispatch; a function that cannot be captured, e.g. one that reads a value
 timed as eager calls instead) and returns the median time of ``reps`` replays in milliseconds, with
 how it was taken ("graph" or "events"). Before each replay it can
 
-* flush the L2 cache (``flush_l2``, the default: 256 MB of writes, larger than any GPU's L2), so that
-  every run reads its operands from DRAM, as a layer of a model does;
+* flush the L2 cache (``flush_l2``, the default: a reduction that reads 256 MB, larger than any GPU's
+  L2), so that every run reads its operands from DRAM, as a layer of a model does. The flush reads
+  rather than writes: a flush by writes leaves the L2 full of dirty lines, whose write-back then
+  competes with the timed kernel's reads, a cost a model's layer does not pay (its predecessors leave
+  clean weight lines behind) and that grows with the bytes the kernel reads. On the H100 it added
+  about 10 us to a 117 MB bf16 GEMV and 2 us to its 4-bit counterpart
+  (``benchmarks/results/timing-flush-nvidia-h100-80gb-hbm3.txt``);
 * queue a GPU sleep of ``busy_cycles`` clock cycles, so that the GPU is still busy when the host has
   submitted the replay: the start event then fires right before the kernels, and the interval holds
   no host submission time (about 3.5 us on an H100, which matters for kernels of tens of us).
@@ -42,14 +47,15 @@ def median_ms(run, reps: int, *, flush: torch.Tensor | None = None, busy_cycles:
               sync_each: bool = False) -> float:
     """Median of ``reps`` calls of ``run``, each between CUDA events, in milliseconds.
 
-    ``flush``: a tensor zeroed before each call (an L2 flush). ``busy_cycles``: a GPU sleep queued
+    ``flush``: a tensor read (summed) before each call (an L2 flush). ``busy_cycles``: a GPU sleep queued
     before each call. ``sync_each``: wait for each call before the next, so that an eager call's
     interval holds its Python dispatch (what one call costs a caller); otherwise the host queues the
     calls ahead and the intervals are GPU time."""
     events = []
+    sink = torch.empty((), dtype=torch.float32, device=flush.device) if flush is not None else None
     for _ in range(reps):
         if flush is not None:
-            flush.zero_()
+            torch.sum(flush, dim=(0,), out=sink)
         if busy_cycles:
             torch.cuda._sleep(busy_cycles)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -69,8 +75,20 @@ class Timer:
     def __init__(self, reps: int, device: torch.device | None = None, *, flush_l2: bool = True,
                  busy_cycles: int = 0, warmup: int = 1, sync_each: bool = False):
         self.reps, self.busy_cycles, self.warmup, self.sync_each = reps, busy_cycles, warmup, sync_each
-        self.flush = (torch.empty(64 * 1024 * 1024, dtype=torch.float32, device=device or "cuda")
+        self.flush = (torch.zeros(64 * 1024 * 1024, dtype=torch.float32, device=device or "cuda")
                       if flush_l2 else None)
+
+    def settle(self, flushes: int = 300) -> None:
+        """Keep the GPU busy for a while (``flushes`` L2 flushes, about 30 ms on an H100) before the
+        first measurement after host-side work: on the H100 the first kernel timed after building a
+        shape's layers ran up to 15 % slower than the same kernel timed later in the run
+        (``benchmarks/results/timing-flush-nvidia-h100-80gb-hbm3.txt``)."""
+        if self.flush is None:
+            return
+        sink = torch.empty((), dtype=torch.float32, device=self.flush.device)
+        for _ in range(flushes):
+            torch.sum(self.flush, dim=(0,), out=sink)
+        torch.cuda.synchronize(self.flush.device)
 
     def __call__(self, fn, capture: bool = True) -> tuple[float, str]:
         for _ in range(self.warmup):

@@ -119,6 +119,7 @@ def main(argv=None) -> int:
             if not args.no_both_sides:
                 layers[("both_sides", fmt)] = tilemm.nn.Linear.from_float(lin, fmt)
         int4 = int4_peer(w)
+        timer.settle()
         for m in ms:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             ms_bf16, _ = timer(lambda: F.linear(x, w))

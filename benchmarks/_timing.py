@@ -78,18 +78,6 @@ class Timer:
         self.flush = (torch.zeros(64 * 1024 * 1024, dtype=torch.float32, device=device or "cuda")
                       if flush_l2 else None)
 
-    def settle(self, flushes: int = 300) -> None:
-        """Keep the GPU busy for a while (``flushes`` L2 flushes, about 30 ms on an H100) before the
-        first measurement after host-side work: on the H100 the first kernel timed after building a
-        shape's layers ran up to 15 % slower than the same kernel timed later in the run
-        (``benchmarks/results/timing-flush-nvidia-h100-80gb-hbm3.txt``)."""
-        if self.flush is None:
-            return
-        sink = torch.empty((), dtype=torch.float32, device=self.flush.device)
-        for _ in range(flushes):
-            torch.sum(self.flush, dim=(0,), out=sink)
-        torch.cuda.synchronize(self.flush.device)
-
     def __call__(self, fn, capture: bool = True) -> tuple[float, str]:
         for _ in range(self.warmup):
             fn()

@@ -67,30 +67,6 @@ def test_fake_quant_is_the_quantizers_decode(fmt, rounding, dtype, m, k):
         assert alpha_out is None
 
 
-@pytest.mark.parametrize("fmt,rounding", [(MXFP4, "rceil"), (NVFP4, None), (MXFP8_E5M2, "floor")],
-                         ids=["mxfp4", "nvfp4", "mxfp8_e5m2"])
-def test_fake_quant_writes_the_same_values_in_fp32(fmt, rounding):
-    x = _activation(3, 288, torch.float16, seed=5)
-    fq = FakeQuant(fmt, rounding, torch.tensor([1.0], device=DEV))
-    out16, alpha16 = fq.run(x, torch.cuda.current_stream())
-    out32, alpha32 = fq.run(x, torch.cuda.current_stream(), torch.float32)
-    assert out32.dtype == torch.float32 and torch.equal(out32, out16.float())
-    assert (alpha16 is None and alpha32 is None) or torch.equal(alpha16, alpha32)
-
-
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "mxfp8"])
-def test_one_row_takes_the_decoded_activation_in_fp32(fmt):
-    """At one row the FMA kernel reads the decoded activation as fp32 (less work than bf16): the same
-    values, the same kernel, so the same result bit for bit as from the bf16 activation."""
-    layer = tilemm.nn.Linear.from_float(torch.nn.Linear(4096, 1024, device=DEV, dtype=torch.bfloat16), fmt)
-    x = torch.randn(1, 4096, device=DEV, dtype=torch.bfloat16)
-    out = layer(x)
-    runner = layer._runner.runner
-    xq, alpha = runner.fake_quant.run(x, torch.cuda.current_stream())
-    assert xq.dtype == torch.bfloat16
-    assert torch.equal(out, runner.inner(xq, alpha, out_dtype=x.dtype))
-
-
 def _oracle(x, layer):
     """fp64 product of the quantized activation and weight, decoded exactly."""
     xq = layer._options.quantize_activation(x).dequantize().double()

@@ -178,10 +178,7 @@ class QuantizedActivationRunner:
             return torch.empty((0, self.inner.n), dtype=x2d.dtype, device=x2d.device)
         stream = (_raw_stream(x2d.device.index) if _raw_stream is not None
                   else torch.cuda.current_stream(x2d.device))
-        # One row goes to the FMA kernel, which reads fp32 activations with less work than bf16 ones
-        # (no conversion in its loop); the values are the same.
-        xq_dtype = torch.float32 if x2d.shape[0] <= _kernel.GEMV_M else torch.bfloat16
-        xq, alpha = self.fake_quant.run(x2d, stream, xq_dtype)
+        xq, alpha = self.fake_quant.run(x2d, stream)
         return self.inner(xq, alpha, out_dtype=x2d.dtype)
 
 

@@ -483,7 +483,7 @@ def _grid_amax(Sync, bits):
 @ct.kernel(occupancy=_OCCUPANCY)
 def _fake_quant_kernel(X, Out, Floor, Amax, Alpha, AlphaOut, ELEMENT: ConstInt, NV: ConstBool,
                        GRID_AMAX: ConstBool, TILE_R: ConstInt, TILE_K: ConstInt):
-    """Out (R, K) bf16 or fp32 (the same values) = dequantize(quantize(X)) for X (R, K): the activation as the block-scaled
+    """Out (R, K) bf16 = dequantize(quantize(X)) for X (R, K): the activation as the block-scaled
     matmul reads it, quantized exactly as ``_mx_quantize_kernel`` / ``_nvfp4_quantize_kernel`` do
     (logical scales), then decoded, in one pass and with no quantized bytes stored.
 
@@ -541,7 +541,7 @@ def _fake_quant_kernel(X, Out, Floor, Amax, Alpha, AlphaOut, ELEMENT: ConstInt, 
             q = _fp8_cast(y, ct.float8_e5m2).astype(ct.float32)
         # Scale byte 0 blocks store +0 data; NaN blocks give q * NaN = NaN whatever q is.
         v = ct.where(sb == 0, 0.0, q * _e8m0_value(sb))
-    ct.store(Out, (rt, kt), v.reshape((TILE_R, TILE_K)).astype(Out.dtype))
+    ct.store(Out, (rt, kt), v.reshape((TILE_R, TILE_K)).astype(ct.bfloat16))
 
 
 @ct.kernel(occupancy=_OCCUPANCY)
@@ -1191,13 +1191,12 @@ class FakeQuant:
         self._kernel = _kernel(_fake_quant_kernel, FAKE_QUANT_CONFIG)
         self._sms = num_sms(alpha.device)
 
-    def run(self, x: torch.Tensor, stream, out_dtype: torch.dtype = torch.bfloat16
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(fake-quantized x, (M, K), bf16 or fp32: the same values; NVFP4's ``S_dec * alpha`` or None).
-        ``stream``: a raw handle or a torch.cuda.Stream, the one x's producer ran on."""
+    def run(self, x: torch.Tensor, stream) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(bf16 (M, K) fake-quantized x, NVFP4's ``S_dec * alpha`` or None). ``stream``: a raw handle
+        or a torch.cuda.Stream, the one x's producer ran on."""
         m, k = x.shape
         cfg = FAKE_QUANT_CONFIG
-        out = torch.empty((m, k), dtype=out_dtype, device=x.device)
+        out = torch.empty((m, k), dtype=torch.bfloat16, device=x.device)
         alpha_out = torch.empty(1, dtype=torch.float32, device=x.device) if self.nv else self.alpha
         blocks = -(-m // cfg.tile_r) * -(-k // cfg.tile_k)
         grid_amax = self.nv and blocks <= self._sms
@@ -1373,11 +1372,9 @@ def aot_variants() -> list[AotVariant]:
             for nv, grid_amax in ((False, False),) if element != "e2m1" else ((False, False), (True, False),
                                                                                (True, True)):
                 kind = ("nvfp4_grid_amax" if grid_amax else "nvfp4") if nv else f"mx_{element}"
-                for out_ct in (ct.bfloat16, ct.float32):
-                    add(f"fake_quant_{kind}_{in_name}{'_out_f32' if out_ct is ct.float32 else ''}",
-                        _fake_quant_kernel, FAKE_QUANT_CONFIG,
-                        [array(in_dtype, 2), array(out_ct, 2), _INT32, i32_1, f32_1, f32_1, code, nv,
-                         grid_amax])
+                add(f"fake_quant_{kind}_{in_name}", _fake_quant_kernel, FAKE_QUANT_CONFIG,
+                    [array(in_dtype, 2), array(ct.bfloat16, 2), _INT32, i32_1, f32_1, f32_1, code, nv,
+                     grid_amax])
         add(f"amax_columns_{in_name}", _column_amax_kernel, ROW_AMAX_CONFIG,
             [array(in_dtype, 3), array(ct.int32, 2), ROW_AMAX_CHUNK])
         for propagate in (False, True):

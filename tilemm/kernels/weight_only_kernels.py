@@ -668,9 +668,6 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
             # decoded activation is bf16; the output has the caller's dtype), one config per code path.
             outs = [(x_ct, configs)] + ([(c, paths) for c in (ct.float16, ct.float32)]
                                         if x_dtype == torch.bfloat16 else [])
-            # fp32 x with a bf16 / fp16 output: the same path at one row (the FMA kernel).
-            outs += ([(c, [p for p in paths if p.gemv]) for c in (ct.bfloat16, ct.float16)]
-                     if x_dtype == torch.float32 else [])
             for c_ct, c_configs in outs:
                 for cfg in c_configs:
                     params = [array(x_ct, 2), array(ct.int32, 2), array(ct.uint8, 2), array(c_ct, 2),

@@ -92,9 +92,10 @@ def _model(fmt, weight_only):
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "mxfp8"])
-def test_cuda_graph_and_compile(fmt):
+@pytest.mark.parametrize("m", [1, 4], ids=["fma_kernel", "mma_kernel"])
+def test_cuda_graph_and_compile(fmt, m):
     net = _model(fmt, True)
-    x = torch.randn(4, 512, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(m, 512, device=DEV, dtype=torch.bfloat16)
     eager = net(x)
     g, _, static_out = capture(net, x)
     g.replay()

@@ -252,6 +252,28 @@ def test_load_schemes_match_reference(emulated, fmt, scheme):
 
 
 @pytest.mark.parametrize("fmt", [MXFP4, NVFP4, MXFP8_E4M3], ids=["mxfp4", "nvfp4", "mxfp8_e4m3"])
+@pytest.mark.parametrize("stack", [2, 4])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_stacked_k_tiles_match_reference(emulated, fmt, stack, x_dtype):
+    # Stacks of 2 / 4 K tiles over K = 1344 (5.25 4-bit K tiles, 10.5 8-bit ones): the last stack is
+    # partial and reads zero words, zero scale bytes and zero activations; splits of 2 and 4 leave
+    # empty splits. M = 3 of a tile_m 8 block, N = 20 over blocks of 16 rows (a partial block).
+    m, n, k = 3, 20, 1344
+    w_q = quantized_weight(fmt, n, k, seed=5, scale_bytes=(105, 122) if fmt.is_mx else (1, 0x50))
+    packed = prepack(w_q)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(6)) * 3).to(x_dtype)
+    bias = torch.randn(n)
+    for split, cat in ((1, 1), (1, 0), (2, 1), (4, 0)):
+        out = _run(x, packed, wo.WeightOnlyConfig(8, 16, split, 4, 3, cat=cat, stack=stack), bias)
+        assert_matches(out.float(), _reference(x, w_q, bias), x_dtype)
+
+
+def test_stacking_needs_the_plain_loads():
+    with pytest.raises(ValueError, match="stack=2 needs unroll=1"):
+        wo.WeightOnlyConfig(8, 32, unroll=2, stack=2)
+
+
+@pytest.mark.parametrize("fmt", [MXFP4, NVFP4, MXFP8_E4M3], ids=["mxfp4", "nvfp4", "mxfp8_e4m3"])
 @pytest.mark.parametrize("unroll", [2, 8])
 def test_fma_kernel_loads_match_reference(emulated, fmt, unroll):
     # K = 1344 as above: with 8 K tiles per load the last (or only) load reaches past K, and splits of
@@ -287,10 +309,18 @@ def test_plan_schemes():
     cfg = wo.plan(16, 4096, 14336, mx4)
     assert cfg.split_k > 1 and cfg.unroll == 2 and not cfg.cat
     cfg = wo.plan(32, 4096, 14336, mx4)
-    assert cfg.unroll == 1 and not cfg.cat
+    assert cfg.unroll == 1 and not cfg.cat and cfg.stack == 1
+    # 2 .. 16 rows: stacked K tiles where 32- or 16-row blocks fill the GPU without a K split
+    for m, n, k, shape in ((4, 8192, 8192, (8, 32, 2)), (8, 4096, 14336, (8, 16, 4)),
+                           (4, 28672, 8192, (8, 32, 2)), (16, 8192, 28672, (16, 32, 2))):
+        cfg = wo.plan(m, n, k, mx4)
+        assert (cfg.tile_m, cfg.tile_n, cfg.stack, cfg.split_k, cfg.cat) == (*shape, 1, 1)
+    # ... and the 64-row blocks where those leave a partial second wave, or need a split
+    for m, n in ((4, 14336), (16, 14336), (16, 28672), (16, 4096), (4, 1024)):
+        assert wo.plan(m, n, 4096, mx4).stack == 1
     for layout in wo.LAYOUTS.values():
-        for m in (1, 16, 32, 64, 128):
-            for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (1024, 256)):
+        for m in (1, 2, 8, 16, 32, 64, 128):
+            for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (1024, 256)):
                 assert wo.plan(m, n, k, layout) in wo._configs(layout)
 
 

@@ -239,7 +239,7 @@ def _split_k_finish(out, C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m,
 def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
                         ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                         GROUP: ConstInt, TM: ConstInt, TN: ConstInt, SPLIT_K: ConstInt,
-                        X_PARTS: ConstInt, UNROLL: ConstInt, CAT: ConstInt):
+                        X_PARTS: ConstInt, UNROLL: ConstInt, CAT: ConstInt, STACK: ConstInt):
     """acc (TN, TM) = sum over this block's K tiles and planes of decode(W plane) @ x_plane.T.
 
     X (M, K) activations; W (N, k_tiles * WORDS) int32, WORDS = GROUP * BLOCK / 2 words per row and
@@ -272,20 +272,33 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
     bm = pid % num_m
     bn = (pid // num_m) % num_n
     split = pid // (num_m * num_n)
-    k_tiles = ct.cdiv(X.shape[1], TK)
+    k_tiles = ct.cdiv(ct.cdiv(X.shape[1], TK), STACK)  # K tiles, or stacks of STACK K tiles
     per_split = ct.cdiv(ct.cdiv(k_tiles, SPLIT_K), UNROLL) * UNROLL
     k_begin = split * per_split
     k_end = max(min(k_begin + per_split, k_tiles), k_begin)
 
-    acc = ct.zeros((TN, TM), ct.float32)
     if UNROLL == 1:
+        # Stacked K tiles: STACK consecutive K tiles of TN weight rows are loaded at once and taken as
+        # TN * STACK rows of one MMA operand (weight row r's K tile s becomes row r * STACK + s, a
+        # row-major reshape of the loaded tile, as are the scales' and x's), against x's STACK K tiles
+        # as TM * STACK columns (row m's K tile s is column m * STACK + s). Entry (r * STACK + s,
+        # m * STACK + s) of the product is row r's partial sum over K tile s; the other entries pair
+        # different K tiles and are dropped. STACK = 1 is the plain kernel.
+        acc = ct.zeros((TN * STACK, TM * STACK), ct.float32)
         for kt in range(k_begin, k_end):
-            w = ct.bitcast(ct.load(W, (bn, kt), (TN, WORDS), padding_mode=_ZERO), ct.uint32)
-            s_raw = ct.load(S, (kt, bn), (SC, TN), padding_mode=_ZERO)
-            x = ct.load(X, (bm, kt), (TM, TK), padding_mode=_ZERO)
-            acc = _k_tile(w, s_raw.transpose(), Mult, x, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN,
-                          TM, X_PARTS, CAT)
+            w = ct.bitcast(ct.load(W, (bn, kt), (TN, STACK * WORDS), padding_mode=_ZERO), ct.uint32)
+            s_raw = ct.load(S, (kt, bn), (STACK * SC, TN), padding_mode=_ZERO).transpose()
+            x = ct.load(X, (bm, kt), (TM, STACK * TK), padding_mode=_ZERO)
+            acc = _k_tile(w.reshape((TN * STACK, WORDS)), s_raw.reshape((TN * STACK, SC)), Mult,
+                          x.reshape((TM * STACK, TK)), acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP,
+                          TN * STACK, TM * STACK, X_PARTS, CAT)
+        if STACK > 1:
+            acc4 = acc.reshape((TN, STACK, TM, STACK))
+            acc = ct.extract(acc4, (0, 0, 0, 0), (TN, 1, TM, 1)).reshape((TN, TM))
+            for s in ct.static_iter(range(1, STACK)):
+                acc = acc + ct.extract(acc4, (0, s, 0, s), (TN, 1, TM, 1)).reshape((TN, TM))
     else:
+        acc = ct.zeros((TN, TM), ct.float32)
         groups = (k_end - k_begin) // UNROLL
         for g in range(k_begin // UNROLL, k_begin // UNROLL + groups):
             ws = ct.bitcast(ct.load(W, (bn, g), (TN, UNROLL * WORDS), padding_mode=_ZERO), ct.uint32)
@@ -430,9 +443,10 @@ def dequantize(words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tens
 
 @dataclasses.dataclass(frozen=True)
 class WeightOnlyConfig:
-    """tile_m (the MMA's N side: 16 .. 128; rows of x per block), tile_n (weight rows per block), the K
-    split, the compiler hints, and the kernel's load and MMA scheme: ``unroll`` K tiles per load and
-    ``cat`` (one MMA per K tile). ``gemv`` selects ``_gemv_kernel`` (no MMA; tile_m = M)."""
+    """tile_m (rows of x per block: 8 .. 128), tile_n (weight rows per block), the K split, the compiler
+    hints, and the kernel's load and MMA scheme: ``unroll`` K tiles per load, ``cat`` (one MMA per K
+    tile) and ``stack`` (K tiles stacked into the MMA's rows: tile_n * stack rows against tile_m *
+    stack columns). ``gemv`` selects ``_gemv_kernel`` (no MMA; tile_m = M)."""
 
     tile_m: int
     tile_n: int = 128
@@ -442,6 +456,11 @@ class WeightOnlyConfig:
     unroll: int = 1
     cat: int = 0
     gemv: int = 0
+    stack: int = 1
+
+    def __post_init__(self):
+        if self.stack > 1 and (self.unroll > 1 or self.gemv):
+            raise ValueError(f"WeightOnlyConfig: stack={self.stack} needs unroll=1 and the MMA kernel")
 
     def hints(self) -> dict:
         return sm90_hints(self.num_worker_warps, self.occupancy)
@@ -454,6 +473,7 @@ class WeightOnlyConfig:
     def name(self) -> str:
         s = f"wo_{'gemv' if self.gemv else ''}{self.tile_m}x{self.tile_n}_s{self.split_k}_w{self.num_worker_warps}"
         s += f"_occ{self.occupancy}" if self.occupancy else ""
+        s += f"_r{self.stack}" if self.stack > 1 else ""
         return s + (f"_u{self.unroll}" if self.unroll > 1 else "") + ("_cat" if self.cat else "")
 
 
@@ -511,15 +531,49 @@ def _gemv(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig:
     return WeightOnlyConfig(m, tile_n, split, warps, occupancy, unroll=unroll, gemv=1)
 
 
+#: Stacked configs of the MMA kernel (one warpgroup, 64 MMA rows = tile_n * stack, one MMA per K tile,
+#: no K split), per tile_m: blocks per SM asked for, then (tile_n, stack) for 32-row and 16-row blocks.
+#: tile_m 8 covers up to 8 rows of x (the smallest MMA width), tile_m 16 up to 16.
+_STACKED = {8: (3, (32, 2), (16, 4)), 16: (2, (32, 2), (32, 2))}
+
+
+def _stacked(m: int, n: int, sms: int) -> WeightOnlyConfig | None:
+    """The stacked config for 2 .. 16 rows of x where it beats the 64-row blocks, or None.
+
+    Blocks of 32 (or 16) weight rows give the GPU enough blocks without a K split from N = 32 * SMs
+    (16 * SMs) on, where 64-row blocks split K. 32-row blocks are used while they fit one wave of
+    resident blocks, or (tile_m 8) fill at least two; in between, the 64-row blocks without a split
+    lose less to the last partial wave. 16-row blocks (tile_m 8) take over below one 32-row block per
+    SM; at tile_m 16 they need a 64 x 64 accumulator and two blocks per SM were slower than 32-row
+    blocks (``benchmarks/results/weight-only-designs-*.md``)."""
+    if not 1 < m <= _SMALL_M:
+        return None
+    tile_m = 8 if m <= 8 else 16
+    occupancy, wide, narrow = _STACKED[tile_m]
+    tiles = -(-n // 32)
+    if tiles < sms:
+        tile_n, stack = narrow
+        if -(-n // tile_n) < sms:
+            return None
+    elif tiles <= occupancy * sms or (tile_m == 8 and tiles >= 2 * occupancy * sms):
+        tile_n, stack = wide
+    else:
+        return None
+    return WeightOnlyConfig(tile_m, tile_n, 1, 4, occupancy, cat=1, stack=stack)
+
+
 def plan(m: int, n: int, k: int, layout: Layout, sms: int = 132) -> WeightOnlyConfig:
     """The weight-only kernel's config for an (M, K) x (N, K) problem: the smallest tile_m that covers
     M (up to 128) with its tile shape, and a K split: none when the output tiles alone give 1.5 blocks
     per SM (then ``_unsplit``), else the largest power of two (each split at least 2 K tiles) that
     keeps the grid within the blocks the GPU holds at once, loading two K tiles at a time at small M.
     ``benchmarks/tune_weight_only.py`` measures the alternatives. Up to ``GEMV_M`` rows: the FMA
-    kernel (``_gemv``)."""
+    kernel (``_gemv``); from 2 to 16 rows, where they pay, stacked K tiles (``_stacked``)."""
     if m <= GEMV_M:
         return _gemv(m, n, k, layout, sms)
+    stacked = _stacked(m, n, sms)
+    if stacked is not None:
+        return stacked
     tile_m = next((t for t in _TILE_M if t >= m), _TILE_M[-1])
     tile_n, warps, occupancy = _SHAPE[tile_m]
     tiles = -(-m // tile_m) * -(-n // tile_n)
@@ -540,7 +594,7 @@ def _constants(layout: Layout, cfg: WeightOnlyConfig, x_parts: int) -> tuple:
               cfg.tile_m, cfg.tile_n, cfg.split_k)
     if cfg.gemv:
         return common + (cfg.unroll,)
-    return common + (x_parts, cfg.unroll, cfg.cat)
+    return common + (x_parts, cfg.unroll, cfg.cat, cfg.stack)
 
 
 class Prepared:
@@ -639,6 +693,9 @@ def _configs(layout: Layout) -> list[WeightOnlyConfig]:
         unroll = 2 if tm <= _SMALL_M else 1
         out.append(_unsplit(tm, layout))
         out += [WeightOnlyConfig(tm, tile_n, split, warps, occupancy, unroll=unroll) for split in _SPLITS[1:]]
+    for tile_m, (occupancy, *shapes) in _STACKED.items():
+        out += [WeightOnlyConfig(tile_m, tile_n, 1, 4, occupancy, cat=1, stack=stack)
+                for tile_n, stack in dict.fromkeys(shapes)]
     tile_n, warps, occupancy = _GEMV_SHAPE
     out += [WeightOnlyConfig(m, tile_n, split, warps, occupancy, unroll=unroll, gemv=1)
             for m in range(1, GEMV_M + 1) for unroll in _GEMV_UNROLL for split in _SPLITS]
@@ -646,10 +703,11 @@ def _configs(layout: Layout) -> list[WeightOnlyConfig]:
 
 
 def _code_paths(every: list[WeightOnlyConfig]) -> list[WeightOnlyConfig]:
-    """One config per code path of ``every``: each kernel without and with a K split."""
+    """One config per code path of ``every``: each kernel without and with a K split, stacked or not."""
     out = []
     for cfg in every:
-        if not any(c.gemv == cfg.gemv and (c.split_k > 1) == (cfg.split_k > 1) for c in out):
+        if not any(c.gemv == cfg.gemv and (c.split_k > 1) == (cfg.split_k > 1) and (c.stack > 1) == (cfg.stack > 1)
+                   for c in out):
             out.append(cfg)
     return out
 
@@ -657,7 +715,7 @@ def _code_paths(every: list[WeightOnlyConfig]) -> list[WeightOnlyConfig]:
 def aot_variants(full: bool = True) -> list[AotVariant]:
     """The weight-only kernel per (layout, activation dtype, config), for sm_90, sm_100 and sm_120 (the
     kernel uses bf16 ``ct.mma`` and integer operations only, so one kernel serves every architecture).
-    ``full=False`` keeps one config per code path (kernel, with and without a K split)."""
+    ``full=False`` keeps one config per code path (kernel, with and without a K split, stacked)."""
     variants = []
     for name, layout in LAYOUTS.items():
         every = _configs(layout)

@@ -98,7 +98,7 @@ def weight_only_variant(name: str, cfg: wo.WeightOnlyConfig) -> tuple[AotVariant
         raise KeyError(f"no weight-only variant {name} {cfg.name}")
     threads = 32 * cfg.num_worker_warps
     # The FMA kernel's one loop takes all of a load's K tiles (no remainder loop): count it whole.
-    return v[0], cfg.tile_n * layout.tile_k * cfg.unroll / threads, 1 if cfg.gemv else cfg.unroll
+    return v[0], cfg.tile_n * cfg.stack * layout.tile_k * cfg.unroll / threads, 1 if cfg.gemv else cfg.unroll
 
 
 def stream_variant(fmt, tile_m: int = 16) -> tuple[AotVariant, float, int]:
@@ -121,10 +121,11 @@ def report(variant: AotVariant, elements: float, unroll: int = 1) -> dict:
 
 def default_variants():
     """The weight-only kernels as ``plan`` picks them, per layout: the FMA kernel at M = 1 (N = 14336,
-    K = 4096), the MMA kernel at M = 16 with a K split (N = K = 4096) and without (N = 14336, K = 4096);
-    and the block-scaled stream kernel at M = 16."""
+    K = 4096), the MMA kernel at M = 16 with a K split (N = K = 4096) and without (N = 14336, K = 4096),
+    with stacked K tiles at M = 4 (N = 8192: 32-row blocks; N = 4096: 16-row blocks); and the
+    block-scaled stream kernel at M = 16."""
     out = [weight_only_variant(name, wo.plan(m, n, 4096, layout)) for name, layout in wo.LAYOUTS.items()
-           for m, n in ((1, 14336), (16, 4096), (16, 14336))]
+           for m, n in ((1, 14336), (16, 4096), (16, 14336), (4, 8192), (4, 4096))]
     out += [stream_variant(fmt) for fmt in (MXFP4, NVFP4, MXFP8_E4M3)]
     return out
 

@@ -52,6 +52,38 @@ def test_matches_the_oracle(fmt, x_dtype, m):
     _check(out, cpu.double(), x_dtype)
 
 
+_STACKED = [wo.WeightOnlyConfig(tm, tn, 1, 4, occupancy, cat=1, stack=stack)
+            for tm, (occupancy, *shapes) in wo._STACKED.items() for tn, stack in dict.fromkeys(shapes)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("cfg", _STACKED, ids=[c.name for c in _STACKED])
+def test_stacked_configs_match_the_oracle(fmt, x_dtype, cfg):
+    """Every stacked config ``plan`` can pick, forced on a small problem: M = 3 (and 13 for tile_m 16)
+    of a partial tile, N = 200 over partial blocks, K = 4128 (a partial last stack)."""
+    n, k = 200, 4128
+    w_q = quantized_weight(fmt, n, k, seed=6, scale_bytes=(112, 124) if fmt.is_mx else (1, 0x50))
+    packed = tilemm.prepack(w_q).to(DEV)
+    bias = torch.randn(n)
+    for m in (3, 13) if cfg.tile_m == 16 else (3,):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(x_dtype)
+        out = torch.empty(m, n, device=DEV, dtype=x_dtype)
+        wo.launch(x.to(DEV), packed.words, packed.scale_t, packed.constants, bias.to(DEV), out, packed.layout, cfg)
+        _check(out, _oracle(x, w_q, bias), x_dtype)
+
+
+@pytest.mark.parametrize("m", [4, 16])
+def test_plan_picks_stacked_k_tiles_at_llm_widths(m):
+    """N = 8192: the plan's stacked config, through ``tilemm.linear``, against the oracle."""
+    n, k = 8192, 1024
+    w_q = quantized_weight(MXFP4, n, k, seed=7)
+    packed = tilemm.prepack(w_q).to(DEV)
+    assert wo.plan(m, n, k, packed.layout, torch.cuda.get_device_properties(DEV).multi_processor_count).stack > 1
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    _check(tilemm.linear(x.to(DEV), packed), _oracle(x, w_q, None), torch.bfloat16)
+
+
 @pytest.mark.parametrize("split", [1, 2, 8])
 def test_every_split_gives_the_same_bits_per_split(split):
     """Split-K sums its partials in a fixed order: a config's result is the same on every call."""

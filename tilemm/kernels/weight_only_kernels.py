@@ -55,8 +55,10 @@ the GPU; the last block of each output tile adds their fp32 partial tiles in a f
 (deterministic), in the same launch. At M <= 16 the kernel loads two K tiles at a time (cuTile gives
 each load one shared-memory buffer, so a bigger load is more weight in flight) and, where the output
 tiles alone fill the GPU, concatenates the decoded planes into one MMA per K tile (one wait for the
-tensor cores instead of one per plane). What was measured for these choices and their alternatives is
-in ``benchmarks/results/weight-only-designs-*.md``.
+tensor cores instead of one per plane). From 2 to 16 rows, where 64-row blocks would split K, the
+kernel stacks STACK consecutive K tiles of 64 / STACK weight rows into the wgmma's 64 rows (see the
+kernel's docstring): blocks of 32 or 16 rows, no K split, the same decode. What was measured for these
+choices and their alternatives is in ``benchmarks/results/weight-only-designs-*.md``.
 """
 
 from __future__ import annotations
@@ -254,6 +256,13 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
     runs one tile at a time). (Carrying the next K tile's loaded W across loop iterations, as a
     software prefetch, compiled for sm_90 with tileiras 13.4 but gave wrong results on the H100, so the
     kernel does not.)
+
+    Stacked K tiles (STACK > 1, with UNROLL = 1): a wgmma's left operand has 64 rows, so a block of
+    fewer weight rows (TN = 64 / STACK) loads STACK consecutive K tiles and uses them as the 64 rows
+    (``_k_tile`` with TN * STACK rows and TM * STACK columns; the loop steps over stacks of K tiles).
+    N / TN blocks then fill the GPU without a K split where N / 64 would not. The MMAs also pair K
+    tiles of different positions in a stack; those entries are computed and dropped, which costs nothing
+    the kernel waits on at these M.
 
     Split-K in one launch: every block stores its fp32 partial tile, then increments its output
     tile's counter (acquire-release, device scope: its stores are visible to whoever reads the

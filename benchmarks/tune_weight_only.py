@@ -54,7 +54,7 @@ def main(argv=None) -> int:
             w = lin.weight.detach()
             packed = tilemm.nn.Linear.from_float(lin, fmt, weight_only=True).packed_weight()
             bias = torch.zeros(n, device=dev)
-                for m in map(int, args.ms.split(",")):
+            for m in map(int, args.ms.split(",")):
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 t_bf16, _ = timer(lambda: F.linear(x, w))
                 out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)

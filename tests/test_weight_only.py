@@ -306,17 +306,18 @@ def test_plan_schemes():
     assert (cfg.split_k, cfg.cat, cfg.unroll, cfg.occupancy) == (1, 1, 2, 3)
     cfg = wo.plan(16, 14336, 4096, mx8)
     assert (cfg.split_k, cfg.cat, cfg.unroll, cfg.occupancy) == (1, 1, 1, 2)
-    cfg = wo.plan(16, 4096, 14336, mx4)
-    assert cfg.split_k > 1 and cfg.unroll == 2 and not cfg.cat
+    cfg = wo.plan(16, 2048, 14336, mx4)
+    assert cfg.split_k > 1 and cfg.unroll == 2 and not cfg.cat and cfg.stack == 1
     cfg = wo.plan(32, 4096, 14336, mx4)
     assert cfg.unroll == 1 and not cfg.cat and cfg.stack == 1
     # 2 .. 16 rows: stacked K tiles where 32- or 16-row blocks fill the GPU without a K split
     for m, n, k, shape in ((4, 8192, 8192, (8, 32, 2)), (8, 4096, 14336, (8, 16, 4)),
-                           (4, 28672, 8192, (8, 32, 2)), (16, 8192, 28672, (16, 32, 2))):
+                           (4, 28672, 8192, (8, 32, 2)), (16, 8192, 28672, (16, 32, 2)),
+                           (16, 4096, 14336, (16, 32, 4))):
         cfg = wo.plan(m, n, k, mx4)
         assert (cfg.tile_m, cfg.tile_n, cfg.stack, cfg.split_k, cfg.cat) == (*shape, 1, 1)
     # ... and the 64-row blocks where those leave a partial second wave, or need a split
-    for m, n in ((4, 14336), (16, 14336), (16, 28672), (16, 4096), (4, 1024)):
+    for m, n in ((4, 14336), (16, 14336), (16, 28672), (16, 2048), (4, 1024)):
         assert wo.plan(m, n, 4096, mx4).stack == 1
     for layout in wo.LAYOUTS.values():
         for m in (1, 2, 8, 16, 32, 64, 128):

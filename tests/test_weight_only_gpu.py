@@ -52,8 +52,8 @@ def test_matches_the_oracle(fmt, x_dtype, m):
     _check(out, cpu.double(), x_dtype)
 
 
-_STACKED = [wo.WeightOnlyConfig(tm, tn, 1, 4, occupancy, cat=1, stack=stack)
-            for tm, (occupancy, *shapes) in wo._STACKED.items() for tn, stack in dict.fromkeys(shapes)]
+_STACKED = [wo.WeightOnlyConfig(tm, tn, 1, warps, occupancy, cat=1, stack=stack)
+            for tm, shapes in wo._STACKED.items() for tn, stack, warps, occupancy in shapes]
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)

@@ -540,35 +540,35 @@ def _gemv(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig:
     return WeightOnlyConfig(m, tile_n, split, warps, occupancy, unroll=unroll, gemv=1)
 
 
-#: Stacked configs of the MMA kernel (one warpgroup, 64 MMA rows = tile_n * stack, one MMA per K tile,
-#: no K split), per tile_m: blocks per SM asked for, then (tile_n, stack) for 32-row and 16-row blocks.
-#: tile_m 8 covers up to 8 rows of x (the smallest MMA width), tile_m 16 up to 16.
-_STACKED = {8: (3, (32, 2), (16, 4)), 16: (2, (32, 2), (32, 2))}
+#: Stacked configs of the MMA kernel (one MMA per K tile, no K split), per tile_m: (tile_n, stack,
+#: worker warps, blocks per SM) of the "wide" blocks (32 weight rows in 64 MMA rows) and of the
+#: "narrow" ones, for N below 32 rows per SM (tile_m 8: 16 rows in 64 MMA rows; tile_m 16: 32 rows in
+#: 128 MMA rows, two warpgroups). tile_m 8 covers up to 8 rows of x (the smallest MMA width), 16 up to 16.
+_STACKED = {8: ((32, 2, 4, 3), (16, 4, 4, 3)), 16: ((32, 2, 4, 2), (32, 4, 8, 1))}
 
 
 def _stacked(m: int, n: int, sms: int) -> WeightOnlyConfig | None:
     """The stacked config for 2 .. 16 rows of x where it beats the 64-row blocks, or None.
 
-    Blocks of 32 (or 16) weight rows give the GPU enough blocks without a K split from N = 32 * SMs
-    (16 * SMs) on, where 64-row blocks split K. 32-row blocks are used while they fit one wave of
-    resident blocks, or (tile_m 8) fill at least two; in between, the 64-row blocks without a split
-    lose less to the last partial wave. 16-row blocks (tile_m 8) take over below one 32-row block per
-    SM; at tile_m 16 they need a 64 x 64 accumulator and two blocks per SM were slower than 32-row
-    blocks (``benchmarks/results/weight-only-designs-*.md``)."""
+    Blocks of 32 (or 16) weight rows give the GPU enough blocks without a K split where 64-row blocks
+    split K. Wide blocks are used while they fit one wave of resident blocks, or (tile_m 8) fill at
+    least two; in between (N = 14336 at 132 SMs), the 64-row blocks without a split lose less to the
+    last partial wave. Below 32 rows per SM the narrow blocks take over while they still give about
+    one block per SM (``benchmarks/results/weight-only-designs-*.md``)."""
     if not 1 < m <= _SMALL_M:
         return None
     tile_m = 8 if m <= 8 else 16
-    occupancy, wide, narrow = _STACKED[tile_m]
+    wide, narrow = _STACKED[tile_m]
     tiles = -(-n // 32)
     if tiles < sms:
-        tile_n, stack = narrow
-        if -(-n // tile_n) < sms:
+        tile_n, stack, warps, occupancy = narrow
+        if 10 * -(-n // tile_n) < 9 * sms:
             return None
-    elif tiles <= occupancy * sms or (tile_m == 8 and tiles >= 2 * occupancy * sms):
-        tile_n, stack = wide
+    elif tiles <= wide[3] * sms or (tile_m == 8 and tiles >= 2 * wide[3] * sms):
+        tile_n, stack, warps, occupancy = wide
     else:
         return None
-    return WeightOnlyConfig(tile_m, tile_n, 1, 4, occupancy, cat=1, stack=stack)
+    return WeightOnlyConfig(tile_m, tile_n, 1, warps, occupancy, cat=1, stack=stack)
 
 
 def plan(m: int, n: int, k: int, layout: Layout, sms: int = 132) -> WeightOnlyConfig:
@@ -702,9 +702,8 @@ def _configs(layout: Layout) -> list[WeightOnlyConfig]:
         unroll = 2 if tm <= _SMALL_M else 1
         out.append(_unsplit(tm, layout))
         out += [WeightOnlyConfig(tm, tile_n, split, warps, occupancy, unroll=unroll) for split in _SPLITS[1:]]
-    for tile_m, (occupancy, *shapes) in _STACKED.items():
-        out += [WeightOnlyConfig(tile_m, tile_n, 1, 4, occupancy, cat=1, stack=stack)
-                for tile_n, stack in dict.fromkeys(shapes)]
+    out += [WeightOnlyConfig(tile_m, tile_n, 1, warps, occupancy, cat=1, stack=stack)
+            for tile_m, shapes in _STACKED.items() for tile_n, stack, warps, occupancy in shapes]
     tile_n, warps, occupancy = _GEMV_SHAPE
     out += [WeightOnlyConfig(m, tile_n, split, warps, occupancy, unroll=unroll, gemv=1)
             for m in range(1, GEMV_M + 1) for unroll in _GEMV_UNROLL for split in _SPLITS]

@@ -319,6 +319,8 @@ def test_plan_schemes():
     # ... and the 64-row blocks where those leave a partial second wave, or need a split
     for m, n in ((4, 14336), (16, 14336), (16, 28672), (16, 2048), (4, 1024)):
         assert wo.plan(m, n, 4096, mx4).stack == 1
+    assert wo.plan(16, 4096, 14336, wo.LAYOUTS["nvfp4"]).stack == 1
+    assert wo.plan(8, 4096, 14336, wo.LAYOUTS["nvfp4"]).stack == 4
     for layout in wo.LAYOUTS.values():
         for m in (1, 2, 8, 16, 32, 64, 128):
             for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (1024, 256)):

@@ -547,14 +547,15 @@ def _gemv(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig:
 _STACKED = {8: ((32, 2, 4, 3), (16, 4, 4, 3)), 16: ((32, 2, 4, 2), (32, 4, 8, 1))}
 
 
-def _stacked(m: int, n: int, sms: int) -> WeightOnlyConfig | None:
+def _stacked(m: int, n: int, layout: Layout, sms: int) -> WeightOnlyConfig | None:
     """The stacked config for 2 .. 16 rows of x where it beats the 64-row blocks, or None.
 
     Blocks of 32 (or 16) weight rows give the GPU enough blocks without a K split where 64-row blocks
     split K. Wide blocks are used while they fit one wave of resident blocks, or (tile_m 8) fill at
     least two; in between (N = 14336 at 132 SMs), the 64-row blocks without a split lose less to the
     last partial wave. Below 32 rows per SM the narrow blocks take over while they still give about
-    one block per SM (``benchmarks/results/weight-only-designs-*.md``)."""
+    one block per SM, except NVFP4 at tile_m 16, whose narrow blocks ran slower than the K split
+    (``benchmarks/results/weight-only-designs-*.md``)."""
     if not 1 < m <= _SMALL_M:
         return None
     tile_m = 8 if m <= 8 else 16
@@ -562,7 +563,7 @@ def _stacked(m: int, n: int, sms: int) -> WeightOnlyConfig | None:
     tiles = -(-n // 32)
     if tiles < sms:
         tile_n, stack, warps, occupancy = narrow
-        if 10 * -(-n // tile_n) < 9 * sms:
+        if 10 * -(-n // tile_n) < 9 * sms or (tile_m == 16 and layout.scale == "e4m3"):
             return None
     elif tiles <= wide[3] * sms or (tile_m == 8 and tiles >= 2 * wide[3] * sms):
         tile_n, stack, warps, occupancy = wide
@@ -580,7 +581,7 @@ def plan(m: int, n: int, k: int, layout: Layout, sms: int = 132) -> WeightOnlyCo
     kernel (``_gemv``); from 2 to 16 rows, where they pay, stacked K tiles (``_stacked``)."""
     if m <= GEMV_M:
         return _gemv(m, n, k, layout, sms)
-    stacked = _stacked(m, n, sms)
+    stacked = _stacked(m, n, layout, sms)
     if stacked is not None:
         return stacked
     tile_m = next((t for t in _TILE_M if t >= m), _TILE_M[-1])

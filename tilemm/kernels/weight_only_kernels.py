@@ -56,8 +56,8 @@ the GPU; the last block of each output tile adds their fp32 partial tiles in a f
 each load one shared-memory buffer, so a bigger load is more weight in flight) and, where the output
 tiles alone fill the GPU, concatenates the decoded planes into one MMA per K tile (one wait for the
 tensor cores instead of one per plane). From 2 to 16 rows, where 64-row blocks would split K, the
-kernel stacks STACK consecutive K tiles of 64 / STACK weight rows into the wgmma's 64 rows (see the
-kernel's docstring): blocks of 32 or 16 rows, no K split, the same decode. What was measured for these
+kernel stacks STACK consecutive K tiles of a block's weight rows into the wgmma's 64 (or 128) rows
+(see the kernel's docstring): blocks of 32 or 16 rows, no K split, the same decode. What was measured for these
 choices and their alternatives is in ``benchmarks/results/weight-only-designs-*.md``.
 """
 
@@ -257,9 +257,10 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
     software prefetch, compiled for sm_90 with tileiras 13.4 but gave wrong results on the H100, so the
     kernel does not.)
 
-    Stacked K tiles (STACK > 1, with UNROLL = 1): a wgmma's left operand has 64 rows, so a block of
-    fewer weight rows (TN = 64 / STACK) loads STACK consecutive K tiles and uses them as the 64 rows
-    (``_k_tile`` with TN * STACK rows and TM * STACK columns; the loop steps over stacks of K tiles).
+    Stacked K tiles (STACK > 1, with UNROLL = 1): a wgmma's left operand has 64 rows per warpgroup,
+    so a block of fewer weight rows (TN = 64 / STACK, or 128 / STACK with two warpgroups) loads STACK
+    consecutive K tiles and uses them as those rows (``_k_tile`` with TN * STACK rows and TM * STACK
+    columns; the loop steps over stacks of K tiles).
     N / TN blocks then fill the GPU without a K split where N / 64 would not. The MMAs also pair K
     tiles of different positions in a stack; those entries are computed and dropped, which costs nothing
     the kernel waits on at these M.

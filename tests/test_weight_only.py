@@ -308,6 +308,7 @@ def test_plan_schemes():
     assert (cfg.split_k, cfg.cat, cfg.unroll, cfg.occupancy) == (1, 1, 1, 2)
     cfg = wo.plan(16, 2048, 14336, mx4)
     assert cfg.split_k > 1 and cfg.unroll == 2 and not cfg.cat and cfg.stack == 1
+    assert wo.plan(64, 8192, 8192, mx4).split_k == 1 and wo.plan(64, 4096, 14336, mx4).split_k == 4
     cfg = wo.plan(32, 4096, 14336, mx4)
     assert cfg.unroll == 1 and not cfg.cat and cfg.stack == 1
     # 2 .. 16 rows: stacked K tiles where 32- or 16-row blocks fill the GPU without a K split

@@ -576,7 +576,8 @@ def _stacked(m: int, n: int, layout: Layout, sms: int) -> WeightOnlyConfig | Non
 def plan(m: int, n: int, k: int, layout: Layout, sms: int = 132) -> WeightOnlyConfig:
     """The weight-only kernel's config for an (M, K) x (N, K) problem: the smallest tile_m that covers
     M (up to 128) with its tile shape, and a K split: none when the output tiles alone give 1.5 blocks
-    per SM (then ``_unsplit``), else the largest power of two (each split at least 2 K tiles) that
+    per SM, or (tile_m 64, where a split of 2 measured up to 1.5x slower) about one (then
+    ``_unsplit``), else the largest power of two (each split at least 2 K tiles) that
     keeps the grid within the blocks the GPU holds at once, loading two K tiles at a time at small M.
     ``benchmarks/tune_weight_only.py`` measures the alternatives. Up to ``GEMV_M`` rows: the FMA
     kernel (``_gemv``); from 2 to 16 rows, where they pay, stacked K tiles (``_stacked``)."""
@@ -589,7 +590,7 @@ def plan(m: int, n: int, k: int, layout: Layout, sms: int = 132) -> WeightOnlyCo
     tile_n, warps, occupancy = _SHAPE[tile_m]
     tiles = -(-m // tile_m) * -(-n // tile_n)
     k_tiles = -(-k // layout.tile_k)
-    if 2 * tiles >= 3 * sms:
+    if 2 * tiles >= 3 * sms or (tile_m == 64 and 10 * tiles >= 9 * sms):
         return _unsplit(tile_m, layout)
     split = 1
     while (tiles * split * 2 <= (occupancy or 1) * sms and split * 2 <= _SPLITS[-1]

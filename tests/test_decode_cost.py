@@ -1,12 +1,12 @@
 """The weight-only kernels' decode cost, in SASS instructions per weight element, without a GPU.
 
 ``benchmarks/decode_cost.py`` compiles the kernels as ``plan`` picks them -- the MMA kernel at M = 16
-(N = 2048, K = 4096: a K split, two K tiles per load) and with stacked K tiles at M = 4, the FMA kernel at
-M = 1 -- for sm_90, disassembles
-them (``nvdisasm``) and counts the main loop. At small M these kernels issue those instructions for
-every weight element they read, so a change that adds decode work shows here before any GPU run. The
-bounds sit a little above the counts of the committed kernels (MMA: 4.00 MXFP4, 4.93 NVFP4, 4.41
-MXFP8, with ``tileiras`` 13.4, well below the block-scaled stream kernel's 9.3-10.3; FMA: below).
+(N = 2048, K = 4096: a K split, two K tiles per load) and with stacked K tiles at M = 4, the FMA
+kernel at M = 1 -- for sm_90, disassembles them (``nvdisasm``) and counts the main loop. At small M
+these kernels issue those instructions for every weight element they read, so a change that adds
+decode work shows here before any GPU run. The bounds sit a little above the counts of the committed
+kernels (MMA: 4.00 MXFP4, 4.93 NVFP4, 4.41 MXFP8, with ``tileiras`` 13.4, well below the
+block-scaled stream kernel's 9.3-10.3; FMA and stacked: below).
 """
 
 from __future__ import annotations

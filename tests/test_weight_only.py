@@ -324,7 +324,8 @@ def test_plan_schemes():
     assert wo.plan(8, 4096, 14336, wo.LAYOUTS["nvfp4"]).stack == 4
     for layout in wo.LAYOUTS.values():
         for m in (1, 2, 8, 16, 32, 64, 128):
-            for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (1024, 256)):
+            for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192),
+                         (1024, 256)):
                 assert wo.plan(m, n, k, layout) in wo._configs(layout)
 
 

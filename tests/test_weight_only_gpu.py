@@ -69,7 +69,8 @@ def test_stacked_configs_match_the_oracle(fmt, x_dtype, cfg):
     for m in (3, 13) if cfg.tile_m == 16 else (3,):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(x_dtype)
         out = torch.empty(m, n, device=DEV, dtype=x_dtype)
-        wo.launch(x.to(DEV), packed.words, packed.scale_t, packed.constants, bias.to(DEV), out, packed.layout, cfg)
+        wo.launch(x.to(DEV), packed.words, packed.scale_t, packed.constants, bias.to(DEV), out,
+                  packed.layout, cfg)
         _check(out, _oracle(x, w_q, bias), x_dtype)
 
 
@@ -79,7 +80,8 @@ def test_plan_picks_stacked_k_tiles_at_llm_widths(m):
     n, k = 8192, 1024
     w_q = quantized_weight(MXFP4, n, k, seed=7)
     packed = tilemm.prepack(w_q).to(DEV)
-    assert wo.plan(m, n, k, packed.layout, torch.cuda.get_device_properties(DEV).multi_processor_count).stack > 1
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    assert wo.plan(m, n, k, packed.layout, sms).stack > 1
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     _check(tilemm.linear(x.to(DEV), packed), _oracle(x, w_q, None), torch.bfloat16)
 

@@ -57,8 +57,8 @@ each load one shared-memory buffer, so a bigger load is more weight in flight) a
 tiles alone fill the GPU, concatenates the decoded planes into one MMA per K tile (one wait for the
 tensor cores instead of one per plane). From 2 to 16 rows, where 64-row blocks would split K, the
 kernel stacks STACK consecutive K tiles of a block's weight rows into the wgmma's 64 (or 128) rows
-(see the kernel's docstring): blocks of 32 or 16 rows, no K split, the same decode. What was measured for these
-choices and their alternatives is in ``benchmarks/results/weight-only-designs-*.md``.
+(see the kernel's docstring): blocks of 32 or 16 rows, no K split, the same decode. What was
+measured for these choices and their alternatives is in ``benchmarks/results/weight-only-designs-*.md``.
 """
 
 from __future__ import annotations
@@ -257,13 +257,11 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
     software prefetch, compiled for sm_90 with tileiras 13.4 but gave wrong results on the H100, so the
     kernel does not.)
 
-    Stacked K tiles (STACK > 1, with UNROLL = 1): a wgmma's left operand has 64 rows per warpgroup,
-    so a block of fewer weight rows (TN = 64 / STACK, or 128 / STACK with two warpgroups) loads STACK
-    consecutive K tiles and uses them as those rows (``_k_tile`` with TN * STACK rows and TM * STACK
-    columns; the loop steps over stacks of K tiles).
-    N / TN blocks then fill the GPU without a K split where N / 64 would not. The MMAs also pair K
-    tiles of different positions in a stack; those entries are computed and dropped, which costs nothing
-    the kernel waits on at these M.
+    Stacked K tiles (STACK > 1, with UNROLL = 1; the loop's comment gives the index mapping): a
+    wgmma's left operand has 64 rows per warpgroup, so a block of TN = 64 / STACK (or 128 / STACK,
+    two warpgroups) weight rows loads STACK consecutive K tiles and uses them as those rows; N / TN
+    blocks then fill the GPU without a K split where N / 64 would not. The entries of the product that
+    pair different K tiles are computed and dropped: extra tensor-core work, no extra loads or decode.
 
     Split-K in one launch: every block stores its fp32 partial tile, then increments its output
     tile's counter (acquire-release, device scope: its stores are visible to whoever reads the
@@ -717,8 +715,8 @@ def _code_paths(every: list[WeightOnlyConfig]) -> list[WeightOnlyConfig]:
     """One config per code path of ``every``: each kernel without and with a K split, stacked or not."""
     out = []
     for cfg in every:
-        if not any(c.gemv == cfg.gemv and (c.split_k > 1) == (cfg.split_k > 1) and (c.stack > 1) == (cfg.stack > 1)
-                   for c in out):
+        path = (cfg.gemv, cfg.split_k > 1, cfg.stack > 1)
+        if not any((c.gemv, c.split_k > 1, c.stack > 1) == path for c in out):
             out.append(cfg)
     return out
 

@@ -1,0 +1,83 @@
+"""Per-layer time inside a stream of layers, as a model's CUDA graph runs them: cuBLAS bf16 against
+tilemm's weight-only and block-scaled linears at small M.
+
+    python benchmarks/bench_layer_stream.py [--ms 1,16] [--copies 8] [--formats mxfp4,nvfp4,mxfp8]
+
+``bench_inference.py`` times one layer per CUDA-graph replay, after an L2 flush: each replay then
+also pays the graph's launch latency and the kernel's ramp-up, a few microseconds that a layer in
+the middle of a model's graph does not pay in full (its kernel follows the previous one). Here one
+graph runs ``--copies`` layers of the same shape back to back, each with its own weight (together far
+larger than the L2 cache, so every layer reads its weight from DRAM), on the same activation; the
+time per layer is the replay's time divided by the copies (median of the replays, L2 flushed before
+each). The ratio to bf16 is per layer, like bench_inference's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import pathlib
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _timing import Timer  # noqa: E402
+
+import tilemm  # noqa: E402
+
+NK = [(14336, 4096), (4096, 14336), (8192, 8192)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="bench_layer_stream.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ms", default="1,16")
+    ap.add_argument("--copies", type=int, default=8)
+    ap.add_argument("--formats", default="mxfp4,nvfp4,mxfp8")
+    ap.add_argument("--shapes", default=None, help="NxK,NxK,... (default: 14336x4096, 4096x14336, 8192x8192)")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    timer = Timer(20, dev)
+    copies = args.copies
+    formats = args.formats.split(",")
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else NK
+    print(f"{torch.cuda.get_device_name(dev)}: {copies} layers per graph; per-layer us and ratio to bf16",
+          flush=True)
+    ratios: dict = {}
+    for n, k in shapes:
+        torch.manual_seed(0)
+        lins = [torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
+        weights = [lin.weight.detach() for lin in lins]
+        stacks = {}
+        for fmt in formats:
+            stacks[f"wo_{fmt}"] = [tilemm.nn.Linear.from_float(lin, fmt, weight_only=True) for lin in lins]
+            stacks[f"bs_{fmt}"] = [tilemm.nn.Linear.from_float(lin, fmt) for lin in lins]
+        del lins
+        for m in map(int, args.ms.split(",")):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+
+            def bf16():
+                for w in weights:
+                    F.linear(x, w)
+
+            t_bf16 = timer(bf16)[0] / copies
+            line = []
+            for name, layers in stacks.items():
+                def run(layers=layers):
+                    for layer in layers:
+                        layer(x)
+                t = timer(run)[0] / copies
+                ratios.setdefault((name, m), []).append(t_bf16 / t)
+                line.append(f"{name} {t * 1e3:.1f} ({t_bf16 / t:.2f}x)")
+            print(f"N={n:5d} K={k:5d} M={m:3d} bf16 {t_bf16 * 1e3:.1f} | " + " | ".join(line), flush=True)
+        del stacks, weights
+        torch.cuda.empty_cache()
+    print("geomean over the shapes, ratio to bf16 per layer:")
+    for (name, m), v in ratios.items():
+        print(f"  {name:10s} M={m:3d} {math.exp(sum(map(math.log, v)) / len(v)):.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

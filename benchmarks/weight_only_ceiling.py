@@ -1,0 +1,116 @@
+"""Load-only ceilings of the weight-only kernel at one row of x: how fast cuTile kernels that only
+load what the FMA kernel loads (the prepacked weight words, its scale bytes and x) run, against cuBLAS
+bf16 and tilemm's weight-only layer in the same run, per shape of the inference benchmark.
+
+    python benchmarks/weight_only_ceiling.py [mxfp4,nvfp4,mxfp8]
+
+A kernel cannot stream its operands faster than a kernel that loads the same tiles and does nothing
+else with them, so the load-only speed-up over bf16 bounds what any decode built on these loads
+reaches. Variants (name: rows per block, K tiles per load, blocks per SM):
+
+* ``tma16u8o4``: the FMA kernel's loads (``ct.load`` tiles, TMA), one block per 16 weight rows;
+* ``ldg*``: the same tiles loaded without TMA (``allow_tma=False``: plain global loads to registers);
+* ``tma16u4o8``: half the bytes per load, twice the blocks per SM;
+* ``pers*``: a persistent grid (SMs x blocks per SM), each block looping over row blocks.
+
+Each load-only kernel sums what it loads (so no load can be dropped) and stores one value per row.
+``hbm`` is the bound of the weight's bytes at the device-to-device copy bandwidth of the same run.
+"""
+import sys, pathlib, math
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+import torch, torch.nn.functional as F
+import cuda.tile as ct
+
+ConstInt = ct.Constant[int]
+ConstBool = ct.Constant[bool]
+Z = ct.PaddingMode.ZERO
+
+
+@ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
+def load_only(X, W, S, C, TN: ConstInt, WORDS: ConstInt, UNROLL: ConstInt, SC: ConstInt, TK: ConstInt,
+              TMA: ConstBool):
+    bn = ct.bid(0)
+    groups = ct.cdiv(W.shape[1], UNROLL * WORDS)
+    acc = ct.zeros((TN, UNROLL * WORDS), ct.int32)
+    xacc = ct.zeros((1, UNROLL * TK), ct.float32)
+    sacc = ct.zeros((UNROLL * SC, TN), ct.int32)
+    for g in range(groups):
+        acc = acc + ct.load(W, (bn, g), (TN, UNROLL * WORDS), padding_mode=Z, allow_tma=TMA)
+        sacc = sacc + ct.load(S, (g, bn), (UNROLL * SC, TN), padding_mode=Z, allow_tma=TMA).astype(ct.int32)
+        xacc = xacc + ct.load(X, (0, g), (1, UNROLL * TK), padding_mode=Z, allow_tma=TMA).astype(ct.float32)
+    tot = ct.sum(acc, axis=1).astype(ct.float32) + ct.sum(sacc, axis=0).astype(ct.float32) + ct.sum(xacc)
+    ct.store(C, (bn,), tot)
+
+
+@ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
+def load_only_persistent(X, W, S, C, TN: ConstInt, WORDS: ConstInt, UNROLL: ConstInt, SC: ConstInt,
+                         TK: ConstInt):
+    groups = ct.cdiv(W.shape[1], UNROLL * WORDS)
+    tiles = ct.cdiv(W.shape[0], TN)
+    for bn in range(ct.bid(0), tiles, ct.num_blocks(0)):
+        acc = ct.zeros((TN, UNROLL * WORDS), ct.int32)
+        xacc = ct.zeros((1, UNROLL * TK), ct.float32)
+        sacc = ct.zeros((UNROLL * SC, TN), ct.int32)
+        for g in range(groups):
+            acc = acc + ct.load(W, (bn, g), (TN, UNROLL * WORDS), padding_mode=Z)
+            sacc = sacc + ct.load(S, (g, bn), (UNROLL * SC, TN), padding_mode=Z).astype(ct.int32)
+            xacc = xacc + ct.load(X, (0, g), (1, UNROLL * TK), padding_mode=Z).astype(ct.float32)
+        tot = ct.sum(acc, axis=1).astype(ct.float32) + ct.sum(sacc, axis=0).astype(ct.float32) + ct.sum(xacc)
+        ct.store(C, (bn,), tot)
+
+
+# (name, kernel, tn, unroll, occupancy, tma, persistent)
+VARIANTS = [("tma16u8o4", 16, 8, 4, True, False), ("ldg16u8o4", 16, 8, 4, False, False),
+            ("ldg16u4o4", 16, 4, 4, False, False), ("tma16u4o8", 16, 4, 8, True, False),
+            ("pers16u8o4", 16, 8, 4, True, True), ("pers64u4o2", 64, 4, 2, True, True)]
+
+
+def kernel_for(tma, persistent, occ):
+    return (load_only_persistent if persistent else load_only).replace_hints(occupancy=occ)
+
+
+def main():
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    from _timing import Timer
+    import tilemm
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    timer = Timer(30, dev)
+    src = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev); dst = torch.empty_like(src)
+    ms, _ = timer(lambda: dst.copy_(src)); bw = 2 * src.numel() / (ms * 1e-3)
+    print(f"copy bandwidth {bw/1e12:.2f} TB/s", flush=True)
+    kernels = {v[0]: kernel_for(v[4], v[5], v[3]) for v in VARIANTS}
+    for fmt in sys.argv[1].split(",") if len(sys.argv) > 1 else ["mxfp4"]:
+        ratios = {}
+        for n, k in [(4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]:
+            lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
+            w = lin.weight.detach()
+            layer = tilemm.nn.Linear.from_float(lin, fmt, weight_only=True)
+            p = layer.packed_weight(); L = p.layout
+            x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+            t_bf16, _ = timer(lambda: F.linear(x, w))
+            t_lay, _ = timer(lambda: layer(x))
+            bound = (p.words.numel() * 4 + p.scale_t.numel()) / bw * 1e3
+            res = {"hbm": t_bf16 / bound, "layer": t_bf16 / t_lay}
+            for name, tn, unroll, occ, tma, pers in VARIANTS:
+                c = torch.empty(n, dtype=torch.float32, device=dev)
+                tiles = -(-n // tn)
+                grid = (min(tiles, sms * occ) if pers else tiles, 1, 1)
+                args = (x, p.words, p.scale_t, c, tn, L.words_per_tile, unroll, L.planes * L.group, L.tile_k)
+                if not pers:
+                    args = args + (tma,)
+                kern = kernels[name]
+                try:
+                    t, _ = timer(lambda: ct.launch(torch.cuda.current_stream(), grid, kern, args))
+                    res[name] = t_bf16 / t
+                except Exception as e:  # noqa: BLE001
+                    print(name, "failed", type(e).__name__, str(e)[:200])
+            for key, v in res.items():
+                ratios.setdefault(key, []).append(v)
+            print(f"{fmt} {n}x{k} M=1 bf16 {t_bf16*1e3:.1f}us: " + " ".join(f"{a} {b:.2f}x" for a, b in res.items()), flush=True)
+        print(f"{fmt} geomean of 6: " + " ".join(f"{a} {math.exp(sum(map(math.log, v)) / len(v)):.2f}x" for a, v in ratios.items()), flush=True)
+        print(f"{fmt} geomean of 14336x4096, 4096x14336, 8192x8192: " + " ".join(f"{a} {math.exp(sum(map(math.log, v[1:4])) / 3):.2f}x" for a, v in ratios.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -15,6 +15,7 @@ reaches. Variants (name: rows per block, K tiles per load, blocks per SM):
 
 Each load-only kernel sums what it loads (so no load can be dropped) and stores one value per row.
 ``hbm`` is the bound of the weight's bytes at the device-to-device copy bandwidth of the same run.
+cuBLAS is timed before and after the others at each shape; the faster time is the baseline.
 """
 import sys, pathlib, math
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -105,6 +106,12 @@ def main():
                     res[name] = t_bf16 / t
                 except Exception as e:  # noqa: BLE001
                     print(name, "failed", type(e).__name__, str(e)[:200])
+            # cuBLAS again, after the others: a shape's first measurement can run slow
+            # (results/timing-flush-*.txt); the faster of the two is the baseline, as in bench_inference.
+            t_again, _ = timer(lambda: F.linear(x, w))
+            if t_again < t_bf16:
+                res = {key: v * t_again / t_bf16 for key, v in res.items()}
+                t_bf16 = t_again
             for key, v in res.items():
                 ratios.setdefault(key, []).append(v)
             print(f"{fmt} {n}x{k} M=1 bf16 {t_bf16*1e3:.1f}us: " + " ".join(f"{a} {b:.2f}x" for a, b in res.items()), flush=True)

@@ -3,6 +3,7 @@ load what the FMA kernel loads (the prepacked weight words, its scale bytes and 
 bf16 and tilemm's weight-only layer in the same run, per shape of the inference benchmark.
 
     python benchmarks/weight_only_ceiling.py [mxfp4,nvfp4,mxfp8]
+    python benchmarks/weight_only_ceiling.py mxfp4 --stream 8   # per layer inside a graph of 8 layers
 
 A kernel cannot stream its operands faster than a kernel that loads the same tiles and does nothing
 else with them, so the load-only speed-up over bf16 bounds what any decode built on these loads
@@ -16,6 +17,8 @@ reaches. Variants (name: rows per block, K tiles per load, blocks per SM):
 Each load-only kernel sums what it loads (so no load can be dropped) and stores one value per row.
 ``hbm`` is the bound of the weight's bytes at the device-to-device copy bandwidth of the same run.
 cuBLAS is timed before and after the others at each shape; the faster time is the baseline.
+``--stream N`` times, per layer, graphs of N layers of one shape with their own weights (as
+``bench_layer_stream.py`` does) for cuBLAS, the layer and the fastest load-only variants.
 """
 import sys, pathlib, math
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -70,10 +73,76 @@ def kernel_for(tma, persistent, occ):
     return (load_only_persistent if persistent else load_only).replace_hints(occupancy=occ)
 
 
+SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]
+
+
+def geomeans(fmt, ratios, what):
+    print(f"{fmt} geomean of 6{what}: " + " ".join(
+        f"{a} {math.exp(sum(map(math.log, v)) / len(v)):.2f}x" for a, v in ratios.items()), flush=True)
+    print(f"{fmt} geomean of 14336x4096, 4096x14336, 8192x8192{what}: " + " ".join(
+        f"{a} {math.exp(sum(map(math.log, v[1:4])) / 3):.2f}x" for a, v in ratios.items()), flush=True)
+
+
+def stream(fmt, copies, timer, sms, kernels):
+    """Per-layer ratios to bf16 inside graphs of ``copies`` layers, each with its own weight."""
+    import tilemm
+    dev = torch.device("cuda")
+    ratios = {}
+    for n, k in SHAPES:
+        lins = [torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
+        weights = [lin.weight.detach() for lin in lins]
+        layers = [tilemm.nn.Linear.from_float(lin, fmt, weight_only=True) for lin in lins]
+        del lins
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        c = torch.empty(n, dtype=torch.float32, device=dev)
+
+        def bf16():
+            for w in weights:
+                F.linear(x, w)
+
+        def run_layers():
+            for layer in layers:
+                layer(x)
+
+        t_bf16 = timer(bf16)[0]
+        res = {"layer": timer(run_layers)[0]}
+        for name, tn, unroll, occ, tma, pers in VARIANTS:
+            if name not in ("tma16u8o4", "pers16u8o4"):
+                continue
+            tiles = -(-n // tn)
+            grid = (min(tiles, sms * occ) if pers else tiles, 1, 1)
+            launches = []
+            for layer in layers:
+                p = layer.packed_weight()
+                L = p.layout
+                args = (x, p.words, p.scale_t, c, tn, L.words_per_tile, unroll, L.planes * L.group, L.tile_k)
+                launches.append(args if pers else args + (tma,))
+
+            def run(kern=kernels[name], grid=grid, launches=launches):
+                for args in launches:
+                    ct.launch(torch.cuda.current_stream(), grid, kern, args)
+
+            res[name] = timer(run)[0]
+        t_bf16 = min(t_bf16, timer(bf16)[0])
+        res = {key: t_bf16 / t for key, t in res.items()}
+        for key, v in res.items():
+            ratios.setdefault(key, []).append(v)
+        print(f"{fmt} {n}x{k} M=1, {copies} layers per graph, bf16 {t_bf16 / copies * 1e3:.1f}us per layer: "
+              + " ".join(f"{a} {b:.2f}x" for a, b in res.items()), flush=True)
+        del layers, weights
+        torch.cuda.empty_cache()
+    geomeans(fmt, ratios, f", {copies} layers per graph")
+
+
 def main():
+    import argparse
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
     from _timing import Timer
     import tilemm
+    ap = argparse.ArgumentParser(prog="weight_only_ceiling.py")
+    ap.add_argument("formats", nargs="?", default="mxfp4")
+    ap.add_argument("--stream", type=int, default=0, help="layers per graph (0: one layer per replay)")
+    args = ap.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     timer = Timer(30, dev)
@@ -81,9 +150,12 @@ def main():
     ms, _ = timer(lambda: dst.copy_(src)); bw = 2 * src.numel() / (ms * 1e-3)
     print(f"copy bandwidth {bw/1e12:.2f} TB/s", flush=True)
     kernels = {v[0]: kernel_for(v[4], v[5], v[3]) for v in VARIANTS}
-    for fmt in sys.argv[1].split(",") if len(sys.argv) > 1 else ["mxfp4"]:
+    for fmt in args.formats.split(","):
+        if args.stream:
+            stream(fmt, args.stream, timer, sms, kernels)
+            continue
         ratios = {}
-        for n, k in [(4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]:
+        for n, k in SHAPES:
             lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
             w = lin.weight.detach()
             layer = tilemm.nn.Linear.from_float(lin, fmt, weight_only=True)
@@ -115,8 +187,7 @@ def main():
             for key, v in res.items():
                 ratios.setdefault(key, []).append(v)
             print(f"{fmt} {n}x{k} M=1 bf16 {t_bf16*1e3:.1f}us: " + " ".join(f"{a} {b:.2f}x" for a, b in res.items()), flush=True)
-        print(f"{fmt} geomean of 6: " + " ".join(f"{a} {math.exp(sum(map(math.log, v)) / len(v)):.2f}x" for a, v in ratios.items()), flush=True)
-        print(f"{fmt} geomean of 14336x4096, 4096x14336, 8192x8192: " + " ".join(f"{a} {math.exp(sum(map(math.log, v[1:4])) / 3):.2f}x" for a, v in ratios.items()), flush=True)
+        geomeans(fmt, ratios, "")
 
 
 if __name__ == "__main__":

@@ -20,10 +20,22 @@ cuBLAS is timed before and after the others at each shape; the faster time is th
 ``--stream N`` times, per layer, graphs of N layers of one shape with their own weights (as
 ``bench_layer_stream.py`` does) for cuBLAS, the layer and the fastest load-only variants.
 """
-import sys, pathlib, math
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
-import torch, torch.nn.functional as F
+
+from __future__ import annotations
+
+import argparse
+import math
+import pathlib
+import sys
+
 import cuda.tile as ct
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _timing import Timer  # noqa: E402
+
+import tilemm  # noqa: E402
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -63,14 +75,25 @@ def load_only_persistent(X, W, S, C, TN: ConstInt, WORDS: ConstInt, UNROLL: Cons
         ct.store(C, (bn,), tot)
 
 
-# (name, kernel, tn, unroll, occupancy, tma, persistent)
+# (name, weight rows per block, K tiles per load, blocks per SM, TMA, persistent grid)
 VARIANTS = [("tma16u8o4", 16, 8, 4, True, False), ("ldg16u8o4", 16, 8, 4, False, False),
             ("ldg16u4o4", 16, 4, 4, False, False), ("tma16u4o8", 16, 4, 8, True, False),
             ("pers16u8o4", 16, 8, 4, True, True), ("pers64u4o2", 64, 4, 2, True, True)]
 
 
-def kernel_for(tma, persistent, occ):
+def kernel_for(persistent, occ):
     return (load_only_persistent if persistent else load_only).replace_hints(occupancy=occ)
+
+
+def launcher(variant, kernel, packed, x, out, sms):
+    """A function that launches the load-only ``variant`` over the prepacked weight ``packed``."""
+    _, tn, unroll, occ, tma, pers = variant
+    tiles = -(-packed.words.shape[0] // tn)
+    grid = (min(tiles, sms * occ) if pers else tiles, 1, 1)
+    L = packed.layout
+    args = (x, packed.words, packed.scale_t, out, tn, L.words_per_tile, unroll, L.planes * L.group, L.tile_k)
+    args = args if pers else args + (tma,)
+    return lambda: ct.launch(torch.cuda.current_stream(), grid, kernel, args)
 
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]
@@ -85,7 +108,6 @@ def geomeans(fmt, ratios, what):
 
 def stream(fmt, copies, timer, sms, kernels):
     """Per-layer ratios to bf16 inside graphs of ``copies`` layers, each with its own weight."""
-    import tilemm
     dev = torch.device("cuda")
     ratios = {}
     for n, k in SHAPES:
@@ -106,21 +128,15 @@ def stream(fmt, copies, timer, sms, kernels):
 
         t_bf16 = timer(bf16)[0]
         res = {"layer": timer(run_layers)[0]}
-        for name, tn, unroll, occ, tma, pers in VARIANTS:
+        for variant in VARIANTS:
+            name = variant[0]
             if name not in ("tma16u8o4", "pers16u8o4"):
                 continue
-            tiles = -(-n // tn)
-            grid = (min(tiles, sms * occ) if pers else tiles, 1, 1)
-            launches = []
-            for layer in layers:
-                p = layer.packed_weight()
-                L = p.layout
-                args = (x, p.words, p.scale_t, c, tn, L.words_per_tile, unroll, L.planes * L.group, L.tile_k)
-                launches.append(args if pers else args + (tma,))
+            launches = [launcher(variant, kernels[name], layer.packed_weight(), x, c, sms) for layer in layers]
 
-            def run(kern=kernels[name], grid=grid, launches=launches):
-                for args in launches:
-                    ct.launch(torch.cuda.current_stream(), grid, kern, args)
+            def run(launches=launches):
+                for launch in launches:
+                    launch()
 
             res[name] = timer(run)[0]
         t_bf16 = min(t_bf16, timer(bf16)[0])
@@ -135,21 +151,18 @@ def stream(fmt, copies, timer, sms, kernels):
 
 
 def main():
-    import argparse
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
-    from _timing import Timer
-    import tilemm
-    ap = argparse.ArgumentParser(prog="weight_only_ceiling.py")
+    ap = argparse.ArgumentParser(prog="weight_only_ceiling.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("formats", nargs="?", default="mxfp4")
     ap.add_argument("--stream", type=int, default=0, help="layers per graph (0: one layer per replay)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     timer = Timer(30, dev)
-    src = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev); dst = torch.empty_like(src)
-    ms, _ = timer(lambda: dst.copy_(src)); bw = 2 * src.numel() / (ms * 1e-3)
-    print(f"copy bandwidth {bw/1e12:.2f} TB/s", flush=True)
-    kernels = {v[0]: kernel_for(v[4], v[5], v[3]) for v in VARIANTS}
+    src = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() / (timer(lambda: dst.copy_(src))[0] * 1e-3)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    kernels = {v[0]: kernel_for(v[5], v[3]) for v in VARIANTS}
     for fmt in args.formats.split(","):
         if args.stream:
             stream(fmt, args.stream, timer, sms, kernels)
@@ -159,25 +172,15 @@ def main():
             lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
             w = lin.weight.detach()
             layer = tilemm.nn.Linear.from_float(lin, fmt, weight_only=True)
-            p = layer.packed_weight(); L = p.layout
+            p = layer.packed_weight()
             x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+            c = torch.empty(n, dtype=torch.float32, device=dev)
             t_bf16, _ = timer(lambda: F.linear(x, w))
             t_lay, _ = timer(lambda: layer(x))
             bound = (p.words.numel() * 4 + p.scale_t.numel()) / bw * 1e3
             res = {"hbm": t_bf16 / bound, "layer": t_bf16 / t_lay}
-            for name, tn, unroll, occ, tma, pers in VARIANTS:
-                c = torch.empty(n, dtype=torch.float32, device=dev)
-                tiles = -(-n // tn)
-                grid = (min(tiles, sms * occ) if pers else tiles, 1, 1)
-                args = (x, p.words, p.scale_t, c, tn, L.words_per_tile, unroll, L.planes * L.group, L.tile_k)
-                if not pers:
-                    args = args + (tma,)
-                kern = kernels[name]
-                try:
-                    t, _ = timer(lambda: ct.launch(torch.cuda.current_stream(), grid, kern, args))
-                    res[name] = t_bf16 / t
-                except Exception as e:  # noqa: BLE001
-                    print(name, "failed", type(e).__name__, str(e)[:200])
+            for variant in VARIANTS:
+                res[variant[0]] = t_bf16 / timer(launcher(variant, kernels[variant[0]], p, x, c, sms))[0]
             # cuBLAS again, after the others: a shape's first measurement can run slow
             # (results/timing-flush-*.txt); the faster of the two is the baseline, as in bench_inference.
             t_again, _ = timer(lambda: F.linear(x, w))
@@ -186,7 +189,8 @@ def main():
                 t_bf16 = t_again
             for key, v in res.items():
                 ratios.setdefault(key, []).append(v)
-            print(f"{fmt} {n}x{k} M=1 bf16 {t_bf16*1e3:.1f}us: " + " ".join(f"{a} {b:.2f}x" for a, b in res.items()), flush=True)
+            print(f"{fmt} {n}x{k} M=1 bf16 {t_bf16 * 1e3:.1f}us: "
+                  + " ".join(f"{a} {b:.2f}x" for a, b in res.items()), flush=True)
         geomeans(fmt, ratios, "")
 
 

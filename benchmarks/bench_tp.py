@@ -1,7 +1,7 @@
 """A tensor-parallel tilemm MLP on N GPUs (NCCL) against the same MLP unsharded on one GPU, same run.
 
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py                 # every format, M = 1, 16, 1024, 4096
-    torchrun --nproc-per-node 4 benchmarks/bench_tp.py --formats bf16,nvfp4-wo --m 1,4096
+    torchrun --nproc-per-node 4 benchmarks/bench_tp.py --formats bf16,nvfp4-wo --rows 1,4096
 
 The MLP is a transformer feed-forward block without gating, fc2(relu(fc1(x))), with Llama-3-8B's
 sizes: d_model 4096, hidden 14336, bf16 activations. Each tilemm format (mxfp8, mxfp4, nvfp4, fp8 per
@@ -103,7 +103,7 @@ def time_both(fn, timer_graph: Timer, timer_eager: Timer) -> dict:
 def bench(args, rank, world, device) -> int:
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cuda", (world,))
+    mesh = init_device_mesh(device.type, (world,))
     names = gpu_names()
     timer_graph = Timer(args.reps, device)
     timer_eager = Timer(args.reps, device, sync_each=True)
@@ -247,13 +247,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--formats", default=",".join(FORMATS),
                         help=f"comma-separated, of: {', '.join(FORMATS)} (default all)")
-    parser.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma-separated rows of x")
+    parser.add_argument("--rows", default=",".join(map(str, M_VALUES)), help="comma-separated rows of x")
     parser.add_argument("--reps", type=int, default=30, help="timed calls per case (median)")
     parser.add_argument("--max-seconds", type=float, default=0,
                         help="start no new format after this long (0: no limit); the results list those skipped")
     args = parser.parse_args(argv)
     args.argv = argv
-    args.m = [int(v) for v in args.m.split(",")]
+    args.m = [int(v) for v in args.rows.split(",")]
     unknown = [f for f in args.formats.split(",") if f and f not in FORMATS]
     if unknown:
         parser.error(f"--formats: unknown {unknown} (choose from {', '.join(FORMATS)})")

@@ -54,8 +54,8 @@ features; row-wise is the local matmul plus one ``torch.distributed.all_reduce``
 (SUM, in the activation dtype), and for NVFP4 / FP8 per tensor / per row both-sides one small
 all-reduce (MAX) of the amax before it. A column-then-row pair (an MLP, attention's q/k/v then o)
 thus costs one collective, as in Megatron-LM and serving engines; it has no host synchronization and
-captures in a CUDA graph. DTensor conversions (``from_local`` / ``redistribute``, several times the
-all-reduce's host time per call) happen only for DTensor inputs or non-default layouts.
+captures in a CUDA graph. DTensor conversions (``from_local`` / ``redistribute``, whose host time per
+call exceeds the all-reduce's) happen only for DTensor inputs or non-default layouts.
 
 The sharded module is the same :class:`tilemm.nn.Linear` object, rebuilt in place for its shard
 through the public constructor and ``load_state_dict`` (so state derived from the buffers follows

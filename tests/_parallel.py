@@ -98,23 +98,27 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
     # new input gives the eager call's bits.
     graph_equal = None
     if device.type == "cuda":
-        static_x = x.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.no_grad():
-            model(static_x)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), torch.no_grad():
-            static_out = model(static_x)
-        x2 = torch.randn(x.shape, generator=torch.Generator().manual_seed(7)).to(device=device, dtype=x.dtype)
-        static_x.copy_(x2)
-        graph.replay()
-        with torch.no_grad():
-            eager = model(x2)
-        torch.cuda.synchronize()
-        graph_equal = bool(torch.equal(static_out, eager))
-        del graph
+        try:
+            static_x = x.clone()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.no_grad():
+                model(static_x)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph), torch.no_grad():
+                static_out = model(static_x)
+            x2 = torch.randn(x.shape, generator=torch.Generator().manual_seed(7)).to(device=device, dtype=x.dtype)
+            static_x.copy_(x2)
+            graph.replay()
+            with torch.no_grad():
+                eager = model(x2)
+            torch.cuda.synchronize()
+            graph_equal = bool(torch.equal(static_out, eager))
+            del graph
+        except Exception as err:  # noqa: BLE001 (reported by the test as this case's failure)
+            torch.cuda.synchronize()
+            graph_equal = f"capture or replay raised {type(err).__name__}: {err}"[:300]
 
     cpu = lambda t: t.detach().cpu()  # noqa: E731
     return dict(out=cpu(out), graph_equal=graph_equal, sharded_class=type(model.fc2).__name__, out_full=cpu(out_full), hidden=cpu(captured["hidden"]),

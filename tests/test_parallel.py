@@ -422,6 +422,9 @@ def test_gpus_nccl(tmp_path_factory, world_size):
                 check()
             except AssertionError as err:
                 failures.append(f"{case_id}: {err}")
-        if not all(r[case_id]["graph_equal"] for r in ranks):
-            failures.append(f"{case_id}: the CUDA-graph replay differs from the eager call")
+        for rank, r in enumerate(ranks):
+            if r[case_id]["graph_equal"] is not True:
+                failures.append(f"{case_id}: rank {rank}: the CUDA-graph replay differs from the eager call"
+                                if r[case_id]["graph_equal"] is False else f"{case_id}: rank {rank}: "
+                                f"{r[case_id]['graph_equal']}")
     assert not failures, "\n".join(failures)

@@ -98,6 +98,7 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
     # new input gives the eager call's bits.
     graph_equal = None
     if device.type == "cuda":
+        graph, error = None, None
         try:
             static_x = x.clone()
             side = torch.cuda.Stream()
@@ -108,6 +109,13 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph), torch.no_grad():
                 static_out = model(static_x)
+        except Exception as err:  # noqa: BLE001 (reported by the test as this case's failure)
+            error = f"capture raised {type(err).__name__}: {err}"[:300]
+        torch.cuda.synchronize()
+        # Replay only if every rank captured: a lone replay would wait for the others' collectives.
+        captured = torch.tensor([0 if error else 1], device=device)
+        dist.all_reduce(captured, op=dist.ReduceOp.MIN)
+        if captured.item() == 1:
             x2 = torch.randn(x.shape, generator=torch.Generator().manual_seed(7)).to(device=device, dtype=x.dtype)
             static_x.copy_(x2)
             graph.replay()
@@ -115,10 +123,9 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
                 eager = model(x2)
             torch.cuda.synchronize()
             graph_equal = bool(torch.equal(static_out, eager))
-            del graph
-        except Exception as err:  # noqa: BLE001 (reported by the test as this case's failure)
-            torch.cuda.synchronize()
-            graph_equal = f"capture or replay raised {type(err).__name__}: {err}"[:300]
+        else:
+            graph_equal = error or "another rank's capture failed"
+        del graph
 
     cpu = lambda t: t.detach().cpu()  # noqa: E731
     return dict(out=cpu(out), graph_equal=graph_equal, sharded_class=type(model.fc2).__name__, out_full=cpu(out_full), hidden=cpu(captured["hidden"]),

@@ -170,4 +170,5 @@ def run_cases(cases: dict, backend: str, tmp_dir: str, world_size: int = WORLD_S
         logs = [open(os.path.join(tmp_dir, f)).read() for f in sorted(os.listdir(tmp_dir))
                 if f.endswith(".err")]
         raise RuntimeError("a tensor-parallel worker failed:\n" + "\n".join(logs)) from err
-    return [torch.load(os.path.join(tmp_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+    return [torch.load(os.path.join(tmp_dir, f"rank{r}.pt"), weights_only=False)
+            for r in range(world_size)]

@@ -128,7 +128,8 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
         del graph
 
     cpu = lambda t: t.detach().cpu()  # noqa: E731
-    return dict(out=cpu(out), graph_equal=graph_equal, sharded_class=type(model.fc2).__name__, out_full=cpu(out_full), hidden=cpu(captured["hidden"]),
+    return dict(out=cpu(out), graph_equal=graph_equal, sharded_class=type(model.fc2).__name__,
+                out_full=cpu(out_full), hidden=cpu(captured["hidden"]),
                 hidden_full=cpu(hidden_full), hidden_gathered=cpu(hidden_gathered),
                 out_rowwise=cpu(out_rowwise), out_fresh=cpu(out_fresh), same_state=bool(same_state),
                 shards={name: (m.tp_shard.offset, m.tp_shard.length) for name, m in

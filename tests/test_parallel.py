@@ -289,6 +289,20 @@ def test_nvfp4_slice_with_the_whole_amax_is_the_whole_quantization(swizzle):
         assert torch.equal(_uint8(scale), _uint8(whole.scale[:, lo // 16: hi // 16]))
 
 
+def test_amax_bits_nvfp4_is_over_the_finite_values():
+    # NVFP4's tensor amax leaves NaN and +-Inf out; FP8's propagates NaN and counts Inf.
+    from tilemm.quantize import amax_bits
+
+    x = torch.tensor([[1.5, -3.0, float("nan")], [float("inf"), 2.0, -float("inf")]])
+    finite = amax_bits(x, "tensor", propagate_nan=False).view(torch.float32)
+    assert finite.tolist() == [3.0]
+    rows = amax_bits(x, "row", propagate_nan=False).view(torch.float32)
+    assert rows.tolist() == [[3.0], [2.0]]
+    assert amax_bits(x[1:], "tensor", propagate_nan=True).view(torch.float32).item() == float("inf")
+    assert amax_bits(x, "tensor", propagate_nan=True).view(torch.float32).isnan().all()
+    assert amax_bits(torch.full((2, 2), float("inf")), "tensor", propagate_nan=False).item() == 0
+
+
 @pytest.mark.parametrize("granularity", ["tensor", "row"])
 def test_fp8_slice_with_the_whole_amax_is_the_whole_quantization(granularity):
     from tilemm.quantize import amax_bits, quantize_fp8, quantize_fp8_with_amax

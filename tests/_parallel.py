@@ -4,14 +4,19 @@
 GPU each, ranks 0 .. world_size - 1 on cuda:0 ..); each builds a column-then-row parallel MLP for
 every case, runs it (on a GPU also replayed from a CUDA graph), checks the state_dict round trip, and
 saves what it computed (next to the unsharded model's output on the same device) for the test
-process to compare.
+process to compare. Rank 0 prints a line before and after each case on the real stderr (visible with
+``pytest -s``), and every worker dumps its threads' stacks after ``TILEMM_TP_HANG_DUMP_SECONDS``
+(default 240), so that a slow or hung run says where it is.
 """
 
 from __future__ import annotations
 
 import copy
+import faulthandler
 import os
 import socket
+import sys
+import time
 import traceback
 
 import torch
@@ -136,9 +141,23 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
                         (("fc1", model.fc1), ("fc2", model.fc2))})
 
 
+# Seconds after which a worker prints every thread's Python stack to stderr (and again every as many
+# seconds after), so that a hang (a collective one rank never joins, a compile that never ends) shows
+# where each rank is before an outer time limit kills it. 0: never.
+HANG_DUMP_SECONDS = float(os.environ.get("TILEMM_TP_HANG_DUMP_SECONDS", "240"))
+
+
+def _progress(rank: int, message: str) -> None:
+    """A line on the real stderr (pytest does not capture the workers'), rank 0 only."""
+    if rank == 0:
+        print(f"[tp rank 0] {message}", file=sys.__stderr__, flush=True)
+
+
 def _worker(rank: int, backend: str, port: int, tmp_dir: str, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
+    if HANG_DUMP_SECONDS > 0:
+        faulthandler.dump_traceback_later(HANG_DUMP_SECONDS, repeat=True, file=sys.__stderr__)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -149,13 +168,21 @@ def _worker(rank: int, backend: str, port: int, tmp_dir: str, world_size: int) -
                                 world_size=world_size)
         mesh = init_device_mesh(device.type, (world_size,))
         cases = torch.load(os.path.join(tmp_dir, "cases.pt"), weights_only=False)
-        results = {name: _run_case(mlp, x, mesh, device) for name, (mlp, x) in cases.items()}
+        _progress(rank, f"{backend}, {world_size} ranks: {len(cases)} cases")
+        results, t_all = {}, time.time()
+        for i, (name, (mlp, x)) in enumerate(cases.items()):
+            _progress(rank, f"case {i + 1}/{len(cases)} {name} ...")
+            t0 = time.time()
+            results[name] = _run_case(mlp, x, mesh, device)
+            _progress(rank, f"case {i + 1}/{len(cases)} {name}: done in {time.time() - t0:.1f} s")
+        _progress(rank, f"all cases in {time.time() - t_all:.1f} s")
         torch.save(results, os.path.join(tmp_dir, f"rank{rank}.pt"))
     except BaseException:
         with open(os.path.join(tmp_dir, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
         raise
     finally:
+        faulthandler.cancel_dump_traceback_later()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -60,6 +60,28 @@ ULPS = 2
 FP8_TENSOR_CORE_REL = 2e-4
 
 
+# The GPU cases: every format and mode once, each kernel specialisation as few times as possible (a
+# cold cuTile compile costs 0.5-6 s per specialisation and rank): one shape for every format (d_model
+# 128, hidden 512: whole 128-blocks for FP8 (128, 128) on 2 and 4 ranks; the tile-boundary cases
+# are the CPU's), bf16 activations, and fp32 activations where the kernels sum differently (the
+# weight-only split of fp32 into bf16 parts, whose bound ``_gpu_bound`` derives).
+GPU_SHAPE = (128, 512)
+GPU_CASES = [("mxfp8", torch.bfloat16), ("mxfp4", torch.bfloat16), ("nvfp4", torch.bfloat16),
+             ("fp8-row", torch.bfloat16), ("fp8-tensor", torch.bfloat16), ("fp8-128x128", torch.bfloat16),
+             ("mxfp8-weight-only", torch.bfloat16), ("nvfp4-weight-only", torch.bfloat16),
+             ("nvfp4-weight-only", torch.float32), ("mxfp4-weight-only-swizzled", torch.float32),
+             ("fp8-row-weight-only-uneven", torch.bfloat16)]
+GPU_CASE_IDS = [f"{name}-{str(dtype).removeprefix('torch.')}" for name, dtype in GPU_CASES]
+
+
+def _gpu_case(name, dtype, world_size, seed=1):
+    d_model, hidden = GPU_SHAPE
+    if name == "fp8-row-weight-only-uneven":
+        hidden = 99  # F.linear, no kernel to compile
+    g = torch.Generator().manual_seed(seed)
+    return make_mlp(d_model, hidden, **CONFIGS[name][2]), torch.randn(2, 3, d_model, generator=g).to(dtype)
+
+
 def _case(name, dtype, seed=1, world_size=WORLD_SIZE):
     d_model, hidden, kw = CONFIGS[name]
     if world_size == 4:
@@ -178,7 +200,10 @@ def test_exported_from_tilemm():
 # --------------------------------------------------------------------------------------------------
 
 def _run(backend, tmp_path_factory, world_size):
-    cases = {case_id: _case(name, dtype, world_size=world_size) for case_id, (name, dtype) in zip(CASE_IDS, CASES)}
+    if backend == "nccl":
+        cases = {case_id: _gpu_case(name, dtype, world_size) for case_id, (name, dtype) in zip(GPU_CASE_IDS, GPU_CASES)}
+    else:
+        cases = {case_id: _case(name, dtype, world_size=world_size) for case_id, (name, dtype) in zip(CASE_IDS, CASES)}
     ranks = run_cases(cases, backend, str(tmp_path_factory.mktemp(f"tp-{backend}-{world_size}")), world_size)
     return cases, ranks
 
@@ -422,12 +447,12 @@ def _gpus_skip_reason(world_size):
 @pytest.mark.parametrize("world_size", [pytest.param(w, marks=pytest.mark.skipif(
     _gpus_skip_reason(w) is not None, reason=_gpus_skip_reason(w) or "")) for w in WORLD_SIZES])
 def test_gpus_nccl(tmp_path_factory, world_size):
-    # One spawn, every case; the kernels pick tile shapes and split-K by problem size, so on the GPU
+    # One spawn, every GPU case (GPU_CASES); the kernels pick tile shapes and split-K by problem size, so on the GPU
     # the column-wise shards are held to the derived bound, not bit equality. Each rank also replays
     # the sharded MLP from a CUDA graph (both collectives captured) and must get the eager bits.
     cases, ranks = _run("nccl", tmp_path_factory, world_size)
     failures = []
-    for case_id in CASE_IDS:
+    for case_id in GPU_CASE_IDS:
         checks = [lambda: _check_colwise(cases, ranks, case_id, exact=False, on_gpu=True),
                   lambda: _check_state_dict_round_trip(ranks, case_id),
                   lambda: _check_mlp(cases, ranks, case_id, on_gpu=True)]

@@ -84,9 +84,27 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
 
     model = parallelize_module(copy.deepcopy(mlp), mesh, tp_plan())
     captured = {}
-    model.fc1.register_forward_hook(lambda mod, args, out: captured.setdefault("hidden", out))
+    def keep_first_hidden(mod, args, out):  # returns None: a hook's return value replaces the output
+        captured.setdefault("hidden", out)
+
+    model.fc1.register_forward_hook(keep_first_hidden)
     with torch.no_grad():
         out = model(x)
+
+    # The all-reduce overlapped with compute: the row-wise layer in 2 pieces (RowwiseParallel(chunks=2)),
+    # and the whole MLP in 2 pieces (overlapped); rows are independent, so each row is summed as in
+    # the unsharded MLP. Layers with one activation scale per tensor are not split (chunks) or refused
+    # (overlapped).
+    chunked_plan = {"fc1": tilemm.parallel.ColwiseParallel(),
+                    "fc2": tilemm.parallel.RowwiseParallel(chunks=2, chunk_min_rows=1)}
+    chunked = parallelize_module(copy.deepcopy(mlp), mesh, chunked_plan)
+    rows = x.reshape(-1, x.shape[-1])
+    with torch.no_grad():
+        out_chunked = chunked(rows)
+        try:
+            out_overlapped = tilemm.parallel.overlapped(model, rows, 2)
+        except ValueError as err:
+            out_overlapped = str(err)
 
     # state_dict round trip: a zero model sharded the same way loads this rank's shard.
     fresh = parallelize_module(MLP(empty_like(mlp.fc1), empty_like(mlp.fc2)), mesh, tp_plan())
@@ -101,7 +119,7 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
 
     # On a GPU: the sharded MLP (both collectives included) captured in a CUDA graph and replayed on a
     # new input gives the eager call's bits.
-    graph_equal = None
+    graph_equal = graph_overlapped_equal = None
     if device.type == "cuda":
         graph, error = None, None
         try:
@@ -131,9 +149,39 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
         else:
             graph_equal = error or "another rank's capture failed"
         del graph
+        graph_overlapped_equal = None  # the overlapped MLP (async all-reduces) in a CUDA graph
+        if not isinstance(out_overlapped, str):
+            graph, error = None, None
+            static_rows = rows.clone()
+            run = lambda: tilemm.parallel.overlapped(model, static_rows, 2)  # noqa: E731
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side), torch.no_grad():
+                    run()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph), torch.no_grad():
+                    static_out = run()
+            except Exception as err:  # noqa: BLE001
+                error = f"capture of overlapped() raised {type(err).__name__}: {err}"[:300]
+            torch.cuda.synchronize()
+            captured = torch.tensor([0 if error else 1], device=device)
+            dist.all_reduce(captured, op=dist.ReduceOp.MIN)
+            if captured.item() == 1:
+                graph.replay()
+                torch.cuda.synchronize()
+                graph_overlapped_equal = bool(torch.equal(static_out, out_overlapped))
+            else:
+                graph_overlapped_equal = error or "another rank's capture failed"
+            del graph
 
     cpu = lambda t: t.detach().cpu()  # noqa: E731
     return dict(out=cpu(out), graph_equal=graph_equal, sharded_class=type(model.fc2).__name__,
+                out_chunked=cpu(out_chunked).reshape(out.shape),
+                out_overlapped=(out_overlapped if isinstance(out_overlapped, str)
+                                else cpu(out_overlapped).reshape(out.shape)),
+                graph_overlapped_equal=graph_overlapped_equal,
                 out_full=cpu(out_full), hidden=cpu(captured["hidden"]),
                 hidden_full=cpu(hidden_full), hidden_gathered=cpu(hidden_gathered),
                 out_rowwise=cpu(out_rowwise), out_fresh=cpu(out_fresh), same_state=bool(same_state),

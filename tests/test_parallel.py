@@ -246,6 +246,27 @@ def _check_mlp(cases, ranks, case_id, on_gpu):
         _assert_within_reduction_bound(first["out"], first["out_full"], magnitude)
 
 
+def _check_overlap(cases, ranks, case_id, on_gpu):
+    """RowwiseParallel(chunks=2) and overlapped(mlp, x, 2) against the unsharded MLP, like the MLP."""
+    mlp, x = cases[case_id]
+    first = ranks[0][case_id]
+    tensor_scale = case_id.rsplit("-", 1)[0] in ("nvfp4", "fp8-tensor")  # one activation scale per tensor
+    for key in ("out_chunked", "out_overlapped"):
+        got = first[key]
+        if key == "out_overlapped" and tensor_scale:
+            assert isinstance(got, str) and "one scale for the whole tensor" in got
+            continue
+        assert all(torch.equal(r[case_id][key], got) for r in ranks)
+        hidden = torch.relu(first["hidden_full"])
+        magnitude = _magnitude(mlp.fc2, hidden)
+        if on_gpu:
+            k, world = mlp.fc2.in_features, len(ranks)
+            _assert_within(got, first["out_full"], _gpu_bound(mlp.fc2, hidden.dtype, magnitude, k,
+                                                              -(-k // world), world))
+        else:
+            _assert_within_reduction_bound(got, first["out_full"], magnitude)
+
+
 def _check_state_dict_round_trip(ranks, case_id):
     for r in ranks:
         assert r[case_id]["same_state"]
@@ -270,6 +291,12 @@ def test_mlp_matches_unsharded_up_to_reduction_order(gloo_runs, case_id):
     # row-wise ranks quantize with the all-reduced amax, the bytes of the unsharded quantization.
     assert gloo_runs[1][0][case_id]["sharded_class"] == "ShardedLinear"
     _check_mlp(*gloo_runs, case_id, on_gpu=False)
+
+
+@pytest.mark.parametrize("case_id", CASE_IDS)
+def test_overlapped_all_reduce_matches_unsharded(gloo_runs, case_id):
+    # Each row is summed as without the pieces; NVFP4 / FP8 per tensor both sides refuse overlapped().
+    _check_overlap(*gloo_runs, case_id, on_gpu=False)
 
 
 @pytest.mark.parametrize("case_id", CASE_IDS)
@@ -455,6 +482,7 @@ def test_gpus_nccl(tmp_path_factory, world_size):
     for case_id in GPU_CASE_IDS:
         checks = [lambda: _check_colwise(cases, ranks, case_id, exact=False, on_gpu=True),
                   lambda: _check_state_dict_round_trip(ranks, case_id),
+                  lambda: _check_overlap(cases, ranks, case_id, on_gpu=True),
                   lambda: _check_mlp(cases, ranks, case_id, on_gpu=True)]
         for check in checks:
             try:
@@ -462,6 +490,9 @@ def test_gpus_nccl(tmp_path_factory, world_size):
             except AssertionError as err:
                 failures.append(f"{case_id}: {err}")
         for rank, r in enumerate(ranks):
+            if r[case_id]["graph_overlapped_equal"] not in (True, None):
+                failures.append(f"{case_id}: rank {rank}: overlapped() in a CUDA graph: "
+                                f"{r[case_id]['graph_overlapped_equal']}")
             if r[case_id]["graph_equal"] is not True:
                 failures.append(f"{case_id}: rank {rank}: the CUDA-graph replay differs from the eager call"
                                 if r[case_id]["graph_equal"] is False else f"{case_id}: rank {rank}: "

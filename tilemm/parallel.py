@@ -84,7 +84,7 @@ from .nn import SMALL_BATCH_ROWS as _SMALL_BATCH_ROWS
 from .nn import Linear
 
 __all__ = ["STYLES", "ShardInfo", "ShardedLinear", "ColwiseParallel", "RowwiseParallel", "shard_linear",
-           "local_shard", "overlapped"]
+           "local_shard", "overlapped", "all_reduce_sum"]
 
 STYLES = ("colwise", "rowwise")
 _PACKED = {"mxfp4", "nvfp4"}  # two e2m1 elements per byte along K
@@ -436,6 +436,18 @@ class _OneShot:
 
 
 _PENDING: list | None = None  # the all-reduces that overlapped() waits for, while it runs
+
+
+def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+    """SUM of ``t`` over ``group``, in place, as a row-wise layer reduces its partial sums: waited for
+    by the current stream, or, inside :func:`overlapped`, started on NCCL's stream and waited for at
+    its end. For layers outside tilemm (a bf16 ``torch.nn.Linear`` sharded by hand) that should
+    overlap like tilemm's. Returns ``t``."""
+    if _PENDING is not None:
+        _PENDING.append(group.allreduce([t], _reduce_opts(dist.ReduceOp.SUM, True)))
+        return t
+    dist.all_reduce(t, group=group)
+    return t
 
 
 def overlapped(fn, x: torch.Tensor, chunks: int) -> torch.Tensor:

@@ -79,6 +79,8 @@ from torch.distributed.tensor.placement_types import Placement
 import swizzle as _swizzle
 from swizzle import swizzle_32_4_4, unswizzle_32_4_4
 
+from . import matmul as _matmul
+from . import quantize as _quantize
 from .formats import FP8_BLOCK
 from .nn import SMALL_BATCH_ROWS as _SMALL_BATCH_ROWS
 from .nn import Linear
@@ -546,15 +548,20 @@ class ShardedLinear(Linear):
         return torch.cat(parts).reshape(*local.shape[:-1], self.out_features)
 
     def _partial_with_global_amax(self, x: torch.Tensor, tp: _TPConfig) -> torch.Tensor:
-        """This rank's partial sum, its K-slice quantized with the amax of the whole activation."""
-        from . import matmul as _matmul
-        from . import quantize as _quantize
+        """This rank's partial sum, its K-slice quantized with the amax of the whole activation.
 
+        NVFP4 on the GPU takes its slice's amax from the quantize kernels' own ``tensor_amax`` (one
+        read of the activation in its dtype, then one small reduction), the amax the unsharded layer's
+        quantizer computes; elsewhere ``quantize.amax_bits``."""
         self._check_input(x)
         rows = x.reshape(-1, self.in_features)
         options = self._options
-        nan = options.format == "fp8"  # FP8's amax propagates NaN; NVFP4's ignores it
-        amax = _quantize.amax_bits(rows, tp.amax, propagate_nan=nan)
+        kernels = _quantize._quantize_kernels(rows) if options.format == "nvfp4" else None
+        if kernels is not None:
+            amax = kernels.tensor_amax(rows, propagate_nan=False).amax().reshape(1)
+        else:
+            nan = options.format == "fp8"  # FP8's amax propagates NaN; NVFP4's is over the finite values
+            amax = _quantize.amax_bits(rows, tp.amax, propagate_nan=nan)
         work = tp.group.allreduce([amax], tp.max_opts)
         if work is not None:
             work.wait()

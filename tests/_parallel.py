@@ -6,7 +6,7 @@ every case, runs it (on a GPU also replayed from a CUDA graph), checks the state
 saves what it computed (next to the unsharded model's output on the same device) for the test
 process to compare. Rank 0 prints a line before and after each case on the real stderr (visible with
 ``pytest -s``), and every worker dumps its threads' stacks after ``TILEMM_TP_HANG_DUMP_SECONDS``
-(default 240), so that a slow or hung run says where it is.
+(default 240; or at ``TILEMM_TP_HANG_DUMP_AT``), so that a slow or hung run says where it is.
 """
 
 from __future__ import annotations
@@ -192,7 +192,14 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
 # Seconds after which a worker prints every thread's Python stack to stderr (and again every as many
 # seconds after), so that a hang (a collective one rank never joins, a compile that never ends) shows
 # where each rank is before an outer time limit kills it. 0: never.
+# TILEMM_TP_HANG_DUMP_AT (seconds since the epoch) sets the first dump at that moment instead, so that
+# a caller with a time limit for several spawns gets the dump before its limit, whichever spawn hangs.
 HANG_DUMP_SECONDS = float(os.environ.get("TILEMM_TP_HANG_DUMP_SECONDS", "240"))
+
+
+def _hang_dump_seconds() -> float:
+    at = os.environ.get("TILEMM_TP_HANG_DUMP_AT")
+    return max(float(at) - time.time(), 5.0) if at else HANG_DUMP_SECONDS
 
 
 def _progress(rank: int, message: str) -> None:
@@ -204,8 +211,9 @@ def _progress(rank: int, message: str) -> None:
 def _worker(rank: int, backend: str, port: int, tmp_dir: str, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    if HANG_DUMP_SECONDS > 0:
-        faulthandler.dump_traceback_later(HANG_DUMP_SECONDS, repeat=True, file=sys.__stderr__)
+    dump_after = _hang_dump_seconds()
+    if dump_after > 0:
+        faulthandler.dump_traceback_later(dump_after, repeat=True, file=sys.__stderr__)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)

@@ -127,9 +127,21 @@ def shard(full: MLP, mesh, bf16: bool, variant: str = "end") -> MLP:
                row4=dict(chunks=4, chunk_min_rows=CHUNK_MIN_ROWS), oneshot=dict(one_shot_max_bytes=ONE_SHOT_BYTES))
     plan = {"fc1": tilemm.parallel.ColwiseParallel(), "fc2": tilemm.parallel.RowwiseParallel(**row[variant])}
     sharded = parallelize_module(copy.deepcopy(full), mesh, plan)
-    if variant.startswith("row") and sharded.fc2._tp.tensor_scale:
-        return None  # one activation scale for the whole tensor: never split, the same as "end"
+    if variant != "end" and variant != "oneshot" and sharded.fc2._tp.tensor_scale:
+        return None  # one activation scale for the whole tensor: its rows are never split
     return sharded
+
+
+def shard_variants(full: MLP, mesh, bf16: bool, variants) -> dict:
+    """{variant: sharded MLP or None}; mlp2 / mlp4 call the "end" MLP through overlapped()."""
+    models = {"end": shard(full, mesh, bf16, "end")}
+    for v in variants:
+        if v in ("mlp2", "mlp4"):
+            tensor_scale = not bf16 and models["end"].fc2._tp.tensor_scale
+            models[v] = None if tensor_scale else models["end"]
+        elif v != "end":
+            models[v] = shard(full, mesh, bf16, v)
+    return models
 
 
 def call_of(model, variant: str, x):
@@ -191,7 +203,7 @@ def bench(args, rank, world, device) -> int:
             with torch.no_grad():
                 full = MLP(fc1, fc2) if kw is None else MLP(Linear.from_float(fc1, **kw),
                                                             Linear.from_float(fc2, **kw))
-                models = {v: shard(full, mesh, kw is None, v) for v in args.variants}
+                models = shard_variants(full, mesh, kw is None, args.variants)
         except Exception as err:  # noqa: BLE001 (record, go on)
             failed.append(f"{name}: sharding failed: {err}")
             if rank == 0:

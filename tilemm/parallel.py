@@ -55,7 +55,11 @@ features; row-wise is the local matmul plus one ``torch.distributed.all_reduce``
 all-reduce (MAX) of the amax before it. A column-then-row pair (an MLP, attention's q/k/v then o)
 thus costs one collective, as in Megatron-LM and serving engines; it has no host synchronization and
 captures in a CUDA graph. DTensor conversions (``from_local`` / ``redistribute``, whose host time per
-call exceeds the all-reduce's) happen only for DTensor inputs or non-default layouts.
+call exceeds the all-reduce's) happen only for DTensor inputs or non-default layouts. The all-reduce
+goes straight to the process group with options built once (``dist.all_reduce`` checks its arguments
+and builds its options on every call). Where the all-reduce's time matters, it can be overlapped with
+compute (``overlapped``; ``RowwiseParallel(chunks=...)``) or, for small outputs, sent through the
+symmetric-memory one-shot all-reduce (``RowwiseParallel(one_shot_max_bytes=...)``).
 
 The sharded module is the same :class:`tilemm.nn.Linear` object, rebuilt in place for its shard
 through the public constructor and ``load_state_dict`` (so state derived from the buffers follows

@@ -191,6 +191,15 @@ def test_argument_errors():
         shard_linear(layer, None, "colwise", use_local_output=1)
 
 
+def test_overlap_options_are_checked():
+    with pytest.raises(ValueError, match=r"RowwiseParallel: chunks must be an int >= 1, got 0"):
+        tilemm.parallel.RowwiseParallel(chunks=0)
+    with pytest.raises(ValueError, match=r"one_shot_max_bytes must be an int >= 0, got -1"):
+        tilemm.parallel.RowwiseParallel(one_shot_max_bytes=-1)
+    with pytest.raises(ValueError, match=r"overlapped: chunks must be an int >= 1, got True"):
+        tilemm.parallel.overlapped(lambda t: t, torch.zeros(4, 2), True)
+
+
 def test_exported_from_tilemm():
     assert tilemm.shard_linear is shard_linear and tilemm.parallel.local_shard is local_shard
 

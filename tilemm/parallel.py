@@ -379,6 +379,9 @@ def _reduce_opts(op, async_op: bool):
     return opts
 
 
+_SUM, _SUM_ASYNC = _reduce_opts(dist.ReduceOp.SUM, False), _reduce_opts(dist.ReduceOp.SUM, True)
+
+
 class _OneShot:
     """Small all-reduces through ``torch.distributed._symmetric_memory``'s one-shot all-reduce.
 
@@ -449,10 +452,14 @@ def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
     by the current stream, or, inside :func:`overlapped`, started on NCCL's stream and waited for at
     its end. For layers outside tilemm (a bf16 ``torch.nn.Linear`` sharded by hand) that should
     overlap like tilemm's. Returns ``t``."""
+    if group is None:
+        group = dist.group.WORLD
     if _PENDING is not None:
-        _PENDING.append(group.allreduce([t], _reduce_opts(dist.ReduceOp.SUM, True)))
+        _PENDING.append(group.allreduce([t], _SUM_ASYNC))
         return t
-    dist.all_reduce(t, group=group)
+    work = group.allreduce([t], _SUM)
+    if work is not None:
+        work.wait()
     return t
 
 

@@ -749,17 +749,20 @@ def amax_bits(x: torch.Tensor, granularity: str, *, propagate_nan: bool) -> torc
     maximum of several of these (``torch.distributed.all_reduce(op=MAX)``, which every backend has
     for int32) is the amax of the union, NaN propagating: the rule of FP8 per tensor / per row.
     ``propagate_nan=False`` is the max over the finite elements only (NaN and +-Inf count as 0):
-    NVFP4's tensor amax, whose rule leaves non-finite values to their own 16-block. Plain tensor
-    ops: CUDA-graph safe.
+    NVFP4's tensor amax, whose rule leaves non-finite values to their own 16-block. The maximum is
+    taken in x's own dtype (exact; its conversion to fp32 is too), so only the result is converted.
+    Plain tensor ops: CUDA-graph safe.
     """
-    bits = x.detach().to(torch.float32).abs().view(torch.int32)
+    if granularity not in ("tensor", "row"):
+        raise ValueError(f"amax_bits: granularity must be 'tensor' or 'row', got {granularity!r}")
+    a = x.detach().abs()
     if not propagate_nan:
-        bits = torch.where(bits >= 0x7F800000, torch.zeros_like(bits), bits)
-    if granularity == "tensor":
-        return bits.amax().reshape(1) if bits.numel() else bits.new_zeros(1)
-    if granularity == "row":
-        return bits.amax(dim=-1, keepdim=True) if bits.numel() else bits.new_zeros(*bits.shape[:-1], 1)
-    raise ValueError(f"amax_bits: granularity must be 'tensor' or 'row', got {granularity!r}")
+        a = a.nan_to_num(nan=0.0, posinf=0.0)  # |x| has no -Inf
+    if not a.numel():
+        shape = (1,) if granularity == "tensor" else (*a.shape[:-1], 1)
+        return torch.zeros(shape, dtype=torch.int32, device=a.device)
+    m = a.amax().reshape(1) if granularity == "tensor" else a.amax(dim=-1, keepdim=True)
+    return m.to(torch.float32).view(torch.int32)
 
 
 def quantize_nvfp4_with_amax(x: torch.Tensor, amax: torch.Tensor, *, swizzle: bool = False) -> NVFP4Tensor:

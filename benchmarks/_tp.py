@@ -79,8 +79,13 @@ class PlainShard(torch.nn.Module):
     features; all-reduced output). ``group``: the process group of the ranks sharing the layer.
     """
 
-    def __init__(self, linear: torch.nn.Linear, style: str, group, gather: bool = False):
+    def __init__(self, linear: torch.nn.Linear, style: str, group, gather: bool = False,
+                 one_shot_max_bytes: int = 0):
         super().__init__()
+        # Row-wise: outputs of at most this many bytes are summed by the one-shot all-reduce, as
+        # tilemm's RowwiseParallel(one_shot_max_bytes=...) does.
+        self.one_shot = (tilemm.parallel._OneShot(group, one_shot_max_bytes)
+                         if one_shot_max_bytes and style == "rowwise" else None)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         self.style, self.group, self.world, self.gather = style, group, world, gather
         w = linear.weight.detach()
@@ -99,6 +104,10 @@ class PlainShard(torch.nn.Module):
     def forward(self, x):
         out = F.linear(x, self.weight, self.bias)
         if self.style == "rowwise":
+            if self.one_shot is not None:
+                reduced = self.one_shot(out)
+                if reduced is not None:
+                    return reduced
             tilemm.parallel.all_reduce_sum(out, self.group)  # overlaps inside tilemm.parallel.overlapped
         elif self.gather:
             local = out.reshape(-1, out.shape[-1]).contiguous()

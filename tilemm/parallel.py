@@ -400,8 +400,13 @@ class _OneShot:
         self.error: str | None = None
         self.group_name = getattr(group, "group_name", None)
 
+    # One buffer per (group, dtype, device, size), shared by every layer: the kernel synchronizes the
+    # ranks at its start and its end, so a buffer is free again when the kernel ends.
+    _BUFFERS: dict = {}
+
     def __call__(self, t: torch.Tensor):
-        if not t.is_cuda or t.numel() * t.element_size() > self.max_bytes or self.error is not None:
+        if (not t.is_cuda or t.numel() * t.element_size() > self.max_bytes or self.error is not None
+                or t.data_ptr() % 16 or not t.is_contiguous()):  # the kernel's alignment and layout
             return None
         buf = self.buffers.get(t.dtype)
         if buf is None:
@@ -415,6 +420,11 @@ class _OneShot:
         return out.view(t.shape)
 
     def _setup(self, t: torch.Tensor):
+        key = (self.group_name, t.dtype, t.device, self.max_bytes)
+        shared = _OneShot._BUFFERS.get(key)
+        if shared is not None:  # every rank set it up at the same call
+            self.buffers[t.dtype] = shared
+            return shared
         buf, error = None, None
         try:
             from torch.distributed import _symmetric_memory as symm_mem
@@ -440,7 +450,7 @@ class _OneShot:
             self.error = error
             self.buffers[t.dtype] = None
             return None
-        self.buffers[t.dtype] = buf
+        self.buffers[t.dtype] = _OneShot._BUFFERS[key] = buf
         return buf
 
 

@@ -9,7 +9,8 @@
 #                                             all-reduce by size, NCCL vs the one-shot all-reduce)
 #   1. torchrun bench_tp.py                  (the 4096 -> 14336 -> 4096 MLP, 1 GPU vs N, M = 1 .. 4096,
 #                                             the all-reduce variants: end, row4, mlp2, mlp4, oneshot)
-#   2. torchrun bench_tp_decode.py           (Llama-3-8B-shaped decode, 1 GPU vs 2 (vs 4), batch 1 / 16;
+#   2. torchrun bench_tp_decode.py           (Llama-3-8B-shaped decode, 1 GPU vs 2 (vs 4), batch 1 / 16,
+#                                             NCCL and one-shot all-reduces (+1shot);
 #                                             all 32 layers on 2 GPUs, 16 on 4)
 #   3. pytest -m gpu tests/test_parallel.py  (NCCL, 2 ranks; with 4 GPUs 4 ranks too; CUDA-graph replay),
 #                                             last, after the benchmarks have compiled what they share;
@@ -88,7 +89,8 @@ step mlp "$L_MLP" "$OUT/tp-mlp-x$N.log" \
     --rows 1,16,1024,4096 --reps 25 --variants end,row4,mlp2,mlp4,oneshot --max-seconds $((L_MLP - 45))
 step decode "$L_DECODE" "$OUT/tp-decode-x$N.log" \
     torchrun --nproc-per-node "$N" benchmarks/bench_tp_decode.py --sizes "$SIZES" --layers "$LAYERS" \
-    --batches 1,16 --prompt 256 --tokens 64 --variants bf16,nvfp4-wo,mxfp4-wo --max-seconds $((L_DECODE - 55))
+    --batches 1,16 --prompt 256 --tokens 64 --variants bf16,nvfp4-wo,nvfp4-wo+1shot,bf16+1shot,mxfp4-wo \
+    --max-seconds $((L_DECODE - 55))
 # The tests last (the benchmarks have warmed the kernel cache); -s shows rank 0's per-case lines, and
 # every worker dumps its stack 20 s before the limit, so a hang leaves a traceback in the log.
 step tests "$L_TESTS" "$OUT/tp-tests-x$N.log" env TILEMM_TP_HANG_DUMP_AT=$(( $(date +%s) + L_TESTS - 20 )) \

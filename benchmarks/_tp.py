@@ -12,8 +12,11 @@ sums (bias on rank 0 only).
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pathlib
+import signal
+import sys
 
 import torch
 import torch.distributed as dist
@@ -27,9 +30,12 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 def start(cpu: bool = False) -> tuple[int, int, torch.device]:
     """(rank, world size, this rank's GPU) under torchrun: NCCL process group initialized (``cpu``:
     gloo and the CPU, for smoke tests)."""
+    # A time limit's SIGTERM (tp_suite.sh's `timeout`) prints every thread's stack before the process
+    # ends, so that a hang says where each rank was.
+    faulthandler.register(signal.SIGTERM, file=sys.stderr, all_threads=True, chain=True)
     if "RANK" not in os.environ:
         raise SystemExit("run under torchrun, e.g. `torchrun --nproc-per-node 2 " + os.path.basename(
-            __import__("sys").argv[0]) + "`")
+            sys.argv[0]) + "`")
     if cpu:
         dist.init_process_group("gloo")
         return dist.get_rank(), dist.get_world_size(), torch.device("cpu")

@@ -303,6 +303,11 @@ class TileEmulator:
     # --- memory
     @staticmethod
     def load(array, index, shape, *, padding_mode=ct.PaddingMode.UNDETERMINED, **hints):
+        if shape == ():  # one element, as a 0-d tile (cuTile's scalar load)
+            index = tuple(int(i) for i in index)
+            if not all(0 <= i < n for i, n in zip(index, array.shape)):
+                raise IndexError(f"scalar load at {index} outside {tuple(array.shape)}")
+            return Tile(np.asarray(array.values[index]), array.dtype)
         src, dst = _window(array.shape, index, shape)
         fill = 0 if padding_mode == ct.PaddingMode.ZERO else math.nan  # undefined in cuTile: poison it
         out = np.full(shape, fill, dtype=np.float64)
@@ -312,6 +317,43 @@ class TileEmulator:
                 raise ValueError("integer load past the edge without ZERO padding")
             out = out.astype(np.int64)
         return Tile(out, array.dtype)
+
+    @staticmethod
+    def gather(array, indices, *, mask=None, padding_value=0, check_bounds=True, **hints):
+        """array[indices] with broadcast index tiles; out-of-bounds (or masked-off) elements take
+        ``padding_value``."""
+        if not isinstance(indices, tuple):
+            indices = (indices,)
+        idx = np.broadcast_arrays(*[np.asarray(i, dtype=np.int64) for i in indices])
+        ok = np.ones(idx[0].shape, dtype=bool)
+        for i, n in zip(idx, array.shape):
+            ok &= (i >= 0) & (i < n)
+        if mask is not None:
+            ok &= np.broadcast_to(np.asarray(mask, dtype=bool), ok.shape)
+        safe = tuple(np.where(ok, i, 0) for i in idx)
+        out = np.where(ok, array.values[safe], padding_value).astype(np.float64)
+        if array.dtype in _INT_DTYPES:
+            out = out.astype(np.int64)
+        return Tile(out, array.dtype)
+
+    @staticmethod
+    def scatter(array, indices, value, *, mask=None, check_bounds=True, **hints):
+        """array[indices] = value for the in-bounds (and unmasked) elements."""
+        if not isinstance(indices, tuple):
+            indices = (indices,)
+        if getattr(value, "ct_dtype", array.dtype) != array.dtype:
+            raise TypeError(f"scattering a {value.ct_dtype} tile into a {array.dtype} array")
+        idx = np.broadcast_arrays(*[np.asarray(i, dtype=np.int64) for i in indices],
+                                  np.asarray(value, dtype=np.float64))
+        vals, idx = idx[-1], idx[:-1]
+        ok = np.ones(vals.shape, dtype=bool)
+        for i, n in zip(idx, array.shape):
+            ok &= (i >= 0) & (i < n)
+        if mask is not None:
+            ok &= np.broadcast_to(np.asarray(mask, dtype=bool), ok.shape)
+        where = tuple(torch.from_numpy(np.ascontiguousarray(i[ok])) for i in idx)
+        array.tensor[where] = torch.from_numpy(np.ascontiguousarray(vals[ok])).to(array.tensor.dtype)
+        array.stored()
 
     @staticmethod
     def store(array, index, tile):

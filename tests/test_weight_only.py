@@ -78,7 +78,7 @@ def test_prepack_errors_name_the_argument():
     w = tilemm.quantize_fp8(torch.randn(4, 32), granularity="row")
     with pytest.raises(TypeError, match="w_q must be"):
         prepack(w)
-    w = tilemm.quantize_mxfp4(torch.randn(2, 4, 32))
+    w = tilemm.quantize_mxfp4(torch.randn(2, 2, 4, 32))  # 3-D is a stack of experts (tests/test_moe.py)
     with pytest.raises(ValueError, match="2-D"):
         prepack(w)
 

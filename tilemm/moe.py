@@ -207,9 +207,12 @@ class MoEExperts(torch.nn.Module):
         """The stacked PackedWeight ``"gate_up"`` or ``"down"`` (views of the buffers)."""
         i = ("gate_up", "down").index(name)
         constants = getattr(self, f"{name}_constants")
-        return PackedWeight(fmt=FORMATS[self.formats[i]], words=getattr(self, f"{name}_words"),
+        fmt = FORMATS[self.formats[i]]
+        # NVFP4: constants[:, 0] = 2^E * decode scale, so the per-tensor scales come back exactly.
+        gs = constants[:, 0] / 2.0 ** self.exponents[i] if fmt.has_global_scale else None
+        return PackedWeight(fmt=fmt, words=getattr(self, f"{name}_words"),
                             scale_t=getattr(self, f"{name}_scale_t"), constants=constants,
-                            exponent=self.exponents[i],
+                            exponent=self.exponents[i], global_scale=gs,
                             in_features=self.hidden_size if i == 0 else self.intermediate_size)
 
     @classmethod

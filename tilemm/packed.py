@@ -192,8 +192,8 @@ def prepack(w_q) -> PackedWeight:
     from .quantize import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
 
     fn = "tilemm.prepack"
-    if isinstance(w_q, (list, tuple)) and not isinstance(w_q, (MXFP4Tensor, NVFP4Tensor, MXFP8Tensor)):
-        return _prepack_experts(fn, list(w_q))  # (the quantized tensors are NamedTuples themselves)
+    if type(w_q) in (list, tuple):  # (exactly: the quantized tensors are NamedTuples themselves)
+        return _prepack_experts(fn, list(w_q))
     if not isinstance(w_q, (MXFP4Tensor, NVFP4Tensor, MXFP8Tensor)):
         raise TypeError(f"{fn}: w_q must be an MXFP4Tensor, NVFP4Tensor or MXFP8Tensor (from "
                         f"tilemm.quantize_*), or a list of them (stacked experts), got {type(w_q).__name__}")

@@ -39,7 +39,8 @@ def reference64(x, w_q, ids, bias=None):
     e = w.shape[0]
     ok = (ids >= 0) & (ids < e)
     safe = torch.where(ok, ids, torch.zeros_like(ids))
-    out = torch.einsum("tk,tjnk->tjn", x.to(torch.float64), w[safe])
+    every = torch.einsum("tk,enk->ten", x.to(torch.float64), w)  # (T, E, N): every expert, every token
+    out = torch.gather(every, 1, safe[..., None].expand(-1, -1, w.shape[1]))
     if bias is not None:
         out = out + bias.to(torch.float64)[safe]
     return torch.where(ok[..., None], out, torch.full_like(out, float("nan")))
@@ -385,3 +386,18 @@ def test_gpt_oss_checkpoint_errors(tmp_path):
     del tensors["model.layers.1.mlp.experts.down_proj_scales"]
     with pytest.raises(ValueError, match=r"has no model.layers.1.mlp.experts.down_proj_scales"):
         tilemm.load_quantized(transformers.GptOssForCausalLM(cfg), tensors, convention="gpt-oss")
+
+
+def test_benchmark_cpu_smoke(tmp_path):
+    """benchmarks/bench_moe.py's code paths on tiny shapes (its correctness checks included)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_moe.py"
+    spec = importlib.util.spec_from_file_location("bench_moe", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--cpu-smoke", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "moe-cpu.json").read_text())
+    assert result["layers"] and all(r["rel_err"] < 1e-2 for r in result["layers"])
+    assert set(result["e2e"]) == {"gpt-oss-20b", "gpt-oss-120b"}

@@ -200,13 +200,15 @@ def emulated(monkeypatch):
     return emu
 
 
-def _run_kernel(x, packed, ids, bias, cfg):
+def _run_kernel(x, packed, ids, bias, cfg, act=0):
     t, k = ids.shape
     e, n = packed.words.shape[:2]
-    out = torch.full((t * k, n), 12345.0, dtype=x.dtype)  # poison: every row must be written
-    b = torch.zeros(e, n) if bias is None else bias.float()
-    mk.launch(x, packed.words, packed.scale_t, packed.constants, b, ids, out, packed.layout, cfg)
-    return out.reshape(t, k, n)
+    n_out = n // 2 if act else n
+    out = torch.full((t * k, n_out), 12345.0, dtype=x.dtype)  # poison: every row must be written
+    b = None if bias is None else bias.float()
+    mk.launch(x, packed.words, packed.scale_t, packed.constants, b, mk.route(ids, e), k, out, packed.layout,
+              act=act, cfg=cfg)
+    return out.reshape(t, k, n_out)
 
 
 def test_routing_is_fixed_size_and_sorted():
@@ -214,9 +216,13 @@ def test_routing_is_fixed_size_and_sorted():
     order, offsets, slot_expert = mk.route(ids, 6)
     assert order.shape == (8,) and offsets.shape == (8,) and slot_expert.shape == (7,)
     keys = torch.where((ids.reshape(-1) >= 6) | (ids.reshape(-1) < 0), 6, ids.reshape(-1))
-    assert torch.equal(keys[order.long()], torch.sort(keys, stable=True).values)
+    assert torch.equal(keys[order], torch.sort(keys, stable=True).values)
+    assert torch.equal(order[:2], torch.tensor([1, 6]))  # stable: rows of one expert in row order
     assert offsets.tolist() == [0, 2, 2, 5, 5, 5, 6, 8]
     assert slot_expert.tolist() == [0, 2, 5, 6, -1, -1, -1]
+    # one token, one expert: a single slot; far out-of-range ids still land on the extra expert
+    assert mk.route(torch.tensor([[3]]), 6)[2].tolist() == [3]
+    assert mk.route(torch.tensor([[2 ** 40, -2 ** 40]]), 6)[2].tolist() == [6, -1]
 
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
@@ -253,6 +259,27 @@ def test_kernel_single_token_top4(emulated):
     assert cfg.tile_m == 16 and cfg.cat == 1
     out = _run_kernel(x, packed, ids, None, cfg)
     assert_matches(out.float(), reference64(x, w_q, ids), torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_fused_swiglu_epilogue(emulated, fmt):
+    """ACT = 1: gate_up rows interleaved, the epilogue writes gpt-oss's SwiGLU of each pair (from the
+    rounded products, in fp32, rounded once), as ``gpt_oss_glu`` of the unfused output."""
+    from tilemm.moe import gpt_oss_glu
+
+    e, n, k = 4, 64, 256
+    w_q, packed = stacked(fmt, e, n, k, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    x = (torch.randn(5, k, generator=gen) * 2).to(torch.bfloat16)
+    ids = torch.tensor([[0, 3], [3, 1], [1, 0], [2, 3], [3, 0]])
+    bias = torch.randn(e, n, generator=gen)
+    cfg = mk.MoEConfig(16, 16, 4, None, cat=1)
+    plain = _run_kernel(x, packed, ids, bias, cfg)
+    fused = _run_kernel(x, packed, ids, bias, cfg, act=1)
+    expected = gpt_oss_glu(plain, mk.SWIGLU_ALPHA, mk.SWIGLU_LIMIT)
+    assert (plain[..., ::2].float() > mk.SWIGLU_LIMIT).any()  # the clamp matters in this case
+    # exp's rounding aside, equal: at most one bf16 ulp apart
+    assert torch.allclose(fused.float(), expected.float(), rtol=2 ** -7, atol=1e-6)
 
 
 def test_plan_tile_m_follows_tokens_per_expert():

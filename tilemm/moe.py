@@ -35,7 +35,7 @@ from torch import Tensor
 from .formats import FORMATS
 from .packed import PackedWeight, layout_of
 
-__all__ = ["moe_linear", "reference_moe", "MoEExperts"]
+__all__ = ["moe_linear", "reference_moe", "gpt_oss_glu", "MoEExperts"]
 
 _X_DTYPES = (torch.bfloat16, torch.float16)
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -72,10 +72,8 @@ def run_moe(x, words, scale_t, constants, fmt_name: str, in_features: int, topk_
     num_experts, n = words.shape[0], words.shape[1]
     out = torch.empty((tokens * top_k, n), dtype=x.dtype, device=x.device)
     if out.numel():
-        if bias is None:
-            bias = torch.zeros((num_experts, n), dtype=torch.float32, device=x.device)
-        moe_kernels.launch(x.contiguous(), words, scale_t, constants, bias, topk_ids, out,
-                           layout_of(FORMATS[fmt_name]))
+        moe_kernels.launch(x.contiguous(), words, scale_t, constants, bias,
+                           moe_kernels.route(topk_ids, num_experts), top_k, out, layout_of(FORMATS[fmt_name]))
     return out.reshape(tokens, top_k, n)
 
 
@@ -159,6 +157,73 @@ def moe_linear(x: torch.Tensor, w: PackedWeight, topk_ids: torch.Tensor, bias: t
 # gpt-oss's experts block
 # --------------------------------------------------------------------------------------------------
 
+def gpt_oss_glu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU of interleaved (..., 2I) gate / up values -> (..., I): ``(clamp(up,
+    -limit, limit) + 1) * g * sigmoid(alpha * g)``, g = ``min(gate, limit)``, in fp32 from the given
+    values, rounded once to their dtype (what the grouped kernel's fused epilogue computes)."""
+    g = gate_up[..., ::2].float().clamp(max=limit)
+    u = gate_up[..., 1::2].float().clamp(min=-limit, max=limit)
+    return ((u + 1) * (g * torch.sigmoid(g * alpha))).to(gate_up.dtype)
+
+
+def _weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_j y[t, j] * weights[t, j]: fp32 products and sums, rounded once to y's dtype (one batched
+    GEMM on CUDA when the weights have y's dtype, as the router's do)."""
+    if y.is_cuda and weights.dtype == y.dtype:
+        return torch.bmm(weights.unsqueeze(1), y).squeeze(1)
+    return (y.float() * weights.float().unsqueeze(-1)).sum(dim=1).to(y.dtype)
+
+
+def run_gpt_oss_experts(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format: str, gu_bias,
+                        d_words, d_scale_t, d_constants, d_format: str, d_bias, alpha: float, limit: float):
+    """What ``torch.ops.tilemm.gpt_oss_experts`` runs on checked tensors: gate_up, SwiGLU, down, the
+    weighted sum over the k slots. On CUDA: one routing, the gate_up launch with the SwiGLU fused
+    (gpt-oss's alpha and limit; other values run it unfused), the down launch, one batched GEMM."""
+    tokens, top_k = ids.shape
+    num_experts, inter, hidden = gu_words.shape[0], gu_words.shape[1] // 2, d_words.shape[1]
+    if tokens == 0:
+        return x.new_empty((0, hidden))
+    if x.device.type != "cuda":
+        gate_up = reference_moe(x, gu_words, gu_scale_t, gu_constants, gu_format, hidden, ids, gu_bias)
+        h = gpt_oss_glu(gate_up, alpha, limit).reshape(tokens * top_k, inter)
+        y = reference_moe(h, d_words, d_scale_t, d_constants, d_format, inter, ids.reshape(-1, 1), d_bias)
+        return _weighted_sum(y.reshape(tokens, top_k, hidden), weights)
+    from ._arch import family
+    from .kernels import moe_kernels as mk
+
+    family(x.device)
+    routed = mk.route(ids, num_experts)
+    x = x.contiguous()
+    h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
+    if alpha == mk.SWIGLU_ALPHA and limit == mk.SWIGLU_LIMIT:
+        mk.launch(x, gu_words, gu_scale_t, gu_constants, gu_bias, routed, top_k, h,
+                  layout_of(FORMATS[gu_format]), act=1)
+    else:
+        gate_up = torch.empty((tokens * top_k, 2 * inter), dtype=x.dtype, device=x.device)
+        mk.launch(x, gu_words, gu_scale_t, gu_constants, gu_bias, routed, top_k, gate_up,
+                  layout_of(FORMATS[gu_format]))
+        h = gpt_oss_glu(gate_up, alpha, limit)
+    y = torch.empty((tokens * top_k, hidden), dtype=x.dtype, device=x.device)
+    mk.launch(h, d_words, d_scale_t, d_constants, d_bias, routed, 1, y, layout_of(FORMATS[d_format]))
+    return _weighted_sum(y.reshape(tokens, top_k, hidden), weights)
+
+
+@torch.library.custom_op("tilemm::gpt_oss_experts", mutates_args=())
+def _gpt_oss_experts_op(x: Tensor, ids: Tensor, weights: Tensor, gu_words: Tensor, gu_scale_t: Tensor,
+                        gu_constants: Tensor, gu_format: str, gu_bias: Optional[Tensor], d_words: Tensor,
+                        d_scale_t: Tensor, d_constants: Tensor, d_format: str, d_bias: Optional[Tensor],
+                        alpha: float, limit: float) -> Tensor:
+    """gpt-oss's experts block on stacked packed weights: x (T, H), ids and weights (T, k) -> (T, H)."""
+    return run_gpt_oss_experts(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format, gu_bias,
+                               d_words, d_scale_t, d_constants, d_format, d_bias, alpha, limit)
+
+
+@_gpt_oss_experts_op.register_fake
+def _(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format, gu_bias, d_words, d_scale_t,
+      d_constants, d_format, d_bias, alpha, limit):
+    return x.new_empty((x.shape[0], d_words.shape[1]))
+
+
 #: transformers' class whose modules ``quantize_model`` / ``load_quantized`` replace.
 GPT_OSS_EXPERTS = "GptOssExperts"
 
@@ -171,9 +236,14 @@ class MoEExperts(torch.nn.Module):
     * ``gate_up = moe_linear(x, W_gate_up, ids, gate_up_bias)`` (T, k, 2I), gate / up interleaved
       in its columns (gate = columns 0, 2, ..., up = 1, 3, ..., as in the checkpoint);
     * ``h = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, g = ``clamp(gate, max=limit)``
-      (limit 7.0, alpha 1.702 in gpt-oss), in the activations' dtype as transformers computes it;
+      (limit 7.0, alpha 1.702 in gpt-oss), in fp32 from the rounded gate_up, rounded once
+      (``gpt_oss_glu``; on CUDA fused into the gate_up kernel's epilogue);
     * ``y = moe_linear(h, W_down, ids, down_bias)``: one row per (token, slot);
     * the output: sum over the k slots of ``y * routing_weights``, in fp32, rounded once.
+
+    It is one custom op, ``torch.ops.tilemm.gpt_oss_experts``: on CUDA one routing (shared by both
+    projections), two grouped launches and a batched GEMM for the weighted sum. transformers rounds
+    to bf16 after each of its elementwise operations; the results agree up to those roundings.
 
     The weights are registered buffers (``{gate_up,down}_{words,scale_t,constants}``, biases in
     fp32), so ``.to(device)`` and state dicts carry them.
@@ -236,32 +306,24 @@ class MoEExperts(torch.nn.Module):
         return cls(gate_up, down, getattr(experts, "gate_up_proj_bias", None),
                    getattr(experts, "down_proj_bias", None), alpha=experts.alpha, limit=experts.limit)
 
-    def _project(self, x, name: str, ids, bias):
-        return _moe_linear_op(x, getattr(self, f"{name}_words"), getattr(self, f"{name}_scale_t"),
-                              getattr(self, f"{name}_constants"), self.formats[name == "down"],
-                              self.hidden_size if name == "gate_up" else self.intermediate_size, ids, bias)
-
     def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
         fn = "tilemm.moe.MoEExperts"
         if hidden_states.shape[-1] != self.hidden_size:
-            raise ValueError(f"{fn}: hidden_states must be (T, {self.hidden_size}), got "
+            raise ValueError(f"{fn}: hidden_states must be (..., {self.hidden_size}), got "
                              f"{tuple(hidden_states.shape)}")
+        if hidden_states.dtype not in _X_DTYPES:
+            raise TypeError(f"{fn}: hidden_states must be bfloat16 or float16, got {hidden_states.dtype}")
         x = hidden_states.reshape(-1, self.hidden_size)
         ids = router_indices.reshape(x.shape[0], -1)
         if ids.dtype not in _ID_DTYPES:
             raise TypeError(f"{fn}: router_indices must be int32 or int64, got {ids.dtype}")
-        tokens, top_k = ids.shape
-        gate_up = self._project(x, "gate_up", ids, self.gate_up_bias)  # (T, k, 2I)
-        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-        gate = gate.clamp(max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        y = self._project(h.reshape(tokens * top_k, self.intermediate_size), "down",
-                          ids.reshape(tokens * top_k, 1), self.down_bias)
-        weights = routing_weights.reshape(tokens, top_k, 1).to(torch.float32)
-        out = (y.reshape(tokens, top_k, self.hidden_size).to(torch.float32) * weights).sum(dim=1)
-        return out.to(hidden_states.dtype).reshape(hidden_states.shape)
+        weights = routing_weights.reshape(ids.shape)
+        out = _gpt_oss_experts_op(x, ids, weights, self.gate_up_words, self.gate_up_scale_t,
+                                  self.gate_up_constants, self.formats[0], self.gate_up_bias, self.down_words,
+                                  self.down_scale_t, self.down_constants, self.formats[1], self.down_bias,
+                                  self.alpha, self.limit)
+        return out.reshape(hidden_states.shape)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden_size}, "

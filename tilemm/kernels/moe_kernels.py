@@ -17,19 +17,25 @@ captured in a CUDA graph):
 * ``slot_expert`` (S = min(T * k, E + 1)): the distinct experts in ascending order, -1 past the
   last. S bounds the number of distinct experts whatever the routing.
 
+A layer routes once for both of its projections (``tilemm.moe``'s gpt-oss experts op): the down
+projection's rows are the (token, slot) rows themselves, sorted by the same ``order``.
+
 The kernel's grid is S * cdiv(N, TN) blocks, fixed by T, k, E and N: block (slot, bn) takes expert
 ``slot_expert[slot]``'s tokens in chunks of TM, gathers their x rows (``ct.gather``), runs the K loop
 of the weight-only kernel on its TN weight rows, and scatters the TM output rows to their (token,
 slot) rows (``ct.scatter``). A block whose slot holds no expert does nothing, so an expert's weight
 tile is read once per chunk of TM of its tokens: once per call while an expert has at most TM
 tokens (decode), and re-read from L2 for every further chunk. The rows of ids outside [0, E) (the
-extra expert) are written as NaN: no weight is read for them, never another expert's.
+extra expert) are written as NaN: no weight is read for them, never another expert's. With ACT = 1
+the gate_up projection's epilogue applies gpt-oss's clamped SwiGLU to each (gate, up) pair of
+interleaved weight rows and writes the (T * k, N / 2) activation the down projection reads.
 
 Alternatives not taken, worth measuring: one block per (expert, N tile) for every expert (grid E *
 cdiv(N, TN); the empty ones exit at once; simpler routing, more blocks at small T); a K split for
 few active experts (one partial buffer of fixed size T * k * N); the FMA kernel (``_gemv_kernel``'s
 scheme) for one token per expert; a sorted-token grouped GEMM over padded TM-row tiles (vLLM's
-``moe_align_block_size`` scheme), better balanced under skewed routing at large T.
+``moe_align_block_size`` scheme), better balanced under skewed routing at large T; the routing in
+one small cuTile kernel (a counting sort) instead of about eight PyTorch kernels.
 """
 
 from __future__ import annotations
@@ -43,32 +49,51 @@ from ._aot import AotVariant, array
 from ._common import hinted, sm90_hints
 from .weight_only_kernels import LAYOUTS, Layout, _X_PARTS, _k_tile
 
-__all__ = ["MoEConfig", "plan", "route", "launch", "aot_variants"]
+__all__ = ["MoEConfig", "plan", "route", "launch", "zero_bias", "aot_variants", "SWIGLU_ALPHA", "SWIGLU_LIMIT"]
 
 ConstInt = ct.Constant[int]
 
 _ZERO = ct.PaddingMode.ZERO
 
 
+#: gpt-oss's clamped SwiGLU, fused into the gate_up projection's epilogue with ACT = 1.
+SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
+
+
+def _gpt_oss_glu(gate, up):
+    """(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit), in fp32."""
+    g = ct.minimum(gate, SWIGLU_LIMIT)
+    u = ct.maximum(ct.minimum(up, SWIGLU_LIMIT), -SWIGLU_LIMIT)
+    return (u + 1.0) * (g / (ct.exp(g * -SWIGLU_ALPHA) + 1.0))
+
+
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
 def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
                 ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
-                GROUP: ConstInt, TM: ConstInt, TN: ConstInt, X_PARTS: ConstInt, CAT: ConstInt):
-    """Block (slot, bn): Out rows of expert SlotExpert[slot]'s tokens, columns bn * TN ..
+                GROUP: ConstInt, TM: ConstInt, TN: ConstInt, X_PARTS: ConstInt, CAT: ConstInt,
+                ACT: ConstInt):
+    """Block (slot, bn): the Out rows of expert SlotExpert[slot]'s tokens, weight rows bn * TN ..
 
     X (T, K) activations; W (E, N, k_tiles * WORDS) int32 and S (E, K / BLOCK, N) uint8: the stacked
-    prepacked weights; Out (T * k, N) (k = Out rows / X rows, the slots per token); Consts (E, 2) fp32 (column 0: each expert's epilogue
-    factor alpha); Mult (1,) fp32: 2^(OFFSET - E), shared; Bias (E, N) fp32; Order (T * k,)
-    int32: (token, slot) rows t * k + j sorted by expert; Offsets (E + 2,) int32; SlotExpert
-    (S,) int32 (see the module docstring). Grid: S * cdiv(N, TN), N tiles fastest.
+    prepacked weights; Out (T * k, N) (k = Out rows / X rows, the slots per token), or with ACT = 1
+    (T * k, N / 2); Consts (E, 2) fp32 (column 0: each expert's epilogue factor alpha); Mult (1,)
+    fp32: 2^(OFFSET - E), shared; Bias (E, N) fp32; Order (T * k,) int64: the (token, slot) rows
+    t * k + j sorted by expert; Offsets (E + 2,) int64; SlotExpert (S,) int64 (see the module
+    docstring). Grid: S * cdiv(N, TN), N tiles fastest.
+
+    ACT = 1: the weight rows are gpt-oss's interleaved gate (even) and up (odd) rows; each product is
+    rounded to Out's dtype as without ACT, then ``_gpt_oss_glu`` of the pair, in fp32, rounded once
+    into column n / 2 of Out.
     """
-    N = Out.shape[1]
+    N = W.shape[1]
     ROWS = Out.shape[0]
     top_k = ROWS // X.shape[0]
     NUM_E = W.shape[0]
     WORDS = GROUP * BLOCK // 2
     TK = PLANES * GROUP * BLOCK
     SC = PLANES * GROUP
+    TO = TN // 2 if ACT == 1 else TN  # output columns per block
     num_n = ct.cdiv(N, TN)
     pid = ct.bid(0)
     bn = pid % num_n
@@ -77,14 +102,14 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
     if e >= 0:
         start = ct.load(Offsets, (e,), ())
         end = ct.load(Offsets, (e + 1,), ())
-        cols = (bn * TN + ct.arange(TN, dtype=ct.int32)).reshape((1, TN))
+        cols = (bn * TO + ct.arange(TO, dtype=ct.int32)).reshape((1, TO))
         chunks = ct.cdiv(end - start, TM)
         if e < NUM_E:
             k_tiles = ct.cdiv(X.shape[1], TK)
             alpha = ct.load(Consts, (e, 0), (1, 1))
             bias = ct.load(Bias, (e, bn), (1, TN), padding_mode=_ZERO)
             for c in range(chunks):
-                pos = start + c * TM + ct.arange(TM, dtype=ct.int32)
+                pos = start + c * TM + ct.arange(TM, dtype=ct.int64)
                 # Rows past the expert's run get the index ROWS: out of bounds, so their x rows load
                 # as zeros and their stores are dropped.
                 rows = ct.gather(Order, pos, mask=pos < end, padding_value=ROWS)
@@ -97,13 +122,18 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
                     x = ct.gather(X, (tokens, kcols))
                     acc = _k_tile(w.reshape((TN, WORDS)), s_raw.transpose(), Mult, x, acc, ELEMENT,
                                   SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT)
-                out = acc.transpose() * alpha + bias
-                ct.scatter(Out, (rows.reshape((TM, 1)), cols), out.astype(Out.dtype))
+                out = (acc.transpose() * alpha + bias).astype(Out.dtype)
+                if ACT == 1:
+                    pairs = out.astype(ct.float32).reshape((TM, TO, 2))
+                    gate = ct.extract(pairs, (0, 0, 0), (TM, TO, 1)).reshape((TM, TO))
+                    up = ct.extract(pairs, (0, 0, 1), (TM, TO, 1)).reshape((TM, TO))
+                    out = _gpt_oss_glu(gate, up).astype(Out.dtype)
+                ct.scatter(Out, (rows.reshape((TM, 1)), cols), out)
         else:
             # Ids outside [0, E): NaN rows, no weight read.
-            nan = ct.full((TM, TN), float("nan"), Out.dtype)
+            nan = ct.full((TM, TO), float("nan"), Out.dtype)
             for c in range(chunks):
-                pos = start + c * TM + ct.arange(TM, dtype=ct.int32)
+                pos = start + c * TM + ct.arange(TM, dtype=ct.int64)
                 rows = ct.gather(Order, pos, mask=pos < end, padding_value=ROWS)
                 ct.scatter(Out, (rows.reshape((TM, 1)), cols), nan)
 
@@ -112,24 +142,31 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
 # Routing, configs and launch
 # --------------------------------------------------------------------------------------------------
 
+_BOUNDS: dict = {}
+
+
 def route(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(order, offsets, slot_expert) int32 for ``topk_ids`` (T, k) (see the module docstring); fixed
-    sizes T * k, E + 2 and min(T * k, E + 1); no host synchronisation."""
+    """(order, offsets, slot_expert) int64 for ``topk_ids`` (T, k) (see the module docstring); fixed
+    sizes T * k, E + 2 and min(T * k, E + 1); no host synchronisation. About eight small kernels: a
+    layer computes it once for both of its projections."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     rows = flat.numel()
-    key = torch.where((flat < 0) | (flat >= num_experts), torch.full_like(flat, num_experts), flat)
-    order = torch.argsort(key, stable=True)
-    sorted_key = key[order]
-    bounds = torch.arange(num_experts + 2, device=flat.device, dtype=torch.int64)
-    offsets = torch.searchsorted(sorted_key, bounds)
-    # Distinct experts in ascending order: the slot of sorted position i is the number of run starts
-    # up to i, less one; every position of a run writes the same expert into its slot.
-    starts = torch.ones_like(sorted_key)
-    starts[1:] = (sorted_key[1:] != sorted_key[:-1]).to(torch.int64)
-    slot_of = torch.cumsum(starts, 0) - 1
-    slot_expert = torch.full((min(rows, num_experts + 1),), -1, dtype=torch.int64, device=flat.device)
-    slot_expert.scatter_(0, slot_of, sorted_key)
-    return order.to(torch.int32), offsets.to(torch.int32), slot_expert.to(torch.int32)
+    # ids outside [0, E) -> E: clamp to [-1, E], then -1 -> E (mod E + 1).
+    key = torch.remainder(flat.clamp(-1, num_experts), num_experts + 1)
+    sorted_key, order = torch.sort(key, stable=True)
+    bounds = _BOUNDS.get((flat.device, num_experts))
+    if bounds is None:  # made once per (device, E), so that a captured call allocates nothing for it
+        bounds = _BOUNDS[(flat.device, num_experts)] = torch.arange(
+            num_experts + 3, device=flat.device, dtype=torch.int64)
+    offsets = torch.searchsorted(sorted_key, bounds[:num_experts + 2])
+    # Distinct experts in ascending order: expert e is present when its run is not empty; its slot is
+    # the number of present experts below it. Absent experts write to the spare last entry.
+    present = offsets[1:] > offsets[:-1]
+    slot = torch.cumsum(present, 0) - 1
+    slots = min(rows, num_experts + 1)
+    slot_expert = torch.full((slots + 1,), -1, dtype=torch.int64, device=flat.device)
+    slot_expert.scatter_(0, torch.where(present, slot, slots), bounds[:num_experts + 1])
+    return order, offsets, slot_expert[:slots]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,25 +216,40 @@ def plan(tokens: int, top_k: int, num_experts: int, layout: Layout) -> MoEConfig
     return _config(tile_m, layout)
 
 
+_ZERO_BIAS: dict = {}
+
+
+def zero_bias(num_experts: int, n: int, device) -> torch.Tensor:
+    """A cached (E, N) fp32 zero bias (one allocation per shape and device, none per call)."""
+    key = (num_experts, n, torch.device(device))
+    t = _ZERO_BIAS.get(key)
+    if t is None:
+        t = _ZERO_BIAS[key] = torch.zeros((num_experts, n), dtype=torch.float32, device=device)
+    return t
+
+
 def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
-           bias: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, layout: Layout,
-           cfg: MoEConfig | None = None) -> None:
-    """out (T * k, N) = the expert products of x (T, K) for ``topk_ids`` (T, k); ``bias`` (E, N) fp32
-    (zeros for none); ``constants`` the stacked PackedWeight's (E, 2)."""
-    tokens, top_k = topk_ids.shape
+           bias: torch.Tensor | None, routed: tuple, top_k: int, out: torch.Tensor, layout: Layout,
+           act: int = 0, cfg: MoEConfig | None = None) -> None:
+    """out = the expert products of x (T, K) for the (token, slot) rows that ``routed`` (``route``'s
+    result for (T, top_k) ids) sorts: (T * top_k, N), or (T * top_k, N / 2) with ``act`` = 1 (gpt-oss's
+    SwiGLU on interleaved gate / up rows). ``bias`` (E, N) fp32 or None; ``constants`` the stacked
+    PackedWeight's (E, 2). One ``ct.launch``."""
+    order, offsets, slot_expert = routed
     num_experts, n = words.shape[0], words.shape[1]
-    cfg = cfg or plan(tokens, top_k, num_experts, layout)
-    order, offsets, slot_expert = route(topk_ids, num_experts)
+    cfg = cfg or plan(x.shape[0], top_k, num_experts, layout)
+    if bias is None:
+        bias = zero_bias(num_experts, n, x.device)
     grid = (slot_expert.shape[0] * -(-n // cfg.tile_n), 1, 1)
     stream = torch.cuda.current_stream(out.device)
     ct.launch(stream, grid, cfg.kernel,
               (x, words, scale_t, out, constants, constants[0, 1:2], bias, order, offsets, slot_expert,
-               *_constants(layout, cfg, _X_PARTS[x.dtype])))
+               *_constants(layout, cfg, _X_PARTS[x.dtype], act)))
 
 
-def _constants(layout: Layout, cfg: MoEConfig, x_parts: int) -> tuple:
+def _constants(layout: Layout, cfg: MoEConfig, x_parts: int, act: int) -> tuple:
     return (layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
-            cfg.tile_m, cfg.tile_n, x_parts, cfg.cat)
+            cfg.tile_m, cfg.tile_n, x_parts, cfg.cat, act)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -208,18 +260,22 @@ _CT_DTYPES = {torch.bfloat16: ct.bfloat16, torch.float16: ct.float16}
 
 
 def aot_variants(full: bool = True) -> list[AotVariant]:
-    """The grouped kernel per (layout, activation dtype, config), for sm_90, sm_100 and sm_120 (bf16
-    ``ct.mma`` and integer operations only). ``full=False`` keeps tile_m 16 and 64 (one per code
-    path: one MMA per K tile or one per plane). ``Consts`` (E, 2) and ``Mult`` (a view at byte 4 of
-    it) are passed as the launcher passes them: strides and base not 16-byte aligned."""
+    """The grouped kernel per (layout, activation dtype, config, epilogue), for sm_90, sm_100 and
+    sm_120 (bf16 ``ct.mma`` and integer operations only). ``full=False`` keeps tile_m 16 and 64 (one
+    MMA per K tile, or one per plane). The fused SwiGLU epilogue (act 1) is listed for 4-bit weights
+    and bf16 activations (gpt-oss). ``Consts`` (E, 2) and ``Mult`` (a view at byte 4 of it) are passed
+    as the launcher passes them: strides and base not 16-byte aligned."""
     variants = []
     for name, layout in LAYOUTS.items():
         configs = [_config(t, layout) for t in (_TILE_M if full else (16, 64))]
         for x_dtype, x_ct in _CT_DTYPES.items():
-            for cfg in configs:
-                params = [array(x_ct, 2), array(ct.int32, 3), array(ct.uint8, 3), array(x_ct, 2),
-                          array(ct.float32, 2, aligned=False), array(ct.float32, 1, aligned=False),
-                          array(ct.float32, 2), array(ct.int32, 1), array(ct.int32, 1), array(ct.int32, 1),
-                          *_constants(layout, cfg, _X_PARTS[x_dtype])]
-                variants.append(AotVariant(f"moe_{name}_{x_ct.name}_{cfg.name}", cfg.kernel, params))
+            acts = (0, 1) if layout.planes == 4 and x_dtype == torch.bfloat16 else (0,)
+            for act in acts:
+                for cfg in configs:
+                    params = [array(x_ct, 2), array(ct.int32, 3), array(ct.uint8, 3), array(x_ct, 2),
+                              array(ct.float32, 2, aligned=False), array(ct.float32, 1, aligned=False),
+                              array(ct.float32, 2), array(ct.int64, 1), array(ct.int64, 1), array(ct.int64, 1),
+                              *_constants(layout, cfg, _X_PARTS[x_dtype], act)]
+                    suffix = "_swiglu" if act else ""
+                    variants.append(AotVariant(f"moe_{name}_{x_ct.name}_{cfg.name}{suffix}", cfg.kernel, params))
     return variants

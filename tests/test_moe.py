@@ -342,6 +342,7 @@ def test_experts_module_matches_transformers(fmt, impl):
     weights = torch.softmax(top, dim=-1).to(torch.bfloat16)
     ref = hf(x, ids, weights)
     out = ours(x, ids, weights)
+    assert torch.equal(torch.compile(ours, fullgraph=True, backend="eager")(x, ids, weights), out)
     assert out.dtype == torch.bfloat16 and out.shape == (9, 64)
     err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
     assert err < 1e-2, err

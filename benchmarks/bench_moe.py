@@ -100,28 +100,30 @@ def log(msg: str, t0: float) -> None:
 
 # ------------------------------------------------------------------------------------------ weights
 
-def random_packed(fmt_name: str, e: int, n: int, k: int, device, gen: torch.Generator) -> PackedWeight:
+def random_packed(fmt_name: str, e: int, n: int, k: int, device, seed: int) -> PackedWeight:
     """A stacked (E, N, K) packed weight of random element codes and scale bytes, made directly in the
-    packed layout: MX scales 2^-9 .. 2^-5, NVFP4 e4m3 scales 2^-3 .. 2^1
-    with a per-tensor decode scale 1/64; the exponent and constants as ``prepack`` sets them."""
+    packed layout on ``device`` (with a generator there: gpt-oss-120b's experts are 61 GB): MX scales
+    2^-9 .. 2^-5, NVFP4 e4m3 scales 2^-3 .. 2^1 with a per-tensor decode scale 1/64; the exponent and
+    constants as ``prepack`` sets them."""
     fmt = {"mxfp4": tilemm.MXFP4, "nvfp4": tilemm.NVFP4, "mxfp8": tilemm.MXFP8_E4M3}[fmt_name]
     layout = layout_of(fmt)
-    words = torch.zeros((e, n, -(-k // layout.tile_k) * layout.words_per_tile), dtype=torch.int64)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    words = torch.zeros((e, n, -(-k // layout.tile_k) * layout.words_per_tile), dtype=torch.int32, device=device)
     words[..., :k // layout.elements_per_word] = torch.randint(  # (words past K, if any, stay zero)
-        -2 ** 31, 2 ** 31, (e, n, k // layout.elements_per_word), dtype=torch.int64, generator=gen)
+        -2 ** 31, 2 ** 31, (e, n, k // layout.elements_per_word), dtype=torch.int64, generator=gen,
+        device=device).to(torch.int32)
     if fmt.element == "e4m3" and not fmt.is_packed:  # no NaN codes (0x7F / 0xFF in any byte)
-        words = words & 0x7E7E7E7E
-    words = words.to(torch.int32)
+        words &= 0x7E7E7E7E
     lo, hi = (118, 123) if fmt.is_mx else (0x28, 0x48)
-    scale_t = torch.randint(lo, hi, (e, k // fmt.block, n), dtype=torch.uint8, generator=gen)
+    scale_t = torch.randint(lo, hi, (e, k // fmt.block, n), dtype=torch.uint8, generator=gen, device=device)
     top = float(decode_scales(fmt, scale_t.view(fmt.scale_dtype)).max())
     exponent = max(0, math.floor(math.log2(top)) + layout.offset - 127)
     gs = torch.full((e,), 1 / 64, dtype=torch.float32) if fmt.has_global_scale else None
     alpha = torch.full((e,), 2.0 ** exponent) * (gs if gs is not None else 1.0)
     constants = torch.stack((alpha, torch.full((e,), 2.0 ** (layout.offset - exponent))), dim=1)
-    return PackedWeight(fmt=fmt, words=words.to(device), scale_t=scale_t.to(device),
-                        constants=constants.contiguous().to(device), exponent=exponent, in_features=k,
-                        global_scale=None if gs is None else gs.to(device), alpha_host=float(alpha[0]))
+    return PackedWeight(fmt=fmt, words=words, scale_t=scale_t, constants=constants.contiguous().to(device),
+                        exponent=exponent, in_features=k, global_scale=None if gs is None else gs.to(device),
+                        alpha_host=float(alpha[0]))
 
 
 def dequantized(packed: PackedWeight) -> torch.Tensor:
@@ -244,8 +246,8 @@ def bench_layers(args, device, timer, t0) -> list[dict]:
         gub = torch.randn(e, 2 * inter, generator=gen).to(device) * 0.1 if biases else None
         db = torch.randn(e, hidden, generator=gen).to(device) * 0.1 if biases else None
         for fmt in formats:
-            gate_up = random_packed(fmt, e, 2 * inter, hidden, device, gen)
-            down = random_packed(fmt, e, hidden, inter, device, gen)
+            gate_up = random_packed(fmt, e, 2 * inter, hidden, device, seed=SEED + 1)
+            down = random_packed(fmt, e, hidden, inter, device, seed=SEED + 2)
             ours = MoEExperts(gate_up, down, gub, db)
             # transformers' layout (E, K, N), made once (the grouped GEMM and its module share it)
             w_gu = dequantized(gate_up).transpose(1, 2).contiguous()
@@ -416,10 +418,10 @@ def bench_e2e(args, device, t0) -> dict:
     model.config.intermediate_size = shape120["intermediate_size"]
     gen = torch.Generator().manual_seed(SEED)
     e, h, i = shape120["num_local_experts"], shape120["hidden_size"], shape120["intermediate_size"]
-    for name, _ in _experts_modules(model):
+    for layer, (name, _) in enumerate(_experts_modules(model)):
         _swap(model, name, None)
-        _swap(model, name, MoEExperts(random_packed("mxfp4", e, 2 * i, h, device, gen),
-                                      random_packed("mxfp4", e, h, i, device, gen),
+        _swap(model, name, MoEExperts(random_packed("mxfp4", e, 2 * i, h, device, seed=2 * layer),
+                                      random_packed("mxfp4", e, h, i, device, seed=2 * layer + 1),
                                       (torch.randn(e, 2 * i, generator=gen) * 0.1).to(device),
                                       (torch.randn(e, h, generator=gen) * 0.1).to(device)))
     from bench_decode import model_bytes

@@ -42,14 +42,23 @@ def _routing(kind, t, k, e, gen):
     return ids
 
 
-@pytest.mark.parametrize("fmt", list(QUANTIZERS))
-@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-# (T, k, E, N, K): decode (T = 1), a few tokens, T = 100 (tile_m 32 / 64 by tokens per expert),
-# T = 300 top-4 of 8 (tile_m 128, several chunks per expert); N = 200 and K = 4128 not tile multiples.
-@pytest.mark.parametrize("t,k,e,n,kdim", [(1, 4, 8, 256, 512), (5, 2, 6, 200, 4128), (100, 4, 16, 192, 256),
-                                          (300, 4, 8, 128, 512)])
-@pytest.mark.parametrize("routing", ["uniform", "skewed", "invalid"])
-def test_moe_linear_matches_reference(fmt, x_dtype, t, k, e, n, kdim, routing):
+def _cases():
+    """(fmt, x dtype, (T, k, E, N, K), routing). Shapes: decode (T = 1, tile_m 16); a few tokens with
+    N = 200 and K = 4128 not tile multiples; T = 100 top-4 of 16 (tile_m 32); T = 300 top-4 of 8
+    (tile_m 128, several chunks per expert under skewed routing). fp16 on the first two shapes (each
+    new (format, dtype, tile_m) is one more JIT compile)."""
+    shapes = [(1, 4, 8, 256, 512), (5, 2, 6, 200, 4128), (100, 4, 16, 192, 256), (300, 4, 8, 128, 512)]
+    for fmt in QUANTIZERS:
+        for i, shape in enumerate(shapes):
+            for routing in ("uniform", "skewed", "invalid"):
+                yield pytest.param(fmt, torch.bfloat16, shape, routing, id=f"{fmt}-bf16-{shape}-{routing}")
+                if i < 2:
+                    yield pytest.param(fmt, torch.float16, shape, routing, id=f"{fmt}-fp16-{shape}-{routing}")
+
+
+@pytest.mark.parametrize("fmt,x_dtype,shape,routing", list(_cases()))
+def test_moe_linear_matches_reference(fmt, x_dtype, shape, routing):
+    t, k, e, n, kdim = shape
     gen = torch.Generator().manual_seed(t + n)
     w_q = QUANTIZERS[fmt](torch.randn(e, n, kdim, generator=gen))
     packed = tilemm.prepack(w_q).to(DEV)

@@ -227,6 +227,42 @@ def hf_experts(config_kw: dict, gate_up, gate_up_bias, down, down_bias):
     return module
 
 
+# ------------------------------------------------------------------------------------- alternatives
+
+#: Structurally different launches of the same layer, timed next to the chosen one at T <= 16:
+#: "all_experts": one block per (expert, N tile) for every expert (the empty ones exit at once)
+#: instead of the compacted active-expert slots; "unfused": the gate_up products written out and
+#: gpt-oss's SwiGLU as PyTorch operations, instead of the fused epilogue.
+DESIGNS = ("all_experts", "unfused")
+DESIGN_MAX_T = 16
+
+
+def designed(ours: MoEExperts, design: str):
+    """``ours``'s forward with one design choice changed (the same numbers but for the SwiGLU's exp)."""
+    from tilemm.kernels import moe_kernels as mk
+    from tilemm.moe import _weighted_sum, gpt_oss_glu
+
+    gu, dn = ours.packed("gate_up"), ours.packed("down")
+    every = torch.arange(ours.num_experts + 1, device=gu.device)
+
+    def forward(x, ids, weights):
+        t, k = ids.shape
+        order, offsets, slots = mk.route(ids, ours.num_experts)
+        routed = (order, offsets, every if design == "all_experts" else slots)
+        h = torch.empty(t * k, ours.intermediate_size, dtype=x.dtype, device=x.device)
+        if design == "unfused":
+            gate_up = torch.empty(t * k, 2 * ours.intermediate_size, dtype=x.dtype, device=x.device)
+            mk.launch(x, gu.words, gu.scale_t, gu.constants, ours.gate_up_bias, routed, k, gate_up, gu.layout)
+            h = gpt_oss_glu(gate_up, ours.alpha, ours.limit)
+        else:
+            mk.launch(x, gu.words, gu.scale_t, gu.constants, ours.gate_up_bias, routed, k, h, gu.layout, act=1)
+        y = torch.empty(t * k, ours.hidden_size, dtype=x.dtype, device=x.device)
+        mk.launch(h, dn.words, dn.scale_t, dn.constants, ours.down_bias, routed, 1, y, dn.layout)
+        return _weighted_sum(y.reshape(t, k, ours.hidden_size), weights)
+
+    return forward
+
+
 # ------------------------------------------------------------------------------------------- layers
 
 def rel_err(a, b) -> float:
@@ -281,6 +317,11 @@ def bench_layers(args, device, timer, t0) -> list[dict]:
                                     "hf": lambda: hf(x, ids, weights)}
                         if can_group:
                             variants["grouped"] = lambda: grouped(x, ids, weights)
+                        if t <= DESIGN_MAX_T:
+                            for design in DESIGNS:
+                                fwd = designed(ours, design)
+                                rec[f"{design}_rel_err"] = rel_err(fwd(x, ids, weights), ref)
+                                variants[design] = (lambda f: lambda: f(x, ids, weights))(fwd)
                         for vname, fn in variants.items():
                             try:
                                 ms, how = timer(fn)
@@ -458,6 +499,16 @@ def markdown(meta, layers, e2e) -> str:
         lines.append(f"| {r['layer']} | {r['format']} | {r['routing']} | {r['T']} | {_f(r.get('tilemm_us'), '.1f')} "
                      f"| {hf} | {_f(r.get('grouped_us'), '.1f')} | {_f(r.get('speedup'), '.2f')} | "
                      f"{_f(target, '.1f')} | {r['rel_err']:.1e} / {_f(r.get('hf_rel_err'), '.1e')} |")
+    designs = [r for r in layers if any(f"{d}_us" in r for d in DESIGNS)]
+    if designs:
+        lines += ["", "Alternative launches of the same layer (us; see ``DESIGNS`` in the script): "
+                  "all_experts = a block per (expert, N tile) for every expert; unfused = SwiGLU outside "
+                  "the kernel.", "", "| layer | fmt | routing | T | tilemm | all_experts | unfused |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in designs:
+            lines.append(f"| {r['layer']} | {r['format']} | {r['routing']} | {r['T']} | "
+                         f"{_f(r.get('tilemm_us'), '.1f')} | {_f(r.get('all_experts_us'), '.1f')} | "
+                         f"{_f(r.get('unfused_us'), '.1f')} |")
     anchor = [r for r in layers if r["layer"].startswith("qwen") and r["T"] in ANCHOR_US and "tilemm_us" in r]
     if anchor:
         lines += ["", "Anchor (published cuTile NVFP4 W4A16 fused MoE on an H100 NVL: "

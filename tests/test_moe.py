@@ -429,3 +429,14 @@ def test_benchmark_cpu_smoke(tmp_path):
     result = json.loads((tmp_path / "moe-cpu.json").read_text())
     assert result["layers"] and all(r["rel_err"] < 1e-2 for r in result["layers"])
     assert set(result["e2e"]) == {"gpt-oss-20b", "gpt-oss-120b"}
+
+
+def test_quantize_model_passes_the_element_dtype_to_the_experts():
+    torch.manual_seed(3)
+    model = transformers.GptOssForCausalLM(tiny_gpt_oss_config()).to(torch.bfloat16)
+    tilemm.quantize_model(model, "mxfp8", weight_only=True, elem_dtype=torch.float8_e5m2)
+    experts = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    assert len(experts) == 2 and experts[0].formats == ("mxfp8_e5m2", "mxfp8_e5m2")
+    assert isinstance(model.model.layers[0].self_attn.q_proj, tilemm.nn.Linear)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()

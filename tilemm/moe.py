@@ -286,9 +286,11 @@ class MoEExperts(torch.nn.Module):
                             in_features=self.hidden_size if i == 0 else self.intermediate_size)
 
     @classmethod
-    def from_gpt_oss(cls, experts: torch.nn.Module, format: str = "mxfp4") -> "MoEExperts":
+    def from_gpt_oss(cls, experts: torch.nn.Module, format: str = "mxfp4", *, quantizer=None) -> "MoEExperts":
         """Quantize a transformers ``GptOssExperts`` (bf16 gate_up_proj (E, H, 2I), down_proj (E, I, H),
-        biases) along K per expert to ``format`` ("mxfp4", "nvfp4" or "mxfp8") and prepack it."""
+        biases) along K per expert to ``format`` ("mxfp4", "nvfp4" or "mxfp8") and prepack it.
+        ``quantizer`` (an (N, K) tensor -> a quantized weight of ``format``) replaces the default
+        ``tilemm.quantize_<format>`` (``quantize_model`` passes its element dtype and rounding)."""
         from . import quantize as q
         from .packed import prepack
 
@@ -296,7 +298,7 @@ class MoEExperts(torch.nn.Module):
         if format not in quantizers:
             raise ValueError(f"tilemm.moe.MoEExperts.from_gpt_oss: format must be one of "
                              f"{', '.join(map(repr, quantizers))}, got {format!r}")
-        quantizer = quantizers[format]
+        quantizer = quantizer or quantizers[format]
         with torch.no_grad():
             # transformers stores (E, K, N) (x @ W); tilemm quantizes (E, N, K) rows along K, per expert.
             gate_up = prepack([quantizer(experts.gate_up_proj[e].t().contiguous())

@@ -607,7 +607,7 @@ def quantize_model(model: torch.nn.Module, format: str, *,
             from .moe import MoEExperts
 
             if id(module) not in converted:
-                converted[id(module)] = MoEExperts.from_gpt_oss(module, format)
+                converted[id(module)] = MoEExperts.from_gpt_oss(module, format, quantizer=options.quantize_weight)
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, converted[id(module)])
             continue

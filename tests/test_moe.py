@@ -440,3 +440,17 @@ def test_quantize_model_passes_the_element_dtype_to_the_experts():
     assert isinstance(model.model.layers[0].self_attn.q_proj, tilemm.nn.Linear)
     with torch.no_grad():
         assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def test_custom_ops_opcheck():
+    """torch.library.opcheck of both ops (fake shapes, schema, autograd registration)."""
+    _, packed = stacked("mxfp4", 4, 64, 64)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    ids = torch.tensor([[0, 3], [2, 2], [1, 0]])
+    torch.library.opcheck(torch.ops.tilemm.moe_linear.default,
+                          (x, packed.words, packed.scale_t, packed.constants, "mxfp4", 64, ids, torch.zeros(4, 64)))
+    _, down = stacked("mxfp4", 4, 64, 32)
+    weights = torch.rand(3, 2).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.tilemm.gpt_oss_experts.default,
+                          (x, ids, weights, packed.words, packed.scale_t, packed.constants, "mxfp4", None,
+                           down.words, down.scale_t, down.constants, "mxfp4", torch.zeros(4, 64), 1.702, 7.0))

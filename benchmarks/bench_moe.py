@@ -257,7 +257,7 @@ def designed(ours: MoEExperts, design: str):
         else:
             mk.launch(x, gu.words, gu.scale_t, gu.constants, ours.gate_up_bias, routed, k, h, gu.layout, act=1)
         y = torch.empty(t * k, ours.hidden_size, dtype=x.dtype, device=x.device)
-        mk.launch(h, dn.words, dn.scale_t, dn.constants, ours.down_bias, routed, 1, y, dn.layout)
+        mk.launch(h, dn.words, dn.scale_t, dn.constants, ours.down_bias, routed, 1, y, dn.layout, tokens=t)
         return _weighted_sum(y.reshape(t, k, ours.hidden_size), weights)
 
     return forward

@@ -242,8 +242,10 @@ def test_kernel_matches_reference(emulated, fmt, x_dtype):
     bias = torch.randn(e, n, generator=gen)
     ref = reference_moe(x, packed.words, packed.scale_t, packed.constants, packed.fmt.name, k, ids, bias)
     ok = (ids >= 0) & (ids < e)
+    # tile_m 16: expert 1's two chunks in one block (T = 12: one chunk group); tile_m 8: two chunk
+    # groups (expert 1's three chunks over two blocks); tile_m 32: one chunk.
     for cfg in (mk.MoEConfig(16, 16, 4, None, cat=1), mk.MoEConfig(16, 16, 4, None, cat=0),
-                mk.MoEConfig(32, 16, 4, None)):
+                mk.MoEConfig(8, 16, 4, None, cat=1), mk.MoEConfig(32, 16, 4, None)):
         out = _run_kernel(x, packed, ids, bias, cfg)
         assert out[~ok].isnan().all()
         assert_matches(out[ok].float(), ref[ok].float(), x_dtype)
@@ -280,6 +282,17 @@ def test_fused_swiglu_epilogue(emulated, fmt):
     assert (plain[..., ::2].float() > mk.SWIGLU_LIMIT).any()  # the clamp matters in this case
     # exp's rounding aside, equal: at most one bf16 ulp apart
     assert torch.allclose(fused.float(), expected.float(), rtol=2 ** -7, atol=1e-6)
+
+
+def test_chunk_groups_spread_a_popular_expert(emulated):
+    """Every token picks expert 2 (skewed routing at large T): its chunks spread over G blocks; the
+    result is the same whatever G."""
+    assert mk.chunk_groups(1, 16) == 1 and mk.chunk_groups(40, 16) == 3 and mk.chunk_groups(10 ** 4, 16) == 8
+    w_q, packed = stacked("mxfp4", 3, 16, 256, seed=11)
+    x = torch.randn(40, 256).to(torch.bfloat16)
+    ids = torch.stack([torch.full((40,), 2), torch.arange(40) % 2], dim=1)
+    out = _run_kernel(x, packed, ids, None, mk.MoEConfig(16, 16, 4, None, cat=1))
+    assert_matches(out.float(), reference64(x, w_q, ids), torch.bfloat16)
 
 
 def test_plan_tile_m_follows_tokens_per_expert():

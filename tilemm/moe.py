@@ -204,7 +204,8 @@ def run_gpt_oss_experts(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_
                   layout_of(FORMATS[gu_format]))
         h = gpt_oss_glu(gate_up, alpha, limit)
     y = torch.empty((tokens * top_k, hidden), dtype=x.dtype, device=x.device)
-    mk.launch(h, d_words, d_scale_t, d_constants, d_bias, routed, 1, y, layout_of(FORMATS[d_format]))
+    mk.launch(h, d_words, d_scale_t, d_constants, d_bias, routed, 1, y, layout_of(FORMATS[d_format]),
+              tokens=tokens)
     return _weighted_sum(y.reshape(tokens, top_k, hidden), weights)
 
 

@@ -20,8 +20,9 @@ captured in a CUDA graph):
 A layer routes once for both of its projections (``tilemm.moe``'s gpt-oss experts op): the down
 projection's rows are the (token, slot) rows themselves, sorted by the same ``order``.
 
-The kernel's grid is S * cdiv(N, TN) blocks, fixed by T, k, E and N: block (slot, bn) takes expert
-``slot_expert[slot]``'s tokens in chunks of TM, gathers their x rows (``ct.gather``), runs the K loop
+The kernel's grid is S * G * cdiv(N, TN) blocks, fixed by T, k, E and N: block (slot, g, bn) takes
+expert ``slot_expert[slot]``'s tokens in chunks of TM (every G-th chunk from chunk g; G grows with T,
+``chunk_groups``), gathers their x rows (``ct.gather``), runs the K loop
 of the weight-only kernel on its TN weight rows, and scatters the TM output rows to their (token,
 slot) rows (``ct.scatter``). A block whose slot holds no expert does nothing, so an expert's weight
 tile is read once per chunk of TM of its tokens: once per call while an expert has at most TM
@@ -49,7 +50,7 @@ from ._aot import AotVariant, array
 from ._common import hinted, sm90_hints
 from .weight_only_kernels import LAYOUTS, Layout, _X_PARTS, _k_tile
 
-__all__ = ["MoEConfig", "plan", "route", "launch", "zero_bias", "aot_variants", "SWIGLU_ALPHA", "SWIGLU_LIMIT"]
+__all__ = ["MoEConfig", "plan", "route", "launch", "zero_bias", "chunk_groups", "aot_variants", "SWIGLU_ALPHA", "SWIGLU_LIMIT"]
 
 ConstInt = ct.Constant[int]
 
@@ -80,7 +81,9 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
     (T * k, N / 2); Consts (E, 2) fp32 (column 0: each expert's epilogue factor alpha); Mult (1,)
     fp32: 2^(OFFSET - E), shared; Bias (E, N) fp32; Order (T * k,) int64: the (token, slot) rows
     t * k + j sorted by expert; Offsets (E + 2,) int64; SlotExpert (S,) int64 (see the module
-    docstring). Grid: S * cdiv(N, TN), N tiles fastest.
+    docstring). Grid: S * G * cdiv(N, TN), N tiles fastest, then G chunk groups: block (slot, g, bn)
+    takes chunks g, g + G, .. of its expert's tokens (G = 1 unless T is large: a popular expert's
+    chunks then spread over G blocks instead of running one after another in one).
 
     ACT = 1: the weight rows are gpt-oss's interleaved gate (even) and up (odd) rows; each product is
     rounded to Out's dtype as without ACT, then ``_gpt_oss_glu`` of the pair, in fp32, rounded once
@@ -95,9 +98,11 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
     SC = PLANES * GROUP
     TO = TN // 2 if ACT == 1 else TN  # output columns per block
     num_n = ct.cdiv(N, TN)
+    groups = ct.num_blocks(0) // (num_n * SlotExpert.shape[0])
     pid = ct.bid(0)
     bn = pid % num_n
-    slot = pid // num_n
+    group = (pid // num_n) % groups
+    slot = pid // (num_n * groups)
     e = ct.load(SlotExpert, (slot,), ())
     if e >= 0:
         start = ct.load(Offsets, (e,), ())
@@ -108,7 +113,7 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
             k_tiles = ct.cdiv(X.shape[1], TK)
             alpha = ct.load(Consts, (e, 0), (1, 1))
             bias = ct.load(Bias, (e, bn), (1, TN), padding_mode=_ZERO)
-            for c in range(chunks):
+            for c in range(group, chunks, groups):
                 pos = start + c * TM + ct.arange(TM, dtype=ct.int64)
                 # Rows past the expert's run get the index ROWS: out of bounds, so their x rows load
                 # as zeros and their stores are dropped.
@@ -132,7 +137,7 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
         else:
             # Ids outside [0, E): NaN rows, no weight read.
             nan = ct.full((TM, TO), float("nan"), Out.dtype)
-            for c in range(chunks):
+            for c in range(group, chunks, groups):
                 pos = start + c * TM + ct.arange(TM, dtype=ct.int64)
                 rows = ct.gather(Order, pos, mask=pos < end, padding_value=ROWS)
                 ct.scatter(Out, (rows.reshape((TM, 1)), cols), nan)
@@ -216,6 +221,18 @@ def plan(tokens: int, top_k: int, num_experts: int, layout: Layout) -> MoEConfig
     return _config(tile_m, layout)
 
 
+#: At most this many blocks share one (expert, N tile)'s chunks of tokens.
+MAX_CHUNK_GROUPS = 8
+
+
+def chunk_groups(tokens: int, tile_m: int) -> int:
+    """G, the blocks per (expert, N tile): enough that an expert chosen by every one of the T =
+    ``tokens`` tokens runs at most ceil(T / (TM * G)) chunks in a row, at most ``MAX_CHUNK_GROUPS``;
+    1 while T <= TM. Fixed by the shapes, not the routing (blocks past an expert's chunks exit at
+    once)."""
+    return max(1, min(MAX_CHUNK_GROUPS, -(-tokens // tile_m)))
+
+
 _ZERO_BIAS: dict = {}
 
 
@@ -230,17 +247,19 @@ def zero_bias(num_experts: int, n: int, device) -> torch.Tensor:
 
 def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
            bias: torch.Tensor | None, routed: tuple, top_k: int, out: torch.Tensor, layout: Layout,
-           act: int = 0, cfg: MoEConfig | None = None) -> None:
+           act: int = 0, cfg: MoEConfig | None = None, tokens: int | None = None) -> None:
     """out = the expert products of x (T, K) for the (token, slot) rows that ``routed`` (``route``'s
     result for (T, top_k) ids) sorts: (T * top_k, N), or (T * top_k, N / 2) with ``act`` = 1 (gpt-oss's
     SwiGLU on interleaved gate / up rows). ``bias`` (E, N) fp32 or None; ``constants`` the stacked
-    PackedWeight's (E, 2). One ``ct.launch``."""
+    PackedWeight's (E, 2). ``tokens``: the T of the routing (default x's rows; the down projection,
+    whose x has a row per (token, slot), passes the layer's T). One ``ct.launch``."""
     order, offsets, slot_expert = routed
     num_experts, n = words.shape[0], words.shape[1]
     cfg = cfg or plan(x.shape[0], top_k, num_experts, layout)
     if bias is None:
         bias = zero_bias(num_experts, n, x.device)
-    grid = (slot_expert.shape[0] * -(-n // cfg.tile_n), 1, 1)
+    groups = chunk_groups(x.shape[0] if tokens is None else tokens, cfg.tile_m)
+    grid = (slot_expert.shape[0] * groups * -(-n // cfg.tile_n), 1, 1)
     stream = torch.cuda.current_stream(out.device)
     ct.launch(stream, grid, cfg.kernel,
               (x, words, scale_t, out, constants, constants[0, 1:2], bias, order, offsets, slot_expert,

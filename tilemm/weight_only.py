@@ -91,7 +91,8 @@ class WeightOnlyRunner:
         self.layout = packed.layout
         self.n, self.k = packed.shape
         self.device = packed.device
-        self.bias = (torch.zeros(self.n, dtype=torch.float32, device=self.device) if bias is None
+        # No bias: the shared persistent zero vector (a call allocates and fills nothing).
+        self.bias = (_kernel.zero_bias(self.device, self.n) if bias is None
                      else bias.detach().to(device=self.device, dtype=torch.float32).contiguous())
         self._prepared: dict = {}
         self._sms = None
@@ -193,8 +194,10 @@ def run_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: 
     fmt = FORMATS[fmt_name]
     packed = PackedWeight(fmt=fmt, words=words, scale_t=scale_t, constants=constants, exponent=0,
                           in_features=in_features, alpha_host=alpha_host)
-    # A runner per call, keeping nothing: under torch.compile's CUDA graphs (mode="reduce-overhead")
-    # every allocation of the op must be an output or die with the call.
+    # A runner per call that keeps nothing of its own: under torch.compile's CUDA graphs
+    # (mode="reduce-overhead") the call allocates only its output, and launches one kernel (a missing
+    # bias and a K split's workspace are persistent buffers shared per device / stream,
+    # ``weight_only_kernels.zero_bias`` / ``workspace``).
     runner = WeightOnlyRunner(packed, bias, keep_workspace=False)
     return runner(x2d.contiguous(), None if alpha is None else alpha.reshape(1))
 

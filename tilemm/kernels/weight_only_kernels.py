@@ -64,6 +64,7 @@ measured for these choices and their alternatives is in ``benchmarks/results/wei
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import cuda.tile as ct
 import torch
@@ -610,10 +611,11 @@ def _constants(layout: Layout, cfg: WeightOnlyConfig, x_parts: int) -> tuple:
 class Prepared:
     """One weight-only launch with everything but the activation and the output worked out: the
     grid, the specialised kernel and the argument tuple's fixed parts. ``run`` costs one
-    ``ct.launch`` (plus an fp32 partial buffer when K is split and the workspace is not kept).
+    ``ct.launch`` and no allocation: a K split's fp32 partial tiles and arrival counters live in the
+    stream's persistent workspace (``workspace``), which the kernel leaves ready for the next launch.
 
-    With ``keep_workspace`` (a launch made for many calls) the fixed tensors are passed to cuTile
-    already described (``Described``) and the split-K workspace is kept per stream."""
+    With ``keep_workspace`` (a launch made for many calls) the fixed tensors and the workspace views
+    are passed to cuTile already described (``Described``), once per stream."""
 
     __slots__ = ("grid", "kernel", "m", "n", "split", "tiles", "fixed", "alpha", "rest", "consts", "_work")
 
@@ -633,21 +635,19 @@ class Prepared:
         self._work = {} if keep_workspace else None
 
     def _workspace(self, out, stream):
-        """(partial, counter): the fp32 partial tiles and arrival counters of split-K (per stream:
-        launches on one stream run in order, so they share a workspace; the counters end every launch
-        at zero), or, without a split, stand-ins the kernel never reads."""
+        """(partial, counter): views of the stream's workspace holding the (SPLIT_K, M, N) fp32
+        partial tiles and one arrival counter per output tile, or, without a split, stand-ins the
+        kernel never reads."""
         if self.split == 1:
             return out, self.alpha
-        if self._work is None:  # fresh each call (inside torch.compile's CUDA graphs nothing may linger)
-            return (torch.empty((self.split, self.m, self.n), dtype=torch.float32, device=out.device),
-                    torch.zeros(self.tiles, dtype=torch.int32, device=out.device))
+        if self._work is None:
+            return workspace(out.device, stream, self.split, self.m, self.n, self.tiles)
         key = _stream_key(stream)
         work = self._work.get(key)
         if work is None:
+            views = workspace(out.device, stream, self.split, self.m, self.n, self.tiles)
             wrap = Described if out.is_cuda else (lambda t: t)
-            work = self._work[key] = (
-                wrap(torch.empty((self.split, self.m, self.n), dtype=torch.float32, device=out.device)),
-                wrap(_counters(out.device, stream, self.tiles)))
+            work = self._work[key] = (wrap(views[0]), wrap(views[1]))
         return work
 
     def run(self, x: torch.Tensor, out: torch.Tensor, stream, alpha: torch.Tensor | None = None) -> None:
@@ -675,17 +675,110 @@ def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constant
     prepared.run(x, out, torch.cuda.current_stream(out.device))
 
 
-_COUNTERS: dict = {}
+# --------------------------------------------------------------------------------------------------
+# Persistent buffers: the split-K workspace and the zero bias
+# --------------------------------------------------------------------------------------------------
+
+#: Smallest buffers handed out (counters, fp32 partial elements, zero-bias length): one allocation
+#: covers every shape of a model's layers at decode batch sizes.
+_MIN_COUNTERS = 1 << 14
+_MIN_PARTIAL = 1 << 20
+_MIN_ZEROS = 1 << 15
+
+#: (device, stream) -> {"partial": fp32 buffer, "counters": int32 buffer (zero between launches)};
+#: device -> fp32 zeros. A buffer, once handed to a kernel, may be baked into a captured CUDA graph,
+#: so a replaced (smaller) buffer is kept alive in ``_RETIRED``, never freed.
+_WORKSPACES: dict = {}
+_ZERO_BIAS: dict = {}
+_RETIRED: list = []
 
 
-def _counters(device: torch.device, stream, tiles: int) -> torch.Tensor:
-    """Zeroed int32 split-K arrival counters, one per output tile, per (device, stream): the kernel
-    leaves them at zero, so launches on one stream (in order) share them, and streams never do."""
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _outside_graph_pools(make):
+    """``make()`` run on a helper thread and waited for.
+
+    torch.compile's CUDA graphs (mode="reduce-overhead") route every allocation of the thread that
+    warms up or records a graph to that graph's private memory pool, whose blocks the graph tree
+    reuses for other tensors once the recording ends. A buffer that must outlive the call is therefore
+    allocated (and zero-filled, then synchronized) from another thread, whose allocations go to the
+    ordinary caching pool. Never called while the current stream is capturing."""
+    box: list = []
+
+    def body():
+        try:
+            t = make()
+            if t.is_cuda:
+                torch.cuda.synchronize(t.device)
+            box.append(t)
+        except BaseException as e:  # re-raised in the caller's thread
+            box.append(e)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
+def _grow(table: dict, key, name: str, need: int, make):
+    """table[key][name] with at least ``need`` elements: allocated outside the graph pools, the
+    replaced buffer retired (kept alive)."""
+    slot = table.setdefault(key, {})
+    buf = slot.get(name)
+    if buf is None or buf.numel() < need:
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = slot[name] = _outside_graph_pools(make)
+    return buf
+
+
+def workspace(device: torch.device, stream, split: int, m: int, n: int, tiles: int):
+    """(partial (split, M, N) fp32, counters (tiles,) int32): views of the persistent split-K
+    workspace of (device, stream), as the kernel's ``Partial`` and ``Counter``.
+
+    The kernel leaves every counter at zero when it ends, and only reads the partial tiles that its own
+    blocks wrote in the same launch, so launches on one stream (which run in order) share one
+    workspace and a launch needs neither an allocation nor a fill kernel: under CUDA graphs and
+    torch.compile a weight-only linear is exactly one kernel. Streams never share a workspace;
+    a CUDA graph uses the workspace of the stream it was captured on, so graphs captured on one stream
+    must not be replayed concurrently with each other (torch.compile's graphs replay in order).
+
+    Inside a stream capture that has no large enough workspace yet (nothing may be allocated outside
+    the graph while it records), the partial tiles and zeroed counters are allocated in the graph
+    instead (one fill kernel more in that graph)."""
+    partial_elements = split * m * n
     key = (device, _stream_key(stream))
-    t = _COUNTERS.get(key)
-    if t is None or t.numel() < tiles:
-        t = _COUNTERS[key] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-    return t
+    slot = _WORKSPACES.get(key, {})
+    have = slot.get("partial"), slot.get("counters")
+    if have[0] is None or have[0].numel() < partial_elements or have[1].numel() < tiles:
+        if _capturing(device):
+            return (torch.empty((split, m, n), dtype=torch.float32, device=device),
+                    torch.zeros(tiles, dtype=torch.int32, device=device))
+        _grow(_WORKSPACES, key, "partial", partial_elements,
+              lambda: torch.empty(max(partial_elements, _MIN_PARTIAL), dtype=torch.float32, device=device))
+        _grow(_WORKSPACES, key, "counters", tiles,
+              lambda: torch.zeros(max(tiles, _MIN_COUNTERS), dtype=torch.int32, device=device))
+        slot = _WORKSPACES[key]
+    return slot["partial"][:partial_elements].view(split, m, n), slot["counters"][:tiles]
+
+
+def zero_bias(device: torch.device, n: int) -> torch.Tensor:
+    """A persistent (n,) fp32 zero vector on ``device``, the bias of a layer without one (shared,
+    never written, allocated outside CUDA-graph pools; inside a capture with none long enough yet, a
+    fresh zero vector of the graph)."""
+    buf = _ZERO_BIAS.get(device)
+    if buf is None or buf.numel() < n:
+        if _capturing(device):
+            return torch.zeros(n, dtype=torch.float32, device=device)
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = _ZERO_BIAS[device] = _outside_graph_pools(
+            lambda: torch.zeros(max(n, _MIN_ZEROS), dtype=torch.float32, device=device))
+    return buf[:n]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -88,3 +88,25 @@ def test_plan_table():
     assert wl.plan(64, 1, 1, mx4, table).kind == "decode" and wl.plan(10 ** 6, 1, 1, mx8, table) is None
     with pytest.raises(ValueError, match="kind must be"):
         wl.LargeConfig("other")
+
+
+@pytest.mark.parametrize("kind", ["fused", "decode"])
+def test_runner_dispatches_through_the_table(emulated, monkeypatch, kind):
+    """``WeightOnlyRunner`` takes the design the table names for bf16 x (here from M = 16 on, with
+    small tiles so that the emulator is quick); below the table's first row, the small-M kernel."""
+    import tilemm.weight_only as wol
+
+    cfg = wl.LargeConfig("fused", 16, 16) if kind == "fused" else wl.LargeConfig("decode", chunk=32)
+    monkeypatch.setattr(wl, "PLAN", {"4bit": ((16, cfg),), "8bit": ()})
+    monkeypatch.setattr(wol, "_raw_stream", lambda index: 0)
+    calls = []
+    for name in ("launch", "decode_gemm"):
+        original = getattr(wl, name)
+        monkeypatch.setattr(wl, name, (lambda f, nm: lambda *a, **k: (calls.append(nm), f(*a, **k))[1])(original, name))
+    w_q = _weight(MXFP4, 40, 512, seed=9)
+    runner = wol.WeightOnlyRunner(prepack(w_q), None)
+    runner._sms = 4
+    for m in (20, 5):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+        assert_matches(runner(x).float(), _reference(x, w_q), torch.bfloat16)
+    assert calls == ["launch" if kind == "fused" else "decode_gemm"]

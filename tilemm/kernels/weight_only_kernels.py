@@ -5,9 +5,10 @@ tensor-core kernel ``_weight_only_kernel``, or, for a single row of x, the FMA k
 
 The kernels use integer operations, bf16 ``ct.mma`` and fp32 arithmetic only, so the same code runs
 on Hopper (sm_90) and Blackwell (sm_100 / sm_120; ``ct.mma_scaled`` there takes no bf16 operand, and
-quantizing the activation would change the result). From ``LARGE_M`` rows of bf16 activations on, the caller
-(``tilemm.weight_only``) instead decodes the weight once per call with ``_dequantize_kernel`` and runs
-cuBLAS's bf16 GEMM, where decoding every weight tile once per 128 activation rows would cost more.
+quantizing the activation would change the result). For many rows of bf16 activations the caller
+(``tilemm.weight_only``) follows the plan table of ``weight_only_large`` instead: its fused persistent
+kernel (built on this module's decode helpers), or the weight decoded with ``_dequantize_kernel`` and
+multiplied by cuBLAS's bf16 GEMM.
 
 What it computes: ``out = (x @ dequantize(w).T) * alpha + bias``, accumulated in fp32, rounded once to
 ``out``'s dtype; ``x`` is (M, K), the weight (N, K). The weight arrives in the layout that
@@ -426,10 +427,6 @@ def _dequantize_kernel(W, S, Out, Mult, ELEMENT: ConstInt, SCALE_E8M0: ConstInt,
 
 #: Rows per block of the dequantize kernel.
 DEQUANT_TN = 64
-#: From this M on, the weight-only path decodes the weight once into bf16 (``dequantize``) and runs
-#: cuBLAS's bf16 GEMM: the fused kernel decodes each weight tile once per 128 rows of x, which costs
-#: more than the bf16 round trip through HBM once M is large.
-LARGE_M = 512
 
 
 def dequantize(words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor, layout: Layout,

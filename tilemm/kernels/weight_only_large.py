@@ -136,21 +136,19 @@ class LargeConfig:
         return s + (f"_occ{self.occupancy}" if self.occupancy > 1 else "")
 
 
-#: The plan: per weight family ("4bit": MXFP4 / NVFP4, "8bit": MXFP8), rows of (smallest M, config);
-#: a problem takes the config of the last row whose M it reaches, and none below the first row (the
-#: small-M kernels of ``weight_only_kernels`` serve it). ``benchmarks/tune_weight_only_large.py``
-#: prints this table from its measurements (``--print-plan``); the rows below are the designs' defaults
-#: until a measured table replaces them: the fused kernel from M = 256 (where the small-M kernel's
-#: 128-row tiles, with a K split, ran at 0.74-0.82x bf16), and from M = 1024 the weight decoded to
-#: bf16 in L2-sized chunks for cuBLAS.
+#: The plan: per weight family ("4bit": MXFP4 / NVFP4, "8bit": MXFP8), rows of (smallest M, config or
+#: None); a problem takes the entry of the last row whose M it reaches. None, and any M below the first
+#: row, means the small-M plan of ``weight_only_kernels``. ``benchmarks/tune_weight_only_large.py``
+#: prints this table from its measurements, ready to paste. Until a measured table replaces them, the
+#: rows keep the dispatch that was measured before this module (the small-M plan below M = 512, the
+#: whole weight decoded for cuBLAS from 512 on), with cuBLAS writing bf16 itself instead of fp32
+#: followed by a cast.
 PLAN = {
     "4bit": (
-        (256, LargeConfig("fused", 128, 128)),
-        (1024, LargeConfig("decode", chunk=4096)),
+        (512, LargeConfig("decode", chunk=0)),
     ),
     "8bit": (
-        (256, LargeConfig("fused", 128, 128)),
-        (1024, LargeConfig("decode", chunk=4096)),
+        (512, LargeConfig("decode", chunk=0)),
     ),
 }
 
@@ -216,15 +214,22 @@ def decode_gemm(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, con
     if buffer is None:
         buffer = torch.empty((rows, kp), dtype=torch.bfloat16, device=x.device)
     mult = constants[1:2]
-    for r0 in range(0, n, rows):
-        r1 = min(r0 + rows, n)
-        w16 = buffer[:r1 - r0]
-        _decode_rows(words[r0:r1], scale_t[:, r0:r1], mult, layout, w16, stream)
-        target = out[:, r0:r1]
-        if alpha_host == 1.0:
-            torch.mm(x, w16[:, :k].t(), out=target)
-        else:
-            torch.addmm(target, x, w16[:, :k].t(), beta=0, alpha=alpha_host, out=target)
+    flags = torch.backends.cuda.matmul
+    reduced = flags.allow_bf16_reduced_precision_reduction
+    # cuBLAS may otherwise add split-K partial sums in bf16: one rounding per output is the contract.
+    flags.allow_bf16_reduced_precision_reduction = False
+    try:
+        for r0 in range(0, n, rows):
+            r1 = min(r0 + rows, n)
+            w16 = buffer[:r1 - r0]
+            _decode_rows(words[r0:r1], scale_t[:, r0:r1], mult, layout, w16, stream)
+            target = out[:, r0:r1]
+            if alpha_host == 1.0:
+                torch.mm(x, w16[:, :k].t(), out=target)
+            else:
+                torch.addmm(target, x, w16[:, :k].t(), beta=0, alpha=alpha_host, out=target)
+    finally:
+        flags.allow_bf16_reduced_precision_reduction = reduced
     return out
 
 
@@ -233,11 +238,11 @@ def decode_gemm(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, con
 # --------------------------------------------------------------------------------------------------
 
 def _configs() -> list[LargeConfig]:
-    """The fused configs of the plan table (and of the sweep's default candidates)."""
+    """The fused configs of the plan table and of the sweep's candidates."""
     seen = []
     for rows in PLAN.values():
         for _, cfg in rows:
-            if cfg.kind == "fused" and cfg not in seen:
+            if cfg is not None and cfg.kind == "fused" and cfg not in seen:
                 seen.append(cfg)
     for cfg in CANDIDATES:
         if cfg.kind == "fused" and cfg not in seen:
@@ -247,13 +252,16 @@ def _configs() -> list[LargeConfig]:
 
 #: Fused configs the sweep times (besides the decode designs); every one compiles ahead of time
 #: under ``aot_full``.
+#: What sm_90 compiles say (tileiras 13.4, MXFP4; registers, spill stack, shared memory, main-loop
+#: SASS per weight element): 128x128 168 / 0 / 164 KB / 3.64; 256 rows of x 250 / 0 / 146 KB / 4.41
+#: (per element it decodes, which then feeds twice the columns); 256 weight rows spill (stack 232), so
+#: no candidate has them; 64 rows of x at occupancy 2: 80 / 0 / 100 KB / 4.20. The latency hints
+#: change nothing for 4-bit weights and remove MXFP8's small spill (stack 40 -> 0).
 CANDIDATES = (
     LargeConfig("fused", 128, 128),
     LargeConfig("fused", 256, 128),
-    LargeConfig("fused", 128, 256),
-    LargeConfig("fused", 128, 128, occupancy=2),
     LargeConfig("fused", 128, 128, latency_w=4, latency_x=2),
-    LargeConfig("fused", 256, 128, latency_w=4, latency_x=2),
+    LargeConfig("fused", 256, 128, group_size_m=16),
     LargeConfig("fused", 64, 128, occupancy=2),
 )
 

@@ -1,4 +1,4 @@
-"""Sweep of the large-M weight-only designs (``tilemm.kernels.weight_only_large``) against cuBLAS bf16,
+"""Sweep of the large-M weight-only designs (``tilemm.kernels.hopper_weight_only_large``) against cuBLAS bf16,
 on one GPU; prints the plan table that the measurements pick.
 
     python benchmarks/tune_weight_only_large.py                      # mxfp4, mxfp8; M = 64 ... 4096
@@ -14,15 +14,15 @@ reported and left out of the plan), then times CUDA-graph replays (L2 flushed be
   others; the faster time counts);
 * ``small``: the small-M fused kernel as ``weight_only_kernels.plan`` configures it;
 * ``old2pass``: the weight decoded to bf16, cuBLAS with an fp32 output, then a cast (the large-M path
-  before ``weight_only_large``);
-* ``decode_cN``: ``weight_only_large.decode_gemm``, N weight rows decoded per GEMM (0: all at once),
+  before ``hopper_weight_only_large``);
+* ``decode_cN``: ``hopper_weight_only_large.decode_gemm``, N weight rows decoded per GEMM (0: all at once),
   cuBLAS writing bf16 itself;
-* ``fused_...``: ``weight_only_large._large_kernel`` per config of ``weight_only_large.CANDIDATES``;
+* ``fused_...``: ``hopper_weight_only_large._large_kernel`` per config of ``hopper_weight_only_large.CANDIDATES``;
 * ``plan``: ``tilemm.nn.Linear(weight_only=True)``'s runner as the committed plan dispatches it.
 
 Prints one line per (format, shape, M) with every candidate's speed-up over bf16, then per weight
 family ("4bit", "8bit") and M the geomean over shapes of each candidate, and last the table
-``weight_only_large.PLAN`` built from the winners (``small`` means the small-M plan: ``None``), ready
+``hopper_weight_only_large.PLAN`` built from the winners (``small`` means the small-M plan: ``None``), ready
 to paste. Runtime on an H100: about 4 minutes with the defaults.
 """
 
@@ -43,7 +43,7 @@ from _timing import Timer  # noqa: E402
 
 import tilemm  # noqa: E402
 from tilemm.kernels import weight_only_kernels as wo  # noqa: E402
-from tilemm.kernels import weight_only_large as wl  # noqa: E402
+from tilemm.kernels import hopper_weight_only_large as wl  # noqa: E402
 
 NK = [(14336, 4096), (4096, 14336), (8192, 8192), (1024, 4096), (6144, 4096)]
 MS = [64, 128, 256, 512, 1024, 2048, 4096]
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
             if options:
                 best.setdefault(fam, {})[m] = max(options, key=options.get)
             print(f"{fam} M={m}: " + " | ".join(cells) + f"  => {best.get(fam, {}).get(m)}")
-    print("\n# the plan these measurements pick (tilemm/kernels/weight_only_large.py):")
+    print("\n# the plan these measurements pick (tilemm/kernels/hopper_weight_only_large.py):")
     print(plan_text(best))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"rows": rows, "failed": sorted(failed)}, indent=0))

@@ -1,4 +1,4 @@
-"""The large-M weight-only designs (``tilemm.kernels.weight_only_large``) on the CPU: the fused
+"""The large-M weight-only designs (``tilemm.kernels.hopper_weight_only_large``) on the CPU: the fused
 persistent kernel's tile code through the NumPy model of cuTile (tests/_emulator.py), the two-pass
 decode + GEMM in chunks, and the plan table."""
 
@@ -9,7 +9,7 @@ import torch
 
 from tilemm.formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
 from tilemm.kernels import weight_only_kernels as wo
-from tilemm.kernels import weight_only_large as wl
+from tilemm.kernels import hopper_weight_only_large as wl
 from tilemm.packed import prepack
 
 from _emulator import LaunchProxy, TileEmulator, assert_matches
@@ -99,6 +99,7 @@ def test_runner_dispatches_through_the_table(emulated, monkeypatch, kind):
     cfg = wl.LargeConfig("fused", 16, 16) if kind == "fused" else wl.LargeConfig("decode", chunk=32)
     monkeypatch.setattr(wl, "PLAN", {"4bit": ((16, cfg),), "8bit": ()})
     monkeypatch.setattr(wol, "_raw_stream", lambda index: 0)
+    monkeypatch.setattr(wol, "_family", lambda device: wol._Family.HOPPER)
     calls = []
     for name in ("launch", "decode_gemm"):
         original = getattr(wl, name)

@@ -1,4 +1,4 @@
-"""The large-M weight-only designs on the GPU (``tilemm.kernels.weight_only_large``) against the fp64
+"""The large-M weight-only designs on the GPU (``tilemm.kernels.hopper_weight_only_large``) against the fp64
 oracle, the runner's dispatch through the plan table, and one kernel per weight-only linear inside a
 CUDA graph (no fill of a workspace, no zero bias)."""
 
@@ -10,7 +10,7 @@ import torch
 import tilemm
 from tilemm.formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
 from tilemm.kernels import weight_only_kernels as wo
-from tilemm.kernels import weight_only_large as wl
+from tilemm.kernels import hopper_weight_only_large as wl
 
 from _gpu import kernels_per_call, requires_gpu
 from test_weight_only import quantized_weight
@@ -66,7 +66,7 @@ def test_decode_gemm_matches_the_oracle(fmt, chunk):
 @pytest.mark.parametrize("m", [256, 600, 2100])
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 def test_runner_follows_the_plan(m, bias):
-    """``tilemm.linear`` at large M dispatches as ``weight_only_large.plan`` says (with a bias, the
+    """``tilemm.linear`` at large M dispatches as ``hopper_weight_only_large.plan`` says (with a bias, the
     decode design's fp32-output GEMM) and matches the oracle."""
     n, k = 384, 2048
     w_q = _weight(MXFP4, n, k, seed=5)

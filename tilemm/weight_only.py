@@ -29,7 +29,8 @@ from .formats import FORMATS
 from .kernels import _large
 from .kernels._common import num_sms
 from .kernels import weight_only_kernels as _kernel
-from .kernels import weight_only_large as _large_kernel
+from .kernels import hopper_weight_only_large as _large_kernel
+from ._arch import Family as _Family, family as _family
 from .packed import PackedWeight, _unpack_words, layout_of
 from .reference import decode_elements, decode_scales
 from .numerics import pack_e2m1
@@ -133,8 +134,10 @@ class WeightOnlyRunner:
             return out
         stream = (_raw_stream(self.device.index) if _raw_stream is not None
                   else torch.cuda.current_stream(self.device))
-        # Many rows of bf16 x: the large-M plan (``weight_only_large.PLAN``), where it names a design.
+        # Many rows of bf16 x: the large-M plan (``hopper_weight_only_large.PLAN``), where it names a design.
         large = _large_kernel.plan(m, self.n, self.k, self.layout) if x2d.dtype == torch.bfloat16 else None
+        if large is not None and large.kind == "fused" and _family(self.device) is not _Family.HOPPER:
+            large = _large_kernel.LargeConfig("decode", chunk=0)  # the fused kernel is built for sm_90
         if large is not None and large.kind == "fused" and m * max(self.k, self.n) < _large.LIMIT:
             if self._sms is None:
                 self._sms = num_sms(self.device)

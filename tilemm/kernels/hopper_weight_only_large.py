@@ -1,6 +1,6 @@
 """Weight-only matmul for many rows of x (prefill, batched decode: M = 64 ... thousands), two designs:
 
-* ``_large_kernel``, fused: a persistent mixed-input tensor-core kernel. Each block takes output tiles
+* ``_large_kernel``, fused (the runner takes it on Hopper): a persistent mixed-input tensor-core kernel. Each block takes output tiles
   of TN weight rows by TM rows of x in grouped order (``tile_coords_at``: the blocks running at once
   share weight tiles and x tiles in L2), and per K tile decodes the prepacked weight tile in registers
   with the decode helpers of ``weight_only_kernels`` (``_k_tile``: the same shifts, masks and bf16
@@ -8,7 +8,7 @@
   x tile, which TMA brings to shared memory: ``acc (TN, TM) += decode(W tile) @ x_tile.T``. No bf16
   copy of the weight exists anywhere. ``num_worker_warps = 8`` (two MMA warpgroups; without it an
   accumulator above 128x128 spills on sm_90).
-* ``decode_gemm``, two-pass: the prepacked weight decoded to bf16 (``weight_only_kernels``'s
+* ``decode_gemm``, two-pass (any GPU): the prepacked weight decoded to bf16 (``weight_only_kernels``'s
   ``_dequantize_kernel``), ``chunk`` weight rows at a time into a buffer small enough to stay in L2
   (or the whole weight at once: ``chunk = 0``), each chunk multiplied by cuBLAS's bf16 GEMM into its
   columns of the output, rounded once to the output's dtype by cuBLAS's fp32 epilogue.
@@ -268,12 +268,14 @@ CANDIDATES = (
 
 def aot_variants(full: bool = True) -> list[AotVariant]:
     """The fused kernel per (layout, config) for bf16 x and output (the large-M plan runs bf16 x only),
-    on sm_90, sm_100 and sm_120."""
+    on sm_90: the runner takes the fused design on Hopper only (elsewhere the decode design; sm_120
+    compiles of the 256-column tiles took minutes and megabytes of code)."""
     variants = []
     for name, layout in _wo.LAYOUTS.items():
         for cfg in _configs():
             params = [array(ct.bfloat16, 2), array(ct.int32, 2), array(ct.uint8, 2), array(ct.bfloat16, 2),
                       array(ct.float32, 1), array(ct.float32, 1), array(ct.float32, 1),
                       *_constants(layout, cfg, 1)]
-            variants.append(AotVariant(f"weight_only_large_{name}_{cfg.name}", cfg.kernel, params))
+            variants.append(AotVariant(f"weight_only_large_{name}_{cfg.name}", cfg.kernel, params,
+                                       targets=("sm_90",)))
     return variants

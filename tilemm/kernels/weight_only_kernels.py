@@ -239,6 +239,21 @@ def _split_k_finish(out, C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m,
         ct.atomic_xchg(Counter, tile, 0)
 
 
+def _stacked_step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN, X_PARTS,
+                  CAT, STACK):
+    """acc + the product of K tile (or stack of STACK K tiles) kt, loaded one tile at a time (see the
+    stacked-K-tiles comment in ``_weight_only_kernel``)."""
+    WORDS = GROUP * BLOCK // 2
+    TK = PLANES * GROUP * BLOCK
+    SC = PLANES * GROUP
+    w = ct.bitcast(ct.load(W, (bn, kt), (TN, STACK * WORDS), padding_mode=_ZERO), ct.uint32)
+    s_raw = ct.load(S, (kt, bn), (STACK * SC, TN), padding_mode=_ZERO).transpose()
+    x = ct.load(X, (bm, kt), (TM, STACK * TK), padding_mode=_ZERO)
+    return _k_tile(w.reshape((TN * STACK, WORDS)), s_raw.reshape((TN * STACK, SC)), Mult,
+                   x.reshape((TM * STACK, TK)), acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP,
+                   TN * STACK, TM * STACK, X_PARTS, CAT)
+
+
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
 def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
                         ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
@@ -294,14 +309,16 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
         # as TM * STACK columns (row m's K tile s is column m * STACK + s). Entry (r * STACK + s,
         # m * STACK + s) of the product is row r's partial sum over K tile s; the other entries pair
         # different K tiles and are dropped. STACK = 1 is the plain kernel.
+        # The first K tile outside the loop: a loop that starts from zeros makes tileiras 13.4 select
+        # between the accumulator and a copy of it on every iteration (FSEL + IMAD.MOV per accumulator
+        # register; sm_90 SASS, ``benchmarks/decode_cost.py``).
         acc = ct.zeros((TN * STACK, TM * STACK), ct.float32)
-        for kt in range(k_begin, k_end):
-            w = ct.bitcast(ct.load(W, (bn, kt), (TN, STACK * WORDS), padding_mode=_ZERO), ct.uint32)
-            s_raw = ct.load(S, (kt, bn), (STACK * SC, TN), padding_mode=_ZERO).transpose()
-            x = ct.load(X, (bm, kt), (TM, STACK * TK), padding_mode=_ZERO)
-            acc = _k_tile(w.reshape((TN * STACK, WORDS)), s_raw.reshape((TN * STACK, SC)), Mult,
-                          x.reshape((TM * STACK, TK)), acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP,
-                          TN * STACK, TM * STACK, X_PARTS, CAT)
+        if k_begin < k_end:
+            acc = _stacked_step(X, W, S, Mult, acc, bm, bn, k_begin, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP,
+                                TM, TN, X_PARTS, CAT, STACK)
+        for kt in range(k_begin + 1, k_end):
+            acc = _stacked_step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM,
+                                TN, X_PARTS, CAT, STACK)
         if STACK > 1:
             acc4 = acc.reshape((TN, STACK, TM, STACK))
             acc = ct.extract(acc4, (0, 0, 0, 0), (TN, 1, TM, 1)).reshape((TN, TM))

@@ -309,14 +309,19 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
         # as TM * STACK columns (row m's K tile s is column m * STACK + s). Entry (r * STACK + s,
         # m * STACK + s) of the product is row r's partial sum over K tile s; the other entries pair
         # different K tiles and are dropped. STACK = 1 is the plain kernel.
-        # The first K tile outside the loop: a loop that starts from zeros makes tileiras 13.4 select
-        # between the accumulator and a copy of it on every iteration (FSEL + IMAD.MOV per accumulator
-        # register; sm_90 SASS, ``benchmarks/decode_cost.py``).
+        # From tile_m 64 on (unstacked), the first K tile outside the loop: a loop that starts from
+        # zeros makes tileiras 13.4 select between the accumulator and a copy of it on every iteration
+        # (FSEL + IMAD.MOV per accumulator register: MXFP4 4.05 -> 3.45 SASS instructions per weight
+        # element at tile_m 64, 5.05 -> 4.04 at 128; ``benchmarks/decode_cost.py``). The peeled loads
+        # take shared memory of their own, which the smaller blocks (3-4 per SM) cannot spare.
         acc = ct.zeros((TN * STACK, TM * STACK), ct.float32)
-        if k_begin < k_end:
-            acc = _stacked_step(X, W, S, Mult, acc, bm, bn, k_begin, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP,
-                                TM, TN, X_PARTS, CAT, STACK)
-        for kt in range(k_begin + 1, k_end):
+        first = k_begin
+        if STACK == 1 and TM >= 64:
+            if k_begin < k_end:
+                acc = _stacked_step(X, W, S, Mult, acc, bm, bn, k_begin, ELEMENT, SCALE_E8M0, BLOCK, PLANES,
+                                    GROUP, TM, TN, X_PARTS, CAT, STACK)
+            first = k_begin + 1
+        for kt in range(first, k_end):
             acc = _stacked_step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM,
                                 TN, X_PARTS, CAT, STACK)
         if STACK > 1:

@@ -56,15 +56,22 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def candidates(packed, x, out, sms, stream):
-    """name -> callable writing ``out`` (M, N) bf16."""
+def _stream(device):
+    """The current stream's raw handle, read at call time (inside a CUDA-graph capture it is the
+    capture stream)."""
+    return torch._C._cuda_getCurrentRawStream(device.index)
+
+
+def candidates(packed, x, out, sms):
+    """name -> callable writing ``out`` (M, N) bf16, launching on the current stream."""
+    dev = x.device
     layout, n, k = packed.layout, packed.out_features, packed.in_features
     m = x.shape[0]
     zero = wo.zero_bias(x.device, n)
     cands = {}
     small = wo.Prepared(packed.words, packed.scale_t, packed.constants, zero, layout, wo.plan(m, n, k, layout, sms),
                         m, x.dtype)
-    cands["small"] = lambda: small.run(x, out, stream)
+    cands["small"] = lambda: small.run(x, out, _stream(dev))
 
     def old2pass():
         w16 = wo.dequantize(packed.words, packed.scale_t, packed.constants, layout, k)
@@ -75,10 +82,11 @@ def candidates(packed, x, out, sms, stream):
         if chunk and chunk >= n:
             continue
         cands[f"decode_c{chunk}"] = (lambda c: lambda: wl.decode_gemm(
-            x, packed.words, packed.scale_t, packed.constants, packed.alpha_host, out, layout, k, c, stream))(chunk)
+            x, packed.words, packed.scale_t, packed.constants, packed.alpha_host, out, layout, k, c,
+            _stream(dev)))(chunk)
     for cfg in wl.CANDIDATES:
         cands[cfg.name] = (lambda c: lambda: wl.launch(x, packed.words, packed.scale_t, packed.constants, zero,
-                                                       out, layout, c, sms, stream))(cfg)
+                                                       out, layout, c, sms, _stream(dev)))(cfg)
     return cands
 
 
@@ -122,7 +130,6 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    stream = torch.cuda.current_stream(dev)
     timer = Timer(args.reps, dev)
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else NK
     ms = [int(v) for v in args.ms.split(",")]
@@ -141,7 +148,7 @@ def main(argv=None) -> int:
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 ref = x.float() @ w_deq.T
                 out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-                cands = candidates(packed, x, out, sms, stream)
+                cands = candidates(packed, x, out, sms)
                 cands["plan"] = lambda: layer(x)
                 line, times = [], {}
                 t_bf16 = timer(lambda: F.linear(x, w))[0]

@@ -88,6 +88,11 @@ def test_plan_table():
     assert wl.plan(64, 1, 1, mx4, table).kind == "decode" and wl.plan(10 ** 6, 1, 1, mx8, table) is None
     with pytest.raises(ValueError, match="kind must be"):
         wl.LargeConfig("other")
+    # A fused config that would leave more than half of the SMs idle gives way to the small-M plan.
+    fused = {"4bit": ((256, wl.LargeConfig("fused", 256, 128)),), "8bit": ()}
+    assert wl.plan(256, 1024, 4096, mx4, fused, sms=132) is None  # 8 tiles
+    assert wl.plan(256, 14336, 4096, mx4, fused, sms=132) == fused["4bit"][0][1]  # 112 tiles
+    assert wl.first_m(mx4, fused) == 256 and wl.first_m(mx8, fused) > 1 << 40
 
 
 @pytest.mark.parametrize("kind", ["fused", "decode"])

@@ -135,12 +135,14 @@ class WeightOnlyRunner:
         stream = (_raw_stream(self.device.index) if _raw_stream is not None
                   else torch.cuda.current_stream(self.device))
         # Many rows of bf16 x: the large-M plan (``hopper_weight_only_large.PLAN``), where it names a design.
-        large = _large_kernel.plan(m, self.n, self.k, self.layout) if x2d.dtype == torch.bfloat16 else None
+        large = None
+        if x2d.dtype == torch.bfloat16 and m >= _large_kernel.first_m(self.layout):
+            if self._sms is None:
+                self._sms = num_sms(self.device)
+            large = _large_kernel.plan(m, self.n, self.k, self.layout, sms=self._sms)
         if large is not None and large.kind == "fused" and _family(self.device) is not _Family.HOPPER:
             large = _large_kernel.LargeConfig("decode", chunk=0)  # the fused kernel is built for sm_90
         if large is not None and large.kind == "fused" and m * max(self.k, self.n) < _large.LIMIT:
-            if self._sms is None:
-                self._sms = num_sms(self.device)
             p = self.packed
             _large_kernel.launch(x2d, p.words, p.scale_t, p.constants, self.bias, out, self.layout, large,
                                  self._sms, stream, alpha)

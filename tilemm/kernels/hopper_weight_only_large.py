@@ -157,12 +157,25 @@ def family(layout: _wo.Layout) -> str:
     return "4bit" if layout.planes == 4 else "8bit"
 
 
-def plan(m: int, n: int, k: int, layout: _wo.Layout, table: dict | None = None) -> LargeConfig | None:
-    """The large-M config for an (M, K) x (N, K) problem, or None where the small-M plan applies."""
+def first_m(layout: _wo.Layout, table: dict | None = None) -> int:
+    """The smallest M the table has a row for (no row: never)."""
+    rows = (table or PLAN)[family(layout)]
+    return min((r[0] for r in rows), default=1 << 62)
+
+
+def plan(m: int, n: int, k: int, layout: _wo.Layout, table: dict | None = None, sms: int = 132
+         ) -> LargeConfig | None:
+    """The large-M config for an (M, K) x (N, K) problem, or None where the small-M plan applies.
+
+    A fused config whose output tiles would leave more than half of the ``sms`` SMs idle (it has no K
+    split; 1024 weight rows at M = 256 make 16 tiles) gives way to the small-M plan, which splits K."""
     chosen = None
     for first_m, cfg in (table or PLAN)[family(layout)]:
         if m >= first_m:
             chosen = cfg
+    if chosen is not None and chosen.kind == "fused":
+        if 2 * -(-m // chosen.tile_m) * -(-n // chosen.tile_n) < sms:
+            return None
     return chosen
 
 

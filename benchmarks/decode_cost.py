@@ -136,7 +136,7 @@ def default_variants():
     K = 4096), the MMA kernel at M = 16 with a K split (N = 2048, K = 4096) and without (N = 14336),
     with stacked K tiles at M = 4 (N = 8192: 32-row blocks; N = 4096: 16-row blocks) and M = 16 (N =
     4096: 32 rows in 128 MMA rows); the block-scaled stream kernel at M = 16; and the large-M fused
-    kernel (128 weight rows x 128 rows of x)."""
+    kernel (its first candidate: 128 weight rows x 128 rows of x, one MMA per K tile)."""
     out = [weight_only_variant(name, wo.plan(m, n, 4096, layout)) for name, layout in wo.LAYOUTS.items()
            for m, n in ((1, 14336), (16, 2048), (16, 14336), (4, 8192), (4, 4096), (16, 4096))]
     out += [stream_variant(fmt) for fmt in (MXFP4, NVFP4, MXFP8_E4M3)]

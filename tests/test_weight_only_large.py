@@ -35,14 +35,16 @@ def _weight(fmt, n, k, seed):
 def test_fused_kernel_matches_reference(emulated, fmt):
     # M = 37 and N = 50 leave partial tiles on both sides; K = 1344 is 5.25 4-bit K tiles (10.5 8-bit
     # ones): the last reads zero words and zero-padded x. 3 x 4 output tiles on 5 persistent blocks
-    # (some take two tiles, in grouped order with GROUP_SIZE_M 2), then on more blocks than tiles.
+    # (some take two tiles, in grouped order with GROUP_SIZE_M 2), then on more blocks than tiles;
+    # one MMA per plane and one per K tile (cat).
     m, n, k = 37, 50, 1344
     w_q = _weight(fmt, n, k, seed=7)
     packed = prepack(w_q)
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(8)) * 3).to(torch.bfloat16)
     bias = torch.randn(n)
     for cfg, sms in ((wl.LargeConfig("fused", 16, 16, group_size_m=2), 5),
-                     (wl.LargeConfig("fused", 16, 16, latency_w=3, latency_x=2), 64)):
+                     (wl.LargeConfig("fused", 16, 16, latency_w=3, latency_x=2), 64),
+                     (wl.LargeConfig("fused", 16, 16, cat=1), 5)):
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
         wl.launch(x, packed.words, packed.scale_t, packed.constants, bias, out, packed.layout, cfg, sms, None)
         assert_matches(out.float(), _reference(x, w_q, bias), torch.bfloat16)

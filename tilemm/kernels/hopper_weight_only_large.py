@@ -55,7 +55,7 @@ def _load_w(W, bn, kt, TN, WORDS, LATENCY):
 
 
 def _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN, LATENCY_W,
-          LATENCY_X, X_PARTS):
+          LATENCY_X, X_PARTS, CAT):
     """acc + decode(W tile (bn, kt)) @ x tile (bm, kt).T."""
     WORDS = GROUP * BLOCK // 2
     TK = PLANES * GROUP * BLOCK
@@ -63,14 +63,14 @@ def _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GR
     w = _load_w(W, bn, kt, TN, WORDS, LATENCY_W)
     s_raw = ct.load(S, (kt, bn), (SC, TN), padding_mode=_ZERO).transpose()
     x = _load_x(X, bm, kt, TM, TK, LATENCY_X)
-    return _k_tile(w, s_raw, Mult, x, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, 0)
+    return _k_tile(w, s_raw, Mult, x, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT)
 
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
 def _large_kernel(X, W, S, C, Alpha, Mult, Bias,
                   ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                   GROUP: ConstInt, TM: ConstInt, TN: ConstInt, GROUP_SIZE_M: ConstInt,
-                  LATENCY_W: ConstInt, LATENCY_X: ConstInt, X_PARTS: ConstInt):
+                  LATENCY_W: ConstInt, LATENCY_X: ConstInt, X_PARTS: ConstInt, CAT: ConstInt):
     """C (M, N) = (X (M, K) @ decode(W).T) * alpha + bias, persistent over output tiles.
 
     X (M, K) activations (bf16; fp16 / fp32 split exactly into X_PARTS bf16 parts as in the small-M
@@ -78,6 +78,8 @@ def _large_kernel(X, W, S, C, Alpha, Mult, Bias,
     and Mult (1,) fp32 (the PackedWeight's constants); Bias (N,) fp32. Grid: any number of blocks;
     block b takes tiles b, b + blocks, ... of cdiv(M, TM) * cdiv(N, TN), numbered in GROUP_SIZE_M-row
     groups of M tiles. LATENCY_W / LATENCY_X: the loads' latency hints (0: the compiler's choice).
+    CAT = 1: the K tile's decoded planes concatenated into one MMA operand (one wait for the tensor
+    cores per K tile instead of one per plane; all planes' registers live at once).
     """
     M = X.shape[0]
     N = C.shape[1]
@@ -90,10 +92,10 @@ def _large_kernel(X, W, S, C, Alpha, Mult, Bias,
         # between the accumulator and a copy of it on every iteration (2 instructions per accumulator
         # register, about 1 per weight element at 128x128; sm_90 SASS).
         acc = _step(X, W, S, Mult, ct.zeros((TN, TM), ct.float32), bm, bn, 0, ELEMENT, SCALE_E8M0, BLOCK,
-                    PLANES, GROUP, TM, TN, LATENCY_W, LATENCY_X, X_PARTS)
+                    PLANES, GROUP, TM, TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
         for kt in range(1, k_tiles):
             acc = _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
-                        LATENCY_W, LATENCY_X, X_PARTS)
+                        LATENCY_W, LATENCY_X, X_PARTS, CAT)
         _epilogue(acc.transpose(), C, Alpha, Bias, bm, bn, TM, TN)
 
 
@@ -117,6 +119,7 @@ class LargeConfig:
     latency_x: int = 0
     occupancy: int = 1
     chunk: int = 0
+    cat: int = 0
 
     def __post_init__(self):
         if self.kind not in ("fused", "decode"):
@@ -133,7 +136,7 @@ class LargeConfig:
         s = f"fused_{self.tile_n}x{self.tile_m}_g{self.group_size_m}"
         if self.latency_w or self.latency_x:
             s += f"_lw{self.latency_w}lx{self.latency_x}"
-        return s + (f"_occ{self.occupancy}" if self.occupancy > 1 else "")
+        return s + (f"_occ{self.occupancy}" if self.occupancy > 1 else "") + ("_cat" if self.cat else "")
 
 
 #: The plan: per weight family ("4bit": MXFP4 / NVFP4, "8bit": MXFP8), rows of (smallest M, config or
@@ -181,7 +184,7 @@ def plan(m: int, n: int, k: int, layout: _wo.Layout, table: dict | None = None, 
 
 def _constants(layout: _wo.Layout, cfg: LargeConfig, x_parts: int) -> tuple:
     return (layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
-            cfg.tile_m, cfg.tile_n, cfg.group_size_m, cfg.latency_w, cfg.latency_x, x_parts)
+            cfg.tile_m, cfg.tile_n, cfg.group_size_m, cfg.latency_w, cfg.latency_x, x_parts, cfg.cat)
 
 
 def grid(cfg: LargeConfig, m: int, n: int, sms: int) -> tuple:
@@ -266,11 +269,14 @@ def _configs() -> list[LargeConfig]:
 #: Fused configs the sweep times (besides the decode designs); every one compiles ahead of time
 #: under ``aot_full``.
 #: What sm_90 compiles say (tileiras 13.4, MXFP4; registers, spill stack, shared memory, main-loop
-#: SASS per weight element): 128x128 168 / 0 / 164 KB / 3.64; 256 rows of x 250 / 0 / 146 KB / 4.41
-#: (per element it decodes, which then feeds twice the columns); 256 weight rows spill (stack 232), so
-#: no candidate has them; 64 rows of x at occupancy 2: 80 / 0 / 100 KB / 4.20. The latency hints
-#: change nothing for 4-bit weights and remove MXFP8's small spill (stack 40 -> 0).
+#: SASS per weight element; ``benchmarks/results/weight-only-designs-*.md``): 128x128 with one MMA per
+#: K tile (cat) 168 / 0 / 164 KB / 3.22 (NVFP4 3.85, MXFP8 4.30); one MMA per plane 3.64; 256 rows of
+#: x 250 / 0 / 146 KB / 4.41 (per element it decodes, which then feeds twice the columns; with cat it
+#: spills); 256 weight rows spill, so no candidate has them; 64 rows of x at occupancy 2: 80 / 0 /
+#: 100 KB / 4.20. The latency hints change nothing for 4-bit weights and remove MXFP8's small spill
+#: without cat.
 CANDIDATES = (
+    LargeConfig("fused", 128, 128, cat=1),
     LargeConfig("fused", 128, 128),
     LargeConfig("fused", 256, 128),
     LargeConfig("fused", 128, 128, latency_w=4, latency_x=2),

@@ -653,7 +653,11 @@ def markdown(meta, variants, records, accuracy, summary) -> str:
              f"Peak GiB: GPU memory the variant allocated at most (weights, KV cache, activations, CUDA "
              f"graph pool). torch {meta['torch']}, transformers {meta['transformers']}"
              + (f"; {meta['seconds']:.0f} s in all." if meta.get("seconds") else "."), ""]
-    if not meta["graphs"]:
+    if meta.get("compiled"):
+        lines += ['Decode steps under `torch.compile(mode="reduce-overhead", fullgraph=True)` (exec '
+                  '"compiled"; compile and CUDA-graph recording excluded from the timing), prefill timed '
+                  'eagerly (best of 3 after a warm-up); the eager and CUDA-graph loops were not run.', ""]
+    elif not meta["graphs"]:
         lines += ["CUDA graphs not run.", ""]
     if meta["skipped"]:
         lines += [f"Skipped (time limit): {', '.join(meta['skipped'])}.", ""]

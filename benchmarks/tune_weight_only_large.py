@@ -195,7 +195,8 @@ def main(argv=None) -> int:
             if options:
                 best.setdefault(fam, {})[m] = max(options, key=options.get)
             print(f"{fam} M={m}: " + " | ".join(cells) + f"  => {best.get(fam, {}).get(m)}")
-    print("\n# the plan these measurements pick (tilemm/kernels/hopper_weight_only_large.py):")
+    print(f"\n# the plan these measurements pick on {torch.cuda.get_device_name(dev)} "
+          f"(tilemm/kernels/hopper_weight_only_large.py):")
     print(plan_text(best))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"rows": rows, "failed": sorted(failed)}, indent=0))

@@ -78,9 +78,7 @@ def candidates(packed, x, out, sms):
         out.copy_(torch.addmm(zero, x, w16.t(), out_dtype=torch.float32, alpha=packed.alpha_host))
 
     cands["old2pass"] = old2pass
-    for chunk in CHUNKS:
-        if chunk and chunk >= n:
-            continue
+    for chunk in CHUNKS:  # a chunk of N rows or more is the whole weight at once
         cands[f"decode_c{chunk}"] = (lambda c: lambda: wl.decode_gemm(
             x, packed.words, packed.scale_t, packed.constants, packed.alpha_host, out, layout, k, c,
             _stream(dev)))(chunk)

@@ -1,7 +1,8 @@
 """Weight-only matmul for many rows of x (prefill, batched decode: M = 64 ... thousands), two designs:
 
-* ``_large_kernel``, fused (the runner takes it on Hopper): a persistent mixed-input tensor-core kernel. Each block takes output tiles
-  of TN weight rows by TM rows of x in grouped order (``tile_coords_at``: the blocks running at once
+* ``_large_kernel``, fused (the runner takes it on Hopper): a persistent mixed-input tensor-core
+  kernel. Each block takes output tiles of TN weight rows by TM rows of x in grouped order
+  (``tile_coords_at``: the blocks running at once
   share weight tiles and x tiles in L2), and per K tile decodes the prepacked weight tile in registers
   with the decode helpers of ``weight_only_kernels`` (``_k_tile``: the same shifts, masks and bf16
   multipliers as the small-M kernel) and multiplies it as wgmma's left operand (registers) against the
@@ -31,7 +32,8 @@ from ._common import hinted, sm90_hints, tile_coords_at
 from . import weight_only_kernels as _wo
 from .weight_only_kernels import _epilogue, _k_tile
 
-__all__ = ["LargeConfig", "PLAN", "plan", "launch", "decode_gemm", "aot_variants"]
+__all__ = ["LargeConfig", "PLAN", "CANDIDATES", "plan", "first_m", "family", "grid", "launch", "decode_gemm",
+           "aot_variants"]
 
 ConstInt = ct.Constant[int]
 
@@ -131,6 +133,7 @@ class LargeConfig:
 
     @property
     def name(self) -> str:
+        """``decode_c<chunk>``, or ``fused_<weight rows>x<rows of x>_g<group>`` and the settings."""
         if self.kind == "decode":
             return f"decode_c{self.chunk}"
         s = f"fused_{self.tile_n}x{self.tile_m}_g{self.group_size_m}"

@@ -420,3 +420,22 @@ def test_shared_workspace_split_k_matches_reference(emulated):
         assert_matches(out, _reference(x, w_q), torch.float32)
         assert int(wo._WORKSPACES[(x.device, 11)]["counters"].count_nonzero()) == 0
     assert int(wo.zero_bias(x.device, 70).count_nonzero()) == 0
+
+
+def test_a_capture_on_a_fresh_stream_uses_the_graph_workspace(monkeypatch):
+    """A non-capturing call sizes both its stream's workspace and the device's graph workspace, so a
+    CUDA-graph capture on another stream (the usual warm-up-elsewhere pattern) finds a workspace
+    without allocating; a capture that finds none allocates in the graph."""
+    device = torch.device("cpu")
+    monkeypatch.setattr(wo, "_WORKSPACES", {})
+    eager = wo.workspace(device, 5, 4, 5, 40, 3)
+    graphs = wo._WORKSPACES[(device, "graphs")]
+    monkeypatch.setattr(wo, "_capturing", lambda d: True)
+    partial, counters = wo.workspace(device, 9, 4, 5, 40, 3)
+    assert partial.untyped_storage().data_ptr() == graphs["partial"].untyped_storage().data_ptr()
+    assert counters.untyped_storage().data_ptr() == graphs["counters"].untyped_storage().data_ptr()
+    assert partial.untyped_storage().data_ptr() != eager[0].untyped_storage().data_ptr()
+    assert (device, 9) not in wo._WORKSPACES  # nothing allocated outside the graph while capturing
+    big = wo.workspace(device, 9, 4, 5, 60000, 3)  # larger than any workspace: allocated in the graph
+    assert big[0].shape == (4, 5, 60000) and int(big[1].count_nonzero()) == 0
+    assert (device, 9) not in wo._WORKSPACES

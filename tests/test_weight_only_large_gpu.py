@@ -77,22 +77,24 @@ def test_runner_follows_the_plan(m, bias):
     _check(out, _oracle(x, w_q, b), torch.bfloat16)
 
 
-def _graph_kernels(fn) -> list[str]:
+def _graph_kernels(fn, warm_on_capture_stream: bool) -> list[str]:
     """What one replay of a CUDA graph of ``fn()`` runs on the GPU, as the profiler names it (kernels,
-    memsets), after a warm-up call on the capture stream."""
+    memsets), after a warm-up call on the capture stream (as torch.compile's graphs do) or on a side
+    stream, the graph then captured on torch's default capture stream (as ``tests/_gpu.capture``)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with torch.cuda.graph(graph, stream=stream if warm_on_capture_stream else None):
         fn()
     return kernels_per_call(graph.replay)
 
 
 @pytest.mark.parametrize("m", [1, 4])
-def test_custom_op_is_one_kernel_in_a_cuda_graph(m):
+@pytest.mark.parametrize("warm", ["capture_stream", "side_stream"])
+def test_custom_op_is_one_kernel_in_a_cuda_graph(m, warm):
     """The custom op (what torch.compile runs) on the GQA k / v shape, which splits K: one kernel per
     replay, no memset or fill (the split-K workspace and the zero bias are persistent buffers)."""
     w_q = _weight(MXFP4, 1024, 4096, seed=6)
@@ -101,6 +103,6 @@ def test_custom_op_is_one_kernel_in_a_cuda_graph(m):
     assert wo.plan(m, 1024, 4096, packed.layout).split_k > 1
     op = torch.ops.tilemm.weight_only_linear
     call = lambda: op(x, packed.words, packed.scale_t, packed.constants, "mxfp4", 4096)  # noqa: E731
-    names = _graph_kernels(call)
+    names = _graph_kernels(call, warm == "capture_stream")
     assert len(names) == 1, names
     _check(call(), _oracle(x.cpu(), w_q, None), torch.bfloat16)

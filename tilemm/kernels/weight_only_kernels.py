@@ -704,8 +704,8 @@ _MIN_COUNTERS = 1 << 14
 _MIN_PARTIAL = 1 << 20
 _MIN_ZEROS = 1 << 15
 
-#: (device, stream) -> {"partial": fp32 buffer, "counters": int32 buffer (zero between launches)};
-#: device -> fp32 zeros. A buffer, once handed to a kernel, may be baked into a captured CUDA graph,
+#: (device, stream) and (device, "graphs") -> {"partial": fp32 buffer, "counters": int32 buffer (zero
+#: between launches)}; device -> fp32 zeros. A buffer, once handed to a kernel, may be baked into a captured CUDA graph,
 #: so a replaced (smaller) buffer is kept alive in ``_RETIRED``, never freed.
 _WORKSPACES: dict = {}
 _ZERO_BIAS: dict = {}
@@ -756,33 +756,48 @@ def _grow(table: dict, key, name: str, need: int, make):
 
 
 def workspace(device: torch.device, stream, split: int, m: int, n: int, tiles: int):
-    """(partial (split, M, N) fp32, counters (tiles,) int32): views of the persistent split-K
-    workspace of (device, stream), as the kernel's ``Partial`` and ``Counter``.
+    """(partial (split, M, N) fp32, counters (tiles,) int32): views of a persistent split-K workspace,
+    as the kernel's ``Partial`` and ``Counter``.
 
     The kernel leaves every counter at zero when it ends, and only reads the partial tiles that its own
-    blocks wrote in the same launch, so launches on one stream (which run in order) share one
-    workspace and a launch needs neither an allocation nor a fill kernel: under CUDA graphs and
-    torch.compile a weight-only linear is exactly one kernel. Streams never share a workspace;
-    a CUDA graph uses the workspace of the stream it was captured on, so graphs captured on one stream
-    must not be replayed concurrently with each other (torch.compile's graphs replay in order).
+    blocks wrote in the same launch, so launches that run one after another can share one workspace,
+    and a launch needs neither an allocation nor a fill kernel: under CUDA graphs and torch.compile a
+    weight-only linear is exactly one kernel. Eager launches use the workspace of their stream
+    (launches on one stream run in order; streams never share one). Launches captured into CUDA graphs
+    use the workspace of the capture stream if it has one (torch.compile warms up and records on one
+    stream), else the device's graph workspace, which every non-capturing call sizes in advance (a
+    graph is usually captured on a stream of its own after a warm-up call elsewhere); so CUDA graphs
+    that contain split-K weight-only launches must not be replayed concurrently with each other
+    (torch.compile's graphs replay in order).
 
-    Inside a stream capture that has no large enough workspace yet (nothing may be allocated outside
-    the graph while it records), the partial tiles and zeroed counters are allocated in the graph
-    instead (one fill kernel more in that graph)."""
+    Inside a capture that finds neither large enough (nothing may be allocated outside the graph while
+    it records), the partial tiles and zeroed counters are allocated in the graph instead (one fill
+    kernel more in that graph)."""
     partial_elements = split * m * n
-    key = (device, _stream_key(stream))
-    slot = _WORKSPACES.get(key, {})
-    have = slot.get("partial"), slot.get("counters")
-    if have[0] is None or have[0].numel() < partial_elements or have[1].numel() < tiles:
-        if _capturing(device):
-            return (torch.empty((split, m, n), dtype=torch.float32, device=device),
-                    torch.zeros(tiles, dtype=torch.int32, device=device))
-        _grow(_WORKSPACES, key, "partial", partial_elements,
-              lambda: torch.empty(max(partial_elements, _MIN_PARTIAL), dtype=torch.float32, device=device))
-        _grow(_WORKSPACES, key, "counters", tiles,
-              lambda: torch.zeros(max(tiles, _MIN_COUNTERS), dtype=torch.int32, device=device))
+
+    def fits(key):
+        slot = _WORKSPACES.get(key, {})
+        return ("partial" in slot and slot["partial"].numel() >= partial_elements
+                and slot["counters"].numel() >= tiles)
+
+    def views(key):
         slot = _WORKSPACES[key]
-    return slot["partial"][:partial_elements].view(split, m, n), slot["counters"][:tiles]
+        return slot["partial"][:partial_elements].view(split, m, n), slot["counters"][:tiles]
+
+    key = (device, _stream_key(stream))
+    if _capturing(device):
+        for k in (key, (device, "graphs")):
+            if fits(k):
+                return views(k)
+        return (torch.empty((split, m, n), dtype=torch.float32, device=device),
+                torch.zeros(tiles, dtype=torch.int32, device=device))
+    for k in (key, (device, "graphs")):
+        if not fits(k):
+            _grow(_WORKSPACES, k, "partial", partial_elements,
+                  lambda: torch.empty(max(partial_elements, _MIN_PARTIAL), dtype=torch.float32, device=device))
+            _grow(_WORKSPACES, k, "counters", tiles,
+                  lambda: torch.zeros(max(tiles, _MIN_COUNTERS), dtype=torch.int32, device=device))
+    return views(key)
 
 
 def zero_bias(device: torch.device, n: int) -> torch.Tensor:

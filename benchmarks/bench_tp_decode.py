@@ -131,6 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="bench_decode's tiny config on the CPU with gloo, eager "
                     "only (a smoke test of the sharding: torchrun --nproc-per-node 2 ... --tiny)")
     args = ap.parse_args(argv)
+    args.compile = False  # bench_decode.run_batch's torch.compile path is not sharded here
     if args.tiny:
         args.no_graphs = True
     variants = [v for v in args.variants.split(",") if v]

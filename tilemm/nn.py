@@ -577,6 +577,10 @@ def quantize_model(model: torch.nn.Module, format: str, *,
             exist in ``model``.
         swizzle, weight_only, granularity, elem_dtype, rounding: as for :meth:`Linear.from_float`.
 
+    With ``weight_only=True`` and mxfp4, nvfp4 or mxfp8, transformers' gpt-oss experts blocks
+    (``GptOssExperts``) are replaced too, by :class:`tilemm.moe.MoEExperts` (each expert's projections
+    quantized along K, stacked; ``tilemm.moe_linear`` runs them).
+
     Layers whose ``in_features`` is not a multiple of the format's block size (32 for mxfp8 / mxfp4,
     16 for nvfp4, 128 for fp8 (128, 128) blocks) stay unquantized; one ``UserWarning`` lists them.
 
@@ -598,6 +602,15 @@ def quantize_model(model: torch.nn.Module, format: str, *,
     converted: dict[int, Linear] = {}
     misfits = []
     for name, module in list(model.named_modules(remove_duplicate=False)):
+        if _is_gpt_oss_experts(module) and options.packed and name and not is_skipped(name, module):
+            # gpt-oss's experts block (not nn.Linear layers): stacked packed experts (tilemm.moe).
+            from .moe import MoEExperts
+
+            if id(module) not in converted:
+                converted[id(module)] = MoEExperts.from_gpt_oss(module, format, quantizer=options.quantize_weight)
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, converted[id(module)])
+            continue
         if type(module) is not torch.nn.Linear or is_skipped(name, module):
             continue
         if module.in_features % options.k_multiple:
@@ -612,6 +625,13 @@ def quantize_model(model: torch.nn.Module, format: str, *,
                       f"in_features is not a multiple of {options.k_multiple} (the {format} block size): "
                       f"{', '.join(misfits)}", UserWarning, stacklevel=2)
     return model
+
+
+def _is_gpt_oss_experts(module: torch.nn.Module) -> bool:
+    """transformers' gpt-oss experts block (matched by name: transformers is not a dependency)."""
+    from .moe import GPT_OSS_EXPERTS
+
+    return type(module).__name__ == GPT_OSS_EXPERTS
 
 
 def _skip_predicate(fn: str, model: torch.nn.Module, skip) -> Callable[[str, torch.nn.Module], bool]:

@@ -8,7 +8,8 @@ Rank 0 prints, for every pair of GPUs, whether CUDA peer access is possible
 CUDA graph (median of ``--reps`` replays between CUDA events): the time, the algorithm bandwidth
 (bytes / time) and the bus bandwidth (algorithm bandwidth x 2 (N - 1) / N, what each link carries
 in a ring); for sizes up to 256 KiB also the one-shot all-reduce (``tilemm.parallel``'s
-``RowwiseParallel(one_shot_max_bytes=...)`` path), or why it is unavailable. With NCCL_DEBUG=INFO,
+``RowwiseParallel(one_shot_max_bytes=...)`` path), from 1 MiB the symmetric-memory two-shot
+all-reduce in place (a candidate for large outputs), or why they are unavailable. With NCCL_DEBUG=INFO,
 NCCL's own lines say which transport each channel uses (``via P2P/CUMEM``, ``P2P/IPC``, ``SHM``,
 ``NET``) and how many channels it opened.
 """
@@ -74,6 +75,14 @@ def main() -> int:
                 print(f"TP PROBE: GPU {a} peer access to {peers}")
         group = dist.group.WORLD
         one_shot = tp._OneShot(group, ONE_SHOT_MAX)
+        two_shot, two_shot_error = None, None
+        try:  # the symmetric-memory two-shot all-reduce, in place in a symmetric buffer (no copy timed)
+            from torch.distributed import _symmetric_memory as symm_mem
+
+            two_shot = symm_mem.empty(SIZES[-1] // 2, dtype=torch.bfloat16, device=device)
+            symm_mem.rendezvous(two_shot, group.group_name)
+        except Exception as err:  # noqa: BLE001
+            two_shot_error = f"{type(err).__name__}: {err}"[:200]
         bus = 2 * (world - 1) / world
         for size in SIZES:
             t = torch.ones(size // 2, dtype=torch.bfloat16, device=device)
@@ -89,6 +98,17 @@ def main() -> int:
                         "" if ok else " (WRONG SUM)")
                 else:
                     line += f" | one-shot unavailable: {one_shot.error}"
+            if size >= 1 << 20:
+                if two_shot_error is None:
+                    try:
+                        view = two_shot[: size // 2]
+                        ms2 = graph_ms(lambda: torch.ops.symm_mem.two_shot_all_reduce_(view, "sum", group.group_name),
+                                       args.reps)
+                        line += f" | two-shot (in place) {ms2 * 1e3:7.1f} us, algbw {size / ms2 / 1e6:6.1f} GB/s"
+                    except Exception as err:  # noqa: BLE001 (every rank alike)
+                        two_shot_error = f"{type(err).__name__}: {err}"[:200]
+                if two_shot_error is not None:
+                    line += f" | two-shot unavailable: {two_shot_error}"
             if rank == 0:
                 print(line, flush=True)
     finally:

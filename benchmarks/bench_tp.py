@@ -378,11 +378,13 @@ def write(records, names, failed, skipped, args, seconds, final: bool) -> None:
         for k in args.variants:
             v = r["variants"].get(k)
             cells.append("-" if v is None else v["error"][:60].replace("|", "/") if v.get("error") else
-                         f"{v['graph_ms']:.4f} / {v['eager_ms']:.4f} / {v['host_ms']:.4f}, {v['rel_err_vs_unsharded']:.1e}"
+                         f"{v['graph_ms']:.4f} / {v['eager_ms']:.4f} / {v['host_ms']:.4f}, "
+                         f"{v['rel_err_vs_unsharded']:.1e}"
                          + ("" if v["correct"] else " WRONG") + (" (NCCL: one-shot unavailable)"
                                                                  if v.get("one_shot_error") else ""))
         lines.append(f"| {r['format']} | {r['m']} | " + " | ".join(cells) + " |")
-    errs = sorted({v["one_shot_error"] for r in records for v in r.get("variants", {}).values() if v.get("one_shot_error")}
+    errs = sorted({v["one_shot_error"] for r in records for v in r.get("variants", {}).values()
+                   if v.get("one_shot_error")}
                   | {r["allreduce_oneshot_error"] for r in records if r.get("allreduce_oneshot_error")})
     if errs:
         lines += ["", "One-shot all-reduce unavailable: " + "; ".join(errs)]

@@ -328,7 +328,8 @@ class _TPConfig:
 
     __slots__ = ("style", "mesh", "group", "input_layouts", "output_layouts", "use_local_output",
                  "desired_input", "local_output", "plain_input", "plain_output", "amax", "full_out",
-                 "sum_opts", "sum_async_opts", "max_opts", "chunks", "chunk_min_rows", "one_shot",
+                 "sum_opts", "sum_async_opts", "max_opts", "max_async_opts", "chunks", "chunk_min_rows",
+                 "one_shot",
                  "tensor_scale")
 
     def __init__(self, style, mesh, input_layouts, output_layouts, use_local_output, amax, full_out,
@@ -340,6 +341,7 @@ class _TPConfig:
         self.sum_opts = _reduce_opts(dist.ReduceOp.SUM, False)
         self.sum_async_opts = _reduce_opts(dist.ReduceOp.SUM, True)
         self.max_opts = _reduce_opts(dist.ReduceOp.MAX, False)
+        self.max_async_opts = _reduce_opts(dist.ReduceOp.MAX, True)
         self.chunks, self.chunk_min_rows = chunks, chunk_min_rows
         self.tensor_scale = tensor_scale  # one activation scale for the whole tensor: rows may not split
         self.one_shot = _OneShot(self.group, one_shot_max_bytes) if one_shot_max_bytes > 0 else None
@@ -528,17 +530,19 @@ class ShardedLinear(Linear):
             local = x
         else:
             local = _input_to_local(x, tp.mesh, tp.input_layouts, tp.desired_input)
-        if _PENDING is not None and tp.tensor_scale:
-            raise ValueError(f"tilemm.parallel.overlapped: this layer ({self._options.describe()}) quantizes "
-                             "its activation with one scale for the whole tensor; splitting the rows would "
-                             "change it (use it without overlapped, or RowwiseParallel(chunks=1))")
+        if _PENDING is not None and (tp.tensor_scale or not tp.plain_output):
+            raise ValueError(f"tilemm.parallel.overlapped: this layer ({self._options.describe()}) "
+                             + ("quantizes its activation with one scale for the whole tensor; splitting the "
+                                "rows would change it" if tp.tensor_scale else "has a non-default output layout, "
+                                "whose DTensor collectives would run beside the queued all-reduces")
+                             + "; call it without overlapped")
         if tp.style == "colwise":
             out = Linear.forward(self, local)
             return out if tp.plain_output else self._to_output_layout(out, tp)
         if tp.plain_output:
             pending = _PENDING
             if pending is not None:  # inside overlapped(): reduce asynchronously, wait at its end
-                out = self._partial(local, tp)
+                out = self._partial(local, tp, on_nccl_stream=True)
                 pending.append(tp.group.allreduce([out], tp.sum_async_opts))
                 return out
             if (tp.chunks > 1 and not tp.tensor_scale and local.ndim >= 2
@@ -547,10 +551,14 @@ class ShardedLinear(Linear):
             return tp.all_reduce(self._partial(local, tp))
         return self._to_output_layout(self._partial(local, tp), tp)
 
-    def _partial(self, local: torch.Tensor, tp: _TPConfig) -> torch.Tensor:
-        """This rank's partial sum over its K-slice (row-wise), before any reduction."""
+    def _partial(self, local: torch.Tensor, tp: _TPConfig, on_nccl_stream: bool = False) -> torch.Tensor:
+        """This rank's partial sum over its K-slice (row-wise), before any reduction.
+
+        ``on_nccl_stream``: the amax all-reduce (if any) goes to NCCL's own stream, behind the pieces'
+        sums already queued there, so that no two collectives of the communicator run at once on
+        two streams (which NCCL does not allow)."""
         if tp.amax is not None:
-            return self._partial_with_global_amax(local, tp)
+            return self._partial_with_global_amax(local, tp, on_nccl_stream)
         return Linear.forward(self, local)
 
     def _chunked(self, local: torch.Tensor, tp: _TPConfig) -> torch.Tensor:
@@ -560,7 +568,7 @@ class ShardedLinear(Linear):
         rows = local.reshape(-1, self.in_features)
         parts, works = [], []
         for piece in rows.chunk(tp.chunks):
-            part = self._partial(piece, tp)
+            part = self._partial(piece, tp, on_nccl_stream=True)
             works.append(tp.group.allreduce([part], tp.sum_async_opts))
             parts.append(part)
         for work in works:
@@ -568,7 +576,8 @@ class ShardedLinear(Linear):
                 work.wait()
         return torch.cat(parts).reshape(*local.shape[:-1], self.out_features)
 
-    def _partial_with_global_amax(self, x: torch.Tensor, tp: _TPConfig) -> torch.Tensor:
+    def _partial_with_global_amax(self, x: torch.Tensor, tp: _TPConfig,
+                                  on_nccl_stream: bool = False) -> torch.Tensor:
         """This rank's partial sum, its K-slice quantized with the amax of the whole activation.
 
         NVFP4 on the GPU takes its slice's amax from the quantize kernels' own ``tensor_amax`` (one
@@ -583,7 +592,7 @@ class ShardedLinear(Linear):
         else:
             nan = options.format == "fp8"  # FP8's amax propagates NaN; NVFP4's is over the finite values
             amax = _quantize.amax_bits(rows, tp.amax, propagate_nan=nan)
-        work = tp.group.allreduce([amax], tp.max_opts)
+        work = tp.group.allreduce([amax], tp.max_async_opts if on_nccl_stream else tp.max_opts)
         if work is not None:
             work.wait()
         if options.format == "nvfp4":

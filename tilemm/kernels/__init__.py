@@ -21,6 +21,32 @@ from . import blackwell_block_scaled, blackwell_fp8, hopper_block_scaled, hopper
 BLOCK_SCALED = {Family.HOPPER: hopper_block_scaled.launch, Family.BLACKWELL: blackwell_block_scaled.launch}
 FP8 = {Family.HOPPER: hopper_fp8.launch, Family.BLACKWELL: blackwell_fp8.launch}
 
+#: Planned calls by signature (shapes, strides, dtypes, devices, options), shared by the public
+#: functions, the custom operators and ``tilemm.nn.Linear``: a repeated call is a lookup and a launch.
+PLANS: dict = {}
+#: Signatures kept before the table starts over (a program that sees ever new shapes).
+MAX_PLANS = 4096
+
+
+class _Unprepared:
+    """A launcher without a prepared form: ``run`` plans and launches on every call."""
+
+    __slots__ = ("launch",)
+
+    def __init__(self, launch):
+        self.launch = launch
+
+    def run(self, problem, stream) -> None:
+        self.launch(problem)
+
+
+def prepare_block_scaled(problem):
+    """The prepared launch of a ``tilemm.matmul.BlockScaledProblem``'s signature on its GPU:
+    ``.run(problem, stream)`` launches it for any problem of that signature."""
+    if family(problem.out.device) is Family.HOPPER:
+        return hopper_block_scaled.Prepared(problem)
+    return _Unprepared(blackwell_block_scaled.launch)
+
 
 def block_scaled_matmul(problem) -> None:
     """Run a ``tilemm.matmul.BlockScaledProblem`` on its GPU, writing ``problem.out``."""

@@ -27,7 +27,7 @@ import swizzle as _swizzle
 __all__ = ["tile_coords", "tile_coords_at", "e8m0_to_bf16", "e2m1_lo_bits_fp16", "e2m1_hi_bits_fp16",
            "e2m1_lo_bits_bf16",
            "e2m1_hi_bits_bf16", "unswizzle_scale_tile", "epilogue", "ones_scalar", "zeros_vector",
-           "swizzled_scale_view", "hinted", "num_sms", "SWIZZLE_ROWS", "SWIZZLE_COLS"]
+           "swizzled_scale_view", "hinted", "num_sms", "stream_handle", "ceil_div", "SWIZZLE_ROWS", "SWIZZLE_COLS"]
 
 #: Rows and scale columns covered by one 32x16 block of the 32x4x4 layout.
 SWIZZLE_ROWS = _swizzle.ROW_TILE
@@ -127,6 +127,11 @@ def epilogue(acc, C, Alpha, Bias, batch, bm, bn, TM, TN):
 # Host side
 # --------------------------------------------------------------------------------------------------
 
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative ints (host side; tile code has ``ct.cdiv``)."""
+    return -(-a // b)
+
+
 _ONES: dict[torch.device, torch.Tensor] = {}
 _ZEROS: dict[torch.device, torch.Tensor] = {}
 
@@ -170,6 +175,19 @@ def swizzled_scale_view(scale: torch.Tensor, cols_per_tile: int) -> torch.Tensor
     c = min(cols_per_tile, SWIZZLE_COLS)
     b, rt, kt = scale.shape[:3]
     return scale.reshape(b, rt, kt, 32 * 4, SWIZZLE_COLS // c, c)
+
+
+#: The current stream's raw handle for a device index (``torch.cuda.current_stream()`` builds a Stream
+#: object per call, about 5 us; ``ct.launch`` takes the raw integer).
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def stream_handle(device: torch.device):
+    """The current CUDA stream of ``device`` as the raw handle ``ct.launch`` takes (a PyTorch built
+    without CUDA, where only the tests' CPU emulation launches, gets ``torch.cuda.current_stream``)."""
+    if _RAW_STREAM is None:
+        return torch.cuda.current_stream(device)
+    return _RAW_STREAM(device.index if device.index is not None else torch.cuda.current_device())
 
 
 _SMS: dict[int, int] = {}

@@ -91,7 +91,9 @@ import torch
 from ..formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
 from . import _large
 from ._aot import AotVariant, array
-from ._common import SWIZZLE_COLS, SWIZZLE_ROWS, epilogue, hinted, num_sms, ones_scalar, tile_coords, zeros_vector
+from .._arch import capability
+from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, epilogue, hinted, num_sms, ones_scalar, stream_handle,
+                      tile_coords, zeros_vector)
 
 __all__ = ["launch", "aot_variants", "TileConfig", "LaunchPlan", "config_for", "plan_launch",
            "scale_tile_blocks", "check_config", "FORMATS"]
@@ -360,14 +362,13 @@ def launch(problem, config: TileConfig | None = None) -> None:
     """Run a ``tilemm.matmul.BlockScaledProblem`` on a Blackwell GPU, writing ``problem.out``.
 
     ``config`` overrides the table's choice (for tuning and benchmarks)."""
-    from .._arch import capability
-
     device = problem.out.device
     index = device.index if device.index is not None else torch.cuda.current_device()
     plan = plan_launch(problem, table_for_capability(capability(device)), num_sms(index), config)
+    stream = stream_handle(device)
     with torch.cuda.device(device):
         for grid, args in plan.launches:
-            ct.launch(torch.cuda.current_stream(device), grid, plan.kernel, args)
+            ct.launch(stream, grid, plan.kernel, args)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -44,7 +44,8 @@ import torch
 from ..formats import FP8_BLOCK
 from . import _large
 from ._aot import AotVariant
-from ._common import epilogue, fp8_kind, hinted, num_sms, ones_scalar, tile_coords, zeros_vector
+from .._arch import capability
+from ._common import epilogue, fp8_kind, hinted, num_sms, ones_scalar, stream_handle, tile_coords, zeros_vector
 from .blackwell_block_scaled import DEFAULT_SM_COUNT, launch_array, table_for_capability
 
 __all__ = ["launch", "aot_variants", "TileConfig", "LaunchPlan", "config_for", "plan_launch", "check_config"]
@@ -242,14 +243,13 @@ def launch(problem, config: TileConfig | None = None) -> None:
 
     ``config`` overrides the table's choice (for tuning and benchmarks). ``problem.use_fast_accum`` has
     no effect here (see the module docstring)."""
-    from .._arch import capability
-
     device = problem.out.device
     index = device.index if device.index is not None else torch.cuda.current_device()
     plan = plan_launch(problem, table_for_capability(capability(device)), num_sms(index), config)
+    stream = stream_handle(device)
     with torch.cuda.device(device):
         for grid, args in plan.launches:
-            ct.launch(torch.cuda.current_stream(device), grid, plan.kernel, args)
+            ct.launch(stream, grid, plan.kernel, args)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -83,12 +83,12 @@ import torch
 from ..formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
 from . import _large
 from ._aot import AotVariant, array
-from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, e2m1_hi_bits_bf16, e2m1_hi_bits_fp16, e2m1_lo_bits_bf16,
-                      e2m1_lo_bits_fp16, e8m0_to_bf16, epilogue, hinted, ones_scalar, sm90_hints, tile_coords,
-                      zeros_vector)
+from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, ceil_div, e2m1_hi_bits_bf16, e2m1_hi_bits_fp16,
+                      e2m1_lo_bits_bf16, e2m1_lo_bits_fp16, e8m0_to_bf16, epilogue, hinted, ones_scalar, sm90_hints,
+                      stream_handle, tile_coords, zeros_vector)
 from .hopper_gemm import GemmConfig, gemm_constants, gemm_kernel, launch_gemm, load_k_tile, num_sms
 
-__all__ = ["launch", "aot_variants", "StreamConfig", "TwoPassConfig", "plan", "TWO_PASS_MIN_M"]
+__all__ = ["launch", "Prepared", "aot_variants", "StreamConfig", "TwoPassConfig", "plan", "TWO_PASS_MIN_M"]
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -407,14 +407,12 @@ def _check_scale_tile(fmt: Format, tile_k: int, what: str) -> None:
                          f"for {fmt.name}, got {tile_k}")
 
 
-def _launch_stream(problem, cfg: StreamConfig, a, a_scale, b, b_scale, alpha, bias) -> None:
+def _launch_stream(problem, cfg: StreamConfig, a, a_scale, b, b_scale, alpha, bias, stream) -> None:
     fmt, out = problem.fmt, problem.out
     batch, m, n = out.shape
-    _check_scale_tile(fmt, cfg.tile_k, "stream")
-    stream = torch.cuda.current_stream(out.device)
     if cfg.x16:
         a = _dequantize(fmt, a, a_scale, problem.swizzled, dequant_rows=_X16_DEQUANT_ROWS,
-                        dequant_k=cfg.tile_k)
+                        dequant_k=cfg.tile_k, stream=stream)
     # Operands of 2^31 elements and more (in practice the weight): one launch per piece of the
     # output along M and N (``_large``), each with the whole problem's config, so every output tile,
     # K split included, is computed exactly as in one launch.
@@ -427,19 +425,20 @@ def _launch_stream(problem, cfg: StreamConfig, a, a_scale, b, b_scale, alpha, bi
         pbatch, pm, pn = pout.shape
         partial = pout if cfg.split_k == 1 else torch.empty((cfg.split_k * pbatch, pm, pn), dtype=torch.float32,
                                                             device=out.device)
-        grid = (cfg.split_k * pbatch * -(-pm // cfg.tile_m) * -(-pn // cfg.tile_n), 1, 1)
+        grid = (cfg.split_k * pbatch * ceil_div(pm, cfg.tile_m) * ceil_div(pn, cfg.tile_n), 1, 1)
         ct.launch(stream, grid, kernel, (pa, psa, pb, psb, pout, palpha, pbias, partial,
                                          *_stream_constants(fmt, problem.swizzled, cfg)))
         if cfg.split_k > 1:
             tm, tn = _REDUCE_TILE
-            ct.launch(stream, (pbatch * -(-pm // tm) * -(-pn // tn), 1, 1), _splitk_reduce_kernel,
+            ct.launch(stream, (pbatch * ceil_div(pm, tm) * ceil_div(pn, tn), 1, 1), _splitk_reduce_kernel,
                       (partial, pout, palpha, pbias, cfg.split_k, tm, tn))
 
 
-def _dequantize(fmt: Format, data, scale, swizzled: bool, dequant_rows: int, dequant_k: int) -> torch.Tensor:
+def _dequantize(fmt: Format, data, scale, swizzled: bool, dequant_rows: int, dequant_k: int,
+                stream) -> torch.Tensor:
     bx, rows, kd = data.shape
     k = fmt.logical_k(kd)
-    kp = -(-k // dequant_k) * dequant_k
+    kp = ceil_div(k, dequant_k) * dequant_k
     out = torch.empty((bx, rows, kp), dtype=torch.float16 if fmt.has_global_scale else torch.bfloat16,
                       device=data.device)
     # Operands of 2^31 elements and more: one launch per piece of (batch, rows, K) (``_large``); the
@@ -452,39 +451,93 @@ def _dequantize(fmt: Format, data, scale, swizzled: bool, dequant_rows: int, deq
                 ("dequantized", out, ((0, 0, 1), (1, 1, 1), (2, 2, 1)))]
     for pdata, pscale, pout in lg.split("block-scaled matmul (dequantize)", axes, operands):
         pb, pr, pk = pout.shape
-        grid = (pb * -(-pr // dequant_rows) * (pk // dequant_k), 1, 1)
-        ct.launch(torch.cuda.current_stream(data.device), grid, _dequantize_kernel,
+        grid = (pb * ceil_div(pr, dequant_rows) * (pk // dequant_k), 1, 1)
+        ct.launch(stream, grid, _dequantize_kernel,
                   (pdata, pscale, pout, _element_code(fmt), fmt.block, swizzled, dequant_rows, dequant_k))
     return out
 
 
-def _launch_two_pass(problem, cfg: TwoPassConfig, a, a_scale, b, b_scale, alpha, bias) -> None:
+def _launch_two_pass(problem, cfg: TwoPassConfig, a, a_scale, b, b_scale, alpha, bias, stream) -> None:
     fmt = problem.fmt
-    _check_scale_tile(fmt, cfg.dequant_k, "dequantize")
-    a16 = _dequantize(fmt, a, a_scale, problem.swizzled, cfg.dequant_rows, cfg.dequant_k)
-    b16 = _dequantize(fmt, b, b_scale, problem.swizzled, cfg.dequant_rows, cfg.dequant_k)
+    a16 = _dequantize(fmt, a, a_scale, problem.swizzled, cfg.dequant_rows, cfg.dequant_k, stream)
+    b16 = _dequantize(fmt, b, b_scale, problem.swizzled, cfg.dequant_rows, cfg.dequant_k, stream)
     launch_gemm(a16, alpha, b16, alpha, problem.out, alpha, bias, cfg.gemm, fast_acc=False, scaled=False)
+
+
+class Prepared:
+    """One block-scaled matmul signature (format, scale layout, shapes, output dtype, device) on sm_90,
+    planned once: the config, the hinted kernels, grids and constants. ``run`` launches it for any
+    operands of that signature: one stream launch, plus the activation's dequantize launch (``x16``)
+    and the split-K reduction (``split_k > 1``) where the config has them. Operands of 2^31 elements
+    and more, and the two-pass design, go through ``launch``'s general path."""
+
+    __slots__ = ("fmt", "swizzled", "cfg", "direct", "kernel", "grid", "consts", "partial_shape",
+                 "reduce_grid", "reduce_consts", "x16_shape", "x16_dtype", "x16_grid", "x16_consts", "n")
+
+    def __init__(self, problem, config: StreamConfig | TwoPassConfig | None = None):
+        fmt, out = problem.fmt, problem.out
+        batch, m, n = out.shape
+        self.fmt, self.swizzled, self.n = fmt, problem.swizzled, n
+        cfg = self.cfg = config or plan(fmt, batch, m, n, problem.k, num_sms(out.device))
+        if isinstance(cfg, TwoPassConfig):
+            _check_scale_tile(fmt, cfg.dequant_k, "dequantize")
+        else:
+            _check_scale_tile(fmt, cfg.tile_k, "stream")
+        kd = problem.a.shape[2]
+        x16_kp = ceil_div(fmt.logical_k(kd), cfg.tile_k) * cfg.tile_k if isinstance(cfg, StreamConfig) else 0
+        big = max(problem.b.numel(), problem.a.numel(), out.numel(), problem.a.shape[0] * m * x16_kp,
+                  cfg.split_k * out.numel() if isinstance(cfg, StreamConfig) else 0)
+        self.direct = isinstance(cfg, StreamConfig) and big < _large.LIMIT
+        if not self.direct:
+            return
+        self.kernel = hinted(_stream_kernel, **cfg.hints())
+        self.grid = (cfg.split_k * batch * ceil_div(m, cfg.tile_m) * ceil_div(n, cfg.tile_n), 1, 1)
+        self.consts = _stream_constants(fmt, problem.swizzled, cfg)
+        self.partial_shape = (cfg.split_k * batch, m, n) if cfg.split_k > 1 else None
+        tm, tn = _REDUCE_TILE
+        self.reduce_grid = (batch * ceil_div(m, tm) * ceil_div(n, tn), 1, 1)
+        self.reduce_consts = (cfg.split_k, tm, tn)
+        if cfg.x16:
+            ba = problem.a.shape[0]
+            self.x16_shape = (ba, m, x16_kp)
+            self.x16_dtype = torch.float16 if fmt.has_global_scale else torch.bfloat16
+            self.x16_grid = (ba * ceil_div(m, _X16_DEQUANT_ROWS) * (x16_kp // cfg.tile_k), 1, 1)
+            self.x16_consts = (_element_code(fmt), fmt.block, problem.swizzled, _X16_DEQUANT_ROWS, cfg.tile_k)
+
+    def run(self, problem, stream) -> None:
+        """Launch for ``problem`` (a ``BlockScaledProblem`` of this signature) on raw stream ``stream``."""
+        fmt, out = self.fmt, problem.out
+        device = out.device
+        a = problem.a if fmt.is_packed else problem.a.view(fmt.data_dtype)
+        b = problem.b if fmt.is_packed else problem.b.view(fmt.data_dtype)
+        a_scale = _scale_operand(problem.a_scale, self.swizzled)
+        b_scale = _scale_operand(problem.b_scale, self.swizzled)
+        alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
+        bias = zeros_vector(device, self.n) if problem.bias is None else problem.bias
+        cfg = self.cfg
+        if not self.direct:
+            if isinstance(cfg, TwoPassConfig):
+                _launch_two_pass(problem, cfg, a, a_scale, b, b_scale, alpha, bias, stream)
+            else:
+                _launch_stream(problem, cfg, a, a_scale, b, b_scale, alpha, bias, stream)
+            return
+        if cfg.x16:
+            a16 = torch.empty(self.x16_shape, dtype=self.x16_dtype, device=device)
+            ct.launch(stream, self.x16_grid, _dequantize_kernel, (a, a_scale, a16, *self.x16_consts))
+            a = a16
+        if self.partial_shape is None:
+            ct.launch(stream, self.grid, self.kernel, (a, a_scale, b, b_scale, out, alpha, bias, out, *self.consts))
+            return
+        partial = torch.empty(self.partial_shape, dtype=torch.float32, device=device)
+        ct.launch(stream, self.grid, self.kernel, (a, a_scale, b, b_scale, out, alpha, bias, partial, *self.consts))
+        ct.launch(stream, self.reduce_grid, _splitk_reduce_kernel, (partial, out, alpha, bias, *self.reduce_consts))
 
 
 def launch(problem, config: StreamConfig | TwoPassConfig | None = None) -> None:
     """Run a ``tilemm.matmul.BlockScaledProblem`` on an sm_90 GPU, writing ``problem.out``.
 
     ``config`` overrides ``plan``'s choice (for tuning and benchmarks)."""
-    fmt = problem.fmt
-    out = problem.out
-    batch, m, n = out.shape
-    device = out.device
-    cfg = config or plan(fmt, batch, m, n, problem.k, num_sms(device))
-    a = problem.a if fmt.is_packed else problem.a.view(fmt.data_dtype)
-    b = problem.b if fmt.is_packed else problem.b.view(fmt.data_dtype)
-    a_scale = _scale_operand(problem.a_scale, problem.swizzled)
-    b_scale = _scale_operand(problem.b_scale, problem.swizzled)
-    alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
-    bias = zeros_vector(device, n) if problem.bias is None else problem.bias
-    if isinstance(cfg, TwoPassConfig):
-        _launch_two_pass(problem, cfg, a, a_scale, b, b_scale, alpha, bias)
-    else:
-        _launch_stream(problem, cfg, a, a_scale, b, b_scale, alpha, bias)
+    Prepared(problem, config).run(problem, stream_handle(problem.out.device))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ import torch
 from ..formats import FP8_BLOCK
 from . import _large
 from ._aot import AotVariant, array
-from ._common import epilogue, fp8_kind, hinted, ones_scalar, tile_coords, zeros_vector
+from ._common import epilogue, fp8_kind, hinted, ones_scalar, stream_handle, tile_coords, zeros_vector
 from .hopper_gemm import GemmConfig, gemm_constants, gemm_kernel, launch_gemm, num_sms
 
 __all__ = ["launch", "aot_variants", "TileConfig", "config_for"]
@@ -184,7 +184,7 @@ def launch(problem, config: GemmConfig | None = None) -> None:
     for views in lg.split("fp8_matmul", axes, operands):
         pb, pm, pn = views[4].shape
         grid = (pb * -(-pm // cfg.tile_m) * -(-pn // cfg.tile_n), 1, 1)
-        ct.launch(torch.cuda.current_stream(device), grid, kernel, (*views, *_blockwise_constants(cfg, fast_acc)))
+        ct.launch(stream_handle(device), grid, kernel, (*views, *_blockwise_constants(cfg, fast_acc)))
 
 
 # --------------------------------------------------------------------------------------------------

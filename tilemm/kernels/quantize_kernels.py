@@ -65,7 +65,7 @@ from cuda.tile import compilation as cc
 from ..formats import FP8_BLOCK, FP8_E4M3, NVFP4, Format
 from . import _large
 from ._aot import TARGETS, AotVariant, array
-from ._common import SWIZZLE_COLS, SWIZZLE_ROWS, Described, hinted, num_sms
+from ._common import SWIZZLE_COLS, SWIZZLE_ROWS, Described, hinted, num_sms, stream_handle
 
 __all__ = ["quantize_mx", "quantize_nvfp4", "quantize_fp8", "FakeQuant", "aot_variants", "supported"]
 
@@ -1011,7 +1011,7 @@ def _grid(batch: int, rows: int, k: int, cfg: TileConfig, swizzle: bool = False)
 
 
 def _launch_kernel(device: torch.device, grid, kernel, args: tuple) -> None:
-    ct.launch(torch.cuda.current_stream(device), grid, kernel, args)
+    ct.launch(stream_handle(device), grid, kernel, args)
 
 
 

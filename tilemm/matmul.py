@@ -213,6 +213,8 @@ def _expect_shape(fn, name, t, shape, hint=None):
 
 def _to3d(t: torch.Tensor, tail: int) -> torch.Tensor:
     """Collapse leading dims so that ``t`` has exactly ``tail`` + 1 dims (a batch dim of 1 if none)."""
+    if t.ndim == tail:
+        return t.unsqueeze(0)
     lead = t.shape[: t.ndim - tail]
     b = 1
     for d in lead:
@@ -295,7 +297,7 @@ class _BlockScaledCall:
 
 def block_scaled_call(fn, fmt, x, x_scale, y, y_scale, out_dtype, bias, alpha) -> _BlockScaledCall:
     """The planned call for this signature; its first call runs every check (``_block_scaled``)."""
-    key = (fmt, _sig(x), _sig(x_scale), _sig(y), _sig(y_scale), out_dtype, _sig(bias), _sig(alpha))
+    key = (fmt.name, _sig(x), _sig(x_scale), _sig(y), _sig(y_scale), out_dtype, _sig(bias), _sig(alpha))
     call = _CALLS.get(key)
     if call is None:
         m, n, k, swizzled, device, _, _ = _block_scaled(fn, fmt, x, x_scale, y, y_scale, out_dtype=out_dtype,
@@ -735,6 +737,8 @@ def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fas
         raise TypeError(f"{fn}: x_q and w_q must be of one format, got {type(x_q).__name__} and "
                         f"{type(w_q).__name__}")
     for name, t in (("x_q", x_q), ("w_q", w_q)):
+        if type(t.data) is torch.Tensor and type(t.scale) is torch.Tensor:
+            continue  # the common case, without a generator
         if isinstance(t, tuple) and not all(isinstance(f, torch.Tensor) for f in t):
             arrays = ", ".join(sorted({f"{type(f).__module__}.{type(f).__name__}" for f in t}))
             raise TypeError(f"{fn}: {name} must hold torch tensors, got a {type(t).__name__} of {arrays}; "

@@ -62,6 +62,7 @@ import cuda.tile as ct
 import torch
 from cuda.tile import compilation as cc
 
+from .._arch import capability, gpu_code, has_kernels
 from ..formats import FP8_BLOCK, FP8_E4M3, NVFP4, Format
 from . import _large
 from ._aot import TARGETS, AotVariant, array
@@ -964,9 +965,7 @@ def _kernel(kernel, cfg: TileConfig):
 def supported(x: torch.Tensor) -> bool:
     """True when the quantizer kernels can run on x: a CUDA tensor on sm_90 or newer
     (``TILEMM_ARCH`` overrides the detected capability, as everywhere in tilemm)."""
-    from .._arch import capability
-
-    return x.is_cuda and capability(x.device)[0] >= 9
+    return has_kernels(x.device)
 
 
 @dataclasses.dataclass
@@ -1018,8 +1017,7 @@ def _launch_kernel(device: torch.device, grid, kernel, args: tuple) -> None:
 
 def _target(device: torch.device) -> str:
     """The device's architecture as an ``aot_variants`` target, e.g. "sm_90"."""
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}"
+    return gpu_code(capability(device))
 
 
 # Tensors of 2^31 elements and more (``_large``): every launch below goes through ``_pieces``, which

@@ -16,6 +16,8 @@ CPU interpreter. Two things are checked here without one:
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -196,6 +198,31 @@ def test_shared_weight_folds_batch_into_m(swizzled, m, folds):
         assert plan.grid == (-(-3 * m // 128), 1, 1)
     else:
         assert a.shape == (3, m, 64) and plan.grid == (3, 1, 1)
+
+
+@pytest.mark.parametrize("swizzled, m", [(False, 100), (True, 128), (True, 100)])
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=FMT_IDS)
+def test_prepared_launch_is_the_plan(monkeypatch, fmt, swizzled, m):
+    # The launch that Prepared.run makes for a later problem of the signature is the one plan_launch
+    # makes for it: same kernel, grid and arguments (tensors by address, shape and strides).
+    problem, _ = block_scaled_case(fmt, m, 17, 128, ba=3, bb=1, swizzled=swizzled, bias=True, alpha=0.5)
+    monkeypatch.setattr(bbs, "capability", lambda device: (10, 0))
+    monkeypatch.setattr(bbs, "num_sms", lambda device: 148)
+    prepared = bbs.Prepared(problem)
+    later, _ = block_scaled_case(fmt, m, 17, 128, ba=3, bb=1, swizzled=swizzled, bias=True, alpha=0.5, seed=1)
+    plan = bbs.plan_launch(later, "sm_100", 148)
+    launches = []
+    monkeypatch.setattr(bbs, "ct", types.SimpleNamespace(launch=lambda *call: launches.append(call)))
+    prepared.run(later, "stream")
+    ((stream, grid, kernel, args),) = launches
+    assert (stream, grid, kernel) == ("stream", plan.grid, plan.kernel)
+    assert len(args) == len(plan.args)
+    for got, want in zip(args, plan.args):
+        if isinstance(want, torch.Tensor):
+            assert (got.data_ptr(), got.shape, got.stride(), got.dtype) == (want.data_ptr(), want.shape,
+                                                                            want.stride(), want.dtype)
+        else:
+            assert got == want
 
 
 def test_scales_and_epilogue_arguments():

@@ -28,24 +28,12 @@ PLANS: dict = {}
 MAX_PLANS = 4096
 
 
-class _Unprepared:
-    """A launcher without a prepared form: ``run`` plans and launches on every call."""
-
-    __slots__ = ("launch",)
-
-    def __init__(self, launch):
-        self.launch = launch
-
-    def run(self, problem, stream) -> None:
-        self.launch(problem)
-
-
 def prepare_block_scaled(problem):
     """The prepared launch of a ``tilemm.matmul.BlockScaledProblem``'s signature on its GPU:
     ``.run(problem, stream)`` launches it for any problem of that signature."""
     if family(problem.out.device) is Family.HOPPER:
         return hopper_block_scaled.Prepared(problem)
-    return _Unprepared(blackwell_block_scaled.launch)
+    return blackwell_block_scaled.Prepared(problem)
 
 
 def block_scaled_matmul(problem) -> None:

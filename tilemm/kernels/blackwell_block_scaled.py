@@ -358,17 +358,49 @@ def plan_launch(problem, table: str, sm_count: int = DEFAULT_SM_COUNT,
 
 
 
+class Prepared:
+    """One block-scaled matmul signature on a Blackwell GPU, planned once (``plan_launch``): ``run``
+    launches it for any problem of that signature. Operands of 2^31 elements and more are planned
+    again on every call (their pieces are views of the call's tensors)."""
+
+    __slots__ = ("plan", "consts", "direct", "swizzled", "n")
+
+    def __init__(self, problem, config: TileConfig | None = None):
+        device = problem.out.device
+        self.plan = plan_launch(problem, table_for_capability(capability(device)), num_sms(device), config)
+        self.direct = len(self.plan.launches) == 1
+        self.consts = _constants(problem.fmt, self.plan.config)
+        self.swizzled, self.n = problem.swizzled, problem.out.shape[2]
+
+    def run(self, problem, stream) -> None:
+        """Launch for ``problem`` (a ``BlockScaledProblem`` of this signature) on raw stream ``stream``."""
+        device = problem.out.device
+        if not self.direct:
+            plan = plan_launch(problem, table_for_capability(capability(device)), num_sms(device),
+                               self.plan.config)
+            launches = plan.launches
+        else:
+            a, a_scale, out = problem.a, _scale_bytes(problem.a_scale), problem.out
+            if self.plan.folded:
+                a, a_scale, out = _fold_batch(a, a_scale, out, self.swizzled)
+            alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
+            bias = zeros_vector(device, self.n) if problem.bias is None else problem.bias
+            launches = ((self.plan.grid, (a, a_scale, problem.b, _scale_bytes(problem.b_scale), out, alpha, bias,
+                                          *self.consts)),)
+        if device.index is None or device.index == torch.cuda.current_device():
+            for grid, args in launches:
+                ct.launch(stream, grid, self.plan.kernel, args)
+            return
+        with torch.cuda.device(device):
+            for grid, args in launches:
+                ct.launch(stream, grid, self.plan.kernel, args)
+
+
 def launch(problem, config: TileConfig | None = None) -> None:
     """Run a ``tilemm.matmul.BlockScaledProblem`` on a Blackwell GPU, writing ``problem.out``.
 
     ``config`` overrides the table's choice (for tuning and benchmarks)."""
-    device = problem.out.device
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    plan = plan_launch(problem, table_for_capability(capability(device)), num_sms(index), config)
-    stream = stream_handle(device)
-    with torch.cuda.device(device):
-        for grid, args in plan.launches:
-            ct.launch(stream, grid, plan.kernel, args)
+    Prepared(problem, config).run(problem, stream_handle(problem.out.device))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from .kernels._large import check_matmul_k
 from .packed import PackedWeight, prepack
 from .quantize import FP8Tensor, MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
 from .weight_only import weight_only_linear
+from .numerics import ceil_div
 from .reference import block_scaled_matmul_reference, fp8_matmul_reference
 
 __all__ = ["mxfp8_matmul", "mxfp4_matmul", "nvfp4_matmul", "fp8_matmul", "linear",
@@ -374,7 +375,7 @@ def _fp8_granularity(fn: str, x, sx, y, sy):
         if k % FP8_BLOCK == 0 and tuple(sx.shape) == (*xb, m, k // FP8_BLOCK):
             return "block"
         raise ValueError(f"{fn}: x_scale must be 0-d (per tensor), {(*xb, m, 1)} (per row) or "
-                         f"{(*xb, m, -(-k // FP8_BLOCK))} (1x128 blocks, K a multiple of 128), got "
+                         f"{(*xb, m, ceil_div(k, FP8_BLOCK))} (1x128 blocks, K a multiple of 128), got "
                          f"{tuple(sx.shape)}")
 
     def kind_y():
@@ -382,10 +383,10 @@ def _fp8_granularity(fn: str, x, sx, y, sy):
             return "tensor"
         if tuple(sy.shape) == (*yb, 1, n):
             return "row"
-        if k % FP8_BLOCK == 0 and tuple(sy.shape) == (*yb, k // FP8_BLOCK, -(-n // FP8_BLOCK)):
+        if k % FP8_BLOCK == 0 and tuple(sy.shape) == (*yb, k // FP8_BLOCK, ceil_div(n, FP8_BLOCK)):
             return "block"
         raise ValueError(f"{fn}: y_scale must be 0-d (per tensor), {(*yb, 1, n)} (per column) or "
-                         f"{(*yb, -(-k // FP8_BLOCK), -(-n // FP8_BLOCK))} (128x128 blocks, the "
+                         f"{(*yb, ceil_div(k, FP8_BLOCK), ceil_div(n, FP8_BLOCK))} (128x128 blocks, the "
                          f"transpose of quantize_fp8's weight scale), got {tuple(sy.shape)}")
 
     kx, ky = kind_x(), kind_y()

@@ -47,6 +47,7 @@ import swizzle as _swizzle
 
 from . import quantize as _quantize
 from .formats import MXFP4, NVFP4
+from .numerics import ceil_div
 
 __all__ = ["quantize_mxfp8", "quantize_mxfp4", "quantize_nvfp4", "quantize_fp8",
            "mxfp8_matmul", "mxfp4_matmul", "nvfp4_matmul", "fp8_matmul", "weight_only_linear"]
@@ -56,17 +57,13 @@ SWIZZLE_ROWS = _swizzle.ROW_TILE  # scale rows per 32x16 block of the 32x4x4 lay
 SWIZZLE_COLS = _swizzle.COL_TILE  # scale columns per 32x16 block
 
 
-def _ceil_div(a, b):
-    return -(-a // b)
-
-
 def _block_scale_shape(shape, block: int, swizzle: bool) -> tuple:
     """Scale shape for data of logical ``shape`` (..., K): (..., K/block), or swizzled 32x4x4
     (..., ceil(M/128), ceil(K/block/4), 32, 16). Plain arithmetic, so symbolic sizes work."""
     cols = shape[-1] // block
     if not swizzle:
         return (*shape[:-1], cols)
-    return (*shape[:-2], _ceil_div(shape[-2], SWIZZLE_ROWS), _ceil_div(cols, SWIZZLE_COLS), 32, 16)
+    return (*shape[:-2], ceil_div(shape[-2], SWIZZLE_ROWS), ceil_div(cols, SWIZZLE_COLS), 32, 16)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -130,7 +127,7 @@ def _(x, granularity="tensor", elem_dtype=None, pow2_scale=False):
     elif gran == (1, block):
         scale_shape = (*x.shape[:-1], x.shape[-1] // block)
     else:
-        scale_shape = (*x.shape[:-2], _ceil_div(x.shape[-2], block), x.shape[-1] // block)
+        scale_shape = (*x.shape[:-2], ceil_div(x.shape[-2], block), x.shape[-1] // block)
     return x.new_empty(x.shape, dtype=fmt.data_dtype), x.new_empty(scale_shape, dtype=torch.float32)
 
 

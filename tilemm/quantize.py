@@ -24,7 +24,7 @@ from . import _interop
 from ._arch import has_kernels
 from .kernels import quantize_kernels
 from .formats import FP8_BLOCK, FP8_E4M3, MXFP4, NVFP4, Format, fp8_format, mxfp8_format
-from .numerics import as_uint8, pack_e2m1
+from .numerics import as_uint8, ceil_div, pack_e2m1
 from .reference import dequantize_blocks
 
 __all__ = [
@@ -191,10 +191,6 @@ del _cls
 # ----------------------------------------------------------------------------------------------
 # Validation helpers (public boundary)
 # ----------------------------------------------------------------------------------------------
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _check_input(fn: str, x, *, block: int | None, min_ndim: int = 1) -> None:
@@ -474,7 +470,7 @@ def _quantize_fp8_reference(x: torch.Tensor, fmt: Format, granularity,
         amax = _blocks(a, FP8_BLOCK).amax(dim=-1)  # (..., M, K/128)
     else:
         m = xf.shape[-2]
-        m_blocks = _ceil_div(m, FP8_BLOCK)
+        m_blocks = ceil_div(m, FP8_BLOCK)
         # A partial last row block takes the amax over the rows it has (zero rows change nothing).
         padded = torch.nn.functional.pad(a, (0, 0, 0, m_blocks * FP8_BLOCK - m))
         tiles = padded.reshape(*a.shape[:-2], m_blocks, FP8_BLOCK, k_blocks, FP8_BLOCK)
@@ -891,7 +887,7 @@ def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, *, elem_dtype=None) 
     if data.ndim >= 2:
         m, rows = data.shape[-2], scale.shape[-2]
         if rows != m:
-            if rows != _ceil_div(m, FP8_BLOCK):
+            if rows != ceil_div(m, FP8_BLOCK):
                 raise bad_shape
             s = s.repeat_interleave(FP8_BLOCK, dim=-2)[..., :m, :]
     return values * s

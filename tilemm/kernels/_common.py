@@ -24,6 +24,8 @@ import torch
 
 import swizzle as _swizzle
 
+from ..numerics import ceil_div
+
 __all__ = ["tile_coords", "tile_coords_at", "e8m0_to_bf16", "e2m1_lo_bits_fp16", "e2m1_hi_bits_fp16",
            "e2m1_lo_bits_bf16",
            "e2m1_hi_bits_bf16", "unswizzle_scale_tile", "epilogue", "ones_scalar", "zeros_vector",
@@ -126,11 +128,6 @@ def epilogue(acc, C, Alpha, Bias, batch, bm, bn, TM, TN):
 # --------------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------------
-
-def ceil_div(a: int, b: int) -> int:
-    """``ceil(a / b)`` for non-negative ints (host side; tile code has ``ct.cdiv``)."""
-    return -(-a // b)
-
 
 _ONES: dict[torch.device, torch.Tensor] = {}
 _ZEROS: dict[torch.device, torch.Tensor] = {}

@@ -92,7 +92,7 @@ from ..formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
 from . import _large
 from ._aot import AotVariant, array
 from .._arch import capability
-from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, epilogue, hinted, num_sms, ones_scalar, stream_handle,
+from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, ceil_div, epilogue, hinted, num_sms, ones_scalar, stream_handle,
                       tile_coords, zeros_vector)
 
 __all__ = ["launch", "aot_variants", "TileConfig", "LaunchPlan", "config_for", "plan_launch",
@@ -231,7 +231,7 @@ def config_for(table: str, batch: int, m: int, n: int, sm_count: int = DEFAULT_S
     configs = _CONFIGS[table]
     large = configs.get("large")
     if large is not None:
-        tiles = batch * -(-m // large.tile_m) * -(-n // large.tile_n)
+        tiles = batch * ceil_div(m, large.tile_m) * ceil_div(n, large.tile_n)
         if tiles * large.num_ctas >= sm_count:
             return large
     return configs["small"]
@@ -351,7 +351,7 @@ def plan_launch(problem, table: str, sm_count: int = DEFAULT_SM_COUNT,
     for views in lg.split("block-scaled matmul", lg.matmul_axes(grid_batch, grid_m, n, cfg.tile_m, cfg.tile_n),
                           operands):
         pb, pm, pn = views[4].shape
-        launches.append(((pb * -(-pm // cfg.tile_m) * -(-pn // cfg.tile_n), 1, 1), (*views, *_constants(fmt, cfg))))
+        launches.append(((pb * ceil_div(pm, cfg.tile_m) * ceil_div(pn, cfg.tile_n), 1, 1), (*views, *_constants(fmt, cfg))))
     grid, args = launches[0]
     return LaunchPlan(cfg, kernel, grid, args, folded, tuple(launches))
 

@@ -45,7 +45,8 @@ from ..formats import FP8_BLOCK
 from . import _large
 from ._aot import AotVariant
 from .._arch import capability
-from ._common import epilogue, fp8_kind, hinted, num_sms, ones_scalar, stream_handle, tile_coords, zeros_vector
+from ._common import (ceil_div, epilogue, fp8_kind, hinted, num_sms, ones_scalar, stream_handle, tile_coords,
+                      zeros_vector)
 from .blackwell_block_scaled import DEFAULT_SM_COUNT, launch_array, table_for_capability
 
 __all__ = ["launch", "aot_variants", "TileConfig", "LaunchPlan", "config_for", "plan_launch", "check_config"]
@@ -154,7 +155,7 @@ def config_for(table: str, granularity: str, batch: int, m: int, n: int,
     """The table's config: the large tile once every SM (pair) still gets a tile, else the small one."""
     configs = _CONFIGS[table][_kind(granularity)]
     large = configs.get("large")
-    if large is not None and batch * -(-m // large.tile_m) * -(-n // large.tile_n) * large.num_ctas >= sm_count:
+    if large is not None and batch * ceil_div(m, large.tile_m) * ceil_div(n, large.tile_n) * large.num_ctas >= sm_count:
         return large
     return configs["small"]
 
@@ -231,7 +232,7 @@ def plan_launch(problem, table: str, sm_count: int = DEFAULT_SM_COUNT,
     for views in lg.split("fp8_matmul", lg.matmul_axes(batch, m, n, cfg.tile_m, math.lcm(cfg.tile_n, per)),
                           operands):
         pb, pm, pn = views[4].shape
-        launches.append(((pb * -(-pm // cfg.tile_m) * -(-pn // cfg.tile_n), 1, 1), (*views, *_constants(kind, cfg))))
+        launches.append(((pb * ceil_div(pm, cfg.tile_m) * ceil_div(pn, cfg.tile_n), 1, 1), (*views, *_constants(kind, cfg))))
     grid, args = launches[0]
     return LaunchPlan(cfg, kernel, grid, args, tuple(launches))
 

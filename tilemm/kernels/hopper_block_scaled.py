@@ -364,8 +364,8 @@ def stream_config(fmt: Format, batch: int, m: int, n: int, k: int, sms: int = 13
     tile_m = next((t for t in _STREAM_TILE_M if t >= m), _STREAM_TILE_M[-1])
     tile_n, warps, occupancy = _STREAM_SHAPE[tile_m]
     tile_k = _STREAM_TK[_family(fmt)]
-    tiles = batch * -(-m // tile_m) * -(-n // tile_n)
-    k_tiles = -(-k // tile_k)
+    tiles = batch * ceil_div(m, tile_m) * ceil_div(n, tile_n)
+    k_tiles = ceil_div(k, tile_k)
     split = 1
     while (tiles * split < (occupancy or 1) * sms and split * 2 <= _STREAM_SPLITS[-1]
            and k_tiles >= split * 2 * 4):

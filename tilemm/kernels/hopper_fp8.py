@@ -39,7 +39,7 @@ import torch
 from ..formats import FP8_BLOCK
 from . import _large
 from ._aot import AotVariant, array
-from ._common import epilogue, fp8_kind, hinted, ones_scalar, stream_handle, tile_coords, zeros_vector
+from ._common import ceil_div, epilogue, fp8_kind, hinted, ones_scalar, stream_handle, tile_coords, zeros_vector
 from .hopper_gemm import GemmConfig, gemm_constants, gemm_kernel, launch_gemm, num_sms
 
 __all__ = ["launch", "aot_variants", "TileConfig", "config_for"]
@@ -126,7 +126,7 @@ _MIN_WAVE_FILL = 0.9
 
 def _wave_fill(tiles: int, sms: int) -> float:
     """The share of SM time that ``tiles`` equal tiles keep busy on ``sms`` SMs (1.0: whole waves)."""
-    return tiles / (-(-tiles // sms) * sms)
+    return tiles / (ceil_div(tiles, sms) * sms)
 
 
 def config_for(granularity: str, batch: int, m: int, n: int, fast_accum: bool = False,
@@ -135,10 +135,10 @@ def config_for(granularity: str, batch: int, m: int, n: int, fast_accum: bool = 
     ``_LARGE_TILES`` of it and its last wave is not mostly empty, else the small one."""
     table = _CONFIGS[_kind(granularity), fast_accum]
     large, small = table["large"], table["small"]
-    tiles = batch * -(-m // large.tile_m) * -(-n // large.tile_n)
+    tiles = batch * ceil_div(m, large.tile_m) * ceil_div(n, large.tile_n)
     if tiles < _LARGE_TILES:
         return small
-    small_tiles = batch * -(-m // small.tile_m) * -(-n // small.tile_n)
+    small_tiles = batch * ceil_div(m, small.tile_m) * ceil_div(n, small.tile_n)
     if _wave_fill(tiles, sms) < _MIN_WAVE_FILL and _wave_fill(small_tiles, sms) > _wave_fill(tiles, sms):
         return small
     return large
@@ -183,7 +183,7 @@ def launch(problem, config: GemmConfig | None = None) -> None:
     kernel = hinted(_fp8_blockwise_kernel, **cfg.hints())
     for views in lg.split("fp8_matmul", axes, operands):
         pb, pm, pn = views[4].shape
-        grid = (pb * -(-pm // cfg.tile_m) * -(-pn // cfg.tile_n), 1, 1)
+        grid = (pb * ceil_div(pm, cfg.tile_m) * ceil_div(pn, cfg.tile_n), 1, 1)
         ct.launch(stream_handle(device), grid, kernel, (*views, *_blockwise_constants(cfg, fast_acc)))
 
 

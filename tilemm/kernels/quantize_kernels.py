@@ -63,7 +63,7 @@ import torch
 from cuda.tile import compilation as cc
 
 from .._arch import capability, gpu_code, has_kernels
-from ..formats import FP8_BLOCK, FP8_E4M3, NVFP4, Format
+from ..formats import E2M1, E4M3, E5M2, ELEMENT_CODES, FP8_BLOCK, FP8_E4M3, NVFP4, Format
 from . import _large
 from ._aot import TARGETS, AotVariant, array
 from ._common import SWIZZLE_COLS, SWIZZLE_ROWS, Described, hinted, num_sms, stream_handle
@@ -99,11 +99,8 @@ _INV_QMAX_E4M3 = _f32(1.0 / 448.0)  # fp32(1/Qmax) for RCEIL, as the reference's
 _INV_QMAX_E5M2 = _f32(1.0 / 57344.0)
 _INV_QMAX_E2M1 = _f32(1.0 / 6.0)
 
-# Element codes (the ELEMENT constant).
-_E4M3 = 0
-_E5M2 = 1
-_E2M1 = 2
-_ELEMENT_CODE = {"e4m3": _E4M3, "e5m2": _E5M2, "e2m1": _E2M1}
+# Element codes (the ELEMENT constant): tilemm.formats owns them.
+_E4M3, _E5M2, _E2M1, _ELEMENT_CODE = E4M3, E5M2, E2M1, ELEMENT_CODES
 
 # FP8 granularities of ``_fp8_quantize_kernel`` (GRANULARITY); per row has its own kernel.
 _FP8_TENSOR = 0

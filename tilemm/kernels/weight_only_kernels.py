@@ -68,6 +68,7 @@ import dataclasses
 import cuda.tile as ct
 import torch
 
+from ..formats import E2M1, E4M3, E5M2
 from ._aot import AotVariant, array
 from ._common import Described, hinted, sm90_hints
 
@@ -78,10 +79,7 @@ ConstInt = ct.Constant[int]
 
 _ZERO = ct.PaddingMode.ZERO
 
-# Element codes (the ELEMENT constant of the kernel).
-E2M1 = 0
-E4M3 = 1
-E5M2 = 2
+# Element codes (the ELEMENT constant of the kernel): E2M1, E4M3, E5M2 from tilemm.formats.
 
 
 @dataclasses.dataclass(frozen=True)

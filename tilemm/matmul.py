@@ -12,20 +12,16 @@ Scales come in one of two layouts, told apart by their rank:
 * swizzled 32x4x4 (``swizzle.swizzle_32_4_4``): x_scale (..., ceil(M/128), ceil(K/B/4), 32, 16) and
   y_scale the same built from the (N, K/B) weight scales: two more dimensions than the operand.
 
-Swizzled scales do not record which operand they belong to. When x_scale and y_scale have the same
-padded shape (M and N in the same multiple of 128), passing them swapped is accepted and gives a wrong
-result that no check can catch. :func:`linear` takes each operand with its own scale and cannot swap
-them: prefer it.
+Swapped swizzled scales of one padded shape cannot be detected; :func:`linear`, which takes each
+operand with its own scale, cannot swap them: prefer it. CPU tensors run the pure-PyTorch reference
+(``tilemm.reference``), CUDA tensors the cuTile kernels of their GPU generation (``tilemm.kernels``).
 
-CPU tensors run the pure-PyTorch reference (``tilemm.reference``); CUDA tensors run the cuTile kernel
-for their architecture (``tilemm.kernels``): exact emulation on Hopper (sm_90), ``ct.mma_scaled`` on
-Blackwell (sm_100 / sm_120).
-
-Each public function handles its Python-level arguments and calls the custom operator of the same
-name, ``torch.ops.tilemm.<name>`` (registered in this module), which checks the tensors and runs the
-computation: ``run_block_scaled`` / ``run_fp8_matmul`` -> ``tilemm.kernels`` (a table from GPU family
-to launcher) -> the launcher and its tile kernels. NumPy (CPU) and CuPy (GPU) arrays are accepted and
-returned in kind (``tilemm._interop``).
+Path: the public function checks its arguments once per signature (shapes, strides, dtypes, devices,
+options: ``block_scaled_call`` / ``fp8_call``, cached in ``tilemm.kernels.PLANS``), then an eager call
+on CUDA tensors runs the planned call directly, and anything else (torch.compile, CPU tensors) goes
+through the custom operator ``torch.ops.tilemm.<name>`` registered here, which runs the same planned
+call; that reaches the family's prepared launch (``tilemm.kernels``) and its ``@ct.kernel``. NumPy and
+CuPy arrays are accepted and returned in kind (``tilemm._interop``).
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """tilemm's quantizers and matmuls as PyTorch custom operators, ``torch.ops.tilemm.*``.
 
 The quantizer operators are registered here; the matmul operators next to their public functions
-(``tilemm.matmul``, ``tilemm.weight_only``) and named here too. The public functions
-(``tilemm.quantize_mxfp8``, ``tilemm.mxfp8_matmul``, ...) handle the Python-level
-arguments (NamedTuples, Python floats, NumPy / CuPy arrays, FP8 bytes) and then call these operators,
-so there is one code path and ``torch.compile`` sees each quantizer or matmul as one opaque op (with
-``fullgraph=True`` too). Each operator checks its arguments itself, with the public function's
-messages, so calling ``torch.ops.tilemm.*`` directly is safe; its fake (meta) implementation runs the
-same checks, which read only shapes, dtypes and devices, and returns empty outputs of the exact shapes
-and dtypes, swizzled scales and NVFP4's decode scale included.
+(``tilemm.matmul``, ``tilemm.weight_only``) and named here too. ``torch.compile`` sees each as one
+opaque op (``fullgraph=True`` too); the public functions call them for CPU tensors and under
+torch.compile, and run the same implementation directly for eager CUDA calls. The matmul operators
+check a signature once (then look it up); their fake (meta) implementations run the checks, which
+read only shapes, dtypes and devices, and return empty outputs of the exact shapes and dtypes.
 
 Operators take and return tensors::
 

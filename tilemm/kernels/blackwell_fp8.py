@@ -1,36 +1,22 @@
 """FP8 matmuls (per-tensor, per-row, DeepSeek-style 1x128 / 128x128 blocks) on Blackwell (sm_100 /
 sm_120), in cuTile.
 
-What it computes (docs/numerics.md): ``out = ((a * sa) @ (b * sb).T) * alpha + bias`` accumulated in fp32 and
-rounded once to ``out``'s dtype, for e4m3 / e5m2 ``a`` (Ba, M, K) and ``b`` (Bb, N, K), both
-K-contiguous (``b`` is the (N, K) weight form; its (TN, TK) tiles are transposed in registers to the
-(TK, TN) that ``ct.mma`` wants).
+Computes ``out = ((a * sa) @ (b * sb).T) * alpha + bias`` accumulated in fp32, rounded once to ``out``'s
+dtype, for e4m3 / e5m2 ``a`` (Ba, M, K) and ``b`` (Bb, N, K), both K-contiguous (b's (TN, TK) tiles are
+transposed in registers). One output tile per block, a 1-D GROUP_SIZE_M-ordered grid over B * tiles;
+Ba or Bb of 1 broadcasts through ``batch % Ba``.
 
-Kernels (one output tile per block, 1-D GROUP_SIZE_M-ordered grid over B * tiles, Ba or Bb of 1
-broadcast through ``batch % Ba``):
+* ``_fp8_scaled_kernel`` ("tensorwise" and "rowwise"): FP8 ``ct.mma`` over all of K into one fp32
+  accumulator; the epilogue multiplies row r / column c by ``sa[r] * sb[c]``. Loads past K are zero.
+* ``_fp8_blockwise_kernel`` ("blockwise", e4m3, K a multiple of 128): sa (Ba, M, K/128), sb
+  (Bb, cdiv(N, 128), K/128); TK = TN = 128, so each K step is one scale column and one N block:
+  ``acc += mma(a_k, b_k, 0) * sa[:, k] * sb[n, k]``.
 
-* ``_fp8_scaled_kernel`` (granularity "tensorwise" and "rowwise"): FP8 ``ct.mma`` over all of K into one
-  fp32 accumulator; the epilogue multiplies row r / column c by ``sa[r] * sb[c]``. A per-tensor scale
-  arrives as a broadcast (stride-0) (M,) / (N,) view and is made contiguous (M + N floats), so both
-  granularities share the kernel. K need not be a multiple of TK: loads past K are zero.
-* ``_fp8_blockwise_kernel`` (granularity "blockwise", e4m3, K a multiple of 128): sa (Ba, M, K/128) per
-  1x128 block of a, sb (Bb, cdiv(N, 128), K/128) per 128x128 block of b. TK = 128 and TN = 128, so each
-  K step is one scale column and one N block: ``acc += mma(a_k, b_k, 0) * sa[:, k] * sb[n, k]`` (the
-  per-block promotion DeepSeek-V3 and CUTLASS's blockwise GEMMs use; on sm_100 each partial product
-  comes out of tensor memory before it is scaled).
-
-Accumulation: Blackwell's tensor cores (tcgen05 on sm_100, the sm_120 warp MMA) accumulate FP8 products
-in full fp32; there is no reduced-precision accumulator for ``use_fast_accum`` to skip, so the flag
-is accepted and changes nothing here (cuTile emits the same cubin either way; Hopper's
-``hopper_fp8`` is where it matters). Scales are applied in fp32 after the products are summed, which
-differs from the reference's "dequantize, then multiply" by fp32 rounding only.
-
-Configs (not tuned on hardware: no Blackwell GPU was available): sm_100 runs 128x128x128 and, for large
-problems, 256x256x128 on a 2-CTA cluster (tcgen05 2-SM MMA; cuTile's own B200 tuning file picks
-256x256 output tiles for all its matmuls, with 2 CTAs for the persistent and the block-scaled ones,
-the latter at 256x256x128: 71.4 us for MXFP8 4096^3); sm_120 runs
-128x128x128 with num_worker_warps=8 (``ct.ByTarget``), which keeps the register-resident fp32
-accumulator from spilling. The blockwise kernel keeps TN = 128 (one weight scale block per tile).
+Blackwell's tensor cores accumulate FP8 products in full fp32, so ``use_fast_accum`` is accepted and
+changes nothing here. Scales are applied in fp32 after the products are summed: the result differs
+from "dequantize, then multiply" by fp32 rounding only. Configs (``_CONFIGS``: 128x128x128, and on
+sm_100 256x256x128 on a 2-CTA cluster for large problems; sm_120 with 8 worker warps) were chosen
+without a Blackwell GPU; the reasons are in benchmarks/results/hopper-design-nvidia-h100-80gb-hbm3.md.
 """
 
 from __future__ import annotations

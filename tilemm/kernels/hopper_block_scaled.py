@@ -1,75 +1,28 @@
 """MXFP8, MXFP4 and NVFP4 matmuls on Hopper (sm_90), exact, in cuTile.
 
-What it computes (docs/numerics.md): for each batch entry, ``out = (dequantize(a) @ dequantize(b).T) *
-alpha + bias`` with fp32 accumulation, rounded once to ``out``'s dtype. ``a`` is (Ba, M, Kd), ``b`` is
-the (Bb, N, Kd) weight form (both K-contiguous), scales are e8m0 bytes (MX) or e4m3 (NVFP4, whose two
-per-tensor decode scales arrive folded into ``alpha``).
+Computes ``out = (dequantize(a) @ dequantize(b).T) * alpha + bias`` per batch entry, fp32
+accumulation, one rounding to ``out``'s dtype (docs/numerics.md). a (Ba, M, Kd) and b, the
+(Bb, N, Kd) weight, are K-contiguous; scales are e8m0 (MX) or e4m3 (NVFP4, whose decode scales
+arrive folded into alpha). sm_90 has no block-scaled MMA (cuTile rejects e8m0 and e2m1 there), so
+``_decode`` turns uint8 data and scale bytes into 16-bit floats in which every scaled element is
+exact, and ``ct.mma`` multiplies those exactly into fp32.
 
-Why emulate: sm_90 has no block-scaled tensor-core instruction, and cuTile rejects float8_e8m0fnu and
-float4_e2m1fn there, so ``ct.mma_scaled`` cannot run. Scales and packed FP4 data come in as uint8 and
-are decoded with integer operations and ``ct.bitcast`` into a 16-bit float type in which every scaled
-element is exact; the tensor cores then multiply 16-bit floats exactly into fp32 accumulators.
+``plan`` picks one of two designs by M:
 
-Two designs, picked by M (``plan``), for every format:
+* stream (M < ``TWO_PASS_MIN_M``): ``_stream_kernel`` reads each weight byte once, operands swapped
+  (the weight fills the MMA's M side), K split over ``split_k`` blocks when the output has few tiles
+  (``_splitk_reduce_kernel`` adds the partials in a fixed order), and, with ``x16``, the activation
+  decoded once by ``_dequantize_kernel``.
+* two-pass: ``_dequantize_kernel`` writes both operands as bf16 / fp16, ``hopper_gemm`` multiplies.
 
-* **stream** (M < ``TWO_PASS_MIN_M``, memory-bound: the weight dominates the bytes). One kernel reads
-  each quantized weight byte once (per M tile) and never writes a 16-bit copy of it. Operands are
-  swapped so that the weight's rows fill the tensor cores' M side (``acc (TN, TM) = deq(b) @
-  deq(a).T``, the small M side is the MMA's N = 16..128), then transposed in the epilogue. When the
-  output has fewer tiles than the GPU has SMs, K is split over ``split_k`` blocks whose fp32 partial
-  tiles a second kernel (``_splitk_reduce_kernel``) adds in a fixed order before ``* alpha + bias``
-  and the cast. For M > 16 and the 4-bit formats (``X16``), the activation is dequantized once by
-  ``_dequantize_kernel`` (a few hundred KB) and read as 16-bit tiles, instead of being decoded again
-  by every block that shares it (one per weight tile): at M = 128 that decode was half of the work.
-* **two-pass** (M >= ``TWO_PASS_MIN_M``, compute-bound). ``_dequantize_kernel`` writes each operand
-  once as bf16 (MX) / fp16 (NVFP4), every element times its block scale, exactly; then the dense
-  ``hopper_gemm`` kernel (128x256 tiles, two MMA warpgroups) multiplies them with ``alpha`` and
-  ``bias`` in its epilogue. Decoding once per element instead of once per output tile that reads it
-  is what makes this faster than fusing the decode into the GEMM's K loop, where on sm_90 the
-  conversion does not overlap the tensor cores (the fused kernel reached a quarter to a third of this
-  design's rate at 8192^3; figures in the results notes named below). The cost is the 16-bit round trip
-  through HBM: 4 bytes per element of (M + N) x K.
+Invariants: the only rounding is the fp32 accumulation (split-K changes its order, deterministically);
+packed nibbles are decoded as [low | high] half tiles on both operands (the same permutation of K);
+K padding loads as zero data with finite scales and adds exactly 0; scale byte 255 / an e4m3 NaN
+makes its row or column NaN; scale rows past M / N reach only accumulators that are never stored.
+MXFP8 elements below 2^-133 are lost (bf16's range), where the fp32 reference keeps them.
 
-Decoding (``_decode``), per format, into (rows, TK) 16-bit tiles:
-
-* MXFP8 (e4m3 / e5m2): element -> bf16 (exact), times 2^(s-127) in bf16 (``e8m0_to_bf16``).
-* MXFP4: nibble -> bf16 bits of e2m1 * 2^-126, times 2^126, times 2^(s-127), all in bf16.
-* NVFP4: nibble -> fp16 bits of e2m1 * 2^-14; the dequantize kernel multiplies by 2^14 and by the
-  e4m3 scale (-> fp16); the stream kernel multiplies once, by ``scale * 2^7`` (exact: at most
-  448 * 2^7 < 65504), so each element is e2m1 * scale * 2^-7 and each product carries 2^-14, which
-  the epilogue takes back with an exact ``acc * 2^14`` before ``alpha``.
-* Packed bytes are split into a low-nibble and a high-nibble half tile, concatenated along K. Both
-  operands use the same order (and the dequantized copies are padded with zeros to a multiple of the
-  decode tile), so this permutation of K leaves every dot product unchanged.
-
-Exactness: every scaled element is exactly representable in the 16-bit type, and the tensor cores
-multiply 16-bit floats exactly into the fp32 accumulator, so the only rounding is fp32 accumulation,
-as in the reference.
-* e4m3 x 2^k is exact in bf16 for k >= -124 and e5m2 x 2^k for k >= -117 (below that the smallest
-  element magnitudes fall under bf16's subnormal step 2^-133); at the top, bf16 and fp32 overflow at the
-  same point. So MXFP8 is exact for scale bytes s >= 3 (e4m3) / s >= 10 (e5m2); for smaller s, products
-  below 2^-133 are lost, where the fp32 reference keeps them down to 2^-149 (an absolute difference of
-  at most 2^-133 per element, far below any normally scaled data).
-* e2m1 x 2^k is exact in bf16 for every e8m0 byte (MXFP4); e2m1 x e4m3 (max 2688, step 2^-10) and
-  e2m1 x e4m3 x 2^-7 (step 2^-17) are exact in fp16.
-* Scale byte 255 (MX) or an e4m3 NaN (NVFP4) becomes NaN, so NaN reaches exactly the outputs whose
-  row (x) or column (y) has it, whatever the element value (NaN * 0 = NaN).
-* K beyond the operand (K a multiple of the block but not of TK) loads as zero data with zero scale
-  bytes (2^-127 or 0.0: finite), so it contributes exactly 0. Scale rows beyond M / N (padding of the
-  swizzled layout, possibly garbage) only reach accumulator rows / columns that are never stored.
-* Split-K changes only the order of the fp32 additions (fixed, so results are deterministic).
-
-Swizzled (32x4x4) scales are read through a (B, R/128, K/B/4, 32, 4, 4) view ([m1, m2, k1] inside each
-32x16 block): whole 128-row blocks for row tiles of 128 and more, or the (m1, m2) slice that holds a
-16-, 32- or 64-row tile; scale columns past K/B (the 4-column padding) are forced to 0. Tiles hold a
-multiple of 4 scale columns (TK a multiple of 4 x block).
-
-Why these designs, and what was measured and not adopted: the measured figures live in
-``benchmarks/results/hopper-design-nvidia-h100-80gb-hbm3.md`` (``benchmarks/bench_matmul.py``
-and ``launch(problem, config)`` overrides produce them). In short: the two-pass design matches cuBLAS
-bf16 at 8192^3 where the fused K-loop decode reached a fifth to a third of it; the stream kernel is bound by
-its decode instructions and their latency, not by HBM; the e2m1 formats on the FP8 tensor cores (exact
-per 32-element block) were slower.
+``Prepared`` plans a signature once and launches it; ``launch`` is one prepared call. Design notes and
+measurements: benchmarks/results/hopper-design-nvidia-h100-80gb-hbm3.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,22 @@
 """FP8 matmuls (per-tensor, per-row, DeepSeek-style 1x128 / 128x128 blocks) on Hopper (sm_90), in cuTile.
 
-What it computes (docs/numerics.md): ``out = ((a * sa) @ (b * sb).T) * alpha + bias`` accumulated in fp32,
-rounded once to ``out``'s dtype, for e4m3 / e5m2 ``a`` (Ba, M, K) and ``b`` (Bb, N, K), both K-contiguous.
+Computes ``out = ((a * sa) @ (b * sb).T) * alpha + bias`` accumulated in fp32, rounded once to ``out``'s
+dtype, for e4m3 / e5m2 ``a`` (Ba, M, K) and ``b`` (Bb, N, K), both K-contiguous (docs/numerics.md).
 
 Kernels (1-D GROUP_SIZE_M-swizzled tile order, num_worker_warps = 8: two MMA warpgroups):
 
-* granularity "tensorwise" and "rowwise": ``hopper_gemm``'s kernel with ``SCALED``: FP8 ``ct.mma`` over
-  all of K into one fp32 accumulator; the epilogue multiplies row r / column c by ``sa[r] * sb[c]``. A
-  per-tensor scale arrives as a broadcast (M,) / (N,) vector, so both granularities share the kernel.
-  Persistent scheduling (one block per SM walking the output tiles), 128x128x128 tiles for precise
-  accumulation and 128x256x128 for fast (see ``_CONFIGS`` for the measurements behind them).
-* ``_fp8_blockwise_kernel`` (granularity "blockwise", e4m3, K a multiple of 128): a (Ba, M, K/128) scale
-  per 1x128 block of a and a (Bb, cdiv(N, 128), K/128) scale per 128x128 block of b. TK = 128 and TN
-  divides 128, so each K step is one scale column: ``acc += mma(a_k, b_k, 0) * sa[:, k] * sb[n, k]``;
-  one output tile per block.
+* "tensorwise" and "rowwise": ``hopper_gemm``'s kernel with ``SCALED``: FP8
+  ``ct.mma`` over all of K into one fp32 accumulator; the epilogue multiplies row r / column c by
+  ``sa[r] * sb[c]`` (a per-tensor scale arrives as a broadcast vector, so both share the kernel).
+* "blockwise" (``_fp8_blockwise_kernel``, e4m3, K a multiple of 128): a (Ba, M, K/128) scale per 1x128
+  block of a and a (Bb, cdiv(N, 128), K/128) scale per 128x128 block of b; TK = 128 and TN divides 128,
+  so each K step is one scale column: ``acc += mma(a_k, b_k, 0) * sa[:, k] * sb[n, k]``.
 
-Accumulation: by default ``ct.mma(..., use_fast_acc=False)``, which on Hopper keeps a second fp32
-accumulator next to the tensor core's (as ``torch._scaled_mm``'s default does); ``use_fast_acc=True``
-(``tilemm.fp8_matmul(..., use_fast_accum=True)``, named as in ``torch._scaled_mm``) skips it for speed
-at a small cost in accuracy.
-FP8 x FP8 products are exact in fp32; scales are applied in fp32 after the products are summed, which
-differs from the reference's "dequantize, then multiply" by fp32 rounding only. Hopper's FP8 tensor
-cores, however, add the products of each k-step with reduced precision before the fp32 accumulator
-sees them: measured on an H100 (256x256x4096, fp32 out) relative error 1.26e-4 precise and 1.34e-3
-fast, identical to ``torch._scaled_mm``'s, above docs/numerics.md's 1e-5 for fp32 output. (The
-block-scaled kernels, which run bf16 / fp16 MMAs, meet it: ~5e-8.)
-
-Speed against ``torch._scaled_mm``: ``benchmarks/results`` (``benchmarks/bench_matmul.py``).
+Accumulation: ``use_fast_acc=False`` by default keeps a second fp32 accumulator next to the tensor
+core's (as ``torch._scaled_mm``'s default); ``use_fast_accum=True`` skips it. Either way Hopper's FP8
+tensor cores add each k-step's products with reduced precision before the fp32 accumulator, so this
+path does not meet docs/numerics.md's fp32-output bound (the one documented exception there); the
+measured errors are in benchmarks/results/hopper-design-nvidia-h100-80gb-hbm3.md.
 """
 
 from __future__ import annotations

@@ -483,3 +483,27 @@ def test_blackwell_fp8_kernels_on_gpu(granularity, table, sm_count):
         ct.launch(torch.cuda.current_stream(), plan.grid, plan.kernel, plan.args)
         torch.cuda.synchronize()
         assert_matches(problem.out.cpu(), ref.to(torch.bfloat16), torch.bfloat16)
+
+
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise", "blockwise"])
+def test_fp8_prepared_launch_is_the_plan(monkeypatch, granularity):
+    # As for the block-scaled kernel: Prepared.run launches a later problem of the signature exactly
+    # as plan_launch plans it.
+    problem, _ = fp8_case(granularity, 100, 200, 256, ba=2, bias=True, alpha=0.5)
+    monkeypatch.setattr(bfp8, "capability", lambda device: (10, 0))
+    monkeypatch.setattr(bfp8, "num_sms", lambda device: 148)
+    prepared = bfp8.Prepared(problem)
+    later, _ = fp8_case(granularity, 100, 200, 256, ba=2, bias=True, alpha=0.5, seed=1)
+    plan = bfp8.plan_launch(later, "sm_100", 148)
+    launches = []
+    monkeypatch.setattr(bfp8, "ct", types.SimpleNamespace(launch=lambda *call: launches.append(call)))
+    prepared.run(later, "stream")
+    ((stream, grid, kernel, args),) = launches
+    assert (stream, grid, kernel) == ("stream", plan.grid, plan.kernel)
+    for got, want in zip(args, plan.args, strict=True):
+        if isinstance(want, torch.Tensor):
+            # the same memory, or (scales made contiguous per call) the same values
+            same = got.data_ptr() == want.data_ptr() or torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+            assert same and (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+        else:
+            assert got == want

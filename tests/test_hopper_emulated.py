@@ -43,6 +43,7 @@ def emulated(monkeypatch):
     # 4 "SMs": persistent grids are smaller than the tile count, so blocks loop over several tiles.
     monkeypatch.setattr(hgemm, "num_sms", lambda device: 4)
     monkeypatch.setattr(hbs, "num_sms", lambda device: 4)
+    monkeypatch.setattr(hfp8, "num_sms", lambda device: 4)
     return emu
 
 

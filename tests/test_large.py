@@ -303,6 +303,7 @@ def emulated(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)
     monkeypatch.setattr(hgemm, "num_sms", lambda device: 4)
     monkeypatch.setattr(hbs, "num_sms", lambda device: 4)
+    monkeypatch.setattr(hfp8, "num_sms", lambda device: 4)
     return proxy
 
 

@@ -425,7 +425,7 @@ class _FP8Call:
     launcher's prepared launch."""
 
     __slots__ = ("fmt", "kx", "ky", "m", "n", "k", "out_shape", "out_dtype", "empty", "device",
-                 "use_fast_accum", "granularity", "tail", "gpu")
+                 "use_fast_accum", "granularity", "tail", "gpu", "prepared")
 
     def __init__(self, fmt, kx, ky, x, y, out_dtype, use_fast_accum, device):
         self.fmt, self.kx, self.ky = fmt, kx, ky
@@ -436,6 +436,7 @@ class _FP8Call:
         self.granularity = "blockwise" if kx == "block" else ("tensorwise" if kx == ky == "tensor" else "rowwise")
         self.tail = 2 if kx == "block" else 1
         self.gpu = device.type == "cuda"
+        self.prepared = None
 
     def run(self, x, x_scale, y, y_scale, bias32, alpha32):
         m, n, kx, ky = self.m, self.n, self.kx, self.ky
@@ -461,7 +462,10 @@ class _FP8Call:
         problem = FP8Problem(self.fmt, _to3d(x, 2), _to3d(a_scale, tail), _to3d(y.transpose(-1, -2), 2),
                              _to3d(b_scale, tail), self.granularity, out.view(-1, m, n), bias32, alpha32,
                              self.use_fast_accum)
-        kernels.fp8_matmul(problem)
+        prepared = self.prepared
+        if prepared is None:
+            prepared = self.prepared = kernels.prepare_fp8(problem)
+        prepared.run(problem, stream_handle(self.device))
         return out
 
 

@@ -28,6 +28,13 @@ PLANS: dict = {}
 MAX_PLANS = 4096
 
 
+def prepare_fp8(problem):
+    """The prepared launch of a ``tilemm.matmul.FP8Problem``'s signature on its GPU."""
+    if family(problem.out.device) is Family.HOPPER:
+        return hopper_fp8.Prepared(problem)
+    return blackwell_fp8.Prepared(problem)
+
+
 def prepare_block_scaled(problem):
     """The prepared launch of a ``tilemm.matmul.BlockScaledProblem``'s signature on its GPU:
     ``.run(problem, stream)`` launches it for any problem of that signature."""

@@ -35,7 +35,7 @@ from ._common import (ceil_div, epilogue, fp8_kind, hinted, num_sms, ones_scalar
                       zeros_vector)
 from .blackwell_block_scaled import DEFAULT_SM_COUNT, launch_array, table_for_capability
 
-__all__ = ["launch", "aot_variants", "TileConfig", "LaunchPlan", "config_for", "plan_launch", "check_config"]
+__all__ = ["launch", "Prepared", "aot_variants", "TileConfig", "LaunchPlan", "config_for", "plan_launch", "check_config"]
 
 ConstInt = ct.Constant[int]
 
@@ -225,18 +225,47 @@ def plan_launch(problem, table: str, sm_count: int = DEFAULT_SM_COUNT,
 
 
 
+class Prepared:
+    """One FP8 matmul signature on a Blackwell GPU, planned once (``plan_launch``): ``run`` launches it
+    for any problem of that signature. Operands of 2^31 elements and more are planned again on every
+    call (their pieces are views of the call's tensors)."""
+
+    __slots__ = ("plan", "consts", "direct", "n")
+
+    def __init__(self, problem, config: TileConfig | None = None):
+        device = problem.out.device
+        self.plan = plan_launch(problem, table_for_capability(capability(device)), num_sms(device), config)
+        self.direct = len(self.plan.launches) == 1
+        self.consts = _constants(_kind(problem.granularity), self.plan.config)
+        self.n = problem.out.shape[2]
+
+    def run(self, problem, stream) -> None:
+        """Launch for ``problem`` (an ``FP8Problem`` of this signature) on raw stream ``stream``."""
+        device = problem.out.device
+        if not self.direct:
+            launches = plan_launch(problem, table_for_capability(capability(device)), num_sms(device),
+                                   self.plan.config).launches
+        else:
+            # Scales are tiny (M + N floats, or (M + N/128) * K/128): materialise broadcast views.
+            alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
+            bias = zeros_vector(device, self.n) if problem.bias is None else problem.bias
+            launches = ((self.plan.grid, (problem.a, problem.a_scale.contiguous(), problem.b,
+                                          problem.b_scale.contiguous(), problem.out, alpha, bias, *self.consts)),)
+        if device.index is None or device.index == torch.cuda.current_device():
+            for grid, args in launches:
+                ct.launch(stream, grid, self.plan.kernel, args)
+            return
+        with torch.cuda.device(device):
+            for grid, args in launches:
+                ct.launch(stream, grid, self.plan.kernel, args)
+
+
 def launch(problem, config: TileConfig | None = None) -> None:
     """Run a ``tilemm.matmul.FP8Problem`` on a Blackwell GPU, writing ``problem.out``.
 
     ``config`` overrides the table's choice (for tuning and benchmarks). ``problem.use_fast_accum`` has
     no effect here (see the module docstring)."""
-    device = problem.out.device
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    plan = plan_launch(problem, table_for_capability(capability(device)), num_sms(index), config)
-    stream = stream_handle(device)
-    with torch.cuda.device(device):
-        for grid, args in plan.launches:
-            ct.launch(stream, grid, plan.kernel, args)
+    Prepared(problem, config).run(problem, stream_handle(problem.out.device))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -30,9 +30,9 @@ from ..formats import FP8_BLOCK
 from . import _large
 from ._aot import AotVariant, array
 from ._common import ceil_div, epilogue, fp8_kind, hinted, ones_scalar, stream_handle, tile_coords, zeros_vector
-from .hopper_gemm import GemmConfig, gemm_constants, gemm_kernel, launch_gemm, num_sms
+from .hopper_gemm import GemmConfig, gemm_constants, gemm_grid, gemm_kernel, launch_gemm, num_sms
 
-__all__ = ["launch", "aot_variants", "TileConfig", "config_for"]
+__all__ = ["launch", "Prepared", "aot_variants", "TileConfig", "config_for"]
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -142,39 +142,73 @@ def _blockwise_constants(cfg: GemmConfig, fast_acc: bool) -> tuple:
     return (cfg.tile_m, cfg.tile_n, cfg.group_size_m, cfg.latency_a, fast_acc)
 
 
-def launch(problem, config: GemmConfig | None = None) -> None:
-    """Run a ``tilemm.matmul.FP8Problem`` on an sm_90 GPU, writing ``problem.out``.
+class Prepared:
+    """One FP8 matmul signature on sm_90, planned once (config, hinted kernel, grid, constants): ``run``
+    launches it for any problem of that signature. Operands of 2^31 elements and more are planned
+    again on every call (``_launch``)."""
 
-    ``config`` overrides the table's choice (for tuning and benchmarks)."""
-    kind = _kind(problem.granularity)
-    out = problem.out
+    __slots__ = ("cfg", "scaled", "fast_acc", "kernel", "grid", "consts", "n", "direct")
+
+    def __init__(self, problem, config: GemmConfig | None = None):
+        out = problem.out
+        batch, m, n = out.shape
+        self.n = n
+        self.scaled = _kind(problem.granularity) == "scaled"
+        self.fast_acc = bool(getattr(problem, "use_fast_accum", False))
+        cfg = self.cfg = config or config_for(problem.granularity, batch, m, n, self.fast_acc, num_sms(out.device))
+        if not self.scaled and (cfg.tile_k != FP8_BLOCK or FP8_BLOCK % cfg.tile_n or cfg.persistent):
+            raise ValueError(f"hopper_fp8: blockwise configs need tile_k == 128, tile_n dividing 128 and no "
+                             f"persistent scheduling, got {cfg}")
+        self.direct = _large.fits(problem.a, problem.b, out, problem.a_scale, problem.b_scale)
+        if self.scaled:
+            self.kernel = hinted(gemm_kernel(), **cfg.hints())
+            self.grid = (gemm_grid(cfg, batch, m, n, num_sms(out.device)), 1, 1)
+            self.consts = gemm_constants(cfg, self.fast_acc, True)
+        else:
+            self.kernel = hinted(_fp8_blockwise_kernel, **cfg.hints())
+            self.grid = (batch * ceil_div(m, cfg.tile_m) * ceil_div(n, cfg.tile_n), 1, 1)
+            self.consts = _blockwise_constants(cfg, self.fast_acc)
+
+    def run(self, problem, stream) -> None:
+        """Launch for ``problem`` (an ``FP8Problem`` of this signature) on raw stream ``stream``."""
+        device = problem.out.device
+        # Scales are tiny: materialise broadcast (per-tensor) and transposed (128x128 block) views.
+        a_scale = problem.a_scale.contiguous()
+        b_scale = problem.b_scale.contiguous()
+        alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
+        bias = zeros_vector(device, self.n) if problem.bias is None else problem.bias
+        if not self.direct:
+            _launch(problem, self, a_scale, b_scale, alpha, bias, stream)
+            return
+        ct.launch(stream, self.grid, self.kernel,
+                  (problem.a, a_scale, problem.b, b_scale, problem.out, alpha, bias, *self.consts))
+
+
+def _launch(problem, prepared: Prepared, a_scale, b_scale, alpha, bias, stream) -> None:
+    """``Prepared.run`` for operands of 2^31 elements and more: one launch per piece of the output
+    (``_large``; each tile as in one launch, K never cut); N cuts fall on the weight's 128-row scale
+    blocks."""
+    cfg, out = prepared.cfg, problem.out
     batch, m, n = out.shape
-    fast_acc = bool(getattr(problem, "use_fast_accum", False))
-    cfg = config or config_for(problem.granularity, batch, m, n, fast_acc, num_sms(out.device))
-    device = out.device
-    # Scales are tiny: materialise broadcast (per-tensor) and transposed (128x128 block) views.
-    a_scale = problem.a_scale.contiguous()
-    b_scale = problem.b_scale.contiguous()
-    alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
-    bias = zeros_vector(device, n) if problem.bias is None else problem.bias
-    if kind == "scaled":
-        launch_gemm(problem.a, a_scale, problem.b, b_scale, out, alpha, bias, cfg, fast_acc=fast_acc,
+    if prepared.scaled:
+        launch_gemm(problem.a, a_scale, problem.b, b_scale, out, alpha, bias, cfg, fast_acc=prepared.fast_acc,
                     scaled=True)
         return
-    if cfg.tile_k != FP8_BLOCK or FP8_BLOCK % cfg.tile_n or cfg.persistent:
-        raise ValueError(f"hopper_fp8: blockwise configs need tile_k == 128, tile_n dividing 128 and no "
-                         f"persistent scheduling, got {cfg}")
-    # Operands of 2^31 elements and more: one launch per piece of the output (``_large``; each tile
-    # as in one launch, K never cut); N cuts fall on the weight's 128-row scale blocks.
     lg = _large
     axes = lg.matmul_axes(batch, m, n, cfg.tile_m, math.lcm(cfg.tile_n, FP8_BLOCK))
     operands = lg.matmul_operands(problem.a, a_scale, problem.b, b_scale, out, alpha, bias, batch,
                                   b_per=FP8_BLOCK)
-    kernel = hinted(_fp8_blockwise_kernel, **cfg.hints())
     for views in lg.split("fp8_matmul", axes, operands):
         pb, pm, pn = views[4].shape
         grid = (pb * ceil_div(pm, cfg.tile_m) * ceil_div(pn, cfg.tile_n), 1, 1)
-        ct.launch(stream_handle(device), grid, kernel, (*views, *_blockwise_constants(cfg, fast_acc)))
+        ct.launch(stream, grid, prepared.kernel, (*views, *prepared.consts))
+
+
+def launch(problem, config: GemmConfig | None = None) -> None:
+    """Run a ``tilemm.matmul.FP8Problem`` on an sm_90 GPU, writing ``problem.out``.
+
+    ``config`` overrides the table's choice (for tuning and benchmarks)."""
+    Prepared(problem, config).run(problem, stream_handle(problem.out.device))
 
 
 # --------------------------------------------------------------------------------------------------

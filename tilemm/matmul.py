@@ -666,9 +666,9 @@ def nvfp4_matmul(x, x_scale, y, y_scale, *, global_scale_x, global_scale_y, out_
     gx = as_fp32_scalar(fn, "global_scale_x", global_scale_x, device)
     gy = as_fp32_scalar(fn, "global_scale_y", global_scale_y, device)
     alpha = _alpha_tensor(fn, alpha, device)
-    if _eager_gpu(x):
-        return run_block_scaled(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias,
-                                alpha=nvfp4_alpha(fn, gx, gy, alpha, device))
+    if _eager_gpu(x):  # gx, gy (and alpha) are 0-d fp32 tensors on the device already
+        total = gx * gy if alpha is None else gx * gy * alpha
+        return run_block_scaled(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=total)
     return _nvfp4_matmul_op(x, x_scale, y, y_scale, gx, gy, out_dtype, bias, alpha)
 
 

@@ -230,6 +230,11 @@ def _(x, words, scale_t, constants, format, in_features, bias=None, alpha=None, 
     return x.new_empty((x.shape[0], words.shape[0]))
 
 
+def _eager_gpu(x) -> bool:
+    """Whether a checked call may skip the operator dispatcher: an eager call on a plain CUDA tensor."""
+    return type(x) is torch.Tensor and x.is_cuda and not torch.compiler.is_compiling()
+
+
 def weight_only_linear(x: torch.Tensor, packed: PackedWeight, *, bias=None, alpha=None) -> torch.Tensor:
     """``x @ dequantize(w).T (* alpha) + bias`` for a float x (..., K) and a prepacked (N, K) weight.
 
@@ -247,7 +252,7 @@ def weight_only_linear(x: torch.Tensor, packed: PackedWeight, *, bias=None, alph
     bias32 = check_bias(fn, bias, n, x.device)
     alpha32 = None if alpha is None else as_fp32_scalar(fn, "alpha", alpha, x.device) * packed.constants[0]
     rows = x.reshape(-1, k)
-    if type(x) is torch.Tensor and x.is_cuda and not torch.compiler.is_compiling():
+    if _eager_gpu(x):
         # An eager call: the weight's cached runner (the operator's work without the dispatcher, the
         # weight's launch plans kept between calls).
         family(x.device)  # raises UnsupportedGPUError below sm_90

@@ -342,10 +342,11 @@ def _scale_operand(scale: torch.Tensor, swizzled: bool) -> torch.Tensor:
     """The scale tensor as the kernels read it: uint8 bytes (cuTile has no e8m0 on sm_90; NVFP4's e4m3
     bytes are reinterpreted in the kernel once the tile is loaded, so both scale kinds share the byte
     path); logical scales with unit stride along K; swizzled ones as the 6-D view."""
-    scale = scale.view(torch.uint8)
+    if scale.dtype != torch.uint8:
+        scale = scale.view(torch.uint8)
     if swizzled:
         b, rt, kt = scale.shape[:3]
-        return scale.contiguous().reshape(b, rt, kt, 32, 4, _SWZ_COLS)
+        return scale.reshape(b, rt, kt, 32, 4, _SWZ_COLS)  # a view of a contiguous scale (the usual)
     return scale if scale.stride(-1) == 1 or scale.shape[-1] == 1 else scale.contiguous()
 
 
@@ -461,8 +462,9 @@ class Prepared:
         """Launch for ``problem`` (a ``BlockScaledProblem`` of this signature) on raw stream ``stream``."""
         fmt, out = self.fmt, problem.out
         device = out.device
-        a = problem.a if fmt.is_packed else problem.a.view(fmt.data_dtype)
-        b = problem.b if fmt.is_packed else problem.b.view(fmt.data_dtype)
+        a, b = problem.a, problem.b
+        if a.dtype != fmt.data_dtype:  # uint8 bytes of FP8 data
+            a, b = a.view(fmt.data_dtype), b.view(fmt.data_dtype)
         a_scale = _scale_operand(problem.a_scale, self.swizzled)
         b_scale = _scale_operand(problem.b_scale, self.swizzled)
         alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)

@@ -33,7 +33,7 @@ import math
 import cuda.tile as ct
 import torch
 
-from ..formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
+from ..formats import E2M1, MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
 from . import _large
 from ._aot import AotVariant, array
 from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, ceil_div, e2m1_hi_bits_bf16, e2m1_hi_bits_fp16,
@@ -46,19 +46,14 @@ __all__ = ["launch", "Prepared", "aot_variants", "StreamConfig", "TwoPassConfig"
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
 
-# Element decodings the kernels know (the ELEMENT constant).
-_MXFP8 = 0  # e4m3 / e5m2 elements (the array's dtype says which), e8m0 scales, bf16 math
-_MXFP4 = 1  # packed e2m1, e8m0 scales, bf16 math
-_NVFP4 = 2  # packed e2m1, e4m3 scales, fp16 math
+# The kernels' format constants: ELEMENT, the element code (``Format.element_code``), and SCALE_E8M0
+# (e8m0 scales, else e4m3). MXFP8 (e4m3 / e5m2) and MXFP4 decode in bf16, NVFP4 (e2m1, e4m3 scales) in fp16.
 
 #: The stream kernel's NVFP4 elements carry 2^-7 each (see the module docstring); products 2^-14.
 _NVFP4_FOLD = 2.0 ** 7
 
 _ZERO = ct.PaddingMode.ZERO
 
-#: Rows and scale columns of one 32x16 block of the 32x4x4 layout.
-_SWZ_ROWS = SWIZZLE_ROWS
-_SWZ_COLS = SWIZZLE_COLS
 
 
 # --------------------------------------------------------------------------------------------------
@@ -74,19 +69,19 @@ def _load_scale_tile(S, b, r_tile, kt, ROWS, SC, SWIZZLED, KS):
     columns at or past KS (the 4-column padding) are forced to 0.
     """
     if SWIZZLED:
-        KG = SC // _SWZ_COLS
-        if ROWS >= _SWZ_ROWS:
-            t = ct.load(S, (b, r_tile, kt, 0, 0, 0), (1, ROWS // _SWZ_ROWS, KG, 32, 4, _SWZ_COLS),
+        KG = SC // SWIZZLE_COLS
+        if ROWS >= SWIZZLE_ROWS:
+            t = ct.load(S, (b, r_tile, kt, 0, 0, 0), (1, ROWS // SWIZZLE_ROWS, KG, 32, 4, SWIZZLE_COLS),
                         padding_mode=_ZERO)
             # (rb, kg, m1, m2, k1) -> (rb, m2, m1, kg, k1): row = rb * 128 + m2 * 32 + m1
-            t = t.reshape((ROWS // _SWZ_ROWS, KG, 32, 4, _SWZ_COLS)).permute((0, 3, 2, 1, 4))
+            t = t.reshape((ROWS // SWIZZLE_ROWS, KG, 32, 4, SWIZZLE_COLS)).permute((0, 3, 2, 1, 4))
         else:
             R1 = min(ROWS, 32)  # rows of the tile along m1 (lanes of one 32-row sub-block)
             R2 = ROWS // R1     # and along m2 (32-row sub-blocks)
             r0 = r_tile * ROWS
-            t = ct.load(S, (b, r0 // _SWZ_ROWS, kt, (r0 % 32) // R1, (r0 % _SWZ_ROWS) // (32 * R2), 0),
-                        (1, 1, KG, R1, R2, _SWZ_COLS), padding_mode=_ZERO)
-            t = t.reshape((KG, R1, R2, _SWZ_COLS)).permute((2, 1, 0, 3))  # (m2, m1, kg, k1)
+            t = ct.load(S, (b, r0 // SWIZZLE_ROWS, kt, (r0 % 32) // R1, (r0 % SWIZZLE_ROWS) // (32 * R2), 0),
+                        (1, 1, KG, R1, R2, SWIZZLE_COLS), padding_mode=_ZERO)
+            t = t.reshape((KG, R1, R2, SWIZZLE_COLS)).permute((2, 1, 0, 3))  # (m2, m1, kg, k1)
         t = t.reshape((ROWS, SC))
         col = kt * SC + ct.arange(SC, dtype=ct.int32)
         keep = ct.broadcast_to((col < KS).reshape((1, SC)), (ROWS, SC))
@@ -100,14 +95,14 @@ def _scale_blocks(x, s, ROWS, WIDTH, SC):
     return x.reshape((ROWS, WIDTH))
 
 
-def _decode(raw, s_raw, ROWS, TK, SC, ELEMENT, FOLD_NVFP4):
+def _decode(raw, s_raw, ROWS, TK, SC, ELEMENT, SCALE_E8M0, FOLD_NVFP4):
     """Raw operand tile (ROWS, TK or TK/2 bytes) and its raw scale tile (ROWS, SC) -> (ROWS, TK) in bf16
     (MX) or fp16 (NVFP4), each element times its block scale (times 2^-7 for NVFP4 with
     FOLD_NVFP4), exactly. Packed tiles come out as [low nibbles | high nibbles]."""
-    if ELEMENT == _MXFP8:
+    if ELEMENT != E2M1:  # MXFP8
         return _scale_blocks(raw.astype(ct.bfloat16), e8m0_to_bf16(s_raw), ROWS, TK, SC)
     p = raw.astype(ct.uint16)
-    if ELEMENT == _MXFP4:
+    if SCALE_E8M0:  # MXFP4
         s = e8m0_to_bf16(s_raw)
         lo = ct.bitcast(e2m1_lo_bits_bf16(p), ct.bfloat16) * ct.bfloat16(2.0 ** 126)
         hi = ct.bitcast(e2m1_hi_bits_bf16(p), ct.bfloat16) * ct.bfloat16(2.0 ** 126)
@@ -128,7 +123,7 @@ def _decode(raw, s_raw, ROWS, TK, SC, ELEMENT, FOLD_NVFP4):
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
 def _stream_kernel(A, A_scale, B, B_scale, C, Alpha, Bias, Partial,
-                   ELEMENT: ConstInt, SCALE_BLOCK: ConstInt, SWIZZLED: ConstBool,
+                   ELEMENT: ConstInt, SCALE_E8M0: ConstBool, SCALE_BLOCK: ConstInt, SWIZZLED: ConstBool,
                    TM: ConstInt, TN: ConstInt, TK: ConstInt, SPLIT_K: ConstInt, LATENCY: ConstInt,
                    X16: ConstBool):
     """One (TM, TN) output tile (or, with SPLIT_K > 1, one K slice of it) with swapped operands:
@@ -154,7 +149,7 @@ def _stream_kernel(A, A_scale, B, B_scale, C, Alpha, Bias, Partial,
     ba = batch % A.shape[0]
     bb = batch % B.shape[0]
 
-    EPB = 1 if ELEMENT == _MXFP8 else 2  # elements per stored byte
+    EPB = 2 if ELEMENT == E2M1 else 1  # elements per stored byte
     TKD = TK // EPB                       # stored K per tile
     SC = TK // SCALE_BLOCK                # scale columns per tile
     KS = B.shape[2] * EPB // SCALE_BLOCK  # scale columns in all
@@ -167,15 +162,15 @@ def _stream_kernel(A, A_scale, B, B_scale, C, Alpha, Bias, Partial,
     for kt in range(k_begin, k_end):
         w_raw = load_k_tile(B, bb, bn, kt, TN, TKD, LATENCY)
         sw = _load_scale_tile(B_scale, bb, bn, kt, TN, SC, SWIZZLED, KS)
-        w = _decode(w_raw, sw, TN, TK, SC, ELEMENT, True)
+        w = _decode(w_raw, sw, TN, TK, SC, ELEMENT, SCALE_E8M0, True)
         if X16:
             x = load_k_tile(A, ba, bm, kt, TM, TK, LATENCY)
         else:
             x_raw = load_k_tile(A, ba, bm, kt, TM, TKD, LATENCY)
             sx = _load_scale_tile(A_scale, ba, bm, kt, TM, SC, SWIZZLED, KS)
-            x = _decode(x_raw, sx, TM, TK, SC, ELEMENT, True)
+            x = _decode(x_raw, sx, TM, TK, SC, ELEMENT, SCALE_E8M0, True)
         acc = ct.mma(w, x.transpose(), acc)
-    if ELEMENT == _NVFP4:
+    if not SCALE_E8M0:  # NVFP4
         # exact: a power of two (the dequantized copy of A carries no 2^-7)
         acc = acc * (_NVFP4_FOLD if X16 else _NVFP4_FOLD * _NVFP4_FOLD)
     out = acc.transpose()
@@ -198,14 +193,15 @@ def _splitk_reduce_kernel(Partial, C, Alpha, Bias, SPLIT_K: ConstInt, TM: ConstI
 
 #: 8 blocks per SM (against the compiler's default): faster for the 4-bit formats, the same for MXFP8.
 @ct.kernel(occupancy=8)
-def _dequantize_kernel(X, X_scale, Out, ELEMENT: ConstInt, SCALE_BLOCK: ConstInt, SWIZZLED: ConstBool,
+def _dequantize_kernel(X, X_scale, Out, ELEMENT: ConstInt, SCALE_E8M0: ConstBool, SCALE_BLOCK: ConstInt,
+                       SWIZZLED: ConstBool,
                        TR: ConstInt, TK: ConstInt):
     """Out[b] tile (TR, TK) = deq(X[b]) as bf16 (MX) / fp16 (NVFP4); packed tiles as [lo | hi].
 
     X (Bx, R, Kd); Out (Bx, R, Kp), Kp a multiple of TK (columns past K come out 0). Grid:
     Bx * cdiv(R, TR) * Kp / TK, K tiles fastest.
     """
-    EPB = 1 if ELEMENT == _MXFP8 else 2
+    EPB = 2 if ELEMENT == E2M1 else 1
     SC = TK // SCALE_BLOCK
     KS = X.shape[2] * EPB // SCALE_BLOCK
     k_tiles = Out.shape[2] // TK
@@ -216,7 +212,7 @@ def _dequantize_kernel(X, X_scale, Out, ELEMENT: ConstInt, SCALE_BLOCK: ConstInt
     b = pid // (k_tiles * r_tiles)
     raw = ct.load(X, (b, rt, kt), (1, TR, TK // EPB), padding_mode=_ZERO).reshape((TR, TK // EPB))
     s = _load_scale_tile(X_scale, b, rt, kt, TR, SC, SWIZZLED, KS)
-    out = _decode(raw, s, TR, TK, SC, ELEMENT, False)
+    out = _decode(raw, s, TR, TK, SC, ELEMENT, SCALE_E8M0, False)
     ct.store(Out, (b, rt, kt), out.reshape((1, TR, TK)))
 
 
@@ -283,8 +279,8 @@ _TWO_PASS_PACKED = dataclasses.replace(_TWO_PASS, dequant_rows=16, dequant_k=512
 #: Rows per tile of the activation's dequantize pass before an X16 stream kernel (as the two-pass one).
 _X16_DEQUANT_ROWS = _TWO_PASS.dequant_rows
 
-# tile_k per family: 4 scale columns (MX, 32-element blocks) or 8 (NVFP4, 16-element blocks).
-_STREAM_TK = {"mxfp8": 128, "mxfp4": 128, "nvfp4": 128}
+#: The stream kernel's tile_k, every format: 4 scale columns (MX, 32-element blocks) or 8 (NVFP4, 16).
+_STREAM_TK = 128
 
 _STREAM_TILE_M = (16, 64, 128)
 # Per tile_m: (tile_n, num_worker_warps, occupancy). The decode chain of one block stalls on LDS and
@@ -295,14 +291,9 @@ _STREAM_SHAPE = {16: (64, 4, 4), 64: (128, 8, 2), 128: (128, 8, None)}
 _STREAM_SPLITS = (1, 2, 4, 8)
 
 
-def _family(fmt: Format) -> str:
-    if fmt.element == "e2m1":
-        return "nvfp4" if fmt.has_global_scale else "mxfp4"
-    return "mxfp8"
-
-
-def _element_code(fmt: Format) -> int:
-    return {"mxfp8": _MXFP8, "mxfp4": _MXFP4, "nvfp4": _NVFP4}[_family(fmt)]
+def _format_constants(fmt: Format) -> tuple:
+    """The kernels' ELEMENT, SCALE_E8M0 and SCALE_BLOCK for ``fmt``."""
+    return (fmt.element_code, fmt.is_mx, fmt.block)
 
 
 def _x16(fmt: Format, tile_m: int) -> bool:
@@ -316,7 +307,7 @@ def stream_config(fmt: Format, batch: int, m: int, n: int, k: int, sms: int = 13
     that gives at least ``occupancy`` blocks per SM when the output alone has too few tiles."""
     tile_m = next((t for t in _STREAM_TILE_M if t >= m), _STREAM_TILE_M[-1])
     tile_n, warps, occupancy = _STREAM_SHAPE[tile_m]
-    tile_k = _STREAM_TK[_family(fmt)]
+    tile_k = _STREAM_TK
     tiles = batch * ceil_div(m, tile_m) * ceil_div(n, tile_n)
     k_tiles = ceil_div(k, tile_k)
     split = 1
@@ -346,18 +337,18 @@ def _scale_operand(scale: torch.Tensor, swizzled: bool) -> torch.Tensor:
         scale = scale.view(torch.uint8)
     if swizzled:
         b, rt, kt = scale.shape[:3]
-        return scale.reshape(b, rt, kt, 32, 4, _SWZ_COLS)  # a view of a contiguous scale (the usual)
+        return scale.reshape(b, rt, kt, 32, 4, SWIZZLE_COLS)  # a view of a contiguous scale (the usual)
     return scale if scale.stride(-1) == 1 or scale.shape[-1] == 1 else scale.contiguous()
 
 
 def _stream_constants(fmt: Format, swizzled: bool, cfg: StreamConfig) -> tuple:
-    return (_element_code(fmt), fmt.block, swizzled, cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.split_k,
+    return (*_format_constants(fmt), swizzled, cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.split_k,
             cfg.latency, cfg.x16)
 
 
 def _check_scale_tile(fmt: Format, tile_k: int, what: str) -> None:
-    if tile_k % (fmt.block * _SWZ_COLS):
-        raise ValueError(f"hopper_block_scaled: {what} tile_k must be a multiple of {fmt.block * _SWZ_COLS} "
+    if tile_k % (fmt.block * SWIZZLE_COLS):
+        raise ValueError(f"hopper_block_scaled: {what} tile_k must be a multiple of {fmt.block * SWIZZLE_COLS} "
                          f"for {fmt.name}, got {tile_k}")
 
 
@@ -371,7 +362,7 @@ def _launch_stream(problem, cfg: StreamConfig, a, a_scale, b, b_scale, alpha, bi
     # output along M and N (``_large``), each with the whole problem's config, so every output tile,
     # K split included, is computed exactly as in one launch.
     lg = _large
-    per = _SWZ_ROWS if problem.swizzled else 1
+    per = SWIZZLE_ROWS if problem.swizzled else 1
     axes = lg.matmul_axes(batch, m, n, math.lcm(cfg.tile_m, per), math.lcm(cfg.tile_n, per))
     operands = lg.matmul_operands(a, a_scale, b, b_scale, out, alpha, bias, batch, per, per)
     kernel = hinted(_stream_kernel, **cfg.hints())
@@ -398,7 +389,7 @@ def _dequantize(fmt: Format, data, scale, swizzled: bool, dequant_rows: int, deq
     # Operands of 2^31 elements and more: one launch per piece of (batch, rows, K) (``_large``); the
     # decode is per element, so any cut on whole tiles (and 128-row / 4-column scale blocks) is exact.
     lg = _large
-    per_row, per_col = (_SWZ_ROWS, fmt.block * _SWZ_COLS) if swizzled else (1, fmt.block)
+    per_row, per_col = (SWIZZLE_ROWS, fmt.block * SWIZZLE_COLS) if swizzled else (1, fmt.block)
     axes = (("batch", bx, 1), ("rows", rows, math.lcm(dequant_rows, per_row)), ("K", kp, dequant_k))
     operands = [("data", data, ((0, 0, 1), (1, 1, 1), (2, 2, fmt.elements_per_byte))),
                 ("scale", scale, ((0, 0, 1), (1, 1, per_row), (2, 2, per_col))),
@@ -407,7 +398,7 @@ def _dequantize(fmt: Format, data, scale, swizzled: bool, dequant_rows: int, deq
         pb, pr, pk = pout.shape
         grid = (pb * ceil_div(pr, dequant_rows) * (pk // dequant_k), 1, 1)
         ct.launch(stream, grid, _dequantize_kernel,
-                  (pdata, pscale, pout, _element_code(fmt), fmt.block, swizzled, dequant_rows, dequant_k))
+                  (pdata, pscale, pout, *_format_constants(fmt), swizzled, dequant_rows, dequant_k))
     return out
 
 
@@ -456,7 +447,7 @@ class Prepared:
             self.x16_shape = (ba, m, x16_kp)
             self.x16_dtype = torch.float16 if fmt.has_global_scale else torch.bfloat16
             self.x16_grid = (ba * ceil_div(m, _X16_DEQUANT_ROWS) * (x16_kp // cfg.tile_k), 1, 1)
-            self.x16_consts = (_element_code(fmt), fmt.block, problem.swizzled, _X16_DEQUANT_ROWS, cfg.tile_k)
+            self.x16_consts = (*_format_constants(fmt), problem.swizzled, _X16_DEQUANT_ROWS, cfg.tile_k)
 
     def run(self, problem, stream) -> None:
         """Launch for ``problem`` (a ``BlockScaledProblem`` of this signature) on raw stream ``stream``."""
@@ -509,7 +500,7 @@ def _data_dtype(fmt: Format):
 
 def _stream_configs(fmt: Format) -> list[StreamConfig]:
     """Every StreamConfig ``plan`` can return for ``fmt`` (tile_m x split)."""
-    tk = _STREAM_TK[_family(fmt)]
+    tk = _STREAM_TK
     return [StreamConfig(tm, _STREAM_SHAPE[tm][0], tk, split, num_worker_warps=_STREAM_SHAPE[tm][1],
                          occupancy=_STREAM_SHAPE[tm][2], x16=_x16(fmt, tm))
             for tm in _STREAM_TILE_M for split in _STREAM_SPLITS]
@@ -541,8 +532,8 @@ def aot_variants() -> list[AotVariant]:
             # the two-pass tiles and the X16 stream kernel's activation tiles (often the same)
             two_pass = _TWO_PASS_PACKED if fmt.is_packed else _TWO_PASS
             for rows, k in sorted({(two_pass.dequant_rows, two_pass.dequant_k),
-                                   (_X16_DEQUANT_ROWS, _STREAM_TK[_family(fmt)])}):
-                params = [array(data, 3), array(scale, sdim), array(d16, 3), _element_code(fmt), fmt.block,
+                                   (_X16_DEQUANT_ROWS, _STREAM_TK)}):
+                params = [array(data, 3), array(scale, sdim), array(d16, 3), *_format_constants(fmt),
                           swizzled, rows, k]
                 variants.append(AotVariant(f"hopper_{fmt.name}_{layout}_dequantize_{rows}x{k}", _dequantize_kernel,
                                            params, ("sm_90",)))

@@ -34,6 +34,7 @@ import swizzle as _swizzle
 from .formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
 from .kernels.weight_only_kernels import LAYOUTS, Layout
 from .numerics import as_uint8, e2m1_decode, unpack_e2m1, pack_e2m1
+from .quantize import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
 from .reference import decode_scales
 
 __all__ = ["PackedWeight", "prepack", "unpack", "layout_of"]
@@ -173,8 +174,6 @@ def prepack(w_q) -> PackedWeight:
     Returns:
         A :class:`PackedWeight` on the same device; ``unpack`` inverts it exactly.
     """
-    from .quantize import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
-
     fn = "tilemm.prepack"
     if not isinstance(w_q, (MXFP4Tensor, NVFP4Tensor, MXFP8Tensor)):
         raise TypeError(f"{fn}: w_q must be an MXFP4Tensor, NVFP4Tensor or MXFP8Tensor (from "
@@ -228,8 +227,6 @@ def prepack(w_q) -> PackedWeight:
 
 def unpack(packed: PackedWeight):
     """The quantized weight ``packed`` was built from, with logical scales, bit for bit."""
-    from .quantize import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
-
     if not isinstance(packed, PackedWeight):
         raise TypeError(f"tilemm.unpack: packed must be a PackedWeight (from tilemm.prepack), got "
                         f"{type(packed).__name__}")

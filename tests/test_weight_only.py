@@ -349,3 +349,23 @@ def test_split_k_workspace_is_kept_per_stream():
     unsplit = wo.Prepared(packed.words, packed.scale_t, packed.constants, torch.zeros(40), packed.layout,
                           wo.WeightOnlyConfig(16, 16, 1), 5, torch.float32)
     assert unsplit._workspace(out, 7)[0] is out  # no split: stand-ins the kernel never reads
+
+
+def test_runner_cache_stays_out_of_copies():
+    # linear(x, packed) keeps its eager runners on the PackedWeight; copies and pickles of the weight
+    # leave them out, and the cache keeps one runner per bias (a new one when the bias changes).
+    import copy
+    import pickle
+
+    from tilemm.weight_only import runner_for
+
+    packed = tilemm.prepack(tilemm.quantize_mxfp4(torch.randn(8, 64)))
+    bias = torch.randn(8)
+    runner = runner_for(packed, None)
+    assert runner_for(packed, None) is runner
+    with_bias = runner_for(packed, bias)
+    assert with_bias is not runner and runner_for(packed, bias) is with_bias
+    bias.add_(1.0)  # an in-place change bumps the version: a new runner with the new values
+    assert runner_for(packed, bias) is not with_bias
+    for twin in (copy.deepcopy(packed), pickle.loads(pickle.dumps(packed))):
+        assert "_runners" not in twin.__dict__ and torch.equal(twin.words, packed.words)

@@ -89,6 +89,12 @@ class PackedWeight:
                                    constants=move(self.constants), global_scale=move(self.global_scale),
                                    nan_scale=move(self.nan_scale))
 
+    def __getstate__(self) -> dict:
+        # Copies and pickles leave out the runners cached for eager calls (``weight_only.runner_for``).
+        state = dict(self.__dict__)
+        state.pop("_runners", None)
+        return state
+
     def __repr__(self) -> str:
         return (f"PackedWeight({self.fmt.name}, shape={self.shape}, tile_k={self.layout.tile_k}, "
                 f"exponent={self.exponent}, device={self.device})")

@@ -184,7 +184,7 @@ def test_fp8_rowwise_emulated(emulated, cfg):
     bias = torch.randn(n, generator=gen)
     ref = fp8_matmul_reference(a, sa[..., None], b.transpose(-1, -2), sb[:, None, :], out_dtype=torch.float64,
                                alpha=None, bias=bias)
-    problem = FP8Problem(fmt=None, a=a, a_scale=sa, b=b, b_scale=sb, granularity="rowwise",
+    problem = FP8Problem(fmt=None, a=a, a_scale=sa, b=b, b_scale=sb, granularity="row",
                          out=torch.full((2, m, n), float("nan")), bias=bias, alpha=None)
     hfp8.launch(problem, cfg)
     assert_matches(problem.out, ref, torch.float32)

@@ -30,6 +30,7 @@ __all__ = [
     "FORMATS",
     "E2M1_VALUES",
     "FP8_BLOCK",
+    "FP8_GRANULARITIES",
     "mxfp8_format",
     "fp8_format",
     "E4M3",
@@ -37,6 +38,11 @@ __all__ = [
     "E2M1",
     "ELEMENT_CODES",
 ]
+
+#: FP8 scale granularities, tilemm's one spelling: one scale per tensor, per row (x's rows, the weight's
+#: output channels), or per 128-element block (1x128 for x, 128x128 for a weight). ``quantize_fp8``'s
+#: ``(1, 128)`` / ``(128, 128)`` and the operators' "1x128" / "128x128" name the block shapes.
+FP8_GRANULARITIES = ("tensor", "row", "block")
 
 #: The edge of DeepSeek-style FP8 blocks: 1x128 for activations, 128x128 for weights (e4m3 only).
 FP8_BLOCK = 128

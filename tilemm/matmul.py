@@ -94,8 +94,9 @@ class FP8Problem:
     """A validated FP8 matmul, normalised for the kernels.
 
     a: (Ba, M, K), b: (Bb, N, K), both stride(-1) == 1.
-    granularity "tensorwise" (a_scale, b_scale each (Ba, M) / (Bb, N) broadcast views of one value),
-    "rowwise" (a_scale (Ba, M), b_scale (Bb, N)), or "blockwise" (a_scale (Ba, M, K/128) for 1x128
+    granularity (``tilemm.formats.FP8_GRANULARITIES``): "tensor" (a_scale, b_scale each (Ba, M) / (Bb, N)
+    broadcast views of one value), "row" (a_scale (Ba, M), b_scale (Bb, N): per row, or a per-tensor
+    scale on one side), or "block" (a_scale (Ba, M, K/128) for 1x128
     blocks, b_scale (Bb, ceil(N/128), K/128) for 128x128 blocks). Scales are fp32.
     use_fast_accum: let the kernel skip the extra fp32 accumulation of Hopper's FP8 tensor cores
     (kernels without such a mode ignore it).
@@ -433,7 +434,7 @@ class _FP8Call:
         self.out_shape = (*x.shape[:-2], self.m, self.n)
         self.out_dtype, self.device, self.use_fast_accum = out_dtype, device, use_fast_accum
         self.empty = x.numel() == 0 or y.numel() == 0 or self.m == 0 or self.n == 0
-        self.granularity = "blockwise" if kx == "block" else ("tensorwise" if kx == ky == "tensor" else "rowwise")
+        self.granularity = "block" if kx == "block" else ("tensor" if kx == ky == "tensor" else "row")
         self.tail = 2 if kx == "block" else 1
         self.gpu = device.type == "cuda"
         self.prepared = None

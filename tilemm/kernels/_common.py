@@ -152,13 +152,14 @@ def zeros_vector(device: torch.device, n: int) -> torch.Tensor:
 
 
 def fp8_kind(granularity: str, where: str) -> str:
-    """The FP8 kernel family for a ``tilemm.matmul.FP8Problem`` granularity: "scaled" (per tensor or
-    per row: one kernel, scales in the epilogue) or "blockwise"; ``where`` names the caller in errors."""
-    if granularity in ("tensorwise", "rowwise"):
+    """The FP8 kernel for a ``tilemm.matmul.FP8Problem`` granularity (``tilemm.formats.FP8_GRANULARITIES``):
+    "scaled" (per tensor or per row: one kernel, scales in the epilogue) or "blockwise" (128-element
+    blocks); ``where`` names the caller in errors."""
+    if granularity in ("tensor", "row"):
         return "scaled"
-    if granularity == "blockwise":
+    if granularity == "block":
         return "blockwise"
-    raise ValueError(f"{where}: granularity must be 'tensorwise', 'rowwise' or 'blockwise', got "
+    raise ValueError(f"{where}: granularity must be 'tensor', 'row' or 'block', got "
                      f"{granularity!r}")
 
 

@@ -6,9 +6,9 @@ dtype, for e4m3 / e5m2 ``a`` (Ba, M, K) and ``b`` (Bb, N, K), both K-contiguous 
 transposed in registers). One output tile per block, a 1-D GROUP_SIZE_M-ordered grid over B * tiles;
 Ba or Bb of 1 broadcasts through ``batch % Ba``.
 
-* ``_fp8_scaled_kernel`` ("tensorwise" and "rowwise"): FP8 ``ct.mma`` over all of K into one fp32
+* ``_fp8_scaled_kernel`` (granularity "tensor" and "row"): FP8 ``ct.mma`` over all of K into one fp32
   accumulator; the epilogue multiplies row r / column c by ``sa[r] * sb[c]``. Loads past K are zero.
-* ``_fp8_blockwise_kernel`` ("blockwise", e4m3, K a multiple of 128): sa (Ba, M, K/128), sb
+* ``_fp8_blockwise_kernel`` ("block", e4m3, K a multiple of 128): sa (Ba, M, K/128), sb
   (Bb, cdiv(N, 128), K/128); TK = TN = 128, so each K step is one scale column and one N block:
   ``acc += mma(a_k, b_k, 0) * sa[:, k] * sb[n, k]``.
 

@@ -5,10 +5,10 @@ dtype, for e4m3 / e5m2 ``a`` (Ba, M, K) and ``b`` (Bb, N, K), both K-contiguous 
 
 Kernels (1-D GROUP_SIZE_M-swizzled tile order, num_worker_warps = 8: two MMA warpgroups):
 
-* "tensorwise" and "rowwise": ``hopper_gemm``'s kernel with ``SCALED``: FP8
+* granularity "tensor" and "row": ``hopper_gemm``'s kernel with ``SCALED``: FP8
   ``ct.mma`` over all of K into one fp32 accumulator; the epilogue multiplies row r / column c by
   ``sa[r] * sb[c]`` (a per-tensor scale arrives as a broadcast vector, so both share the kernel).
-* "blockwise" (``_fp8_blockwise_kernel``, e4m3, K a multiple of 128): a (Ba, M, K/128) scale per 1x128
+* "block" (``_fp8_blockwise_kernel``, e4m3, K a multiple of 128): a (Ba, M, K/128) scale per 1x128
   block of a and a (Bb, cdiv(N, 128), K/128) scale per 128x128 block of b; TK = 128 and TN divides 128,
   so each K step is one scale column: ``acc += mma(a_k, b_k, 0) * sa[:, k] * sb[n, k]``.
 

@@ -5,8 +5,11 @@
 | HOPPER     | sm_90           | ``hopper_block_scaled``: exact in-kernel scaling | ``hopper_fp8``            |
 | BLACKWELL  | sm_100, sm_120  | ``blackwell_block_scaled``: ``ct.mma_scaled``    | ``blackwell_fp8``         |
 
-Each module exposes ``launch(problem)`` for the problems built in ``tilemm.matmul`` and
-``aot_variants()`` listing every specialisation it can launch, for ahead-of-time compile tests.
+Each matmul module exposes ``Prepared(problem)`` (a signature planned once; ``.run(problem, stream)``
+launches any problem of that signature), ``launch(problem)`` (one prepared call) and ``aot_variants()``
+listing every specialisation it can launch, for ahead-of-time compile tests. ``PLANS`` keeps the
+planned calls of ``tilemm.matmul`` by signature; ``prepare_block_scaled`` / ``prepare_fp8`` pick the
+family's ``Prepared`` by GPU generation (``tilemm._arch``).
 
 Portable kernels, the same on every family: ``quantize_kernels`` (the quantizers) and
 ``weight_only_kernels`` (float activations times a prepacked quantized weight, ``tilemm.weight_only``).

@@ -16,8 +16,9 @@
 
 Both compute ``out = (x @ dequantize(w).T) * alpha + bias`` with fp32 accumulation and one rounding,
 exactly as ``weight_only_kernels`` documents it (the decoded weight is ``dequantize(w) * 2^-E``, exact
-in bf16; alpha carries 2^E). Which design and which config serves an (M, N, K) problem is a table
-(``PLAN``) that ``benchmarks/tune_weight_only_large.py`` measures and prints.
+in bf16; alpha carries 2^E). Which design and which config serves an (M, N, K) problem is decided by rules on
+the problem's quantities (``RULES``, ``plan``), fitted to what ``benchmarks/tune_weight_only_large.py``
+measures.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from ._common import hinted, sm90_hints, tile_coords_at
 from . import weight_only_kernels as _wo
 from .weight_only_kernels import _epilogue, _k_tile
 
-__all__ = ["LargeConfig", "PLAN", "CANDIDATES", "plan", "first_m", "family", "grid", "launch", "decode_gemm",
+__all__ = ["LargeConfig", "FamilyRule", "RULES", "CANDIDATES", "plan", "first_m", "family", "output_tiles",
+           "wave_fill", "grid", "launch", "decode_gemm",
            "aot_variants"]
 
 ConstInt = ct.Constant[int]
@@ -142,47 +144,115 @@ class LargeConfig:
         return s + (f"_occ{self.occupancy}" if self.occupancy > 1 else "") + ("_cat" if self.cat else "")
 
 
-#: The plan: per weight family ("4bit": MXFP4 / NVFP4, "8bit": MXFP8), rows of (smallest M, config or
-#: None); a problem takes the entry of the last row whose M it reaches. None, and any M below the first
-#: row, means the small-M plan of ``weight_only_kernels``. ``benchmarks/tune_weight_only_large.py``
-#: prints this table from its measurements, ready to paste. Until a measured table replaces them, the
-#: rows keep the dispatch that was measured before this module (the small-M plan below M = 512, the
-#: whole weight decoded for cuBLAS from 512 on), with cuBLAS writing bf16 itself instead of fp32
-#: followed by a cast.
-PLAN = {
-    "4bit": (
-        (512, LargeConfig("decode", chunk=0)),
-    ),
-    "8bit": (
-        (512, LargeConfig("decode", chunk=0)),
-    ),
-}
-
-
 def family(layout: _wo.Layout) -> str:
     return "4bit" if layout.planes == 4 else "8bit"
 
 
-def first_m(layout: _wo.Layout, table: dict | None = None) -> int:
-    """The smallest M the table has a row for (no row: never)."""
-    rows = (table or PLAN)[family(layout)]
-    return min((r[0] for r in rows), default=1 << 62)
+@dataclasses.dataclass(frozen=True)
+class FamilyRule:
+    """How ``plan`` picks a large-M design for one weight family, from quantities of the problem only
+    (M, N, K, the SMs, each candidate's output tiles), so that a shape the sweep never saw gets the
+    design its measured neighbours got.
+
+    * ``first_m``: below it, the small-M plan (``weight_only_kernels.plan``).
+    * ``large`` from ``large_m`` rows of x on, and for a weight whose bf16 copy takes at most
+      ``l2_bytes`` (it then stays in L2 between the decode and the GEMM, and the fused kernels have
+      too few output tiles to fill the GPU).
+    * Up to 64 rows: the small-M plan (its 64-row tiles cover M exactly) unless it splits K into
+      pieces of fewer than ``small_k`` elements (each block's fixed costs and the fp32 partial sums
+      then weigh more than the blocks it adds); then ``narrow``.
+    * Above 64 rows: of the ``fused`` (config, tiles per SM) whose tile_m M reaches and whose output
+      tiles reach that many per SM, the first, unless a later one fills its last wave of blocks
+      better by more than ``wave_margin`` (``wave_fill``); none: the small-M plan.
+    """
+
+    first_m: int
+    large_m: int
+    large: LargeConfig
+    l2_bytes: int
+    small_k: int
+    narrow: LargeConfig | None
+    fused: tuple
+    wave_margin: float = 0.15
 
 
-def plan(m: int, n: int, k: int, layout: _wo.Layout, table: dict | None = None, sms: int = 132
+def output_tiles(cfg: LargeConfig, m: int, n: int) -> int:
+    return -(-m // cfg.tile_m) * -(-n // cfg.tile_n)
+
+
+def wave_fill(cfg: LargeConfig, m: int, n: int, sms: int) -> float:
+    """The output tiles over the block slots of the waves they take (``occupancy`` blocks per SM):
+    1.0 when the last wave is full."""
+    tiles, slots = output_tiles(cfg, m, n), sms * cfg.occupancy
+    return tiles / (-(-tiles // slots) * slots)
+
+
+_DECODE = LargeConfig("decode", chunk=0)
+_MID_4 = LargeConfig("fused", 128, 128)
+_NARROW_4 = LargeConfig("fused", 64, 128, occupancy=2)
+_MID_8 = LargeConfig("fused", 128, 128, cat=1)
+_WIDE_8 = LargeConfig("fused", 256, 128)
+
+#: The plan's rules per weight family ("4bit": MXFP4 / NVFP4, "8bit": MXFP8), fitted to the H100
+#: sweep (``benchmarks/results/tune-weight-only-large-*.txt``; every per-shape figure in its JSON),
+#: whose per-shape winners they reproduce from tile counts instead of a table of shapes:
+#:
+#: * The decode design wins from M = 2048 on everywhere (0.84-0.96x bf16, the fused kernels 0.54-0.86),
+#:   and at every M on the GQA k / v projection (1024x4096: 8 MiB of bf16 weight, L2-resident between
+#:   the two passes; 0.70-0.92 against at most 0.65 for any kernel reading the packed weight).
+#: * 4-bit, M = 64: the small-M plan (1.05-1.75) except where its blocks fill under 3/4 of the SMs
+#:   (6144x4096: 96 blocks, 0.78; 64x128 tiles at two blocks per SM 0.88).
+#: * 4-bit, 128 <= M < 2048: 128x128 tiles from 0.7 tiles per SM (0.63-1.40), else 64x128 tiles at
+#:   two per SM from 0.7 per SM (0.70-1.11 where 128x128 tiles fill half the SMs: 0.56-0.91), else the
+#:   small-M plan with its K split (4096x14336, M = 128: 0.74).
+#: * 8-bit: one MMA per K tile (cat) for 128x128 tiles from 0.25 per SM (the small-M plan at M >= 128
+#:   has no cat: 0.45-0.50 where cat reaches 0.51-0.66); 256 rows of x from 0.7 tiles per SM at
+#:   M >= 256 (0.70-0.91, cat 0.60-0.86).
+#:
+#: What the rules reach on that sweep (``python benchmarks/plan_rule_check.py <its JSON>``): geomean
+#: over the five shapes of the picked candidate's measured speed-up over bf16, against the per-shape
+#: best candidate and against one candidate per (family, M) chosen by geomean (the table the sweep
+#: printed before these rules):
+#:
+#:   M                      64    128   256   512   1024  2048  4096
+#:   4-bit rules           1.09  0.93  0.81  0.75  0.79  0.87  0.94
+#:   4-bit per-shape best  1.09  0.94  0.81  0.75  0.79  0.87  0.95
+#:   4-bit per (family, M) 1.04  0.80  0.69  0.69  0.77  0.87  0.94
+#:   8-bit rules           0.83  0.75  0.75  0.77  0.80  0.84  0.92
+#:   8-bit per-shape best  0.83  0.75  0.76  0.77  0.81  0.85  0.92
+#:   8-bit per (family, M) 0.76  0.65  0.65  0.64  0.74  0.84  0.92
+#:
+#: ``tests/test_weight_only_large.py`` checks the picks on those shapes.
+RULES = {
+    "4bit": FamilyRule(first_m=64, large_m=2048, large=_DECODE, l2_bytes=16 << 20, small_k=3072,
+                       narrow=_NARROW_4, fused=((_MID_4, 0.7), (_NARROW_4, 0.7))),
+    "8bit": FamilyRule(first_m=64, large_m=2048, large=_DECODE, l2_bytes=16 << 20, small_k=3072,
+                       narrow=_MID_8, fused=((_WIDE_8, 0.7), (_MID_8, 0.25))),
+}
+
+
+def first_m(layout: _wo.Layout, rules: dict | None = None) -> int:
+    """The smallest M for which the large-M plan may name a design."""
+    return (rules or RULES)[family(layout)].first_m
+
+
+def plan(m: int, n: int, k: int, layout: _wo.Layout, rules: dict | None = None, sms: int = 132
          ) -> LargeConfig | None:
-    """The large-M config for an (M, K) x (N, K) problem, or None where the small-M plan applies.
-
-    A fused config whose output tiles would leave more than half of the ``sms`` SMs idle (it has no K
-    split; 1024 weight rows at M = 256 make 16 tiles) gives way to the small-M plan, which splits K."""
-    chosen = None
-    for first_m, cfg in (table or PLAN)[family(layout)]:
-        if m >= first_m:
-            chosen = cfg
-    if chosen is not None and chosen.kind == "fused":
-        if 2 * -(-m // chosen.tile_m) * -(-n // chosen.tile_n) < sms:
-            return None
-    return chosen
+    """The large-M config for an (M, K) x (N, K) problem, or None where the small-M plan applies
+    (``FamilyRule`` says how)."""
+    rule = (rules or RULES)[family(layout)]
+    if m < rule.first_m:
+        return None
+    if m >= rule.large_m or n * k * 2 <= rule.l2_bytes:
+        return rule.large
+    if m <= 64:
+        return rule.narrow if k < _wo.plan(m, n, k, layout, sms).split_k * rule.small_k else None
+    eligible = [cfg for cfg, fill in rule.fused if m >= cfg.tile_m and output_tiles(cfg, m, n) >= fill * sms]
+    if not eligible:
+        return None
+    first = eligible[0]
+    later = [cfg for cfg in eligible[1:] if wave_fill(cfg, m, n, sms) > wave_fill(first, m, n, sms) + rule.wave_margin]
+    return later[0] if later else first
 
 
 def _constants(layout: _wo.Layout, cfg: LargeConfig, x_parts: int) -> tuple:
@@ -257,10 +327,10 @@ def decode_gemm(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, con
 # --------------------------------------------------------------------------------------------------
 
 def _configs() -> list[LargeConfig]:
-    """The fused configs of the plan table and of the sweep's candidates."""
+    """The fused configs the rules name and the sweep's candidates."""
     seen = []
-    for rows in PLAN.values():
-        for _, cfg in rows:
+    for rule in RULES.values():
+        for cfg in (rule.large, rule.narrow, *(c for c, _ in rule.fused)):
             if cfg is not None and cfg.kind == "fused" and cfg not in seen:
                 seen.append(cfg)
     for cfg in CANDIDATES:

@@ -1,0 +1,97 @@
+"""What the large-M plan's rules (``hopper_weight_only_large.RULES``) would reach on a measured sweep,
+offline (no GPU): for every (format, N x K, M) of a ``tune_weight_only_large.py --json`` file, the
+candidate the rules pick, and per weight family and M the geomean speed-up over cuBLAS bf16 of
+
+* ``rule``: the rules' pick on each shape (as measured in the sweep);
+* ``best``: the fastest measured candidate on each shape (the ceiling of any plan over these
+  candidates);
+* ``family``: one candidate per (family, M), the one with the best geomean over the shapes (what a
+  table with a row per M and no shape quantities reaches);
+* ``wired``: the ``plan`` column, where the sweep timed the layer as the committed plan dispatched it.
+
+    python benchmarks/plan_rule_check.py benchmarks/results/tune-weight-only-large-<gpu>.json
+
+A problem whose pick the sweep did not time (a candidate left out) is named in the listing and left
+out of the ``rule`` geomean of its (family, M), which is then marked ``*``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from tilemm.kernels import weight_only_kernels as wo  # noqa: E402
+from tilemm.kernels import hopper_weight_only_large as wl  # noqa: E402
+
+
+def layout_of_format(fmt: str):
+    return wo.LAYOUTS.get(fmt) or wo.LAYOUTS[f"{fmt}_e4m3"]
+
+
+def candidate_name(cfg) -> str:
+    """The sweep's name for a plan entry (None: the small-M plan)."""
+    return "small" if cfg is None else cfg.name
+
+
+def geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else float("nan")
+
+
+def check(rows: list, sms: int, rules: dict | None = None, out=print) -> dict:
+    """Prints the per-problem picks and the per-(family, M) geomeans; returns
+    {(family, m): {"rule": g, "best": g, "family": g, "wired": g}}."""
+    per = defaultdict(dict)  # (fmt, family, n, k, m) -> {candidate: ratio}
+    for r in rows:
+        per[(r["fmt"], r["family"], r["n"], r["k"], r["m"])][r["cand"]] = r["vs_bf16"]
+    groups = defaultdict(list)
+    for key in per:
+        groups[(key[1], key[4])].append(key)
+    result = {}
+    out("# per problem: the rules' pick (its ratio) | the measured best (its ratio)")
+    for (fam, m), keys in sorted(groups.items()):
+        names = set.intersection(*(set(per[key]) - {"plan"} for key in keys))
+        fam_best = max(names, key=lambda c: geomean(per[key][c] for key in keys)) if names else None
+        rule_vals, best_vals, fam_vals, wired_vals, missing = [], [], [], [], False
+        for key in sorted(keys):
+            fmt, _, n, k, _ = key
+            pick = candidate_name(wl.plan(m, n, k, layout_of_format(fmt), rules, sms))
+            cands = {c: v for c, v in per[key].items() if c != "plan"}
+            best = max(cands, key=cands.get)
+            best_vals.append(cands[best])
+            if fam_best is not None:
+                fam_vals.append(cands[fam_best])
+            if "plan" in per[key]:
+                wired_vals.append(per[key]["plan"])
+            if pick in cands:
+                rule_vals.append(cands[pick])
+                got = f"{pick} {cands[pick]:.2f}"
+            else:
+                missing = True
+                got = f"{pick} (not timed)"
+            out(f"{fmt} {n}x{k} M={m}: {got} | {best} {cands[best]:.2f}")
+        result[(fam, m)] = {"rule": geomean(rule_vals), "best": geomean(best_vals),
+                            "family": geomean(fam_vals), "wired": geomean(wired_vals), "missing": missing}
+    out("\n# geomean over shapes: rules | per-shape best | one candidate per (family, M) | wired plan")
+    for (fam, m), g in sorted(result.items()):
+        out(f"{fam} M={m}: rule {g['rule']:.2f}{'*' if g['missing'] else ''} | best {g['best']:.2f} | "
+            f"family {g['family']:.2f} | wired {g['wired']:.2f}")
+    return result
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print(__doc__)
+        return 2
+    data = json.loads(pathlib.Path(argv[0]).read_text())
+    check(data["rows"], data.get("sms", 132))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -78,6 +78,24 @@ def test_decode_gemm_matches_reference(emulated, fmt, chunk):
     assert_matches(out.float(), _reference(x, w_q), torch.bfloat16)
 
 
+@pytest.mark.parametrize("fmt", [MXFP4, NVFP4, MXFP8_E4M3], ids=["mxfp4", "nvfp4", "mxfp8_e4m3"])
+@pytest.mark.parametrize("chunk", [16, 48, 100, 1000])
+def test_overlap_gemm_matches_reference(emulated, fmt, chunk):
+    """The overlapped design's steps in order on the CPU: chunks of 16 (7 chunks, each ping-pong buffer
+    reused three times, the last chunk partial), 48, the whole weight in one chunk (100 and more)."""
+    m, n, k = 5, 100, 320
+    w_q = _weight(fmt, n, k, seed=13)
+    packed = prepack(w_q)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    wl.overlap_gemm(x, packed.words, packed.scale_t, packed.constants, packed.alpha_host, out, packed.layout,
+                    k, chunk)
+    assert_matches(out.float(), _reference(x, w_q), torch.bfloat16)
+    with pytest.raises(ValueError, match="needs chunk > 0"):
+        wl.LargeConfig("overlap", chunk=0)
+    assert wl.LargeConfig("overlap", chunk=2048).name == "overlap_c2048"
+
+
 #: Per (family, N, K, M) of the H100 sweep (benchmarks/results/tune-weight-only-large-*.txt), the
 #: candidate the rules must pick (None: the small-M plan): the measured per-shape winner, or one within
 #: 0.02 of it (``benchmarks/plan_rule_check.py`` lists them). 132 SMs.
@@ -143,19 +161,19 @@ def test_plan_rules():
                 assert cfg is None or cfg.kind in ("fused", "decode")
 
 
-@pytest.mark.parametrize("kind", ["fused", "decode"])
+@pytest.mark.parametrize("kind", ["fused", "decode", "overlap"])
 def test_runner_dispatches_through_the_table(emulated, monkeypatch, kind):
     """``WeightOnlyRunner`` takes the design the rules name for bf16 x (here from M = 16 on, with
     small tiles so that the emulator is quick); below first_m, the small-M kernel."""
     import tilemm.weight_only as wol
 
-    cfg = wl.LargeConfig("fused", 16, 16) if kind == "fused" else wl.LargeConfig("decode", chunk=32)
+    cfg = wl.LargeConfig("fused", 16, 16) if kind == "fused" else wl.LargeConfig(kind, chunk=32)
     rule = wl.FamilyRule(first_m=16, large_m=16, large=cfg, l2_bytes=0, small_k=0, narrow=None, fused=())
     monkeypatch.setattr(wl, "RULES", {"4bit": rule, "8bit": rule})
     monkeypatch.setattr(wol, "_raw_stream", lambda index: 0)
     monkeypatch.setattr(wol, "_family", lambda device: wol._Family.HOPPER)
     calls = []
-    for name in ("launch", "decode_gemm"):
+    for name in ("launch", "decode_gemm", "overlap_gemm"):
         original = getattr(wl, name)
         monkeypatch.setattr(wl, name, (lambda f, nm: lambda *a, **k: (calls.append(nm), f(*a, **k))[1])(original, name))
     w_q = _weight(MXFP4, 40, 512, seed=9)
@@ -164,4 +182,4 @@ def test_runner_dispatches_through_the_table(emulated, monkeypatch, kind):
     for m in (20, 5):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
         assert_matches(runner(x).float(), _reference(x, w_q), torch.bfloat16)
-    assert calls == ["launch" if kind == "fused" else "decode_gemm"]
+    assert calls == [{"fused": "launch", "decode": "decode_gemm", "overlap": "overlap_gemm"}[kind]]

@@ -64,6 +64,40 @@ def test_decode_gemm_matches_the_oracle(fmt, chunk):
     _check(out, _oracle(x, w_q, None), torch.bfloat16)
 
 
+@pytest.mark.parametrize("fmt", [MXFP4, NVFP4, MXFP8_E4M3], ids=["mxfp4", "nvfp4", "mxfp8_e4m3"])
+@pytest.mark.parametrize("chunk", [64, 200])
+def test_overlap_gemm_matches_the_oracle_eager_and_in_a_graph(fmt, chunk):
+    """The overlapped design: 64-row chunks (4, the last partial: each ping-pong buffer decoded into
+    twice while the other is multiplied) or one chunk; eagerly, then captured into a CUDA graph on a
+    stream of its own and replayed twice on new x (the side stream forked from and joined back to the
+    capture stream)."""
+    m, n, k = 520, 200, 4128
+    w_q = _weight(fmt, n, k, seed=4)
+    packed = tilemm.prepack(w_q).to(DEV)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    xd = x.to(DEV)
+    out = torch.full((m, n), float("nan"), device=DEV, dtype=torch.bfloat16)
+    call = lambda: wl.overlap_gemm(xd, packed.words, packed.scale_t, packed.constants,  # noqa: E731
+                                   packed.alpha_host, out, packed.layout, k, chunk)
+    call()
+    _check(out, _oracle(x, w_q, None), torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # sizes this stream's buffers (and the graph buffers) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        call()
+    for seed in (5, 6):
+        x2 = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        xd.copy_(x2)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, _oracle(x2, w_q, None), torch.bfloat16)
+
+
 @pytest.mark.parametrize("m,n,k", [(256, 384, 2048), (600, 384, 2048), (2100, 384, 2048), (200, 4096, 4096),
                                    (600, 4096, 4096)])
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])

@@ -34,7 +34,7 @@ from . import weight_only_kernels as _wo
 from .weight_only_kernels import _epilogue, _k_tile
 
 __all__ = ["LargeConfig", "FamilyRule", "RULES", "CANDIDATES", "plan", "first_m", "family", "output_tiles",
-           "wave_fill", "grid", "launch", "decode_gemm",
+           "wave_fill", "grid", "launch", "decode_gemm", "overlap_gemm", "pingpong",
            "aot_variants"]
 
 ConstInt = ct.Constant[int]
@@ -112,8 +112,9 @@ class LargeConfig:
     """A large-M design and its settings.
 
     ``kind`` "fused" (``_large_kernel``: tile_n weight rows x tile_m rows of x per output tile,
-    GROUP_SIZE_M, load latency hints, blocks per SM) or "decode" (``decode_gemm``: ``chunk`` weight
-    rows decoded per cuBLAS GEMM, 0 for the whole weight at once)."""
+    GROUP_SIZE_M, load latency hints, blocks per SM), "decode" (``decode_gemm``: ``chunk`` weight
+    rows decoded per cuBLAS GEMM, 0 for the whole weight at once) or "overlap" (``overlap_gemm``:
+    ``chunk`` weight rows per GEMM, the next chunk decoded on a side stream meanwhile)."""
 
     kind: str = "fused"
     tile_m: int = 128
@@ -126,8 +127,10 @@ class LargeConfig:
     cat: int = 0
 
     def __post_init__(self):
-        if self.kind not in ("fused", "decode"):
-            raise ValueError(f"LargeConfig: kind must be 'fused' or 'decode', got {self.kind!r}")
+        if self.kind not in ("fused", "decode", "overlap"):
+            raise ValueError(f"LargeConfig: kind must be 'fused', 'decode' or 'overlap', got {self.kind!r}")
+        if self.kind == "overlap" and self.chunk <= 0:
+            raise ValueError(f"LargeConfig: an 'overlap' config needs chunk > 0 weight rows, got {self.chunk}")
 
     @property
     def kernel(self):
@@ -136,8 +139,8 @@ class LargeConfig:
     @property
     def name(self) -> str:
         """``decode_c<chunk>``, or ``fused_<weight rows>x<rows of x>_g<group>`` and the settings."""
-        if self.kind == "decode":
-            return f"decode_c{self.chunk}"
+        if self.kind in ("decode", "overlap"):
+            return f"{self.kind}_c{self.chunk}"
         s = f"fused_{self.tile_n}x{self.tile_m}_g{self.group_size_m}"
         if self.latency_w or self.latency_x:
             s += f"_lw{self.latency_w}lx{self.latency_x}"
@@ -317,6 +320,120 @@ def decode_gemm(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, con
                 torch.mm(x, w16[:, :k].t(), out=target)
             else:
                 torch.addmm(target, x, w16[:, :k].t(), beta=0, alpha=alpha_host, out=target)
+    finally:
+        flags.allow_bf16_reduced_precision_reduction = reduced
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Overlapped: the next chunk decoded on a side stream while cuBLAS multiplies this one
+# --------------------------------------------------------------------------------------------------
+
+#: (device, stream key) and (device, "graphs") -> {"pingpong": bf16 buffer}: the two chunk buffers of
+#: ``overlap_gemm``, persistent like the split-K workspace (``weight_only_kernels.workspace``).
+_PINGPONG: dict = {}
+#: (device, main stream key) -> (side stream, [events]): the side stream the decodes run on and the
+#: events that order them against the GEMMs, reused from call to call (a wait takes the event's most
+#: recent record at the time it is enqueued).
+_SIDE: dict = {}
+
+
+def pingpong(device: torch.device, stream, rows: int, kp: int) -> torch.Tensor:
+    """(2, rows, kp) bf16: the two chunk buffers for launches on ``stream``, a view of a persistent
+    buffer allocated outside CUDA-graph pools, chosen as ``weight_only_kernels.workspace`` chooses its
+    workspace (eager: the stream's own; in a capture: the capture stream's or the device's graph buffer,
+    which every eager call sizes; neither large enough: a buffer of the graph). Calls that share one
+    are ordered by their main stream: each call's first decode waits for everything enqueued on the
+    main stream before it, the GEMMs of the previous call included."""
+    need = 2 * rows * kp
+    key = (device, _wo._stream_key(stream))
+
+    def fits(k):
+        buf = _PINGPONG.get(k, {}).get("pingpong")
+        return buf is not None and buf.numel() >= need
+
+    if _wo._capturing(device):
+        for k in (key, (device, "graphs")):
+            if fits(k):
+                return _PINGPONG[k]["pingpong"][:need].view(2, rows, kp)
+        return torch.empty((2, rows, kp), dtype=torch.bfloat16, device=device)
+    for k in (key, (device, "graphs")):
+        if not fits(k):
+            _wo._grow(_PINGPONG, k, "pingpong", need,
+                      lambda: torch.empty(need, dtype=torch.bfloat16, device=device))
+    return _PINGPONG[key]["pingpong"][:need].view(2, rows, kp)
+
+
+def _side(device: torch.device, main, events: int):
+    """The side stream of ``main`` (a torch.cuda.Stream) and at least ``events`` events."""
+    key = (device, main.cuda_stream)
+    side, evs = _SIDE.get(key) or (None, [])
+    if side is None:
+        side = torch.cuda.Stream(device=device)
+    while len(evs) < events:
+        evs.append(torch.cuda.Event())
+    _SIDE[key] = (side, evs)
+    return side, evs
+
+
+def overlap_gemm(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
+                 alpha_host: float, out: torch.Tensor, layout: _wo.Layout, k: int, chunk: int) -> torch.Tensor:
+    """out (M, N) = (x @ (decode(W) * 2^-E).T) * alpha_host, x bf16, no bias, as ``decode_gemm``
+    computes it (cuBLAS's fp32 epilogue rounds once to out's dtype; its reduced-precision split-K
+    reduction off), with the decode of weight rows [(i+1) c, (i+2) c) running on a side stream into
+    one of two ping-pong buffers while cuBLAS multiplies rows [i c, (i+1) c) from the other into their
+    output columns on the current stream.
+
+    Ordering: the side stream first waits for the current stream (the fork: x, and every earlier use
+    of the buffers, are ready); GEMM i waits for decode i's event; decode i + 2 waits for GEMM i's
+    event (it overwrites GEMM i's buffer); the current stream's wait for the last decode joins the
+    side stream back. So the call can be captured into a CUDA graph (the side stream joins the
+    capture at the fork). On the CPU (the emulator) the same steps run in order, without streams."""
+    n = words.shape[0]
+    rows = min(chunk, n)
+    chunks = -(-n // rows)
+    k_tiles = words.shape[1] // layout.words_per_tile
+    kp = k_tiles * layout.tile_k
+    mult = constants[1:2]
+    cuda = x.is_cuda
+    if cuda:
+        main = torch.cuda.current_stream(x.device)
+        side, events = _side(x.device, main, 2 * chunks)
+        decoded, multiplied = events[:chunks], events[chunks:]
+        buffers = pingpong(x.device, main, rows, kp)
+        side.wait_stream(main)
+        side_handle = side.cuda_stream
+    else:
+        buffers = torch.empty((2, rows, kp), dtype=torch.bfloat16)
+        side_handle = None
+
+    def decode(i):
+        r0, r1 = i * rows, min((i + 1) * rows, n)
+        if cuda and i >= 2:
+            side.wait_event(multiplied[i - 2])
+        _decode_rows(words[r0:r1], scale_t[:, r0:r1], mult, layout, buffers[i % 2, :r1 - r0], side_handle)
+        if cuda:
+            decoded[i].record(side)
+
+    flags = torch.backends.cuda.matmul
+    reduced = flags.allow_bf16_reduced_precision_reduction
+    flags.allow_bf16_reduced_precision_reduction = False  # one rounding per output, as decode_gemm
+    try:
+        decode(0)
+        for i in range(chunks):
+            if i + 1 < chunks:
+                decode(i + 1)
+            r0, r1 = i * rows, min((i + 1) * rows, n)
+            w16 = buffers[i % 2, :r1 - r0, :k]
+            if cuda:
+                main.wait_event(decoded[i])
+            target = out[:, r0:r1]
+            if alpha_host == 1.0:
+                torch.mm(x, w16.t(), out=target)
+            else:
+                torch.addmm(target, x, w16.t(), beta=0, alpha=alpha_host, out=target)
+            if cuda:
+                multiplied[i].record(main)
     finally:
         flags.allow_bf16_reduced_precision_reduction = reduced
     return out

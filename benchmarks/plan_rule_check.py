@@ -4,7 +4,7 @@ candidate the rules pick, and per weight family and M the geomean speed-up over 
 
 * ``rule``: the rules' pick on each shape (as measured in the sweep);
 * ``best``: the fastest measured candidate on each shape (the ceiling of any plan over these
-  candidates);
+  candidates; ``old2pass`` is no option);
 * ``family``: one candidate per (family, M), the one with the best geomean over the shapes (what a
   table with a row per M and no shape quantities reaches);
 * ``wired``: the ``plan`` column, where the sweep timed the layer as the committed plan dispatched it.
@@ -26,6 +26,10 @@ from collections import defaultdict
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from tilemm.kernels import weight_only_kernels as wo  # noqa: E402
 from tilemm.kernels import hopper_weight_only_large as wl  # noqa: E402
+
+
+#: Measured columns that are no option of the plan: the plan itself, the old two-pass reference.
+NOT_OPTIONS = {"plan", "old2pass"}
 
 
 def layout_of_format(fmt: str):
@@ -54,13 +58,13 @@ def check(rows: list, sms: int, rules: dict | None = None, out=print) -> dict:
     result = {}
     out("# per problem: the rules' pick (its ratio) | the measured best (its ratio)")
     for (fam, m), keys in sorted(groups.items()):
-        names = set.intersection(*(set(per[key]) - {"plan"} for key in keys))
+        names = set.intersection(*(set(per[key]) - NOT_OPTIONS for key in keys))
         fam_best = max(names, key=lambda c: geomean(per[key][c] for key in keys)) if names else None
         rule_vals, best_vals, fam_vals, wired_vals, missing = [], [], [], [], False
         for key in sorted(keys):
             fmt, _, n, k, _ = key
             pick = candidate_name(wl.plan(m, n, k, layout_of_format(fmt), rules, sms))
-            cands = {c: v for c, v in per[key].items() if c != "plan"}
+            cands = {c: v for c, v in per[key].items() if c not in NOT_OPTIONS}
             best = max(cands, key=cands.get)
             best_vals.append(cands[best])
             if fam_best is not None:

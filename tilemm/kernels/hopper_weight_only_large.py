@@ -34,7 +34,7 @@ from . import weight_only_kernels as _wo
 from .weight_only_kernels import _epilogue, _k_tile
 
 __all__ = ["LargeConfig", "FamilyRule", "RULES", "CANDIDATES", "plan", "first_m", "family", "output_tiles",
-           "wave_fill", "grid", "launch", "decode_gemm", "overlap_gemm", "pingpong",
+           "wave_fill", "SWEEP", "grid", "launch", "decode_gemm", "overlap_gemm", "pingpong",
            "aot_variants"]
 
 ConstInt = ct.Constant[int]
@@ -464,15 +464,28 @@ def _configs() -> list[LargeConfig]:
 #: x 250 / 0 / 146 KB / 4.41 (per element it decodes, which then feeds twice the columns; with cat it
 #: spills); 256 weight rows spill, so no candidate has them; 64 rows of x at occupancy 2: 80 / 0 /
 #: 100 KB / 4.20. The latency hints change nothing for 4-bit weights and remove MXFP8's small spill
-#: without cat.
+#: without cat. On the H100 (``benchmarks/results/tune-weight-only-large-*.txt``) the latency hints
+#: (4 / 2) and GROUP_SIZE_M 16 for 256 rows of x measured within 0.01 of the same configs without
+#: them on every shape, so the sweep no longer times them; which family times which config:
+#: ``SWEEP``.
 CANDIDATES = (
     LargeConfig("fused", 128, 128, cat=1),
     LargeConfig("fused", 128, 128),
     LargeConfig("fused", 256, 128),
-    LargeConfig("fused", 128, 128, latency_w=4, latency_x=2),
-    LargeConfig("fused", 256, 128, group_size_m=16),
     LargeConfig("fused", 64, 128, occupancy=2),
 )
+
+#: The designs ``benchmarks/tune_weight_only_large.py`` times per weight family besides the small-M
+#: plan and the old two-pass path: the fused configs the family's rules can pick (on the first H100
+#: sweep 4-bit weights lost 0.1-0.5x bf16 with cat or 256 rows of x, 8-bit weights never won with
+#: 128x128 tiles without cat or 64 rows of x), the whole weight decoded for cuBLAS, and the
+#: overlapped design in chunks of 1024 and 2048 weight rows (timed from M = 256).
+SWEEP = {
+    "4bit": (CANDIDATES[1], CANDIDATES[3], LargeConfig("decode", chunk=0), LargeConfig("overlap", chunk=1024),
+             LargeConfig("overlap", chunk=2048)),
+    "8bit": (CANDIDATES[0], CANDIDATES[2], LargeConfig("decode", chunk=0), LargeConfig("overlap", chunk=1024),
+             LargeConfig("overlap", chunk=2048)),
+}
 
 
 def aot_variants(full: bool = True) -> list[AotVariant]:

@@ -1,4 +1,4 @@
-"""Weight-only matmul for many rows of x (prefill, batched decode: M = 64 ... thousands), two designs:
+"""Weight-only matmul for many rows of x (prefill, batched decode: M = 64 ... thousands), three designs:
 
 * ``_large_kernel``, fused (the runner takes it on Hopper): a persistent mixed-input tensor-core
   kernel. Each block takes output tiles of TN weight rows by TM rows of x in grouped order
@@ -13,12 +13,15 @@
   ``_dequantize_kernel``), ``chunk`` weight rows at a time into a buffer small enough to stay in L2
   (or the whole weight at once: ``chunk = 0``), each chunk multiplied by cuBLAS's bf16 GEMM into its
   columns of the output, rounded once to the output's dtype by cuBLAS's fp32 epilogue.
+* ``overlap_gemm``, two-pass overlapped (any GPU): as ``decode_gemm`` in chunks, with the decode of the
+  next chunk on a side stream into one of two persistent ping-pong buffers while cuBLAS multiplies the
+  current chunk on the caller's stream (events order them; capturable in CUDA graphs).
 
-Both compute ``out = (x @ dequantize(w).T) * alpha + bias`` with fp32 accumulation and one rounding,
+All compute ``out = (x @ dequantize(w).T) * alpha + bias`` with fp32 accumulation and one rounding,
 exactly as ``weight_only_kernels`` documents it (the decoded weight is ``dequantize(w) * 2^-E``, exact
-in bf16; alpha carries 2^E). Which design and which config serves an (M, N, K) problem is decided by rules on
-the problem's quantities (``RULES``, ``plan``), fitted to what ``benchmarks/tune_weight_only_large.py``
-measures.
+in bf16; alpha carries 2^E). Which design and which config serves an (M, N, K) problem is decided by
+rules on the problem's quantities (``RULES``, ``plan``), fitted to what
+``benchmarks/tune_weight_only_large.py`` measures.
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ def _large_kernel(X, W, S, C, Alpha, Mult, Bias,
 
 
 # --------------------------------------------------------------------------------------------------
-# Configs and the plan table
+# Configs and the plan's rules
 # --------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)

@@ -134,6 +134,13 @@ def main(argv=None) -> int:
     print(f"# {torch.cuda.get_device_name(dev)}, {sms} SMs, torch {torch.__version__}", flush=True)
     rows, failed = [], set()
     started = time.time()
+
+    def save():
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(
+                {"device": torch.cuda.get_device_name(dev), "sms": sms, "rows": rows, "failed": sorted(failed)},
+                indent=0))
+
     for fmt in args.formats.split(","):
         for n, k in shapes:
             lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
@@ -170,6 +177,7 @@ def main(argv=None) -> int:
                                  "us": t * 1e3, "bf16_us": t_bf16 * 1e3, "vs_bf16": t_bf16 / t})
                     line.append(f"{name} {t_bf16 / t:.2f}")
                 print(f"{fmt} {n}x{k} M={m} bf16 {t_bf16 * 1e3:.1f}us | " + " | ".join(line), flush=True)
+            save()  # after every shape: a run cut short keeps what it measured
     print(f"# sweep took {time.time() - started:.0f} s; failed candidates: {sorted(failed) or 'none'}")
 
     # Geomean over shapes (and formats of one family) per (family, M, candidate).
@@ -202,9 +210,7 @@ def main(argv=None) -> int:
                 cells.append(f"M={m} {g:.2f} (>= {want}: {'met' if g >= want else 'MISSED'})")
         if cells:
             print(f"{fmt}: " + " | ".join(cells))
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(dev), "sms": sms,
-                                                       "rows": rows, "failed": sorted(failed)}, indent=0))
+    save()
     return 1 if failed else 0
 
 

@@ -170,8 +170,8 @@ def test_runner_dispatches_through_the_table(emulated, monkeypatch, kind):
     cfg = wl.LargeConfig("fused", 16, 16) if kind == "fused" else wl.LargeConfig(kind, chunk=32)
     rule = wl.FamilyRule(first_m=16, large_m=16, large=cfg, l2_bytes=0, small_k=0, narrow=None, fused=())
     monkeypatch.setattr(wl, "RULES", {"4bit": rule, "8bit": rule})
-    monkeypatch.setattr(wol, "_raw_stream", lambda index: 0)
-    monkeypatch.setattr(wol, "_family", lambda device: wol._Family.HOPPER)
+    monkeypatch.setattr(wol, "stream_handle", lambda device: 0)
+    monkeypatch.setattr(wol, "family", lambda device: wol.Family.HOPPER)
     calls = []
     for name in ("launch", "decode_gemm", "overlap_gemm"):
         original = getattr(wl, name)

@@ -1,6 +1,7 @@
 """What the large-M plan's rules (``hopper_weight_only_large.RULES``) would reach on a measured sweep,
-offline (no GPU): for every (format, N x K, M) of a ``tune_weight_only_large.py --json`` file, the
-candidate the rules pick, and per weight family and M the geomean speed-up over cuBLAS bf16 of
+offline (no GPU): for every (format, N x K, M) of a ``tune_weight_only_large.py`` run (its ``--json``
+file, or the text it printed: ratios rounded to 0.01), the candidate the rules pick, and per weight
+family and M the geomean speed-up over cuBLAS bf16 of
 
 * ``rule``: the rules' pick on each shape (as measured in the sweep);
 * ``best``: the fastest measured candidate on each shape (the ceiling of any plan over these
@@ -9,7 +10,7 @@ candidate the rules pick, and per weight family and M the geomean speed-up over 
   table with a row per M and no shape quantities reaches);
 * ``wired``: the ``plan`` column, where the sweep timed the layer as the committed plan dispatched it.
 
-    python benchmarks/plan_rule_check.py benchmarks/results/tune-weight-only-large-<gpu>.json
+    python benchmarks/plan_rule_check.py benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt
 
 A problem whose pick the sweep did not time (a candidate left out) is named in the listing and left
 out of the ``rule`` geomean of its (family, M), which is then marked ``*``.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import re
 import sys
 from collections import defaultdict
 
@@ -87,13 +89,41 @@ def check(rows: list, sms: int, rules: dict | None = None, out=print) -> dict:
     return result
 
 
+_LINE = re.compile(r"^(\w+) (\d+)x(\d+) M=(\d+) bf16 [\d.]+us \| (.*)$")
+
+
+def read_rows(path: str) -> tuple[list, int]:
+    """(rows, SMs) of a sweep: its JSON, or the text it printed (one line per problem, ``name ratio``
+    cells; the SMs from its ``# <GPU>, <n> SMs`` line)."""
+    text = pathlib.Path(path).read_text()
+    if path.endswith(".json"):
+        data = json.loads(text)
+        return data["rows"], data.get("sms", 132)
+    rows, sms = [], 132
+    for line in text.splitlines():
+        found = re.search(r", (\d+) SMs,", line) if line.startswith("#") else None
+        if found:
+            sms = int(found.group(1))
+        match = _LINE.match(line)
+        if not match:
+            continue
+        fmt, n, k, m, cells = match.groups()
+        fam = wl.family(layout_of_format(fmt))
+        for cell in cells.split(" | "):
+            name, _, value = cell.rpartition(" ")
+            if name and not value.startswith("("):  # "name: FAILED (...)" cells are no measurement
+                rows.append({"fmt": fmt, "family": fam, "n": int(n), "k": int(k), "m": int(m), "cand": name,
+                             "vs_bf16": float(value)})
+    return rows, sms
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print(__doc__)
         return 2
-    data = json.loads(pathlib.Path(argv[0]).read_text())
-    check(data["rows"], data.get("sms", 132))
+    rows, sms = read_rows(argv[0])
+    check(rows, sms)
     return 0
 
 

@@ -215,18 +215,21 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #:   has no cat: 0.45-0.50 where cat reaches 0.51-0.66); 256 rows of x from 0.7 tiles per SM at
 #:   M >= 256 (0.70-0.91, cat 0.60-0.86).
 #:
-#: What the rules reach on that sweep (``python benchmarks/plan_rule_check.py <its JSON>``): geomean
-#: over the five shapes of the picked candidate's measured speed-up over bf16, against the per-shape
-#: best candidate and against one candidate per (family, M) chosen by geomean (the table the sweep
-#: printed before these rules):
+#: What the rules reach on that sweep (``python benchmarks/plan_rule_check.py
+#: benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt``): geomean over the five
+#: shapes of the picked candidate's measured speed-up over bf16, against the per-shape best
+#: candidate, one candidate per (family, M) chosen by geomean (the table the sweep printed before
+#: these rules), and the plan the sweep timed (decode + cuBLAS from M = 512):
 #:
 #:   M                      64    128   256   512   1024  2048  4096
-#:   4-bit rules           1.09  0.93  0.81  0.75  0.79  0.87  0.94
+#:   4-bit rules           1.09  0.93  0.81  0.75  0.79  0.86  0.94
 #:   4-bit per-shape best  1.09  0.94  0.81  0.75  0.79  0.87  0.95
-#:   4-bit per (family, M) 1.04  0.80  0.69  0.69  0.77  0.87  0.94
-#:   8-bit rules           0.83  0.75  0.75  0.77  0.80  0.84  0.92
-#:   8-bit per-shape best  0.83  0.75  0.76  0.77  0.81  0.85  0.92
+#:   4-bit per (family, M) 1.05  0.81  0.69  0.69  0.76  0.86  0.94
+#:   4-bit plan before     1.05  0.71  0.68  0.63  0.76  0.86  0.94
+#:   8-bit rules           0.84  0.75  0.75  0.77  0.80  0.84  0.92
+#:   8-bit per-shape best  0.84  0.75  0.76  0.77  0.81  0.85  0.92
 #:   8-bit per (family, M) 0.76  0.65  0.65  0.64  0.74  0.84  0.92
+#:   8-bit plan before     0.77  0.58  0.61  0.60  0.74  0.84  0.92
 #:
 #: ``tests/test_weight_only_large.py`` checks the picks on those shapes.
 RULES = {

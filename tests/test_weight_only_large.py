@@ -183,3 +183,27 @@ def test_runner_dispatches_through_the_table(emulated, monkeypatch, kind):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
         assert_matches(runner(x).float(), _reference(x, w_q), torch.bfloat16)
     assert calls == [{"fused": "launch", "decode": "decode_gemm", "overlap": "overlap_gemm"}[kind]]
+
+
+def test_rules_on_the_committed_h100_sweep():
+    """On every (family, M) of the committed H100 sweep, the rules' picks reach the per-shape best
+    candidate's geomean within 0.02 and never fall below the best single candidate per (family, M)
+    (``benchmarks/plan_rule_check.py``, offline)."""
+    import pathlib
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        import plan_rule_check
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    rows, sms = plan_rule_check.read_rows(
+        str(root / "benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt"))
+    assert sms == 132 and len(rows) > 500
+    large = [r for r in rows if r["m"] >= wl.first_m(wo.LAYOUTS["mxfp4"])]
+    result = plan_rule_check.check(large, sms, out=lambda *a: None)
+    assert len(result) >= 14
+    for key, g in result.items():
+        assert not g["missing"], key
+        assert g["rule"] >= g["best"] - 0.02 and g["rule"] >= g["family"] - 1e-9, (key, g)

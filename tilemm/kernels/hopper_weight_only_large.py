@@ -338,7 +338,8 @@ def decode_gemm(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, con
 #: (device, stream key) and (device, "graphs") -> {"pingpong": bf16 buffer}: the two chunk buffers of
 #: ``overlap_gemm``, persistent like the split-K workspace (``weight_only_kernels.workspace``).
 _PINGPONG: dict = {}
-#: (device, main stream key) -> (side stream, [events]): the side stream the decodes run on and the
+#: (device, main stream key) -> (side stream, [events]): the side stream the decodes run on (high
+#: priority) and the
 #: events that order them against the GEMMs, reused from call to call (a wait takes the event's most
 #: recent record at the time it is enqueued).
 _SIDE: dict = {}
@@ -375,7 +376,9 @@ def _side(device: torch.device, main, events: int):
     key = (device, main.cuda_stream)
     side, evs = _SIDE.get(key) or (None, [])
     if side is None:
-        side = torch.cuda.Stream(device=device)
+        # High priority: the decode is what the next GEMM waits for, so its blocks should take SMs as
+        # soon as the running GEMM frees them.
+        side = torch.cuda.Stream(device=device, priority=-1)
     while len(evs) < events:
         evs.append(torch.cuda.Event())
     _SIDE[key] = (side, evs)

@@ -339,9 +339,8 @@ def decode_gemm(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, con
 #: ``overlap_gemm``, persistent like the split-K workspace (``weight_only_kernels.workspace``).
 _PINGPONG: dict = {}
 #: (device, main stream key) -> (side stream, [events]): the side stream the decodes run on (high
-#: priority) and the
-#: events that order them against the GEMMs, reused from call to call (a wait takes the event's most
-#: recent record at the time it is enqueued).
+#: priority) and the events that order them against the GEMMs, reused from call to call (a wait takes
+#: the event's most recent record at the time it is enqueued).
 _SIDE: dict = {}
 
 

@@ -144,6 +144,7 @@ def test_plan_rules():
     assert wl.plan(1000, 4096, 4096, mx4, rules) is dec  # from large_m
     assert wl.plan(100, 10, 5, mx4, rules) is dec  # a weight whose bf16 copy fits l2_bytes
     assert wl.plan(64, 4096, 4096, mx4, rules) is a  # M <= 64, the small-M plan's K pieces too short
+    assert wo.plan(64, 14336, 2048, mx4).split_k == 1 and wl.plan(64, 14336, 2048, mx4, rules) is None  # no split
     # b from one tile per SM (128 x 128 tiles: 8 x 4 at M = 1000, N = 512 on 32 SMs), else a from half
     assert wl.plan(999, 512, 4096, mx4, rules, sms=32) is b
     assert wl.plan(999, 512, 4096, mx4, rules, sms=33) is a

@@ -255,7 +255,8 @@ def plan(m: int, n: int, k: int, layout: _wo.Layout, rules: dict | None = None, 
     if m >= rule.large_m or n * k * 2 <= rule.l2_bytes:
         return rule.large
     if m <= 64:
-        return rule.narrow if k < _wo.plan(m, n, k, layout, sms).split_k * rule.small_k else None
+        split = _wo.plan(m, n, k, layout, sms).split_k
+        return rule.narrow if split > 1 and k < split * rule.small_k else None
     eligible = [cfg for cfg, fill in rule.fused if m >= cfg.tile_m and output_tiles(cfg, m, n) >= fill * sms]
     if not eligible:
         return None

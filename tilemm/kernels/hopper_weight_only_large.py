@@ -200,20 +200,24 @@ _MID_8 = LargeConfig("fused", 128, 128, cat=1)
 _WIDE_8 = LargeConfig("fused", 256, 128)
 
 #: The plan's rules per weight family ("4bit": MXFP4 / NVFP4, "8bit": MXFP8), fitted to the H100
-#: sweep (``benchmarks/results/tune-weight-only-large-*.txt``; every per-shape figure in its JSON),
-#: whose per-shape winners they reproduce from tile counts instead of a table of shapes:
+#: sweep (``benchmarks/results/tune-weight-only-large-*.txt``, every per-shape figure), whose
+#: per-shape winners they reproduce from M, K and tile counts instead of a table of shapes:
 #:
 #: * The decode design wins from M = 2048 on everywhere (0.84-0.96x bf16, the fused kernels 0.54-0.86),
 #:   and at every M on the GQA k / v projection (1024x4096: 8 MiB of bf16 weight, L2-resident between
 #:   the two passes; 0.70-0.92 against at most 0.65 for any kernel reading the packed weight).
-#: * 4-bit, M = 64: the small-M plan (1.05-1.75) except where its blocks fill under 3/4 of the SMs
-#:   (6144x4096: 96 blocks, 0.78; 64x128 tiles at two blocks per SM 0.88).
+#: * M = 64: the small-M plan (4-bit 1.05-1.75, 8-bit 0.67-1.34) except where it splits K into
+#:   pieces under 3072 elements (6144x4096: two of 2048; 4-bit 0.78 against 0.88 for 64x128 tiles at
+#:   two blocks per SM, 8-bit 0.54 against 0.65 for 128x128 cat; 4096x14336 keeps it with four
+#:   pieces of 3584: 1.05 against 0.65).
 #: * 4-bit, 128 <= M < 2048: 128x128 tiles from 0.7 tiles per SM (0.63-1.40), else 64x128 tiles at
 #:   two per SM from 0.7 per SM (0.70-1.11 where 128x128 tiles fill half the SMs: 0.56-0.91), else the
 #:   small-M plan with its K split (4096x14336, M = 128: 0.74).
 #: * 8-bit: one MMA per K tile (cat) for 128x128 tiles from 0.25 per SM (the small-M plan at M >= 128
 #:   has no cat: 0.45-0.50 where cat reaches 0.51-0.66); 256 rows of x from 0.7 tiles per SM at
-#:   M >= 256 (0.70-0.91, cat 0.60-0.86).
+#:   M >= 256 (0.70-0.91, cat 0.60-0.86), unless cat's 128-row tiles fill their last wave better by
+#:   more than 0.15 (6144x4096, M = 1024: 192 tiles of 256 rows fill 0.73 of two waves, 384 of 128
+#:   rows 0.97 of three; cat 0.74 against 0.66).
 #:
 #: What the rules reach on that sweep (``python benchmarks/plan_rule_check.py
 #: benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt``): geomean over the five
@@ -261,7 +265,8 @@ def plan(m: int, n: int, k: int, layout: _wo.Layout, rules: dict | None = None, 
     if not eligible:
         return None
     first = eligible[0]
-    later = [cfg for cfg in eligible[1:] if wave_fill(cfg, m, n, sms) > wave_fill(first, m, n, sms) + rule.wave_margin]
+    bar = wave_fill(first, m, n, sms) + rule.wave_margin
+    later = [cfg for cfg in eligible[1:] if wave_fill(cfg, m, n, sms) > bar]
     return later[0] if later else first
 
 

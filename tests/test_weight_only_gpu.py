@@ -128,6 +128,9 @@ def _model(fmt, weight_only):
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "mxfp8"])
 @pytest.mark.parametrize("m", [1, 4], ids=["fma_kernel", "mma_kernel"])
 def test_cuda_graph_and_compile(fmt, m):
+    # A fresh Dynamo cache: each case compiles new layers, and under pytest-xdist one worker can run
+    # enough cases to pass Dynamo's recompile limit for the shared forward code objects.
+    torch._dynamo.reset()
     net = _model(fmt, True)
     x = torch.randn(m, 512, device=DEV, dtype=torch.bfloat16)
     eager = net(x)

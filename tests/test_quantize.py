@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import swizzle
+import tilemm.nn
 from tilemm.formats import FP8_E4M3, FP8_E5M2, MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
 from tilemm.numerics import as_uint8
 from tilemm.quantize import (
@@ -217,8 +218,8 @@ def oracle_mx(rows: list[list[float]], element: str, rounding: str):
 
 
 def oracle_nvfp4_global(values: list[float]) -> tuple[float, float]:
-    """(S_enc, S_dec) from the tensor amax (NaN ignored)."""
-    amax_g = max((abs(v) for v in values if not math.isnan(v)), default=0.0)
+    """(S_enc, S_dec) from the tensor amax over the finite values (NaN and Inf ignored)."""
+    amax_g = max((abs(v) for v in values if math.isfinite(v)), default=0.0)
     s_enc = min(f32_div(2688.0, amax_g), FLT_MAX)
     if amax_g == 0 or s_enc == 0:
         s_enc = 1.0
@@ -238,7 +239,8 @@ def oracle_nvfp4(rows: list[list[float]], global_scale: float | None = None):
         row_codes, row_scales = [], []
         for j in range(0, len(row), 16):
             block = row[j:j + 16]
-            amax_b = NAN if any(math.isnan(v) for v in block) else max(abs(v) for v in block)
+            # A block holding a NaN or an Inf gets the NaN scale.
+            amax_b = NAN if any(not math.isfinite(v) for v in block) else max(abs(v) for v in block)
             v = f32_mul(amax_b, t)
             v = v if math.isnan(v) else min(v, 448.0)
             sb_byte = fp8_byte(v, "e4m3")
@@ -569,22 +571,48 @@ def test_mx_nonfinite_blocks(element, rounding):
     assert torch.equal(deq[0, 32:], torch.full((32,), 2.0))
 
 
-def test_nvfp4_inf_saturates_and_nan_poisons_its_block():
-    # The MX rule (NaN or Inf block -> NaN scale) is not NVFP4's: there an Inf follows the formulas
-    # (amax_g = Inf gives S_enc = 1, s_b = 448, element 6) and stays finite; a NaN makes its block's
-    # e4m3 scale NaN (0x7F) and leaves the other blocks alone (docs/numerics.md, "NVFP4").
-    x = torch.ones(2, 32)
-    x[0, 3] = INF
-    x[1, 20] = NAN
+@pytest.mark.parametrize("bad", [INF, -INF, NAN], ids=["inf", "neg_inf", "nan"])
+def test_nvfp4_nonfinite_poisons_only_its_block(bad):
+    # As in MX: a block holding a NaN or an Inf gets the NaN scale (e4m3 0x7F) and decodes to NaN;
+    # the tensor amax is taken over the finite values, so every other block is quantized as if it
+    # were absent (docs/numerics.md, "NVFP4"). Before, an Inf made S_enc = 1 and flushed every small
+    # block of the tensor to zero.
+    x = torch.full((2, 32), 1e-3)
+    x[0, 3] = bad
     q = quantize_nvfp4(x)
-    assert q.global_scale.item() == 1.0
-    # s_b: 448 (0x7E) for the Inf block, e4m3(1/6) (0x23) for all-ones blocks, NaN (0x7F).
-    assert as_uint8(q.scale).tolist() == [[0x7E, 0x23], [0x23, 0x7F]]
+    clean = quantize_nvfp4(torch.full((2, 32), 1e-3))
+    assert torch.equal(q.global_scale, clean.global_scale)
+    assert as_uint8(q.scale)[0, 0].item() == 0x7F
+    assert torch.equal(as_uint8(q.scale)[0, 1:], as_uint8(clean.scale)[0, 1:])
+    assert torch.equal(as_uint8(q.scale)[1], as_uint8(clean.scale)[1])
     deq = dequantize(q)
-    assert deq[0, 3].item() == 2688.0 and deq[0].isfinite().all()
-    assert deq[1, 16:].isnan().all() and deq[1, :16].isfinite().all()
-    # Negative infinity saturates to the negative end.
-    assert dequantize(quantize_nvfp4(-x[:1]))[0, 3].item() == -2688.0
+    assert deq[0, :16].isnan().all()
+    assert torch.equal(deq[0, 16:], dequantize(clean)[0, 16:]) and torch.equal(deq[1], dequantize(clean)[1])
+    assert (deq[0, 16:] != 0).all()
+
+
+def test_nvfp4_nonfinite_with_a_given_global_scale():
+    # A given decode scale is used as given; the non-finite block still gets the NaN scale.
+    x = torch.ones(1, 32)
+    x[0, 20] = INF
+    q = quantize_nvfp4(x, global_scale=1.0)
+    assert q.global_scale.item() == 1.0
+    assert as_uint8(q.scale).tolist() == [[as_uint8(quantize_nvfp4(torch.ones(1, 16), global_scale=1.0).scale)
+                                           .item(), 0x7F]]
+
+
+def test_nvfp4_linear_with_one_inf_keeps_other_rows():
+    # One Inf in an activation row makes only that row's outputs NaN (the issue's case: before, the
+    # other rows became the bias alone).
+    torch.manual_seed(0)
+    layer = tilemm.nn.Linear.from_float(torch.nn.Linear(256, 64), "nvfp4")
+    x = torch.randn(4, 256) * 1e-3
+    ref = layer(x)
+    x[0, 0] = INF
+    y = layer(x)
+    assert y[0].isnan().any()
+    torch.testing.assert_close(y[1:], ref[1:], rtol=0, atol=0)
+    assert not torch.equal(y[1:], layer.bias.expand(3, -1).to(y.dtype))
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "row", (1, 128)])
@@ -639,7 +667,7 @@ def _nvfp4_case(name: str, dtype: torch.dtype) -> torch.Tensor:
         x = torch.randn(2, 48, generator=torch.Generator().manual_seed(7))
         x[1, 20] = NAN
         return x.to(dtype)
-    if name in ("inf_block", "neg_inf_block"):  # amax_g = Inf: S_enc = 1, the block saturates
+    if name in ("inf_block", "neg_inf_block"):  # the Inf block gets the NaN scale; amax_g ignores it
         x = torch.randn(2, 48, generator=torch.Generator().manual_seed(8))
         x[0, 5] = INF if name == "inf_block" else -INF
         return x.to(dtype)

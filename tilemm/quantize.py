@@ -407,10 +407,12 @@ def _quantize_mxfp4_reference(x: torch.Tensor, rounding: str, swizzle: bool) -> 
 
 
 def _nvfp4_encode_scale(xf: torch.Tensor) -> torch.Tensor:
-    """S_enc = 2688 / amax_g, capped at FLT_MAX, 1 when amax_g = 0 or the quotient is 0."""
+    """S_enc = 2688 / amax_g, capped at FLT_MAX, 1 when amax_g = 0 or the quotient is 0.
+
+    amax_g is taken over the finite elements: a NaN or an Inf only poisons its own block (whose scale
+    is NaN), and every other block is quantized as if it were absent."""
     a = xf.abs()
-    # The tensor amax ignores NaN, so that a NaN only poisons its own block.
-    a = torch.where(torch.isnan(a), torch.zeros_like(a), a)
+    a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
     amax_g = a.amax() if a.numel() else _f32(0.0, xf.device)
     s_enc = (_f32(NVFP4.qmax * FP8_E4M3.qmax, xf.device) / amax_g).clamp(max=_FLT_MAX)
     return torch.where((amax_g == 0) | (s_enc == 0), _f32(1.0, xf.device), s_enc)
@@ -428,9 +430,12 @@ def _quantize_nvfp4_reference(x: torch.Tensor, global_scale: torch.Tensor | None
         s_dec = global_scale
         s_enc = (_f32(1.0, dev) / s_dec).clamp(max=_FLT_MAX)
     xb = _blocks(xf, fmt.block)
-    amax_b = xb.abs().amax(dim=-1)  # NaN propagates into this block's scale
-    # torch.clamp keeps NaN (fminf would not); +-Inf becomes 448.
+    amax_b = xb.abs().amax(dim=-1)
     s_b = (amax_b * (s_enc * _f32(1.0 / NVFP4.qmax, dev))).clamp(max=FP8_E4M3.qmax)
+    # A block holding a NaN or an Inf gets the NaN scale (byte 0x7F); its enc is then NaN and its
+    # data code 0, so the whole block decodes to NaN. (A finite amax_b whose product overflows,
+    # under a tiny given decode scale, still saturates to 448.)
+    s_b = _nonfinite_to_nan(s_b, amax_b)
     s_b_bytes = _cast_fp8_rne_satfinite(s_b, FP8_E4M3)
     s_b_f32 = s_b_bytes.view(torch.float8_e4m3fn).to(torch.float32)
     enc = (_f32(1.0, dev) / (s_b_f32 * s_dec)).clamp(max=_FLT_MAX)

@@ -694,6 +694,36 @@ def test_nvfp4_matches_oracle(case, dtype):
     assert_bytes(q.data, exp_data, x)
 
 
+def _given_scale_is_refused(rows, gs: float) -> bool:
+    """Whether every non-zero finite block's s_b (before rounding) would round to e4m3 zero (at or
+    below 2^-10) or clamp at 448 (above 464, the midpoint to 480): such a given scale is refused."""
+    t = f32_mul(min(f32_div(1.0, gs), FLT_MAX), f32(Fraction(1, 6)))
+    ts = [f32_mul(max(abs(v) for v in row[j:j + 16]), t) for row in rows for j in range(0, len(row), 16)
+          if all(math.isfinite(v) for v in row[j:j + 16]) and any(v != 0 for v in row[j:j + 16])]
+    return bool(ts) and (all(v <= 2.0 ** -10 for v in ts) or all(v > 464.0 for v in ts))
+
+
+def test_nvfp4_encode_scale_given_as_global_scale_is_refused():
+    # compressed-tensors stores the encode scale 2688 / amax; passed as tilemm's decode scale it made
+    # every block round to zero, silently. The message names the convention and the conversion.
+    # (With amax below 4, 1 / encode puts every s_b = amax_b * amax / 16128 under e4m3's half-subnormal.)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)) * 0.5
+    encode = 448 * 6 / x.abs().max().item()
+    with pytest.raises(ValueError, match=r"decode scale, amax / 2688.*1 / encode_scale"):
+        quantize_nvfp4(x, global_scale=encode)
+    with pytest.raises(ValueError, match="saturate"):  # a scale so small that every block clamps
+        quantize_nvfp4(x, global_scale=1e-6)
+    ok = quantize_nvfp4(x, global_scale=1 / encode)  # the right convention
+    assert torch.equal(ok.scale, quantize_nvfp4(x).scale)
+    # One block only, the largest exactly at 448 under its own decode scale: not refused.
+    one = quantize_nvfp4(x[:1, :16])
+    quantize_nvfp4(x[:1, :16], global_scale=one.global_scale)
+    # Some blocks saturating, or zero and NaN blocks besides, are allowed: only "every block" is refused.
+    mixed = torch.cat([x[:1, :16] * 1e6, x[:1, :16]], dim=1)
+    quantize_nvfp4(mixed, global_scale=quantize_nvfp4(x[:1, :16]).global_scale)
+    quantize_nvfp4(torch.zeros(2, 32), global_scale=1e6)
+
+
 # Given decode scales: a power of two, a value whose reciprocal is inexact, one so small that
 # 1 / global_scale is huge (s_b saturates at 448), an fp32 subnormal whose reciprocal overflows
 # (S_enc is capped at FLT_MAX, so zero blocks still get s_b = 0, not 0 * inf = NaN), and one so
@@ -705,6 +735,10 @@ GIVEN_GLOBAL_SCALES = [1.0, 2.0 ** -3, 0.37, 1e-30, 1e-40, 3e4]
 @pytest.mark.parametrize("case", ["random", "awkward"])
 def test_nvfp4_given_global_scale_matches_oracle(case, gs):
     x = _nvfp4_case(case, torch.float32)
+    if _given_scale_is_refused(to_rows(x), f32(gs)):
+        with pytest.raises(ValueError, match="decode scale"):
+            quantize_nvfp4(x, global_scale=gs)
+        return
     q = quantize_nvfp4(x, global_scale=gs)
     exp_data, exp_scale, exp_gs = oracle_nvfp4(to_rows(x), global_scale=f32(gs))
     assert_f32_equal(q.global_scale, exp_gs)

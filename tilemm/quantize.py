@@ -587,8 +587,45 @@ def run_quantize_mxfp4(x, rounding, swizzle):
     return tuple(_quantize_mxfp4_reference(x.contiguous(), rounding, swizzle))
 
 
+# A block's s_b rounds to e4m3 zero at or below 2^-10 (half the smallest subnormal, a tie to even),
+# and is clamped to 448 when it would round past it, above 464 (the midpoint to 480, a tie to 448).
+_NVFP4_SB_ZERO = 2.0 ** -10
+_NVFP4_SB_SATURATED = 464.0
+
+
+def check_nvfp4_global_scale_fits(x: torch.Tensor, gs: torch.Tensor) -> None:
+    """ValueError when the given decode scale ``gs`` makes every non-zero finite block of x round to
+    zero, or saturates every one: the usual sign that the *encode* scale (2688 / amax, what
+    compressed-tensors stores) was passed for the decode scale. One extra read of x, plus, on a GPU, one
+    host synchronisation: paid only when a global scale is given (not inside CUDA graph capture,
+    where the check is skipped)."""
+    if x.numel() == 0 or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    # max |x| per block in x's own dtype (exact, and no fp32 copy of x: splitting K is a view).
+    blocks = x.detach().unflatten(-1, (-1, NVFP4.block))
+    amax_b = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=-1).to(torch.float32)
+    live = torch.isfinite(amax_b) & (amax_b > 0)
+    s_enc = (_f32(1.0, x.device) / gs).clamp(max=_FLT_MAX)
+    t = amax_b * (s_enc * _f32(1.0 / NVFP4.qmax, x.device))
+    zero = (t <= _NVFP4_SB_ZERO) | ~live
+    saturated = (t > _NVFP4_SB_SATURATED) | ~live
+    verdict = torch.stack([live.any(), zero.all(), saturated.all()]).tolist()  # one sync
+    if not verdict[0] or not (verdict[1] or verdict[2]):
+        return
+    g = float(gs)
+    what = "round to zero (the tensor would dequantize to all zeros)" if verdict[1] else \
+        "saturate (their scales clamp at 448)"
+    raise ValueError(f"quantize_nvfp4: global_scale={g:.6g} makes every non-zero block {what}. "
+                     f"tilemm expects the decode scale, amax / 2688 (dequantized = e2m1 * s_b * "
+                     f"global_scale); an encode scale (2688 / amax, as compressed-tensors stores "
+                     f"it) converts with global_scale = 1 / encode_scale, here {1.0 / g:.6g}. "
+                     f"Or pass global_scale=None to compute it from the tensor")
+
+
 def run_quantize_nvfp4(x, global_scale, swizzle):
     gs = check_quantize_nvfp4(x, global_scale, swizzle)
+    if gs is not None:
+        check_nvfp4_global_scale_fits(x, gs)
     kernels = _quantize_kernels(x)
     if kernels is not None:
         data, scale, decode = kernels.quantize_nvfp4(x, gs, swizzle)  # decode: a new tensor
@@ -688,7 +725,10 @@ def quantize_nvfp4(x: torch.Tensor, *, global_scale=None, swizzle: bool = False,
             ``None`` (default) computes it from the tensor amax: 1 / (2688 / amax). Otherwise a
             positive finite Python float (rounded to fp32) or a 0-d tensor of any float dtype
             on any device (converted to fp32); every form of the same fp32 value gives
-            identical bits.
+            identical bits. A ``ValueError`` is raised when it makes every non-zero block round to
+            zero or saturate (an *encode* scale, 2688 / amax, passed by mistake: convert with
+            ``1 / encode_scale``). That check reads x once more and, on a GPU, synchronises the
+            host once per call; it costs nothing when ``global_scale`` is None.
         swizzle: return the scale in the 32x4x4 layout; needs x.ndim >= 2.
         axis: -1 (default) or -2 (quantize ``x.mT``, read without a copy), as for
             :func:`quantize_mxfp8`.

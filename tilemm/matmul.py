@@ -591,7 +591,7 @@ def fp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, a
                                        _alpha_tensor(fn, alpha, x.device), use_fast_accum)
 
 
-def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fast_accum=False):
+def linear(x_q, w_q, *, bias=None, out_dtype=None, alpha=None, use_fast_accum=False):
     """``x @ w.T`` for an nn.Linear-layout (N, K) quantized weight; the recommended entry point.
 
     Two kinds of call:
@@ -600,11 +600,13 @@ def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fas
       (``MXFP8Tensor``, ``MXFP4Tensor``, ``NVFP4Tensor`` or ``FP8Tensor``), both of the same format and
       scale layout; the transposes and scale orientation are handled here. For FP8, ``w_q``'s scale may
       be per tensor, per row (one per output channel) or 128x128 blocks. ``use_fast_accum`` (FP8 only)
-      is passed to :func:`fp8_matmul`. The result has ``out_dtype``.
+      is passed to :func:`fp8_matmul`. The result has ``out_dtype`` (bf16 when None, the default;
+      fp16 or fp32).
     * **weight-only**: ``x_q`` is a plain float32 / bfloat16 / float16 tensor (..., K) and ``w_q`` a
       :class:`tilemm.PackedWeight` (``tilemm.prepack`` of an MXFP4, NVFP4 or MXFP8 weight, done once)
-      or such a quantized weight (prepacked on every call: slow, for experiments). The result has x's
-      dtype (``out_dtype`` is not used) and equals ``x @ dequantize(w).T`` accumulated in fp32.
+      or such a quantized weight (prepacked on every call: slow, for experiments). The result has
+      ``out_dtype`` (bf16, fp16 or fp32; None, the default, keeps x's dtype) and equals
+      ``x @ dequantize(w).T`` accumulated in fp32, rounded once.
 
     Why this is the entry point to use: the ``*_matmul`` functions take four loose tensors, and two
     swizzled scales of the same padded shape swapped there give a wrong result that nothing can
@@ -621,7 +623,7 @@ def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fas
         if use_fast_accum:
             raise ValueError(f"{fn}: use_fast_accum applies to FP8 operands only, not to a weight-only call")
         packed = w_q if isinstance(w_q, PackedWeight) else prepack(w_q)
-        return weight_only_linear(x_q, packed, bias=bias, alpha=alpha)
+        return weight_only_linear(x_q, packed, bias=bias, alpha=alpha, out_dtype=out_dtype)
     if not isinstance(x_q, kinds) or not isinstance(w_q, kinds):
         raise TypeError(f"{fn}: x_q and w_q must be quantized tensors from tilemm.quantize_* "
                         f"({', '.join(k.__name__ for k in kinds)}), or x_q a float tensor and w_q a "
@@ -639,7 +641,7 @@ def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fas
     w, ws = w_q.data, w_q.scale
     if w.ndim != 2:
         raise ValueError(f"{fn}: w_q must hold a 2-D (N, K) weight, got data of shape {tuple(w.shape)}")
-    kw = dict(out_dtype=out_dtype, bias=bias, alpha=alpha)
+    kw = dict(out_dtype=torch.bfloat16 if out_dtype is None else out_dtype, bias=bias, alpha=alpha)
     if use_fast_accum and not isinstance(x_q, q.FP8Tensor):
         raise ValueError(f"{fn}: use_fast_accum applies to FP8 only, got {type(x_q).__name__} operands")
     if isinstance(x_q, q.FP8Tensor):

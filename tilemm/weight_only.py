@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._validate import FLOAT_INPUT_DTYPES, as_fp32_scalar, check_bias, check_tensor
+from ._validate import FLOAT_INPUT_DTYPES, as_fp32_scalar, check_bias, check_out_dtype, check_tensor
 from .formats import FORMATS
 from .kernels import _large
 from .kernels._common import num_sms
@@ -46,8 +46,10 @@ def _check_x(fn: str, x, k: int) -> None:
                          f"{tuple(x.shape)}")
 
 
-def reference_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: int, bias, alpha):
-    """The CPU path (and the oracle of the GPU tests): fp32 products and sums, one rounding."""
+def reference_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: int, bias, alpha,
+                          out_dtype: torch.dtype | None = None):
+    """The CPU path (and the oracle of the GPU tests): fp32 products and sums, one rounding to
+    ``out_dtype`` (default: x2d's dtype)."""
     fmt = FORMATS[fmt_name]
     layout = layout_of(fmt)
     codes = _unpack_words(words, layout, in_features)
@@ -62,7 +64,7 @@ def reference_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_feat
     acc = (x2d.to(torch.float32) @ w.T) * factor
     if bias is not None:
         acc = acc + bias
-    return acc.to(x2d.dtype)
+    return acc.to(out_dtype or x2d.dtype)
 
 
 #: The current stream's raw handle (an int) for a device index: ``torch.cuda.current_stream()`` builds a
@@ -183,10 +185,11 @@ class QuantizedActivationRunner:
 
 
 def run_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: int, bias, alpha,
-                    alpha_host: float = 1.0):
+                    alpha_host: float = 1.0, out_dtype: torch.dtype | None = None):
     """What ``torch.ops.tilemm.weight_only_linear`` runs on checked tensors."""
     if x2d.device.type != "cuda":
-        return reference_weight_only(x2d, words, scale_t, constants, fmt_name, in_features, bias, alpha)
+        return reference_weight_only(x2d, words, scale_t, constants, fmt_name, in_features, bias, alpha,
+                                     out_dtype)
     from ._arch import family
 
     family(x2d.device)  # raises UnsupportedGPUError below sm_90
@@ -196,29 +199,34 @@ def run_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: 
     # A runner per call, keeping nothing: under torch.compile's CUDA graphs (mode="reduce-overhead")
     # every allocation of the op must be an output or die with the call.
     runner = WeightOnlyRunner(packed, bias, keep_workspace=False)
-    return runner(x2d.contiguous(), None if alpha is None else alpha.reshape(1))
+    return runner(x2d.contiguous(), None if alpha is None else alpha.reshape(1), out_dtype=out_dtype)
 
 
 @torch.library.custom_op("tilemm::weight_only_linear", mutates_args=())
 def _weight_only_linear_op(x: Tensor, words: Tensor, scale_t: Tensor, constants: Tensor, format: str,
                        in_features: int, bias: Optional[Tensor] = None,
-                       alpha: Optional[Tensor] = None, alpha_host: float = 1.0) -> Tensor:
+                       alpha: Optional[Tensor] = None, alpha_host: float = 1.0,
+                       out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """x (M, K) float times a prepacked (N, K) weight (``tilemm.packed.PackedWeight``'s tensors);
     ``alpha`` replaces constants[0] (2^E * decode scale) in the epilogue when given; ``alpha_host`` is
-    constants[0] as a float (for the large-M GEMM, which takes a host scalar)."""
+    constants[0] as a float (for the large-M GEMM, which takes a host scalar); ``out_dtype`` None is
+    x's dtype."""
     return run_weight_only(x, words, scale_t, constants, format, in_features, bias, alpha,
-                           alpha_host)
+                           alpha_host, out_dtype)
 
 
 @_weight_only_linear_op.register_fake
-def _(x, words, scale_t, constants, format, in_features, bias=None, alpha=None, alpha_host=1.0):
-    return x.new_empty((x.shape[0], words.shape[0]))
+def _(x, words, scale_t, constants, format, in_features, bias=None, alpha=None, alpha_host=1.0,
+      out_dtype=None):
+    return x.new_empty((x.shape[0], words.shape[0]), dtype=out_dtype or x.dtype)
 
 
-def weight_only_linear(x: torch.Tensor, packed: PackedWeight, *, bias=None, alpha=None) -> torch.Tensor:
+def weight_only_linear(x: torch.Tensor, packed: PackedWeight, *, bias=None, alpha=None,
+                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ dequantize(w).T (* alpha) + bias`` for a float x (..., K) and a prepacked (N, K) weight.
 
-    The result has x's dtype and shape (..., N). It equals an fp32-accumulated product of x with the
+    The result has shape (..., N) and ``out_dtype`` (bf16, fp16 or fp32; None, the default: x's
+    dtype), rounded once from the fp32 accumulator. It equals an fp32-accumulated product of x with the
     exactly dequantized weight up to the order of the fp32 additions (NVFP4: the decode scale is applied
     to the fp32 sum, as in ``nvfp4_matmul``'s alpha).
     """
@@ -229,9 +237,12 @@ def weight_only_linear(x: torch.Tensor, packed: PackedWeight, *, bias=None, alph
     _check_x(fn, x, k)
     if x.device != packed.device:
         raise ValueError(f"{fn}: x is on {x.device} but the weight is on {packed.device}")
+    if out_dtype is not None:
+        check_out_dtype(fn, out_dtype)
     bias32 = check_bias(fn, bias, n, x.device)
     alpha32 = None if alpha is None else as_fp32_scalar(fn, "alpha", alpha, x.device) * packed.constants[0]
     rows = x.reshape(-1, k)
     out = _weight_only_linear_op(rows, packed.words, packed.scale_t, packed.constants,
-                                              packed.fmt.name, k, bias32, alpha32, packed.alpha_host)
+                                              packed.fmt.name, k, bias32, alpha32, packed.alpha_host,
+                                              out_dtype)
     return out.reshape(*x.shape[:-1], n)

@@ -591,6 +591,35 @@ def fp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, a
                                        _alpha_tensor(fn, alpha, x.device), use_fast_accum)
 
 
+def _fp8_granularities_of(t) -> list[str]:
+    """The ``quantize_fp8`` granularities an FP8Tensor's scale shape can stand for, the block one first
+    (with K <= 128 a row scale and a 1x128 block scale have the same shape)."""
+    s, d = t.scale, t.data
+    if s.ndim == 0:
+        return ["'tensor'"]
+    rows, k = d.shape[-2], d.shape[-1]
+    kinds = []
+    if s.shape[-2:] == (rows, -(-k // 128)):
+        kinds.append("(1, 128)")
+    if s.shape[-2:] == (-(-rows // 128), -(-k // 128)):
+        kinds.append("(128, 128)")
+    if s.shape[-2:] == (rows, 1):
+        kinds.append("'row'")
+    return kinds or ["(128, 128)"]
+
+
+def _check_fp8_block_pair(fn: str, x_q, w_q) -> None:
+    """FP8 blocks pair one way: activations x_q in 1x128 blocks with weights w_q in 128x128 blocks."""
+    gx, gw = _fp8_granularities_of(x_q), _fp8_granularities_of(w_q)
+    if any("128" not in a + b or (a, b) == ("(1, 128)", "(128, 128)") for a in gx for b in gw):
+        return
+    raise ValueError(f"{fn}: FP8 blocks pair activations quantized with granularity=(1, 128) (x_q) "
+                     f"with weights quantized with granularity=(128, 128) (w_q); got x_q with "
+                     f"granularity={gx[0]} and w_q with granularity={gw[0]}. Quantize x with "
+                     f"tilemm.quantize_fp8(x, granularity=(1, 128)) and w with "
+                     f"tilemm.quantize_fp8(w, granularity=(128, 128))")
+
+
 def linear(x_q, w_q, *, bias=None, out_dtype=None, alpha=None, use_fast_accum=False):
     """``x @ w.T`` for an nn.Linear-layout (N, K) quantized weight; the recommended entry point.
 
@@ -645,6 +674,7 @@ def linear(x_q, w_q, *, bias=None, out_dtype=None, alpha=None, use_fast_accum=Fa
     if use_fast_accum and not isinstance(x_q, q.FP8Tensor):
         raise ValueError(f"{fn}: use_fast_accum applies to FP8 only, got {type(x_q).__name__} operands")
     if isinstance(x_q, q.FP8Tensor):
+        _check_fp8_block_pair(fn, x_q, w_q)
         kw["use_fast_accum"] = use_fast_accum
         if ws.ndim == 2 and ws.shape[1] == 1 and ws.shape[0] == w.shape[0]:
             ys = ws.t()  # per output channel: (N, 1) -> (1, N)

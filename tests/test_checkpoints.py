@@ -618,3 +618,31 @@ def test_errors_name_the_tensor_and_what_is_accepted():
                                    layer_tensors | {"stray.weight": torch.zeros(1)}, strict=False,
                                    convention="compressed-tensors", quantization_config=config)
     assert isinstance(loaded[0], Linear)
+
+
+# ==================================================================================================
+# What real checkpoints and their users pass
+# ==================================================================================================
+
+
+def test_load_quantized_recognizes_a_whole_config_json():
+    # Passing the whole config.json (with its "quantization_config" section) used to report every
+    # quantized tensor missing; a dict that is no quantization config says what to pass.
+    _ct()
+    model = tiny_llama(seed=3, hidden=256, intermediate=384, layers=1, vocab=256)
+    _, state, config = compressed_tensors_model("MXFP4A16", model)
+    whole = {"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "quantization_config": config}
+    fresh = tiny_llama(seed=4, hidden=256, intermediate=384, layers=1, vocab=256)
+    tilemm.load_quantized(fresh, state, convention="compressed-tensors", quantization_config=whole)
+    assert isinstance(fresh.model.layers[0].mlp.down_proj, Linear)
+    with pytest.raises(ValueError, match=r"config\['quantization_config'\]"):
+        tilemm.load_quantized(tiny_llama(seed=4, hidden=256, intermediate=384, layers=1, vocab=256), state,
+                              convention="compressed-tensors", quantization_config={"hidden_size": 256})
+    # ModelOpt: the whole hf_quant_config.json, {"producer": ..., "quantization": {...}}.
+    m = torch.nn.Sequential(torch.nn.Linear(128, 64))
+    tilemm.quantize_model(m, "nvfp4")
+    mstate, mconfig = tilemm.export_quantized(m, "modelopt")
+    fresh_m = torch.nn.Sequential(torch.nn.Linear(128, 64))
+    tilemm.load_quantized(fresh_m, mstate, convention="modelopt",
+                          quantization_config={"producer": {"name": "modelopt"}, "quantization": mconfig})
+    assert isinstance(fresh_m[0], Linear)

@@ -702,6 +702,25 @@ def _ct_scheme(config: Mapping, name: str, module: torch.nn.Module):
     return None
 
 
+def _quantization_section(fn: str, convention: str, config: Mapping | None) -> Mapping | None:
+    """The quantization config proper: a whole ``config.json`` (its ``quantization_config``) or
+    ``hf_quant_config.json`` (its ``quantization``) is recognized and its section taken."""
+    if config is None:
+        return None
+    for key in ("quantization_config", "quantization"):
+        if isinstance(config.get(key), Mapping):
+            return config[key]
+    if convention == "compressed-tensors" and "config_groups" not in config:
+        raise ValueError(f"{fn}: quantization_config has no 'config_groups' (keys: "
+                         f"{', '.join(map(repr, sorted(config))) or 'none'}); pass the checkpoint's "
+                         f"config['quantization_config'] (config.json's section), or the whole config.json")
+    if convention == "modelopt" and "quant_algo" not in config:
+        raise ValueError(f"{fn}: quantization_config has no 'quant_algo' (keys: "
+                         f"{', '.join(map(repr, sorted(config))) or 'none'}); pass hf_quant_config.json's "
+                         f"'quantization' section, or the whole file")
+    return config
+
+
 def _modelopt_algo(fn: str, config: Mapping) -> tuple[str, list]:
     algo = config.get("quant_algo")
     if algo not in MODELOPT_ALGOS:
@@ -728,6 +747,9 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
         quantization_config: compressed-tensors: the ``quantization_config`` dict (config groups
             with targets, ``ignore``, ``format``); ModelOpt: the ``quantization`` dict of
             ``hf_quant_config.json`` (``quant_algo``, ``exclude_modules``). Required for those two.
+            The whole ``config.json`` / ``hf_quant_config.json`` dict is recognized too (its
+            ``quantization_config`` / ``quantization`` section is taken); a dict that is neither
+            raises ValueError.
         weight_only, swizzle: as for ``tilemm.nn.Linear.from_quantized``.
         strict: raise ValueError when a checkpoint tensor is not used or a parameter is missing
             (static activation scales are always accepted and dropped, see the module docstring).
@@ -752,6 +774,7 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
     config = quantization_config if quantization_config is not None else found_config
     if config is not None and not isinstance(config, Mapping):
         raise TypeError(f"{fn}: quantization_config must be a dict, got {type(config).__name__}")
+    config = _quantization_section(fn, convention, config)
     if convention in ("compressed-tensors", "modelopt") and config is None:
         raise ValueError(f"{fn}: convention {convention!r} needs the checkpoint's quantization config: pass "
                          f"quantization_config= or a directory with config.json / hf_quant_config.json")

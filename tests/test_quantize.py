@@ -1317,3 +1317,12 @@ def test_cuda_gives_cpu_bits(fmt):
             torch.testing.assert_close(b.cpu(), a, rtol=0, atol=0, equal_nan=True)
         else:
             assert torch.equal(as_uint8(b).cpu(), as_uint8(a))
+
+
+@pytest.mark.parametrize("quantize", [quantize_mxfp8, quantize_mxfp4, quantize_nvfp4],
+                         ids=["mxfp8", "mxfp4", "nvfp4"])
+def test_swizzle_of_a_1d_input_names_swizzle(quantize):
+    # The 2-D requirement comes from swizzle=True; the message used to say only "at least 2 dimension(s)".
+    with pytest.raises(ValueError, match=r"at least 2 dimension\(s\).*with swizzle=True.*swizzle=False"):
+        quantize(torch.randn(64), swizzle=True)
+    assert quantize(torch.randn(64)).data.ndim == 1

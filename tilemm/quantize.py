@@ -195,8 +195,9 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _check_input(fn: str, x, *, block: int | None, min_ndim: int = 1) -> None:
-    """TypeError/ValueError unless x is a float32/bf16/fp16 tensor whose K fits ``block``."""
+def _check_input(fn: str, x, *, block: int | None, min_ndim: int = 1, why: str = "") -> None:
+    """TypeError/ValueError unless x is a float32/bf16/fp16 tensor whose K fits ``block``; ``why``
+    names the argument that asks for ``min_ndim`` dimensions."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn}: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _INPUT_DTYPES:
@@ -204,7 +205,7 @@ def _check_input(fn: str, x, *, block: int | None, min_ndim: int = 1) -> None:
                         f"got {x.dtype}")
     if x.ndim < min_ndim:
         dims = "(..., M, K)" if min_ndim >= 2 else "(..., K)"
-        raise ValueError(f"{fn}: x must have at least {min_ndim} dimension(s) {dims}, "
+        raise ValueError(f"{fn}: x must have at least {min_ndim} dimension(s) {dims}{why}, "
                          f"got shape {tuple(x.shape)}")
     k = x.shape[-1]
     if k == 0:
@@ -518,7 +519,7 @@ def check_quantize_mxfp8(x, elem_dtype, rounding, swizzle) -> Format:
     fmt = _mxfp8_format_or_raise(fn, elem_dtype)
     _check_rounding(fn, rounding)
     _check_bool(fn, "swizzle", swizzle)
-    _check_input(fn, x, block=fmt.block, min_ndim=2 if swizzle else 1)
+    _check_input(fn, x, block=fmt.block, min_ndim=2 if swizzle else 1, why=" with swizzle=True (the 32x4x4 layout tiles rows; swizzle=False takes a 1-D x)" if swizzle else "")
     return fmt
 
 
@@ -526,7 +527,7 @@ def check_quantize_mxfp4(x, rounding, swizzle) -> Format:
     fn = "quantize_mxfp4"
     _check_rounding(fn, rounding)
     _check_bool(fn, "swizzle", swizzle)
-    _check_input(fn, x, block=MXFP4.block, min_ndim=2 if swizzle else 1)
+    _check_input(fn, x, block=MXFP4.block, min_ndim=2 if swizzle else 1, why=" with swizzle=True (the 32x4x4 layout tiles rows; swizzle=False takes a 1-D x)" if swizzle else "")
     return MXFP4
 
 
@@ -534,7 +535,7 @@ def check_quantize_nvfp4(x, global_scale, swizzle, check_value: bool = True):
     """Returns the decode scale as a 0-d fp32 tensor on x's device, or None."""
     fn = "quantize_nvfp4"
     _check_bool(fn, "swizzle", swizzle)
-    _check_input(fn, x, block=NVFP4.block, min_ndim=2 if swizzle else 1)
+    _check_input(fn, x, block=NVFP4.block, min_ndim=2 if swizzle else 1, why=" with swizzle=True (the 32x4x4 layout tiles rows; swizzle=False takes a 1-D x)" if swizzle else "")
     if global_scale is None:
         return None
     return _global_decode_scale(fn, global_scale, x.device, check_value)
@@ -555,7 +556,8 @@ def check_quantize_fp8(x, granularity, elem_dtype, pow2_scale):
         if fmt is not FP8_E4M3:
             raise ValueError(f"{fn}: granularity {gran} needs elem_dtype=torch.float8_e4m3fn, "
                              f"got {elem_dtype}")
-        _check_input(fn, x, block=FP8_BLOCK, min_ndim=2 if gran == (FP8_BLOCK, FP8_BLOCK) else 1)
+        _check_input(fn, x, block=FP8_BLOCK, min_ndim=2 if gran == (FP8_BLOCK, FP8_BLOCK) else 1,
+                     why=" for granularity=(128, 128) (blocks of 128 rows)")
     return fmt, gran
 
 

@@ -15,14 +15,16 @@ import warnings
 import torch
 
 
-def tiny_llama(seed: int = 0, dtype=torch.bfloat16, hidden=256, intermediate=512, layers=2, vocab=512):
-    """A LlamaForCausalLM built from a config with random weights (no download)."""
+def tiny_llama(seed: int = 0, dtype=torch.bfloat16, hidden=256, intermediate=512, layers=2, vocab=512,
+               tie=False):
+    """A LlamaForCausalLM built from a config with random weights (no download); ``tie``:
+    tie_word_embeddings (lm_head shares the input embedding's weight)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128, tie_word_embeddings=False)
+                         max_position_embeddings=128, tie_word_embeddings=tie)
     return LlamaForCausalLM(config).to(dtype).eval()
 
 

@@ -646,3 +646,39 @@ def test_load_quantized_recognizes_a_whole_config_json():
     tilemm.load_quantized(fresh_m, mstate, convention="modelopt",
                           quantization_config={"producer": {"name": "modelopt"}, "quantization": mconfig})
     assert isinstance(fresh_m[0], Linear)
+
+
+def test_tied_lm_head_stays_tied_as_compressed_tensors_saves_it(tmp_path):
+    # compressed-tensors (through transformers' save_pretrained) stores a tied lm_head.weight once,
+    # under the embedding. strict=True used to raise "missing lm_head.weight", strict=False to leave
+    # lm_head at its random initialization (the tie broken by load_state_dict(assign=True)).
+    _ct()
+    model = tiny_llama(seed=0, hidden=256, intermediate=384, layers=1, vocab=256, tie=True)
+    compressor, _, _ = compressed_tensors_model("MXFP4A16", model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(tmp_path)
+        compressor.update_config(str(tmp_path))
+    from safetensors.torch import load_file
+
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert "lm_head.weight" not in stored and "model.embed_tokens.weight" in stored  # the writer's layout
+    for strict in (True, False):
+        ours = tilemm.load_quantized(tiny_llama(seed=1, hidden=256, intermediate=384, layers=1, vocab=256, tie=True),
+                                     tmp_path, convention="compressed-tensors", weight_only=True, strict=strict)
+        assert ours.lm_head.weight is ours.model.embed_tokens.weight
+        assert torch.equal(ours.lm_head.weight, stored["model.embed_tokens.weight"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compressor.decompress_model(model)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours_logits, their_logits = ours(ids).logits, model(ids).logits
+    assert (ours_logits.float() - their_logits.float()).abs().max().item() <= 2.0 ** -8 * their_logits.abs().max().item()
+    # A checkpoint that holds a different lm_head for a model that ties it is refused.
+    state = dict(stored)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"] + 1
+    with pytest.raises(ValueError, match="ties 'lm_head.weight' to 'model.embed_tokens.weight'"):
+        tilemm.load_quantized(tiny_llama(seed=1, hidden=256, intermediate=384, layers=1, vocab=256, tie=True),
+                              state, convention="compressed-tensors",
+                              quantization_config=json.loads((tmp_path / "config.json").read_text()))

@@ -729,6 +729,43 @@ def _modelopt_algo(fn: str, config: Mapping) -> tuple[str, list]:
     return algo, list(config.get("exclude_modules") or config.get("ignore") or ())
 
 
+def _tied_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Names of the parameters that share one tensor (tied, e.g. ``lm_head.weight`` and the input
+    embedding with ``tie_word_embeddings``), one list per tensor, in ``named_parameters`` order."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _retie(fn: str, model: torch.nn.Module, tied: list[list[str]], loaded: Mapping) -> set[str]:
+    """Tie again what ``load_state_dict(assign=True)`` untied: every name of a tied group takes the
+    parameter of the group's first name that the checkpoint holds (the writers store a tied tensor
+    once, as transformers' ``save_pretrained`` does). Returns the names filled that way. A name whose
+    own checkpoint tensor differs from that one is an error: the model ties what the checkpoint does
+    not."""
+    own = dict(model.named_parameters(remove_duplicate=False))
+    filled: set[str] = set()
+    for group in tied:
+        group = [n for n in group if n in own]  # a tied Linear swapped for a tilemm layer is gone
+        present = [n for n in group if n in loaded]
+        if len(group) < 2 or not present:
+            continue
+        source = present[0]
+        param = own[source]
+        for name in group:
+            if name == source:
+                continue
+            if name in loaded and not torch.equal(loaded[name], loaded[source]):
+                raise ValueError(f"{fn}: the model ties {name!r} to {source!r}, but the checkpoint holds "
+                                 f"different tensors for them; build the model with the checkpoint's "
+                                 f"config (e.g. tie_word_embeddings=False)")
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, param)
+            filled.add(name)
+    return filled
+
+
 def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: str,
                    quantization_config: Mapping | None = None, weight_only: bool = False,
                    swizzle: bool | None = None, strict: bool = True) -> torch.nn.Module:
@@ -755,7 +792,9 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
             (static activation scales are always accepted and dropped, see the module docstring).
 
     Every other tensor (embeddings, norms, unquantized layers) is loaded with
-    ``load_state_dict(..., assign=True)``, so it keeps the checkpoint's dtype.
+    ``load_state_dict(..., assign=True)``, so it keeps the checkpoint's dtype. Parameters the model
+    ties (an ``lm_head`` tied to the input embedding, which compressed-tensors and ModelOpt
+    checkpoints store once, under the embedding) stay tied: each takes the one stored tensor.
 
     Returns:
         ``model``.
@@ -785,6 +824,7 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
     if convention == "modelopt":
         algo, exclude = _modelopt_algo(fn, config)
 
+    tied = _tied_groups(model)
     used: set[str] = set()  # checkpoint keys consumed by the swapped layers
     new_keys: set[str] = set()  # the swapped layers' own state-dict keys
     converted: dict[int, Linear] = {}
@@ -837,8 +877,9 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
     rest = {k: v for k, v in tensors.items() if k not in used and k not in dropped}
     own = set(model.state_dict())
     result = model.load_state_dict({k: v for k, v in rest.items() if k in own}, strict=False, assign=True)
+    retied = _retie(fn, model, tied, rest)
     if strict:
-        missing = sorted(set(result.missing_keys) - new_keys)
+        missing = sorted(set(result.missing_keys) - new_keys - retied)
         unexpected = sorted(k for k in rest if k not in own)
         if missing or unexpected:
             raise ValueError(f"{fn}: the checkpoint does not fit the model: missing "

@@ -57,9 +57,10 @@ def calibrate_weights(model: torch.nn.Module) -> None:
         module.weight_scale.data = scale.to(module.weight_scale.dtype).reshape(module.weight_scale.shape)
 
 
-def compressed_tensors_model(preset: str, model: torch.nn.Module, ignore=("lm_head",)):
+def compressed_tensors_model(preset, model: torch.nn.Module, ignore=("lm_head",)):
     """Quantize ``model`` in place with a compressed-tensors preset scheme ("NVFP4A16", "MXFP4A16",
-    "MXFP8", "FP8_DYNAMIC", "FP8", "FP8_BLOCK", ...) and compress it.
+    "MXFP8", "FP8_DYNAMIC", "FP8", "FP8_BLOCK", ...) for every Linear, or with several
+    (``{preset: targets, ...}``, one config group each, in that order), and compress it.
 
     Returns ``(compressor, state_dict, quantization_config)``: the stored tensors and the
     ``quantization_config`` dict that compressed-tensors writes into config.json.
@@ -68,8 +69,10 @@ def compressed_tensors_model(preset: str, model: torch.nn.Module, ignore=("lm_he
     from compressed_tensors.quantization import (QuantizationConfig, apply_quantization_config,
                                                  preset_name_to_scheme)
 
-    config = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])},
-                                ignore=list(ignore))
+    presets = {preset: ["Linear"]} if isinstance(preset, str) else preset
+    groups = {f"group_{i}": preset_name_to_scheme(name, list(targets))
+              for i, (name, targets) in enumerate(presets.items())}
+    config = QuantizationConfig(config_groups=groups, ignore=list(ignore))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         apply_quantization_config(model, config)

@@ -682,3 +682,30 @@ def test_tied_lm_head_stays_tied_as_compressed_tensors_saves_it(tmp_path):
         tilemm.load_quantized(tiny_llama(seed=1, hidden=256, intermediate=384, layers=1, vocab=256, tie=True),
                               state, convention="compressed-tensors",
                               quantization_config=json.loads((tmp_path / "config.json").read_text()))
+
+
+@pytest.mark.parametrize("groups", [{"NVFP4A16": ["Linear"], "MXFP8A16": ["re:.*down_proj$"]},
+                                    {"MXFP8A16": ["re:.*down_proj$"], "NVFP4A16": ["Linear"]},
+                                    {"NVFP4A16": ["re:.*proj$"], "MXFP4A16": ["model.layers.0.mlp.up_proj"]}],
+                         ids=["class_first", "regex_first", "regex_and_name"])
+def test_mixed_precision_targets_resolve_as_compressed_tensors_does(groups):
+    # compressed-tensors gives an exact name priority over a regex, and a regex over a class name,
+    # whatever the order of the config groups; tilemm used to take the first group that matched
+    # (down_proj read as NVFP4 although it was written in MXFP8).
+    _ct()
+    model = tiny_llama(seed=3, hidden=256, intermediate=384, layers=1, vocab=256)
+    _, state, config = compressed_tensors_model(groups, model)
+    written = {n: m.quantization_scheme for n, m in model.named_modules()
+               if getattr(m, "quantization_scheme", None) is not None}
+    ours = tilemm.load_quantized(tiny_llama(seed=4, hidden=256, intermediate=384, layers=1, vocab=256), state,
+                                 convention="compressed-tensors", quantization_config=config)
+    by_format = {"nvfp4": "NVFP4A16", "mxfp8": "MXFP8A16", "mxfp4": "MXFP4A16"}
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    assert len(written) == 7
+    for name, scheme in written.items():
+        layer = ours.get_submodule(name)
+        assert isinstance(layer, Linear), name
+        expected = preset_name_to_scheme(by_format[layer.format], ["x"]).weights
+        assert scheme.weights == expected, (name, layer.format)
+    assert ours.model.layers[0].mlp.down_proj.format in ("mxfp8", "nvfp4")

@@ -685,21 +685,46 @@ def _read_state_dict(fn: str, source) -> tuple[Mapping[str, torch.Tensor], dict 
     return tensors, config
 
 
-def _matches(name: str, module: torch.nn.Module, target: str) -> bool:
-    """compressed-tensors' target forms: a class name, ``re:<regex>`` on the module name, or a name."""
+def _matches_name(name: str, target: str) -> bool:
+    """compressed-tensors' name targets: ``re:<regex>`` (``re.match`` on the module name) or the name."""
     if target.startswith("re:"):
         return re.match(target[3:], name) is not None
-    return target == type(module).__name__ or target == name
+    return target == name
+
+
+def _matches_class(module: torch.nn.Module, target: str) -> bool:
+    """compressed-tensors' class targets: the name of any torch.nn.Module class in the module's MRO."""
+    return any(issubclass(c, torch.nn.Module) and c.__name__ == target for c in type(module).__mro__)
+
+
+def _matches(name: str, module: torch.nn.Module, target: str) -> bool:
+    return _matches_name(name, target) or _matches_class(module, target)
 
 
 def _ct_scheme(config: Mapping, name: str, module: torch.nn.Module):
-    """(format, weights args) of the config group whose targets match, or None if not quantized."""
+    """(format, weights args) of the config group that compressed-tensors gives this module, or None if
+    its weight is not quantized.
+
+    compressed-tensors' rules (0.20, ``apply_quantization_config`` / ``match_targets``): every target of
+    every group maps to its group, a later group taking a target an earlier one also lists; a module in
+    ``ignore`` is left alone; of the targets that match, an exact name comes first, then a regex (each
+    kind in sorted order), then a class name; the first one's group is the module's. A group without
+    ``weights`` leaves the weight unquantized."""
     if any(_matches(name, module, t) for t in config.get("ignore") or ()):
         return None
+    target_group: dict[str, Mapping] = {}
     for group in (config.get("config_groups") or {}).values():
-        if group.get("weights") and any(_matches(name, module, t) for t in group.get("targets") or ()):
-            return group.get("format") or config.get("format"), group["weights"]
-    return None
+        for target in group.get("targets") or ():
+            target_group[target] = group
+    ordered = sorted(target_group, key=lambda t: ("re:" in t, t))
+    matched = [t for t in ordered if _matches_name(name, t)]
+    matched += [t for t in ordered if _matches_class(module, t) and t not in matched]
+    if not matched:
+        return None
+    group = target_group[matched[0]]
+    if not group.get("weights"):
+        return None
+    return group.get("format") or config.get("format"), group["weights"]
 
 
 def _quantization_section(fn: str, convention: str, config: Mapping | None) -> Mapping | None:

@@ -90,3 +90,25 @@ def _jsonable(value):
     import json
 
     return json.loads(json.dumps(value, default=str))
+
+
+def modelopt_checkpoint(model: torch.nn.Module, path, config: str = "NVFP4_DEFAULT_CFG", kv_fp8: bool = False):
+    """Quantize ``model`` in place with ModelOpt (``mtq.quantize`` with the named config, calibrated on
+    one random batch; ``kv_fp8`` adds ``FP8_KV_CFG``, an FP8 KV cache, as ModelOpt's examples do by
+    default) and export it with ``export_hf_checkpoint`` to ``path`` (safetensors, config.json and
+    hf_quant_config.json)."""
+    import copy
+
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+
+    model.config.architectures = [type(model).__name__]
+    cfg = copy.deepcopy(getattr(mtq, config))
+    if kv_fp8:
+        cfg["quant_cfg"] = list(cfg["quant_cfg"]) + list(mtq.FP8_KV_CFG["quant_cfg"])
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(model, cfg, forward_loop=lambda m: m(ids))
+        export_hf_checkpoint(model, export_dir=str(path))
+    return path

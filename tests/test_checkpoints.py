@@ -709,3 +709,51 @@ def test_mixed_precision_targets_resolve_as_compressed_tensors_does(groups):
         expected = preset_name_to_scheme(by_format[layer.format], ["x"]).weights
         assert scheme.weights == expected, (name, layer.format)
     assert ours.model.layers[0].mlp.down_proj.format in ("mxfp8", "nvfp4")
+
+
+def _modelopt_llama(tmp_path, config, kv_fp8=False):
+    _modelopt()
+    from _checkpoint_peers import modelopt_checkpoint
+
+    model = tiny_llama(seed=0, hidden=256, intermediate=384, layers=1, vocab=256, dtype=torch.float32)
+    path = modelopt_checkpoint(model, tmp_path, config, kv_fp8=kv_fp8)
+    from safetensors.torch import load_file
+
+    return path, load_file(str(path / "model.safetensors"))
+
+
+def test_modelopt_nvfp4_with_an_fp8_kv_cache_keeps_k_and_v_scales(tmp_path):
+    # ModelOpt's example default (NVFP4 weights, FP8 KV cache) stores k_scale / v_scale beside the
+    # k / v projections; load_quantized used to refuse the whole checkpoint, even with strict=False.
+    path, stored = _modelopt_llama(tmp_path, "NVFP4_DEFAULT_CFG", kv_fp8=True)
+    assert "model.layers.0.self_attn.k_proj.k_scale" in stored  # the writer's layout
+    for strict in (True, False):
+        ours = tilemm.load_quantized(tiny_llama(seed=1, hidden=256, intermediate=384, layers=1, vocab=256,
+                                                dtype=torch.float32), path, convention="modelopt", strict=strict)
+        attn = ours.model.layers[0].self_attn
+        assert isinstance(attn.k_proj, Linear) and attn.k_proj.format == "nvfp4" and not attn.k_proj.weight_only
+        assert torch.equal(attn.k_proj.k_scale, stored["model.layers.0.self_attn.k_proj.k_scale"])
+        assert torch.equal(attn.v_proj.v_scale, stored["model.layers.0.self_attn.v_proj.v_scale"])
+        assert torch.equal(attn.k_proj.weight, stored["model.layers.0.self_attn.k_proj.weight"])
+    # The scales travel with the model's state dict (and so with export_quantized).
+    assert "model.layers.0.self_attn.v_proj.v_scale" in ours.state_dict()
+
+
+def test_modelopt_w4a16_nvfp4_loads_weight_only(tmp_path):
+    # ModelOpt's weight-only NVFP4 (quant_algo W4A16_NVFP4, the same tensors as NVFP4) was refused.
+    path, stored = _modelopt_llama(tmp_path, "W4A16_NVFP4_CFG")
+    assert json.loads((path / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "W4A16_NVFP4"
+    ours = tilemm.load_quantized(tiny_llama(seed=1, hidden=256, intermediate=384, layers=1, vocab=256,
+                                            dtype=torch.float32), path, convention="modelopt")
+    layers = [(n, m) for n, m in ours.named_modules() if isinstance(m, Linear)]
+    assert len(layers) == 7 and all(m.format == "nvfp4" and m.weight_only for _, m in layers)
+    NVFP4QTensor = _modelopt()
+    for name, layer in layers:
+        w = stored[f"{name}.weight"]
+        theirs = _modelopt_dequantize(NVFP4QTensor((w.shape[0], 2 * w.shape[1]), torch.float32, w),
+                                      stored[f"{name}.weight_scale"], stored[f"{name}.weight_scale_2"])
+        assert ((layer.dequantize_weight() - theirs).abs() <= REL_NVFP4 * theirs.abs()).all(), name
+    # Asked explicitly, the activations are quantized too.
+    block = tilemm.load_quantized(tiny_llama(seed=1, hidden=256, intermediate=384, layers=1, vocab=256,
+                                             dtype=torch.float32), path, convention="modelopt", weight_only=False)
+    assert not block.model.layers[0].mlp.down_proj.weight_only

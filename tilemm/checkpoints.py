@@ -82,7 +82,12 @@ COMPRESSED_TENSORS_FORMATS = {
 }
 _COMPRESSED_TENSORS_FORMAT_OF = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized",
                                  "mxfp8": "mxfp8-quantized", "fp8": "float-quantized"}
-MODELOPT_ALGOS = ("NVFP4", "FP8")
+MODELOPT_ALGOS = ("NVFP4", "W4A16_NVFP4", "FP8")
+# A KV cache in FP8 (ModelOpt's kv_cache_quant_algo "FP8", its examples' default) stores the k / v
+# scales beside the k / v projections (``self_attn.k_proj.k_scale``, ``self_attn.v_proj.v_scale``):
+# load_quantized keeps them as buffers of the module they are stored under, for an attention that uses
+# an FP8 cache; tilemm's layers do not read them.
+KV_CACHE_SCALE_NAMES = ("k_scale", "v_scale")
 # Static activation scales: read by engines that quantize activations with a calibrated scale; tilemm
 # quantizes activations per call (module docstring), so load_quantized accepts and drops them.
 ACTIVATION_SCALE_NAMES = ("input_scale", "input_global_scale", "input_zero_point")
@@ -369,11 +374,13 @@ def from_modelopt(tensors: Mapping[str, torch.Tensor], *, quant_algo: str | None
     * NVFP4 (``quant_algo="NVFP4"``): ``weight`` uint8 (N, K/2), element 2i in the low nibble;
       ``weight_scale`` float8_e4m3fn (N, K/16); ``weight_scale_2`` fp32 0-d, the *decode* scale
       amax / (448 * 6), taken as it is.
+    * ``quant_algo="W4A16_NVFP4"`` (weight-only NVFP4): the same tensors as NVFP4.
     * FP8 per tensor (``quant_algo="FP8"``): ``weight`` float8_e4m3fn (N, K); ``weight_scale`` fp32
       0-d (a decode scale).
 
     ``quant_algo`` (from ``hf_quant_config.json``) is optional; without it the layout decides.
-    ``input_scale`` is accepted and not used.
+    ``input_scale`` and the FP8 KV cache's ``k_scale`` / ``v_scale`` are accepted and not used here
+    (:func:`load_quantized` keeps the latter as buffers).
     """
     fn = "tilemm.checkpoints.from_modelopt"
     if not isinstance(tensors, Mapping):
@@ -385,7 +392,8 @@ def from_modelopt(tensors: Mapping[str, torch.Tensor], *, quant_algo: str | None
     weight = _get(fn, tensors, "weight", "a ModelOpt layer")
     algo = quant_algo or ("NVFP4" if weight.dtype == torch.uint8 else "FP8")
     where = f"ModelOpt {algo}"
-    if algo == "NVFP4":
+    tensors = {k: v for k, v in tensors.items() if k not in KV_CACHE_SCALE_NAMES}
+    if algo in ("NVFP4", "W4A16_NVFP4"):
         _refuse_extra(fn, tensors, ("weight", "weight_scale", "weight_scale_2"), where)
         data = _packed_e2m1(fn, "weight", weight, NVFP4.block)
         scale = _e4m3_scale(fn, "weight_scale", _get(fn, tensors, "weight_scale", where),
@@ -754,6 +762,23 @@ def _modelopt_algo(fn: str, config: Mapping) -> tuple[str, list]:
     return algo, list(config.get("exclude_modules") or config.get("ignore") or ())
 
 
+def _keep_kv_cache_scales(model: torch.nn.Module, tensors: Mapping) -> set[str]:
+    """Register each ``<module>.k_scale`` / ``<module>.v_scale`` of ``tensors`` as a buffer of that
+    module of ``model`` (where it exists); returns the keys taken."""
+    taken = set()
+    for key, t in tensors.items():
+        prefix, _, leaf = key.rpartition(".")
+        if leaf not in KV_CACHE_SCALE_NAMES or not prefix:
+            continue
+        try:
+            module = model.get_submodule(prefix)
+        except AttributeError:
+            continue
+        module.register_buffer(leaf, t)
+        taken.add(key)
+    return taken
+
+
 def _tied_groups(model: torch.nn.Module) -> list[list[str]]:
     """Names of the parameters that share one tensor (tied, e.g. ``lm_head.weight`` and the input
     embedding with ``tie_word_embeddings``), one list per tensor, in ``named_parameters`` order."""
@@ -792,7 +817,7 @@ def _retie(fn: str, model: torch.nn.Module, tied: list[list[str]], loaded: Mappi
 
 
 def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: str,
-                   quantization_config: Mapping | None = None, weight_only: bool = False,
+                   quantization_config: Mapping | None = None, weight_only: bool | None = None,
                    swizzle: bool | None = None, strict: bool = True) -> torch.nn.Module:
     """Load a quantized checkpoint into ``model``, swapping its quantized ``torch.nn.Linear`` layers for
     ``tilemm.nn.Linear``, in place.
@@ -812,9 +837,13 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
             The whole ``config.json`` / ``hf_quant_config.json`` dict is recognized too (its
             ``quantization_config`` / ``quantization`` section is taken); a dict that is neither
             raises ValueError.
-        weight_only, swizzle: as for ``tilemm.nn.Linear.from_quantized``.
+        weight_only, swizzle: as for ``tilemm.nn.Linear.from_quantized``. ``weight_only=None`` (the
+            default) follows the checkpoint: True for ModelOpt ``W4A16_NVFP4`` (16-bit activations),
+            False otherwise.
         strict: raise ValueError when a checkpoint tensor is not used or a parameter is missing
-            (static activation scales are always accepted and dropped, see the module docstring).
+            (static activation scales are always accepted and dropped, see the module docstring; an
+            FP8 KV cache's ``k_scale`` / ``v_scale`` are always accepted and kept, as buffers of the
+            module they are stored under, e.g. ``model.model.layers[0].self_attn.k_proj.k_scale``).
 
     Every other tensor (embeddings, norms, unquantized layers) is loaded with
     ``load_state_dict(..., assign=True)``, so it keeps the checkpoint's dtype. Parameters the model
@@ -848,6 +877,8 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
                          f"expected 'compressed-tensors'")
     if convention == "modelopt":
         algo, exclude = _modelopt_algo(fn, config)
+    if weight_only is None:
+        weight_only = convention == "modelopt" and algo == "W4A16_NVFP4"
 
     tied = _tied_groups(model)
     used: set[str] = set()  # checkpoint keys consumed by the swapped layers
@@ -876,7 +907,7 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
             raise ValueError(f"{fn}: model is a bare torch.nn.Linear; use tilemm.nn.Linear.from_quantized")
         bias = local.get("bias")
         if convention != "torchao":
-            layer = {k: v for k, v in local.items() if k != "bias"}
+            layer = {k: v for k, v in local.items() if k != "bias" and k not in KV_CACHE_SCALE_NAMES}
         weight_tensors = layer if convention != "torchao" else {"weight": layer}
         try:
             q = to_tilemm(layer, convention, **options)
@@ -899,8 +930,11 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
         used.update(prefix + key for key in local if key == "bias")
         new_keys.update(prefix + key for key in converted[id(module)].state_dict())
     dropped = {k for k in tensors if k.rpartition(".")[2] in ACTIVATION_SCALE_NAMES}
-    rest = {k: v for k, v in tensors.items() if k not in used and k not in dropped}
     own = set(model.state_dict())
+    kv_scales = _keep_kv_cache_scales(model, {k: v for k, v in tensors.items() if k not in own})
+    used |= kv_scales
+    new_keys |= kv_scales
+    rest = {k: v for k, v in tensors.items() if k not in used and k not in dropped}
     result = model.load_state_dict({k: v for k, v in rest.items() if k in own}, strict=False, assign=True)
     retied = _retie(fn, model, tied, rest)
     if strict:

@@ -380,3 +380,19 @@ def test_linear_weight_only_out_dtype_under_compile():
     f = torch.compile(lambda t: tilemm.linear(t, packed, out_dtype=torch.float32), fullgraph=True)
     out = f(x)
     assert out.dtype == torch.float32 and torch.equal(out, tilemm.linear(x, packed, out_dtype=torch.float32))
+
+
+def test_nvfp4_weight_with_an_inf_poisons_only_its_output_column():
+    # The quantizer gives the Inf's block the NaN scale (docs/numerics.md, NVFP4); prepack and the
+    # weight-only path carry it to the one output column that reads it, the others as without it.
+    w = torch.randn(24, 64, generator=torch.Generator().manual_seed(0)) * 1e-2
+    clean = tilemm.quantize_nvfp4(w)
+    w[5, 40] = float("inf")
+    w_q = tilemm.quantize_nvfp4(w)
+    assert torch.equal(w_q.global_scale, clean.global_scale)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    out = tilemm.linear(x, prepack(w_q), out_dtype=torch.float32)
+    assert out[:, 5].isnan().all()
+    keep = torch.arange(24) != 5
+    assert not out[:, keep].isnan().any()
+    assert torch.equal(out[:, keep], tilemm.linear(x, prepack(clean), out_dtype=torch.float32)[:, keep])

@@ -1,25 +1,34 @@
-"""A tensor-parallel tilemm MLP on 2 GPUs (NCCL) against the same MLP unsharded on one GPU.
+"""A tensor-parallel tilemm MLP on N GPUs (NCCL) against the same MLP unsharded on one GPU, same run.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_tp.py            # or: python benchmarks/bench_tp.py
-    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --quick    # mxfp8 and nvfp4 only
+    torchrun --nproc-per-node 2 benchmarks/bench_tp.py                 # every format, M = 1, 16, 1024, 4096
+    torchrun --nproc-per-node 4 benchmarks/bench_tp.py --formats bf16,nvfp4-wo --rows 1,4096
 
 The MLP is a transformer feed-forward block without gating, fc2(relu(fc1(x))), with Llama-3-8B's
-sizes: d_model 4096, hidden 14336, bf16 activations. Each format (mxfp8, mxfp4, nvfp4, fp8 per row),
-both sides quantized and weight-only, is sharded with ``parallelize_module(mlp, mesh, {"fc1":
-ColwiseParallel(), "fc2": RowwiseParallel()})`` from ``tilemm.parallel``, and run at M = 1 (decode)
-and M = 1024 (prefill).
+sizes: d_model 4096, hidden 14336, bf16 activations. Each tilemm format (mxfp8, mxfp4, nvfp4, fp8 per
+row; both sides quantized, or ``-wo`` weight-only) is sharded with ``parallelize_module(mlp, mesh,
+{"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})`` from ``tilemm.parallel``; ``bf16`` is the
+torch MLP sharded the same way on plain tensors (``benchmarks/_tp.PlainShard``). One all-reduce of
+the (M, 4096) output per call (NVFP4 / FP8 per row both-sides: one more, of the activation amax).
 
-For each case it first checks correctness: the sharded output against the unsharded one on rank 0
-(relative Frobenius error; up to bf16 rounding of the partial sums, about 4e-3, where both quantize
-the same bytes; NVFP4 and FP8 per row with both sides quantize each rank's slice of the hidden
-activation with its own scale, see ``tilemm/parallel.py``, and differ by a quantization-level amount).
-Then it times eager forward calls with CUDA events (the DTensor hooks and the NCCL all-reduce run
-on the host and the network, so they are part of what is timed), the L2 flushed before each, median
-of ``--reps``: the unsharded MLP on rank 0's GPU while rank 1 waits, then the sharded MLP on both
-(the slower rank's median), and the all-reduce of one (M, 4096) bf16 output alone, the floor that
-the row-wise layer adds.
+Correctness first, per case: the sharded output against the unsharded one (relative Frobenius
+error; every rank quantizes the same bytes as the unsharded layer, so only the order of the sums
+and the bf16 rounding of the partial sums differ: at most ``TOLERANCE``).
 
-Writes ``benchmarks/results/tp-<gpu>-x2.json`` (meta and records) and ``.md`` (a table).
+Timing, per case, with ``benchmarks/_timing.py``'s timer (the L2 flushed by a 256 MB read before each
+call, median of ``--reps``):
+
+* ``graph``: the MLP captured in a CUDA graph (NCCL all-reduce included), replays between CUDA
+  events; the GPU time of one call;
+* ``eager``: eager calls between CUDA events, each waited for before the next
+  (``sync_each``): what one call costs a caller, Python dispatch included wherever it is longer than
+  the flush that precedes it (about 0.1 ms), which it is where it matters.
+
+The unsharded MLP runs on rank 0 while the other ranks wait; the sharded one on all ranks at once
+(the slowest rank's median is reported). ``all-reduce`` is one (M, 4096) bf16 all-reduce alone, in
+a CUDA graph: the floor the row-wise layer adds.
+
+Writes ``tp-mlp-<gpu>-x<N>.json`` and ``.md`` to ``$OUT`` when it is set, else to
+``benchmarks/results/``, naming the GPUs (``torch.cuda.get_device_name`` of every rank).
 """
 
 from __future__ import annotations
@@ -28,34 +37,36 @@ import argparse
 import copy
 import datetime
 import json
-import os
-import pathlib
-import statistics
+import shlex
 import sys
+import time
+import traceback
 
 import torch
 import torch.distributed as dist
 
-import tilemm
-from tilemm.nn import Linear
+sys.path.insert(0, __import__("os").path.dirname(__file__))
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+import tilemm  # noqa: E402
+from _timing import Timer  # noqa: E402
+from _tp import PlainShard, gpu_names, gpus_label, out_dir, slowest, start  # noqa: E402
+from tilemm.nn import Linear  # noqa: E402
+
 D_MODEL, HIDDEN = 4096, 14336
-M_VALUES = (1, 1024)
-# (name, from_float keywords, the activation scale spans all of K, so row-wise shards differ)
-CONFIGS = [
-    ("mxfp8", dict(format="mxfp8"), False),
-    ("mxfp8 weight-only", dict(format="mxfp8", weight_only=True), False),
-    ("mxfp4", dict(format="mxfp4"), False),
-    ("mxfp4 weight-only", dict(format="mxfp4", weight_only=True), False),
-    ("nvfp4", dict(format="nvfp4"), True),
-    ("nvfp4 weight-only", dict(format="nvfp4", weight_only=True), False),
-    ("fp8 row", dict(format="fp8"), True),
-    ("fp8 row weight-only", dict(format="fp8", weight_only=True), False),
-]
-QUICK = ("mxfp8", "mxfp8 weight-only", "nvfp4", "nvfp4 weight-only")
-SAME_BYTES_TOLERANCE = 1e-2  # bf16 output, partial sums rounded to bf16 before the all-reduce
-PER_SLICE_TOLERANCE = 0.15   # a different quantization of the hidden activation (NVFP4 about 0.1)
+M_VALUES = (1, 16, 1024, 4096)
+FORMATS = {  # name: from_float keywords (None: bf16 torch.nn.Linear)
+    "bf16": None,
+    "mxfp8": dict(format="mxfp8"),
+    "mxfp8-wo": dict(format="mxfp8", weight_only=True),
+    "mxfp4": dict(format="mxfp4"),
+    "mxfp4-wo": dict(format="mxfp4", weight_only=True),
+    "nvfp4": dict(format="nvfp4"),
+    "nvfp4-wo": dict(format="nvfp4", weight_only=True),
+    "fp8-row": dict(format="fp8"),
+    "fp8-row-wo": dict(format="fp8", weight_only=True),
+}
+TOLERANCE = 1e-2  # relative Frobenius error, bf16 output with bf16-rounded partial sums
+TARGETS = {2: (1.7, 1024), 4: (3.0, 4096)}  # world size: (speed-up at least, from M on)
 
 
 class MLP(torch.nn.Module):
@@ -67,134 +78,188 @@ class MLP(torch.nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-def time_ms(fn, reps: int, flush: torch.Tensor) -> float:
-    """Median of ``reps`` eager calls, CUDA events around each, L2 flushed before each."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    events = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
-
-
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.float(), ref.float()
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def slowest(ms: float, device) -> float:
-    t = torch.tensor([ms], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def bench(args) -> int:
-    from torch.distributed.device_mesh import init_device_mesh
+def shard(full: MLP, mesh, bf16: bool) -> MLP:
+    if bf16:
+        group = mesh.get_group()
+        return MLP(PlainShard(full.fc1, "colwise", group), PlainShard(full.fc2, "rowwise", group))
     from torch.distributed.tensor.parallel import parallelize_module
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device())
-    mesh = init_device_mesh("cuda", (world,))
-    flush = torch.empty(64 * 1024 * 1024, dtype=torch.float32, device=device)  # 256 MB > L2
+    plan = {"fc1": tilemm.parallel.ColwiseParallel(), "fc2": tilemm.parallel.RowwiseParallel()}
+    return parallelize_module(copy.deepcopy(full), mesh, plan)
+
+
+def time_both(fn, timer_graph: Timer, timer_eager: Timer) -> dict:
+    graph_ms, how = timer_graph(fn)
+    eager_ms, _ = timer_eager(fn, capture=False)
+    return dict(graph_ms=graph_ms if how == "graph" else None, eager_ms=eager_ms,
+                graph_error=None if how == "graph" else "did not capture")
+
+
+def bench(args, rank, world, device) -> int:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world,))
+    names = gpu_names()
+    timer_graph = Timer(args.reps, device)
+    timer_eager = Timer(args.reps, device, sync_each=True)
     torch.manual_seed(0)
     fc1 = torch.nn.Linear(D_MODEL, HIDDEN, device=device, dtype=torch.bfloat16)
     fc2 = torch.nn.Linear(HIDDEN, D_MODEL, device=device, dtype=torch.bfloat16)
-    records, failed = [], False
-    for name, kw, per_slice in CONFIGS:
-        if args.quick and name not in QUICK:
+    for p in (*fc1.parameters(), *fc2.parameters()):  # every rank the same weights
+        dist.broadcast(p.data, 0)
+    records, failed, t0 = [], [], time.time()
+    formats = [f for f in args.formats.split(",") if f]
+    skipped = []
+    for name in formats:
+        kw = FORMATS[name]
+        if args.max_seconds > 0 and slowest(time.time() - t0, device) > args.max_seconds:
+            skipped.append(name)  # every rank sees the same (slowest) elapsed time: the same decision
             continue
-        full = MLP(Linear.from_float(fc1, **kw), Linear.from_float(fc2, **kw))
-        plan = {"fc1": tilemm.parallel.ColwiseParallel(), "fc2": tilemm.parallel.RowwiseParallel()}
-        sharded = parallelize_module(copy.deepcopy(full), mesh, plan)
-        for m in M_VALUES:
-            g = torch.Generator(device=device).manual_seed(m)
-            x = torch.randn(m, D_MODEL, device=device, dtype=torch.bfloat16, generator=g)
+        try:
             with torch.no_grad():
-                err = rel_err(sharded(x), full(x))
-                tolerance = PER_SLICE_TOLERANCE if per_slice else SAME_BYTES_TOLERANCE
-                ok = err <= tolerance
-                failed |= not ok
-                dist.barrier()
-                unsharded_ms = time_ms(lambda: full(x), args.reps, flush) if rank == 0 else 0.0
-                unsharded_ms = slowest(unsharded_ms, device)
-                dist.barrier()
-                sharded_ms = slowest(time_ms(lambda: sharded(x), args.reps, flush), device)
-                out = torch.empty(m, D_MODEL, device=device, dtype=torch.bfloat16)
-                allreduce_ms = slowest(time_ms(lambda: dist.all_reduce(out), args.reps, flush), device)
-            record = dict(format=name, m=m, d_model=D_MODEL, hidden=HIDDEN, unsharded_ms=unsharded_ms,
-                          sharded_ms=sharded_ms, speedup=unsharded_ms / sharded_ms,
-                          allreduce_ms=allreduce_ms, rel_err_vs_unsharded=err, tolerance=tolerance,
-                          correct=ok)
-            records.append(record)
+                full = MLP(fc1, fc2) if kw is None else MLP(Linear.from_float(fc1, **kw),
+                                                            Linear.from_float(fc2, **kw))
+                sharded = shard(full, mesh, kw is None)
+        except Exception as err:  # noqa: BLE001 (record, go on)
+            failed.append(f"{name}: sharding failed: {err}")
             if rank == 0:
-                print(f"{name:22s} M={m:5d}  unsharded {unsharded_ms:8.3f} ms  2 GPUs {sharded_ms:8.3f} ms  "
-                      f"x{record['speedup']:.2f}  (all-reduce {allreduce_ms:.3f} ms)  err {err:.2e}"
-                      f"{'' if ok else '  FAILED'}", flush=True)
+                traceback.print_exc()
+            dist.barrier()
+            continue
+        for m in args.m:
+            rec = dict(format=name, m=m, world_size=world)
+            try:
+                g = torch.Generator(device=device).manual_seed(m)
+                x = torch.randn(m, D_MODEL, device=device, dtype=torch.bfloat16, generator=g)
+                with torch.no_grad():
+                    rec["rel_err_vs_unsharded"] = err = rel_err(sharded(x), full(x))
+                    rec["correct"] = err <= TOLERANCE
+                    dist.barrier()
+                    if rank == 0:
+                        unsharded = time_both(lambda: full(x), timer_graph, timer_eager)
+                    else:
+                        unsharded = dict(graph_ms=0.0, eager_ms=0.0, graph_error=None)
+                    dist.barrier()
+                    sharded_t = time_both(lambda: sharded(x), timer_graph, timer_eager)
+                    out = torch.empty(m, D_MODEL, device=device, dtype=torch.bfloat16)
+                    allreduce_ms, _ = timer_graph(lambda: dist.all_reduce(out))
+                for key in ("graph_ms", "eager_ms"):
+                    u = slowest(unsharded[key] if unsharded[key] is not None else float("nan"), device)
+                    s = slowest(sharded_t[key] if sharded_t[key] is not None else float("nan"), device)
+                    rec[f"unsharded_{key}"], rec[f"sharded_{key}"] = u, s
+                    rec[f"speedup_{key.removesuffix('_ms')}"] = u / s
+                rec["allreduce_ms"] = slowest(allreduce_ms, device)
+                if unsharded["graph_error"] or sharded_t["graph_error"]:
+                    rec["graph_error"] = "the MLP did not capture in a CUDA graph"
+                if not rec["correct"]:
+                    failed.append(f"{name} M={m}: sharded differs from unsharded by {err:.2e} > {TOLERANCE}")
+            except Exception as e:  # noqa: BLE001
+                rec["error"] = f"{type(e).__name__}: {e}"[:400]
+                failed.append(f"{name} M={m}: {rec['error']}")
+                if rank == 0:
+                    traceback.print_exc()
+                torch.cuda.synchronize()
+            records.append(rec)
+            if rank == 0:
+                print(line(rec), flush=True)
         del full, sharded
         torch.cuda.empty_cache()
+        if rank == 0:  # after every format, so that an interrupted run keeps what it measured
+            write(records, names, failed, skipped, args, time.time() - t0, final=False)
     if rank == 0:
-        write(records, args.out)
+        write(records, names, failed, skipped, args, time.time() - t0, final=True)
     return 1 if failed else 0
 
 
-def write(records, out_dir: pathlib.Path) -> None:
-    gpu = torch.cuda.get_device_name().replace(" ", "_")
-    meta = dict(gpu=torch.cuda.get_device_name(), gpus=dist.get_world_size(), backend="nccl",
+def line(r: dict) -> str:
+    if "error" in r:
+        return f"{r['format']:10s} M={r['m']:5d}  FAILED: {r['error']}"
+    return (f"{r['format']:10s} M={r['m']:5d}  graph 1 GPU {r['unsharded_graph_ms']:7.3f} ms  "
+            f"{r['world_size']} GPUs {r['sharded_graph_ms']:7.3f} ms  x{r['speedup_graph']:5.2f} | eager "
+            f"{r['unsharded_eager_ms']:7.3f} / {r['sharded_eager_ms']:7.3f} ms  x{r['speedup_eager']:5.2f} | "
+            f"all-reduce {r['allreduce_ms']:.3f} ms | err {r['rel_err_vs_unsharded']:.1e}"
+            + ("" if r["correct"] else "  WRONG"))
+
+
+def targets(records, world) -> list[str]:
+    """The issues' targets, checked on the CUDA-graph times: M = 1 no slower than one GPU; from M on
+    (TARGETS) at least the speed-up."""
+    out = []
+    speedup, from_m = TARGETS.get(world, (None, None))
+    for r in records:
+        if "speedup_graph" not in r:
+            continue
+        if r["m"] == 1:
+            ok = r["sharded_graph_ms"] <= r["unsharded_graph_ms"]
+            out.append(f"{r['format']} M=1 graph: {r['sharded_graph_ms']:.3f} vs {r['unsharded_graph_ms']:.3f} ms "
+                       f"(no slower than 1 GPU: {'met' if ok else 'NOT met'})")
+        if speedup and r["m"] >= from_m:
+            ok = r["speedup_graph"] >= speedup
+            out.append(f"{r['format']} M={r['m']} graph: x{r['speedup_graph']:.2f} (>= {speedup}: "
+                       f"{'met' if ok else 'NOT met'})")
+    return out
+
+
+def write(records, names, failed, skipped, args, seconds, final: bool) -> None:
+    world = len(names)
+    meta = dict(gpus=names, gpu=names[0], world_size=world, backend="nccl",
                 date=datetime.date.today().isoformat(), torch=torch.__version__, tilemm=tilemm.__version__,
-                timing="eager forward, CUDA events, L2 flushed, median; sharded = slower rank")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"tp-{gpu}-x{meta['gpus']}.json"
-    path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
-    lines = [f"# Tensor-parallel MLP ({D_MODEL} -> {HIDDEN} -> {D_MODEL}, bf16) on {meta['gpus']}x "
-             f"{meta['gpu']}, {meta['date']}", "", f"Timing: {meta['timing']}.", "",
-             "| format | M | unsharded ms | 2 GPUs ms | speedup | all-reduce ms | rel. err vs unsharded |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['format']} | {r['m']} | {r['unsharded_ms']:.3f} | {r['sharded_ms']:.3f} | "
-              f"{r['speedup']:.2f} | {r['allreduce_ms']:.3f} | {r['rel_err_vs_unsharded']:.2e}"
-              f"{'' if r['correct'] else ' (FAILED)'} |" for r in records]
+                command=f"torchrun --nproc-per-node {world} benchmarks/bench_tp.py {shlex.join(args.argv)}".strip(),
+                skipped=skipped, timing="benchmarks/_timing.Timer: L2 flushed by a 256 MB read before each call, median of "
+                       f"{args.reps}; graph = CUDA-graph replay, eager = eager calls waited for one by one; "
+                       "sharded = the slowest rank", seconds=seconds)
+    stem = f"tp-mlp-{names[0].lower().replace(' ', '-')}-x{world}"
+    path = out_dir() / f"{stem}.json"
+    checks = targets(records, world)
+    path.write_text(json.dumps(dict(meta=meta, records=records, targets=checks, failed=failed), indent=1))
+    lines = [f"# Tensor-parallel MLP ({D_MODEL} -> {HIDDEN} -> {D_MODEL}, bf16 activations) on "
+             f"{gpus_label(names)}, {meta['date']}", "", f"`{meta['command']}`", "", f"Timing: {meta['timing']}.",
+             "", "| format | M | 1 GPU graph ms | sharded graph ms | speed-up | 1 GPU eager ms | sharded eager ms "
+             "| speed-up | all-reduce ms | rel. err vs 1 GPU |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        if "error" in r:
+            lines.append(f"| {r['format']} | {r['m']} | failed: {r['error'][:100].replace('|', '/')} "
+                         f"| | | | | | | |")
+            continue
+        lines.append(f"| {r['format']} | {r['m']} | {r['unsharded_graph_ms']:.4f} | {r['sharded_graph_ms']:.4f} | "
+                     f"{r['speedup_graph']:.2f} | {r['unsharded_eager_ms']:.4f} | {r['sharded_eager_ms']:.4f} | "
+                     f"{r['speedup_eager']:.2f} | {r['allreduce_ms']:.4f} | {r['rel_err_vs_unsharded']:.1e}"
+                     f"{'' if r['correct'] else ' (WRONG)'} |")
+    if checks:
+        lines += ["", "Targets:", ""] + [f"- {c}" for c in checks]
+    if skipped:
+        lines += ["", f"Skipped (past --max-seconds {args.max_seconds:g}): {', '.join(skipped)}."]
+    if failed:
+        lines += ["", "Failures:", ""] + [f"- {f}" for f in failed]
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {path} and {path.with_suffix('.md')}")
-
-
-def _spawned(rank: int, world: int, port: int, argv) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    code = main(argv)
-    if code:
-        raise SystemExit(code)
+    if final:
+        print("\n".join(lines))
+        print(f"wrote {path} and {path.with_suffix('.md')}")
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="mxfp8 and nvfp4 only")
-    parser.add_argument("--reps", type=int, default=50, help="timed calls per case (median)")
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    parser.add_argument("--formats", default=",".join(FORMATS),
+                        help=f"comma-separated, of: {', '.join(FORMATS)} (default all)")
+    parser.add_argument("--rows", default=",".join(map(str, M_VALUES)), help="comma-separated rows of x")
+    parser.add_argument("--reps", type=int, default=30, help="timed calls per case (median)")
+    parser.add_argument("--max-seconds", type=float, default=0,
+                        help="start no new format after this long (0: no limit); the results list those skipped")
     args = parser.parse_args(argv)
-    if "RANK" not in os.environ:  # not under torchrun: start the two processes here
-        if torch.cuda.device_count() < 2:
-            print(f"bench_tp needs 2 CUDA GPUs, found {torch.cuda.device_count()}")
-            return 1
-        import socket
-
-        import torch.multiprocessing as mp
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(_spawned, args=(2, port, argv), nprocs=2, join=True)
-        return 0
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
+    args.argv = argv
+    args.m = [int(v) for v in args.rows.split(",")]
+    unknown = [f for f in args.formats.split(",") if f and f not in FORMATS]
+    if unknown:
+        parser.error(f"--formats: unknown {unknown} (choose from {', '.join(FORMATS)})")
+    rank, world, device = start()
     try:
-        return bench(args)
+        return bench(args, rank, world, device)
     finally:
         dist.destroy_process_group()
 

@@ -1,8 +1,10 @@
-"""Two-process tensor-parallel runs of tilemm MLPs, shared by the gloo (CPU) and NCCL (GPU) tests.
+"""Multi-process tensor-parallel runs of tilemm MLPs, shared by the gloo (CPU) and NCCL (GPU) tests.
 
-``run_cases(cases, backend, tmp_dir)`` spawns two processes once; each builds a column-then-row
-parallel MLP for every case, runs it, checks the state_dict round trip, and saves what it computed
-(next to the unsharded model's output on the same device) for the test process to compare.
+``run_cases(cases, backend, tmp_dir, world_size)`` spawns ``world_size`` processes once (NCCL: one
+GPU each, ranks 0 .. world_size - 1 on cuda:0 ..); each builds a column-then-row parallel MLP for
+every case, runs it (on a GPU also replayed from a CUDA graph), checks the state_dict round trip, and
+saves what it computed (next to the unsharded model's output on the same device) for the test
+process to compare.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.multiprocessing as mp
 import tilemm
 from tilemm.nn import Linear
 
-WORLD_SIZE = 2
+WORLD_SIZE = 2  # the default; the tests also run 4
 
 
 class MLP(torch.nn.Module):
@@ -92,15 +94,49 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
         a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         if a.element_size() == 1 else torch.equal(a, b) for a, b in zip(state.values(), fresh_state.values()))
 
+    # On a GPU: the sharded MLP (both collectives included) captured in a CUDA graph and replayed on a
+    # new input gives the eager call's bits.
+    graph_equal = None
+    if device.type == "cuda":
+        graph, error = None, None
+        try:
+            static_x = x.clone()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.no_grad():
+                model(static_x)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph), torch.no_grad():
+                static_out = model(static_x)
+        except Exception as err:  # noqa: BLE001 (reported by the test as this case's failure)
+            error = f"capture raised {type(err).__name__}: {err}"[:300]
+        torch.cuda.synchronize()
+        # Replay only if every rank captured: a lone replay would wait for the others' collectives.
+        captured = torch.tensor([0 if error else 1], device=device)
+        dist.all_reduce(captured, op=dist.ReduceOp.MIN)
+        if captured.item() == 1:
+            x2 = torch.randn(x.shape, generator=torch.Generator().manual_seed(7)).to(device=device, dtype=x.dtype)
+            static_x.copy_(x2)
+            graph.replay()
+            with torch.no_grad():
+                eager = model(x2)
+            torch.cuda.synchronize()
+            graph_equal = bool(torch.equal(static_out, eager))
+        else:
+            graph_equal = error or "another rank's capture failed"
+        del graph
+
     cpu = lambda t: t.detach().cpu()  # noqa: E731
-    return dict(out=cpu(out), out_full=cpu(out_full), hidden=cpu(captured["hidden"]),
+    return dict(out=cpu(out), graph_equal=graph_equal, sharded_class=type(model.fc2).__name__,
+                out_full=cpu(out_full), hidden=cpu(captured["hidden"]),
                 hidden_full=cpu(hidden_full), hidden_gathered=cpu(hidden_gathered),
                 out_rowwise=cpu(out_rowwise), out_fresh=cpu(out_fresh), same_state=bool(same_state),
                 shards={name: (m.tp_shard.offset, m.tp_shard.length) for name, m in
                         (("fc1", model.fc1), ("fc2", model.fc2))})
 
 
-def _worker(rank: int, backend: str, port: int, tmp_dir: str) -> None:
+def _worker(rank: int, backend: str, port: int, tmp_dir: str, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     try:
@@ -110,8 +146,8 @@ def _worker(rank: int, backend: str, port: int, tmp_dir: str) -> None:
         else:
             device = torch.device("cpu")
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=WORLD_SIZE)
-        mesh = init_device_mesh(device.type, (WORLD_SIZE,))
+                                world_size=world_size)
+        mesh = init_device_mesh(device.type, (world_size,))
         cases = torch.load(os.path.join(tmp_dir, "cases.pt"), weights_only=False)
         results = {name: _run_case(mlp, x, mesh, device) for name, (mlp, x) in cases.items()}
         torch.save(results, os.path.join(tmp_dir, f"rank{rank}.pt"))
@@ -124,13 +160,16 @@ def _worker(rank: int, backend: str, port: int, tmp_dir: str) -> None:
             dist.destroy_process_group()
 
 
-def run_cases(cases: dict, backend: str, tmp_dir: str) -> list[dict]:
-    """Run every ``name: (mlp, x)`` case on two ranks; returns one ``{name: results}`` per rank."""
+def run_cases(cases: dict, backend: str, tmp_dir: str, world_size: int = WORLD_SIZE) -> list[dict]:
+    """Run every ``name: (mlp, x)`` case on ``world_size`` ranks; returns one ``{name: results}`` per
+    rank."""
     torch.save(cases, os.path.join(tmp_dir, "cases.pt"))
     try:
-        mp.spawn(_worker, args=(backend, _free_port(), str(tmp_dir)), nprocs=WORLD_SIZE, join=True)
+        mp.spawn(_worker, args=(backend, _free_port(), str(tmp_dir), world_size), nprocs=world_size,
+                 join=True)
     except Exception as err:  # a worker raised or died: show its traceback, not just its exit
         logs = [open(os.path.join(tmp_dir, f)).read() for f in sorted(os.listdir(tmp_dir))
                 if f.endswith(".err")]
         raise RuntimeError("a tensor-parallel worker failed:\n" + "\n".join(logs)) from err
-    return [torch.load(os.path.join(tmp_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD_SIZE)]
+    return [torch.load(os.path.join(tmp_dir, f"rank{r}.pt"), weights_only=False)
+            for r in range(world_size)]

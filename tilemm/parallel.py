@@ -9,7 +9,7 @@ in_features) is split over the ranks of a 1-D device mesh in one of two ways, as
   which is a ``Shard(-1)`` tensor.
 - **row-wise** (``"rowwise"``): each rank holds a slice of the K input columns of W. The input is
   ``Shard(-1)`` (the column-wise layer's output); each rank computes a partial sum over its slice of
-  K, and the partial sums are reduced (all-reduce to ``Replicate()`` by default) through DTensor.
+  K, and the partial sums are reduced (all-reduce to ``Replicate()`` by default).
 
 The slices follow ``torch.chunk`` (DTensor's ``Shard``): rank r of W ranks gets ``ceil(S / W)``
 features starting at ``r * ceil(S / W)``, the last rank what is left, so a column-wise layer's local
@@ -38,26 +38,31 @@ What the sharded layer computes, against the unsharded one (``tests/test_paralle
 
 - Column-wise, every format and mode: each rank's output columns are bit-identical to the unsharded
   layer's (same activation, same bytes, same per-column reduction over K).
-- Row-wise, ``weight_only=True`` and the both-sides formats whose activation scales are local along
-  K (MXFP8, MXFP4: 32-blocks; FP8 (128, 128): 1x128 activation blocks): each rank quantizes its
-  K-slice of the activation to exactly the bytes the unsharded layer produces for that slice, so
-  the result equals the unsharded one up to the order of the fp32 reduction over K and the rounding
-  of each rank's partial sum to the output dtype before the all-reduce.
-- Row-wise, both sides, NVFP4 and FP8 per row / per tensor: the activation quantizer computes its
-  global (NVFP4) or per-row / per-tensor (FP8) scale from the amax of the values it sees, and each
-  rank sees only its K-slice. Each rank's activation is therefore a valid quantization of its slice
-  with its own scale, not the unsharded layer's bytes: the result differs from the unsharded one by
-  a quantization-level amount, not by rounding. It is no less accurate: against the product with
-  the unquantized activation, both have the same error on the tests' data (NVFP4 about 9%, FP8
-  2.5% relative Frobenius), the per-slice scales being at least as fine as the whole-tensor ones.
-  Making it exact needs the ranks to agree on the amax first (an all-reduce of the activation amax
-  before quantizing), which ``tilemm.nn.Linear`` has no hook for yet.
+- Row-wise, every format and mode: each rank quantizes its K-slice of the activation to exactly
+  the bytes the unsharded layer produces for that slice, so the result equals the unsharded one up
+  to the order of the fp32 reduction over K and the rounding of each rank's partial sum to the
+  output dtype before the all-reduce. Where the activation scale is local along K (weight-only;
+  MXFP8, MXFP4: 32-blocks; FP8 (128, 128): 1x128 activation blocks) that needs nothing. Where it
+  spans K (both sides with NVFP4's global decode scale, FP8 per tensor / per row), the ranks first
+  all-reduce the activation's amax (MAX over the fp32 bits as int32: NaN propagates where the
+  quantizer propagates it) and each quantizes its slice with the whole activation's amax
+  (``tilemm.quantize.quantize_nvfp4_with_amax`` / ``quantize_fp8_with_amax``).
+
+How it runs (``ShardedLinear.forward``): on plain local tensors, with no DTensor on the way, for the
+styles' default layouts. Column-wise is the local matmul, its output this rank's slice of the
+features; row-wise is the local matmul plus one ``torch.distributed.all_reduce`` of the partial sums
+(SUM, in the activation dtype), and for NVFP4 / FP8 per tensor / per row both-sides one small
+all-reduce (MAX) of the amax before it. A column-then-row pair (an MLP, attention's q/k/v then o)
+thus costs one collective, as in Megatron-LM and serving engines; it has no host synchronization and
+captures in a CUDA graph. DTensor conversions (``from_local`` / ``redistribute``, whose host time per
+call exceeds the all-reduce's) happen only for DTensor inputs or non-default layouts.
 
 The sharded module is the same :class:`tilemm.nn.Linear` object, rebuilt in place for its shard
 through the public constructor and ``load_state_dict`` (so state derived from the buffers follows
-the shard), with hooks that convert inputs and outputs to and from DTensor. Its buffers are plain
-local tensors, so ``state_dict()`` holds this rank's shard and loads into a layer sharded the same
-way (same mesh size and style); it is not a DTensor state dict for ``torch.distributed.checkpoint``.
+the shard), its class switched to :class:`ShardedLinear` (a subclass: only ``forward`` differs).
+Its buffers are plain local tensors, so ``state_dict()`` holds this rank's shard and loads into a
+layer sharded the same way (same mesh size and style); it is not a DTensor state dict for
+``torch.distributed.checkpoint``.
 """
 
 from __future__ import annotations
@@ -75,9 +80,11 @@ import swizzle as _swizzle
 from swizzle import swizzle_32_4_4, unswizzle_32_4_4
 
 from .formats import FP8_BLOCK
+from .nn import SMALL_BATCH_ROWS as _SMALL_BATCH_ROWS
 from .nn import Linear
 
-__all__ = ["STYLES", "ShardInfo", "ColwiseParallel", "RowwiseParallel", "shard_linear", "local_shard"]
+__all__ = ["STYLES", "ShardInfo", "ShardedLinear", "ColwiseParallel", "RowwiseParallel", "shard_linear",
+           "local_shard"]
 
 STYLES = ("colwise", "rowwise")
 _PACKED = {"mxfp4", "nvfp4"}  # two e2m1 elements per byte along K
@@ -297,6 +304,120 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def _global_activation_scale(layer: Linear):
+    """The activation amax a row-wise rank must share: ``"tensor"`` (NVFP4's decode scale, FP8 per
+    tensor) or ``"row"`` (FP8 per row), or None where the activation scales are local along K."""
+    options = layer._options
+    if options.weight_only:
+        return None
+    if options.format == "nvfp4":
+        return "tensor"
+    if options.format == "fp8" and options.granularity in ("row", "tensor"):
+        return options.granularity
+    return None
+
+
+class _TPConfig:
+    """How one sharded layer talks to the others (``layer._tp``): immutable, shared by copies."""
+
+    __slots__ = ("style", "mesh", "group", "input_layouts", "output_layouts", "use_local_output",
+                 "desired_input", "local_output", "plain_input", "plain_output", "amax", "full_out")
+
+    def __init__(self, style, mesh, input_layouts, output_layouts, use_local_output, amax, full_out):
+        self.style, self.mesh, self.group = style, mesh, mesh.get_group()
+        self.input_layouts, self.output_layouts = tuple(input_layouts), tuple(output_layouts)
+        self.use_local_output, self.amax, self.full_out = use_local_output, amax, full_out
+        if style == "colwise":
+            self.desired_input, self.local_output = (Replicate(),), (Shard(-1),)
+        else:
+            self.desired_input, self.local_output = (Shard(-1),), (Partial(),)
+        # The layouts of ``ColwiseParallel()`` / ``RowwiseParallel()`` (and of shard_linear) with a plain
+        # tensor input: no DTensor at all, only the all-reduce of a row-wise layer.
+        self.plain_input = self.input_layouts == self.desired_input
+        self.plain_output = use_local_output and (
+            self.output_layouts == self.local_output if style == "colwise"
+            else self.output_layouts == (Replicate(),))
+
+    def __deepcopy__(self, memo):  # process groups do not copy; the configuration never changes
+        return self
+
+
+class ShardedLinear(Linear):
+    """A :class:`tilemm.nn.Linear` sharded in place by ``ColwiseParallel`` / ``RowwiseParallel`` /
+    ``shard_linear`` (its class becomes this one; ``isinstance(layer, tilemm.nn.Linear)`` still holds).
+
+    Its buffers are its rank's shard (see the module docstring), and its forward runs on plain local
+    tensors: column-wise, the local matmul (the output stays this rank's ``Shard(-1)`` slice);
+    row-wise, the local matmul of this rank's K-slice and one ``torch.distributed.all_reduce`` (SUM,
+    in the activation dtype, on the current CUDA stream for NCCL) of the partial sums. With both
+    sides quantized to NVFP4 or FP8 per tensor / per row, a row-wise layer first all-reduces (MAX)
+    the activation's amax (the fp32 bits as int32, ``tilemm.quantize.amax_bits``; (M, 1) per row) and
+    quantizes its slice with it, so every rank quantizes exactly as the unsharded layer does. Nothing
+    syncs with the host and every allocation has the same size each call, so a column-then-row pair
+    captures in one CUDA graph with one all-reduce (two with the amax).
+
+    DTensor is used only where the caller asks for it: a DTensor input, or input / output layouts
+    other than the styles' defaults, go through ``DTensor.from_local`` / ``redistribute`` as torch's
+    styles do.
+    """
+
+    def forward(self, x):
+        tp = self._tp
+        if tp.plain_input and type(x) is torch.Tensor:
+            local = x
+        else:
+            local = _input_to_local(x, tp.mesh, tp.input_layouts, tp.desired_input)
+        if tp.style == "colwise":
+            out = super().forward(local)
+        elif tp.amax is not None:
+            out = self._partial_with_global_amax(local, tp)
+        else:
+            out = super().forward(local)
+        if tp.plain_output:
+            if tp.style == "rowwise":
+                dist.all_reduce(out, group=tp.group)
+            return out
+        return self._to_output_layout(out, tp)
+
+    def _partial_with_global_amax(self, x: torch.Tensor, tp: _TPConfig) -> torch.Tensor:
+        """This rank's partial sum, its K-slice quantized with the amax of the whole activation."""
+        from . import matmul as _matmul
+        from . import quantize as _quantize
+
+        self._check_input(x)
+        rows = x.reshape(-1, self.in_features)
+        options = self._options
+        nan = options.format == "fp8"  # FP8's amax propagates NaN; NVFP4's ignores it
+        amax = _quantize.amax_bits(rows, tp.amax, propagate_nan=nan)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp.group)
+        if options.format == "nvfp4":
+            runner = (self._small_batch_runner(x.device) if x.is_cuda and rows.shape[0] <= _SMALL_BATCH_ROWS
+                      and not torch.compiler.is_compiling() else None)
+            if runner is not None:  # what Linear.forward runs at small batch on Hopper
+                rows = rows if rows.is_contiguous() else rows.contiguous()
+                stream = torch.cuda.current_stream(x.device)
+                xq, alpha = runner.fake_quant.run(rows, stream, amax=amax)
+                out = runner.inner(xq, alpha, out_dtype=x.dtype)
+                return out.reshape(*x.shape[:-1], self.out_features)
+            x_q = _quantize.quantize_nvfp4_with_amax(rows, amax, swizzle=options.swizzle)
+        else:
+            x_q = _quantize.quantize_fp8_with_amax(rows, amax, granularity=tp.amax,
+                                                   elem_dtype=options.elem_dtype)
+        out = _matmul.linear(x_q, self.quantized_weight(), bias=self.bias, out_dtype=x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _to_output_layout(self, out: torch.Tensor, tp: _TPConfig):
+        if tp.style == "colwise":
+            shape = (*out.shape[:-1], tp.full_out)
+            out = DTensor.from_local(out, tp.mesh, tp.local_output, run_check=False, shape=torch.Size(shape),
+                                     stride=_contiguous_stride(shape))
+        else:
+            out = DTensor.from_local(out, tp.mesh, tp.local_output, run_check=False)
+        if tuple(out.placements) != tp.output_layouts:
+            out = out.redistribute(placements=tp.output_layouts)
+        return out.to_local() if tp.use_local_output else out
+
+
 def _shard_in_place(fn: str, module: Linear, mesh: DeviceMesh, style: str, *, src_data_rank,
                     input_layouts: tuple[Placement, ...], output_layouts: tuple[Placement, ...],
                     use_local_output: bool) -> Linear:
@@ -319,31 +440,10 @@ def _shard_in_place(fn: str, module: Linear, mesh: DeviceMesh, style: str, *, sr
     if src_data_rank is not None:
         _broadcast_layer(module, mesh, src_data_rank)
     _adopt(module, _build_local(module, shard, device))
-
-    if style == "colwise":
-        desired_input, local_output = (Replicate(),), (Shard(-1),)
-    else:
-        desired_input, local_output = (Shard(-1),), (Partial(),)
-    full_out = shard.out_features
-
-    def prepare_input(mod, args):
-        return (_input_to_local(args[0], mesh, input_layouts, desired_input), *args[1:])
-
-    def prepare_output(mod, args, out):
-        if output_layouts == local_output and use_local_output:  # column-wise default: nothing to do
-            return out
-        if style == "colwise":
-            shape = (*out.shape[:-1], full_out)
-            out = DTensor.from_local(out, mesh, local_output, run_check=False, shape=torch.Size(shape),
-                                     stride=_contiguous_stride(shape))
-        else:
-            out = DTensor.from_local(out, mesh, local_output, run_check=False)
-        if tuple(out.placements) != output_layouts:
-            out = out.redistribute(placements=output_layouts)
-        return out.to_local() if use_local_output else out
-
-    module.register_forward_pre_hook(prepare_input)
-    module.register_forward_hook(prepare_output)
+    amax = _global_activation_scale(module) if style == "rowwise" and world_size > 1 else None
+    module._tp = _TPConfig(style, mesh, input_layouts, output_layouts, use_local_output, amax,
+                           shard.out_features)
+    module.__class__ = ShardedLinear
     return module
 
 

@@ -407,25 +407,26 @@ def _quantize_mxfp4_reference(x: torch.Tensor, rounding: str, swizzle: bool) -> 
     return MXFP4Tensor(data, _swizzle_scale(scale) if swizzle else scale)
 
 
-def _nvfp4_encode_scale(xf: torch.Tensor) -> torch.Tensor:
-    """S_enc = 2688 / amax_g, capped at FLT_MAX, 1 when amax_g = 0 or the quotient is 0.
+def _nvfp4_encode_scale(xf: torch.Tensor, amax_g: torch.Tensor | None = None) -> torch.Tensor:
+    """S_enc = 2688 / amax_g, capped at FLT_MAX, 1 when amax_g = 0 or the quotient is 0; amax_g is
+    the tensor amax of xf over its finite elements (``amax_bits(xf, "tensor", propagate_nan=False)``)
+    unless given (0-d fp32).
 
-    amax_g is taken over the finite elements: a NaN or an Inf only poisons its own block (whose scale
-    is NaN), and every other block is quantized as if it were absent."""
-    a = xf.abs()
-    a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
-    amax_g = a.amax() if a.numel() else _f32(0.0, xf.device)
+    Over the finite elements: a NaN or an Inf only poisons its own block (whose scale is NaN), and
+    every other block is quantized as if it were absent."""
+    if amax_g is None:
+        amax_g = amax_bits(xf, "tensor", propagate_nan=False).view(torch.float32).reshape(())
     s_enc = (_f32(NVFP4.qmax * FP8_E4M3.qmax, xf.device) / amax_g).clamp(max=_FLT_MAX)
     return torch.where((amax_g == 0) | (s_enc == 0), _f32(1.0, xf.device), s_enc)
 
 
 def _quantize_nvfp4_reference(x: torch.Tensor, global_scale: torch.Tensor | None,
-                              swizzle: bool) -> NVFP4Tensor:
+                              swizzle: bool, amax: torch.Tensor | None = None) -> NVFP4Tensor:
     fmt = NVFP4
     xf = x.detach().to(torch.float32)
     dev = xf.device
     if global_scale is None:
-        s_enc = _nvfp4_encode_scale(xf)
+        s_enc = _nvfp4_encode_scale(xf, None if amax is None else amax.view(torch.float32).reshape(()))
         s_dec = _f32(1.0, dev) / s_enc
     else:
         s_dec = global_scale
@@ -771,6 +772,80 @@ def quantize_fp8(x: torch.Tensor, *, granularity="tensor",
     return FP8Tensor(*torch.ops.tilemm.quantize_fp8(x.detach(), fp8_granularity_name(gran),
                                                     fmt.data_dtype, pow2_scale))
 
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantizing with the amax given: one tensor spread over several processes
+# ----------------------------------------------------------------------------------------------
+#
+# NVFP4's decode scale and FP8's per-tensor / per-row scales come from an amax over the whole tensor
+# (per tensor) or over a whole row of K. When K is split over the ranks of a row-wise tensor-parallel
+# layer, each rank sees a slice: it computes ``amax_bits`` of its slice, the ranks take the maximum
+# (an integer all-reduce of the bits), and each quantizes its slice with that amax. The result is
+# bit for bit the slice of the whole tensor's quantization, because every other step is local to a
+# 16-element block (NVFP4) or to one element (FP8).
+
+
+def amax_bits(x: torch.Tensor, granularity: str, *, propagate_nan: bool) -> torch.Tensor:
+    """max |x| as the int32 bit pattern of an fp32: a (1,) tensor for ``"tensor"``, (..., M, 1) for
+    ``"row"`` (over the last dimension).
+
+    Non-negative fp32 values order like their bit patterns and NaN's exceed +Inf's, so the integer
+    maximum of several of these (``torch.distributed.all_reduce(op=MAX)``, which every backend has
+    for int32) is the amax of the union, NaN propagating: the rule of FP8 per tensor / per row.
+    ``propagate_nan=False`` counts NaN and Inf as 0 (NVFP4's tensor amax, over the finite elements),
+    the rule of ``quantize_kernels.tensor_amax`` and of the reference. Plain tensor ops: CUDA-graph
+    safe.
+    """
+    bits = x.detach().to(torch.float32).abs().view(torch.int32)
+    if not propagate_nan:
+        bits = torch.where(bits >= 0x7F800000, torch.zeros_like(bits), bits)
+    if granularity == "tensor":
+        return bits.amax().reshape(1) if bits.numel() else bits.new_zeros(1)
+    if granularity == "row":
+        return bits.amax(dim=-1, keepdim=True) if bits.numel() else bits.new_zeros(*bits.shape[:-1], 1)
+    raise ValueError(f"amax_bits: granularity must be 'tensor' or 'row', got {granularity!r}")
+
+
+def quantize_nvfp4_with_amax(x: torch.Tensor, amax: torch.Tensor, *, swizzle: bool = False) -> NVFP4Tensor:
+    """``quantize_nvfp4(x, swizzle=swizzle)`` with the tensor amax ``amax`` (``amax_bits(...,
+    "tensor", propagate_nan=False)``, (1,) int32) in place of x's own: S_enc = 2688 / amax exactly
+    as from x's amax. (Passing the decode scale 1 / S_enc as ``global_scale`` is not the same: the
+    quantizer then takes S_enc = 1 / (1 / S_enc), which differs from S_enc in the last bit for about
+    15% of amaxes.) CUDA inputs on sm_90+ run the quantize kernel, others the reference."""
+    check_quantize_nvfp4(x, None, swizzle)
+    if amax.dtype != torch.int32 or amax.numel() != 1 or amax.device != x.device:
+        raise ValueError(f"quantize_nvfp4_with_amax: amax must be a (1,) int32 tensor of fp32 bits on "
+                         f"{x.device}, got {amax.dtype} of shape {tuple(amax.shape)} on {amax.device}")
+    kernels = _quantize_kernels(x)
+    if kernels is not None:
+        data, scale, decode = kernels.quantize_nvfp4(x, None, swizzle, amax=amax.reshape(1))
+        return NVFP4Tensor(data, scale.view(NVFP4.scale_dtype), decode)
+    return _quantize_nvfp4_reference(x.contiguous(), None, swizzle, amax=amax)
+
+
+def quantize_fp8_with_amax(x: torch.Tensor, amax: torch.Tensor, *, granularity: str,
+                           elem_dtype: torch.dtype = torch.float8_e4m3fn) -> FP8Tensor:
+    """``quantize_fp8(x, granularity=granularity)`` for ``"tensor"`` or ``"row"`` with the amax
+    given as ``amax_bits(..., granularity, propagate_nan=True)``: (1,) or x.shape[:-1] + (1,) int32.
+    s = amax / Qmax (1 where 0, NaN where amax is not finite), data = sat_RNE(x / s), with true
+    divisions: the same bits as from x's own amax. Per tensor on the GPU runs the quantize kernel;
+    per row the reference's tensor ops (CUDA-graph safe: the constants are made by kernels)."""
+    fmt, gran = check_quantize_fp8(x, granularity, elem_dtype, False)
+    shape = (1,) if gran == "tensor" else (*x.shape[:-1], 1)
+    if gran not in ("tensor", "row") or amax.dtype != torch.int32 or tuple(amax.shape) != shape:
+        raise ValueError(f"quantize_fp8_with_amax: needs granularity 'tensor' or 'row' and amax an int32 "
+                         f"tensor of shape {shape}, got {granularity!r} and {amax.dtype} {tuple(amax.shape)}")
+    kernels = _quantize_kernels(x)
+    if kernels is not None and gran == "tensor":
+        data, scale = kernels.quantize_fp8(x, fmt, "tensor", False, amax=amax.view(torch.float32))
+        return FP8Tensor(data, scale)
+    a = amax.view(torch.float32)
+    s = a / torch.full((), fmt.qmax, dtype=torch.float32, device=x.device)  # a true division
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    s = torch.where(torch.isfinite(a), s, torch.full_like(s, float("nan")))
+    data = _cast_fp8_rne_satfinite(x.detach().to(torch.float32) / s, fmt).view(fmt.data_dtype)
+    return FP8Tensor(data, s.reshape(()) if gran == "tensor" else s)
 
 # ----------------------------------------------------------------------------------------------
 # Dequantizers

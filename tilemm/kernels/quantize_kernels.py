@@ -1150,13 +1150,18 @@ def amax_value(partial: torch.Tensor) -> torch.Tensor:
     return partial.amax().reshape(1).view(torch.float32)
 
 
-def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None, swizzle: bool):
+def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None, swizzle: bool,
+                   amax: torch.Tensor | None = None):
     """NVFP4 of x (..., K) on the GPU: (data uint8, scale e4m3 bytes as uint8, 0-d fp32 decode scale).
 
     ``global_scale`` (a 0-d fp32 decode scale on x's device) or None: S_enc from the tensor amax over
-    the finite elements, computed by ``tensor_amax`` first."""
+    the finite elements, computed by ``tensor_amax`` first, or ``amax`` when given: (1,) int32, the fp32
+    bits of a known amax (``_tensor_amax`` reads it as one partial maximum)."""
     from_amax = global_scale is None
-    g = tensor_amax(x, propagate_nan=False) if from_amax else global_scale.reshape(1)
+    if not from_amax:
+        g = global_scale.reshape(1)
+    else:
+        g = tensor_amax(x, propagate_nan=False) if amax is None else amax.view(torch.int32).reshape(1)
     g_out = torch.empty(1, dtype=torch.float32, device=x.device)
     full = _operand(x)
     op = full if swizzle else _rows_flattened(full)
@@ -1199,17 +1204,21 @@ class FakeQuant:
         self._kernel = _kernel(_fake_quant_kernel, FAKE_QUANT_CONFIG)
         self._sms = num_sms(alpha.device)
 
-    def run(self, x: torch.Tensor, stream) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, x: torch.Tensor, stream, amax: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(bf16 (M, K) fake-quantized x, NVFP4's ``S_dec * alpha`` or None). ``stream``: a raw handle
-        or a torch.cuda.Stream, the one x's producer ran on."""
+        or a torch.cuda.Stream, the one x's producer ran on. ``amax`` (NVFP4): the tensor amax to use
+        instead of x's, as (1,) int32 fp32 bits (a row-wise tensor-parallel rank's all-reduced one)."""
         m, k = x.shape
         cfg = FAKE_QUANT_CONFIG
         out = torch.empty((m, k), dtype=torch.bfloat16, device=x.device)
         alpha_out = torch.empty(1, dtype=torch.float32, device=x.device) if self.nv else self.alpha
         blocks = -(-m // cfg.tile_r) * -(-k // cfg.tile_k)
-        grid_amax = self.nv and blocks <= self._sms
+        grid_amax = self.nv and blocks <= self._sms and amax is None
         if not self.nv:
             amax = self._stub_i32
+        elif amax is not None:
+            amax = amax.view(torch.int32).reshape(1)
         elif grid_amax:
             amax = _grid_sync(x.device, stream)
         else:

@@ -1,0 +1,107 @@
+"""What the tensor-parallel benchmarks (``bench_tp.py``, ``bench_tp_decode.py``) share: starting the
+ranks, a bf16 ``nn.Linear`` sharded the way ``tilemm.parallel`` shards a tilemm layer (the baseline),
+the GPUs' names and where results go.
+
+``PlainShard`` is the bf16 baseline: torch's own ``ColwiseParallel`` / ``RowwiseParallel`` would turn
+the weight into a DTensor and dispatch every call through DTensor, a per-call host cost that
+``tilemm.parallel.ShardedLinear`` does not pay; comparing against that would flatter tilemm. So the
+bf16 layer is sharded like the tilemm one: the local slice of the weight (``torch.chunk`` slices, as
+DTensor's ``Shard``), ``F.linear`` on plain tensors, and row-wise one ``all_reduce`` of the partial
+sums (bias on rank 0 only).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def start(cpu: bool = False) -> tuple[int, int, torch.device]:
+    """(rank, world size, this rank's GPU) under torchrun: NCCL process group initialized (``cpu``:
+    gloo and the CPU, for smoke tests)."""
+    if "RANK" not in os.environ:
+        raise SystemExit("run under torchrun, e.g. `torchrun --nproc-per-node 2 " + os.path.basename(
+            __import__("sys").argv[0]) + "`")
+    if cpu:
+        dist.init_process_group("gloo")
+        return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local)
+
+
+def out_dir() -> pathlib.Path:
+    """``$OUT`` when it is set (a run on the GPU machine), else ``benchmarks/results``."""
+    path = pathlib.Path(os.environ["OUT"]) if os.environ.get("OUT") else RESULTS
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def gpu_names() -> list[str]:
+    """Every rank's ``torch.cuda.get_device_name()``, in rank order (collective)."""
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    return names
+
+
+def gpus_label(names: list[str]) -> str:
+    """``"2x NVIDIA H100 80GB HBM3"`` (or the list, if the GPUs differ)."""
+    return f"{len(names)}x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
+
+
+def slowest(value: float, device) -> float:
+    """The largest of the ranks' ``value`` (collective)."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _chunk(size: int, rank: int, world: int) -> tuple[int, int]:
+    step = -(-size // world)
+    lo = min(rank * step, size)
+    return lo, min(lo + step, size)
+
+
+class PlainShard(torch.nn.Module):
+    """Rank ``rank``'s piece of a bf16 ``nn.Linear`` (see the module docstring).
+
+    ``style``: "colwise" (output features; output stays sharded, or with ``gather`` all-gathered back
+    to the whole feature dimension, as a vocabulary-parallel ``lm_head`` is) or "rowwise" (input
+    features; all-reduced output). ``group``: the process group of the ranks sharing the layer.
+    """
+
+    def __init__(self, linear: torch.nn.Linear, style: str, group, gather: bool = False):
+        super().__init__()
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        self.style, self.group, self.world, self.gather = style, group, world, gather
+        w = linear.weight.detach()
+        if style == "colwise":
+            lo, hi = _chunk(w.shape[0], rank, world)
+            if gather and (w.shape[0] % world):
+                raise ValueError(f"PlainShard: gather needs out_features % world == 0, got {w.shape[0]}")
+            self.weight = torch.nn.Parameter(w[lo:hi].contiguous(), requires_grad=False)
+            b = None if linear.bias is None else linear.bias.detach()[lo:hi].contiguous()
+        else:
+            lo, hi = _chunk(w.shape[1], rank, world)
+            self.weight = torch.nn.Parameter(w[:, lo:hi].contiguous(), requires_grad=False)
+            b = None if linear.bias is None or rank != 0 else linear.bias.detach().clone()
+        self.bias = None if b is None else torch.nn.Parameter(b, requires_grad=False)
+
+    def forward(self, x):
+        out = F.linear(x, self.weight, self.bias)
+        if self.style == "rowwise":
+            dist.all_reduce(out, group=self.group)
+        elif self.gather:
+            local = out.reshape(-1, out.shape[-1]).contiguous()
+            rows, cols = local.shape
+            parts = torch.empty((self.world * rows, cols), dtype=out.dtype, device=out.device)
+            dist.all_gather_into_tensor(parts, local, group=self.group)  # rank r's rows r*rows ..
+            out = parts.view(self.world, rows, cols).transpose(0, 1).reshape(*out.shape[:-1], self.world * cols)
+        return out

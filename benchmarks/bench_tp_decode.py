@@ -1,0 +1,271 @@
+"""Decode with a Llama-3-8B-shaped model sharded over GPUs by ``tilemm.parallel``, against 1 GPU.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_tp_decode.py                  # sizes 1, 2
+    torchrun --nproc-per-node 4 benchmarks/bench_tp_decode.py --sizes 1,2,4 --layers 16 --tokens 64
+
+The model is ``bench_decode.build_model``'s: transformers' ``LlamaForCausalLM`` from a Llama-3-8B
+config (hidden 4096, intermediate 14336, 32 heads, 8 KV heads, vocab 128256) with random weights
+(seed 0, then rank 0's broadcast to every rank), bf16, SDPA attention; ``--layers N`` keeps the
+first N of its 32 decoder layers. Variants (``--variants``): ``bf16``; ``mxfp4-wo`` / ``nvfp4-wo``
+(every linear but ``lm_head`` quantized by ``tilemm.quantize_model(..., weight_only=True)``);
+``nvfp4`` / ``mxfp8`` (both sides quantized).
+
+Each variant runs on 1 GPU (rank 0; the others wait) and sharded over each of ``--sizes`` GPUs (ranks
+0 .. size - 1), the way Megatron-LM shards a decoder layer: attention's q/k/v projections column-wise
+(each rank keeps its heads: 32 / size query and 8 / size KV heads, its own slice of the KV cache) and
+o_proj row-wise; the MLP's gate/up column-wise and down row-wise; so a layer costs two all-reduces.
+tilemm layers are sharded with ``parallelize_module`` and ``tilemm.parallel.ColwiseParallel`` /
+``RowwiseParallel``; bf16 layers the same way on plain tensors (``benchmarks/_tp.PlainShard``). The
+bf16 ``lm_head`` is split over the vocabulary and its logits all-gathered (one more collective per
+step); embeddings and norms are replicated.
+
+Per variant, size and batch (``--batches``, default 1 and 16), ``bench_decode.run_batch`` runs: a
+random prompt prefilled into a static KV cache, then greedy decoding of ``--tokens`` tokens, eagerly
+and as one CUDA graph per step (forward, argmax, input update; the collectives captured). Measured:
+tokens/s, and the speed-up over the same variant on 1 GPU and over bf16 at the same size, batch and
+execution mode (same run). Accuracy: the first decoded token's logits against the same variant on 1
+GPU (max abs difference; sharding changes only the order of sums).
+
+Writes ``tp-decode-<gpu>-x<N>.json`` and ``.md`` to ``$OUT`` when it is set, else to
+``benchmarks/results/``, naming the GPUs; rewritten after every run, so an interrupted one keeps what
+it measured. No variant is started after ``--max-seconds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import json
+import os
+import shlex
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import bench_decode  # noqa: E402
+import tilemm  # noqa: E402
+from _tp import PlainShard, gpu_names, gpus_label, out_dir, slowest, start  # noqa: E402
+
+VARIANTS = {"bf16": None, "mxfp4-wo": ("mxfp4", True), "nvfp4-wo": ("nvfp4", True),
+            "nvfp4": ("nvfp4", False), "mxfp8": ("mxfp8", False)}
+COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def make_mesh(size: int, world: int, device_type: str):
+    """(mesh or None, group or None) of ranks 0 .. size - 1; called by every rank (collective)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if size == world:
+        mesh = init_device_mesh(device_type, (world,))
+    else:
+        mesh = DeviceMesh(device_type, torch.arange(size))
+    member = dist.get_rank() < size
+    return (mesh, mesh.get_group()) if member else (None, None)
+
+
+def shard_model(model, mesh, group, size: int) -> None:
+    """Shard every decoder layer (column then row, see the module docstring) and the lm_head, in place."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    for key in ("num_attention_heads", "num_key_value_heads"):  # before anything is sharded
+        if getattr(model.config, key) % size:
+            raise ValueError(f"{key}={getattr(model.config, key)} does not split over {size} GPUs")
+    for layer in model.model.layers:
+        plan = {}
+        for name in COLWISE + ROWWISE:
+            sub = layer.get_submodule(name)
+            style = "colwise" if name in COLWISE else "rowwise"
+            if isinstance(sub, tilemm.nn.Linear):
+                plan[name] = (tilemm.parallel.ColwiseParallel() if style == "colwise"
+                              else tilemm.parallel.RowwiseParallel())
+            else:  # bf16 torch.nn.Linear
+                parent, _, child = name.rpartition(".")
+                setattr(layer.get_submodule(parent), child, PlainShard(sub, style, group))
+        if plan:
+            parallelize_module(layer, mesh, plan)
+    model.lm_head = PlainShard(model.lm_head, "colwise", group, gather=True)
+    config = model.config  # the KV cache holds this rank's heads only
+    config.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        setattr(config, key, getattr(config, key) // size)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", default="bf16,nvfp4-wo,mxfp4-wo", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--sizes", default=None, help="comma-separated GPU counts to shard over (default 1 and all)")
+    ap.add_argument("--layers", type=int, default=32, help="decoder layers, the first N of 32")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--max-seconds", type=float, default=0, help="start no new run after this long (0: no limit)")
+    ap.add_argument("--tiny", action="store_true", help="bench_decode's tiny config on the CPU with gloo, eager "
+                    "only (a smoke test of the sharding: torchrun --nproc-per-node 2 ... --tiny)")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.no_graphs = True
+    variants = [v for v in args.variants.split(",") if v]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        ap.error(f"--variants: unknown {bad}")
+    rank, world, device = start(cpu=args.tiny)
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else sorted({1, world})
+    if any(s < 1 or s > world for s in sizes):
+        ap.error(f"--sizes must be in 1 .. {world}, got {sizes}")
+    if rank:
+        bench_decode.log = lambda msg, t0: None  # one rank prints
+    try:
+        return run(args, argv, variants, sizes, rank, world, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(args, argv, variants, sizes, rank, world, device) -> int:
+    t0 = time.time()
+    names = gpu_names()
+    meshes = {s: make_mesh(s, world, device.type) for s in sizes if s > 1}
+    batches = [int(b) for b in args.batches.split(",")]
+    # The tiny config with 4 KV heads, so that it splits over 4 ranks too.
+    shape = dict(bench_decode.TINY, num_key_value_heads=4) if args.tiny else bench_decode.LLAMA3_8B
+    meta = dict(gpus=names, gpu=names[0], world_size=world, date=datetime.date.today().isoformat(),
+                torch=torch.__version__, transformers=__import__("transformers").__version__,
+                command=f"torchrun --nproc-per-node {world} benchmarks/bench_tp_decode.py {shlex.join(argv)}".strip(),
+                model=("tiny Llama (CPU smoke test)" if args.tiny else "Llama-3-8B shape, random weights")
+                + f", first {args.layers} of {32 if not args.tiny else args.layers} layers", layers=args.layers,
+                batches=batches, prompt=args.prompt, tokens=args.tokens, sizes=sizes, skipped=[], failed=[])
+    with torch.no_grad():
+        base = bench_decode.build_model(shape, args.layers, device)
+        for t in list(base.parameters()) + list(base.buffers()):
+            dist.broadcast(t.data, 0)
+        bench_decode.log(f"{gpus_label(names)}: bf16 model built ({bench_decode._size(bench_decode.model_bytes(base))})", t0)
+        records, logits_1gpu = [], {}
+        for variant in variants:
+            for size in sizes:
+                if args.max_seconds > 0 and slowest(time.time() - t0, device) > args.max_seconds:
+                    meta["skipped"].append(f"{variant} x{size}")
+                    continue
+                member = rank < size
+                err = None
+                if member:
+                    try:
+                        records += run_variant(base, variant, size, meshes.get(size), batches, args, device,
+                                               t0, logits_1gpu)
+                    except Exception as e:  # noqa: BLE001 (record, go on)
+                        err = f"{variant} x{size}: {type(e).__name__}: {e}"[:500]
+                        traceback.print_exc()
+                        bench_decode.sync(device)
+                failures = [None] * world
+                dist.all_gather_object(failures, err)
+                meta["failed"] += sorted({f for f in failures if f})
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                dist.barrier()
+                if rank == 0:
+                    add_speedups(records)
+                    meta["seconds"] = time.time() - t0
+                    write(meta, records)
+    if rank == 0:
+        print(markdown(meta, records))
+    return 1 if meta["failed"] else 0
+
+
+def run_variant(base, variant, size, mesh_group, batches, args, device, t0, logits_1gpu) -> list[dict]:
+    model = copy.deepcopy(base)
+    spec = VARIANTS[variant]
+    if spec is not None:
+        tilemm.quantize_model(model, spec[0], skip=["lm_head"], weight_only=spec[1])
+    if size > 1:
+        mesh, group = mesh_group
+        shard_model(model, mesh, group, size)
+    bench_decode.log(f"{variant} on {size} GPU(s): {bench_decode._size(bench_decode.model_bytes(model))} per GPU", t0)
+    out = []
+    for batch in batches:
+        res = bench_decode.run_batch(model, batch, args, device, t0)
+        logits = res["logits"]
+        if size == 1:
+            logits_1gpu[(variant, batch)] = logits
+        ref = logits_1gpu.get((variant, batch))
+        for ex in bench_decode.EXECS:
+            r = res.get(ex)
+            if r is None:
+                continue
+            rec = dict(variant=variant, size=size, batch=batch, exec=ex, prefill_ms=res["prefill_ms"])
+            if "error" in r:
+                rec["error"] = r["error"]
+            else:
+                rec["ms_per_token"] = r["seconds"] / args.tokens * 1e3
+                rec["tokens_per_s"] = batch * args.tokens / r["seconds"]
+                if "tokens_match_eager" in r:
+                    rec["tokens_match_eager"] = r["tokens_match_eager"]
+            if ref is not None and size > 1:
+                rec["logits_max_abs_diff_vs_1gpu"] = (logits - ref).abs().max().item()
+                rec["first_token_agreement_vs_1gpu"] = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
+            out.append(rec)
+    del model
+    return out
+
+
+def add_speedups(records) -> None:
+    by = {(r["variant"], r["size"], r["batch"], r["exec"]): r.get("tokens_per_s") for r in records}
+    for r in records:
+        tps = r.get("tokens_per_s")
+        if tps is None:
+            continue
+        one = by.get((r["variant"], 1, r["batch"], r["exec"]))
+        bf16 = by.get(("bf16", r["size"], r["batch"], r["exec"]))
+        r["speedup_vs_1gpu"] = tps / one if one else None
+        r["speedup_vs_bf16_same_size"] = tps / bf16 if bf16 else None
+
+
+def _f(v, fmt) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def markdown(meta, records) -> str:
+    lines = [f"# Tensor-parallel decode on {gpus_label(meta['gpus'])} ({meta['date']})", "", f"`{meta['command']}`", "",
+             f"{meta['model']}; greedy decoding of {meta['tokens']} tokens after a {meta['prompt']}-token prompt, "
+             f"static KV cache; time per token = decode-loop wall time / tokens. Sharded: attention q/k/v and MLP "
+             f"gate/up column-wise, o_proj and down_proj row-wise (tilemm.parallel; bf16 on plain tensors the "
+             f"same way), lm_head split over the vocabulary and gathered. torch {meta['torch']}, transformers "
+             f"{meta['transformers']}" + (f"; {meta['seconds']:.0f} s in all." if meta.get("seconds") else "."), "",
+             "| variant | GPUs | batch | exec | ms/token | tokens/s | vs 1 GPU | vs bf16 same GPUs | logits max diff vs 1 GPU |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | {r['size']} | {r['batch']} | {r['exec']} | failed: "
+                         f"{r['error'][:100].replace('|', '/')} | | | | |")
+            continue
+        lines.append(f"| {r['variant']} | {r['size']} | {r['batch']} | {r['exec']} | {r['ms_per_token']:.2f} | "
+                     f"{r['tokens_per_s']:.1f} | {_f(r.get('speedup_vs_1gpu'), '.2f')} | "
+                     f"{_f(r.get('speedup_vs_bf16_same_size'), '.2f')} | "
+                     f"{_f(r.get('logits_max_abs_diff_vs_1gpu'), '.3g')} |")
+    mismatched = [f"{r['variant']} x{r['size']} batch {r['batch']}" for r in records if r.get("tokens_match_eager") is False]
+    if mismatched:
+        lines += ["", "CUDA-graph tokens differ from the eager ones: " + ", ".join(mismatched)]
+    if meta["skipped"]:
+        lines += ["", "Skipped (time limit): " + ", ".join(meta["skipped"])]
+    if meta["failed"]:
+        lines += ["", "Failures:", ""] + [f"- {f}" for f in meta["failed"]]
+    return "\n".join(lines) + "\n"
+
+
+def write(meta, records) -> None:
+    stem = f"tp-decode-{meta['gpu'].lower().replace(' ', '-')}-x{meta['world_size']}"
+    path = out_dir() / f"{stem}.json"
+    path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
+    path.with_suffix(".md").write_text(markdown(meta, records))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1151,7 +1151,7 @@ ERROR_CASES = [
     ("mxfp8-0d", lambda: quantize_mxfp8(torch.tensor(1.0)), ValueError,
      r"x must have at least 1 dimension.*got shape \(\)"),
     ("mxfp8-swizzle-1d", lambda: quantize_mxfp8(torch.randn(64), swizzle=True), ValueError,
-     r"x must have at least 2 dimension\(s\) \(\.\.\., M, K\), got shape \(64,\)"),
+     r"x must have at least 2 dimension\(s\) \(\.\.\., M, K\) with swizzle=True.*got shape \(64,\)"),
     ("mxfp8-numpy", lambda: quantize_mxfp8(np.zeros((4, 64), np.float32).tolist()), TypeError,
      r"quantize_mxfp8: x must be a torch.Tensor, got list"),
     ("mxfp8-fp64", lambda: quantize_mxfp8(torch.randn(4, 64, dtype=torch.float64)), TypeError,
@@ -1326,3 +1326,14 @@ def test_swizzle_of_a_1d_input_names_swizzle(quantize):
     with pytest.raises(ValueError, match=r"at least 2 dimension\(s\).*with swizzle=True.*swizzle=False"):
         quantize(torch.randn(64), swizzle=True)
     assert quantize(torch.randn(64)).data.ndim == 1
+
+
+def test_amax_bits_without_propagation_is_over_the_finite_values():
+    # NVFP4's tensor amax (also the one row-wise tensor-parallel ranks all-reduce) leaves NaN and Inf out.
+    from tilemm.quantize import amax_bits, quantize_nvfp4_with_amax
+
+    x = torch.tensor([[1.0, -3.5, INF], [NAN, 2.0, -INF]]).repeat(1, 16)
+    assert amax_bits(x, "tensor", propagate_nan=False).view(torch.float32).item() == 3.5
+    assert amax_bits(x, "tensor", propagate_nan=True).view(torch.float32).isnan().all()
+    q = quantize_nvfp4_with_amax(x, amax_bits(x, "tensor", propagate_nan=False))
+    assert torch.equal(q.scale.view(torch.uint8), quantize_nvfp4(x).scale.view(torch.uint8))

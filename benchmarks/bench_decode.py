@@ -3,6 +3,7 @@
     python benchmarks/bench_decode.py                     # 32 layers, batch 1/4/16, 512 + 128 tokens
     python benchmarks/bench_decode.py --layers 16 --tokens 64   # a shorter run (says "first 16 of 32")
     python benchmarks/bench_decode.py --tiny --no-graphs  # tiny config, a CPU smoke test
+    python benchmarks/bench_decode.py --compile           # torch.compile(mode="reduce-overhead") + tinygemm
 
 The model is transformers' ``LlamaForCausalLM`` built from a Llama-3-8B config (hidden 4096,
 intermediate 14336, 32 heads, 8 KV heads, vocab 128256, rope theta 500000, untied ``lm_head``) with
@@ -33,8 +34,19 @@ before the variant was built: its weights, KV cache, activations and graph pool)
 logits of the first decoded token (the prefill's last position, same prompt) against bf16's: max
 and mean absolute difference in float32, and how often the greedy token agrees.
 
+``--compile`` measures the decode step the way torchao and gpt-fast do instead: the model's forward
+and the argmax of one step under ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (inductor
+with CUDA graphs), for bf16 and every variant alike, with torch's int4 weight-only kernel
+(``torch._weight_int4pack_mm``, "int4-tinygemm": every linear but ``lm_head`` quantized to int4 with
+groups of 32) as a peer in the same run. Its defaults: mxfp4 weight-only, batches 1 and 16, 64
+tokens; the eager and CUDA-graph loops are not run, and the prefill is timed eagerly as the best of 3
+after a warm-up prefill (the first one compiles kernels). Its first decoded tokens are compared with an
+eager run of the same model (``tokens_match_eager``; bf16 roundings of inductor's fusions can make
+them differ without an error).
+
 Targets on the H100 (checked in the summary): with CUDA graphs, 4-bit weight-only (mxfp4, nvfp4)
-at least 2x bf16's tokens/s at batch 1; eagerly, no slower than bf16 at batch 1.
+at least 2x bf16's tokens/s at batch 1; eagerly, no slower than bf16 at batch 1; compiled, 1.7x at
+batch 1 and 1.4x at batch 16, and the 512-token prefill no slower than bf16's.
 
 Writes ``benchmarks/results/decode-<gpu>.json``, ``.md`` and ``.png`` (tokens/s speed-up over bf16
 against the batch size per variant, eager and CUDA-graph panels); the JSON and Markdown are
@@ -59,6 +71,8 @@ import torch
 
 import tilemm
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 FULL_LAYERS = 32
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
@@ -66,10 +80,11 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
 TINY = dict(vocab_size=1000, hidden_size=256, intermediate_size=512, num_attention_heads=4,
             num_key_value_heads=2)
 DEFAULTS = dict(layers=FULL_LAYERS, batches="1,4,16", prompt=512, tokens=128)
+COMPILE_DEFAULTS = dict(batches="1,16", tokens=64, formats="mxfp4", modes="weight_only")
 TINY_DEFAULTS = dict(layers=2, batches="1", prompt=16, tokens=4)
 FORMATS = ("mxfp4", "nvfp4", "mxfp8")
 MODES = ("weight_only", "both_sides")
-EXECS = ("eager", "graph")
+EXECS = ("eager", "graph", "compiled")
 SEED = 0
 WARMUP_EAGER = 3  # untimed eager steps before the timed loop
 WARMUP_GRAPH = 2  # eager steps on a side stream before the capture
@@ -77,7 +92,10 @@ WARMUP_REPLAYS = 8  # untimed replays before the timed loop
 TARGETS = [  # (execution, batch, minimum speed-up over bf16) for 4-bit weight-only
     ("graph", 1, 2.0),
     ("eager", 1, 1.0),
+    ("compiled", 1, 1.7),
+    ("compiled", 16, 1.4),
 ]
+PREFILL_REPS = 3  # timed prefills (best counts) after a warm-up one, with --compile
 
 
 def log(msg: str, t0: float) -> None:
@@ -190,6 +208,66 @@ class Decoder:
             getattr(holder, name).copy_(saved)
 
 
+class Int4Linear(torch.nn.Module):
+    """A linear layer on torch's int4 weight-only kernel (``torch._weight_int4pack_mm``, int4 with
+    groups of 32 along K, bf16 scales and zeros), the peer of ``--compile``."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        from bench_inference import int4_pack
+
+        self.out_features, self.in_features = linear.weight.shape
+        packed, sz = int4_pack(linear.weight.detach())
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", sz)
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from bench_inference import INT4_GROUP
+
+        y = torch._weight_int4pack_mm(x.reshape(-1, self.in_features), self.packed, INT4_GROUP,
+                                      self.scales_and_zeros)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_int4(model: torch.nn.Module, skip=("lm_head",)) -> torch.nn.Module:
+    """Every ``nn.Linear`` of ``model`` but those named in ``skip`` replaced by ``Int4Linear``, in place."""
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear and child_name not in skip:
+                setattr(module, child_name, Int4Linear(child))
+    return model
+
+
+def compiled_step(dec: "Decoder"):
+    """``dec.step`` with the model's forward and the argmax under ``torch.compile(mode="reduce-overhead",
+    fullgraph=True)``; the token bookkeeping (three small in-place ops) stays outside, as in gpt-fast.
+    The cache's tensors are marked static, so the CUDA graphs may update them in place."""
+    for holder in [dec.cache] + list(getattr(dec.cache, "layers", []) or []):
+        for value in vars(holder).values():
+            for t in (value if isinstance(value, (list, tuple)) else [value]):
+                if isinstance(t, torch.Tensor):
+                    torch._dynamo.mark_static_address(t)
+    model, cache, with_cache_position = dec.model, dec.cache, dec.with_cache_position
+
+    def one(ids, pos):
+        kwargs = dict(input_ids=ids, position_ids=pos.view(1, 1), past_key_values=cache, use_cache=True)
+        if with_cache_position:
+            kwargs["cache_position"] = pos
+        return model(**kwargs).logits[:, -1].argmax(-1, keepdim=True)
+
+    fn = torch.compile(one, mode="reduce-overhead", fullgraph=True, dynamic=False)
+
+    def step() -> None:
+        nxt = fn(dec.ids, dec.pos)
+        dec.out.index_copy_(1, dec.pos - dec.start, nxt)
+        dec.ids.copy_(nxt)
+        dec.pos.add_(1)
+
+    return step
+
+
 def prefill(model, cache, prompt: torch.Tensor) -> torch.Tensor:
     """Runs the prompt through the model; returns the last position's logits (float32, (B, vocab))."""
     with_cache_position, keep = forward_kwargs(model)
@@ -222,8 +300,44 @@ def run_batch(model, batch: int, args, device: torch.device, t0: float) -> dict:
     t = time.perf_counter()
     logits = prefill(model, cache, prompt)
     sync(device)
-    result = {"prefill_ms": (time.perf_counter() - t) * 1e3, "logits": logits}
+    prefill_ms = (time.perf_counter() - t) * 1e3
+    if args.compile:  # the first prefill compiled kernels: time it again, each time into a fresh cache
+        times = []
+        for _ in range(PREFILL_REPS):
+            del cache
+            cache = make_cache(model, batch, args.prompt + args.tokens, device)
+            sync(device)
+            t = time.perf_counter()
+            logits = prefill(model, cache, prompt)
+            sync(device)
+            times.append((time.perf_counter() - t) * 1e3)
+        prefill_ms = min(times)
+    result = {"prefill_ms": prefill_ms, "logits": logits}
     dec = Decoder(model, cache, logits.argmax(-1), args.prompt, args.tokens)
+    if args.compile:
+        check = min(8, args.tokens)
+        for _ in range(check):
+            dec.step()
+        eager_tokens = dec.out[:, :check].clone()
+        dec.reset()
+        step = compiled_step(dec)
+        t = time.perf_counter()
+        for _ in range(3):  # inductor compiles, CUDA graph trees warm up, then record
+            step()
+        sync(device)
+        compile_s = time.perf_counter() - t
+        dec.reset()
+        for _ in range(min(WARMUP_REPLAYS, args.tokens)):
+            step()
+        dec.reset()
+        seconds = timed_loop(step, args.tokens, device)
+        result["compiled"] = {"seconds": seconds, "compile_s": compile_s,
+                              "tokens_match_eager": bool(torch.equal(dec.out[:, :check], eager_tokens))}
+        log(f"    batch {batch:3d} compiled {seconds / args.tokens * 1e3:8.2f} ms/token (compile + record "
+            f"{compile_s:.0f} s), prefill {prefill_ms:.1f} ms", t0)
+        del dec, cache, step
+        torch._dynamo.reset()
+        return result
 
     for _ in range(min(WARMUP_EAGER, args.tokens)):
         dec.step()
@@ -287,8 +401,21 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seconds", type=float, default=420.0,
                     help="stop starting new variants after this long, 0 for no limit (the results say "
                          "which were skipped; default 420)")
-    ap.add_argument("--out", default=None, help="result file stem (default decode-<gpu>)")
+    ap.add_argument("--compile", action="store_true",
+                    help='the decode step under torch.compile(mode="reduce-overhead", fullgraph=True) for '
+                         'every variant, plus torch\'s int4 tinygemm; no eager or CUDA-graph loops '
+                         '(defaults: mxfp4 weight-only, batches 1,16, 64 tokens)')
+    ap.add_argument("--no-tinygemm", action="store_true", help="with --compile: leave out the int4 peer")
+    ap.add_argument("--out", default=None, help="result file stem (default decode-<gpu>, "
+                    "decode-compiled-<gpu> with --compile)")
+    explicit = set()
+    for a in (sys.argv[1:] if argv is None else argv):
+        explicit.add(a.split("=")[0].lstrip("-").replace("-", "_"))
     args = ap.parse_args(argv)
+    if args.compile:
+        for key, value in COMPILE_DEFAULTS.items():
+            if key not in explicit:
+                setattr(args, key, value)
     for key, value in (TINY_DEFAULTS if args.tiny else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -326,9 +453,10 @@ def main(argv=None) -> int:
             "model": "tiny Llama" if args.tiny else "Llama-3-8B shape, random weights",
             "config": dict(shape, num_hidden_layers=args.layers), "layers": args.layers,
             "layers_note": layers_note, "batches": batches, "prompt": args.prompt, "tokens": args.tokens,
-            "formats": formats, "modes": modes, "graphs": not args.no_graphs and is_cuda,
+            "formats": formats, "modes": modes, "graphs": not args.no_graphs and is_cuda and not args.compile,
+            "compiled": args.compile,
             "skipped": [], "seconds": None}
-    stem = args.out or "decode-" + gpu.lower().replace(" ", "-")
+    stem = args.out or ("decode-compiled-" if args.compile else "decode-") + gpu.lower().replace(" ", "-")
     log(f"{gpu}: {meta['model']}, {layers_note}; batches {batches}, prompt {args.prompt}, "
         f"{args.tokens} tokens", t0)
 
@@ -341,6 +469,8 @@ def main(argv=None) -> int:
         log(f"bf16 model built: {_size(model_bytes(base))}", t0)
         plan = [("bf16", None, None)] + [(f"{fmt}-{mode.replace('_', '-')}", fmt, mode)
                                          for mode in modes for fmt in formats]
+        if args.compile and not args.no_tinygemm and is_cuda:
+            plan.append(("int4-tinygemm", "int4", "tinygemm"))
         reference = {}
         for name, fmt, mode in plan:
             if args.max_seconds > 0 and time.time() - t0 > args.max_seconds:
@@ -363,7 +493,10 @@ def main(argv=None) -> int:
                     model = base
                 else:
                     model = copy.deepcopy(base)
-                    tilemm.quantize_model(model, fmt, skip=["lm_head"], weight_only=(mode == "weight_only"))
+                    if mode == "tinygemm":
+                        quantize_int4(model)
+                    else:
+                        tilemm.quantize_model(model, fmt, skip=["lm_head"], weight_only=(mode == "weight_only"))
                     sync(device)
                     info["quantize_s"] = time.time() - t
                 info["model_bytes"] = model_bytes(model)
@@ -403,6 +536,8 @@ def main(argv=None) -> int:
                         rec["tokens_per_s"] = batch * args.tokens / r["seconds"]
                         if "tokens_match_eager" in r:
                             rec["tokens_match_eager"] = r["tokens_match_eager"]
+                        if "compile_s" in r:
+                            rec["compile_s"] = r["compile_s"]
                     records.append(rec)
                 logits = res["logits"]
                 if fmt is None:
@@ -440,20 +575,41 @@ def add_speedups(records) -> None:
     """tokens/s over bf16's at the same batch size and execution mode."""
     bf16 = {(r["batch"], r["exec"]): r["tokens_per_s"] for r in records
             if r["variant"] == "bf16" and "tokens_per_s" in r}
+    prefill = {(r["batch"], r["exec"]): r["prefill_ms"] for r in records
+               if r["variant"] == "bf16" and "prefill_ms" in r}
     for r in records:
         key = (r["batch"], r["exec"])
         if "tokens_per_s" in r and key in bf16:
             r["speedup_vs_bf16"] = r["tokens_per_s"] / bf16[key]
+        if "prefill_ms" in r and key in prefill:
+            r["prefill_speedup_vs_bf16"] = prefill[key] / r["prefill_ms"]
 
 
 def targets(records) -> list[dict]:
+    """The targets of 4-bit weight-only variants: tokens/s over bf16 (``TARGETS``); compiled, also the
+    prefill no slower than bf16's and tokens/s above int4 tinygemm's at the same batch size."""
     out = []
+    four_bit = [r for r in records if r.get("mode") == "weight_only" and r.get("format") in ("mxfp4", "nvfp4")]
     for ex, batch, minimum in TARGETS:
-        for r in records:
-            if (r.get("mode") == "weight_only" and r.get("format") in ("mxfp4", "nvfp4") and r["exec"] == ex
-                    and r["batch"] == batch and "speedup_vs_bf16" in r):
-                out.append({"variant": r["variant"], "exec": ex, "batch": batch, "minimum": minimum,
-                            "speedup": r["speedup_vs_bf16"], "met": r["speedup_vs_bf16"] >= minimum})
+        for r in four_bit:
+            if r["exec"] == ex and r["batch"] == batch and "speedup_vs_bf16" in r:
+                out.append({"variant": r["variant"], "exec": ex, "batch": batch, "what": "tokens/s over bf16",
+                            "minimum": minimum, "speedup": r["speedup_vs_bf16"],
+                            "met": r["speedup_vs_bf16"] >= minimum})
+    for r in four_bit:
+        if r["exec"] != "compiled" or "speedup_vs_bf16" not in r:
+            continue
+        if "prefill_speedup_vs_bf16" in r:
+            out.append({"variant": r["variant"], "exec": "prefill", "batch": r["batch"],
+                        "what": "prefill over bf16", "minimum": 1.0, "speedup": r["prefill_speedup_vs_bf16"],
+                        "met": r["prefill_speedup_vs_bf16"] >= 1.0})
+        peer = next((p for p in records if p["variant"] == "int4-tinygemm" and p["exec"] == "compiled"
+                     and p["batch"] == r["batch"] and "speedup_vs_bf16" in p), None)
+        if peer is not None:
+            out.append({"variant": r["variant"], "exec": "compiled", "batch": r["batch"],
+                        "what": "tokens/s over int4 tinygemm", "minimum": 1.0,
+                        "speedup": r["tokens_per_s"] / peer["tokens_per_s"],
+                        "met": r["tokens_per_s"] > peer["tokens_per_s"]})
     return out
 
 
@@ -497,25 +653,31 @@ def markdown(meta, variants, records, accuracy, summary) -> str:
              f"Peak GiB: GPU memory the variant allocated at most (weights, KV cache, activations, CUDA "
              f"graph pool). torch {meta['torch']}, transformers {meta['transformers']}"
              + (f"; {meta['seconds']:.0f} s in all." if meta.get("seconds") else "."), ""]
-    if not meta["graphs"]:
+    if meta.get("compiled"):
+        lines += ['Decode steps under `torch.compile(mode="reduce-overhead", fullgraph=True)` (exec '
+                  '"compiled"; compile and CUDA-graph recording excluded from the timing), prefill timed '
+                  'eagerly (best of 3 after a warm-up); the eager and CUDA-graph loops were not run.', ""]
+    elif not meta["graphs"]:
         lines += ["CUDA graphs not run.", ""]
     if meta["skipped"]:
         lines += [f"Skipped (time limit): {', '.join(meta['skipped'])}.", ""]
     if summary["targets"]:
-        lines += ["Targets (4-bit weight-only at batch 1: CUDA graphs >= 2x bf16, eager >= 1x):", ""]
+        lines += ["Targets (4-bit weight-only):", ""]
         for t in summary["targets"]:
-            lines.append(f"- {t['variant']} {t['exec']}: {t['speedup']:.2f}x (>= {t['minimum']:g}x: "
-                         f"{'met' if t['met'] else 'NOT met'})")
+            lines.append(f"- {t['variant']} {t['exec']} batch {t['batch']}, {t.get('what', 'tokens/s over bf16')}: "
+                         f"{t['speedup']:.2f}x (>= {t['minimum']:g}x: {'met' if t['met'] else 'NOT met'})")
         lines.append("")
-    lines += ["| variant | batch | exec | ms/token | tokens/s | speed-up | model GiB | peak GiB |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["| variant | batch | exec | ms/token | tokens/s | speed-up | prefill ms | prefill speed-up | "
+              "model GiB | peak GiB |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if "error" in r:
             lines.append(f"| {r['variant']} | {r['batch']} | {r['exec']} | failed: "
-                         f"{r['error'][:120].replace('|', '/')} | | | | |")
+                         f"{r['error'][:120].replace('|', '/')} | | | | | | |")
             continue
         lines.append(f"| {r['variant']} | {r['batch']} | {r['exec']} | {r['ms_per_token']:.2f} | "
                      f"{r['tokens_per_s']:.1f} | {_f(r.get('speedup_vs_bf16'), '.2f')}x | "
+                     f"{_f(r.get('prefill_ms'), '.1f')} | {_f(r.get('prefill_speedup_vs_bf16'), '.2f')}x | "
                      f"{_gib(r['model_gib'])} | {_gib(r['peak_gib'])} |")
     mismatched = [f"{r['variant']} batch {r['batch']}" for r in records
                   if r.get("tokens_match_eager") is False]

@@ -71,20 +71,29 @@ def copy_bandwidth(timer: Timer, device) -> float:
     return 2 * src.numel() / (ms * 1e-3)
 
 
+INT4_GROUP = 32
+
+
+def int4_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N, K) quantized to asymmetric int4 with groups of 32 along K, in the layout of
+    ``torch._weight_int4pack_mm``: (packed weight, bf16 scales and zeros)."""
+    n, k = w.shape
+    group = INT4_GROUP
+    wg = w.float().reshape(n, k // group, group)
+    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp_min(1e-6)
+    q = ((wg - lo) / scale).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+    zero = lo + 8 * scale  # torch's convention: w = (q - 8) * scale + zero
+    packed = torch._convert_weight_to_int4pack(((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8), 8)
+    sz = torch.stack([scale.reshape(n, -1), zero.reshape(n, -1)], dim=-1).transpose(0, 1).contiguous()
+    return packed, sz.to(torch.bfloat16)
+
+
 def int4_peer(w: torch.Tensor):
     """``torch._weight_int4pack_mm`` on w quantized to int4 with group 32, or None if unavailable."""
     try:
-        n, k = w.shape
-        group = 32
-        wg = w.float().reshape(n, k // group, group)
-        lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
-        scale = ((hi - lo) / 15).clamp_min(1e-6)
-        q = ((wg - lo) / scale).round().clamp(0, 15).to(torch.int32).reshape(n, k)
-        zero = lo + 8 * scale  # torch's convention: w = (q - 8) * scale + zero
-        packed = torch._convert_weight_to_int4pack(((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8), 8)
-        sz = torch.stack([scale.reshape(n, -1), zero.reshape(n, -1)], dim=-1).transpose(0, 1).contiguous()
-        sz = sz.to(torch.bfloat16)
-        return lambda x: torch._weight_int4pack_mm(x, packed, group, sz)
+        packed, sz = int4_pack(w)
+        return lambda x: torch._weight_int4pack_mm(x, packed, INT4_GROUP, sz)
     except Exception as e:  # noqa: BLE001 (report and go on)
         print(f"  int4 peer unavailable: {type(e).__name__}: {e}")
         return None

@@ -27,6 +27,7 @@ import sys
 import tempfile
 
 from tilemm.kernels import hopper_block_scaled as hbs
+from tilemm.kernels import hopper_weight_only_large as wol
 from tilemm.kernels import weight_only_kernels as wo
 from tilemm.kernels._aot import AotVariant, compile_variant
 from tilemm.formats import MXFP4, MXFP8_E4M3, NVFP4
@@ -101,6 +102,17 @@ def weight_only_variant(name: str, cfg: wo.WeightOnlyConfig) -> tuple[AotVariant
     return v[0], cfg.tile_n * cfg.stack * layout.tile_k * cfg.unroll / threads, 1 if cfg.gemv else cfg.unroll
 
 
+def large_variant(name: str, cfg) -> tuple[AotVariant, float, int]:
+    """(variant, weight elements per thread per main-loop iteration, 1) of the large-M fused kernel
+    (``hopper_weight_only_large``) for a bf16 activation: each K tile's tile_n x tile_k weight elements
+    are decoded once by the block's 256 threads and feed tile_m columns of x."""
+    layout = wo.LAYOUTS[name]
+    v = [a for a in wol.aot_variants() if a.name == f"weight_only_large_{name}_{cfg.name}"]
+    if not v:
+        raise KeyError(f"no large-M weight-only variant {name} {cfg.name}")
+    return v[0], cfg.tile_n * layout.tile_k / 256, 1
+
+
 def stream_variant(fmt, tile_m: int = 16) -> tuple[AotVariant, float, int]:
     """The block-scaled stream kernel (both operands quantized) as ``plan`` picks it for small M."""
     cfg = hbs.stream_config(fmt, 1, tile_m, 14336, 4096)
@@ -123,10 +135,12 @@ def default_variants():
     """The weight-only kernels as ``plan`` picks them, per layout: the FMA kernel at M = 1 (N = 14336,
     K = 4096), the MMA kernel at M = 16 with a K split (N = 2048, K = 4096) and without (N = 14336),
     with stacked K tiles at M = 4 (N = 8192: 32-row blocks; N = 4096: 16-row blocks) and M = 16 (N =
-    4096: 32 rows in 128 MMA rows); and the block-scaled stream kernel at M = 16."""
+    4096: 32 rows in 128 MMA rows); the block-scaled stream kernel at M = 16; and the large-M fused
+    kernel (its first candidate: 128 weight rows x 128 rows of x, one MMA per K tile)."""
     out = [weight_only_variant(name, wo.plan(m, n, 4096, layout)) for name, layout in wo.LAYOUTS.items()
            for m, n in ((1, 14336), (16, 2048), (16, 14336), (4, 8192), (4, 4096), (16, 4096))]
     out += [stream_variant(fmt) for fmt in (MXFP4, NVFP4, MXFP8_E4M3)]
+    out += [large_variant(name, wol.CANDIDATES[0]) for name in ("mxfp4", "nvfp4", "mxfp8_e4m3")]
     return out
 
 

@@ -29,11 +29,11 @@ import cuda.tile as ct
 __all__ = ["Tile", "EmuArray", "TileEmulator", "LaunchProxy", "CT_DTYPE_OF_TORCH", "assert_matches"]
 
 CT_DTYPE_OF_TORCH = {torch.float32: ct.float32, torch.bfloat16: ct.bfloat16, torch.float16: ct.float16,
-                     torch.uint8: ct.uint8, torch.int32: ct.int32, torch.float8_e4m3fn: ct.float8_e4m3fn,
+                     torch.uint8: ct.uint8, torch.int32: ct.int32, torch.int64: ct.int64, torch.float8_e4m3fn: ct.float8_e4m3fn,
                      torch.float8_e5m2: ct.float8_e5m2}
 _FLOAT_TORCH = {ct.float32: torch.float32, ct.bfloat16: torch.bfloat16, ct.float16: torch.float16}
 _FP8_TORCH = {ct.float8_e4m3fn: torch.float8_e4m3fn, ct.float8_e5m2: torch.float8_e5m2}
-_INT_DTYPES = (ct.uint8, ct.uint16, ct.int32, ct.uint32)
+_INT_DTYPES = (ct.uint8, ct.uint16, ct.int32, ct.uint32, ct.int64)
 # Integer tiles hold int64 values; results wrap to the dtype's width, as the hardware's do.
 _INT_BITS = {ct.uint8: 8, ct.uint16: 16, ct.int32: 32, ct.uint32: 32}
 _SIXTEEN_BIT = (ct.bfloat16, ct.float16)
@@ -131,7 +131,7 @@ class EmuArray:
     @property
     def values(self):
         if self._values is None:
-            if self.tensor.dtype in (torch.uint8, torch.int32):
+            if self.tensor.dtype in (torch.uint8, torch.int32, torch.int64):
                 self._values = self.tensor.to(torch.int64).numpy()
             else:
                 self._values = self.tensor.to(torch.float64).numpy()
@@ -183,7 +183,7 @@ class TileEmulator:
     def __init__(self):
         self._bid = 0
         self._grid = 1
-        for name in ("uint8", "uint16", "int32", "uint32", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu",
+        for name in ("uint8", "uint16", "int32", "uint32", "int64", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu",
                      "float4_e2m1fn"):
             setattr(self, name, getattr(ct, name))
         for name in ("float32", "float16", "bfloat16"):
@@ -338,6 +338,19 @@ class TileEmulator:
         return old
 
     @staticmethod
+    def minimum(a, b):
+        return Tile(_round(np.minimum(np.asarray(a), np.asarray(b)), a.ct_dtype), a.ct_dtype)
+
+    @staticmethod
+    def maximum(a, b):
+        return Tile(_round(np.maximum(np.asarray(a), np.asarray(b)), a.ct_dtype), a.ct_dtype)
+
+    @staticmethod
+    def exp(tile):
+        """exp, rounded once to the tile's dtype (the hardware's is within a few ulp of that)."""
+        return Tile(_round(np.exp(np.asarray(tile, dtype=np.float64)), tile.ct_dtype), tile.ct_dtype)
+
+    @staticmethod
     def sum(tile, axis):
         """Sum along ``axis``, rounded once to the tile's dtype (the order of a reduction is not
         specified, so the model takes the exact sum)."""
@@ -366,15 +379,57 @@ class TileEmulator:
     def load(array, index, shape, *, padding_mode=ct.PaddingMode.UNDETERMINED, **hints):
         if hints.get("order") is not None:
             raise NotImplementedError("load with order= (a transposed read) is not modelled")
+        if shape == ():  # one element, as a 0-d tile (cuTile's scalar load)
+            index = tuple(int(i) for i in index)
+            if not all(0 <= i < n for i, n in zip(index, array.shape)):
+                raise IndexError(f"scalar load at {index} outside {tuple(array.shape)}")
+            return Tile(np.asarray(array.values[index]), array.dtype)
         src, dst = _window(array.shape, index, shape)
         fill = 0 if padding_mode == ct.PaddingMode.ZERO else math.nan  # undefined in cuTile: poison it
         out = np.full(shape, fill, dtype=np.float64)
         out[dst] = array.values[src]
-        if array.dtype in (ct.uint8, ct.int32):
+        if array.dtype in (ct.uint8, ct.int32, ct.int64):
             if math.isnan(fill) and out.size != out[dst].size:
                 raise ValueError("integer load past the edge without ZERO padding")
             out = out.astype(np.int64)
         return Tile(out, array.dtype)
+
+    @staticmethod
+    def gather(array, indices, *, mask=None, padding_value=0, check_bounds=True, **hints):
+        """array[indices] with broadcast index tiles; out-of-bounds (or masked-off) elements take
+        ``padding_value``."""
+        if not isinstance(indices, tuple):
+            indices = (indices,)
+        idx = np.broadcast_arrays(*[np.asarray(i, dtype=np.int64) for i in indices])
+        ok = np.ones(idx[0].shape, dtype=bool)
+        for i, n in zip(idx, array.shape):
+            ok &= (i >= 0) & (i < n)
+        if mask is not None:
+            ok &= np.broadcast_to(np.asarray(mask, dtype=bool), ok.shape)
+        safe = tuple(np.where(ok, i, 0) for i in idx)
+        out = np.where(ok, array.values[safe], padding_value).astype(np.float64)
+        if array.dtype in _INT_DTYPES:
+            out = out.astype(np.int64)
+        return Tile(out, array.dtype)
+
+    @staticmethod
+    def scatter(array, indices, value, *, mask=None, check_bounds=True, **hints):
+        """array[indices] = value for the in-bounds (and unmasked) elements."""
+        if not isinstance(indices, tuple):
+            indices = (indices,)
+        if getattr(value, "ct_dtype", array.dtype) != array.dtype:
+            raise TypeError(f"scattering a {value.ct_dtype} tile into a {array.dtype} array")
+        idx = np.broadcast_arrays(*[np.asarray(i, dtype=np.int64) for i in indices],
+                                  np.asarray(value, dtype=np.float64))
+        vals, idx = idx[-1], idx[:-1]
+        ok = np.ones(vals.shape, dtype=bool)
+        for i, n in zip(idx, array.shape):
+            ok &= (i >= 0) & (i < n)
+        if mask is not None:
+            ok &= np.broadcast_to(np.asarray(mask, dtype=bool), ok.shape)
+        where = tuple(torch.from_numpy(np.ascontiguousarray(i[ok])) for i in idx)
+        array.tensor[where] = torch.from_numpy(np.ascontiguousarray(vals[ok])).to(array.tensor.dtype)
+        array.stored()
 
     @staticmethod
     def store(array, index, tile):

@@ -86,3 +86,20 @@ def test_stacked_main_loop_instructions_per_element(layout, n):
     assert row["per_element"] <= STACKED_BOUNDS[layout], (
         f"{variant.name}: {row['per_element']:.2f} SASS instructions per weight element in the main loop "
         f"(bound {STACKED_BOUNDS[layout]}): {row['top']}")
+
+
+#: The large-M fused kernel (``hopper_weight_only_large``, 128x128, one MMA per K tile), MXFP4: 3.22
+#: with tileiras 13.4.
+LARGE_BOUND = 3.5
+
+
+@pytest.mark.skipif(COMPILER_MISSING is not None, reason=COMPILER_MISSING or "")
+@pytest.mark.skipif(_nvdisasm_missing() is not None, reason=_nvdisasm_missing() or "")
+def test_large_m_kernel_main_loop_instructions_per_element():
+    from tilemm.kernels import hopper_weight_only_large as wol
+
+    variant, elements, unroll = decode_cost.large_variant("mxfp4", wol.CANDIDATES[0])
+    row = decode_cost.report(variant, elements, unroll)  # main_loop raises unless the loop holds HGMMA
+    assert row["per_element"] <= LARGE_BOUND, (
+        f"{variant.name}: {row['per_element']:.2f} SASS instructions per weight element in the main loop "
+        f"(bound {LARGE_BOUND}): {row['top']}")

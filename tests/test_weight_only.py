@@ -78,7 +78,7 @@ def test_prepack_errors_name_the_argument():
     w = tilemm.quantize_fp8(torch.randn(4, 32), granularity="row")
     with pytest.raises(TypeError, match="w_q must be"):
         prepack(w)
-    w = tilemm.quantize_mxfp4(torch.randn(2, 4, 32))
+    w = tilemm.quantize_mxfp4(torch.randn(2, 2, 4, 32))  # 3-D is a stack of experts (tests/test_moe.py)
     with pytest.raises(ValueError, match="2-D"):
         prepack(w)
 
@@ -396,3 +396,93 @@ def test_nvfp4_weight_with_an_inf_poisons_only_its_output_column():
     keep = torch.arange(24) != 5
     assert not out[:, keep].isnan().any()
     assert torch.equal(out[:, keep], tilemm.linear(x, prepack(clean), out_dtype=torch.float32)[:, keep])
+
+
+def test_a_call_is_one_launch_and_only_the_output_allocation(monkeypatch):
+    """What the custom op runs per call (a runner that keeps nothing, no bias, a K split): exactly one
+    kernel launch and, of torch operations, only the output's allocation and views -- no fill kernel
+    (zeroed counters, a zero bias) and no workspace allocation, so that under torch.compile's CUDA
+    graphs a weight-only linear is one kernel. The launch is stubbed; the first call sets up the shared
+    persistent buffers."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import tilemm.weight_only as wol
+
+    launches = []
+
+    class Stub:
+        def __getattr__(self, name):
+            return getattr(wo.ct, name)
+
+        @staticmethod
+        def launch(stream, grid, kernel, args):
+            launches.append(args)
+
+    monkeypatch.setattr(wo, "ct", Stub())
+    monkeypatch.setattr(wol, "_raw_stream", lambda index: 0)
+    packed = prepack(quantized_weight(MXFP4, 40, 1024))
+    x = torch.randn(5, 1024)
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def call():
+        runner = wol.WeightOnlyRunner(packed, None, keep_workspace=False)
+        runner._sms = 132
+        assert runner.config(5).split_k > 1
+        return runner(x)
+
+    call()
+    launches.clear()
+    with Ops() as ops:
+        call()
+    assert len(launches) == 1
+    allocations = [n for n in ops.names if n.startswith(("empty", "zeros", "full", "new_", "fill", "zero"))]
+    assert allocations == ["empty.memory_format"], ops.names
+    assert set(ops.names) <= {"empty.memory_format", "slice.Tensor", "view.default", "alias.default"}, ops.names
+    partial, counters = launches[0][7], launches[0][8]
+    assert partial.shape == (2, 5, 40) and counters.dtype == torch.int32
+    assert partial.untyped_storage().data_ptr() == wo._WORKSPACES[(x.device, 0)]["partial"].untyped_storage().data_ptr()
+
+
+def test_shared_workspace_split_k_matches_reference(emulated):
+    """Launches on one stream share the persistent split-K workspace: consecutive launches of
+    different shapes and splits (on the emulator) each match the reference and leave the counters
+    at zero."""
+    for (m, n, k, split, fmt) in ((5, 40, 1024, 4, MXFP4), (3, 70, 1344, 2, NVFP4), (5, 40, 1024, 2, MXFP8_E4M3)):
+        w_q = quantized_weight(fmt, n, k, seed=m + n, scale_bytes=(105, 122) if fmt.is_mx else (1, 0x50))
+        packed = prepack(w_q)
+        x = torch.randn(m, k)
+        prepared = wo.Prepared(packed.words, packed.scale_t, packed.constants, wo.zero_bias(x.device, n),
+                               packed.layout, wo.WeightOnlyConfig(16, 16, split), m, x.dtype,
+                               keep_workspace=False)
+        out = torch.full((m, n), float("nan"))
+        prepared.run(x, out, 11)
+        assert_matches(out, _reference(x, w_q), torch.float32)
+        assert int(wo._WORKSPACES[(x.device, 11)]["counters"].count_nonzero()) == 0
+    assert int(wo.zero_bias(x.device, 70).count_nonzero()) == 0
+
+
+def test_a_capture_on_a_fresh_stream_uses_the_graph_workspace(monkeypatch):
+    """A non-capturing call sizes both its stream's workspace and the device's graph workspace, so a
+    CUDA-graph capture on another stream (the usual warm-up-elsewhere pattern) finds a workspace
+    without allocating; a capture that finds none allocates in the graph."""
+    device = torch.device("cpu")
+    monkeypatch.setattr(wo, "_WORKSPACES", {})
+    eager = wo.workspace(device, 5, 4, 5, 40, 3)
+    graphs = wo._WORKSPACES[(device, "graphs")]
+    monkeypatch.setattr(wo, "_capturing", lambda d: True)
+    partial, counters = wo.workspace(device, 9, 4, 5, 40, 3)
+    assert partial.untyped_storage().data_ptr() == graphs["partial"].untyped_storage().data_ptr()
+    assert counters.untyped_storage().data_ptr() == graphs["counters"].untyped_storage().data_ptr()
+    assert partial.untyped_storage().data_ptr() != eager[0].untyped_storage().data_ptr()
+    assert (device, 9) not in wo._WORKSPACES  # nothing allocated outside the graph while capturing
+    big = wo.workspace(device, 9, 4, 5, 60000, 3)  # larger than any workspace: allocated in the graph
+    assert big[0].shape == (4, 5, 60000) and int(big[1].count_nonzero()) == 0
+    assert (device, 9) not in wo._WORKSPACES

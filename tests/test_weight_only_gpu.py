@@ -36,7 +36,7 @@ def _check(out, ref, dtype):
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 # M: one row, a partial 16-row tile, 33 (tile_m 64), 200 (tile_m 128, two M tiles), 600 (bf16: the
-# dequantize + cuBLAS path, LARGE_M); N = 200: a partial
+# large-M plan of hopper_weight_only_large, with a bias); N = 200: a partial
 # weight tile and an unaligned scale row; K = 4128: not a multiple of tile_k, splits over many tiles.
 @pytest.mark.parametrize("m", [1, 7, 33, 200, 600])
 def test_matches_the_oracle(fmt, x_dtype, m):

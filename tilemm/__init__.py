@@ -18,6 +18,7 @@ from .quantize import (FP8Tensor, MXFP4Tensor, MXFP8Tensor, NVFP4Tensor, dequant
 from .packed import PackedWeight, prepack, unpack
 from . import ops  # registers torch.ops.tilemm.* (the public functions above call them)
 from . import nn
+from .moe import moe_linear
 from .nn import quantize_model
 from . import checkpoints
 from .checkpoints import export_quantized, load_quantized
@@ -41,7 +42,7 @@ __all__ = [
     "dequantize", "dequantize_mxfp8", "dequantize_mxfp4", "dequantize_nvfp4", "dequantize_fp8",
     "MXFP8Tensor", "MXFP4Tensor", "NVFP4Tensor", "FP8Tensor",
     "mxfp8_matmul", "mxfp4_matmul", "nvfp4_matmul", "fp8_matmul", "linear",
-    "prepack", "unpack", "PackedWeight",
+    "prepack", "unpack", "PackedWeight", "moe_linear",
     "swizzle_32_4_4", "unswizzle_32_4_4", "UnsupportedGPUError", "crosscheck",
     "nn", "quantize_model", "checkpoints", "load_quantized", "export_quantized",
     "parallel", "shard_linear", "ops", "formats", "numerics", "reference",

@@ -830,7 +830,8 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
             ``hf_quant_config.json`` (``quantization``) is read when ``quantization_config`` is None.
         convention: ``"compressed-tensors"``, ``"modelopt"`` or ``"torchao"`` (tensor-subclass
             weights in the state dict, e.g. ``model.state_dict()`` after ``torchao.quantize_``).
-            gpt-oss experts are not ``nn.Linear`` layers: read them with :func:`from_gpt_oss`.
+            ``"gpt-oss"``: the MXFP4 experts blocks (``*_blocks`` / ``*_scales``) become
+            ``tilemm.moe.MoEExperts`` modules; every other tensor loads as it is.
         quantization_config: compressed-tensors: the ``quantization_config`` dict (config groups
             with targets, ``ignore``, ``format``); ModelOpt: the ``quantization`` dict of
             ``hf_quant_config.json`` (``quant_algo``, ``exclude_modules``). Required for those two.
@@ -859,11 +860,10 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{fn}: model must be a torch.nn.Module, got {type(model).__name__}")
     _check_convention(fn, convention)
-    if convention == "gpt-oss":
-        raise ValueError(f"{fn}: gpt-oss stores its MXFP4 weights in mixture-of-experts blocks, not "
-                         f"torch.nn.Linear layers; read them with tilemm.checkpoints.from_gpt_oss(blocks, "
-                         f"scales) and build one tilemm.nn.Linear per expert with Linear.from_quantized")
     tensors, found_config = _read_state_dict(fn, state_dict_or_path)
+    if convention == "gpt-oss":
+        used, new_keys = _load_gpt_oss_experts(fn, model, tensors)
+        return _load_rest(fn, model, tensors, used, new_keys, strict)
     config = quantization_config if quantization_config is not None else found_config
     if config is not None and not isinstance(config, Mapping):
         raise TypeError(f"{fn}: quantization_config must be a dict, got {type(config).__name__}")
@@ -929,6 +929,12 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
         used.update(prefix + key for key in weight_tensors)
         used.update(prefix + key for key in local if key == "bias")
         new_keys.update(prefix + key for key in converted[id(module)].state_dict())
+    return _load_rest(fn, model, tensors, used, new_keys, strict)
+
+
+def _load_rest(fn: str, model, tensors, used: set, new_keys: set, strict: bool):
+    """Load the checkpoint tensors the swapped modules did not take (``load_state_dict(assign=True)``),
+    and with ``strict`` refuse a missing parameter or an unused tensor."""
     dropped = {k for k in tensors if k.rpartition(".")[2] in ACTIVATION_SCALE_NAMES}
     own = set(model.state_dict())
     kv_scales = _keep_kv_cache_scales(model, {k: v for k, v in tensors.items() if k not in own})
@@ -944,6 +950,68 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
             raise ValueError(f"{fn}: the checkpoint does not fit the model: missing "
                              f"{', '.join(missing) or 'none'}; not used {', '.join(unexpected) or 'none'}")
     return model
+
+
+def _load_gpt_oss_experts(fn: str, model: torch.nn.Module, tensors: Mapping) -> tuple[set, set]:
+    """Replace every gpt-oss experts block of ``model`` (transformers' ``GptOssExperts``, or a
+    ``tilemm.moe.MoEExperts``) by a ``MoEExperts`` filled from the checkpoint's ``<name>.gate_up_proj_blocks``
+    / ``_scales`` / ``_bias`` and ``<name>.down_proj_*``: the MXFP4 bytes are prepacked expert by expert
+    on the module's device (the CPU for a meta module); no bf16 expert is built. Returns (checkpoint
+    keys used, the new modules' state-dict keys)."""
+    from .moe import GPT_OSS_EXPERTS, MoEExperts
+
+    used: set[str] = set()
+    new_keys: set[str] = set()
+    found = 0
+    for name, module in list(model.named_modules()):
+        if not (type(module).__name__ == GPT_OSS_EXPERTS or isinstance(module, MoEExperts)) or not name:
+            continue
+        found += 1
+        prefix = name + "."
+        keys = {f"{p}_{s}": prefix + f"{p}_{s}" for p in ("gate_up_proj", "down_proj")
+                for s in ("blocks", "scales")}
+        missing = [k for k in keys.values() if k not in tensors]
+        if missing:
+            raise ValueError(f"{fn}: experts {name!r}: the checkpoint has no {', '.join(missing)} (gpt-oss "
+                             f"MXFP4 experts are stored as <name>.gate_up_proj_blocks / _scales and "
+                             f"<name>.down_proj_blocks / _scales)")
+        try:
+            gate_up = from_gpt_oss(tensors[keys["gate_up_proj_blocks"]], tensors[keys["gate_up_proj_scales"]])
+            down = from_gpt_oss(tensors[keys["down_proj_blocks"]], tensors[keys["down_proj_scales"]])
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{fn}: experts {name!r}: {err}") from None
+        e, h, i = module.num_experts, module.hidden_size, module.intermediate_size
+        for proj, q, want in (("gate_up_proj", gate_up, (e, 2 * i, h)), ("down_proj", down, (e, h, i))):
+            got = (*q.data.shape[:-1], 2 * q.data.shape[-1])
+            if got != want:
+                raise ValueError(f"{fn}: experts {name!r}: {proj} is (E, N, K) = {want} in the model but "
+                                 f"{got} in the checkpoint")
+        biases = {}
+        for proj, n in (("gate_up_proj", 2 * i), ("down_proj", h)):
+            b = tensors.get(prefix + proj + "_bias")
+            if b is not None and tuple(b.shape) != (e, n):
+                raise ValueError(f"{fn}: experts {name!r}: {proj}_bias is {tuple(b.shape)} in the checkpoint, "
+                                 f"expected (E, N) = ({e}, {n})")
+            biases[proj] = b
+            if b is not None:
+                used.add(prefix + proj + "_bias")
+        device = next((t.device for t in module.buffers() if t.device.type != "meta"),
+                      next((t.device for t in module.parameters() if t.device.type != "meta"),
+                           torch.device("cpu")))
+        from .packed import prepack
+
+        packed = [prepack([MXFP4Tensor(q.data[x].to(device), q.scale[x].to(device)) for x in range(e)])
+                  for q in (gate_up, down)]
+        new = MoEExperts(*packed, biases["gate_up_proj"], biases["down_proj"],
+                         alpha=getattr(module, "alpha", 1.702), limit=getattr(module, "limit", 7.0))
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, new)
+        used.update(keys.values())
+        new_keys.update(prefix + k for k in new.state_dict())
+    if not found:
+        raise ValueError(f"{fn}: convention 'gpt-oss' loads gpt-oss experts blocks (GptOssExperts), and "
+                         f"model has none")
+    return used, new_keys
 
 
 def export_quantized(model: torch.nn.Module, convention: str) -> tuple[dict[str, torch.Tensor], dict]:

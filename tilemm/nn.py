@@ -616,6 +616,10 @@ def quantize_model(model: torch.nn.Module, format: str, *,
             fp32) and quantize it again in ``format`` (the error of both quantizations adds up; the
             bias is kept).
 
+    With ``weight_only=True`` and mxfp4, nvfp4 or mxfp8, transformers' gpt-oss experts blocks
+    (``GptOssExperts``) are replaced too, by :class:`tilemm.moe.MoEExperts` (each expert's projections
+    quantized along K, stacked; ``tilemm.moe_linear`` runs them).
+
     Layers whose ``in_features`` is not a multiple of the format's block size (32 for mxfp8 / mxfp4,
     16 for nvfp4, 128 for fp8 (128, 128) blocks) stay unquantized; one ``UserWarning`` lists them.
 
@@ -653,7 +657,13 @@ def quantize_model(model: torch.nn.Module, format: str, *,
                 misfits.append(f"{name} (in_features={module.in_features})")
                 continue
             converted[id(module)] = Linear.from_float(_dequantized(module), format, **options.as_kwargs())
-        if isinstance(module, Linear) and id(module) in converted:
+        if _is_gpt_oss_experts(module) and options.packed and name and not is_skipped(name, module):
+            # gpt-oss's experts block (not nn.Linear layers): stacked packed experts (tilemm.moe).
+            from .moe import MoEExperts
+
+            if id(module) not in converted:
+                converted[id(module)] = MoEExperts.from_gpt_oss(module, format, quantizer=options.quantize_weight)
+        if id(module) in converted and (isinstance(module, Linear) or _is_gpt_oss_experts(module)):
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, converted[id(module)])
             continue
@@ -683,6 +693,13 @@ def _dequantized(layer: Linear) -> torch.nn.Linear:
     if layer.bias is not None:
         out.bias = torch.nn.Parameter(layer.bias.detach().clone(), requires_grad=False)
     return out
+
+
+def _is_gpt_oss_experts(module: torch.nn.Module) -> bool:
+    """transformers' gpt-oss experts block (matched by name: transformers is not a dependency)."""
+    from .moe import GPT_OSS_EXPERTS
+
+    return type(module).__name__ == GPT_OSS_EXPERTS
 
 
 def _skip_predicate(fn: str, model: torch.nn.Module, skip) -> Callable[[str, torch.nn.Module], bool]:

@@ -20,6 +20,14 @@ A ``PackedWeight`` holds:
 
 Weights that the kernel cannot reproduce exactly are refused with a ValueError naming the reason: an
 e5m2 Inf element, or a block whose dequantized values overflow fp32 (the reference gives +-inf there).
+
+Stacked expert weights (mixture of experts, ``tilemm.moe_linear``): ``prepack`` of a 3-D (E, N, K)
+quantized weight, or of a sequence of E quantized (N, K) weights (one per expert: NVFP4 experts with
+their own per-tensor scales), gives one PackedWeight whose tensors carry a leading expert dimension:
+``words`` (E, N, k_tiles * words_per_tile), ``scale_t`` (E, K / B, N), ``constants`` (E, 2) (one
+shared exponent E, the largest any expert needs, so ``constants[:, 1]`` is one value; ``constants[e, 0]``
+carries expert e's decode scale), ``global_scale`` (E,) for NVFP4. Each expert is prepacked on its own,
+so the temporary fp32 copy of the finiteness check never exceeds one expert.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from .kernels.weight_only_kernels import LAYOUTS, Layout
 from .numerics import as_uint8, e2m1_decode, unpack_e2m1, pack_e2m1
 from .reference import decode_scales
 
-__all__ = ["PackedWeight", "prepack", "unpack", "layout_of"]
+__all__ = ["PackedWeight", "prepack", "unpack", "layout_of", "expert"]
 
 _FP32_MAX_LOG2 = 128.0  # values at or above 2^128 overflow fp32
 
@@ -70,12 +78,18 @@ class PackedWeight:
 
     @property
     def out_features(self) -> int:
-        return self.words.shape[0]
+        return self.words.shape[-2]
 
     @property
-    def shape(self) -> tuple[int, int]:
-        """The logical (N, K) shape of the weight."""
-        return (self.out_features, self.in_features)
+    def num_experts(self) -> int | None:
+        """E for a stacked expert weight (``words`` is 3-D), None for a single (N, K) weight."""
+        return self.words.shape[0] if self.words.ndim == 3 else None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical (N, K) shape of the weight, or (E, N, K) for stacked experts."""
+        lead = () if self.num_experts is None else (self.num_experts,)
+        return (*lead, self.out_features, self.in_features)
 
     @property
     def device(self) -> torch.device:
@@ -164,11 +178,13 @@ def _check_finite_dequant(fn: str, fmt: Format, values: torch.Tensor, scale: tor
 
 
 def prepack(w_q) -> PackedWeight:
-    """Lay out a quantized (N, K) weight for the weight-only matmul, once.
+    """Lay out a quantized (N, K) weight, or stacked expert weights, for the weight-only matmul, once.
 
     Args:
         w_q: an ``MXFP4Tensor``, ``NVFP4Tensor`` or ``MXFP8Tensor`` holding a 2-D (N, K) weight (an
-            ``nn.Linear`` weight quantized along K), with logical or swizzled scales, on any device.
+            ``nn.Linear`` weight quantized along K), with logical or swizzled scales, on any device;
+            or a 3-D (E, N, K) one (E experts, each quantized along K, logical scales), or a list /
+            tuple of E such 2-D weights of one format and shape (stacked; see the module docstring).
 
     Returns:
         A :class:`PackedWeight` on the same device; ``unpack`` inverts it exactly.
@@ -176,11 +192,21 @@ def prepack(w_q) -> PackedWeight:
     from .quantize import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
 
     fn = "tilemm.prepack"
+    if type(w_q) in (list, tuple):  # (exactly: the quantized tensors are NamedTuples themselves)
+        return _prepack_experts(fn, list(w_q))
     if not isinstance(w_q, (MXFP4Tensor, NVFP4Tensor, MXFP8Tensor)):
         raise TypeError(f"{fn}: w_q must be an MXFP4Tensor, NVFP4Tensor or MXFP8Tensor (from "
-                        f"tilemm.quantize_*), got {type(w_q).__name__}")
+                        f"tilemm.quantize_*), or a list of them (stacked experts), got {type(w_q).__name__}")
+    if w_q.data.ndim == 3:
+        if w_q.swizzled:
+            raise ValueError(f"{fn}: a stacked (E, N, K) weight needs logical scales (E, N, K/B), got the "
+                             f"swizzled layout {tuple(w_q.scale.shape)}; quantize with swizzle=False")
+        cls = type(w_q)
+        extra = (w_q.global_scale,) if cls is NVFP4Tensor else ()
+        return _prepack_experts(fn, [cls(w_q.data[e], w_q.scale[e], *extra) for e in range(w_q.data.shape[0])])
     if w_q.data.ndim != 2:
-        raise ValueError(f"{fn}: w_q must hold a 2-D (N, K) weight, got data of shape {tuple(w_q.data.shape)}")
+        raise ValueError(f"{fn}: w_q must hold a 2-D (N, K) weight or a 3-D (E, N, K) stack of expert "
+                         f"weights, got data of shape {tuple(w_q.data.shape)}")
     fmt = w_q.format
     layout = layout_of(fmt)
     n = w_q.data.shape[0]
@@ -226,13 +252,60 @@ def prepack(w_q) -> PackedWeight:
                         nan_scale=nan_scale, alpha_host=float(constants[0]))
 
 
+def _prepack_experts(fn: str, experts: list) -> PackedWeight:
+    """Stacked experts: each prepacked on its own, then stacked under the largest exponent."""
+    from .quantize import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
+
+    if not experts:
+        raise ValueError(f"{fn}: a stacked expert weight needs at least one expert, got none")
+    first = experts[0]
+    for e, w in enumerate(experts):
+        if not isinstance(w, (MXFP4Tensor, NVFP4Tensor, MXFP8Tensor)) or w.data.ndim != 2:
+            raise TypeError(f"{fn}: expert {e} must be a 2-D MXFP4Tensor, NVFP4Tensor or MXFP8Tensor, got "
+                            f"{type(w).__name__}")
+        if w.format is not first.format or w.data.shape != first.data.shape:
+            raise ValueError(f"{fn}: every expert must have one format and shape; expert 0 is "
+                             f"{first.format.name} {tuple(first.data.shape)}, expert {e} is {w.format.name} "
+                             f"{tuple(w.data.shape)}")
+    parts = [prepack(w) for w in experts]
+    exponent = max(p.exponent for p in parts)
+    layout = parts[0].layout
+    # Every expert's multipliers move down to 2^(offset - E_max); its alpha carries 2^E_max instead.
+    dev = parts[0].words.device
+    gs = (torch.stack([p.global_scale for p in parts]) if parts[0].global_scale is not None else None)
+    alpha = torch.full((len(parts),), 2.0 ** exponent, dtype=torch.float32, device=dev)
+    if gs is not None:
+        alpha = alpha * gs
+    constants = torch.stack((alpha, torch.full_like(alpha, 2.0 ** (layout.offset - exponent))), dim=1)
+    nan_scale = None
+    if any(p.nan_scale is not None for p in parts):
+        nan_scale = torch.stack([p.nan_scale if p.nan_scale is not None else p.scale_t.t() for p in parts])
+    return PackedWeight(fmt=parts[0].fmt, words=torch.stack([p.words for p in parts]),
+                        scale_t=torch.stack([p.scale_t for p in parts]), constants=constants.contiguous(),
+                        exponent=exponent, in_features=parts[0].in_features, global_scale=gs,
+                        nan_scale=nan_scale, alpha_host=float(constants[0, 0]))
+
+
 def unpack(packed: PackedWeight):
-    """The quantized weight ``packed`` was built from, with logical scales, bit for bit."""
+    """The quantized weight ``packed`` was built from, with logical scales, bit for bit.
+
+    A stacked expert weight comes back as one 3-D (E, N, K) tensor when its experts share one
+    per-tensor scale (always for MX formats), else as a list of E 2-D NVFP4 weights."""
     from .quantize import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
 
     if not isinstance(packed, PackedWeight):
         raise TypeError(f"tilemm.unpack: packed must be a PackedWeight (from tilemm.prepack), got "
                         f"{type(packed).__name__}")
+    if packed.num_experts is not None:
+        experts = [unpack(expert(packed, e)) for e in range(packed.num_experts)]
+        gs = packed.global_scale
+        if gs is not None and not bool((gs == gs[0]).all()):
+            return experts
+        data = torch.stack([w.data for w in experts])
+        scale = torch.stack([w.scale for w in experts])
+        if gs is not None:
+            return NVFP4Tensor(data, scale, gs[0])
+        return type(experts[0])(data, scale)
     fmt, layout = packed.fmt, packed.layout
     codes = _unpack_words(packed.words, layout, packed.in_features)
     scale = packed.nan_scale if packed.nan_scale is not None else packed.scale_t.t().contiguous()
@@ -243,3 +316,14 @@ def unpack(packed: PackedWeight):
             return NVFP4Tensor(data, scale, packed.global_scale)
         return MXFP4Tensor(data, scale)
     return MXFP8Tensor(codes.view(fmt.data_dtype), scale)
+
+
+def expert(packed: PackedWeight, e: int) -> PackedWeight:
+    """Expert ``e`` of a stacked expert weight as a 2-D PackedWeight (views of the stacked tensors; the
+    shared exponent stays, so its multipliers are those the grouped kernel uses)."""
+    return PackedWeight(fmt=packed.fmt, words=packed.words[e], scale_t=packed.scale_t[e],
+                        constants=packed.constants[e], exponent=packed.exponent,
+                        in_features=packed.in_features,
+                        global_scale=None if packed.global_scale is None else packed.global_scale[e],
+                        nan_scale=None if packed.nan_scale is None else packed.nan_scale[e],
+                        alpha_host=packed.alpha_host)

@@ -29,6 +29,8 @@ from .formats import FORMATS
 from .kernels import _large
 from .kernels._common import num_sms
 from .kernels import weight_only_kernels as _kernel
+from .kernels import hopper_weight_only_large as _large_kernel
+from ._arch import Family as _Family, family as _family
 from .packed import PackedWeight, _unpack_words, layout_of
 from .reference import decode_elements, decode_scales
 from .numerics import pack_e2m1
@@ -85,7 +87,7 @@ class WeightOnlyRunner:
     """
 
     __slots__ = ("packed", "bias", "layout", "n", "k", "device", "_prepared", "_sms", "bias_source",
-                 "keep_workspace")
+                 "keep_workspace", "has_bias")
 
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None, keep_workspace: bool = True):
         self.packed = packed
@@ -93,7 +95,9 @@ class WeightOnlyRunner:
         self.layout = packed.layout
         self.n, self.k = packed.shape
         self.device = packed.device
-        self.bias = (torch.zeros(self.n, dtype=torch.float32, device=self.device) if bias is None
+        # No bias: the shared persistent zero vector (a call allocates and fills nothing).
+        self.has_bias = bias is not None
+        self.bias = (_kernel.zero_bias(self.device, self.n) if bias is None
                      else bias.detach().to(device=self.device, dtype=torch.float32).contiguous())
         self._prepared: dict = {}
         self._sms = None
@@ -113,8 +117,9 @@ class WeightOnlyRunner:
         return prepared
 
     def _large_m(self, x2d: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """M >= LARGE_M, bf16 x: decode the weight once to bf16 (exact, times 2^-E), then cuBLAS's bf16
-        GEMM with ``alpha = 2^E * decode scale`` and the bias in its fp32 epilogue, rounded once."""
+        """The large-M plan's decode design with a bias or a non-bf16 output: decode the weight once to
+        bf16 (exact, times 2^-E), then cuBLAS's bf16 GEMM with ``alpha = 2^E * decode scale`` and the
+        bias in its fp32 epilogue (fp32 output), rounded once to ``out_dtype``."""
         p = self.packed
         w16 = _kernel.dequantize(p.words, p.scale_t, p.constants, self.layout, self.k)
         acc = torch.addmm(self.bias, x2d, w16.t(), out_dtype=torch.float32, alpha=p.alpha_host)
@@ -129,13 +134,31 @@ class WeightOnlyRunner:
         out = torch.empty((m, self.n), dtype=out_dtype, device=self.device)
         if m == 0:
             return out
-        if m >= _kernel.LARGE_M and x2d.dtype == torch.bfloat16 and alpha is None and _GEMM_FP32_OUT[0]:
-            try:
-                return self._large_m(x2d, out_dtype)
-            except (RuntimeError, TypeError):  # a PyTorch without addmm(..., out_dtype): the fused kernel
-                _GEMM_FP32_OUT[0] = False
         stream = (_raw_stream(self.device.index) if _raw_stream is not None
                   else torch.cuda.current_stream(self.device))
+        # Many rows of bf16 x: the large-M plan (``hopper_weight_only_large.PLAN``), where it names a design.
+        large = None
+        if x2d.dtype == torch.bfloat16 and m >= _large_kernel.first_m(self.layout):
+            if self._sms is None:
+                self._sms = num_sms(self.device)
+            large = _large_kernel.plan(m, self.n, self.k, self.layout, sms=self._sms)
+        if large is not None and large.kind == "fused" and _family(self.device) is not _Family.HOPPER:
+            large = _large_kernel.LargeConfig("decode", chunk=0)  # the fused kernel is built for sm_90
+        if large is not None and large.kind == "fused" and m * max(self.k, self.n) < _large.LIMIT:
+            p = self.packed
+            _large_kernel.launch(x2d, p.words, p.scale_t, p.constants, self.bias, out, self.layout, large,
+                                 self._sms, stream, alpha)
+            return out
+        if large is not None and large.kind == "decode" and alpha is None:
+            if not self.has_bias and out_dtype == torch.bfloat16:
+                p = self.packed
+                return _large_kernel.decode_gemm(x2d, p.words, p.scale_t, p.constants, p.alpha_host, out,
+                                                 self.layout, self.k, large.chunk, stream)
+            if _GEMM_FP32_OUT[0]:  # a bias or another output dtype: fp32 GEMM output, then one rounding
+                try:
+                    return self._large_m(x2d, out_dtype)
+                except (RuntimeError, TypeError):  # a PyTorch without addmm(..., out_dtype): the fused kernel
+                    _GEMM_FP32_OUT[0] = False
         if m * max(self.k, self.n) < _large.LIMIT:
             prepared = self._prepared.get((m, x2d.dtype)) or self._prepare(m, x2d.dtype)
             prepared.run(x2d, out, stream, alpha)
@@ -196,8 +219,10 @@ def run_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: 
     fmt = FORMATS[fmt_name]
     packed = PackedWeight(fmt=fmt, words=words, scale_t=scale_t, constants=constants, exponent=0,
                           in_features=in_features, alpha_host=alpha_host)
-    # A runner per call, keeping nothing: under torch.compile's CUDA graphs (mode="reduce-overhead")
-    # every allocation of the op must be an output or die with the call.
+    # A runner per call that keeps nothing of its own: under torch.compile's CUDA graphs
+    # (mode="reduce-overhead") the call allocates only its output, and launches one kernel (a missing
+    # bias and a K split's workspace are persistent buffers shared per device / stream,
+    # ``weight_only_kernels.zero_bias`` / ``workspace``).
     runner = WeightOnlyRunner(packed, bias, keep_workspace=False)
     return runner(x2d.contiguous(), None if alpha is None else alpha.reshape(1), out_dtype=out_dtype)
 

@@ -5,9 +5,10 @@ tensor-core kernel ``_weight_only_kernel``, or, for a single row of x, the FMA k
 
 The kernels use integer operations, bf16 ``ct.mma`` and fp32 arithmetic only, so the same code runs
 on Hopper (sm_90) and Blackwell (sm_100 / sm_120; ``ct.mma_scaled`` there takes no bf16 operand, and
-quantizing the activation would change the result). From ``LARGE_M`` rows of bf16 activations on, the caller
-(``tilemm.weight_only``) instead decodes the weight once per call with ``_dequantize_kernel`` and runs
-cuBLAS's bf16 GEMM, where decoding every weight tile once per 128 activation rows would cost more.
+quantizing the activation would change the result). For many rows of bf16 activations the caller
+(``tilemm.weight_only``) follows the plan table of ``hopper_weight_only_large`` instead: its fused
+persistent kernel (on Hopper; built on this module's decode helpers), or the weight decoded with
+``_dequantize_kernel`` and multiplied by cuBLAS's bf16 GEMM.
 
 What it computes: ``out = (x @ dequantize(w).T) * alpha + bias``, accumulated in fp32, rounded once to
 ``out``'s dtype; ``x`` is (M, K), the weight (N, K). The weight arrives in the layout that
@@ -64,6 +65,7 @@ measured for these choices and their alternatives is in ``benchmarks/results/wei
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import cuda.tile as ct
 import torch
@@ -237,6 +239,21 @@ def _split_k_finish(out, C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m,
         ct.atomic_xchg(Counter, tile, 0)
 
 
+def _stacked_step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN, X_PARTS,
+                  CAT, STACK):
+    """acc + the product of K tile (or stack of STACK K tiles) kt, loaded one tile at a time (see the
+    stacked-K-tiles comment in ``_weight_only_kernel``)."""
+    WORDS = GROUP * BLOCK // 2
+    TK = PLANES * GROUP * BLOCK
+    SC = PLANES * GROUP
+    w = ct.bitcast(ct.load(W, (bn, kt), (TN, STACK * WORDS), padding_mode=_ZERO), ct.uint32)
+    s_raw = ct.load(S, (kt, bn), (STACK * SC, TN), padding_mode=_ZERO).transpose()
+    x = ct.load(X, (bm, kt), (TM, STACK * TK), padding_mode=_ZERO)
+    return _k_tile(w.reshape((TN * STACK, WORDS)), s_raw.reshape((TN * STACK, SC)), Mult,
+                   x.reshape((TM * STACK, TK)), acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP,
+                   TN * STACK, TM * STACK, X_PARTS, CAT)
+
+
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
 def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
                         ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
@@ -292,14 +309,21 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
         # as TM * STACK columns (row m's K tile s is column m * STACK + s). Entry (r * STACK + s,
         # m * STACK + s) of the product is row r's partial sum over K tile s; the other entries pair
         # different K tiles and are dropped. STACK = 1 is the plain kernel.
+        # From tile_m 64 on (unstacked), the first K tile outside the loop: a loop that starts from
+        # zeros makes tileiras 13.4 select between the accumulator and a copy of it on every iteration
+        # (FSEL + IMAD.MOV per accumulator register: MXFP4 4.05 -> 3.45 SASS instructions per weight
+        # element at tile_m 64, 5.05 -> 4.04 at 128; ``benchmarks/decode_cost.py``). The peeled loads
+        # take shared memory of their own, which the smaller blocks (3-4 per SM) cannot spare.
         acc = ct.zeros((TN * STACK, TM * STACK), ct.float32)
-        for kt in range(k_begin, k_end):
-            w = ct.bitcast(ct.load(W, (bn, kt), (TN, STACK * WORDS), padding_mode=_ZERO), ct.uint32)
-            s_raw = ct.load(S, (kt, bn), (STACK * SC, TN), padding_mode=_ZERO).transpose()
-            x = ct.load(X, (bm, kt), (TM, STACK * TK), padding_mode=_ZERO)
-            acc = _k_tile(w.reshape((TN * STACK, WORDS)), s_raw.reshape((TN * STACK, SC)), Mult,
-                          x.reshape((TM * STACK, TK)), acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP,
-                          TN * STACK, TM * STACK, X_PARTS, CAT)
+        first = k_begin
+        if STACK == 1 and TM >= 64:
+            if k_begin < k_end:
+                acc = _stacked_step(X, W, S, Mult, acc, bm, bn, k_begin, ELEMENT, SCALE_E8M0, BLOCK, PLANES,
+                                    GROUP, TM, TN, X_PARTS, CAT, STACK)
+            first = k_begin + 1
+        for kt in range(first, k_end):
+            acc = _stacked_step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM,
+                                TN, X_PARTS, CAT, STACK)
         if STACK > 1:
             acc4 = acc.reshape((TN, STACK, TM, STACK))
             acc = ct.extract(acc4, (0, 0, 0, 0), (TN, 1, TM, 1)).reshape((TN, TM))
@@ -425,10 +449,6 @@ def _dequantize_kernel(W, S, Out, Mult, ELEMENT: ConstInt, SCALE_E8M0: ConstInt,
 
 #: Rows per block of the dequantize kernel.
 DEQUANT_TN = 64
-#: From this M on, the weight-only path decodes the weight once into bf16 (``dequantize``) and runs
-#: cuBLAS's bf16 GEMM: the fused kernel decodes each weight tile once per 128 rows of x, which costs
-#: more than the bf16 round trip through HBM once M is large.
-LARGE_M = 512
 
 
 def dequantize(words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor, layout: Layout,
@@ -610,10 +630,11 @@ def _constants(layout: Layout, cfg: WeightOnlyConfig, x_parts: int) -> tuple:
 class Prepared:
     """One weight-only launch with everything but the activation and the output worked out: the
     grid, the specialised kernel and the argument tuple's fixed parts. ``run`` costs one
-    ``ct.launch`` (plus an fp32 partial buffer when K is split and the workspace is not kept).
+    ``ct.launch`` and no allocation: a K split's fp32 partial tiles and arrival counters live in the
+    stream's persistent workspace (``workspace``), which the kernel leaves ready for the next launch.
 
-    With ``keep_workspace`` (a launch made for many calls) the fixed tensors are passed to cuTile
-    already described (``Described``) and the split-K workspace is kept per stream."""
+    With ``keep_workspace`` (a launch made for many calls) the fixed tensors and the workspace views
+    are passed to cuTile already described (``Described``), once per stream."""
 
     __slots__ = ("grid", "kernel", "m", "n", "split", "tiles", "fixed", "alpha", "rest", "consts", "_work")
 
@@ -633,21 +654,19 @@ class Prepared:
         self._work = {} if keep_workspace else None
 
     def _workspace(self, out, stream):
-        """(partial, counter): the fp32 partial tiles and arrival counters of split-K (per stream:
-        launches on one stream run in order, so they share a workspace; the counters end every launch
-        at zero), or, without a split, stand-ins the kernel never reads."""
+        """(partial, counter): views of the stream's workspace holding the (SPLIT_K, M, N) fp32
+        partial tiles and one arrival counter per output tile, or, without a split, stand-ins the
+        kernel never reads."""
         if self.split == 1:
             return out, self.alpha
-        if self._work is None:  # fresh each call (inside torch.compile's CUDA graphs nothing may linger)
-            return (torch.empty((self.split, self.m, self.n), dtype=torch.float32, device=out.device),
-                    torch.zeros(self.tiles, dtype=torch.int32, device=out.device))
+        if self._work is None:
+            return workspace(out.device, stream, self.split, self.m, self.n, self.tiles)
         key = _stream_key(stream)
         work = self._work.get(key)
         if work is None:
+            views = workspace(out.device, stream, self.split, self.m, self.n, self.tiles)
             wrap = Described if out.is_cuda else (lambda t: t)
-            work = self._work[key] = (
-                wrap(torch.empty((self.split, self.m, self.n), dtype=torch.float32, device=out.device)),
-                wrap(_counters(out.device, stream, self.tiles)))
+            work = self._work[key] = (wrap(views[0]), wrap(views[1]))
         return work
 
     def run(self, x: torch.Tensor, out: torch.Tensor, stream, alpha: torch.Tensor | None = None) -> None:
@@ -675,17 +694,125 @@ def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constant
     prepared.run(x, out, torch.cuda.current_stream(out.device))
 
 
-_COUNTERS: dict = {}
+# --------------------------------------------------------------------------------------------------
+# Persistent buffers: the split-K workspace and the zero bias
+# --------------------------------------------------------------------------------------------------
+
+#: Smallest buffers handed out (counters, fp32 partial elements, zero-bias length): one allocation
+#: covers every shape of a model's layers at decode batch sizes.
+_MIN_COUNTERS = 1 << 14
+_MIN_PARTIAL = 1 << 20
+_MIN_ZEROS = 1 << 15
+
+#: (device, stream) and (device, "graphs") -> {"partial": fp32 buffer, "counters": int32 buffer (zero
+#: between launches)}; device -> fp32 zeros. A buffer, once handed to a kernel, may be baked into a captured CUDA graph,
+#: so a replaced (smaller) buffer is kept alive in ``_RETIRED``, never freed.
+_WORKSPACES: dict = {}
+_ZERO_BIAS: dict = {}
+_RETIRED: list = []
 
 
-def _counters(device: torch.device, stream, tiles: int) -> torch.Tensor:
-    """Zeroed int32 split-K arrival counters, one per output tile, per (device, stream): the kernel
-    leaves them at zero, so launches on one stream (in order) share them, and streams never do."""
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _outside_graph_pools(make):
+    """``make()`` run on a helper thread and waited for.
+
+    torch.compile's CUDA graphs (mode="reduce-overhead") route every allocation of the thread that
+    warms up or records a graph to that graph's private memory pool, whose blocks the graph tree
+    reuses for other tensors once the recording ends. A buffer that must outlive the call is therefore
+    allocated (and zero-filled, then synchronized) from another thread, whose allocations go to the
+    ordinary caching pool. Never called while the current stream is capturing."""
+    box: list = []
+
+    def body():
+        try:
+            t = make()
+            if t.is_cuda:
+                torch.cuda.synchronize(t.device)
+            box.append(t)
+        except BaseException as e:  # re-raised in the caller's thread
+            box.append(e)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
+def _grow(table: dict, key, name: str, need: int, make):
+    """table[key][name] with at least ``need`` elements: allocated outside the graph pools, the
+    replaced buffer retired (kept alive)."""
+    slot = table.setdefault(key, {})
+    buf = slot.get(name)
+    if buf is None or buf.numel() < need:
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = slot[name] = _outside_graph_pools(make)
+    return buf
+
+
+def workspace(device: torch.device, stream, split: int, m: int, n: int, tiles: int):
+    """(partial (split, M, N) fp32, counters (tiles,) int32): views of a persistent split-K workspace,
+    as the kernel's ``Partial`` and ``Counter``.
+
+    The kernel leaves every counter at zero when it ends, and only reads the partial tiles that its own
+    blocks wrote in the same launch, so launches that run one after another can share one workspace,
+    and a launch needs neither an allocation nor a fill kernel: under CUDA graphs and torch.compile a
+    weight-only linear is exactly one kernel. Eager launches use the workspace of their stream
+    (launches on one stream run in order; streams never share one). Launches captured into CUDA graphs
+    use the workspace of the capture stream if it has one (torch.compile warms up and records on one
+    stream), else the device's graph workspace, which every non-capturing call sizes in advance (a
+    graph is usually captured on a stream of its own after a warm-up call elsewhere); so CUDA graphs
+    that contain split-K weight-only launches must not be replayed concurrently with each other
+    (torch.compile's graphs replay in order).
+
+    Inside a capture that finds neither large enough (nothing may be allocated outside the graph while
+    it records), the partial tiles and zeroed counters are allocated in the graph instead (one fill
+    kernel more in that graph)."""
+    partial_elements = split * m * n
+
+    def fits(key):
+        slot = _WORKSPACES.get(key, {})
+        return ("partial" in slot and slot["partial"].numel() >= partial_elements
+                and slot["counters"].numel() >= tiles)
+
+    def views(key):
+        slot = _WORKSPACES[key]
+        return slot["partial"][:partial_elements].view(split, m, n), slot["counters"][:tiles]
+
     key = (device, _stream_key(stream))
-    t = _COUNTERS.get(key)
-    if t is None or t.numel() < tiles:
-        t = _COUNTERS[key] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-    return t
+    if _capturing(device):
+        for k in (key, (device, "graphs")):
+            if fits(k):
+                return views(k)
+        return (torch.empty((split, m, n), dtype=torch.float32, device=device),
+                torch.zeros(tiles, dtype=torch.int32, device=device))
+    for k in (key, (device, "graphs")):
+        if not fits(k):
+            _grow(_WORKSPACES, k, "partial", partial_elements,
+                  lambda: torch.empty(max(partial_elements, _MIN_PARTIAL), dtype=torch.float32, device=device))
+            _grow(_WORKSPACES, k, "counters", tiles,
+                  lambda: torch.zeros(max(tiles, _MIN_COUNTERS), dtype=torch.int32, device=device))
+    return views(key)
+
+
+def zero_bias(device: torch.device, n: int) -> torch.Tensor:
+    """A persistent (n,) fp32 zero vector on ``device``, the bias of a layer without one (shared,
+    never written, allocated outside CUDA-graph pools; inside a capture with none long enough yet, a
+    fresh zero vector of the graph)."""
+    buf = _ZERO_BIAS.get(device)
+    if buf is None or buf.numel() < n:
+        if _capturing(device):
+            return torch.zeros(n, dtype=torch.float32, device=device)
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = _ZERO_BIAS[device] = _outside_graph_pools(
+            lambda: torch.zeros(max(n, _MIN_ZEROS), dtype=torch.float32, device=device))
+    return buf[:n]
 
 
 # --------------------------------------------------------------------------------------------------

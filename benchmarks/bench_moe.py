@@ -1,0 +1,593 @@
+"""Mixture-of-experts layers and models with MXFP4 / NVFP4 experts (``tilemm.moe``) against bf16.
+
+    python benchmarks/bench_moe.py --quick        # layers at T = 1, 16, 256 + a 4-layer gpt-oss-20b decode
+    python benchmarks/bench_moe.py --layers-only  # every layer shape, T = 1 .. 1024, both routings
+    python benchmarks/bench_moe.py --e2e          # gpt-oss-20b (24 layers) and gpt-oss-120b decode
+    python benchmarks/bench_moe.py --cpu-smoke    # tiny shapes on the CPU: the code paths, no timing
+
+Layers (one MoE block: gate_up projection with its bias, gpt-oss's clamped SwiGLU, down projection
+with its bias, the router's weights applied and the k slots summed; the routing is given):
+
+* gpt-oss-20b: hidden 2880, expert intermediate 2880, 32 experts, top-4, MXFP4;
+* gpt-oss-120b: the same with 128 experts;
+* the anchor shape (a Qwen3-style layer: hidden 2048, intermediate 512, 256 experts, top-8), NVFP4 and
+  MXFP4, without biases (run through the same module, so with gpt-oss's activation: the same
+  elementwise work as a SwiGLU).
+
+T (tokens) in 1, 4, 16, 64, 256, 1024; routing "uniform" (each token k distinct experts, uniformly)
+or "skewed" (expert e drawn with probability proportional to 1 / (e + 1)^1.2, without replacement).
+The packed expert weights are random words and scale bytes made directly on the GPU (no bf16 expert
+is ever quantized); the bf16 baselines get the same weights dequantized exactly:
+
+* ``hf``: transformers' own ``GptOssExperts`` module (its default experts implementation), same routing;
+* ``grouped``: tokens sorted by expert and ``torch._grouped_mm`` (where the installed PyTorch has it;
+  else the chosen experts' weights gathered and multiplied with ``torch.bmm`` up to T * k = 64, else
+  skipped), the same activation and weighted sum.
+
+Correctness first: every variant against the layer in fp32 on the same (exactly dequantized) weights,
+expert by expert; tilemm's relative Frobenius error must stay below 1e-2 (it rounds the gate_up
+products, the activation and the down products to bf16 once each); the bf16 baselines' errors are
+recorded too (they round after every operation). Then every variant is timed with ``benchmarks/_timing.py``'s timer: CUDA-graph replays (eager
+calls where a graph cannot be captured, e.g. transformers' eager experts loop, which reads the routing
+back to the host; the results say which), L2 flushed before each, median of the replays.
+
+End to end (``--e2e``; ``--quick`` runs the first 4 layers of gpt-oss-20b only): transformers'
+``GptOssForCausalLM`` with random weights (nothing is downloaded), greedy decode of ``--tokens``
+tokens after a 32-token prompt, static KV cache, one CUDA graph per decode step (the loop of
+``benchmarks/bench_decode.py``):
+
+* gpt-oss-20b-shaped (24 layers, 64 heads, 8 KV heads, vocab 201088), batch 1: the bf16 model (its
+  experts as the ``grouped`` baseline module, which a CUDA graph can capture) against the same model
+  with its experts swapped by ``tilemm.quantize_model(model, "mxfp4", weight_only=True)`` (experts
+  MXFP4, attention and everything else bf16, as gpt-oss ships), tokens/s in the same run;
+* gpt-oss-120b-shaped (36 layers, 128 experts): built with a 32-wide intermediate so that its bf16
+  experts never exist, each experts block then replaced by a ``MoEExperts`` of random packed MXFP4
+  weights of the real size (2880); tokens/s at batch 1 and 8 and the peak GPU memory. (bf16 would
+  need about 234 GB for its experts alone.)
+
+Results: ``$OUT/moe-<gpu>.json`` and ``.md`` when ``$OUT`` is set, else ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import pathlib
+import shlex
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import tilemm  # noqa: E402
+from tilemm.moe import MoEExperts  # noqa: E402
+from tilemm.packed import PackedWeight, expert, layout_of, unpack  # noqa: E402
+from tilemm.reference import decode_scales  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+SEED = 0
+
+#: (name, hidden, intermediate, experts, top_k, formats, biases)
+LAYERS = [("gpt-oss-20b", 2880, 2880, 32, 4, ("mxfp4",), True),
+          ("gpt-oss-120b", 2880, 2880, 128, 4, ("mxfp4",), True),
+          ("qwen-a3b-anchor", 2048, 512, 256, 8, ("nvfp4", "mxfp4"), False)]
+TOKENS = (1, 4, 16, 64, 256, 1024)
+QUICK_TOKENS = (1, 16, 256)
+ROUTINGS = ("uniform", "skewed")
+#: Targets of the MXFP4 layer over the fastest bf16 baseline (gpt-oss shapes), by T.
+TARGETS = {1: 2.5, 4: 2.5, 16: 2.5, 64: 1.5, 256: 1.0, 1024: 1.0}
+#: The published anchor (cuTile NVFP4 W4A16 fused MoE, H100 NVL), microseconds by T.
+ANCHOR_US = {1: 93.5, 2: 98.8, 4: 116.6}
+
+GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+                   num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+                   vocab_size=201088, sliding_window=128, max_position_embeddings=4096)
+GPT_OSS_120B = dict(GPT_OSS_20B, num_hidden_layers=36, num_local_experts=128)
+TINY = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, vocab_size=128,
+            sliding_window=8, max_position_embeddings=128)
+
+
+def log(msg: str, t0: float) -> None:
+    print(f"[{time.time() - t0:7.1f} s] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------ weights
+
+def random_packed(fmt_name: str, e: int, n: int, k: int, device, seed: int) -> PackedWeight:
+    """A stacked (E, N, K) packed weight of random element codes and scale bytes, made directly in the
+    packed layout on ``device`` (with a generator there: gpt-oss-120b's experts are 61 GB): MX scales
+    2^-9 .. 2^-5, NVFP4 e4m3 scales 2^-3 .. 2^1 with a per-tensor decode scale 1/64; the exponent and
+    constants as ``prepack`` sets them."""
+    fmt = {"mxfp4": tilemm.MXFP4, "nvfp4": tilemm.NVFP4, "mxfp8": tilemm.MXFP8_E4M3}[fmt_name]
+    layout = layout_of(fmt)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    words = torch.zeros((e, n, -(-k // layout.tile_k) * layout.words_per_tile), dtype=torch.int32, device=device)
+    words[..., :k // layout.elements_per_word] = torch.randint(  # (words past K, if any, stay zero)
+        -2 ** 31, 2 ** 31, (e, n, k // layout.elements_per_word), dtype=torch.int64, generator=gen,
+        device=device).to(torch.int32)
+    if fmt.element == "e4m3" and not fmt.is_packed:  # no NaN codes (0x7F / 0xFF in any byte)
+        words &= 0x7E7E7E7E
+    lo, hi = (118, 123) if fmt.is_mx else (0x28, 0x48)
+    scale_t = torch.randint(lo, hi, (e, k // fmt.block, n), dtype=torch.uint8, generator=gen, device=device)
+    top = float(decode_scales(fmt, scale_t.view(fmt.scale_dtype)).max())
+    exponent = max(0, math.floor(math.log2(top)) + layout.offset - 127)
+    gs = torch.full((e,), 1 / 64, dtype=torch.float32) if fmt.has_global_scale else None
+    alpha = torch.full((e,), 2.0 ** exponent) * (gs if gs is not None else 1.0)
+    constants = torch.stack((alpha, torch.full((e,), 2.0 ** (layout.offset - exponent))), dim=1)
+    return PackedWeight(fmt=fmt, words=words, scale_t=scale_t, constants=constants.contiguous().to(device),
+                        exponent=exponent, in_features=k, global_scale=None if gs is None else gs.to(device),
+                        alpha_host=float(alpha[0]))
+
+
+def dequantized(packed: PackedWeight) -> torch.Tensor:
+    """The stacked weight (E, N, K) in bf16, exactly (expert by expert, to bound the fp32 temporaries)."""
+    out = torch.empty(packed.shape, dtype=torch.bfloat16, device=packed.device)
+    for e in range(packed.num_experts):
+        out[e] = unpack(expert(packed, e)).dequantize().to(torch.bfloat16)
+    return out
+
+
+def routing(kind: str, t: int, e: int, k: int, device, gen: torch.Generator):
+    """(ids (T, k) int64, weights (T, k) bf16: softmax of random logits)."""
+    if kind == "uniform":
+        ids = torch.rand(t, e, generator=gen).topk(k, dim=-1).indices
+    else:
+        p = 1.0 / (torch.arange(e, dtype=torch.float64) + 1) ** 1.2
+        ids = torch.multinomial(p.expand(t, e), k, replacement=False, generator=gen)
+    weights = torch.softmax(torch.randn(t, k, generator=gen), dim=-1).to(torch.bfloat16)
+    return ids.to(device), weights.to(device)
+
+
+# ----------------------------------------------------------------------------------- bf16 baselines
+
+def _gpt_oss_glu(gate_up, alpha=1.702, limit=7.0):
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class GroupedBF16Experts(torch.nn.Module):
+    """bf16 experts in gpt-oss's layout, grouped: the (token, slot) rows sorted by expert and one
+    ``torch._grouped_mm`` per projection (no host synchronisation); without ``_grouped_mm`` (or on
+    the CPU), the chosen experts' weights gathered (T * k of them) and ``torch.bmm``. Weights as
+    transformers stores them: gate_up (E, H, 2I), down (E, I, H) (x @ W)."""
+
+    def __init__(self, gate_up, gate_up_bias, down, down_bias, alpha=1.702, limit=7.0):
+        super().__init__()
+        self.gate_up, self.down = gate_up, down
+        self.gate_up_bias, self.down_bias = gate_up_bias, down_bias  # (E, N) or None
+        self.alpha, self.limit = alpha, limit
+        self.grouped = hasattr(torch, "_grouped_mm") and gate_up.is_cuda
+
+    def _project(self, rows, w, bias, expert_of_row, offsets):
+        if self.grouped:
+            out = torch._grouped_mm(rows, w, offs=offsets)
+        else:
+            out = torch.bmm(rows.unsqueeze(1), w[expert_of_row]).squeeze(1)
+        return out if bias is None else out + bias[expert_of_row].to(out.dtype)
+
+    def forward(self, hidden_states, router_indices, routing_weights):
+        t, k = router_indices.shape
+        flat = router_indices.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        expert_of_row = flat[order]
+        offsets = torch.searchsorted(expert_of_row, torch.arange(1, self.gate_up.shape[0] + 1,
+                                                                 device=flat.device)).to(torch.int32)
+        rows = hidden_states[order // k]
+        h = _gpt_oss_glu(self._project(rows, self.gate_up, self.gate_up_bias, expert_of_row, offsets),
+                         self.alpha, self.limit)
+        y = self._project(h, self.down, self.down_bias, expert_of_row, offsets)
+        y = y * routing_weights.reshape(-1)[order, None].to(y.dtype)
+        out = torch.zeros_like(hidden_states)
+        return out.index_add_(0, order // k, y)
+
+
+def reference_layer(x, ids, weights, gate_up, gate_up_bias, down, down_bias, alpha=1.702, limit=7.0):
+    """The layer in fp32 on the exact (bf16) weights, expert by expert (a host loop: the oracle, not
+    timed). Weights in transformers' layout."""
+    t, k = ids.shape
+    out = torch.zeros(t, down.shape[2], dtype=torch.float32, device=x.device)
+    for e in torch.unique(ids).tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        gu = x[tok].float() @ gate_up[e].float()
+        if gate_up_bias is not None:
+            gu = gu + gate_up_bias[e].float()
+        g, u = gu[:, ::2].clamp(max=limit), gu[:, 1::2].clamp(-limit, limit)
+        y = ((u + 1) * (g * torch.sigmoid(g * alpha))) @ down[e].float()
+        if down_bias is not None:
+            y = y + down_bias[e].float()
+        out.index_add_(0, tok, y * weights[tok, slot, None].float())
+    return out
+
+
+def hf_experts(config_kw: dict, gate_up, gate_up_bias, down, down_bias):
+    """transformers' GptOssExperts holding the given bf16 weights (its layout: (E, H, 2I), (E, I, H))."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    cfg = GptOssConfig(**config_kw)
+    with torch.device("meta"):
+        module = GptOssExperts(cfg)
+    e, two_i, hidden = gate_up.shape[0], gate_up.shape[2], gate_up.shape[1]
+    module.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
+    module.down_proj = torch.nn.Parameter(down, requires_grad=False)
+    zeros = lambda n: torch.zeros(e, n, dtype=torch.bfloat16, device=gate_up.device)  # noqa: E731
+    module.gate_up_proj_bias = torch.nn.Parameter(
+        gate_up_bias.to(torch.bfloat16) if gate_up_bias is not None else zeros(two_i), requires_grad=False)
+    module.down_proj_bias = torch.nn.Parameter(
+        down_bias.to(torch.bfloat16) if down_bias is not None else zeros(hidden), requires_grad=False)
+    return module
+
+
+# ------------------------------------------------------------------------------------- alternatives
+
+#: Structurally different launches of the same layer, timed next to the chosen one at T <= 16:
+#: "all_experts": one block per (expert, N tile) for every expert (the empty ones exit at once)
+#: instead of the compacted active-expert slots; "unfused": the gate_up products written out and
+#: gpt-oss's SwiGLU as PyTorch operations, instead of the fused epilogue.
+DESIGNS = ("all_experts", "unfused")
+DESIGN_MAX_T = 16
+
+
+def designed(ours: MoEExperts, design: str):
+    """``ours``'s forward with one design choice changed (the same numbers but for the SwiGLU's exp)."""
+    from tilemm.kernels import moe_kernels as mk
+    from tilemm.moe import _weighted_sum, gpt_oss_glu
+
+    gu, dn = ours.packed("gate_up"), ours.packed("down")
+    every = torch.arange(ours.num_experts + 1, device=gu.device)
+
+    def forward(x, ids, weights):
+        t, k = ids.shape
+        order, offsets, slots = mk.route(ids, ours.num_experts)
+        routed = (order, offsets, every if design == "all_experts" else slots)
+        h = torch.empty(t * k, ours.intermediate_size, dtype=x.dtype, device=x.device)
+        if design == "unfused":
+            gate_up = torch.empty(t * k, 2 * ours.intermediate_size, dtype=x.dtype, device=x.device)
+            mk.launch(x, gu.words, gu.scale_t, gu.constants, ours.gate_up_bias, routed, k, gate_up, gu.layout)
+            h = gpt_oss_glu(gate_up, ours.alpha, ours.limit)
+        else:
+            mk.launch(x, gu.words, gu.scale_t, gu.constants, ours.gate_up_bias, routed, k, h, gu.layout, act=1)
+        y = torch.empty(t * k, ours.hidden_size, dtype=x.dtype, device=x.device)
+        mk.launch(h, dn.words, dn.scale_t, dn.constants, ours.down_bias, routed, 1, y, dn.layout, tokens=t)
+        return _weighted_sum(y.reshape(t, k, ours.hidden_size), weights)
+
+    return forward
+
+
+# ------------------------------------------------------------------------------------------- layers
+
+def rel_err(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def bench_layers(args, device, timer, t0) -> list[dict]:
+    records = []
+    tokens = QUICK_TOKENS if args.quick else TOKENS
+    layers = LAYERS
+    if args.cpu_smoke:
+        layers = [("tiny", 256, 256, 8, 2, ("mxfp4", "nvfp4"), True)]
+        tokens = (1, 5)
+    for name, hidden, inter, e, k, formats, biases in layers:
+        gen = torch.Generator().manual_seed(SEED)
+        gub = torch.randn(e, 2 * inter, generator=gen).to(device) * 0.1 if biases else None
+        db = torch.randn(e, hidden, generator=gen).to(device) * 0.1 if biases else None
+        for fmt in formats:
+            gate_up = random_packed(fmt, e, 2 * inter, hidden, device, seed=SEED + 1)
+            down = random_packed(fmt, e, hidden, inter, device, seed=SEED + 2)
+            ours = MoEExperts(gate_up, down, gub, db)
+            # transformers' layout (E, K, N), made once (the grouped GEMM and its module share it)
+            w_gu = dequantized(gate_up).transpose(1, 2).contiguous()
+            w_d = dequantized(down).transpose(1, 2).contiguous()
+            grouped = GroupedBF16Experts(w_gu, gub, w_d, db)
+            cfg_kw = dict(hidden_size=hidden, intermediate_size=inter, num_local_experts=e,
+                          num_experts_per_tok=k)
+            hf = hf_experts(cfg_kw, w_gu, gub, w_d, db)
+            weight_mb = sum(t.numel() * t.element_size() for t in (gate_up.words, gate_up.scale_t,
+                                                                   down.words, down.scale_t)) / 2 ** 20
+            log(f"{name} {fmt}: E={e} top-{k}, packed experts {weight_mb:.0f} MiB", t0)
+            for routing_kind in ROUTINGS:
+                for t in tokens:
+                    ids, weights = routing(routing_kind, t, e, k, device, gen)
+                    x = (torch.randn(t, hidden, generator=gen) * 0.5).to(torch.bfloat16).to(device)
+                    ref = reference_layer(x, ids, weights, w_gu, gub, w_d, db)
+                    err = rel_err(ours(x, ids, weights), ref)
+                    can_group = grouped.grouped or t * k <= 64
+                    rec = {"layer": name, "format": fmt, "routing": routing_kind, "T": t, "E": e, "top_k": k,
+                           "hidden": hidden, "intermediate": inter, "rel_err": err}
+                    for bname, module in (("hf", hf), ("grouped", grouped if can_group else None)):
+                        if module is None:
+                            continue
+                        try:  # a baseline that fails is recorded, the run goes on
+                            rec[f"{bname}_rel_err"] = rel_err(module(x, ids, weights), ref)
+                        except Exception as err_:  # noqa: BLE001
+                            rec[f"{bname}_error"] = f"{type(err_).__name__}: {err_}"[:300]
+                            can_group = can_group and bname != "grouped"
+                    if not err < 1e-2:
+                        rec["error"] = f"correctness: relative error {err:.3g} >= 1e-2; not timed"
+                        records.append(rec)
+                        log(f"  {routing_kind:7s} T={t:5d} FAILED correctness ({err:.3g})", t0)
+                        continue
+                    if timer is not None:
+                        variants = {"tilemm": lambda: ours(x, ids, weights)}
+                        if "hf_error" not in rec:
+                            variants["hf"] = lambda: hf(x, ids, weights)
+                        if can_group:
+                            variants["grouped"] = lambda: grouped(x, ids, weights)
+                        if t <= DESIGN_MAX_T:
+                            for design in DESIGNS:
+                                fwd = designed(ours, design)
+                                rec[f"{design}_rel_err"] = rel_err(fwd(x, ids, weights), ref)
+                                variants[design] = (lambda f: lambda: f(x, ids, weights))(fwd)
+                        for vname, fn in variants.items():
+                            try:
+                                ms, how = timer(fn)
+                                rec[f"{vname}_us"], rec[f"{vname}_how"] = ms * 1e3, how
+                            except Exception as err_:  # noqa: BLE001 (record and go on)
+                                rec[f"{vname}_error"] = f"{type(err_).__name__}: {err_}"[:300]
+                        base = [rec[f"{b}_us"] for b in ("hf", "grouped") if f"{b}_us" in rec]
+                        if base and "tilemm_us" in rec:
+                            rec["speedup"] = min(base) / rec["tilemm_us"]
+                        log(f"  {routing_kind:7s} T={t:5d} tilemm {rec.get('tilemm_us', float('nan')):9.1f} us"
+                            f"  hf {rec.get('hf_us', float('nan')):9.1f} us ({rec.get('hf_how', '-')})"
+                            f"  grouped {rec.get('grouped_us', float('nan')):9.1f} us"
+                            f"  x{rec.get('speedup', float('nan')):.2f}  err {err:.1e}", t0)
+                    records.append(rec)
+            del ours, grouped, hf, w_gu, w_d, gate_up, down
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return records
+
+
+# --------------------------------------------------------------------------------------- end to end
+
+def build_gpt_oss(shape: dict, layers: int, device, *, intermediate: int | None = None):
+    """A random-weight GptOssForCausalLM in bf16 on ``device`` (``intermediate`` overrides the expert
+    width while building, so that its bf16 experts stay small)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    kw = dict(shape, num_hidden_layers=layers)
+    kw["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if intermediate is not None:
+        kw["intermediate_size"] = intermediate
+    config = GptOssConfig(**kw)
+    torch.manual_seed(SEED)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = GptOssForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval().requires_grad_(False)
+
+
+def _experts_modules(model):
+    return [(n, m) for n, m in model.named_modules() if type(m).__name__ in ("GptOssExperts", "MoEExperts",
+                                                                              "GroupedBF16Experts")]
+
+
+def _swap(model, name, new):
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, new)
+
+
+def decode_tokens_per_s(model, batch: int, tokens: int, device, t0, label: str) -> dict:
+    """Prefill 32 tokens, then ``tokens`` greedy steps as CUDA-graph replays (bench_decode's loop)."""
+    from bench_decode import WARMUP_GRAPH, Decoder, make_cache, prefill, timed_loop
+
+    gen = torch.Generator().manual_seed(SEED + batch)
+    prompt = torch.randint(model.config.vocab_size, (batch, 32), generator=gen).to(device)
+    cache = make_cache(model, batch, 32 + tokens + 8, device)
+    logits = prefill(model, cache, prompt)
+    dec = Decoder(model, cache, logits.argmax(-1), 32, tokens)
+    result = {"batch": batch, "first_logits": logits[0, :8].tolist()}
+    if device.type != "cuda":
+        dec.step()
+        result["tokens_per_s"] = None
+        return result
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_GRAPH):
+                dec.step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize()
+        dec.reset()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            dec.step()
+        dec.reset()
+        graph.replay()
+        dec.reset()
+        seconds = timed_loop(graph.replay, tokens, device)
+        result.update(tokens_per_s=batch * tokens / seconds, ms_per_token=seconds / tokens * 1e3, how="graph")
+    except Exception as err:  # noqa: BLE001 (record, then time eager steps)
+        torch.cuda.synchronize()
+        dec.reset()
+        seconds = timed_loop(dec.step, tokens, device)
+        result.update(tokens_per_s=batch * tokens / seconds, ms_per_token=seconds / tokens * 1e3, how="eager",
+                      graph_error=f"{type(err).__name__}: {err}"[:300])
+    log(f"  {label} batch {batch}: {result['tokens_per_s']:.1f} tokens/s ({result['how']})", t0)
+    return result
+
+
+def bench_e2e(args, device, t0) -> dict:
+    out = {}
+    layers20 = 2 if args.cpu_smoke else (4 if args.quick else GPT_OSS_20B["num_hidden_layers"])
+    shape20 = TINY if args.cpu_smoke else GPT_OSS_20B
+    tokens = 4 if args.cpu_smoke else args.tokens
+    # gpt-oss-20b: bf16 (grouped experts, capturable) vs experts in MXFP4.
+    model = build_gpt_oss(shape20, layers20, device)
+    for name, m in _experts_modules(model):  # the bf16 model's experts as the capturable grouped module
+        _swap(model, name, GroupedBF16Experts(m.gate_up_proj, m.gate_up_proj_bias, m.down_proj,
+                                              m.down_proj_bias, m.alpha, m.limit))
+    rec = {"model": "gpt-oss-20b shape" if not args.cpu_smoke else "tiny gpt-oss", "layers": layers20,
+           "of_layers": shape20["num_hidden_layers"], "tokens": tokens}
+    try:
+        rec["bf16"] = decode_tokens_per_s(model, 1, tokens, device, t0, "gpt-oss-20b bf16")
+    except Exception as err:  # noqa: BLE001 (torch._grouped_mm refused: the gathered-weights bmm instead)
+        rec["bf16_grouped_mm_error"] = f"{type(err).__name__}: {err}"[:300]
+        for _, m in _experts_modules(model):
+            m.grouped = False
+        rec["bf16"] = decode_tokens_per_s(model, 1, tokens, device, t0, "gpt-oss-20b bf16 (bmm)")
+    # The same weights' experts quantized (MXFP4 along K per expert), everything else kept in bf16.
+    for name, m in _experts_modules(model):
+        hf_like = torch.nn.Module()
+        hf_like.gate_up_proj = torch.nn.Parameter(m.gate_up, requires_grad=False)
+        hf_like.down_proj = torch.nn.Parameter(m.down, requires_grad=False)
+        hf_like.gate_up_proj_bias, hf_like.down_proj_bias = m.gate_up_bias, m.down_bias
+        hf_like.alpha, hf_like.limit = model.config.swiglu_alpha, model.config.swiglu_limit
+        _swap(model, name, MoEExperts.from_gpt_oss(hf_like, "mxfp4"))
+        del hf_like, m
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    rec["mxfp4"] = decode_tokens_per_s(model, 1, tokens, device, t0, "gpt-oss-20b experts mxfp4")
+    if rec["bf16"].get("tokens_per_s") and rec["mxfp4"].get("tokens_per_s"):
+        rec["speedup"] = rec["mxfp4"]["tokens_per_s"] / rec["bf16"]["tokens_per_s"]
+    out["gpt-oss-20b"] = rec
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if args.quick:
+        return out
+
+    # gpt-oss-120b: built with narrow bf16 experts, each replaced by random packed MXFP4 of full width.
+    shape120 = TINY if args.cpu_smoke else GPT_OSS_120B
+    layers120 = 2 if args.cpu_smoke else shape120["num_hidden_layers"]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model = build_gpt_oss(shape120, layers120, device, intermediate=32)
+    model.config.intermediate_size = shape120["intermediate_size"]
+    gen = torch.Generator().manual_seed(SEED)
+    e, h, i = shape120["num_local_experts"], shape120["hidden_size"], shape120["intermediate_size"]
+    for layer, (name, _) in enumerate(_experts_modules(model)):
+        _swap(model, name, None)
+        _swap(model, name, MoEExperts(random_packed("mxfp4", e, 2 * i, h, device, seed=2 * layer),
+                                      random_packed("mxfp4", e, h, i, device, seed=2 * layer + 1),
+                                      (torch.randn(e, 2 * i, generator=gen) * 0.1).to(device),
+                                      (torch.randn(e, h, generator=gen) * 0.1).to(device)))
+    from bench_decode import model_bytes
+
+    rec = {"model": "gpt-oss-120b shape" if not args.cpu_smoke else "tiny gpt-oss", "layers": layers120,
+           "tokens": tokens, "model_gib": model_bytes(model) / 2 ** 30}
+    for batch in (1, 8):
+        rec[f"batch{batch}"] = decode_tokens_per_s(model, batch, tokens, device, t0, "gpt-oss-120b mxfp4")
+    if device.type == "cuda":
+        rec["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+        rec["gpu_gib"] = torch.cuda.get_device_properties(device).total_memory / 2 ** 30
+    out["gpt-oss-120b"] = rec
+    return out
+
+
+# ------------------------------------------------------------------------------------------- output
+
+def _f(v, fmt):
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+
+
+def markdown(meta, layers, e2e) -> str:
+    lines = [f"# MoE layers and models: {meta['gpu']}", "",
+             f"`{meta['command']}` ({meta['date']}, torch {meta['torch']}, transformers {meta['transformers']}).",
+             "Times in us per layer (CUDA-graph replays, L2 flushed, median); `hf`: transformers' "
+             "GptOssExperts (eager where its loop reads the routing back: marked `*`); `grouped`: bf16 "
+             "grouped GEMM; speed-up of tilemm over the faster bf16 baseline. Targets (gpt-oss shapes): "
+             ">= 2.5x at T <= 16, 1.5x at 64, 1.0x from 256.", "",
+             "| layer | fmt | routing | T | tilemm | hf | grouped | speed-up | target | rel. err tilemm / hf |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in layers:
+        target = TARGETS.get(r["T"]) if r["layer"].startswith("gpt-oss") else None
+        hf = _f(r.get("hf_us"), ".1f") + ("*" if r.get("hf_how") == "events" else "")
+        lines.append(f"| {r['layer']} | {r['format']} | {r['routing']} | {r['T']} | {_f(r.get('tilemm_us'), '.1f')} "
+                     f"| {hf} | {_f(r.get('grouped_us'), '.1f')} | {_f(r.get('speedup'), '.2f')} | "
+                     f"{_f(target, '.1f')} | {r['rel_err']:.1e} / {_f(r.get('hf_rel_err'), '.1e')} |")
+    designs = [r for r in layers if any(f"{d}_us" in r for d in DESIGNS)]
+    if designs:
+        lines += ["", "Alternative launches of the same layer (us; see ``DESIGNS`` in the script): "
+                  "all_experts = a block per (expert, N tile) for every expert; unfused = SwiGLU outside "
+                  "the kernel.", "", "| layer | fmt | routing | T | tilemm | all_experts | unfused |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in designs:
+            lines.append(f"| {r['layer']} | {r['format']} | {r['routing']} | {r['T']} | "
+                         f"{_f(r.get('tilemm_us'), '.1f')} | {_f(r.get('all_experts_us'), '.1f')} | "
+                         f"{_f(r.get('unfused_us'), '.1f')} |")
+    anchor = [r for r in layers if r["layer"].startswith("qwen") and r["T"] in ANCHOR_US and "tilemm_us" in r]
+    if anchor:
+        lines += ["", "Anchor (published cuTile NVFP4 W4A16 fused MoE on an H100 NVL: "
+                  + ", ".join(f"{v} us at T = {t}" for t, v in ANCHOR_US.items()) + "; target 3x faster):", ""]
+        for r in anchor:
+            lines.append(f"- {r['format']} {r['routing']} T = {r['T']}: {r['tilemm_us']:.1f} us, "
+                         f"{ANCHOR_US[r['T']] / r['tilemm_us']:.1f}x the anchor")
+    if e2e:
+        lines += ["", "## End to end (greedy decode, CUDA graph per step)", ""]
+        r = e2e.get("gpt-oss-20b")
+        if r:
+            lines.append(f"- {r['model']}, {r['layers']} of {r['of_layers']} layers, batch 1: bf16 "
+                         f"{_f(r['bf16'].get('tokens_per_s'), '.1f')} tokens/s ({r['bf16'].get('how')}), experts "
+                         f"MXFP4 {_f(r['mxfp4'].get('tokens_per_s'), '.1f')} tokens/s ({r['mxfp4'].get('how')}): "
+                         f"{_f(r.get('speedup'), '.2f')}x (target 1.5x)")
+        r = e2e.get("gpt-oss-120b")
+        if r:
+            lines.append(f"- {r['model']}, {r['layers']} layers, experts MXFP4 (random packed weights): "
+                         f"batch 1 {_f(r['batch1'].get('tokens_per_s'), '.1f')} tokens/s, batch 8 "
+                         f"{_f(r['batch8'].get('tokens_per_s'), '.1f')} tokens/s; model "
+                         f"{_f(r.get('model_gib'), '.1f')} GiB, peak {_f(r.get('peak_gib'), '.1f')} GiB of "
+                         f"{_f(r.get('gpu_gib'), '.1f')} GiB")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="bench_moe.py", description=__doc__.split("\n\n")[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="T = 1, 16, 256 and a 4-layer gpt-oss-20b decode")
+    mode.add_argument("--layers-only", action="store_true", help="the layer benchmark only")
+    mode.add_argument("--e2e", action="store_true", help="the end-to-end decodes only")
+    mode.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU, no timing")
+    ap.add_argument("--tokens", type=int, default=64, help="decoded tokens per end-to-end run (default 64)")
+    ap.add_argument("--reps", type=int, default=30, help="timed replays per layer variant (default 30)")
+    ap.add_argument("--out", default=None, help="result directory (default $OUT, else benchmarks/results)")
+    args = ap.parse_args(argv)
+    if args.cpu_smoke:
+        device, gpu = torch.device("cpu"), "cpu"
+    elif torch.cuda.is_available():
+        device, gpu = torch.device("cuda"), torch.cuda.get_device_name()
+    else:
+        ap.error("no CUDA device (use --cpu-smoke for the CPU code paths)")
+    t0 = time.time()
+    timer = None
+    if device.type == "cuda":
+        from _timing import Timer
+
+        timer = Timer(args.reps, device)
+    command = "python benchmarks/bench_moe.py" + (" " + shlex.join(sys.argv[1:] if argv is None else list(argv))
+                                                   if (argv or sys.argv[1:]) else "")
+    meta = {"gpu": gpu, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__, "command": command,
+            "grouped_mm": hasattr(torch, "_grouped_mm")}
+    layers = [] if args.e2e else bench_layers(args, device, timer, t0)
+    e2e = {} if args.layers_only else bench_e2e(args, device, t0)
+    meta["seconds"] = time.time() - t0
+    out_dir = pathlib.Path(args.out or os.environ.get("OUT") or RESULTS)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    slug = gpu.lower().replace(" ", "-")
+    suffix = "-quick" if args.quick else "-layers" if args.layers_only else "-e2e" if args.e2e else ""
+    stem = out_dir / f"moe{suffix}-{slug}"
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "layers": layers, "e2e": e2e}, indent=1))
+    stem.with_suffix(".md").write_text(markdown(meta, layers, e2e))
+    log(f"wrote {stem}.json / .md", t0)
+    failed = [r for r in layers if "error" in r]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,469 @@
+"""Mixture of experts: stacked ``prepack``, ``tilemm.moe_linear`` (CPU reference and the grouped
+kernel's tile code on the CPU emulator), gpt-oss's experts module against transformers' own, and
+loading a gpt-oss checkpoint directory.
+
+The kernel runs through tests/_emulator.py (exact bf16 operands at every MMA, index arithmetic of the
+gathers and scatters); its result is compared with the reference, which is compared with a float64
+product of the dequantized weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import tilemm
+from tilemm import checkpoints
+from tilemm.formats import MXFP4, MXFP8_E4M3, NVFP4
+from tilemm.kernels import moe_kernels as mk
+from tilemm.moe import MoEExperts, reference_moe
+from tilemm.packed import expert, prepack, unpack
+
+from _emulator import LaunchProxy, TileEmulator, assert_matches
+
+QUANTIZERS = {"mxfp4": tilemm.quantize_mxfp4, "nvfp4": tilemm.quantize_nvfp4, "mxfp8": tilemm.quantize_mxfp8}
+FORMAT_NAMES = list(QUANTIZERS)
+
+
+def stacked(fmt: str, e: int, n: int, k: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w_q = QUANTIZERS[fmt](torch.randn(e, n, k, generator=gen))
+    return w_q, prepack(w_q)
+
+
+def reference64(x, w_q, ids, bias=None):
+    """float64 x[t] @ dequantize(W[e]).T (+ bias[e]) per (token, slot); NaN for ids outside [0, E)."""
+    w = w_q.dequantize().to(torch.float64)  # (E, N, K)
+    e = w.shape[0]
+    ok = (ids >= 0) & (ids < e)
+    safe = torch.where(ok, ids, torch.zeros_like(ids))
+    every = torch.einsum("tk,enk->ten", x.to(torch.float64), w)  # (T, E, N): every expert, every token
+    out = torch.gather(every, 1, safe[..., None].expand(-1, -1, w.shape[1]))
+    if bias is not None:
+        out = out + bias.to(torch.float64)[safe]
+    return torch.where(ok[..., None], out, torch.full_like(out, float("nan")))
+
+
+# --------------------------------------------------------------------------------------------------
+# Stacked prepack
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_stacked_prepack_round_trips(fmt):
+    # K = 96: not a multiple of tile_k (zero-padded words); N = 20: not a multiple of any tile.
+    w_q, packed = stacked(fmt, 3, 20, 96)
+    assert packed.num_experts == 3 and packed.shape == (3, 20, 96)
+    assert packed.words.shape[:2] == (3, 20) and packed.scale_t.shape == (3, 96 // w_q.format.block, 20)
+    assert packed.constants.shape == (3, 2)
+    back = unpack(packed)
+    assert torch.equal(back.data.view(torch.uint8), w_q.data.view(torch.uint8))
+    assert torch.equal(back.scale.view(torch.uint8), w_q.scale.view(torch.uint8))
+    # expert(packed, e) is expert e's 2-D weight, with the shared exponent
+    one = unpack(expert(packed, 1))
+    assert torch.equal(one.data.view(torch.uint8), w_q.data[1].view(torch.uint8))
+
+
+def test_stacked_nvfp4_keeps_per_expert_global_scales():
+    gen = torch.Generator().manual_seed(3)
+    experts = [tilemm.quantize_nvfp4(torch.randn(16, 64, generator=gen) * (e + 1)) for e in range(3)]
+    packed = prepack(experts)
+    assert packed.global_scale.shape == (3,)
+    back = unpack(packed)
+    assert isinstance(back, list) and len(back) == 3  # distinct per-tensor scales: one weight per expert
+    for w, b in zip(experts, back):
+        assert torch.equal(b.data, w.data) and torch.equal(b.global_scale, w.global_scale)
+    x = torch.randn(4, 64, generator=gen).to(torch.bfloat16)
+    ids = torch.tensor([[0, 2], [1, 1], [2, 0], [1, 2]])
+    out = tilemm.moe_linear(x, packed, ids)
+    w64 = torch.stack([w.dequantize() for w in experts]).to(torch.float64)
+    ref = torch.einsum("tk,tjnk->tjn", x.to(torch.float64), w64[ids])
+    assert_matches(out.float(), ref, torch.bfloat16)
+
+
+def test_stacked_exponent_is_shared():
+    """An expert with large scales moves every expert's multipliers down by the same 2^E."""
+    gen = torch.Generator().manual_seed(1)
+    small = tilemm.quantize_mxfp4(torch.randn(8, 64, generator=gen))
+    large = tilemm.quantize_mxfp4(torch.randn(8, 64, generator=gen) * 2.0 ** 20)
+    packed = prepack([small, large])
+    assert packed.exponent == prepack(large).exponent > 0
+    assert torch.equal(packed.constants[:, 1], torch.full((2,), 2.0 ** (126 - packed.exponent)))
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    ids = torch.tensor([[0, 1], [1, 0], [0, 0]])
+    w_q = tilemm.MXFP4Tensor(torch.stack([small.data, large.data]), torch.stack([small.scale, large.scale]))
+    assert_matches(tilemm.moe_linear(x, packed, ids).float(), reference64(x, w_q, ids), torch.bfloat16)
+
+
+def test_stacked_prepack_errors():
+    a = tilemm.quantize_mxfp4(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="one format and shape"):
+        prepack([a, tilemm.quantize_mxfp4(torch.randn(8, 32))])
+    with pytest.raises(ValueError, match="one format and shape"):
+        prepack([a, tilemm.quantize_nvfp4(torch.randn(8, 64))])
+    with pytest.raises(ValueError, match="at least one expert"):
+        prepack([])
+    with pytest.raises(TypeError, match="expert 1 must be"):
+        prepack([a, torch.zeros(8, 64)])
+    with pytest.raises(ValueError, match="needs logical scales"):
+        prepack(tilemm.quantize_mxfp4(torch.randn(2, 128, 64), swizzle=True))
+    with pytest.raises(ValueError, match="2-D .* or a 3-D"):
+        prepack(tilemm.quantize_mxfp4(torch.randn(2, 2, 4, 64)))
+
+
+# --------------------------------------------------------------------------------------------------
+# moe_linear on the CPU
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_moe_linear_reference(fmt, x_dtype):
+    # T = 7 tokens, top-3 over 5 experts (one expert chosen twice by a token, one never chosen).
+    w_q, packed = stacked(fmt, 5, 24, 64, seed=2)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 64, generator=gen).to(x_dtype)
+    ids = torch.randint(0, 4, (7, 3), generator=gen)
+    ids[0] = torch.tensor([2, 2, 0])
+    bias = torch.randn(5, 24, generator=gen)
+    out = tilemm.moe_linear(x, packed, ids, bias)
+    assert out.shape == (7, 3, 24) and out.dtype == x_dtype
+    assert_matches(out.float(), reference64(x, w_q, ids, bias), x_dtype)
+    assert torch.equal(tilemm.moe_linear(x, packed, ids.to(torch.int32), bias), out)
+
+
+def test_moe_linear_empty_and_single_token():
+    w_q, packed = stacked("mxfp4", 4, 16, 64)
+    x = torch.randn(0, 64).to(torch.bfloat16)
+    assert tilemm.moe_linear(x, packed, torch.zeros(0, 2, dtype=torch.long)).shape == (0, 2, 16)
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    ids = torch.tensor([[3]])
+    assert_matches(tilemm.moe_linear(x, packed, ids).float(), reference64(x, w_q, ids), torch.bfloat16)
+
+
+def test_out_of_range_ids_give_nan_rows_or_an_error():
+    w_q, packed = stacked("mxfp4", 4, 16, 64)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    ids = torch.tensor([[0, 4], [-1, 1], [3, 2]])
+    out = tilemm.moe_linear(x, packed, ids)
+    bad = (ids < 0) | (ids >= 4)
+    assert out[bad].isnan().all() and not out[~bad].isnan().any()
+    assert_matches(out[~bad].float(), reference64(x, w_q, ids)[~bad], torch.bfloat16)
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 4\) .* got values in \[-1, 4\]"):
+        tilemm.moe_linear(x, packed, ids, check_ids=True)
+
+
+def test_moe_linear_errors_name_the_argument():
+    _, packed = stacked("mxfp4", 4, 16, 64)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    ids = torch.zeros(3, 2, dtype=torch.long)
+    with pytest.raises(TypeError, match="w must be a stacked expert PackedWeight"):
+        tilemm.moe_linear(x, prepack(tilemm.quantize_mxfp4(torch.randn(16, 64))), ids)
+    with pytest.raises(TypeError, match="x must be bfloat16 or float16, got torch.float32"):
+        tilemm.moe_linear(x.float(), packed, ids)
+    with pytest.raises(ValueError, match=r"x must be \(T, K\) with K = 64 .* got shape \(3, 32\)"):
+        tilemm.moe_linear(x[:, :32], packed, ids)
+    with pytest.raises(TypeError, match="topk_ids must be int32 or int64, got torch.float32"):
+        tilemm.moe_linear(x, packed, ids.float())
+    with pytest.raises(ValueError, match=r"topk_ids must be \(T, k\) with T = 3"):
+        tilemm.moe_linear(x, packed, ids[:2])
+    with pytest.raises(ValueError, match=r"bias must be \(E, N\) = \(4, 16\), got \(16,\)"):
+        tilemm.moe_linear(x, packed, ids, torch.zeros(16))
+    with pytest.raises(TypeError, match="bias must be float32, bfloat16 or float16"):
+        tilemm.moe_linear(x, packed, ids, torch.zeros(4, 16, dtype=torch.int32))
+    with pytest.raises(ValueError, match="multiple of"):  # K not a multiple of the block: refused when quantizing
+        tilemm.quantize_mxfp4(torch.randn(2, 16, 40))
+
+
+def test_moe_linear_compiles_fullgraph():
+    """The custom op with its fake implementation traces as one op under torch.compile(fullgraph=True)."""
+    w_q, packed = stacked("nvfp4", 4, 16, 64)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    ids = torch.randint(0, 4, (5, 2))
+
+    def f(x, ids):
+        return tilemm.moe_linear(x, packed, ids) * 2
+
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x, ids), f(x, ids))
+
+
+# --------------------------------------------------------------------------------------------------
+# The grouped kernel's tile code on the CPU
+# --------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def emulated(monkeypatch):
+    emu = TileEmulator()
+    monkeypatch.setattr(mk, "ct", LaunchProxy(emu))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)
+    return emu
+
+
+def _run_kernel(x, packed, ids, bias, cfg, act=0):
+    t, k = ids.shape
+    e, n = packed.words.shape[:2]
+    n_out = n // 2 if act else n
+    out = torch.full((t * k, n_out), 12345.0, dtype=x.dtype)  # poison: every row must be written
+    b = None if bias is None else bias.float()
+    mk.launch(x, packed.words, packed.scale_t, packed.constants, b, mk.route(ids, e), k, out, packed.layout,
+              act=act, cfg=cfg)
+    return out.reshape(t, k, n_out)
+
+
+def test_routing_is_fixed_size_and_sorted():
+    ids = torch.tensor([[2, 0], [2, 5], [-1, 2], [0, 7]])
+    order, offsets, slot_expert = mk.route(ids, 6)
+    assert order.shape == (8,) and offsets.shape == (8,) and slot_expert.shape == (7,)
+    keys = torch.where((ids.reshape(-1) >= 6) | (ids.reshape(-1) < 0), 6, ids.reshape(-1))
+    assert torch.equal(keys[order], torch.sort(keys, stable=True).values)
+    assert torch.equal(order[:2], torch.tensor([1, 6]))  # stable: rows of one expert in row order
+    assert offsets.tolist() == [0, 2, 2, 5, 5, 5, 6, 8]
+    assert slot_expert.tolist() == [0, 2, 5, 6, -1, -1, -1]
+    # one token, one expert: a single slot; far out-of-range ids still land on the extra expert
+    assert mk.route(torch.tensor([[3]]), 6)[2].tolist() == [3]
+    assert mk.route(torch.tensor([[2 ** 40, -2 ** 40]]), 6)[2].tolist() == [6, -1]
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_kernel_matches_reference(emulated, fmt, x_dtype):
+    # E = 5, N = 20 (a partial 16-row tile), K = 320 (not a multiple of tile_k: zero-padded words and
+    # x columns past K gathered as zeros). Expert 1 gets 19 rows: two chunks of TM = 16. Expert 4
+    # gets none; ids 5 and -1 are out of range (NaN rows).
+    e, n, k = 5, 20, 320
+    w_q, packed = stacked(fmt, e, n, k, seed=4)
+    gen = torch.Generator().manual_seed(6)
+    x = (torch.randn(12, k, generator=gen) * 3).to(x_dtype)
+    ids = torch.randint(0, 4, (12, 2), generator=gen)
+    ids[:10, 0] = 1
+    ids[:9, 1] = 1
+    ids[10, 1], ids[11, 0] = 5, -1
+    bias = torch.randn(e, n, generator=gen)
+    ref = reference_moe(x, packed.words, packed.scale_t, packed.constants, packed.fmt.name, k, ids, bias)
+    ok = (ids >= 0) & (ids < e)
+    # tile_m 16: expert 1's two chunks in one block (T = 12: one chunk group); tile_m 8: two chunk
+    # groups (expert 1's three chunks over two blocks); tile_m 32: one chunk.
+    for cfg in (mk.MoEConfig(16, 16, 4, None, cat=1), mk.MoEConfig(16, 16, 4, None, cat=0),
+                mk.MoEConfig(8, 16, 4, None, cat=1), mk.MoEConfig(32, 16, 4, None)):
+        out = _run_kernel(x, packed, ids, bias, cfg)
+        assert out[~ok].isnan().all()
+        assert_matches(out[ok].float(), ref[ok].float(), x_dtype)
+        assert_matches(out[ok].float(), reference64(x, w_q, ids, bias)[ok], x_dtype)
+
+
+def test_kernel_single_token_top4(emulated):
+    """Decode: one token, four experts of eight, the planned config (tile_m 16)."""
+    w_q, packed = stacked("mxfp4", 8, 64, 256, seed=7)
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    ids = torch.tensor([[6, 1, 3, 0]])
+    cfg = mk.plan(1, 4, 8, packed.layout)
+    assert cfg.tile_m == 16 and cfg.cat == 1
+    out = _run_kernel(x, packed, ids, None, cfg)
+    assert_matches(out.float(), reference64(x, w_q, ids), torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_fused_swiglu_epilogue(emulated, fmt):
+    """ACT = 1: gate_up rows interleaved, the epilogue writes gpt-oss's SwiGLU of each pair (from the
+    rounded products, in fp32, rounded once), as ``gpt_oss_glu`` of the unfused output."""
+    from tilemm.moe import gpt_oss_glu
+
+    e, n, k = 4, 64, 256
+    w_q, packed = stacked(fmt, e, n, k, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    x = (torch.randn(5, k, generator=gen) * 2).to(torch.bfloat16)
+    ids = torch.tensor([[0, 3], [3, 1], [1, 0], [2, 3], [3, 0]])
+    bias = torch.randn(e, n, generator=gen)
+    cfg = mk.MoEConfig(16, 16, 4, None, cat=1)
+    plain = _run_kernel(x, packed, ids, bias, cfg)
+    fused = _run_kernel(x, packed, ids, bias, cfg, act=1)
+    expected = gpt_oss_glu(plain, mk.SWIGLU_ALPHA, mk.SWIGLU_LIMIT)
+    assert (plain[..., ::2].float() > mk.SWIGLU_LIMIT).any()  # the clamp matters in this case
+    # exp's rounding aside, equal: at most one bf16 ulp apart
+    assert torch.allclose(fused.float(), expected.float(), rtol=2 ** -7, atol=1e-6)
+
+
+def test_chunk_groups_spread_a_popular_expert(emulated):
+    """Every token picks expert 2 (skewed routing at large T): its chunks spread over G blocks; the
+    result is the same whatever G."""
+    assert mk.chunk_groups(1, 16) == 1 and mk.chunk_groups(40, 16) == 3 and mk.chunk_groups(10 ** 4, 16) == 8
+    w_q, packed = stacked("mxfp4", 3, 16, 256, seed=11)
+    x = torch.randn(40, 256).to(torch.bfloat16)
+    ids = torch.stack([torch.full((40,), 2), torch.arange(40) % 2], dim=1)
+    out = _run_kernel(x, packed, ids, None, mk.MoEConfig(16, 16, 4, None, cat=1))
+    assert_matches(out.float(), reference64(x, w_q, ids), torch.bfloat16)
+
+
+def test_plan_tile_m_follows_tokens_per_expert():
+    layout = tilemm.packed.layout_of(MXFP4)
+    assert mk.plan(1, 4, 32, layout).tile_m == 16
+    assert mk.plan(64, 4, 32, layout).tile_m == 16        # 8 per expert
+    assert mk.plan(256, 4, 32, layout).tile_m == 32       # 32 per expert
+    assert mk.plan(1024, 4, 32, layout).tile_m == 128
+    assert mk.plan(1024, 8, 256, layout).tile_m == 32
+    assert mk.plan(16, 4, 32, tilemm.packed.layout_of(MXFP8_E4M3)).occupancy == 2
+
+
+# --------------------------------------------------------------------------------------------------
+# gpt-oss: the experts module and whole models
+# --------------------------------------------------------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_gpt_oss_config(**kw):
+    cfg = dict(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+               max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"],
+               sliding_window=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    cfg.update(kw)
+    return transformers.GptOssConfig(**cfg)
+
+
+def _dequantized_into(hf_experts, ours: MoEExperts):
+    """transformers' experts given our dequantized weights (its (E, K, N) layout)."""
+    with torch.no_grad():
+        for proj in ("gate_up", "down"):
+            w = unpack(ours.packed(proj))
+            dq = torch.stack([q.dequantize() for q in w]) if isinstance(w, list) else w.dequantize()
+            getattr(hf_experts, proj + "_proj").copy_(dq.transpose(1, 2))
+            getattr(hf_experts, proj + "_proj_bias").copy_(getattr(ours, proj + "_bias"))
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
+def test_experts_module_matches_transformers(fmt, impl):
+    """MoEExperts against transformers' GptOssExperts (bf16) on the dequantized weights: equal up to
+    summation order (transformers rounds gate_up to bf16 before adding its bias and sums the k
+    weighted expert outputs in bf16, hence the bf16 tolerance of a few roundings)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    torch.manual_seed(0)
+    cfg = tiny_gpt_oss_config()
+    cfg._experts_implementation = impl
+    hf = GptOssExperts(cfg)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.1)
+    ours = MoEExperts.from_gpt_oss(hf, fmt)
+    hf = hf.to(torch.bfloat16)
+    _dequantized_into(hf, ours)
+    x = torch.randn(9, 64).to(torch.bfloat16)
+    logits = torch.randn(9, 4)
+    top, ids = torch.topk(logits, 2, dim=-1)
+    weights = torch.softmax(top, dim=-1).to(torch.bfloat16)
+    ref = hf(x, ids, weights)
+    out = ours(x, ids, weights)
+    assert torch.equal(torch.compile(ours, fullgraph=True, backend="eager")(x, ids, weights), out)
+    assert out.dtype == torch.bfloat16 and out.shape == (9, 64)
+    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert err < 1e-2, err
+
+
+def _write_gpt_oss_checkpoint(model, path):
+    """``model``'s state dict in the gpt-oss layout: experts as MXFP4 ``*_blocks`` / ``*_scales``
+    (quantized along K per expert), everything else in bf16; plus config.json."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, t in model.state_dict().items():
+        base, _, leaf = name.rpartition(".")
+        if leaf in ("gate_up_proj", "down_proj"):
+            q = tilemm.quantize_mxfp4(t.transpose(1, 2).float().contiguous())  # (E, N, K)
+            blocks, scales = checkpoints.to_gpt_oss(q)
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks.contiguous(), scales.contiguous()
+        else:
+            tensors[name] = t.to(torch.bfloat16).contiguous()
+    save_file(tensors, str(path / "model.safetensors"))
+    config = model.config.to_dict() | {"quantization_config": {"quant_method": "mxfp4"}}
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_whole_gpt_oss_model_quantized_and_loaded(tmp_path):
+    """A tiny GptOssForCausalLM: written in the gpt-oss layout and loaded with load_quantized, it
+    gives exactly the logits of the same model quantized in memory with quantize_model, and the
+    logits of transformers' bf16 model on the dequantized experts up to summation order."""
+    torch.manual_seed(1)
+    cfg = tiny_gpt_oss_config()
+    model = transformers.GptOssForCausalLM(cfg).to(torch.bfloat16).eval()
+    _write_gpt_oss_checkpoint(model, tmp_path)
+
+    fresh = transformers.GptOssForCausalLM(cfg).to(torch.bfloat16).eval()
+    tilemm.load_quantized(fresh, tmp_path, convention="gpt-oss")
+    experts = [m for m in fresh.modules() if isinstance(m, MoEExperts)]
+    assert len(experts) == 2 and not any(type(m).__name__ == "GptOssExperts" for m in fresh.modules())
+    assert experts[0].gate_up_words.dtype == torch.int32  # packed words, never a bf16 expert
+
+    in_memory = tilemm.quantize_model(model, "mxfp4", weight_only=True, skip=lambda n, m: isinstance(
+        m, torch.nn.Linear))  # the experts only, as the checkpoint stores them
+    ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        loaded = fresh(ids).logits
+        quantized = in_memory(ids).logits
+    assert torch.equal(loaded, quantized)
+
+    reference = transformers.GptOssForCausalLM(cfg).to(torch.bfloat16).eval()
+    reference.load_state_dict(model.state_dict(), strict=False)
+    for ours, hf in zip(experts, [m for m in reference.modules() if type(m).__name__ == "GptOssExperts"]):
+        _dequantized_into(hf, ours)
+    with torch.no_grad():
+        ref = reference(ids).logits
+    err = ((loaded.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert err < 2e-2, err
+
+
+def test_gpt_oss_checkpoint_errors(tmp_path):
+    cfg = tiny_gpt_oss_config()
+    model = transformers.GptOssForCausalLM(cfg).to(torch.bfloat16)
+    _write_gpt_oss_checkpoint(model, tmp_path)
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    other = transformers.GptOssForCausalLM(tiny_gpt_oss_config(num_local_experts=8)).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"experts 'model.layers.0.mlp.experts': gate_up_proj is \(E, N, K\) "
+                                         r"= \(8, 128, 64\) in the model but \(4, 128, 64\)"):
+        tilemm.load_quantized(other, tensors, convention="gpt-oss")
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    with pytest.raises(ValueError, match=r"has no model.layers.1.mlp.experts.down_proj_scales"):
+        tilemm.load_quantized(transformers.GptOssForCausalLM(cfg), tensors, convention="gpt-oss")
+
+
+def test_benchmark_cpu_smoke(tmp_path):
+    """benchmarks/bench_moe.py's code paths on tiny shapes (its correctness checks included)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_moe.py"
+    spec = importlib.util.spec_from_file_location("bench_moe", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--cpu-smoke", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "moe-cpu.json").read_text())
+    assert result["layers"] and all(r["rel_err"] < 1e-2 for r in result["layers"])
+    assert set(result["e2e"]) == {"gpt-oss-20b", "gpt-oss-120b"}
+
+
+def test_quantize_model_passes_the_element_dtype_to_the_experts():
+    torch.manual_seed(3)
+    model = transformers.GptOssForCausalLM(tiny_gpt_oss_config()).to(torch.bfloat16)
+    tilemm.quantize_model(model, "mxfp8", weight_only=True, elem_dtype=torch.float8_e5m2)
+    experts = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    assert len(experts) == 2 and experts[0].formats == ("mxfp8_e5m2", "mxfp8_e5m2")
+    assert isinstance(model.model.layers[0].self_attn.q_proj, tilemm.nn.Linear)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def test_custom_ops_opcheck():
+    """torch.library.opcheck of both ops (fake shapes, schema, autograd registration)."""
+    _, packed = stacked("mxfp4", 4, 64, 64)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    ids = torch.tensor([[0, 3], [2, 2], [1, 0]])
+    torch.library.opcheck(torch.ops.tilemm.moe_linear.default,
+                          (x, packed.words, packed.scale_t, packed.constants, "mxfp4", 64, ids, torch.zeros(4, 64)))
+    _, down = stacked("mxfp4", 4, 64, 32)
+    weights = torch.rand(3, 2).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.tilemm.gpt_oss_experts.default,
+                          (x, ids, weights, packed.words, packed.scale_t, packed.constants, "mxfp4", None,
+                           down.words, down.scale_t, down.constants, "mxfp4", torch.zeros(4, 64), 1.702, 7.0))

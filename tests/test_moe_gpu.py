@@ -1,0 +1,144 @@
+"""The grouped MoE kernel on the GPU: ``tilemm.moe_linear`` against the CPU reference on the same
+stacked packed weight (shapes, formats, uniform / skewed / out-of-range routings), inside a CUDA graph
+(routing changed between replays), under ``torch.compile(fullgraph=True)``, and gpt-oss's experts
+module against transformers' on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilemm
+from tilemm.kernels import moe_kernels as mk
+from tilemm.moe import MoEExperts
+
+from _gpu import capture, kernels_per_call, requires_gpu
+from test_moe import QUANTIZERS, reference64
+
+pytestmark = requires_gpu
+
+DEV = torch.device("cuda")
+TOL = {torch.bfloat16: 4e-3 + 1e-5, torch.float16: 1e-3 + 1e-5}
+
+
+def _check(out, ref, dtype):
+    out64, ref = out.double().cpu(), ref.double().cpu()
+    ok = ~ref.isnan()
+    assert out64[~ok].isnan().all(), "rows of out-of-range ids must be NaN"
+    assert torch.isfinite(out64[ok]).all()
+    err = ((out64[ok] - ref[ok]).norm() / ref[ok].norm()).item()
+    assert err < TOL[dtype], err
+
+
+def _routing(kind, t, k, e, gen):
+    if kind == "uniform":
+        return torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    if kind == "skewed":  # most tokens pick experts 0 .. k-1, a few others
+        ids = torch.arange(k).repeat(t, 1)
+        ids[::7] = torch.randint(0, e, (ids[::7].shape[0], k), generator=gen)
+        return ids
+    ids = torch.randint(0, e, (t, k), generator=gen)  # "invalid": some ids outside [0, E)
+    ids[1, 0], ids[-1, -1] = e, -3
+    return ids
+
+
+def _cases():
+    """(fmt, x dtype, (T, k, E, N, K), routing). Shapes: decode (T = 1, tile_m 16); a few tokens with
+    N = 200 and K = 4128 not tile multiples; T = 100 top-4 of 16 (tile_m 32); T = 300 top-4 of 8
+    (tile_m 128, several chunks per expert under skewed routing). fp16 on the first two shapes (each
+    new (format, dtype, tile_m) is one more JIT compile)."""
+    shapes = [(1, 4, 8, 256, 512), (5, 2, 6, 200, 4128), (100, 4, 16, 192, 256), (300, 4, 8, 128, 512)]
+    for fmt in QUANTIZERS:
+        for i, shape in enumerate(shapes):
+            for routing in ("uniform", "skewed", "invalid"):
+                yield pytest.param(fmt, torch.bfloat16, shape, routing, id=f"{fmt}-bf16-{shape}-{routing}")
+                if i < 2:
+                    yield pytest.param(fmt, torch.float16, shape, routing, id=f"{fmt}-fp16-{shape}-{routing}")
+
+
+@pytest.mark.parametrize("fmt,x_dtype,shape,routing", list(_cases()))
+def test_moe_linear_matches_reference(fmt, x_dtype, shape, routing):
+    t, k, e, n, kdim = shape
+    gen = torch.Generator().manual_seed(t + n)
+    w_q = QUANTIZERS[fmt](torch.randn(e, n, kdim, generator=gen))
+    packed = tilemm.prepack(w_q).to(DEV)
+    x = torch.randn(t, kdim, generator=gen).to(x_dtype)
+    ids = _routing(routing, t, k, e, gen)
+    bias = torch.randn(e, n, generator=gen)
+    out = tilemm.moe_linear(x.to(DEV), packed, ids.to(DEV), bias.to(DEV))
+    assert out.shape == (t, k, n) and out.dtype == x_dtype
+    _check(out, reference64(x, w_q, ids, bias), x_dtype)
+    cpu = tilemm.moe_linear(x, packed.to("cpu"), ids, bias)
+    _check(out, cpu.double(), x_dtype)
+
+
+def test_one_kernel_after_routing():
+    """One cuTile launch per projection (the routing is a few small PyTorch kernels)."""
+    w_q = tilemm.quantize_mxfp4(torch.randn(8, 256, 512))
+    packed = tilemm.prepack(w_q).to(DEV)
+    x = torch.randn(4, 512, device=DEV, dtype=torch.bfloat16)
+    ids = torch.randint(0, 8, (4, 2), device=DEV)
+    names = kernels_per_call(lambda: tilemm.moe_linear(x, packed, ids))
+    assert sum("moe_kernel" in name for name in names) == 1, names
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_cuda_graph_with_new_routing_each_replay(fmt):
+    gen = torch.Generator().manual_seed(0)
+    w_q = QUANTIZERS[fmt](torch.randn(16, 256, 512, generator=gen))
+    packed = tilemm.prepack(w_q).to(DEV)
+    x = torch.randn(8, 512, generator=gen).to(torch.bfloat16).to(DEV)
+    static_ids = torch.randint(0, 16, (8, 4), generator=gen).to(DEV)
+    graph, static_x, static_out = capture(lambda x: tilemm.moe_linear(x, packed, static_ids), x)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed + 10)
+        new_x = torch.randn(8, 512, generator=g).to(torch.bfloat16)
+        new_ids = _routing(["uniform", "skewed", "invalid"][seed], 8, 4, 16, g)
+        static_x.copy_(new_x)
+        static_ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(static_out, reference64(new_x, w_q, new_ids), torch.bfloat16)
+
+
+def test_compile_fullgraph():
+    w_q = tilemm.quantize_mxfp4(torch.randn(8, 128, 256))
+    packed = tilemm.prepack(w_q).to(DEV)
+    x = torch.randn(3, 256, device=DEV, dtype=torch.bfloat16)
+    ids = torch.randint(0, 8, (3, 4), device=DEV)
+
+    def f(x, ids):
+        return tilemm.moe_linear(x, packed, ids).float().sum(dim=1)
+
+    eager = f(x, ids)
+    assert torch.equal(torch.compile(f, fullgraph=True)(x, ids), eager)
+    assert torch.equal(torch.compile(f, mode="reduce-overhead")(x, ids), eager)
+
+
+def test_gpt_oss_experts_on_gpu_match_cpu():
+    transformers = pytest.importorskip("transformers")
+    from test_moe import tiny_gpt_oss_config
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    torch.manual_seed(0)
+    hf = GptOssExperts(tiny_gpt_oss_config(hidden_size=256, intermediate_size=512, num_local_experts=8))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.05)
+    ours = MoEExperts.from_gpt_oss(hf, "mxfp4")
+    x = torch.randn(6, 256).to(torch.bfloat16)
+    top, ids = torch.topk(torch.randn(6, 8), 2, dim=-1)
+    weights = torch.softmax(top, dim=-1).to(torch.bfloat16)
+    cpu = ours(x, ids, weights)
+    gpu = ours.to(DEV)(x.to(DEV), ids.to(DEV), weights.to(DEV))
+    # the same arithmetic (the fused SwiGLU's exp aside): a few bf16 ulps apart at most
+    err = ((gpu.double().cpu() - cpu.double()).norm() / cpu.double().norm()).item()
+    assert err < 1e-2, err
+    compiled = torch.compile(ours, fullgraph=True)
+    assert torch.equal(compiled(x.to(DEV), ids.to(DEV), weights.to(DEV)), gpu)
+    graph, static_x, static_out = capture(lambda x: ours(x, ids.to(DEV), weights.to(DEV)), x.to(DEV))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, gpu)
+    del transformers

@@ -1,0 +1,108 @@
+"""The large-M weight-only designs on the GPU (``tilemm.kernels.hopper_weight_only_large``) against the fp64
+oracle, the runner's dispatch through the plan table, and one kernel per weight-only linear inside a
+CUDA graph (no fill of a workspace, no zero bias)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilemm
+from tilemm.formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
+from tilemm.kernels import weight_only_kernels as wo
+from tilemm.kernels import hopper_weight_only_large as wl
+
+from _gpu import kernels_per_call, requires_gpu
+from test_weight_only import quantized_weight
+from test_weight_only_gpu import _check, _oracle
+
+pytestmark = requires_gpu
+
+DEV = torch.device("cuda")
+FORMATS = [MXFP4, NVFP4, MXFP8_E4M3, MXFP8_E5M2]
+IDS = [f.name for f in FORMATS]
+# Every fused config of the sweep on MXFP4; the first (and the plan's fused configs) on every format.
+_PLAN_FUSED = [c for rows in wl.PLAN.values() for _, c in rows if c is not None and c.kind == "fused"]
+_CASES = ([(MXFP4, c) for c in wl.CANDIDATES]
+          + [(f, c) for f in FORMATS[1:] for c in dict.fromkeys([wl.CANDIDATES[0], *_PLAN_FUSED])])
+
+
+def _weight(fmt, n, k, seed):
+    return quantized_weight(fmt, n, k, seed=seed, scale_bytes=(112, 124) if fmt.is_mx else (1, 0x50))
+
+
+@pytest.mark.parametrize("fmt,cfg", _CASES, ids=[f"{f.name}-{c.name}" for f, c in _CASES])
+def test_fused_kernel_matches_the_oracle(fmt, cfg):
+    """M = 300 (a partial last x tile), N = 200 (a partial weight tile), K = 4128 (a partial last K
+    tile), with a bias; on 3 persistent blocks (each takes several tiles) and on one block per SM."""
+    m, n, k = 300, 200, 4128
+    w_q = _weight(fmt, n, k, seed=3)
+    packed = tilemm.prepack(w_q).to(DEV)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    bias = torch.randn(n)
+    ref = _oracle(x, w_q, bias)
+    for sms in (3, torch.cuda.get_device_properties(DEV).multi_processor_count):
+        out = torch.full((m, n), float("nan"), device=DEV, dtype=torch.bfloat16)
+        wl.launch(x.to(DEV), packed.words, packed.scale_t, packed.constants, bias.to(DEV), out, packed.layout,
+                  cfg, sms, torch.cuda.current_stream())
+        _check(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", [MXFP4, NVFP4, MXFP8_E4M3], ids=["mxfp4", "nvfp4", "mxfp8_e4m3"])
+@pytest.mark.parametrize("chunk", [0, 64])
+def test_decode_gemm_matches_the_oracle(fmt, chunk):
+    """Decode + cuBLAS, the whole weight or 64 rows at a time (N = 200: a partial last chunk); NVFP4's
+    alpha (2^E * decode scale) goes through cuBLAS's epilogue."""
+    m, n, k = 520, 200, 4128
+    w_q = _weight(fmt, n, k, seed=4)
+    packed = tilemm.prepack(w_q).to(DEV)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    out = torch.empty((m, n), device=DEV, dtype=torch.bfloat16)
+    wl.decode_gemm(x.to(DEV), packed.words, packed.scale_t, packed.constants, packed.alpha_host, out,
+                   packed.layout, k, chunk, torch.cuda.current_stream())
+    _check(out, _oracle(x, w_q, None), torch.bfloat16)
+
+
+@pytest.mark.parametrize("m", [256, 600, 2100])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_runner_follows_the_plan(m, bias):
+    """``tilemm.linear`` at large M dispatches as ``hopper_weight_only_large.plan`` says (with a bias, the
+    decode design's fp32-output GEMM) and matches the oracle."""
+    n, k = 384, 2048
+    w_q = _weight(MXFP4, n, k, seed=5)
+    packed = tilemm.prepack(w_q).to(DEV)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    b = torch.randn(n) if bias else None
+    out = tilemm.linear(x.to(DEV), packed, bias=None if b is None else b.to(DEV))
+    _check(out, _oracle(x, w_q, b), torch.bfloat16)
+
+
+def _graph_kernels(fn, warm_on_capture_stream: bool) -> list[str]:
+    """What one replay of a CUDA graph of ``fn()`` runs on the GPU, as the profiler names it (kernels,
+    memsets), after a warm-up call on the capture stream (as torch.compile's graphs do) or on a side
+    stream, the graph then captured on torch's default capture stream (as ``tests/_gpu.capture``)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream if warm_on_capture_stream else None):
+        fn()
+    return kernels_per_call(graph.replay)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("warm", ["capture_stream", "side_stream"])
+def test_custom_op_is_one_kernel_in_a_cuda_graph(m, warm):
+    """The custom op (what torch.compile runs) on the GQA k / v shape, which splits K: one kernel per
+    replay, no memset or fill (the split-K workspace and the zero bias are persistent buffers)."""
+    w_q = _weight(MXFP4, 1024, 4096, seed=6)
+    packed = tilemm.prepack(w_q).to(DEV)
+    x = torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16)
+    assert wo.plan(m, 1024, 4096, packed.layout).split_k > 1
+    op = torch.ops.tilemm.weight_only_linear
+    call = lambda: op(x, packed.words, packed.scale_t, packed.constants, "mxfp4", 4096)  # noqa: E731
+    names = _graph_kernels(call, warm == "capture_stream")
+    assert len(names) == 1, names
+    _check(call(), _oracle(x.cpu(), w_q, None), torch.bfloat16)

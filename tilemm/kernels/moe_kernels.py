@@ -1,0 +1,300 @@
+"""Grouped weight-only matmul for mixture-of-experts layers: every token's top-k expert products in
+one cuTile launch, each expert's prepacked MXFP4 / NVFP4 / MXFP8 weight decoded with the weight-only
+kernel's helpers (``weight_only_kernels._k_tile``: same layout, same exact decode, same bf16 MMA with
+the weight on the left), on Hopper (sm_90) and Blackwell (sm_100 / sm_120).
+
+What it computes: ``out[t * k + j] = (x[t] @ dequantize(W[ids[t, j]]).T) * alpha[e] + bias[e]``,
+accumulated in fp32 and rounded once to out's dtype, for x (T, K), stacked weights W (E, N, K) and
+``ids`` (T, k).
+
+Routing (``route``) runs on the GPU as a few PyTorch operations of fixed size, without a host
+synchronisation and without any allocation whose size depends on the routing (so a call can be
+captured in a CUDA graph):
+
+* the T * k (token, slot) pairs are sorted by expert id (stable ``argsort``): ``order``;
+* ``offsets`` (E + 2): where each expert's run starts in ``order`` (``searchsorted``), the last
+  entry T * k; ids outside [0, E) are sorted as the extra "expert" E;
+* ``slot_expert`` (S = min(T * k, E + 1)): the distinct experts in ascending order, -1 past the
+  last. S bounds the number of distinct experts whatever the routing.
+
+A layer routes once for both of its projections (``tilemm.moe``'s gpt-oss experts op): the down
+projection's rows are the (token, slot) rows themselves, sorted by the same ``order``.
+
+The kernel's grid is S * G * cdiv(N, TN) blocks, fixed by T, k, E and N: block (slot, g, bn) takes
+expert ``slot_expert[slot]``'s tokens in chunks of TM (every G-th chunk from chunk g; G grows with T,
+``chunk_groups``), gathers their x rows (``ct.gather``), runs the K loop
+of the weight-only kernel on its TN weight rows, and scatters the TM output rows to their (token,
+slot) rows (``ct.scatter``). A block whose slot holds no expert does nothing, so an expert's weight
+tile is read once per chunk of TM of its tokens: once per call while an expert has at most TM
+tokens (decode), and re-read from L2 for every further chunk. The rows of ids outside [0, E) (the
+extra expert) are written as NaN: no weight is read for them, never another expert's. With ACT = 1
+the gate_up projection's epilogue applies gpt-oss's clamped SwiGLU to each (gate, up) pair of
+interleaved weight rows and writes the (T * k, N / 2) activation the down projection reads.
+
+Alternatives not taken, worth measuring: one block per (expert, N tile) for every expert (grid E *
+cdiv(N, TN); the empty ones exit at once; simpler routing, more blocks at small T); a K split for
+few active experts (one partial buffer of fixed size T * k * N); the FMA kernel (``_gemv_kernel``'s
+scheme) for one token per expert; a sorted-token grouped GEMM over padded TM-row tiles (vLLM's
+``moe_align_block_size`` scheme), better balanced under skewed routing at large T; the routing in
+one small cuTile kernel (a counting sort) instead of about eight PyTorch kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import cuda.tile as ct
+import torch
+
+from ._aot import AotVariant, array
+from ._common import hinted, sm90_hints
+from .weight_only_kernels import LAYOUTS, Layout, _X_PARTS, _k_tile
+
+__all__ = ["MoEConfig", "plan", "route", "launch", "zero_bias", "chunk_groups", "aot_variants", "SWIGLU_ALPHA", "SWIGLU_LIMIT"]
+
+ConstInt = ct.Constant[int]
+
+_ZERO = ct.PaddingMode.ZERO
+
+
+#: gpt-oss's clamped SwiGLU, fused into the gate_up projection's epilogue with ACT = 1.
+SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
+
+
+def _gpt_oss_glu(gate, up):
+    """(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit), in fp32."""
+    g = ct.minimum(gate, SWIGLU_LIMIT)
+    u = ct.maximum(ct.minimum(up, SWIGLU_LIMIT), -SWIGLU_LIMIT)
+    return (u + 1.0) * (g / (ct.exp(g * -SWIGLU_ALPHA) + 1.0))
+
+
+@ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
+def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
+                ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
+                GROUP: ConstInt, TM: ConstInt, TN: ConstInt, X_PARTS: ConstInt, CAT: ConstInt,
+                ACT: ConstInt):
+    """Block (slot, bn): the Out rows of expert SlotExpert[slot]'s tokens, weight rows bn * TN ..
+
+    X (T, K) activations; W (E, N, k_tiles * WORDS) int32 and S (E, K / BLOCK, N) uint8: the stacked
+    prepacked weights; Out (T * k, N) (k = Out rows / X rows, the slots per token), or with ACT = 1
+    (T * k, N / 2); Consts (E, 2) fp32 (column 0: each expert's epilogue factor alpha); Mult (1,)
+    fp32: 2^(OFFSET - E), shared; Bias (E, N) fp32; Order (T * k,) int64: the (token, slot) rows
+    t * k + j sorted by expert; Offsets (E + 2,) int64; SlotExpert (S,) int64 (see the module
+    docstring). Grid: S * G * cdiv(N, TN), N tiles fastest, then G chunk groups: block (slot, g, bn)
+    takes chunks g, g + G, .. of its expert's tokens (G = 1 unless T is large: a popular expert's
+    chunks then spread over G blocks instead of running one after another in one).
+
+    ACT = 1: the weight rows are gpt-oss's interleaved gate (even) and up (odd) rows; each product is
+    rounded to Out's dtype as without ACT, then ``_gpt_oss_glu`` of the pair, in fp32, rounded once
+    into column n / 2 of Out.
+    """
+    N = W.shape[1]
+    ROWS = Out.shape[0]
+    top_k = ROWS // X.shape[0]
+    NUM_E = W.shape[0]
+    WORDS = GROUP * BLOCK // 2
+    TK = PLANES * GROUP * BLOCK
+    SC = PLANES * GROUP
+    TO = TN // 2 if ACT == 1 else TN  # output columns per block
+    num_n = ct.cdiv(N, TN)
+    groups = ct.num_blocks(0) // (num_n * SlotExpert.shape[0])
+    pid = ct.bid(0)
+    bn = pid % num_n
+    group = (pid // num_n) % groups
+    slot = pid // (num_n * groups)
+    e = ct.load(SlotExpert, (slot,), ())
+    if e >= 0:
+        start = ct.load(Offsets, (e,), ())
+        end = ct.load(Offsets, (e + 1,), ())
+        cols = (bn * TO + ct.arange(TO, dtype=ct.int32)).reshape((1, TO))
+        chunks = ct.cdiv(end - start, TM)
+        if e < NUM_E:
+            k_tiles = ct.cdiv(X.shape[1], TK)
+            alpha = ct.load(Consts, (e, 0), (1, 1))
+            bias = ct.load(Bias, (e, bn), (1, TN), padding_mode=_ZERO)
+            for c in range(group, chunks, groups):
+                pos = start + c * TM + ct.arange(TM, dtype=ct.int64)
+                # Rows past the expert's run get the index ROWS: out of bounds, so their x rows load
+                # as zeros and their stores are dropped.
+                rows = ct.gather(Order, pos, mask=pos < end, padding_value=ROWS)
+                tokens = (rows // top_k).reshape((TM, 1))
+                acc = ct.zeros((TN, TM), ct.float32)
+                for kt in range(k_tiles):
+                    w = ct.bitcast(ct.load(W, (e, bn, kt), (1, TN, WORDS), padding_mode=_ZERO), ct.uint32)
+                    s_raw = ct.load(S, (e, kt, bn), (1, SC, TN), padding_mode=_ZERO).reshape((SC, TN))
+                    kcols = (kt * TK + ct.arange(TK, dtype=ct.int32)).reshape((1, TK))
+                    x = ct.gather(X, (tokens, kcols))
+                    acc = _k_tile(w.reshape((TN, WORDS)), s_raw.transpose(), Mult, x, acc, ELEMENT,
+                                  SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT)
+                out = (acc.transpose() * alpha + bias).astype(Out.dtype)
+                if ACT == 1:
+                    pairs = out.astype(ct.float32).reshape((TM, TO, 2))
+                    gate = ct.extract(pairs, (0, 0, 0), (TM, TO, 1)).reshape((TM, TO))
+                    up = ct.extract(pairs, (0, 0, 1), (TM, TO, 1)).reshape((TM, TO))
+                    out = _gpt_oss_glu(gate, up).astype(Out.dtype)
+                ct.scatter(Out, (rows.reshape((TM, 1)), cols), out)
+        else:
+            # Ids outside [0, E): NaN rows, no weight read.
+            nan = ct.full((TM, TO), float("nan"), Out.dtype)
+            for c in range(group, chunks, groups):
+                pos = start + c * TM + ct.arange(TM, dtype=ct.int64)
+                rows = ct.gather(Order, pos, mask=pos < end, padding_value=ROWS)
+                ct.scatter(Out, (rows.reshape((TM, 1)), cols), nan)
+
+
+# --------------------------------------------------------------------------------------------------
+# Routing, configs and launch
+# --------------------------------------------------------------------------------------------------
+
+_BOUNDS: dict = {}
+
+
+def route(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, offsets, slot_expert) int64 for ``topk_ids`` (T, k) (see the module docstring); fixed
+    sizes T * k, E + 2 and min(T * k, E + 1); no host synchronisation. About eight small kernels: a
+    layer computes it once for both of its projections."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    rows = flat.numel()
+    # ids outside [0, E) -> E: clamp to [-1, E], then -1 -> E (mod E + 1).
+    key = torch.remainder(flat.clamp(-1, num_experts), num_experts + 1)
+    sorted_key, order = torch.sort(key, stable=True)
+    bounds = _BOUNDS.get((flat.device, num_experts))
+    if bounds is None:  # made once per (device, E), so that a captured call allocates nothing for it
+        bounds = _BOUNDS[(flat.device, num_experts)] = torch.arange(
+            num_experts + 3, device=flat.device, dtype=torch.int64)
+    offsets = torch.searchsorted(sorted_key, bounds[:num_experts + 2])
+    # Distinct experts in ascending order: expert e is present when its run is not empty; its slot is
+    # the number of present experts below it. Absent experts write to the spare last entry.
+    present = offsets[1:] > offsets[:-1]
+    slot = torch.cumsum(present, 0) - 1
+    slots = min(rows, num_experts + 1)
+    slot_expert = torch.full((slots + 1,), -1, dtype=torch.int64, device=flat.device)
+    slot_expert.scatter_(0, torch.where(present, slot, slots), bounds[:num_experts + 1])
+    return order, offsets, slot_expert[:slots]
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """tile_m (tokens per chunk), tile_n (weight rows per block), cat (one MMA per K tile) and the
+    compiler hints."""
+
+    tile_m: int
+    tile_n: int = 64
+    num_worker_warps: int = 4
+    occupancy: int | None = None
+    cat: int = 0
+
+    @property
+    def kernel(self):
+        return hinted(_moe_kernel, **sm90_hints(self.num_worker_warps, self.occupancy))
+
+    @property
+    def name(self) -> str:
+        s = f"moe_{self.tile_m}x{self.tile_n}_w{self.num_worker_warps}"
+        return s + (f"_occ{self.occupancy}" if self.occupancy else "") + ("_cat" if self.cat else "")
+
+
+#: Per tile_m: the block shape of the weight-only kernel's unsplit configs (one warpgroup on 64 weight
+#: rows; at tile_m 16 the planes concatenated into one MMA per K tile, occupancy 3 for 4-bit weights,
+#: 2 for 8-bit; tile_m 128 two warpgroups on 128 rows).
+_TILE_M = (16, 32, 64, 128)
+
+
+def _config(tile_m: int, layout: Layout) -> MoEConfig:
+    if tile_m == 16:
+        return MoEConfig(16, 64, 4, 3 if layout.planes == 4 else 2, cat=1)
+    if tile_m == 32:
+        return MoEConfig(32, 64, 4, 4)
+    if tile_m == 64:
+        return MoEConfig(64, 64, 4, 2)
+    return MoEConfig(128, 128, 8, None)
+
+
+def plan(tokens: int, top_k: int, num_experts: int, layout: Layout) -> MoEConfig:
+    """The config for T = ``tokens``: tile_m the smallest of 16, 32, 64, 128 that covers the mean
+    number of tokens per active expert, T * k / min(T * k, E) (a balanced routing then takes one
+    chunk per expert)."""
+    pairs = tokens * top_k
+    mean = -(-pairs // max(1, min(pairs, num_experts)))
+    tile_m = next((t for t in _TILE_M if t >= mean), _TILE_M[-1])
+    return _config(tile_m, layout)
+
+
+#: At most this many blocks share one (expert, N tile)'s chunks of tokens.
+MAX_CHUNK_GROUPS = 8
+
+
+def chunk_groups(tokens: int, tile_m: int) -> int:
+    """G, the blocks per (expert, N tile): enough that an expert chosen by every one of the T =
+    ``tokens`` tokens runs at most ceil(T / (TM * G)) chunks in a row, at most ``MAX_CHUNK_GROUPS``;
+    1 while T <= TM. Fixed by the shapes, not the routing (blocks past an expert's chunks exit at
+    once)."""
+    return max(1, min(MAX_CHUNK_GROUPS, -(-tokens // tile_m)))
+
+
+_ZERO_BIAS: dict = {}
+
+
+def zero_bias(num_experts: int, n: int, device) -> torch.Tensor:
+    """A cached (E, N) fp32 zero bias (one allocation per shape and device, none per call)."""
+    key = (num_experts, n, torch.device(device))
+    t = _ZERO_BIAS.get(key)
+    if t is None:
+        t = _ZERO_BIAS[key] = torch.zeros((num_experts, n), dtype=torch.float32, device=device)
+    return t
+
+
+def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
+           bias: torch.Tensor | None, routed: tuple, top_k: int, out: torch.Tensor, layout: Layout,
+           act: int = 0, cfg: MoEConfig | None = None, tokens: int | None = None) -> None:
+    """out = the expert products of x (T, K) for the (token, slot) rows that ``routed`` (``route``'s
+    result for (T, top_k) ids) sorts: (T * top_k, N), or (T * top_k, N / 2) with ``act`` = 1 (gpt-oss's
+    SwiGLU on interleaved gate / up rows). ``bias`` (E, N) fp32 or None; ``constants`` the stacked
+    PackedWeight's (E, 2). ``tokens``: the T of the routing (default x's rows; the down projection,
+    whose x has a row per (token, slot), passes the layer's T). One ``ct.launch``."""
+    order, offsets, slot_expert = routed
+    num_experts, n = words.shape[0], words.shape[1]
+    cfg = cfg or plan(x.shape[0], top_k, num_experts, layout)
+    if bias is None:
+        bias = zero_bias(num_experts, n, x.device)
+    groups = chunk_groups(x.shape[0] if tokens is None else tokens, cfg.tile_m)
+    grid = (slot_expert.shape[0] * groups * -(-n // cfg.tile_n), 1, 1)
+    stream = torch.cuda.current_stream(out.device)
+    ct.launch(stream, grid, cfg.kernel,
+              (x, words, scale_t, out, constants, constants[0, 1:2], bias, order, offsets, slot_expert,
+               *_constants(layout, cfg, _X_PARTS[x.dtype], act)))
+
+
+def _constants(layout: Layout, cfg: MoEConfig, x_parts: int, act: int) -> tuple:
+    return (layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
+            cfg.tile_m, cfg.tile_n, x_parts, cfg.cat, act)
+
+
+# --------------------------------------------------------------------------------------------------
+# Ahead-of-time specialisations
+# --------------------------------------------------------------------------------------------------
+
+_CT_DTYPES = {torch.bfloat16: ct.bfloat16, torch.float16: ct.float16}
+
+
+def aot_variants(full: bool = True) -> list[AotVariant]:
+    """The grouped kernel per (layout, activation dtype, config, epilogue), for sm_90, sm_100 and
+    sm_120 (bf16 ``ct.mma`` and integer operations only). ``full=False`` keeps tile_m 16 and 64 (one
+    MMA per K tile, or one per plane). The fused SwiGLU epilogue (act 1) is listed for 4-bit weights
+    and bf16 activations (gpt-oss). ``Consts`` (E, 2) and ``Mult`` (a view at byte 4 of it) are passed
+    as the launcher passes them: strides and base not 16-byte aligned."""
+    variants = []
+    for name, layout in LAYOUTS.items():
+        configs = [_config(t, layout) for t in (_TILE_M if full else (16, 64))]
+        for x_dtype, x_ct in _CT_DTYPES.items():
+            acts = (0, 1) if layout.planes == 4 and x_dtype == torch.bfloat16 else (0,)
+            for act in acts:
+                for cfg in configs:
+                    params = [array(x_ct, 2), array(ct.int32, 3), array(ct.uint8, 3), array(x_ct, 2),
+                              array(ct.float32, 2, aligned=False), array(ct.float32, 1, aligned=False),
+                              array(ct.float32, 2), array(ct.int64, 1), array(ct.int64, 1), array(ct.int64, 1),
+                              *_constants(layout, cfg, _X_PARTS[x_dtype], act)]
+                    suffix = "_swiglu" if act else ""
+                    variants.append(AotVariant(f"moe_{name}_{x_ct.name}_{cfg.name}{suffix}", cfg.kernel, params))
+    return variants

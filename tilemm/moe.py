@@ -1,0 +1,333 @@
+"""Mixture-of-experts layers with MXFP4 / NVFP4 / MXFP8 expert weights and bf16 / fp16 activations.
+
+``moe_linear(x, w, topk_ids, bias=None)``: every token's product with each of its top-k experts,
+``out[t, j] = x[t] @ dequantize(W[topk_ids[t, j]]).T (+ bias[topk_ids[t, j]])``, accumulated in fp32
+and rounded once to x's dtype. ``w`` is a stacked expert weight, ``tilemm.prepack`` of an (E, N, K)
+quantized tensor (or of a list of E (N, K) ones).
+
+* On CUDA (Hopper, Blackwell): one routing step of fixed-size PyTorch operations and one cuTile launch
+  (``tilemm.kernels.moe_kernels``): no host synchronisation, no allocation whose size depends on the
+  routing, so a call can be captured in a CUDA graph; each expert's weight tile is read once per
+  chunk of its tokens (the kernel module's docstring).
+* On the CPU: the same arithmetic in PyTorch (``reference_moe``), expert by expert.
+
+It is the custom operator ``torch.ops.tilemm.moe_linear``, which ``torch.compile(fullgraph=True)``
+traces as one op.
+
+Expert ids outside [0, E): checking them on the GPU would need a host synchronisation, so by default
+the call does not raise; the rows of such (token, slot) pairs come out as NaN, on the GPU and the CPU
+alike, and no weight is read for them. ``check_ids=True`` checks on the host first (a synchronisation)
+and raises ValueError.
+
+``MoEExperts`` is gpt-oss's experts block (``GptOssExperts`` in transformers) on two stacked packed
+weights: ``tilemm.quantize_model(model, "mxfp4", weight_only=True)`` swaps it in, and
+``tilemm.load_quantized(model, path, convention="gpt-oss")`` fills it from the checkpoint's
+``*_blocks`` / ``*_scales`` without building a bf16 expert.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .formats import FORMATS
+from .packed import PackedWeight, layout_of
+
+__all__ = ["moe_linear", "reference_moe", "gpt_oss_glu", "MoEExperts"]
+
+_X_DTYPES = (torch.bfloat16, torch.float16)
+_ID_DTYPES = (torch.int32, torch.int64)
+
+
+def reference_moe(x, words, scale_t, constants, fmt_name: str, in_features: int, topk_ids, bias):
+    """The CPU path (and the oracle of the GPU tests): per expert, ``tilemm.weight_only``'s reference
+    (fp32 products and sums, one rounding); NaN rows for ids outside [0, E)."""
+    from .weight_only import reference_weight_only
+
+    tokens, top_k = topk_ids.shape
+    num_experts, n = words.shape[0], words.shape[1]
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    out = torch.full((tokens * top_k, n), float("nan"), dtype=x.dtype, device=x.device)
+    rows_x = x.repeat_interleave(top_k, dim=0) if top_k > 1 else x
+    for e in torch.unique(flat).tolist():
+        if not 0 <= e < num_experts:
+            continue
+        rows = (flat == e).nonzero().reshape(-1)
+        out[rows] = reference_weight_only(rows_x[rows], words[e], scale_t[e], constants[e], fmt_name,
+                                          in_features, None if bias is None else bias[e], None)
+    return out.reshape(tokens, top_k, n)
+
+
+def run_moe(x, words, scale_t, constants, fmt_name: str, in_features: int, topk_ids, bias):
+    """What ``torch.ops.tilemm.moe_linear`` runs on checked tensors."""
+    if x.device.type != "cuda":
+        return reference_moe(x, words, scale_t, constants, fmt_name, in_features, topk_ids, bias)
+    from ._arch import family
+    from .kernels import moe_kernels
+
+    family(x.device)  # raises UnsupportedGPUError below sm_90
+    tokens, top_k = topk_ids.shape
+    num_experts, n = words.shape[0], words.shape[1]
+    out = torch.empty((tokens * top_k, n), dtype=x.dtype, device=x.device)
+    if out.numel():
+        moe_kernels.launch(x.contiguous(), words, scale_t, constants, bias,
+                           moe_kernels.route(topk_ids, num_experts), top_k, out, layout_of(FORMATS[fmt_name]))
+    return out.reshape(tokens, top_k, n)
+
+
+@torch.library.custom_op("tilemm::moe_linear", mutates_args=())
+def _moe_linear_op(x: Tensor, words: Tensor, scale_t: Tensor, constants: Tensor, format: str,
+                   in_features: int, topk_ids: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """x (T, K) bf16 / fp16 times the experts ``topk_ids`` (T, k) of a stacked prepacked weight
+    (``PackedWeight``'s tensors); bias (E, N) fp32 or None. Returns (T, k, N) in x's dtype."""
+    return run_moe(x, words, scale_t, constants, format, in_features, topk_ids, bias)
+
+
+@_moe_linear_op.register_fake
+def _(x, words, scale_t, constants, format, in_features, topk_ids, bias=None):
+    return x.new_empty((topk_ids.shape[0], topk_ids.shape[1], words.shape[1]))
+
+
+def _check(fn: str, x, w, topk_ids, bias, check_ids: bool):
+    if not isinstance(w, PackedWeight) or w.num_experts is None:
+        got = repr(w) if isinstance(w, PackedWeight) else type(w).__name__
+        raise TypeError(f"{fn}: w must be a stacked expert PackedWeight (tilemm.prepack of an (E, N, K) "
+                        f"quantized weight), got {got}")
+    num_experts, n, k = w.shape
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _X_DTYPES:
+        raise TypeError(f"{fn}: x must be bfloat16 or float16, got {x.dtype}")
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"{fn}: x must be (T, K) with K = {k} (the experts' in_features), got shape "
+                         f"{tuple(x.shape)}")
+    if not isinstance(topk_ids, torch.Tensor):
+        raise TypeError(f"{fn}: topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
+    if topk_ids.dtype not in _ID_DTYPES:
+        raise TypeError(f"{fn}: topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.shape[1] == 0:
+        raise ValueError(f"{fn}: topk_ids must be (T, k) with T = {x.shape[0]} (x's rows) and k >= 1, got "
+                         f"shape {tuple(topk_ids.shape)}")
+    for name, t in (("x", x), ("topk_ids", topk_ids)):
+        if t.device != w.device:
+            raise ValueError(f"{fn}: {name} is on {t.device} but w is on {w.device}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"{fn}: bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if bias.shape != (num_experts, n):
+            raise ValueError(f"{fn}: bias must be (E, N) = ({num_experts}, {n}), got {tuple(bias.shape)}")
+        if bias.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"{fn}: bias must be float32, bfloat16 or float16, got {bias.dtype}")
+        if bias.device != w.device:
+            raise ValueError(f"{fn}: bias is on {bias.device} but w is on {w.device}")
+    if check_ids and topk_ids.numel():
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"{fn}: topk_ids must lie in [0, {num_experts}) (the experts of w), got values "
+                             f"in [{lo}, {hi}]")
+
+
+def moe_linear(x: torch.Tensor, w: PackedWeight, topk_ids: torch.Tensor, bias: torch.Tensor | None = None,
+               *, check_ids: bool = False) -> torch.Tensor:
+    """Each token's products with its top-k experts: (T, k, N) in x's dtype.
+
+    Args:
+        x: (T, K) bfloat16 or float16 tokens.
+        w: a stacked expert weight, ``tilemm.prepack`` of an (E, N, K) MXFP4 / NVFP4 / MXFP8 weight
+            quantized along K (K a multiple of the format's block, as quantizing requires).
+        topk_ids: (T, k) int32 / int64 expert ids on x's device (the router's choice).
+        bias: optional (E, N) float bias; expert e's row is added to its outputs (in fp32).
+        check_ids: check on the host that every id lies in [0, E) and raise ValueError otherwise
+            (a device synchronisation; without it such rows come out NaN, see the module docstring).
+
+    Returns:
+        ``out[t, j] = x[t] @ dequantize(W[topk_ids[t, j]]).T + bias[topk_ids[t, j]]``: fp32 products
+        and sums (NVFP4: the per-tensor decode scale applied to the fp32 sum), rounded once; equal to
+        the reference up to the order of the fp32 additions.
+    """
+    fn = "tilemm.moe_linear"
+    _check(fn, x, w, topk_ids, bias, check_ids)
+    bias32 = None if bias is None else bias.to(torch.float32).contiguous()
+    return _moe_linear_op(x, w.words, w.scale_t, w.constants, w.fmt.name, w.in_features, topk_ids, bias32)
+
+
+# --------------------------------------------------------------------------------------------------
+# gpt-oss's experts block
+# --------------------------------------------------------------------------------------------------
+
+def gpt_oss_glu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU of interleaved (..., 2I) gate / up values -> (..., I): ``(clamp(up,
+    -limit, limit) + 1) * g * sigmoid(alpha * g)``, g = ``min(gate, limit)``, in fp32 from the given
+    values, rounded once to their dtype (what the grouped kernel's fused epilogue computes)."""
+    g = gate_up[..., ::2].float().clamp(max=limit)
+    u = gate_up[..., 1::2].float().clamp(min=-limit, max=limit)
+    return ((u + 1) * (g * torch.sigmoid(g * alpha))).to(gate_up.dtype)
+
+
+def _weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_j y[t, j] * weights[t, j]: fp32 products and sums, rounded once to y's dtype (one batched
+    GEMM on CUDA when the weights have y's dtype, as the router's do)."""
+    if y.is_cuda and weights.dtype == y.dtype:
+        return torch.bmm(weights.unsqueeze(1), y).squeeze(1)
+    return (y.float() * weights.float().unsqueeze(-1)).sum(dim=1).to(y.dtype)
+
+
+def run_gpt_oss_experts(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format: str, gu_bias,
+                        d_words, d_scale_t, d_constants, d_format: str, d_bias, alpha: float, limit: float):
+    """What ``torch.ops.tilemm.gpt_oss_experts`` runs on checked tensors: gate_up, SwiGLU, down, the
+    weighted sum over the k slots. On CUDA: one routing, the gate_up launch with the SwiGLU fused
+    (gpt-oss's alpha and limit; other values run it unfused), the down launch, one batched GEMM."""
+    tokens, top_k = ids.shape
+    num_experts, inter, hidden = gu_words.shape[0], gu_words.shape[1] // 2, d_words.shape[1]
+    if tokens == 0:
+        return x.new_empty((0, hidden))
+    if x.device.type != "cuda":
+        gate_up = reference_moe(x, gu_words, gu_scale_t, gu_constants, gu_format, hidden, ids, gu_bias)
+        h = gpt_oss_glu(gate_up, alpha, limit).reshape(tokens * top_k, inter)
+        y = reference_moe(h, d_words, d_scale_t, d_constants, d_format, inter, ids.reshape(-1, 1), d_bias)
+        return _weighted_sum(y.reshape(tokens, top_k, hidden), weights)
+    from ._arch import family
+    from .kernels import moe_kernels as mk
+
+    family(x.device)
+    routed = mk.route(ids, num_experts)
+    x = x.contiguous()
+    h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
+    if alpha == mk.SWIGLU_ALPHA and limit == mk.SWIGLU_LIMIT:
+        mk.launch(x, gu_words, gu_scale_t, gu_constants, gu_bias, routed, top_k, h,
+                  layout_of(FORMATS[gu_format]), act=1)
+    else:
+        gate_up = torch.empty((tokens * top_k, 2 * inter), dtype=x.dtype, device=x.device)
+        mk.launch(x, gu_words, gu_scale_t, gu_constants, gu_bias, routed, top_k, gate_up,
+                  layout_of(FORMATS[gu_format]))
+        h = gpt_oss_glu(gate_up, alpha, limit)
+    y = torch.empty((tokens * top_k, hidden), dtype=x.dtype, device=x.device)
+    mk.launch(h, d_words, d_scale_t, d_constants, d_bias, routed, 1, y, layout_of(FORMATS[d_format]),
+              tokens=tokens)
+    return _weighted_sum(y.reshape(tokens, top_k, hidden), weights)
+
+
+@torch.library.custom_op("tilemm::gpt_oss_experts", mutates_args=())
+def _gpt_oss_experts_op(x: Tensor, ids: Tensor, weights: Tensor, gu_words: Tensor, gu_scale_t: Tensor,
+                        gu_constants: Tensor, gu_format: str, gu_bias: Optional[Tensor], d_words: Tensor,
+                        d_scale_t: Tensor, d_constants: Tensor, d_format: str, d_bias: Optional[Tensor],
+                        alpha: float, limit: float) -> Tensor:
+    """gpt-oss's experts block on stacked packed weights: x (T, H), ids and weights (T, k) -> (T, H)."""
+    return run_gpt_oss_experts(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format, gu_bias,
+                               d_words, d_scale_t, d_constants, d_format, d_bias, alpha, limit)
+
+
+@_gpt_oss_experts_op.register_fake
+def _(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format, gu_bias, d_words, d_scale_t,
+      d_constants, d_format, d_bias, alpha, limit):
+    return x.new_empty((x.shape[0], d_words.shape[1]))
+
+
+#: transformers' class whose modules ``quantize_model`` / ``load_quantized`` replace.
+GPT_OSS_EXPERTS = "GptOssExperts"
+
+
+class MoEExperts(torch.nn.Module):
+    """gpt-oss's experts on stacked packed weights; the forward of transformers' ``GptOssExperts``.
+
+    ``forward(hidden_states (T, H), router_indices (T, k), routing_weights (T, k)) -> (T, H)``:
+
+    * ``gate_up = moe_linear(x, W_gate_up, ids, gate_up_bias)`` (T, k, 2I), gate / up interleaved
+      in its columns (gate = columns 0, 2, ..., up = 1, 3, ..., as in the checkpoint);
+    * ``h = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, g = ``clamp(gate, max=limit)``
+      (limit 7.0, alpha 1.702 in gpt-oss), in fp32 from the rounded gate_up, rounded once
+      (``gpt_oss_glu``; on CUDA fused into the gate_up kernel's epilogue);
+    * ``y = moe_linear(h, W_down, ids, down_bias)``: one row per (token, slot);
+    * the output: sum over the k slots of ``y * routing_weights``, in fp32, rounded once.
+
+    It is one custom op, ``torch.ops.tilemm.gpt_oss_experts``: on CUDA one routing (shared by both
+    projections), two grouped launches and a batched GEMM for the weighted sum. transformers rounds
+    to bf16 after each of its elementwise operations; the results agree up to those roundings.
+
+    The weights are registered buffers (``{gate_up,down}_{words,scale_t,constants}``, biases in
+    fp32), so ``.to(device)`` and state dicts carry them.
+    """
+
+    def __init__(self, gate_up: PackedWeight, down: PackedWeight, gate_up_bias: torch.Tensor | None = None,
+                 down_bias: torch.Tensor | None = None, *, alpha: float = 1.702, limit: float = 7.0):
+        super().__init__()
+        fn = "tilemm.moe.MoEExperts"
+        for name, w in (("gate_up", gate_up), ("down", down)):
+            if not isinstance(w, PackedWeight) or w.num_experts is None:
+                raise TypeError(f"{fn}: {name} must be a stacked expert PackedWeight, got {type(w).__name__}")
+        e, two_i, hidden = gate_up.shape
+        if two_i % 2 or down.shape != (e, hidden, two_i // 2):
+            raise ValueError(f"{fn}: gate_up (E, 2I, H) = {gate_up.shape} and down (E, H, I) = {down.shape} "
+                             f"do not fit each other")
+        self.num_experts, self.hidden_size, self.intermediate_size = e, hidden, two_i // 2
+        self.alpha, self.limit = float(alpha), float(limit)
+        self.formats = (gate_up.fmt.name, down.fmt.name)
+        self.exponents = (gate_up.exponent, down.exponent)
+        for name, w in (("gate_up", gate_up), ("down", down)):
+            self.register_buffer(f"{name}_words", w.words)
+            self.register_buffer(f"{name}_scale_t", w.scale_t)
+            self.register_buffer(f"{name}_constants", w.constants)
+        for name, b, n in (("gate_up_bias", gate_up_bias, two_i), ("down_bias", down_bias, hidden)):
+            if b is not None and tuple(b.shape) != (e, n):
+                raise ValueError(f"{fn}: {name} must be (E, N) = ({e}, {n}), got {tuple(b.shape)}")
+            self.register_buffer(name, None if b is None else b.detach().to(torch.float32).contiguous())
+
+    def packed(self, name: str) -> PackedWeight:
+        """The stacked PackedWeight ``"gate_up"`` or ``"down"`` (views of the buffers)."""
+        i = ("gate_up", "down").index(name)
+        constants = getattr(self, f"{name}_constants")
+        fmt = FORMATS[self.formats[i]]
+        # NVFP4: constants[:, 0] = 2^E * decode scale, so the per-tensor scales come back exactly.
+        gs = constants[:, 0] / 2.0 ** self.exponents[i] if fmt.has_global_scale else None
+        return PackedWeight(fmt=fmt, words=getattr(self, f"{name}_words"),
+                            scale_t=getattr(self, f"{name}_scale_t"), constants=constants,
+                            exponent=self.exponents[i], global_scale=gs,
+                            in_features=self.hidden_size if i == 0 else self.intermediate_size)
+
+    @classmethod
+    def from_gpt_oss(cls, experts: torch.nn.Module, format: str = "mxfp4", *, quantizer=None) -> "MoEExperts":
+        """Quantize a transformers ``GptOssExperts`` (bf16 gate_up_proj (E, H, 2I), down_proj (E, I, H),
+        biases) along K per expert to ``format`` ("mxfp4", "nvfp4" or "mxfp8") and prepack it.
+        ``quantizer`` (an (N, K) tensor -> a quantized weight of ``format``) replaces the default
+        ``tilemm.quantize_<format>`` (``quantize_model`` passes its element dtype and rounding)."""
+        from . import quantize as q
+        from .packed import prepack
+
+        quantizers = {"mxfp4": q.quantize_mxfp4, "nvfp4": q.quantize_nvfp4, "mxfp8": q.quantize_mxfp8}
+        if format not in quantizers:
+            raise ValueError(f"tilemm.moe.MoEExperts.from_gpt_oss: format must be one of "
+                             f"{', '.join(map(repr, quantizers))}, got {format!r}")
+        quantizer = quantizer or quantizers[format]
+        with torch.no_grad():
+            # transformers stores (E, K, N) (x @ W); tilemm quantizes (E, N, K) rows along K, per expert.
+            gate_up = prepack([quantizer(experts.gate_up_proj[e].t().contiguous())
+                               for e in range(experts.gate_up_proj.shape[0])])
+            down = prepack([quantizer(experts.down_proj[e].t().contiguous())
+                            for e in range(experts.down_proj.shape[0])])
+        return cls(gate_up, down, getattr(experts, "gate_up_proj_bias", None),
+                   getattr(experts, "down_proj_bias", None), alpha=experts.alpha, limit=experts.limit)
+
+    def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
+                routing_weights: torch.Tensor) -> torch.Tensor:
+        fn = "tilemm.moe.MoEExperts"
+        if hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"{fn}: hidden_states must be (..., {self.hidden_size}), got "
+                             f"{tuple(hidden_states.shape)}")
+        if hidden_states.dtype not in _X_DTYPES:
+            raise TypeError(f"{fn}: hidden_states must be bfloat16 or float16, got {hidden_states.dtype}")
+        x = hidden_states.reshape(-1, self.hidden_size)
+        ids = router_indices.reshape(x.shape[0], -1)
+        if ids.dtype not in _ID_DTYPES:
+            raise TypeError(f"{fn}: router_indices must be int32 or int64, got {ids.dtype}")
+        weights = routing_weights.reshape(ids.shape)
+        out = _gpt_oss_experts_op(x, ids, weights, self.gate_up_words, self.gate_up_scale_t,
+                                  self.gate_up_constants, self.formats[0], self.gate_up_bias, self.down_words,
+                                  self.down_scale_t, self.down_constants, self.formats[1], self.down_bias,
+                                  self.alpha, self.limit)
+        return out.reshape(hidden_states.shape)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden={self.hidden_size}, "
+                f"intermediate={self.intermediate_size}, formats={self.formats}")

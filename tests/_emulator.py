@@ -237,12 +237,17 @@ class TileEmulator:
         return np.isnan(np.asarray(t, dtype=np.float64))
 
     def minimum(self, a, b, propagate_nan=False):
+        """Elementwise minimum; a NaN operand gives the other one unless ``propagate_nan`` (cuTile's
+        default is False). Rounded to the tile's dtype (a Python number operand may not be in it)."""
         op = np.minimum if propagate_nan else np.fmin
-        return Tile(op(np.asarray(a), np.asarray(b)), self._dtype_of(a, b))
+        dtype = self._dtype_of(a, b)
+        return Tile(_round(op(np.asarray(a), np.asarray(b)), dtype), dtype)
 
     def maximum(self, a, b, propagate_nan=False):
+        """Elementwise maximum, NaN as in :meth:`minimum`."""
         op = np.maximum if propagate_nan else np.fmax
-        return Tile(op(np.asarray(a), np.asarray(b)), self._dtype_of(a, b))
+        dtype = self._dtype_of(a, b)
+        return Tile(_round(op(np.asarray(a), np.asarray(b)), dtype), dtype)
 
     @staticmethod
     def max(t, axis=None, keepdims=False, propagate_nan=False):
@@ -336,14 +341,6 @@ class TileEmulator:
         array.tensor[index] = value
         array.stored()
         return old
-
-    @staticmethod
-    def minimum(a, b):
-        return Tile(_round(np.minimum(np.asarray(a), np.asarray(b)), a.ct_dtype), a.ct_dtype)
-
-    @staticmethod
-    def maximum(a, b):
-        return Tile(_round(np.maximum(np.asarray(a), np.asarray(b)), a.ct_dtype), a.ct_dtype)
 
     @staticmethod
     def exp(tile):

@@ -880,7 +880,6 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
     if weight_only is None:
         weight_only = convention == "modelopt" and algo == "W4A16_NVFP4"
 
-    tied = _tied_groups(model)
     used: set[str] = set()  # checkpoint keys consumed by the swapped layers
     new_keys: set[str] = set()  # the swapped layers' own state-dict keys
     converted: dict[int, Linear] = {}
@@ -934,7 +933,9 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
 
 def _load_rest(fn: str, model, tensors, used: set, new_keys: set, strict: bool):
     """Load the checkpoint tensors the swapped modules did not take (``load_state_dict(assign=True)``),
-    and with ``strict`` refuse a missing parameter or an unused tensor."""
+    and with ``strict`` refuse a missing parameter or an unused tensor. Parameters the model ties stay
+    tied (``_retie``)."""
+    tied = _tied_groups(model)  # before load_state_dict(assign=True) breaks the ties
     dropped = {k for k in tensors if k.rpartition(".")[2] in ACTIVATION_SCALE_NAMES}
     own = set(model.state_dict())
     kv_scales = _keep_kv_cache_scales(model, {k: v for k, v in tensors.items() if k not in own})

@@ -6,7 +6,7 @@ compiler rejects, a tile that no longer fits) fails CI. Each test compiles one `
 module for one target and checks that a cubin (an ELF image) comes back.
 
 What the default run compiles: for each kernel function and target, the first variant its module
-lists (about 45 cubins), and each kernel function once more with no alignment facts; so a kernel that
+lists (about 50 cubins), and each kernel function once more with no alignment facts; so a kernel that
 stops compiling anywhere fails the default run within a few minutes on 2 cores. The full sweep, every
 variant the launchers can pick, runs with ``--aot-all`` (``pytest -m aot --aot-all``) or
 ``-m aot_full``; CI runs it after the default run, and there every code path and every setting is

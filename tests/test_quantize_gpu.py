@@ -420,3 +420,8 @@ def test_tensor_amax_visits_every_tile(transposed):
         view = x.mT if transposed else x
         assert qk.amax_value(qk.tensor_amax(view, propagate_nan=False)).item() == 3.5
         assert math.isnan(qk.amax_value(qk.tensor_amax(view, propagate_nan=True)).item())
+        # Without propagation (NVFP4's tensor amax) an Inf counts as 0 too: the maximum is over the
+        # finite elements.
+        x[b, (r + 1) % 2100, c // 3] = float("-inf")
+        view = x.mT if transposed else x
+        assert qk.amax_value(qk.tensor_amax(view, propagate_nan=False)).item() == 3.5

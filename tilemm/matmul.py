@@ -704,7 +704,36 @@ def fp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, a
 _QUANTIZED = (MXFP8Tensor, MXFP4Tensor, NVFP4Tensor, FP8Tensor)
 
 
-def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fast_accum=False):
+def _fp8_granularities_of(t) -> list[str]:
+    """The ``quantize_fp8`` granularities an FP8Tensor's scale shape can stand for, the block one first
+    (with K <= 128 a row scale and a 1x128 block scale have the same shape)."""
+    s, d = t.scale, t.data
+    if s.ndim == 0:
+        return ["'tensor'"]
+    rows, k = d.shape[-2], d.shape[-1]
+    kinds = []
+    if s.shape[-2:] == (rows, -(-k // 128)):
+        kinds.append("(1, 128)")
+    if s.shape[-2:] == (-(-rows // 128), -(-k // 128)):
+        kinds.append("(128, 128)")
+    if s.shape[-2:] == (rows, 1):
+        kinds.append("'row'")
+    return kinds or ["(128, 128)"]
+
+
+def _check_fp8_block_pair(fn: str, x_q, w_q) -> None:
+    """FP8 blocks pair one way: activations x_q in 1x128 blocks with weights w_q in 128x128 blocks."""
+    gx, gw = _fp8_granularities_of(x_q), _fp8_granularities_of(w_q)
+    if any("128" not in a + b or (a, b) == ("(1, 128)", "(128, 128)") for a in gx for b in gw):
+        return
+    raise ValueError(f"{fn}: FP8 blocks pair activations quantized with granularity=(1, 128) (x_q) "
+                     f"with weights quantized with granularity=(128, 128) (w_q); got x_q with "
+                     f"granularity={gx[0]} and w_q with granularity={gw[0]}. Quantize x with "
+                     f"tilemm.quantize_fp8(x, granularity=(1, 128)) and w with "
+                     f"tilemm.quantize_fp8(w, granularity=(128, 128))")
+
+
+def linear(x_q, w_q, *, bias=None, out_dtype=None, alpha=None, use_fast_accum=False):
     """``x @ w.T`` for an nn.Linear-layout (N, K) quantized weight; the recommended entry point.
 
     Two kinds of call:
@@ -713,11 +742,13 @@ def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fas
       (``MXFP8Tensor``, ``MXFP4Tensor``, ``NVFP4Tensor`` or ``FP8Tensor``), both of the same format and
       scale layout; the transposes and scale orientation are handled here. For FP8, ``w_q``'s scale may
       be per tensor, per row (one per output channel) or 128x128 blocks. ``use_fast_accum`` (FP8 only)
-      is passed to :func:`fp8_matmul`. The result has ``out_dtype``.
+      is passed to :func:`fp8_matmul`. The result has ``out_dtype`` (bf16 when None, the default;
+      fp16 or fp32).
     * **weight-only**: ``x_q`` is a plain float32 / bfloat16 / float16 tensor (..., K) and ``w_q`` a
       :class:`tilemm.PackedWeight` (``tilemm.prepack`` of an MXFP4, NVFP4 or MXFP8 weight, done once)
-      or such a quantized weight (prepacked on every call: slow, for experiments). The result has x's
-      dtype (``out_dtype`` is not used) and equals ``x @ dequantize(w).T`` accumulated in fp32.
+      or such a quantized weight (prepacked on every call: slow, for experiments). The result has
+      ``out_dtype`` (bf16, fp16 or fp32; None, the default, keeps x's dtype) and equals
+      ``x @ dequantize(w).T`` accumulated in fp32, rounded once.
 
     Why this is the entry point to use: the ``*_matmul`` functions take four loose tensors, and two
     swizzled scales of the same padded shape swapped there give a wrong result that nothing can
@@ -729,7 +760,7 @@ def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fas
         if use_fast_accum:
             raise ValueError(f"{fn}: use_fast_accum applies to FP8 operands only, not to a weight-only call")
         packed = w_q if isinstance(w_q, PackedWeight) else prepack(w_q)
-        return weight_only_linear(x_q, packed, bias=bias, alpha=alpha)
+        return weight_only_linear(x_q, packed, bias=bias, alpha=alpha, out_dtype=out_dtype)
     if not isinstance(x_q, kinds) or not isinstance(w_q, kinds):
         raise TypeError(f"{fn}: x_q and w_q must be quantized tensors from tilemm.quantize_* "
                         f"({', '.join(k.__name__ for k in kinds)}), or x_q a float tensor and w_q a "
@@ -749,10 +780,11 @@ def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fas
     w, ws = w_q.data, w_q.scale
     if w.ndim != 2:
         raise ValueError(f"{fn}: w_q must hold a 2-D (N, K) weight, got data of shape {tuple(w.shape)}")
-    kw = dict(out_dtype=out_dtype, bias=bias, alpha=alpha)
+    kw = dict(out_dtype=torch.bfloat16 if out_dtype is None else out_dtype, bias=bias, alpha=alpha)
     if use_fast_accum and not isinstance(x_q, FP8Tensor):
         raise ValueError(f"{fn}: use_fast_accum applies to FP8 only, got {type(x_q).__name__} operands")
     if isinstance(x_q, FP8Tensor):
+        _check_fp8_block_pair(fn, x_q, w_q)
         kw["use_fast_accum"] = use_fast_accum
         if ws.ndim == 2 and ws.shape[1] == 1 and ws.shape[0] == w.shape[0]:
             ys = ws.t()  # per output channel: (N, 1) -> (1, N)

@@ -19,7 +19,8 @@ Every rounding step works on fp32 values and bits, in the reference's order:
   +0 and NaN blocks 0x7F (fp8) or code 0 (e2m1); the fp8 path does those selects only in tiles that
   have such blocks.
 * NVFP4: ``S_enc``, ``s_b``, ``enc`` as the reference, divisions IEEE (``ct.truediv`` with
-  ``RoundingMode.RN``: no approximate reciprocal, no flush to zero).
+  ``RoundingMode.RN``: no approximate reciprocal, no flush to zero); the tensor amax over the finite
+  elements, and a block holding a NaN or an Inf gets the NaN scale 0x7F (``_nvfp4_block_scale``).
 * FP8: ``fp32(x / s)`` correctly rounded without a division per element: one IEEE division per
   group, then Markstein's residual correction with fused multiply-adds (``_fp8_divide``, where the
   proof is); NaN groups store 0x7F.
@@ -389,6 +390,14 @@ def _mx_tile(X, Data, Scale, Floor, b, rt, kt, INV_QMAX, EMAX, ELEMENT, SWIZZLED
     _store_scales(Scale, s.astype(ct.uint8), b, rt, kt, TILE_R, TILE_K // BLOCK, SWIZZLED, TRANSPOSED)
 
 
+def _nvfp4_block_scale(amax, s_enc):
+    """s_b = min(amax * (S_enc * fp32(1/6)), 448) in fp32, NaN (e4m3 byte 0x7F once cast) where the
+    block holds a NaN or an Inf, so that it decodes to NaN; a finite amax whose product overflows
+    still saturates to 448."""
+    s_b = ct.minimum(amax * (s_enc * _ONE_SIXTH), 448.0, propagate_nan=True)
+    return ct.where(_is_finite(amax), s_b, _nan_like(s_b))
+
+
 def _nvfp4_encode_scale(g, FROM_AMAX):
     """(S_enc, S_dec) from a (1,) fp32 tile: the tensor amax (FROM_AMAX) or a given decode scale."""
     if FROM_AMAX:
@@ -431,9 +440,7 @@ def _nvfp4_tile(X, Data, Scale, s_enc, s_dec, b, rt, kt, SWIZZLED, TRANSPOSED, T
     BLOCK = 16
     x = _load_blocks(X, b, rt, kt, TILE_R, TILE_K, BLOCK, TRANSPOSED)
     amax = _block_amax(x, TRANSPOSED)
-    # s_b = e4m3(min(amax * (S_enc * fp32(1/6)), 448)); NaN stays NaN (byte 0x7F), Inf becomes 448.
-    s_b = ct.minimum(amax * (s_enc * _ONE_SIXTH), 448.0, propagate_nan=True)
-    s_b_bytes = _fp8_bytes(s_b)
+    s_b_bytes = _fp8_bytes(_nvfp4_block_scale(amax, s_enc))
     s_b_f32 = ct.bitcast(s_b_bytes, ct.float8_e4m3fn).astype(ct.float32)
     enc = ct.minimum(ct.truediv(1.0, s_b_f32 * s_dec, rounding_mode=_RN), _FLT_MAX, propagate_nan=True)
     # e2m1(clamp(x * enc, -6, 6)): the clamp changes no code, so it is left out.
@@ -489,7 +496,7 @@ def _fake_quant_kernel(X, Out, Floor, Amax, Alpha, AlphaOut, ELEMENT: ConstInt, 
     rounding as in ``_mx_quantize_kernel``; blocks with scale byte 0 give +0, byte 255 NaN. NVFP4 (NV):
     ``element * s_b``, without the tensor's decode scale S_dec, which block 0 instead multiplies into
     ``AlphaOut = S_dec * Alpha`` (so that the matmul's epilogue applies it to the fp32 sum, as
-    ``nvfp4_matmul``'s alpha does). The tensor amax (NaN ignored) comes from ``tensor_amax``'s partial
+    ``nvfp4_matmul``'s alpha does). The tensor amax (over the finite elements) comes from ``tensor_amax``'s partial
     maxima in Amax, or, with GRID_AMAX, from this launch: every block adds its tile's maximum to Amax
     (int32 [maximum bits, arrived, departed], zero between launches) and waits until all blocks have
     (``_grid_amax``), which saves a launch. The grid must then be resident at once (the launcher keeps
@@ -516,14 +523,14 @@ def _fake_quant_kernel(X, Out, Floor, Amax, Alpha, AlphaOut, ELEMENT: ConstInt, 
     if NV:
         if GRID_AMAX:
             bits = _bits(x) & 0x7FFFFFFF
-            g = ct.bitcast(_grid_amax(Amax, ct.max(ct.where(bits > _EXP_MASK, 0, bits))), ct.float32)
+            g = ct.bitcast(_grid_amax(Amax, ct.max(ct.where(bits >= _EXP_MASK, 0, bits))), ct.float32)
         else:
             g = _tensor_amax(Amax)
         s_enc, s_dec = _nvfp4_encode_scale(g, True)
         if ct.bid(0) == 0:
             ct.store(AlphaOut, (0,), s_dec * ct.load(Alpha, (0,), (1,)))
-        s_b = ct.minimum(amax * (s_enc.reshape((1, 1, 1)) * _ONE_SIXTH), 448.0, propagate_nan=True)
-        s_b_f32 = ct.bitcast(_fp8_bytes(s_b), ct.float8_e4m3fn).astype(ct.float32)
+        s_b_f32 = ct.bitcast(_fp8_bytes(_nvfp4_block_scale(amax, s_enc.reshape((1, 1, 1)))),
+                             ct.float8_e4m3fn).astype(ct.float32)
         enc = ct.minimum(ct.truediv(1.0, s_b_f32 * s_dec.reshape((1, 1, 1)), rounding_mode=_RN), _FLT_MAX,
                          propagate_nan=True)
         v = _e2m1_values(_e2m1_codes(x * enc)) * s_b_f32
@@ -549,8 +556,8 @@ def _amax_kernel(X, Partial, PROPAGATE_NAN: ConstBool, COLUMNS: ConstBool, TILE_
     in an int32 (``_tensor_amax`` combines them where they are used).
 
     Non-negative fp32 values order like their bit patterns, and NaN's bits exceed +Inf's, so an integer
-    maximum of the bits is the float maximum with NaN propagating; without PROPAGATE_NAN, NaN counts
-    as 0. Each block writes its own slot: no zeroed buffer, no atomic.
+    maximum of the bits is the float maximum with NaN propagating; without PROPAGATE_NAN (NVFP4's
+    tensor amax, over the finite elements), NaN and Inf count as 0. Each block writes its own slot: no zeroed buffer, no atomic.
 
     The blocks walk the tiles from the last to the first, so the input they read last is where the
     quantize kernel that follows begins, and that part is still in L2 (50 MB on the H100) when it is
@@ -574,7 +581,7 @@ def _amax_kernel(X, Partial, PROPAGATE_NAN: ConstBool, COLUMNS: ConstBool, TILE_
             x = _load_fp32(X, b, rk // num_k, rk % num_k, TILE_R, TILE_K, False)
         bits = _bits(x) & 0x7FFFFFFF
         if not PROPAGATE_NAN:
-            bits = ct.where(bits > _EXP_MASK, 0, bits)
+            bits = ct.where(bits >= _EXP_MASK, 0, bits)
         acc = ct.maximum(acc, bits)
     ct.store(Partial, (ct.bid(0),), ct.max(acc).reshape((1,)))
 
@@ -1111,7 +1118,8 @@ def quantize_mx(x: torch.Tensor, fmt: Format, rounding: str, swizzle: bool):
 def tensor_amax(x: torch.Tensor, propagate_nan: bool) -> torch.Tensor:
     """max |x| over all of x, in one read, as the per-block maxima of ``_amax_kernel``: an int32 tensor
     of at most ``AMAX_PARTIALS`` fp32 bit patterns, which the quantize kernels reduce (``amax_value``
-    on the host). NaN if x holds a NaN and ``propagate_nan``, else NaN counts as 0. One launch: each
+    on the host). NaN if x holds a NaN and ``propagate_nan``; else the maximum over the finite elements (NaN
+    and Inf count as 0, NVFP4's rule). One launch: each
     block writes its own slot, so there is no zeroed buffer to fill first."""
     op = _operand(x)
     view = op.view  # the storage, (B, K, R) for a transposed x: a maximum does not care about order
@@ -1141,9 +1149,9 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None, swizzle: 
                    amax: torch.Tensor | None = None):
     """NVFP4 of x (..., K) on the GPU: (data uint8, scale e4m3 bytes as uint8, 0-d fp32 decode scale).
 
-    ``global_scale`` (a 0-d fp32 decode scale on x's device) or None: S_enc from the tensor amax (NaN
-    ignored), computed by ``tensor_amax`` first, or ``amax`` when given: (1,) int32, the fp32 bits of
-    a known amax (``_tensor_amax`` reads it as one partial maximum)."""
+    ``global_scale`` (a 0-d fp32 decode scale on x's device) or None: S_enc from the tensor amax over
+    the finite elements, computed by ``tensor_amax`` first, or ``amax`` when given: (1,) int32, the fp32
+    bits of a known amax (``_tensor_amax`` reads it as one partial maximum)."""
     from_amax = global_scale is None
     if not from_amax:
         g = global_scale.reshape(1)

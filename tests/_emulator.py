@@ -216,7 +216,12 @@ class TileEmulator:
 
     @staticmethod
     def where(cond, x, y):
-        return Tile(np.where(np.asarray(cond, dtype=bool), x, y), x.ct_dtype)
+        """x where cond, else y; a Python scalar takes the other operand's dtype (int32 / fp32 if both
+        are scalars)."""
+        dtype = next((t.ct_dtype for t in (x, y) if isinstance(t, Tile)), None)
+        if dtype is None:
+            dtype = ct.float32 if isinstance(x, float) or isinstance(y, float) else ct.int32
+        return Tile(np.where(np.asarray(cond, dtype=bool), x, y), dtype)
 
     @staticmethod
     def broadcast_to(t, shape):
@@ -236,9 +241,12 @@ class TileEmulator:
         if tile.ct_dtype == ct.float32 and dtype == ct.int32:
             bits = np.asarray(tile, dtype=np.float64).astype(np.float32).view(np.int32)
             return Tile(bits.astype(np.int64), dtype)
-        if tile.ct_dtype == ct.uint32 and dtype == ct.float32:  # bits past 32 (a shift's) are dropped
+        if tile.ct_dtype in (ct.uint32, ct.int32) and dtype == ct.float32:  # bits past 32 are dropped
             bits = (np.asarray(tile, dtype=np.int64) & 0xFFFFFFFF).astype(np.uint32)
             return Tile(bits.view(np.float32).astype(np.float64), dtype)
+        if tile.ct_dtype == ct.float8_e4m3fn and dtype == ct.uint8:  # values of e4m3 bytes -> the bytes
+            v = torch.from_numpy(np.asarray(tile, dtype=np.float64).copy()).to(torch.float8_e4m3fn)
+            return Tile(v.view(torch.uint8).to(torch.int64).numpy(), dtype)
         decode = _BITCASTS.get((tile.ct_dtype, dtype))
         if decode is None:
             raise NotImplementedError(f"bitcast {tile.ct_dtype} -> {dtype}")
@@ -277,12 +285,54 @@ class TileEmulator:
         return old
 
     @staticmethod
-    def minimum(a, b):
-        return Tile(_round(np.minimum(np.asarray(a), np.asarray(b)), a.ct_dtype), a.ct_dtype)
+    def minimum(a, b, propagate_nan=False):
+        """Elementwise minimum; a NaN operand gives NaN with ``propagate_nan``, else the other one."""
+        op = np.minimum if propagate_nan else np.fmin
+        return Tile(_round(op(np.asarray(a), np.asarray(b)), a.ct_dtype), a.ct_dtype)
 
     @staticmethod
-    def maximum(a, b):
-        return Tile(_round(np.maximum(np.asarray(a), np.asarray(b)), a.ct_dtype), a.ct_dtype)
+    def maximum(a, b, propagate_nan=False):
+        op = np.maximum if propagate_nan else np.fmax
+        return Tile(_round(op(np.asarray(a), np.asarray(b)), a.ct_dtype), a.ct_dtype)
+
+    @staticmethod
+    def abs(tile):
+        return Tile(np.abs(np.asarray(tile)), tile.ct_dtype)
+
+    @staticmethod
+    def isnan(tile):
+        return np.isnan(np.asarray(tile, dtype=np.float64))
+
+    @staticmethod
+    def max(tile, axis=None, keepdims=False, propagate_nan=False):
+        """Maximum along ``axis`` (all axes: a 0-d tile); NaN wins with ``propagate_nan``."""
+        v = np.asarray(tile)
+        r = np.max(v, axis=axis, keepdims=keepdims) if propagate_nan or v.dtype.kind != "f" else (
+            np.nanmax(v, axis=axis, keepdims=keepdims))
+        return Tile(np.asarray(r), tile.ct_dtype)
+
+    @staticmethod
+    def truediv(a, b, rounding_mode=None, **kwargs):
+        """a / b rounded once to the operands' float dtype (float64 division then one rounding to fp32
+        is the correctly rounded fp32 quotient)."""
+        dtype = a.ct_dtype if isinstance(a, Tile) else b.ct_dtype
+        with np.errstate(all="ignore"):
+            r = np.asarray(a, dtype=np.float64) / np.asarray(b, dtype=np.float64)
+        return Tile(_round(r, dtype), dtype)
+
+    @staticmethod
+    def astype(tile, dtype):
+        """``tile.astype``, and fp32 -> e4m3 as ``cvt.rn.satfinite`` (RNE, saturating at +-448; NaN
+        stays NaN), held as the byte's value."""
+        if _dt(dtype) == ct.float8_e4m3fn:
+            v = torch.from_numpy(np.asarray(tile, dtype=np.float64).copy())
+            v = torch.where(v.isnan(), v, v.clamp(-448.0, 448.0))
+            return Tile(v.to(torch.float8_e4m3fn).to(torch.float64).numpy(), ct.float8_e4m3fn)
+        return tile.astype(dtype)
+
+    @staticmethod
+    def permute(tile, axes):
+        return Tile(np.transpose(np.asarray(tile), axes), tile.ct_dtype)
 
     @staticmethod
     def exp(tile):

@@ -7,7 +7,9 @@ counts the kernels on the GPU.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import cuda.tile as ct
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -136,3 +138,58 @@ def test_quantize_nvfp4_with_a_given_scale_is_one_launch(quantize_recorded):
     qk.quantize_nvfp4(torch.zeros(16, 4096, dtype=torch.bfloat16), torch.tensor(0.01), True)
     [(_, _, args)] = quantize_recorded
     assert args[5] is False and args[6] is False
+
+
+class _TwoPassGridAmax:
+    """``_grid_amax`` for the sequential emulator, which cannot wait for blocks that run later: a first
+    launch collects every block's contribution (its results are discarded), the second hands each
+    block their maximum, which is what the barrier gives on the GPU."""
+
+    def __init__(self):
+        self.contributions = []
+        self.total = None
+
+    def __call__(self, sync, bits):
+        from _emulator import Tile
+
+        if self.total is None:
+            self.contributions.append(int(bits))
+            return Tile(np.zeros(1, dtype=np.int64), ct.int32)
+        return Tile(np.full(1, self.total, dtype=np.int64), ct.int32)
+
+
+@pytest.mark.parametrize("swizzle", [False, True], ids=["logical", "swizzled"])
+@pytest.mark.parametrize("shape", [(1, 512), (16, 512), (3, 40, 256)], ids=["1x512", "16x512", "3x40x256"])
+def test_quantize_nvfp4_amax_in_the_launch_emulated(monkeypatch, shape, swizzle):
+    # The one-launch quantize (its tile code on the NumPy model of cuTile) gives the reference's bits,
+    # and those of the launch that reads a tensor amax computed beforehand; a NaN and an Inf included.
+    from _emulator import LaunchProxy, TileEmulator
+    from tilemm import quantize as tq
+
+    emu = TileEmulator()
+    monkeypatch.setattr(qk, "ct", LaunchProxy(emu))
+    monkeypatch.setattr(qk, "num_sms", lambda device: 132)
+    monkeypatch.setattr(qk, "stream_handle", lambda device: 5)
+    grid_amax = _TwoPassGridAmax()
+    monkeypatch.setattr(qk, "_grid_amax", grid_amax)
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(shape, generator=gen) * 4).to(torch.bfloat16)
+    x.view(-1)[5] = float("nan")
+    x.view(-1)[-2] = float("-inf")
+    launches = []
+    monkeypatch.setattr(qk, "_launch_kernel", lambda device, grid, kernel, args: (
+        launches.append(args), emu.launch(None, grid, kernel, args)))
+    qk.quantize_nvfp4(x, None, swizzle)  # the first pass
+    grid_amax.total = max(grid_amax.contributions)
+    launches.clear()
+    one = qk.quantize_nvfp4(x, None, swizzle)
+    assert len(launches) == 1 and launches[0][6] is True
+    ref = tq._quantize_nvfp4_reference(x, None, swizzle)
+    amax = ref.global_scale.new_tensor([grid_amax.total], dtype=torch.int32)
+    two = qk.quantize_nvfp4(x, None, swizzle, amax=amax)
+    magnitudes = x.float().abs()
+    assert torch.equal(torch.tensor(grid_amax.total, dtype=torch.int32).view(torch.float32),
+                       magnitudes[~magnitudes.isnan()].max())  # the amax rule of tensor_amax
+    for got, other, want in zip(one, two, ref):
+        got, other, want = (t.reshape(-1).view(torch.uint8) for t in (got, other, want))
+        assert torch.equal(got, want) and torch.equal(other, want)

@@ -406,10 +406,13 @@ def _quantize_mxfp4_reference(x: torch.Tensor, rounding: str, swizzle: bool) -> 
 
 def _nvfp4_encode_scale(xf: torch.Tensor, amax_g: torch.Tensor | None = None) -> torch.Tensor:
     """S_enc = 2688 / amax_g, capped at FLT_MAX, 1 when amax_g = 0 or the quotient is 0; amax_g is
-    the tensor amax of xf (``amax_bits(xf, "tensor", propagate_nan=False)``) unless given (0-d fp32)."""
+    the tensor amax of xf unless given (0-d fp32): NaN ignored, +-Inf counted (docs/numerics.md, as
+    ``quantize_kernels.tensor_amax`` computes it)."""
     if amax_g is None:
         # The tensor amax ignores NaN, so that a NaN only poisons its own block.
-        amax_g = amax_bits(xf, "tensor", propagate_nan=False).view(torch.float32).reshape(())
+        a = xf.abs()
+        a = torch.where(a.isnan(), torch.zeros_like(a), a)
+        amax_g = a.amax() if a.numel() else _f32(0.0, xf.device)
     s_enc = (_f32(NVFP4.qmax * FP8_E4M3.qmax, xf.device) / amax_g).clamp(max=_FLT_MAX)
     return torch.where((amax_g == 0) | (s_enc == 0), _f32(1.0, xf.device), s_enc)
 
@@ -770,17 +773,21 @@ def amax_bits(x: torch.Tensor, granularity: str, *, propagate_nan: bool) -> torc
     Non-negative fp32 values order like their bit patterns and NaN's exceed +Inf's, so the integer
     maximum of several of these (``torch.distributed.all_reduce(op=MAX)``, which every backend has
     for int32) is the amax of the union, NaN propagating: the rule of FP8 per tensor / per row.
-    ``propagate_nan=False`` counts NaN as 0 (NVFP4's tensor amax; +Inf counts as itself), the rule
-    of ``quantize_kernels.tensor_amax`` and of the reference. Plain tensor ops: CUDA-graph safe.
+    ``propagate_nan=False`` is the max over the finite elements only (NaN and +-Inf count as 0):
+    NVFP4's tensor amax, whose rule leaves non-finite values to their own 16-block. The maximum is
+    taken in x's own dtype (exact; its conversion to fp32 is too), so only the result is converted.
+    Plain tensor ops: CUDA-graph safe.
     """
-    bits = x.detach().to(torch.float32).abs().view(torch.int32)
+    if granularity not in ("tensor", "row"):
+        raise ValueError(f"amax_bits: granularity must be 'tensor' or 'row', got {granularity!r}")
+    a = x.detach().abs()
     if not propagate_nan:
-        bits = torch.where(bits > 0x7F800000, torch.zeros_like(bits), bits)
-    if granularity == "tensor":
-        return bits.amax().reshape(1) if bits.numel() else bits.new_zeros(1)
-    if granularity == "row":
-        return bits.amax(dim=-1, keepdim=True) if bits.numel() else bits.new_zeros(*bits.shape[:-1], 1)
-    raise ValueError(f"amax_bits: granularity must be 'tensor' or 'row', got {granularity!r}")
+        a = a.nan_to_num(nan=0.0, posinf=0.0)  # |x| has no -Inf
+    if not a.numel():
+        shape = (1,) if granularity == "tensor" else (*a.shape[:-1], 1)
+        return torch.zeros(shape, dtype=torch.int32, device=a.device)
+    m = a.amax().reshape(1) if granularity == "tensor" else a.amax(dim=-1, keepdim=True)
+    return m.to(torch.float32).view(torch.int32)
 
 
 def quantize_nvfp4_with_amax(x: torch.Tensor, amax: torch.Tensor, *, swizzle: bool = False) -> NVFP4Tensor:

@@ -323,10 +323,10 @@ def _format_constants(fmt: Format) -> tuple:
 def _x16(fmt: Format, tile_m: int) -> bool:
     """Whether the stream kernel reads a dequantized 16-bit copy of the activation instead of decoding
     it in every block: from M = 64 on, where that was faster for every format. Up to M = 16 every
-    block decodes its (16, TK) activation tile itself, so that a call is one launch: the copy is a
-    launch of its own, which costs more host time than it saved GPU time there (it had been measured
-    faster on the GPU alone for the 4-bit formats). The products are the same bits either way (the
-    decode is exact; NVFP4's in-kernel decode carries 2^-7, taken back exactly after the MMA)."""
+    block decodes its (16, TK) activation tile itself, so that a call is one launch (the copy is a
+    launch of its own; for the 4-bit formats it had been measured faster on the GPU alone at M = 16,
+    where a call's cost is mostly the host's). The products are the same bits either way (the decode
+    is exact; NVFP4's in-kernel decode carries 2^-7, taken back exactly after the MMA)."""
     return tile_m >= 64
 
 

@@ -68,6 +68,7 @@ from ..formats import E2M1, E4M3, E5M2, ELEMENT_CODES, FP8_BLOCK, FP8_E4M3, NVFP
 from . import _large
 from ._aot import TARGETS, AotVariant, array
 from ._common import SWIZZLE_COLS, SWIZZLE_ROWS, Described, hinted, num_sms, stream_handle
+from .weight_only_kernels import _capturing, _outside_graph_pools, _stream_key
 
 __all__ = ["quantize_mx", "quantize_nvfp4", "quantize_fp8", "FakeQuant", "aot_variants", "supported"]
 
@@ -1252,11 +1253,15 @@ _GRID_SYNC: dict = {}
 
 def _grid_sync(device: torch.device, stream):
     """``_grid_amax``'s zeroed int32 (3,) buffer per (device, stream): the kernel leaves it at zero,
-    so launches on one stream (in order) share it, and streams never do."""
-    key = (device, stream if isinstance(stream, int) else getattr(stream, "cuda_stream", None))
+    so launches on one stream (in order) share it, and streams never do. Allocated outside CUDA-graph
+    memory pools, as the split-K workspace is (``weight_only_kernels.workspace``); a capture on a
+    stream that has none yet gets zeroed words of the graph's own (one fill kernel in the graph)."""
+    key = (device, _stream_key(stream))
     t = _GRID_SYNC.get(key)
     if t is None:
-        t = torch.zeros(3, dtype=torch.int32, device=device)
+        if _capturing(device):
+            return torch.zeros(3, dtype=torch.int32, device=device)
+        t = _outside_graph_pools(lambda: torch.zeros(3, dtype=torch.int32, device=device))
         t = _GRID_SYNC[key] = Described(t) if t.is_cuda else t
     return t
 

@@ -1,9 +1,9 @@
 """The Hopper kernels' tile code and launchers, run on the CPU through a NumPy model of cuTile.
 
 cuTile has no CPU interpreter, and CI has no GPU. The kernels' own Python functions
-(``hopper_block_scaled``'s stream, split-K reduction and dequantize kernels, the ``hopper_gemm``
-kernel under ``hopper_fp8``) run on the model in tests/_emulator.py, block by block over the launch
-grid that the real launcher computes. This checks the index arithmetic (swapped operands, split-K
+(``hopper_block_scaled``'s stream kernel, its split-K reduction included, and dequantize kernel,
+the ``hopper_gemm`` kernel under ``hopper_fp8``) run on the model in tests/_emulator.py, block by
+block over the launch grid that the real launcher computes. This checks the index arithmetic (swapped operands, split-K
 ranges, the 32x4x4 scale slices for 16- / 64-row tiles, the nibble order, K padding of the dequantized
 copies, persistent tile loops, batch broadcast) against ``tilemm.reference``, and the exactness
 argument of ``hopper_block_scaled``'s docstring: every 16-bit operand that reaches ``ct.mma`` must be

@@ -305,6 +305,9 @@ class TileEmulator:
         if tile.ct_dtype in (ct.int32, ct.uint32) and dtype == ct.float32:  # bits past 32 are dropped
             bits = (np.asarray(tile, dtype=np.int64) & 0xFFFFFFFF).astype(np.uint32)
             return Tile(bits.view(np.float32).astype(np.float64), dtype)
+        if tile.ct_dtype == ct.float8_e4m3fn and dtype == ct.uint8:  # values of e4m3 bytes -> the bytes
+            v = torch.from_numpy(np.asarray(tile, dtype=np.float64).copy()).to(torch.float8_e4m3fn)
+            return Tile(v.view(torch.uint8).to(torch.int64).numpy(), dtype)
         decode = _BITCASTS.get((tile.ct_dtype, dtype))
         if decode is None:
             raise NotImplementedError(f"bitcast {tile.ct_dtype} -> {dtype}")

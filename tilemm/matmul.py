@@ -64,6 +64,8 @@ class BlockScaledProblem:
     a_scale / b_scale: logical (Ba, M, Ks) / (Bb, N, Ks), or swizzled (Ba, Mt, Kt, 32, 16) / (Bb, Nt, Kt, 32, 16).
     out: (B, M, N) contiguous, B = max(Ba, Bb); Ba and Bb are B or 1 (broadcast).
     bias: (N,) fp32 or None.   alpha: 0-d fp32 tensor on the device, or None.
+    global_scales: NVFP4's decode scales (gx, gy), 0-d fp32 tensors on the device, or None: the
+    product is then multiplied by ``fp32(gx * gy)`` (then by alpha), which the kernels do on the GPU.
     """
 
     fmt: Format
@@ -75,6 +77,7 @@ class BlockScaledProblem:
     out: torch.Tensor
     bias: torch.Tensor | None
     alpha: torch.Tensor | None
+    global_scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def m(self) -> int:
@@ -267,16 +270,21 @@ class _BlockScaledCall:
         self.prepared = None
         self.gpu = device.type == "cuda"
 
-    def problem(self, x, x_scale, y, y_scale, out, bias32, alpha32) -> BlockScaledProblem:
+    def problem(self, x, x_scale, y, y_scale, out, bias32, alpha32, global_scales=None) -> BlockScaledProblem:
         tail = self.tail
         b_scale = y_scale if self.swizzled else y_scale.transpose(-1, -2)
         return BlockScaledProblem(self.fmt, _to3d(x, 2), _to3d(x_scale, tail), _to3d(y.transpose(-1, -2), 2),
                                   _to3d(b_scale, tail), self.swizzled, out.view(-1, self.m, self.n), bias32,
-                                  alpha32)
+                                  alpha32, global_scales)
 
-    def run(self, x, x_scale, y, y_scale, bias32, alpha32):
+    def run(self, x, x_scale, y, y_scale, bias32, alpha32, global_scales=None):
         """The product for checked operands of this signature; bias32 (N,) fp32 contiguous or None,
-        alpha32 a one-element fp32 tensor on the device or None."""
+        alpha32 a one-element fp32 tensor on the device or None; global_scales NVFP4's (gx, gy), 0-d
+        fp32 on the device, or None."""
+        if self.empty or not self.gpu:
+            if global_scales is not None:  # fp32(gx * gy) (* alpha), as the kernels multiply them
+                gx, gy = global_scales
+                alpha32 = gx * gy if alpha32 is None else gx * gy * alpha32
         if self.empty:
             return _empty_result(self.out_shape, self.k, bias32, self.out_dtype, self.device)
         if not self.gpu:
@@ -285,7 +293,7 @@ class _BlockScaledCall:
             return block_scaled_matmul_reference(self.fmt, x, x_scale, y, y_scale, out_dtype=self.out_dtype,
                                                  alpha=alpha32, bias=bias32)
         out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
-        problem = self.problem(x, x_scale, y, y_scale, out, bias32, alpha32)
+        problem = self.problem(x, x_scale, y, y_scale, out, bias32, alpha32, global_scales)
         prepared = self.prepared
         if prepared is None:
             prepared = self.prepared = kernels.prepare_block_scaled(problem)
@@ -312,10 +320,11 @@ def _alpha32(alpha, device):
     return None if alpha is None else alpha.reshape(()).to(device=device, dtype=torch.float32)
 
 
-def run_block_scaled(fn, fmt, x, x_scale, y, y_scale, *, out_dtype, bias, alpha):
-    """What torch.ops.tilemm.{mxfp8,mxfp4,nvfp4}_matmul run: the planned call of this signature."""
+def run_block_scaled(fn, fmt, x, x_scale, y, y_scale, *, out_dtype, bias, alpha, global_scales=None):
+    """What torch.ops.tilemm.{mxfp8,mxfp4,nvfp4}_matmul run: the planned call of this signature.
+    ``global_scales``: NVFP4's decode scales (gx, gy) as 0-d fp32 tensors on the device, or None."""
     call = block_scaled_call(fn, fmt, x, x_scale, y, y_scale, out_dtype, bias, alpha)
-    return call.run(x, x_scale, y, y_scale, _bias32(bias), _alpha32(alpha, call.device))
+    return call.run(x, x_scale, y, y_scale, _bias32(bias), _alpha32(alpha, call.device), global_scales)
 
 
 def _empty_result(shape, k, bias32, out_dtype, device):
@@ -528,9 +537,12 @@ def _nvfp4_matmul_op(x: Tensor, x_scale: Tensor, y: Tensor, y_scale: Tensor, glo
                  global_scale_y: Tensor, out_dtype: torch.dtype = torch.bfloat16,
                  bias: Optional[Tensor] = None, alpha: Optional[Tensor] = None) -> Tensor:
     fn = "nvfp4_matmul"
-    total = nvfp4_alpha(fn, global_scale_x, global_scale_y, alpha, x.device)
-    return run_block_scaled(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias,
-                                    alpha=total)
+    device = x.device
+    gx = as_fp32_scalar(fn, "global_scale_x", global_scale_x, device)
+    gy = as_fp32_scalar(fn, "global_scale_y", global_scale_y, device)
+    alpha = _alpha_tensor(fn, alpha, device)
+    return run_block_scaled(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
+                            global_scales=(gx, gy))
 
 
 @_nvfp4_matmul_op.register_fake
@@ -667,9 +679,10 @@ def nvfp4_matmul(x, x_scale, y, y_scale, *, global_scale_x, global_scale_y, out_
     gx = as_fp32_scalar(fn, "global_scale_x", global_scale_x, device)
     gy = as_fp32_scalar(fn, "global_scale_y", global_scale_y, device)
     alpha = _alpha_tensor(fn, alpha, device)
-    if _eager_gpu(x):  # gx, gy (and alpha) are 0-d fp32 tensors on the device already
-        total = gx * gy if alpha is None else gx * gy * alpha
-        return run_block_scaled(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=total)
+    if _eager_gpu(x):  # gx, gy (and alpha) are 0-d fp32 tensors on the device already; the kernel
+        # multiplies fp32(gx * gy) (then alpha) into the product (``BlockScaledProblem.global_scales``)
+        return run_block_scaled(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
+                                global_scales=(gx, gy))
     return _nvfp4_matmul_op(x, x_scale, y, y_scale, gx, gy, out_dtype, bias, alpha)
 
 

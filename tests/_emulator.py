@@ -346,6 +346,10 @@ class TileEmulator:
         return old
 
     @staticmethod
+    def permute(tile, axes):
+        return Tile(np.transpose(np.asarray(tile), axes), tile.ct_dtype)
+
+    @staticmethod
     def exp(tile):
         """exp, rounded once to the tile's dtype (the hardware's is within a few ulp of that)."""
         return Tile(_round(np.exp(np.asarray(tile, dtype=np.float64)), tile.ct_dtype), tile.ct_dtype)

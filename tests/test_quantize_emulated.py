@@ -58,7 +58,7 @@ def test_nvfp4_kernel_matches_reference(case, dtype, given):
     g_out = torch.full((1,), NAN, dtype=torch.float32)
     tiles = -(-r // TILE_R) * -(-k // TILE_K)
     emu.launch(None, (tiles, 1, 1), qk._nvfp4_quantize_kernel,
-               (x3, data, scale, glob, g_out, not given, False, False, TILE_R, TILE_K))
+               (x3, data, scale, glob, g_out, not given, False, False, False, TILE_R, TILE_K))
     ref = _quantize_nvfp4_reference(x, gs, False)
     assert torch.equal(data[0], ref.data)
     assert torch.equal(scale[0], ref.scale.view(torch.uint8))

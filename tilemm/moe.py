@@ -72,8 +72,9 @@ def run_moe(x, words, scale_t, constants, fmt_name: str, in_features: int, topk_
     num_experts, n = words.shape[0], words.shape[1]
     out = torch.empty((tokens * top_k, n), dtype=x.dtype, device=x.device)
     if out.numel():
-        moe_kernels.launch(x.contiguous(), words, scale_t, constants, bias,
-                           moe_kernels.route(topk_ids, num_experts), top_k, out, layout_of(FORMATS[fmt_name]))
+        routed = moe_kernels.route(topk_ids, num_experts)
+        moe_kernels.launch(moe_kernels.sort_rows(x.contiguous(), routed, top_k), words, scale_t, constants, bias,
+                           routed, tokens, out, layout_of(FORMATS[fmt_name]))
     return out.reshape(tokens, top_k, n)
 
 
@@ -189,23 +190,33 @@ def run_gpt_oss_experts(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_
         y = reference_moe(h, d_words, d_scale_t, d_constants, d_format, inter, ids.reshape(-1, 1), d_bias)
         return _weighted_sum(y.reshape(tokens, top_k, hidden), weights)
     from ._arch import family
-    from .kernels import moe_kernels as mk
 
     family(x.device)
+    return _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format, gu_bias, d_words,
+                             d_scale_t, d_constants, d_format, d_bias, alpha, limit)
+
+
+def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format: str, gu_bias, d_words,
+                      d_scale_t, d_constants, d_format: str, d_bias, alpha: float, limit: float):
+    """The GPU path of ``run_gpt_oss_experts``: x's rows sorted by expert once, gate_up writing h in
+    that order, down reading it and writing (token, slot) rows, the weighted sum."""
+    from .kernels import moe_kernels as mk
+
+    tokens, top_k = ids.shape
+    num_experts, inter, hidden = gu_words.shape[0], gu_words.shape[1] // 2, d_words.shape[1]
     routed = mk.route(ids, num_experts)
-    x = x.contiguous()
-    h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
+    xs = mk.sort_rows(x.contiguous(), routed, top_k)  # x's rows in expert order
+    h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # sorted rows too
     if alpha == mk.SWIGLU_ALPHA and limit == mk.SWIGLU_LIMIT:
-        mk.launch(x, gu_words, gu_scale_t, gu_constants, gu_bias, routed, top_k, h,
+        mk.launch(xs, gu_words, gu_scale_t, gu_constants, gu_bias, routed, tokens, h,
                   layout_of(FORMATS[gu_format]), act=1)
     else:
         gate_up = torch.empty((tokens * top_k, 2 * inter), dtype=x.dtype, device=x.device)
-        mk.launch(x, gu_words, gu_scale_t, gu_constants, gu_bias, routed, top_k, gate_up,
-                  layout_of(FORMATS[gu_format]))
+        mk.launch(xs, gu_words, gu_scale_t, gu_constants, gu_bias, routed, tokens, gate_up,
+                  layout_of(FORMATS[gu_format]), sorted_out=1)
         h = gpt_oss_glu(gate_up, alpha, limit)
-    y = torch.empty((tokens * top_k, hidden), dtype=x.dtype, device=x.device)
-    mk.launch(h, d_words, d_scale_t, d_constants, d_bias, routed, 1, y, layout_of(FORMATS[d_format]),
-              tokens=tokens)
+    y = torch.empty((tokens * top_k, hidden), dtype=x.dtype, device=x.device)  # (token, slot) rows
+    mk.launch(h, d_words, d_scale_t, d_constants, d_bias, routed, tokens, y, layout_of(FORMATS[d_format]))
     return _weighted_sum(y.reshape(tokens, top_k, hidden), weights)
 
 

@@ -50,7 +50,7 @@ from ._aot import AotVariant, array
 from ._common import hinted, sm90_hints
 from .weight_only_kernels import LAYOUTS, Layout, _X_PARTS, _k_tile
 
-__all__ = ["MoEConfig", "plan", "route", "launch", "zero_bias", "chunk_groups", "aot_variants", "SWIGLU_ALPHA", "SWIGLU_LIMIT"]
+__all__ = ["MoEConfig", "plan", "route", "launch", "sort_rows", "zero_bias", "chunk_groups", "aot_variants", "SWIGLU_ALPHA", "SWIGLU_LIMIT"]
 
 ConstInt = ct.Constant[int]
 
@@ -73,7 +73,7 @@ def _gpt_oss_glu(gate, up):
 def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
                 ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                 GROUP: ConstInt, TM: ConstInt, TN: ConstInt, X_PARTS: ConstInt, CAT: ConstInt,
-                ACT: ConstInt):
+                ACT: ConstInt, SORTED_OUT: ConstInt):
     """Block (slot, bn): the Out rows of expert SlotExpert[slot]'s tokens, weight rows bn * TN ..
 
     X (T, K) activations; W (E, N, k_tiles * WORDS) int32 and S (E, K / BLOCK, N) uint8: the stacked
@@ -91,7 +91,6 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
     """
     N = W.shape[1]
     ROWS = Out.shape[0]
-    top_k = ROWS // X.shape[0]
     NUM_E = W.shape[0]
     WORDS = GROUP * BLOCK // 2
     TK = PLANES * GROUP * BLOCK
@@ -114,17 +113,16 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
             alpha = ct.load(Consts, (e, 0), (1, 1))
             bias = ct.load(Bias, (e, bn), (1, TN), padding_mode=_ZERO)
             for c in range(group, chunks, groups):
-                pos = start + c * TM + ct.arange(TM, dtype=ct.int64)
-                # Rows past the expert's run get the index ROWS: out of bounds, so their x rows load
-                # as zeros and their stores are dropped.
-                rows = ct.gather(Order, pos, mask=pos < end, padding_value=ROWS)
-                tokens = (rows // top_k).reshape((TM, 1))
+                first = start + c * TM
+                pos = first + ct.arange(TM, dtype=ct.int64)
+                # Rows past the expert's run get the index ROWS: out of bounds, so their stores are
+                # dropped; its x rows are the slice's rows first .. end (sorted), zero past end.
+                xs = X.slice(0, first, end)
                 acc = ct.zeros((TN, TM), ct.float32)
                 for kt in range(k_tiles):
                     w = ct.bitcast(ct.load(W, (e, bn, kt), (1, TN, WORDS), padding_mode=_ZERO), ct.uint32)
                     s_raw = ct.load(S, (e, kt, bn), (1, SC, TN), padding_mode=_ZERO).reshape((SC, TN))
-                    kcols = (kt * TK + ct.arange(TK, dtype=ct.int32)).reshape((1, TK))
-                    x = ct.gather(X, (tokens, kcols))
+                    x = ct.load(xs, (0, kt), (TM, TK), padding_mode=_ZERO)
                     acc = _k_tile(w.reshape((TN, WORDS)), s_raw.transpose(), Mult, x, acc, ELEMENT,
                                   SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT)
                 out = (acc.transpose() * alpha + bias).astype(Out.dtype)
@@ -133,14 +131,22 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
                     gate = ct.extract(pairs, (0, 0, 0), (TM, TO, 1)).reshape((TM, TO))
                     up = ct.extract(pairs, (0, 0, 1), (TM, TO, 1)).reshape((TM, TO))
                     out = _gpt_oss_glu(gate, up).astype(Out.dtype)
-                ct.scatter(Out, (rows.reshape((TM, 1)), cols), out)
+                if SORTED_OUT == 1:
+                    ct.store(Out.slice(0, first, end), (0, bn), out)
+                else:
+                    rows = ct.gather(Order, pos, mask=pos < end, padding_value=ROWS)
+                    ct.scatter(Out, (rows.reshape((TM, 1)), cols), out)
         else:
             # Ids outside [0, E): NaN rows, no weight read.
             nan = ct.full((TM, TO), float("nan"), Out.dtype)
             for c in range(group, chunks, groups):
-                pos = start + c * TM + ct.arange(TM, dtype=ct.int64)
-                rows = ct.gather(Order, pos, mask=pos < end, padding_value=ROWS)
-                ct.scatter(Out, (rows.reshape((TM, 1)), cols), nan)
+                first = start + c * TM
+                if SORTED_OUT == 1:
+                    ct.store(Out.slice(0, first, end), (0, bn), nan)
+                else:
+                    pos = first + ct.arange(TM, dtype=ct.int64)
+                    rows = ct.gather(Order, pos, mask=pos < end, padding_value=ROWS)
+                    ct.scatter(Out, (rows.reshape((TM, 1)), cols), nan)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -245,30 +251,39 @@ def zero_bias(num_experts: int, n: int, device) -> torch.Tensor:
     return t
 
 
-def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
-           bias: torch.Tensor | None, routed: tuple, top_k: int, out: torch.Tensor, layout: Layout,
-           act: int = 0, cfg: MoEConfig | None = None, tokens: int | None = None) -> None:
-    """out = the expert products of x (T, K) for the (token, slot) rows that ``routed`` (``route``'s
-    result for (T, top_k) ids) sorts: (T * top_k, N), or (T * top_k, N / 2) with ``act`` = 1 (gpt-oss's
-    SwiGLU on interleaved gate / up rows). ``bias`` (E, N) fp32 or None; ``constants`` the stacked
-    PackedWeight's (E, 2). ``tokens``: the T of the routing (default x's rows; the down projection,
-    whose x has a row per (token, slot), passes the layer's T). One ``ct.launch``."""
+def sort_rows(x: torch.Tensor, routed: tuple, top_k: int) -> torch.Tensor:
+    """x's rows in the routed order, (T * top_k, K): row i is the token of (token, slot) row
+    ``order[i]`` (one gather; what the kernel's K loop then loads as contiguous row ranges)."""
+    order = routed[0]
+    return x.index_select(0, order if top_k == 1 else order // top_k)
+
+
+def launch(xs: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
+           bias: torch.Tensor | None, routed: tuple, tokens: int, out: torch.Tensor, layout: Layout,
+           act: int = 0, cfg: MoEConfig | None = None, sorted_out: int | None = None) -> None:
+    """out = the expert products of the rows ``xs`` (T * k, K), sorted as ``routed`` (``route``'s
+    result for (T, k) ids, T = ``tokens``) sorts the (token, slot) rows (``sort_rows``, or a previous
+    launch's sorted output): (T * k, N), or (T * k, N / 2) with ``act`` = 1 (gpt-oss's SwiGLU on
+    interleaved gate / up rows). ``sorted_out`` (default ``act``): 1 writes out's rows in the sorted
+    order too (what the next projection reads), 0 scatters them to the (token, slot) rows. ``bias``
+    (E, N) fp32 or None; ``constants`` the stacked PackedWeight's (E, 2). One ``ct.launch``."""
     order, offsets, slot_expert = routed
     num_experts, n = words.shape[0], words.shape[1]
-    cfg = cfg or plan(x.shape[0], top_k, num_experts, layout)
+    top_k = xs.shape[0] // tokens
+    cfg = cfg or plan(tokens, top_k, num_experts, layout)
     if bias is None:
-        bias = zero_bias(num_experts, n, x.device)
-    groups = chunk_groups(x.shape[0] if tokens is None else tokens, cfg.tile_m)
+        bias = zero_bias(num_experts, n, xs.device)
+    groups = chunk_groups(tokens, cfg.tile_m)
     grid = (slot_expert.shape[0] * groups * -(-n // cfg.tile_n), 1, 1)
     stream = torch.cuda.current_stream(out.device)
     ct.launch(stream, grid, cfg.kernel,
-              (x, words, scale_t, out, constants, constants[0, 1:2], bias, order, offsets, slot_expert,
-               *_constants(layout, cfg, _X_PARTS[x.dtype], act)))
+              (xs, words, scale_t, out, constants, constants[0, 1:2], bias, order, offsets, slot_expert,
+               *_constants(layout, cfg, _X_PARTS[xs.dtype], act, act if sorted_out is None else sorted_out)))
 
 
-def _constants(layout: Layout, cfg: MoEConfig, x_parts: int, act: int) -> tuple:
+def _constants(layout: Layout, cfg: MoEConfig, x_parts: int, act: int, sorted_out: int) -> tuple:
     return (layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
-            cfg.tile_m, cfg.tile_n, x_parts, cfg.cat, act)
+            cfg.tile_m, cfg.tile_n, x_parts, cfg.cat, act, sorted_out)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -294,7 +309,7 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                     params = [array(x_ct, 2), array(ct.int32, 3), array(ct.uint8, 3), array(x_ct, 2),
                               array(ct.float32, 2, aligned=False), array(ct.float32, 1, aligned=False),
                               array(ct.float32, 2), array(ct.int64, 1), array(ct.int64, 1), array(ct.int64, 1),
-                              *_constants(layout, cfg, _X_PARTS[x_dtype], act)]
+                              *_constants(layout, cfg, _X_PARTS[x_dtype], act, act)]
                     suffix = "_swiglu" if act else ""
                     variants.append(AotVariant(f"moe_{name}_{x_ct.name}_{cfg.name}{suffix}", cfg.kernel, params))
     return variants

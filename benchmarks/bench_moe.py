@@ -19,7 +19,8 @@ or "skewed" (expert e drawn with probability proportional to 1 / (e + 1)^1.2, wi
 The packed expert weights are random words and scale bytes made directly on the GPU (no bf16 expert
 is ever quantized); the bf16 baselines get the same weights dequantized exactly:
 
-* ``hf``: transformers' own ``GptOssExperts`` module (its default experts implementation), same routing;
+* ``hf``: transformers' own ``GptOssExperts`` module with the experts implementation a model built from
+  the config selects (``hf_experts_implementation``: ``grouped_mm`` where registered), same routing;
 * ``grouped``: tokens sorted by expert and ``torch._grouped_mm`` (where the installed PyTorch has it;
   else the chosen experts' weights gathered and multiplied with ``torch.bmm`` up to T * k = 64, else
   skipped), the same activation and weighted sum.
@@ -208,12 +209,29 @@ def reference_layer(x, ids, weights, gate_up, gate_up_bias, down, down_bias, alp
     return out
 
 
+def hf_experts_implementation() -> str | None:
+    """The experts implementation a transformers model selects when none is asked for (``None``
+    where the installed transformers has no ``ExpertsInterface``): ``"grouped_mm"`` where it is
+    registered and PyTorch has ``torch._grouped_mm`` (what ``get_correct_experts_implementation``
+    picks), else ``"eager"``."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return None
+    return "grouped_mm" if "grouped_mm" in ALL_EXPERTS_FUNCTIONS and hasattr(torch, "_grouped_mm") else "eager"
+
+
 def hf_experts(config_kw: dict, gate_up, gate_up_bias, down, down_bias):
-    """transformers' GptOssExperts holding the given bf16 weights (its layout: (E, H, 2I), (E, I, H))."""
+    """transformers' GptOssExperts holding the given bf16 weights (its layout: (E, H, 2I), (E, I, H)),
+    with the experts implementation a model built from the config would give it
+    (``hf_experts_implementation``; a standalone module would otherwise run with none set)."""
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
     cfg = GptOssConfig(**config_kw)
+    impl = hf_experts_implementation()
+    if impl is not None:
+        cfg._experts_implementation = impl
     with torch.device("meta"):
         module = GptOssExperts(cfg)
     e, two_i, hidden = gate_up.shape[0], gate_up.shape[2], gate_up.shape[1]
@@ -249,15 +267,17 @@ def designed(ours: MoEExperts, design: str):
         t, k = ids.shape
         order, offsets, slots = mk.route(ids, ours.num_experts)
         routed = (order, offsets, every if design == "all_experts" else slots)
+        xs = mk.sort_rows(x, routed, k)
         h = torch.empty(t * k, ours.intermediate_size, dtype=x.dtype, device=x.device)
         if design == "unfused":
             gate_up = torch.empty(t * k, 2 * ours.intermediate_size, dtype=x.dtype, device=x.device)
-            mk.launch(x, gu.words, gu.scale_t, gu.constants, ours.gate_up_bias, routed, k, gate_up, gu.layout)
+            mk.launch(xs, gu.words, gu.scale_t, gu.constants, ours.gate_up_bias, routed, t, gate_up, gu.layout,
+                      sorted_out=1)
             h = gpt_oss_glu(gate_up, ours.alpha, ours.limit)
         else:
-            mk.launch(x, gu.words, gu.scale_t, gu.constants, ours.gate_up_bias, routed, k, h, gu.layout, act=1)
+            mk.launch(xs, gu.words, gu.scale_t, gu.constants, ours.gate_up_bias, routed, t, h, gu.layout, act=1)
         y = torch.empty(t * k, ours.hidden_size, dtype=x.dtype, device=x.device)
-        mk.launch(h, dn.words, dn.scale_t, dn.constants, ours.down_bias, routed, 1, y, dn.layout, tokens=t)
+        mk.launch(h, dn.words, dn.scale_t, dn.constants, ours.down_bias, routed, t, y, dn.layout)
         return _weighted_sum(y.reshape(t, k, ours.hidden_size), weights)
 
     return forward
@@ -447,7 +467,7 @@ def bench_e2e(args, device, t0) -> dict:
         hf_like.gate_up_proj = torch.nn.Parameter(m.gate_up, requires_grad=False)
         hf_like.down_proj = torch.nn.Parameter(m.down, requires_grad=False)
         hf_like.gate_up_proj_bias, hf_like.down_proj_bias = m.gate_up_bias, m.down_bias
-        hf_like.alpha, hf_like.limit = model.config.swiglu_alpha, model.config.swiglu_limit
+        hf_like.alpha, hf_like.limit = m.alpha, m.limit  # (the module's own: config names vary by version)
         _swap(model, name, MoEExperts.from_gpt_oss(hf_like, "mxfp4"))
         del hf_like, m
     if device.type == "cuda":
@@ -573,7 +593,7 @@ def main(argv=None) -> int:
                                                    if (argv or sys.argv[1:]) else "")
     meta = {"gpu": gpu, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "transformers": __import__("transformers").__version__, "command": command,
-            "grouped_mm": hasattr(torch, "_grouped_mm")}
+            "grouped_mm": hasattr(torch, "_grouped_mm"), "hf_experts_implementation": hf_experts_implementation()}
     layers = [] if args.e2e else bench_layers(args, device, timer, t0)
     e2e = {} if args.layers_only else bench_e2e(args, device, t0)
     meta["seconds"] = time.time() - t0

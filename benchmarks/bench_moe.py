@@ -4,6 +4,7 @@
     python benchmarks/bench_moe.py --layers-only  # every layer shape, T = 1 .. 1024, both routings
     python benchmarks/bench_moe.py --e2e          # gpt-oss-20b (24 layers) and gpt-oss-120b decode
     python benchmarks/bench_moe.py --cpu-smoke    # tiny shapes on the CPU: the code paths, no timing
+    python benchmarks/bench_moe.py --profile      # per-kernel GPU time of one layer at T = 1 and 16
 
 Layers (one MoE block: gate_up projection with its bias, gpt-oss's clamped SwiGLU, down projection
 with its bias, the router's weights applied and the k slots summed; the routing is given):
@@ -368,6 +369,88 @@ def bench_layers(args, device, timer, t0) -> list[dict]:
     return records
 
 
+# ---------------------------------------------------------------------------------------- profile
+
+#: ``--profile``: these layers (name, format) at these T, uniform routing.
+PROFILE_LAYERS = (("gpt-oss-20b", "mxfp4"), ("qwen-a3b-anchor", "nvfp4"))
+PROFILE_TOKENS = (1, 16)
+PROFILE_CALLS = 5
+
+
+def kernel_table(fn, calls: int, device) -> list[tuple[str, float, float]]:
+    """(kernel name, GPU time in us per call, launches per call) of ``calls`` calls of ``fn`` under
+    torch.profiler (after one warm-up call), slowest first; on the CPU, the CPU operators instead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    totals: dict = {}
+    for ev in prof.events():
+        if (ev.device_type.name == "CUDA") != cuda:
+            continue
+        if not cuda and ev.cpu_parent is not None:  # CPU: top-level operators only
+            continue
+        us, n = totals.get(ev.name, (0.0, 0))
+        totals[ev.name] = (us + ev.time_range.elapsed_us(), n + 1)
+    rows = [(name, us / calls, n / calls) for name, (us, n) in totals.items()]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def profile_layers(args, device, timer, t0) -> list[dict]:
+    """Per-kernel GPU time of one layer (tilemm, its alternative designs and the grouped bf16
+    baseline) at T in PROFILE_TOKENS: where the time of a layer goes. Printed, and returned."""
+    out = []
+    layers = {(n, f): (n, h, i, e, k, b) for n, h, i, e, k, fs, b in LAYERS for f in fs}
+    todo = [(layers[key], key[1]) for key in PROFILE_LAYERS]
+    tokens = PROFILE_TOKENS
+    if args.cpu_smoke:
+        todo, tokens = [(("tiny", 256, 256, 8, 2, True), "mxfp4")], (1,)
+    for (name, hidden, inter, e, k, biases), fmt in todo:
+        gen = torch.Generator().manual_seed(SEED)
+        gub = torch.randn(e, 2 * inter, generator=gen).to(device) * 0.1 if biases else None
+        db = torch.randn(e, hidden, generator=gen).to(device) * 0.1 if biases else None
+        gate_up = random_packed(fmt, e, 2 * inter, hidden, device, seed=SEED + 1)
+        down = random_packed(fmt, e, hidden, inter, device, seed=SEED + 2)
+        ours = MoEExperts(gate_up, down, gub, db)
+        grouped = GroupedBF16Experts(dequantized(gate_up).transpose(1, 2).contiguous(), gub,
+                                     dequantized(down).transpose(1, 2).contiguous(), db)
+        for t in tokens:
+            ids, weights = routing("uniform", t, e, k, device, gen)
+            x = (torch.randn(t, hidden, generator=gen) * 0.5).to(torch.bfloat16).to(device)
+            variants = {"tilemm": lambda: ours(x, ids, weights), "grouped": lambda: grouped(x, ids, weights)}
+            for design in DESIGNS if device.type == "cuda" else ():  # (the designs launch the kernel)
+                variants[design] = (lambda f: lambda: f(x, ids, weights))(designed(ours, design))
+            for vname, fn in variants.items():
+                rec = {"layer": name, "format": fmt, "T": t, "variant": vname}
+                try:
+                    if timer is not None:
+                        ms, how = timer(fn)
+                        rec["layer_us"], rec["how"] = ms * 1e3, how
+                    rec["kernels"] = kernel_table(fn, PROFILE_CALLS, device)
+                except Exception as err:  # noqa: BLE001 (record and go on)
+                    rec["error"] = f"{type(err).__name__}: {err}"[:300]
+                    log(f"{name} {fmt} T={t} {vname}: {rec['error']}", t0)
+                    out.append(rec)
+                    continue
+                total = sum(us for _, us, _ in rec["kernels"])
+                log(f"{name} {fmt} T={t} {vname}: layer {_f(rec.get('layer_us'), '.1f')} us ({rec.get('how', '-')}); "
+                    f"kernels {total:.1f} us in {sum(n for *_, n in rec['kernels']):.0f} launches:", t0)
+                for kname, us, n in rec["kernels"]:
+                    print(f"    {us:8.1f} us  x{n:<4.1f} {kname[:110]}", flush=True)
+                out.append(rec)
+        del ours, grouped, gate_up, down
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
 # --------------------------------------------------------------------------------------- end to end
 
 def build_gpt_oss(shape: dict, layers: int, device, *, intermediate: int | None = None):
@@ -572,7 +655,10 @@ def main(argv=None) -> int:
     mode.add_argument("--quick", action="store_true", help="T = 1, 16, 256 and a 4-layer gpt-oss-20b decode")
     mode.add_argument("--layers-only", action="store_true", help="the layer benchmark only")
     mode.add_argument("--e2e", action="store_true", help="the end-to-end decodes only")
-    mode.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU, no timing")
+    mode.add_argument("--profile", action="store_true",
+                      help="per-kernel GPU time of one layer (gpt-oss-20b MXFP4, anchor NVFP4) at T = 1, 16")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU, no timing (with --profile: "
+                    "the profile's code path)")
     ap.add_argument("--tokens", type=int, default=64, help="decoded tokens per end-to-end run (default 64)")
     ap.add_argument("--reps", type=int, default=30, help="timed replays per layer variant (default 30)")
     ap.add_argument("--out", default=None, help="result directory (default $OUT, else benchmarks/results)")
@@ -594,6 +680,14 @@ def main(argv=None) -> int:
     meta = {"gpu": gpu, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "transformers": __import__("transformers").__version__, "command": command,
             "grouped_mm": hasattr(torch, "_grouped_mm"), "hf_experts_implementation": hf_experts_implementation()}
+    if args.profile:
+        records = profile_layers(args, device, timer, t0)
+        out_dir = pathlib.Path(args.out or os.environ.get("OUT") or RESULTS)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"moe-profile-{gpu.lower().replace(' ', '-')}.json"
+        path.write_text(json.dumps({"meta": meta, "profile": records}, indent=1))
+        log(f"wrote {path}", t0)
+        return 1 if any("error" in r for r in records) else 0
     layers = [] if args.e2e else bench_layers(args, device, timer, t0)
     e2e = {} if args.layers_only else bench_e2e(args, device, t0)
     meta["seconds"] = time.time() - t0

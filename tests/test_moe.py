@@ -478,6 +478,9 @@ def test_benchmark_cpu_smoke(tmp_path):
     result = json.loads((tmp_path / "moe-cpu.json").read_text())
     assert result["layers"] and all(r["rel_err"] < 1e-2 for r in result["layers"])
     assert set(result["e2e"]) == {"gpt-oss-20b", "gpt-oss-120b"}
+    assert bench.main(["--profile", "--cpu-smoke", "--out", str(tmp_path)]) == 0
+    profiled = json.loads((tmp_path / "moe-profile-cpu.json").read_text())["profile"]
+    assert {r["variant"] for r in profiled} == {"tilemm", "grouped"} and all(r["kernels"] for r in profiled)
 
 
 def test_quantize_model_passes_the_element_dtype_to_the_experts():

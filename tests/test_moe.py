@@ -320,6 +320,61 @@ def test_experts_launches_chain_sorted_rows(emulated, unfused):
     assert err < 4e-3, err
 
 
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_pairs_kernel_matches_reference(emulated, fmt):
+    """The per-pair FMA kernel (no routing): one token's 4 experts, an id out of range (a NaN row, no
+    weight read); K = 320: a partial K tile and a partial load of 2 K tiles (zero padding); N = 40:
+    a partial 16-row tile. Also two tokens with a shared expert (correct, that expert read twice)."""
+    e, n, k = 5, 40, 320
+    w_q, packed = stacked(fmt, e, n, k, seed=15)
+    gen = torch.Generator().manual_seed(16)
+    bias = torch.randn(e, n, generator=gen)
+    for t, ids in ((1, torch.tensor([[3, 0, 5, 1]])), (2, torch.tensor([[4, 2], [2, -1]]))):
+        x = (torch.randn(t, k, generator=gen) * 2).to(torch.bfloat16)
+        out = torch.full((ids.numel(), n), 12345.0, dtype=torch.bfloat16)
+        cfg = mk.pairs_plan(k, packed.layout)
+        assert cfg.unroll == 2
+        mk.launch_pairs(x, packed.words, packed.scale_t, packed.constants, bias, ids.reshape(-1), out,
+                        packed.layout, cfg=cfg)
+        out = out.reshape(*ids.shape, n)
+        ok = (ids >= 0) & (ids < e)
+        assert out[~ok].isnan().all()
+        ref = reference_moe(x, packed.words, packed.scale_t, packed.constants, packed.fmt.name, k, ids, bias)
+        assert_matches(out[ok].float(), ref[ok].float(), torch.bfloat16)
+        assert_matches(out[ok].float(), reference64(x, w_q, ids, bias)[ok], torch.bfloat16)
+
+
+def test_pairs_kernel_swiglu_and_combine(emulated):
+    """The per-pair kernel's fused SwiGLU (as the sorted kernel's) and its weighted sum over a token's
+    slots (COMBINE: the down projection writes the layer's output)."""
+    from tilemm.moe import _weighted_sum, gpt_oss_glu
+
+    e, n, k = 6, 32, 512
+    w_q, packed = stacked("mxfp4", e, n, k, seed=17)
+    gen = torch.Generator().manual_seed(18)
+    bias = torch.randn(e, n, generator=gen)
+    x = (torch.randn(1, k, generator=gen) * 2).to(torch.bfloat16)
+    ids = torch.tensor([[5, 2, 0]])
+    plain = torch.empty(3, n, dtype=torch.bfloat16)
+    fused = torch.empty(3, n // 2, dtype=torch.bfloat16)
+    mk.launch_pairs(x, packed.words, packed.scale_t, packed.constants, bias, ids.reshape(-1), plain, packed.layout)
+    mk.launch_pairs(x, packed.words, packed.scale_t, packed.constants, bias, ids.reshape(-1), fused, packed.layout,
+                    act=1)
+    assert (plain[:, ::2].float() > mk.SWIGLU_LIMIT).any()
+    assert torch.allclose(fused.float(), gpt_oss_glu(plain, mk.SWIGLU_ALPHA, mk.SWIGLU_LIMIT).float(),
+                          rtol=2 ** -7, atol=1e-6)
+    # COMBINE: x one row per pair (as the down projection's input), out (T, N)
+    rows = (torch.randn(3, k, generator=gen)).to(torch.bfloat16)
+    weights = torch.softmax(torch.randn(1, 3, generator=gen), -1).to(torch.bfloat16)
+    per_pair = torch.empty(3, n, dtype=torch.bfloat16)
+    combined = torch.empty(1, n, dtype=torch.bfloat16)
+    mk.launch_pairs(rows, packed.words, packed.scale_t, packed.constants, bias, ids.reshape(-1), per_pair,
+                    packed.layout)
+    mk.launch_pairs(rows, packed.words, packed.scale_t, packed.constants, bias, ids.reshape(-1), combined,
+                    packed.layout, weights=weights)
+    assert torch.equal(combined, _weighted_sum(per_pair.reshape(1, 3, n), weights))
+
+
 def test_chunk_groups_spread_a_popular_expert(emulated):
     """Every token picks expert 2 (skewed routing at large T): its chunks spread over G blocks; the
     result is the same whatever G."""

@@ -48,9 +48,10 @@ import torch
 
 from ._aot import AotVariant, array
 from ._common import hinted, sm90_hints
-from .weight_only_kernels import LAYOUTS, Layout, _X_PARTS, _k_tile
+from .weight_only_kernels import LAYOUTS, Layout, _X_PARTS, _f32_halves, _k_tile, _multipliers, _scaled_plane
 
-__all__ = ["MoEConfig", "plan", "route", "launch", "sort_rows", "zero_bias", "chunk_groups", "aot_variants", "SWIGLU_ALPHA", "SWIGLU_LIMIT"]
+__all__ = ["MoEConfig", "plan", "route", "launch", "sort_rows", "launch_pairs", "pairs_plan", "PairsConfig",
+           "PAIRS_MAX_TOKENS", "zero_bias", "chunk_groups", "aot_variants", "SWIGLU_ALPHA", "SWIGLU_LIMIT"]
 
 ConstInt = ct.Constant[int]
 
@@ -127,10 +128,7 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
                                   SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT)
                 out = (acc.transpose() * alpha + bias).astype(Out.dtype)
                 if ACT == 1:
-                    pairs = out.astype(ct.float32).reshape((TM, TO, 2))
-                    gate = ct.extract(pairs, (0, 0, 0), (TM, TO, 1)).reshape((TM, TO))
-                    up = ct.extract(pairs, (0, 0, 1), (TM, TO, 1)).reshape((TM, TO))
-                    out = _gpt_oss_glu(gate, up).astype(Out.dtype)
+                    out = _glu_pairs(out, TM, TO, Out.dtype)
                 if SORTED_OUT == 1:
                     ct.store(Out.slice(0, first, end), (0, bn), out)
                 else:
@@ -147,6 +145,91 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
                     pos = first + ct.arange(TM, dtype=ct.int64)
                     rows = ct.gather(Order, pos, mask=pos < end, padding_value=ROWS)
                     ct.scatter(Out, (rows.reshape((TM, 1)), cols), nan)
+
+
+def _glu_pairs(out, TM, TO, dtype):
+    """gpt-oss's SwiGLU of interleaved (gate, up) columns of a (TM, 2 * TO) tile, rounded to ``dtype``."""
+    pairs = out.astype(ct.float32).reshape((TM, TO, 2))
+    gate = ct.extract(pairs, (0, 0, 0), (TM, TO, 1)).reshape((TM, TO))
+    up = ct.extract(pairs, (0, 0, 1), (TM, TO, 1)).reshape((TM, TO))
+    return _gpt_oss_glu(gate, up).astype(dtype)
+
+
+def _pair_row(X, W, S, Consts, Mult, Bias, Ids, p, bn, dtype, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN,
+              UNROLL, ACT):
+    """(1, TO) in ``dtype``: (token, slot) pair p's product with weight rows bn * TN .. of its expert
+    Ids[p], on the FMA pipes (``_gemv_kernel``'s scheme: decoded planes as fp32 halves times x's, two
+    fp32 accumulators, one reduction over K at the end), then alpha, bias, rounding, and with ACT = 1
+    the SwiGLU; NaN for an id outside [0, E) (no weight read). Its x row: X row p // (pairs / X rows)
+    (the token for the gate_up projection's (T, K) x, the pair itself for the down projection's
+    (T * k, I) input)."""
+    WORDS = GROUP * BLOCK // 2
+    TP = GROUP * BLOCK
+    TK = PLANES * TP
+    SC = PLANES * GROUP
+    TO = TN // 2 if ACT == 1 else TN
+    out = ct.full((1, TO), float("nan"), dtype)
+    e = ct.load(Ids, (p,), ())
+    if e >= 0:
+        if e < W.shape[0]:
+            x_row = p // (Ids.shape[0] // X.shape[0])
+            groups = ct.cdiv(ct.cdiv(X.shape[1], TK), UNROLL)
+            acc_lo = ct.zeros((1, TN, TP // 2), ct.float32)
+            acc_hi = ct.zeros((1, TN, TP // 2), ct.float32)
+            for g in range(groups):
+                ws = ct.bitcast(ct.load(W, (e, bn, g), (1, TN, UNROLL * WORDS), padding_mode=_ZERO), ct.uint32)
+                ws = ws.reshape((TN, UNROLL * WORDS))
+                ss = ct.load(S, (e, g, bn), (1, UNROLL * SC, TN), padding_mode=_ZERO).reshape((UNROLL * SC, TN))
+                xs = ct.load(X, (x_row, g), (1, UNROLL * TK), padding_mode=_ZERO)
+                for u in ct.static_iter(range(UNROLL)):
+                    w = ct.extract(ws, (0, u), (TN, WORDS))
+                    mult = _multipliers(ct.extract(ss, (u, 0), (SC, TN)).transpose(), Mult, SCALE_E8M0)
+                    mult = mult.reshape((TN, PLANES, GROUP, 1))
+                    for q in ct.static_iter(range(PLANES)):
+                        w_lo, w_hi = _f32_halves(_scaled_plane(w, mult, q, ELEMENT, BLOCK, GROUP, TN), TN, TP, True)
+                        x_lo, x_hi = _f32_halves(ct.extract(xs, (0, u * PLANES + q), (1, TP)), 1, TP,
+                                                 X.dtype == ct.bfloat16)
+                        acc_lo = acc_lo + w_lo.reshape((1, TN, TP // 2)) * x_lo.reshape((1, 1, TP // 2))
+                        acc_hi = acc_hi + w_hi.reshape((1, TN, TP // 2)) * x_hi.reshape((1, 1, TP // 2))
+            alpha = ct.load(Consts, (e, 0), (1, 1))
+            bias = ct.load(Bias, (e, bn), (1, TN), padding_mode=_ZERO)
+            y = (ct.sum(acc_lo + acc_hi, axis=2) * alpha + bias).astype(dtype)
+            out = _glu_pairs(y, 1, TO, dtype) if ACT == 1 else y
+    return out
+
+
+@ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
+def _moe_gemv_kernel(X, W, S, Out, Consts, Mult, Bias, Ids, Weights,
+                     ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
+                     GROUP: ConstInt, TN: ConstInt, UNROLL: ConstInt, ACT: ConstInt, COMBINE: ConstInt):
+    """One (token, slot) pair per block row, no routing: the design for a decode step of one token,
+    whose k experts are distinct (each expert's weight tile then read once).
+
+    Ids (T * k,) the flattened router choice (int32 / int64); X (T, K) (the gate_up projection) or
+    (T * k, I) (the down projection, one row per pair); the weights as in ``_moe_kernel``. Grid:
+    rows * cdiv(N, TN), N tiles fastest. COMBINE = 0: block (pair p, bn) writes Out (T * k, N) (N / 2
+    with ACT = 1) row p, pair order. COMBINE = 1 (the down projection with the router's weights
+    applied): block (token t, bn) runs the k pairs of token t one after another and writes Out (T, N)
+    row t = sum_j Weights[t, j] * y_j, each y_j rounded to Out's dtype first, the products and sum in
+    fp32 in slot order, rounded once (what ``tilemm.moe``'s weighted sum computes); no atomics."""
+    N = W.shape[1]
+    TO = TN // 2 if ACT == 1 else TN
+    num_n = ct.cdiv(N, TN)
+    pid = ct.bid(0)
+    bn = pid % num_n
+    row = pid // num_n
+    if COMBINE == 1:
+        top_k = Ids.shape[0] // Out.shape[0]
+        total = ct.zeros((1, TO), ct.float32)
+        for j in range(top_k):
+            y = _pair_row(X, W, S, Consts, Mult, Bias, Ids, row * top_k + j, bn, Out.dtype, ELEMENT, SCALE_E8M0,
+                          BLOCK, PLANES, GROUP, TN, UNROLL, ACT)
+            weight = ct.load(Weights, (row, j), (1, 1)).astype(ct.float32)
+            total = total + y.astype(ct.float32) * weight
+        ct.store(Out, (row, bn), total.astype(Out.dtype))
+    else:
+        ct.store(Out, (row, bn), _pair_row(X, W, S, Consts, Mult, Bias, Ids, row, bn, Out.dtype, ELEMENT,
+                                           SCALE_E8M0, BLOCK, PLANES, GROUP, TN, UNROLL, ACT))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -279,6 +362,62 @@ def launch(xs: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constan
     ct.launch(stream, grid, cfg.kernel,
               (xs, words, scale_t, out, constants, constants[0, 1:2], bias, order, offsets, slot_expert,
                *_constants(layout, cfg, _X_PARTS[xs.dtype], act, act if sorted_out is None else sorted_out)))
+
+
+#: Up to this many tokens a call takes the per-pair FMA kernel (``_moe_gemv_kernel``, no routing):
+#: one token's k experts are distinct, so each expert's weight is still read once; from two tokens
+#: on, a shared expert would be read once per token, and the sorted design takes over.
+PAIRS_MAX_TOKENS = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PairsConfig:
+    """The per-pair kernel's block: tile_n weight rows (16: a decode's N gives thousands of blocks
+    with no K split), 4 worker warps, 4 blocks per SM, ``unroll`` K tiles per load (the weight-only
+    FMA kernel's choices, ``weight_only_kernels._gemv``)."""
+
+    unroll: int
+    tile_n: int = 16
+    num_worker_warps: int = 4
+    occupancy: int | None = 4
+
+    @property
+    def kernel(self):
+        return hinted(_moe_gemv_kernel, **sm90_hints(self.num_worker_warps, self.occupancy))
+
+    @property
+    def name(self) -> str:
+        return f"moe_pairs_{self.tile_n}_u{self.unroll}_w{self.num_worker_warps}_occ{self.occupancy}"
+
+
+def pairs_plan(k: int, layout: Layout) -> PairsConfig:
+    """8 K tiles per load where K has that many (16 KB of a 16-row block's weight in flight), else 2."""
+    k_tiles = -(-k // layout.tile_k)
+    return PairsConfig(8 if k_tiles >= 8 else 2)
+
+
+def launch_pairs(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
+                 bias: torch.Tensor | None, ids: torch.Tensor, out: torch.Tensor, layout: Layout, act: int = 0,
+                 weights: torch.Tensor | None = None, cfg: PairsConfig | None = None) -> None:
+    """The per-pair design, no routing: ``ids`` (T * k,) the flattened router choice. Without
+    ``weights``: out (T * k, N) (N / 2 with ``act``) = each pair's product with its expert, pair order,
+    x (T, K) or one row per pair. With ``weights`` (T, k): out (T, N) = the weighted sum over each
+    token's k slots (see ``_moe_gemv_kernel``). One ``ct.launch``."""
+    num_experts, n = words.shape[0], words.shape[1]
+    cfg = cfg or pairs_plan(x.shape[1], layout)
+    if bias is None:
+        bias = zero_bias(num_experts, n, x.device)
+    combine = int(weights is not None)
+    grid = (out.shape[0] * -(-n // cfg.tile_n), 1, 1)
+    stream = torch.cuda.current_stream(out.device)
+    ct.launch(stream, grid, cfg.kernel,
+              (x, words, scale_t, out, constants, constants[0, 1:2], bias, ids, weights if combine else out,
+               *_pairs_constants(layout, cfg, act, combine)))
+
+
+def _pairs_constants(layout: Layout, cfg: PairsConfig, act: int, combine: int) -> tuple:
+    return (layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
+            cfg.tile_n, cfg.unroll, act, combine)
 
 
 def _constants(layout: Layout, cfg: MoEConfig, x_parts: int, act: int, sorted_out: int) -> tuple:

@@ -249,11 +249,23 @@ def hf_experts(config_kw: dict, gate_up, gate_up_bias, down, down_bias):
 # ------------------------------------------------------------------------------------- alternatives
 
 #: Structurally different launches of the same layer, timed next to the chosen one at T <= 16:
-#: "all_experts": one block per (expert, N tile) for every expert (the empty ones exit at once)
-#: instead of the compacted active-expert slots; "unfused": the gate_up products written out and
+#: "pairs": no routing, one block per ((token, slot) pair, N tile) on the FMA pipes, the weighted sum
+#: in the down launch (the default at T = 1; at larger T an expert shared by several tokens is read
+#: once per token); "sorted": the routing, x's rows sorted by expert, one block per (active expert,
+#: N tile) on the tensor cores (the default from T = 2); "all_experts": the sorted design with a block
+#: per (expert, N tile) for every expert (the empty ones exit at once) instead of the compacted
+#: active-expert slots; "unfused": the sorted design with the gate_up products written out and
 #: gpt-oss's SwiGLU as PyTorch operations, instead of the fused epilogue.
-DESIGNS = ("all_experts", "unfused")
+DESIGNS = ("pairs", "sorted", "all_experts", "unfused")
 DESIGN_MAX_T = 16
+
+
+def designs_for(t: int) -> tuple:
+    """The DESIGNS that differ from the default launch at T = ``t``."""
+    from tilemm.kernels import moe_kernels as mk
+
+    default = "pairs" if t <= mk.PAIRS_MAX_TOKENS else "sorted"
+    return tuple(d for d in DESIGNS if d != default)
 
 
 def designed(ours: MoEExperts, design: str):
@@ -261,8 +273,17 @@ def designed(ours: MoEExperts, design: str):
     from tilemm.kernels import moe_kernels as mk
     from tilemm.moe import _weighted_sum, gpt_oss_glu
 
+    from tilemm.moe import _experts_launches
+
     gu, dn = ours.packed("gate_up"), ours.packed("down")
     every = torch.arange(ours.num_experts + 1, device=gu.device)
+    if design in ("pairs", "sorted"):
+        def launches(x, ids, weights):
+            return _experts_launches(x, ids, weights, gu.words, gu.scale_t, gu.constants, gu.fmt.name,
+                                     ours.gate_up_bias, dn.words, dn.scale_t, dn.constants, dn.fmt.name,
+                                     ours.down_bias, ours.alpha, ours.limit, design=design)
+
+        return launches
 
     def forward(x, ids, weights):
         t, k = ids.shape
@@ -345,9 +366,16 @@ def bench_layers(args, device, timer, t0) -> list[dict]:
                         if can_group:
                             variants["grouped"] = lambda: grouped(x, ids, weights)
                         if t <= DESIGN_MAX_T:
-                            for design in DESIGNS:
-                                fwd = designed(ours, design)
-                                rec[f"{design}_rel_err"] = rel_err(fwd(x, ids, weights), ref)
+                            for design in designs_for(t):
+                                try:  # a design that fails or is wrong is recorded, not timed
+                                    fwd = designed(ours, design)
+                                    rec[f"{design}_rel_err"] = d_err = rel_err(fwd(x, ids, weights), ref)
+                                    if not d_err < 1e-2:
+                                        raise ValueError(f"relative error {d_err:.3g} >= 1e-2")
+                                except Exception as err_:  # noqa: BLE001
+                                    rec[f"{design}_error"] = f"{type(err_).__name__}: {err_}"[:300]
+                                    log(f"  design {design} T={t}: {rec[f'{design}_error']}", t0)
+                                    continue
                                 variants[design] = (lambda f: lambda: f(x, ids, weights))(fwd)
                         for vname, fn in variants.items():
                             try:
@@ -361,7 +389,8 @@ def bench_layers(args, device, timer, t0) -> list[dict]:
                         log(f"  {routing_kind:7s} T={t:5d} tilemm {rec.get('tilemm_us', float('nan')):9.1f} us"
                             f"  hf {rec.get('hf_us', float('nan')):9.1f} us ({rec.get('hf_how', '-')})"
                             f"  grouped {rec.get('grouped_us', float('nan')):9.1f} us"
-                            f"  x{rec.get('speedup', float('nan')):.2f}  err {err:.1e}", t0)
+                            f"  x{rec.get('speedup', float('nan')):.2f}  err {err:.1e}"
+                            + "".join(f"  {d} {rec[d + '_us']:.1f}" for d in DESIGNS if d + "_us" in rec), t0)
                     records.append(rec)
             del ours, grouped, hf, w_gu, w_d, gate_up, down
             if device.type == "cuda":
@@ -425,7 +454,7 @@ def profile_layers(args, device, timer, t0) -> list[dict]:
             ids, weights = routing("uniform", t, e, k, device, gen)
             x = (torch.randn(t, hidden, generator=gen) * 0.5).to(torch.bfloat16).to(device)
             variants = {"tilemm": lambda: ours(x, ids, weights), "grouped": lambda: grouped(x, ids, weights)}
-            for design in DESIGNS if device.type == "cuda" else ():  # (the designs launch the kernel)
+            for design in designs_for(t) if device.type == "cuda" else ():  # (the designs launch the kernel)
                 variants[design] = (lambda f: lambda: f(x, ids, weights))(designed(ours, design))
             for vname, fn in variants.items():
                 rec = {"layer": name, "format": fmt, "T": t, "variant": vname}
@@ -616,14 +645,17 @@ def markdown(meta, layers, e2e) -> str:
                      f"{_f(target, '.1f')} | {r['rel_err']:.1e} / {_f(r.get('hf_rel_err'), '.1e')} |")
     designs = [r for r in layers if any(f"{d}_us" in r for d in DESIGNS)]
     if designs:
-        lines += ["", "Alternative launches of the same layer (us; see ``DESIGNS`` in the script): "
-                  "all_experts = a block per (expert, N tile) for every expert; unfused = SwiGLU outside "
-                  "the kernel.", "", "| layer | fmt | routing | T | tilemm | all_experts | unfused |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "Alternative launches of the same layer (us; see ``DESIGNS`` in the script; `-` where the "
+                  "design is the default at that T, i.e. the tilemm column): pairs = no routing, a block per "
+                  "(token, slot) pair on the FMA pipes; sorted = routing, rows sorted by expert, tensor "
+                  "cores; all_experts = sorted with a block per (expert, N tile) for every expert; unfused = "
+                  "sorted with the SwiGLU outside the kernel.", "",
+                  "| layer | fmt | routing | T | tilemm | " + " | ".join(DESIGNS) + " |",
+                  "|---|---|---|---|---|" + "---|" * len(DESIGNS)]
         for r in designs:
             lines.append(f"| {r['layer']} | {r['format']} | {r['routing']} | {r['T']} | "
-                         f"{_f(r.get('tilemm_us'), '.1f')} | {_f(r.get('all_experts_us'), '.1f')} | "
-                         f"{_f(r.get('unfused_us'), '.1f')} |")
+                         f"{_f(r.get('tilemm_us'), '.1f')} | "
+                         + " | ".join(_f(r.get(f"{d}_us"), ".1f") for d in DESIGNS) + " |")
     anchor = [r for r in layers if r["layer"].startswith("qwen") and r["T"] in ANCHOR_US and "tilemm_us" in r]
     if anchor:
         lines += ["", "Anchor (published cuTile NVFP4 W4A16 fused MoE on an H100 NVL: "

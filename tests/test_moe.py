@@ -291,11 +291,14 @@ def test_fused_swiglu_epilogue(emulated, fmt):
     assert torch.allclose(fused.float(), expected.float(), rtol=2 ** -7, atol=1e-6)
 
 
+@pytest.mark.parametrize("design", ["sorted", "pairs"])
 @pytest.mark.parametrize("unfused", [False, True], ids=["fused", "unfused"])
-def test_experts_launches_chain_sorted_rows(emulated, unfused):
-    """The experts block's GPU path on the emulator: x sorted once, gate_up writing h in expert order,
-    down reading it and scattering to (token, slot) rows; equal to the CPU path up to summation
-    order. Expert 0 gets 19 of the 24 rows (two chunks of 16); one id is out of range (NaN token)."""
+def test_experts_launches_chain(emulated, unfused, design):
+    """The experts block's GPU paths on the emulator, equal to the CPU path up to summation order:
+    "sorted": x sorted once, gate_up writing h in expert order, down reading it and scattering to
+    (token, slot) rows; "pairs": the per-pair kernel, the weighted sum in the down launch (any T is
+    correct; the default takes it at T = 1 only). Expert 0 gets 19 of the 24 rows (two chunks of
+    16); one id is out of range (NaN token)."""
     from tilemm.moe import _experts_launches, run_gpt_oss_experts
 
     e, hidden, inter = 4, 64, 32
@@ -312,7 +315,7 @@ def test_experts_launches_chain_sorted_rows(emulated, unfused):
     limit = 6.5 if unfused else mk.SWIGLU_LIMIT
     args = (x, ids, weights, gu.words, gu.scale_t, gu.constants, "mxfp4", gub, dn.words, dn.scale_t,
             dn.constants, "mxfp4", db, mk.SWIGLU_ALPHA, limit)
-    out = _experts_launches(*args)
+    out = _experts_launches(*args, design=design)
     ref = run_gpt_oss_experts(*args)  # the CPU path
     assert out[11].isnan().all() and ref[11].isnan().all()
     # the fused SwiGLU's exp may differ by an ulp of h; the rest is summation order

@@ -72,6 +72,20 @@ def test_moe_linear_matches_reference(fmt, x_dtype, shape, routing):
     _check(out, cpu.double(), x_dtype)
 
 
+def test_one_token_launches_two_kernels():
+    """One token through gpt-oss's experts: the per-pair kernel twice (gate_up with the SwiGLU, down
+    with the weighted sum), nothing else: no routing."""
+    gen = torch.Generator().manual_seed(1)
+    gate_up = tilemm.prepack(tilemm.quantize_mxfp4(torch.randn(8, 512, 256, generator=gen))).to(DEV)
+    down = tilemm.prepack(tilemm.quantize_mxfp4(torch.randn(8, 256, 256, generator=gen))).to(DEV)
+    ours = MoEExperts(gate_up, down)
+    x = torch.randn(1, 256, device=DEV, dtype=torch.bfloat16)
+    ids = torch.tensor([[5, 1, 6, 2]], device=DEV)
+    weights = torch.full((1, 4), 0.25, device=DEV, dtype=torch.bfloat16)
+    names = kernels_per_call(lambda: ours(x, ids, weights))
+    assert len(names) == 2, names  # (no sort, no index_select, no batched GEMM)
+
+
 def test_one_kernel_after_routing():
     """One cuTile launch per projection (the routing is a few small PyTorch kernels)."""
     w_q = tilemm.quantize_mxfp4(torch.randn(8, 256, 512))
@@ -115,7 +129,8 @@ def test_compile_fullgraph():
     assert torch.equal(torch.compile(f, mode="reduce-overhead")(x, ids), eager)
 
 
-def test_gpt_oss_experts_on_gpu_match_cpu():
+@pytest.mark.parametrize("tokens", [1, 6])  # the per-pair design (T = 1) and the sorted one
+def test_gpt_oss_experts_on_gpu_match_cpu(tokens):
     transformers = pytest.importorskip("transformers")
     from test_moe import tiny_gpt_oss_config
 
@@ -127,8 +142,8 @@ def test_gpt_oss_experts_on_gpu_match_cpu():
         for p in hf.parameters():
             p.normal_(0, 0.05)
     ours = MoEExperts.from_gpt_oss(hf, "mxfp4")
-    x = torch.randn(6, 256).to(torch.bfloat16)
-    top, ids = torch.topk(torch.randn(6, 8), 2, dim=-1)
+    x = torch.randn(tokens, 256).to(torch.bfloat16)
+    top, ids = torch.topk(torch.randn(tokens, 8), 2, dim=-1)
     weights = torch.softmax(top, dim=-1).to(torch.bfloat16)
     cpu = ours(x, ids, weights)
     gpu = ours.to(DEV)(x.to(DEV), ids.to(DEV), weights.to(DEV))

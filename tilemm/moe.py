@@ -71,7 +71,10 @@ def run_moe(x, words, scale_t, constants, fmt_name: str, in_features: int, topk_
     tokens, top_k = topk_ids.shape
     num_experts, n = words.shape[0], words.shape[1]
     out = torch.empty((tokens * top_k, n), dtype=x.dtype, device=x.device)
-    if out.numel():
+    if out.numel() and tokens <= moe_kernels.PAIRS_MAX_TOKENS:  # one token: no routing
+        moe_kernels.launch_pairs(x.contiguous(), words, scale_t, constants, bias, topk_ids.reshape(-1), out,
+                                 layout_of(FORMATS[fmt_name]))
+    elif out.numel():
         routed = moe_kernels.route(topk_ids, num_experts)
         moe_kernels.launch(moe_kernels.sort_rows(x.contiguous(), routed, top_k), words, scale_t, constants, bias,
                            routed, tokens, out, layout_of(FORMATS[fmt_name]))
@@ -197,13 +200,34 @@ def run_gpt_oss_experts(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_
 
 
 def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format: str, gu_bias, d_words,
-                      d_scale_t, d_constants, d_format: str, d_bias, alpha: float, limit: float):
-    """The GPU path of ``run_gpt_oss_experts``: x's rows sorted by expert once, gate_up writing h in
-    that order, down reading it and writing (token, slot) rows, the weighted sum."""
+                      d_scale_t, d_constants, d_format: str, d_bias, alpha: float, limit: float,
+                      design: str | None = None):
+    """The GPU path of ``run_gpt_oss_experts``. ``design`` "pairs" (the default up to
+    ``moe_kernels.PAIRS_MAX_TOKENS`` tokens): no routing, the per-pair kernel for gate_up (SwiGLU
+    fused) and for down with the weighted sum in its epilogue: two launches. "sorted" (the default
+    above): the routing, x's rows sorted by expert once, gate_up writing h in that order, down reading
+    it and writing (token, slot) rows, the weighted sum as a batched GEMM."""
     from .kernels import moe_kernels as mk
 
     tokens, top_k = ids.shape
     num_experts, inter, hidden = gu_words.shape[0], gu_words.shape[1] // 2, d_words.shape[1]
+    if design is None:
+        design = "pairs" if tokens <= mk.PAIRS_MAX_TOKENS else "sorted"
+    if design == "pairs":
+        flat = ids.reshape(-1)
+        h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # pair order
+        if alpha == mk.SWIGLU_ALPHA and limit == mk.SWIGLU_LIMIT:
+            mk.launch_pairs(x.contiguous(), gu_words, gu_scale_t, gu_constants, gu_bias, flat, h,
+                            layout_of(FORMATS[gu_format]), act=1)
+        else:
+            gate_up = torch.empty((tokens * top_k, 2 * inter), dtype=x.dtype, device=x.device)
+            mk.launch_pairs(x.contiguous(), gu_words, gu_scale_t, gu_constants, gu_bias, flat, gate_up,
+                            layout_of(FORMATS[gu_format]))
+            h = gpt_oss_glu(gate_up, alpha, limit)
+        out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
+        mk.launch_pairs(h, d_words, d_scale_t, d_constants, d_bias, flat, out, layout_of(FORMATS[d_format]),
+                        weights=weights.contiguous())
+        return out
     routed = mk.route(ids, num_experts)
     xs = mk.sort_rows(x.contiguous(), routed, top_k)  # x's rows in expert order
     h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # sorted rows too

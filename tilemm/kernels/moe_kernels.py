@@ -451,4 +451,17 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                               *_constants(layout, cfg, _X_PARTS[x_dtype], act, act)]
                     suffix = "_swiglu" if act else ""
                     variants.append(AotVariant(f"moe_{name}_{x_ct.name}_{cfg.name}{suffix}", cfg.kernel, params))
+        # The per-pair kernel, bf16 activations (fp16 is the same code path): each projection of a
+        # decode step (plain, SwiGLU for 4-bit gate_up, the weighted sum for down) with 8 K tiles per
+        # load; mxfp4's down projection also with 2 (K below 8 K tiles, the anchor's 512).
+        cases = [(8, 0, 0), (8, 0, 1)] + ([(8, 1, 0)] if layout.planes == 4 else [])
+        cases += [(2, 0, 1)] if name == "mxfp4" else []
+        for unroll, act, combine in cases:
+            cfg = PairsConfig(unroll)
+            params = [array(ct.bfloat16, 2), array(ct.int32, 3), array(ct.uint8, 3), array(ct.bfloat16, 2),
+                      array(ct.float32, 2, aligned=False), array(ct.float32, 1, aligned=False),
+                      array(ct.float32, 2), array(ct.int64, 1), array(ct.bfloat16, 2),
+                      *_pairs_constants(layout, cfg, act, combine)]
+            suffix = ("_swiglu" if act else "") + ("_combine" if combine else "")
+            variants.append(AotVariant(f"moe_{name}_bfloat16_{cfg.name}{suffix}", cfg.kernel, params))
     return variants

@@ -5,10 +5,11 @@
 and rounded once to x's dtype. ``w`` is a stacked expert weight, ``tilemm.prepack`` of an (E, N, K)
 quantized tensor (or of a list of E (N, K) ones).
 
-* On CUDA (Hopper, Blackwell): one routing step of fixed-size PyTorch operations and one cuTile launch
-  (``tilemm.kernels.moe_kernels``): no host synchronisation, no allocation whose size depends on the
-  routing, so a call can be captured in a CUDA graph; each expert's weight tile is read once per
-  chunk of its tokens (the kernel module's docstring).
+* On CUDA (Hopper, Blackwell), one token: one cuTile launch of the per-pair kernel, no routing.
+  From two tokens: one routing step of fixed-size PyTorch operations, x's rows gathered into expert
+  order, and one cuTile launch (``tilemm.kernels.moe_kernels``). No host synchronisation, no
+  allocation whose size depends on the routing, so a call can be captured in a CUDA graph; each
+  expert's weight tile is read once per chunk of its tokens (the kernel module's docstring).
 * On the CPU: the same arithmetic in PyTorch (``reference_moe``), expert by expert.
 
 It is the custom operator ``torch.ops.tilemm.moe_linear``, which ``torch.compile(fullgraph=True)``
@@ -181,8 +182,10 @@ def _weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 def run_gpt_oss_experts(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format: str, gu_bias,
                         d_words, d_scale_t, d_constants, d_format: str, d_bias, alpha: float, limit: float):
     """What ``torch.ops.tilemm.gpt_oss_experts`` runs on checked tensors: gate_up, SwiGLU, down, the
-    weighted sum over the k slots. On CUDA: one routing, the gate_up launch with the SwiGLU fused
-    (gpt-oss's alpha and limit; other values run it unfused), the down launch, one batched GEMM."""
+    weighted sum over the k slots. On CUDA (``_experts_launches``): for one token, the per-pair kernel
+    for gate_up (the SwiGLU fused for gpt-oss's alpha and limit; other values run it unfused) and for
+    down with the weighted sum; from two tokens, one routing, x's rows sorted by expert, the gate_up
+    launch (SwiGLU fused likewise), the down launch, one batched GEMM."""
     tokens, top_k = ids.shape
     num_experts, inter, hidden = gu_words.shape[0], gu_words.shape[1] // 2, d_words.shape[1]
     if tokens == 0:
@@ -277,7 +280,8 @@ class MoEExperts(torch.nn.Module):
     * ``y = moe_linear(h, W_down, ids, down_bias)``: one row per (token, slot);
     * the output: sum over the k slots of ``y * routing_weights``, in fp32, rounded once.
 
-    It is one custom op, ``torch.ops.tilemm.gpt_oss_experts``: on CUDA one routing (shared by both
+    It is one custom op, ``torch.ops.tilemm.gpt_oss_experts``: on CUDA, for one token two launches of
+    the per-pair kernel (the weighted sum in the second); from two tokens one routing (shared by both
     projections), two grouped launches and a batched GEMM for the weighted sum. transformers rounds
     to bf16 after each of its elementwise operations; the results agree up to those roundings.
 

@@ -252,6 +252,7 @@ def test_kernel_matches_reference(emulated, fmt, x_dtype):
     # tile_m 16: expert 1's two chunks in one block (T = 12: one chunk group); tile_m 8: two chunk
     # groups (expert 1's three chunks over two blocks); tile_m 32: one chunk.
     for cfg in (mk.MoEConfig(16, 16, 4, None, cat=1), mk.MoEConfig(16, 16, 4, None, cat=0),
+                mk.MoEConfig(16, 16, 4, None, cat=1, unroll=2),
                 mk.MoEConfig(8, 16, 4, None, cat=1), mk.MoEConfig(32, 16, 4, None)):
         out = _run_kernel(x, packed, ids, bias, cfg)
         assert out[~ok].isnan().all()

@@ -88,12 +88,13 @@ def _gpt_oss_glu(gate, up):
 def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
                 ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                 GROUP: ConstInt, TM: ConstInt, TN: ConstInt, X_PARTS: ConstInt, CAT: ConstInt,
-                ACT: ConstInt, SORTED_OUT: ConstInt):
+                ACT: ConstInt, SORTED_OUT: ConstInt, UNROLL: ConstInt):
     """Block (slot, bn): the Out rows of expert SlotExpert[slot]'s tokens, weight rows bn * TN ..
 
-    X (T, K) activations; W (E, N, k_tiles * WORDS) int32 and S (E, K / BLOCK, N) uint8: the stacked
-    prepacked weights; Out (T * k, N) (k = Out rows / X rows, the slots per token), or with ACT = 1
-    (T * k, N / 2); Consts (E, 2) fp32 (column 0: each expert's epilogue factor alpha); Mult (1,)
+    X (T * k, K): the activation rows in the sorted order (expert e's tokens are rows Offsets[e] ..
+    Offsets[e + 1], loaded as a row range); W (E, N, k_tiles * WORDS) int32 and S (E, K / BLOCK, N)
+    uint8: the stacked prepacked weights, UNROLL K tiles per load; Out (T * k, N), or with ACT = 1
+    (T * k, N / 2): rows in the sorted order (SORTED_OUT = 1) or the (token, slot) rows; Consts (E, 2) fp32 (column 0: each expert's epilogue factor alpha); Mult (1,)
     fp32: 2^(OFFSET - E), shared; Bias (E, N) fp32; Order (T * k,) int64: the (token, slot) rows
     t * k + j sorted by expert; Offsets (E + 2,) int64; SlotExpert (S,) int64 (see the module
     docstring). Grid: S * G * cdiv(N, TN), N tiles fastest, then G chunk groups: block (slot, g, bn)
@@ -134,12 +135,15 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
                 # dropped; its x rows are the slice's rows first .. end (sorted), zero past end.
                 xs = X.slice(0, first, end)
                 acc = ct.zeros((TN, TM), ct.float32)
-                for kt in range(k_tiles):
-                    w = ct.bitcast(ct.load(W, (e, bn, kt), (1, TN, WORDS), padding_mode=_ZERO), ct.uint32)
-                    s_raw = ct.load(S, (e, kt, bn), (1, SC, TN), padding_mode=_ZERO).reshape((SC, TN))
-                    x = ct.load(xs, (0, kt), (TM, TK), padding_mode=_ZERO)
-                    acc = _k_tile(w.reshape((TN, WORDS)), s_raw.transpose(), Mult, x, acc, ELEMENT,
-                                  SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT)
+                for kg in range(ct.cdiv(k_tiles, UNROLL)):  # UNROLL K tiles per load
+                    ws = ct.bitcast(ct.load(W, (e, bn, kg), (1, TN, UNROLL * WORDS), padding_mode=_ZERO),
+                                    ct.uint32).reshape((TN, UNROLL * WORDS))
+                    ss = ct.load(S, (e, kg, bn), (1, UNROLL * SC, TN), padding_mode=_ZERO).reshape((UNROLL * SC, TN))
+                    xk = ct.load(xs, (0, kg), (TM, UNROLL * TK), padding_mode=_ZERO)
+                    for u in ct.static_iter(range(UNROLL)):
+                        acc = _k_tile(ct.extract(ws, (0, u), (TN, WORDS)), ct.extract(ss, (u, 0), (SC, TN)).transpose(),
+                                      Mult, ct.extract(xk, (0, u), (TM, TK)), acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES,
+                                      GROUP, TN, TM, X_PARTS, CAT)
                 out = (acc.transpose() * alpha + bias).astype(Out.dtype)
                 if ACT == 1:
                     out = _glu_pairs(out, TM, TO, Out.dtype)
@@ -287,6 +291,7 @@ class MoEConfig:
     num_worker_warps: int = 4
     occupancy: int | None = None
     cat: int = 0
+    unroll: int = 1
 
     @property
     def kernel(self):
@@ -295,18 +300,20 @@ class MoEConfig:
     @property
     def name(self) -> str:
         s = f"moe_{self.tile_m}x{self.tile_n}_w{self.num_worker_warps}"
-        return s + (f"_occ{self.occupancy}" if self.occupancy else "") + ("_cat" if self.cat else "")
+        s += f"_occ{self.occupancy}" if self.occupancy else ""
+        return s + (f"_u{self.unroll}" if self.unroll > 1 else "") + ("_cat" if self.cat else "")
 
 
 #: Per tile_m: the block shape of the weight-only kernel's unsplit configs (one warpgroup on 64 weight
-#: rows; at tile_m 16 the planes concatenated into one MMA per K tile, occupancy 3 for 4-bit weights,
-#: 2 for 8-bit; tile_m 128 two warpgroups on 128 rows).
+#: rows; at tile_m 16 the planes concatenated into one MMA per K tile, occupancy 3 for 4-bit weights
+#: (two K tiles per load), 2 for 8-bit; tile_m 128 two warpgroups on 128 rows).
 _TILE_M = (16, 32, 64, 128)
 
 
 def _config(tile_m: int, layout: Layout) -> MoEConfig:
-    if tile_m == 16:
-        return MoEConfig(16, 64, 4, 3 if layout.planes == 4 else 2, cat=1)
+    if tile_m == 16:  # 4-bit weights: two K tiles per load, as the weight-only kernel's unsplit tile_m 16
+        four_bit = layout.planes == 4
+        return MoEConfig(16, 64, 4, 3 if four_bit else 2, cat=1, unroll=2 if four_bit else 1)
     if tile_m == 32:
         return MoEConfig(32, 64, 4, 4)
     if tile_m == 64:
@@ -436,7 +443,7 @@ def _pairs_constants(layout: Layout, cfg: PairsConfig, act: int, combine: int) -
 
 def _constants(layout: Layout, cfg: MoEConfig, x_parts: int, act: int, sorted_out: int) -> tuple:
     return (layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
-            cfg.tile_m, cfg.tile_n, x_parts, cfg.cat, act, sorted_out)
+            cfg.tile_m, cfg.tile_n, x_parts, cfg.cat, act, sorted_out, cfg.unroll)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -23,8 +23,10 @@ Two designs (``tilemm.moe`` picks by T; ``benchmarks/bench_moe.py`` times both):
   * the T * k (token, slot) pairs are sorted by expert id (stable ``argsort``): ``order``;
   * ``offsets`` (E + 2): where each expert's run starts in ``order`` (``searchsorted``), the last
     entry T * k; ids outside [0, E) are sorted as the extra "expert" E;
-  * ``slot_expert`` (S = min(T * k, E + 1)): the distinct experts in ascending order, -1 past the
-    last. S bounds the number of distinct experts whatever the routing.
+  * ``slot_expert`` (S = min(T * k, E + 1)): the experts 0 .. E by decreasing number of rows (ties
+    by id), cut to S entries: every present expert is among them (S bounds the number of distinct
+    experts whatever the routing), the busiest first (its blocks start first), then experts with no
+    rows, whose blocks do nothing.
 
   x's rows are then gathered once into that order (``sort_rows``, one ``index_select``), so that
   each expert's tokens are a contiguous run of rows: the kernel's K loop loads them as a plain tile
@@ -37,7 +39,7 @@ Two designs (``tilemm.moe`` picks by T; ``benchmarks/bench_moe.py`` times both):
   ``slot_expert[slot]``'s tokens in chunks of TM (every G-th chunk from chunk g; G grows with T,
   ``chunk_groups``), runs the K loop of the weight-only MMA kernel on its TN weight rows, and stores
   the TM output rows, in the sorted order (``sorted_out``) or scattered to their (token, slot) rows
-  (``ct.scatter``, once per chunk). A block whose slot holds no expert does nothing, so an expert's
+  (``ct.scatter``, once per chunk). A block whose expert has no rows does nothing, so an expert's
   weight tile is read once per chunk of TM of its tokens: once per call while an expert has at most
   TM tokens, and re-read from L2 for every further chunk.
 
@@ -259,7 +261,7 @@ _BOUNDS: dict = {}
 
 def route(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(order, offsets, slot_expert) int64 for ``topk_ids`` (T, k) (see the module docstring); fixed
-    sizes T * k, E + 2 and min(T * k, E + 1); no host synchronisation. About eight small kernels: a
+    sizes T * k, E + 2 and min(T * k, E + 1); no host synchronisation. About six small kernels: a
     layer computes it once for both of its projections."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     rows = flat.numel()
@@ -269,16 +271,12 @@ def route(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch
     bounds = _BOUNDS.get((flat.device, num_experts))
     if bounds is None:  # made once per (device, E), so that a captured call allocates nothing for it
         bounds = _BOUNDS[(flat.device, num_experts)] = torch.arange(
-            num_experts + 3, device=flat.device, dtype=torch.int64)
-    offsets = torch.searchsorted(sorted_key, bounds[:num_experts + 2])
-    # Distinct experts in ascending order: expert e is present when its run is not empty; its slot is
-    # the number of present experts below it. Absent experts write to the spare last entry.
-    present = offsets[1:] > offsets[:-1]
-    slot = torch.cumsum(present, 0) - 1
-    slots = min(rows, num_experts + 1)
-    slot_expert = torch.full((slots + 1,), -1, dtype=torch.int64, device=flat.device)
-    slot_expert.scatter_(0, torch.where(present, slot, slots), bounds[:num_experts + 1])
-    return order, offsets, slot_expert[:slots]
+            num_experts + 2, device=flat.device, dtype=torch.int64)
+    offsets = torch.searchsorted(sorted_key, bounds)
+    # The experts by decreasing number of rows (ties by id; stable), the empty ones last: the first
+    # S entries hold every present expert, and the busiest expert's blocks start first.
+    slot_expert = torch.argsort(offsets[:-1] - offsets[1:], stable=True)  # (E + 1,): minus each run's length
+    return order, offsets, slot_expert[:min(rows, num_experts + 1)]
 
 
 @dataclasses.dataclass(frozen=True)

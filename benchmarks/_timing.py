@@ -44,16 +44,19 @@ def _graph_or_eager(fn):
 
 
 def median_ms(run, reps: int, *, flush: torch.Tensor | None = None, busy_cycles: int = 0,
-              sync_each: bool = False) -> float:
+              sync_each: bool = False, before_each=None) -> float:
     """Median of ``reps`` calls of ``run``, each between CUDA events, in milliseconds.
 
     ``flush``: a tensor read (summed) before each call (an L2 flush). ``busy_cycles``: a GPU sleep queued
     before each call. ``sync_each``: wait for each call before the next, so that an eager call's
     interval holds its Python dispatch (what one call costs a caller); otherwise the host queues the
-    calls ahead and the intervals are GPU time."""
+    calls ahead and the intervals are GPU time. ``before_each``: called before each call, outside
+    its interval (e.g. a barrier that lines up the ranks of a collective)."""
     events = []
     sink = torch.empty((), dtype=torch.float32, device=flush.device) if flush is not None else None
     for _ in range(reps):
+        if before_each is not None:
+            before_each()
         if flush is not None:
             torch.sum(flush, dim=(0,), out=sink)
         if busy_cycles:
@@ -73,8 +76,9 @@ class Timer:
     """Median time of one call of a function, in milliseconds (see the module docstring)."""
 
     def __init__(self, reps: int, device: torch.device | None = None, *, flush_l2: bool = True,
-                 busy_cycles: int = 0, warmup: int = 1, sync_each: bool = False):
+                 busy_cycles: int = 0, warmup: int = 1, sync_each: bool = False, before_each=None):
         self.reps, self.busy_cycles, self.warmup, self.sync_each = reps, busy_cycles, warmup, sync_each
+        self.before_each = before_each
         self.flush = (torch.zeros(64 * 1024 * 1024, dtype=torch.float32, device=device or "cuda")
                       if flush_l2 else None)
 
@@ -86,4 +90,5 @@ class Timer:
         run()
         torch.cuda.synchronize()
         busy = self.busy_cycles if how == "graph" else 0
-        return median_ms(run, self.reps, flush=self.flush, busy_cycles=busy, sync_each=self.sync_each), how
+        return median_ms(run, self.reps, flush=self.flush, busy_cycles=busy, sync_each=self.sync_each,
+                         before_each=self.before_each), how

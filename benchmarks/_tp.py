@@ -12,12 +12,17 @@ sums (bias on rank 0 only).
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pathlib
+import signal
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+import tilemm
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -25,9 +30,12 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 def start(cpu: bool = False) -> tuple[int, int, torch.device]:
     """(rank, world size, this rank's GPU) under torchrun: NCCL process group initialized (``cpu``:
     gloo and the CPU, for smoke tests)."""
+    # A time limit's SIGTERM (tp_suite.sh's `timeout`) prints every thread's stack before the process
+    # ends, so that a hang says where each rank was.
+    faulthandler.register(signal.SIGTERM, file=sys.stderr, all_threads=True, chain=True)
     if "RANK" not in os.environ:
         raise SystemExit("run under torchrun, e.g. `torchrun --nproc-per-node 2 " + os.path.basename(
-            __import__("sys").argv[0]) + "`")
+            sys.argv[0]) + "`")
     if cpu:
         dist.init_process_group("gloo")
         return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
@@ -77,8 +85,13 @@ class PlainShard(torch.nn.Module):
     features; all-reduced output). ``group``: the process group of the ranks sharing the layer.
     """
 
-    def __init__(self, linear: torch.nn.Linear, style: str, group, gather: bool = False):
+    def __init__(self, linear: torch.nn.Linear, style: str, group, gather: bool = False,
+                 one_shot_max_bytes: int = 0):
         super().__init__()
+        # Row-wise: outputs of at most this many bytes are summed by the one-shot all-reduce, as
+        # tilemm's RowwiseParallel(one_shot_max_bytes=...) does.
+        self.one_shot = (tilemm.parallel._OneShot(group, one_shot_max_bytes)
+                         if one_shot_max_bytes and style == "rowwise" else None)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         self.style, self.group, self.world, self.gather = style, group, world, gather
         w = linear.weight.detach()
@@ -97,7 +110,11 @@ class PlainShard(torch.nn.Module):
     def forward(self, x):
         out = F.linear(x, self.weight, self.bias)
         if self.style == "rowwise":
-            dist.all_reduce(out, group=self.group)
+            if self.one_shot is not None:
+                reduced = self.one_shot(out)
+                if reduced is not None:
+                    return reduced
+            tilemm.parallel.all_reduce_sum(out, self.group)  # overlaps inside tilemm.parallel.overlapped
         elif self.gather:
             local = out.reshape(-1, out.shape[-1]).contiguous()
             rows, cols = local.shape

@@ -194,6 +194,7 @@ class Decoder:
         if self.with_cache_position:
             kwargs["cache_position"] = self.pos
         logits = self.model(**kwargs).logits
+        self.last = logits  # read by graph_vs_eager (a reference: no work; in a graph, its static output)
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         self.out.index_copy_(1, self.pos - self.start, nxt)
         self.ids.copy_(nxt)
@@ -291,6 +292,47 @@ def timed_loop(fn, tokens: int, device: torch.device) -> float:
     return time.perf_counter() - t
 
 
+GRAPH_CHECK_KEYS = ("tokens_match_eager", "graph_matches_eager", "first_step_logits_max_diff",
+                    "first_step_logits_max_abs", "first_differing_step", "eager_margin_at_first_difference")
+
+
+def graph_vs_eager(dec: Decoder, graph, graph_tokens: torch.Tensor, eager_tokens: torch.Tensor) -> dict:
+    """Whether the CUDA graph decodes what the eager loop decodes, up to near-ties (untimed).
+
+    The graph may run other kernels than the eager calls (another summation order), so its logits
+    differ from the eager ones by rounding, and with random weights the top two logits are often
+    nearly tied: such a token may flip, and the two sequences diverge from there. So: ``noise`` is
+    the largest difference between the graph's and the eager logits at the first step (same state);
+    the eager loop is rerun up to the first step where the tokens differ, and the flip counts as a
+    near-tie only if the eager top-two margin there is at most 4x ``noise``. ``graph_matches_eager``
+    is False only for a flip at a decisive step (or logits that differ by more than 5 % of their
+    range)."""
+    dec.reset()
+    dec.step()
+    eager0 = dec.last[:, -1].float().clone()
+    dec.reset()
+    graph.replay()
+    graph0 = dec.last[:, -1].float().clone()
+    noise = (graph0 - eager0).abs().max().item()
+    scale = eager0.abs().max().item()
+    out = {"first_step_logits_max_diff": noise, "first_step_logits_max_abs": scale}
+    differs = (graph_tokens != eager_tokens).any(0).nonzero()
+    first = int(differs[0]) if differs.numel() else None
+    out["first_differing_step"] = first
+    ok = noise <= 0.05 * max(scale, 1e-30)
+    if first is not None:
+        dec.reset()
+        for _ in range(first + 1):
+            dec.step()
+        top2 = dec.last[:, -1].float().topk(2, dim=-1).values
+        rows = (graph_tokens[:, first] != eager_tokens[:, first])
+        margin = (top2[:, 0] - top2[:, 1])[rows].min().item()
+        out["eager_margin_at_first_difference"] = margin
+        ok = ok and margin <= 4 * noise
+    out["graph_matches_eager"] = ok
+    return out
+
+
 def run_batch(model, batch: int, args, device: torch.device, t0: float) -> dict:
     """Prefill, then the eager and CUDA-graph decode loops, for one model and batch size."""
     generator = torch.Generator().manual_seed(SEED + batch)
@@ -368,8 +410,8 @@ def run_batch(model, batch: int, args, device: torch.device, t0: float) -> dict:
                 graph.replay()
             dec.reset()
             seconds = timed_loop(graph.replay, args.tokens, device)
-            result["graph"] = {"seconds": seconds,
-                               "tokens_match_eager": bool(torch.equal(dec.out, eager_tokens))}
+            result["graph"] = {"seconds": seconds, "tokens_match_eager": bool(torch.equal(dec.out, eager_tokens))}
+            result["graph"].update(graph_vs_eager(dec, graph, dec.out.clone(), eager_tokens))
             log(f"    batch {batch:3d} graph {seconds / args.tokens * 1e3:8.2f} ms/token", t0)
         except Exception as e:  # noqa: BLE001 (record, go on with the next run)
             try:
@@ -534,8 +576,9 @@ def main(argv=None) -> int:
                     else:
                         rec["ms_per_token"] = r["seconds"] / args.tokens * 1e3
                         rec["tokens_per_s"] = batch * args.tokens / r["seconds"]
-                        if "tokens_match_eager" in r:
-                            rec["tokens_match_eager"] = r["tokens_match_eager"]
+                        for key in GRAPH_CHECK_KEYS:
+                            if key in r:
+                                rec[key] = r[key]
                         if "compile_s" in r:
                             rec["compile_s"] = r["compile_s"]
                     records.append(rec)
@@ -680,9 +723,10 @@ def markdown(meta, variants, records, accuracy, summary) -> str:
                      f"{_f(r.get('prefill_ms'), '.1f')} | {_f(r.get('prefill_speedup_vs_bf16'), '.2f')}x | "
                      f"{_gib(r['model_gib'])} | {_gib(r['peak_gib'])} |")
     mismatched = [f"{r['variant']} batch {r['batch']}" for r in records
-                  if r.get("tokens_match_eager") is False]
+                  if r.get("graph_matches_eager", r.get("tokens_match_eager")) is False]
     if mismatched:
-        lines += ["", "CUDA-graph tokens differ from the eager ones: " + ", ".join(mismatched)]
+        lines += ["", "Tokens differ from the eager ones (CUDA graph: at a decisive step, not a near-tie; see "
+                  "graph_vs_eager): " + ", ".join(mismatched)]
     failed = {n: v["error"] for n, v in variants.items() if "error" in v}
     if failed:
         lines += [""] + [f"- {n}: quantization failed: {e}" for n, e in failed.items()]

@@ -1,25 +1,30 @@
-"""Host time of one eager call, where it goes, and how many kernels it launches.
+"""Host time of one eager call of every public entry, beside ``F.linear``, and kernels per call.
 
-    python benchmarks/bench_host.py [--n 1024 --k 1024]
+    python benchmarks/bench_host.py [--n 4096 --k 4096 --m 1,16]
 
 The host time of a call is the time to issue it: a few hundred calls back to back, which the GPU's
-launch queue absorbs, timed on the host (best of five), then one synchronisation. It
-prints, per format and mode, at M = 1: ``F.linear`` (bf16) for reference, ``tilemm.nn.Linear``, and the
-pieces of the call (weight-only: the prepared ``ct.launch`` alone, the runner with its output
-allocation; both sides on Hopper: the activation decode alone, the two-launch runner), plus kernels
-per call (torch.profiler).
+launch queue absorbs, timed on the host (best of five), then one synchronisation. For each M it
+prints ``F.linear`` (bf16), then per format (MXFP8, MXFP4, NVFP4; FP8 per row): the format's
+``*_matmul`` on pre-quantized swizzled operands, ``tilemm.linear(xq, wq)`` (both sides quantized),
+``tilemm.linear(x, prepack(wq))`` (weight-only), ``tilemm.nn.Linear`` both sides and weight-only, and
+the quantizer of an (M, K) activation (``swizzle=True``), each with its ratio to ``F.linear`` and its
+kernels per call (torch.profiler). Results go to ``$OUT/bench_host.json`` when ``OUT`` is set.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 import tilemm
+
+FORMATS = {"mxfp8": tilemm.quantize_mxfp8, "mxfp4": tilemm.quantize_mxfp4, "nvfp4": tilemm.quantize_nvfp4}
 
 
 def per_call_us(fn, calls: int = 300, reps: int = 5) -> float:
@@ -50,45 +55,64 @@ def kernels_per_call(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
+def entries(m: int, n: int, k: int, formats, dev):
+    """(name, callable) for every public entry at batch M."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(k, n, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    yield "F.linear bf16", lambda: F.linear(x, lin.weight, lin.bias)
+    for fmt in formats:
+        if fmt == "fp8":
+            xq = tilemm.quantize_fp8(x, granularity="row")
+            wq = tilemm.quantize_fp8(lin.weight, granularity="row")
+            yield "fp8_matmul (row scales)", lambda: tilemm.fp8_matmul(xq.data, xq.scale, wq.data.t(), wq.scale.t())
+            yield "fp8 linear(xq, wq)", lambda: tilemm.linear(xq, wq)
+            both = tilemm.nn.Linear.from_float(lin, "fp8")
+            yield "fp8 nn.Linear both sides", lambda: both(x)
+            yield "quantize_fp8(x, 'row')", lambda: tilemm.quantize_fp8(x, granularity="row")
+            continue
+        q = FORMATS[fmt]
+        xq, wq = q(x, swizzle=True), q(lin.weight, swizzle=True)
+        matmul = getattr(tilemm, f"{fmt}_matmul")
+        if fmt == "nvfp4":
+            yield (f"{fmt}_matmul", lambda: matmul(xq.data, xq.scale, wq.data.t(), wq.scale,
+                                                    global_scale_x=xq.global_scale,
+                                                    global_scale_y=wq.global_scale))
+        else:
+            yield f"{fmt}_matmul", lambda: matmul(xq.data, xq.scale, wq.data.t(), wq.scale)
+        yield f"{fmt} linear(xq, wq)", lambda: tilemm.linear(xq, wq)
+        packed = tilemm.prepack(q(lin.weight))
+        yield f"{fmt} linear(x, packed) weight-only", lambda: tilemm.linear(x, packed)
+        both = tilemm.nn.Linear.from_float(lin, fmt)
+        yield f"{fmt} nn.Linear both sides", lambda: both(x)
+        wo = tilemm.nn.Linear.from_float(lin, fmt, weight_only=True)
+        yield f"{fmt} nn.Linear weight-only", lambda: wo(x)
+        yield f"quantize_{fmt}(x, swizzle=True)", lambda: q(x, swizzle=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="bench_host.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n", type=int, default=1024)
-    ap.add_argument("--k", type=int, default=1024)
-    ap.add_argument("--formats", default="mxfp4,nvfp4,mxfp8")
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--m", default="1,16", help="batch sizes, comma-separated")
+    ap.add_argument("--formats", default="mxfp8,mxfp4,nvfp4,fp8")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(args.k, args.n, device=dev, dtype=torch.bfloat16)
-    x = torch.randn(1, args.k, device=dev, dtype=torch.bfloat16)
-    rows = {"shape": f"M=1 N={args.n} K={args.k}", "torch.nn.Linear bf16": per_call_us(lambda: lin(x)),
-            "F.linear bf16": per_call_us(lambda: torch.nn.functional.linear(x, lin.weight, lin.bias))}
-    empty = torch.empty(1, device=dev)
-    rows["torch.empty (1,)"] = per_call_us(lambda: torch.empty(1, device=dev))
-    rows["torch.cuda.current_stream()"] = per_call_us(lambda: torch.cuda.current_stream())
-    rows["raw stream handle"] = per_call_us(lambda: torch._C._cuda_getCurrentRawStream(0))
-    del empty
-    for fmt in args.formats.split(","):
-        wo = tilemm.nn.Linear.from_float(lin, fmt, weight_only=True)
-        wo(x)
-        runner = wo._runner
-        prepared = runner._prepared[(1, x.dtype)]
-        out = torch.empty(1, args.n, device=dev, dtype=x.dtype)
-        stream = torch._C._cuda_getCurrentRawStream(dev.index or 0)
-        rows[f"{fmt} weight-only: ct.launch alone"] = per_call_us(lambda: prepared.run(x, out, stream))
-        rows[f"{fmt} weight-only: runner"] = per_call_us(lambda: runner(x))
-        rows[f"{fmt} weight-only: nn.Linear"] = per_call_us(lambda: wo(x))
-        rows[f"{fmt} weight-only: kernels"] = kernels_per_call(lambda: wo(x))
-        both = tilemm.nn.Linear.from_float(lin, fmt)
-        both(x)
-        small = both._runner.runner  # the small-batch path (Hopper), or None
-        if small is not None:
-            rows[f"{fmt} both sides: FakeQuant.run"] = per_call_us(lambda: small.fake_quant.run(x, stream))
-            rows[f"{fmt} both sides: runner"] = per_call_us(lambda: small(x))
-        rows[f"{fmt} both sides: nn.Linear"] = per_call_us(lambda: both(x))
-        rows[f"{fmt} both sides: kernels"] = kernels_per_call(lambda: both(x))
-    for k, v in rows.items():
-        print(f"{k:45s} {v:8.1f}" if isinstance(v, float) else f"{k:45s} {v}")
-    print(json.dumps(rows))
+    report = {"device": torch.cuda.get_device_name(dev), "n": args.n, "k": args.k, "rows": []}
+    print(f"# {report['device']}, N={args.n} K={args.k}; host us per eager call, ratio to F.linear, kernels")
+    for m in (int(v) for v in args.m.split(",")):
+        base = None
+        for name, fn in entries(m, args.n, args.k, args.formats.split(","), dev):
+            us = per_call_us(fn)
+            base = base or us
+            kernels = kernels_per_call(fn)
+            report["rows"].append({"m": m, "entry": name, "us": round(us, 1), "x_f_linear": round(us / base, 2),
+                                   "kernels": kernels})
+            print(f"M={m:<4d} {name:42s} {us:8.1f} us {us / base:6.2f}x  {kernels} kernel(s)")
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "bench_host.json"), "w") as f:
+            json.dump(report, f, indent=1)
     return 0
 
 

@@ -14,18 +14,32 @@ Correctness first, per case: the sharded output against the unsharded one (relat
 error; every rank quantizes the same bytes as the unsharded layer, so only the order of the sums
 and the bf16 rounding of the partial sums differ: at most ``TOLERANCE``).
 
+How the row-wise all-reduce runs (``--variants``, each only where it applies): ``end``, one
+all-reduce of the whole output after fc2 (the default plan); ``row2`` / ``row4``, fc2 in row pieces
+with piece i's all-reduce during piece i+1's matmul (``RowwiseParallel(chunks=N)``, M >= 1024);
+``mlp2`` / ``mlp4``, the whole MLP in row pieces, piece i's all-reduce during piece i+1's fc1 and fc2
+(``tilemm.parallel.overlapped``, M >= 1024); ``oneshot``, torch's symmetric-memory one-shot
+all-reduce for the small outputs (``RowwiseParallel(one_shot_max_bytes=...)``, M <= 16). Each is
+checked against the unsharded output and timed; "best" is the fastest correct one in a CUDA graph,
+the one a plan would pick, and the targets are checked on it.
+
 Timing, per case, with ``benchmarks/_timing.py``'s timer (the L2 flushed by a 256 MB read before each
 call, median of ``--reps``):
 
 * ``graph``: the MLP captured in a CUDA graph (NCCL all-reduce included), replays between CUDA
   events; the GPU time of one call;
 * ``eager``: eager calls between CUDA events, each waited for before the next
-  (``sync_each``): what one call costs a caller, Python dispatch included wherever it is longer than
-  the flush that precedes it (about 0.1 ms), which it is where it matters.
+  (``sync_each``; sharded: the ranks lined up by a barrier before each call, outside the interval):
+  what one call costs a caller, Python dispatch included wherever it is longer than the flush that
+  precedes it (about 0.1 ms);
+* ``host``: the Python call alone (``time.perf_counter`` around it, GPU idle at the start, not
+  waited for): the host cost of dispatch and launches, which eager calls pay where it exceeds the
+  GPU time.
 
 The unsharded MLP runs on rank 0 while the other ranks wait; the sharded one on all ranks at once
 (the slowest rank's median is reported). ``all-reduce`` is one (M, 4096) bf16 all-reduce alone, in
-a CUDA graph: the floor the row-wise layer adds.
+a CUDA graph: the floor the row-wise layer adds (``one-shot``: the same through the one-shot
+all-reduce, M <= 16).
 
 Writes ``tp-mlp-<gpu>-x<N>.json`` and ``.md`` to ``$OUT`` when it is set, else to
 ``benchmarks/results/``, naming the GPUs (``torch.cuda.get_device_name`` of every rank).
@@ -38,6 +52,7 @@ import copy
 import datetime
 import json
 import shlex
+import statistics
 import sys
 import time
 import traceback
@@ -83,20 +98,79 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def shard(full: MLP, mesh, bf16: bool) -> MLP:
+VARIANTS = {  # how the sharded MLP's all-reduce runs: name -> (description, applies to M)
+    "end": ("one all-reduce of the whole output at the end (RowwiseParallel())", lambda m: True),
+    "row2": ("fc2 in 2 row pieces, piece i's all-reduce during piece i+1's matmul "
+             "(RowwiseParallel(chunks=2))", lambda m: m >= CHUNK_MIN_ROWS),
+    "row4": ("the same in 4 pieces (RowwiseParallel(chunks=4))", lambda m: m >= CHUNK_MIN_ROWS),
+    "mlp2": ("the whole MLP in 2 row pieces, piece i's all-reduce during piece i+1's fc1 and fc2 "
+             "(tilemm.parallel.overlapped(mlp, x, 2))", lambda m: m >= CHUNK_MIN_ROWS),
+    "mlp4": ("the same in 4 pieces (overlapped(mlp, x, 4))", lambda m: m >= CHUNK_MIN_ROWS),
+    "oneshot": ("small all-reduces through torch's symmetric-memory one-shot all-reduce "
+                f"(RowwiseParallel(one_shot_max_bytes={256 * 1024}))", lambda m: m <= 16),
+}
+CHUNK_MIN_ROWS = 1024
+ONE_SHOT_BYTES = 256 * 1024
+
+
+def shard(full: MLP, mesh, bf16: bool, variant: str = "end") -> MLP:
+    """The MLP sharded over the mesh, fc2's all-reduce set up for ``variant`` (None: not for this
+    format)."""
     if bf16:
+        if variant in ("row2", "row4", "oneshot"):
+            return None  # PlainShard has one all-reduce (overlapped() pipelines it: mlp2 / mlp4)
         group = mesh.get_group()
         return MLP(PlainShard(full.fc1, "colwise", group), PlainShard(full.fc2, "rowwise", group))
     from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = {"fc1": tilemm.parallel.ColwiseParallel(), "fc2": tilemm.parallel.RowwiseParallel()}
-    return parallelize_module(copy.deepcopy(full), mesh, plan)
+    row = dict(end={}, mlp2={}, mlp4={}, row2=dict(chunks=2, chunk_min_rows=CHUNK_MIN_ROWS),
+               row4=dict(chunks=4, chunk_min_rows=CHUNK_MIN_ROWS), oneshot=dict(one_shot_max_bytes=ONE_SHOT_BYTES))
+    plan = {"fc1": tilemm.parallel.ColwiseParallel(), "fc2": tilemm.parallel.RowwiseParallel(**row[variant])}
+    sharded = parallelize_module(copy.deepcopy(full), mesh, plan)
+    if variant != "end" and variant != "oneshot" and sharded.fc2._tp.tensor_scale:
+        return None  # one activation scale for the whole tensor: its rows are never split
+    return sharded
 
 
-def time_both(fn, timer_graph: Timer, timer_eager: Timer) -> dict:
+def shard_variants(full: MLP, mesh, bf16: bool, variants) -> dict:
+    """{variant: sharded MLP or None}; mlp2 / mlp4 call the "end" MLP through overlapped()."""
+    models = {"end": shard(full, mesh, bf16, "end")}
+    for v in variants:
+        if v in ("mlp2", "mlp4"):
+            tensor_scale = not bf16 and models["end"].fc2._tp.tensor_scale
+            models[v] = None if tensor_scale else models["end"]
+        elif v != "end":
+            models[v] = shard(full, mesh, bf16, v)
+    return models
+
+
+def call_of(model, variant: str, x):
+    """The sharded call of ``variant``."""
+    if variant in ("mlp2", "mlp4"):
+        chunks = int(variant[3:])
+        return lambda: tilemm.parallel.overlapped(model, x, chunks)
+    return lambda: model(x)
+
+
+def host_ms(fn, reps: int, barrier: bool) -> float:
+    """Median host time of one call (Python and launches, not waited for), in ms; each call starts
+    with the GPU idle (and, with ``barrier``, the ranks lined up)."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        if barrier:
+            dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e3
+
+
+def time_all(fn, timer_graph: Timer, timer_eager: Timer, reps: int, barrier: bool) -> dict:
     graph_ms, how = timer_graph(fn)
     eager_ms, _ = timer_eager(fn, capture=False)
-    return dict(graph_ms=graph_ms if how == "graph" else None, eager_ms=eager_ms,
+    return dict(graph_ms=graph_ms if how == "graph" else None, eager_ms=eager_ms, host_ms=host_ms(fn, reps, barrier),
                 graph_error=None if how == "graph" else "did not capture")
 
 
@@ -104,14 +178,19 @@ def bench(args, rank, world, device) -> int:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (world,))
+    group = mesh.get_group()
     names = gpu_names()
     timer_graph = Timer(args.reps, device)
     timer_eager = Timer(args.reps, device, sync_each=True)
+    # Sharded eager calls start with the ranks lined up (a barrier outside the timed interval), so the
+    # interval is one call's cost, not the other rank's lateness.
+    timer_eager_sharded = Timer(args.reps, device, sync_each=True, before_each=dist.barrier)
     torch.manual_seed(0)
     fc1 = torch.nn.Linear(D_MODEL, HIDDEN, device=device, dtype=torch.bfloat16)
     fc2 = torch.nn.Linear(HIDDEN, D_MODEL, device=device, dtype=torch.bfloat16)
     for p in (*fc1.parameters(), *fc2.parameters()):  # every rank the same weights
         dist.broadcast(p.data, 0)
+    one_shot = tilemm.parallel._OneShot(group, ONE_SHOT_BYTES) if "oneshot" in args.variants else None
     records, failed, t0 = [], [], time.time()
     formats = [f for f in args.formats.split(",") if f]
     skipped = []
@@ -124,7 +203,7 @@ def bench(args, rank, world, device) -> int:
             with torch.no_grad():
                 full = MLP(fc1, fc2) if kw is None else MLP(Linear.from_float(fc1, **kw),
                                                             Linear.from_float(fc2, **kw))
-                sharded = shard(full, mesh, kw is None)
+                models = shard_variants(full, mesh, kw is None, args.variants)
         except Exception as err:  # noqa: BLE001 (record, go on)
             failed.append(f"{name}: sharding failed: {err}")
             if rank == 0:
@@ -132,32 +211,55 @@ def bench(args, rank, world, device) -> int:
             dist.barrier()
             continue
         for m in args.m:
-            rec = dict(format=name, m=m, world_size=world)
+            rec = dict(format=name, m=m, world_size=world, variants={})
             try:
                 g = torch.Generator(device=device).manual_seed(m)
                 x = torch.randn(m, D_MODEL, device=device, dtype=torch.bfloat16, generator=g)
                 with torch.no_grad():
-                    rec["rel_err_vs_unsharded"] = err = rel_err(sharded(x), full(x))
-                    rec["correct"] = err <= TOLERANCE
+                    want = full(x)
                     dist.barrier()
                     if rank == 0:
-                        unsharded = time_both(lambda: full(x), timer_graph, timer_eager)
+                        unsharded = time_all(lambda: full(x), timer_graph, timer_eager, args.reps, False)
                     else:
-                        unsharded = dict(graph_ms=0.0, eager_ms=0.0, graph_error=None)
+                        unsharded = dict(graph_ms=0.0, eager_ms=0.0, host_ms=0.0, graph_error=None)
                     dist.barrier()
-                    sharded_t = time_both(lambda: sharded(x), timer_graph, timer_eager)
+                    for key in ("graph_ms", "eager_ms", "host_ms"):
+                        u = unsharded[key]
+                        rec[f"unsharded_{key}"] = slowest(u if u is not None else float("nan"), device)
+                    for variant, model in models.items():
+                        if model is None or not VARIANTS[variant][1](m):
+                            continue
+                        rec["variants"][variant] = v = measure(model, variant, x, want, timer_graph,
+                                                               timer_eager_sharded, args.reps, device)
+                        if variant == "oneshot" and model.fc2._tp.one_shot.error:
+                            v["one_shot_error"] = model.fc2._tp.one_shot.error  # it ran NCCL instead
+                        if v.get("error"):
+                            failed.append(f"{name} M={m} {variant}: {v['error']}")
+                        elif not v["correct"]:
+                            failed.append(f"{name} M={m} {variant}: sharded differs from unsharded by "
+                                          f"{v['rel_err_vs_unsharded']:.2e} > {TOLERANCE}")
                     out = torch.empty(m, D_MODEL, device=device, dtype=torch.bfloat16)
                     allreduce_ms, _ = timer_graph(lambda: dist.all_reduce(out))
-                for key in ("graph_ms", "eager_ms"):
-                    u = slowest(unsharded[key] if unsharded[key] is not None else float("nan"), device)
-                    s = slowest(sharded_t[key] if sharded_t[key] is not None else float("nan"), device)
-                    rec[f"unsharded_{key}"], rec[f"sharded_{key}"] = u, s
-                    rec[f"speedup_{key.removesuffix('_ms')}"] = u / s
-                rec["allreduce_ms"] = slowest(allreduce_ms, device)
-                if unsharded["graph_error"] or sharded_t["graph_error"]:
-                    rec["graph_error"] = "the MLP did not capture in a CUDA graph"
-                if not rec["correct"]:
-                    failed.append(f"{name} M={m}: sharded differs from unsharded by {err:.2e} > {TOLERANCE}")
+                    rec["allreduce_ms"] = slowest(allreduce_ms, device)
+                    if one_shot is not None and m <= 16:
+                        one_shot(out)  # sets up (collective) on the first call
+                        if one_shot.error is None:
+                            rec["allreduce_oneshot_ms"] = slowest(timer_graph(lambda: one_shot(out))[0], device)
+                        else:
+                            rec["allreduce_oneshot_error"] = one_shot.error
+                base = rec["variants"].get("end", {})
+                for key in ("graph_ms", "eager_ms", "host_ms"):  # the default ("end") in the main columns
+                    rec[f"sharded_{key}"] = base.get(key, float("nan"))
+                rec["speedup_graph"] = rec["unsharded_graph_ms"] / rec["sharded_graph_ms"]
+                rec["speedup_eager"] = rec["unsharded_eager_ms"] / rec["sharded_eager_ms"]
+                rec["rel_err_vs_unsharded"] = base.get("rel_err_vs_unsharded", float("nan"))
+                rec["correct"] = all(v.get("correct", False) for v in rec["variants"].values())
+                timed = {k: v for k, v in rec["variants"].items() if v.get("graph_ms") == v.get("graph_ms")
+                         and v.get("graph_ms") is not None and v.get("correct")}
+                if timed:
+                    best = min(timed, key=lambda k: timed[k]["graph_ms"])
+                    rec["best_variant"], rec["best_graph_ms"] = best, timed[best]["graph_ms"]
+                    rec["speedup_graph_best"] = rec["unsharded_graph_ms"] / rec["best_graph_ms"]
             except Exception as e:  # noqa: BLE001
                 rec["error"] = f"{type(e).__name__}: {e}"[:400]
                 failed.append(f"{name} M={m}: {rec['error']}")
@@ -167,7 +269,7 @@ def bench(args, rank, world, device) -> int:
             records.append(rec)
             if rank == 0:
                 print(line(rec), flush=True)
-        del full, sharded
+        del full, models
         torch.cuda.empty_cache()
         if rank == 0:  # after every format, so that an interrupted run keeps what it measured
             write(records, names, failed, skipped, args, time.time() - t0, final=False)
@@ -176,32 +278,61 @@ def bench(args, rank, world, device) -> int:
     return 1 if failed else 0
 
 
+def measure(model, variant, x, want, timer_graph, timer_eager, reps, device) -> dict:
+    """One sharded variant: its error against the unsharded output, then its times (the slowest rank's)."""
+    fn = call_of(model, variant, x)
+    out = {}
+    try:
+        out["rel_err_vs_unsharded"] = err = rel_err(fn(), want)
+        out["correct"] = err <= TOLERANCE
+        dist.barrier()
+        t = time_all(fn, timer_graph, timer_eager, reps, True)
+        if t["graph_error"]:
+            out["graph_error"] = "did not capture in a CUDA graph"
+    except Exception as e:  # noqa: BLE001 (every rank fails alike: same code, same shapes)
+        torch.cuda.synchronize()
+        out["error"] = f"{type(e).__name__}: {e}"[:300]
+        t = dict(graph_ms=None, eager_ms=float("nan"), host_ms=float("nan"))
+    for key in ("graph_ms", "eager_ms", "host_ms"):
+        value = t[key]
+        out[key] = slowest(value if value is not None else float("nan"), device)
+    return out
+
+
 def line(r: dict) -> str:
     if "error" in r:
         return f"{r['format']:10s} M={r['m']:5d}  FAILED: {r['error']}"
+    variants = " ".join(f"{k} {v['graph_ms']:.3f}" + ("" if v.get("correct") else "(WRONG)")
+                        for k, v in r["variants"].items())
     return (f"{r['format']:10s} M={r['m']:5d}  graph 1 GPU {r['unsharded_graph_ms']:7.3f} ms  "
-            f"{r['world_size']} GPUs {r['sharded_graph_ms']:7.3f} ms  x{r['speedup_graph']:5.2f} | eager "
-            f"{r['unsharded_eager_ms']:7.3f} / {r['sharded_eager_ms']:7.3f} ms  x{r['speedup_eager']:5.2f} | "
-            f"all-reduce {r['allreduce_ms']:.3f} ms | err {r['rel_err_vs_unsharded']:.1e}"
+            f"{r['world_size']} GPUs {r['sharded_graph_ms']:7.3f} ms  x{r['speedup_graph']:5.2f} "
+            f"(best {r.get('best_variant')} x{r.get('speedup_graph_best', float('nan')):5.2f}) | eager "
+            f"{r['unsharded_eager_ms']:7.3f} / {r['sharded_eager_ms']:7.3f} ms  x{r['speedup_eager']:5.2f} | host "
+            f"{r['unsharded_host_ms']:.3f} / {r['sharded_host_ms']:.3f} ms | all-reduce {r['allreduce_ms']:.4f} ms"
+            + (f" one-shot {r['allreduce_oneshot_ms']:.4f} ms" if "allreduce_oneshot_ms" in r else "")
+            + f" | err {r['rel_err_vs_unsharded']:.1e} | graph ms by variant: {variants}"
             + ("" if r["correct"] else "  WRONG"))
 
 
 def targets(records, world) -> list[str]:
-    """The issues' targets, checked on the CUDA-graph times: M = 1 no slower than one GPU; from M on
-    (TARGETS) at least the speed-up."""
+    """The issues' targets, checked on the CUDA-graph times of the fastest correct variant (what a
+    plan would pick; the default "end" in brackets): M = 1 no slower than one GPU; from M on (TARGETS)
+    at least the speed-up."""
     out = []
     speedup, from_m = TARGETS.get(world, (None, None))
     for r in records:
-        if "speedup_graph" not in r:
+        if "best_graph_ms" not in r:
             continue
+        best, u = r["best_graph_ms"], r["unsharded_graph_ms"]
+        tag = f"{r['best_variant']}; end {r['sharded_graph_ms']:.3f} ms"
         if r["m"] == 1:
-            ok = r["sharded_graph_ms"] <= r["unsharded_graph_ms"]
-            out.append(f"{r['format']} M=1 graph: {r['sharded_graph_ms']:.3f} vs {r['unsharded_graph_ms']:.3f} ms "
+            ok = best <= u
+            out.append(f"{r['format']} M=1 graph: {best:.3f} vs {u:.3f} ms ({tag}) "
                        f"(no slower than 1 GPU: {'met' if ok else 'NOT met'})")
         if speedup and r["m"] >= from_m:
-            ok = r["speedup_graph"] >= speedup
-            out.append(f"{r['format']} M={r['m']} graph: x{r['speedup_graph']:.2f} (>= {speedup}: "
-                       f"{'met' if ok else 'NOT met'})")
+            ok = u / best >= speedup
+            out.append(f"{r['format']} M={r['m']} graph: x{u / best:.2f} ({tag}, x{r['speedup_graph']:.2f}) "
+                       f"(>= {speedup}: {'met' if ok else 'NOT met'})")
     return out
 
 
@@ -219,17 +350,44 @@ def write(records, names, failed, skipped, args, seconds, final: bool) -> None:
     path.write_text(json.dumps(dict(meta=meta, records=records, targets=checks, failed=failed), indent=1))
     lines = [f"# Tensor-parallel MLP ({D_MODEL} -> {HIDDEN} -> {D_MODEL}, bf16 activations) on "
              f"{gpus_label(names)}, {meta['date']}", "", f"`{meta['command']}`", "", f"Timing: {meta['timing']}.",
-             "", "| format | M | 1 GPU graph ms | sharded graph ms | speed-up | 1 GPU eager ms | sharded eager ms "
-             "| speed-up | all-reduce ms | rel. err vs 1 GPU |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "", "Sharded: the default variant (end: one all-reduce at the end); best: the fastest correct variant "
+             "in a CUDA graph (variants below). Host: the Python call alone (launches, not waited for).", "",
+             "| format | M | 1 GPU graph ms | sharded graph ms | speed-up | best variant | best speed-up "
+             "| 1 GPU eager ms | sharded eager ms | speed-up | 1 GPU host ms | sharded host ms | all-reduce ms "
+             "| one-shot all-reduce ms | rel. err vs 1 GPU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if "error" in r:
             lines.append(f"| {r['format']} | {r['m']} | failed: {r['error'][:100].replace('|', '/')} "
-                         f"| | | | | | | |")
+                         f"| | | | | | | | | | | | |")
             continue
         lines.append(f"| {r['format']} | {r['m']} | {r['unsharded_graph_ms']:.4f} | {r['sharded_graph_ms']:.4f} | "
-                     f"{r['speedup_graph']:.2f} | {r['unsharded_eager_ms']:.4f} | {r['sharded_eager_ms']:.4f} | "
-                     f"{r['speedup_eager']:.2f} | {r['allreduce_ms']:.4f} | {r['rel_err_vs_unsharded']:.1e}"
+                     f"{r['speedup_graph']:.2f} | {r.get('best_variant', '-')} | "
+                     f"{r.get('speedup_graph_best', float('nan')):.2f} | {r['unsharded_eager_ms']:.4f} | "
+                     f"{r['sharded_eager_ms']:.4f} | {r['speedup_eager']:.2f} | {r['unsharded_host_ms']:.4f} | "
+                     f"{r['sharded_host_ms']:.4f} | {r['allreduce_ms']:.4f} | "
+                     f"{r.get('allreduce_oneshot_ms', float('nan')):.4f} | {r['rel_err_vs_unsharded']:.1e}"
                      f"{'' if r['correct'] else ' (WRONG)'} |")
+    lines += ["", "Variants (graph / eager / host ms, rel. err):", ""]
+    lines += [f"- {k}: {desc}" for k, (desc, _) in VARIANTS.items() if k in args.variants]
+    lines += ["", "| format | M | " + " | ".join(args.variants) + " |", "|---|---|" + "---|" * len(args.variants)]
+    for r in records:
+        if "error" in r:
+            continue
+        cells = []
+        for k in args.variants:
+            v = r["variants"].get(k)
+            cells.append("-" if v is None else v["error"][:60].replace("|", "/") if v.get("error") else
+                         f"{v['graph_ms']:.4f} / {v['eager_ms']:.4f} / {v['host_ms']:.4f}, "
+                         f"{v['rel_err_vs_unsharded']:.1e}"
+                         + ("" if v["correct"] else " WRONG") + (" (NCCL: one-shot unavailable)"
+                                                                 if v.get("one_shot_error") else ""))
+        lines.append(f"| {r['format']} | {r['m']} | " + " | ".join(cells) + " |")
+    errs = sorted({v["one_shot_error"] for r in records for v in r.get("variants", {}).values()
+                   if v.get("one_shot_error")}
+                  | {r["allreduce_oneshot_error"] for r in records if r.get("allreduce_oneshot_error")})
+    if errs:
+        lines += ["", "One-shot all-reduce unavailable: " + "; ".join(errs)]
     if checks:
         lines += ["", "Targets:", ""] + [f"- {c}" for c in checks]
     if skipped:
@@ -249,11 +407,17 @@ def main(argv=None) -> int:
                         help=f"comma-separated, of: {', '.join(FORMATS)} (default all)")
     parser.add_argument("--rows", default=",".join(map(str, M_VALUES)), help="comma-separated rows of x")
     parser.add_argument("--reps", type=int, default=30, help="timed calls per case (median)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"how the sharded all-reduce runs, comma-separated, of: {', '.join(VARIANTS)} "
+                        "(default all; each only where it applies: see VARIANTS)")
     parser.add_argument("--max-seconds", type=float, default=0,
                         help="start no new format after this long (0: no limit); the results list those skipped")
     args = parser.parse_args(argv)
     args.argv = argv
     args.m = [int(v) for v in args.rows.split(",")]
+    args.variants = [v for v in args.variants.split(",") if v]
+    if "end" not in args.variants or any(v not in VARIANTS for v in args.variants):
+        parser.error(f"--variants: must include 'end' and be of {', '.join(VARIANTS)}, got {args.variants}")
     unknown = [f for f in args.formats.split(",") if f and f not in FORMATS]
     if unknown:
         parser.error(f"--formats: unknown {unknown} (choose from {', '.join(FORMATS)})")

@@ -26,6 +26,11 @@ tokens/s, and the speed-up over the same variant on 1 GPU and over bf16 at the s
 execution mode (same run). Accuracy: the first decoded token's logits against the same variant on 1
 GPU (max abs difference; sharding changes only the order of sums).
 
+A variant named with ``+1shot`` (``bf16+1shot``, ``nvfp4-wo+1shot``) is the same model with the
+row-wise all-reduces (each (batch, 4096) bf16) sent through torch's symmetric-memory one-shot
+all-reduce (``RowwiseParallel(one_shot_max_bytes=...)``; NCCL where that is unavailable), sharded
+sizes only, compared with the base variant's 1-GPU run.
+
 Writes ``tp-decode-<gpu>-x<N>.json`` and ``.md`` to ``$OUT`` when it is set, else to
 ``benchmarks/results/``, naming the GPUs; rewritten after every run, so an interrupted one keeps what
 it measured. No variant is started after ``--max-seconds``.
@@ -55,6 +60,14 @@ from _tp import PlainShard, gpu_names, gpus_label, out_dir, slowest, start  # no
 
 VARIANTS = {"bf16": None, "mxfp4-wo": ("mxfp4", True), "nvfp4-wo": ("nvfp4", True),
             "nvfp4": ("nvfp4", False), "mxfp8": ("mxfp8", False)}
+ONE_SHOT = "+1shot"  # a variant name's suffix: row-wise all-reduces through the one-shot all-reduce
+ONE_SHOT_BYTES = 256 * 1024  # batch 16 x 4096 bf16 = 128 KiB fits
+
+
+def base_variant(name: str) -> str:
+    return name.removesuffix(ONE_SHOT)
+
+
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
@@ -71,8 +84,10 @@ def make_mesh(size: int, world: int, device_type: str):
     return (mesh, mesh.get_group()) if member else (None, None)
 
 
-def shard_model(model, mesh, group, size: int) -> None:
-    """Shard every decoder layer (column then row, see the module docstring) and the lm_head, in place."""
+def shard_model(model, mesh, group, size: int, one_shot: bool = False) -> None:
+    """Shard every decoder layer (column then row, see the module docstring) and the lm_head, in place;
+    ``one_shot``: the row-wise layers' all-reduces through the one-shot all-reduce (NCCL where it is
+    unavailable)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     for key in ("num_attention_heads", "num_key_value_heads"):  # before anything is sharded
@@ -84,11 +99,12 @@ def shard_model(model, mesh, group, size: int) -> None:
             sub = layer.get_submodule(name)
             style = "colwise" if name in COLWISE else "rowwise"
             if isinstance(sub, tilemm.nn.Linear):
-                plan[name] = (tilemm.parallel.ColwiseParallel() if style == "colwise"
-                              else tilemm.parallel.RowwiseParallel())
+                plan[name] = (tilemm.parallel.ColwiseParallel() if style == "colwise" else
+                              tilemm.parallel.RowwiseParallel(one_shot_max_bytes=ONE_SHOT_BYTES if one_shot else 0))
             else:  # bf16 torch.nn.Linear
                 parent, _, child = name.rpartition(".")
-                setattr(layer.get_submodule(parent), child, PlainShard(sub, style, group))
+                setattr(layer.get_submodule(parent), child,
+                        PlainShard(sub, style, group, one_shot_max_bytes=ONE_SHOT_BYTES if one_shot else 0))
         if plan:
             parallelize_module(layer, mesh, plan)
     model.lm_head = PlainShard(model.lm_head, "colwise", group, gather=True)
@@ -101,7 +117,10 @@ def shard_model(model, mesh, group, size: int) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variants", default="bf16,nvfp4-wo,mxfp4-wo", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--variants", default="bf16,nvfp4-wo,mxfp4-wo",
+                    help=f"comma-separated, of {', '.join(VARIANTS)}; a name + '{ONE_SHOT}' (e.g. "
+                    f"nvfp4-wo{ONE_SHOT}) sends the row-wise all-reduces through torch's symmetric-memory "
+                    "one-shot all-reduce (sharded sizes only; list the base variant first)")
     ap.add_argument("--sizes", default=None, help="comma-separated GPU counts to shard over (default 1 and all)")
     ap.add_argument("--layers", type=int, default=32, help="decoder layers, the first N of 32")
     ap.add_argument("--batches", default="1,16")
@@ -112,10 +131,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="bench_decode's tiny config on the CPU with gloo, eager "
                     "only (a smoke test of the sharding: torchrun --nproc-per-node 2 ... --tiny)")
     args = ap.parse_args(argv)
+    args.compile = False  # bench_decode.run_batch's torch.compile path is not sharded here
     if args.tiny:
         args.no_graphs = True
     variants = [v for v in args.variants.split(",") if v]
-    bad = [v for v in variants if v not in VARIANTS]
+    bad = [v for v in variants if base_variant(v) not in VARIANTS]
     if bad:
         ap.error(f"--variants: unknown {bad}")
     rank, world, device = start(cpu=args.tiny)
@@ -151,6 +171,8 @@ def run(args, argv, variants, sizes, rank, world, device) -> int:
         records, logits_1gpu = [], {}
         for variant in variants:
             for size in sizes:
+                if size == 1 and variant.endswith(ONE_SHOT):
+                    continue  # one GPU has no all-reduce: the base variant's 1-GPU run stands for it
                 if args.max_seconds > 0 and slowest(time.time() - t0, device) > args.max_seconds:
                     meta["skipped"].append(f"{variant} x{size}")
                     continue
@@ -182,20 +204,20 @@ def run(args, argv, variants, sizes, rank, world, device) -> int:
 
 def run_variant(base, variant, size, mesh_group, batches, args, device, t0, logits_1gpu) -> list[dict]:
     model = copy.deepcopy(base)
-    spec = VARIANTS[variant]
+    spec = VARIANTS[base_variant(variant)]
     if spec is not None:
         tilemm.quantize_model(model, spec[0], skip=["lm_head"], weight_only=spec[1])
     if size > 1:
         mesh, group = mesh_group
-        shard_model(model, mesh, group, size)
+        shard_model(model, mesh, group, size, one_shot=variant.endswith(ONE_SHOT))
     bench_decode.log(f"{variant} on {size} GPU(s): {bench_decode._size(bench_decode.model_bytes(model))} per GPU", t0)
     out = []
     for batch in batches:
         res = bench_decode.run_batch(model, batch, args, device, t0)
         logits = res["logits"]
         if size == 1:
-            logits_1gpu[(variant, batch)] = logits
-        ref = logits_1gpu.get((variant, batch))
+            logits_1gpu[(base_variant(variant), batch)] = logits
+        ref = logits_1gpu.get((base_variant(variant), batch))
         for ex in bench_decode.EXECS:
             r = res.get(ex)
             if r is None:
@@ -206,8 +228,9 @@ def run_variant(base, variant, size, mesh_group, batches, args, device, t0, logi
             else:
                 rec["ms_per_token"] = r["seconds"] / args.tokens * 1e3
                 rec["tokens_per_s"] = batch * args.tokens / r["seconds"]
-                if "tokens_match_eager" in r:
-                    rec["tokens_match_eager"] = r["tokens_match_eager"]
+                for key in bench_decode.GRAPH_CHECK_KEYS:
+                    if key in r:
+                        rec[key] = r[key]
             if ref is not None and size > 1:
                 rec["logits_max_abs_diff_vs_1gpu"] = (logits - ref).abs().max().item()
                 rec["first_token_agreement_vs_1gpu"] = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
@@ -222,7 +245,7 @@ def add_speedups(records) -> None:
         tps = r.get("tokens_per_s")
         if tps is None:
             continue
-        one = by.get((r["variant"], 1, r["batch"], r["exec"]))
+        one = by.get((base_variant(r["variant"]), 1, r["batch"], r["exec"]))
         bf16 = by.get(("bf16", r["size"], r["batch"], r["exec"]))
         r["speedup_vs_1gpu"] = tps / one if one else None
         r["speedup_vs_bf16_same_size"] = tps / bf16 if bf16 else None
@@ -250,9 +273,17 @@ def markdown(meta, records) -> str:
                      f"{r['tokens_per_s']:.1f} | {_f(r.get('speedup_vs_1gpu'), '.2f')} | "
                      f"{_f(r.get('speedup_vs_bf16_same_size'), '.2f')} | "
                      f"{_f(r.get('logits_max_abs_diff_vs_1gpu'), '.3g')} |")
-    mismatched = [f"{r['variant']} x{r['size']} batch {r['batch']}" for r in records if r.get("tokens_match_eager") is False]
+    mismatched = [f"{r['variant']} x{r['size']} batch {r['batch']}" for r in records
+                  if r.get("graph_matches_eager") is False]
+    flips = [f"{r['variant']} x{r['size']} batch {r['batch']} (step {r['first_differing_step']}, margin "
+             f"{r['eager_margin_at_first_difference']:.3g} <= 4 x {r['first_step_logits_max_diff']:.3g})"
+             for r in records if r.get("graph_matches_eager") and r.get("first_differing_step") is not None]
     if mismatched:
-        lines += ["", "CUDA-graph tokens differ from the eager ones: " + ", ".join(mismatched)]
+        lines += ["", "CUDA-graph decoding differs from the eager one at a decisive step (WRONG): "
+                  + ", ".join(mismatched)]
+    if flips:
+        lines += ["", "CUDA graph and eager agree up to a near-tie (top-two margin within the rounding "
+                  "difference of their logits), where the token flipped: " + ", ".join(flips)]
     if meta["skipped"]:
         lines += ["", "Skipped (time limit): " + ", ".join(meta["skipped"])]
     if meta["failed"]:

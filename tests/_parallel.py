@@ -4,14 +4,19 @@
 GPU each, ranks 0 .. world_size - 1 on cuda:0 ..); each builds a column-then-row parallel MLP for
 every case, runs it (on a GPU also replayed from a CUDA graph), checks the state_dict round trip, and
 saves what it computed (next to the unsharded model's output on the same device) for the test
-process to compare.
+process to compare. Rank 0 prints a line before and after each case on the real stderr (visible with
+``pytest -s``), and every worker dumps its threads' stacks after ``TILEMM_TP_HANG_DUMP_SECONDS``
+(default 240; or at ``TILEMM_TP_HANG_DUMP_AT``), so that a slow or hung run says where it is.
 """
 
 from __future__ import annotations
 
 import copy
+import faulthandler
 import os
 import socket
+import sys
+import time
 import traceback
 
 import torch
@@ -79,9 +84,27 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
 
     model = parallelize_module(copy.deepcopy(mlp), mesh, tp_plan())
     captured = {}
-    model.fc1.register_forward_hook(lambda mod, args, out: captured.setdefault("hidden", out))
+    def keep_first_hidden(mod, args, out):  # returns None: a hook's return value replaces the output
+        captured.setdefault("hidden", out)
+
+    model.fc1.register_forward_hook(keep_first_hidden)
     with torch.no_grad():
         out = model(x)
+
+    # The all-reduce overlapped with compute: the row-wise layer in 2 pieces (RowwiseParallel(chunks=2)),
+    # and the whole MLP in 2 pieces (overlapped); rows are independent, so each row is summed as in
+    # the unsharded MLP. Layers with one activation scale per tensor are not split (chunks) or refused
+    # (overlapped).
+    chunked_plan = {"fc1": tilemm.parallel.ColwiseParallel(),
+                    "fc2": tilemm.parallel.RowwiseParallel(chunks=2, chunk_min_rows=1)}
+    chunked = parallelize_module(copy.deepcopy(mlp), mesh, chunked_plan)
+    rows = x.reshape(-1, x.shape[-1])
+    with torch.no_grad():
+        out_chunked = chunked(rows)
+        try:
+            out_overlapped = tilemm.parallel.overlapped(model, rows, 2)
+        except ValueError as err:
+            out_overlapped = str(err)
 
     # state_dict round trip: a zero model sharded the same way loads this rank's shard.
     fresh = parallelize_module(MLP(empty_like(mlp.fc1), empty_like(mlp.fc2)), mesh, tp_plan())
@@ -96,7 +119,7 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
 
     # On a GPU: the sharded MLP (both collectives included) captured in a CUDA graph and replayed on a
     # new input gives the eager call's bits.
-    graph_equal = None
+    graph_equal = graph_overlapped_equal = None
     if device.type == "cuda":
         graph, error = None, None
         try:
@@ -126,9 +149,39 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
         else:
             graph_equal = error or "another rank's capture failed"
         del graph
+        graph_overlapped_equal = None  # the overlapped MLP (async all-reduces) in a CUDA graph
+        if not isinstance(out_overlapped, str):
+            graph, error = None, None
+            static_rows = rows.clone()
+            run = lambda: tilemm.parallel.overlapped(model, static_rows, 2)  # noqa: E731
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side), torch.no_grad():
+                    run()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph), torch.no_grad():
+                    static_out = run()
+            except Exception as err:  # noqa: BLE001
+                error = f"capture of overlapped() raised {type(err).__name__}: {err}"[:300]
+            torch.cuda.synchronize()
+            captured = torch.tensor([0 if error else 1], device=device)
+            dist.all_reduce(captured, op=dist.ReduceOp.MIN)
+            if captured.item() == 1:
+                graph.replay()
+                torch.cuda.synchronize()
+                graph_overlapped_equal = bool(torch.equal(static_out, out_overlapped))
+            else:
+                graph_overlapped_equal = error or "another rank's capture failed"
+            del graph
 
     cpu = lambda t: t.detach().cpu()  # noqa: E731
     return dict(out=cpu(out), graph_equal=graph_equal, sharded_class=type(model.fc2).__name__,
+                out_chunked=cpu(out_chunked).reshape(out.shape),
+                out_overlapped=(out_overlapped if isinstance(out_overlapped, str)
+                                else cpu(out_overlapped).reshape(out.shape)),
+                graph_overlapped_equal=graph_overlapped_equal,
                 out_full=cpu(out_full), hidden=cpu(captured["hidden"]),
                 hidden_full=cpu(hidden_full), hidden_gathered=cpu(hidden_gathered),
                 out_rowwise=cpu(out_rowwise), out_fresh=cpu(out_fresh), same_state=bool(same_state),
@@ -136,9 +189,31 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
                         (("fc1", model.fc1), ("fc2", model.fc2))})
 
 
+# Seconds after which a worker prints every thread's Python stack to stderr (and again every as many
+# seconds after), so that a hang (a collective one rank never joins, a compile that never ends) shows
+# where each rank is before an outer time limit kills it. 0: never.
+# TILEMM_TP_HANG_DUMP_AT (seconds since the epoch) sets the first dump at that moment instead, so that
+# a caller with a time limit for several spawns gets the dump before its limit, whichever spawn hangs.
+HANG_DUMP_SECONDS = float(os.environ.get("TILEMM_TP_HANG_DUMP_SECONDS", "240"))
+
+
+def _hang_dump_seconds() -> float:
+    at = os.environ.get("TILEMM_TP_HANG_DUMP_AT")
+    return max(float(at) - time.time(), 5.0) if at else HANG_DUMP_SECONDS
+
+
+def _progress(rank: int, message: str) -> None:
+    """A line on the real stderr (pytest does not capture the workers'), rank 0 only."""
+    if rank == 0:
+        print(f"[tp rank 0] {message}", file=sys.__stderr__, flush=True)
+
+
 def _worker(rank: int, backend: str, port: int, tmp_dir: str, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
+    dump_after = _hang_dump_seconds()
+    if dump_after > 0:
+        faulthandler.dump_traceback_later(dump_after, repeat=True, file=sys.__stderr__)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -149,13 +224,21 @@ def _worker(rank: int, backend: str, port: int, tmp_dir: str, world_size: int) -
                                 world_size=world_size)
         mesh = init_device_mesh(device.type, (world_size,))
         cases = torch.load(os.path.join(tmp_dir, "cases.pt"), weights_only=False)
-        results = {name: _run_case(mlp, x, mesh, device) for name, (mlp, x) in cases.items()}
+        _progress(rank, f"{backend}, {world_size} ranks: {len(cases)} cases")
+        results, t_all = {}, time.time()
+        for i, (name, (mlp, x)) in enumerate(cases.items()):
+            _progress(rank, f"case {i + 1}/{len(cases)} {name} ...")
+            t0 = time.time()
+            results[name] = _run_case(mlp, x, mesh, device)
+            _progress(rank, f"case {i + 1}/{len(cases)} {name}: done in {time.time() - t0:.1f} s")
+        _progress(rank, f"all cases in {time.time() - t_all:.1f} s")
         torch.save(results, os.path.join(tmp_dir, f"rank{rank}.pt"))
     except BaseException:
         with open(os.path.join(tmp_dir, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
         raise
     finally:
+        faulthandler.cancel_dump_traceback_later()
         if dist.is_initialized():
             dist.destroy_process_group()
 

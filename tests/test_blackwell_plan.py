@@ -16,6 +16,8 @@ CPU interpreter. Two things are checked here without one:
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -153,16 +155,16 @@ def test_block_scaled_config_errors(fmt, cfg, match):
 
 
 def test_fp8_config_choice_and_errors():
-    assert bfp8.config_for("sm_100", "rowwise", 1, 4096, 4096, 148).num_ctas == 2
-    assert bfp8.config_for("sm_100", "tensorwise", 1, 256, 256, 148).num_ctas == 1
-    assert bfp8.config_for("sm_100", "blockwise", 1, 8192, 8192, 148).tile_n == 128
-    assert bfp8.config_for("sm_120", "rowwise", 1, 8192, 8192, 188).num_ctas == 1
-    with pytest.raises(ValueError, match="granularity must be 'tensorwise', 'rowwise' or 'blockwise', got 'colwise'"):
+    assert bfp8.config_for("sm_100", "row", 1, 4096, 4096, 148).num_ctas == 2
+    assert bfp8.config_for("sm_100", "tensor", 1, 256, 256, 148).num_ctas == 1
+    assert bfp8.config_for("sm_100", "block", 1, 8192, 8192, 148).tile_n == 128
+    assert bfp8.config_for("sm_120", "row", 1, 8192, 8192, 188).num_ctas == 1
+    with pytest.raises(ValueError, match="granularity must be 'tensor', 'row' or 'block', got 'colwise'"):
         bfp8.config_for("sm_100", "colwise", 1, 1, 1)
     with pytest.raises(ValueError, match="blockwise configs need tile_n = tile_k = 128"):
-        bfp8.check_config("blockwise", bfp8.TileConfig(128, 256))
+        bfp8.check_config("block", bfp8.TileConfig(128, 256))
     with pytest.raises(ValueError, match="num_ctas must be 1, or 2 with tile_m = 256"):
-        bfp8.check_config("rowwise", bfp8.TileConfig(128, 256, num_ctas=2))
+        bfp8.check_config("row", bfp8.TileConfig(128, 256, num_ctas=2))
 
 
 def test_plan_rejects_inconsistent_problems():
@@ -174,7 +176,7 @@ def test_plan_rejects_inconsistent_problems():
     problem.swizzled = False
     with pytest.raises(ValueError, match="swizzled=False needs 3-D scales"):
         bbs.plan_launch(problem, "sm_100")
-    fp8, _ = fp8_case("blockwise", 7, 17, 128)
+    fp8, _ = fp8_case("block", 7, 17, 128)
     fp8.a = fp8.a[:, :, :100]
     with pytest.raises(ValueError, match="K to be a multiple of 128, got K=100"):
         bfp8.plan_launch(fp8, "sm_100")
@@ -196,6 +198,31 @@ def test_shared_weight_folds_batch_into_m(swizzled, m, folds):
         assert plan.grid == (-(-3 * m // 128), 1, 1)
     else:
         assert a.shape == (3, m, 64) and plan.grid == (3, 1, 1)
+
+
+@pytest.mark.parametrize("swizzled, m", [(False, 100), (True, 128), (True, 100)])
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=FMT_IDS)
+def test_prepared_launch_is_the_plan(monkeypatch, fmt, swizzled, m):
+    # The launch that Prepared.run makes for a later problem of the signature is the one plan_launch
+    # makes for it: same kernel, grid and arguments (tensors by address, shape and strides).
+    problem, _ = block_scaled_case(fmt, m, 17, 128, ba=3, bb=1, swizzled=swizzled, bias=True, alpha=0.5)
+    monkeypatch.setattr(bbs, "capability", lambda device: (10, 0))
+    monkeypatch.setattr(bbs, "num_sms", lambda device: 148)
+    prepared = bbs.Prepared(problem)
+    later, _ = block_scaled_case(fmt, m, 17, 128, ba=3, bb=1, swizzled=swizzled, bias=True, alpha=0.5, seed=1)
+    plan = bbs.plan_launch(later, "sm_100", 148)
+    launches = []
+    monkeypatch.setattr(bbs, "ct", types.SimpleNamespace(launch=lambda *call: launches.append(call)))
+    prepared.run(later, "stream")
+    ((stream, grid, kernel, args),) = launches
+    assert (stream, grid, kernel) == ("stream", plan.grid, plan.kernel)
+    assert len(args) == len(plan.args)
+    for got, want in zip(args, plan.args):
+        if isinstance(want, torch.Tensor):
+            assert (got.data_ptr(), got.shape, got.stride(), got.dtype) == (want.data_ptr(), want.shape,
+                                                                            want.stride(), want.dtype)
+        else:
+            assert got == want
 
 
 def test_scales_and_epilogue_arguments():
@@ -244,10 +271,10 @@ def test_block_scaled_launches_are_aot_variants(fmt, swizzled, table):
 
 
 @pytest.mark.parametrize("table", ["sm_100", "sm_120"])
-@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise", "blockwise"])
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
 def test_fp8_launches_are_aot_variants(granularity, table):
     known = _variant_signatures(bfp8.aot_variants())
-    dtypes = (torch.float8_e4m3fn,) if granularity == "blockwise" else (torch.float8_e4m3fn, torch.float8_e5m2)
+    dtypes = (torch.float8_e4m3fn,) if granularity == "block" else (torch.float8_e4m3fn, torch.float8_e5m2)
     for dt in dtypes:
         for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
             problem, _ = fp8_case(granularity, 7, 17, 128, dtype=dt, out_dtype=out_dtype)
@@ -348,12 +375,12 @@ def fp8_case(granularity, m, n, k, *, ba=1, bb=1, dtype=torch.float8_e4m3fn, out
     batch = max(ba, bb)
     a = (torch.randn(ba, m, k, generator=gen) * 3).to(dtype)
     b = (torch.randn(bb, n, k, generator=gen) * 3).to(dtype)
-    if granularity == "blockwise":
+    if granularity == "block":
         sa = torch.rand(ba, m, k // 128, generator=gen) + 0.5
         sb = torch.rand(bb, -(-n // 128), k // 128, generator=gen) + 0.5
         xs = sa.repeat_interleave(128, dim=-1)
         ys = sb.repeat_interleave(128, dim=-2)[:, :n].repeat_interleave(128, dim=-1)  # (Bb, N, K)
-    elif granularity == "tensorwise":
+    elif granularity == "tensor":
         sa = torch.tensor(0.75).expand(ba, m)          # stride-0 views, as fp8_matmul passes them
         sb = torch.tensor(1.25).expand(bb, n)
         xs, ys = sa[..., None], sb[..., None]
@@ -373,14 +400,14 @@ def fp8_case(granularity, m, n, k, *, ba=1, bb=1, dtype=torch.float8_e4m3fn, out
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 17, 128), (100, 17, 384), (129, 17, 256)], ids=str)
-@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise", "blockwise"])
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
 def test_fp8_kernel_emulated(granularity, m, n, k):
     problem, ref = fp8_case(granularity, m, n, k)
     emulate(bfp8.plan_launch(problem, "sm_100"))
     assert_matches(problem.out, ref, torch.float32)
 
 
-@pytest.mark.parametrize("granularity", ["rowwise", "blockwise"])
+@pytest.mark.parametrize("granularity", ["row", "block"])
 def test_fp8_batches_and_epilogue_emulated(granularity):
     problem, ref = fp8_case(granularity, 100, 130, 256, ba=2, bb=1, out_dtype=torch.bfloat16, bias=True,
                             alpha=1.5)
@@ -389,7 +416,7 @@ def test_fp8_batches_and_epilogue_emulated(granularity):
 
 
 def test_fp8_two_cta_tile_and_k_not_multiple_of_tile_emulated():
-    problem, ref = fp8_case("rowwise", 300, 260, 200, dtype=torch.float8_e5m2)
+    problem, ref = fp8_case("row", 300, 260, 200, dtype=torch.float8_e5m2)
     plan = bfp8.plan_launch(problem, "sm_100", sm_count=1)
     assert plan.config.num_ctas == 2
     emulate(plan)
@@ -444,7 +471,7 @@ def test_scale_tile_loads_on_gpu(swizzled, tile_rows, tks, rows, ks):
 @pytest.mark.gpu
 @pytest.mark.parametrize("table,sm_count", [("sm_100", 10_000), ("sm_100", 1), ("sm_120", 1)],
                          ids=["128x128", "256x256-2cta", "sm120"])
-@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise", "blockwise"])
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
 def test_blackwell_fp8_kernels_on_gpu(granularity, table, sm_count):
     device = _fp8_gpu()
     for (m, n, k, ba, bb) in [(129, 17, 256, 1, 1), (100, 130, 384, 2, 1), (7, 300, 128, 1, 2)]:
@@ -456,3 +483,27 @@ def test_blackwell_fp8_kernels_on_gpu(granularity, table, sm_count):
         ct.launch(torch.cuda.current_stream(), plan.grid, plan.kernel, plan.args)
         torch.cuda.synchronize()
         assert_matches(problem.out.cpu(), ref.to(torch.bfloat16), torch.bfloat16)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+def test_fp8_prepared_launch_is_the_plan(monkeypatch, granularity):
+    # As for the block-scaled kernel: Prepared.run launches a later problem of the signature exactly
+    # as plan_launch plans it.
+    problem, _ = fp8_case(granularity, 100, 200, 256, ba=2, bias=True, alpha=0.5)
+    monkeypatch.setattr(bfp8, "capability", lambda device: (10, 0))
+    monkeypatch.setattr(bfp8, "num_sms", lambda device: 148)
+    prepared = bfp8.Prepared(problem)
+    later, _ = fp8_case(granularity, 100, 200, 256, ba=2, bias=True, alpha=0.5, seed=1)
+    plan = bfp8.plan_launch(later, "sm_100", 148)
+    launches = []
+    monkeypatch.setattr(bfp8, "ct", types.SimpleNamespace(launch=lambda *call: launches.append(call)))
+    prepared.run(later, "stream")
+    ((stream, grid, kernel, args),) = launches
+    assert (stream, grid, kernel) == ("stream", plan.grid, plan.kernel)
+    for got, want in zip(args, plan.args, strict=True):
+        if isinstance(want, torch.Tensor):
+            # the same memory, or (scales made contiguous per call) the same values
+            same = got.data_ptr() == want.data_ptr() or torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+            assert same and (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+        else:
+            assert got == want

@@ -43,6 +43,7 @@ def emulated(monkeypatch):
     # 4 "SMs": persistent grids are smaller than the tile count, so blocks loop over several tiles.
     monkeypatch.setattr(hgemm, "num_sms", lambda device: 4)
     monkeypatch.setattr(hbs, "num_sms", lambda device: 4)
+    monkeypatch.setattr(hfp8, "num_sms", lambda device: 4)
     return emu
 
 
@@ -113,6 +114,20 @@ def test_stream_kernel_emulated(emulated, fmt, cfg, swizzled):
     assert_matches(problem.out, ref, torch.float32)
 
 
+@pytest.mark.parametrize("fmt", [MXFP8_E4M3, NVFP4], ids=["mxfp8_e4m3", "nvfp4"])
+def test_prepared_launch_reused_emulated(emulated, fmt):
+    # A launch prepared for one problem runs a later problem of the same signature (other operands,
+    # other alpha and bias) correctly: the plan holds shapes and constants, never the first tensors.
+    # M = 1 and N = 300 (M <= 16, few output tiles): x16 for NVFP4 and a K split for both.
+    first, _ = block_scaled_case(fmt, 1, 300, 1024, swizzled=True, bias=True, alpha=0.5, seed=2)
+    prepared = hbs.Prepared(first)
+    assert prepared.direct and prepared.cfg.split_k > 1
+    for seed in (3, 4):
+        later, ref = block_scaled_case(fmt, 1, 300, 1024, swizzled=True, bias=True, alpha=0.25, seed=seed)
+        prepared.run(later, None)
+        assert_matches(later.out, ref, torch.float32)
+
+
 @pytest.mark.parametrize("dequant", [(64, 256), (16, 512)], ids=["64x256", "16x512"])
 @pytest.mark.parametrize("swizzled", [False, True], ids=["logical", "swizzled"])
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=FMT_IDS)
@@ -169,7 +184,7 @@ def test_fp8_rowwise_emulated(emulated, cfg):
     bias = torch.randn(n, generator=gen)
     ref = fp8_matmul_reference(a, sa[..., None], b.transpose(-1, -2), sb[:, None, :], out_dtype=torch.float64,
                                alpha=None, bias=bias)
-    problem = FP8Problem(fmt=None, a=a, a_scale=sa, b=b, b_scale=sb, granularity="rowwise",
+    problem = FP8Problem(fmt=None, a=a, a_scale=sa, b=b, b_scale=sb, granularity="row",
                          out=torch.full((2, m, n), float("nan")), bias=bias, alpha=None)
     hfp8.launch(problem, cfg)
     assert_matches(problem.out, ref, torch.float32)

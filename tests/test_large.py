@@ -303,6 +303,7 @@ def emulated(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)
     monkeypatch.setattr(hgemm, "num_sms", lambda device: 4)
     monkeypatch.setattr(hbs, "num_sms", lambda device: 4)
+    monkeypatch.setattr(hfp8, "num_sms", lambda device: 4)
     return proxy
 
 
@@ -344,7 +345,7 @@ def test_hopper_two_pass_pieces_are_exact(monkeypatch, emulated, fmt):
     assert torch.equal(whole, cut)
 
 
-@pytest.mark.parametrize("granularity", ["rowwise", "blockwise"])
+@pytest.mark.parametrize("granularity", ["row", "block"])
 def test_hopper_fp8_pieces_are_exact(monkeypatch, emulated, granularity):
     m, n, k = 130, 300, 256
 
@@ -352,7 +353,7 @@ def test_hopper_fp8_pieces_are_exact(monkeypatch, emulated, granularity):
         g = torch.Generator().manual_seed(7)
         a = (torch.randn(2, m, k, generator=g) * 4).to(torch.float8_e4m3fn)
         b = (torch.randn(1, n, k, generator=g) * 4).to(torch.float8_e4m3fn)
-        if granularity == "blockwise":
+        if granularity == "block":
             sa = torch.rand(2, m, k // 128, generator=g) + 0.5
             sb = torch.rand(1, -(-n // 128), k // 128, generator=g) + 0.5
         else:
@@ -390,7 +391,7 @@ def test_blackwell_fp8_pieces_are_exact(monkeypatch):
         a = (torch.randn(1, m, k, generator=g) * 4).to(torch.float8_e4m3fn)
         b = (torch.randn(1, n, k, generator=g) * 4).to(torch.float8_e4m3fn)
         problem = FP8Problem(fmt=None, a=a, a_scale=torch.rand(1, m, k // 128, generator=g) + 0.5, b=b,
-                             b_scale=torch.rand(1, 3, k // 128, generator=g) + 0.5, granularity="blockwise",
+                             b_scale=torch.rand(1, 3, k // 128, generator=g) + 0.5, granularity="block",
                              out=torch.full((1, m, n), float("nan")), bias=None, alpha=None)
         plan = bfp8.plan_launch(problem, "sm_100")
         emu = TileEmulator()

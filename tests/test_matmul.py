@@ -370,3 +370,27 @@ def test_quantized_tensors_move_between_devices_but_keep_their_encoding():
                            b.view(torch.uint8) if b.element_size() == 1 else b) for a, b in zip(q, q.cpu()))
     with pytest.raises(TypeError, match=r"NVFP4Tensor.to moves between devices; a dtype would change"):
         q.to(torch.float32)
+
+
+def test_checked_once_per_signature(monkeypatch):
+    # A signature (shapes, strides, dtypes, devices, options) is checked and planned on its first call
+    # only; a call that differs in any of them (here: a transposed x, which must be refused, and an
+    # other out_dtype) is checked again.
+    from tilemm import matmul as mm
+
+    mm._CALLS.clear()
+    checks = []
+    real = mm._block_scaled
+    monkeypatch.setattr(mm, "_block_scaled", lambda *a, **k: checks.append(a[0]) or real(*a, **k))
+    xq = tilemm.quantize_mxfp8(torch.randn(3, 64))
+    wq = tilemm.quantize_mxfp8(torch.randn(5, 64))
+    first = tilemm.linear(xq, wq)
+    for _ in range(3):
+        assert torch.equal(tilemm.linear(xq, wq), first)
+    assert checks == ["mxfp8_matmul"]
+    tilemm.linear(xq, wq, out_dtype=torch.float32)
+    assert len(checks) == 2
+    column_major = xq.data.t().contiguous().t()  # x's values with stride(-1) != 1
+    with pytest.raises(ValueError, match="x must be row-major"):
+        tilemm.mxfp8_matmul(column_major, xq.scale, wq.data.t(), wq.scale.t())
+    assert len(checks) == 3

@@ -60,6 +60,28 @@ ULPS = 2
 FP8_TENSOR_CORE_REL = 2e-4
 
 
+# The GPU cases: every format and mode once, each kernel specialisation as few times as possible (a
+# cold cuTile compile costs 0.5-6 s per specialisation and rank): one shape for every format (d_model
+# 128, hidden 512: whole 128-blocks for FP8 (128, 128) on 2 and 4 ranks; the tile-boundary cases
+# are the CPU's), bf16 activations, and fp32 activations where the kernels sum differently (the
+# weight-only split of fp32 into bf16 parts, whose bound ``_gpu_bound`` derives).
+GPU_SHAPE = (128, 512)
+GPU_CASES = [("mxfp8", torch.bfloat16), ("mxfp4", torch.bfloat16), ("nvfp4", torch.bfloat16),
+             ("fp8-row", torch.bfloat16), ("fp8-tensor", torch.bfloat16), ("fp8-128x128", torch.bfloat16),
+             ("mxfp8-weight-only", torch.bfloat16), ("nvfp4-weight-only", torch.bfloat16),
+             ("nvfp4-weight-only", torch.float32), ("mxfp4-weight-only-swizzled", torch.float32),
+             ("fp8-row-weight-only-uneven", torch.bfloat16)]
+GPU_CASE_IDS = [f"{name}-{str(dtype).removeprefix('torch.')}" for name, dtype in GPU_CASES]
+
+
+def _gpu_case(name, dtype, world_size, seed=1):
+    d_model, hidden = GPU_SHAPE
+    if name == "fp8-row-weight-only-uneven":
+        hidden = 99  # F.linear, no kernel to compile
+    g = torch.Generator().manual_seed(seed)
+    return make_mlp(d_model, hidden, **CONFIGS[name][2]), torch.randn(2, 3, d_model, generator=g).to(dtype)
+
+
 def _case(name, dtype, seed=1, world_size=WORLD_SIZE):
     d_model, hidden, kw = CONFIGS[name]
     if world_size == 4:
@@ -169,6 +191,15 @@ def test_argument_errors():
         shard_linear(layer, None, "colwise", use_local_output=1)
 
 
+def test_overlap_options_are_checked():
+    with pytest.raises(ValueError, match=r"RowwiseParallel: chunks must be an int >= 1, got 0"):
+        tilemm.parallel.RowwiseParallel(chunks=0)
+    with pytest.raises(ValueError, match=r"one_shot_max_bytes must be an int >= 0, got -1"):
+        tilemm.parallel.RowwiseParallel(one_shot_max_bytes=-1)
+    with pytest.raises(ValueError, match=r"overlapped: chunks must be an int >= 1, got True"):
+        tilemm.parallel.overlapped(lambda t: t, torch.zeros(4, 2), True)
+
+
 def test_exported_from_tilemm():
     assert tilemm.shard_linear is shard_linear and tilemm.parallel.local_shard is local_shard
 
@@ -178,7 +209,10 @@ def test_exported_from_tilemm():
 # --------------------------------------------------------------------------------------------------
 
 def _run(backend, tmp_path_factory, world_size):
-    cases = {case_id: _case(name, dtype, world_size=world_size) for case_id, (name, dtype) in zip(CASE_IDS, CASES)}
+    if backend == "nccl":
+        cases = {case_id: _gpu_case(name, dtype, world_size) for case_id, (name, dtype) in zip(GPU_CASE_IDS, GPU_CASES)}
+    else:
+        cases = {case_id: _case(name, dtype, world_size=world_size) for case_id, (name, dtype) in zip(CASE_IDS, CASES)}
     ranks = run_cases(cases, backend, str(tmp_path_factory.mktemp(f"tp-{backend}-{world_size}")), world_size)
     return cases, ranks
 
@@ -221,6 +255,27 @@ def _check_mlp(cases, ranks, case_id, on_gpu):
         _assert_within_reduction_bound(first["out"], first["out_full"], magnitude)
 
 
+def _check_overlap(cases, ranks, case_id, on_gpu):
+    """RowwiseParallel(chunks=2) and overlapped(mlp, x, 2) against the unsharded MLP, like the MLP."""
+    mlp, x = cases[case_id]
+    first = ranks[0][case_id]
+    tensor_scale = case_id.rsplit("-", 1)[0] in ("nvfp4", "fp8-tensor")  # one activation scale per tensor
+    for key in ("out_chunked", "out_overlapped"):
+        got = first[key]
+        if key == "out_overlapped" and tensor_scale:
+            assert isinstance(got, str) and "one scale for the whole tensor" in got
+            continue
+        assert all(torch.equal(r[case_id][key], got) for r in ranks)
+        hidden = torch.relu(first["hidden_full"])
+        magnitude = _magnitude(mlp.fc2, hidden)
+        if on_gpu:
+            k, world = mlp.fc2.in_features, len(ranks)
+            _assert_within(got, first["out_full"], _gpu_bound(mlp.fc2, hidden.dtype, magnitude, k,
+                                                              -(-k // world), world))
+        else:
+            _assert_within_reduction_bound(got, first["out_full"], magnitude)
+
+
 def _check_state_dict_round_trip(ranks, case_id):
     for r in ranks:
         assert r[case_id]["same_state"]
@@ -245,6 +300,12 @@ def test_mlp_matches_unsharded_up_to_reduction_order(gloo_runs, case_id):
     # row-wise ranks quantize with the all-reduced amax, the bytes of the unsharded quantization.
     assert gloo_runs[1][0][case_id]["sharded_class"] == "ShardedLinear"
     _check_mlp(*gloo_runs, case_id, on_gpu=False)
+
+
+@pytest.mark.parametrize("case_id", CASE_IDS)
+def test_overlapped_all_reduce_matches_unsharded(gloo_runs, case_id):
+    # Each row is summed as without the pieces; NVFP4 / FP8 per tensor both sides refuse overlapped().
+    _check_overlap(*gloo_runs, case_id, on_gpu=False)
 
 
 @pytest.mark.parametrize("case_id", CASE_IDS)
@@ -287,6 +348,20 @@ def test_nvfp4_slice_with_the_whole_amax_is_the_whole_quantization(swizzle):
         assert torch.equal(part.data, whole.data[:, lo // 2: hi // 2])
         scale = unswizzle_32_4_4(part.scale, 6, 8) if swizzle else part.scale
         assert torch.equal(_uint8(scale), _uint8(whole.scale[:, lo // 16: hi // 16]))
+
+
+def test_amax_bits_nvfp4_is_over_the_finite_values():
+    # NVFP4's tensor amax leaves NaN and +-Inf out; FP8's propagates NaN and counts Inf.
+    from tilemm.quantize import amax_bits
+
+    x = torch.tensor([[1.5, -3.0, float("nan")], [float("inf"), 2.0, -float("inf")]])
+    finite = amax_bits(x, "tensor", propagate_nan=False).view(torch.float32)
+    assert finite.tolist() == [3.0]
+    rows = amax_bits(x, "row", propagate_nan=False).view(torch.float32)
+    assert rows.tolist() == [[3.0], [2.0]]
+    assert amax_bits(x[1:], "tensor", propagate_nan=True).view(torch.float32).item() == float("inf")
+    assert amax_bits(x, "tensor", propagate_nan=True).view(torch.float32).isnan().all()
+    assert amax_bits(torch.full((2, 2), float("inf")), "tensor", propagate_nan=False).item() == 0
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "row"])
@@ -408,14 +483,15 @@ def _gpus_skip_reason(world_size):
 @pytest.mark.parametrize("world_size", [pytest.param(w, marks=pytest.mark.skipif(
     _gpus_skip_reason(w) is not None, reason=_gpus_skip_reason(w) or "")) for w in WORLD_SIZES])
 def test_gpus_nccl(tmp_path_factory, world_size):
-    # One spawn, every case; the kernels pick tile shapes and split-K by problem size, so on the GPU
+    # One spawn, every GPU case (GPU_CASES); the kernels pick tile shapes and split-K by problem size, so on the GPU
     # the column-wise shards are held to the derived bound, not bit equality. Each rank also replays
     # the sharded MLP from a CUDA graph (both collectives captured) and must get the eager bits.
     cases, ranks = _run("nccl", tmp_path_factory, world_size)
     failures = []
-    for case_id in CASE_IDS:
+    for case_id in GPU_CASE_IDS:
         checks = [lambda: _check_colwise(cases, ranks, case_id, exact=False, on_gpu=True),
                   lambda: _check_state_dict_round_trip(ranks, case_id),
+                  lambda: _check_overlap(cases, ranks, case_id, on_gpu=True),
                   lambda: _check_mlp(cases, ranks, case_id, on_gpu=True)]
         for check in checks:
             try:
@@ -423,6 +499,9 @@ def test_gpus_nccl(tmp_path_factory, world_size):
             except AssertionError as err:
                 failures.append(f"{case_id}: {err}")
         for rank, r in enumerate(ranks):
+            if r[case_id]["graph_overlapped_equal"] not in (True, None):
+                failures.append(f"{case_id}: rank {rank}: overlapped() in a CUDA graph: "
+                                f"{r[case_id]['graph_overlapped_equal']}")
             if r[case_id]["graph_equal"] is not True:
                 failures.append(f"{case_id}: rank {rank}: the CUDA-graph replay differs from the eager call"
                                 if r[case_id]["graph_equal"] is False else f"{case_id}: rank {rank}: "

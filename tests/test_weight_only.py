@@ -372,7 +372,7 @@ def test_a_call_is_one_launch_and_only_the_output_allocation(monkeypatch):
             launches.append(args)
 
     monkeypatch.setattr(wo, "ct", Stub())
-    monkeypatch.setattr(wol, "_raw_stream", lambda index: 0)
+    monkeypatch.setattr(wol, "stream_handle", lambda device: 0)
     packed = prepack(quantized_weight(MXFP4, 40, 1024))
     x = torch.randn(5, 1024)
 
@@ -439,3 +439,23 @@ def test_a_capture_on_a_fresh_stream_uses_the_graph_workspace(monkeypatch):
     big = wo.workspace(device, 9, 4, 5, 60000, 3)  # larger than any workspace: allocated in the graph
     assert big[0].shape == (4, 5, 60000) and int(big[1].count_nonzero()) == 0
     assert (device, 9) not in wo._WORKSPACES
+
+
+def test_runner_cache_stays_out_of_copies():
+    # linear(x, packed) keeps its eager runners on the PackedWeight; copies and pickles of the weight
+    # leave them out, and the cache keeps one runner per bias (a new one when the bias changes).
+    import copy
+    import pickle
+
+    from tilemm.weight_only import runner_for
+
+    packed = tilemm.prepack(tilemm.quantize_mxfp4(torch.randn(8, 64)))
+    bias = torch.randn(8)
+    runner = runner_for(packed, None)
+    assert runner_for(packed, None) is runner
+    with_bias = runner_for(packed, bias)
+    assert with_bias is not runner and runner_for(packed, bias) is with_bias
+    bias.add_(1.0)  # an in-place change bumps the version: a new runner with the new values
+    assert runner_for(packed, bias) is not with_bias
+    for twin in (copy.deepcopy(packed), pickle.loads(pickle.dumps(packed))):
+        assert "_runners" not in twin.__dict__ and torch.equal(twin.words, packed.words)

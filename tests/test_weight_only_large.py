@@ -105,8 +105,8 @@ def test_runner_dispatches_through_the_table(emulated, monkeypatch, kind):
 
     cfg = wl.LargeConfig("fused", 16, 16) if kind == "fused" else wl.LargeConfig("decode", chunk=32)
     monkeypatch.setattr(wl, "PLAN", {"4bit": ((16, cfg),), "8bit": ()})
-    monkeypatch.setattr(wol, "_raw_stream", lambda index: 0)
-    monkeypatch.setattr(wol, "_family", lambda device: wol._Family.HOPPER)
+    monkeypatch.setattr(wol, "stream_handle", lambda device: 0)
+    monkeypatch.setattr(wol, "family", lambda device: wol.Family.HOPPER)
     calls = []
     for name in ("launch", "decode_gemm"):
         original = getattr(wl, name)

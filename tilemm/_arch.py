@@ -13,7 +13,8 @@ import re
 
 import torch
 
-__all__ = ["Family", "capability", "family", "family_for_capability", "UnsupportedGPUError"]
+__all__ = ["Family", "capability", "family", "family_for_capability", "has_kernels", "gpu_code",
+           "UnsupportedGPUError"]
 
 
 class UnsupportedGPUError(RuntimeError):
@@ -66,6 +67,11 @@ def family_for_capability(cap: tuple[int, int]) -> Family:
 def family(device: torch.device) -> Family:
     """The kernel family for a CUDA device."""
     return family_for_capability(capability(device))
+
+
+def has_kernels(device: torch.device) -> bool:
+    """Whether tilemm's cuTile kernels serve ``device``: a CUDA device of sm_90 or newer."""
+    return device.type == "cuda" and capability(device)[0] >= 9
 
 
 def gpu_code(cap: tuple[int, int]) -> str:

@@ -108,6 +108,16 @@ def accepts_arrays(fn):
     def wrapper(*args, **kwargs):
         if torch.compiler.is_compiling():  # torch.compile traces torch tensors only
             return fn(*args, **kwargs)
+        tensor = torch.Tensor
+        for a in args:
+            if type(a) is not tensor and array_kind(a) is not None:
+                break
+        else:
+            for a in kwargs.values():
+                if type(a) is not tensor and array_kind(a) is not None:
+                    break
+            else:
+                return fn(*args, **kwargs)  # no arrays: the common call, at the cost of a loop
         kinds = {k for k in map(array_kind, (*args, *kwargs.values())) if k is not None}
         if not kinds:
             return fn(*args, **kwargs)

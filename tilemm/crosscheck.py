@@ -17,8 +17,12 @@ import torch
 
 import swizzle as _swizzle
 
+from . import cute
 from ._arch import UnsupportedGPUError
+from .cute import SUPPORTED_FORMATS
 from .formats import FORMATS, Format
+from .matmul import linear
+from .quantize import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
 
 __all__ = ["crosscheck", "CrossCheckReport", "PairError"]
 
@@ -71,8 +75,6 @@ def _pair_error(actual: torch.Tensor, expected: torch.Tensor) -> PairError:
 
 
 def _format(fn: str, fmt_name) -> Format:
-    from .cute import SUPPORTED_FORMATS
-
     if isinstance(fmt_name, Format):
         fmt_name = fmt_name.name
     if not isinstance(fmt_name, str):
@@ -86,9 +88,7 @@ def _format(fn: str, fmt_name) -> Format:
 
 
 def _check_quantized(fn: str, fmt: Format, name: str, t) -> None:
-    from . import quantize as q
-
-    kinds = (q.MXFP8Tensor, q.MXFP4Tensor, q.NVFP4Tensor)
+    kinds = (MXFP8Tensor, MXFP4Tensor, NVFP4Tensor)
     if not isinstance(t, kinds):
         raise TypeError(f"{fn}: {name} must be a quantized tensor from tilemm.quantize_mxfp8 / "
                         f"quantize_mxfp4 / quantize_nvfp4, got {type(t).__name__}")
@@ -116,9 +116,6 @@ def crosscheck(fmt_name, x_q, w_q, *, out_dtype=torch.bfloat16) -> CrossCheckRep
     Returns a :class:`CrossCheckReport`. Raises ``UnsupportedGPUError`` when no compute capability
     10.x GPU is present, ``CuteDSLMissingError`` without nvidia-cutlass-dsl.
     """
-    from . import cute
-    from .matmul import linear
-
     fn = "tilemm.crosscheck"
     fmt = _format(fn, fmt_name)
     _check_quantized(fn, fmt, "x_q", x_q)

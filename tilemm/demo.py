@@ -19,6 +19,7 @@ import sys
 import torch
 
 import tilemm
+from tilemm._arch import capability
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -29,7 +30,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _device_label() -> tuple[torch.device, str]:
     if not torch.cuda.is_available():
         return torch.device("cpu"), "no CUDA GPU found: running the exact reference path on the CPU"
-    major, minor = torch.cuda.get_device_capability()
+    major, minor = capability()
     name = torch.cuda.get_device_name()
     if major < 9:
         return torch.device("cpu"), (f"{name} is sm_{major}{minor}; tilemm's kernels need sm_90 or newer: "

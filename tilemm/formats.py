@@ -30,12 +30,26 @@ __all__ = [
     "FORMATS",
     "E2M1_VALUES",
     "FP8_BLOCK",
+    "FP8_GRANULARITIES",
     "mxfp8_format",
     "fp8_format",
+    "E4M3",
+    "E5M2",
+    "E2M1",
+    "ELEMENT_CODES",
 ]
+
+#: FP8 scale granularities, tilemm's one spelling: one scale per tensor, per row (x's rows, the weight's
+#: output channels), or per 128-element block (1x128 for x, 128x128 for a weight). ``quantize_fp8``'s
+#: ``(1, 128)`` / ``(128, 128)`` and the operators' "1x128" / "128x128" name the block shapes.
+FP8_GRANULARITIES = ("tensor", "row", "block")
 
 #: The edge of DeepSeek-style FP8 blocks: 1x128 for activations, 128x128 for weights (e4m3 only).
 FP8_BLOCK = 128
+
+#: Element codes, as every tile kernel receives them (its ``ELEMENT`` constant); ``Format.element_code``.
+E4M3, E5M2, E2M1 = 0, 1, 2
+ELEMENT_CODES = {"e4m3": E4M3, "e5m2": E5M2, "e2m1": E2M1}
 
 # The 8 non-negative e2m1 magnitudes, indexed by the low 3 bits of a nibble; bit 3 is the sign.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -70,6 +84,11 @@ class Format:
     @property
     def is_packed(self) -> bool:
         return self.elements_per_byte == 2
+
+    @property
+    def element_code(self) -> int:
+        """The element's code in tile code (``ELEMENT_CODES``)."""
+        return ELEMENT_CODES[self.element]
 
     @property
     def is_mx(self) -> bool:

@@ -12,20 +12,16 @@ Scales come in one of two layouts, told apart by their rank:
 * swizzled 32x4x4 (``swizzle.swizzle_32_4_4``): x_scale (..., ceil(M/128), ceil(K/B/4), 32, 16) and
   y_scale the same built from the (N, K/B) weight scales: two more dimensions than the operand.
 
-Swizzled scales do not record which operand they belong to. When x_scale and y_scale have the same
-padded shape (M and N in the same multiple of 128), passing them swapped is accepted and gives a wrong
-result that no check can catch. :func:`linear` takes each operand with its own scale and cannot swap
-them: prefer it.
+Swapped swizzled scales of one padded shape cannot be detected; :func:`linear`, which takes each
+operand with its own scale, cannot swap them: prefer it. CPU tensors run the pure-PyTorch reference
+(``tilemm.reference``), CUDA tensors the cuTile kernels of their GPU generation (``tilemm.kernels``).
 
-CPU tensors run the pure-PyTorch reference (``tilemm.reference``); CUDA tensors run the cuTile kernel
-for their architecture (``tilemm.kernels``): exact emulation on Hopper (sm_90), ``ct.mma_scaled`` on
-Blackwell (sm_100 / sm_120).
-
-Each public function handles its Python-level arguments and calls the custom operator of the same
-name, ``torch.ops.tilemm.<name>`` (registered in this module), which checks the tensors and runs the
-computation: ``run_block_scaled`` / ``run_fp8_matmul`` -> ``tilemm.kernels`` (a table from GPU family
-to launcher) -> the launcher and its tile kernels. NumPy (CPU) and CuPy (GPU) arrays are accepted and
-returned in kind (``tilemm._interop``).
+Path: the public function checks its arguments once per signature (shapes, strides, dtypes, devices,
+options: ``block_scaled_call`` / ``fp8_call``, cached in ``tilemm.kernels.PLANS``), then an eager call
+on CUDA tensors runs the planned call directly, and anything else (torch.compile, CPU tensors) goes
+through the custom operator ``torch.ops.tilemm.<name>`` registered here, which runs the same planned
+call; that reaches the family's prepared launch (``tilemm.kernels``) and its ``@ct.kernel``. NumPy and
+CuPy arrays are accepted and returned in kind (``tilemm._interop``).
 """
 
 from __future__ import annotations
@@ -38,10 +34,16 @@ from torch import Tensor
 
 import swizzle as _swizzle
 
-from . import _interop
+from . import _interop, kernels
 from ._validate import (as_fp32_scalar, check_bias, check_dtype, check_out_dtype, check_same_device,
                         check_tensor)
 from .formats import FP8_BLOCK, MXFP4, NVFP4, Format, fp8_format, mxfp8_format
+from .kernels._common import stream_handle
+from .kernels._large import check_matmul_k
+from .packed import PackedWeight, prepack
+from .quantize import FP8Tensor, MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
+from .weight_only import weight_only_linear
+from .numerics import ceil_div
 from .reference import block_scaled_matmul_reference, fp8_matmul_reference
 
 __all__ = ["mxfp8_matmul", "mxfp4_matmul", "nvfp4_matmul", "fp8_matmul", "linear",
@@ -92,8 +94,9 @@ class FP8Problem:
     """A validated FP8 matmul, normalised for the kernels.
 
     a: (Ba, M, K), b: (Bb, N, K), both stride(-1) == 1.
-    granularity "tensorwise" (a_scale, b_scale each (Ba, M) / (Bb, N) broadcast views of one value),
-    "rowwise" (a_scale (Ba, M), b_scale (Bb, N)), or "blockwise" (a_scale (Ba, M, K/128) for 1x128
+    granularity (``tilemm.formats.FP8_GRANULARITIES``): "tensor" (a_scale, b_scale each (Ba, M) / (Bb, N)
+    broadcast views of one value), "row" (a_scale (Ba, M), b_scale (Bb, N): per row, or a per-tensor
+    scale on one side), or "block" (a_scale (Ba, M, K/128) for 1x128
     blocks, b_scale (Bb, ceil(N/128), K/128) for 128x128 blocks). Scales are fp32.
     use_fast_accum: let the kernel skip the extra fp32 accumulation of Hopper's FP8 tensor cores
     (kernels without such a mode ignore it).
@@ -142,8 +145,6 @@ def _check_operands(fn: str, x: torch.Tensor, y: torch.Tensor, data_dtypes, k_pe
         raise ValueError(f"{fn}: x is (..., M, K) and y (..., K, N) but their {what} differ: x "
                          f"{tuple(x.shape)}, y {tuple(y.shape)}")
     if x.is_cuda:
-        from .kernels._large import check_matmul_k
-
         check_matmul_k(fn, "x", x.shape, x.shape[-1] * k_per_byte)
     if y.ndim > 2 and y.shape[:-2] != x.shape[:-2]:
         raise ValueError(f"{fn}: y's batch dims {tuple(y.shape[:-2])} must equal x's "
@@ -210,6 +211,8 @@ def _expect_shape(fn, name, t, shape, hint=None):
 
 def _to3d(t: torch.Tensor, tail: int) -> torch.Tensor:
     """Collapse leading dims so that ``t`` has exactly ``tail`` + 1 dims (a batch dim of 1 if none)."""
+    if t.ndim == tail:
+        return t.unsqueeze(0)
     lead = t.shape[: t.ndim - tail]
     b = 1
     for d in lead:
@@ -223,33 +226,96 @@ def _logical_scales(x_scale, y_scale, m, n, ks):
     return rows_x, rows_y.transpose(-1, -2)
 
 
-def run_block_scaled(fn, fmt, x, x_scale, y, y_scale, *, out_dtype, bias, alpha):
-    """What torch.ops.tilemm.{mxfp8,mxfp4,nvfp4}_matmul run: the checks, then the reference or a kernel."""
-    m, n, k, swizzled, device, bias32, alpha32 = _block_scaled(
-        fn, fmt, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha)
-    out_shape = (*x.shape[:-2], m, n)
-    if x.numel() == 0 or y.numel() == 0 or m == 0 or n == 0:
-        return _empty_result(out_shape, k, bias32, out_dtype, device)
-    if device.type != "cuda":
-        if swizzled:
-            x_scale, y_scale = _logical_scales(x_scale, y_scale, m, n, k // fmt.block)
-        return block_scaled_matmul_reference(fmt, x, x_scale, y, y_scale, out_dtype=out_dtype,
-                                             alpha=alpha32, bias=bias32)
-    from . import kernels
+# --------------------------------------------------------------------------------------------------
+# Calls planned once per signature. A signature is everything the checks and the launch plan read:
+# shapes, strides, dtypes and devices of the tensors, the output dtype and which optional arguments
+# are present. Its first call is checked in full and planned; later calls of the same signature (from
+# the public functions, the custom operators or tilemm.nn.Linear) look the call up and launch.
+# --------------------------------------------------------------------------------------------------
 
-    tail = 4 if swizzled else 2
-    b_scale = y_scale if swizzled else y_scale.transpose(-1, -2)
-    problem = BlockScaledProblem(
-        fmt=fmt,
-        a=_to3d(x, 2), a_scale=_to3d(x_scale, tail),
-        b=_to3d(y.transpose(-1, -2), 2), b_scale=_to3d(b_scale, tail),
-        swizzled=swizzled,
-        out=torch.empty(out_shape, dtype=out_dtype, device=device),
-        bias=bias32, alpha=alpha32,
-    )
-    problem.out = problem.out.view(-1, m, n)
-    kernels.block_scaled_matmul(problem)
-    return problem.out.view(out_shape)
+#: Planned calls by signature, shared by every entry point (``tilemm.kernels.PLANS``).
+_CALLS = kernels.PLANS
+
+
+def _sig(t) -> tuple | None:
+    """What the checks and the plan read of a tensor argument (None for an absent one)."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _remember(key, call):
+    if len(_CALLS) >= kernels.MAX_PLANS:  # a bound for programs that see ever new shapes
+        _CALLS.clear()
+    _CALLS[key] = call
+    return call
+
+
+class _BlockScaledCall:
+    """A checked block-scaled matmul signature: the output's shape and how the operands are viewed
+    for the kernels, and, on a GPU, the launcher's prepared launch (``tilemm.kernels``)."""
+
+    __slots__ = ("fmt", "swizzled", "m", "n", "k", "out_shape", "out_dtype", "tail", "empty", "prepared",
+                 "device", "gpu")
+
+    def __init__(self, fmt, x, x_scale, y, y_scale, out_dtype, m, n, k, swizzled, device):
+        self.fmt, self.swizzled, self.m, self.n, self.k = fmt, swizzled, m, n, k
+        self.out_shape = (*x.shape[:-2], m, n)
+        self.out_dtype, self.device = out_dtype, device
+        self.tail = 4 if swizzled else 2
+        self.empty = x.numel() == 0 or y.numel() == 0 or m == 0 or n == 0
+        self.prepared = None
+        self.gpu = device.type == "cuda"
+
+    def problem(self, x, x_scale, y, y_scale, out, bias32, alpha32) -> BlockScaledProblem:
+        tail = self.tail
+        b_scale = y_scale if self.swizzled else y_scale.transpose(-1, -2)
+        return BlockScaledProblem(self.fmt, _to3d(x, 2), _to3d(x_scale, tail), _to3d(y.transpose(-1, -2), 2),
+                                  _to3d(b_scale, tail), self.swizzled, out.view(-1, self.m, self.n), bias32,
+                                  alpha32)
+
+    def run(self, x, x_scale, y, y_scale, bias32, alpha32):
+        """The product for checked operands of this signature; bias32 (N,) fp32 contiguous or None,
+        alpha32 a one-element fp32 tensor on the device or None."""
+        if self.empty:
+            return _empty_result(self.out_shape, self.k, bias32, self.out_dtype, self.device)
+        if not self.gpu:
+            if self.swizzled:
+                x_scale, y_scale = _logical_scales(x_scale, y_scale, self.m, self.n, self.k // self.fmt.block)
+            return block_scaled_matmul_reference(self.fmt, x, x_scale, y, y_scale, out_dtype=self.out_dtype,
+                                                 alpha=alpha32, bias=bias32)
+        out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+        problem = self.problem(x, x_scale, y, y_scale, out, bias32, alpha32)
+        prepared = self.prepared
+        if prepared is None:
+            prepared = self.prepared = kernels.prepare_block_scaled(problem)
+        prepared.run(problem, stream_handle(self.device))
+        return out
+
+
+def block_scaled_call(fn, fmt, x, x_scale, y, y_scale, out_dtype, bias, alpha) -> _BlockScaledCall:
+    """The planned call for this signature; its first call runs every check (``_block_scaled``)."""
+    key = (fmt.name, _sig(x), _sig(x_scale), _sig(y), _sig(y_scale), out_dtype, _sig(bias), _sig(alpha))
+    call = _CALLS.get(key)
+    if call is None:
+        m, n, k, swizzled, device, _, _ = _block_scaled(fn, fmt, x, x_scale, y, y_scale, out_dtype=out_dtype,
+                                                        bias=bias, alpha=alpha)
+        call = _remember(key, _BlockScaledCall(fmt, x, x_scale, y, y_scale, out_dtype, m, n, k, swizzled, device))
+    return call
+
+
+def _bias32(bias):
+    return None if bias is None else bias.to(torch.float32).contiguous()
+
+
+def _alpha32(alpha, device):
+    return None if alpha is None else alpha.reshape(()).to(device=device, dtype=torch.float32)
+
+
+def run_block_scaled(fn, fmt, x, x_scale, y, y_scale, *, out_dtype, bias, alpha):
+    """What torch.ops.tilemm.{mxfp8,mxfp4,nvfp4}_matmul run: the planned call of this signature."""
+    call = block_scaled_call(fn, fmt, x, x_scale, y, y_scale, out_dtype, bias, alpha)
+    return call.run(x, x_scale, y, y_scale, _bias32(bias), _alpha32(alpha, call.device))
 
 
 def _empty_result(shape, k, bias32, out_dtype, device):
@@ -306,7 +372,7 @@ def _fp8_granularity(fn: str, x, sx, y, sy):
         if k % FP8_BLOCK == 0 and tuple(sx.shape) == (*xb, m, k // FP8_BLOCK):
             return "block"
         raise ValueError(f"{fn}: x_scale must be 0-d (per tensor), {(*xb, m, 1)} (per row) or "
-                         f"{(*xb, m, -(-k // FP8_BLOCK))} (1x128 blocks, K a multiple of 128), got "
+                         f"{(*xb, m, ceil_div(k, FP8_BLOCK))} (1x128 blocks, K a multiple of 128), got "
                          f"{tuple(sx.shape)}")
 
     def kind_y():
@@ -314,10 +380,10 @@ def _fp8_granularity(fn: str, x, sx, y, sy):
             return "tensor"
         if tuple(sy.shape) == (*yb, 1, n):
             return "row"
-        if k % FP8_BLOCK == 0 and tuple(sy.shape) == (*yb, k // FP8_BLOCK, -(-n // FP8_BLOCK)):
+        if k % FP8_BLOCK == 0 and tuple(sy.shape) == (*yb, k // FP8_BLOCK, ceil_div(n, FP8_BLOCK)):
             return "block"
         raise ValueError(f"{fn}: y_scale must be 0-d (per tensor), {(*yb, 1, n)} (per column) or "
-                         f"{(*yb, -(-k // FP8_BLOCK), -(-n // FP8_BLOCK))} (128x128 blocks, the "
+                         f"{(*yb, ceil_div(k, FP8_BLOCK), ceil_div(n, FP8_BLOCK))} (128x128 blocks, the "
                          f"transpose of quantize_fp8's weight scale), got {tuple(sy.shape)}")
 
     kx, ky = kind_x(), kind_y()
@@ -355,44 +421,71 @@ def fp8_matmul_fake(x, x_scale, y, y_scale, *, out_dtype, bias, alpha, use_fast_
     return x.new_empty((*x.shape[:-2], x.shape[-2], y.shape[-1]), dtype=out_dtype)
 
 
-def run_fp8_matmul(x, x_scale, y, y_scale, *, out_dtype, bias, alpha, use_fast_accum):
-    """What torch.ops.tilemm.fp8_matmul runs: the checks, then the reference or a kernel."""
-    fmt, kx, ky, device, bias32, alpha32 = fp8_matmul_checked(
-        x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha, use_fast_accum=use_fast_accum)
-    m, k, n = x.shape[-2], x.shape[-1], y.shape[-1]
-    out_shape = (*x.shape[:-2], m, n)
-    if x.numel() == 0 or y.numel() == 0 or m == 0 or n == 0:
-        return _empty_result(out_shape, k, bias32, out_dtype, device)
+class _FP8Call:
+    """A checked FP8 matmul signature: the scale granularity, the output's shape and, on a GPU, the
+    launcher's prepared launch."""
 
-    # Scales as (..., M) rows and (..., N) columns, or block grids.
-    if kx == "block":
-        a_scale = x_scale
-        b_scale = y_scale.transpose(-1, -2)  # (..., ceil(N/128), K/128)
-    else:
-        a_scale = x_scale.reshape(()).expand(*x.shape[:-2], m) if kx == "tensor" else x_scale[..., 0]
-        b_scale = y_scale.reshape(()).expand(*y.shape[:-2], n) if ky == "tensor" else y_scale[..., 0, :]
+    __slots__ = ("fmt", "kx", "ky", "m", "n", "k", "out_shape", "out_dtype", "empty", "device",
+                 "use_fast_accum", "granularity", "tail", "gpu", "prepared")
 
-    if device.type != "cuda":
+    def __init__(self, fmt, kx, ky, x, y, out_dtype, use_fast_accum, device):
+        self.fmt, self.kx, self.ky = fmt, kx, ky
+        self.m, self.k, self.n = x.shape[-2], x.shape[-1], y.shape[-1]
+        self.out_shape = (*x.shape[:-2], self.m, self.n)
+        self.out_dtype, self.device, self.use_fast_accum = out_dtype, device, use_fast_accum
+        self.empty = x.numel() == 0 or y.numel() == 0 or self.m == 0 or self.n == 0
+        self.granularity = "block" if kx == "block" else ("tensor" if kx == ky == "tensor" else "row")
+        self.tail = 2 if kx == "block" else 1
+        self.gpu = device.type == "cuda"
+        self.prepared = None
+
+    def run(self, x, x_scale, y, y_scale, bias32, alpha32):
+        m, n, kx, ky = self.m, self.n, self.kx, self.ky
+        if self.empty:
+            return _empty_result(self.out_shape, self.k, bias32, self.out_dtype, self.device)
+        # Scales as (..., M) rows and (..., N) columns, or block grids.
         if kx == "block":
-            xs = a_scale.repeat_interleave(FP8_BLOCK, dim=-1)
-            ys = b_scale.repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :].repeat_interleave(FP8_BLOCK, dim=-1)
-            ys = ys.transpose(-1, -2)
+            a_scale = x_scale
+            b_scale = y_scale.transpose(-1, -2)  # (..., ceil(N/128), K/128)
         else:
-            xs, ys = a_scale[..., :, None], b_scale[..., None, :]
-        return fp8_matmul_reference(x, xs, y, ys, out_dtype=out_dtype, alpha=alpha32, bias=bias32)
+            a_scale = x_scale.reshape(()).expand(*x.shape[:-2], m) if kx == "tensor" else x_scale[..., 0]
+            b_scale = y_scale.reshape(()).expand(*y.shape[:-2], n) if ky == "tensor" else y_scale[..., 0, :]
+        if not self.gpu:
+            if kx == "block":
+                xs = a_scale.repeat_interleave(FP8_BLOCK, dim=-1)
+                ys = b_scale.repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :].repeat_interleave(FP8_BLOCK, dim=-1)
+                ys = ys.transpose(-1, -2)
+            else:
+                xs, ys = a_scale[..., :, None], b_scale[..., None, :]
+            return fp8_matmul_reference(x, xs, y, ys, out_dtype=self.out_dtype, alpha=alpha32, bias=bias32)
+        out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+        tail = self.tail
+        problem = FP8Problem(self.fmt, _to3d(x, 2), _to3d(a_scale, tail), _to3d(y.transpose(-1, -2), 2),
+                             _to3d(b_scale, tail), self.granularity, out.view(-1, m, n), bias32, alpha32,
+                             self.use_fast_accum)
+        prepared = self.prepared
+        if prepared is None:
+            prepared = self.prepared = kernels.prepare_fp8(problem)
+        prepared.run(problem, stream_handle(self.device))
+        return out
 
-    from . import kernels
 
-    granularity = "blockwise" if kx == "block" else ("tensorwise" if kx == ky == "tensor" else "rowwise")
-    tail = 2 if kx == "block" else 1
-    problem = FP8Problem(
-        fmt=fmt, a=_to3d(x, 2), a_scale=_to3d(a_scale, tail), b=_to3d(y.transpose(-1, -2), 2),
-        b_scale=_to3d(b_scale, tail), granularity=granularity,
-        out=torch.empty(out_shape, dtype=out_dtype, device=device).view(-1, m, n),
-        bias=bias32, alpha=alpha32, use_fast_accum=use_fast_accum,
-    )
-    kernels.fp8_matmul(problem)
-    return problem.out.view(out_shape)
+def fp8_call(x, x_scale, y, y_scale, out_dtype, bias, alpha, use_fast_accum) -> _FP8Call:
+    """The planned FP8 call for this signature; its first call runs every check."""
+    key = ("fp8", _sig(x), _sig(x_scale), _sig(y), _sig(y_scale), out_dtype, _sig(bias), _sig(alpha),
+           use_fast_accum)
+    call = _CALLS.get(key)
+    if call is None:
+        fmt, kx, ky, device, _, _ = fp8_matmul_checked(x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias,
+                                                       alpha=alpha, use_fast_accum=use_fast_accum)
+        call = _remember(key, _FP8Call(fmt, kx, ky, x, y, out_dtype, use_fast_accum, device))
+    return call
+
+
+def run_fp8_matmul(x, x_scale, y, y_scale, *, out_dtype, bias, alpha, use_fast_accum):
+    """What torch.ops.tilemm.fp8_matmul runs: the planned call of this signature."""
+    call = fp8_call(x, x_scale, y, y_scale, out_dtype, bias, alpha, use_fast_accum)
+    return call.run(x, x_scale, y, y_scale, _bias32(bias), _alpha32(alpha, call.device))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -496,6 +589,12 @@ def _alpha_tensor(fn: str, alpha, device):
     return None if alpha is None else as_fp32_scalar(fn, "alpha", alpha, device)
 
 
+def _eager_gpu(x) -> bool:
+    """Whether a checked call on ``x`` may skip the operator dispatcher: an eager call on a plain CUDA
+    tensor (torch.compile, tensor subclasses and CPU tensors go through ``torch.ops.tilemm.*``)."""
+    return type(x) is torch.Tensor and x.is_cuda and not torch.compiler.is_compiling()
+
+
 @_interop.accepts_arrays
 def mxfp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, alpha=None, elem_dtype=None):
     """MXFP8 matmul: e4m3 or e5m2 elements with one e8m0 scale per 32 elements of K.
@@ -520,8 +619,11 @@ def mxfp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None,
     fn = "mxfp8_matmul"
     x, y = _fp8_bytes(fn, "x", x, elem_dtype), _fp8_bytes(fn, "y", y, elem_dtype)
     _check_op_args(fn, out_dtype, bias, x=x, x_scale=x_scale, y=y, y_scale=y_scale)
-    return _mxfp8_matmul_op(x, x_scale, y, y_scale, out_dtype, bias,
-                                         _alpha_tensor(fn, alpha, x.device))
+    alpha = _alpha_tensor(fn, alpha, x.device)
+    if _eager_gpu(x):  # the operator's own implementation, without the dispatcher's cost
+        return run_block_scaled(fn, mxfp8_operand_format(fn, x), x, x_scale, y, y_scale, out_dtype=out_dtype,
+                                bias=bias, alpha=alpha)
+    return _mxfp8_matmul_op(x, x_scale, y, y_scale, out_dtype, bias, alpha)
 
 
 @_interop.accepts_arrays
@@ -536,8 +638,10 @@ def mxfp4_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None,
     """
     fn = "mxfp4_matmul"
     _check_op_args(fn, out_dtype, bias, x=x, x_scale=x_scale, y=y, y_scale=y_scale)
-    return _mxfp4_matmul_op(x, x_scale, y, y_scale, out_dtype, bias,
-                                         _alpha_tensor(fn, alpha, x.device))
+    alpha = _alpha_tensor(fn, alpha, x.device)
+    if _eager_gpu(x):
+        return run_block_scaled(fn, MXFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha)
+    return _mxfp4_matmul_op(x, x_scale, y, y_scale, out_dtype, bias, alpha)
 
 
 @_interop.accepts_arrays
@@ -562,8 +666,11 @@ def nvfp4_matmul(x, x_scale, y, y_scale, *, global_scale_x, global_scale_y, out_
     device = x.device
     gx = as_fp32_scalar(fn, "global_scale_x", global_scale_x, device)
     gy = as_fp32_scalar(fn, "global_scale_y", global_scale_y, device)
-    return _nvfp4_matmul_op(x, x_scale, y, y_scale, gx, gy, out_dtype, bias,
-                                         _alpha_tensor(fn, alpha, device))
+    alpha = _alpha_tensor(fn, alpha, device)
+    if _eager_gpu(x):  # gx, gy (and alpha) are 0-d fp32 tensors on the device already
+        total = gx * gy if alpha is None else gx * gy * alpha
+        return run_block_scaled(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=total)
+    return _nvfp4_matmul_op(x, x_scale, y, y_scale, gx, gy, out_dtype, bias, alpha)
 
 
 @_interop.accepts_arrays
@@ -587,8 +694,14 @@ def fp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, a
     _check_op_args(fn, out_dtype, bias, x=x, x_scale=x_scale, y=y, y_scale=y_scale)
     if not isinstance(use_fast_accum, bool):
         raise TypeError(f"{fn}: use_fast_accum must be a bool, got {type(use_fast_accum).__name__}")
-    return _fp8_matmul_op(x, x_scale, y, y_scale, out_dtype, bias,
-                                       _alpha_tensor(fn, alpha, x.device), use_fast_accum)
+    alpha = _alpha_tensor(fn, alpha, x.device)
+    if _eager_gpu(x):
+        return run_fp8_matmul(x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
+                              use_fast_accum=use_fast_accum)
+    return _fp8_matmul_op(x, x_scale, y, y_scale, out_dtype, bias, alpha, use_fast_accum)
+
+
+_QUANTIZED = (MXFP8Tensor, MXFP4Tensor, NVFP4Tensor, FP8Tensor)
 
 
 def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fast_accum=False):
@@ -610,14 +723,9 @@ def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fas
     swizzled scales of the same padded shape swapped there give a wrong result that nothing can
     detect; here each scale travels with its operand.
     """
-    from . import quantize as q
-    from .packed import PackedWeight, prepack
-    from .weight_only import weight_only_linear
-
     fn = "linear"
-    kinds = (q.MXFP8Tensor, q.MXFP4Tensor, q.NVFP4Tensor, q.FP8Tensor)
-    if isinstance(x_q, torch.Tensor) and isinstance(w_q, (PackedWeight, q.MXFP8Tensor, q.MXFP4Tensor,
-                                                            q.NVFP4Tensor)):
+    kinds = _QUANTIZED
+    if isinstance(x_q, torch.Tensor) and isinstance(w_q, (PackedWeight, MXFP8Tensor, MXFP4Tensor, NVFP4Tensor)):
         if use_fast_accum:
             raise ValueError(f"{fn}: use_fast_accum applies to FP8 operands only, not to a weight-only call")
         packed = w_q if isinstance(w_q, PackedWeight) else prepack(w_q)
@@ -631,6 +739,8 @@ def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fas
         raise TypeError(f"{fn}: x_q and w_q must be of one format, got {type(x_q).__name__} and "
                         f"{type(w_q).__name__}")
     for name, t in (("x_q", x_q), ("w_q", w_q)):
+        if type(t.data) is torch.Tensor and type(t.scale) is torch.Tensor:
+            continue  # the common case, without a generator
         if isinstance(t, tuple) and not all(isinstance(f, torch.Tensor) for f in t):
             arrays = ", ".join(sorted({f"{type(f).__module__}.{type(f).__name__}" for f in t}))
             raise TypeError(f"{fn}: {name} must hold torch tensors, got a {type(t).__name__} of {arrays}; "
@@ -640,9 +750,9 @@ def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fas
     if w.ndim != 2:
         raise ValueError(f"{fn}: w_q must hold a 2-D (N, K) weight, got data of shape {tuple(w.shape)}")
     kw = dict(out_dtype=out_dtype, bias=bias, alpha=alpha)
-    if use_fast_accum and not isinstance(x_q, q.FP8Tensor):
+    if use_fast_accum and not isinstance(x_q, FP8Tensor):
         raise ValueError(f"{fn}: use_fast_accum applies to FP8 only, got {type(x_q).__name__} operands")
-    if isinstance(x_q, q.FP8Tensor):
+    if isinstance(x_q, FP8Tensor):
         kw["use_fast_accum"] = use_fast_accum
         if ws.ndim == 2 and ws.shape[1] == 1 and ws.shape[0] == w.shape[0]:
             ys = ws.t()  # per output channel: (N, 1) -> (1, N)
@@ -650,9 +760,9 @@ def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fas
             ys = ws.t() if ws.ndim == 2 else ws
         return fp8_matmul(x_q.data, x_q.scale, w.t(), ys, **kw)
     ys = ws if ws.ndim == 4 else ws.t()
-    if isinstance(x_q, q.MXFP8Tensor):
+    if isinstance(x_q, MXFP8Tensor):
         return mxfp8_matmul(x_q.data, x_q.scale, w.t(), ys, **kw)
-    if isinstance(x_q, q.MXFP4Tensor):
+    if isinstance(x_q, MXFP4Tensor):
         return mxfp4_matmul(x_q.data, x_q.scale, w.t(), ys, **kw)
     return nvfp4_matmul(x_q.data, x_q.scale, w.t(), ys, global_scale_x=x_q.global_scale,
                         global_scale_y=w_q.global_scale, **kw)

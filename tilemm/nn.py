@@ -39,6 +39,7 @@ import torch.nn.functional as F
 import swizzle as _swizzle
 
 from . import matmul as _matmul
+from ._arch import Family, family
 from . import packed as _packed
 from . import quantize as _quantize
 from . import weight_only as _weight_only
@@ -401,8 +402,6 @@ class Linear(torch.nn.Module):
         runner = self._runner
         if runner is not None and runner.source == key:
             return runner.runner
-        from ._arch import Family, family
-
         built = None
         if family(device) == Family.HOPPER and self.weight.device == device:
             try:

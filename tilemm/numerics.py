@@ -11,12 +11,19 @@ import torch
 from .formats import E2M1_VALUES
 
 __all__ = [
+    "ceil_div",
     "e8m0_decode",
     "e2m1_decode",
     "pack_e2m1",
     "unpack_e2m1",
     "as_uint8",
 ]
+
+
+def ceil_div(a, b):
+    """``ceil(a / b)`` for non-negative sizes (plain ints or torch's symbolic sizes); tile code has
+    ``ct.cdiv``."""
+    return -(-a // b)
 
 
 def as_uint8(t: torch.Tensor) -> torch.Tensor:

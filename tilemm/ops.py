@@ -1,14 +1,11 @@
 """tilemm's quantizers and matmuls as PyTorch custom operators, ``torch.ops.tilemm.*``.
 
 The quantizer operators are registered here; the matmul operators next to their public functions
-(``tilemm.matmul``, ``tilemm.weight_only``) and named here too. The public functions
-(``tilemm.quantize_mxfp8``, ``tilemm.mxfp8_matmul``, ...) handle the Python-level
-arguments (NamedTuples, Python floats, NumPy / CuPy arrays, FP8 bytes) and then call these operators,
-so there is one code path and ``torch.compile`` sees each quantizer or matmul as one opaque op (with
-``fullgraph=True`` too). Each operator checks its arguments itself, with the public function's
-messages, so calling ``torch.ops.tilemm.*`` directly is safe; its fake (meta) implementation runs the
-same checks, which read only shapes, dtypes and devices, and returns empty outputs of the exact shapes
-and dtypes, swizzled scales and NVFP4's decode scale included.
+(``tilemm.matmul``, ``tilemm.weight_only``) and named here too. ``torch.compile`` sees each as one
+opaque op (``fullgraph=True`` too); the public functions call them for CPU tensors and under
+torch.compile, and run the same implementation directly for eager CUDA calls. The matmul operators
+check a signature once (then look it up); their fake (meta) implementations run the checks, which
+read only shapes, dtypes and devices, and return empty outputs of the exact shapes and dtypes.
 
 Operators take and return tensors::
 
@@ -47,6 +44,7 @@ import swizzle as _swizzle
 
 from . import quantize as _quantize
 from .formats import MXFP4, NVFP4
+from .numerics import ceil_div
 
 __all__ = ["quantize_mxfp8", "quantize_mxfp4", "quantize_nvfp4", "quantize_fp8",
            "mxfp8_matmul", "mxfp4_matmul", "nvfp4_matmul", "fp8_matmul", "weight_only_linear"]
@@ -56,17 +54,13 @@ SWIZZLE_ROWS = _swizzle.ROW_TILE  # scale rows per 32x16 block of the 32x4x4 lay
 SWIZZLE_COLS = _swizzle.COL_TILE  # scale columns per 32x16 block
 
 
-def _ceil_div(a, b):
-    return -(-a // b)
-
-
 def _block_scale_shape(shape, block: int, swizzle: bool) -> tuple:
     """Scale shape for data of logical ``shape`` (..., K): (..., K/block), or swizzled 32x4x4
     (..., ceil(M/128), ceil(K/block/4), 32, 16). Plain arithmetic, so symbolic sizes work."""
     cols = shape[-1] // block
     if not swizzle:
         return (*shape[:-1], cols)
-    return (*shape[:-2], _ceil_div(shape[-2], SWIZZLE_ROWS), _ceil_div(cols, SWIZZLE_COLS), 32, 16)
+    return (*shape[:-2], ceil_div(shape[-2], SWIZZLE_ROWS), ceil_div(cols, SWIZZLE_COLS), 32, 16)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -130,7 +124,7 @@ def _(x, granularity="tensor", elem_dtype=None, pow2_scale=False):
     elif gran == (1, block):
         scale_shape = (*x.shape[:-1], x.shape[-1] // block)
     else:
-        scale_shape = (*x.shape[:-2], _ceil_div(x.shape[-2], block), x.shape[-1] // block)
+        scale_shape = (*x.shape[:-2], ceil_div(x.shape[-2], block), x.shape[-1] // block)
     return x.new_empty(x.shape, dtype=fmt.data_dtype), x.new_empty(scale_shape, dtype=torch.float32)
 
 

@@ -42,6 +42,7 @@ import swizzle as _swizzle
 from .formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
 from .kernels.weight_only_kernels import LAYOUTS, Layout
 from .numerics import as_uint8, e2m1_decode, unpack_e2m1, pack_e2m1
+from .quantize import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
 from .reference import decode_scales
 
 __all__ = ["PackedWeight", "prepack", "unpack", "layout_of", "expert"]
@@ -101,6 +102,12 @@ class PackedWeight:
         return dataclasses.replace(self, words=move(self.words), scale_t=move(self.scale_t),
                                    constants=move(self.constants), global_scale=move(self.global_scale),
                                    nan_scale=move(self.nan_scale))
+
+    def __getstate__(self) -> dict:
+        # Copies and pickles leave out the runners cached for eager calls (``weight_only.runner_for``).
+        state = dict(self.__dict__)
+        state.pop("_runners", None)
+        return state
 
     def __repr__(self) -> str:
         return (f"PackedWeight({self.fmt.name}, shape={self.shape}, tile_k={self.layout.tile_k}, "
@@ -189,8 +196,6 @@ def prepack(w_q) -> PackedWeight:
     Returns:
         A :class:`PackedWeight` on the same device; ``unpack`` inverts it exactly.
     """
-    from .quantize import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
-
     fn = "tilemm.prepack"
     if type(w_q) in (list, tuple):  # (exactly: the quantized tensors are NamedTuples themselves)
         return _prepack_experts(fn, list(w_q))
@@ -254,8 +259,6 @@ def prepack(w_q) -> PackedWeight:
 
 def _prepack_experts(fn: str, experts: list) -> PackedWeight:
     """Stacked experts: each prepacked on its own, then stacked under the largest exponent."""
-    from .quantize import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
-
     if not experts:
         raise ValueError(f"{fn}: a stacked expert weight needs at least one expert, got none")
     first = experts[0]
@@ -291,8 +294,6 @@ def unpack(packed: PackedWeight):
 
     A stacked expert weight comes back as one 3-D (E, N, K) tensor when its experts share one
     per-tensor scale (always for MX formats), else as a list of E 2-D NVFP4 weights."""
-    from .quantize import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
-
     if not isinstance(packed, PackedWeight):
         raise TypeError(f"tilemm.unpack: packed must be a PackedWeight (from tilemm.prepack), got "
                         f"{type(packed).__name__}")

@@ -55,7 +55,11 @@ features; row-wise is the local matmul plus one ``torch.distributed.all_reduce``
 all-reduce (MAX) of the amax before it. A column-then-row pair (an MLP, attention's q/k/v then o)
 thus costs one collective, as in Megatron-LM and serving engines; it has no host synchronization and
 captures in a CUDA graph. DTensor conversions (``from_local`` / ``redistribute``, whose host time per
-call exceeds the all-reduce's) happen only for DTensor inputs or non-default layouts.
+call exceeds the all-reduce's) happen only for DTensor inputs or non-default layouts. The all-reduce
+goes straight to the process group with options built once (``dist.all_reduce`` checks its arguments
+and builds its options on every call). Where the all-reduce's time matters, it can be overlapped with
+compute (``overlapped``; ``RowwiseParallel(chunks=...)``) or, for small outputs, sent through the
+symmetric-memory one-shot all-reduce (``RowwiseParallel(one_shot_max_bytes=...)``).
 
 The sharded module is the same :class:`tilemm.nn.Linear` object, rebuilt in place for its shard
 through the public constructor and ``load_state_dict`` (so state derived from the buffers follows
@@ -79,12 +83,14 @@ from torch.distributed.tensor.placement_types import Placement
 import swizzle as _swizzle
 from swizzle import swizzle_32_4_4, unswizzle_32_4_4
 
+from . import matmul as _matmul
+from . import quantize as _quantize
 from .formats import FP8_BLOCK
 from .nn import SMALL_BATCH_ROWS as _SMALL_BATCH_ROWS
 from .nn import Linear
 
 __all__ = ["STYLES", "ShardInfo", "ShardedLinear", "ColwiseParallel", "RowwiseParallel", "shard_linear",
-           "local_shard"]
+           "local_shard", "overlapped", "all_reduce_sum"]
 
 STYLES = ("colwise", "rowwise")
 _PACKED = {"mxfp4", "nvfp4"}  # two e2m1 elements per byte along K
@@ -321,12 +327,24 @@ class _TPConfig:
     """How one sharded layer talks to the others (``layer._tp``): immutable, shared by copies."""
 
     __slots__ = ("style", "mesh", "group", "input_layouts", "output_layouts", "use_local_output",
-                 "desired_input", "local_output", "plain_input", "plain_output", "amax", "full_out")
+                 "desired_input", "local_output", "plain_input", "plain_output", "amax", "full_out",
+                 "sum_opts", "sum_async_opts", "max_opts", "max_async_opts", "chunks", "chunk_min_rows",
+                 "one_shot",
+                 "tensor_scale")
 
-    def __init__(self, style, mesh, input_layouts, output_layouts, use_local_output, amax, full_out):
+    def __init__(self, style, mesh, input_layouts, output_layouts, use_local_output, amax, full_out,
+                 chunks=1, chunk_min_rows=1024, one_shot_max_bytes=0, tensor_scale=False):
         self.style, self.mesh, self.group = style, mesh, mesh.get_group()
         self.input_layouts, self.output_layouts = tuple(input_layouts), tuple(output_layouts)
         self.use_local_output, self.amax, self.full_out = use_local_output, amax, full_out
+        # Built once: dist.all_reduce builds its options and checks its arguments on every call.
+        self.sum_opts = _reduce_opts(dist.ReduceOp.SUM, False)
+        self.sum_async_opts = _reduce_opts(dist.ReduceOp.SUM, True)
+        self.max_opts = _reduce_opts(dist.ReduceOp.MAX, False)
+        self.max_async_opts = _reduce_opts(dist.ReduceOp.MAX, True)
+        self.chunks, self.chunk_min_rows = chunks, chunk_min_rows
+        self.tensor_scale = tensor_scale  # one activation scale for the whole tensor: rows may not split
+        self.one_shot = _OneShot(self.group, one_shot_max_bytes) if one_shot_max_bytes > 0 else None
         if style == "colwise":
             self.desired_input, self.local_output = (Replicate(),), (Shard(-1),)
         else:
@@ -340,6 +358,151 @@ class _TPConfig:
 
     def __deepcopy__(self, memo):  # process groups do not copy; the configuration never changes
         return self
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """SUM of ``t`` over the ranks, in place (NCCL: on the current stream), or the one-shot
+        all-reduce's new tensor for a small ``t`` where that is set up; returns the result."""
+        one_shot = self.one_shot
+        if one_shot is not None:
+            reduced = one_shot(t)
+            if reduced is not None:
+                return reduced
+        work = self.group.allreduce([t], self.sum_opts)
+        if work is not None:
+            work.wait()
+        return t
+
+
+def _reduce_opts(op, async_op: bool):
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = async_op
+    return opts
+
+
+_SUM, _SUM_ASYNC = _reduce_opts(dist.ReduceOp.SUM, False), _reduce_opts(dist.ReduceOp.SUM, True)
+
+
+class _OneShot:
+    """Small all-reduces through ``torch.distributed._symmetric_memory``'s one-shot all-reduce.
+
+    Each rank copies its tensor into a symmetric-memory buffer and reads every rank's buffer over
+    NVLink (peer-to-peer loads, no multicast), summing in rank order: one kernel instead of NCCL's
+    launch and protocol, for tensors of at most ``max_bytes``. Set up on the first eager call that
+    fits (a buffer per dtype, a rendezvous: collective, every rank makes the same calls in the same
+    order); where torch lacks it or it fails on any rank (the ranks agree through one NCCL
+    all-reduce), the layer keeps NCCL and ``error`` says why. Never set up during CUDA-graph capture;
+    until it is set up, calls go to NCCL.
+    """
+
+    def __init__(self, group, max_bytes: int):
+        self.group, self.max_bytes = group, max_bytes
+        self.buffers: dict = {}  # dtype -> symmetric buffer (or None: failed)
+        self.error: str | None = None
+        self.group_name = getattr(group, "group_name", None)
+
+    # One buffer per (group, dtype, device, size), shared by every layer: the kernel synchronizes the
+    # ranks at its start and its end, so a buffer is free again when the kernel ends.
+    _BUFFERS: dict = {}
+
+    def __call__(self, t: torch.Tensor):
+        if (not t.is_cuda or t.numel() * t.element_size() > self.max_bytes or self.error is not None
+                or t.data_ptr() % 16 or not t.is_contiguous()):  # the kernel's alignment and layout
+            return None
+        buf = self.buffers.get(t.dtype)
+        if buf is None:
+            if t.dtype in self.buffers or torch.cuda.is_current_stream_capturing():
+                return None
+            buf = self._setup(t)
+            if buf is None:
+                return None
+        n = t.numel()
+        out = torch.ops.symm_mem.one_shot_all_reduce_copy(buf[:n], t.reshape(-1), "sum", self.group_name)
+        return out.view(t.shape)
+
+    def _setup(self, t: torch.Tensor):
+        key = (self.group_name, t.dtype, t.device, self.max_bytes)
+        shared = _OneShot._BUFFERS.get(key)
+        if shared is not None:  # every rank set it up at the same call
+            self.buffers[t.dtype] = shared
+            return shared
+        buf, error = None, None
+        try:
+            from torch.distributed import _symmetric_memory as symm_mem
+
+            if self.group_name is None:
+                raise RuntimeError("the process group has no group_name")
+            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+            if enable is not None:
+                enable(self.group_name)
+            buf = symm_mem.empty(self.max_bytes // t.element_size(), dtype=t.dtype, device=t.device)
+            symm_mem.rendezvous(buf, self.group_name)
+            probe = torch.ones(8, dtype=t.dtype, device=t.device)
+            got = torch.ops.symm_mem.one_shot_all_reduce_copy(buf[:8], probe, "sum", self.group_name)
+            if not torch.equal(got, probe * dist.get_world_size(self.group)):
+                raise RuntimeError(f"one_shot_all_reduce_copy of ones gave {got.tolist()}")
+        except Exception as err:  # noqa: BLE001 (reported in self.error; NCCL stays)
+            error = f"{type(err).__name__}: {err}"[:300]
+        ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=t.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+        if error is None and ok.item() != 1:
+            error = "another rank could not set up the one-shot all-reduce"
+        if error is not None:
+            self.error = error
+            self.buffers[t.dtype] = None
+            return None
+        self.buffers[t.dtype] = _OneShot._BUFFERS[key] = buf
+        return buf
+
+
+_PENDING: list | None = None  # the all-reduces that overlapped() waits for, while it runs
+
+
+def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+    """SUM of ``t`` over ``group``, in place, as a row-wise layer reduces its partial sums: waited for
+    by the current stream, or, inside :func:`overlapped`, started on NCCL's stream and waited for at
+    its end. For layers outside tilemm (a bf16 ``torch.nn.Linear`` sharded by hand) that should
+    overlap like tilemm's. Returns ``t``."""
+    if group is None:
+        group = dist.group.WORLD
+    if _PENDING is not None:
+        _PENDING.append(group.allreduce([t], _SUM_ASYNC))
+        return t
+    work = group.allreduce([t], _SUM)
+    if work is not None:
+        work.wait()
+    return t
+
+
+def overlapped(fn, x: torch.Tensor, chunks: int) -> torch.Tensor:
+    """``fn(x)`` computed on ``chunks`` pieces of x's rows, each row-wise layer's all-reduce of piece
+    i running (on NCCL's own stream) while piece i + 1 is computed; returns the pieces' outputs
+    joined, after the current stream has waited for every all-reduce (no host sync; captures in a
+    CUDA graph).
+
+    For a column-then-row pair such as an MLP, ``fn = lambda t: fc2(act(fc1(t)))``: only the last
+    piece's all-reduce is left exposed, where one all-reduce at the end exposes all of it. ``fn``
+    must return the row-wise layers' outputs without reading them (their sums arrive when
+    ``overlapped`` returns) and treat rows independently. Layers that quantize the activation with
+    one scale for the whole tensor (NVFP4 both sides, FP8 per tensor) raise ValueError: a piece's
+    scale would differ from the whole tensor's. Not reentrant.
+    """
+    global _PENDING
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"tilemm.parallel.overlapped: chunks must be an int >= 1, got {chunks!r}")
+    if _PENDING is not None:
+        raise RuntimeError("tilemm.parallel.overlapped: already running (not reentrant)")
+    pending: list = []
+    _PENDING = pending
+    try:
+        outs = [fn(piece) for piece in x.chunk(chunks, dim=0)]
+    finally:
+        _PENDING = None
+        for work in pending:
+            if work is not None:
+                work.wait()
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
 class ShardedLinear(Linear):
@@ -367,29 +530,71 @@ class ShardedLinear(Linear):
             local = x
         else:
             local = _input_to_local(x, tp.mesh, tp.input_layouts, tp.desired_input)
+        if _PENDING is not None and (tp.tensor_scale or not tp.plain_output):
+            raise ValueError(f"tilemm.parallel.overlapped: this layer ({self._options.describe()}) "
+                             + ("quantizes its activation with one scale for the whole tensor; splitting the "
+                                "rows would change it" if tp.tensor_scale else "has a non-default output layout, "
+                                "whose DTensor collectives would run beside the queued all-reduces")
+                             + "; call it without overlapped")
         if tp.style == "colwise":
-            out = super().forward(local)
-        elif tp.amax is not None:
-            out = self._partial_with_global_amax(local, tp)
-        else:
-            out = super().forward(local)
+            out = Linear.forward(self, local)
+            return out if tp.plain_output else self._to_output_layout(out, tp)
         if tp.plain_output:
-            if tp.style == "rowwise":
-                dist.all_reduce(out, group=tp.group)
-            return out
-        return self._to_output_layout(out, tp)
+            pending = _PENDING
+            if pending is not None:  # inside overlapped(): reduce asynchronously, wait at its end
+                out = self._partial(local, tp, on_nccl_stream=True)
+                pending.append(tp.group.allreduce([out], tp.sum_async_opts))
+                return out
+            if (tp.chunks > 1 and not tp.tensor_scale and local.ndim >= 2
+                    and local.numel() >= tp.chunk_min_rows * self.in_features):
+                return self._chunked(local, tp)
+            return tp.all_reduce(self._partial(local, tp))
+        return self._to_output_layout(self._partial(local, tp), tp)
 
-    def _partial_with_global_amax(self, x: torch.Tensor, tp: _TPConfig) -> torch.Tensor:
-        """This rank's partial sum, its K-slice quantized with the amax of the whole activation."""
-        from . import matmul as _matmul
-        from . import quantize as _quantize
+    def _partial(self, local: torch.Tensor, tp: _TPConfig, on_nccl_stream: bool = False) -> torch.Tensor:
+        """This rank's partial sum over its K-slice (row-wise), before any reduction.
 
+        ``on_nccl_stream``: the amax all-reduce (if any) goes to NCCL's own stream, behind the pieces'
+        sums already queued there, so that no two collectives of the communicator run at once on
+        two streams (which NCCL does not allow)."""
+        if tp.amax is not None:
+            return self._partial_with_global_amax(local, tp, on_nccl_stream)
+        return Linear.forward(self, local)
+
+    def _chunked(self, local: torch.Tensor, tp: _TPConfig) -> torch.Tensor:
+        """The rows in ``tp.chunks`` pieces: piece i's all-reduce (NCCL's own stream) runs while piece
+        i + 1 is multiplied; the current stream waits for all of them (no host sync), then the pieces
+        are joined. Same sums as one all-reduce, row by row."""
+        rows = local.reshape(-1, self.in_features)
+        parts, works = [], []
+        for piece in rows.chunk(tp.chunks):
+            part = self._partial(piece, tp, on_nccl_stream=True)
+            works.append(tp.group.allreduce([part], tp.sum_async_opts))
+            parts.append(part)
+        for work in works:
+            if work is not None:
+                work.wait()
+        return torch.cat(parts).reshape(*local.shape[:-1], self.out_features)
+
+    def _partial_with_global_amax(self, x: torch.Tensor, tp: _TPConfig,
+                                  on_nccl_stream: bool = False) -> torch.Tensor:
+        """This rank's partial sum, its K-slice quantized with the amax of the whole activation.
+
+        NVFP4 on the GPU takes its slice's amax from the quantize kernels' own ``tensor_amax`` (one
+        read of the activation in its dtype, then one small reduction), the amax the unsharded layer's
+        quantizer computes; elsewhere ``quantize.amax_bits``."""
         self._check_input(x)
         rows = x.reshape(-1, self.in_features)
         options = self._options
-        nan = options.format == "fp8"  # FP8's amax propagates NaN; NVFP4's ignores it
-        amax = _quantize.amax_bits(rows, tp.amax, propagate_nan=nan)
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp.group)
+        kernels = _quantize._quantize_kernels(rows) if options.format == "nvfp4" else None
+        if kernels is not None:
+            amax = kernels.tensor_amax(rows, propagate_nan=False).amax().reshape(1)
+        else:
+            nan = options.format == "fp8"  # FP8's amax propagates NaN; NVFP4's is over the finite values
+            amax = _quantize.amax_bits(rows, tp.amax, propagate_nan=nan)
+        work = tp.group.allreduce([amax], tp.max_async_opts if on_nccl_stream else tp.max_opts)
+        if work is not None:
+            work.wait()
         if options.format == "nvfp4":
             runner = (self._small_batch_runner(x.device) if x.is_cuda and rows.shape[0] <= _SMALL_BATCH_ROWS
                       and not torch.compiler.is_compiling() else None)
@@ -420,7 +625,8 @@ class ShardedLinear(Linear):
 
 def _shard_in_place(fn: str, module: Linear, mesh: DeviceMesh, style: str, *, src_data_rank,
                     input_layouts: tuple[Placement, ...], output_layouts: tuple[Placement, ...],
-                    use_local_output: bool) -> Linear:
+                    use_local_output: bool, chunks: int = 1, chunk_min_rows: int = 1024,
+                    one_shot_max_bytes: int = 0) -> Linear:
     _check_layer(fn, module)
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{fn}: device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got "
@@ -441,8 +647,11 @@ def _shard_in_place(fn: str, module: Linear, mesh: DeviceMesh, style: str, *, sr
         _broadcast_layer(module, mesh, src_data_rank)
     _adopt(module, _build_local(module, shard, device))
     amax = _global_activation_scale(module) if style == "rowwise" and world_size > 1 else None
+    tensor_scale = _global_activation_scale(module) == "tensor"
     module._tp = _TPConfig(style, mesh, input_layouts, output_layouts, use_local_output, amax,
-                           shard.out_features)
+                           shard.out_features, chunks=chunks, chunk_min_rows=chunk_min_rows,
+                           one_shot_max_bytes=one_shot_max_bytes if world_size > 1 else 0,
+                           tensor_scale=tensor_scale)
     module.__class__ = ShardedLinear
     return module
 
@@ -473,15 +682,33 @@ class RowwiseParallel(_torch_tp.RowwiseParallel):
     ``Replicate()``, reached by an all-reduce of the partial sums, or ``Shard(...)`` by a
     reduce-scatter; ``use_local_output``, default True). A tilemm layer is sharded in place (input
     features split; bias on rank 0 only, so the sum adds it once); any other module goes to torch's
-    style.
+    style. Two more keywords choose how a tilemm layer's all-reduce runs (default layouts only):
+
+    - ``chunks`` (default 1: one all-reduce at the end): with an input of at least
+      ``chunk_min_rows`` rows (default 1024), the rows are multiplied in ``chunks`` pieces and piece
+      i's all-reduce runs on NCCL's stream while piece i + 1 is multiplied (not for layers with one
+      activation scale for the whole tensor, whose pieces would be quantized differently).
+    - ``one_shot_max_bytes`` (default 0: off): all-reduces of at most this many bytes go through
+      torch's symmetric-memory one-shot all-reduce (``_OneShot``; NCCL where it is unavailable).
     """
+
+    def __init__(self, *, chunks: int = 1, chunk_min_rows: int = 1024, one_shot_max_bytes: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        for name, value, low in (("chunks", chunks, 1), ("chunk_min_rows", chunk_min_rows, 1),
+                                 ("one_shot_max_bytes", one_shot_max_bytes, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"tilemm.parallel.RowwiseParallel: {name} must be an int >= {low}, "
+                                 f"got {value!r}")
+        self.chunks, self.chunk_min_rows, self.one_shot_max_bytes = chunks, chunk_min_rows, one_shot_max_bytes
 
     def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
         if not isinstance(module, Linear):
             return super()._apply(module, device_mesh)
         return _shard_in_place("tilemm.parallel.RowwiseParallel", module, device_mesh, "rowwise",
                                src_data_rank=self.src_data_rank, input_layouts=self.input_layouts,
-                               output_layouts=self.output_layouts, use_local_output=self.use_local_output)
+                               output_layouts=self.output_layouts, use_local_output=self.use_local_output,
+                               chunks=self.chunks, chunk_min_rows=self.chunk_min_rows,
+                               one_shot_max_bytes=self.one_shot_max_bytes)
 
 
 def shard_linear(layer: Linear, device_mesh: DeviceMesh, style: str, *, src_data_rank: int | None = 0,

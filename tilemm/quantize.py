@@ -21,8 +21,10 @@ import torch
 from swizzle import swizzle_32_4_4, swizzled_shape, unswizzle_32_4_4
 
 from . import _interop
+from ._arch import has_kernels
+from .kernels import quantize_kernels
 from .formats import FP8_BLOCK, FP8_E4M3, MXFP4, NVFP4, Format, fp8_format, mxfp8_format
-from .numerics import as_uint8, pack_e2m1
+from .numerics import as_uint8, ceil_div, pack_e2m1
 from .reference import dequantize_blocks
 
 __all__ = [
@@ -189,10 +191,6 @@ del _cls
 # ----------------------------------------------------------------------------------------------
 # Validation helpers (public boundary)
 # ----------------------------------------------------------------------------------------------
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _check_input(fn: str, x, *, block: int | None, min_ndim: int = 1) -> None:
@@ -408,10 +406,13 @@ def _quantize_mxfp4_reference(x: torch.Tensor, rounding: str, swizzle: bool) -> 
 
 def _nvfp4_encode_scale(xf: torch.Tensor, amax_g: torch.Tensor | None = None) -> torch.Tensor:
     """S_enc = 2688 / amax_g, capped at FLT_MAX, 1 when amax_g = 0 or the quotient is 0; amax_g is
-    the tensor amax of xf (``amax_bits(xf, "tensor", propagate_nan=False)``) unless given (0-d fp32)."""
+    the tensor amax of xf unless given (0-d fp32): NaN ignored, +-Inf counted (docs/numerics.md, as
+    ``quantize_kernels.tensor_amax`` computes it)."""
     if amax_g is None:
         # The tensor amax ignores NaN, so that a NaN only poisons its own block.
-        amax_g = amax_bits(xf, "tensor", propagate_nan=False).view(torch.float32).reshape(())
+        a = xf.abs()
+        a = torch.where(a.isnan(), torch.zeros_like(a), a)
+        amax_g = a.amax() if a.numel() else _f32(0.0, xf.device)
     s_enc = (_f32(NVFP4.qmax * FP8_E4M3.qmax, xf.device) / amax_g).clamp(max=_FLT_MAX)
     return torch.where((amax_g == 0) | (s_enc == 0), _f32(1.0, xf.device), s_enc)
 
@@ -472,7 +473,7 @@ def _quantize_fp8_reference(x: torch.Tensor, fmt: Format, granularity,
         amax = _blocks(a, FP8_BLOCK).amax(dim=-1)  # (..., M, K/128)
     else:
         m = xf.shape[-2]
-        m_blocks = _ceil_div(m, FP8_BLOCK)
+        m_blocks = ceil_div(m, FP8_BLOCK)
         # A partial last row block takes the amax over the rows it has (zero rows change nothing).
         padded = torch.nn.functional.pad(a, (0, 0, 0, m_blocks * FP8_BLOCK - m))
         tiles = padded.reshape(*a.shape[:-2], m_blocks, FP8_BLOCK, k_blocks, FP8_BLOCK)
@@ -557,15 +558,22 @@ def check_quantize_fp8(x, granularity, elem_dtype, pow2_scale):
 def _quantize_kernels(x: torch.Tensor):
     """The GPU quantizer module when x is served by it (a non-empty CUDA tensor on sm_90 or newer),
     else None. The kernels read transposed views (the ``axis=-2`` form) as they are stored."""
-    if not x.is_cuda or x.numel() == 0:
+    if x.numel() == 0 or not has_kernels(x.device):
         return None
-    from .kernels import quantize_kernels
+    return quantize_kernels
 
-    return quantize_kernels if quantize_kernels.supported(x) else None
+
+def _eager_gpu(x) -> bool:
+    """Whether a checked call may skip the operator dispatcher: an eager call on a plain CUDA tensor
+    (torch.compile, tensor subclasses and CPU tensors go through ``torch.ops.tilemm.*``)."""
+    return type(x) is torch.Tensor and x.is_cuda and not torch.compiler.is_compiling()
 
 
 def run_quantize_mxfp8(x, elem_dtype, rounding, swizzle):
-    fmt = check_quantize_mxfp8(x, elem_dtype, rounding, swizzle)
+    return _quantize_mxfp8_checked(x, check_quantize_mxfp8(x, elem_dtype, rounding, swizzle), rounding, swizzle)
+
+
+def _quantize_mxfp8_checked(x, fmt, rounding, swizzle):
     kernels = _quantize_kernels(x)
     if kernels is not None:
         data, scale = kernels.quantize_mx(x, fmt, rounding, swizzle)
@@ -575,6 +583,10 @@ def run_quantize_mxfp8(x, elem_dtype, rounding, swizzle):
 
 def run_quantize_mxfp4(x, rounding, swizzle):
     check_quantize_mxfp4(x, rounding, swizzle)
+    return _quantize_mxfp4_checked(x, rounding, swizzle)
+
+
+def _quantize_mxfp4_checked(x, rounding, swizzle):
     kernels = _quantize_kernels(x)
     if kernels is not None:
         data, scale = kernels.quantize_mx(x, MXFP4, rounding, swizzle)
@@ -583,7 +595,10 @@ def run_quantize_mxfp4(x, rounding, swizzle):
 
 
 def run_quantize_nvfp4(x, global_scale, swizzle):
-    gs = check_quantize_nvfp4(x, global_scale, swizzle)
+    return _quantize_nvfp4_checked(x, check_quantize_nvfp4(x, global_scale, swizzle), swizzle)
+
+
+def _quantize_nvfp4_checked(x, gs, swizzle):
     kernels = _quantize_kernels(x)
     if kernels is not None:
         data, scale, decode = kernels.quantize_nvfp4(x, gs, swizzle)  # decode: a new tensor
@@ -604,6 +619,10 @@ def fp8_granularity_from_name(granularity: str):
 def run_quantize_fp8(x, granularity, elem_dtype, pow2_scale):
     gran = fp8_granularity_from_name(granularity)
     fmt, gran = check_quantize_fp8(x, gran, elem_dtype, pow2_scale)
+    return _quantize_fp8_checked(x, fmt, gran, pow2_scale)
+
+
+def _quantize_fp8_checked(x, fmt, gran, pow2_scale):
     kernels = _quantize_kernels(x)
     if kernels is not None:
         return kernels.quantize_fp8(x, fmt, gran, pow2_scale)
@@ -648,6 +667,8 @@ def quantize_mxfp8(x: torch.Tensor, *, elem_dtype: torch.dtype = torch.float8_e4
     """
     x = _along("quantize_mxfp8", x, axis)
     fmt = check_quantize_mxfp8(x, elem_dtype, rounding, swizzle)
+    if _eager_gpu(x):  # the operator's own implementation, without the dispatcher's cost
+        return MXFP8Tensor(*_quantize_mxfp8_checked(x.detach(), fmt, rounding, swizzle))
     return MXFP8Tensor(*torch.ops.tilemm.quantize_mxfp8(x.detach(), fmt.data_dtype, rounding, swizzle))
 
 
@@ -669,6 +690,8 @@ def quantize_mxfp4(x: torch.Tensor, *, rounding: str = "rceil",
     """
     x = _along("quantize_mxfp4", x, axis)
     check_quantize_mxfp4(x, rounding, swizzle)
+    if _eager_gpu(x):
+        return MXFP4Tensor(*_quantize_mxfp4_checked(x.detach(), rounding, swizzle))
     return MXFP4Tensor(*torch.ops.tilemm.quantize_mxfp4(x.detach(), rounding, swizzle))
 
 
@@ -694,6 +717,9 @@ def quantize_nvfp4(x: torch.Tensor, *, global_scale=None, swizzle: bool = False,
     """
     x = _along("quantize_nvfp4", x, axis)
     # The value of a given global_scale is checked by the operator (reading it back syncs a GPU).
+    if _eager_gpu(x) and global_scale is None:
+        check_quantize_nvfp4(x, None, swizzle)
+        return NVFP4Tensor(*_quantize_nvfp4_checked(x.detach(), None, swizzle))
     gs = check_quantize_nvfp4(x, global_scale, swizzle, check_value=False)
     return NVFP4Tensor(*torch.ops.tilemm.quantize_nvfp4(x.detach(), gs, swizzle))
 
@@ -721,6 +747,8 @@ def quantize_fp8(x: torch.Tensor, *, granularity="tensor",
     """
     x = _along("quantize_fp8", x, axis)
     fmt, gran = check_quantize_fp8(x, granularity, elem_dtype, pow2_scale)
+    if _eager_gpu(x):
+        return FP8Tensor(*_quantize_fp8_checked(x.detach(), fmt, gran, pow2_scale))
     return FP8Tensor(*torch.ops.tilemm.quantize_fp8(x.detach(), fp8_granularity_name(gran),
                                                     fmt.data_dtype, pow2_scale))
 
@@ -745,17 +773,21 @@ def amax_bits(x: torch.Tensor, granularity: str, *, propagate_nan: bool) -> torc
     Non-negative fp32 values order like their bit patterns and NaN's exceed +Inf's, so the integer
     maximum of several of these (``torch.distributed.all_reduce(op=MAX)``, which every backend has
     for int32) is the amax of the union, NaN propagating: the rule of FP8 per tensor / per row.
-    ``propagate_nan=False`` counts NaN as 0 (NVFP4's tensor amax; +Inf counts as itself), the rule
-    of ``quantize_kernels.tensor_amax`` and of the reference. Plain tensor ops: CUDA-graph safe.
+    ``propagate_nan=False`` is the max over the finite elements only (NaN and +-Inf count as 0):
+    NVFP4's tensor amax, whose rule leaves non-finite values to their own 16-block. The maximum is
+    taken in x's own dtype (exact; its conversion to fp32 is too), so only the result is converted.
+    Plain tensor ops: CUDA-graph safe.
     """
-    bits = x.detach().to(torch.float32).abs().view(torch.int32)
+    if granularity not in ("tensor", "row"):
+        raise ValueError(f"amax_bits: granularity must be 'tensor' or 'row', got {granularity!r}")
+    a = x.detach().abs()
     if not propagate_nan:
-        bits = torch.where(bits > 0x7F800000, torch.zeros_like(bits), bits)
-    if granularity == "tensor":
-        return bits.amax().reshape(1) if bits.numel() else bits.new_zeros(1)
-    if granularity == "row":
-        return bits.amax(dim=-1, keepdim=True) if bits.numel() else bits.new_zeros(*bits.shape[:-1], 1)
-    raise ValueError(f"amax_bits: granularity must be 'tensor' or 'row', got {granularity!r}")
+        a = a.nan_to_num(nan=0.0, posinf=0.0)  # |x| has no -Inf
+    if not a.numel():
+        shape = (1,) if granularity == "tensor" else (*a.shape[:-1], 1)
+        return torch.zeros(shape, dtype=torch.int32, device=a.device)
+    m = a.amax().reshape(1) if granularity == "tensor" else a.amax(dim=-1, keepdim=True)
+    return m.to(torch.float32).view(torch.int32)
 
 
 def quantize_nvfp4_with_amax(x: torch.Tensor, amax: torch.Tensor, *, swizzle: bool = False) -> NVFP4Tensor:
@@ -935,7 +967,7 @@ def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, *, elem_dtype=None) 
     if data.ndim >= 2:
         m, rows = data.shape[-2], scale.shape[-2]
         if rows != m:
-            if rows != _ceil_div(m, FP8_BLOCK):
+            if rows != ceil_div(m, FP8_BLOCK):
                 raise bad_shape
             s = s.repeat_interleave(FP8_BLOCK, dim=-2)[..., :m, :]
     return values * s

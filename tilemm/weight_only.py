@@ -24,13 +24,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ._arch import Family, family
 from ._validate import FLOAT_INPUT_DTYPES, as_fp32_scalar, check_bias, check_tensor
 from .formats import FORMATS
 from .kernels import _large
-from .kernels._common import num_sms
+from .kernels._common import num_sms, stream_handle
 from .kernels import weight_only_kernels as _kernel
 from .kernels import hopper_weight_only_large as _large_kernel
-from ._arch import Family as _Family, family as _family
+from .kernels.quantize_kernels import FakeQuant
 from .packed import PackedWeight, _unpack_words, layout_of
 from .reference import decode_elements, decode_scales
 from .numerics import pack_e2m1
@@ -66,10 +67,6 @@ def reference_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_feat
         acc = acc + bias
     return acc.to(x2d.dtype)
 
-
-#: The current stream's raw handle (an int) for a device index: ``torch.cuda.current_stream()`` builds a
-#: Stream object per call, which costs several times a whole kernel launch.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 #: Whether this PyTorch has cuBLAS bf16 x bf16 -> fp32 ``addmm(..., out_dtype=)`` (the large-M path).
 _GEMM_FP32_OUT = [True]
@@ -132,15 +129,14 @@ class WeightOnlyRunner:
         out = torch.empty((m, self.n), dtype=out_dtype, device=self.device)
         if m == 0:
             return out
-        stream = (_raw_stream(self.device.index) if _raw_stream is not None
-                  else torch.cuda.current_stream(self.device))
+        stream = stream_handle(self.device)
         # Many rows of bf16 x: the large-M plan (``hopper_weight_only_large.PLAN``), where it names a design.
         large = None
         if x2d.dtype == torch.bfloat16 and m >= _large_kernel.first_m(self.layout):
             if self._sms is None:
                 self._sms = num_sms(self.device)
             large = _large_kernel.plan(m, self.n, self.k, self.layout, sms=self._sms)
-        if large is not None and large.kind == "fused" and _family(self.device) is not _Family.HOPPER:
+        if large is not None and large.kind == "fused" and family(self.device) is not Family.HOPPER:
             large = _large_kernel.LargeConfig("decode", chunk=0)  # the fused kernel is built for sm_90
         if large is not None and large.kind == "fused" and m * max(self.k, self.n) < _large.LIMIT:
             p = self.packed
@@ -189,8 +185,6 @@ class QuantizedActivationRunner:
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, rounding: str | None):
         """``packed``: the layer's weight, prepacked; the activation is quantized to the same format
         (MX scales rounded by ``rounding``, "rceil" or "floor")."""
-        from .kernels.quantize_kernels import FakeQuant
-
         self.inner = WeightOnlyRunner(packed, bias)
         # The activation's decode scale (NVFP4) multiplies the weight's factor on the device.
         self.fake_quant = FakeQuant(packed.fmt, rounding, packed.constants[0:1])
@@ -199,10 +193,32 @@ class QuantizedActivationRunner:
         """x2d (M, K) contiguous float -> (M, N) in x2d's dtype."""
         if x2d.shape[0] == 0:
             return torch.empty((0, self.inner.n), dtype=x2d.dtype, device=x2d.device)
-        stream = (_raw_stream(x2d.device.index) if _raw_stream is not None
-                  else torch.cuda.current_stream(x2d.device))
+        stream = stream_handle(x2d.device)
         xq, alpha = self.fake_quant.run(x2d, stream)
         return self.inner(xq, alpha, out_dtype=x2d.dtype)
+
+
+#: Runners kept per weight (and bias) for eager calls.
+_RUNNERS_PER_WEIGHT = 4
+
+
+def runner_for(packed: PackedWeight, bias: torch.Tensor | None, bias32: torch.Tensor | None = None
+               ) -> WeightOnlyRunner:
+    """The weight's ``WeightOnlyRunner`` with ``bias``, built once and kept on the PackedWeight (the
+    launches it prepares per batch size live as long as the weight). ``bias32``: ``bias`` as checked
+    fp32, if already made. A bias changed in place is seen: its version counter is part of the key."""
+    runners = packed.__dict__.get("_runners")
+    if runners is None:
+        runners = {}
+        object.__setattr__(packed, "_runners", runners)  # a cache, not part of the frozen value
+    key = None if bias is None else (id(bias), bias._version, bias.data_ptr())
+    runner = runners.get(key)
+    if runner is None:
+        if len(runners) >= _RUNNERS_PER_WEIGHT:
+            runners.clear()
+        runner = runners[key] = WeightOnlyRunner(packed, bias if bias32 is None else bias32)
+        runner.bias_source = None if bias is None else (bias, bias._version)
+    return runner
 
 
 def run_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: int, bias, alpha,
@@ -210,8 +226,6 @@ def run_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: 
     """What ``torch.ops.tilemm.weight_only_linear`` runs on checked tensors."""
     if x2d.device.type != "cuda":
         return reference_weight_only(x2d, words, scale_t, constants, fmt_name, in_features, bias, alpha)
-    from ._arch import family
-
     family(x2d.device)  # raises UnsupportedGPUError below sm_90
     fmt = FORMATS[fmt_name]
     packed = PackedWeight(fmt=fmt, words=words, scale_t=scale_t, constants=constants, exponent=0,
@@ -240,6 +254,11 @@ def _(x, words, scale_t, constants, format, in_features, bias=None, alpha=None, 
     return x.new_empty((x.shape[0], words.shape[0]))
 
 
+def _eager_gpu(x) -> bool:
+    """Whether a checked call may skip the operator dispatcher: an eager call on a plain CUDA tensor."""
+    return type(x) is torch.Tensor and x.is_cuda and not torch.compiler.is_compiling()
+
+
 def weight_only_linear(x: torch.Tensor, packed: PackedWeight, *, bias=None, alpha=None) -> torch.Tensor:
     """``x @ dequantize(w).T (* alpha) + bias`` for a float x (..., K) and a prepacked (N, K) weight.
 
@@ -257,6 +276,14 @@ def weight_only_linear(x: torch.Tensor, packed: PackedWeight, *, bias=None, alph
     bias32 = check_bias(fn, bias, n, x.device)
     alpha32 = None if alpha is None else as_fp32_scalar(fn, "alpha", alpha, x.device) * packed.constants[0]
     rows = x.reshape(-1, k)
+    if _eager_gpu(x):
+        # An eager call: the weight's cached runner (the operator's work without the dispatcher, the
+        # weight's launch plans kept between calls).
+        family(x.device)  # raises UnsupportedGPUError below sm_90
+        runner = runner_for(packed, bias, bias32)
+        out = runner(rows if rows.is_contiguous() else rows.contiguous(),
+                     None if alpha32 is None else alpha32.reshape(1))
+        return out.reshape(*x.shape[:-1], n)
     out = _weight_only_linear_op(rows, packed.words, packed.scale_t, packed.constants,
                                               packed.fmt.name, k, bias32, alpha32, packed.alpha_host)
     return out.reshape(*x.shape[:-1], n)

@@ -24,10 +24,12 @@ import torch
 
 import swizzle as _swizzle
 
+from ..numerics import ceil_div
+
 __all__ = ["tile_coords", "tile_coords_at", "e8m0_to_bf16", "e2m1_lo_bits_fp16", "e2m1_hi_bits_fp16",
            "e2m1_lo_bits_bf16",
            "e2m1_hi_bits_bf16", "unswizzle_scale_tile", "epilogue", "ones_scalar", "zeros_vector",
-           "swizzled_scale_view", "hinted", "num_sms", "SWIZZLE_ROWS", "SWIZZLE_COLS"]
+           "swizzled_scale_view", "hinted", "num_sms", "stream_handle", "ceil_div", "SWIZZLE_ROWS", "SWIZZLE_COLS"]
 
 #: Rows and scale columns covered by one 32x16 block of the 32x4x4 layout.
 SWIZZLE_ROWS = _swizzle.ROW_TILE
@@ -150,13 +152,14 @@ def zeros_vector(device: torch.device, n: int) -> torch.Tensor:
 
 
 def fp8_kind(granularity: str, where: str) -> str:
-    """The FP8 kernel family for a ``tilemm.matmul.FP8Problem`` granularity: "scaled" (per tensor or
-    per row: one kernel, scales in the epilogue) or "blockwise"; ``where`` names the caller in errors."""
-    if granularity in ("tensorwise", "rowwise"):
+    """The FP8 kernel for a ``tilemm.matmul.FP8Problem`` granularity (``tilemm.formats.FP8_GRANULARITIES``):
+    "scaled" (per tensor or per row: one kernel, scales in the epilogue) or "blockwise" (128-element
+    blocks); ``where`` names the caller in errors."""
+    if granularity in ("tensor", "row"):
         return "scaled"
-    if granularity == "blockwise":
+    if granularity == "block":
         return "blockwise"
-    raise ValueError(f"{where}: granularity must be 'tensorwise', 'rowwise' or 'blockwise', got "
+    raise ValueError(f"{where}: granularity must be 'tensor', 'row' or 'block', got "
                      f"{granularity!r}")
 
 
@@ -170,6 +173,19 @@ def swizzled_scale_view(scale: torch.Tensor, cols_per_tile: int) -> torch.Tensor
     c = min(cols_per_tile, SWIZZLE_COLS)
     b, rt, kt = scale.shape[:3]
     return scale.reshape(b, rt, kt, 32 * 4, SWIZZLE_COLS // c, c)
+
+
+#: The current stream's raw handle for a device index (``torch.cuda.current_stream()`` builds a Stream
+#: object per call, about 5 us; ``ct.launch`` takes the raw integer).
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def stream_handle(device: torch.device):
+    """The current CUDA stream of ``device`` as the raw handle ``ct.launch`` takes (a PyTorch built
+    without CUDA, where only the tests' CPU emulation launches, gets ``torch.cuda.current_stream``)."""
+    if _RAW_STREAM is None:
+        return torch.cuda.current_stream(device)
+    return _RAW_STREAM(device.index if device.index is not None else torch.cuda.current_device())
 
 
 _SMS: dict[int, int] = {}

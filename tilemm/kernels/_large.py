@@ -41,6 +41,8 @@ from typing import Sequence
 
 import torch
 
+from ..numerics import ceil_div
+
 __all__ = ["LIMIT", "Axis", "Operand", "Piece", "span", "fits", "fits_shape", "int32_view", "plan_extents",
            "pieces", "split", "TooLargeError",
            "matmul_axes", "rows_of", "out_dims", "BATCH", "M", "N", "MAX_MATMUL_K", "check_matmul_k"]
@@ -150,7 +152,7 @@ def _piece_shape(shape, dims, axis_ranges):
     out = list(shape)
     for dim, axis, per in dims:
         start, stop, last = axis_ranges[axis]
-        end = shape[dim] if last else min(shape[dim], -(-stop // per))
+        end = shape[dim] if last else min(shape[dim], ceil_div(stop, per))
         out[dim] = max(0, end - start // per)
     return out
 
@@ -164,7 +166,7 @@ def _spec_fits(spec: _Spec, shape) -> bool:
 def _extents_fit(sizes, extents, specs) -> bool:
     """Whether the first and the last piece (the middle ones are like the first) of every operand fit."""
     first = [(0, min(e, n), e >= n) for n, e in zip(sizes, extents)]
-    last = [((-(-n // e) - 1) * e, n, True) for n, e in zip(sizes, extents)]
+    last = [((ceil_div(n, e) - 1) * e, n, True) for n, e in zip(sizes, extents)]
     return all(_spec_fits(spec, _piece_shape(spec[0], spec[3], rng)) for spec in specs for rng in (first, last))
 
 
@@ -217,7 +219,7 @@ def _plan_extents(sizes, units, specs, limit, align) -> tuple[int, ...] | None:
     def largest(i, chosen):
         """The largest extent along axis i that fits with ``chosen`` before it and whole axes after
         it (bisection over multiples of the unit; 0 when one unit does not fit)."""
-        lo, hi = 0, -(-sizes[i] // units[i])
+        lo, hi = 0, ceil_div(sizes[i], units[i])
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if _extents_fit(sizes, (*chosen, min(mid * units[i], sizes[i]), *sizes[i + 1:]), specs):
@@ -232,7 +234,7 @@ def _plan_extents(sizes, units, specs, limit, align) -> tuple[int, ...] | None:
             e = largest(i, chosen)
             if e:
                 ext = (*chosen, e)
-                count = math.prod(-(-n // x) for n, x in zip(sizes, ext))
+                count = math.prod(ceil_div(n, x) for n, x in zip(sizes, ext))
                 if best_count is None or count < best_count:
                     best, best_count = ext, count
             return
@@ -291,7 +293,7 @@ def pieces(where: str, axes: Sequence[Axis], operands: Sequence[Operand]) -> lis
                 for dim, axis, per in op.dims:
                     s, e, last = rng[axis]
                     begin = s // per
-                    end = t.shape[dim] if last else min(t.shape[dim], -(-e // per))
+                    end = t.shape[dim] if last else min(t.shape[dim], ceil_div(e, per))
                     t = t.narrow(dim, begin, max(0, end - begin))
                 views.append(int32_view(t))
             out.append(Piece(tuple(ranges), tuple(views)))

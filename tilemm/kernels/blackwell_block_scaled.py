@@ -1,84 +1,26 @@
 """MXFP8, MXFP4 and NVFP4 matmuls on Blackwell (sm_100 / sm_120) with ``ct.mma_scaled``, in cuTile.
 
-What it computes (docs/numerics.md): for each batch entry, ``out = (dequantize(a) @ dequantize(b).T) *
-alpha + bias`` accumulated in fp32 and rounded once to ``out``'s dtype. ``a`` is (Ba, M, Kd) row-major,
-``b`` the (Bb, N, Kd) weight form (both K-contiguous; Kd = K, or K/2 for packed e2m1); scales are e8m0
-(MX, one per 32 elements of K) or e4m3 (NVFP4, one per 16, with the two per-tensor decode scales
-already folded into ``alpha``).
+Computes ``out = (dequantize(a) @ dequantize(b).T) * alpha + bias`` per batch entry, fp32
+accumulation, one rounding to ``out``'s dtype (docs/numerics.md). a (Ba, M, Kd) and b, the
+(Bb, N, Kd) weight, are K-contiguous (Kd = K/2 for packed e2m1); scales are e8m0 (MX, block 32) or
+e4m3 (NVFP4, block 16; its decode scales arrive folded into alpha). ``ct.mma_scaled`` applies the
+scales in hardware (tcgen05 on sm_100, warp-level ``QMMA.SF`` / ``OMMA.SF`` on sm_120): nothing is
+dequantized in registers.
 
-The instruction (shared/seeds/cutile-mma-scaled.md, cuTile's ``ct.mma_scaled`` contract)::
+Per K step a block loads a (TM, TK) tile of a and a (TN, TK) tile of b (transposed in registers),
+packed e2m1 through ``ct.unpack_from_bytes`` (element 2i in the low nibble of byte i), and the
+scales as uint8 bytes bit-cast in registers, so zero padding is byte 0 (a finite scale). Logical
+scales load as (1, TR, TK/B) tiles; swizzled 32x4x4 scales as whole (TR/128, TK/(4B)) blocks of
+(32, 16) (one TMA box), unswizzled in registers by ``_unswizzle_32_4_4``.
 
-    ct.mma_scaled(x, x_scale, y, y_scale, acc)[i, j] =
-        acc[i, j] + sum_k x[i, k] * x_scale[i, k // B] * y[k, j] * y_scale[k // B, j]
+Invariants: loads past M, N and K are zero-filled and stores masked, so K padding adds exactly 0
+and scale rows past M / N reach only accumulators that are never stored; swizzled padding columns
+are zero by contract (``swizzle.swizzle_32_4_4`` writes zeros); scale byte 255 / an e4m3 NaN makes
+its row or column NaN. A shared weight (Bb == 1) folds the batch into M where the views exist.
 
-with x (TM, TK), x_scale (TM, TK/B), y (TK, TN), y_scale (TK/B, TN) and B = TK // (TK/B) in {32} for
-e4m3/e5m2 + e8m0, {16, 32} for e2m1 + e8m0, {16} for e2m1 + e4m3. tileiras lowers it to tcgen05
-block-scaled MMA for sm_100 (``UTCQMMA`` for MXFP8, ``UTCOMMA`` for MXFP4, ``UTCOMMA.4X`` for NVFP4's
-16-element blocks; scales copied to tensor memory with ``UTCCP``) and to warp-level ``QMMA.SF`` /
-``OMMA.SF`` for sm_120: the hardware applies the scales, nothing is dequantized in registers. (Both
-read e4m3 scales as unsigned ``UE4M3``: NVFP4 scales are non-negative by construction.)
-
-Per K step the kernel loads, for its (TM, TN) output tile:
-
-* a: a (TM, TK) tile; b: a (TN, TK) tile of the K-major weight, transposed in registers to the (TK, TN)
-  that ``mma_scaled`` wants (the seed's ``ct.load(Y, ..., (TN, TK)).transpose()``). Packed e2m1 arrives
-  as uint8 (TR, TK/2) bytes; ``ct.unpack_from_bytes(bytes.reshape(-1), ct.float4_e2m1fn)`` reads the low
-  nibble of byte i as element 2i and the high nibble as 2i+1 (the packing of docs/numerics.md and of
-  cuTile's own ``test_mma_scaled.py`` reference), and the flat result reshapes back to (TR, TK).
-* scales: always as uint8 bytes, bit-cast in registers to float8_e8m0fnu / float8_e4m3fn. Loading bytes
-  makes "zero padding" mean byte 0 whatever the scale type (2^-127 for e8m0, 0.0 for e4m3), never a
-  NaN. x's scale tile is (TM, TK/B); y's is loaded as (TN, TK/B), the rows of the (N, K/B) weight scale,
-  and transposed to (TK/B, TN).
-
-Scale layouts (told apart by the scale arrays' rank, so each is its own specialisation):
-
-* logical: a_scale (Ba, M, Ks), b_scale (Bb, N, Ks): a plain (1, TR, TK/B) tile.
-* swizzled 32x4x4 (Ba, Rt, Kt, 32, 16): element (r, c) of the logical (R, Ks) matrix lives at
-  ``[r // 128, c // 4, r % 32, ((r % 128) // 32) * 4 + c % 4]``; one (32, 16) block holds 128 rows x 4
-  scale columns. A (TR, TKS) tile of scales (TKS = TK / B) is therefore
-
-      TR / 128 row blocks x TKS / 4 column blocks:  shape (1, TR // 128, TKS // 4, 32, 16),
-      tile index (b, i, kt, 0, 0) -> blocks [i * TR/128, ...) x [kt * TKS/4, ...)
-
-  which is whole blocks only if TR % 128 == 0 and TK % (4 * B) == 0. Examples: MXFP8 with TK = 128 has
-  TKS = 4 = one column block; MXFP4 with TK = 256 has 8 = two; NVFP4 with TK = 256 has 16 = four (and
-  with TK = 128, 8 = two). (The seed sizes the row extent as ``TM // scaling_block_size // 4``, which
-  is TM / 128 only for B = 32; here it comes from the 128-row block, for any B.)
-  ``_unswizzle_32_4_4`` (the seed's inverse, for RB x CB blocks) reshapes (RB, CB, 32, 16) to
-  (RB, CB, m1=32, m2=4, k1=4), permutes to (RB, m2, m1, CB, k1) and flattens to (RB*128, CB*4):
-  row = rb*128 + m2*32 + m1 and column = cb*4 + k1, exactly the inverse of the formula above.
-  The 5-D tile maps onto one TMA box (UTMALDG.5D in the sm_100 cubin).
-
-Edges (padding never reaches a stored output):
-
-* M, N: loads past the edge are zero-filled and stores are masked, so any M, N work (1, 7, 100, 129, 17).
-  Scale rows past M / N (the swizzled layout's padding, which may hold anything, 0xFF included) only
-  scale accumulator rows / columns that are never stored: a NaN there stays in its own row / column.
-* K a multiple of B but not of TK: data past K loads as 0 and its scale as byte 0 (logical layout: the
-  load's zero fill; swizzled layout: zero bytes by contract, or the load's zero fill past the last
-  column block), a finite scale, so the padded part of the last K step adds exactly 0. The swizzled
-  layout's padding columns are trusted to be zero (docs/numerics.md; ``swizzle.swizzle_32_4_4`` writes
-  zeros) rather than masked: a mask compiles, but moves the scales through registers and changes the
-  sm_100 pipeline (221 KB -> 135 KB of shared memory for MXFP8 at 128x128), untested for speed.
-* A real scale byte 255 (e8m0) or an e4m3 NaN makes its row / column NaN, as docs/numerics.md requires.
-
-Batching: one 1-D grid over B * cdiv(M, TM) * cdiv(N, TN) tiles (GROUP_SIZE_M-ordered for L2 reuse);
-Ba or Bb of 1 broadcasts through ``batch % Ba``. When b is shared (Bb == 1) the batch folds into M
-(``plan_launch``): (Ba, M, Kd) -> (1, Ba*M, Kd), as long as the views exist and, for swizzled scales,
-M is a multiple of 128 (the batched swizzled scale is then exactly the swizzle of the folded matrix).
-
-Configs (``_CONFIGS``, not tuned on hardware: no Blackwell GPU was available). TK covers 128 bytes of
-each operand row (TK = 128 for MXFP8, 256 for e2m1): the 128-byte TMA swizzle width and CUTLASS's
-K = 256 tile for FP4. sm_100: 128x128 (one CTA) and 256x256 on a 2-CTA cluster (tcgen05 2-SM MMA,
-``UTCQMMA.2CTA`` in the cubin) for large problems, the config cuTile's own B200 tuning file records for
-MXFP8 ``mma_scaled`` at 4096^3 (256x256x128, num_ctas=2, 71.4 us: about 1.9 PFLOPS). sm_120 (less
-shared memory, no 2-SM MMA): 128x128 only, with num_worker_warps=8 (``ct.ByTarget``), which removes the
-register spills the default 4 warps show in the sm_120 cubin; cuTile's tuning file picks 128x128x128,
-one CTA, on an RTX PRO 6000.
-
-Verified without a GPU: every (format, layout, output dtype, config) compiles for its targets
-(tests/test_aot.py), and tests/test_blackwell_plan.py runs these very kernel functions through a NumPy
-emulation of the cuTile operations they use, against tilemm.reference, on awkward shapes.
+Configs (``_CONFIGS``, by compute capability: ``table_for_capability``) were chosen without a
+Blackwell GPU; ``Prepared`` plans a signature once, ``launch`` is one prepared call. Design notes:
+benchmarks/results/hopper-design-nvidia-h100-80gb-hbm3.md ("blackwell_block_scaled").
 """
 
 from __future__ import annotations
@@ -91,7 +33,9 @@ import torch
 from ..formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
 from . import _large
 from ._aot import AotVariant, array
-from ._common import SWIZZLE_COLS, SWIZZLE_ROWS, epilogue, hinted, num_sms, ones_scalar, tile_coords, zeros_vector
+from .._arch import capability
+from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, ceil_div, epilogue, hinted, num_sms, ones_scalar, stream_handle,
+                      tile_coords, zeros_vector)
 
 __all__ = ["launch", "aot_variants", "TileConfig", "LaunchPlan", "config_for", "plan_launch",
            "scale_tile_blocks", "check_config", "FORMATS"]
@@ -229,7 +173,7 @@ def config_for(table: str, batch: int, m: int, n: int, sm_count: int = DEFAULT_S
     configs = _CONFIGS[table]
     large = configs.get("large")
     if large is not None:
-        tiles = batch * -(-m // large.tile_m) * -(-n // large.tile_n)
+        tiles = batch * ceil_div(m, large.tile_m) * ceil_div(n, large.tile_n)
         if tiles * large.num_ctas >= sm_count:
             return large
     return configs["small"]
@@ -349,25 +293,56 @@ def plan_launch(problem, table: str, sm_count: int = DEFAULT_SM_COUNT,
     for views in lg.split("block-scaled matmul", lg.matmul_axes(grid_batch, grid_m, n, cfg.tile_m, cfg.tile_n),
                           operands):
         pb, pm, pn = views[4].shape
-        launches.append(((pb * -(-pm // cfg.tile_m) * -(-pn // cfg.tile_n), 1, 1), (*views, *_constants(fmt, cfg))))
+        launches.append(((pb * ceil_div(pm, cfg.tile_m) * ceil_div(pn, cfg.tile_n), 1, 1), (*views, *_constants(fmt, cfg))))
     grid, args = launches[0]
     return LaunchPlan(cfg, kernel, grid, args, folded, tuple(launches))
 
 
 
 
+class Prepared:
+    """One block-scaled matmul signature on a Blackwell GPU, planned once (``plan_launch``): ``run``
+    launches it for any problem of that signature. Operands of 2^31 elements and more are planned
+    again on every call (their pieces are views of the call's tensors)."""
+
+    __slots__ = ("plan", "consts", "direct", "swizzled", "n")
+
+    def __init__(self, problem, config: TileConfig | None = None):
+        device = problem.out.device
+        self.plan = plan_launch(problem, table_for_capability(capability(device)), num_sms(device), config)
+        self.direct = len(self.plan.launches) == 1
+        self.consts = _constants(problem.fmt, self.plan.config)
+        self.swizzled, self.n = problem.swizzled, problem.out.shape[2]
+
+    def run(self, problem, stream) -> None:
+        """Launch for ``problem`` (a ``BlockScaledProblem`` of this signature) on raw stream ``stream``."""
+        device = problem.out.device
+        if not self.direct:
+            plan = plan_launch(problem, table_for_capability(capability(device)), num_sms(device),
+                               self.plan.config)
+            launches = plan.launches
+        else:
+            a, a_scale, out = problem.a, _scale_bytes(problem.a_scale), problem.out
+            if self.plan.folded:
+                a, a_scale, out = _fold_batch(a, a_scale, out, self.swizzled)
+            alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
+            bias = zeros_vector(device, self.n) if problem.bias is None else problem.bias
+            launches = ((self.plan.grid, (a, a_scale, problem.b, _scale_bytes(problem.b_scale), out, alpha, bias,
+                                          *self.consts)),)
+        if device.index is None or device.index == torch.cuda.current_device():
+            for grid, args in launches:
+                ct.launch(stream, grid, self.plan.kernel, args)
+            return
+        with torch.cuda.device(device):
+            for grid, args in launches:
+                ct.launch(stream, grid, self.plan.kernel, args)
+
+
 def launch(problem, config: TileConfig | None = None) -> None:
     """Run a ``tilemm.matmul.BlockScaledProblem`` on a Blackwell GPU, writing ``problem.out``.
 
     ``config`` overrides the table's choice (for tuning and benchmarks)."""
-    from .._arch import capability
-
-    device = problem.out.device
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    plan = plan_launch(problem, table_for_capability(capability(device)), num_sms(index), config)
-    with torch.cuda.device(device):
-        for grid, args in plan.launches:
-            ct.launch(torch.cuda.current_stream(device), grid, plan.kernel, args)
+    Prepared(problem, config).run(problem, stream_handle(problem.out.device))
 
 
 # --------------------------------------------------------------------------------------------------

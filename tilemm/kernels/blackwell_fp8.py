@@ -1,36 +1,22 @@
 """FP8 matmuls (per-tensor, per-row, DeepSeek-style 1x128 / 128x128 blocks) on Blackwell (sm_100 /
 sm_120), in cuTile.
 
-What it computes (docs/numerics.md): ``out = ((a * sa) @ (b * sb).T) * alpha + bias`` accumulated in fp32 and
-rounded once to ``out``'s dtype, for e4m3 / e5m2 ``a`` (Ba, M, K) and ``b`` (Bb, N, K), both
-K-contiguous (``b`` is the (N, K) weight form; its (TN, TK) tiles are transposed in registers to the
-(TK, TN) that ``ct.mma`` wants).
+Computes ``out = ((a * sa) @ (b * sb).T) * alpha + bias`` accumulated in fp32, rounded once to ``out``'s
+dtype, for e4m3 / e5m2 ``a`` (Ba, M, K) and ``b`` (Bb, N, K), both K-contiguous (b's (TN, TK) tiles are
+transposed in registers). One output tile per block, a 1-D GROUP_SIZE_M-ordered grid over B * tiles;
+Ba or Bb of 1 broadcasts through ``batch % Ba``.
 
-Kernels (one output tile per block, 1-D GROUP_SIZE_M-ordered grid over B * tiles, Ba or Bb of 1
-broadcast through ``batch % Ba``):
+* ``_fp8_scaled_kernel`` (granularity "tensor" and "row"): FP8 ``ct.mma`` over all of K into one fp32
+  accumulator; the epilogue multiplies row r / column c by ``sa[r] * sb[c]``. Loads past K are zero.
+* ``_fp8_blockwise_kernel`` ("block", e4m3, K a multiple of 128): sa (Ba, M, K/128), sb
+  (Bb, cdiv(N, 128), K/128); TK = TN = 128, so each K step is one scale column and one N block:
+  ``acc += mma(a_k, b_k, 0) * sa[:, k] * sb[n, k]``.
 
-* ``_fp8_scaled_kernel`` (granularity "tensorwise" and "rowwise"): FP8 ``ct.mma`` over all of K into one
-  fp32 accumulator; the epilogue multiplies row r / column c by ``sa[r] * sb[c]``. A per-tensor scale
-  arrives as a broadcast (stride-0) (M,) / (N,) view and is made contiguous (M + N floats), so both
-  granularities share the kernel. K need not be a multiple of TK: loads past K are zero.
-* ``_fp8_blockwise_kernel`` (granularity "blockwise", e4m3, K a multiple of 128): sa (Ba, M, K/128) per
-  1x128 block of a, sb (Bb, cdiv(N, 128), K/128) per 128x128 block of b. TK = 128 and TN = 128, so each
-  K step is one scale column and one N block: ``acc += mma(a_k, b_k, 0) * sa[:, k] * sb[n, k]`` (the
-  per-block promotion DeepSeek-V3 and CUTLASS's blockwise GEMMs use; on sm_100 each partial product
-  comes out of tensor memory before it is scaled).
-
-Accumulation: Blackwell's tensor cores (tcgen05 on sm_100, the sm_120 warp MMA) accumulate FP8 products
-in full fp32; there is no reduced-precision accumulator for ``use_fast_accum`` to skip, so the flag
-is accepted and changes nothing here (cuTile emits the same cubin either way; Hopper's
-``hopper_fp8`` is where it matters). Scales are applied in fp32 after the products are summed, which
-differs from the reference's "dequantize, then multiply" by fp32 rounding only.
-
-Configs (not tuned on hardware: no Blackwell GPU was available): sm_100 runs 128x128x128 and, for large
-problems, 256x256x128 on a 2-CTA cluster (tcgen05 2-SM MMA; cuTile's own B200 tuning file picks
-256x256 output tiles for all its matmuls, with 2 CTAs for the persistent and the block-scaled ones,
-the latter at 256x256x128: 71.4 us for MXFP8 4096^3); sm_120 runs
-128x128x128 with num_worker_warps=8 (``ct.ByTarget``), which keeps the register-resident fp32
-accumulator from spilling. The blockwise kernel keeps TN = 128 (one weight scale block per tile).
+Blackwell's tensor cores accumulate FP8 products in full fp32, so ``use_fast_accum`` is accepted and
+changes nothing here. Scales are applied in fp32 after the products are summed: the result differs
+from "dequantize, then multiply" by fp32 rounding only. Configs (``_CONFIGS``: 128x128x128, and on
+sm_100 256x256x128 on a 2-CTA cluster for large problems; sm_120 with 8 worker warps) were chosen
+without a Blackwell GPU; the reasons are in benchmarks/results/hopper-design-nvidia-h100-80gb-hbm3.md.
 """
 
 from __future__ import annotations
@@ -44,10 +30,12 @@ import torch
 from ..formats import FP8_BLOCK
 from . import _large
 from ._aot import AotVariant
-from ._common import epilogue, fp8_kind, hinted, num_sms, ones_scalar, tile_coords, zeros_vector
+from .._arch import capability
+from ._common import (ceil_div, epilogue, fp8_kind, hinted, num_sms, ones_scalar, stream_handle, tile_coords,
+                      zeros_vector)
 from .blackwell_block_scaled import DEFAULT_SM_COUNT, launch_array, table_for_capability
 
-__all__ = ["launch", "aot_variants", "TileConfig", "LaunchPlan", "config_for", "plan_launch", "check_config"]
+__all__ = ["launch", "Prepared", "aot_variants", "TileConfig", "LaunchPlan", "config_for", "plan_launch", "check_config"]
 
 ConstInt = ct.Constant[int]
 
@@ -153,7 +141,7 @@ def config_for(table: str, granularity: str, batch: int, m: int, n: int,
     """The table's config: the large tile once every SM (pair) still gets a tile, else the small one."""
     configs = _CONFIGS[table][_kind(granularity)]
     large = configs.get("large")
-    if large is not None and batch * -(-m // large.tile_m) * -(-n // large.tile_n) * large.num_ctas >= sm_count:
+    if large is not None and batch * ceil_div(m, large.tile_m) * ceil_div(n, large.tile_n) * large.num_ctas >= sm_count:
         return large
     return configs["small"]
 
@@ -230,11 +218,46 @@ def plan_launch(problem, table: str, sm_count: int = DEFAULT_SM_COUNT,
     for views in lg.split("fp8_matmul", lg.matmul_axes(batch, m, n, cfg.tile_m, math.lcm(cfg.tile_n, per)),
                           operands):
         pb, pm, pn = views[4].shape
-        launches.append(((pb * -(-pm // cfg.tile_m) * -(-pn // cfg.tile_n), 1, 1), (*views, *_constants(kind, cfg))))
+        launches.append(((pb * ceil_div(pm, cfg.tile_m) * ceil_div(pn, cfg.tile_n), 1, 1), (*views, *_constants(kind, cfg))))
     grid, args = launches[0]
     return LaunchPlan(cfg, kernel, grid, args, tuple(launches))
 
 
+
+
+class Prepared:
+    """One FP8 matmul signature on a Blackwell GPU, planned once (``plan_launch``): ``run`` launches it
+    for any problem of that signature. Operands of 2^31 elements and more are planned again on every
+    call (their pieces are views of the call's tensors)."""
+
+    __slots__ = ("plan", "consts", "direct", "n")
+
+    def __init__(self, problem, config: TileConfig | None = None):
+        device = problem.out.device
+        self.plan = plan_launch(problem, table_for_capability(capability(device)), num_sms(device), config)
+        self.direct = len(self.plan.launches) == 1
+        self.consts = _constants(_kind(problem.granularity), self.plan.config)
+        self.n = problem.out.shape[2]
+
+    def run(self, problem, stream) -> None:
+        """Launch for ``problem`` (an ``FP8Problem`` of this signature) on raw stream ``stream``."""
+        device = problem.out.device
+        if not self.direct:
+            launches = plan_launch(problem, table_for_capability(capability(device)), num_sms(device),
+                                   self.plan.config).launches
+        else:
+            # Scales are tiny (M + N floats, or (M + N/128) * K/128): materialise broadcast views.
+            alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
+            bias = zeros_vector(device, self.n) if problem.bias is None else problem.bias
+            launches = ((self.plan.grid, (problem.a, problem.a_scale.contiguous(), problem.b,
+                                          problem.b_scale.contiguous(), problem.out, alpha, bias, *self.consts)),)
+        if device.index is None or device.index == torch.cuda.current_device():
+            for grid, args in launches:
+                ct.launch(stream, grid, self.plan.kernel, args)
+            return
+        with torch.cuda.device(device):
+            for grid, args in launches:
+                ct.launch(stream, grid, self.plan.kernel, args)
 
 
 def launch(problem, config: TileConfig | None = None) -> None:
@@ -242,14 +265,7 @@ def launch(problem, config: TileConfig | None = None) -> None:
 
     ``config`` overrides the table's choice (for tuning and benchmarks). ``problem.use_fast_accum`` has
     no effect here (see the module docstring)."""
-    from .._arch import capability
-
-    device = problem.out.device
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    plan = plan_launch(problem, table_for_capability(capability(device)), num_sms(index), config)
-    with torch.cuda.device(device):
-        for grid, args in plan.launches:
-            ct.launch(torch.cuda.current_stream(device), grid, plan.kernel, args)
+    Prepared(problem, config).run(problem, stream_handle(problem.out.device))
 
 
 # --------------------------------------------------------------------------------------------------

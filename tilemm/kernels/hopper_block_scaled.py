@@ -1,75 +1,28 @@
 """MXFP8, MXFP4 and NVFP4 matmuls on Hopper (sm_90), exact, in cuTile.
 
-What it computes (docs/numerics.md): for each batch entry, ``out = (dequantize(a) @ dequantize(b).T) *
-alpha + bias`` with fp32 accumulation, rounded once to ``out``'s dtype. ``a`` is (Ba, M, Kd), ``b`` is
-the (Bb, N, Kd) weight form (both K-contiguous), scales are e8m0 bytes (MX) or e4m3 (NVFP4, whose two
-per-tensor decode scales arrive folded into ``alpha``).
+Computes ``out = (dequantize(a) @ dequantize(b).T) * alpha + bias`` per batch entry, fp32
+accumulation, one rounding to ``out``'s dtype (docs/numerics.md). a (Ba, M, Kd) and b, the
+(Bb, N, Kd) weight, are K-contiguous; scales are e8m0 (MX) or e4m3 (NVFP4, whose decode scales
+arrive folded into alpha). sm_90 has no block-scaled MMA (cuTile rejects e8m0 and e2m1 there), so
+``_decode`` turns uint8 data and scale bytes into 16-bit floats in which every scaled element is
+exact, and ``ct.mma`` multiplies those exactly into fp32.
 
-Why emulate: sm_90 has no block-scaled tensor-core instruction, and cuTile rejects float8_e8m0fnu and
-float4_e2m1fn there, so ``ct.mma_scaled`` cannot run. Scales and packed FP4 data come in as uint8 and
-are decoded with integer operations and ``ct.bitcast`` into a 16-bit float type in which every scaled
-element is exact; the tensor cores then multiply 16-bit floats exactly into fp32 accumulators.
+``plan`` picks one of two designs by M:
 
-Two designs, picked by M (``plan``), for every format:
+* stream (M < ``TWO_PASS_MIN_M``): ``_stream_kernel`` reads each weight byte once, operands swapped
+  (the weight fills the MMA's M side), K split over ``split_k`` blocks when the output has few tiles
+  (``_splitk_reduce_kernel`` adds the partials in a fixed order), and, with ``x16``, the activation
+  decoded once by ``_dequantize_kernel``.
+* two-pass: ``_dequantize_kernel`` writes both operands as bf16 / fp16, ``hopper_gemm`` multiplies.
 
-* **stream** (M < ``TWO_PASS_MIN_M``, memory-bound: the weight dominates the bytes). One kernel reads
-  each quantized weight byte once (per M tile) and never writes a 16-bit copy of it. Operands are
-  swapped so that the weight's rows fill the tensor cores' M side (``acc (TN, TM) = deq(b) @
-  deq(a).T``, the small M side is the MMA's N = 16..128), then transposed in the epilogue. When the
-  output has fewer tiles than the GPU has SMs, K is split over ``split_k`` blocks whose fp32 partial
-  tiles a second kernel (``_splitk_reduce_kernel``) adds in a fixed order before ``* alpha + bias``
-  and the cast. For M > 16 and the 4-bit formats (``X16``), the activation is dequantized once by
-  ``_dequantize_kernel`` (a few hundred KB) and read as 16-bit tiles, instead of being decoded again
-  by every block that shares it (one per weight tile): at M = 128 that decode was half of the work.
-* **two-pass** (M >= ``TWO_PASS_MIN_M``, compute-bound). ``_dequantize_kernel`` writes each operand
-  once as bf16 (MX) / fp16 (NVFP4), every element times its block scale, exactly; then the dense
-  ``hopper_gemm`` kernel (128x256 tiles, two MMA warpgroups) multiplies them with ``alpha`` and
-  ``bias`` in its epilogue. Decoding once per element instead of once per output tile that reads it
-  is what makes this faster than fusing the decode into the GEMM's K loop, where on sm_90 the
-  conversion does not overlap the tensor cores (the fused kernel reached a quarter to a third of this
-  design's rate at 8192^3; figures in the results notes named below). The cost is the 16-bit round trip
-  through HBM: 4 bytes per element of (M + N) x K.
+Invariants: the only rounding is the fp32 accumulation (split-K changes its order, deterministically);
+packed nibbles are decoded as [low | high] half tiles on both operands (the same permutation of K);
+K padding loads as zero data with finite scales and adds exactly 0; scale byte 255 / an e4m3 NaN
+makes its row or column NaN; scale rows past M / N reach only accumulators that are never stored.
+MXFP8 elements below 2^-133 are lost (bf16's range), where the fp32 reference keeps them.
 
-Decoding (``_decode``), per format, into (rows, TK) 16-bit tiles:
-
-* MXFP8 (e4m3 / e5m2): element -> bf16 (exact), times 2^(s-127) in bf16 (``e8m0_to_bf16``).
-* MXFP4: nibble -> bf16 bits of e2m1 * 2^-126, times 2^126, times 2^(s-127), all in bf16.
-* NVFP4: nibble -> fp16 bits of e2m1 * 2^-14; the dequantize kernel multiplies by 2^14 and by the
-  e4m3 scale (-> fp16); the stream kernel multiplies once, by ``scale * 2^7`` (exact: at most
-  448 * 2^7 < 65504), so each element is e2m1 * scale * 2^-7 and each product carries 2^-14, which
-  the epilogue takes back with an exact ``acc * 2^14`` before ``alpha``.
-* Packed bytes are split into a low-nibble and a high-nibble half tile, concatenated along K. Both
-  operands use the same order (and the dequantized copies are padded with zeros to a multiple of the
-  decode tile), so this permutation of K leaves every dot product unchanged.
-
-Exactness: every scaled element is exactly representable in the 16-bit type, and the tensor cores
-multiply 16-bit floats exactly into the fp32 accumulator, so the only rounding is fp32 accumulation,
-as in the reference.
-* e4m3 x 2^k is exact in bf16 for k >= -124 and e5m2 x 2^k for k >= -117 (below that the smallest
-  element magnitudes fall under bf16's subnormal step 2^-133); at the top, bf16 and fp32 overflow at the
-  same point. So MXFP8 is exact for scale bytes s >= 3 (e4m3) / s >= 10 (e5m2); for smaller s, products
-  below 2^-133 are lost, where the fp32 reference keeps them down to 2^-149 (an absolute difference of
-  at most 2^-133 per element, far below any normally scaled data).
-* e2m1 x 2^k is exact in bf16 for every e8m0 byte (MXFP4); e2m1 x e4m3 (max 2688, step 2^-10) and
-  e2m1 x e4m3 x 2^-7 (step 2^-17) are exact in fp16.
-* Scale byte 255 (MX) or an e4m3 NaN (NVFP4) becomes NaN, so NaN reaches exactly the outputs whose
-  row (x) or column (y) has it, whatever the element value (NaN * 0 = NaN).
-* K beyond the operand (K a multiple of the block but not of TK) loads as zero data with zero scale
-  bytes (2^-127 or 0.0: finite), so it contributes exactly 0. Scale rows beyond M / N (padding of the
-  swizzled layout, possibly garbage) only reach accumulator rows / columns that are never stored.
-* Split-K changes only the order of the fp32 additions (fixed, so results are deterministic).
-
-Swizzled (32x4x4) scales are read through a (B, R/128, K/B/4, 32, 4, 4) view ([m1, m2, k1] inside each
-32x16 block): whole 128-row blocks for row tiles of 128 and more, or the (m1, m2) slice that holds a
-16-, 32- or 64-row tile; scale columns past K/B (the 4-column padding) are forced to 0. Tiles hold a
-multiple of 4 scale columns (TK a multiple of 4 x block).
-
-Why these designs, and what was measured and not adopted: the measured figures live in
-``benchmarks/results/hopper-design-nvidia-h100-80gb-hbm3.md`` (``benchmarks/bench_matmul.py``
-and ``launch(problem, config)`` overrides produce them). In short: the two-pass design matches cuBLAS
-bf16 at 8192^3 where the fused K-loop decode reached a fifth to a third of it; the stream kernel is bound by
-its decode instructions and their latency, not by HBM; the e2m1 formats on the FP8 tensor cores (exact
-per 32-element block) were slower.
+``Prepared`` plans a signature once and launches it; ``launch`` is one prepared call. Design notes and
+measurements: benchmarks/results/hopper-design-nvidia-h100-80gb-hbm3.md.
 """
 
 from __future__ import annotations
@@ -80,32 +33,27 @@ import math
 import cuda.tile as ct
 import torch
 
-from ..formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
+from ..formats import E2M1, MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
 from . import _large
 from ._aot import AotVariant, array
-from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, e2m1_hi_bits_bf16, e2m1_hi_bits_fp16, e2m1_lo_bits_bf16,
-                      e2m1_lo_bits_fp16, e8m0_to_bf16, epilogue, hinted, ones_scalar, sm90_hints, tile_coords,
-                      zeros_vector)
+from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, ceil_div, e2m1_hi_bits_bf16, e2m1_hi_bits_fp16,
+                      e2m1_lo_bits_bf16, e2m1_lo_bits_fp16, e8m0_to_bf16, epilogue, hinted, ones_scalar, sm90_hints,
+                      stream_handle, tile_coords, zeros_vector)
 from .hopper_gemm import GemmConfig, gemm_constants, gemm_kernel, launch_gemm, load_k_tile, num_sms
 
-__all__ = ["launch", "aot_variants", "StreamConfig", "TwoPassConfig", "plan", "TWO_PASS_MIN_M"]
+__all__ = ["launch", "Prepared", "aot_variants", "StreamConfig", "TwoPassConfig", "plan", "TWO_PASS_MIN_M"]
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
 
-# Element decodings the kernels know (the ELEMENT constant).
-_MXFP8 = 0  # e4m3 / e5m2 elements (the array's dtype says which), e8m0 scales, bf16 math
-_MXFP4 = 1  # packed e2m1, e8m0 scales, bf16 math
-_NVFP4 = 2  # packed e2m1, e4m3 scales, fp16 math
+# The kernels' format constants: ELEMENT, the element code (``Format.element_code``), and SCALE_E8M0
+# (e8m0 scales, else e4m3). MXFP8 (e4m3 / e5m2) and MXFP4 decode in bf16, NVFP4 (e2m1, e4m3 scales) in fp16.
 
 #: The stream kernel's NVFP4 elements carry 2^-7 each (see the module docstring); products 2^-14.
 _NVFP4_FOLD = 2.0 ** 7
 
 _ZERO = ct.PaddingMode.ZERO
 
-#: Rows and scale columns of one 32x16 block of the 32x4x4 layout.
-_SWZ_ROWS = SWIZZLE_ROWS
-_SWZ_COLS = SWIZZLE_COLS
 
 
 # --------------------------------------------------------------------------------------------------
@@ -121,19 +69,19 @@ def _load_scale_tile(S, b, r_tile, kt, ROWS, SC, SWIZZLED, KS):
     columns at or past KS (the 4-column padding) are forced to 0.
     """
     if SWIZZLED:
-        KG = SC // _SWZ_COLS
-        if ROWS >= _SWZ_ROWS:
-            t = ct.load(S, (b, r_tile, kt, 0, 0, 0), (1, ROWS // _SWZ_ROWS, KG, 32, 4, _SWZ_COLS),
+        KG = SC // SWIZZLE_COLS
+        if ROWS >= SWIZZLE_ROWS:
+            t = ct.load(S, (b, r_tile, kt, 0, 0, 0), (1, ROWS // SWIZZLE_ROWS, KG, 32, 4, SWIZZLE_COLS),
                         padding_mode=_ZERO)
             # (rb, kg, m1, m2, k1) -> (rb, m2, m1, kg, k1): row = rb * 128 + m2 * 32 + m1
-            t = t.reshape((ROWS // _SWZ_ROWS, KG, 32, 4, _SWZ_COLS)).permute((0, 3, 2, 1, 4))
+            t = t.reshape((ROWS // SWIZZLE_ROWS, KG, 32, 4, SWIZZLE_COLS)).permute((0, 3, 2, 1, 4))
         else:
             R1 = min(ROWS, 32)  # rows of the tile along m1 (lanes of one 32-row sub-block)
             R2 = ROWS // R1     # and along m2 (32-row sub-blocks)
             r0 = r_tile * ROWS
-            t = ct.load(S, (b, r0 // _SWZ_ROWS, kt, (r0 % 32) // R1, (r0 % _SWZ_ROWS) // (32 * R2), 0),
-                        (1, 1, KG, R1, R2, _SWZ_COLS), padding_mode=_ZERO)
-            t = t.reshape((KG, R1, R2, _SWZ_COLS)).permute((2, 1, 0, 3))  # (m2, m1, kg, k1)
+            t = ct.load(S, (b, r0 // SWIZZLE_ROWS, kt, (r0 % 32) // R1, (r0 % SWIZZLE_ROWS) // (32 * R2), 0),
+                        (1, 1, KG, R1, R2, SWIZZLE_COLS), padding_mode=_ZERO)
+            t = t.reshape((KG, R1, R2, SWIZZLE_COLS)).permute((2, 1, 0, 3))  # (m2, m1, kg, k1)
         t = t.reshape((ROWS, SC))
         col = kt * SC + ct.arange(SC, dtype=ct.int32)
         keep = ct.broadcast_to((col < KS).reshape((1, SC)), (ROWS, SC))
@@ -147,14 +95,14 @@ def _scale_blocks(x, s, ROWS, WIDTH, SC):
     return x.reshape((ROWS, WIDTH))
 
 
-def _decode(raw, s_raw, ROWS, TK, SC, ELEMENT, FOLD_NVFP4):
+def _decode(raw, s_raw, ROWS, TK, SC, ELEMENT, SCALE_E8M0, FOLD_NVFP4):
     """Raw operand tile (ROWS, TK or TK/2 bytes) and its raw scale tile (ROWS, SC) -> (ROWS, TK) in bf16
     (MX) or fp16 (NVFP4), each element times its block scale (times 2^-7 for NVFP4 with
     FOLD_NVFP4), exactly. Packed tiles come out as [low nibbles | high nibbles]."""
-    if ELEMENT == _MXFP8:
+    if ELEMENT != E2M1:  # MXFP8
         return _scale_blocks(raw.astype(ct.bfloat16), e8m0_to_bf16(s_raw), ROWS, TK, SC)
     p = raw.astype(ct.uint16)
-    if ELEMENT == _MXFP4:
+    if SCALE_E8M0:  # MXFP4
         s = e8m0_to_bf16(s_raw)
         lo = ct.bitcast(e2m1_lo_bits_bf16(p), ct.bfloat16) * ct.bfloat16(2.0 ** 126)
         hi = ct.bitcast(e2m1_hi_bits_bf16(p), ct.bfloat16) * ct.bfloat16(2.0 ** 126)
@@ -175,7 +123,7 @@ def _decode(raw, s_raw, ROWS, TK, SC, ELEMENT, FOLD_NVFP4):
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
 def _stream_kernel(A, A_scale, B, B_scale, C, Alpha, Bias, Partial,
-                   ELEMENT: ConstInt, SCALE_BLOCK: ConstInt, SWIZZLED: ConstBool,
+                   ELEMENT: ConstInt, SCALE_E8M0: ConstBool, SCALE_BLOCK: ConstInt, SWIZZLED: ConstBool,
                    TM: ConstInt, TN: ConstInt, TK: ConstInt, SPLIT_K: ConstInt, LATENCY: ConstInt,
                    X16: ConstBool):
     """One (TM, TN) output tile (or, with SPLIT_K > 1, one K slice of it) with swapped operands:
@@ -201,7 +149,7 @@ def _stream_kernel(A, A_scale, B, B_scale, C, Alpha, Bias, Partial,
     ba = batch % A.shape[0]
     bb = batch % B.shape[0]
 
-    EPB = 1 if ELEMENT == _MXFP8 else 2  # elements per stored byte
+    EPB = 2 if ELEMENT == E2M1 else 1  # elements per stored byte
     TKD = TK // EPB                       # stored K per tile
     SC = TK // SCALE_BLOCK                # scale columns per tile
     KS = B.shape[2] * EPB // SCALE_BLOCK  # scale columns in all
@@ -214,15 +162,15 @@ def _stream_kernel(A, A_scale, B, B_scale, C, Alpha, Bias, Partial,
     for kt in range(k_begin, k_end):
         w_raw = load_k_tile(B, bb, bn, kt, TN, TKD, LATENCY)
         sw = _load_scale_tile(B_scale, bb, bn, kt, TN, SC, SWIZZLED, KS)
-        w = _decode(w_raw, sw, TN, TK, SC, ELEMENT, True)
+        w = _decode(w_raw, sw, TN, TK, SC, ELEMENT, SCALE_E8M0, True)
         if X16:
             x = load_k_tile(A, ba, bm, kt, TM, TK, LATENCY)
         else:
             x_raw = load_k_tile(A, ba, bm, kt, TM, TKD, LATENCY)
             sx = _load_scale_tile(A_scale, ba, bm, kt, TM, SC, SWIZZLED, KS)
-            x = _decode(x_raw, sx, TM, TK, SC, ELEMENT, True)
+            x = _decode(x_raw, sx, TM, TK, SC, ELEMENT, SCALE_E8M0, True)
         acc = ct.mma(w, x.transpose(), acc)
-    if ELEMENT == _NVFP4:
+    if not SCALE_E8M0:  # NVFP4
         # exact: a power of two (the dequantized copy of A carries no 2^-7)
         acc = acc * (_NVFP4_FOLD if X16 else _NVFP4_FOLD * _NVFP4_FOLD)
     out = acc.transpose()
@@ -245,14 +193,15 @@ def _splitk_reduce_kernel(Partial, C, Alpha, Bias, SPLIT_K: ConstInt, TM: ConstI
 
 #: 8 blocks per SM (against the compiler's default): faster for the 4-bit formats, the same for MXFP8.
 @ct.kernel(occupancy=8)
-def _dequantize_kernel(X, X_scale, Out, ELEMENT: ConstInt, SCALE_BLOCK: ConstInt, SWIZZLED: ConstBool,
+def _dequantize_kernel(X, X_scale, Out, ELEMENT: ConstInt, SCALE_E8M0: ConstBool, SCALE_BLOCK: ConstInt,
+                       SWIZZLED: ConstBool,
                        TR: ConstInt, TK: ConstInt):
     """Out[b] tile (TR, TK) = deq(X[b]) as bf16 (MX) / fp16 (NVFP4); packed tiles as [lo | hi].
 
     X (Bx, R, Kd); Out (Bx, R, Kp), Kp a multiple of TK (columns past K come out 0). Grid:
     Bx * cdiv(R, TR) * Kp / TK, K tiles fastest.
     """
-    EPB = 1 if ELEMENT == _MXFP8 else 2
+    EPB = 2 if ELEMENT == E2M1 else 1
     SC = TK // SCALE_BLOCK
     KS = X.shape[2] * EPB // SCALE_BLOCK
     k_tiles = Out.shape[2] // TK
@@ -263,7 +212,7 @@ def _dequantize_kernel(X, X_scale, Out, ELEMENT: ConstInt, SCALE_BLOCK: ConstInt
     b = pid // (k_tiles * r_tiles)
     raw = ct.load(X, (b, rt, kt), (1, TR, TK // EPB), padding_mode=_ZERO).reshape((TR, TK // EPB))
     s = _load_scale_tile(X_scale, b, rt, kt, TR, SC, SWIZZLED, KS)
-    out = _decode(raw, s, TR, TK, SC, ELEMENT, False)
+    out = _decode(raw, s, TR, TK, SC, ELEMENT, SCALE_E8M0, False)
     ct.store(Out, (b, rt, kt), out.reshape((1, TR, TK)))
 
 
@@ -330,8 +279,8 @@ _TWO_PASS_PACKED = dataclasses.replace(_TWO_PASS, dequant_rows=16, dequant_k=512
 #: Rows per tile of the activation's dequantize pass before an X16 stream kernel (as the two-pass one).
 _X16_DEQUANT_ROWS = _TWO_PASS.dequant_rows
 
-# tile_k per family: 4 scale columns (MX, 32-element blocks) or 8 (NVFP4, 16-element blocks).
-_STREAM_TK = {"mxfp8": 128, "mxfp4": 128, "nvfp4": 128}
+#: The stream kernel's tile_k, every format: 4 scale columns (MX, 32-element blocks) or 8 (NVFP4, 16).
+_STREAM_TK = 128
 
 _STREAM_TILE_M = (16, 64, 128)
 # Per tile_m: (tile_n, num_worker_warps, occupancy). The decode chain of one block stalls on LDS and
@@ -342,14 +291,9 @@ _STREAM_SHAPE = {16: (64, 4, 4), 64: (128, 8, 2), 128: (128, 8, None)}
 _STREAM_SPLITS = (1, 2, 4, 8)
 
 
-def _family(fmt: Format) -> str:
-    if fmt.element == "e2m1":
-        return "nvfp4" if fmt.has_global_scale else "mxfp4"
-    return "mxfp8"
-
-
-def _element_code(fmt: Format) -> int:
-    return {"mxfp8": _MXFP8, "mxfp4": _MXFP4, "nvfp4": _NVFP4}[_family(fmt)]
+def _format_constants(fmt: Format) -> tuple:
+    """The kernels' ELEMENT, SCALE_E8M0 and SCALE_BLOCK for ``fmt``."""
+    return (fmt.element_code, fmt.is_mx, fmt.block)
 
 
 def _x16(fmt: Format, tile_m: int) -> bool:
@@ -363,9 +307,9 @@ def stream_config(fmt: Format, batch: int, m: int, n: int, k: int, sms: int = 13
     that gives at least ``occupancy`` blocks per SM when the output alone has too few tiles."""
     tile_m = next((t for t in _STREAM_TILE_M if t >= m), _STREAM_TILE_M[-1])
     tile_n, warps, occupancy = _STREAM_SHAPE[tile_m]
-    tile_k = _STREAM_TK[_family(fmt)]
-    tiles = batch * -(-m // tile_m) * -(-n // tile_n)
-    k_tiles = -(-k // tile_k)
+    tile_k = _STREAM_TK
+    tiles = batch * ceil_div(m, tile_m) * ceil_div(n, tile_n)
+    k_tiles = ceil_div(k, tile_k)
     split = 1
     while (tiles * split < (occupancy or 1) * sms and split * 2 <= _STREAM_SPLITS[-1]
            and k_tiles >= split * 2 * 4):
@@ -389,37 +333,36 @@ def _scale_operand(scale: torch.Tensor, swizzled: bool) -> torch.Tensor:
     """The scale tensor as the kernels read it: uint8 bytes (cuTile has no e8m0 on sm_90; NVFP4's e4m3
     bytes are reinterpreted in the kernel once the tile is loaded, so both scale kinds share the byte
     path); logical scales with unit stride along K; swizzled ones as the 6-D view."""
-    scale = scale.view(torch.uint8)
+    if scale.dtype != torch.uint8:
+        scale = scale.view(torch.uint8)
     if swizzled:
         b, rt, kt = scale.shape[:3]
-        return scale.contiguous().reshape(b, rt, kt, 32, 4, _SWZ_COLS)
+        return scale.reshape(b, rt, kt, 32, 4, SWIZZLE_COLS)  # a view of a contiguous scale (the usual)
     return scale if scale.stride(-1) == 1 or scale.shape[-1] == 1 else scale.contiguous()
 
 
 def _stream_constants(fmt: Format, swizzled: bool, cfg: StreamConfig) -> tuple:
-    return (_element_code(fmt), fmt.block, swizzled, cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.split_k,
+    return (*_format_constants(fmt), swizzled, cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.split_k,
             cfg.latency, cfg.x16)
 
 
 def _check_scale_tile(fmt: Format, tile_k: int, what: str) -> None:
-    if tile_k % (fmt.block * _SWZ_COLS):
-        raise ValueError(f"hopper_block_scaled: {what} tile_k must be a multiple of {fmt.block * _SWZ_COLS} "
+    if tile_k % (fmt.block * SWIZZLE_COLS):
+        raise ValueError(f"hopper_block_scaled: {what} tile_k must be a multiple of {fmt.block * SWIZZLE_COLS} "
                          f"for {fmt.name}, got {tile_k}")
 
 
-def _launch_stream(problem, cfg: StreamConfig, a, a_scale, b, b_scale, alpha, bias) -> None:
+def _launch_stream(problem, cfg: StreamConfig, a, a_scale, b, b_scale, alpha, bias, stream) -> None:
     fmt, out = problem.fmt, problem.out
     batch, m, n = out.shape
-    _check_scale_tile(fmt, cfg.tile_k, "stream")
-    stream = torch.cuda.current_stream(out.device)
     if cfg.x16:
         a = _dequantize(fmt, a, a_scale, problem.swizzled, dequant_rows=_X16_DEQUANT_ROWS,
-                        dequant_k=cfg.tile_k)
+                        dequant_k=cfg.tile_k, stream=stream)
     # Operands of 2^31 elements and more (in practice the weight): one launch per piece of the
     # output along M and N (``_large``), each with the whole problem's config, so every output tile,
     # K split included, is computed exactly as in one launch.
     lg = _large
-    per = _SWZ_ROWS if problem.swizzled else 1
+    per = SWIZZLE_ROWS if problem.swizzled else 1
     axes = lg.matmul_axes(batch, m, n, math.lcm(cfg.tile_m, per), math.lcm(cfg.tile_n, per))
     operands = lg.matmul_operands(a, a_scale, b, b_scale, out, alpha, bias, batch, per, per)
     kernel = hinted(_stream_kernel, **cfg.hints())
@@ -427,64 +370,120 @@ def _launch_stream(problem, cfg: StreamConfig, a, a_scale, b, b_scale, alpha, bi
         pbatch, pm, pn = pout.shape
         partial = pout if cfg.split_k == 1 else torch.empty((cfg.split_k * pbatch, pm, pn), dtype=torch.float32,
                                                             device=out.device)
-        grid = (cfg.split_k * pbatch * -(-pm // cfg.tile_m) * -(-pn // cfg.tile_n), 1, 1)
+        grid = (cfg.split_k * pbatch * ceil_div(pm, cfg.tile_m) * ceil_div(pn, cfg.tile_n), 1, 1)
         ct.launch(stream, grid, kernel, (pa, psa, pb, psb, pout, palpha, pbias, partial,
                                          *_stream_constants(fmt, problem.swizzled, cfg)))
         if cfg.split_k > 1:
             tm, tn = _REDUCE_TILE
-            ct.launch(stream, (pbatch * -(-pm // tm) * -(-pn // tn), 1, 1), _splitk_reduce_kernel,
+            ct.launch(stream, (pbatch * ceil_div(pm, tm) * ceil_div(pn, tn), 1, 1), _splitk_reduce_kernel,
                       (partial, pout, palpha, pbias, cfg.split_k, tm, tn))
 
 
-def _dequantize(fmt: Format, data, scale, swizzled: bool, dequant_rows: int, dequant_k: int) -> torch.Tensor:
+def _dequantize(fmt: Format, data, scale, swizzled: bool, dequant_rows: int, dequant_k: int,
+                stream) -> torch.Tensor:
     bx, rows, kd = data.shape
     k = fmt.logical_k(kd)
-    kp = -(-k // dequant_k) * dequant_k
+    kp = ceil_div(k, dequant_k) * dequant_k
     out = torch.empty((bx, rows, kp), dtype=torch.float16 if fmt.has_global_scale else torch.bfloat16,
                       device=data.device)
     # Operands of 2^31 elements and more: one launch per piece of (batch, rows, K) (``_large``); the
     # decode is per element, so any cut on whole tiles (and 128-row / 4-column scale blocks) is exact.
     lg = _large
-    per_row, per_col = (_SWZ_ROWS, fmt.block * _SWZ_COLS) if swizzled else (1, fmt.block)
+    per_row, per_col = (SWIZZLE_ROWS, fmt.block * SWIZZLE_COLS) if swizzled else (1, fmt.block)
     axes = (("batch", bx, 1), ("rows", rows, math.lcm(dequant_rows, per_row)), ("K", kp, dequant_k))
     operands = [("data", data, ((0, 0, 1), (1, 1, 1), (2, 2, fmt.elements_per_byte))),
                 ("scale", scale, ((0, 0, 1), (1, 1, per_row), (2, 2, per_col))),
                 ("dequantized", out, ((0, 0, 1), (1, 1, 1), (2, 2, 1)))]
     for pdata, pscale, pout in lg.split("block-scaled matmul (dequantize)", axes, operands):
         pb, pr, pk = pout.shape
-        grid = (pb * -(-pr // dequant_rows) * (pk // dequant_k), 1, 1)
-        ct.launch(torch.cuda.current_stream(data.device), grid, _dequantize_kernel,
-                  (pdata, pscale, pout, _element_code(fmt), fmt.block, swizzled, dequant_rows, dequant_k))
+        grid = (pb * ceil_div(pr, dequant_rows) * (pk // dequant_k), 1, 1)
+        ct.launch(stream, grid, _dequantize_kernel,
+                  (pdata, pscale, pout, *_format_constants(fmt), swizzled, dequant_rows, dequant_k))
     return out
 
 
-def _launch_two_pass(problem, cfg: TwoPassConfig, a, a_scale, b, b_scale, alpha, bias) -> None:
+def _launch_two_pass(problem, cfg: TwoPassConfig, a, a_scale, b, b_scale, alpha, bias, stream) -> None:
     fmt = problem.fmt
-    _check_scale_tile(fmt, cfg.dequant_k, "dequantize")
-    a16 = _dequantize(fmt, a, a_scale, problem.swizzled, cfg.dequant_rows, cfg.dequant_k)
-    b16 = _dequantize(fmt, b, b_scale, problem.swizzled, cfg.dequant_rows, cfg.dequant_k)
+    a16 = _dequantize(fmt, a, a_scale, problem.swizzled, cfg.dequant_rows, cfg.dequant_k, stream)
+    b16 = _dequantize(fmt, b, b_scale, problem.swizzled, cfg.dequant_rows, cfg.dequant_k, stream)
     launch_gemm(a16, alpha, b16, alpha, problem.out, alpha, bias, cfg.gemm, fast_acc=False, scaled=False)
+
+
+class Prepared:
+    """One block-scaled matmul signature (format, scale layout, shapes, output dtype, device) on sm_90,
+    planned once: the config, the hinted kernels, grids and constants. ``run`` launches it for any
+    operands of that signature: one stream launch, plus the activation's dequantize launch (``x16``)
+    and the split-K reduction (``split_k > 1``) where the config has them. Operands of 2^31 elements
+    and more, and the two-pass design, go through ``launch``'s general path."""
+
+    __slots__ = ("fmt", "swizzled", "cfg", "direct", "kernel", "grid", "consts", "partial_shape",
+                 "reduce_grid", "reduce_consts", "x16_shape", "x16_dtype", "x16_grid", "x16_consts", "n")
+
+    def __init__(self, problem, config: StreamConfig | TwoPassConfig | None = None):
+        fmt, out = problem.fmt, problem.out
+        batch, m, n = out.shape
+        self.fmt, self.swizzled, self.n = fmt, problem.swizzled, n
+        cfg = self.cfg = config or plan(fmt, batch, m, n, problem.k, num_sms(out.device))
+        if isinstance(cfg, TwoPassConfig):
+            _check_scale_tile(fmt, cfg.dequant_k, "dequantize")
+        else:
+            _check_scale_tile(fmt, cfg.tile_k, "stream")
+        kd = problem.a.shape[2]
+        x16_kp = ceil_div(fmt.logical_k(kd), cfg.tile_k) * cfg.tile_k if isinstance(cfg, StreamConfig) else 0
+        big = max(problem.b.numel(), problem.a.numel(), out.numel(), problem.a.shape[0] * m * x16_kp,
+                  cfg.split_k * out.numel() if isinstance(cfg, StreamConfig) else 0)
+        self.direct = isinstance(cfg, StreamConfig) and big < _large.LIMIT
+        if not self.direct:
+            return
+        self.kernel = hinted(_stream_kernel, **cfg.hints())
+        self.grid = (cfg.split_k * batch * ceil_div(m, cfg.tile_m) * ceil_div(n, cfg.tile_n), 1, 1)
+        self.consts = _stream_constants(fmt, problem.swizzled, cfg)
+        self.partial_shape = (cfg.split_k * batch, m, n) if cfg.split_k > 1 else None
+        tm, tn = _REDUCE_TILE
+        self.reduce_grid = (batch * ceil_div(m, tm) * ceil_div(n, tn), 1, 1)
+        self.reduce_consts = (cfg.split_k, tm, tn)
+        if cfg.x16:
+            ba = problem.a.shape[0]
+            self.x16_shape = (ba, m, x16_kp)
+            self.x16_dtype = torch.float16 if fmt.has_global_scale else torch.bfloat16
+            self.x16_grid = (ba * ceil_div(m, _X16_DEQUANT_ROWS) * (x16_kp // cfg.tile_k), 1, 1)
+            self.x16_consts = (*_format_constants(fmt), problem.swizzled, _X16_DEQUANT_ROWS, cfg.tile_k)
+
+    def run(self, problem, stream) -> None:
+        """Launch for ``problem`` (a ``BlockScaledProblem`` of this signature) on raw stream ``stream``."""
+        fmt, out = self.fmt, problem.out
+        device = out.device
+        a, b = problem.a, problem.b
+        if a.dtype != fmt.data_dtype:  # uint8 bytes of FP8 data
+            a, b = a.view(fmt.data_dtype), b.view(fmt.data_dtype)
+        a_scale = _scale_operand(problem.a_scale, self.swizzled)
+        b_scale = _scale_operand(problem.b_scale, self.swizzled)
+        alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
+        bias = zeros_vector(device, self.n) if problem.bias is None else problem.bias
+        cfg = self.cfg
+        if not self.direct:
+            if isinstance(cfg, TwoPassConfig):
+                _launch_two_pass(problem, cfg, a, a_scale, b, b_scale, alpha, bias, stream)
+            else:
+                _launch_stream(problem, cfg, a, a_scale, b, b_scale, alpha, bias, stream)
+            return
+        if cfg.x16:
+            a16 = torch.empty(self.x16_shape, dtype=self.x16_dtype, device=device)
+            ct.launch(stream, self.x16_grid, _dequantize_kernel, (a, a_scale, a16, *self.x16_consts))
+            a = a16
+        if self.partial_shape is None:
+            ct.launch(stream, self.grid, self.kernel, (a, a_scale, b, b_scale, out, alpha, bias, out, *self.consts))
+            return
+        partial = torch.empty(self.partial_shape, dtype=torch.float32, device=device)
+        ct.launch(stream, self.grid, self.kernel, (a, a_scale, b, b_scale, out, alpha, bias, partial, *self.consts))
+        ct.launch(stream, self.reduce_grid, _splitk_reduce_kernel, (partial, out, alpha, bias, *self.reduce_consts))
 
 
 def launch(problem, config: StreamConfig | TwoPassConfig | None = None) -> None:
     """Run a ``tilemm.matmul.BlockScaledProblem`` on an sm_90 GPU, writing ``problem.out``.
 
     ``config`` overrides ``plan``'s choice (for tuning and benchmarks)."""
-    fmt = problem.fmt
-    out = problem.out
-    batch, m, n = out.shape
-    device = out.device
-    cfg = config or plan(fmt, batch, m, n, problem.k, num_sms(device))
-    a = problem.a if fmt.is_packed else problem.a.view(fmt.data_dtype)
-    b = problem.b if fmt.is_packed else problem.b.view(fmt.data_dtype)
-    a_scale = _scale_operand(problem.a_scale, problem.swizzled)
-    b_scale = _scale_operand(problem.b_scale, problem.swizzled)
-    alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
-    bias = zeros_vector(device, n) if problem.bias is None else problem.bias
-    if isinstance(cfg, TwoPassConfig):
-        _launch_two_pass(problem, cfg, a, a_scale, b, b_scale, alpha, bias)
-    else:
-        _launch_stream(problem, cfg, a, a_scale, b, b_scale, alpha, bias)
+    Prepared(problem, config).run(problem, stream_handle(problem.out.device))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -501,7 +500,7 @@ def _data_dtype(fmt: Format):
 
 def _stream_configs(fmt: Format) -> list[StreamConfig]:
     """Every StreamConfig ``plan`` can return for ``fmt`` (tile_m x split)."""
-    tk = _STREAM_TK[_family(fmt)]
+    tk = _STREAM_TK
     return [StreamConfig(tm, _STREAM_SHAPE[tm][0], tk, split, num_worker_warps=_STREAM_SHAPE[tm][1],
                          occupancy=_STREAM_SHAPE[tm][2], x16=_x16(fmt, tm))
             for tm in _STREAM_TILE_M for split in _STREAM_SPLITS]
@@ -533,8 +532,8 @@ def aot_variants() -> list[AotVariant]:
             # the two-pass tiles and the X16 stream kernel's activation tiles (often the same)
             two_pass = _TWO_PASS_PACKED if fmt.is_packed else _TWO_PASS
             for rows, k in sorted({(two_pass.dequant_rows, two_pass.dequant_k),
-                                   (_X16_DEQUANT_ROWS, _STREAM_TK[_family(fmt)])}):
-                params = [array(data, 3), array(scale, sdim), array(d16, 3), _element_code(fmt), fmt.block,
+                                   (_X16_DEQUANT_ROWS, _STREAM_TK)}):
+                params = [array(data, 3), array(scale, sdim), array(d16, 3), *_format_constants(fmt),
                           swizzled, rows, k]
                 variants.append(AotVariant(f"hopper_{fmt.name}_{layout}_dequantize_{rows}x{k}", _dequantize_kernel,
                                            params, ("sm_90",)))

@@ -1,32 +1,22 @@
 """FP8 matmuls (per-tensor, per-row, DeepSeek-style 1x128 / 128x128 blocks) on Hopper (sm_90), in cuTile.
 
-What it computes (docs/numerics.md): ``out = ((a * sa) @ (b * sb).T) * alpha + bias`` accumulated in fp32,
-rounded once to ``out``'s dtype, for e4m3 / e5m2 ``a`` (Ba, M, K) and ``b`` (Bb, N, K), both K-contiguous.
+Computes ``out = ((a * sa) @ (b * sb).T) * alpha + bias`` accumulated in fp32, rounded once to ``out``'s
+dtype, for e4m3 / e5m2 ``a`` (Ba, M, K) and ``b`` (Bb, N, K), both K-contiguous (docs/numerics.md).
 
 Kernels (1-D GROUP_SIZE_M-swizzled tile order, num_worker_warps = 8: two MMA warpgroups):
 
-* granularity "tensorwise" and "rowwise": ``hopper_gemm``'s kernel with ``SCALED``: FP8 ``ct.mma`` over
-  all of K into one fp32 accumulator; the epilogue multiplies row r / column c by ``sa[r] * sb[c]``. A
-  per-tensor scale arrives as a broadcast (M,) / (N,) vector, so both granularities share the kernel.
-  Persistent scheduling (one block per SM walking the output tiles), 128x128x128 tiles for precise
-  accumulation and 128x256x128 for fast (see ``_CONFIGS`` for the measurements behind them).
-* ``_fp8_blockwise_kernel`` (granularity "blockwise", e4m3, K a multiple of 128): a (Ba, M, K/128) scale
-  per 1x128 block of a and a (Bb, cdiv(N, 128), K/128) scale per 128x128 block of b. TK = 128 and TN
-  divides 128, so each K step is one scale column: ``acc += mma(a_k, b_k, 0) * sa[:, k] * sb[n, k]``;
-  one output tile per block.
+* granularity "tensor" and "row": ``hopper_gemm``'s kernel with ``SCALED``: FP8
+  ``ct.mma`` over all of K into one fp32 accumulator; the epilogue multiplies row r / column c by
+  ``sa[r] * sb[c]`` (a per-tensor scale arrives as a broadcast vector, so both share the kernel).
+* "block" (``_fp8_blockwise_kernel``, e4m3, K a multiple of 128): a (Ba, M, K/128) scale per 1x128
+  block of a and a (Bb, cdiv(N, 128), K/128) scale per 128x128 block of b; TK = 128 and TN divides 128,
+  so each K step is one scale column: ``acc += mma(a_k, b_k, 0) * sa[:, k] * sb[n, k]``.
 
-Accumulation: by default ``ct.mma(..., use_fast_acc=False)``, which on Hopper keeps a second fp32
-accumulator next to the tensor core's (as ``torch._scaled_mm``'s default does); ``use_fast_acc=True``
-(``tilemm.fp8_matmul(..., use_fast_accum=True)``, named as in ``torch._scaled_mm``) skips it for speed
-at a small cost in accuracy.
-FP8 x FP8 products are exact in fp32; scales are applied in fp32 after the products are summed, which
-differs from the reference's "dequantize, then multiply" by fp32 rounding only. Hopper's FP8 tensor
-cores, however, add the products of each k-step with reduced precision before the fp32 accumulator
-sees them: measured on an H100 (256x256x4096, fp32 out) relative error 1.26e-4 precise and 1.34e-3
-fast, identical to ``torch._scaled_mm``'s, above docs/numerics.md's 1e-5 for fp32 output. (The
-block-scaled kernels, which run bf16 / fp16 MMAs, meet it: ~5e-8.)
-
-Speed against ``torch._scaled_mm``: ``benchmarks/results`` (``benchmarks/bench_matmul.py``).
+Accumulation: ``use_fast_acc=False`` by default keeps a second fp32 accumulator next to the tensor
+core's (as ``torch._scaled_mm``'s default); ``use_fast_accum=True`` skips it. Either way Hopper's FP8
+tensor cores add each k-step's products with reduced precision before the fp32 accumulator, so this
+path does not meet docs/numerics.md's fp32-output bound (the one documented exception there); the
+measured errors are in benchmarks/results/hopper-design-nvidia-h100-80gb-hbm3.md.
 """
 
 from __future__ import annotations
@@ -39,10 +29,10 @@ import torch
 from ..formats import FP8_BLOCK
 from . import _large
 from ._aot import AotVariant, array
-from ._common import epilogue, fp8_kind, hinted, ones_scalar, tile_coords, zeros_vector
-from .hopper_gemm import GemmConfig, gemm_constants, gemm_kernel, launch_gemm, num_sms
+from ._common import ceil_div, epilogue, fp8_kind, hinted, ones_scalar, stream_handle, tile_coords, zeros_vector
+from .hopper_gemm import GemmConfig, gemm_constants, gemm_grid, gemm_kernel, launch_gemm, num_sms
 
-__all__ = ["launch", "aot_variants", "TileConfig", "config_for"]
+__all__ = ["launch", "Prepared", "aot_variants", "TileConfig", "config_for"]
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -126,7 +116,7 @@ _MIN_WAVE_FILL = 0.9
 
 def _wave_fill(tiles: int, sms: int) -> float:
     """The share of SM time that ``tiles`` equal tiles keep busy on ``sms`` SMs (1.0: whole waves)."""
-    return tiles / (-(-tiles // sms) * sms)
+    return tiles / (ceil_div(tiles, sms) * sms)
 
 
 def config_for(granularity: str, batch: int, m: int, n: int, fast_accum: bool = False,
@@ -135,10 +125,10 @@ def config_for(granularity: str, batch: int, m: int, n: int, fast_accum: bool = 
     ``_LARGE_TILES`` of it and its last wave is not mostly empty, else the small one."""
     table = _CONFIGS[_kind(granularity), fast_accum]
     large, small = table["large"], table["small"]
-    tiles = batch * -(-m // large.tile_m) * -(-n // large.tile_n)
+    tiles = batch * ceil_div(m, large.tile_m) * ceil_div(n, large.tile_n)
     if tiles < _LARGE_TILES:
         return small
-    small_tiles = batch * -(-m // small.tile_m) * -(-n // small.tile_n)
+    small_tiles = batch * ceil_div(m, small.tile_m) * ceil_div(n, small.tile_n)
     if _wave_fill(tiles, sms) < _MIN_WAVE_FILL and _wave_fill(small_tiles, sms) > _wave_fill(tiles, sms):
         return small
     return large
@@ -152,39 +142,73 @@ def _blockwise_constants(cfg: GemmConfig, fast_acc: bool) -> tuple:
     return (cfg.tile_m, cfg.tile_n, cfg.group_size_m, cfg.latency_a, fast_acc)
 
 
-def launch(problem, config: GemmConfig | None = None) -> None:
-    """Run a ``tilemm.matmul.FP8Problem`` on an sm_90 GPU, writing ``problem.out``.
+class Prepared:
+    """One FP8 matmul signature on sm_90, planned once (config, hinted kernel, grid, constants): ``run``
+    launches it for any problem of that signature. Operands of 2^31 elements and more are planned
+    again on every call (``_launch``)."""
 
-    ``config`` overrides the table's choice (for tuning and benchmarks)."""
-    kind = _kind(problem.granularity)
-    out = problem.out
+    __slots__ = ("cfg", "scaled", "fast_acc", "kernel", "grid", "consts", "n", "direct")
+
+    def __init__(self, problem, config: GemmConfig | None = None):
+        out = problem.out
+        batch, m, n = out.shape
+        self.n = n
+        self.scaled = _kind(problem.granularity) == "scaled"
+        self.fast_acc = bool(getattr(problem, "use_fast_accum", False))
+        cfg = self.cfg = config or config_for(problem.granularity, batch, m, n, self.fast_acc, num_sms(out.device))
+        if not self.scaled and (cfg.tile_k != FP8_BLOCK or FP8_BLOCK % cfg.tile_n or cfg.persistent):
+            raise ValueError(f"hopper_fp8: blockwise configs need tile_k == 128, tile_n dividing 128 and no "
+                             f"persistent scheduling, got {cfg}")
+        self.direct = _large.fits(problem.a, problem.b, out, problem.a_scale, problem.b_scale)
+        if self.scaled:
+            self.kernel = hinted(gemm_kernel(), **cfg.hints())
+            self.grid = (gemm_grid(cfg, batch, m, n, num_sms(out.device)), 1, 1)
+            self.consts = gemm_constants(cfg, self.fast_acc, True)
+        else:
+            self.kernel = hinted(_fp8_blockwise_kernel, **cfg.hints())
+            self.grid = (batch * ceil_div(m, cfg.tile_m) * ceil_div(n, cfg.tile_n), 1, 1)
+            self.consts = _blockwise_constants(cfg, self.fast_acc)
+
+    def run(self, problem, stream) -> None:
+        """Launch for ``problem`` (an ``FP8Problem`` of this signature) on raw stream ``stream``."""
+        device = problem.out.device
+        # Scales are tiny: materialise broadcast (per-tensor) and transposed (128x128 block) views.
+        a_scale = problem.a_scale.contiguous()
+        b_scale = problem.b_scale.contiguous()
+        alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
+        bias = zeros_vector(device, self.n) if problem.bias is None else problem.bias
+        if not self.direct:
+            _launch(problem, self, a_scale, b_scale, alpha, bias, stream)
+            return
+        ct.launch(stream, self.grid, self.kernel,
+                  (problem.a, a_scale, problem.b, b_scale, problem.out, alpha, bias, *self.consts))
+
+
+def _launch(problem, prepared: Prepared, a_scale, b_scale, alpha, bias, stream) -> None:
+    """``Prepared.run`` for operands of 2^31 elements and more: one launch per piece of the output
+    (``_large``; each tile as in one launch, K never cut); N cuts fall on the weight's 128-row scale
+    blocks."""
+    cfg, out = prepared.cfg, problem.out
     batch, m, n = out.shape
-    fast_acc = bool(getattr(problem, "use_fast_accum", False))
-    cfg = config or config_for(problem.granularity, batch, m, n, fast_acc, num_sms(out.device))
-    device = out.device
-    # Scales are tiny: materialise broadcast (per-tensor) and transposed (128x128 block) views.
-    a_scale = problem.a_scale.contiguous()
-    b_scale = problem.b_scale.contiguous()
-    alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
-    bias = zeros_vector(device, n) if problem.bias is None else problem.bias
-    if kind == "scaled":
-        launch_gemm(problem.a, a_scale, problem.b, b_scale, out, alpha, bias, cfg, fast_acc=fast_acc,
+    if prepared.scaled:
+        launch_gemm(problem.a, a_scale, problem.b, b_scale, out, alpha, bias, cfg, fast_acc=prepared.fast_acc,
                     scaled=True)
         return
-    if cfg.tile_k != FP8_BLOCK or FP8_BLOCK % cfg.tile_n or cfg.persistent:
-        raise ValueError(f"hopper_fp8: blockwise configs need tile_k == 128, tile_n dividing 128 and no "
-                         f"persistent scheduling, got {cfg}")
-    # Operands of 2^31 elements and more: one launch per piece of the output (``_large``; each tile
-    # as in one launch, K never cut); N cuts fall on the weight's 128-row scale blocks.
     lg = _large
     axes = lg.matmul_axes(batch, m, n, cfg.tile_m, math.lcm(cfg.tile_n, FP8_BLOCK))
     operands = lg.matmul_operands(problem.a, a_scale, problem.b, b_scale, out, alpha, bias, batch,
                                   b_per=FP8_BLOCK)
-    kernel = hinted(_fp8_blockwise_kernel, **cfg.hints())
     for views in lg.split("fp8_matmul", axes, operands):
         pb, pm, pn = views[4].shape
-        grid = (pb * -(-pm // cfg.tile_m) * -(-pn // cfg.tile_n), 1, 1)
-        ct.launch(torch.cuda.current_stream(device), grid, kernel, (*views, *_blockwise_constants(cfg, fast_acc)))
+        grid = (pb * ceil_div(pm, cfg.tile_m) * ceil_div(pn, cfg.tile_n), 1, 1)
+        ct.launch(stream, grid, prepared.kernel, (*views, *prepared.consts))
+
+
+def launch(problem, config: GemmConfig | None = None) -> None:
+    """Run a ``tilemm.matmul.FP8Problem`` on an sm_90 GPU, writing ``problem.out``.
+
+    ``config`` overrides the table's choice (for tuning and benchmarks)."""
+    Prepared(problem, config).run(problem, stream_handle(problem.out.device))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import dataclasses
 import cuda.tile as ct
 import torch
 
-from ._common import epilogue, hinted, num_sms, sm90_hints, tile_coords_at
+from ._common import ceil_div, epilogue, hinted, num_sms, sm90_hints, stream_handle, tile_coords_at
 from . import _large
 
 __all__ = ["GemmConfig", "launch_gemm", "gemm_constants", "gemm_kernel", "gemm_grid", "num_sms"]
@@ -140,13 +140,13 @@ class GemmConfig:
 
 def gemm_grid(cfg: GemmConfig, batch: int, m: int, n: int, sms: int) -> int:
     """Blocks to launch: one per output tile, or for persistent configs at most one per SM slot."""
-    tiles = batch * -(-m // cfg.tile_m) * -(-n // cfg.tile_n)
+    tiles = batch * ceil_div(m, cfg.tile_m) * ceil_div(n, cfg.tile_n)
     if not cfg.persistent:
         return tiles
     ctas = cfg.num_ctas or 1
     slots = sms * (cfg.occupancy or 1) // ctas
     blocks = max(1, min(tiles, slots))
-    return -(-blocks // ctas) * ctas  # whole clusters; surplus blocks find no tile and exit
+    return ceil_div(blocks, ctas) * ctas  # whole clusters; surplus blocks find no tile and exit
 
 
 def gemm_constants(cfg: GemmConfig, fast_acc: bool, scaled: bool) -> tuple:
@@ -169,5 +169,5 @@ def launch_gemm(a, a_scale, b, b_scale, out, alpha, bias, cfg: GemmConfig, *, fa
     operands = lg.matmul_operands(a, a_scale, b, b_scale, out, alpha, bias, batch, scaled=scaled)
     for views in lg.split("matmul", lg.matmul_axes(batch, m, n, cfg.tile_m, cfg.tile_n), operands):
         grid = (gemm_grid(cfg, *views[4].shape, sms), 1, 1)
-        ct.launch(torch.cuda.current_stream(out.device), grid, kernel,
+        ct.launch(stream_handle(out.device), grid, kernel,
                   (*views, *gemm_constants(cfg, fast_acc, scaled)))

@@ -62,10 +62,11 @@ import cuda.tile as ct
 import torch
 from cuda.tile import compilation as cc
 
-from ..formats import FP8_BLOCK, FP8_E4M3, NVFP4, Format
+from .._arch import capability, gpu_code, has_kernels
+from ..formats import E2M1, E4M3, E5M2, ELEMENT_CODES, FP8_BLOCK, FP8_E4M3, NVFP4, Format
 from . import _large
 from ._aot import TARGETS, AotVariant, array
-from ._common import SWIZZLE_COLS, SWIZZLE_ROWS, Described, hinted, num_sms
+from ._common import SWIZZLE_COLS, SWIZZLE_ROWS, Described, hinted, num_sms, stream_handle
 
 __all__ = ["quantize_mx", "quantize_nvfp4", "quantize_fp8", "FakeQuant", "aot_variants", "supported"]
 
@@ -98,11 +99,8 @@ _INV_QMAX_E4M3 = _f32(1.0 / 448.0)  # fp32(1/Qmax) for RCEIL, as the reference's
 _INV_QMAX_E5M2 = _f32(1.0 / 57344.0)
 _INV_QMAX_E2M1 = _f32(1.0 / 6.0)
 
-# Element codes (the ELEMENT constant).
-_E4M3 = 0
-_E5M2 = 1
-_E2M1 = 2
-_ELEMENT_CODE = {"e4m3": _E4M3, "e5m2": _E5M2, "e2m1": _E2M1}
+# Element codes (the ELEMENT constant): tilemm.formats owns them.
+_E4M3, _E5M2, _E2M1, _ELEMENT_CODE = E4M3, E5M2, E2M1, ELEMENT_CODES
 
 # FP8 granularities of ``_fp8_quantize_kernel`` (GRANULARITY); per row has its own kernel.
 _FP8_TENSOR = 0
@@ -964,9 +962,7 @@ def _kernel(kernel, cfg: TileConfig):
 def supported(x: torch.Tensor) -> bool:
     """True when the quantizer kernels can run on x: a CUDA tensor on sm_90 or newer
     (``TILEMM_ARCH`` overrides the detected capability, as everywhere in tilemm)."""
-    from .._arch import capability
-
-    return x.is_cuda and capability(x.device)[0] >= 9
+    return has_kernels(x.device)
 
 
 @dataclasses.dataclass
@@ -1011,15 +1007,14 @@ def _grid(batch: int, rows: int, k: int, cfg: TileConfig, swizzle: bool = False)
 
 
 def _launch_kernel(device: torch.device, grid, kernel, args: tuple) -> None:
-    ct.launch(torch.cuda.current_stream(device), grid, kernel, args)
+    ct.launch(stream_handle(device), grid, kernel, args)
 
 
 
 
 def _target(device: torch.device) -> str:
     """The device's architecture as an ``aot_variants`` target, e.g. "sm_90"."""
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}"
+    return gpu_code(capability(device))
 
 
 # Tensors of 2^31 elements and more (``_large``): every launch below goes through ``_pieces``, which

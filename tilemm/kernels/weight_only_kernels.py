@@ -70,6 +70,7 @@ import threading
 import cuda.tile as ct
 import torch
 
+from ..formats import E2M1, E4M3, E5M2
 from ._aot import AotVariant, array
 from ._common import Described, hinted, sm90_hints
 
@@ -80,10 +81,7 @@ ConstInt = ct.Constant[int]
 
 _ZERO = ct.PaddingMode.ZERO
 
-# Element codes (the ELEMENT constant of the kernel).
-E2M1 = 0
-E4M3 = 1
-E5M2 = 2
+# Element codes (the ELEMENT constant of the kernel): E2M1, E4M3, E5M2 from tilemm.formats.
 
 
 @dataclasses.dataclass(frozen=True)

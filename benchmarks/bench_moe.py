@@ -232,7 +232,10 @@ def hf_experts(config_kw: dict, gate_up, gate_up_bias, down, down_bias):
     cfg = GptOssConfig(**config_kw)
     impl = hf_experts_implementation()
     if impl is not None:
-        cfg._experts_implementation = impl
+        try:
+            cfg._experts_implementation = impl
+        except Exception:  # noqa: BLE001 (then the module's own default; the records say which ran)
+            pass
     with torch.device("meta"):
         module = GptOssExperts(cfg)
     e, two_i, hidden = gate_up.shape[0], gate_up.shape[2], gate_up.shape[1]
@@ -336,7 +339,9 @@ def bench_layers(args, device, timer, t0) -> list[dict]:
             hf = hf_experts(cfg_kw, w_gu, gub, w_d, db)
             weight_mb = sum(t.numel() * t.element_size() for t in (gate_up.words, gate_up.scale_t,
                                                                    down.words, down.scale_t)) / 2 ** 20
-            log(f"{name} {fmt}: E={e} top-{k}, packed experts {weight_mb:.0f} MiB", t0)
+            hf_impl = getattr(getattr(hf, "config", None), "_experts_implementation", None)
+            log(f"{name} {fmt}: E={e} top-{k}, packed experts {weight_mb:.0f} MiB; hf experts implementation "
+                f"{hf_impl}", t0)
             for routing_kind in ROUTINGS:
                 for t in tokens:
                     ids, weights = routing(routing_kind, t, e, k, device, gen)
@@ -345,7 +350,8 @@ def bench_layers(args, device, timer, t0) -> list[dict]:
                     err = rel_err(ours(x, ids, weights), ref)
                     can_group = grouped.grouped or t * k <= 64
                     rec = {"layer": name, "format": fmt, "routing": routing_kind, "T": t, "E": e, "top_k": k,
-                           "hidden": hidden, "intermediate": inter, "rel_err": err}
+                           "hidden": hidden, "intermediate": inter, "rel_err": err,
+                           "hf_impl": getattr(getattr(hf, "config", None), "_experts_implementation", None)}
                     for bname, module in (("hf", hf), ("grouped", grouped if can_group else None)):
                         if module is None:
                             continue

@@ -252,23 +252,24 @@ def hf_experts(config_kw: dict, gate_up, gate_up_bias, down, down_bias):
 # ------------------------------------------------------------------------------------- alternatives
 
 #: Structurally different launches of the same layer, timed next to the chosen one at T <= 16:
-#: "pairs": no routing, one block per ((token, slot) pair, N tile) on the FMA pipes, the weighted sum
-#: in the down launch (the default at T = 1; at larger T an expert shared by several tokens is read
-#: once per token); "sorted": the routing, x's rows sorted by expert, one block per (active expert,
-#: N tile) on the tensor cores (the default from T = 2); "all_experts": the sorted design with a block
-#: per (expert, N tile) for every expert (the empty ones exit at once) instead of the compacted
-#: active-expert slots; "unfused": the sorted design with the gate_up products written out and
-#: gpt-oss's SwiGLU as PyTorch operations, instead of the fused epilogue.
-DESIGNS = ("pairs", "sorted", "all_experts", "unfused")
+#: "pairs_combine" / "pairs_bmm": no routing, one block per ((token, slot) pair, N tile) on the FMA
+#: pipes, the weighted sum in the down launch (a block per (token, N tile) running the token's k
+#: experts in turn) or as a batched GEMM (the default at T = 1 picks one by ``combine_pays``; at
+#: larger T an expert shared by several tokens is read once per token); "sorted": the routing, x's
+#: rows sorted by expert, one block per (active expert, N tile) on the tensor cores (the default
+#: from T = 2); "all_experts": the sorted design with a block per (expert, N tile) for every expert
+#: (the empty ones exit at once) instead of the active experts first; "unfused": the sorted design
+#: with the gate_up products written out and gpt-oss's SwiGLU as PyTorch operations, instead of the
+#: fused epilogue.
+DESIGNS = ("pairs_combine", "pairs_bmm", "sorted", "all_experts", "unfused")
 DESIGN_MAX_T = 16
 
 
 def designs_for(t: int) -> tuple:
-    """The DESIGNS that differ from the default launch at T = ``t``."""
+    """The DESIGNS to time at T = ``t`` (the sorted one only where it is not the default)."""
     from tilemm.kernels import moe_kernels as mk
 
-    default = "pairs" if t <= mk.PAIRS_MAX_TOKENS else "sorted"
-    return tuple(d for d in DESIGNS if d != default)
+    return tuple(d for d in DESIGNS if d != "sorted" or t <= mk.PAIRS_MAX_TOKENS)
 
 
 def designed(ours: MoEExperts, design: str):
@@ -280,7 +281,7 @@ def designed(ours: MoEExperts, design: str):
 
     gu, dn = ours.packed("gate_up"), ours.packed("down")
     every = torch.arange(ours.num_experts + 1, device=gu.device)
-    if design in ("pairs", "sorted"):
+    if design.startswith("pairs") or design == "sorted":
         def launches(x, ids, weights):
             return _experts_launches(x, ids, weights, gu.words, gu.scale_t, gu.constants, gu.fmt.name,
                                      ours.gate_up_bias, dn.words, dn.scale_t, dn.constants, dn.fmt.name,
@@ -652,8 +653,9 @@ def markdown(meta, layers, e2e) -> str:
     designs = [r for r in layers if any(f"{d}_us" in r for d in DESIGNS)]
     if designs:
         lines += ["", "Alternative launches of the same layer (us; see ``DESIGNS`` in the script; `-` where the "
-                  "design is the default at that T, i.e. the tilemm column): pairs = no routing, a block per "
-                  "(token, slot) pair on the FMA pipes; sorted = routing, rows sorted by expert, tensor "
+                  "design is not timed at that T): pairs_combine / pairs_bmm = no routing, a block per (token, "
+                  "slot) pair on the FMA pipes, the weighted sum in the down launch or a batched GEMM; sorted "
+                  "= routing, rows sorted by expert, tensor "
                   "cores; all_experts = sorted with a block per (expert, N tile) for every expert; unfused = "
                   "sorted with the SwiGLU outside the kernel.", "",
                   "| layer | fmt | routing | T | tilemm | " + " | ".join(DESIGNS) + " |",

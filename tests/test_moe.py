@@ -293,14 +293,14 @@ def test_fused_swiglu_epilogue(emulated, fmt):
     assert torch.allclose(fused.float(), expected.float(), rtol=2 ** -7, atol=1e-6)
 
 
-@pytest.mark.parametrize("design", ["sorted", "pairs"])
+@pytest.mark.parametrize("design", ["sorted", "pairs_combine", "pairs_bmm"])
 @pytest.mark.parametrize("unfused", [False, True], ids=["fused", "unfused"])
 def test_experts_launches_chain(emulated, unfused, design):
     """The experts block's GPU paths on the emulator, equal to the CPU path up to summation order:
     "sorted": x sorted once, gate_up writing h in expert order, down reading it and scattering to
-    (token, slot) rows; "pairs": the per-pair kernel, the weighted sum in the down launch (any T is
-    correct; the default takes it at T = 1 only). Expert 0 gets 19 of the 24 rows (two chunks of
-    16); one id is out of range (NaN token)."""
+    (token, slot) rows; "pairs_*": the per-pair kernel, the weighted sum in the down launch or as a
+    batched GEMM (any T is correct; the default takes the per-pair kernel at T = 1 only). Expert 0
+    gets 19 of the 24 rows (two chunks of 16); one id is out of range (NaN token)."""
     from tilemm.moe import _experts_launches, run_gpt_oss_experts
 
     e, hidden, inter = 4, 64, 32
@@ -378,6 +378,12 @@ def test_pairs_kernel_swiglu_and_combine(emulated):
     mk.launch_pairs(rows, packed.words, packed.scale_t, packed.constants, bias, ids.reshape(-1), combined,
                     packed.layout, weights=weights)
     assert torch.equal(combined, _weighted_sum(per_pair.reshape(1, 3, n), weights))
+
+
+def test_combine_only_with_two_blocks_per_sm():
+    # gpt-oss-20b's down projection at T = 1: 180 blocks of (token, 16 rows) on 132 SMs -> no
+    assert not mk.combine_pays(1, 2880, 132)
+    assert mk.combine_pays(1, 7168, 132) and mk.combine_pays(2, 2880, 132)
 
 
 def test_chunk_groups_spread_a_popular_expert(emulated):

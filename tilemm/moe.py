@@ -207,16 +207,18 @@ def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_fo
                       design: str | None = None):
     """The GPU path of ``run_gpt_oss_experts``. ``design`` "pairs" (the default up to
     ``moe_kernels.PAIRS_MAX_TOKENS`` tokens): no routing, the per-pair kernel for gate_up (SwiGLU
-    fused) and for down with the weighted sum in its epilogue: two launches. "sorted" (the default
-    above): the routing, x's rows sorted by expert once, gate_up writing h in that order, down reading
-    it and writing (token, slot) rows, the weighted sum as a batched GEMM."""
+    fused) and for down, with the weighted sum in the down launch's epilogue where that pays
+    (``moe_kernels.combine_pays``: two launches), else as a batched GEMM ("pairs_combine" /
+    "pairs_bmm" force either). "sorted" (the default above): the routing, x's rows sorted by expert
+    once, gate_up writing h in that order, down reading it and writing (token, slot) rows, the
+    weighted sum as a batched GEMM."""
     from .kernels import moe_kernels as mk
 
     tokens, top_k = ids.shape
     num_experts, inter, hidden = gu_words.shape[0], gu_words.shape[1] // 2, d_words.shape[1]
     if design is None:
         design = "pairs" if tokens <= mk.PAIRS_MAX_TOKENS else "sorted"
-    if design == "pairs":
+    if design.startswith("pairs"):
         flat = ids.reshape(-1)
         h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # pair order
         if alpha == mk.SWIGLU_ALPHA and limit == mk.SWIGLU_LIMIT:
@@ -227,10 +229,18 @@ def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_fo
             mk.launch_pairs(x.contiguous(), gu_words, gu_scale_t, gu_constants, gu_bias, flat, gate_up,
                             layout_of(FORMATS[gu_format]))
             h = gpt_oss_glu(gate_up, alpha, limit)
-        out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
-        mk.launch_pairs(h, d_words, d_scale_t, d_constants, d_bias, flat, out, layout_of(FORMATS[d_format]),
-                        weights=weights.contiguous())
-        return out
+        if design == "pairs":
+            from .kernels._common import num_sms
+
+            design = "pairs_combine" if mk.combine_pays(tokens, hidden, num_sms(x.device)) else "pairs_bmm"
+        if design == "pairs_combine":
+            out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
+            mk.launch_pairs(h, d_words, d_scale_t, d_constants, d_bias, flat, out, layout_of(FORMATS[d_format]),
+                            weights=weights.contiguous())
+            return out
+        y = torch.empty((tokens * top_k, hidden), dtype=x.dtype, device=x.device)  # pair order
+        mk.launch_pairs(h, d_words, d_scale_t, d_constants, d_bias, flat, y, layout_of(FORMATS[d_format]))
+        return _weighted_sum(y.reshape(tokens, top_k, hidden), weights)
     routed = mk.route(ids, num_experts)
     xs = mk.sort_rows(x.contiguous(), routed, top_k)  # x's rows in expert order
     h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # sorted rows too

@@ -66,7 +66,7 @@ from ._aot import AotVariant, array
 from ._common import hinted, sm90_hints
 from .weight_only_kernels import LAYOUTS, Layout, _X_PARTS, _f32_halves, _k_tile, _multipliers, _scaled_plane
 
-__all__ = ["MoEConfig", "plan", "route", "launch", "sort_rows", "launch_pairs", "pairs_plan", "PairsConfig",
+__all__ = ["MoEConfig", "plan", "route", "launch", "sort_rows", "launch_pairs", "pairs_plan", "PairsConfig", "combine_pays",
            "PAIRS_MAX_TOKENS", "zero_bias", "chunk_groups", "aot_variants", "SWIGLU_ALPHA", "SWIGLU_LIMIT"]
 
 ConstInt = ct.Constant[int]
@@ -407,6 +407,14 @@ class PairsConfig:
     @property
     def name(self) -> str:
         return f"moe_pairs_{self.tile_n}_u{self.unroll}_w{self.num_worker_warps}_occ{self.occupancy}"
+
+
+def combine_pays(tokens: int, n: int, sms: int) -> bool:
+    """Whether the down projection should apply the router's weights in its epilogue (one block per
+    (token, N tile), each running the token's k experts one after another): only while those blocks
+    alone give at least two per SM; with fewer, the per-pair blocks (k times as many) and a batched
+    GEMM for the sum keep more weight loads in flight."""
+    return tokens * -(-n // PairsConfig(1).tile_n) >= 2 * sms
 
 
 def pairs_plan(k: int, layout: Layout) -> PairsConfig:

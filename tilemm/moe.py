@@ -184,7 +184,7 @@ def run_gpt_oss_experts(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_
     """What ``torch.ops.tilemm.gpt_oss_experts`` runs on checked tensors: gate_up, SwiGLU, down, the
     weighted sum over the k slots. On CUDA (``_experts_launches``): for one token, the per-pair kernel
     for gate_up (the SwiGLU fused for gpt-oss's alpha and limit; other values run it unfused) and for
-    down with the weighted sum; from two tokens, one routing, x's rows sorted by expert, the gate_up
+    down (with the weighted sum where ``combine_pays``); from two tokens, one routing, x's rows sorted by expert, the gate_up
     launch (SwiGLU fused likewise), the down launch, one batched GEMM."""
     tokens, top_k = ids.shape
     num_experts, inter, hidden = gu_words.shape[0], gu_words.shape[1] // 2, d_words.shape[1]
@@ -291,8 +291,9 @@ class MoEExperts(torch.nn.Module):
     * the output: sum over the k slots of ``y * routing_weights``, in fp32, rounded once.
 
     It is one custom op, ``torch.ops.tilemm.gpt_oss_experts``: on CUDA, for one token two launches of
-    the per-pair kernel (the weighted sum in the second); from two tokens one routing (shared by both
-    projections), two grouped launches and a batched GEMM for the weighted sum. transformers rounds
+    the per-pair kernel (the weighted sum in the second where that pays, else a batched GEMM); from
+    two tokens one routing (shared by both projections), two grouped launches and a batched GEMM for
+    the weighted sum. transformers rounds
     to bf16 after each of its elementwise operations; the results agree up to those roundings.
 
     The weights are registered buffers (``{gate_up,down}_{words,scale_t,constants}``, biases in

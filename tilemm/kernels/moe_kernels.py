@@ -14,8 +14,9 @@ Two designs (``tilemm.moe`` picks by T; ``benchmarks/bench_moe.py`` times both):
   expert id, its x row (a plain tile load) and the weight tile, and multiplies on the FMA pipes as
   the weight-only FMA kernel does (``_gemv_kernel``). One token's k experts are distinct, so each
   expert's weight is read once. The down projection can apply the router's weights and sum the k
-  slots in its epilogue (one block per (token, N tile) runs the token's k pairs in turn): the
-  experts block of one token is then two launches and nothing else.
+  slots in its epilogue (one block per (token, N tile) runs the token's k pairs in turn), where
+  those blocks are enough to fill the GPU (``combine_pays``): the experts block of one token is then
+  two launches and nothing else; otherwise a batched GEMM sums the slots.
 * sorted (``_moe_kernel``, ``launch``): a routing step (``route``) of fixed-size PyTorch operations,
   without a host synchronisation and without any allocation whose size depends on the routing (so a
   call can be captured in a CUDA graph):

@@ -226,8 +226,9 @@ def test_routing_is_fixed_size_and_sorted():
     assert torch.equal(keys[order], torch.sort(keys, stable=True).values)
     assert torch.equal(order[:2], torch.tensor([1, 6]))  # stable: rows of one expert in row order
     assert offsets.tolist() == [0, 2, 2, 5, 5, 5, 6, 8]
-    # by decreasing rows (ties by id), then the empty experts: 2 (3 rows), 0 and 6 (2), 5 (1), 1, 3, 4
-    assert slot_expert.tolist() == [2, 0, 6, 5, 1, 3, 4]
+    assert slot_expert.tolist() == [0, 1, 2, 3, 4, 5, 6]  # 8 rows >= E + 1: every expert its slot
+    # fewer rows than experts: by decreasing rows (ties by id), then the empty experts
+    assert mk.route(ids[:3], 9)[2].tolist() == [2, 0, 5, 9, 1, 3]  # 3 rows, 1, 1, 1 (the extra), none
     # one token, one expert: a single slot; far out-of-range ids still land on the extra expert
     assert mk.route(torch.tensor([[3]]), 6)[2].tolist() == [3]
     assert mk.route(torch.tensor([[2 ** 40, -2 ** 40]]), 6)[2].tolist() == [6, 0]  # (expert 0: no rows)

@@ -24,10 +24,10 @@ Two designs (``tilemm.moe`` picks by T; ``benchmarks/bench_moe.py`` times both):
   * the T * k (token, slot) pairs are sorted by expert id (stable ``argsort``): ``order``;
   * ``offsets`` (E + 2): where each expert's run starts in ``order`` (``searchsorted``), the last
     entry T * k; ids outside [0, E) are sorted as the extra "expert" E;
-  * ``slot_expert`` (S = min(T * k, E + 1)): the experts 0 .. E by decreasing number of rows (ties
-    by id), cut to S entries: every present expert is among them (S bounds the number of distinct
-    experts whatever the routing), the busiest first (its blocks start first), then experts with no
-    rows, whose blocks do nothing.
+  * ``slot_expert`` (S = min(T * k, E + 1)): while T * k <= E, the experts 0 .. E by decreasing
+    number of rows (ties by id), cut to S entries: every present expert is among them (S bounds the
+    number of distinct experts whatever the routing), the busiest first (its blocks start first),
+    then experts with no rows, whose blocks do nothing; from T * k = E + 1 on, simply 0 .. E.
 
   x's rows are then gathered once into that order (``sort_rows``, one ``index_select``), so that
   each expert's tokens are a contiguous run of rows: the kernel's K loop loads them as a plain tile
@@ -274,10 +274,12 @@ def route(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch
         bounds = _BOUNDS[(flat.device, num_experts)] = torch.arange(
             num_experts + 2, device=flat.device, dtype=torch.int64)
     offsets = torch.searchsorted(sorted_key, bounds)
+    if rows >= num_experts + 1:  # S = E + 1: every expert has its slot, in id order (no sort needed)
+        return order, offsets, bounds[:num_experts + 1]
     # The experts by decreasing number of rows (ties by id; stable), the empty ones last: the first
     # S entries hold every present expert, and the busiest expert's blocks start first.
     slot_expert = torch.argsort(offsets[:-1] - offsets[1:], stable=True)  # (E + 1,): minus each run's length
-    return order, offsets, slot_expert[:min(rows, num_experts + 1)]
+    return order, offsets, slot_expert[:rows]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Mixture-of-experts layers and models with MXFP4 / NVFP4 experts (``tilemm.moe``) against bf16.
 
     python benchmarks/bench_moe.py --quick        # layers at T = 1, 16, 256 + a 4-layer gpt-oss-20b decode
+                                                  # (no alternative designs: --profile times those)
     python benchmarks/bench_moe.py --layers-only  # every layer shape, T = 1 .. 1024, both routings
     python benchmarks/bench_moe.py --e2e          # gpt-oss-20b (24 layers) and gpt-oss-120b decode
     python benchmarks/bench_moe.py --cpu-smoke    # tiny shapes on the CPU: the code paths, no timing
@@ -372,7 +373,7 @@ def bench_layers(args, device, timer, t0) -> list[dict]:
                             variants["hf"] = lambda: hf(x, ids, weights)
                         if can_group:
                             variants["grouped"] = lambda: grouped(x, ids, weights)
-                        if t <= DESIGN_MAX_T:
+                        if t <= DESIGN_MAX_T and not args.quick:  # (--quick: --profile times them)
                             for design in designs_for(t):
                                 try:  # a design that fails or is wrong is recorded, not timed
                                     fwd = designed(ours, design)

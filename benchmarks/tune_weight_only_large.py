@@ -1,36 +1,38 @@
 """Sweep of the large-M weight-only designs (``tilemm.kernels.hopper_weight_only_large``) against cuBLAS bf16,
-on one GPU; prints the plan table that the measurements pick.
+on one GPU; prints what the committed plan reaches against the issue's targets and against the best
+candidate per shape.
 
-    python benchmarks/tune_weight_only_large.py                      # mxfp4, mxfp8; M = 64 ... 4096
+    python benchmarks/tune_weight_only_large.py                  # mxfp4, nvfp4, mxfp8; M = 1 ... 4096
     python benchmarks/tune_weight_only_large.py --formats nvfp4 --ms 256,1024 --json out.json
 
 For each format, (N, K) in 14336x4096, 4096x14336, 8192x8192 (the README's shapes), 1024x4096 (GQA
 k / v) and 6144x4096 (fused qkv), and each M, with bf16 x and bf16 output, it first checks every
 candidate against an fp32 product of x and the exactly dequantized weight (a candidate that fails is
-reported and left out of the plan), then times CUDA-graph replays (L2 flushed before each, median of
-``--reps``; ``benchmarks/_timing.py``) of:
+reported and left out), then times CUDA-graph replays (L2 flushed before each, median of ``--reps``;
+``benchmarks/_timing.py``) of:
 
 * ``bf16``: cuBLAS ``F.linear(x, w_bf16)``, the baseline of every ratio (timed before and after the
   others; the faster time counts);
-* ``small``: the small-M fused kernel as ``weight_only_kernels.plan`` configures it;
-* ``old2pass``: the weight decoded to bf16, cuBLAS with an fp32 output, then a cast (the large-M path
-  before ``hopper_weight_only_large``);
-* ``decode_cN``: ``hopper_weight_only_large.decode_gemm``, N weight rows decoded per GEMM (0: all at once),
-  cuBLAS writing bf16 itself;
-* ``fused_...``: ``hopper_weight_only_large._large_kernel`` per config of ``hopper_weight_only_large.CANDIDATES``;
-* ``plan``: ``tilemm.nn.Linear(weight_only=True)``'s runner as the committed plan dispatches it.
+* ``small``: the small-M kernels as ``weight_only_kernels.plan`` configures them;
+* ``plan``: ``tilemm.nn.Linear(weight_only=True)``'s runner as the committed plan dispatches it;
+* from M = 64 on (``LARGE_M``): ``old2pass``, the weight decoded to bf16, cuBLAS with an fp32 output,
+  then a cast (the large-M path before ``hopper_weight_only_large``, the reference point), and the
+  family's designs of ``hopper_weight_only_large.SWEEP``: fused configs (``fused_...``), the whole
+  weight decoded for cuBLAS writing bf16 itself (``decode_c0``) and, from M = 256, the overlapped
+  decode + GEMM in chunks of weight rows (``overlap_cN``).
 
-Prints one line per (format, shape, M) with every candidate's speed-up over bf16, then per weight
-family ("4bit", "8bit") and M the geomean over shapes of each candidate, and last the table
-``hopper_weight_only_large.PLAN`` built from the winners (``small`` means the small-M plan: ``None``), ready
-to paste. Runtime on an H100: about 4 minutes with the defaults.
+Prints one line per (format, shape, M) with every candidate's speed-up over bf16; per weight family
+("4bit", "8bit") and M the geomean over shapes of each candidate; then, per problem and per (family,
+M), the rules' pick (``hopper_weight_only_large.plan``) against the fastest candidate of each shape
+(``plan_rule_check.py``, which reads the JSON offline); and last the wired plan's geomean per format against
+the issue's targets. Runtime on an H100: about 3 minutes with the defaults (kernels compiled before, e.g.
+by the GPU tests: each new specialisation compiles once per machine, 0.5-6 s).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
 import sys
 import time
@@ -44,10 +46,16 @@ from _timing import Timer  # noqa: E402
 import tilemm  # noqa: E402
 from tilemm.kernels import weight_only_kernels as wo  # noqa: E402
 from tilemm.kernels import hopper_weight_only_large as wl  # noqa: E402
+from plan_rule_check import check, geomean  # noqa: E402
 
 NK = [(14336, 4096), (4096, 14336), (8192, 8192), (1024, 4096), (6144, 4096)]
-MS = [64, 128, 256, 512, 1024, 2048, 4096]
-CHUNKS = (0, 4096, 2048)
+MS = [1, 16, 64, 128, 256, 512, 1024, 2048, 4096]
+LARGE_M = 64
+OVERLAP_M = 256
+#: The issue's targets (speed-up over cuBLAS bf16, geomean over shapes, H100) per family: (M, target)
+#: rows, each for the Ms up to the next row.
+TARGETS = {"4bit": ((1, 2.5), (16, 2.2), (64, 1.6), (128, 1.25), (256, 1.0)),
+           "8bit": ((1, 1.8), (16, 1.6), (64, 1.3), (128, 1.1), (256, 1.0))}
 TOLERANCE = 1e-2  # relative Frobenius error of a bf16 output against the fp32 oracle
 
 
@@ -62,6 +70,27 @@ def _stream(device):
     return torch._C._cuda_getCurrentRawStream(device.index)
 
 
+def target(fam: str, m: int) -> float | None:
+    """The issue's target for (family, M), or None for an M below the first row."""
+    got = None
+    for first, value in TARGETS[fam]:
+        if m >= first:
+            got = value
+    return got
+
+
+def _run(cfg, packed, x, out, zero, sms):
+    layout, k, dev = packed.layout, packed.in_features, x.device
+    if cfg.kind == "fused":
+        return lambda: wl.launch(x, packed.words, packed.scale_t, packed.constants, zero, out, layout, cfg, sms,
+                                 _stream(dev))
+    if cfg.kind == "decode":
+        return lambda: wl.decode_gemm(x, packed.words, packed.scale_t, packed.constants, packed.alpha_host, out,
+                                      layout, k, cfg.chunk, _stream(dev))
+    return lambda: wl.overlap_gemm(x, packed.words, packed.scale_t, packed.constants, packed.alpha_host, out,
+                                   layout, k, cfg.chunk)
+
+
 def candidates(packed, x, out, sms):
     """name -> callable writing ``out`` (M, N) bf16, launching on the current stream."""
     dev = x.device
@@ -72,54 +101,24 @@ def candidates(packed, x, out, sms):
     small = wo.Prepared(packed.words, packed.scale_t, packed.constants, zero, layout, wo.plan(m, n, k, layout, sms),
                         m, x.dtype)
     cands["small"] = lambda: small.run(x, out, _stream(dev))
+    if m < LARGE_M:
+        return cands
 
     def old2pass():
         w16 = wo.dequantize(packed.words, packed.scale_t, packed.constants, layout, k)
         out.copy_(torch.addmm(zero, x, w16.t(), out_dtype=torch.float32, alpha=packed.alpha_host))
 
     cands["old2pass"] = old2pass
-    for chunk in CHUNKS:  # a chunk of N rows or more is the whole weight at once
-        cands[f"decode_c{chunk}"] = (lambda c: lambda: wl.decode_gemm(
-            x, packed.words, packed.scale_t, packed.constants, packed.alpha_host, out, layout, k, c,
-            _stream(dev)))(chunk)
-    for cfg in wl.CANDIDATES:
-        cands[cfg.name] = (lambda c: lambda: wl.launch(x, packed.words, packed.scale_t, packed.constants, zero,
-                                                       out, layout, c, sms, _stream(dev)))(cfg)
+    for cfg in wl.SWEEP[wl.family(layout)]:
+        if cfg.kind == "overlap" and m < OVERLAP_M:
+            continue
+        cands[cfg.name] = _run(cfg, packed, x, out, zero, sms)
     return cands
-
-
-def config_of(name: str):
-    """The plan-table entry of a candidate name (None: the small-M plan), or False (not a plan option)."""
-    if name == "small":
-        return None
-    if name.startswith("decode_c"):
-        return wl.LargeConfig("decode", chunk=int(name[len("decode_c"):]))
-    for cfg in wl.CANDIDATES:
-        if cfg.name == name:
-            return cfg
-    return False
-
-
-def plan_text(best: dict) -> str:
-    """``PLAN = {...}`` from {family: {m: name}}, merging consecutive Ms with the same winner."""
-    lines = ["PLAN = {"]
-    for fam, per_m in best.items():
-        lines.append(f'    "{fam}": (')
-        last = object()
-        for m in sorted(per_m):
-            cfg = config_of(per_m[m])
-            if cfg is False or cfg == last:
-                continue
-            lines.append(f"        ({m}, {cfg!r}),")
-            last = cfg
-        lines.append("    ),")
-    lines.append("}")
-    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="tune_weight_only_large.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--formats", default="mxfp4,mxfp8")
+    ap.add_argument("--formats", default="mxfp4,nvfp4,mxfp8")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--shapes", default=None, help="NxK,NxK,... (default: the five above)")
     ap.add_argument("--reps", type=int, default=15)
@@ -134,6 +133,13 @@ def main(argv=None) -> int:
     print(f"# {torch.cuda.get_device_name(dev)}, {sms} SMs, torch {torch.__version__}", flush=True)
     rows, failed = [], set()
     started = time.time()
+
+    def save():
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(
+                {"device": torch.cuda.get_device_name(dev), "sms": sms, "rows": rows, "failed": sorted(failed)},
+                indent=0))
+
     for fmt in args.formats.split(","):
         for n, k in shapes:
             lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
@@ -170,34 +176,40 @@ def main(argv=None) -> int:
                                  "us": t * 1e3, "bf16_us": t_bf16 * 1e3, "vs_bf16": t_bf16 / t})
                     line.append(f"{name} {t_bf16 / t:.2f}")
                 print(f"{fmt} {n}x{k} M={m} bf16 {t_bf16 * 1e3:.1f}us | " + " | ".join(line), flush=True)
+            save()  # after every shape: a run cut short keeps what it measured
     print(f"# sweep took {time.time() - started:.0f} s; failed candidates: {sorted(failed) or 'none'}")
 
     # Geomean over shapes (and formats of one family) per (family, M, candidate).
-    best: dict = {}
     print("\n# geomean speed-up over cuBLAS bf16, per weight family and M (all shapes)")
     for fam in ("4bit", "8bit"):
         for m in ms:
             sel = [r for r in rows if r["family"] == fam and r["m"] == m]
             if not sel:
                 continue
-            names = sorted({r["cand"] for r in sel}, key=lambda c: list(dict.fromkeys(r["cand"] for r in sel)).index(c))
+            problems = len({(r["fmt"], r["n"], r["k"]) for r in sel})
             cells = []
-            geo = {}
-            for name in names:
+            for name in dict.fromkeys(r["cand"] for r in sel):
                 vals = [r["vs_bf16"] for r in sel if r["cand"] == name]
-                if len(vals) != len({(r["fmt"], r["n"], r["k"]) for r in sel}):
-                    continue  # not measured on every shape: not comparable
-                geo[name] = math.exp(sum(map(math.log, vals)) / len(vals))
-                cells.append(f"{name} {geo[name]:.2f}")
-            options = {c: g for c, g in geo.items() if config_of(c) is not False and c not in failed}
-            if options:
-                best.setdefault(fam, {})[m] = max(options, key=options.get)
-            print(f"{fam} M={m}: " + " | ".join(cells) + f"  => {best.get(fam, {}).get(m)}")
-    print(f"\n# the plan these measurements pick on {torch.cuda.get_device_name(dev)} "
-          f"(tilemm/kernels/hopper_weight_only_large.py):")
-    print(plan_text(best))
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"rows": rows, "failed": sorted(failed)}, indent=0))
+                if len(vals) == problems:  # measured on every shape: comparable
+                    cells.append(f"{name} {geomean(vals):.2f}")
+            print(f"{fam} M={m}: " + " | ".join(cells))
+
+    print("\n# the rules' picks (tilemm/kernels/hopper_weight_only_large.py RULES) against the best measured "
+          "candidate per shape")
+    check([r for r in rows if r["m"] >= LARGE_M], sms)
+
+    print(f"\n# the wired plan (tilemm.nn.Linear(weight_only=True)) on {torch.cuda.get_device_name(dev)}: geomean "
+          "over shapes of its speed-up over cuBLAS bf16, against the issue's target")
+    for fmt in args.formats.split(","):
+        cells = []
+        for m in ms:
+            sel = [r for r in rows if r["fmt"] == fmt and r["m"] == m and r["cand"] == "plan"]
+            if sel:
+                g, want = geomean(r["vs_bf16"] for r in sel), target(sel[0]["family"], m)
+                cells.append(f"M={m} {g:.2f} (>= {want}: {'met' if g >= want else 'MISSED'})")
+        if cells:
+            print(f"{fmt}: " + " | ".join(cells))
+    save()
     return 1 if failed else 0
 
 

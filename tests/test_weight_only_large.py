@@ -1,6 +1,6 @@
 """The large-M weight-only designs (``tilemm.kernels.hopper_weight_only_large``) on the CPU: the fused
 persistent kernel's tile code through the NumPy model of cuTile (tests/_emulator.py), the two-pass
-decode + GEMM in chunks, and the plan table."""
+decode + GEMM in chunks, and the plan's rules."""
 
 from __future__ import annotations
 
@@ -78,37 +78,103 @@ def test_decode_gemm_matches_reference(emulated, fmt, chunk):
     assert_matches(out.float(), _reference(x, w_q), torch.bfloat16)
 
 
-def test_plan_table():
-    """Below the table's first M: None (the small-M plan); then the last row whose M the problem
-    reaches; a table can be passed in (the sweep's printed one)."""
+@pytest.mark.parametrize("fmt", [MXFP4, NVFP4, MXFP8_E4M3], ids=["mxfp4", "nvfp4", "mxfp8_e4m3"])
+@pytest.mark.parametrize("chunk", [16, 48, 100, 1000])
+def test_overlap_gemm_matches_reference(emulated, fmt, chunk):
+    """The overlapped design's steps in order on the CPU: chunks of 16 (7 chunks, each ping-pong buffer
+    reused three times, the last chunk partial), 48, the whole weight in one chunk (100 and more)."""
+    m, n, k = 5, 100, 320
+    w_q = _weight(fmt, n, k, seed=13)
+    packed = prepack(w_q)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    wl.overlap_gemm(x, packed.words, packed.scale_t, packed.constants, packed.alpha_host, out, packed.layout,
+                    k, chunk)
+    assert_matches(out.float(), _reference(x, w_q), torch.bfloat16)
+    with pytest.raises(ValueError, match="needs chunk > 0"):
+        wl.LargeConfig("overlap", chunk=0)
+    assert wl.LargeConfig("overlap", chunk=2048).name == "overlap_c2048"
+
+
+#: Per (family, N, K, M) of the H100 sweep (benchmarks/results/tune-weight-only-large-*.txt), the
+#: candidate the rules must pick (None: the small-M plan): the measured per-shape winner, or one within
+#: 0.02 of it (``benchmarks/plan_rule_check.py`` lists them). 132 SMs.
+_MEASURED_PICKS = {
+    ("4bit", 64): {(14336, 4096): None, (4096, 14336): None, (8192, 8192): None,
+                   (6144, 4096): "fused_128x64_g8_occ2", (1024, 4096): "decode_c0"},
+    ("4bit", 128): {(14336, 4096): "fused_128x128_g8", (4096, 14336): None,
+                    (8192, 8192): "fused_128x64_g8_occ2", (6144, 4096): "fused_128x64_g8_occ2",
+                    (1024, 4096): "decode_c0"},
+    ("4bit", 256): {(14336, 4096): "fused_128x128_g8", (4096, 14336): "fused_128x64_g8_occ2",
+                    (8192, 8192): "fused_128x128_g8", (6144, 4096): "fused_128x128_g8",
+                    (1024, 4096): "decode_c0"},
+    ("4bit", 1024): {(14336, 4096): "fused_128x128_g8", (4096, 14336): "fused_128x128_g8",
+                     (1024, 4096): "decode_c0"},
+    ("4bit", 2048): {(14336, 4096): "decode_c0", (8192, 8192): "decode_c0"},
+    ("8bit", 64): {(8192, 8192): None, (6144, 4096): "fused_128x128_g8_cat", (4096, 14336): None},
+    ("8bit", 128): {(6144, 4096): "fused_128x128_g8_cat", (14336, 4096): "fused_128x128_g8_cat",
+                    (1024, 4096): "decode_c0"},
+    ("8bit", 256): {(14336, 4096): "fused_128x256_g8", (8192, 8192): "fused_128x128_g8_cat"},
+    ("8bit", 512): {(6144, 4096): "fused_128x256_g8", (4096, 14336): "fused_128x128_g8_cat"},
+    ("8bit", 1024): {(8192, 8192): "fused_128x256_g8", (6144, 4096): "fused_128x128_g8_cat",
+                     (14336, 4096): "fused_128x256_g8"},
+    ("8bit", 4096): {(6144, 4096): "decode_c0"},
+}
+
+
+@pytest.mark.parametrize("key", list(_MEASURED_PICKS), ids=[f"{f}-M{m}" for f, m in _MEASURED_PICKS])
+def test_plan_rules_pick_the_measured_winners(key):
+    fam, m = key
+    layout = wo.LAYOUTS["mxfp4" if fam == "4bit" else "mxfp8_e4m3"]
+    for (n, k), want in _MEASURED_PICKS[key].items():
+        got = wl.plan(m, n, k, layout, sms=132)
+        assert (None if got is None else got.name) == want, (n, k)
+
+
+def test_plan_rules():
+    """Below first_m: None; the rules' thresholds on made-up rules; any shape gets a design."""
     mx4, mx8 = wo.LAYOUTS["mxfp4"], wo.LAYOUTS["mxfp8_e4m3"]
-    first = wl.PLAN["4bit"][0][0]
-    assert wl.plan(first - 1, 4096, 4096, mx4) is None
-    assert wl.plan(first, 4096, 4096, mx4) == wl.PLAN["4bit"][0][1]
-    assert wl.plan(1 << 20, 4096, 4096, mx8) == wl.PLAN["8bit"][-1][1]
-    table = {"4bit": ((64, wl.LargeConfig("decode", chunk=0)),), "8bit": ()}
-    assert wl.plan(64, 1, 1, mx4, table).kind == "decode" and wl.plan(10 ** 6, 1, 1, mx8, table) is None
+    assert wl.plan(wl.first_m(mx4) - 1, 8192, 8192, mx4) is None
+    assert wl.plan(1 << 20, 4096, 4096, mx8) == wl.RULES["8bit"].large
+    a, b = wl.LargeConfig("fused", 64, 64), wl.LargeConfig("fused", 128, 128)
+    dec = wl.LargeConfig("decode", chunk=0)
+    rules = {"4bit": wl.FamilyRule(first_m=32, large_m=1000, large=dec, l2_bytes=100, small_k=1 << 30,
+                                   narrow=a, fused=((b, 1.0), (a, 0.5))), "8bit": None}
+    assert wl.first_m(mx4, rules) == 32 and wl.plan(31, 4096, 4096, mx4, rules) is None
+    assert wl.plan(1000, 4096, 4096, mx4, rules) is dec  # from large_m
+    assert wl.plan(100, 10, 5, mx4, rules) is dec  # a weight whose bf16 copy fits l2_bytes
+    assert wl.plan(64, 4096, 4096, mx4, rules) is a  # M <= 64, the small-M plan's K pieces too short
+    assert wo.plan(64, 14336, 2048, mx4).split_k == 1 and wl.plan(64, 14336, 2048, mx4, rules) is None  # no split
+    # b from one tile per SM (128 x 128 tiles: 8 x 4 at M = 1000, N = 512 on 32 SMs), else a from half
+    assert wl.plan(999, 512, 4096, mx4, rules, sms=32) is b
+    assert wl.plan(999, 512, 4096, mx4, rules, sms=33) is a
+    assert wl.plan(200, 64, 4096, mx4, rules, sms=32) is None  # neither fills enough
+    # b's last wave (40 tiles on 32 SMs: 0.625) loses to a's (160 on 32: 1.0) by more than the margin
+    assert wl.wave_fill(b, 1000, 640, 32) == 40 / 64 and wl.wave_fill(a, 1000, 640, 32) == 1.0
+    assert wl.plan(999, 640, 4096, mx4, rules, sms=32) is a
     with pytest.raises(ValueError, match="kind must be"):
         wl.LargeConfig("other")
-    # A fused config that would leave more than half of the SMs idle gives way to the small-M plan.
-    fused = {"4bit": ((256, wl.LargeConfig("fused", 256, 128)),), "8bit": ()}
-    assert wl.plan(256, 1024, 4096, mx4, fused, sms=132) is None  # 8 tiles
-    assert wl.plan(256, 14336, 4096, mx4, fused, sms=132) == fused["4bit"][0][1]  # 112 tiles
-    assert wl.first_m(mx4, fused) == 256 and wl.first_m(mx8, fused) > 1 << 40
+    # Every shape, however odd, gets an answer on both families.
+    for m in (64, 65, 127, 300, 5000):
+        for n, k in ((1, 32), (129, 4128), (28672, 4096), (4096, 28672)):
+            for layout in (mx4, mx8):
+                cfg = wl.plan(m, n, k, layout)
+                assert cfg is None or cfg.kind in ("fused", "decode")
 
 
-@pytest.mark.parametrize("kind", ["fused", "decode"])
+@pytest.mark.parametrize("kind", ["fused", "decode", "overlap"])
 def test_runner_dispatches_through_the_table(emulated, monkeypatch, kind):
-    """``WeightOnlyRunner`` takes the design the table names for bf16 x (here from M = 16 on, with
-    small tiles so that the emulator is quick); below the table's first row, the small-M kernel."""
+    """``WeightOnlyRunner`` takes the design the rules name for bf16 x (here from M = 16 on, with
+    small tiles so that the emulator is quick); below first_m, the small-M kernel."""
     import tilemm.weight_only as wol
 
-    cfg = wl.LargeConfig("fused", 16, 16) if kind == "fused" else wl.LargeConfig("decode", chunk=32)
-    monkeypatch.setattr(wl, "PLAN", {"4bit": ((16, cfg),), "8bit": ()})
+    cfg = wl.LargeConfig("fused", 16, 16) if kind == "fused" else wl.LargeConfig(kind, chunk=32)
+    rule = wl.FamilyRule(first_m=16, large_m=16, large=cfg, l2_bytes=0, small_k=0, narrow=None, fused=())
+    monkeypatch.setattr(wl, "RULES", {"4bit": rule, "8bit": rule})
     monkeypatch.setattr(wol, "stream_handle", lambda device: 0)
     monkeypatch.setattr(wol, "family", lambda device: wol.Family.HOPPER)
     calls = []
-    for name in ("launch", "decode_gemm"):
+    for name in ("launch", "decode_gemm", "overlap_gemm"):
         original = getattr(wl, name)
         monkeypatch.setattr(wl, name, (lambda f, nm: lambda *a, **k: (calls.append(nm), f(*a, **k))[1])(original, name))
     w_q = _weight(MXFP4, 40, 512, seed=9)
@@ -117,4 +183,28 @@ def test_runner_dispatches_through_the_table(emulated, monkeypatch, kind):
     for m in (20, 5):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
         assert_matches(runner(x).float(), _reference(x, w_q), torch.bfloat16)
-    assert calls == ["launch" if kind == "fused" else "decode_gemm"]
+    assert calls == [{"fused": "launch", "decode": "decode_gemm", "overlap": "overlap_gemm"}[kind]]
+
+
+def test_rules_on_the_committed_h100_sweep():
+    """On every (family, M) of the committed H100 sweep, the rules' picks reach the per-shape best
+    candidate's geomean within 0.02 and never fall below the best single candidate per (family, M)
+    (``benchmarks/plan_rule_check.py``, offline)."""
+    import pathlib
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        import plan_rule_check
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    rows, sms = plan_rule_check.read_rows(
+        str(root / "benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt"))
+    assert sms == 132 and len(rows) > 500
+    large = [r for r in rows if r["m"] >= wl.first_m(wo.LAYOUTS["mxfp4"])]
+    result = plan_rule_check.check(large, sms, out=lambda *a: None)
+    assert len(result) >= 14
+    for key, g in result.items():
+        assert not g["missing"], key
+        assert g["rule"] >= g["best"] - 0.02 and g["rule"] >= g["family"] - 1e-9, (key, g)

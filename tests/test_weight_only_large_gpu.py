@@ -1,5 +1,5 @@
 """The large-M weight-only designs on the GPU (``tilemm.kernels.hopper_weight_only_large``) against the fp64
-oracle, the runner's dispatch through the plan table, and one kernel per weight-only linear inside a
+oracle, the runner's dispatch through the plan, and one kernel per weight-only linear inside a
 CUDA graph (no fill of a workspace, no zero bias)."""
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ DEV = torch.device("cuda")
 FORMATS = [MXFP4, NVFP4, MXFP8_E4M3, MXFP8_E5M2]
 IDS = [f.name for f in FORMATS]
 # Every fused config of the sweep on MXFP4; the first (and the plan's fused configs) on every format.
-_PLAN_FUSED = [c for rows in wl.PLAN.values() for _, c in rows if c is not None and c.kind == "fused"]
+_PLAN_FUSED = [c for r in wl.RULES.values() for c in (r.large, r.narrow, *(f for f, _ in r.fused))
+               if c is not None and c.kind == "fused"]
 _CASES = ([(MXFP4, c) for c in wl.CANDIDATES]
           + [(f, c) for f in FORMATS[1:] for c in dict.fromkeys([wl.CANDIDATES[0], *_PLAN_FUSED])])
 
@@ -63,12 +64,49 @@ def test_decode_gemm_matches_the_oracle(fmt, chunk):
     _check(out, _oracle(x, w_q, None), torch.bfloat16)
 
 
-@pytest.mark.parametrize("m", [256, 600, 2100])
+@pytest.mark.parametrize("fmt", [MXFP4, NVFP4, MXFP8_E4M3], ids=["mxfp4", "nvfp4", "mxfp8_e4m3"])
+@pytest.mark.parametrize("chunk", [64, 200])
+def test_overlap_gemm_matches_the_oracle_eager_and_in_a_graph(fmt, chunk):
+    """The overlapped design: 64-row chunks (4, the last partial: each ping-pong buffer decoded into
+    twice while the other is multiplied) or one chunk; eagerly, then captured into a CUDA graph on a
+    stream of its own and replayed twice on new x (the side stream forked from and joined back to the
+    capture stream)."""
+    m, n, k = 520, 200, 4128
+    w_q = _weight(fmt, n, k, seed=4)
+    packed = tilemm.prepack(w_q).to(DEV)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    xd = x.to(DEV)
+    out = torch.full((m, n), float("nan"), device=DEV, dtype=torch.bfloat16)
+    call = lambda: wl.overlap_gemm(xd, packed.words, packed.scale_t, packed.constants,  # noqa: E731
+                                   packed.alpha_host, out, packed.layout, k, chunk)
+    call()
+    _check(out, _oracle(x, w_q, None), torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # sizes this stream's buffers (and the graph buffers) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        call()
+    for seed in (5, 6):
+        x2 = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        xd.copy_(x2)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, _oracle(x2, w_q, None), torch.bfloat16)
+
+
+@pytest.mark.parametrize("m,n,k", [(256, 384, 2048), (600, 384, 2048), (2100, 384, 2048), (200, 4096, 4096),
+                                   (600, 4096, 4096)])
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
-def test_runner_follows_the_plan(m, bias):
+def test_runner_follows_the_plan(m, n, k, bias):
     """``tilemm.linear`` at large M dispatches as ``hopper_weight_only_large.plan`` says (with a bias, the
-    decode design's fp32-output GEMM) and matches the oracle."""
-    n, k = 384, 2048
+    decode design's fp32-output GEMM) and matches the oracle: a weight small enough for the decode
+    design at any M, and a 4096 x 4096 one that takes the fused kernels (64 x 128 tiles at M = 200,
+    128 x 128 at M = 600)."""
+    assert n != 4096 or wl.plan(m, n, k, wo.LAYOUTS["mxfp4"]).kind == "fused"
     w_q = _weight(MXFP4, n, k, seed=5)
     packed = tilemm.prepack(w_q).to(DEV)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)

@@ -130,7 +130,7 @@ class WeightOnlyRunner:
         if m == 0:
             return out
         stream = stream_handle(self.device)
-        # Many rows of bf16 x: the large-M plan (``hopper_weight_only_large.PLAN``), where it names a design.
+        # Many rows of bf16 x: the large-M plan (``hopper_weight_only_large.plan``), where it names a design.
         large = None
         if x2d.dtype == torch.bfloat16 and m >= _large_kernel.first_m(self.layout):
             if self._sms is None:
@@ -143,9 +143,12 @@ class WeightOnlyRunner:
             _large_kernel.launch(x2d, p.words, p.scale_t, p.constants, self.bias, out, self.layout, large,
                                  self._sms, stream, alpha)
             return out
-        if large is not None and large.kind == "decode" and alpha is None:
+        if large is not None and large.kind in ("decode", "overlap") and alpha is None:
             if not self.has_bias and out_dtype == torch.bfloat16:
                 p = self.packed
+                if large.kind == "overlap":
+                    return _large_kernel.overlap_gemm(x2d, p.words, p.scale_t, p.constants, p.alpha_host, out,
+                                                      self.layout, self.k, large.chunk)
                 return _large_kernel.decode_gemm(x2d, p.words, p.scale_t, p.constants, p.alpha_host, out,
                                                  self.layout, self.k, large.chunk, stream)
             if _GEMM_FP32_OUT[0]:  # a bias or another output dtype: fp32 GEMM output, then one rounding

@@ -1,4 +1,4 @@
-"""Weight-only matmul for many rows of x (prefill, batched decode: M = 64 ... thousands), two designs:
+"""Weight-only matmul for many rows of x (prefill, batched decode: M = 64 ... thousands), three designs:
 
 * ``_large_kernel``, fused (the runner takes it on Hopper): a persistent mixed-input tensor-core
   kernel. Each block takes output tiles of TN weight rows by TM rows of x in grouped order
@@ -13,11 +13,15 @@
   ``_dequantize_kernel``), ``chunk`` weight rows at a time into a buffer small enough to stay in L2
   (or the whole weight at once: ``chunk = 0``), each chunk multiplied by cuBLAS's bf16 GEMM into its
   columns of the output, rounded once to the output's dtype by cuBLAS's fp32 epilogue.
+* ``overlap_gemm``, two-pass overlapped (any GPU): as ``decode_gemm`` in chunks, with the decode of the
+  next chunk on a side stream into one of two persistent ping-pong buffers while cuBLAS multiplies the
+  current chunk on the caller's stream (events order them; capturable in CUDA graphs).
 
-Both compute ``out = (x @ dequantize(w).T) * alpha + bias`` with fp32 accumulation and one rounding,
+All compute ``out = (x @ dequantize(w).T) * alpha + bias`` with fp32 accumulation and one rounding,
 exactly as ``weight_only_kernels`` documents it (the decoded weight is ``dequantize(w) * 2^-E``, exact
-in bf16; alpha carries 2^E). Which design and which config serves an (M, N, K) problem is a table
-(``PLAN``) that ``benchmarks/tune_weight_only_large.py`` measures and prints.
+in bf16; alpha carries 2^E). Which design and which config serves an (M, N, K) problem is decided by
+rules on the problem's quantities (``RULES``, ``plan``), fitted to what
+``benchmarks/tune_weight_only_large.py`` measures.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from ._common import hinted, sm90_hints, tile_coords_at
 from . import weight_only_kernels as _wo
 from .weight_only_kernels import _epilogue, _k_tile
 
-__all__ = ["LargeConfig", "PLAN", "CANDIDATES", "plan", "first_m", "family", "grid", "launch", "decode_gemm",
+__all__ = ["LargeConfig", "FamilyRule", "RULES", "CANDIDATES", "plan", "first_m", "family", "output_tiles",
+           "wave_fill", "SWEEP", "grid", "launch", "decode_gemm", "overlap_gemm", "pingpong",
            "aot_variants"]
 
 ConstInt = ct.Constant[int]
@@ -102,7 +107,7 @@ def _large_kernel(X, W, S, C, Alpha, Mult, Bias,
 
 
 # --------------------------------------------------------------------------------------------------
-# Configs and the plan table
+# Configs and the plan's rules
 # --------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +115,9 @@ class LargeConfig:
     """A large-M design and its settings.
 
     ``kind`` "fused" (``_large_kernel``: tile_n weight rows x tile_m rows of x per output tile,
-    GROUP_SIZE_M, load latency hints, blocks per SM) or "decode" (``decode_gemm``: ``chunk`` weight
-    rows decoded per cuBLAS GEMM, 0 for the whole weight at once)."""
+    GROUP_SIZE_M, load latency hints, blocks per SM), "decode" (``decode_gemm``: ``chunk`` weight
+    rows decoded per cuBLAS GEMM, 0 for the whole weight at once) or "overlap" (``overlap_gemm``:
+    ``chunk`` weight rows per GEMM, the next chunk decoded on a side stream meanwhile)."""
 
     kind: str = "fused"
     tile_m: int = 128
@@ -124,8 +130,10 @@ class LargeConfig:
     cat: int = 0
 
     def __post_init__(self):
-        if self.kind not in ("fused", "decode"):
-            raise ValueError(f"LargeConfig: kind must be 'fused' or 'decode', got {self.kind!r}")
+        if self.kind not in ("fused", "decode", "overlap"):
+            raise ValueError(f"LargeConfig: kind must be 'fused', 'decode' or 'overlap', got {self.kind!r}")
+        if self.kind == "overlap" and self.chunk <= 0:
+            raise ValueError(f"LargeConfig: an 'overlap' config needs chunk > 0 weight rows, got {self.chunk}")
 
     @property
     def kernel(self):
@@ -134,55 +142,132 @@ class LargeConfig:
     @property
     def name(self) -> str:
         """``decode_c<chunk>``, or ``fused_<weight rows>x<rows of x>_g<group>`` and the settings."""
-        if self.kind == "decode":
-            return f"decode_c{self.chunk}"
+        if self.kind in ("decode", "overlap"):
+            return f"{self.kind}_c{self.chunk}"
         s = f"fused_{self.tile_n}x{self.tile_m}_g{self.group_size_m}"
         if self.latency_w or self.latency_x:
             s += f"_lw{self.latency_w}lx{self.latency_x}"
         return s + (f"_occ{self.occupancy}" if self.occupancy > 1 else "") + ("_cat" if self.cat else "")
 
 
-#: The plan: per weight family ("4bit": MXFP4 / NVFP4, "8bit": MXFP8), rows of (smallest M, config or
-#: None); a problem takes the entry of the last row whose M it reaches. None, and any M below the first
-#: row, means the small-M plan of ``weight_only_kernels``. ``benchmarks/tune_weight_only_large.py``
-#: prints this table from its measurements, ready to paste. Until a measured table replaces them, the
-#: rows keep the dispatch that was measured before this module (the small-M plan below M = 512, the
-#: whole weight decoded for cuBLAS from 512 on), with cuBLAS writing bf16 itself instead of fp32
-#: followed by a cast.
-PLAN = {
-    "4bit": (
-        (512, LargeConfig("decode", chunk=0)),
-    ),
-    "8bit": (
-        (512, LargeConfig("decode", chunk=0)),
-    ),
-}
-
-
 def family(layout: _wo.Layout) -> str:
     return "4bit" if layout.planes == 4 else "8bit"
 
 
-def first_m(layout: _wo.Layout, table: dict | None = None) -> int:
-    """The smallest M the table has a row for (no row: never)."""
-    rows = (table or PLAN)[family(layout)]
-    return min((r[0] for r in rows), default=1 << 62)
+@dataclasses.dataclass(frozen=True)
+class FamilyRule:
+    """How ``plan`` picks a large-M design for one weight family, from quantities of the problem only
+    (M, N, K, the SMs, each candidate's output tiles), so that a shape the sweep never saw gets the
+    design its measured neighbours got.
+
+    * ``first_m``: below it, the small-M plan (``weight_only_kernels.plan``).
+    * ``large`` from ``large_m`` rows of x on, and for a weight whose bf16 copy takes at most
+      ``l2_bytes`` (it then stays in L2 between the decode and the GEMM, and the fused kernels have
+      too few output tiles to fill the GPU).
+    * Up to 64 rows: the small-M plan (its 64-row tiles cover M exactly) unless it splits K into
+      pieces of fewer than ``small_k`` elements (each block's fixed costs and the fp32 partial sums
+      then weigh more than the blocks it adds); then ``narrow``.
+    * Above 64 rows: of the ``fused`` (config, tiles per SM) whose tile_m M reaches and whose output
+      tiles reach that many per SM, the first, unless a later one fills its last wave of blocks
+      better by more than ``wave_margin`` (``wave_fill``); none: the small-M plan.
+    """
+
+    first_m: int
+    large_m: int
+    large: LargeConfig
+    l2_bytes: int
+    small_k: int
+    narrow: LargeConfig | None
+    fused: tuple
+    wave_margin: float = 0.15
 
 
-def plan(m: int, n: int, k: int, layout: _wo.Layout, table: dict | None = None, sms: int = 132
+def output_tiles(cfg: LargeConfig, m: int, n: int) -> int:
+    return -(-m // cfg.tile_m) * -(-n // cfg.tile_n)
+
+
+def wave_fill(cfg: LargeConfig, m: int, n: int, sms: int) -> float:
+    """The output tiles over the block slots of the waves they take (``occupancy`` blocks per SM):
+    1.0 when the last wave is full."""
+    tiles, slots = output_tiles(cfg, m, n), sms * cfg.occupancy
+    return tiles / (-(-tiles // slots) * slots)
+
+
+_DECODE = LargeConfig("decode", chunk=0)
+_MID_4 = LargeConfig("fused", 128, 128)
+_NARROW_4 = LargeConfig("fused", 64, 128, occupancy=2)
+_MID_8 = LargeConfig("fused", 128, 128, cat=1)
+_WIDE_8 = LargeConfig("fused", 256, 128)
+
+#: The plan's rules per weight family ("4bit": MXFP4 / NVFP4, "8bit": MXFP8), fitted to the H100
+#: sweep (``benchmarks/results/tune-weight-only-large-*.txt``, every per-shape figure), whose
+#: per-shape winners they reproduce from M, K and tile counts instead of a table of shapes:
+#:
+#: * The decode design wins from M = 2048 on everywhere (0.84-0.96x bf16, the fused kernels 0.54-0.86),
+#:   and at every M on the GQA k / v projection (1024x4096: 8 MiB of bf16 weight, L2-resident between
+#:   the two passes; 0.70-0.92 against at most 0.65 for any kernel reading the packed weight).
+#: * M = 64: the small-M plan (4-bit 1.05-1.75, 8-bit 0.67-1.34) except where it splits K into
+#:   pieces under 3072 elements (6144x4096: two of 2048; 4-bit 0.78 against 0.88 for 64x128 tiles at
+#:   two blocks per SM, 8-bit 0.54 against 0.65 for 128x128 cat; 4096x14336 keeps it with four
+#:   pieces of 3584: 1.05 against 0.65).
+#: * 4-bit, 128 <= M < 2048: 128x128 tiles from 0.7 tiles per SM (0.63-1.40), else 64x128 tiles at
+#:   two per SM from 0.7 per SM (0.70-1.11 where 128x128 tiles fill half the SMs: 0.56-0.91), else the
+#:   small-M plan with its K split (4096x14336, M = 128: 0.74).
+#: * 8-bit: one MMA per K tile (cat) for 128x128 tiles from 0.25 per SM (the small-M plan at M >= 128
+#:   has no cat: 0.45-0.50 where cat reaches 0.51-0.66); 256 rows of x from 0.7 tiles per SM at
+#:   M >= 256 (0.70-0.91, cat 0.60-0.86), unless cat's 128-row tiles fill their last wave better by
+#:   more than 0.15 (6144x4096, M = 1024: 192 tiles of 256 rows fill 0.73 of two waves, 384 of 128
+#:   rows 0.97 of three; cat 0.74 against 0.66).
+#:
+#: What the rules reach on that sweep (``python benchmarks/plan_rule_check.py
+#: benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt``): geomean over the five
+#: shapes of the picked candidate's measured speed-up over bf16, against the per-shape best
+#: candidate, one candidate per (family, M) chosen by geomean (the table the sweep printed before
+#: these rules), and the plan the sweep timed (decode + cuBLAS from M = 512):
+#:
+#:   M                      64    128   256   512   1024  2048  4096
+#:   4-bit rules           1.09  0.93  0.81  0.75  0.79  0.86  0.94
+#:   4-bit per-shape best  1.09  0.94  0.81  0.75  0.79  0.87  0.95
+#:   4-bit per (family, M) 1.05  0.81  0.69  0.69  0.76  0.86  0.94
+#:   4-bit plan before     1.05  0.71  0.68  0.63  0.76  0.86  0.94
+#:   8-bit rules           0.84  0.75  0.75  0.77  0.80  0.84  0.92
+#:   8-bit per-shape best  0.84  0.75  0.76  0.77  0.81  0.85  0.92
+#:   8-bit per (family, M) 0.76  0.65  0.65  0.64  0.74  0.84  0.92
+#:   8-bit plan before     0.77  0.58  0.61  0.60  0.74  0.84  0.92
+#:
+#: ``tests/test_weight_only_large.py`` checks the picks on those shapes.
+RULES = {
+    "4bit": FamilyRule(first_m=64, large_m=2048, large=_DECODE, l2_bytes=16 << 20, small_k=3072,
+                       narrow=_NARROW_4, fused=((_MID_4, 0.7), (_NARROW_4, 0.7))),
+    "8bit": FamilyRule(first_m=64, large_m=2048, large=_DECODE, l2_bytes=16 << 20, small_k=3072,
+                       narrow=_MID_8, fused=((_WIDE_8, 0.7), (_MID_8, 0.25))),
+}
+
+
+def first_m(layout: _wo.Layout, rules: dict | None = None) -> int:
+    """The smallest M for which the large-M plan may name a design."""
+    return (rules or RULES)[family(layout)].first_m
+
+
+def plan(m: int, n: int, k: int, layout: _wo.Layout, rules: dict | None = None, sms: int = 132
          ) -> LargeConfig | None:
-    """The large-M config for an (M, K) x (N, K) problem, or None where the small-M plan applies.
-
-    A fused config whose output tiles would leave more than half of the ``sms`` SMs idle (it has no K
-    split; 1024 weight rows at M = 256 make 16 tiles) gives way to the small-M plan, which splits K."""
-    chosen = None
-    for first_m, cfg in (table or PLAN)[family(layout)]:
-        if m >= first_m:
-            chosen = cfg
-    if chosen is not None and chosen.kind == "fused":
-        if 2 * -(-m // chosen.tile_m) * -(-n // chosen.tile_n) < sms:
-            return None
-    return chosen
+    """The large-M config for an (M, K) x (N, K) problem, or None where the small-M plan applies
+    (``FamilyRule`` says how)."""
+    rule = (rules or RULES)[family(layout)]
+    if m < rule.first_m:
+        return None
+    if m >= rule.large_m or n * k * 2 <= rule.l2_bytes:
+        return rule.large
+    if m <= 64:
+        split = _wo.plan(m, n, k, layout, sms).split_k
+        return rule.narrow if split > 1 and k < split * rule.small_k else None
+    eligible = [cfg for cfg, fill in rule.fused if m >= cfg.tile_m and output_tiles(cfg, m, n) >= fill * sms]
+    if not eligible:
+        return None
+    first = eligible[0]
+    bar = wave_fill(first, m, n, sms) + rule.wave_margin
+    later = [cfg for cfg in eligible[1:] if wave_fill(cfg, m, n, sms) > bar]
+    return later[0] if later else first
 
 
 def _constants(layout: _wo.Layout, cfg: LargeConfig, x_parts: int) -> tuple:
@@ -253,14 +338,130 @@ def decode_gemm(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, con
 
 
 # --------------------------------------------------------------------------------------------------
+# Overlapped: the next chunk decoded on a side stream while cuBLAS multiplies this one
+# --------------------------------------------------------------------------------------------------
+
+#: (device, stream key) and (device, "graphs") -> {"pingpong": bf16 buffer}: the two chunk buffers of
+#: ``overlap_gemm``, persistent like the split-K workspace (``weight_only_kernels.workspace``).
+_PINGPONG: dict = {}
+#: (device, main stream key) -> (side stream, [events]): the side stream the decodes run on (high
+#: priority) and the events that order them against the GEMMs, reused from call to call (a wait takes
+#: the event's most recent record at the time it is enqueued).
+_SIDE: dict = {}
+
+
+def pingpong(device: torch.device, stream, rows: int, kp: int) -> torch.Tensor:
+    """(2, rows, kp) bf16: the two chunk buffers for launches on ``stream``, a view of a persistent
+    buffer allocated outside CUDA-graph pools, chosen as ``weight_only_kernels.workspace`` chooses its
+    workspace (eager: the stream's own; in a capture: the capture stream's or the device's graph buffer,
+    which every eager call sizes; neither large enough: a buffer of the graph). Calls that share one
+    are ordered by their main stream: each call's first decode waits for everything enqueued on the
+    main stream before it, the GEMMs of the previous call included."""
+    need = 2 * rows * kp
+    key = (device, _wo._stream_key(stream))
+
+    def fits(k):
+        buf = _PINGPONG.get(k, {}).get("pingpong")
+        return buf is not None and buf.numel() >= need
+
+    if _wo._capturing(device):
+        for k in (key, (device, "graphs")):
+            if fits(k):
+                return _PINGPONG[k]["pingpong"][:need].view(2, rows, kp)
+        return torch.empty((2, rows, kp), dtype=torch.bfloat16, device=device)
+    for k in (key, (device, "graphs")):
+        if not fits(k):
+            _wo._grow(_PINGPONG, k, "pingpong", need,
+                      lambda: torch.empty(need, dtype=torch.bfloat16, device=device))
+    return _PINGPONG[key]["pingpong"][:need].view(2, rows, kp)
+
+
+def _side(device: torch.device, main, events: int):
+    """The side stream of ``main`` (a torch.cuda.Stream) and at least ``events`` events."""
+    key = (device, main.cuda_stream)
+    side, evs = _SIDE.get(key) or (None, [])
+    if side is None:
+        # High priority: the decode is what the next GEMM waits for, so its blocks should take SMs as
+        # soon as the running GEMM frees them.
+        side = torch.cuda.Stream(device=device, priority=-1)
+    while len(evs) < events:
+        evs.append(torch.cuda.Event())
+    _SIDE[key] = (side, evs)
+    return side, evs
+
+
+def overlap_gemm(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
+                 alpha_host: float, out: torch.Tensor, layout: _wo.Layout, k: int, chunk: int) -> torch.Tensor:
+    """out (M, N) = (x @ (decode(W) * 2^-E).T) * alpha_host, x bf16, no bias, as ``decode_gemm``
+    computes it (cuBLAS's fp32 epilogue rounds once to out's dtype; its reduced-precision split-K
+    reduction off), with the decode of weight rows [(i+1) c, (i+2) c) running on a side stream into
+    one of two ping-pong buffers while cuBLAS multiplies rows [i c, (i+1) c) from the other into their
+    output columns on the current stream.
+
+    Ordering: the side stream first waits for the current stream (the fork: x, and every earlier use
+    of the buffers, are ready); GEMM i waits for decode i's event; decode i + 2 waits for GEMM i's
+    event (it overwrites GEMM i's buffer); the current stream's wait for the last decode joins the
+    side stream back. So the call can be captured into a CUDA graph (the side stream joins the
+    capture at the fork). On the CPU (the emulator) the same steps run in order, without streams."""
+    n = words.shape[0]
+    rows = min(chunk, n)
+    chunks = -(-n // rows)
+    k_tiles = words.shape[1] // layout.words_per_tile
+    kp = k_tiles * layout.tile_k
+    mult = constants[1:2]
+    cuda = x.is_cuda
+    if cuda:
+        main = torch.cuda.current_stream(x.device)
+        side, events = _side(x.device, main, 2 * chunks)
+        decoded, multiplied = events[:chunks], events[chunks:]
+        buffers = pingpong(x.device, main, rows, kp)
+        side.wait_stream(main)
+        side_handle = side.cuda_stream
+    else:
+        buffers = torch.empty((2, rows, kp), dtype=torch.bfloat16)
+        side_handle = None
+
+    def decode(i):
+        r0, r1 = i * rows, min((i + 1) * rows, n)
+        if cuda and i >= 2:
+            side.wait_event(multiplied[i - 2])
+        _decode_rows(words[r0:r1], scale_t[:, r0:r1], mult, layout, buffers[i % 2, :r1 - r0], side_handle)
+        if cuda:
+            decoded[i].record(side)
+
+    flags = torch.backends.cuda.matmul
+    reduced = flags.allow_bf16_reduced_precision_reduction
+    flags.allow_bf16_reduced_precision_reduction = False  # one rounding per output, as decode_gemm
+    try:
+        decode(0)
+        for i in range(chunks):
+            if i + 1 < chunks:
+                decode(i + 1)
+            r0, r1 = i * rows, min((i + 1) * rows, n)
+            w16 = buffers[i % 2, :r1 - r0, :k]
+            if cuda:
+                main.wait_event(decoded[i])
+            target = out[:, r0:r1]
+            if alpha_host == 1.0:
+                torch.mm(x, w16.t(), out=target)
+            else:
+                torch.addmm(target, x, w16.t(), beta=0, alpha=alpha_host, out=target)
+            if cuda:
+                multiplied[i].record(main)
+    finally:
+        flags.allow_bf16_reduced_precision_reduction = reduced
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
 # Ahead-of-time specialisations
 # --------------------------------------------------------------------------------------------------
 
 def _configs() -> list[LargeConfig]:
-    """The fused configs of the plan table and of the sweep's candidates."""
+    """The fused configs the rules name and the sweep's candidates."""
     seen = []
-    for rows in PLAN.values():
-        for _, cfg in rows:
+    for rule in RULES.values():
+        for cfg in (rule.large, rule.narrow, *(c for c, _ in rule.fused)):
             if cfg is not None and cfg.kind == "fused" and cfg not in seen:
                 seen.append(cfg)
     for cfg in CANDIDATES:
@@ -277,15 +478,28 @@ def _configs() -> list[LargeConfig]:
 #: x 250 / 0 / 146 KB / 4.41 (per element it decodes, which then feeds twice the columns; with cat it
 #: spills); 256 weight rows spill, so no candidate has them; 64 rows of x at occupancy 2: 80 / 0 /
 #: 100 KB / 4.20. The latency hints change nothing for 4-bit weights and remove MXFP8's small spill
-#: without cat.
+#: without cat. On the H100 (``benchmarks/results/tune-weight-only-large-*.txt``) the latency hints
+#: (4 / 2) and GROUP_SIZE_M 16 for 256 rows of x measured within 0.01 of the same configs without
+#: them on every shape, so the sweep no longer times them; which family times which config:
+#: ``SWEEP``.
 CANDIDATES = (
     LargeConfig("fused", 128, 128, cat=1),
     LargeConfig("fused", 128, 128),
     LargeConfig("fused", 256, 128),
-    LargeConfig("fused", 128, 128, latency_w=4, latency_x=2),
-    LargeConfig("fused", 256, 128, group_size_m=16),
     LargeConfig("fused", 64, 128, occupancy=2),
 )
+
+#: The designs ``benchmarks/tune_weight_only_large.py`` times per weight family besides the small-M
+#: plan and the old two-pass path: the fused configs the family's rules can pick (on the first H100
+#: sweep 4-bit weights lost 0.1-0.5x bf16 with cat or 256 rows of x, 8-bit weights never won with
+#: 128x128 tiles without cat or 64 rows of x), the whole weight decoded for cuBLAS, and the
+#: overlapped design in chunks of 1024 and 2048 weight rows (timed from M = 256).
+SWEEP = {
+    "4bit": (CANDIDATES[1], CANDIDATES[3], LargeConfig("decode", chunk=0), LargeConfig("overlap", chunk=1024),
+             LargeConfig("overlap", chunk=2048)),
+    "8bit": (CANDIDATES[0], CANDIDATES[2], LargeConfig("decode", chunk=0), LargeConfig("overlap", chunk=1024),
+             LargeConfig("overlap", chunk=2048)),
+}
 
 
 def aot_variants(full: bool = True) -> list[AotVariant]:

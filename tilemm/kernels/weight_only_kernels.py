@@ -6,9 +6,10 @@ tensor-core kernel ``_weight_only_kernel``, or, for a single row of x, the FMA k
 The kernels use integer operations, bf16 ``ct.mma`` and fp32 arithmetic only, so the same code runs
 on Hopper (sm_90) and Blackwell (sm_100 / sm_120; ``ct.mma_scaled`` there takes no bf16 operand, and
 quantizing the activation would change the result). For many rows of bf16 activations the caller
-(``tilemm.weight_only``) follows the plan table of ``hopper_weight_only_large`` instead: its fused
-persistent kernel (on Hopper; built on this module's decode helpers), or the weight decoded with
-``_dequantize_kernel`` and multiplied by cuBLAS's bf16 GEMM.
+(``tilemm.weight_only``) follows the plan of ``hopper_weight_only_large`` where it names a design: its
+fused persistent kernel (on Hopper; built on this module's decode helpers), or the weight decoded with
+``_dequantize_kernel`` and multiplied by cuBLAS's bf16 GEMM (at once, or chunk by chunk overlapped
+with the GEMM).
 
 What it computes: ``out = (x @ dequantize(w).T) * alpha + bias``, accumulated in fp32, rounded once to
 ``out``'s dtype; ``x`` is (M, K), the weight (N, K). The weight arrives in the layout that

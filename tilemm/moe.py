@@ -184,8 +184,8 @@ def run_gpt_oss_experts(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_
     """What ``torch.ops.tilemm.gpt_oss_experts`` runs on checked tensors: gate_up, SwiGLU, down, the
     weighted sum over the k slots. On CUDA (``_experts_launches``): for one token, the per-pair kernel
     for gate_up (the SwiGLU fused for gpt-oss's alpha and limit; other values run it unfused) and for
-    down (with the weighted sum where ``combine_pays``); from two tokens, one routing, x's rows sorted by expert, the gate_up
-    launch (SwiGLU fused likewise), the down launch, one batched GEMM."""
+    down (with the weighted sum where ``combine_pays``); from two tokens, one routing, x's rows sorted
+    by expert, the gate_up launch (SwiGLU fused likewise), the down launch, one batched GEMM."""
     tokens, top_k = ids.shape
     num_experts, inter, hidden = gu_words.shape[0], gu_words.shape[1] // 2, d_words.shape[1]
     if tokens == 0:

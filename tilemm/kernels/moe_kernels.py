@@ -67,8 +67,9 @@ from ._aot import AotVariant, array
 from ._common import hinted, sm90_hints
 from .weight_only_kernels import LAYOUTS, Layout, _X_PARTS, _f32_halves, _k_tile, _multipliers, _scaled_plane
 
-__all__ = ["MoEConfig", "plan", "route", "launch", "sort_rows", "launch_pairs", "pairs_plan", "PairsConfig", "combine_pays",
-           "PAIRS_MAX_TOKENS", "zero_bias", "chunk_groups", "aot_variants", "SWIGLU_ALPHA", "SWIGLU_LIMIT"]
+__all__ = ["MoEConfig", "plan", "route", "launch", "sort_rows", "launch_pairs", "pairs_plan", "PairsConfig",
+           "combine_pays", "PAIRS_MAX_TOKENS", "zero_bias", "chunk_groups", "aot_variants", "SWIGLU_ALPHA",
+           "SWIGLU_LIMIT"]
 
 ConstInt = ct.Constant[int]
 
@@ -97,8 +98,8 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
     X (T * k, K): the activation rows in the sorted order (expert e's tokens are rows Offsets[e] ..
     Offsets[e + 1], loaded as a row range); W (E, N, k_tiles * WORDS) int32 and S (E, K / BLOCK, N)
     uint8: the stacked prepacked weights, UNROLL K tiles per load; Out (T * k, N), or with ACT = 1
-    (T * k, N / 2): rows in the sorted order (SORTED_OUT = 1) or the (token, slot) rows; Consts (E, 2) fp32 (column 0: each expert's epilogue factor alpha); Mult (1,)
-    fp32: 2^(OFFSET - E), shared; Bias (E, N) fp32; Order (T * k,) int64: the (token, slot) rows
+    (T * k, N / 2): rows in the sorted order (SORTED_OUT = 1) or the (token, slot) rows; Consts (E,
+    2) fp32 (column 0: each expert's epilogue factor alpha); Mult (1,) fp32: 2^(OFFSET - E), shared; Bias (E, N) fp32; Order (T * k,) int64: the (token, slot) rows
     t * k + j sorted by expert; Offsets (E + 2,) int64; SlotExpert (S,) int64 (see the module
     docstring). Grid: S * G * cdiv(N, TN), N tiles fastest, then G chunk groups: block (slot, g, bn)
     takes chunks g, g + G, .. of its expert's tokens (G = 1 unless T is large: a popular expert's

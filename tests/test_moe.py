@@ -381,6 +381,11 @@ def test_pairs_kernel_swiglu_and_combine(emulated):
     assert torch.equal(combined, _weighted_sum(per_pair.reshape(1, 3, n), weights))
 
 
+def test_pairs_plan_unroll_wastes_little():
+    layout = tilemm.packed.layout_of(MXFP4)
+    assert [mk.pairs_plan(k, layout).unroll for k in (2880, 2048, 512, 256, 8192)] == [4, 8, 2, 2, 8]
+
+
 def test_combine_only_with_two_blocks_per_sm():
     # gpt-oss-20b's down projection at T = 1: 180 blocks of (token, 16 rows) on 132 SMs -> no
     assert not mk.combine_pays(1, 2880, 132)

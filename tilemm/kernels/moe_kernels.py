@@ -397,7 +397,7 @@ PAIRS_MAX_TOKENS = 1
 class PairsConfig:
     """The per-pair kernel's block: tile_n weight rows (16: a decode's N gives thousands of blocks
     with no K split), 4 worker warps, 4 blocks per SM, ``unroll`` K tiles per load (the weight-only
-    FMA kernel's choices, ``weight_only_kernels._gemv``)."""
+    FMA kernel's choices, ``weight_only_kernels._gemv``, but for ``pairs_plan``'s unroll)."""
 
     unroll: int
     tile_n: int = 16
@@ -422,9 +422,14 @@ def combine_pays(tokens: int, n: int, sms: int) -> bool:
 
 
 def pairs_plan(k: int, layout: Layout) -> PairsConfig:
-    """8 K tiles per load where K has that many (16 KB of a 16-row block's weight in flight), else 2."""
+    """K tiles per load: the most of 8, 4, 2 (8: 16 KB of a 16-row block's weight in flight) whose last
+    load wastes at most an eighth of the K tiles on zero padding (this kernel is bound by its decode
+    instructions at one token, so padded tiles cost: gpt-oss's K = 2880, 12 K tiles, takes 4), else 2."""
     k_tiles = -(-k // layout.tile_k)
-    return PairsConfig(8 if k_tiles >= 8 else 2)
+    for unroll in (8, 4, 2):
+        if unroll <= k_tiles and 8 * (-(-k_tiles // unroll) * unroll - k_tiles) <= k_tiles:
+            return PairsConfig(unroll)
+    return PairsConfig(2)
 
 
 def launch_pairs(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
@@ -484,9 +489,10 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                     variants.append(AotVariant(f"moe_{name}_{x_ct.name}_{cfg.name}{suffix}", cfg.kernel, params))
         # The per-pair kernel, bf16 activations (fp16 is the same code path): each projection of a
         # decode step (plain, SwiGLU for 4-bit gate_up, the weighted sum for down) with 8 K tiles per
-        # load; mxfp4's down projection also with 2 (K below 8 K tiles, the anchor's 512).
+        # load; gpt-oss's MXFP4 projections (K = 2880) with 4, the anchor's down projection (K = 512)
+        # with 2.
         cases = [(8, 0, 0), (8, 0, 1)] + ([(8, 1, 0)] if layout.planes == 4 else [])
-        cases += [(2, 0, 1)] if name == "mxfp4" else []
+        cases += {"mxfp4": [(4, 1, 0), (4, 0, 0), (2, 0, 0)], "nvfp4": [(2, 0, 0)]}.get(name, [])
         for unroll, act, combine in cases:
             cfg = PairsConfig(unroll)
             params = [array(ct.bfloat16, 2), array(ct.int32, 3), array(ct.uint8, 3), array(ct.bfloat16, 2),

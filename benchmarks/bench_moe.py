@@ -1,9 +1,11 @@
 """Mixture-of-experts layers and models with MXFP4 / NVFP4 experts (``tilemm.moe``) against bf16.
 
     python benchmarks/bench_moe.py --quick        # layers at T = 1, 16, 256 + a 4-layer gpt-oss-20b decode
+                                                  # (no alternative designs: --profile times those)
     python benchmarks/bench_moe.py --layers-only  # every layer shape, T = 1 .. 1024, both routings
     python benchmarks/bench_moe.py --e2e          # gpt-oss-20b (24 layers) and gpt-oss-120b decode
     python benchmarks/bench_moe.py --cpu-smoke    # tiny shapes on the CPU: the code paths, no timing
+    python benchmarks/bench_moe.py --profile      # per-kernel GPU time of one layer at T = 1 and 16
 
 Layers (one MoE block: gate_up projection with its bias, gpt-oss's clamped SwiGLU, down projection
 with its bias, the router's weights applied and the k slots summed; the routing is given):
@@ -19,7 +21,8 @@ or "skewed" (expert e drawn with probability proportional to 1 / (e + 1)^1.2, wi
 The packed expert weights are random words and scale bytes made directly on the GPU (no bf16 expert
 is ever quantized); the bf16 baselines get the same weights dequantized exactly:
 
-* ``hf``: transformers' own ``GptOssExperts`` module (its default experts implementation), same routing;
+* ``hf``: transformers' own ``GptOssExperts`` module with the experts implementation a model built from
+  the config selects (``hf_experts_implementation``: ``grouped_mm`` where registered), same routing;
 * ``grouped``: tokens sorted by expert and ``torch._grouped_mm`` (where the installed PyTorch has it;
   else the chosen experts' weights gathered and multiplied with ``torch.bmm`` up to T * k = 64, else
   skipped), the same activation and weighted sum.
@@ -208,12 +211,32 @@ def reference_layer(x, ids, weights, gate_up, gate_up_bias, down, down_bias, alp
     return out
 
 
+def hf_experts_implementation() -> str | None:
+    """The experts implementation a transformers model selects when none is asked for (``None``
+    where the installed transformers has no ``ExpertsInterface``): ``"grouped_mm"`` where it is
+    registered and PyTorch has ``torch._grouped_mm`` (what ``get_correct_experts_implementation``
+    picks), else ``"eager"``."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return None
+    return "grouped_mm" if "grouped_mm" in ALL_EXPERTS_FUNCTIONS and hasattr(torch, "_grouped_mm") else "eager"
+
+
 def hf_experts(config_kw: dict, gate_up, gate_up_bias, down, down_bias):
-    """transformers' GptOssExperts holding the given bf16 weights (its layout: (E, H, 2I), (E, I, H))."""
+    """transformers' GptOssExperts holding the given bf16 weights (its layout: (E, H, 2I), (E, I, H)),
+    with the experts implementation a model built from the config would give it
+    (``hf_experts_implementation``; a standalone module would otherwise run with none set)."""
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
     cfg = GptOssConfig(**config_kw)
+    impl = hf_experts_implementation()
+    if impl is not None:
+        try:
+            cfg._experts_implementation = impl
+        except Exception:  # noqa: BLE001 (then the module's own default; the records say which ran)
+            pass
     with torch.device("meta"):
         module = GptOssExperts(cfg)
     e, two_i, hidden = gate_up.shape[0], gate_up.shape[2], gate_up.shape[1]
@@ -230,11 +253,24 @@ def hf_experts(config_kw: dict, gate_up, gate_up_bias, down, down_bias):
 # ------------------------------------------------------------------------------------- alternatives
 
 #: Structurally different launches of the same layer, timed next to the chosen one at T <= 16:
-#: "all_experts": one block per (expert, N tile) for every expert (the empty ones exit at once)
-#: instead of the compacted active-expert slots; "unfused": the gate_up products written out and
-#: gpt-oss's SwiGLU as PyTorch operations, instead of the fused epilogue.
-DESIGNS = ("all_experts", "unfused")
+#: "pairs_combine" / "pairs_bmm": no routing, one block per ((token, slot) pair, N tile) on the FMA
+#: pipes, the weighted sum in the down launch (a block per (token, N tile) running the token's k
+#: experts in turn) or as a batched GEMM (the default at T = 1 picks one by ``combine_pays``; at
+#: larger T an expert shared by several tokens is read once per token); "sorted": the routing, x's
+#: rows sorted by expert, one block per (active expert, N tile) on the tensor cores (the default
+#: from T = 2); "all_experts": the sorted design with a block per (expert, N tile) for every expert
+#: (the empty ones exit at once) instead of the active experts first; "unfused": the sorted design
+#: with the gate_up products written out and gpt-oss's SwiGLU as PyTorch operations, instead of the
+#: fused epilogue.
+DESIGNS = ("pairs_combine", "pairs_bmm", "sorted", "all_experts", "unfused")
 DESIGN_MAX_T = 16
+
+
+def designs_for(t: int) -> tuple:
+    """The DESIGNS to time at T = ``t`` (the sorted one only where it is not the default)."""
+    from tilemm.kernels import moe_kernels as mk
+
+    return tuple(d for d in DESIGNS if d != "sorted" or t <= mk.PAIRS_MAX_TOKENS)
 
 
 def designed(ours: MoEExperts, design: str):
@@ -242,22 +278,33 @@ def designed(ours: MoEExperts, design: str):
     from tilemm.kernels import moe_kernels as mk
     from tilemm.moe import _weighted_sum, gpt_oss_glu
 
+    from tilemm.moe import _experts_launches
+
     gu, dn = ours.packed("gate_up"), ours.packed("down")
     every = torch.arange(ours.num_experts + 1, device=gu.device)
+    if design.startswith("pairs") or design == "sorted":
+        def launches(x, ids, weights):
+            return _experts_launches(x, ids, weights, gu.words, gu.scale_t, gu.constants, gu.fmt.name,
+                                     ours.gate_up_bias, dn.words, dn.scale_t, dn.constants, dn.fmt.name,
+                                     ours.down_bias, ours.alpha, ours.limit, design=design)
+
+        return launches
 
     def forward(x, ids, weights):
         t, k = ids.shape
         order, offsets, slots = mk.route(ids, ours.num_experts)
         routed = (order, offsets, every if design == "all_experts" else slots)
+        xs = mk.sort_rows(x, routed, k)
         h = torch.empty(t * k, ours.intermediate_size, dtype=x.dtype, device=x.device)
         if design == "unfused":
             gate_up = torch.empty(t * k, 2 * ours.intermediate_size, dtype=x.dtype, device=x.device)
-            mk.launch(x, gu.words, gu.scale_t, gu.constants, ours.gate_up_bias, routed, k, gate_up, gu.layout)
+            mk.launch(xs, gu.words, gu.scale_t, gu.constants, ours.gate_up_bias, routed, t, gate_up, gu.layout,
+                      sorted_out=1)
             h = gpt_oss_glu(gate_up, ours.alpha, ours.limit)
         else:
-            mk.launch(x, gu.words, gu.scale_t, gu.constants, ours.gate_up_bias, routed, k, h, gu.layout, act=1)
+            mk.launch(xs, gu.words, gu.scale_t, gu.constants, ours.gate_up_bias, routed, t, h, gu.layout, act=1)
         y = torch.empty(t * k, ours.hidden_size, dtype=x.dtype, device=x.device)
-        mk.launch(h, dn.words, dn.scale_t, dn.constants, ours.down_bias, routed, 1, y, dn.layout, tokens=t)
+        mk.launch(h, dn.words, dn.scale_t, dn.constants, ours.down_bias, routed, t, y, dn.layout)
         return _weighted_sum(y.reshape(t, k, ours.hidden_size), weights)
 
     return forward
@@ -294,7 +341,9 @@ def bench_layers(args, device, timer, t0) -> list[dict]:
             hf = hf_experts(cfg_kw, w_gu, gub, w_d, db)
             weight_mb = sum(t.numel() * t.element_size() for t in (gate_up.words, gate_up.scale_t,
                                                                    down.words, down.scale_t)) / 2 ** 20
-            log(f"{name} {fmt}: E={e} top-{k}, packed experts {weight_mb:.0f} MiB", t0)
+            hf_impl = getattr(getattr(hf, "config", None), "_experts_implementation", None)
+            log(f"{name} {fmt}: E={e} top-{k}, packed experts {weight_mb:.0f} MiB; hf experts implementation "
+                f"{hf_impl}", t0)
             for routing_kind in ROUTINGS:
                 for t in tokens:
                     ids, weights = routing(routing_kind, t, e, k, device, gen)
@@ -303,7 +352,8 @@ def bench_layers(args, device, timer, t0) -> list[dict]:
                     err = rel_err(ours(x, ids, weights), ref)
                     can_group = grouped.grouped or t * k <= 64
                     rec = {"layer": name, "format": fmt, "routing": routing_kind, "T": t, "E": e, "top_k": k,
-                           "hidden": hidden, "intermediate": inter, "rel_err": err}
+                           "hidden": hidden, "intermediate": inter, "rel_err": err,
+                           "hf_impl": getattr(getattr(hf, "config", None), "_experts_implementation", None)}
                     for bname, module in (("hf", hf), ("grouped", grouped if can_group else None)):
                         if module is None:
                             continue
@@ -323,10 +373,17 @@ def bench_layers(args, device, timer, t0) -> list[dict]:
                             variants["hf"] = lambda: hf(x, ids, weights)
                         if can_group:
                             variants["grouped"] = lambda: grouped(x, ids, weights)
-                        if t <= DESIGN_MAX_T:
-                            for design in DESIGNS:
-                                fwd = designed(ours, design)
-                                rec[f"{design}_rel_err"] = rel_err(fwd(x, ids, weights), ref)
+                        if t <= DESIGN_MAX_T and not args.quick:  # (--quick: --profile times them)
+                            for design in designs_for(t):
+                                try:  # a design that fails or is wrong is recorded, not timed
+                                    fwd = designed(ours, design)
+                                    rec[f"{design}_rel_err"] = d_err = rel_err(fwd(x, ids, weights), ref)
+                                    if not d_err < 1e-2:
+                                        raise ValueError(f"relative error {d_err:.3g} >= 1e-2")
+                                except Exception as err_:  # noqa: BLE001
+                                    rec[f"{design}_error"] = f"{type(err_).__name__}: {err_}"[:300]
+                                    log(f"  design {design} T={t}: {rec[f'{design}_error']}", t0)
+                                    continue
                                 variants[design] = (lambda f: lambda: f(x, ids, weights))(fwd)
                         for vname, fn in variants.items():
                             try:
@@ -340,12 +397,100 @@ def bench_layers(args, device, timer, t0) -> list[dict]:
                         log(f"  {routing_kind:7s} T={t:5d} tilemm {rec.get('tilemm_us', float('nan')):9.1f} us"
                             f"  hf {rec.get('hf_us', float('nan')):9.1f} us ({rec.get('hf_how', '-')})"
                             f"  grouped {rec.get('grouped_us', float('nan')):9.1f} us"
-                            f"  x{rec.get('speedup', float('nan')):.2f}  err {err:.1e}", t0)
+                            f"  x{rec.get('speedup', float('nan')):.2f}  err {err:.1e}"
+                            + "".join(f"  {d} {rec[d + '_us']:.1f}" for d in DESIGNS if d + "_us" in rec), t0)
                     records.append(rec)
             del ours, grouped, hf, w_gu, w_d, gate_up, down
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return records
+
+
+# ---------------------------------------------------------------------------------------- profile
+
+#: ``--profile``: these layers (name, format) at these T, uniform routing.
+PROFILE_LAYERS = (("gpt-oss-20b", "mxfp4"), ("qwen-a3b-anchor", "nvfp4"))
+PROFILE_TOKENS = (1, 16)
+PROFILE_CALLS = 5
+#: The designs profiled next to the default (the structurally different ones; each is a few more JIT
+#: compiles).
+PROFILE_DESIGNS = ("pairs_combine", "pairs_bmm", "sorted")
+
+
+def kernel_table(fn, calls: int, device) -> list[tuple[str, float, float]]:
+    """(kernel name, GPU time in us per call, launches per call) of ``calls`` calls of ``fn`` under
+    torch.profiler (after one warm-up call), slowest first; on the CPU, the CPU operators instead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    totals: dict = {}
+    for ev in prof.events():
+        if (ev.device_type.name == "CUDA") != cuda:
+            continue
+        if not cuda and ev.cpu_parent is not None:  # CPU: top-level operators only
+            continue
+        us, n = totals.get(ev.name, (0.0, 0))
+        totals[ev.name] = (us + ev.time_range.elapsed_us(), n + 1)
+    rows = [(name, us / calls, n / calls) for name, (us, n) in totals.items()]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def profile_layers(args, device, timer, t0) -> list[dict]:
+    """Per-kernel GPU time of one layer (tilemm, its alternative designs and the grouped bf16
+    baseline) at T in PROFILE_TOKENS: where the time of a layer goes. Printed, and returned."""
+    out = []
+    layers = {(n, f): (n, h, i, e, k, b) for n, h, i, e, k, fs, b in LAYERS for f in fs}
+    todo = [(layers[key], key[1]) for key in PROFILE_LAYERS]
+    tokens = PROFILE_TOKENS
+    if args.cpu_smoke:
+        todo, tokens = [(("tiny", 256, 256, 8, 2, True), "mxfp4")], (1,)
+    for (name, hidden, inter, e, k, biases), fmt in todo:
+        gen = torch.Generator().manual_seed(SEED)
+        gub = torch.randn(e, 2 * inter, generator=gen).to(device) * 0.1 if biases else None
+        db = torch.randn(e, hidden, generator=gen).to(device) * 0.1 if biases else None
+        gate_up = random_packed(fmt, e, 2 * inter, hidden, device, seed=SEED + 1)
+        down = random_packed(fmt, e, hidden, inter, device, seed=SEED + 2)
+        ours = MoEExperts(gate_up, down, gub, db)
+        grouped = GroupedBF16Experts(dequantized(gate_up).transpose(1, 2).contiguous(), gub,
+                                     dequantized(down).transpose(1, 2).contiguous(), db)
+        for t in tokens:
+            ids, weights = routing("uniform", t, e, k, device, gen)
+            x = (torch.randn(t, hidden, generator=gen) * 0.5).to(torch.bfloat16).to(device)
+            variants = {"tilemm": lambda: ours(x, ids, weights), "grouped": lambda: grouped(x, ids, weights)}
+            for design in designs_for(t) if device.type == "cuda" else ():  # (the designs launch the kernel)
+                if design not in PROFILE_DESIGNS:
+                    continue
+                variants[design] = (lambda f: lambda: f(x, ids, weights))(designed(ours, design))
+            for vname, fn in variants.items():
+                rec = {"layer": name, "format": fmt, "T": t, "variant": vname}
+                try:
+                    if timer is not None:
+                        ms, how = timer(fn)
+                        rec["layer_us"], rec["how"] = ms * 1e3, how
+                    rec["kernels"] = kernel_table(fn, PROFILE_CALLS, device)
+                except Exception as err:  # noqa: BLE001 (record and go on)
+                    rec["error"] = f"{type(err).__name__}: {err}"[:300]
+                    log(f"{name} {fmt} T={t} {vname}: {rec['error']}", t0)
+                    out.append(rec)
+                    continue
+                total = sum(us for _, us, _ in rec["kernels"])
+                log(f"{name} {fmt} T={t} {vname}: layer {_f(rec.get('layer_us'), '.1f')} us ({rec.get('how', '-')}); "
+                    f"kernels {total:.1f} us in {sum(n for *_, n in rec['kernels']):.0f} launches:", t0)
+                for kname, us, n in rec["kernels"]:
+                    print(f"    {us:8.1f} us  x{n:<4.1f} {kname[:110]}", flush=True)
+                out.append(rec)
+        del ours, grouped, gate_up, down
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
 
 
 # --------------------------------------------------------------------------------------- end to end
@@ -447,7 +592,7 @@ def bench_e2e(args, device, t0) -> dict:
         hf_like.gate_up_proj = torch.nn.Parameter(m.gate_up, requires_grad=False)
         hf_like.down_proj = torch.nn.Parameter(m.down, requires_grad=False)
         hf_like.gate_up_proj_bias, hf_like.down_proj_bias = m.gate_up_bias, m.down_bias
-        hf_like.alpha, hf_like.limit = model.config.swiglu_alpha, model.config.swiglu_limit
+        hf_like.alpha, hf_like.limit = m.alpha, m.limit  # (the module's own: config names vary by version)
         _swap(model, name, MoEExperts.from_gpt_oss(hf_like, "mxfp4"))
         del hf_like, m
     if device.type == "cuda":
@@ -513,14 +658,18 @@ def markdown(meta, layers, e2e) -> str:
                      f"{_f(target, '.1f')} | {r['rel_err']:.1e} / {_f(r.get('hf_rel_err'), '.1e')} |")
     designs = [r for r in layers if any(f"{d}_us" in r for d in DESIGNS)]
     if designs:
-        lines += ["", "Alternative launches of the same layer (us; see ``DESIGNS`` in the script): "
-                  "all_experts = a block per (expert, N tile) for every expert; unfused = SwiGLU outside "
-                  "the kernel.", "", "| layer | fmt | routing | T | tilemm | all_experts | unfused |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "Alternative launches of the same layer (us; see ``DESIGNS`` in the script; `-` where the "
+                  "design is not timed at that T): pairs_combine / pairs_bmm = no routing, a block per (token, "
+                  "slot) pair on the FMA pipes, the weighted sum in the down launch or a batched GEMM; sorted "
+                  "= routing, rows sorted by expert, tensor "
+                  "cores; all_experts = sorted with a block per (expert, N tile) for every expert; unfused = "
+                  "sorted with the SwiGLU outside the kernel.", "",
+                  "| layer | fmt | routing | T | tilemm | " + " | ".join(DESIGNS) + " |",
+                  "|---|---|---|---|---|" + "---|" * len(DESIGNS)]
         for r in designs:
             lines.append(f"| {r['layer']} | {r['format']} | {r['routing']} | {r['T']} | "
-                         f"{_f(r.get('tilemm_us'), '.1f')} | {_f(r.get('all_experts_us'), '.1f')} | "
-                         f"{_f(r.get('unfused_us'), '.1f')} |")
+                         f"{_f(r.get('tilemm_us'), '.1f')} | "
+                         + " | ".join(_f(r.get(f"{d}_us"), ".1f") for d in DESIGNS) + " |")
     anchor = [r for r in layers if r["layer"].startswith("qwen") and r["T"] in ANCHOR_US and "tilemm_us" in r]
     if anchor:
         lines += ["", "Anchor (published cuTile NVFP4 W4A16 fused MoE on an H100 NVL: "
@@ -552,7 +701,10 @@ def main(argv=None) -> int:
     mode.add_argument("--quick", action="store_true", help="T = 1, 16, 256 and a 4-layer gpt-oss-20b decode")
     mode.add_argument("--layers-only", action="store_true", help="the layer benchmark only")
     mode.add_argument("--e2e", action="store_true", help="the end-to-end decodes only")
-    mode.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU, no timing")
+    mode.add_argument("--profile", action="store_true",
+                      help="per-kernel GPU time of one layer (gpt-oss-20b MXFP4, anchor NVFP4) at T = 1, 16")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU, no timing (with --profile: "
+                    "the profile's code path)")
     ap.add_argument("--tokens", type=int, default=64, help="decoded tokens per end-to-end run (default 64)")
     ap.add_argument("--reps", type=int, default=30, help="timed replays per layer variant (default 30)")
     ap.add_argument("--out", default=None, help="result directory (default $OUT, else benchmarks/results)")
@@ -573,7 +725,15 @@ def main(argv=None) -> int:
                                                    if (argv or sys.argv[1:]) else "")
     meta = {"gpu": gpu, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "transformers": __import__("transformers").__version__, "command": command,
-            "grouped_mm": hasattr(torch, "_grouped_mm")}
+            "grouped_mm": hasattr(torch, "_grouped_mm"), "hf_experts_implementation": hf_experts_implementation()}
+    if args.profile:
+        records = profile_layers(args, device, timer, t0)
+        out_dir = pathlib.Path(args.out or os.environ.get("OUT") or RESULTS)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"moe-profile-{gpu.lower().replace(' ', '-')}.json"
+        path.write_text(json.dumps({"meta": meta, "profile": records}, indent=1))
+        log(f"wrote {path}", t0)
+        return 1 if any("error" in r for r in records) else 0
     layers = [] if args.e2e else bench_layers(args, device, timer, t0)
     e2e = {} if args.layers_only else bench_e2e(args, device, t0)
     meta["seconds"] = time.time() - t0

@@ -121,12 +121,22 @@ class EmuArray:
     """A kernel array argument: its shape and cuTile dtype, values decoded for loads, and the torch
     tensor that stores write to (a load after a store in the same launch sees the store)."""
 
-    def __init__(self, tensor: torch.Tensor):
+    def __init__(self, tensor: torch.Tensor, parent: "EmuArray | None" = None):
         self.tensor = tensor
         self.dtype = CT_DTYPE_OF_TORCH[tensor.dtype]
         self.shape = tuple(tensor.shape)
         self.ndim = tensor.ndim
         self._values = None
+        self._parent = parent
+
+    def slice(self, axis, start, stop):
+        """``Array.slice``: a view of rows start .. stop along ``axis`` (cuTile requires 0 <= start < N
+        and start <= stop <= N); stores through it reach this array."""
+        start, stop = int(start), int(stop)
+        n = self.shape[axis]
+        if not (0 <= start < n and start <= stop <= n):
+            raise IndexError(f"slice({axis}, {start}, {stop}) of an array of shape {self.shape}")
+        return EmuArray(self.tensor.narrow(axis, start, stop - start), parent=self)
 
     @property
     def values(self):
@@ -139,6 +149,8 @@ class EmuArray:
 
     def stored(self):
         self._values = None
+        if self._parent is not None:
+            self._parent.stored()
 
 
 def _window(arr_shape, index, shape):

@@ -200,14 +200,21 @@ def emulated(monkeypatch):
     return emu
 
 
-def _run_kernel(x, packed, ids, bias, cfg, act=0):
+def _run_kernel(x, packed, ids, bias, cfg, act=0, sorted_out=None):
+    """The kernel on x's rows sorted by expert; its output in (token, slot) row order (a sorted output
+    put back in that order here)."""
     t, k = ids.shape
     e, n = packed.words.shape[:2]
     n_out = n // 2 if act else n
     out = torch.full((t * k, n_out), 12345.0, dtype=x.dtype)  # poison: every row must be written
     b = None if bias is None else bias.float()
-    mk.launch(x, packed.words, packed.scale_t, packed.constants, b, mk.route(ids, e), k, out, packed.layout,
-              act=act, cfg=cfg)
+    routed = mk.route(ids, e)
+    mk.launch(mk.sort_rows(x, routed, k), packed.words, packed.scale_t, packed.constants, b, routed, t, out,
+              packed.layout, act=act, cfg=cfg, sorted_out=sorted_out)
+    if (act if sorted_out is None else sorted_out):
+        unsorted = torch.empty_like(out)
+        unsorted[routed[0]] = out
+        out = unsorted
     return out.reshape(t, k, n_out)
 
 
@@ -219,10 +226,12 @@ def test_routing_is_fixed_size_and_sorted():
     assert torch.equal(keys[order], torch.sort(keys, stable=True).values)
     assert torch.equal(order[:2], torch.tensor([1, 6]))  # stable: rows of one expert in row order
     assert offsets.tolist() == [0, 2, 2, 5, 5, 5, 6, 8]
-    assert slot_expert.tolist() == [0, 2, 5, 6, -1, -1, -1]
+    assert slot_expert.tolist() == [0, 1, 2, 3, 4, 5, 6]  # 8 rows >= E + 1: every expert its slot
+    # fewer rows than experts: by decreasing rows (ties by id), then the empty experts
+    assert mk.route(ids[:3], 9)[2].tolist() == [2, 0, 5, 9, 1, 3]  # 3 rows, 1, 1, 1 (the extra), none
     # one token, one expert: a single slot; far out-of-range ids still land on the extra expert
     assert mk.route(torch.tensor([[3]]), 6)[2].tolist() == [3]
-    assert mk.route(torch.tensor([[2 ** 40, -2 ** 40]]), 6)[2].tolist() == [6, -1]
+    assert mk.route(torch.tensor([[2 ** 40, -2 ** 40]]), 6)[2].tolist() == [6, 0]  # (expert 0: no rows)
 
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
@@ -245,6 +254,7 @@ def test_kernel_matches_reference(emulated, fmt, x_dtype):
     # tile_m 16: expert 1's two chunks in one block (T = 12: one chunk group); tile_m 8: two chunk
     # groups (expert 1's three chunks over two blocks); tile_m 32: one chunk.
     for cfg in (mk.MoEConfig(16, 16, 4, None, cat=1), mk.MoEConfig(16, 16, 4, None, cat=0),
+                mk.MoEConfig(16, 16, 4, None, cat=1, unroll=2),
                 mk.MoEConfig(8, 16, 4, None, cat=1), mk.MoEConfig(32, 16, 4, None)):
         out = _run_kernel(x, packed, ids, bias, cfg)
         assert out[~ok].isnan().all()
@@ -282,6 +292,104 @@ def test_fused_swiglu_epilogue(emulated, fmt):
     assert (plain[..., ::2].float() > mk.SWIGLU_LIMIT).any()  # the clamp matters in this case
     # exp's rounding aside, equal: at most one bf16 ulp apart
     assert torch.allclose(fused.float(), expected.float(), rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("design", ["sorted", "pairs_combine", "pairs_bmm"])
+@pytest.mark.parametrize("unfused", [False, True], ids=["fused", "unfused"])
+def test_experts_launches_chain(emulated, unfused, design):
+    """The experts block's GPU paths on the emulator, equal to the CPU path up to summation order:
+    "sorted": x sorted once, gate_up writing h in expert order, down reading it and scattering to
+    (token, slot) rows; "pairs_*": the per-pair kernel, the weighted sum in the down launch or as a
+    batched GEMM (any T is correct; the default takes the per-pair kernel at T = 1 only). Expert 0
+    gets 19 of the 24 rows (two chunks of 16); one id is out of range (NaN token)."""
+    from tilemm.moe import _experts_launches, run_gpt_oss_experts
+
+    e, hidden, inter = 4, 64, 32
+    gen = torch.Generator().manual_seed(12)
+    _, gu = stacked("mxfp4", e, 2 * inter, hidden, seed=13)
+    _, dn = stacked("mxfp4", e, hidden, inter, seed=14)
+    gub, db = torch.randn(e, 2 * inter, generator=gen), torch.randn(e, hidden, generator=gen)
+    x = torch.randn(12, hidden, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, e, (12, 2), generator=gen)
+    ids[:10, 0] = 0
+    ids[:9, 1] = 0
+    ids[11, 1] = e
+    weights = torch.softmax(torch.randn(12, 2, generator=gen), -1).to(torch.bfloat16)
+    limit = 6.5 if unfused else mk.SWIGLU_LIMIT
+    args = (x, ids, weights, gu.words, gu.scale_t, gu.constants, "mxfp4", gub, dn.words, dn.scale_t,
+            dn.constants, "mxfp4", db, mk.SWIGLU_ALPHA, limit)
+    out = _experts_launches(*args, design=design)
+    ref = run_gpt_oss_experts(*args)  # the CPU path
+    assert out[11].isnan().all() and ref[11].isnan().all()
+    # the fused SwiGLU's exp may differ by an ulp of h; the rest is summation order
+    err = ((out[:11].double() - ref[:11].double()).norm() / ref[:11].double().norm()).item()
+    assert err < 4e-3, err
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_pairs_kernel_matches_reference(emulated, fmt):
+    """The per-pair FMA kernel (no routing): one token's 4 experts, an id out of range (a NaN row, no
+    weight read); K = 320: a partial K tile and a partial load of 2 K tiles (zero padding); N = 40:
+    a partial 16-row tile. Also two tokens with a shared expert (correct, that expert read twice)."""
+    e, n, k = 5, 40, 320
+    w_q, packed = stacked(fmt, e, n, k, seed=15)
+    gen = torch.Generator().manual_seed(16)
+    bias = torch.randn(e, n, generator=gen)
+    for t, ids in ((1, torch.tensor([[3, 0, 5, 1]])), (2, torch.tensor([[4, 2], [2, -1]]))):
+        x = (torch.randn(t, k, generator=gen) * 2).to(torch.bfloat16)
+        out = torch.full((ids.numel(), n), 12345.0, dtype=torch.bfloat16)
+        cfg = mk.pairs_plan(k, packed.layout)
+        assert cfg.unroll == 2
+        mk.launch_pairs(x, packed.words, packed.scale_t, packed.constants, bias, ids.reshape(-1), out,
+                        packed.layout, cfg=cfg)
+        out = out.reshape(*ids.shape, n)
+        ok = (ids >= 0) & (ids < e)
+        assert out[~ok].isnan().all()
+        ref = reference_moe(x, packed.words, packed.scale_t, packed.constants, packed.fmt.name, k, ids, bias)
+        assert_matches(out[ok].float(), ref[ok].float(), torch.bfloat16)
+        assert_matches(out[ok].float(), reference64(x, w_q, ids, bias)[ok], torch.bfloat16)
+
+
+def test_pairs_kernel_swiglu_and_combine(emulated):
+    """The per-pair kernel's fused SwiGLU (as the sorted kernel's) and its weighted sum over a token's
+    slots (COMBINE: the down projection writes the layer's output)."""
+    from tilemm.moe import _weighted_sum, gpt_oss_glu
+
+    e, n, k = 6, 32, 512
+    w_q, packed = stacked("mxfp4", e, n, k, seed=17)
+    gen = torch.Generator().manual_seed(18)
+    bias = torch.randn(e, n, generator=gen)
+    x = (torch.randn(1, k, generator=gen) * 2).to(torch.bfloat16)
+    ids = torch.tensor([[5, 2, 0]])
+    plain = torch.empty(3, n, dtype=torch.bfloat16)
+    fused = torch.empty(3, n // 2, dtype=torch.bfloat16)
+    mk.launch_pairs(x, packed.words, packed.scale_t, packed.constants, bias, ids.reshape(-1), plain, packed.layout)
+    mk.launch_pairs(x, packed.words, packed.scale_t, packed.constants, bias, ids.reshape(-1), fused, packed.layout,
+                    act=1)
+    assert (plain[:, ::2].float() > mk.SWIGLU_LIMIT).any()
+    assert torch.allclose(fused.float(), gpt_oss_glu(plain, mk.SWIGLU_ALPHA, mk.SWIGLU_LIMIT).float(),
+                          rtol=2 ** -7, atol=1e-6)
+    # COMBINE: x one row per pair (as the down projection's input), out (T, N)
+    rows = (torch.randn(3, k, generator=gen)).to(torch.bfloat16)
+    weights = torch.softmax(torch.randn(1, 3, generator=gen), -1).to(torch.bfloat16)
+    per_pair = torch.empty(3, n, dtype=torch.bfloat16)
+    combined = torch.empty(1, n, dtype=torch.bfloat16)
+    mk.launch_pairs(rows, packed.words, packed.scale_t, packed.constants, bias, ids.reshape(-1), per_pair,
+                    packed.layout)
+    mk.launch_pairs(rows, packed.words, packed.scale_t, packed.constants, bias, ids.reshape(-1), combined,
+                    packed.layout, weights=weights)
+    assert torch.equal(combined, _weighted_sum(per_pair.reshape(1, 3, n), weights))
+
+
+def test_pairs_plan_unroll_wastes_little():
+    layout = tilemm.packed.layout_of(MXFP4)
+    assert [mk.pairs_plan(k, layout).unroll for k in (2880, 2048, 512, 256, 8192)] == [4, 8, 2, 2, 8]
+
+
+def test_combine_only_with_two_blocks_per_sm():
+    # gpt-oss-20b's down projection at T = 1: 180 blocks of (token, 16 rows) on 132 SMs -> no
+    assert not mk.combine_pays(1, 2880, 132)
+    assert mk.combine_pays(1, 7168, 132) and mk.combine_pays(2, 2880, 132)
 
 
 def test_chunk_groups_spread_a_popular_expert(emulated):
@@ -442,6 +550,9 @@ def test_benchmark_cpu_smoke(tmp_path):
     result = json.loads((tmp_path / "moe-cpu.json").read_text())
     assert result["layers"] and all(r["rel_err"] < 1e-2 for r in result["layers"])
     assert set(result["e2e"]) == {"gpt-oss-20b", "gpt-oss-120b"}
+    assert bench.main(["--profile", "--cpu-smoke", "--out", str(tmp_path)]) == 0
+    profiled = json.loads((tmp_path / "moe-profile-cpu.json").read_text())["profile"]
+    assert {r["variant"] for r in profiled} == {"tilemm", "grouped"} and all(r["kernels"] for r in profiled)
 
 
 def test_quantize_model_passes_the_element_dtype_to_the_experts():

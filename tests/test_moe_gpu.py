@@ -38,7 +38,7 @@ def _routing(kind, t, k, e, gen):
         ids[::7] = torch.randint(0, e, (ids[::7].shape[0], k), generator=gen)
         return ids
     ids = torch.randint(0, e, (t, k), generator=gen)  # "invalid": some ids outside [0, E)
-    ids[1, 0], ids[-1, -1] = e, -3
+    ids[0, 0], ids[-1, -1] = e, -3  # (the same row when T = 1)
     return ids
 
 
@@ -70,6 +70,21 @@ def test_moe_linear_matches_reference(fmt, x_dtype, shape, routing):
     _check(out, reference64(x, w_q, ids, bias), x_dtype)
     cpu = tilemm.moe_linear(x, packed.to("cpu"), ids, bias)
     _check(out, cpu.double(), x_dtype)
+
+
+def test_one_token_launches_no_routing():
+    """One token through gpt-oss's experts: the per-pair kernel twice (gate_up with the SwiGLU, down)
+    and the weighted sum (a batched GEMM at this hidden size: ``combine_pays``), no routing."""
+    gen = torch.Generator().manual_seed(1)
+    gate_up = tilemm.prepack(tilemm.quantize_mxfp4(torch.randn(8, 512, 256, generator=gen))).to(DEV)
+    down = tilemm.prepack(tilemm.quantize_mxfp4(torch.randn(8, 256, 256, generator=gen))).to(DEV)
+    ours = MoEExperts(gate_up, down)
+    x = torch.randn(1, 256, device=DEV, dtype=torch.bfloat16)
+    ids = torch.tensor([[5, 1, 6, 2]], device=DEV)
+    weights = torch.full((1, 4), 0.25, device=DEV, dtype=torch.bfloat16)
+    names = kernels_per_call(lambda: ours(x, ids, weights))
+    assert len(names) == 3, names
+    assert not any(word in name.lower() for name in names for word in ("sort", "index", "search")), names
 
 
 def test_one_kernel_after_routing():
@@ -115,7 +130,8 @@ def test_compile_fullgraph():
     assert torch.equal(torch.compile(f, mode="reduce-overhead")(x, ids), eager)
 
 
-def test_gpt_oss_experts_on_gpu_match_cpu():
+@pytest.mark.parametrize("tokens", [1, 6])  # the per-pair design (T = 1) and the sorted one
+def test_gpt_oss_experts_on_gpu_match_cpu(tokens):
     transformers = pytest.importorskip("transformers")
     from test_moe import tiny_gpt_oss_config
 
@@ -127,8 +143,8 @@ def test_gpt_oss_experts_on_gpu_match_cpu():
         for p in hf.parameters():
             p.normal_(0, 0.05)
     ours = MoEExperts.from_gpt_oss(hf, "mxfp4")
-    x = torch.randn(6, 256).to(torch.bfloat16)
-    top, ids = torch.topk(torch.randn(6, 8), 2, dim=-1)
+    x = torch.randn(tokens, 256).to(torch.bfloat16)
+    top, ids = torch.topk(torch.randn(tokens, 8), 2, dim=-1)
     weights = torch.softmax(top, dim=-1).to(torch.bfloat16)
     cpu = ours(x, ids, weights)
     gpu = ours.to(DEV)(x.to(DEV), ids.to(DEV), weights.to(DEV))
@@ -137,7 +153,8 @@ def test_gpt_oss_experts_on_gpu_match_cpu():
     assert err < 1e-2, err
     compiled = torch.compile(ours, fullgraph=True)
     assert torch.equal(compiled(x.to(DEV), ids.to(DEV), weights.to(DEV)), gpu)
-    graph, static_x, static_out = capture(lambda x: ours(x, ids.to(DEV), weights.to(DEV)), x.to(DEV))
+    ids_dev, weights_dev = ids.to(DEV), weights.to(DEV)  # (no host-to-device copy inside the capture)
+    graph, static_x, static_out = capture(lambda x: ours(x, ids_dev, weights_dev), x.to(DEV))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, gpu)

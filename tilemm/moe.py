@@ -5,10 +5,11 @@
 and rounded once to x's dtype. ``w`` is a stacked expert weight, ``tilemm.prepack`` of an (E, N, K)
 quantized tensor (or of a list of E (N, K) ones).
 
-* On CUDA (Hopper, Blackwell): one routing step of fixed-size PyTorch operations and one cuTile launch
-  (``tilemm.kernels.moe_kernels``): no host synchronisation, no allocation whose size depends on the
-  routing, so a call can be captured in a CUDA graph; each expert's weight tile is read once per
-  chunk of its tokens (the kernel module's docstring).
+* On CUDA (Hopper, Blackwell), one token: one cuTile launch of the per-pair kernel, no routing.
+  From two tokens: one routing step of fixed-size PyTorch operations, x's rows gathered into expert
+  order, and one cuTile launch (``tilemm.kernels.moe_kernels``). No host synchronisation, no
+  allocation whose size depends on the routing, so a call can be captured in a CUDA graph; each
+  expert's weight tile is read once per chunk of its tokens (the kernel module's docstring).
 * On the CPU: the same arithmetic in PyTorch (``reference_moe``), expert by expert.
 
 It is the custom operator ``torch.ops.tilemm.moe_linear``, which ``torch.compile(fullgraph=True)``
@@ -71,9 +72,13 @@ def run_moe(x, words, scale_t, constants, fmt_name: str, in_features: int, topk_
     tokens, top_k = topk_ids.shape
     num_experts, n = words.shape[0], words.shape[1]
     out = torch.empty((tokens * top_k, n), dtype=x.dtype, device=x.device)
-    if out.numel():
-        moe_kernels.launch(x.contiguous(), words, scale_t, constants, bias,
-                           moe_kernels.route(topk_ids, num_experts), top_k, out, layout_of(FORMATS[fmt_name]))
+    if out.numel() and tokens <= moe_kernels.PAIRS_MAX_TOKENS:  # one token: no routing
+        moe_kernels.launch_pairs(x.contiguous(), words, scale_t, constants, bias, topk_ids.reshape(-1), out,
+                                 layout_of(FORMATS[fmt_name]))
+    elif out.numel():
+        routed = moe_kernels.route(topk_ids, num_experts)
+        moe_kernels.launch(moe_kernels.sort_rows(x.contiguous(), routed, top_k), words, scale_t, constants, bias,
+                           routed, tokens, out, layout_of(FORMATS[fmt_name]))
     return out.reshape(tokens, top_k, n)
 
 
@@ -177,8 +182,10 @@ def _weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 def run_gpt_oss_experts(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format: str, gu_bias,
                         d_words, d_scale_t, d_constants, d_format: str, d_bias, alpha: float, limit: float):
     """What ``torch.ops.tilemm.gpt_oss_experts`` runs on checked tensors: gate_up, SwiGLU, down, the
-    weighted sum over the k slots. On CUDA: one routing, the gate_up launch with the SwiGLU fused
-    (gpt-oss's alpha and limit; other values run it unfused), the down launch, one batched GEMM."""
+    weighted sum over the k slots. On CUDA (``_experts_launches``): for one token, the per-pair kernel
+    for gate_up (the SwiGLU fused for gpt-oss's alpha and limit; other values run it unfused) and for
+    down (with the weighted sum where ``combine_pays``); from two tokens, one routing, x's rows sorted
+    by expert, the gate_up launch (SwiGLU fused likewise), the down launch, one batched GEMM."""
     tokens, top_k = ids.shape
     num_experts, inter, hidden = gu_words.shape[0], gu_words.shape[1] // 2, d_words.shape[1]
     if tokens == 0:
@@ -189,23 +196,64 @@ def run_gpt_oss_experts(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_
         y = reference_moe(h, d_words, d_scale_t, d_constants, d_format, inter, ids.reshape(-1, 1), d_bias)
         return _weighted_sum(y.reshape(tokens, top_k, hidden), weights)
     from ._arch import family
-    from .kernels import moe_kernels as mk
 
     family(x.device)
+    return _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format, gu_bias, d_words,
+                             d_scale_t, d_constants, d_format, d_bias, alpha, limit)
+
+
+def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format: str, gu_bias, d_words,
+                      d_scale_t, d_constants, d_format: str, d_bias, alpha: float, limit: float,
+                      design: str | None = None):
+    """The GPU path of ``run_gpt_oss_experts``. ``design`` "pairs" (the default up to
+    ``moe_kernels.PAIRS_MAX_TOKENS`` tokens): no routing, the per-pair kernel for gate_up (SwiGLU
+    fused) and for down, with the weighted sum in the down launch's epilogue where that pays
+    (``moe_kernels.combine_pays``: two launches), else as a batched GEMM ("pairs_combine" /
+    "pairs_bmm" force either). "sorted" (the default above): the routing, x's rows sorted by expert
+    once, gate_up writing h in that order, down reading it and writing (token, slot) rows, the
+    weighted sum as a batched GEMM."""
+    from .kernels import moe_kernels as mk
+
+    tokens, top_k = ids.shape
+    num_experts, inter, hidden = gu_words.shape[0], gu_words.shape[1] // 2, d_words.shape[1]
+    if design is None:
+        design = "pairs" if tokens <= mk.PAIRS_MAX_TOKENS else "sorted"
+    if design.startswith("pairs"):
+        flat = ids.reshape(-1)
+        h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # pair order
+        if alpha == mk.SWIGLU_ALPHA and limit == mk.SWIGLU_LIMIT:
+            mk.launch_pairs(x.contiguous(), gu_words, gu_scale_t, gu_constants, gu_bias, flat, h,
+                            layout_of(FORMATS[gu_format]), act=1)
+        else:
+            gate_up = torch.empty((tokens * top_k, 2 * inter), dtype=x.dtype, device=x.device)
+            mk.launch_pairs(x.contiguous(), gu_words, gu_scale_t, gu_constants, gu_bias, flat, gate_up,
+                            layout_of(FORMATS[gu_format]))
+            h = gpt_oss_glu(gate_up, alpha, limit)
+        if design == "pairs":
+            from .kernels._common import num_sms
+
+            design = "pairs_combine" if mk.combine_pays(tokens, hidden, num_sms(x.device)) else "pairs_bmm"
+        if design == "pairs_combine":
+            out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
+            mk.launch_pairs(h, d_words, d_scale_t, d_constants, d_bias, flat, out, layout_of(FORMATS[d_format]),
+                            weights=weights.contiguous())
+            return out
+        y = torch.empty((tokens * top_k, hidden), dtype=x.dtype, device=x.device)  # pair order
+        mk.launch_pairs(h, d_words, d_scale_t, d_constants, d_bias, flat, y, layout_of(FORMATS[d_format]))
+        return _weighted_sum(y.reshape(tokens, top_k, hidden), weights)
     routed = mk.route(ids, num_experts)
-    x = x.contiguous()
-    h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
+    xs = mk.sort_rows(x.contiguous(), routed, top_k)  # x's rows in expert order
+    h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # sorted rows too
     if alpha == mk.SWIGLU_ALPHA and limit == mk.SWIGLU_LIMIT:
-        mk.launch(x, gu_words, gu_scale_t, gu_constants, gu_bias, routed, top_k, h,
+        mk.launch(xs, gu_words, gu_scale_t, gu_constants, gu_bias, routed, tokens, h,
                   layout_of(FORMATS[gu_format]), act=1)
     else:
         gate_up = torch.empty((tokens * top_k, 2 * inter), dtype=x.dtype, device=x.device)
-        mk.launch(x, gu_words, gu_scale_t, gu_constants, gu_bias, routed, top_k, gate_up,
-                  layout_of(FORMATS[gu_format]))
+        mk.launch(xs, gu_words, gu_scale_t, gu_constants, gu_bias, routed, tokens, gate_up,
+                  layout_of(FORMATS[gu_format]), sorted_out=1)
         h = gpt_oss_glu(gate_up, alpha, limit)
-    y = torch.empty((tokens * top_k, hidden), dtype=x.dtype, device=x.device)
-    mk.launch(h, d_words, d_scale_t, d_constants, d_bias, routed, 1, y, layout_of(FORMATS[d_format]),
-              tokens=tokens)
+    y = torch.empty((tokens * top_k, hidden), dtype=x.dtype, device=x.device)  # (token, slot) rows
+    mk.launch(h, d_words, d_scale_t, d_constants, d_bias, routed, tokens, y, layout_of(FORMATS[d_format]))
     return _weighted_sum(y.reshape(tokens, top_k, hidden), weights)
 
 
@@ -242,8 +290,10 @@ class MoEExperts(torch.nn.Module):
     * ``y = moe_linear(h, W_down, ids, down_bias)``: one row per (token, slot);
     * the output: sum over the k slots of ``y * routing_weights``, in fp32, rounded once.
 
-    It is one custom op, ``torch.ops.tilemm.gpt_oss_experts``: on CUDA one routing (shared by both
-    projections), two grouped launches and a batched GEMM for the weighted sum. transformers rounds
+    It is one custom op, ``torch.ops.tilemm.gpt_oss_experts``: on CUDA, for one token two launches of
+    the per-pair kernel (the weighted sum in the second where that pays, else a batched GEMM); from
+    two tokens one routing (shared by both projections), two grouped launches and a batched GEMM for
+    the weighted sum. transformers rounds
     to bf16 after each of its elementwise operations; the results agree up to those roundings.
 
     The weights are registered buffers (``{gate_up,down}_{words,scale_t,constants}``, biases in

@@ -1,42 +1,59 @@
 """Grouped weight-only matmul for mixture-of-experts layers: every token's top-k expert products in
 one cuTile launch, each expert's prepacked MXFP4 / NVFP4 / MXFP8 weight decoded with the weight-only
-kernel's helpers (``weight_only_kernels._k_tile``: same layout, same exact decode, same bf16 MMA with
-the weight on the left), on Hopper (sm_90) and Blackwell (sm_100 / sm_120).
+kernel's helpers (``weight_only_kernels``: same layout, same exact decode), on Hopper (sm_90) and
+Blackwell (sm_100 / sm_120).
 
 What it computes: ``out[t * k + j] = (x[t] @ dequantize(W[ids[t, j]]).T) * alpha[e] + bias[e]``,
 accumulated in fp32 and rounded once to out's dtype, for x (T, K), stacked weights W (E, N, K) and
 ``ids`` (T, k).
 
-Routing (``route``) runs on the GPU as a few PyTorch operations of fixed size, without a host
-synchronisation and without any allocation whose size depends on the routing (so a call can be
-captured in a CUDA graph):
+Two designs (``tilemm.moe`` picks by T; ``benchmarks/bench_moe.py`` times both):
 
-* the T * k (token, slot) pairs are sorted by expert id (stable ``argsort``): ``order``;
-* ``offsets`` (E + 2): where each expert's run starts in ``order`` (``searchsorted``), the last
-  entry T * k; ids outside [0, E) are sorted as the extra "expert" E;
-* ``slot_expert`` (S = min(T * k, E + 1)): the distinct experts in ascending order, -1 past the
-  last. S bounds the number of distinct experts whatever the routing.
+* per pair (``_moe_gemv_kernel``, ``launch_pairs``; T <= ``PAIRS_MAX_TOKENS``, i.e. a decode step of
+  one token): no routing at all. Block ((token, slot) pair, N tile of 16 weight rows) reads its
+  expert id, its x row (a plain tile load) and the weight tile, and multiplies on the FMA pipes as
+  the weight-only FMA kernel does (``_gemv_kernel``). One token's k experts are distinct, so each
+  expert's weight is read once. The down projection can apply the router's weights and sum the k
+  slots in its epilogue (one block per (token, N tile) runs the token's k pairs in turn), where
+  those blocks are enough to fill the GPU (``combine_pays``): the experts block of one token is then
+  two launches and nothing else; otherwise a batched GEMM sums the slots.
+* sorted (``_moe_kernel``, ``launch``): a routing step (``route``) of fixed-size PyTorch operations,
+  without a host synchronisation and without any allocation whose size depends on the routing (so a
+  call can be captured in a CUDA graph):
 
-A layer routes once for both of its projections (``tilemm.moe``'s gpt-oss experts op): the down
-projection's rows are the (token, slot) rows themselves, sorted by the same ``order``.
+  * the T * k (token, slot) pairs are sorted by expert id (stable ``argsort``): ``order``;
+  * ``offsets`` (E + 2): where each expert's run starts in ``order`` (``searchsorted``), the last
+    entry T * k; ids outside [0, E) are sorted as the extra "expert" E;
+  * ``slot_expert`` (S = min(T * k, E + 1)): while T * k <= E, the experts 0 .. E by decreasing
+    number of rows (ties by id), cut to S entries: every present expert is among them (S bounds the
+    number of distinct experts whatever the routing), the busiest first (its blocks start first),
+    then experts with no rows, whose blocks do nothing; from T * k = E + 1 on, simply 0 .. E.
 
-The kernel's grid is S * G * cdiv(N, TN) blocks, fixed by T, k, E and N: block (slot, g, bn) takes
-expert ``slot_expert[slot]``'s tokens in chunks of TM (every G-th chunk from chunk g; G grows with T,
-``chunk_groups``), gathers their x rows (``ct.gather``), runs the K loop
-of the weight-only kernel on its TN weight rows, and scatters the TM output rows to their (token,
-slot) rows (``ct.scatter``). A block whose slot holds no expert does nothing, so an expert's weight
-tile is read once per chunk of TM of its tokens: once per call while an expert has at most TM
-tokens (decode), and re-read from L2 for every further chunk. The rows of ids outside [0, E) (the
-extra expert) are written as NaN: no weight is read for them, never another expert's. With ACT = 1
-the gate_up projection's epilogue applies gpt-oss's clamped SwiGLU to each (gate, up) pair of
-interleaved weight rows and writes the (T * k, N / 2) activation the down projection reads.
+  x's rows are then gathered once into that order (``sort_rows``, one ``index_select``), so that
+  each expert's tokens are a contiguous run of rows: the kernel's K loop loads them as a plain tile
+  of a row range (``Array.slice``), not element by element (a per-element gather in the K loop
+  compiled to about 3100 sm_90 instructions per K tile against 480 for the row-range load). A layer
+  routes once for both of its projections (``tilemm.moe``'s gpt-oss experts op): the gate_up
+  projection writes its output rows in the sorted order too, which is the down projection's input.
 
-Alternatives not taken, worth measuring: one block per (expert, N tile) for every expert (grid E *
-cdiv(N, TN); the empty ones exit at once; simpler routing, more blocks at small T); a K split for
-few active experts (one partial buffer of fixed size T * k * N); the FMA kernel (``_gemv_kernel``'s
-scheme) for one token per expert; a sorted-token grouped GEMM over padded TM-row tiles (vLLM's
-``moe_align_block_size`` scheme), better balanced under skewed routing at large T; the routing in
-one small cuTile kernel (a counting sort) instead of about eight PyTorch kernels.
+  The grid is S * G * cdiv(N, TN) blocks, fixed by T, k, E and N: block (slot, g, bn) takes expert
+  ``slot_expert[slot]``'s tokens in chunks of TM (every G-th chunk from chunk g; G grows with T,
+  ``chunk_groups``), runs the K loop of the weight-only MMA kernel on its TN weight rows, and stores
+  the TM output rows, in the sorted order (``sorted_out``) or scattered to their (token, slot) rows
+  (``ct.scatter``, once per chunk). A block whose expert has no rows does nothing, so an expert's
+  weight tile is read once per chunk of TM of its tokens: once per call while an expert has at most
+  TM tokens, and re-read from L2 for every further chunk.
+
+In both designs the rows of ids outside [0, E) (the extra expert) are written as NaN: no weight is
+read for them, never another expert's. With ACT = 1 the gate_up projection's epilogue applies
+gpt-oss's clamped SwiGLU to each (gate, up) pair of interleaved weight rows and writes the (T * k,
+N / 2) activation the down projection reads.
+
+Alternatives not taken, worth measuring: a K split for few active experts at T > 1; a sorted-token
+grouped GEMM over padded TM-row tiles (vLLM's ``moe_align_block_size`` scheme), better balanced under
+skewed routing at large T; the routing in one small cuTile kernel (a counting sort) instead of about
+ten PyTorch kernels; the per-pair design at a few tokens (an expert shared by several tokens is then
+read once per token, mostly from L2).
 """
 
 from __future__ import annotations
@@ -48,9 +65,11 @@ import torch
 
 from ._aot import AotVariant, array
 from ._common import hinted, sm90_hints
-from .weight_only_kernels import LAYOUTS, Layout, _X_PARTS, _k_tile
+from .weight_only_kernels import LAYOUTS, Layout, _X_PARTS, _f32_halves, _k_tile, _multipliers, _scaled_plane
 
-__all__ = ["MoEConfig", "plan", "route", "launch", "zero_bias", "chunk_groups", "aot_variants", "SWIGLU_ALPHA", "SWIGLU_LIMIT"]
+__all__ = ["MoEConfig", "plan", "route", "launch", "sort_rows", "launch_pairs", "pairs_plan", "PairsConfig",
+           "combine_pays", "PAIRS_MAX_TOKENS", "zero_bias", "chunk_groups", "aot_variants", "SWIGLU_ALPHA",
+           "SWIGLU_LIMIT"]
 
 ConstInt = ct.Constant[int]
 
@@ -73,13 +92,14 @@ def _gpt_oss_glu(gate, up):
 def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
                 ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                 GROUP: ConstInt, TM: ConstInt, TN: ConstInt, X_PARTS: ConstInt, CAT: ConstInt,
-                ACT: ConstInt):
+                ACT: ConstInt, SORTED_OUT: ConstInt, UNROLL: ConstInt):
     """Block (slot, bn): the Out rows of expert SlotExpert[slot]'s tokens, weight rows bn * TN ..
 
-    X (T, K) activations; W (E, N, k_tiles * WORDS) int32 and S (E, K / BLOCK, N) uint8: the stacked
-    prepacked weights; Out (T * k, N) (k = Out rows / X rows, the slots per token), or with ACT = 1
-    (T * k, N / 2); Consts (E, 2) fp32 (column 0: each expert's epilogue factor alpha); Mult (1,)
-    fp32: 2^(OFFSET - E), shared; Bias (E, N) fp32; Order (T * k,) int64: the (token, slot) rows
+    X (T * k, K): the activation rows in the sorted order (expert e's tokens are rows Offsets[e] ..
+    Offsets[e + 1], loaded as a row range); W (E, N, k_tiles * WORDS) int32 and S (E, K / BLOCK, N)
+    uint8: the stacked prepacked weights, UNROLL K tiles per load; Out (T * k, N), or with ACT = 1
+    (T * k, N / 2): rows in the sorted order (SORTED_OUT = 1) or the (token, slot) rows; Consts (E,
+    2) fp32 (column 0: each expert's epilogue factor alpha); Mult (1,) fp32: 2^(OFFSET - E), shared; Bias (E, N) fp32; Order (T * k,) int64: the (token, slot) rows
     t * k + j sorted by expert; Offsets (E + 2,) int64; SlotExpert (S,) int64 (see the module
     docstring). Grid: S * G * cdiv(N, TN), N tiles fastest, then G chunk groups: block (slot, g, bn)
     takes chunks g, g + G, .. of its expert's tokens (G = 1 unless T is large: a popular expert's
@@ -91,7 +111,6 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
     """
     N = W.shape[1]
     ROWS = Out.shape[0]
-    top_k = ROWS // X.shape[0]
     NUM_E = W.shape[0]
     WORDS = GROUP * BLOCK // 2
     TK = PLANES * GROUP * BLOCK
@@ -114,33 +133,125 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
             alpha = ct.load(Consts, (e, 0), (1, 1))
             bias = ct.load(Bias, (e, bn), (1, TN), padding_mode=_ZERO)
             for c in range(group, chunks, groups):
-                pos = start + c * TM + ct.arange(TM, dtype=ct.int64)
-                # Rows past the expert's run get the index ROWS: out of bounds, so their x rows load
-                # as zeros and their stores are dropped.
-                rows = ct.gather(Order, pos, mask=pos < end, padding_value=ROWS)
-                tokens = (rows // top_k).reshape((TM, 1))
+                first = start + c * TM
+                pos = first + ct.arange(TM, dtype=ct.int64)
+                # Rows past the expert's run get the index ROWS: out of bounds, so their stores are
+                # dropped; its x rows are the slice's rows first .. end (sorted), zero past end.
+                xs = X.slice(0, first, end)
                 acc = ct.zeros((TN, TM), ct.float32)
-                for kt in range(k_tiles):
-                    w = ct.bitcast(ct.load(W, (e, bn, kt), (1, TN, WORDS), padding_mode=_ZERO), ct.uint32)
-                    s_raw = ct.load(S, (e, kt, bn), (1, SC, TN), padding_mode=_ZERO).reshape((SC, TN))
-                    kcols = (kt * TK + ct.arange(TK, dtype=ct.int32)).reshape((1, TK))
-                    x = ct.gather(X, (tokens, kcols))
-                    acc = _k_tile(w.reshape((TN, WORDS)), s_raw.transpose(), Mult, x, acc, ELEMENT,
-                                  SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT)
+                for kg in range(ct.cdiv(k_tiles, UNROLL)):  # UNROLL K tiles per load
+                    ws = ct.bitcast(ct.load(W, (e, bn, kg), (1, TN, UNROLL * WORDS), padding_mode=_ZERO),
+                                    ct.uint32).reshape((TN, UNROLL * WORDS))
+                    ss = ct.load(S, (e, kg, bn), (1, UNROLL * SC, TN), padding_mode=_ZERO).reshape((UNROLL * SC, TN))
+                    xk = ct.load(xs, (0, kg), (TM, UNROLL * TK), padding_mode=_ZERO)
+                    for u in ct.static_iter(range(UNROLL)):
+                        acc = _k_tile(ct.extract(ws, (0, u), (TN, WORDS)), ct.extract(ss, (u, 0), (SC, TN)).transpose(),
+                                      Mult, ct.extract(xk, (0, u), (TM, TK)), acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES,
+                                      GROUP, TN, TM, X_PARTS, CAT)
                 out = (acc.transpose() * alpha + bias).astype(Out.dtype)
                 if ACT == 1:
-                    pairs = out.astype(ct.float32).reshape((TM, TO, 2))
-                    gate = ct.extract(pairs, (0, 0, 0), (TM, TO, 1)).reshape((TM, TO))
-                    up = ct.extract(pairs, (0, 0, 1), (TM, TO, 1)).reshape((TM, TO))
-                    out = _gpt_oss_glu(gate, up).astype(Out.dtype)
-                ct.scatter(Out, (rows.reshape((TM, 1)), cols), out)
+                    out = _glu_pairs(out, TM, TO, Out.dtype)
+                if SORTED_OUT == 1:
+                    ct.store(Out.slice(0, first, end), (0, bn), out)
+                else:
+                    rows = ct.gather(Order, pos, mask=pos < end, padding_value=ROWS)
+                    ct.scatter(Out, (rows.reshape((TM, 1)), cols), out)
         else:
             # Ids outside [0, E): NaN rows, no weight read.
             nan = ct.full((TM, TO), float("nan"), Out.dtype)
             for c in range(group, chunks, groups):
-                pos = start + c * TM + ct.arange(TM, dtype=ct.int64)
-                rows = ct.gather(Order, pos, mask=pos < end, padding_value=ROWS)
-                ct.scatter(Out, (rows.reshape((TM, 1)), cols), nan)
+                first = start + c * TM
+                if SORTED_OUT == 1:
+                    ct.store(Out.slice(0, first, end), (0, bn), nan)
+                else:
+                    pos = first + ct.arange(TM, dtype=ct.int64)
+                    rows = ct.gather(Order, pos, mask=pos < end, padding_value=ROWS)
+                    ct.scatter(Out, (rows.reshape((TM, 1)), cols), nan)
+
+
+def _glu_pairs(out, TM, TO, dtype):
+    """gpt-oss's SwiGLU of interleaved (gate, up) columns of a (TM, 2 * TO) tile, rounded to ``dtype``."""
+    pairs = out.astype(ct.float32).reshape((TM, TO, 2))
+    gate = ct.extract(pairs, (0, 0, 0), (TM, TO, 1)).reshape((TM, TO))
+    up = ct.extract(pairs, (0, 0, 1), (TM, TO, 1)).reshape((TM, TO))
+    return _gpt_oss_glu(gate, up).astype(dtype)
+
+
+def _pair_row(X, W, S, Consts, Mult, Bias, Ids, p, bn, dtype, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN,
+              UNROLL, ACT):
+    """(1, TO) in ``dtype``: (token, slot) pair p's product with weight rows bn * TN .. of its expert
+    Ids[p], on the FMA pipes (``_gemv_kernel``'s scheme: decoded planes as fp32 halves times x's, two
+    fp32 accumulators, one reduction over K at the end), then alpha, bias, rounding, and with ACT = 1
+    the SwiGLU; NaN for an id outside [0, E) (no weight read). Its x row: X row p // (pairs / X rows)
+    (the token for the gate_up projection's (T, K) x, the pair itself for the down projection's
+    (T * k, I) input)."""
+    WORDS = GROUP * BLOCK // 2
+    TP = GROUP * BLOCK
+    TK = PLANES * TP
+    SC = PLANES * GROUP
+    TO = TN // 2 if ACT == 1 else TN
+    out = ct.full((1, TO), float("nan"), dtype)
+    e = ct.load(Ids, (p,), ())
+    if e >= 0:
+        if e < W.shape[0]:
+            x_row = p // (Ids.shape[0] // X.shape[0])
+            groups = ct.cdiv(ct.cdiv(X.shape[1], TK), UNROLL)
+            acc_lo = ct.zeros((1, TN, TP // 2), ct.float32)
+            acc_hi = ct.zeros((1, TN, TP // 2), ct.float32)
+            for g in range(groups):
+                ws = ct.bitcast(ct.load(W, (e, bn, g), (1, TN, UNROLL * WORDS), padding_mode=_ZERO), ct.uint32)
+                ws = ws.reshape((TN, UNROLL * WORDS))
+                ss = ct.load(S, (e, g, bn), (1, UNROLL * SC, TN), padding_mode=_ZERO).reshape((UNROLL * SC, TN))
+                xs = ct.load(X, (x_row, g), (1, UNROLL * TK), padding_mode=_ZERO)
+                for u in ct.static_iter(range(UNROLL)):
+                    w = ct.extract(ws, (0, u), (TN, WORDS))
+                    mult = _multipliers(ct.extract(ss, (u, 0), (SC, TN)).transpose(), Mult, SCALE_E8M0)
+                    mult = mult.reshape((TN, PLANES, GROUP, 1))
+                    for q in ct.static_iter(range(PLANES)):
+                        w_lo, w_hi = _f32_halves(_scaled_plane(w, mult, q, ELEMENT, BLOCK, GROUP, TN), TN, TP, True)
+                        x_lo, x_hi = _f32_halves(ct.extract(xs, (0, u * PLANES + q), (1, TP)), 1, TP,
+                                                 X.dtype == ct.bfloat16)
+                        acc_lo = acc_lo + w_lo.reshape((1, TN, TP // 2)) * x_lo.reshape((1, 1, TP // 2))
+                        acc_hi = acc_hi + w_hi.reshape((1, TN, TP // 2)) * x_hi.reshape((1, 1, TP // 2))
+            alpha = ct.load(Consts, (e, 0), (1, 1))
+            bias = ct.load(Bias, (e, bn), (1, TN), padding_mode=_ZERO)
+            y = (ct.sum(acc_lo + acc_hi, axis=2) * alpha + bias).astype(dtype)
+            out = _glu_pairs(y, 1, TO, dtype) if ACT == 1 else y
+    return out
+
+
+@ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
+def _moe_gemv_kernel(X, W, S, Out, Consts, Mult, Bias, Ids, Weights,
+                     ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
+                     GROUP: ConstInt, TN: ConstInt, UNROLL: ConstInt, ACT: ConstInt, COMBINE: ConstInt):
+    """One (token, slot) pair per block row, no routing: the design for a decode step of one token,
+    whose k experts are distinct (each expert's weight tile then read once).
+
+    Ids (T * k,) the flattened router choice (int32 / int64); X (T, K) (the gate_up projection) or
+    (T * k, I) (the down projection, one row per pair); the weights as in ``_moe_kernel``. Grid:
+    rows * cdiv(N, TN), N tiles fastest. COMBINE = 0: block (pair p, bn) writes Out (T * k, N) (N / 2
+    with ACT = 1) row p, pair order. COMBINE = 1 (the down projection with the router's weights
+    applied): block (token t, bn) runs the k pairs of token t one after another and writes Out (T, N)
+    row t = sum_j Weights[t, j] * y_j, each y_j rounded to Out's dtype first, the products and sum in
+    fp32 in slot order, rounded once (what ``tilemm.moe``'s weighted sum computes); no atomics."""
+    N = W.shape[1]
+    TO = TN // 2 if ACT == 1 else TN
+    num_n = ct.cdiv(N, TN)
+    pid = ct.bid(0)
+    bn = pid % num_n
+    row = pid // num_n
+    if COMBINE == 1:
+        top_k = Ids.shape[0] // Out.shape[0]
+        total = ct.zeros((1, TO), ct.float32)
+        for j in range(top_k):
+            y = _pair_row(X, W, S, Consts, Mult, Bias, Ids, row * top_k + j, bn, Out.dtype, ELEMENT, SCALE_E8M0,
+                          BLOCK, PLANES, GROUP, TN, UNROLL, ACT)
+            weight = ct.load(Weights, (row, j), (1, 1)).astype(ct.float32)
+            total = total + y.astype(ct.float32) * weight
+        ct.store(Out, (row, bn), total.astype(Out.dtype))
+    else:
+        ct.store(Out, (row, bn), _pair_row(X, W, S, Consts, Mult, Bias, Ids, row, bn, Out.dtype, ELEMENT,
+                                           SCALE_E8M0, BLOCK, PLANES, GROUP, TN, UNROLL, ACT))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -152,7 +263,7 @@ _BOUNDS: dict = {}
 
 def route(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(order, offsets, slot_expert) int64 for ``topk_ids`` (T, k) (see the module docstring); fixed
-    sizes T * k, E + 2 and min(T * k, E + 1); no host synchronisation. About eight small kernels: a
+    sizes T * k, E + 2 and min(T * k, E + 1); no host synchronisation. About six small kernels: a
     layer computes it once for both of its projections."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     rows = flat.numel()
@@ -162,16 +273,14 @@ def route(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch
     bounds = _BOUNDS.get((flat.device, num_experts))
     if bounds is None:  # made once per (device, E), so that a captured call allocates nothing for it
         bounds = _BOUNDS[(flat.device, num_experts)] = torch.arange(
-            num_experts + 3, device=flat.device, dtype=torch.int64)
-    offsets = torch.searchsorted(sorted_key, bounds[:num_experts + 2])
-    # Distinct experts in ascending order: expert e is present when its run is not empty; its slot is
-    # the number of present experts below it. Absent experts write to the spare last entry.
-    present = offsets[1:] > offsets[:-1]
-    slot = torch.cumsum(present, 0) - 1
-    slots = min(rows, num_experts + 1)
-    slot_expert = torch.full((slots + 1,), -1, dtype=torch.int64, device=flat.device)
-    slot_expert.scatter_(0, torch.where(present, slot, slots), bounds[:num_experts + 1])
-    return order, offsets, slot_expert[:slots]
+            num_experts + 2, device=flat.device, dtype=torch.int64)
+    offsets = torch.searchsorted(sorted_key, bounds)
+    if rows >= num_experts + 1:  # S = E + 1: every expert has its slot, in id order (no sort needed)
+        return order, offsets, bounds[:num_experts + 1]
+    # The experts by decreasing number of rows (ties by id; stable), the empty ones last: the first
+    # S entries hold every present expert, and the busiest expert's blocks start first.
+    slot_expert = torch.argsort(offsets[:-1] - offsets[1:], stable=True)  # (E + 1,): minus each run's length
+    return order, offsets, slot_expert[:rows]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +293,7 @@ class MoEConfig:
     num_worker_warps: int = 4
     occupancy: int | None = None
     cat: int = 0
+    unroll: int = 1
 
     @property
     def kernel(self):
@@ -192,18 +302,20 @@ class MoEConfig:
     @property
     def name(self) -> str:
         s = f"moe_{self.tile_m}x{self.tile_n}_w{self.num_worker_warps}"
-        return s + (f"_occ{self.occupancy}" if self.occupancy else "") + ("_cat" if self.cat else "")
+        s += f"_occ{self.occupancy}" if self.occupancy else ""
+        return s + (f"_u{self.unroll}" if self.unroll > 1 else "") + ("_cat" if self.cat else "")
 
 
 #: Per tile_m: the block shape of the weight-only kernel's unsplit configs (one warpgroup on 64 weight
-#: rows; at tile_m 16 the planes concatenated into one MMA per K tile, occupancy 3 for 4-bit weights,
-#: 2 for 8-bit; tile_m 128 two warpgroups on 128 rows).
+#: rows; at tile_m 16 the planes concatenated into one MMA per K tile, occupancy 3 for 4-bit weights
+#: (two K tiles per load), 2 for 8-bit; tile_m 128 two warpgroups on 128 rows).
 _TILE_M = (16, 32, 64, 128)
 
 
 def _config(tile_m: int, layout: Layout) -> MoEConfig:
-    if tile_m == 16:
-        return MoEConfig(16, 64, 4, 3 if layout.planes == 4 else 2, cat=1)
+    if tile_m == 16:  # 4-bit weights: two K tiles per load, as the weight-only kernel's unsplit tile_m 16
+        four_bit = layout.planes == 4
+        return MoEConfig(16, 64, 4, 3 if four_bit else 2, cat=1, unroll=2 if four_bit else 1)
     if tile_m == 32:
         return MoEConfig(32, 64, 4, 4)
     if tile_m == 64:
@@ -245,30 +357,108 @@ def zero_bias(num_experts: int, n: int, device) -> torch.Tensor:
     return t
 
 
-def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
-           bias: torch.Tensor | None, routed: tuple, top_k: int, out: torch.Tensor, layout: Layout,
-           act: int = 0, cfg: MoEConfig | None = None, tokens: int | None = None) -> None:
-    """out = the expert products of x (T, K) for the (token, slot) rows that ``routed`` (``route``'s
-    result for (T, top_k) ids) sorts: (T * top_k, N), or (T * top_k, N / 2) with ``act`` = 1 (gpt-oss's
-    SwiGLU on interleaved gate / up rows). ``bias`` (E, N) fp32 or None; ``constants`` the stacked
-    PackedWeight's (E, 2). ``tokens``: the T of the routing (default x's rows; the down projection,
-    whose x has a row per (token, slot), passes the layer's T). One ``ct.launch``."""
+def sort_rows(x: torch.Tensor, routed: tuple, top_k: int) -> torch.Tensor:
+    """x's rows in the routed order, (T * top_k, K): row i is the token of (token, slot) row
+    ``order[i]`` (one gather; what the kernel's K loop then loads as contiguous row ranges)."""
+    order = routed[0]
+    return x.index_select(0, order if top_k == 1 else order // top_k)
+
+
+def launch(xs: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
+           bias: torch.Tensor | None, routed: tuple, tokens: int, out: torch.Tensor, layout: Layout,
+           act: int = 0, cfg: MoEConfig | None = None, sorted_out: int | None = None) -> None:
+    """out = the expert products of the rows ``xs`` (T * k, K), sorted as ``routed`` (``route``'s
+    result for (T, k) ids, T = ``tokens``) sorts the (token, slot) rows (``sort_rows``, or a previous
+    launch's sorted output): (T * k, N), or (T * k, N / 2) with ``act`` = 1 (gpt-oss's SwiGLU on
+    interleaved gate / up rows). ``sorted_out`` (default ``act``): 1 writes out's rows in the sorted
+    order too (what the next projection reads), 0 scatters them to the (token, slot) rows. ``bias``
+    (E, N) fp32 or None; ``constants`` the stacked PackedWeight's (E, 2). One ``ct.launch``."""
     order, offsets, slot_expert = routed
     num_experts, n = words.shape[0], words.shape[1]
-    cfg = cfg or plan(x.shape[0], top_k, num_experts, layout)
+    top_k = xs.shape[0] // tokens
+    cfg = cfg or plan(tokens, top_k, num_experts, layout)
     if bias is None:
-        bias = zero_bias(num_experts, n, x.device)
-    groups = chunk_groups(x.shape[0] if tokens is None else tokens, cfg.tile_m)
+        bias = zero_bias(num_experts, n, xs.device)
+    groups = chunk_groups(tokens, cfg.tile_m)
     grid = (slot_expert.shape[0] * groups * -(-n // cfg.tile_n), 1, 1)
     stream = torch.cuda.current_stream(out.device)
     ct.launch(stream, grid, cfg.kernel,
-              (x, words, scale_t, out, constants, constants[0, 1:2], bias, order, offsets, slot_expert,
-               *_constants(layout, cfg, _X_PARTS[x.dtype], act)))
+              (xs, words, scale_t, out, constants, constants[0, 1:2], bias, order, offsets, slot_expert,
+               *_constants(layout, cfg, _X_PARTS[xs.dtype], act, act if sorted_out is None else sorted_out)))
 
 
-def _constants(layout: Layout, cfg: MoEConfig, x_parts: int, act: int) -> tuple:
+#: Up to this many tokens a call takes the per-pair FMA kernel (``_moe_gemv_kernel``, no routing):
+#: one token's k experts are distinct, so each expert's weight is still read once; from two tokens
+#: on, a shared expert would be read once per token, and the sorted design takes over.
+PAIRS_MAX_TOKENS = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PairsConfig:
+    """The per-pair kernel's block: tile_n weight rows (16: a decode's N gives thousands of blocks
+    with no K split), 4 worker warps, 4 blocks per SM, ``unroll`` K tiles per load (the weight-only
+    FMA kernel's choices, ``weight_only_kernels._gemv``, but for ``pairs_plan``'s unroll)."""
+
+    unroll: int
+    tile_n: int = 16
+    num_worker_warps: int = 4
+    occupancy: int | None = 4
+
+    @property
+    def kernel(self):
+        return hinted(_moe_gemv_kernel, **sm90_hints(self.num_worker_warps, self.occupancy))
+
+    @property
+    def name(self) -> str:
+        return f"moe_pairs_{self.tile_n}_u{self.unroll}_w{self.num_worker_warps}_occ{self.occupancy}"
+
+
+def combine_pays(tokens: int, n: int, sms: int) -> bool:
+    """Whether the down projection should apply the router's weights in its epilogue (one block per
+    (token, N tile), each running the token's k experts one after another): only while those blocks
+    alone give at least two per SM; with fewer, the per-pair blocks (k times as many) and a batched
+    GEMM for the sum keep more weight loads in flight."""
+    return tokens * -(-n // PairsConfig(1).tile_n) >= 2 * sms
+
+
+def pairs_plan(k: int, layout: Layout) -> PairsConfig:
+    """K tiles per load: the most of 8, 4, 2 (8: 16 KB of a 16-row block's weight in flight) whose last
+    load wastes at most an eighth of the K tiles on zero padding (this kernel is bound by its decode
+    instructions at one token, so padded tiles cost: gpt-oss's K = 2880, 12 K tiles, takes 4), else 2."""
+    k_tiles = -(-k // layout.tile_k)
+    for unroll in (8, 4, 2):
+        if unroll <= k_tiles and 8 * (-(-k_tiles // unroll) * unroll - k_tiles) <= k_tiles:
+            return PairsConfig(unroll)
+    return PairsConfig(2)
+
+
+def launch_pairs(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
+                 bias: torch.Tensor | None, ids: torch.Tensor, out: torch.Tensor, layout: Layout, act: int = 0,
+                 weights: torch.Tensor | None = None, cfg: PairsConfig | None = None) -> None:
+    """The per-pair design, no routing: ``ids`` (T * k,) the flattened router choice. Without
+    ``weights``: out (T * k, N) (N / 2 with ``act``) = each pair's product with its expert, pair order,
+    x (T, K) or one row per pair. With ``weights`` (T, k): out (T, N) = the weighted sum over each
+    token's k slots (see ``_moe_gemv_kernel``). One ``ct.launch``."""
+    num_experts, n = words.shape[0], words.shape[1]
+    cfg = cfg or pairs_plan(x.shape[1], layout)
+    if bias is None:
+        bias = zero_bias(num_experts, n, x.device)
+    combine = int(weights is not None)
+    grid = (out.shape[0] * -(-n // cfg.tile_n), 1, 1)
+    stream = torch.cuda.current_stream(out.device)
+    ct.launch(stream, grid, cfg.kernel,
+              (x, words, scale_t, out, constants, constants[0, 1:2], bias, ids, weights if combine else out,
+               *_pairs_constants(layout, cfg, act, combine)))
+
+
+def _pairs_constants(layout: Layout, cfg: PairsConfig, act: int, combine: int) -> tuple:
     return (layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
-            cfg.tile_m, cfg.tile_n, x_parts, cfg.cat, act)
+            cfg.tile_n, cfg.unroll, act, combine)
+
+
+def _constants(layout: Layout, cfg: MoEConfig, x_parts: int, act: int, sorted_out: int) -> tuple:
+    return (layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
+            cfg.tile_m, cfg.tile_n, x_parts, cfg.cat, act, sorted_out, cfg.unroll)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -294,7 +484,21 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                     params = [array(x_ct, 2), array(ct.int32, 3), array(ct.uint8, 3), array(x_ct, 2),
                               array(ct.float32, 2, aligned=False), array(ct.float32, 1, aligned=False),
                               array(ct.float32, 2), array(ct.int64, 1), array(ct.int64, 1), array(ct.int64, 1),
-                              *_constants(layout, cfg, _X_PARTS[x_dtype], act)]
+                              *_constants(layout, cfg, _X_PARTS[x_dtype], act, act)]
                     suffix = "_swiglu" if act else ""
                     variants.append(AotVariant(f"moe_{name}_{x_ct.name}_{cfg.name}{suffix}", cfg.kernel, params))
+        # The per-pair kernel, bf16 activations (fp16 is the same code path): each projection of a
+        # decode step (plain, SwiGLU for 4-bit gate_up, the weighted sum for down) with 8 K tiles per
+        # load; gpt-oss's MXFP4 projections (K = 2880) with 4, the anchor's down projection (K = 512)
+        # with 2.
+        cases = [(8, 0, 0), (8, 0, 1)] + ([(8, 1, 0)] if layout.planes == 4 else [])
+        cases += {"mxfp4": [(4, 1, 0), (4, 0, 0), (2, 0, 0)], "nvfp4": [(2, 0, 0)]}.get(name, [])
+        for unroll, act, combine in cases:
+            cfg = PairsConfig(unroll)
+            params = [array(ct.bfloat16, 2), array(ct.int32, 3), array(ct.uint8, 3), array(ct.bfloat16, 2),
+                      array(ct.float32, 2, aligned=False), array(ct.float32, 1, aligned=False),
+                      array(ct.float32, 2), array(ct.int64, 1), array(ct.bfloat16, 2),
+                      *_pairs_constants(layout, cfg, act, combine)]
+            suffix = ("_swiglu" if act else "") + ("_combine" if combine else "")
+            variants.append(AotVariant(f"moe_{name}_bfloat16_{cfg.name}{suffix}", cfg.kernel, params))
     return variants

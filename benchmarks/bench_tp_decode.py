@@ -24,7 +24,11 @@ random prompt prefilled into a static KV cache, then greedy decoding of ``--toke
 and as one CUDA graph per step (forward, argmax, input update; the collectives captured). Measured:
 tokens/s, and the speed-up over the same variant on 1 GPU and over bf16 at the same size, batch and
 execution mode (same run). Accuracy: the first decoded token's logits against the same variant on 1
-GPU (max abs difference; sharding changes only the order of sums).
+GPU, relative to their scale (RMS difference over RMS logit; max difference next to the max logit):
+sharding changes only the order of sums, each rank's partial sums rounded to bf16 before they are
+added, so the difference is bf16 rounding grown over the layers. Its yardstick, in the same run:
+bf16 on 1 GPU against the same weights in fp32 (``logits_vs_fp32``). The CUDA-graph decode is checked
+against the eager one (``bench_decode.graph_vs_eager``).
 
 A variant named with ``+1shot`` (``bf16+1shot``, ``nvfp4-wo+1shot``) is the same model with the
 row-wise all-reduces (each (batch, 4096) bf16) sent through torch's symmetric-memory one-shot

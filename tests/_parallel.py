@@ -5,8 +5,12 @@ GPU each, ranks 0 .. world_size - 1 on cuda:0 ..); each builds a column-then-row
 every case, runs it (on a GPU also replayed from a CUDA graph), checks the state_dict round trip, and
 saves what it computed (next to the unsharded model's output on the same device) for the test
 process to compare. Rank 0 prints a line before and after each case on the real stderr (visible with
-``pytest -s``), and every worker dumps its threads' stacks after ``TILEMM_TP_HANG_DUMP_SECONDS``
-(default 240; or at ``TILEMM_TP_HANG_DUMP_AT``), so that a slow or hung run says where it is.
+``pytest -s``). A worker that raises prints its traceback there and ends its process at once (the
+others are then stopped, and ``run_cases`` raises with every failed rank's traceback); every
+collective fails after ``TILEMM_TP_COLLECTIVE_TIMEOUT`` seconds (default 90) instead of waiting for
+a rank that never joins; every worker dumps its threads' stacks after ``TILEMM_TP_HANG_DUMP_SECONDS``
+(default 240), and at ``TILEMM_TP_HANG_DUMP_AT`` ``run_cases`` has every worker print its stacks,
+stops them and raises TimeoutError, so that a slow or hung run says where it is.
 """
 
 from __future__ import annotations

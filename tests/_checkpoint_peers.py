@@ -15,14 +15,16 @@ import warnings
 import torch
 
 
-def tiny_llama(seed: int = 0, dtype=torch.bfloat16, hidden=256, intermediate=512, layers=2, vocab=512):
-    """A LlamaForCausalLM built from a config with random weights (no download)."""
+def tiny_llama(seed: int = 0, dtype=torch.bfloat16, hidden=256, intermediate=512, layers=2, vocab=512,
+               tie=False):
+    """A LlamaForCausalLM built from a config with random weights (no download); ``tie``:
+    tie_word_embeddings (lm_head shares the input embedding's weight)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128, tie_word_embeddings=False)
+                         max_position_embeddings=128, tie_word_embeddings=tie)
     return LlamaForCausalLM(config).to(dtype).eval()
 
 
@@ -55,9 +57,10 @@ def calibrate_weights(model: torch.nn.Module) -> None:
         module.weight_scale.data = scale.to(module.weight_scale.dtype).reshape(module.weight_scale.shape)
 
 
-def compressed_tensors_model(preset: str, model: torch.nn.Module, ignore=("lm_head",)):
+def compressed_tensors_model(preset, model: torch.nn.Module, ignore=("lm_head",)):
     """Quantize ``model`` in place with a compressed-tensors preset scheme ("NVFP4A16", "MXFP4A16",
-    "MXFP8", "FP8_DYNAMIC", "FP8", "FP8_BLOCK", ...) and compress it.
+    "MXFP8", "FP8_DYNAMIC", "FP8", "FP8_BLOCK", ...) for every Linear, or with several
+    (``{preset: targets, ...}``, one config group each, in that order), and compress it.
 
     Returns ``(compressor, state_dict, quantization_config)``: the stored tensors and the
     ``quantization_config`` dict that compressed-tensors writes into config.json.
@@ -66,8 +69,10 @@ def compressed_tensors_model(preset: str, model: torch.nn.Module, ignore=("lm_he
     from compressed_tensors.quantization import (QuantizationConfig, apply_quantization_config,
                                                  preset_name_to_scheme)
 
-    config = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])},
-                                ignore=list(ignore))
+    presets = {preset: ["Linear"]} if isinstance(preset, str) else preset
+    groups = {f"group_{i}": preset_name_to_scheme(name, list(targets))
+              for i, (name, targets) in enumerate(presets.items())}
+    config = QuantizationConfig(config_groups=groups, ignore=list(ignore))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         apply_quantization_config(model, config)
@@ -85,3 +90,25 @@ def _jsonable(value):
     import json
 
     return json.loads(json.dumps(value, default=str))
+
+
+def modelopt_checkpoint(model: torch.nn.Module, path, config: str = "NVFP4_DEFAULT_CFG", kv_fp8: bool = False):
+    """Quantize ``model`` in place with ModelOpt (``mtq.quantize`` with the named config, calibrated on
+    one random batch; ``kv_fp8`` adds ``FP8_KV_CFG``, an FP8 KV cache, as ModelOpt's examples do by
+    default) and export it with ``export_hf_checkpoint`` to ``path`` (safetensors, config.json and
+    hf_quant_config.json)."""
+    import copy
+
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+
+    model.config.architectures = [type(model).__name__]
+    cfg = copy.deepcopy(getattr(mtq, config))
+    if kv_fp8:
+        cfg["quant_cfg"] = list(cfg["quant_cfg"]) + list(mtq.FP8_KV_CFG["quant_cfg"])
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(model, cfg, forward_loop=lambda m: m(ids))
+        export_hf_checkpoint(model, export_dir=str(path))
+    return path

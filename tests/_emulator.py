@@ -32,6 +32,7 @@ CT_DTYPE_OF_TORCH = {torch.float32: ct.float32, torch.bfloat16: ct.bfloat16, tor
                      torch.uint8: ct.uint8, torch.int32: ct.int32, torch.int64: ct.int64, torch.float8_e4m3fn: ct.float8_e4m3fn,
                      torch.float8_e5m2: ct.float8_e5m2}
 _FLOAT_TORCH = {ct.float32: torch.float32, ct.bfloat16: torch.bfloat16, ct.float16: torch.float16}
+_FP8_TORCH = {ct.float8_e4m3fn: torch.float8_e4m3fn, ct.float8_e5m2: torch.float8_e5m2}
 _INT_DTYPES = (ct.uint8, ct.uint16, ct.int32, ct.uint32, ct.int64)
 # Integer tiles hold int64 values; results wrap to the dtype's width, as the hardware's do.
 _INT_BITS = {ct.uint8: 8, ct.uint16: 16, ct.int32: 32, ct.uint32: 32}
@@ -216,7 +217,69 @@ class TileEmulator:
 
     @staticmethod
     def where(cond, x, y):
-        return Tile(np.where(np.asarray(cond, dtype=bool), x, y), x.ct_dtype)
+        # The dtype of a Tile operand; two Python numbers make an int32 (ints) or fp32 tile.
+        dtype = next((t.ct_dtype for t in (x, y) if isinstance(t, Tile)), None)
+        if dtype is None:
+            dtype = ct.int32 if isinstance(x, int) and isinstance(y, int) else ct.float32
+        return Tile(np.where(np.asarray(cond, dtype=bool), x, y), dtype)
+
+    # --- elementwise and reductions (the quantizers'): NaN handling as cuTile documents it
+    @staticmethod
+    def _dtype_of(*operands):
+        return next(t.ct_dtype for t in operands if isinstance(t, Tile))
+
+    @staticmethod
+    def abs(t):
+        return Tile(np.abs(np.asarray(t)), t.ct_dtype)
+
+    @staticmethod
+    def isnan(t):
+        return np.isnan(np.asarray(t, dtype=np.float64))
+
+    def minimum(self, a, b, propagate_nan=False):
+        """Elementwise minimum; a NaN operand gives the other one unless ``propagate_nan`` (cuTile's
+        default is False). Rounded to the tile's dtype (a Python number operand may not be in it)."""
+        op = np.minimum if propagate_nan else np.fmin
+        dtype = self._dtype_of(a, b)
+        return Tile(_round(op(np.asarray(a), np.asarray(b)), dtype), dtype)
+
+    def maximum(self, a, b, propagate_nan=False):
+        """Elementwise maximum, NaN as in :meth:`minimum`."""
+        op = np.maximum if propagate_nan else np.fmax
+        dtype = self._dtype_of(a, b)
+        return Tile(_round(op(np.asarray(a), np.asarray(b)), dtype), dtype)
+
+    @staticmethod
+    def max(t, axis=None, keepdims=False, propagate_nan=False):
+        op = np.max if propagate_nan or t.ct_dtype in _INT_DTYPES else np.nanmax
+        return Tile(np.asarray(op(np.asarray(t), axis=axis, keepdims=keepdims)), t.ct_dtype)
+
+    def truediv(self, a, b, rounding_mode=None):
+        """IEEE fp32 division: the float64 quotient of two fp32 values rounded once to fp32 is the
+        correctly rounded fp32 quotient (53 >= 2 * 24 + 2)."""
+        assert rounding_mode == ct.RoundingMode.RN
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.asarray(a, dtype=np.float64) / np.asarray(b, dtype=np.float64)
+        return Tile(_round(q, ct.float32), self._dtype_of(a, b))
+
+    @staticmethod
+    def astype(t, dtype):
+        """``ct.astype``; to float8 it is cvt.rn.satfinite: RNE, +-Inf and finite values past Qmax
+        become +-Qmax, NaN stays NaN."""
+        dtype = _dt(dtype)
+        if dtype in _FP8_TORCH:
+            qmax = float(torch.finfo(_FP8_TORCH[dtype]).max)
+            v = np.clip(np.asarray(t, dtype=np.float64), -qmax, qmax)  # NaN passes through np.clip
+            q = torch.from_numpy(v).to(torch.float32).to(_FP8_TORCH[dtype]).to(torch.float64).numpy()
+            return Tile(q, dtype)
+        return t.astype(dtype)
+
+    @staticmethod
+    def atomic_max(array, index, value, **kwargs):
+        old = int(array.tensor[index])
+        array.tensor[index] = max(old, int(np.asarray(value)))
+        array.stored()
+        return old
 
     @staticmethod
     def broadcast_to(t, shape):
@@ -236,9 +299,15 @@ class TileEmulator:
         if tile.ct_dtype == ct.float32 and dtype == ct.int32:
             bits = np.asarray(tile, dtype=np.float64).astype(np.float32).view(np.int32)
             return Tile(bits.astype(np.int64), dtype)
-        if tile.ct_dtype == ct.uint32 and dtype == ct.float32:  # bits past 32 (a shift's) are dropped
+        if tile.ct_dtype in _FP8_TORCH and dtype == ct.uint8:
+            values = torch.from_numpy(np.asarray(tile, dtype=np.float64).copy()).to(_FP8_TORCH[tile.ct_dtype])
+            return Tile(values.view(torch.uint8).to(torch.int64).numpy(), dtype)
+        if tile.ct_dtype in (ct.int32, ct.uint32) and dtype == ct.float32:  # bits past 32 are dropped
             bits = (np.asarray(tile, dtype=np.int64) & 0xFFFFFFFF).astype(np.uint32)
             return Tile(bits.view(np.float32).astype(np.float64), dtype)
+        if tile.ct_dtype == ct.float8_e4m3fn and dtype == ct.uint8:  # values of e4m3 bytes -> the bytes
+            v = torch.from_numpy(np.asarray(tile, dtype=np.float64).copy()).to(torch.float8_e4m3fn)
+            return Tile(v.view(torch.uint8).to(torch.int64).numpy(), dtype)
         decode = _BITCASTS.get((tile.ct_dtype, dtype))
         if decode is None:
             raise NotImplementedError(f"bitcast {tile.ct_dtype} -> {dtype}")
@@ -277,14 +346,6 @@ class TileEmulator:
         return old
 
     @staticmethod
-    def minimum(a, b):
-        return Tile(_round(np.minimum(np.asarray(a), np.asarray(b)), a.ct_dtype), a.ct_dtype)
-
-    @staticmethod
-    def maximum(a, b):
-        return Tile(_round(np.maximum(np.asarray(a), np.asarray(b)), a.ct_dtype), a.ct_dtype)
-
-    @staticmethod
     def exp(tile):
         """exp, rounded once to the tile's dtype (the hardware's is within a few ulp of that)."""
         return Tile(_round(np.exp(np.asarray(tile, dtype=np.float64)), tile.ct_dtype), tile.ct_dtype)
@@ -316,6 +377,8 @@ class TileEmulator:
     # --- memory
     @staticmethod
     def load(array, index, shape, *, padding_mode=ct.PaddingMode.UNDETERMINED, **hints):
+        if hints.get("order") is not None:
+            raise NotImplementedError("load with order= (a transposed read) is not modelled")
         if shape == ():  # one element, as a 0-d tile (cuTile's scalar load)
             index = tuple(int(i) for i in index)
             if not all(0 <= i < n for i, n in zip(index, array.shape)):

@@ -6,7 +6,7 @@ import pytest
 def pytest_addoption(parser):
     parser.addoption("--aot-all", action="store_true", default=False,
                      help="compile every kernel variant ahead of time (tests marked aot_full), not only one "
-                          "per code path; see tests/test_aot.py")
+                          "per kernel function and target; see tests/test_aot.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,8 +5,12 @@ on a CPU-only machine, so a kernel that stops compiling (a cuTile API change, a 
 compiler rejects, a tile that no longer fits) fails CI. Each test compiles one ``AotVariant`` of one
 module for one target and checks that a cubin (an ELF image) comes back.
 
-What the default run compiles: one variant per code path and target. A variant's code path is its
-kernel function and, parameter by parameter,
+What the default run compiles: for each kernel function and target, the first variant its module
+lists (about 50 cubins), and each kernel function once more with no alignment facts; so a kernel that
+stops compiling anywhere fails the default run within a few minutes on 2 cores. The full sweep, every
+variant the launchers can pick, runs with ``--aot-all`` (``pytest -m aot --aot-all``) or
+``-m aot_full``; CI runs it after the default run, and there every code path and every setting is
+compiled. A variant's code path is its kernel function and, parameter by parameter,
 
 * for an array: its rank, and its dtype unless that is a 16/32-bit float (an input or output
   precision: fp32 / bf16 / fp16 take the same path), so that FP8 data, packed e2m1 bytes, e8m0 / e4m3
@@ -15,14 +19,12 @@ kernel function and, parameter by parameter,
   TMA store or not, ...), except the tuning constants in ``TUNING`` (tile shapes, pipeline latencies,
   group sizes, chunk sizes), and ``SPLIT_K``, which counts only as split or not.
 
-Compiler hints (occupancy, CTAs per cluster) are tuning too. Then, so that no setting goes uncompiled,
-variants are added until every value of every tuning constant, every hint set and every array dtype
-has been compiled at least once per kernel function. That is about a third of the variants. The full
-sweep, every variant the launchers can pick, runs with ``--aot-all`` (``pytest -m aot --aot-all``) or
-``-m aot_full``; CI runs it after the default run.
+Compiler hints (occupancy, CTAs per cluster) are tuning too. ``test_full_sweep_compiles_every_path_and_every_setting``
+checks that the sweep holds every code path per target and every value of every tuning constant,
+hint set and array dtype of every kernel.
 
 Each kernel is also compiled with no alignment facts (``test_unaligned_variant_compiles``), the
-specialisation the JIT builds for odd strides: by default once per kernel function and target, with
+specialisation the JIT builds for odd strides: by default once per kernel function, with
 ``--aot-all`` once per distinct hinted kernel and target.
 
 Cost: about 1 s of compiler time per cubin on a 2-core machine. cuTile keeps compiled cubins in
@@ -120,21 +122,15 @@ def _all_cases():
 
 
 def _default_selection(cases):
-    """The indices of ``cases`` that the default run compiles: the first variant of every code path and
-    target, then, in order, any variant that brings a setting not yet compiled for its kernel."""
-    chosen, paths, covered = [], set(), set()
-    described = [(_path_and_settings(variant), target) for _, variant, target in cases]
-    for i, ((path, settings), target) in enumerate(described):
-        if (path, target) not in paths:
-            paths.add((path, target))
+    """The indices of ``cases`` that the default run compiles: the first variant of every kernel function
+    and target."""
+    chosen, seen = [], set()
+    for i, (_, variant, target) in enumerate(cases):
+        key = (_kernel_function(variant), target)
+        if key not in seen:
+            seen.add(key)
             chosen.append(i)
-            covered |= {(path[0], s) for s in settings}
-    for i, ((path, settings), _) in enumerate(described):
-        new = {(path[0], s) for s in settings} - covered
-        if new:
-            chosen.append(i)
-            covered |= new
-    return sorted(chosen)
+    return chosen
 
 
 ALL_CASES = list(_all_cases())
@@ -173,16 +169,25 @@ def test_module_lists_variants_with_unique_names(module_name):
     assert covered == set(_allowed_targets(module_name)), f"targets covered: {sorted(covered)}"
 
 
-def test_default_run_compiles_every_path_and_every_setting():
-    """The default selection loses no code path on any target, and no tuning value, hint set or array
-    dtype of any kernel; and it is a real reduction, not the full sweep."""
+def test_default_run_compiles_every_kernel_on_every_target():
+    """The default selection compiles every kernel function on every target it runs on, and is small
+    (the README's test command has a time budget); the rest carries the aot_full marker."""
     default = [ALL_CASES[i] for i in sorted(DEFAULT)]
+    every = {(_kernel_function(v), t) for _, v, t in ALL_CASES}
+    assert {(_kernel_function(v), t) for _, v, t in default} == every
+    assert len(default) == len(every) < 60
+    unaligned = list(_unaligned_cases())
+    assert sum(1 for p in unaligned if not p.marks) == len({_kernel_function(v) for _, v, _ in ALL_CASES})
+
+
+def test_full_sweep_compiles_every_path_and_every_setting():
+    """The full sweep (``--aot-all``: the default selection plus every aot_full case) holds every code
+    path on every target, and every tuning value, hint set and array dtype of every kernel."""
     described = [(_path_and_settings(v), t) for _, v, t in ALL_CASES]
-    chosen = [(_path_and_settings(v), t) for _, v, t in default]
-    assert {(p, t) for (p, _), t in described} == {(p, t) for (p, _), t in chosen}
-    settings = {(p[0], s) for (p, ss), _ in described for s in ss}
-    assert settings == {(p[0], s) for (p, ss), _ in chosen for s in ss}
-    assert len(default) < len(ALL_CASES) / 2
+    paths = {(p, t) for (p, _), t in described}
+    assert len(paths) > len(DEFAULT)  # the default run is a real reduction
+    marked = [p for p in (_param(*case, default=i in DEFAULT) for i, case in enumerate(ALL_CASES))]
+    assert sum(1 for p in marked if p.marks) == len(ALL_CASES) - len(DEFAULT)
 
 
 def test_split_and_precision_are_paths_but_tile_shapes_are_not():
@@ -214,14 +219,14 @@ def _unaligned(param):
 
 def _unaligned_cases():
     """One variant per hinted kernel and target (the first that a module lists for it), with every array
-    unaligned; those beyond the first per kernel function and target run only in the full sweep."""
+    unaligned; those beyond the first per kernel function run only in the full sweep."""
     seen, seen_function = set(), set()
     for name, variant, target in ALL_CASES:
         kernel = repr(variant.kernel)
         if (kernel, target) in seen:
             continue
         seen.add((kernel, target))
-        key = (_kernel_function(variant), target)
+        key = _kernel_function(variant)
         yield _param(name, variant, target, default=key not in seen_function, suffix="-unaligned")
         seen_function.add(key)
 

@@ -618,3 +618,142 @@ def test_errors_name_the_tensor_and_what_is_accepted():
                                    layer_tensors | {"stray.weight": torch.zeros(1)}, strict=False,
                                    convention="compressed-tensors", quantization_config=config)
     assert isinstance(loaded[0], Linear)
+
+
+# ==================================================================================================
+# What real checkpoints and their users pass
+# ==================================================================================================
+
+
+def test_load_quantized_recognizes_a_whole_config_json():
+    # Passing the whole config.json (with its "quantization_config" section) used to report every
+    # quantized tensor missing; a dict that is no quantization config says what to pass.
+    _ct()
+    model = tiny_llama(seed=3, hidden=256, intermediate=384, layers=1, vocab=256)
+    _, state, config = compressed_tensors_model("MXFP4A16", model)
+    whole = {"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "quantization_config": config}
+    fresh = tiny_llama(seed=4, hidden=256, intermediate=384, layers=1, vocab=256)
+    tilemm.load_quantized(fresh, state, convention="compressed-tensors", quantization_config=whole)
+    assert isinstance(fresh.model.layers[0].mlp.down_proj, Linear)
+    with pytest.raises(ValueError, match=r"config\['quantization_config'\]"):
+        tilemm.load_quantized(tiny_llama(seed=4, hidden=256, intermediate=384, layers=1, vocab=256), state,
+                              convention="compressed-tensors", quantization_config={"hidden_size": 256})
+    # ModelOpt: the whole hf_quant_config.json, {"producer": ..., "quantization": {...}}.
+    m = torch.nn.Sequential(torch.nn.Linear(128, 64))
+    tilemm.quantize_model(m, "nvfp4")
+    mstate, mconfig = tilemm.export_quantized(m, "modelopt")
+    fresh_m = torch.nn.Sequential(torch.nn.Linear(128, 64))
+    tilemm.load_quantized(fresh_m, mstate, convention="modelopt",
+                          quantization_config={"producer": {"name": "modelopt"}, "quantization": mconfig})
+    assert isinstance(fresh_m[0], Linear)
+
+
+def test_tied_lm_head_stays_tied_as_compressed_tensors_saves_it(tmp_path):
+    # compressed-tensors (through transformers' save_pretrained) stores a tied lm_head.weight once,
+    # under the embedding. strict=True used to raise "missing lm_head.weight", strict=False to leave
+    # lm_head at its random initialization (the tie broken by load_state_dict(assign=True)).
+    _ct()
+    model = tiny_llama(seed=0, hidden=256, intermediate=384, layers=1, vocab=256, tie=True)
+    compressor, _, _ = compressed_tensors_model("MXFP4A16", model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(tmp_path)
+        compressor.update_config(str(tmp_path))
+    from safetensors.torch import load_file
+
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert "lm_head.weight" not in stored and "model.embed_tokens.weight" in stored  # the writer's layout
+    for strict in (True, False):
+        ours = tilemm.load_quantized(tiny_llama(seed=1, hidden=256, intermediate=384, layers=1, vocab=256, tie=True),
+                                     tmp_path, convention="compressed-tensors", weight_only=True, strict=strict)
+        assert ours.lm_head.weight is ours.model.embed_tokens.weight
+        assert torch.equal(ours.lm_head.weight, stored["model.embed_tokens.weight"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compressor.decompress_model(model)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours_logits, their_logits = ours(ids).logits, model(ids).logits
+    assert (ours_logits.float() - their_logits.float()).abs().max().item() <= 2.0 ** -8 * their_logits.abs().max().item()
+    # A checkpoint that holds a different lm_head for a model that ties it is refused.
+    state = dict(stored)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"] + 1
+    with pytest.raises(ValueError, match="ties 'lm_head.weight' to 'model.embed_tokens.weight'"):
+        tilemm.load_quantized(tiny_llama(seed=1, hidden=256, intermediate=384, layers=1, vocab=256, tie=True),
+                              state, convention="compressed-tensors",
+                              quantization_config=json.loads((tmp_path / "config.json").read_text()))
+
+
+@pytest.mark.parametrize("groups", [{"NVFP4A16": ["Linear"], "MXFP8A16": ["re:.*down_proj$"]},
+                                    {"MXFP8A16": ["re:.*down_proj$"], "NVFP4A16": ["Linear"]},
+                                    {"NVFP4A16": ["re:.*proj$"], "MXFP4A16": ["model.layers.0.mlp.up_proj"]}],
+                         ids=["class_first", "regex_first", "regex_and_name"])
+def test_mixed_precision_targets_resolve_as_compressed_tensors_does(groups):
+    # compressed-tensors gives an exact name priority over a regex, and a regex over a class name,
+    # whatever the order of the config groups; tilemm used to take the first group that matched
+    # (down_proj read as NVFP4 although it was written in MXFP8).
+    _ct()
+    model = tiny_llama(seed=3, hidden=256, intermediate=384, layers=1, vocab=256)
+    _, state, config = compressed_tensors_model(groups, model)
+    written = {n: m.quantization_scheme for n, m in model.named_modules()
+               if getattr(m, "quantization_scheme", None) is not None}
+    ours = tilemm.load_quantized(tiny_llama(seed=4, hidden=256, intermediate=384, layers=1, vocab=256), state,
+                                 convention="compressed-tensors", quantization_config=config)
+    by_format = {"nvfp4": "NVFP4A16", "mxfp8": "MXFP8A16", "mxfp4": "MXFP4A16"}
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    assert len(written) == 7
+    for name, scheme in written.items():
+        layer = ours.get_submodule(name)
+        assert isinstance(layer, Linear), name
+        expected = preset_name_to_scheme(by_format[layer.format], ["x"]).weights
+        assert scheme.weights == expected, (name, layer.format)
+    assert ours.model.layers[0].mlp.down_proj.format in ("mxfp8", "nvfp4")
+
+
+def _modelopt_llama(tmp_path, config, kv_fp8=False):
+    _modelopt()
+    from _checkpoint_peers import modelopt_checkpoint
+
+    model = tiny_llama(seed=0, hidden=256, intermediate=384, layers=1, vocab=256, dtype=torch.float32)
+    path = modelopt_checkpoint(model, tmp_path, config, kv_fp8=kv_fp8)
+    from safetensors.torch import load_file
+
+    return path, load_file(str(path / "model.safetensors"))
+
+
+def test_modelopt_nvfp4_with_an_fp8_kv_cache_keeps_k_and_v_scales(tmp_path):
+    # ModelOpt's example default (NVFP4 weights, FP8 KV cache) stores k_scale / v_scale beside the
+    # k / v projections; load_quantized used to refuse the whole checkpoint, even with strict=False.
+    path, stored = _modelopt_llama(tmp_path, "NVFP4_DEFAULT_CFG", kv_fp8=True)
+    assert "model.layers.0.self_attn.k_proj.k_scale" in stored  # the writer's layout
+    for strict in (True, False):
+        ours = tilemm.load_quantized(tiny_llama(seed=1, hidden=256, intermediate=384, layers=1, vocab=256,
+                                                dtype=torch.float32), path, convention="modelopt", strict=strict)
+        attn = ours.model.layers[0].self_attn
+        assert isinstance(attn.k_proj, Linear) and attn.k_proj.format == "nvfp4" and not attn.k_proj.weight_only
+        assert torch.equal(attn.k_proj.k_scale, stored["model.layers.0.self_attn.k_proj.k_scale"])
+        assert torch.equal(attn.v_proj.v_scale, stored["model.layers.0.self_attn.v_proj.v_scale"])
+        assert torch.equal(attn.k_proj.weight, stored["model.layers.0.self_attn.k_proj.weight"])
+    # The scales travel with the model's state dict (and so with export_quantized).
+    assert "model.layers.0.self_attn.v_proj.v_scale" in ours.state_dict()
+
+
+def test_modelopt_w4a16_nvfp4_loads_weight_only(tmp_path):
+    # ModelOpt's weight-only NVFP4 (quant_algo W4A16_NVFP4, the same tensors as NVFP4) was refused.
+    path, stored = _modelopt_llama(tmp_path, "W4A16_NVFP4_CFG")
+    assert json.loads((path / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "W4A16_NVFP4"
+    ours = tilemm.load_quantized(tiny_llama(seed=1, hidden=256, intermediate=384, layers=1, vocab=256,
+                                            dtype=torch.float32), path, convention="modelopt")
+    layers = [(n, m) for n, m in ours.named_modules() if isinstance(m, Linear)]
+    assert len(layers) == 7 and all(m.format == "nvfp4" and m.weight_only for _, m in layers)
+    NVFP4QTensor = _modelopt()
+    for name, layer in layers:
+        w = stored[f"{name}.weight"]
+        theirs = _modelopt_dequantize(NVFP4QTensor((w.shape[0], 2 * w.shape[1]), torch.float32, w),
+                                      stored[f"{name}.weight_scale"], stored[f"{name}.weight_scale_2"])
+        assert ((layer.dequantize_weight() - theirs).abs() <= REL_NVFP4 * theirs.abs()).all(), name
+    # Asked explicitly, the activations are quantized too.
+    block = tilemm.load_quantized(tiny_llama(seed=1, hidden=256, intermediate=384, layers=1, vocab=256,
+                                             dtype=torch.float32), path, convention="modelopt", weight_only=False)
+    assert not block.model.layers[0].mlp.down_proj.weight_only

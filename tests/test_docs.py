@@ -62,3 +62,27 @@ def test_install_commands_name_real_extras_and_the_cpu_install_needs_no_compiler
     assert named >= {"dev", "tileiras", "cute"} and named <= set(extras)
     assert re.search(r'-e "\.\[[\w,]*tileiras[\w,]*\]"', ci)
     assert "--aot-all" in ci
+
+
+def test_readme_opens_with_a_two_command_quick_start():
+    # The first section: one command installs and runs the demo, one installs the development extras
+    # (with what notebooks/04_checkpoints.ipynb needs) and runs the tests, on a CPU-only machine.
+    import tomllib
+
+    text = (ROOT / "README.md").read_text()
+    first = re.search(r"^## (.+)$", text, flags=re.M)
+    assert first.group(1) == "Quick start"
+    section = text[first.end():text.index("\n## ", first.end())]
+    commands = [line for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+                for line in block.splitlines() if line and not line.startswith("#")]
+    assert len(commands) == 2
+    demo, tests = commands
+    cpu_torch = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+    assert demo.startswith(cpu_torch) and demo.endswith("python -m tilemm")
+    assert tests.startswith(cpu_torch) and tests.endswith("python -m pytest -q")
+    extras = set(re.search(r'-e "\.\[([\w,]+)\]"', tests).group(1).split(","))
+    assert {"dev", "tileiras", "test"} <= extras
+    # The dev extra brings a Jupyter front end, and the README says how to open the tutorials.
+    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    assert any(d.startswith("notebook") for d in dev) and any(d.startswith("nbconvert") for d in dev)
+    assert "jupyter notebook notebooks/" in text

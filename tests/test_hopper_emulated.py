@@ -1,9 +1,9 @@
 """The Hopper kernels' tile code and launchers, run on the CPU through a NumPy model of cuTile.
 
 cuTile has no CPU interpreter, and CI has no GPU. The kernels' own Python functions
-(``hopper_block_scaled``'s stream, split-K reduction and dequantize kernels, the ``hopper_gemm``
-kernel under ``hopper_fp8``) run on the model in tests/_emulator.py, block by block over the launch
-grid that the real launcher computes. This checks the index arithmetic (swapped operands, split-K
+(``hopper_block_scaled``'s stream kernel, its split-K reduction included, and dequantize kernel,
+the ``hopper_gemm`` kernel under ``hopper_fp8``) run on the model in tests/_emulator.py, block by
+block over the launch grid that the real launcher computes. This checks the index arithmetic (swapped operands, split-K
 ranges, the 32x4x4 scale slices for 16- / 64-row tiles, the nibble order, K padding of the dequantized
 copies, persistent tile loops, batch broadcast) against ``tilemm.reference``, and the exactness
 argument of ``hopper_block_scaled``'s docstring: every 16-bit operand that reaches ``ct.mma`` must be
@@ -126,6 +126,81 @@ def test_prepared_launch_reused_emulated(emulated, fmt):
         later, ref = block_scaled_case(fmt, 1, 300, 1024, swizzled=True, bias=True, alpha=0.25, seed=seed)
         prepared.run(later, None)
         assert_matches(later.out, ref, torch.float32)
+
+
+def _rerun(problem, **changes):
+    """``problem`` with a fresh NaN-filled output and ``changes``."""
+    fields = {f: getattr(problem, f) for f in ("fmt", "a", "a_scale", "b", "b_scale", "swizzled", "bias", "alpha",
+                                               "global_scales")}
+    fields.update(changes)
+    return BlockScaledProblem(out=torch.full_like(problem.out, float("nan")), **fields)
+
+
+def _nan_scales(problem):
+    """A NaN scale byte (e8m0 255 / e4m3 0x7F) in one row of x and one row of the weight."""
+    nan = 255 if problem.fmt.is_mx else 0x7F
+    problem.a_scale.view(torch.uint8).reshape(-1)[3] = nan
+    problem.b_scale.view(torch.uint8).reshape(-1)[5] = nan
+
+
+def _bits(t):
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=FMT_IDS)
+def test_small_m_decodes_the_activation_in_the_stream_kernel_exactly(emulated, fmt, split):
+    # Up to M = 16 the stream kernel decodes the activation itself (one launch); the result is the
+    # one the dequantized 16-bit copy (x16) gives, bit for bit, NaN scales included.
+    problem, _ = block_scaled_case(fmt, 13, 130, 512, swizzled=True, bias=True, alpha=0.75, seed=6)
+    _nan_scales(problem)
+    outs = []
+    for x16 in (False, True):
+        p = _rerun(problem)
+        hbs.launch(p, hbs.StreamConfig(16, 64, 128, split, num_worker_warps=4, occupancy=4, x16=x16))
+        outs.append(p.out)
+    assert outs[0].isnan().any() and torch.equal(_bits(outs[0]), _bits(outs[1]))
+
+
+@pytest.mark.parametrize("alpha", [None, 0.75])
+@pytest.mark.parametrize("split", [1, 2])
+def test_nvfp4_decode_scales_in_the_epilogue_exactly(emulated, split, alpha):
+    # The kernel multiplies fp32(gx * gy), then alpha, into the product: the same bits as an alpha
+    # of fp32(gx * gy) (* alpha) computed beforehand.
+    problem, _ = block_scaled_case(NVFP4, 3, 200, 512, bias=True, alpha=alpha, seed=7)
+    gx, gy = torch.tensor(0.37), torch.tensor(1.9e-3)
+    cfg = hbs.StreamConfig(16, 64, 128, split, num_worker_warps=4, occupancy=4)
+    inside = _rerun(problem, global_scales=(gx, gy))
+    hbs.launch(inside, cfg)
+    before = _rerun(problem, alpha=gx * gy if alpha is None else gx * gy * problem.alpha)
+    hbs.launch(before, cfg)
+    assert torch.equal(_bits(inside.out), _bits(before.out))
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=FMT_IDS)
+def test_split_k_adds_the_partials_in_split_order_in_one_launch(emulated, fmt):
+    # The last block of each output tile adds the fp32 partial tiles of the stream's workspace in
+    # split order, then alpha and bias; every counter is back at zero, and a second call gives the
+    # same bits.
+    problem, _ = block_scaled_case(fmt, 5, 130, 640, ba=2, bb=1, swizzled=False, bias=True, alpha=0.75, seed=8)
+    _nan_scales(problem)
+    cfg = hbs.StreamConfig(16, 64, 128, 4, num_worker_warps=4, occupancy=4)
+    prepared = hbs.Prepared(problem, cfg)
+    outs = []
+    for _ in range(2):
+        p = _rerun(problem)
+        prepared.run(p, None)
+        partial, counters = prepared._workspace(p.out, None)
+        assert int(counters.count_nonzero()) == 0
+        outs.append(p.out)
+    batch = problem.out.shape[0]
+    parts = partial.view(cfg.split_k, batch, *partial.shape[1:])
+    total = torch.zeros(parts.shape[1:], dtype=torch.float32)
+    for s in range(cfg.split_k):
+        total = total + parts[s]
+    expect = total * problem.alpha + problem.bias
+    assert outs[0].isnan().any()
+    assert torch.equal(_bits(outs[0]), _bits(outs[1])) and torch.equal(_bits(outs[0]), _bits(expect))
 
 
 @pytest.mark.parametrize("dequant", [(64, 256), (16, 512)], ids=["64x256", "16x512"])

@@ -17,6 +17,7 @@ alignment classes; M only enters through its (never 16-divisible) size.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -28,7 +29,7 @@ import tilemm
 from tilemm.formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
 
 
-from _gpu import GPU_SKIP_REASON as _SKIP, requires_gpu
+from _gpu import GPU_SKIP_REASON as _SKIP, kernels_per_call, requires_gpu
 
 pytestmark = requires_gpu
 
@@ -201,12 +202,81 @@ def test_block_scaled_larger(fmt, m, n, k, swizzled):
                          ids=["7x300x2048_swizzled", "33x17x1024"])
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=FMT_IDS)
 def test_block_scaled_split_k(fmt, m, n, k, swizzled):
-    # Few output tiles and a long K: the stream kernel splits K (4 and 2 ways here) and a second
-    # kernel adds the fp32 partial tiles; M = 33 takes the 64-row tile (the MMA's N side).
+    # Few output tiles and a long K: the stream kernel splits K (4 and 2 ways here) and the last
+    # block of each output tile adds the fp32 partial tiles; M = 33 takes the 64-row tile (the MMA's
+    # N side).
     xq, wq = quantized_pair(fmt, m, n, k, swizzled=swizzled, seed=13)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(14))
     out, ref = run_both(fmt, xq, wq, swizzled, out_dtype=torch.bfloat16, alpha=0.5, bias=bias)
     check_close(out, ref, oracle(xq, wq, alpha=0.5, bias=bias), torch.bfloat16)
+
+
+@pytest.mark.skipif(not IS_HOPPER, reason="the one-launch small-M call is the Hopper stream kernel's")
+@pytest.mark.parametrize("swizzled", [False, True], ids=["logical", "swizzled"])
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("fmt", [MXFP8_E4M3, MXFP4, NVFP4], ids=["mxfp8", "mxfp4", "nvfp4"])
+def test_hopper_small_m_call_is_one_kernel(fmt, m, swizzled):
+    # 4096 x 4096 at M <= 16 splits K: reduction, activation decode and NVFP4's decode scales all
+    # inside the one stream kernel.
+    gen = torch.Generator().manual_seed(21)
+    xq = _quantize(fmt, torch.randn(m, 4096, generator=gen).to(DEV), swizzled)
+    wq = _quantize(fmt, torch.randn(4096, 4096, generator=gen).to(DEV), swizzled)
+    kernels = kernels_per_call(lambda: tilemm.linear(xq, wq))
+    assert len(kernels) == 1, kernels
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal fp32 bit patterns, any NaN matching any NaN."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a.view(torch.int32)[~nan], b.view(torch.int32)[~nan])
+
+
+@pytest.mark.skipif(not IS_HOPPER, reason="Hopper stream kernel")
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=FMT_IDS)
+def test_hopper_one_launch_forms_are_bit_identical(fmt):
+    # The forms that make a small-M call one launch give the bits of the forms they replace: the
+    # activation decoded in the stream kernel (against its dequantized copy, x16), the decode scales
+    # multiplied in the epilogue (against an alpha of fp32(gx * gy) * alpha), and the in-kernel split-K
+    # reduction (against the workspace's partial tiles added in split order); NaN scales included.
+    from tilemm.kernels import hopper_block_scaled as hbs
+    from tilemm.matmul import BlockScaledProblem
+
+    xq, wq = _random_bytes_operands(fmt, 13, 300, 2048, seed=22)
+    sa, sb = xq.scale.view(torch.uint8).clone(), wq.scale.view(torch.uint8).clone()
+    sa[3, 5] = sb[7, 2] = 255 if fmt.is_mx else 0x7F
+    a, b = xq.data.to(DEV)[None], wq.data.to(DEV)[None]
+    sa, sb = sa.to(DEV)[None], sb.to(DEV)[None]
+    bias = torch.randn(300, generator=torch.Generator().manual_seed(23)).to(DEV)
+    alpha = torch.tensor(0.75, device=DEV)
+    gx, gy = torch.tensor(0.37, device=DEV), torch.tensor(1.9e-3, device=DEV)
+
+    def run(cfg, alpha=alpha, scales=None):
+        p = BlockScaledProblem(fmt, a, sa, b, sb, False, torch.full((1, 13, 300), float("nan"), device=DEV),
+                               bias, alpha, scales)
+        hbs.launch(p, cfg)
+        torch.cuda.synchronize()
+        return p.out
+
+    for split in (1, 4):
+        cfg = hbs.StreamConfig(16, 64, 128, split, num_worker_warps=4, occupancy=4)
+        assert _same_bits(run(cfg), run(dataclasses.replace(cfg, x16=True)))
+        if fmt is NVFP4:
+            assert _same_bits(run(cfg, scales=(gx, gy)), run(cfg, alpha=gx * gy * alpha))
+    # Without alpha and bias the epilogue adds nothing (x * 1 + 0), so the output is the partials'
+    # sum in split order, bit for bit.
+    cfg = hbs.StreamConfig(16, 64, 128, 4, num_worker_warps=4, occupancy=4)
+    p = BlockScaledProblem(fmt, a, sa, b, sb, False, torch.full((1, 13, 300), float("nan"), device=DEV), None,
+                           None)
+    prepared = hbs.Prepared(p, cfg)
+    stream = torch.cuda.current_stream().cuda_stream
+    prepared.run(p, stream)
+    torch.cuda.synchronize()
+    partial, counters = (getattr(t, "_tensor", t) for t in prepared._workspace(p.out, stream))
+    total = torch.zeros((1, 13, 300), device=DEV)
+    for s in range(4):
+        total = total + partial[s:s + 1]
+    assert int(counters.count_nonzero()) == 0 and p.out.isnan().any()
+    assert _same_bits(p.out, total)
 
 
 def _random_bytes_operands(fmt, m, n, k, seed):

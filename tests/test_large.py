@@ -203,8 +203,8 @@ def _reference_launch(device, grid, kernel, args):
             fmt = MXFP8_E4M3 if element == qk._E4M3 else MXFP8_E5M2
             data, scale = tq._quantize_mxfp8_reference(x, fmt, rounding, swizzled)
     elif kernel is qk._nvfp4_quantize_kernel:
-        X, Data, Scale, Global, GlobalOut, from_amax, swizzled, transposed, _, _ = args
-        assert not from_amax
+        X, Data, Scale, Global, GlobalOut, from_amax, grid_amax, swizzled, transposed, _, _ = args
+        assert not from_amax and not grid_amax
         x = X.mT if transposed else X
         data, scale, g = tq._quantize_nvfp4_reference(x, Global.reshape(()), swizzled)
         GlobalOut.copy_(g.reshape(1))

@@ -372,6 +372,19 @@ def test_quantized_tensors_move_between_devices_but_keep_their_encoding():
         q.to(torch.float32)
 
 
+@pytest.mark.parametrize("gx,gw", [((1, 128), (1, 128)), ((128, 128), (128, 128)), ((1, 128), "row"),
+                                   ("row", (128, 128)), ("tensor", (128, 128))])
+def test_linear_fp8_block_pairing_error_names_the_users_arguments(gx, gw):
+    # FP8 blocks pair (1, 128) activations with (128, 128) weights. A wrong pair used to fail inside
+    # fp8_matmul with an error about y_scale, an argument the user of linear never passed.
+    x, w = torch.randn(4, 256), torch.randn(128, 256)
+    with pytest.raises(ValueError, match=r"granularity=\(1, 128\) \(x_q\).*granularity=\(128, 128\) \(w_q\)") as e:
+        tilemm.linear(tilemm.quantize_fp8(x, granularity=gx), tilemm.quantize_fp8(w, granularity=gw))
+    assert "y_scale" not in str(e.value)
+    good = tilemm.linear(tilemm.quantize_fp8(x, granularity=(1, 128)), tilemm.quantize_fp8(w, granularity=(128, 128)))
+    assert good.shape == (4, 128)
+
+
 def test_checked_once_per_signature(monkeypatch):
     # A signature (shapes, strides, dtypes, devices, options) is checked and planned on its first call
     # only; a call that differs in any of them (here: a transposed x, which must be refused, and an

@@ -7,6 +7,7 @@ here the point is the module plumbing: shapes, dtypes, buffers, state_dict, dtyp
 
 from __future__ import annotations
 
+import copy
 import io
 import warnings
 
@@ -273,7 +274,7 @@ def test_errors_name_the_argument_and_what_is_accepted():
         Linear.from_float(lin, "int8")
     with pytest.raises(TypeError, match=r"format must be a str, .*got dtype"):
         Linear.from_float(lin, torch.float8_e4m3fn)
-    with pytest.raises(TypeError, match=r"from_float: linear must be a torch.nn.Linear, got Conv1d"):
+    with pytest.raises(TypeError, match=r"from_float: linear must be a torch.nn.Linear, got torch.nn.modules.conv.Conv1d"):
         Linear.from_float(torch.nn.Conv1d(2, 2, 1), "mxfp8")
     with pytest.raises(ValueError, match=r"granularity applies to format 'fp8' only, got granularity='row' with format 'nvfp4'"):
         Linear.from_float(lin, "nvfp4", granularity="row")
@@ -332,3 +333,71 @@ def test_moving_a_layer_drops_its_cached_runner(weight_only):
     layer._runner = object()
     layer.to(torch.bfloat16)
     assert layer._runner is None
+
+
+def test_quantizing_a_quantized_model_raises_unless_asked_to_requantize():
+    # quantize_model(mxfp4_model, "nvfp4") used to keep mxfp4 without a word.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    reference = copy.deepcopy(model)
+    tilemm.quantize_model(model, "mxfp4")
+    with pytest.raises(ValueError, match=r"already holds 2 tilemm.nn.Linear.*'0', '2'.*requantize=True"):
+        tilemm.quantize_model(model, "nvfp4")
+    assert model[0].format == "mxfp4"
+    # Skipped layers are not counted.
+    with pytest.raises(ValueError, match=r"1 tilemm.nn.Linear layer\(s\) \('2'\)"):
+        tilemm.quantize_model(model, "nvfp4", skip=["0"])
+    old = model[0].dequantize_weight()
+    tilemm.quantize_model(model, "nvfp4", requantize=True)
+    assert model[0].format == model[2].format == "nvfp4"
+    expected = tilemm.quantize_nvfp4(old).dequantize()
+    assert torch.equal(model[0].dequantize_weight(), expected)
+    assert torch.equal(model[0].bias, reference[0].bias.detach())
+    with pytest.raises(TypeError, match="requantize must be a bool"):
+        tilemm.quantize_model(model, "nvfp4", requantize="yes")
+    # A bare quantized layer too.
+    bare = Linear.from_float(torch.nn.Linear(64, 32), "mxfp8")
+    with pytest.raises(ValueError, match="requantize"):
+        tilemm.quantize_model(bare, "nvfp4")
+    assert tilemm.quantize_model(bare, "nvfp4", requantize=True).format == "nvfp4"
+
+
+def test_from_float_of_a_tilemm_layer_says_so():
+    layer = Linear.from_float(torch.nn.Linear(64, 32), "mxfp4")
+    with pytest.raises(TypeError, match=r"already a tilemm.nn.Linear \(format='mxfp4'.*requantize=True"):
+        Linear.from_float(layer, "nvfp4")
+    with pytest.raises(TypeError, match=r"got torch.nn.modules.conv.Conv1d"):
+        Linear.from_float(torch.nn.Conv1d(4, 4, 1), "nvfp4")
+
+
+@pytest.mark.parametrize("weight_only", [False, True], ids=["block_scaled", "weight_only"])
+def test_layers_are_inference_only(weight_only):
+    # loss.backward() through a tilemm layer gave torch's generic "does not require grad". Where the
+    # input requires grad (in grad mode) the output now carries a backward that says the layers are
+    # for inference; the forward itself is the same as under no_grad.
+    layer = Linear.from_float(torch.nn.Linear(64, 32), "nvfp4", weight_only=weight_only)
+    x = torch.randn(4, 64, requires_grad=True)
+    y = layer(x)
+    with torch.no_grad():
+        expected = layer(x)
+    assert torch.equal(y.detach(), expected) and not expected.requires_grad
+    with pytest.raises(RuntimeError, match="for inference only.*torch.no_grad"):
+        y.square().sum().backward()
+    # A float layer before the quantized one: its parameters require grad, so does its output.
+    net = torch.nn.Sequential(torch.nn.Linear(8, 64), layer)
+    with pytest.raises(RuntimeError, match="for inference only"):
+        net(torch.randn(2, 8)).sum().backward()
+    with torch.inference_mode():
+        assert torch.equal(layer(x), expected)
+    assert not layer(x.detach()).requires_grad
+
+
+def test_inference_only_under_compile():
+    # torch.compile traces the backward when the input requires grad: the same message comes up then
+    # (wrapped in dynamo's error), and under no_grad the compiled layer runs as usual.
+    layer = Linear.from_float(torch.nn.Linear(64, 32), "mxfp4", weight_only=True)
+    x = torch.randn(2, 64, requires_grad=True)
+    with pytest.raises(Exception, match="for inference only"):
+        torch.compile(layer, fullgraph=True)(x).sum().backward()
+    with torch.no_grad():
+        assert torch.equal(torch.compile(layer, fullgraph=True)(x), layer(x))

@@ -1,10 +1,14 @@
-"""The tutorials in notebooks/ run top to bottom on a CPU, and are committed without outputs.
+"""The tutorials in notebooks/ run top to bottom on a CPU, and are committed executed, with outputs.
 
 Each notebook is executed in a fresh python3 kernel with nbclient; any exception, including a
 failed ``assert`` in a notebook's checks, fails the test. Each notebook is also run once with one
 thing it checks deliberately broken, to show that its checks catch it. Figures use the Agg backend,
 so nothing is displayed. 03_matmul's benchmark cell is also run against synthetic results, so that
-its plotting code is exercised on results of more than one shape.
+its plotting code is exercised on results of more than one shape. These runs never write the
+notebooks back: the committed outputs come from ``notebooks/execute.py`` (on an H100, so that the GPU
+parts show their results), which is tested here on a small notebook.
+
+Without nbformat / nbclient (the ``dev`` extra; a GPU machine may lack them) the module is skipped.
 """
 
 from __future__ import annotations
@@ -14,10 +18,16 @@ import os
 import sys
 from pathlib import Path
 
-import nbformat
+import subprocess
+
 import pytest
-from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError
+
+nbformat = pytest.importorskip("nbformat", reason="the notebook tests need nbformat and nbclient "
+                               "(the 'dev' extra: pip install -e '.[dev]')")
+pytest.importorskip("nbclient", reason="the notebook tests need nbformat and nbclient (the 'dev' extra: "
+                    "pip install -e '.[dev]')")
+from nbclient import NotebookClient  # noqa: E402
+from nbclient.exceptions import CellExecutionError  # noqa: E402
 
 from _gpu import GPU_SKIP_REASON
 
@@ -56,14 +66,24 @@ def test_all_notebooks_are_listed():
     assert sorted(p.name for p in NOTEBOOK_DIR.glob("*.ipynb")) == NOTEBOOKS
 
 
+MAX_NOTEBOOK_BYTES = 300 * 1024
+
+
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_is_committed_without_outputs(name):
-    nb = nbformat.read(NOTEBOOK_DIR / name, as_version=4)
+def test_notebook_is_committed_executed(name):
+    # A reader sees the outputs and plots without running anything: every code cell executed in order,
+    # no errors, a figure under every plt.show(), and small enough to keep in the repository.
+    path = NOTEBOOK_DIR / name
+    assert path.stat().st_size < MAX_NOTEBOOK_BYTES, f"{name}: {path.stat().st_size} bytes"
+    nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type == "code":
-            assert cell.outputs == [], f"{name} cell {i} has outputs: clear them before committing"
-            assert cell.execution_count is None, f"{name} cell {i} has an execution count"
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    assert [cell.execution_count for cell in code] == list(range(1, len(code) + 1)), \
+        f"{name}: execute it with notebooks/execute.py before committing"
+    for i, cell in enumerate(code):
+        assert not any(out.output_type == "error" for out in cell.outputs), f"{name} code cell {i} failed"
+        if "plt.show()" in cell.source and "plot_results" not in cell.source:
+            assert any("image/png" in out.get("data", {}) for out in cell.outputs), f"{name} code cell {i}"
     assert "widgets" not in nb.metadata
 
 
@@ -147,3 +167,39 @@ def test_matmul_notebook_plots_benchmark_results(tmp_path, monkeypatch):
     assert "NVIDIA_H100_80GB_HBM3.json: NVIDIA H100 80GB HBM3, 16 records, 1 skipped" in out
     assert "other_gpu.json: other gpu, 5 records, 2 skipped" in out
     assert "broken.json: could not be read" in out
+
+
+RUNNER_CELLS = [
+    "import sys\nimport matplotlib.pyplot as plt\nprint('to stdout')\nprint('to stderr', file=sys.stderr)",
+    "plt.plot([1, 2, 3])\nplt.show()\nprint('after the figure')\nplt.figure()\nplt.plot([3, 1])\n'last'",
+    "value = 6 * 7\nvalue",
+    "None",
+    "raise ValueError('stop here')",
+    "print('never runs')",
+]
+
+
+def test_execute_script_writes_outputs_nbformat_accepts(tmp_path):
+    # notebooks/execute.py, which needs no Jupyter: streams in order, a PNG per figure (at plt.show()
+    # and at the end of a cell), the last expression's value, execution counts, and a failing cell
+    # that stops the notebook (exit status 1) with an error output.
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# A test")] + [nbformat.v4.new_code_cell(c) for c in RUNNER_CELLS]
+    nbformat.write(nb, tmp_path / "t.ipynb")
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, str(NOTEBOOK_DIR / "execute.py"), str(tmp_path / "t.ipynb"),
+                             "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    done = nbformat.read(out / "t.ipynb", as_version=4)
+    nbformat.validate(done)
+    cells = [c for c in done.cells if c.cell_type == "code"]
+    assert [c.execution_count for c in cells] == [1, 2, 3, 4, 5, None]
+    assert [(o.output_type, o.get("name"), o.get("text")) for o in cells[0].outputs] == [
+        ("stream", "stdout", "to stdout\n"), ("stream", "stderr", "to stderr\n")]
+    kinds = [(o.output_type, o.get("name")) for o in cells[1].outputs]
+    assert kinds == [("display_data", None), ("stream", "stdout"), ("execute_result", None), ("display_data", None)]
+    assert all(o.data["image/png"] for o in cells[1].outputs if o.output_type == "display_data")
+    assert cells[2].outputs == [nbformat.v4.new_output("execute_result", {"text/plain": "42"}, execution_count=3)]
+    assert cells[3].outputs == []
+    assert cells[4].outputs[0].output_type == "error" and cells[4].outputs[0].ename == "ValueError"
+    assert cells[5].outputs == []

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import swizzle
+import tilemm.nn
 from tilemm.formats import FP8_E4M3, FP8_E5M2, MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
 from tilemm.numerics import as_uint8
 from tilemm.quantize import (
@@ -217,8 +218,8 @@ def oracle_mx(rows: list[list[float]], element: str, rounding: str):
 
 
 def oracle_nvfp4_global(values: list[float]) -> tuple[float, float]:
-    """(S_enc, S_dec) from the tensor amax (NaN ignored)."""
-    amax_g = max((abs(v) for v in values if not math.isnan(v)), default=0.0)
+    """(S_enc, S_dec) from the tensor amax over the finite values (NaN and Inf ignored)."""
+    amax_g = max((abs(v) for v in values if math.isfinite(v)), default=0.0)
     s_enc = min(f32_div(2688.0, amax_g), FLT_MAX)
     if amax_g == 0 or s_enc == 0:
         s_enc = 1.0
@@ -238,7 +239,8 @@ def oracle_nvfp4(rows: list[list[float]], global_scale: float | None = None):
         row_codes, row_scales = [], []
         for j in range(0, len(row), 16):
             block = row[j:j + 16]
-            amax_b = NAN if any(math.isnan(v) for v in block) else max(abs(v) for v in block)
+            # A block holding a NaN or an Inf gets the NaN scale.
+            amax_b = NAN if any(not math.isfinite(v) for v in block) else max(abs(v) for v in block)
             v = f32_mul(amax_b, t)
             v = v if math.isnan(v) else min(v, 448.0)
             sb_byte = fp8_byte(v, "e4m3")
@@ -569,22 +571,48 @@ def test_mx_nonfinite_blocks(element, rounding):
     assert torch.equal(deq[0, 32:], torch.full((32,), 2.0))
 
 
-def test_nvfp4_inf_saturates_and_nan_poisons_its_block():
-    # The MX rule (NaN or Inf block -> NaN scale) is not NVFP4's: there an Inf follows the formulas
-    # (amax_g = Inf gives S_enc = 1, s_b = 448, element 6) and stays finite; a NaN makes its block's
-    # e4m3 scale NaN (0x7F) and leaves the other blocks alone (docs/numerics.md, "NVFP4").
-    x = torch.ones(2, 32)
-    x[0, 3] = INF
-    x[1, 20] = NAN
+@pytest.mark.parametrize("bad", [INF, -INF, NAN], ids=["inf", "neg_inf", "nan"])
+def test_nvfp4_nonfinite_poisons_only_its_block(bad):
+    # As in MX: a block holding a NaN or an Inf gets the NaN scale (e4m3 0x7F) and decodes to NaN;
+    # the tensor amax is taken over the finite values, so every other block is quantized as if it
+    # were absent (docs/numerics.md, "NVFP4"). Before, an Inf made S_enc = 1 and flushed every small
+    # block of the tensor to zero.
+    x = torch.full((2, 32), 1e-3)
+    x[0, 3] = bad
     q = quantize_nvfp4(x)
-    assert q.global_scale.item() == 1.0
-    # s_b: 448 (0x7E) for the Inf block, e4m3(1/6) (0x23) for all-ones blocks, NaN (0x7F).
-    assert as_uint8(q.scale).tolist() == [[0x7E, 0x23], [0x23, 0x7F]]
+    clean = quantize_nvfp4(torch.full((2, 32), 1e-3))
+    assert torch.equal(q.global_scale, clean.global_scale)
+    assert as_uint8(q.scale)[0, 0].item() == 0x7F
+    assert torch.equal(as_uint8(q.scale)[0, 1:], as_uint8(clean.scale)[0, 1:])
+    assert torch.equal(as_uint8(q.scale)[1], as_uint8(clean.scale)[1])
     deq = dequantize(q)
-    assert deq[0, 3].item() == 2688.0 and deq[0].isfinite().all()
-    assert deq[1, 16:].isnan().all() and deq[1, :16].isfinite().all()
-    # Negative infinity saturates to the negative end.
-    assert dequantize(quantize_nvfp4(-x[:1]))[0, 3].item() == -2688.0
+    assert deq[0, :16].isnan().all()
+    assert torch.equal(deq[0, 16:], dequantize(clean)[0, 16:]) and torch.equal(deq[1], dequantize(clean)[1])
+    assert (deq[0, 16:] != 0).all()
+
+
+def test_nvfp4_nonfinite_with_a_given_global_scale():
+    # A given decode scale is used as given; the non-finite block still gets the NaN scale.
+    x = torch.ones(1, 32)
+    x[0, 20] = INF
+    q = quantize_nvfp4(x, global_scale=1.0)
+    assert q.global_scale.item() == 1.0
+    assert as_uint8(q.scale).tolist() == [[as_uint8(quantize_nvfp4(torch.ones(1, 16), global_scale=1.0).scale)
+                                           .item(), 0x7F]]
+
+
+def test_nvfp4_linear_with_one_inf_keeps_other_rows():
+    # One Inf in an activation row makes only that row's outputs NaN (the issue's case: before, the
+    # other rows became the bias alone).
+    torch.manual_seed(0)
+    layer = tilemm.nn.Linear.from_float(torch.nn.Linear(256, 64), "nvfp4")
+    x = torch.randn(4, 256) * 1e-3
+    ref = layer(x)
+    x[0, 0] = INF
+    y = layer(x)
+    assert y[0].isnan().any()
+    torch.testing.assert_close(y[1:], ref[1:], rtol=0, atol=0)
+    assert not torch.equal(y[1:], layer.bias.expand(3, -1).to(y.dtype))
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "row", (1, 128)])
@@ -639,7 +667,7 @@ def _nvfp4_case(name: str, dtype: torch.dtype) -> torch.Tensor:
         x = torch.randn(2, 48, generator=torch.Generator().manual_seed(7))
         x[1, 20] = NAN
         return x.to(dtype)
-    if name in ("inf_block", "neg_inf_block"):  # amax_g = Inf: S_enc = 1, the block saturates
+    if name in ("inf_block", "neg_inf_block"):  # the Inf block gets the NaN scale; amax_g ignores it
         x = torch.randn(2, 48, generator=torch.Generator().manual_seed(8))
         x[0, 5] = INF if name == "inf_block" else -INF
         return x.to(dtype)
@@ -666,6 +694,36 @@ def test_nvfp4_matches_oracle(case, dtype):
     assert_bytes(q.data, exp_data, x)
 
 
+def _given_scale_is_refused(rows, gs: float) -> bool:
+    """Whether every non-zero finite block's s_b (before rounding) would round to e4m3 zero (at or
+    below 2^-10) or clamp at 448 (above 464, the midpoint to 480): such a given scale is refused."""
+    t = f32_mul(min(f32_div(1.0, gs), FLT_MAX), f32(Fraction(1, 6)))
+    ts = [f32_mul(max(abs(v) for v in row[j:j + 16]), t) for row in rows for j in range(0, len(row), 16)
+          if all(math.isfinite(v) for v in row[j:j + 16]) and any(v != 0 for v in row[j:j + 16])]
+    return bool(ts) and (all(v <= 2.0 ** -10 for v in ts) or all(v > 464.0 for v in ts))
+
+
+def test_nvfp4_encode_scale_given_as_global_scale_is_refused():
+    # compressed-tensors stores the encode scale 2688 / amax; passed as tilemm's decode scale it made
+    # every block round to zero, silently. The message names the convention and the conversion.
+    # (With amax below 4, 1 / encode puts every s_b = amax_b * amax / 16128 under e4m3's half-subnormal.)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)) * 0.5
+    encode = 448 * 6 / x.abs().max().item()
+    with pytest.raises(ValueError, match=r"decode scale, amax / 2688.*1 / encode_scale"):
+        quantize_nvfp4(x, global_scale=encode)
+    with pytest.raises(ValueError, match="saturate"):  # a scale so small that every block clamps
+        quantize_nvfp4(x, global_scale=1e-6)
+    ok = quantize_nvfp4(x, global_scale=1 / encode)  # the right convention
+    assert torch.equal(ok.scale, quantize_nvfp4(x).scale)
+    # One block only, the largest exactly at 448 under its own decode scale: not refused.
+    one = quantize_nvfp4(x[:1, :16])
+    quantize_nvfp4(x[:1, :16], global_scale=one.global_scale)
+    # Some blocks saturating, or zero and NaN blocks besides, are allowed: only "every block" is refused.
+    mixed = torch.cat([x[:1, :16] * 1e6, x[:1, :16]], dim=1)
+    quantize_nvfp4(mixed, global_scale=quantize_nvfp4(x[:1, :16]).global_scale)
+    quantize_nvfp4(torch.zeros(2, 32), global_scale=1e6)
+
+
 # Given decode scales: a power of two, a value whose reciprocal is inexact, one so small that
 # 1 / global_scale is huge (s_b saturates at 448), an fp32 subnormal whose reciprocal overflows
 # (S_enc is capped at FLT_MAX, so zero blocks still get s_b = 0, not 0 * inf = NaN), and one so
@@ -677,6 +735,10 @@ GIVEN_GLOBAL_SCALES = [1.0, 2.0 ** -3, 0.37, 1e-30, 1e-40, 3e4]
 @pytest.mark.parametrize("case", ["random", "awkward"])
 def test_nvfp4_given_global_scale_matches_oracle(case, gs):
     x = _nvfp4_case(case, torch.float32)
+    if _given_scale_is_refused(to_rows(x), f32(gs)):
+        with pytest.raises(ValueError, match="decode scale"):
+            quantize_nvfp4(x, global_scale=gs)
+        return
     q = quantize_nvfp4(x, global_scale=gs)
     exp_data, exp_scale, exp_gs = oracle_nvfp4(to_rows(x), global_scale=f32(gs))
     assert_f32_equal(q.global_scale, exp_gs)
@@ -1089,7 +1151,7 @@ ERROR_CASES = [
     ("mxfp8-0d", lambda: quantize_mxfp8(torch.tensor(1.0)), ValueError,
      r"x must have at least 1 dimension.*got shape \(\)"),
     ("mxfp8-swizzle-1d", lambda: quantize_mxfp8(torch.randn(64), swizzle=True), ValueError,
-     r"x must have at least 2 dimension\(s\) \(\.\.\., M, K\), got shape \(64,\)"),
+     r"x must have at least 2 dimension\(s\) \(\.\.\., M, K\) with swizzle=True.*got shape \(64,\)"),
     ("mxfp8-numpy", lambda: quantize_mxfp8(np.zeros((4, 64), np.float32).tolist()), TypeError,
      r"quantize_mxfp8: x must be a torch.Tensor, got list"),
     ("mxfp8-fp64", lambda: quantize_mxfp8(torch.randn(4, 64, dtype=torch.float64)), TypeError,
@@ -1255,3 +1317,23 @@ def test_cuda_gives_cpu_bits(fmt):
             torch.testing.assert_close(b.cpu(), a, rtol=0, atol=0, equal_nan=True)
         else:
             assert torch.equal(as_uint8(b).cpu(), as_uint8(a))
+
+
+@pytest.mark.parametrize("quantize", [quantize_mxfp8, quantize_mxfp4, quantize_nvfp4],
+                         ids=["mxfp8", "mxfp4", "nvfp4"])
+def test_swizzle_of_a_1d_input_names_swizzle(quantize):
+    # The 2-D requirement comes from swizzle=True; the message used to say only "at least 2 dimension(s)".
+    with pytest.raises(ValueError, match=r"at least 2 dimension\(s\).*with swizzle=True.*swizzle=False"):
+        quantize(torch.randn(64), swizzle=True)
+    assert quantize(torch.randn(64)).data.ndim == 1
+
+
+def test_amax_bits_without_propagation_is_over_the_finite_values():
+    # NVFP4's tensor amax (also the one row-wise tensor-parallel ranks all-reduce) leaves NaN and Inf out.
+    from tilemm.quantize import amax_bits, quantize_nvfp4_with_amax
+
+    x = torch.tensor([[1.0, -3.5, INF], [NAN, 2.0, -INF]]).repeat(1, 16)
+    assert amax_bits(x, "tensor", propagate_nan=False).view(torch.float32).item() == 3.5
+    assert amax_bits(x, "tensor", propagate_nan=True).view(torch.float32).isnan().all()
+    q = quantize_nvfp4_with_amax(x, amax_bits(x, "tensor", propagate_nan=False))
+    assert torch.equal(q.scale.view(torch.uint8), quantize_nvfp4(x).scale.view(torch.uint8))

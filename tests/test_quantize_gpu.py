@@ -420,3 +420,45 @@ def test_tensor_amax_visits_every_tile(transposed):
         view = x.mT if transposed else x
         assert qk.amax_value(qk.tensor_amax(view, propagate_nan=False)).item() == 3.5
         assert math.isnan(qk.amax_value(qk.tensor_amax(view, propagate_nan=True)).item())
+        # Without propagation (NVFP4's tensor amax) an Inf counts as 0 too: the maximum is over the
+        # finite elements.
+        x[b, (r + 1) % 2100, c // 3] = float("-inf")
+        view = x.mT if transposed else x
+        assert qk.amax_value(qk.tensor_amax(view, propagate_nan=False)).item() == 3.5
+
+
+@pytest.mark.parametrize("swizzle", [False, True], ids=["logical", "swizzled"])
+@pytest.mark.parametrize("m", [1, 16])
+def test_nvfp4_of_an_activation_is_one_kernel(m, swizzle):
+    from _gpu import kernels_per_call
+
+    x = torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16)
+    kernels = kernels_per_call(lambda: tilemm.quantize_nvfp4(x, swizzle=swizzle))
+    assert len(kernels) == 1, kernels
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "axis-2"])
+@pytest.mark.parametrize("swizzle", [False, True], ids=["logical", "swizzled"])
+@pytest.mark.parametrize("shape", [(1, 4096), (16, 4096), (3, 40, 512)], ids=["1x4096", "16x4096", "3x40x512"])
+def test_nvfp4_amax_in_the_launch_matches_the_amax_pass(shape, swizzle, transposed):
+    """The tensor amax taken inside the quantize launch (its grid within one block per SM) gives the
+    bits of ``tensor_amax`` followed by the quantize launch, with a NaN and an Inf in the input."""
+    from tilemm.kernels import quantize_kernels as qk
+
+    g = torch.Generator().manual_seed(31)
+    x = (torch.randn(shape, generator=g) * 5).to(torch.bfloat16)
+    x.view(-1)[7] = float("nan")
+    x.view(-1)[-3] = float("inf")
+    x = x.to(DEV)
+    if transposed:
+        x = x.mT.contiguous().mT
+    op = qk._operand(x)
+    cfg = qk.BLOCK_CONFIGS["nvfp4", swizzle, op.transposed]
+    grid = qk._view_grid(op.view if swizzle else qk._rows_flattened(op).view, op.transposed, cfg, swizzle)
+    assert grid[0] <= qk.num_sms(x.device)  # the one-launch path
+    one = qk.quantize_nvfp4(x, None, swizzle)
+    amax = qk.amax_value(qk.tensor_amax(x, propagate_nan=False)).view(torch.int32)
+    two = qk.quantize_nvfp4(x, None, swizzle, amax=amax)
+    for a, b in zip(one, two):
+        assert torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a.view(torch.int32),
+                           b.view(torch.uint8) if b.dtype != torch.float32 else b.view(torch.int32))

@@ -351,6 +351,53 @@ def test_split_k_workspace_is_kept_per_stream():
     assert unsplit._workspace(out, 7)[0] is out  # no split: stand-ins the kernel never reads
 
 
+# --------------------------------------------------------------------------------------------------
+# linear(x, packed, out_dtype=...)
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16, torch.float32],
+                         ids=["default", "bf16", "fp16", "fp32"])
+def test_linear_weight_only_honours_out_dtype(x_dtype, out_dtype):
+    # The weight-only path rounds its fp32 accumulator once to out_dtype (None: x's dtype), as the
+    # block-scaled path does; it used to ignore out_dtype and return x's dtype.
+    w_q = tilemm.quantize_nvfp4(torch.randn(24, 64, generator=torch.Generator().manual_seed(0)))
+    packed = prepack(w_q)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).to(x_dtype)
+    bias = torch.randn(24, generator=torch.Generator().manual_seed(2))
+    out = tilemm.linear(x, packed, out_dtype=out_dtype, bias=bias)
+    assert out.dtype == (out_dtype or x_dtype)
+    fp32 = tilemm.linear(x, packed, out_dtype=torch.float32, bias=bias)
+    assert torch.equal(out, fp32.to(out.dtype))  # one rounding of the same fp32 result
+    assert_matches(fp32, _reference(x, w_q, bias), torch.float32)
+    with pytest.raises(TypeError, match="out_dtype"):
+        tilemm.linear(x, packed, out_dtype=torch.int8)
+
+
+def test_linear_weight_only_out_dtype_under_compile():
+    packed = prepack(tilemm.quantize_mxfp4(torch.randn(16, 64, generator=torch.Generator().manual_seed(0))))
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    f = torch.compile(lambda t: tilemm.linear(t, packed, out_dtype=torch.float32), fullgraph=True)
+    out = f(x)
+    assert out.dtype == torch.float32 and torch.equal(out, tilemm.linear(x, packed, out_dtype=torch.float32))
+
+
+def test_nvfp4_weight_with_an_inf_poisons_only_its_output_column():
+    # The quantizer gives the Inf's block the NaN scale (docs/numerics.md, NVFP4); prepack and the
+    # weight-only path carry it to the one output column that reads it, the others as without it.
+    w = torch.randn(24, 64, generator=torch.Generator().manual_seed(0)) * 1e-2
+    clean = tilemm.quantize_nvfp4(w)
+    w[5, 40] = float("inf")
+    w_q = tilemm.quantize_nvfp4(w)
+    assert torch.equal(w_q.global_scale, clean.global_scale)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    out = tilemm.linear(x, prepack(w_q), out_dtype=torch.float32)
+    assert out[:, 5].isnan().all()
+    keep = torch.arange(24) != 5
+    assert not out[:, keep].isnan().any()
+    assert torch.equal(out[:, keep], tilemm.linear(x, prepack(clean), out_dtype=torch.float32)[:, keep])
+
+
 def test_a_call_is_one_launch_and_only_the_output_allocation(monkeypatch):
     """What the custom op runs per call (a runner that keeps nothing, no bias, a K split): exactly one
     kernel launch and, of torch operations, only the output's allocation and views -- no fill kernel

@@ -52,6 +52,21 @@ def test_matches_the_oracle(fmt, x_dtype, m):
     _check(out, cpu.double(), x_dtype)
 
 
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("m", [1, 7, 200, 600])  # the FMA kernel, stacked, the MMA kernel, bf16's large-M path
+def test_out_dtype(x_dtype, out_dtype, m):
+    # linear(x, packed, out_dtype=...) rounds the fp32 sum once to out_dtype, on every path.
+    n, k = 200, 4128
+    w_q = quantized_weight(NVFP4, n, k, seed=3, scale_bytes=(1, 0x50))
+    packed = tilemm.prepack(w_q).to(DEV)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(x_dtype)
+    bias = torch.randn(n)
+    out = tilemm.linear(x.to(DEV), packed, bias=bias.to(DEV), out_dtype=out_dtype)
+    assert out.dtype == out_dtype and out.shape == (m, n)
+    _check(out, _oracle(x, w_q, bias), out_dtype)
+
+
 _STACKED = [wo.WeightOnlyConfig(tm, tn, 1, warps, occupancy, cat=1, stack=stack)
             for tm, shapes in wo._STACKED.items() for tn, stack, warps, occupancy in shapes]
 
@@ -128,6 +143,9 @@ def _model(fmt, weight_only):
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "mxfp8"])
 @pytest.mark.parametrize("m", [1, 4], ids=["fma_kernel", "mma_kernel"])
 def test_cuda_graph_and_compile(fmt, m):
+    # A fresh Dynamo cache: each case compiles new layers, and under pytest-xdist one worker can run
+    # enough cases to pass Dynamo's recompile limit for the shared forward code objects.
+    torch._dynamo.reset()
     net = _model(fmt, True)
     x = torch.randn(m, 512, device=DEV, dtype=torch.bfloat16)
     eager = net(x)

@@ -82,7 +82,12 @@ COMPRESSED_TENSORS_FORMATS = {
 }
 _COMPRESSED_TENSORS_FORMAT_OF = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized",
                                  "mxfp8": "mxfp8-quantized", "fp8": "float-quantized"}
-MODELOPT_ALGOS = ("NVFP4", "FP8")
+MODELOPT_ALGOS = ("NVFP4", "W4A16_NVFP4", "FP8")
+# A KV cache in FP8 (ModelOpt's kv_cache_quant_algo "FP8", its examples' default) stores the k / v
+# scales beside the k / v projections (``self_attn.k_proj.k_scale``, ``self_attn.v_proj.v_scale``):
+# load_quantized keeps them as buffers of the module they are stored under, for an attention that uses
+# an FP8 cache; tilemm's layers do not read them.
+KV_CACHE_SCALE_NAMES = ("k_scale", "v_scale")
 # Static activation scales: read by engines that quantize activations with a calibrated scale; tilemm
 # quantizes activations per call (module docstring), so load_quantized accepts and drops them.
 ACTIVATION_SCALE_NAMES = ("input_scale", "input_global_scale", "input_zero_point")
@@ -369,11 +374,13 @@ def from_modelopt(tensors: Mapping[str, torch.Tensor], *, quant_algo: str | None
     * NVFP4 (``quant_algo="NVFP4"``): ``weight`` uint8 (N, K/2), element 2i in the low nibble;
       ``weight_scale`` float8_e4m3fn (N, K/16); ``weight_scale_2`` fp32 0-d, the *decode* scale
       amax / (448 * 6), taken as it is.
+    * ``quant_algo="W4A16_NVFP4"`` (weight-only NVFP4): the same tensors as NVFP4.
     * FP8 per tensor (``quant_algo="FP8"``): ``weight`` float8_e4m3fn (N, K); ``weight_scale`` fp32
       0-d (a decode scale).
 
     ``quant_algo`` (from ``hf_quant_config.json``) is optional; without it the layout decides.
-    ``input_scale`` is accepted and not used.
+    ``input_scale`` and the FP8 KV cache's ``k_scale`` / ``v_scale`` are accepted and not used here
+    (:func:`load_quantized` keeps the latter as buffers).
     """
     fn = "tilemm.checkpoints.from_modelopt"
     if not isinstance(tensors, Mapping):
@@ -385,7 +392,8 @@ def from_modelopt(tensors: Mapping[str, torch.Tensor], *, quant_algo: str | None
     weight = _get(fn, tensors, "weight", "a ModelOpt layer")
     algo = quant_algo or ("NVFP4" if weight.dtype == torch.uint8 else "FP8")
     where = f"ModelOpt {algo}"
-    if algo == "NVFP4":
+    tensors = {k: v for k, v in tensors.items() if k not in KV_CACHE_SCALE_NAMES}
+    if algo in ("NVFP4", "W4A16_NVFP4"):
         _refuse_extra(fn, tensors, ("weight", "weight_scale", "weight_scale_2"), where)
         data = _packed_e2m1(fn, "weight", weight, NVFP4.block)
         scale = _e4m3_scale(fn, "weight_scale", _get(fn, tensors, "weight_scale", where),
@@ -685,21 +693,65 @@ def _read_state_dict(fn: str, source) -> tuple[Mapping[str, torch.Tensor], dict 
     return tensors, config
 
 
-def _matches(name: str, module: torch.nn.Module, target: str) -> bool:
-    """compressed-tensors' target forms: a class name, ``re:<regex>`` on the module name, or a name."""
+def _matches_name(name: str, target: str) -> bool:
+    """compressed-tensors' name targets: ``re:<regex>`` (``re.match`` on the module name) or the name."""
     if target.startswith("re:"):
         return re.match(target[3:], name) is not None
-    return target == type(module).__name__ or target == name
+    return target == name
+
+
+def _matches_class(module: torch.nn.Module, target: str) -> bool:
+    """compressed-tensors' class targets: the name of any torch.nn.Module class in the module's MRO."""
+    return any(issubclass(c, torch.nn.Module) and c.__name__ == target for c in type(module).__mro__)
+
+
+def _matches(name: str, module: torch.nn.Module, target: str) -> bool:
+    return _matches_name(name, target) or _matches_class(module, target)
 
 
 def _ct_scheme(config: Mapping, name: str, module: torch.nn.Module):
-    """(format, weights args) of the config group whose targets match, or None if not quantized."""
+    """(format, weights args) of the config group that compressed-tensors gives this module, or None if
+    its weight is not quantized.
+
+    compressed-tensors' rules (0.20, ``apply_quantization_config`` / ``match_targets``): every target of
+    every group maps to its group, a later group taking a target an earlier one also lists; a module in
+    ``ignore`` is left alone; of the targets that match, an exact name comes first, then a regex (each
+    kind in sorted order), then a class name; the first one's group is the module's. A group without
+    ``weights`` leaves the weight unquantized."""
     if any(_matches(name, module, t) for t in config.get("ignore") or ()):
         return None
+    target_group: dict[str, Mapping] = {}
     for group in (config.get("config_groups") or {}).values():
-        if group.get("weights") and any(_matches(name, module, t) for t in group.get("targets") or ()):
-            return group.get("format") or config.get("format"), group["weights"]
-    return None
+        for target in group.get("targets") or ():
+            target_group[target] = group
+    ordered = sorted(target_group, key=lambda t: ("re:" in t, t))
+    matched = [t for t in ordered if _matches_name(name, t)]
+    matched += [t for t in ordered if _matches_class(module, t) and t not in matched]
+    if not matched:
+        return None
+    group = target_group[matched[0]]
+    if not group.get("weights"):
+        return None
+    return group.get("format") or config.get("format"), group["weights"]
+
+
+def _quantization_section(fn: str, convention: str, config: Mapping | None) -> Mapping | None:
+    """The quantization config proper: a whole ``config.json`` (its ``quantization_config``) or
+    ``hf_quant_config.json`` (its ``quantization``) is recognized and its section taken."""
+    if config is None:
+        return None
+    for key in ("quantization_config", "quantization"):
+        if isinstance(config.get(key), Mapping):
+            return config[key]
+    if convention == "compressed-tensors" and "config_groups" not in config:
+        raise ValueError(f"{fn}: quantization_config has no 'config_groups' (keys: "
+                         f"{', '.join(map(repr, sorted(config))) or 'none'}); pass the checkpoint's "
+                         f"config['quantization_config'] (config.json's section), or the whole config.json")
+    if convention == "modelopt" and "quant_algo" not in config:
+        raise ValueError(f"{fn}: quantization_config has no 'quant_algo' (keys: "
+                         f"{', '.join(map(repr, sorted(config))) or 'none'}); pass hf_quant_config.json's "
+                         f"'quantization' section, or the whole file")
+    return config
 
 
 def _modelopt_algo(fn: str, config: Mapping) -> tuple[str, list]:
@@ -710,8 +762,62 @@ def _modelopt_algo(fn: str, config: Mapping) -> tuple[str, list]:
     return algo, list(config.get("exclude_modules") or config.get("ignore") or ())
 
 
+def _keep_kv_cache_scales(model: torch.nn.Module, tensors: Mapping) -> set[str]:
+    """Register each ``<module>.k_scale`` / ``<module>.v_scale`` of ``tensors`` as a buffer of that
+    module of ``model`` (where it exists); returns the keys taken."""
+    taken = set()
+    for key, t in tensors.items():
+        prefix, _, leaf = key.rpartition(".")
+        if leaf not in KV_CACHE_SCALE_NAMES or not prefix:
+            continue
+        try:
+            module = model.get_submodule(prefix)
+        except AttributeError:
+            continue
+        module.register_buffer(leaf, t)
+        taken.add(key)
+    return taken
+
+
+def _tied_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Names of the parameters that share one tensor (tied, e.g. ``lm_head.weight`` and the input
+    embedding with ``tie_word_embeddings``), one list per tensor, in ``named_parameters`` order."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _retie(fn: str, model: torch.nn.Module, tied: list[list[str]], loaded: Mapping) -> set[str]:
+    """Tie again what ``load_state_dict(assign=True)`` untied: every name of a tied group takes the
+    parameter of the group's first name that the checkpoint holds (the writers store a tied tensor
+    once, as transformers' ``save_pretrained`` does). Returns the names filled that way. A name whose
+    own checkpoint tensor differs from that one is an error: the model ties what the checkpoint does
+    not."""
+    own = dict(model.named_parameters(remove_duplicate=False))
+    filled: set[str] = set()
+    for group in tied:
+        group = [n for n in group if n in own]  # a tied Linear swapped for a tilemm layer is gone
+        present = [n for n in group if n in loaded]
+        if len(group) < 2 or not present:
+            continue
+        source = present[0]
+        param = own[source]
+        for name in group:
+            if name == source:
+                continue
+            if name in loaded and not torch.equal(loaded[name], loaded[source]):
+                raise ValueError(f"{fn}: the model ties {name!r} to {source!r}, but the checkpoint holds "
+                                 f"different tensors for them; build the model with the checkpoint's "
+                                 f"config (e.g. tie_word_embeddings=False)")
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, param)
+            filled.add(name)
+    return filled
+
+
 def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: str,
-                   quantization_config: Mapping | None = None, weight_only: bool = False,
+                   quantization_config: Mapping | None = None, weight_only: bool | None = None,
                    swizzle: bool | None = None, strict: bool = True) -> torch.nn.Module:
     """Load a quantized checkpoint into ``model``, swapping its quantized ``torch.nn.Linear`` layers for
     ``tilemm.nn.Linear``, in place.
@@ -729,12 +835,21 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
         quantization_config: compressed-tensors: the ``quantization_config`` dict (config groups
             with targets, ``ignore``, ``format``); ModelOpt: the ``quantization`` dict of
             ``hf_quant_config.json`` (``quant_algo``, ``exclude_modules``). Required for those two.
-        weight_only, swizzle: as for ``tilemm.nn.Linear.from_quantized``.
+            The whole ``config.json`` / ``hf_quant_config.json`` dict is recognized too (its
+            ``quantization_config`` / ``quantization`` section is taken); a dict that is neither
+            raises ValueError.
+        weight_only, swizzle: as for ``tilemm.nn.Linear.from_quantized``. ``weight_only=None`` (the
+            default) follows the checkpoint: True for ModelOpt ``W4A16_NVFP4`` (16-bit activations),
+            False otherwise.
         strict: raise ValueError when a checkpoint tensor is not used or a parameter is missing
-            (static activation scales are always accepted and dropped, see the module docstring).
+            (static activation scales are always accepted and dropped, see the module docstring; an
+            FP8 KV cache's ``k_scale`` / ``v_scale`` are always accepted and kept, as buffers of the
+            module they are stored under, e.g. ``model.model.layers[0].self_attn.k_proj.k_scale``).
 
     Every other tensor (embeddings, norms, unquantized layers) is loaded with
-    ``load_state_dict(..., assign=True)``, so it keeps the checkpoint's dtype.
+    ``load_state_dict(..., assign=True)``, so it keeps the checkpoint's dtype. Parameters the model
+    ties (an ``lm_head`` tied to the input embedding, which compressed-tensors and ModelOpt
+    checkpoints store once, under the embedding) stay tied: each takes the one stored tensor.
 
     Returns:
         ``model``.
@@ -752,6 +867,7 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
     config = quantization_config if quantization_config is not None else found_config
     if config is not None and not isinstance(config, Mapping):
         raise TypeError(f"{fn}: quantization_config must be a dict, got {type(config).__name__}")
+    config = _quantization_section(fn, convention, config)
     if convention in ("compressed-tensors", "modelopt") and config is None:
         raise ValueError(f"{fn}: convention {convention!r} needs the checkpoint's quantization config: pass "
                          f"quantization_config= or a directory with config.json / hf_quant_config.json")
@@ -761,6 +877,8 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
                          f"expected 'compressed-tensors'")
     if convention == "modelopt":
         algo, exclude = _modelopt_algo(fn, config)
+    if weight_only is None:
+        weight_only = convention == "modelopt" and algo == "W4A16_NVFP4"
 
     used: set[str] = set()  # checkpoint keys consumed by the swapped layers
     new_keys: set[str] = set()  # the swapped layers' own state-dict keys
@@ -788,7 +906,7 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
             raise ValueError(f"{fn}: model is a bare torch.nn.Linear; use tilemm.nn.Linear.from_quantized")
         bias = local.get("bias")
         if convention != "torchao":
-            layer = {k: v for k, v in local.items() if k != "bias"}
+            layer = {k: v for k, v in local.items() if k != "bias" and k not in KV_CACHE_SCALE_NAMES}
         weight_tensors = layer if convention != "torchao" else {"weight": layer}
         try:
             q = to_tilemm(layer, convention, **options)
@@ -815,13 +933,19 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
 
 def _load_rest(fn: str, model, tensors, used: set, new_keys: set, strict: bool):
     """Load the checkpoint tensors the swapped modules did not take (``load_state_dict(assign=True)``),
-    and with ``strict`` refuse a missing parameter or an unused tensor."""
+    and with ``strict`` refuse a missing parameter or an unused tensor. Parameters the model ties stay
+    tied (``_retie``)."""
+    tied = _tied_groups(model)  # before load_state_dict(assign=True) breaks the ties
     dropped = {k for k in tensors if k.rpartition(".")[2] in ACTIVATION_SCALE_NAMES}
-    rest = {k: v for k, v in tensors.items() if k not in used and k not in dropped}
     own = set(model.state_dict())
+    kv_scales = _keep_kv_cache_scales(model, {k: v for k, v in tensors.items() if k not in own})
+    used |= kv_scales
+    new_keys |= kv_scales
+    rest = {k: v for k, v in tensors.items() if k not in used and k not in dropped}
     result = model.load_state_dict({k: v for k, v in rest.items() if k in own}, strict=False, assign=True)
+    retied = _retie(fn, model, tied, rest)
     if strict:
-        missing = sorted(set(result.missing_keys) - new_keys)
+        missing = sorted(set(result.missing_keys) - new_keys - retied)
         unexpected = sorted(k for k in rest if k not in own)
         if missing or unexpected:
             raise ValueError(f"{fn}: the checkpoint does not fit the model: missing "

@@ -64,6 +64,8 @@ class BlockScaledProblem:
     a_scale / b_scale: logical (Ba, M, Ks) / (Bb, N, Ks), or swizzled (Ba, Mt, Kt, 32, 16) / (Bb, Nt, Kt, 32, 16).
     out: (B, M, N) contiguous, B = max(Ba, Bb); Ba and Bb are B or 1 (broadcast).
     bias: (N,) fp32 or None.   alpha: 0-d fp32 tensor on the device, or None.
+    global_scales: NVFP4's decode scales (gx, gy), 0-d fp32 tensors on the device, or None: the
+    product is then multiplied by ``fp32(gx * gy)`` (then by alpha), which the kernels do on the GPU.
     """
 
     fmt: Format
@@ -75,6 +77,7 @@ class BlockScaledProblem:
     out: torch.Tensor
     bias: torch.Tensor | None
     alpha: torch.Tensor | None
+    global_scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def m(self) -> int:
@@ -267,16 +270,21 @@ class _BlockScaledCall:
         self.prepared = None
         self.gpu = device.type == "cuda"
 
-    def problem(self, x, x_scale, y, y_scale, out, bias32, alpha32) -> BlockScaledProblem:
+    def problem(self, x, x_scale, y, y_scale, out, bias32, alpha32, global_scales=None) -> BlockScaledProblem:
         tail = self.tail
         b_scale = y_scale if self.swizzled else y_scale.transpose(-1, -2)
         return BlockScaledProblem(self.fmt, _to3d(x, 2), _to3d(x_scale, tail), _to3d(y.transpose(-1, -2), 2),
                                   _to3d(b_scale, tail), self.swizzled, out.view(-1, self.m, self.n), bias32,
-                                  alpha32)
+                                  alpha32, global_scales)
 
-    def run(self, x, x_scale, y, y_scale, bias32, alpha32):
+    def run(self, x, x_scale, y, y_scale, bias32, alpha32, global_scales=None):
         """The product for checked operands of this signature; bias32 (N,) fp32 contiguous or None,
-        alpha32 a one-element fp32 tensor on the device or None."""
+        alpha32 a one-element fp32 tensor on the device or None; global_scales NVFP4's (gx, gy), 0-d
+        fp32 on the device, or None."""
+        if self.empty or not self.gpu:
+            if global_scales is not None:  # fp32(gx * gy) (* alpha), as the kernels multiply them
+                gx, gy = global_scales
+                alpha32 = gx * gy if alpha32 is None else gx * gy * alpha32
         if self.empty:
             return _empty_result(self.out_shape, self.k, bias32, self.out_dtype, self.device)
         if not self.gpu:
@@ -285,7 +293,7 @@ class _BlockScaledCall:
             return block_scaled_matmul_reference(self.fmt, x, x_scale, y, y_scale, out_dtype=self.out_dtype,
                                                  alpha=alpha32, bias=bias32)
         out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
-        problem = self.problem(x, x_scale, y, y_scale, out, bias32, alpha32)
+        problem = self.problem(x, x_scale, y, y_scale, out, bias32, alpha32, global_scales)
         prepared = self.prepared
         if prepared is None:
             prepared = self.prepared = kernels.prepare_block_scaled(problem)
@@ -312,10 +320,11 @@ def _alpha32(alpha, device):
     return None if alpha is None else alpha.reshape(()).to(device=device, dtype=torch.float32)
 
 
-def run_block_scaled(fn, fmt, x, x_scale, y, y_scale, *, out_dtype, bias, alpha):
-    """What torch.ops.tilemm.{mxfp8,mxfp4,nvfp4}_matmul run: the planned call of this signature."""
+def run_block_scaled(fn, fmt, x, x_scale, y, y_scale, *, out_dtype, bias, alpha, global_scales=None):
+    """What torch.ops.tilemm.{mxfp8,mxfp4,nvfp4}_matmul run: the planned call of this signature.
+    ``global_scales``: NVFP4's decode scales (gx, gy) as 0-d fp32 tensors on the device, or None."""
     call = block_scaled_call(fn, fmt, x, x_scale, y, y_scale, out_dtype, bias, alpha)
-    return call.run(x, x_scale, y, y_scale, _bias32(bias), _alpha32(alpha, call.device))
+    return call.run(x, x_scale, y, y_scale, _bias32(bias), _alpha32(alpha, call.device), global_scales)
 
 
 def _empty_result(shape, k, bias32, out_dtype, device):
@@ -528,9 +537,12 @@ def _nvfp4_matmul_op(x: Tensor, x_scale: Tensor, y: Tensor, y_scale: Tensor, glo
                  global_scale_y: Tensor, out_dtype: torch.dtype = torch.bfloat16,
                  bias: Optional[Tensor] = None, alpha: Optional[Tensor] = None) -> Tensor:
     fn = "nvfp4_matmul"
-    total = nvfp4_alpha(fn, global_scale_x, global_scale_y, alpha, x.device)
-    return run_block_scaled(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias,
-                                    alpha=total)
+    device = x.device
+    gx = as_fp32_scalar(fn, "global_scale_x", global_scale_x, device)
+    gy = as_fp32_scalar(fn, "global_scale_y", global_scale_y, device)
+    alpha = _alpha_tensor(fn, alpha, device)
+    return run_block_scaled(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
+                            global_scales=(gx, gy))
 
 
 @_nvfp4_matmul_op.register_fake
@@ -667,9 +679,10 @@ def nvfp4_matmul(x, x_scale, y, y_scale, *, global_scale_x, global_scale_y, out_
     gx = as_fp32_scalar(fn, "global_scale_x", global_scale_x, device)
     gy = as_fp32_scalar(fn, "global_scale_y", global_scale_y, device)
     alpha = _alpha_tensor(fn, alpha, device)
-    if _eager_gpu(x):  # gx, gy (and alpha) are 0-d fp32 tensors on the device already
-        total = gx * gy if alpha is None else gx * gy * alpha
-        return run_block_scaled(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=total)
+    if _eager_gpu(x):  # gx, gy (and alpha) are 0-d fp32 tensors on the device already; the kernel
+        # multiplies fp32(gx * gy) (then alpha) into the product (``BlockScaledProblem.global_scales``)
+        return run_block_scaled(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
+                                global_scales=(gx, gy))
     return _nvfp4_matmul_op(x, x_scale, y, y_scale, gx, gy, out_dtype, bias, alpha)
 
 
@@ -704,7 +717,36 @@ def fp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, a
 _QUANTIZED = (MXFP8Tensor, MXFP4Tensor, NVFP4Tensor, FP8Tensor)
 
 
-def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fast_accum=False):
+def _fp8_granularities_of(t) -> list[str]:
+    """The ``quantize_fp8`` granularities an FP8Tensor's scale shape can stand for, the block one first
+    (with K <= 128 a row scale and a 1x128 block scale have the same shape)."""
+    s, d = t.scale, t.data
+    if s.ndim == 0:
+        return ["'tensor'"]
+    rows, k = d.shape[-2], d.shape[-1]
+    kinds = []
+    if s.shape[-2:] == (rows, -(-k // 128)):
+        kinds.append("(1, 128)")
+    if s.shape[-2:] == (-(-rows // 128), -(-k // 128)):
+        kinds.append("(128, 128)")
+    if s.shape[-2:] == (rows, 1):
+        kinds.append("'row'")
+    return kinds or ["(128, 128)"]
+
+
+def _check_fp8_block_pair(fn: str, x_q, w_q) -> None:
+    """FP8 blocks pair one way: activations x_q in 1x128 blocks with weights w_q in 128x128 blocks."""
+    gx, gw = _fp8_granularities_of(x_q), _fp8_granularities_of(w_q)
+    if any("128" not in a + b or (a, b) == ("(1, 128)", "(128, 128)") for a in gx for b in gw):
+        return
+    raise ValueError(f"{fn}: FP8 blocks pair activations quantized with granularity=(1, 128) (x_q) "
+                     f"with weights quantized with granularity=(128, 128) (w_q); got x_q with "
+                     f"granularity={gx[0]} and w_q with granularity={gw[0]}. Quantize x with "
+                     f"tilemm.quantize_fp8(x, granularity=(1, 128)) and w with "
+                     f"tilemm.quantize_fp8(w, granularity=(128, 128))")
+
+
+def linear(x_q, w_q, *, bias=None, out_dtype=None, alpha=None, use_fast_accum=False):
     """``x @ w.T`` for an nn.Linear-layout (N, K) quantized weight; the recommended entry point.
 
     Two kinds of call:
@@ -713,11 +755,13 @@ def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fas
       (``MXFP8Tensor``, ``MXFP4Tensor``, ``NVFP4Tensor`` or ``FP8Tensor``), both of the same format and
       scale layout; the transposes and scale orientation are handled here. For FP8, ``w_q``'s scale may
       be per tensor, per row (one per output channel) or 128x128 blocks. ``use_fast_accum`` (FP8 only)
-      is passed to :func:`fp8_matmul`. The result has ``out_dtype``.
+      is passed to :func:`fp8_matmul`. The result has ``out_dtype`` (bf16 when None, the default;
+      fp16 or fp32).
     * **weight-only**: ``x_q`` is a plain float32 / bfloat16 / float16 tensor (..., K) and ``w_q`` a
       :class:`tilemm.PackedWeight` (``tilemm.prepack`` of an MXFP4, NVFP4 or MXFP8 weight, done once)
-      or such a quantized weight (prepacked on every call: slow, for experiments). The result has x's
-      dtype (``out_dtype`` is not used) and equals ``x @ dequantize(w).T`` accumulated in fp32.
+      or such a quantized weight (prepacked on every call: slow, for experiments). The result has
+      ``out_dtype`` (bf16, fp16 or fp32; None, the default, keeps x's dtype) and equals
+      ``x @ dequantize(w).T`` accumulated in fp32, rounded once.
 
     Why this is the entry point to use: the ``*_matmul`` functions take four loose tensors, and two
     swizzled scales of the same padded shape swapped there give a wrong result that nothing can
@@ -729,7 +773,7 @@ def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fas
         if use_fast_accum:
             raise ValueError(f"{fn}: use_fast_accum applies to FP8 operands only, not to a weight-only call")
         packed = w_q if isinstance(w_q, PackedWeight) else prepack(w_q)
-        return weight_only_linear(x_q, packed, bias=bias, alpha=alpha)
+        return weight_only_linear(x_q, packed, bias=bias, alpha=alpha, out_dtype=out_dtype)
     if not isinstance(x_q, kinds) or not isinstance(w_q, kinds):
         raise TypeError(f"{fn}: x_q and w_q must be quantized tensors from tilemm.quantize_* "
                         f"({', '.join(k.__name__ for k in kinds)}), or x_q a float tensor and w_q a "
@@ -749,10 +793,11 @@ def linear(x_q, w_q, *, bias=None, out_dtype=torch.bfloat16, alpha=None, use_fas
     w, ws = w_q.data, w_q.scale
     if w.ndim != 2:
         raise ValueError(f"{fn}: w_q must hold a 2-D (N, K) weight, got data of shape {tuple(w.shape)}")
-    kw = dict(out_dtype=out_dtype, bias=bias, alpha=alpha)
+    kw = dict(out_dtype=torch.bfloat16 if out_dtype is None else out_dtype, bias=bias, alpha=alpha)
     if use_fast_accum and not isinstance(x_q, FP8Tensor):
         raise ValueError(f"{fn}: use_fast_accum applies to FP8 only, got {type(x_q).__name__} operands")
     if isinstance(x_q, FP8Tensor):
+        _check_fp8_block_pair(fn, x_q, w_q)
         kw["use_fast_accum"] = use_fast_accum
         if ws.ndim == 2 and ws.shape[1] == 1 and ws.shape[0] == w.shape[0]:
             ys = ws.t()  # per output channel: (N, 1) -> (1, N)

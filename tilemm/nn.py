@@ -166,6 +166,24 @@ class _Options:
         return _quantize.quantize_fp8(t, granularity=granularity, elem_dtype=self.elem_dtype)
 
 
+INFERENCE_ONLY = ("tilemm.nn.Linear is for inference only: its weight is quantized (it has no gradient) "
+                  "and its kernels have no backward, so no gradient flows through it to its input. Run "
+                  "inference under torch.no_grad() or torch.inference_mode(); to train, use the float "
+                  "torch.nn.Linear")
+
+
+class _InferenceOnly(torch.autograd.Function):
+    """Passes a layer's output through; its backward raises :data:`INFERENCE_ONLY`."""
+
+    @staticmethod
+    def forward(ctx, x, out):
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(INFERENCE_ONLY)
+
+
 class Linear(torch.nn.Module):
     """``torch.nn.Linear`` with its weight stored in a tilemm format; see the module docstring.
 
@@ -246,8 +264,13 @@ class Linear(torch.nn.Module):
             rounding: mxfp8 and mxfp4: e8m0 scale rounding, ``"rceil"`` (default) or ``"floor"``.
         """
         fn = "tilemm.nn.Linear.from_float"
+        if isinstance(linear, Linear):
+            raise TypeError(f"{fn}: linear is already a tilemm.nn.Linear ({linear._describe_format()}); "
+                            f"pass the float torch.nn.Linear, or re-quantize a model with "
+                            f"tilemm.quantize_model(model, format, requantize=True)")
         if not isinstance(linear, torch.nn.Linear):
-            raise TypeError(f"{fn}: linear must be a torch.nn.Linear, got {type(linear).__name__}")
+            t = type(linear)
+            raise TypeError(f"{fn}: linear must be a torch.nn.Linear, got {t.__module__}.{t.__qualname__}")
         options = _Options(fn, format, swizzle=swizzle, weight_only=weight_only, granularity=granularity,
                            elem_dtype=elem_dtype, rounding=rounding)
         if linear.in_features % options.k_multiple:
@@ -366,6 +389,16 @@ class Linear(torch.nn.Module):
         return self.quantized_weight().dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ dequantize(weight).T + bias``. Inference only: where x requires grad (in grad mode) the
+        output carries a backward that raises ``RuntimeError`` saying so, so that ``loss.backward()``
+        through the layer fails with that message rather than silently skipping it."""
+        if getattr(x, "requires_grad", False) and torch.is_grad_enabled():
+            with torch.no_grad():
+                out = self._forward(x)
+            return _InferenceOnly.apply(x, out)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._options.packed:
             return self._forward_weight_only(x)
         small = self._runner
@@ -562,7 +595,8 @@ def _packed_state_dict(module, state_dict, prefix, local_metadata):
 def quantize_model(model: torch.nn.Module, format: str, *,
                    skip: Iterable[str] | Callable[[str, torch.nn.Module], bool] = (),
                    swizzle: bool | None = None, weight_only: bool = False, granularity=None,
-                   elem_dtype: torch.dtype | None = None, rounding: str | None = None) -> torch.nn.Module:
+                   elem_dtype: torch.dtype | None = None, rounding: str | None = None,
+                   requantize: bool = False) -> torch.nn.Module:
     """Replace every ``torch.nn.Linear`` in ``model`` with :class:`tilemm.nn.Linear`, in place.
 
     Args:
@@ -575,6 +609,11 @@ def quantize_model(model: torch.nn.Module, format: str, *,
             ``"encoder.layer.0"``), or a predicate ``skip(name, module) -> bool``. Every name must
             exist in ``model``.
         swizzle, weight_only, granularity, elem_dtype, rounding: as for :meth:`Linear.from_float`.
+        requantize: what to do with layers that are already :class:`tilemm.nn.Linear`. False (the
+            default): raise ``ValueError`` naming them (quantizing a quantized model would otherwise
+            keep their old format without a word). True: dequantize each such layer's weight (exact,
+            fp32) and quantize it again in ``format`` (the error of both quantizations adds up; the
+            bias is kept).
 
     With ``weight_only=True`` and mxfp4, nvfp4 or mxfp8, transformers' gpt-oss experts blocks
     (``GptOssExperts``) are replaced too, by :class:`tilemm.moe.MoEExperts` (each expert's projections
@@ -592,7 +631,18 @@ def quantize_model(model: torch.nn.Module, format: str, *,
         raise TypeError(f"{fn}: model must be a torch.nn.Module, got {type(model).__name__}")
     options = _Options(fn, format, swizzle=swizzle, weight_only=weight_only, granularity=granularity,
                        elem_dtype=elem_dtype, rounding=rounding)
+    if not isinstance(requantize, bool):
+        raise TypeError(f"{fn}: requantize must be a bool, got {type(requantize).__name__}")
     is_skipped = _skip_predicate(fn, model, skip)
+    quantized = [name for name, module in model.named_modules(remove_duplicate=False)
+                 if isinstance(module, Linear) and not is_skipped(name, module)]
+    if quantized and not requantize:
+        raise ValueError(f"{fn}: model already holds {len(quantized)} tilemm.nn.Linear layer(s) "
+                         f"({', '.join(repr(n) for n in quantized[:8])}{', ...' if len(quantized) > 8 else ''}"
+                         f"); quantize the float model instead, skip them (skip=), or pass requantize=True "
+                         f"to dequantize them and quantize again in {format!r}")
+    if isinstance(model, Linear) and quantized:
+        return Linear.from_float(_dequantized(model), format, **options.as_kwargs())
     if type(model) is torch.nn.Linear:
         if is_skipped("", model):
             return model
@@ -601,12 +651,18 @@ def quantize_model(model: torch.nn.Module, format: str, *,
     converted: dict[int, Linear] = {}
     misfits = []
     for name, module in list(model.named_modules(remove_duplicate=False)):
+        if isinstance(module, Linear) and name in quantized and id(module) not in converted:
+            if module.in_features % options.k_multiple:
+                misfits.append(f"{name} (in_features={module.in_features})")
+                continue
+            converted[id(module)] = Linear.from_float(_dequantized(module), format, **options.as_kwargs())
         if _is_gpt_oss_experts(module) and options.packed and name and not is_skipped(name, module):
             # gpt-oss's experts block (not nn.Linear layers): stacked packed experts (tilemm.moe).
             from .moe import MoEExperts
 
             if id(module) not in converted:
                 converted[id(module)] = MoEExperts.from_gpt_oss(module, format, quantizer=options.quantize_weight)
+        if id(module) in converted and (isinstance(module, Linear) or _is_gpt_oss_experts(module)):
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, converted[id(module)])
             continue
@@ -624,6 +680,18 @@ def quantize_model(model: torch.nn.Module, format: str, *,
                       f"in_features is not a multiple of {options.k_multiple} (the {format} block size): "
                       f"{', '.join(misfits)}", UserWarning, stacklevel=2)
     return model
+
+
+def _dequantized(layer: Linear) -> torch.nn.Linear:
+    """A torch.nn.Linear holding ``layer``'s exactly dequantized (fp32) weight and its bias."""
+    w = layer.dequantize_weight()
+    out = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                          device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        out.weight.copy_(w)
+    if layer.bias is not None:
+        out.bias = torch.nn.Parameter(layer.bias.detach().clone(), requires_grad=False)
+    return out
 
 
 def _is_gpt_oss_experts(module: torch.nn.Module) -> bool:

@@ -193,8 +193,9 @@ del _cls
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_input(fn: str, x, *, block: int | None, min_ndim: int = 1) -> None:
-    """TypeError/ValueError unless x is a float32/bf16/fp16 tensor whose K fits ``block``."""
+def _check_input(fn: str, x, *, block: int | None, min_ndim: int = 1, why: str = "") -> None:
+    """TypeError/ValueError unless x is a float32/bf16/fp16 tensor whose K fits ``block``; ``why``
+    names the argument that asks for ``min_ndim`` dimensions."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn}: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _INPUT_DTYPES:
@@ -202,7 +203,7 @@ def _check_input(fn: str, x, *, block: int | None, min_ndim: int = 1) -> None:
                         f"got {x.dtype}")
     if x.ndim < min_ndim:
         dims = "(..., M, K)" if min_ndim >= 2 else "(..., K)"
-        raise ValueError(f"{fn}: x must have at least {min_ndim} dimension(s) {dims}, "
+        raise ValueError(f"{fn}: x must have at least {min_ndim} dimension(s) {dims}{why}, "
                          f"got shape {tuple(x.shape)}")
     k = x.shape[-1]
     if k == 0:
@@ -406,12 +407,13 @@ def _quantize_mxfp4_reference(x: torch.Tensor, rounding: str, swizzle: bool) -> 
 
 def _nvfp4_encode_scale(xf: torch.Tensor, amax_g: torch.Tensor | None = None) -> torch.Tensor:
     """S_enc = 2688 / amax_g, capped at FLT_MAX, 1 when amax_g = 0 or the quotient is 0; amax_g is
-    the tensor amax of xf unless given (0-d fp32): NaN ignored, +-Inf counted (docs/numerics.md, as
-    ``quantize_kernels.tensor_amax`` computes it)."""
+    the tensor amax of xf over its finite elements unless given (0-d fp32): NaN and +-Inf count as 0
+    (docs/numerics.md, as ``quantize_kernels.tensor_amax`` computes it), so that a non-finite value
+    only poisons its own block (whose scale is NaN) and every other block is quantized as if it were
+    absent."""
     if amax_g is None:
-        # The tensor amax ignores NaN, so that a NaN only poisons its own block.
         a = xf.abs()
-        a = torch.where(a.isnan(), torch.zeros_like(a), a)
+        a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
         amax_g = a.amax() if a.numel() else _f32(0.0, xf.device)
     s_enc = (_f32(NVFP4.qmax * FP8_E4M3.qmax, xf.device) / amax_g).clamp(max=_FLT_MAX)
     return torch.where((amax_g == 0) | (s_enc == 0), _f32(1.0, xf.device), s_enc)
@@ -429,9 +431,12 @@ def _quantize_nvfp4_reference(x: torch.Tensor, global_scale: torch.Tensor | None
         s_dec = global_scale
         s_enc = (_f32(1.0, dev) / s_dec).clamp(max=_FLT_MAX)
     xb = _blocks(xf, fmt.block)
-    amax_b = xb.abs().amax(dim=-1)  # NaN propagates into this block's scale
-    # torch.clamp keeps NaN (fminf would not); +-Inf becomes 448.
+    amax_b = xb.abs().amax(dim=-1)
     s_b = (amax_b * (s_enc * _f32(1.0 / NVFP4.qmax, dev))).clamp(max=FP8_E4M3.qmax)
+    # A block holding a NaN or an Inf gets the NaN scale (byte 0x7F); its enc is then NaN and its
+    # data code 0, so the whole block decodes to NaN. (A finite amax_b whose product overflows,
+    # under a tiny given decode scale, still saturates to 448.)
+    s_b = _nonfinite_to_nan(s_b, amax_b)
     s_b_bytes = _cast_fp8_rne_satfinite(s_b, FP8_E4M3)
     s_b_f32 = s_b_bytes.view(torch.float8_e4m3fn).to(torch.float32)
     enc = (_f32(1.0, dev) / (s_b_f32 * s_dec)).clamp(max=_FLT_MAX)
@@ -514,7 +519,7 @@ def check_quantize_mxfp8(x, elem_dtype, rounding, swizzle) -> Format:
     fmt = _mxfp8_format_or_raise(fn, elem_dtype)
     _check_rounding(fn, rounding)
     _check_bool(fn, "swizzle", swizzle)
-    _check_input(fn, x, block=fmt.block, min_ndim=2 if swizzle else 1)
+    _check_input(fn, x, block=fmt.block, min_ndim=2 if swizzle else 1, why=" with swizzle=True (the 32x4x4 layout tiles rows; swizzle=False takes a 1-D x)" if swizzle else "")
     return fmt
 
 
@@ -522,7 +527,7 @@ def check_quantize_mxfp4(x, rounding, swizzle) -> Format:
     fn = "quantize_mxfp4"
     _check_rounding(fn, rounding)
     _check_bool(fn, "swizzle", swizzle)
-    _check_input(fn, x, block=MXFP4.block, min_ndim=2 if swizzle else 1)
+    _check_input(fn, x, block=MXFP4.block, min_ndim=2 if swizzle else 1, why=" with swizzle=True (the 32x4x4 layout tiles rows; swizzle=False takes a 1-D x)" if swizzle else "")
     return MXFP4
 
 
@@ -530,7 +535,7 @@ def check_quantize_nvfp4(x, global_scale, swizzle, check_value: bool = True):
     """Returns the decode scale as a 0-d fp32 tensor on x's device, or None."""
     fn = "quantize_nvfp4"
     _check_bool(fn, "swizzle", swizzle)
-    _check_input(fn, x, block=NVFP4.block, min_ndim=2 if swizzle else 1)
+    _check_input(fn, x, block=NVFP4.block, min_ndim=2 if swizzle else 1, why=" with swizzle=True (the 32x4x4 layout tiles rows; swizzle=False takes a 1-D x)" if swizzle else "")
     if global_scale is None:
         return None
     return _global_decode_scale(fn, global_scale, x.device, check_value)
@@ -551,7 +556,8 @@ def check_quantize_fp8(x, granularity, elem_dtype, pow2_scale):
         if fmt is not FP8_E4M3:
             raise ValueError(f"{fn}: granularity {gran} needs elem_dtype=torch.float8_e4m3fn, "
                              f"got {elem_dtype}")
-        _check_input(fn, x, block=FP8_BLOCK, min_ndim=2 if gran == (FP8_BLOCK, FP8_BLOCK) else 1)
+        _check_input(fn, x, block=FP8_BLOCK, min_ndim=2 if gran == (FP8_BLOCK, FP8_BLOCK) else 1,
+                     why=" for granularity=(128, 128) (blocks of 128 rows)")
     return fmt, gran
 
 
@@ -594,8 +600,46 @@ def _quantize_mxfp4_checked(x, rounding, swizzle):
     return tuple(_quantize_mxfp4_reference(x.contiguous(), rounding, swizzle))
 
 
+# A block's s_b rounds to e4m3 zero at or below 2^-10 (half the smallest subnormal, a tie to even),
+# and is clamped to 448 when it would round past it, above 464 (the midpoint to 480, a tie to 448).
+_NVFP4_SB_ZERO = 2.0 ** -10
+_NVFP4_SB_SATURATED = 464.0
+
+
+def check_nvfp4_global_scale_fits(x: torch.Tensor, gs: torch.Tensor) -> None:
+    """ValueError when the given decode scale ``gs`` makes every non-zero finite block of x round to
+    zero, or saturates every one: the usual sign that the *encode* scale (2688 / amax, what
+    compressed-tensors stores) was passed for the decode scale. One extra read of x, plus, on a GPU, one
+    host synchronisation: paid only when a global scale is given (not inside CUDA graph capture,
+    where the check is skipped)."""
+    if x.numel() == 0 or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    # max |x| per block in x's own dtype (exact, and no fp32 copy of x: splitting K is a view).
+    blocks = x.detach().unflatten(-1, (-1, NVFP4.block))
+    amax_b = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=-1).to(torch.float32)
+    live = torch.isfinite(amax_b) & (amax_b > 0)
+    s_enc = (_f32(1.0, x.device) / gs).clamp(max=_FLT_MAX)
+    t = amax_b * (s_enc * _f32(1.0 / NVFP4.qmax, x.device))
+    zero = (t <= _NVFP4_SB_ZERO) | ~live
+    saturated = (t > _NVFP4_SB_SATURATED) | ~live
+    verdict = torch.stack([live.any(), zero.all(), saturated.all()]).tolist()  # one sync
+    if not verdict[0] or not (verdict[1] or verdict[2]):
+        return
+    g = float(gs)
+    what = "round to zero (the tensor would dequantize to all zeros)" if verdict[1] else \
+        "saturate (their scales clamp at 448)"
+    raise ValueError(f"quantize_nvfp4: global_scale={g:.6g} makes every non-zero block {what}. "
+                     f"tilemm expects the decode scale, amax / 2688 (dequantized = e2m1 * s_b * "
+                     f"global_scale); an encode scale (2688 / amax, as compressed-tensors stores "
+                     f"it) converts with global_scale = 1 / encode_scale, here {1.0 / g:.6g}. "
+                     f"Or pass global_scale=None to compute it from the tensor")
+
+
 def run_quantize_nvfp4(x, global_scale, swizzle):
-    return _quantize_nvfp4_checked(x, check_quantize_nvfp4(x, global_scale, swizzle), swizzle)
+    gs = check_quantize_nvfp4(x, global_scale, swizzle)
+    if gs is not None:
+        check_nvfp4_global_scale_fits(x, gs)
+    return _quantize_nvfp4_checked(x, gs, swizzle)
 
 
 def _quantize_nvfp4_checked(x, gs, swizzle):
@@ -706,7 +750,10 @@ def quantize_nvfp4(x: torch.Tensor, *, global_scale=None, swizzle: bool = False,
             ``None`` (default) computes it from the tensor amax: 1 / (2688 / amax). Otherwise a
             positive finite Python float (rounded to fp32) or a 0-d tensor of any float dtype
             on any device (converted to fp32); every form of the same fp32 value gives
-            identical bits.
+            identical bits. A ``ValueError`` is raised when it makes every non-zero block round to
+            zero or saturate (an *encode* scale, 2688 / amax, passed by mistake: convert with
+            ``1 / encode_scale``). That check reads x once more and, on a GPU, synchronises the
+            host once per call; it costs nothing when ``global_scale`` is None.
         swizzle: return the scale in the 32x4x4 layout; needs x.ndim >= 2.
         axis: -1 (default) or -2 (quantize ``x.mT``, read without a copy), as for
             :func:`quantize_mxfp8`.

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ._arch import Family, family
-from ._validate import FLOAT_INPUT_DTYPES, as_fp32_scalar, check_bias, check_tensor
+from ._validate import FLOAT_INPUT_DTYPES, as_fp32_scalar, check_bias, check_out_dtype, check_tensor
 from .formats import FORMATS
 from .kernels import _large
 from .kernels._common import num_sms, stream_handle
@@ -49,8 +49,10 @@ def _check_x(fn: str, x, k: int) -> None:
                          f"{tuple(x.shape)}")
 
 
-def reference_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: int, bias, alpha):
-    """The CPU path (and the oracle of the GPU tests): fp32 products and sums, one rounding."""
+def reference_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: int, bias, alpha,
+                          out_dtype: torch.dtype | None = None):
+    """The CPU path (and the oracle of the GPU tests): fp32 products and sums, one rounding to
+    ``out_dtype`` (default: x2d's dtype)."""
     fmt = FORMATS[fmt_name]
     layout = layout_of(fmt)
     codes = _unpack_words(words, layout, in_features)
@@ -65,7 +67,7 @@ def reference_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_feat
     acc = (x2d.to(torch.float32) @ w.T) * factor
     if bias is not None:
         acc = acc + bias
-    return acc.to(x2d.dtype)
+    return acc.to(out_dtype or x2d.dtype)
 
 
 #: Whether this PyTorch has cuBLAS bf16 x bf16 -> fp32 ``addmm(..., out_dtype=)`` (the large-M path).
@@ -136,8 +138,10 @@ class WeightOnlyRunner:
             if self._sms is None:
                 self._sms = num_sms(self.device)
             large = _large_kernel.plan(m, self.n, self.k, self.layout, sms=self._sms)
-        if large is not None and large.kind == "fused" and family(self.device) is not Family.HOPPER:
-            large = _large_kernel.LargeConfig("decode", chunk=0)  # the fused kernel is built for sm_90
+        if large is not None and large.kind == "fused" and (family(self.device) is not Family.HOPPER
+                                                             or out_dtype != torch.bfloat16):
+            # The fused kernel is built for sm_90 and a bf16 output; otherwise decode + GEMM.
+            large = _large_kernel.LargeConfig("decode", chunk=0)
         if large is not None and large.kind == "fused" and m * max(self.k, self.n) < _large.LIMIT:
             p = self.packed
             _large_kernel.launch(x2d, p.words, p.scale_t, p.constants, self.bias, out, self.layout, large,
@@ -225,10 +229,11 @@ def runner_for(packed: PackedWeight, bias: torch.Tensor | None, bias32: torch.Te
 
 
 def run_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: int, bias, alpha,
-                    alpha_host: float = 1.0):
+                    alpha_host: float = 1.0, out_dtype: torch.dtype | None = None):
     """What ``torch.ops.tilemm.weight_only_linear`` runs on checked tensors."""
     if x2d.device.type != "cuda":
-        return reference_weight_only(x2d, words, scale_t, constants, fmt_name, in_features, bias, alpha)
+        return reference_weight_only(x2d, words, scale_t, constants, fmt_name, in_features, bias, alpha,
+                                     out_dtype)
     family(x2d.device)  # raises UnsupportedGPUError below sm_90
     fmt = FORMATS[fmt_name]
     packed = PackedWeight(fmt=fmt, words=words, scale_t=scale_t, constants=constants, exponent=0,
@@ -238,23 +243,26 @@ def run_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: 
     # bias and a K split's workspace are persistent buffers shared per device / stream,
     # ``weight_only_kernels.zero_bias`` / ``workspace``).
     runner = WeightOnlyRunner(packed, bias, keep_workspace=False)
-    return runner(x2d.contiguous(), None if alpha is None else alpha.reshape(1))
+    return runner(x2d.contiguous(), None if alpha is None else alpha.reshape(1), out_dtype=out_dtype)
 
 
 @torch.library.custom_op("tilemm::weight_only_linear", mutates_args=())
 def _weight_only_linear_op(x: Tensor, words: Tensor, scale_t: Tensor, constants: Tensor, format: str,
                        in_features: int, bias: Optional[Tensor] = None,
-                       alpha: Optional[Tensor] = None, alpha_host: float = 1.0) -> Tensor:
+                       alpha: Optional[Tensor] = None, alpha_host: float = 1.0,
+                       out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """x (M, K) float times a prepacked (N, K) weight (``tilemm.packed.PackedWeight``'s tensors);
     ``alpha`` replaces constants[0] (2^E * decode scale) in the epilogue when given; ``alpha_host`` is
-    constants[0] as a float (for the large-M GEMM, which takes a host scalar)."""
+    constants[0] as a float (for the large-M GEMM, which takes a host scalar); ``out_dtype`` None is
+    x's dtype."""
     return run_weight_only(x, words, scale_t, constants, format, in_features, bias, alpha,
-                           alpha_host)
+                           alpha_host, out_dtype)
 
 
 @_weight_only_linear_op.register_fake
-def _(x, words, scale_t, constants, format, in_features, bias=None, alpha=None, alpha_host=1.0):
-    return x.new_empty((x.shape[0], words.shape[0]))
+def _(x, words, scale_t, constants, format, in_features, bias=None, alpha=None, alpha_host=1.0,
+      out_dtype=None):
+    return x.new_empty((x.shape[0], words.shape[0]), dtype=out_dtype or x.dtype)
 
 
 def _eager_gpu(x) -> bool:
@@ -262,10 +270,12 @@ def _eager_gpu(x) -> bool:
     return type(x) is torch.Tensor and x.is_cuda and not torch.compiler.is_compiling()
 
 
-def weight_only_linear(x: torch.Tensor, packed: PackedWeight, *, bias=None, alpha=None) -> torch.Tensor:
+def weight_only_linear(x: torch.Tensor, packed: PackedWeight, *, bias=None, alpha=None,
+                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ dequantize(w).T (* alpha) + bias`` for a float x (..., K) and a prepacked (N, K) weight.
 
-    The result has x's dtype and shape (..., N). It equals an fp32-accumulated product of x with the
+    The result has shape (..., N) and ``out_dtype`` (bf16, fp16 or fp32; None, the default: x's
+    dtype), rounded once from the fp32 accumulator. It equals an fp32-accumulated product of x with the
     exactly dequantized weight up to the order of the fp32 additions (NVFP4: the decode scale is applied
     to the fp32 sum, as in ``nvfp4_matmul``'s alpha).
     """
@@ -276,6 +286,8 @@ def weight_only_linear(x: torch.Tensor, packed: PackedWeight, *, bias=None, alph
     _check_x(fn, x, k)
     if x.device != packed.device:
         raise ValueError(f"{fn}: x is on {x.device} but the weight is on {packed.device}")
+    if out_dtype is not None:
+        check_out_dtype(fn, out_dtype)
     bias32 = check_bias(fn, bias, n, x.device)
     alpha32 = None if alpha is None else as_fp32_scalar(fn, "alpha", alpha, x.device) * packed.constants[0]
     rows = x.reshape(-1, k)
@@ -285,8 +297,9 @@ def weight_only_linear(x: torch.Tensor, packed: PackedWeight, *, bias=None, alph
         family(x.device)  # raises UnsupportedGPUError below sm_90
         runner = runner_for(packed, bias, bias32)
         out = runner(rows if rows.is_contiguous() else rows.contiguous(),
-                     None if alpha32 is None else alpha32.reshape(1))
+                     None if alpha32 is None else alpha32.reshape(1), out_dtype=out_dtype)
         return out.reshape(*x.shape[:-1], n)
     out = _weight_only_linear_op(rows, packed.words, packed.scale_t, packed.constants,
-                                              packed.fmt.name, k, bias32, alpha32, packed.alpha_host)
+                                              packed.fmt.name, k, bias32, alpha32, packed.alpha_host,
+                                              out_dtype)
     return out.reshape(*x.shape[:-1], n)

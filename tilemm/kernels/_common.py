@@ -11,7 +11,7 @@ Tile-code helpers (called from inside ``@ct.kernel`` functions, inlined by cuTil
 * ``unswizzle_scale_tile``: a tile of the 32x4x4 ("swizzled") scale layout back to (rows, columns).
 * ``epilogue``: ``acc * alpha + bias``, cast once to the output dtype, stored (partial tiles masked).
 
-Host helpers: ``ones_scalar`` / ``zeros_vector`` (cached device constants that stand in for an
+Host helpers: ``folded_alpha`` (a problem's alpha with NVFP4's decode scales), ``ones_scalar`` / ``zeros_vector`` (cached device constants that stand in for an
 absent ``alpha`` / ``bias``, so that one kernel specialisation serves calls with and without them),
 ``swizzled_scale_view`` (the 6-D view of a swizzled scale tensor that the kernels load from), and
 ``hinted`` (cached ``replace_hints``).
@@ -29,7 +29,8 @@ from ..numerics import ceil_div
 __all__ = ["tile_coords", "tile_coords_at", "e8m0_to_bf16", "e2m1_lo_bits_fp16", "e2m1_hi_bits_fp16",
            "e2m1_lo_bits_bf16",
            "e2m1_hi_bits_bf16", "unswizzle_scale_tile", "epilogue", "ones_scalar", "zeros_vector",
-           "swizzled_scale_view", "hinted", "num_sms", "stream_handle", "ceil_div", "SWIZZLE_ROWS", "SWIZZLE_COLS"]
+           "swizzled_scale_view", "hinted", "num_sms", "stream_handle", "ceil_div", "folded_alpha", "SWIZZLE_ROWS",
+           "SWIZZLE_COLS"]
 
 #: Rows and scale columns covered by one 32x16 block of the 32x4x4 layout.
 SWIZZLE_ROWS = _swizzle.ROW_TILE
@@ -225,6 +226,17 @@ def hinted(kernel, **hints):
     if cached is None:
         cached = _HINTED[key] = (kernel, kernel.replace_hints(**hints))
     return cached[1]
+
+
+def folded_alpha(problem):
+    """A ``BlockScaledProblem``'s alpha with NVFP4's decode scales multiplied in, as one fp32 tensor:
+    ``fp32(gx * gy)``, then ``* alpha`` when one is given (the order ``nvfp4_matmul`` documents), or
+    ``problem.alpha`` (None for none) when the problem carries no decode scales. For the launchers
+    that apply one alpha; Hopper's stream kernel multiplies the scales in its epilogue instead."""
+    if problem.global_scales is None:
+        return problem.alpha
+    gx, gy = problem.global_scales
+    return gx * gy if problem.alpha is None else gx * gy * problem.alpha
 
 
 class Described:

@@ -34,8 +34,8 @@ from ..formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
 from . import _large
 from ._aot import AotVariant, array
 from .._arch import capability
-from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, ceil_div, epilogue, hinted, num_sms, ones_scalar, stream_handle,
-                      tile_coords, zeros_vector)
+from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, ceil_div, epilogue, folded_alpha, hinted, num_sms, ones_scalar,
+                      stream_handle, tile_coords, zeros_vector)
 
 __all__ = ["launch", "aot_variants", "TileConfig", "LaunchPlan", "config_for", "plan_launch",
            "scale_tile_blocks", "check_config", "FORMATS"]
@@ -281,7 +281,8 @@ def plan_launch(problem, table: str, sm_count: int = DEFAULT_SM_COUNT,
     cfg = config or config_for(table, grid_batch, grid_m, n, sm_count)
     check_config(fmt, cfg)
     device = out.device
-    alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
+    alpha = folded_alpha(problem)
+    alpha = ones_scalar(device) if alpha is None else alpha.reshape(1)
     bias = zeros_vector(device, n) if problem.bias is None else problem.bias
     kernel = hinted(_block_scaled_kernel, **cfg.hints())
     # Operands of 2^31 elements and more: one launch per piece of the output along M and N
@@ -325,7 +326,8 @@ class Prepared:
             a, a_scale, out = problem.a, _scale_bytes(problem.a_scale), problem.out
             if self.plan.folded:
                 a, a_scale, out = _fold_batch(a, a_scale, out, self.swizzled)
-            alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
+            alpha = folded_alpha(problem)
+            alpha = ones_scalar(device) if alpha is None else alpha.reshape(1)
             bias = zeros_vector(device, self.n) if problem.bias is None else problem.bias
             launches = ((self.plan.grid, (a, a_scale, problem.b, _scale_bytes(problem.b_scale), out, alpha, bias,
                                           *self.consts)),)

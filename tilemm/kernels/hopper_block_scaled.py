@@ -11,8 +11,9 @@ exact, and ``ct.mma`` multiplies those exactly into fp32.
 
 * stream (M < ``TWO_PASS_MIN_M``): ``_stream_kernel`` reads each weight byte once, operands swapped
   (the weight fills the MMA's M side), K split over ``split_k`` blocks when the output has few tiles
-  (``_splitk_reduce_kernel`` adds the partials in a fixed order), and, with ``x16``, the activation
-  decoded once by ``_dequantize_kernel``.
+  (the last block of each output tile adds the partials in a fixed order, in the same launch), and,
+  with ``x16`` (M > 16), the activation decoded once by ``_dequantize_kernel``. Up to M = 16 a call
+  is one launch (NVFP4's two decode scales are multiplied in the epilogue).
 * two-pass: ``_dequantize_kernel`` writes both operands as bf16 / fp16, ``hopper_gemm`` multiplies.
 
 Invariants: the only rounding is the fp32 accumulation (split-K changes its order, deterministically);
@@ -36,10 +37,11 @@ import torch
 from ..formats import E2M1, MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
 from . import _large
 from ._aot import AotVariant, array
-from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, ceil_div, e2m1_hi_bits_bf16, e2m1_hi_bits_fp16,
-                      e2m1_lo_bits_bf16, e2m1_lo_bits_fp16, e8m0_to_bf16, epilogue, hinted, ones_scalar, sm90_hints,
-                      stream_handle, tile_coords, zeros_vector)
+from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, Described, ceil_div, e2m1_hi_bits_bf16, e2m1_hi_bits_fp16,
+                      e2m1_lo_bits_bf16, e2m1_lo_bits_fp16, e8m0_to_bf16, folded_alpha, hinted, ones_scalar,
+                      sm90_hints, stream_handle, zeros_vector)
 from .hopper_gemm import GemmConfig, gemm_constants, gemm_kernel, launch_gemm, load_k_tile, num_sms
+from .weight_only_kernels import _stream_key, workspace
 
 __all__ = ["launch", "Prepared", "aot_variants", "StreamConfig", "TwoPassConfig", "plan", "TWO_PASS_MIN_M"]
 
@@ -122,7 +124,7 @@ def _decode(raw, s_raw, ROWS, TK, SC, ELEMENT, SCALE_E8M0, FOLD_NVFP4):
 
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
-def _stream_kernel(A, A_scale, B, B_scale, C, Alpha, Bias, Partial,
+def _stream_kernel(A, A_scale, B, B_scale, C, Alpha, Gx, Gy, Bias, Partial, Counter,
                    ELEMENT: ConstInt, SCALE_E8M0: ConstBool, SCALE_BLOCK: ConstInt, SWIZZLED: ConstBool,
                    TM: ConstInt, TN: ConstInt, TK: ConstInt, SPLIT_K: ConstInt, LATENCY: ConstInt,
                    X16: ConstBool):
@@ -131,9 +133,11 @@ def _stream_kernel(A, A_scale, B, B_scale, C, Alpha, Bias, Partial,
 
     Grid: SPLIT_K * Bt * cdiv(N, TN) * cdiv(M, TM) blocks, M tiles fastest (blocks that share a weight
     tile run together). A (Ba, M, Kd), B (Bb, N, Kd); scales logical (B*, R, Ks) or the 6-D swizzled
-    view; C (Bt, M, N); Partial (SPLIT_K * Bt, M, N) fp32 (read only when SPLIT_K > 1). With X16, A is
-    instead ``_dequantize_kernel``'s 16-bit copy of the activation (Ba, M, Kp), written with TK-wide
-    tiles so that its [lo | hi] order is the weight's, and A_scale is not read.
+    view; C (Bt, M, N); Alpha, Gx, Gy (1,) fp32 (``_epilogue``); Partial (SPLIT_K * Bt, M, N) fp32 and
+    Counter (one int32 per output tile, zero between launches), used when SPLIT_K > 1
+    (``_split_k_finish``). With X16, A is instead ``_dequantize_kernel``'s 16-bit copy of the
+    activation (Ba, M, Kp), written with TK-wide tiles so that its [lo | hi] order is the weight's, and
+    A_scale is not read.
     """
     M = C.shape[1]
     N = C.shape[2]
@@ -175,20 +179,43 @@ def _stream_kernel(A, A_scale, B, B_scale, C, Alpha, Bias, Partial,
         acc = acc * (_NVFP4_FOLD if X16 else _NVFP4_FOLD * _NVFP4_FOLD)
     out = acc.transpose()
     if SPLIT_K == 1:
-        epilogue(out, C, Alpha, Bias, batch, bm, bn, TM, TN)
+        _epilogue(out, C, Alpha, Gx, Gy, Bias, batch, bm, bn, SCALE_E8M0, TM, TN)
     else:
-        ct.store(Partial, (split * C.shape[0] + batch, bm, bn), out.reshape((1, TM, TN)))
+        _split_k_finish(out, C, Alpha, Gx, Gy, Bias, Partial, Counter, split, batch, bm, bn, pid % (num_m * num_n
+                        * C.shape[0]), SCALE_E8M0, SPLIT_K, TM, TN)
 
 
-@ct.kernel
-def _splitk_reduce_kernel(Partial, C, Alpha, Bias, SPLIT_K: ConstInt, TM: ConstInt, TN: ConstInt):
-    """C[b] tile = (sum over s of Partial[s * Bt + b]) * alpha + bias, s in order."""
-    batch, bm, bn = tile_coords(C.shape[1], C.shape[2], TM, TN, 1)
-    acc = ct.zeros((TM, TN), ct.float32)
-    for s in range(SPLIT_K):
-        part = ct.load(Partial, (s * C.shape[0] + batch, bm, bn), (1, TM, TN), padding_mode=_ZERO)
-        acc = acc + part.reshape((TM, TN))
-    epilogue(acc, C, Alpha, Bias, batch, bm, bn, TM, TN)
+def _epilogue(acc, C, Alpha, Gx, Gy, Bias, batch, bm, bn, SCALE_E8M0, TM, TN):
+    """C[batch] tile (bm, bn) = acc * alpha + bias, rounded once to C's dtype; NVFP4's alpha is
+    fp32(fp32(gx * gy) * Alpha), the two tensors' decode scales Gx, Gy multiplied in the order
+    ``nvfp4_matmul`` documents (Alpha is 1 when the call gives none: an exact factor)."""
+    if SCALE_E8M0:
+        alpha = ct.load(Alpha, (0,), (1,))
+    else:
+        alpha = ct.load(Gx, (0,), (1,)) * ct.load(Gy, (0,), (1,)) * ct.load(Alpha, (0,), (1,))
+    bias = ct.load(Bias, (bn,), (TN,), padding_mode=_ZERO).reshape((1, TN))
+    out = acc * alpha.reshape((1, 1)) + bias
+    ct.store(C, (batch, bm, bn), out.astype(C.dtype).reshape((1, TM, TN)))
+
+
+def _split_k_finish(out, C, Alpha, Gx, Gy, Bias, Partial, Counter, split, batch, bm, bn, tile, SCALE_E8M0,
+                    SPLIT_K, TM, TN):
+    """The batched form of ``weight_only_kernels._split_k_finish``: store this block's fp32 partial
+    tile ``out`` (TM, TN) as Partial[split * Bt + batch]; the block that brings output tile ``tile``'s
+    arrival counter to SPLIT_K adds the SPLIT_K partials in split order (the same order whichever
+    block arrives last: deterministic), runs the epilogue and sets the counter back to zero for the
+    next launch (or CUDA-graph replay). The increment is acquire-release at device scope, so every
+    partial stored before it is visible to the block that reads it."""
+    bt = C.shape[0]
+    ct.store(Partial, (split * bt + batch, bm, bn), out.reshape((1, TM, TN)))
+    arrived = ct.atomic_add(Counter, tile, 1)
+    if arrived == SPLIT_K - 1:
+        total = ct.zeros((TM, TN), ct.float32)
+        for s in range(SPLIT_K):
+            part = ct.load(Partial, (s * bt + batch, bm, bn), (1, TM, TN), padding_mode=_ZERO)
+            total = total + part.reshape((TM, TN))
+        _epilogue(total, C, Alpha, Gx, Gy, Bias, batch, bm, bn, SCALE_E8M0, TM, TN)
+        ct.atomic_xchg(Counter, tile, 0)
 
 
 #: 8 blocks per SM (against the compiler's default): faster for the 4-bit formats, the same for MXFP8.
@@ -269,9 +296,6 @@ class TwoPassConfig:
 #: crossing point measured at N=14336, K=4096 lies between M = 128 and M = 1024.
 TWO_PASS_MIN_M = 512
 
-#: Output tiles of the split-K reduction.
-_REDUCE_TILE = (64, 128)
-
 # The fastest GEMM tiles and dequantize tiles measured (the alternatives are in the results notes).
 _TWO_PASS = TwoPassConfig(GemmConfig(256, 256, 64, num_ctas=2, persistent=True), 64, 128)
 #: The 4-bit formats' dequantize pass streams fastest in 16x512 tiles (see ``_dequantize_kernel``).
@@ -298,8 +322,12 @@ def _format_constants(fmt: Format) -> tuple:
 
 def _x16(fmt: Format, tile_m: int) -> bool:
     """Whether the stream kernel reads a dequantized 16-bit copy of the activation instead of decoding
-    it in every block: faster from M = 64 on for every format, and at M = 16 for the 4-bit formats."""
-    return tile_m >= 64 or fmt.is_packed
+    it in every block: from M = 64 on, where that was faster for every format. Up to M = 16 every
+    block decodes its (16, TK) activation tile itself, so that a call is one launch (the copy is a
+    launch of its own; for the 4-bit formats it had been measured faster on the GPU alone at M = 16,
+    where a call's cost is mostly the host's). The products are the same bits either way (the decode
+    is exact; NVFP4's in-kernel decode carries 2^-7, taken back exactly after the MMA)."""
+    return tile_m >= 64
 
 
 def stream_config(fmt: Format, batch: int, m: int, n: int, k: int, sms: int = 132) -> StreamConfig:
@@ -352,7 +380,7 @@ def _check_scale_tile(fmt: Format, tile_k: int, what: str) -> None:
                          f"for {fmt.name}, got {tile_k}")
 
 
-def _launch_stream(problem, cfg: StreamConfig, a, a_scale, b, b_scale, alpha, bias, stream) -> None:
+def _launch_stream(problem, cfg: StreamConfig, a, a_scale, b, b_scale, alpha, gx, gy, bias, stream) -> None:
     fmt, out = problem.fmt, problem.out
     batch, m, n = out.shape
     if cfg.x16:
@@ -366,17 +394,25 @@ def _launch_stream(problem, cfg: StreamConfig, a, a_scale, b, b_scale, alpha, bi
     axes = lg.matmul_axes(batch, m, n, math.lcm(cfg.tile_m, per), math.lcm(cfg.tile_n, per))
     operands = lg.matmul_operands(a, a_scale, b, b_scale, out, alpha, bias, batch, per, per)
     kernel = hinted(_stream_kernel, **cfg.hints())
-    for pa, psa, pb, psb, pout, palpha, pbias in lg.split("block-scaled matmul", axes, operands):
+    pieces = lg.split("block-scaled matmul", axes, operands)
+    # The pieces run one after another on one stream, so they share one K-split workspace (each
+    # launch leaves its counters at zero); it is the call's own, not the stream's persistent one,
+    # whose size would follow these operands.
+    partial = counters = None
+    if cfg.split_k > 1:
+        most = max(p[4].numel() for p in pieces)
+        tiles = max(p[4].shape[0] * ceil_div(p[4].shape[1], cfg.tile_m) * ceil_div(p[4].shape[2], cfg.tile_n)
+                    for p in pieces)
+        partial = torch.empty(cfg.split_k * most, dtype=torch.float32, device=out.device)
+        counters = torch.zeros(tiles, dtype=torch.int32, device=out.device)
+    for pa, psa, pb, psb, pout, palpha, pbias in pieces:
         pbatch, pm, pn = pout.shape
-        partial = pout if cfg.split_k == 1 else torch.empty((cfg.split_k * pbatch, pm, pn), dtype=torch.float32,
-                                                            device=out.device)
-        grid = (cfg.split_k * pbatch * ceil_div(pm, cfg.tile_m) * ceil_div(pn, cfg.tile_n), 1, 1)
-        ct.launch(stream, grid, kernel, (pa, psa, pb, psb, pout, palpha, pbias, partial,
-                                         *_stream_constants(fmt, problem.swizzled, cfg)))
-        if cfg.split_k > 1:
-            tm, tn = _REDUCE_TILE
-            ct.launch(stream, (pbatch * ceil_div(pm, tm) * ceil_div(pn, tn), 1, 1), _splitk_reduce_kernel,
-                      (partial, pout, palpha, pbias, cfg.split_k, tm, tn))
+        tiles = pbatch * ceil_div(pm, cfg.tile_m) * ceil_div(pn, cfg.tile_n)
+        work = ((pout, palpha) if cfg.split_k == 1 else
+                (partial[:cfg.split_k * pout.numel()].view(cfg.split_k * pbatch, pm, pn), counters[:tiles]))
+        ct.launch(stream, (cfg.split_k * tiles, 1, 1), kernel,
+                  (pa, psa, pb, psb, pout, palpha, gx, gy, pbias, *work,
+                   *_stream_constants(fmt, problem.swizzled, cfg)))
 
 
 def _dequantize(fmt: Format, data, scale, swizzled: bool, dequant_rows: int, dequant_k: int,
@@ -403,6 +439,7 @@ def _dequantize(fmt: Format, data, scale, swizzled: bool, dequant_rows: int, deq
 
 
 def _launch_two_pass(problem, cfg: TwoPassConfig, a, a_scale, b, b_scale, alpha, bias, stream) -> None:
+    """The two-pass design; ``alpha`` has NVFP4's decode scales multiplied in already."""
     fmt = problem.fmt
     a16 = _dequantize(fmt, a, a_scale, problem.swizzled, cfg.dequant_rows, cfg.dequant_k, stream)
     b16 = _dequantize(fmt, b, b_scale, problem.swizzled, cfg.dequant_rows, cfg.dequant_k, stream)
@@ -412,12 +449,15 @@ def _launch_two_pass(problem, cfg: TwoPassConfig, a, a_scale, b, b_scale, alpha,
 class Prepared:
     """One block-scaled matmul signature (format, scale layout, shapes, output dtype, device) on sm_90,
     planned once: the config, the hinted kernels, grids and constants. ``run`` launches it for any
-    operands of that signature: one stream launch, plus the activation's dequantize launch (``x16``)
-    and the split-K reduction (``split_k > 1``) where the config has them. Operands of 2^31 elements
-    and more, and the two-pass design, go through ``launch``'s general path."""
+    operands of that signature. Up to M = 16 that is one launch, the K split (``split_k > 1``)
+    included: its fp32 partial tiles and arrival counters live in the stream's persistent workspace
+    (``weight_only_kernels.workspace``), which the kernel leaves ready for the next launch, and
+    NVFP4's decode scales are multiplied in the epilogue. From M = 64 on, the activation's
+    dequantize launch (``x16``) comes first. Operands of 2^31 elements and more, and the two-pass
+    design, go through ``launch``'s general path."""
 
-    __slots__ = ("fmt", "swizzled", "cfg", "direct", "kernel", "grid", "consts", "partial_shape",
-                 "reduce_grid", "reduce_consts", "x16_shape", "x16_dtype", "x16_grid", "x16_consts", "n")
+    __slots__ = ("fmt", "swizzled", "cfg", "direct", "kernel", "grid", "consts", "work_shape", "tiles",
+                 "x16_shape", "x16_dtype", "x16_grid", "x16_consts", "n", "_work")
 
     def __init__(self, problem, config: StreamConfig | TwoPassConfig | None = None):
         fmt, out = problem.fmt, problem.out
@@ -436,18 +476,34 @@ class Prepared:
         if not self.direct:
             return
         self.kernel = hinted(_stream_kernel, **cfg.hints())
-        self.grid = (cfg.split_k * batch * ceil_div(m, cfg.tile_m) * ceil_div(n, cfg.tile_n), 1, 1)
+        self.tiles = batch * ceil_div(m, cfg.tile_m) * ceil_div(n, cfg.tile_n)
+        self.grid = (cfg.split_k * self.tiles, 1, 1)
         self.consts = _stream_constants(fmt, problem.swizzled, cfg)
-        self.partial_shape = (cfg.split_k * batch, m, n) if cfg.split_k > 1 else None
-        tm, tn = _REDUCE_TILE
-        self.reduce_grid = (batch * ceil_div(m, tm) * ceil_div(n, tn), 1, 1)
-        self.reduce_consts = (cfg.split_k, tm, tn)
+        # the workspace as (split, rows, N): one "row" per (batch entry, M) row
+        self.work_shape = (cfg.split_k, batch * m, n) if cfg.split_k > 1 else None
+        self._work = {}
         if cfg.x16:
             ba = problem.a.shape[0]
             self.x16_shape = (ba, m, x16_kp)
             self.x16_dtype = torch.float16 if fmt.has_global_scale else torch.bfloat16
             self.x16_grid = (ba * ceil_div(m, _X16_DEQUANT_ROWS) * (x16_kp // cfg.tile_k), 1, 1)
             self.x16_consts = (*_format_constants(fmt), problem.swizzled, _X16_DEQUANT_ROWS, cfg.tile_k)
+
+    def _workspace(self, out, stream):
+        """(partial (SPLIT_K * Bt, M, N) fp32, counters): views of the stream's persistent split-K
+        workspace (described for cuTile once per stream), or, without a split, stand-ins the kernel
+        never reads."""
+        if self.work_shape is None:
+            return out, out
+        key = _stream_key(stream)
+        work = self._work.get(key)
+        if work is None:
+            split, rows, n = self.work_shape
+            partial, counters = workspace(out.device, stream, split, rows, n, self.tiles)
+            partial = partial.view(split * out.shape[0], out.shape[1], n)
+            wrap = Described if out.is_cuda else (lambda t: t)
+            work = self._work[key] = (wrap(partial), wrap(counters))
+        return work
 
     def run(self, problem, stream) -> None:
         """Launch for ``problem`` (a ``BlockScaledProblem`` of this signature) on raw stream ``stream``."""
@@ -458,25 +514,27 @@ class Prepared:
             a, b = a.view(fmt.data_dtype), b.view(fmt.data_dtype)
         a_scale = _scale_operand(problem.a_scale, self.swizzled)
         b_scale = _scale_operand(problem.b_scale, self.swizzled)
-        alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
         bias = zeros_vector(device, self.n) if problem.bias is None else problem.bias
         cfg = self.cfg
+        if isinstance(cfg, TwoPassConfig):
+            alpha = folded_alpha(problem)
+            alpha = ones_scalar(device) if alpha is None else alpha.reshape(1)
+            _launch_two_pass(problem, cfg, a, a_scale, b, b_scale, alpha, bias, stream)
+            return
+        alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
+        if problem.global_scales is None:
+            gx = gy = ones_scalar(device)
+        else:
+            gx, gy = (g.reshape(1) for g in problem.global_scales)
         if not self.direct:
-            if isinstance(cfg, TwoPassConfig):
-                _launch_two_pass(problem, cfg, a, a_scale, b, b_scale, alpha, bias, stream)
-            else:
-                _launch_stream(problem, cfg, a, a_scale, b, b_scale, alpha, bias, stream)
+            _launch_stream(problem, cfg, a, a_scale, b, b_scale, alpha, gx, gy, bias, stream)
             return
         if cfg.x16:
             a16 = torch.empty(self.x16_shape, dtype=self.x16_dtype, device=device)
             ct.launch(stream, self.x16_grid, _dequantize_kernel, (a, a_scale, a16, *self.x16_consts))
             a = a16
-        if self.partial_shape is None:
-            ct.launch(stream, self.grid, self.kernel, (a, a_scale, b, b_scale, out, alpha, bias, out, *self.consts))
-            return
-        partial = torch.empty(self.partial_shape, dtype=torch.float32, device=device)
-        ct.launch(stream, self.grid, self.kernel, (a, a_scale, b, b_scale, out, alpha, bias, partial, *self.consts))
-        ct.launch(stream, self.reduce_grid, _splitk_reduce_kernel, (partial, out, alpha, bias, *self.reduce_consts))
+        ct.launch(stream, self.grid, self.kernel, (a, a_scale, b, b_scale, out, alpha, gx, gy, bias,
+                                                   *self._workspace(out, stream), *self.consts))
 
 
 def launch(problem, config: StreamConfig | TwoPassConfig | None = None) -> None:
@@ -508,8 +566,8 @@ def _stream_configs(fmt: Format) -> list[StreamConfig]:
 
 def aot_variants() -> list[AotVariant]:
     """Every specialisation ``launch`` can pick, for sm_90: stream kernels per (format, scale layout,
-    output dtype, config), the split-K reduction per output dtype and split, the dequantize kernel per
-    (format, layout) and the 16-bit GEMM per (input, output dtype)."""
+    output dtype, config; the K split's reduction is inside), the dequantize kernel per (format,
+    layout) and the 16-bit GEMM per (input, output dtype)."""
     variants = []
     for fmt in _FORMATS:
         data = _data_dtype(fmt)
@@ -519,12 +577,13 @@ def aot_variants() -> list[AotVariant]:
             layout = "swz" if swizzled else "log"
             for out_name, out_dtype in _OUT_DTYPES.items():
                 for cfg in _stream_configs(fmt):
-                    if cfg.split_k > 1 and out_name != "bf16":
-                        continue  # the output dtype only enters the reduction then
                     a_dtype = (ct.float16 if fmt.has_global_scale else ct.bfloat16) if cfg.x16 else data
+                    split = cfg.split_k > 1
                     params = [array(a_dtype, 3), array(scale, sdim), array(data, 3), array(scale, sdim),
                               array(out_dtype, 3), array(ct.float32, 1), array(ct.float32, 1),
-                              array(ct.float32 if cfg.split_k > 1 else out_dtype, 3),
+                              array(ct.float32, 1), array(ct.float32, 1),
+                              array(ct.float32, 3) if split else array(out_dtype, 3),
+                              array(ct.int32, 1) if split else array(out_dtype, 3),
                               *_stream_constants(fmt, swizzled, cfg)]
                     variants.append(AotVariant(f"hopper_{fmt.name}_{layout}_{out_name}_{cfg.name}",
                                                hinted(_stream_kernel, **cfg.hints()), params, ("sm_90",)))
@@ -538,11 +597,6 @@ def aot_variants() -> list[AotVariant]:
                 variants.append(AotVariant(f"hopper_{fmt.name}_{layout}_dequantize_{rows}x{k}", _dequantize_kernel,
                                            params, ("sm_90",)))
     for out_name, out_dtype in _OUT_DTYPES.items():
-        for split in _STREAM_SPLITS[1:]:
-            params = [array(ct.float32, 3), array(out_dtype, 3), array(ct.float32, 1), array(ct.float32, 1),
-                      split, *_REDUCE_TILE]
-            variants.append(AotVariant(f"hopper_splitk_reduce_{out_name}_s{split}", _splitk_reduce_kernel,
-                                       params, ("sm_90",)))
         for d16_name, d16 in (("bf16", ct.bfloat16), ("fp16", ct.float16)):
             g = _TWO_PASS.gemm
             params = [array(d16, 3), array(ct.float32, 1), array(d16, 3), array(ct.float32, 1),

@@ -2,10 +2,11 @@
 
 What they compute: exactly what ``tilemm.quantize._quantize_<fmt>_reference`` computes (docs/numerics.md),
 for float32 / bfloat16 / float16 input (converted to fp32 in registers, which is exact). Each element
-is read once -- NVFP4 without a global scale and FP8 per tensor first run ``_amax_kernel`` (one more
-read), FP8 per row reads each row twice when K > 8192 (the second time mostly from L2), and along
-axis=-2 first runs ``_column_amax_kernel`` -- and data plus scales are written in one pass, the scales
-already in the 32x4x4 layout when asked, its padding included.
+is read once -- FP8 per tensor, and NVFP4 without a global scale on more tiles than the GPU has SMs,
+first run ``_amax_kernel`` (one more read; a smaller NVFP4 input takes its amax inside the one
+launch, ``_grid_amax``), FP8 per row reads each row twice when K > 8192 (the second time mostly from
+L2), and along axis=-2 first runs ``_column_amax_kernel`` -- and data plus scales are written in one
+pass, the scales already in the 32x4x4 layout when asked, its padding included.
 ``tilemm.quantize.run_quantize_*`` dispatch non-empty CUDA tensors on sm_90 or newer here.
 
 Every rounding step works on fp32 values and bits, in the reference's order:
@@ -19,7 +20,8 @@ Every rounding step works on fp32 values and bits, in the reference's order:
   +0 and NaN blocks 0x7F (fp8) or code 0 (e2m1); the fp8 path does those selects only in tiles that
   have such blocks.
 * NVFP4: ``S_enc``, ``s_b``, ``enc`` as the reference, divisions IEEE (``ct.truediv`` with
-  ``RoundingMode.RN``: no approximate reciprocal, no flush to zero).
+  ``RoundingMode.RN``: no approximate reciprocal, no flush to zero); the tensor amax over the finite
+  elements, and a block holding a NaN or an Inf gets the NaN scale 0x7F (``_nvfp4_block_scale``).
 * FP8: ``fp32(x / s)`` correctly rounded without a division per element: one IEEE division per
   group, then Markstein's residual correction with fused multiply-adds (``_fp8_divide``, where the
   proof is); NaN groups store 0x7F.
@@ -67,6 +69,7 @@ from ..formats import E2M1, E4M3, E5M2, ELEMENT_CODES, FP8_BLOCK, FP8_E4M3, NVFP
 from . import _large
 from ._aot import TARGETS, AotVariant, array
 from ._common import SWIZZLE_COLS, SWIZZLE_ROWS, Described, hinted, num_sms, stream_handle
+from .weight_only_kernels import _capturing, _outside_graph_pools, _stream_key
 
 __all__ = ["quantize_mx", "quantize_nvfp4", "quantize_fp8", "FakeQuant", "aot_variants", "supported"]
 
@@ -389,6 +392,14 @@ def _mx_tile(X, Data, Scale, Floor, b, rt, kt, INV_QMAX, EMAX, ELEMENT, SWIZZLED
     _store_scales(Scale, s.astype(ct.uint8), b, rt, kt, TILE_R, TILE_K // BLOCK, SWIZZLED, TRANSPOSED)
 
 
+def _nvfp4_block_scale(amax, s_enc):
+    """s_b = min(amax * (S_enc * fp32(1/6)), 448) in fp32, NaN (e4m3 byte 0x7F once cast) where the
+    block holds a NaN or an Inf, so that it decodes to NaN; a finite amax whose product overflows
+    still saturates to 448."""
+    s_b = ct.minimum(amax * (s_enc * _ONE_SIXTH), 448.0, propagate_nan=True)
+    return ct.where(_is_finite(amax), s_b, _nan_like(s_b))
+
+
 def _nvfp4_encode_scale(g, FROM_AMAX):
     """(S_enc, S_dec) from a (1,) fp32 tile: the tensor amax (FROM_AMAX) or a given decode scale."""
     if FROM_AMAX:
@@ -403,37 +414,62 @@ def _nvfp4_encode_scale(g, FROM_AMAX):
 
 @ct.kernel(occupancy=_OCCUPANCY)
 def _nvfp4_quantize_kernel(X, Data, Scale, Global, GlobalOut,
-                           FROM_AMAX: ConstBool, SWIZZLED: ConstBool, TRANSPOSED: ConstBool,
-                           TILE_R: ConstInt, TILE_K: ConstInt):
+                           FROM_AMAX: ConstBool, GRID_AMAX: ConstBool, SWIZZLED: ConstBool,
+                           TRANSPOSED: ConstBool, TILE_R: ConstInt, TILE_K: ConstInt):
     """NVFP4 quantization of one (TILE_R, TILE_K) tile.
 
     X as for ``_mx_quantize_kernel``; Data (B, R, K/2) packed e2m1; Scale e4m3 bytes, logical
     (B, R, K/16) or swizzled. Global: ``tensor_amax``'s int32 maxima (FROM_AMAX), or the decode scale,
-    (1,) fp32.
+    (1,) fp32; with GRID_AMAX (and FROM_AMAX) the tensor amax comes from this launch instead, as in
+    ``_fake_quant_kernel``: Global is ``_grid_amax``'s int32 [maximum bits, arrived, departed] (zero
+    between launches), every block adds its tile's maximum (``_amax_bits``) and waits for all the
+    others, so the grid must be resident at once (the launcher keeps it within one block per SM).
     Block 0 writes the decode scale S_dec to GlobalOut (1,).
     """
     NB = TILE_K // 16
     R, K = _rows_and_k(X, TRANSPOSED)
     b, rt, kt = _tile_index(ct.bid(0), _row_tiles(R, TILE_R, SWIZZLED), K, TILE_K)
-    g = _tensor_amax(Global) if FROM_AMAX else ct.load(Global, (0,), (1,))
-    s_enc, s_dec = _nvfp4_encode_scale(g, FROM_AMAX)
-    if ct.bid(0) == 0:
-        ct.store(GlobalOut, (0,), s_dec)
-    if rt * TILE_R >= R:  # swizzle padding rows only
-        _store_zero_scales(Scale, b, rt, kt, TILE_R, NB, SWIZZLED, TRANSPOSED)
+    if GRID_AMAX:
+        if rt * TILE_R >= R:  # swizzle padding rows only (never block 0): nothing to add to the amax
+            _grid_amax(Global, ct.max(ct.zeros((1,), ct.int32)))
+            _store_zero_scales(Scale, b, rt, kt, TILE_R, NB, SWIZZLED, TRANSPOSED)
+        else:
+            x = _load_blocks(X, b, rt, kt, TILE_R, TILE_K, 16, TRANSPOSED)
+            s_enc, s_dec = _nvfp4_encode_scale(ct.bitcast(_grid_amax(Global, _amax_bits(x)), ct.float32), True)
+            if ct.bid(0) == 0:
+                ct.store(GlobalOut, (0,), s_dec)
+            _nvfp4_encode_tile(x, Data, Scale, s_enc.reshape((1, 1, 1)), s_dec.reshape((1, 1, 1)), b, rt, kt,
+                               SWIZZLED, TRANSPOSED, TILE_R, TILE_K)
     else:
-        _nvfp4_tile(X, Data, Scale, s_enc.reshape((1, 1, 1)), s_dec.reshape((1, 1, 1)), b, rt, kt, SWIZZLED,
-                    TRANSPOSED, TILE_R, TILE_K)
+        g = _tensor_amax(Global) if FROM_AMAX else ct.load(Global, (0,), (1,))
+        s_enc, s_dec = _nvfp4_encode_scale(g, FROM_AMAX)
+        if ct.bid(0) == 0:
+            ct.store(GlobalOut, (0,), s_dec)
+        if rt * TILE_R >= R:  # swizzle padding rows only
+            _store_zero_scales(Scale, b, rt, kt, TILE_R, NB, SWIZZLED, TRANSPOSED)
+        else:
+            _nvfp4_tile(X, Data, Scale, s_enc.reshape((1, 1, 1)), s_dec.reshape((1, 1, 1)), b, rt, kt, SWIZZLED,
+                        TRANSPOSED, TILE_R, TILE_K)
+
+
+def _amax_bits(x):
+    """The tensor amax's contribution of a tile: max |x| as fp32 bits (int32), NaN and Inf counted as
+    0 (NVFP4's amax over the finite elements: the rule of ``_amax_kernel`` without PROPAGATE_NAN)."""
+    bits = _bits(x) & 0x7FFFFFFF
+    return ct.max(ct.where(bits >= _EXP_MASK, 0, bits))
 
 
 def _nvfp4_tile(X, Data, Scale, s_enc, s_dec, b, rt, kt, SWIZZLED, TRANSPOSED, TILE_R, TILE_K):
     """NVFP4 of tile (b, rt, kt), which holds rows of the input; s_enc, s_dec (1, 1, 1)."""
+    x = _load_blocks(X, b, rt, kt, TILE_R, TILE_K, 16, TRANSPOSED)
+    _nvfp4_encode_tile(x, Data, Scale, s_enc, s_dec, b, rt, kt, SWIZZLED, TRANSPOSED, TILE_R, TILE_K)
+
+
+def _nvfp4_encode_tile(x, Data, Scale, s_enc, s_dec, b, rt, kt, SWIZZLED, TRANSPOSED, TILE_R, TILE_K):
+    """NVFP4 of the loaded blocks x of tile (b, rt, kt) (``_load_blocks``), stored to Data and Scale."""
     BLOCK = 16
-    x = _load_blocks(X, b, rt, kt, TILE_R, TILE_K, BLOCK, TRANSPOSED)
     amax = _block_amax(x, TRANSPOSED)
-    # s_b = e4m3(min(amax * (S_enc * fp32(1/6)), 448)); NaN stays NaN (byte 0x7F), Inf becomes 448.
-    s_b = ct.minimum(amax * (s_enc * _ONE_SIXTH), 448.0, propagate_nan=True)
-    s_b_bytes = _fp8_bytes(s_b)
+    s_b_bytes = _fp8_bytes(_nvfp4_block_scale(amax, s_enc))
     s_b_f32 = ct.bitcast(s_b_bytes, ct.float8_e4m3fn).astype(ct.float32)
     enc = ct.minimum(ct.truediv(1.0, s_b_f32 * s_dec, rounding_mode=_RN), _FLT_MAX, propagate_nan=True)
     # e2m1(clamp(x * enc, -6, 6)): the clamp changes no code, so it is left out.
@@ -489,7 +525,7 @@ def _fake_quant_kernel(X, Out, Floor, Amax, Alpha, AlphaOut, ELEMENT: ConstInt, 
     rounding as in ``_mx_quantize_kernel``; blocks with scale byte 0 give +0, byte 255 NaN. NVFP4 (NV):
     ``element * s_b``, without the tensor's decode scale S_dec, which block 0 instead multiplies into
     ``AlphaOut = S_dec * Alpha`` (so that the matmul's epilogue applies it to the fp32 sum, as
-    ``nvfp4_matmul``'s alpha does). The tensor amax (NaN ignored) comes from ``tensor_amax``'s partial
+    ``nvfp4_matmul``'s alpha does). The tensor amax (over the finite elements) comes from ``tensor_amax``'s partial
     maxima in Amax, or, with GRID_AMAX, from this launch: every block adds its tile's maximum to Amax
     (int32 [maximum bits, arrived, departed], zero between launches) and waits until all blocks have
     (``_grid_amax``), which saves a launch. The grid must then be resident at once (the launcher keeps
@@ -515,15 +551,14 @@ def _fake_quant_kernel(X, Out, Floor, Amax, Alpha, AlphaOut, ELEMENT: ConstInt, 
     amax = ct.max(ct.abs(x), axis=2, keepdims=True, propagate_nan=True)
     if NV:
         if GRID_AMAX:
-            bits = _bits(x) & 0x7FFFFFFF
-            g = ct.bitcast(_grid_amax(Amax, ct.max(ct.where(bits > _EXP_MASK, 0, bits))), ct.float32)
+            g = ct.bitcast(_grid_amax(Amax, _amax_bits(x)), ct.float32)
         else:
             g = _tensor_amax(Amax)
         s_enc, s_dec = _nvfp4_encode_scale(g, True)
         if ct.bid(0) == 0:
             ct.store(AlphaOut, (0,), s_dec * ct.load(Alpha, (0,), (1,)))
-        s_b = ct.minimum(amax * (s_enc.reshape((1, 1, 1)) * _ONE_SIXTH), 448.0, propagate_nan=True)
-        s_b_f32 = ct.bitcast(_fp8_bytes(s_b), ct.float8_e4m3fn).astype(ct.float32)
+        s_b_f32 = ct.bitcast(_fp8_bytes(_nvfp4_block_scale(amax, s_enc.reshape((1, 1, 1)))),
+                             ct.float8_e4m3fn).astype(ct.float32)
         enc = ct.minimum(ct.truediv(1.0, s_b_f32 * s_dec.reshape((1, 1, 1)), rounding_mode=_RN), _FLT_MAX,
                          propagate_nan=True)
         v = _e2m1_values(_e2m1_codes(x * enc)) * s_b_f32
@@ -549,8 +584,8 @@ def _amax_kernel(X, Partial, PROPAGATE_NAN: ConstBool, COLUMNS: ConstBool, TILE_
     in an int32 (``_tensor_amax`` combines them where they are used).
 
     Non-negative fp32 values order like their bit patterns, and NaN's bits exceed +Inf's, so an integer
-    maximum of the bits is the float maximum with NaN propagating; without PROPAGATE_NAN, NaN counts
-    as 0. Each block writes its own slot: no zeroed buffer, no atomic.
+    maximum of the bits is the float maximum with NaN propagating; without PROPAGATE_NAN (NVFP4's
+    tensor amax, over the finite elements), NaN and Inf count as 0. Each block writes its own slot: no zeroed buffer, no atomic.
 
     The blocks walk the tiles from the last to the first, so the input they read last is where the
     quantize kernel that follows begins, and that part is still in L2 (50 MB on the H100) when it is
@@ -574,7 +609,7 @@ def _amax_kernel(X, Partial, PROPAGATE_NAN: ConstBool, COLUMNS: ConstBool, TILE_
             x = _load_fp32(X, b, rk // num_k, rk % num_k, TILE_R, TILE_K, False)
         bits = _bits(x) & 0x7FFFFFFF
         if not PROPAGATE_NAN:
-            bits = ct.where(bits > _EXP_MASK, 0, bits)
+            bits = ct.where(bits >= _EXP_MASK, 0, bits)
         acc = ct.maximum(acc, bits)
     ct.store(Partial, (ct.bid(0),), ct.max(acc).reshape((1,)))
 
@@ -1111,7 +1146,8 @@ def quantize_mx(x: torch.Tensor, fmt: Format, rounding: str, swizzle: bool):
 def tensor_amax(x: torch.Tensor, propagate_nan: bool) -> torch.Tensor:
     """max |x| over all of x, in one read, as the per-block maxima of ``_amax_kernel``: an int32 tensor
     of at most ``AMAX_PARTIALS`` fp32 bit patterns, which the quantize kernels reduce (``amax_value``
-    on the host). NaN if x holds a NaN and ``propagate_nan``, else NaN counts as 0. One launch: each
+    on the host). NaN if x holds a NaN and ``propagate_nan``; else the maximum over the finite elements (NaN
+    and Inf count as 0, NVFP4's rule). One launch: each
     block writes its own slot, so there is no zeroed buffer to fill first."""
     op = _operand(x)
     view = op.view  # the storage, (B, K, R) for a transposed x: a maximum does not care about order
@@ -1141,14 +1177,12 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None, swizzle: 
                    amax: torch.Tensor | None = None):
     """NVFP4 of x (..., K) on the GPU: (data uint8, scale e4m3 bytes as uint8, 0-d fp32 decode scale).
 
-    ``global_scale`` (a 0-d fp32 decode scale on x's device) or None: S_enc from the tensor amax (NaN
-    ignored), computed by ``tensor_amax`` first, or ``amax`` when given: (1,) int32, the fp32 bits of
-    a known amax (``_tensor_amax`` reads it as one partial maximum)."""
+    ``global_scale`` (a 0-d fp32 decode scale on x's device) or None: S_enc from the tensor amax over
+    the finite elements, or from ``amax`` when given: (1,) int32, the fp32 bits of a known amax
+    (``_tensor_amax`` reads it as one partial maximum). The tensor amax is taken inside the quantize
+    launch (``_grid_amax``: one launch) when its grid fits one block per SM, else by ``tensor_amax``
+    first."""
     from_amax = global_scale is None
-    if not from_amax:
-        g = global_scale.reshape(1)
-    else:
-        g = tensor_amax(x, propagate_nan=False) if amax is None else amax.view(torch.int32).reshape(1)
     g_out = torch.empty(1, dtype=torch.float32, device=x.device)
     full = _operand(x)
     op = full if swizzle else _rows_flattened(full)
@@ -1156,14 +1190,21 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None, swizzle: 
     data = torch.empty(op.batch, op.rows, op.k // 2, dtype=torch.uint8, device=x.device)
     scale = _block_scale_buffer(op, op.k // NVFP4.block, swizzle, torch.uint8)
     kernel = _kernel(_nvfp4_quantize_kernel, cfg)
-    for view, d, s, g_in, g_o in _pieces("quantize_nvfp4", op, _row_unit(cfg, swizzle), cfg.tile_k,
-                                         (("x", op.view, _input_dims(op)),
-                                          ("data", data, ((0, 0, 1), (1, 1, 1), (2, 2, 2))),
-                                          ("scale", _scale_operand(scale, swizzle),
-                                           _block_scale_dims(NVFP4.block, swizzle)),
-                                          ("global scale", g, ()), ("decode scale", g_out, ()))):
+    operands = (("x", op.view, _input_dims(op)), ("data", data, ((0, 0, 1), (1, 1, 1), (2, 2, 2))),
+                ("scale", _scale_operand(scale, swizzle), _block_scale_dims(NVFP4.block, swizzle)))
+    pieces = _pieces("quantize_nvfp4", op, _row_unit(cfg, swizzle), cfg.tile_k, operands)
+    grid = _view_grid(pieces[0][0], op.transposed, cfg, swizzle)
+    grid_amax = from_amax and amax is None and len(pieces) == 1 and grid[0] <= num_sms(x.device)
+    if grid_amax:
+        g = _grid_sync(x.device, stream_handle(x.device))
+    elif not from_amax:
+        g = global_scale.reshape(1)
+    else:
+        g = tensor_amax(x, propagate_nan=False) if amax is None else amax.view(torch.int32).reshape(1)
+    for view, d, s in pieces:
         _launch_kernel(x.device, _view_grid(view, op.transposed, cfg, swizzle), kernel,
-                       (view, d, s, g_in, g_o, from_amax, swizzle, op.transposed, cfg.tile_r, cfg.tile_k))
+                       (view, d, s, g, g_out, from_amax, grid_amax, swizzle, op.transposed, cfg.tile_r,
+                        cfg.tile_k))
     data, scale = _shaped(full, x, data, scale, swizzle)
     return data, scale, g_out.reshape(())
 
@@ -1221,11 +1262,16 @@ _GRID_SYNC: dict = {}
 
 def _grid_sync(device: torch.device, stream):
     """``_grid_amax``'s zeroed int32 (3,) buffer per (device, stream): the kernel leaves it at zero,
-    so launches on one stream (in order) share it, and streams never do."""
-    key = (device, stream if isinstance(stream, int) else getattr(stream, "cuda_stream", None))
+    so launches on one stream (in order) share it, and streams never do. Allocated outside CUDA-graph
+    memory pools, as the split-K workspace is (``weight_only_kernels.workspace``); a capture on a
+    stream that has none yet gets zeroed words of the graph's own (one fill kernel in the graph)."""
+    key = (device, _stream_key(stream))
     t = _GRID_SYNC.get(key)
     if t is None:
-        t = _GRID_SYNC[key] = Described(torch.zeros(3, dtype=torch.int32, device=device))
+        if _capturing(device):
+            return torch.zeros(3, dtype=torch.int32, device=device)
+        t = _outside_graph_pools(lambda: torch.zeros(3, dtype=torch.int32, device=device))
+        t = _GRID_SYNC[key] = Described(t) if t.is_cuda else t
     return t
 
 
@@ -1339,10 +1385,11 @@ def aot_variants() -> list[AotVariant]:
                     cfg = BLOCK_CONFIGS["mxfp4" if element == "e2m1" else "mxfp8", swizzled, transposed]
                     add(f"quantize_mx_{element}_{in_name}_{layout}", _mx_quantize_kernel, cfg,
                         [x, _data_array(element), scale, _INT32, code, swizzled, transposed])
-                for from_amax in (False, True):
-                    add(f"quantize_nvfp4_{'amax' if from_amax else 'given'}_{in_name}_{layout}",
+                for source in ("given", "amax", "grid_amax"):
+                    from_amax, grid_amax = source != "given", source == "grid_amax"
+                    add(f"quantize_nvfp4_{source}_{in_name}_{layout}",
                         _nvfp4_quantize_kernel, BLOCK_CONFIGS["nvfp4", swizzled, transposed],
-                        [x, u8, scale, i32_1 if from_amax else f32_1, f32_1, from_amax, swizzled,
+                        [x, u8, scale, i32_1 if from_amax else f32_1, f32_1, from_amax, grid_amax, swizzled,
                          transposed])
             for element in ("e4m3", "e5m2"):
                 code = _ELEMENT_CODE[element]

@@ -136,7 +136,7 @@ def model_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def make_cache(model, batch: int, max_len: int, device: torch.device):
+def make_cache(model, batch: int, max_len: int, device: torch.device, dtype=torch.bfloat16):
     """A ``StaticCache`` for ``batch`` sequences of up to ``max_len`` tokens, whatever the installed
     transformers' constructor takes (recent ones allocate lazily on the first update; older ones take
     the batch size, device and dtype)."""
@@ -150,7 +150,7 @@ def make_cache(model, batch: int, max_len: int, device: torch.device):
     if "device" in params:
         kwargs["device"] = device
     if "dtype" in params:
-        kwargs["dtype"] = torch.bfloat16
+        kwargs["dtype"] = dtype
     return StaticCache(**kwargs)
 
 
@@ -293,41 +293,64 @@ def timed_loop(fn, tokens: int, device: torch.device) -> float:
 
 
 GRAPH_CHECK_KEYS = ("tokens_match_eager", "graph_matches_eager", "first_step_logits_max_diff",
-                    "first_step_logits_max_abs", "first_differing_step", "eager_margin_at_first_difference")
+                    "first_step_logits_max_abs", "first_differing_step", "eager_margin_at_first_difference",
+                    "logits_max_diff_at_first_difference")
 
 
-def graph_vs_eager(dec: Decoder, graph, graph_tokens: torch.Tensor, eager_tokens: torch.Tensor) -> dict:
+def _snapshot(dec: Decoder) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tensor, copy) for the decoder's step state: input ids, position, and the cache's counters."""
+    live = [dec.ids, dec.pos] + [getattr(holder, name) for holder, name, _ in dec.counters]
+    return [(t, t.clone()) for t in live]
+
+
+def _restore(saved) -> None:
+    for t, copy in saved:
+        t.copy_(copy)
+
+
+def graph_vs_eager(dec: Decoder, graph, graph_logits: torch.Tensor, graph_tokens: torch.Tensor,
+                   eager_tokens: torch.Tensor) -> dict:
     """Whether the CUDA graph decodes what the eager loop decodes, up to near-ties (untimed).
 
-    The graph may run other kernels than the eager calls (another summation order), so its logits
-    differ from the eager ones by rounding, and with random weights the top two logits are often
-    nearly tied: such a token may flip, and the two sequences diverge from there. So: ``noise`` is
-    the largest difference between the graph's and the eager logits at the first step (same state);
-    the eager loop is rerun up to the first step where the tokens differ, and the flip counts as a
-    near-tie only if the eager top-two margin there is at most 4x ``noise``. ``graph_matches_eager``
-    is False only for a flip at a decisive step (or logits that differ by more than 5 % of their
-    range)."""
+    ``graph_logits`` is the graph's static output (``dec.last`` right after the capture; an eager
+    step rebinds ``dec.last`` to a new tensor, so the graph's logits are read from here). The graph
+    may run other kernels than the eager calls (another summation order), so its logits differ from
+    the eager ones by rounding, and with random weights the top two logits are often nearly tied (bf16
+    logits of 4 to 8 are multiples of 2^-5): such a token may flip, and the two sequences diverge from
+    there. So the eager loop is rerun up to the first step where the tokens differ; at that step, from
+    the same state (the eager history), one eager step and one graph replay give ``noise``, the
+    largest difference of their logits, and the flip counts as a near-tie only if the eager top-two
+    margin there is at most 4x ``noise``. ``first_step_logits_max_diff`` is the same difference at the
+    first step. ``graph_matches_eager`` is False for a flip at a decisive step, or for logits that
+    differ by more than 5 % of their range."""
     dec.reset()
     dec.step()
     eager0 = dec.last[:, -1].float().clone()
     dec.reset()
     graph.replay()
-    graph0 = dec.last[:, -1].float().clone()
-    noise = (graph0 - eager0).abs().max().item()
+    graph0 = graph_logits[:, -1].float().clone()
+    noise0 = (graph0 - eager0).abs().max().item()
     scale = eager0.abs().max().item()
-    out = {"first_step_logits_max_diff": noise, "first_step_logits_max_abs": scale}
+    out = {"first_step_logits_max_diff": noise0, "first_step_logits_max_abs": scale}
     differs = (graph_tokens != eager_tokens).any(0).nonzero()
     first = int(differs[0]) if differs.numel() else None
     out["first_differing_step"] = first
-    ok = noise <= 0.05 * max(scale, 1e-30)
+    ok = noise0 <= 0.05 * max(scale, 1e-30)
     if first is not None:
         dec.reset()
-        for _ in range(first + 1):
+        for _ in range(first):
             dec.step()
-        top2 = dec.last[:, -1].float().topk(2, dim=-1).values
+        saved = _snapshot(dec)
+        dec.step()
+        eager_logits = dec.last[:, -1].float().clone()
+        _restore(saved)  # the step's cache slot is written again before it is read
+        graph.replay()
+        noise = (graph_logits[:, -1].float() - eager_logits).abs().max().item()
+        top2 = eager_logits.topk(2, dim=-1).values
         rows = (graph_tokens[:, first] != eager_tokens[:, first])
         margin = (top2[:, 0] - top2[:, 1])[rows].min().item()
         out["eager_margin_at_first_difference"] = margin
+        out["logits_max_diff_at_first_difference"] = noise
         ok = ok and margin <= 4 * noise
     out["graph_matches_eager"] = ok
     return out
@@ -404,6 +427,7 @@ def run_batch(model, batch: int, args, device: torch.device, t0: float) -> dict:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 dec.step()
+            graph_logits = dec.last  # the graph's static output (an eager step rebinds dec.last)
             sync(device)
             dec.reset()
             for _ in range(min(WARMUP_REPLAYS, args.tokens)):
@@ -411,7 +435,7 @@ def run_batch(model, batch: int, args, device: torch.device, t0: float) -> dict:
             dec.reset()
             seconds = timed_loop(graph.replay, args.tokens, device)
             result["graph"] = {"seconds": seconds, "tokens_match_eager": bool(torch.equal(dec.out, eager_tokens))}
-            result["graph"].update(graph_vs_eager(dec, graph, dec.out.clone(), eager_tokens))
+            result["graph"].update(graph_vs_eager(dec, graph, graph_logits, dec.out.clone(), eager_tokens))
             log(f"    batch {batch:3d} graph {seconds / args.tokens * 1e3:8.2f} ms/token", t0)
         except Exception as e:  # noqa: BLE001 (record, go on with the next run)
             try:

@@ -24,7 +24,11 @@ random prompt prefilled into a static KV cache, then greedy decoding of ``--toke
 and as one CUDA graph per step (forward, argmax, input update; the collectives captured). Measured:
 tokens/s, and the speed-up over the same variant on 1 GPU and over bf16 at the same size, batch and
 execution mode (same run). Accuracy: the first decoded token's logits against the same variant on 1
-GPU (max abs difference; sharding changes only the order of sums).
+GPU, relative to their scale (RMS difference over RMS logit; max difference next to the max logit):
+sharding changes only the order of sums, each rank's partial sums rounded to bf16 before they are
+added, so the difference is bf16 rounding grown over the layers. Its yardstick, in the same run:
+bf16 on 1 GPU against the same weights in fp32 (``logits_vs_fp32``). The CUDA-graph decode is checked
+against the eager one (``bench_decode.graph_vs_eager``).
 
 A variant named with ``+1shot`` (``bf16+1shot``, ``nvfp4-wo+1shot``) is the same model with the
 row-wise all-reduces (each (batch, 4096) bf16) sent through torch's symmetric-memory one-shot
@@ -217,6 +221,8 @@ def run_variant(base, variant, size, mesh_group, batches, args, device, t0, logi
         logits = res["logits"]
         if size == 1:
             logits_1gpu[(base_variant(variant), batch)] = logits
+            if variant == "bf16":  # the rounding of bf16 itself, the scale for the sharded differences
+                res["vs_fp32"] = logits_vs_fp32(base, batch, args, device, logits)
         ref = logits_1gpu.get((base_variant(variant), batch))
         for ex in bench_decode.EXECS:
             r = res.get(ex)
@@ -231,12 +237,51 @@ def run_variant(base, variant, size, mesh_group, batches, args, device, t0, logi
                 for key in bench_decode.GRAPH_CHECK_KEYS:
                     if key in r:
                         rec[key] = r[key]
+            if "vs_fp32" in res:
+                rec.update(res["vs_fp32"])
             if ref is not None and size > 1:
-                rec["logits_max_abs_diff_vs_1gpu"] = (logits - ref).abs().max().item()
+                rec.update(logits_vs_1gpu(logits, ref))
                 rec["first_token_agreement_vs_1gpu"] = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
             out.append(rec)
     del model
     return out
+
+
+def logits_vs_1gpu(logits: torch.Tensor, ref: torch.Tensor) -> dict:
+    """The first decoded token's logits (B, vocab) against the same variant's on 1 GPU, relative to
+    their scale: the max abs difference over the max abs logit, and the RMS difference over the RMS
+    logit (``rel``). bf16 logits from a model whose sums run in another order (the shards' partial
+    sums each rounded to bf16, then added) differ by rounding that grows over the layers; a wrong
+    shard or scale gives a relative difference of order 1."""
+    ref, diff = ref.double(), (logits.double() - ref.double())
+    return {"logits_max_abs_diff_vs_1gpu": diff.abs().max().item(),
+            "logits_max_abs_vs_1gpu": ref.abs().max().item(),
+            "logits_rel_max_diff_vs_1gpu": (diff.abs().max() / ref.abs().max().clamp_min(1e-30)).item(),
+            "logits_rel_rms_diff_vs_1gpu": (diff.norm() / ref.norm().clamp_min(1e-30)).item()}
+
+
+def logits_vs_fp32(base, batch: int, args, device, logits: torch.Tensor) -> dict:
+    """bf16 on 1 GPU against the same weights in fp32 (no TF32), same prompt as ``run_batch``'s: how
+    far bf16's own rounding moves the first decoded token's logits over the layers, the yardstick
+    for the sharded model's difference from 1 GPU (which comes from rounding in another order)."""
+    generator = torch.Generator().manual_seed(bench_decode.SEED + batch)
+    prompt = torch.randint(base.config.vocab_size, (batch, args.prompt), generator=generator).to(device)
+    try:
+        model = copy.deepcopy(base).float()
+    except Exception as e:  # noqa: BLE001 (out of memory: the yardstick is left out, the run goes on)
+        return {"bf16_vs_fp32_error": f"{type(e).__name__}: {e}"[:200]}
+    cache = bench_decode.make_cache(model, batch, args.prompt + args.tokens, device, dtype=torch.float32)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        ref = bench_decode.prefill(model, cache, prompt)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        del model, cache
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out = logits_vs_1gpu(logits, ref)
+    return {k.replace("_vs_1gpu", "_bf16_vs_fp32"): v for k, v in out.items()}
 
 
 def add_speedups(records) -> None:
@@ -262,21 +307,25 @@ def markdown(meta, records) -> str:
              f"gate/up column-wise, o_proj and down_proj row-wise (tilemm.parallel; bf16 on plain tensors the "
              f"same way), lm_head split over the vocabulary and gathered. torch {meta['torch']}, transformers "
              f"{meta['transformers']}" + (f"; {meta['seconds']:.0f} s in all." if meta.get("seconds") else "."), "",
-             "| variant | GPUs | batch | exec | ms/token | tokens/s | vs 1 GPU | vs bf16 same GPUs | logits max diff vs 1 GPU |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| variant | GPUs | batch | exec | ms/token | tokens/s | vs 1 GPU | vs bf16 same GPUs | "
+             "logits vs 1 GPU: rel. RMS diff | max diff / max abs |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if "error" in r:
             lines.append(f"| {r['variant']} | {r['size']} | {r['batch']} | {r['exec']} | failed: "
-                         f"{r['error'][:100].replace('|', '/')} | | | | |")
+                         f"{r['error'][:100].replace('|', '/')} | | | | | |")
             continue
         lines.append(f"| {r['variant']} | {r['size']} | {r['batch']} | {r['exec']} | {r['ms_per_token']:.2f} | "
                      f"{r['tokens_per_s']:.1f} | {_f(r.get('speedup_vs_1gpu'), '.2f')} | "
                      f"{_f(r.get('speedup_vs_bf16_same_size'), '.2f')} | "
-                     f"{_f(r.get('logits_max_abs_diff_vs_1gpu'), '.3g')} |")
+                     f"{_f(r.get('logits_rel_rms_diff_vs_1gpu'), '.2%')} | "
+                     + (f"{r['logits_max_abs_diff_vs_1gpu']:.3g} / {r['logits_max_abs_vs_1gpu']:.3g}"
+                        if "logits_max_abs_vs_1gpu" in r else "-") + " |")
     mismatched = [f"{r['variant']} x{r['size']} batch {r['batch']}" for r in records
                   if r.get("graph_matches_eager") is False]
     flips = [f"{r['variant']} x{r['size']} batch {r['batch']} (step {r['first_differing_step']}, margin "
-             f"{r['eager_margin_at_first_difference']:.3g} <= 4 x {r['first_step_logits_max_diff']:.3g})"
+             f"{r['eager_margin_at_first_difference']:.3g} <= 4 x "
+             f"{r.get('logits_max_diff_at_first_difference', r['first_step_logits_max_diff']):.3g})"
              for r in records if r.get("graph_matches_eager") and r.get("first_differing_step") is not None]
     if mismatched:
         lines += ["", "CUDA-graph decoding differs from the eager one at a decisive step (WRONG): "
@@ -284,6 +333,13 @@ def markdown(meta, records) -> str:
     if flips:
         lines += ["", "CUDA graph and eager agree up to a near-tie (top-two margin within the rounding "
                   "difference of their logits), where the token flipped: " + ", ".join(flips)]
+    fp32 = [r for r in records if "logits_rel_rms_diff_bf16_vs_fp32" in r and r["exec"] == "eager"]
+    if fp32:
+        lines += ["", "The rounding of bf16 itself (the yardstick for the column above): bf16 on 1 GPU against the "
+                  "same weights in fp32, first decoded token's logits: " + ", ".join(
+                      f"batch {r['batch']}: rel. RMS diff {r['logits_rel_rms_diff_bf16_vs_fp32']:.2%}, max diff "
+                      f"{r['logits_max_abs_diff_bf16_vs_fp32']:.3g} / {r['logits_max_abs_bf16_vs_fp32']:.3g}"
+                      for r in fp32)]
     if meta["skipped"]:
         lines += ["", "Skipped (time limit): " + ", ".join(meta["skipped"])]
     if meta["failed"]:

@@ -5,8 +5,12 @@ GPU each, ranks 0 .. world_size - 1 on cuda:0 ..); each builds a column-then-row
 every case, runs it (on a GPU also replayed from a CUDA graph), checks the state_dict round trip, and
 saves what it computed (next to the unsharded model's output on the same device) for the test
 process to compare. Rank 0 prints a line before and after each case on the real stderr (visible with
-``pytest -s``), and every worker dumps its threads' stacks after ``TILEMM_TP_HANG_DUMP_SECONDS``
-(default 240; or at ``TILEMM_TP_HANG_DUMP_AT``), so that a slow or hung run says where it is.
+``pytest -s``). A worker that raises prints its traceback there and ends its process at once (the
+others are then stopped, and ``run_cases`` raises with every failed rank's traceback); every
+collective fails after ``TILEMM_TP_COLLECTIVE_TIMEOUT`` seconds (default 90) instead of waiting for
+a rank that never joins; every worker dumps its threads' stacks after ``TILEMM_TP_HANG_DUMP_SECONDS``
+(default 240), and at ``TILEMM_TP_HANG_DUMP_AT`` ``run_cases`` has every worker print its stacks,
+stops them and raises TimeoutError, so that a slow or hung run says where it is.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import copy
 import faulthandler
 import os
+import signal
 import socket
 import sys
 import time
@@ -63,6 +68,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _all_ranks_ok(ok: bool, device) -> bool:
+    """Whether ``ok`` holds on every rank (one MIN all-reduce; every rank calls it at the same point)."""
+    flag = torch.tensor([1 if ok else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return flag.item() == 1
+
+
 def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.parallel import parallelize_module
@@ -83,9 +95,10 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
         out_rowwise = fc2(DTensor.from_local(hidden_act, mesh, [Replicate()], run_check=False))
 
     model = parallelize_module(copy.deepcopy(mlp), mesh, tp_plan())
-    captured = {}
+    first_hidden = {}  # fc1's output in the MLP's first call (the hook runs on every later call too)
+
     def keep_first_hidden(mod, args, out):  # returns None: a hook's return value replaces the output
-        captured.setdefault("hidden", out)
+        first_hidden.setdefault("hidden", out)
 
     model.fc1.register_forward_hook(keep_first_hidden)
     with torch.no_grad():
@@ -136,9 +149,7 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
             error = f"capture raised {type(err).__name__}: {err}"[:300]
         torch.cuda.synchronize()
         # Replay only if every rank captured: a lone replay would wait for the others' collectives.
-        captured = torch.tensor([0 if error else 1], device=device)
-        dist.all_reduce(captured, op=dist.ReduceOp.MIN)
-        if captured.item() == 1:
+        if _all_ranks_ok(error is None, device):
             x2 = torch.randn(x.shape, generator=torch.Generator().manual_seed(7)).to(device=device, dtype=x.dtype)
             static_x.copy_(x2)
             graph.replay()
@@ -166,9 +177,7 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
             except Exception as err:  # noqa: BLE001
                 error = f"capture of overlapped() raised {type(err).__name__}: {err}"[:300]
             torch.cuda.synchronize()
-            captured = torch.tensor([0 if error else 1], device=device)
-            dist.all_reduce(captured, op=dist.ReduceOp.MIN)
-            if captured.item() == 1:
+            if _all_ranks_ok(error is None, device):
                 graph.replay()
                 torch.cuda.synchronize()
                 graph_overlapped_equal = bool(torch.equal(static_out, out_overlapped))
@@ -182,7 +191,7 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
                 out_overlapped=(out_overlapped if isinstance(out_overlapped, str)
                                 else cpu(out_overlapped).reshape(out.shape)),
                 graph_overlapped_equal=graph_overlapped_equal,
-                out_full=cpu(out_full), hidden=cpu(captured["hidden"]),
+                out_full=cpu(out_full), hidden=cpu(first_hidden["hidden"]),
                 hidden_full=cpu(hidden_full), hidden_gathered=cpu(hidden_gathered),
                 out_rowwise=cpu(out_rowwise), out_fresh=cpu(out_fresh), same_state=bool(same_state),
                 shards={name: (m.tp_shard.offset, m.tp_shard.length) for name, m in
@@ -208,20 +217,34 @@ def _progress(rank: int, message: str) -> None:
         print(f"[tp rank 0] {message}", file=sys.__stderr__, flush=True)
 
 
+# Seconds a collective may wait for the other ranks before it fails with an error (the process
+# group's timeout): a collective that only some ranks call becomes an error, not a hang. It has to
+# exceed the longest stretch of one rank's work between two collectives (cold kernel compiles).
+COLLECTIVE_TIMEOUT = float(os.environ.get("TILEMM_TP_COLLECTIVE_TIMEOUT", "90"))
+
+
 def _worker(rank: int, backend: str, port: int, tmp_dir: str, world_size: int) -> None:
+    import datetime
+
     from torch.distributed.device_mesh import init_device_mesh
 
+    # Stacks on the real stderr (fd 2, which the parent's pytest -s leaves alone): every
+    # HANG_DUMP_SECONDS, and at once on SIGUSR1 (run_cases sends it when its deadline passes).
     dump_after = _hang_dump_seconds()
     if dump_after > 0:
         faulthandler.dump_traceback_later(dump_after, repeat=True, file=sys.__stderr__)
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
             device = torch.device("cuda", rank)
         else:
             device = torch.device("cpu")
+        # NCCL: the communicator bound to this rank's GPU now (device_id), not lazily at the first
+        # collective on whatever device is current then.
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size)
+                                world_size=world_size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT),
+                                **(dict(device_id=device) if backend == "nccl" else {}))
         mesh = init_device_mesh(device.type, (world_size,))
         cases = torch.load(os.path.join(tmp_dir, "cases.pt"), weights_only=False)
         _progress(rank, f"{backend}, {world_size} ranks: {len(cases)} cases")
@@ -234,25 +257,56 @@ def _worker(rank: int, backend: str, port: int, tmp_dir: str, world_size: int) -
         _progress(rank, f"all cases in {time.time() - t_all:.1f} s")
         torch.save(results, os.path.join(tmp_dir, f"rank{rank}.pt"))
     except BaseException:
+        # Said at once, on the real stderr and in a file for run_cases; then the process ends without
+        # tearing the process group down: destroying an NCCL communicator waits for the other ranks'
+        # outstanding collectives and for CUDA graphs that captured it (the traceback keeps them
+        # alive), which can be forever. The parent sees the exit and stops the other ranks.
+        text = f"[tp rank {rank}] failed:\n{traceback.format_exc()}"
         with open(os.path.join(tmp_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            f.write(text)
+        print(text, file=sys.__stderr__, flush=True)
+        os._exit(1)
+    faulthandler.cancel_dump_traceback_later()  # only now: a hang in the teardown still dumps
+    dist.destroy_process_group()
+
+
+# Seconds run_cases waits for the workers before it dumps their stacks and stops them (0: forever).
+SPAWN_DEADLINE = float(os.environ.get("TILEMM_TP_DEADLINE_SECONDS", "0"))
+
+
+def _deadline_seconds() -> float:
+    at = os.environ.get("TILEMM_TP_HANG_DUMP_AT")
+    return max(float(at) - time.time(), 5.0) if at else SPAWN_DEADLINE
 
 
 def run_cases(cases: dict, backend: str, tmp_dir: str, world_size: int = WORLD_SIZE) -> list[dict]:
     """Run every ``name: (mlp, x)`` case on ``world_size`` ranks; returns one ``{name: results}`` per
-    rank."""
+    rank. A worker that fails ends its process: this raises RuntimeError with every failed rank's
+    traceback. Past the deadline (``TILEMM_TP_HANG_DUMP_AT``, else ``TILEMM_TP_DEADLINE_SECONDS``),
+    every worker prints its stacks (SIGUSR1), is stopped, and this raises TimeoutError."""
     torch.save(cases, os.path.join(tmp_dir, "cases.pt"))
+
+    def errors() -> str:
+        return "\n".join(open(os.path.join(tmp_dir, f)).read() for f in sorted(os.listdir(tmp_dir))
+                         if f.endswith(".err"))
+
+    context = mp.spawn(_worker, args=(backend, _free_port(), str(tmp_dir), world_size), nprocs=world_size,
+                       join=False)
+    deadline = _deadline_seconds()
+    end = time.time() + deadline if deadline > 0 else None
     try:
-        mp.spawn(_worker, args=(backend, _free_port(), str(tmp_dir), world_size), nprocs=world_size,
-                 join=True)
-    except Exception as err:  # a worker raised or died: show its traceback, not just its exit
-        logs = [open(os.path.join(tmp_dir, f)).read() for f in sorted(os.listdir(tmp_dir))
-                if f.endswith(".err")]
-        raise RuntimeError("a tensor-parallel worker failed:\n" + "\n".join(logs)) from err
+        while not context.join(timeout=1.0):
+            if end is not None and time.time() > end:
+                for p in context.processes:
+                    if p.is_alive():
+                        os.kill(p.pid, signal.SIGUSR1)
+                time.sleep(3.0)  # the stacks reach stderr
+                for p in context.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"tensor-parallel workers ({backend}, {world_size} ranks) still running "
+                                   f"after {deadline:.0f} s; their stacks are on stderr above\n{errors()}")
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:  # show the tracebacks
+        raise RuntimeError("a tensor-parallel worker failed:\n" + errors()) from err
     return [torch.load(os.path.join(tmp_dir, f"rank{r}.pt"), weights_only=False)
             for r in range(world_size)]

@@ -41,7 +41,7 @@ from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, Described, ceil_div, e2m1_hi_b
                       e2m1_lo_bits_bf16, e2m1_lo_bits_fp16, e8m0_to_bf16, folded_alpha, hinted, ones_scalar,
                       sm90_hints, stream_handle, zeros_vector)
 from .hopper_gemm import GemmConfig, gemm_constants, gemm_kernel, launch_gemm, load_k_tile, num_sms
-from .weight_only_kernels import _stream_key, workspace
+from .weight_only_kernels import _capturing, _stream_key, workspace
 
 __all__ = ["launch", "Prepared", "aot_variants", "StreamConfig", "TwoPassConfig", "plan", "TWO_PASS_MIN_M"]
 
@@ -495,6 +495,10 @@ class Prepared:
         never reads."""
         if self.work_shape is None:
             return out, out
+        if _capturing(out.device):  # the workspace may be allocated in the graph's pool: never keep it
+            split, rows, n = self.work_shape
+            partial, counters = workspace(out.device, stream, split, rows, n, self.tiles)
+            return partial.view(split * out.shape[0], out.shape[1], n), counters
         key = _stream_key(stream)
         work = self._work.get(key)
         if work is None:

@@ -658,7 +658,8 @@ class Prepared:
         kernel never reads."""
         if self.split == 1:
             return out, self.alpha
-        if self._work is None:
+        if self._work is None or _capturing(out.device):
+            # Inside a capture the workspace may be allocated in the graph's pool: never keep it.
             return workspace(out.device, stream, self.split, self.m, self.n, self.tiles)
         key = _stream_key(stream)
         work = self._work.get(key)

@@ -5,9 +5,12 @@
 | HOPPER     | sm_90           | ``hopper_block_scaled``: exact in-kernel scaling | ``hopper_fp8``            |
 | BLACKWELL  | sm_100, sm_120  | ``blackwell_block_scaled``: ``ct.mma_scaled``    | ``blackwell_fp8``         |
 
-Each matmul module exposes ``Prepared(problem)`` (a signature planned once; ``.run(problem, stream)``
-launches any problem of that signature), ``launch(problem)`` (one prepared call) and ``aot_variants()``
-listing every specialisation it can launch, for ahead-of-time compile tests. ``PLANS`` keeps the
+Every kernel module speaks one vocabulary: its family's config record (``BlockScaledConfig``,
+``FP8Config``, ``QuantizeConfig``, ``WeightOnlyConfig``, ``LargeConfig``, ``MoEConfig``), ``plan(...)``
+choosing one from the problem's sizes, and ``aot_variants()`` listing every specialisation it can
+launch, for ahead-of-time compile tests. The matmul modules add ``Prepared(problem, config=None)`` (a
+signature planned once; ``.run(problem, stream)`` launches any problem of that signature) and
+``launch(problem, config=None)`` (one prepared call). ``PLANS`` keeps the
 planned calls of ``tilemm.matmul`` by signature; ``prepare_block_scaled`` / ``prepare_fp8`` pick the
 family's ``Prepared`` by GPU generation (``tilemm._arch``).
 

@@ -43,7 +43,8 @@ from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, Described, ceil_div, e2m1_hi_b
 from .hopper_gemm import GemmConfig, gemm_constants, gemm_kernel, launch_gemm, load_k_tile, num_sms
 from .weight_only_kernels import _capturing, _stream_key, workspace
 
-__all__ = ["launch", "Prepared", "aot_variants", "StreamConfig", "TwoPassConfig", "plan", "TWO_PASS_MIN_M"]
+__all__ = ["launch", "Prepared", "aot_variants", "BlockScaledConfig", "StreamConfig", "TwoPassConfig", "plan",
+           "TWO_PASS_MIN_M"]
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -292,6 +293,9 @@ class TwoPassConfig:
         return f"twopass_{self.dequant_rows}x{self.dequant_k}_{self.gemm.name}"
 
 
+#: The family's config: one of its two designs, each a frozen record of its own tiles (``plan``).
+BlockScaledConfig = StreamConfig | TwoPassConfig
+
 #: M from which the two-pass design is used (below it the stream kernel reads the weight once); the
 #: crossing point measured at N=14336, K=4096 lies between M = 128 and M = 1024.
 TWO_PASS_MIN_M = 512
@@ -330,7 +334,7 @@ def _x16(fmt: Format, tile_m: int) -> bool:
     return tile_m >= 64
 
 
-def stream_config(fmt: Format, batch: int, m: int, n: int, k: int, sms: int = 132) -> StreamConfig:
+def _stream_config(fmt: Format, batch: int, m: int, n: int, k: int, sms: int) -> StreamConfig:
     """The stream kernel's config: the smallest tile_m that covers M (up to 128), and a K split
     that gives at least ``occupancy`` blocks per SM when the output alone has too few tiles."""
     tile_m = next((t for t in _STREAM_TILE_M if t >= m), _STREAM_TILE_M[-1])
@@ -346,11 +350,12 @@ def stream_config(fmt: Format, batch: int, m: int, n: int, k: int, sms: int = 13
                         x16=_x16(fmt, tile_m))
 
 
-def plan(fmt: Format, batch: int, m: int, n: int, k: int, sms: int = 132):
-    """The design and config for a problem: a StreamConfig or a TwoPassConfig."""
+def plan(fmt: Format, batch: int, m: int, n: int, k: int, sms: int = 132) -> BlockScaledConfig:
+    """The design and config for a problem: a StreamConfig below ``TWO_PASS_MIN_M`` rows, else a
+    TwoPassConfig."""
     if m >= TWO_PASS_MIN_M:
         return _TWO_PASS_PACKED if fmt.is_packed else _TWO_PASS
-    return stream_config(fmt, batch, m, n, k, sms)
+    return _stream_config(fmt, batch, m, n, k, sms)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -459,7 +464,7 @@ class Prepared:
     __slots__ = ("fmt", "swizzled", "cfg", "direct", "kernel", "grid", "consts", "work_shape", "tiles",
                  "x16_shape", "x16_dtype", "x16_grid", "x16_consts", "n", "_work")
 
-    def __init__(self, problem, config: StreamConfig | TwoPassConfig | None = None):
+    def __init__(self, problem, config: BlockScaledConfig | None = None):
         fmt, out = problem.fmt, problem.out
         batch, m, n = out.shape
         self.fmt, self.swizzled, self.n = fmt, problem.swizzled, n
@@ -541,7 +546,7 @@ class Prepared:
                                                    *self._workspace(out, stream), *self.consts))
 
 
-def launch(problem, config: StreamConfig | TwoPassConfig | None = None) -> None:
+def launch(problem, config: BlockScaledConfig | None = None) -> None:
     """Run a ``tilemm.matmul.BlockScaledProblem`` on an sm_90 GPU, writing ``problem.out``.
 
     ``config`` overrides ``plan``'s choice (for tuning and benchmarks)."""

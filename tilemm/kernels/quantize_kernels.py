@@ -866,8 +866,8 @@ def _fp8_columns_kernel(X, Data, Scale, Amax, ELEMENT: ConstInt, TILE_R: ConstIn
 # --------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class TileConfig:
-    """Rows and K columns per block, and blocks per SM (the compiler's register budget: 64 registers
+class QuantizeConfig:
+    """A quantize kernel's tile (``plan``): rows and K columns per block, and blocks per SM (the compiler's register budget: 64 registers
     per thread at 4). Block-scaled formats need tile_r in {32, 64, 128} and tile_k / block a multiple
     of 4 (whole 32x16 blocks of swizzled scales) when swizzled; FP8 blocks need tile_k % 128 == 0 and,
     for 128x128, tile_r = tile_k = 128."""
@@ -881,52 +881,44 @@ class TileConfig:
 #: the H100 (bf16 input). Transposed inputs are read in storage order (tile_r rows contiguous), and
 #: their swizzled scales scattered (``_store_scales``).
 BLOCK_CONFIGS = {
-    ("mxfp8", True, False): TileConfig(64, 128),
-    ("mxfp8", False, False): TileConfig(16, 512),
-    ("mxfp8", True, True): TileConfig(64, 128),
-    ("mxfp8", False, True): TileConfig(128, 64),
-    ("mxfp4", True, False): TileConfig(32, 256),
-    ("mxfp4", False, False): TileConfig(16, 512),
-    ("mxfp4", True, True): TileConfig(64, 128),
-    ("mxfp4", False, True): TileConfig(128, 64),
-    ("nvfp4", True, False): TileConfig(32, 256),
-    ("nvfp4", False, False): TileConfig(16, 512),
-    ("nvfp4", True, True): TileConfig(128, 64),
-    ("nvfp4", False, True): TileConfig(128, 64),
+    ("mxfp8", True, False): QuantizeConfig(64, 128),
+    ("mxfp8", False, False): QuantizeConfig(16, 512),
+    ("mxfp8", True, True): QuantizeConfig(64, 128),
+    ("mxfp8", False, True): QuantizeConfig(128, 64),
+    ("mxfp4", True, False): QuantizeConfig(32, 256),
+    ("mxfp4", False, False): QuantizeConfig(16, 512),
+    ("mxfp4", True, True): QuantizeConfig(64, 128),
+    ("mxfp4", False, True): QuantizeConfig(128, 64),
+    ("nvfp4", True, False): QuantizeConfig(32, 256),
+    ("nvfp4", False, False): QuantizeConfig(16, 512),
+    ("nvfp4", True, True): QuantizeConfig(128, 64),
+    ("nvfp4", False, True): QuantizeConfig(128, 64),
 }
 #: FP8 per tensor.
-FP8_CONFIG = TileConfig(64, 128)
+FP8_CONFIG = QuantizeConfig(64, 128)
 #: FP8 1x128 blocks: 64x128 spills (with bf16 input) and is still the fastest.
-FP8_1X128_CONFIG = TileConfig(64, 128)
+FP8_1X128_CONFIG = QuantizeConfig(64, 128)
 #: 128x128 blocks (``_fp8_square_tile``, one block per tile), blocks per SM by (transposed input,
 #: bytes per input element): the input tile stays in its dtype, 64 registers per thread for bf16 and
 #: fp16, 128 for fp32; the occupancies are the fastest measured.
 FP8_BLOCK_CONFIGS = {
-    (False, 2): TileConfig(128, 128, occupancy=3),
-    (False, 4): TileConfig(128, 128, occupancy=2),
-    (True, 2): TileConfig(128, 128, occupancy=4),
-    (True, 4): TileConfig(128, 128, occupancy=2),
+    (False, 2): QuantizeConfig(128, 128, occupancy=3),
+    (False, 4): QuantizeConfig(128, 128, occupancy=2),
+    (True, 2): QuantizeConfig(128, 128, occupancy=4),
+    (True, 4): QuantizeConfig(128, 128, occupancy=2),
 }
 #: FP8 of a transposed input (axis=-2), per tensor and 1x128: per tensor read in storage order
 #: (``_fp8_tensor_tile_transposed``; tile_r input columns by tile_k of K), 1x128 loaded through
 #: ``order``; both the fastest of the forms measured.
 FP8_TRANSPOSED_CONFIGS = {
-    _FP8_TENSOR: TileConfig(32, 256),
-    _FP8_1X128: TileConfig(64, 128),
+    _FP8_TENSOR: QuantizeConfig(32, 256),
+    _FP8_1X128: QuantizeConfig(64, 128),
 }
 
 
-def fp8_config(gran: int, transposed: bool, itemsize: int) -> TileConfig:
-    """The tile of ``_fp8_quantize_kernel`` for granularity code ``gran`` and an input of ``itemsize``
-    bytes per element."""
-    if gran == _FP8_128X128:
-        return FP8_BLOCK_CONFIGS[transposed, itemsize]
-    if transposed:
-        return FP8_TRANSPOSED_CONFIGS[gran]
-    return {_FP8_TENSOR: FP8_CONFIG, _FP8_1X128: FP8_1X128_CONFIG}[gran]
-
-
-AMAX_CONFIG = TileConfig(64, 128)
+#: Tile of ``_fake_quant_kernel`` (activations of a few rows).
+FAKE_QUANT_CONFIG = QuantizeConfig(16, 256)
+AMAX_CONFIG = QuantizeConfig(64, 128)
 #: Blocks of the amax reduction per SM (each loops over its share of the tiles).
 AMAX_BLOCKS_PER_SM = 4
 #: Most blocks of the amax reduction, and the per-block maxima its users reduce with one tile load:
@@ -950,19 +942,50 @@ PLAIN_STORE_TARGETS = ("sm_90",)
 #: ``_column_amax_kernel`` reduces ROW_AMAX_CHUNK tiles of ROW_AMAX_CONFIG (tile_r input rows, contiguous
 #: in storage, by tile_k of K) per block, then ``_fp8_columns_kernel`` quantizes one
 #: ROW_TRANSPOSED_CONFIG tile per block (two kernels, so that enough blocks fill the GPU).
-ROW_AMAX_CONFIG = TileConfig(64, 128)
+ROW_AMAX_CONFIG = QuantizeConfig(64, 128)
 ROW_AMAX_CHUNK = 16
-ROW_TRANSPOSED_CONFIG = TileConfig(32, 256)
+ROW_TRANSPOSED_CONFIG = QuantizeConfig(32, 256)
 
 
-def row_config(k: int) -> TileConfig:
-    """FP8 per-row tile for rows of k elements (an input that is not transposed): tile_k the power of
-    two >= k within [1024, 8192], ``ROW_ELEMENTS`` per block."""
-    tile_k = min(ROW_MAX_K, max(ROW_MIN_K, 1 << max(0, k - 1).bit_length()))
-    return TileConfig(ROW_ELEMENTS // tile_k, tile_k)
+#: The granularity codes of ``_fp8_quantize_kernel`` by ``plan``'s kernel names.
+_FP8_GRANULARITY = {"fp8_tensor": _FP8_TENSOR, "fp8_1x128": _FP8_1X128, "fp8_128x128": _FP8_128X128}
+_FP8_KERNEL = {code: name for name, code in _FP8_GRANULARITY.items()}
 
 
-def _row_tma_store(cfg: TileConfig, target: str) -> bool:
+def plan(kernel: str, *, swizzled: bool = False, transposed: bool = False, itemsize: int = 2,
+         k: int = 0) -> QuantizeConfig:
+    """The tile of a quantize launch, from the tables above.
+
+    ``kernel``: "mxfp8", "mxfp4", "nvfp4" (``BLOCK_CONFIGS`` by ``swizzled`` scales and ``transposed``
+    input); "fp8_tensor", "fp8_1x128", "fp8_128x128" (``_fp8_quantize_kernel``; 128x128 by the input's
+    ``itemsize`` bytes per element); "fp8_row" (rows of ``k`` elements: tile_k the power of two >= k
+    within [ROW_MIN_K, ROW_MAX_K], ``ROW_ELEMENTS`` per block; a transposed input's second pass:
+    ``ROW_TRANSPOSED_CONFIG``); "fp8_row_amax" (a transposed input's first pass, ``ROW_AMAX_CONFIG``);
+    "fake_quant" and "amax"."""
+    if kernel in ("mxfp8", "mxfp4", "nvfp4"):
+        return BLOCK_CONFIGS[kernel, swizzled, transposed]
+    gran = _FP8_GRANULARITY.get(kernel)
+    if gran == _FP8_128X128:
+        return FP8_BLOCK_CONFIGS[transposed, itemsize]
+    if gran is not None:
+        if transposed:
+            return FP8_TRANSPOSED_CONFIGS[gran]
+        return FP8_CONFIG if gran == _FP8_TENSOR else FP8_1X128_CONFIG
+    if kernel == "fp8_row":
+        if transposed:
+            return ROW_TRANSPOSED_CONFIG
+        tile_k = min(ROW_MAX_K, max(ROW_MIN_K, 1 << max(0, k - 1).bit_length()))
+        return QuantizeConfig(ROW_ELEMENTS // tile_k, tile_k)
+    if kernel == "fp8_row_amax":
+        return ROW_AMAX_CONFIG
+    if kernel == "fake_quant":
+        return FAKE_QUANT_CONFIG
+    if kernel == "amax":
+        return AMAX_CONFIG
+    raise ValueError(f"quantize_kernels.plan: unknown kernel {kernel!r}")
+
+
+def _row_tma_store(cfg: QuantizeConfig, target: str) -> bool:
     """Whether the per-row kernel stores its fp8 tile through TMA on ``target`` (e.g. "sm_90")."""
     return cfg.tile_k > ROW_PLAIN_STORE_K or target not in PLAIN_STORE_TARGETS
 
@@ -985,7 +1008,7 @@ def _row_tiles_k() -> list[int]:
     return out
 
 
-def _kernel(kernel, cfg: TileConfig):
+def _kernel(kernel, cfg: QuantizeConfig):
     """``kernel`` compiled for cfg's blocks per SM."""
     return kernel if cfg.occupancy == _OCCUPANCY else hinted(kernel, occupancy=cfg.occupancy)
 
@@ -1034,7 +1057,7 @@ def _rows_flattened(op: _Operand) -> _Operand:
     return _Operand(flat, 1, op.batch * op.rows, op.k, False, op.lead)
 
 
-def _grid(batch: int, rows: int, k: int, cfg: TileConfig, swizzle: bool = False) -> tuple[int, int, int]:
+def _grid(batch: int, rows: int, k: int, cfg: QuantizeConfig, swizzle: bool = False) -> tuple[int, int, int]:
     """One block per tile; swizzled scales also need the tiles of the rows padding R to 128."""
     if swizzle:
         rows = -(-rows // SWIZZLE_ROWS) * SWIZZLE_ROWS
@@ -1086,12 +1109,12 @@ def _pieces(where: str, op: _Operand, row_unit: int, k_unit: int, operands) -> l
                         operands)
 
 
-def _row_unit(cfg: TileConfig, swizzle: bool) -> int:
+def _row_unit(cfg: QuantizeConfig, swizzle: bool) -> int:
     """Row cuts on whole tiles, and for swizzled scales on whole 128-row blocks."""
     return max(cfg.tile_r, SWIZZLE_ROWS) if swizzle else cfg.tile_r
 
 
-def _view_grid(view: torch.Tensor, transposed: bool, cfg: TileConfig, swizzle: bool = False):
+def _view_grid(view: torch.Tensor, transposed: bool, cfg: QuantizeConfig, swizzle: bool = False):
     """``_grid`` of a piece's input view, (B, R, K) or transposed (B, K, R)."""
     b, r, k = (view.shape[0], view.shape[2], view.shape[1]) if transposed else view.shape
     return _grid(b, r, k, cfg, swizzle)
@@ -1127,7 +1150,7 @@ def quantize_mx(x: torch.Tensor, fmt: Format, rounding: str, swizzle: bool):
     (x.stride(-2) == 1) is read as it is stored."""
     full = _operand(x)
     op = full if swizzle else _rows_flattened(full)
-    cfg = BLOCK_CONFIGS["mxfp4" if fmt.is_packed else "mxfp8", swizzle, op.transposed]
+    cfg = plan("mxfp4" if fmt.is_packed else "mxfp8", swizzled=swizzle, transposed=op.transposed)
     data = torch.empty(op.batch, op.rows, fmt.data_k(op.k), dtype=fmt.data_dtype, device=x.device)
     scale = _block_scale_buffer(op, op.k // fmt.block, swizzle, torch.uint8)
     floor = 1 if rounding == "floor" else 0
@@ -1151,7 +1174,7 @@ def tensor_amax(x: torch.Tensor, propagate_nan: bool) -> torch.Tensor:
     block writes its own slot, so there is no zeroed buffer to fill first."""
     op = _operand(x)
     view = op.view  # the storage, (B, K, R) for a transposed x: a maximum does not care about order
-    cfg = AMAX_CONFIG
+    cfg = plan("amax")
     # The storage's pieces (``_pieces`` with the storage as (batch, rows, K)): each writes its own
     # share of the AMAX_PARTIALS slots, so the users' maximum covers every piece.
     storage = _Operand(view, view.shape[0], view.shape[1], view.shape[2], False, op.lead)
@@ -1186,7 +1209,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None, swizzle: 
     g_out = torch.empty(1, dtype=torch.float32, device=x.device)
     full = _operand(x)
     op = full if swizzle else _rows_flattened(full)
-    cfg = BLOCK_CONFIGS["nvfp4", swizzle, op.transposed]
+    cfg = plan("nvfp4", swizzled=swizzle, transposed=op.transposed)
     data = torch.empty(op.batch, op.rows, op.k // 2, dtype=torch.uint8, device=x.device)
     scale = _block_scale_buffer(op, op.k // NVFP4.block, swizzle, torch.uint8)
     kernel = _kernel(_nvfp4_quantize_kernel, cfg)
@@ -1209,10 +1232,6 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None, swizzle: 
     return data, scale, g_out.reshape(())
 
 
-#: Tile of ``_fake_quant_kernel`` (activations of a few rows).
-FAKE_QUANT_CONFIG = TileConfig(16, 256)
-
-
 class FakeQuant:
     """``dequantize(quantize(x))`` of an activation x (M, K), contiguous, as a bf16 (M, K) tensor, with
     everything but x worked out once: the format ("mxfp8" with e4m3 / e5m2, "mxfp4", "nvfp4"), the MX
@@ -1220,7 +1239,7 @@ class FakeQuant:
     (``run`` returns ``S_dec * alpha`` as a new (1,) tensor). One launch; NVFP4 with more tiles than
     the GPU has SMs: two, ``tensor_amax`` first."""
 
-    __slots__ = ("element", "nv", "floor", "alpha", "_stub_i32", "_kernel", "_sms")
+    __slots__ = ("element", "nv", "floor", "alpha", "config", "_stub_i32", "_kernel", "_sms")
 
     def __init__(self, fmt: Format, rounding: str | None, alpha: torch.Tensor):
         self.element = _ELEMENT_CODE[fmt.element]
@@ -1229,7 +1248,8 @@ class FakeQuant:
         # Fixed arguments, described for cuTile once (``Described``).
         self.alpha = Described(alpha)
         self._stub_i32 = Described(torch.zeros(1, dtype=torch.int32, device=alpha.device))
-        self._kernel = _kernel(_fake_quant_kernel, FAKE_QUANT_CONFIG)
+        self.config = plan("fake_quant")
+        self._kernel = _kernel(_fake_quant_kernel, self.config)
         self._sms = num_sms(alpha.device)
 
     def run(self, x: torch.Tensor, stream, amax: torch.Tensor | None = None
@@ -1238,7 +1258,7 @@ class FakeQuant:
         or a torch.cuda.Stream, the one x's producer ran on. ``amax`` (NVFP4): the tensor amax to use
         instead of x's, as (1,) int32 fp32 bits (a row-wise tensor-parallel rank's all-reduced one)."""
         m, k = x.shape
-        cfg = FAKE_QUANT_CONFIG
+        cfg = self.config
         out = torch.empty((m, k), dtype=torch.bfloat16, device=x.device)
         alpha_out = torch.empty(1, dtype=torch.float32, device=x.device) if self.nv else self.alpha
         blocks = -(-m // cfg.tile_r) * -(-k // cfg.tile_k)
@@ -1291,7 +1311,7 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
         row_scale = ((0, 0, 1), (1, 1, 1))  # (B, R, 1): its last dimension follows no axis
         if op.transposed:
             amax = torch.zeros(op.batch, op.rows, dtype=torch.int32, device=x.device)
-            acfg, cfg = ROW_AMAX_CONFIG, ROW_TRANSPOSED_CONFIG
+            acfg, cfg = plan("fp8_row_amax"), plan("fp8_row", transposed=True)
             # Every piece's column maxima (atomic, into the rows of Amax it covers) before any piece
             # is quantized: pieces cut along K share their rows' maxima.
             views = _pieces("quantize_fp8", op, max(acfg.tile_r, cfg.tile_r), max(acfg.tile_k, cfg.tile_k),
@@ -1307,7 +1327,7 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
                 _launch_kernel(x.device, _view_grid(view, True, cfg), _kernel(_fp8_columns_kernel, cfg),
                                (view, d, s, a, element, cfg.tile_r, cfg.tile_k))
         else:
-            cfg = row_config(op.k)
+            cfg = plan("fp8_row", k=op.k)
             tma = _row_tma_store(cfg, _target(x.device))
             for view, d, s in _pieces("quantize_fp8", op, cfg.tile_r, op.k,
                                       (("x", op.view, _BRK), ("data", data, _BRK), ("scale", scale, row_scale))):
@@ -1334,7 +1354,7 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
         gran = _FP8_128X128
         scale_dims = amax_dims = ((0, 0, 1), (1, 1, FP8_BLOCK), (2, 2, FP8_BLOCK))
     data = torch.empty(op.batch, op.rows, op.k, dtype=fmt.data_dtype, device=x.device)
-    cfg = fp8_config(gran, op.transposed, x.element_size())
+    cfg = plan(_FP8_KERNEL[gran], transposed=op.transposed, itemsize=x.element_size())
     kernel = _kernel(_fp8_quantize_kernel, cfg)
     tma = fp8_tma_store(gran, _target(x.device))
     for view, d, s, a in _pieces("quantize_fp8", op, cfg.tile_r, cfg.tile_k,
@@ -1382,23 +1402,23 @@ def aot_variants() -> list[AotVariant]:
                 scale = array(ct.uint8, 6 if swizzled else 3)
                 layout = ("swz" if swizzled else "log") + t
                 for element, code in _ELEMENT_CODE.items():
-                    cfg = BLOCK_CONFIGS["mxfp4" if element == "e2m1" else "mxfp8", swizzled, transposed]
+                    cfg = plan("mxfp4" if element == "e2m1" else "mxfp8", swizzled=swizzled, transposed=transposed)
                     add(f"quantize_mx_{element}_{in_name}_{layout}", _mx_quantize_kernel, cfg,
                         [x, _data_array(element), scale, _INT32, code, swizzled, transposed])
                 for source in ("given", "amax", "grid_amax"):
                     from_amax, grid_amax = source != "given", source == "grid_amax"
                     add(f"quantize_nvfp4_{source}_{in_name}_{layout}",
-                        _nvfp4_quantize_kernel, BLOCK_CONFIGS["nvfp4", swizzled, transposed],
+                        _nvfp4_quantize_kernel, plan("nvfp4", swizzled=swizzled, transposed=transposed),
                         [x, u8, scale, i32_1 if from_amax else f32_1, f32_1, from_amax, grid_amax, swizzled,
                          transposed])
             for element in ("e4m3", "e5m2"):
                 code = _ELEMENT_CODE[element]
                 if transposed:
                     add(f"quantize_fp8_rowcols_{element}_{in_name}", _fp8_columns_kernel,
-                        ROW_TRANSPOSED_CONFIG,
+                        plan("fp8_row", transposed=True),
                         [x, _data_array(element), array(ct.float32, 3), array(ct.int32, 2), code])
                 for tile_k in [] if transposed else _row_tiles_k():
-                    cfg = row_config(tile_k)
+                    cfg = plan("fp8_row", k=tile_k)
                     for tma in (True, False):
                         targets = tuple(tg for tg in TARGETS if _row_tma_store(cfg, tg) == tma)
                         if targets:
@@ -1409,7 +1429,7 @@ def aot_variants() -> list[AotVariant]:
                 if element == "e4m3":
                     grans.update({"1x128": _FP8_1X128, "128x128": _FP8_128X128})
                 for gname, gran in grans.items():
-                    cfg = fp8_config(gran, transposed, in_dtype.bitwidth // 8)
+                    cfg = plan(_FP8_KERNEL[gran], transposed=transposed, itemsize=in_dtype.bitwidth // 8)
                     scale = f32_1 if gran == _FP8_TENSOR else array(ct.float32, 3)
                     amax = i32_1 if gran == _FP8_TENSOR else array(ct.float32, 3)
                     for tma in (False, True):
@@ -1423,13 +1443,13 @@ def aot_variants() -> list[AotVariant]:
             for nv, grid_amax in ((False, False),) if element != "e2m1" else ((False, False), (True, False),
                                                                                (True, True)):
                 kind = ("nvfp4_grid_amax" if grid_amax else "nvfp4") if nv else f"mx_{element}"
-                add(f"fake_quant_{kind}_{in_name}", _fake_quant_kernel, FAKE_QUANT_CONFIG,
+                add(f"fake_quant_{kind}_{in_name}", _fake_quant_kernel, plan("fake_quant"),
                     [array(in_dtype, 2), array(ct.bfloat16, 2), _INT32, i32_1, f32_1, f32_1, code, nv,
                      grid_amax])
-        add(f"amax_columns_{in_name}", _column_amax_kernel, ROW_AMAX_CONFIG,
+        add(f"amax_columns_{in_name}", _column_amax_kernel, plan("fp8_row_amax"),
             [array(in_dtype, 3), array(ct.int32, 2), ROW_AMAX_CHUNK])
         for propagate in (False, True):
             for columns in (False, True):
                 add(f"amax_{'nan' if propagate else 'nonan'}_{in_name}{'_t' if columns else ''}", _amax_kernel,
-                    AMAX_CONFIG, [x, i32_1, propagate, columns])
+                    plan("amax"), [x, i32_1, propagate, columns])
     return variants

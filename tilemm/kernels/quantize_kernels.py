@@ -68,7 +68,8 @@ from .._arch import capability, gpu_code, has_kernels
 from ..formats import E2M1, E4M3, E5M2, ELEMENT_CODES, FP8_BLOCK, FP8_E4M3, NVFP4, Format
 from . import _large
 from ._aot import TARGETS, AotVariant, array
-from ._common import SWIZZLE_COLS, SWIZZLE_ROWS, Described, hinted, num_sms, stream_handle
+from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, Described, e2m1_to_fp32, e8m0_to_fp32, hinted, num_sms,
+                      stream_handle)
 from .weight_only_kernels import _capturing, _outside_graph_pools, _stream_key
 
 __all__ = ["quantize_mx", "quantize_nvfp4", "quantize_fp8", "FakeQuant", "aot_variants", "supported"]
@@ -118,7 +119,6 @@ _EXP_MASK = 0x7F800000  # fp32 exponent field; bits >= this (sign cleared) are I
 _SIGN_BIT = -0x80000000  # 0x80000000 as an int32
 _ROUND_MAGIC = 12582912.0  # 1.5 * 2^23: v + M rounds v (|v| < 2^22) to an integer, ties to even
 _ROUND_MAGIC_BITS = 0x4B400000
-_TWO_126 = 2.0 ** 126
 
 
 # --------------------------------------------------------------------------------------------------
@@ -235,13 +235,10 @@ def _e8m0_scale(amax, Floor, INV_QMAX, EMAX):
 
 
 def _e8m0_multiplier(s):
-    """x -> x * 2^(127 - s) multipliers (fp32, exact powers of two, from bits) for scale bytes s.
-
-    Byte 254 gives the subnormal 2^-127. Bytes 0 and 255 give 0: their blocks store zero data
-    (the fp8 path sets NaN blocks afterwards)."""
-    bits = ct.where(s == _E8M0_MAX_FINITE, 0x00400000, (_E8M0_MAX_FINITE - s) << 23)
-    bits = ct.where((s == 0) | (s == _E8M0_NAN), 0, bits)
-    return ct.bitcast(bits, ct.float32)
+    """x -> x * 2^(127 - s) multipliers (fp32, exact powers of two) for scale bytes s (int32): the
+    e8m0 value of byte 254 - s (``e8m0_to_fp32``), so byte 254 gives the subnormal 2^-127. Bytes 0
+    and 255 give 0: their blocks store zero data (the fp8 path sets NaN blocks afterwards)."""
+    return ct.where((s == 0) | (s == _E8M0_NAN), 0.0, e8m0_to_fp32(_E8M0_MAX_FINITE - s))
 
 
 def _fp8_cast(y, dtype):
@@ -478,19 +475,6 @@ def _nvfp4_encode_tile(x, Data, Scale, s_enc, s_dec, b, rt, kt, SWIZZLED, TRANSP
     _store_scales(Scale, s_b_bytes, b, rt, kt, TILE_R, TILE_K // BLOCK, SWIZZLED, TRANSPOSED)
 
 
-def _e2m1_values(codes):
-    """e2m1 codes (int32 0..15) -> their values in fp32, exactly: the three magnitude bits put at fp32
-    bits 22..24 make e2m1 * 2^-126 (code 1, 0.5, lands on the subnormal 2^-127), the sign at bit 31."""
-    bits = ((codes & 7) << 22) | ((codes & 8) << 28)
-    return ct.bitcast(bits, ct.float32) * _TWO_126
-
-
-def _e8m0_value(s):
-    """Scale bytes s (int32 0..255) -> 2^(s - 127) in fp32 (byte 0: the subnormal 2^-127; 255: NaN)."""
-    v = ct.bitcast(ct.where(s == 0, 0x00400000, s << 23), ct.float32)
-    return ct.where(s == _E8M0_NAN, _nan_like(v), v)
-
-
 def _grid_amax(Sync, bits):
     """The maximum of every block's ``bits`` (non-negative int32), as a (1,) tile, through Sync
     (int32 [maximum, arrived, departed], zero on entry and again on exit): a barrier over the whole
@@ -561,19 +545,19 @@ def _fake_quant_kernel(X, Out, Floor, Amax, Alpha, AlphaOut, ELEMENT: ConstInt, 
                              ct.float8_e4m3fn).astype(ct.float32)
         enc = ct.minimum(ct.truediv(1.0, s_b_f32 * s_dec.reshape((1, 1, 1)), rounding_mode=_RN), _FLT_MAX,
                          propagate_nan=True)
-        v = _e2m1_values(_e2m1_codes(x * enc)) * s_b_f32
+        v = e2m1_to_fp32(_e2m1_codes(x * enc)) * s_b_f32
     else:
         INV_QMAX, EMAX = _mx_limits(ELEMENT)
         sb = _e8m0_scale(amax, Floor, INV_QMAX, EMAX)
         y = x * _e8m0_multiplier(sb)
         if ELEMENT == _E2M1:
-            q = _e2m1_values(_e2m1_codes(y))
+            q = e2m1_to_fp32(_e2m1_codes(y))
         elif ELEMENT == _E4M3:
             q = _fp8_cast(y, ct.float8_e4m3fn).astype(ct.float32)
         else:
             q = _fp8_cast(y, ct.float8_e5m2).astype(ct.float32)
         # Scale byte 0 blocks store +0 data; NaN blocks give q * NaN = NaN whatever q is.
-        v = ct.where(sb == 0, 0.0, q * _e8m0_value(sb))
+        v = ct.where(sb == 0, 0.0, q * e8m0_to_fp32(sb))
     ct.store(Out, (rt, kt), v.reshape((TILE_R, TILE_K)).astype(ct.bfloat16))
 
 

@@ -450,9 +450,10 @@ class Linear(torch.nn.Module):
         """What the small-batch runner is built from: the device and the quantized buffers and bias,
         each with its version counter (in-place changes, ``load_state_dict``, bump it)."""
         buffers = self._buffers
-        weight, bias, gs = buffers["weight"], buffers["bias"], buffers.get("weight_global_scale")
+        weight, bias, global_scale = buffers["weight"], buffers["bias"], buffers.get("weight_global_scale")
         return (device, weight, weight._version, buffers["weight_scale"]._version,
-                None if gs is None else (gs, gs._version), None if bias is None else (bias, bias._version))
+                None if global_scale is None else (global_scale, global_scale._version),
+                None if bias is None else (bias, bias._version))
 
     def _forward_weight_only(self, x: torch.Tensor) -> torch.Tensor:
         """The fused weight-only kernel. Eager CUDA calls go straight to a cached WeightOnlyRunner (one

@@ -247,13 +247,15 @@ def hinted(kernel, **hints):
 
 def folded_alpha(problem):
     """A ``BlockScaledProblem``'s alpha with NVFP4's decode scales multiplied in, as one fp32 tensor:
-    ``fp32(gx * gy)``, then ``* alpha`` when one is given (the order ``nvfp4_matmul`` documents), or
+    ``fp32(global_scale_x * global_scale_y)``, then ``* alpha`` when one is given (the order
+    ``nvfp4_matmul`` documents), or
     ``problem.alpha`` (None for none) when the problem carries no decode scales. For the launchers
     that apply one alpha; Hopper's stream kernel multiplies the scales in its epilogue instead."""
     if problem.global_scales is None:
         return problem.alpha
-    gx, gy = problem.global_scales
-    return gx * gy if problem.alpha is None else gx * gy * problem.alpha
+    global_scale_x, global_scale_y = problem.global_scales
+    scales = global_scale_x * global_scale_y
+    return scales if problem.alpha is None else scales * problem.alpha
 
 
 class Described:

@@ -125,7 +125,7 @@ def _decode(raw, s_raw, ROWS, TK, SC, ELEMENT, SCALE_E8M0, FOLD_NVFP4):
 
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
-def _stream_kernel(A, A_scale, B, B_scale, C, Alpha, Gx, Gy, Bias, Partial, Counter,
+def _stream_kernel(A, A_scale, B, B_scale, C, Alpha, GlobalScaleX, GlobalScaleY, Bias, Partial, Counter,
                    ELEMENT: ConstInt, SCALE_E8M0: ConstBool, SCALE_BLOCK: ConstInt, SWIZZLED: ConstBool,
                    TM: ConstInt, TN: ConstInt, TK: ConstInt, SPLIT_K: ConstInt, LATENCY: ConstInt,
                    X16: ConstBool):
@@ -134,7 +134,8 @@ def _stream_kernel(A, A_scale, B, B_scale, C, Alpha, Gx, Gy, Bias, Partial, Coun
 
     Grid: SPLIT_K * Bt * cdiv(N, TN) * cdiv(M, TM) blocks, M tiles fastest (blocks that share a weight
     tile run together). A (Ba, M, Kd), B (Bb, N, Kd); scales logical (B*, R, Ks) or the 6-D swizzled
-    view; C (Bt, M, N); Alpha, Gx, Gy (1,) fp32 (``_epilogue``); Partial (SPLIT_K * Bt, M, N) fp32 and
+    view; C (Bt, M, N); Alpha, GlobalScaleX, GlobalScaleY (1,) fp32 (``_epilogue``); Partial
+    (SPLIT_K * Bt, M, N) fp32 and
     Counter (one int32 per output tile, zero between launches), used when SPLIT_K > 1
     (``_split_k_finish``). With X16, A is instead ``_dequantize_kernel``'s 16-bit copy of the
     activation (Ba, M, Kp), written with TK-wide tiles so that its [lo | hi] order is the weight's, and
@@ -180,27 +181,28 @@ def _stream_kernel(A, A_scale, B, B_scale, C, Alpha, Gx, Gy, Bias, Partial, Coun
         acc = acc * (_NVFP4_FOLD if X16 else _NVFP4_FOLD * _NVFP4_FOLD)
     out = acc.transpose()
     if SPLIT_K == 1:
-        _epilogue(out, C, Alpha, Gx, Gy, Bias, batch, bm, bn, SCALE_E8M0, TM, TN)
+        _epilogue(out, C, Alpha, GlobalScaleX, GlobalScaleY, Bias, batch, bm, bn, SCALE_E8M0, TM, TN)
     else:
-        _split_k_finish(out, C, Alpha, Gx, Gy, Bias, Partial, Counter, split, batch, bm, bn, pid % (num_m * num_n
-                        * C.shape[0]), SCALE_E8M0, SPLIT_K, TM, TN)
+        _split_k_finish(out, C, Alpha, GlobalScaleX, GlobalScaleY, Bias, Partial, Counter, split, batch, bm, bn,
+                        pid % (num_m * num_n * C.shape[0]), SCALE_E8M0, SPLIT_K, TM, TN)
 
 
-def _epilogue(acc, C, Alpha, Gx, Gy, Bias, batch, bm, bn, SCALE_E8M0, TM, TN):
+def _epilogue(acc, C, Alpha, GlobalScaleX, GlobalScaleY, Bias, batch, bm, bn, SCALE_E8M0, TM, TN):
     """C[batch] tile (bm, bn) = acc * alpha + bias, rounded once to C's dtype; NVFP4's alpha is
-    fp32(fp32(gx * gy) * Alpha), the two tensors' decode scales Gx, Gy multiplied in the order
+    fp32(fp32(global_scale_x * global_scale_y) * Alpha), the two tensors' decode scales GlobalScaleX,
+    GlobalScaleY multiplied in the order
     ``nvfp4_matmul`` documents (Alpha is 1 when the call gives none: an exact factor)."""
     if SCALE_E8M0:
         alpha = ct.load(Alpha, (0,), (1,))
     else:
-        alpha = ct.load(Gx, (0,), (1,)) * ct.load(Gy, (0,), (1,)) * ct.load(Alpha, (0,), (1,))
+        alpha = ct.load(GlobalScaleX, (0,), (1,)) * ct.load(GlobalScaleY, (0,), (1,)) * ct.load(Alpha, (0,), (1,))
     bias = ct.load(Bias, (bn,), (TN,), padding_mode=_ZERO).reshape((1, TN))
     out = acc * alpha.reshape((1, 1)) + bias
     ct.store(C, (batch, bm, bn), out.astype(C.dtype).reshape((1, TM, TN)))
 
 
-def _split_k_finish(out, C, Alpha, Gx, Gy, Bias, Partial, Counter, split, batch, bm, bn, tile, SCALE_E8M0,
-                    SPLIT_K, TM, TN):
+def _split_k_finish(out, C, Alpha, GlobalScaleX, GlobalScaleY, Bias, Partial, Counter, split, batch, bm, bn, tile,
+                    SCALE_E8M0, SPLIT_K, TM, TN):
     """The batched form of ``weight_only_kernels._split_k_finish``: store this block's fp32 partial
     tile ``out`` (TM, TN) as Partial[split * Bt + batch]; the block that brings output tile ``tile``'s
     arrival counter to SPLIT_K adds the SPLIT_K partials in split order (the same order whichever
@@ -215,7 +217,7 @@ def _split_k_finish(out, C, Alpha, Gx, Gy, Bias, Partial, Counter, split, batch,
         for s in range(SPLIT_K):
             part = ct.load(Partial, (s * bt + batch, bm, bn), (1, TM, TN), padding_mode=_ZERO)
             total = total + part.reshape((TM, TN))
-        _epilogue(total, C, Alpha, Gx, Gy, Bias, batch, bm, bn, SCALE_E8M0, TM, TN)
+        _epilogue(total, C, Alpha, GlobalScaleX, GlobalScaleY, Bias, batch, bm, bn, SCALE_E8M0, TM, TN)
         ct.atomic_xchg(Counter, tile, 0)
 
 
@@ -385,7 +387,8 @@ def _check_scale_tile(fmt: Format, tile_k: int, what: str) -> None:
                          f"for {fmt.name}, got {tile_k}")
 
 
-def _launch_stream(problem, cfg: StreamConfig, a, a_scale, b, b_scale, alpha, gx, gy, bias, stream) -> None:
+def _launch_stream(problem, cfg: StreamConfig, a, a_scale, b, b_scale, alpha, global_scale_x, global_scale_y, bias,
+                   stream) -> None:
     fmt, out = problem.fmt, problem.out
     batch, m, n = out.shape
     if cfg.x16:
@@ -416,7 +419,7 @@ def _launch_stream(problem, cfg: StreamConfig, a, a_scale, b, b_scale, alpha, gx
         work = ((pout, palpha) if cfg.split_k == 1 else
                 (partial[:cfg.split_k * pout.numel()].view(cfg.split_k * pbatch, pm, pn), counters[:tiles]))
         ct.launch(stream, (cfg.split_k * tiles, 1, 1), kernel,
-                  (pa, psa, pb, psb, pout, palpha, gx, gy, pbias, *work,
+                  (pa, psa, pb, psb, pout, palpha, global_scale_x, global_scale_y, pbias, *work,
                    *_stream_constants(fmt, problem.swizzled, cfg)))
 
 
@@ -532,18 +535,18 @@ class Prepared:
             return
         alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
         if problem.global_scales is None:
-            gx = gy = ones_scalar(device)
+            global_scale_x = global_scale_y = ones_scalar(device)
         else:
-            gx, gy = (g.reshape(1) for g in problem.global_scales)
+            global_scale_x, global_scale_y = (g.reshape(1) for g in problem.global_scales)
         if not self.direct:
-            _launch_stream(problem, cfg, a, a_scale, b, b_scale, alpha, gx, gy, bias, stream)
+            _launch_stream(problem, cfg, a, a_scale, b, b_scale, alpha, global_scale_x, global_scale_y, bias, stream)
             return
         if cfg.x16:
             a16 = torch.empty(self.x16_shape, dtype=self.x16_dtype, device=device)
             ct.launch(stream, self.x16_grid, _dequantize_kernel, (a, a_scale, a16, *self.x16_consts))
             a = a16
-        ct.launch(stream, self.grid, self.kernel, (a, a_scale, b, b_scale, out, alpha, gx, gy, bias,
-                                                   *self._workspace(out, stream), *self.consts))
+        ct.launch(stream, self.grid, self.kernel, (a, a_scale, b, b_scale, out, alpha, global_scale_x, global_scale_y,
+                                                   bias, *self._workspace(out, stream), *self.consts))
 
 
 def launch(problem, config: BlockScaledConfig | None = None) -> None:

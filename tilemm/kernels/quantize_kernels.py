@@ -1190,7 +1190,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None, swizzle: 
     launch (``_grid_amax``: one launch) when its grid fits one block per SM, else by ``tensor_amax``
     first."""
     from_amax = global_scale is None
-    g_out = torch.empty(1, dtype=torch.float32, device=x.device)
+    global_scale_out = torch.empty(1, dtype=torch.float32, device=x.device)
     full = _operand(x)
     op = full if swizzle else _rows_flattened(full)
     cfg = plan("nvfp4", swizzled=swizzle, transposed=op.transposed)
@@ -1210,10 +1210,10 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None, swizzle: 
         g = tensor_amax(x, propagate_nan=False) if amax is None else amax.view(torch.int32).reshape(1)
     for view, d, s in pieces:
         _launch_kernel(x.device, _view_grid(view, op.transposed, cfg, swizzle), kernel,
-                       (view, d, s, g, g_out, from_amax, grid_amax, swizzle, op.transposed, cfg.tile_r,
+                       (view, d, s, g, global_scale_out, from_amax, grid_amax, swizzle, op.transposed, cfg.tile_r,
                         cfg.tile_k))
     data, scale = _shaped(full, x, data, scale, swizzle)
-    return data, scale, g_out.reshape(())
+    return data, scale, global_scale_out.reshape(())
 
 
 class FakeQuant:

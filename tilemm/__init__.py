@@ -35,7 +35,7 @@ from . import ops  # registers torch.ops.tilemm.* (the public functions above ca
 from . import nn
 from .moe import moe_linear
 from .nn import quantize_model
-from . import checkpoints
+from . import conventions, checkpoints
 from .checkpoints import export_quantized, load_quantized
 
 __version__ = "0.1.0"
@@ -59,6 +59,6 @@ __all__ = [
     "mxfp8_matmul", "mxfp4_matmul", "nvfp4_matmul", "fp8_matmul", "linear",
     "prepack", "unpack", "PackedWeight", "moe_linear",
     "swizzle_32_4_4", "unswizzle_32_4_4", "UnsupportedGPUError", "crosscheck",
-    "nn", "quantize_model", "checkpoints", "load_quantized", "export_quantized",
+    "nn", "quantize_model", "conventions", "checkpoints", "load_quantized", "export_quantized",
     "parallel", "shard_linear", "ops", "formats", "numerics", "reference",
 ]

@@ -38,12 +38,14 @@ import torch.nn.functional as F
 
 import swizzle as _swizzle
 
+from . import conventions as _conventions
 from . import matmul as _matmul
 from ._arch import Family, family
 from . import packed as _packed
 from . import quantize as _quantize
 from . import weight_only as _weight_only
 from .formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
+from .moe import GPT_OSS_EXPERTS, MoEExperts
 
 __all__ = ["Linear", "quantize_model", "FORMATS"]
 
@@ -302,7 +304,7 @@ class Linear(torch.nn.Module):
         Args:
             weight: a tilemm ``MXFP8Tensor`` / ``MXFP4Tensor`` / ``NVFP4Tensor`` / ``FP8Tensor`` of a 2-D
                 (out_features, in_features) weight, or, with ``convention``, one layer of a checkpoint
-                written by another tool (see ``tilemm.checkpoints.to_tilemm``).
+                written by another tool (see ``tilemm.conventions.to_tilemm``).
             bias: (out_features,) or None; kept as it is.
             convention: ``None`` (a tilemm tensor), ``"compressed-tensors"`` (with ``format=``),
                 ``"modelopt"``, ``"gpt-oss"`` or ``"torchao"``; ``convention_options`` go to it.
@@ -312,11 +314,9 @@ class Linear(torch.nn.Module):
         The data and scale bytes become the buffers as they are (views of ``weight``'s tensors);
         only a scale whose layout differs from ``swizzle`` is re-laid out.
         """
-        from . import checkpoints
-
         fn = "tilemm.nn.Linear.from_quantized"
-        q = checkpoints.to_tilemm(weight, convention, **convention_options)
-        format, storage = checkpoints.linear_options(q)
+        q = _conventions.to_tilemm(weight, convention, **convention_options)
+        format, storage = _conventions.linear_options(q)
         options = _Options(fn, format, swizzle=swizzle, weight_only=weight_only, rounding=rounding,
                            granularity=storage.get("granularity"), elem_dtype=storage.get("elem_dtype"))
         if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != q.data.shape[:1]):
@@ -326,10 +326,10 @@ class Linear(torch.nn.Module):
         module = cls(in_features, q.data.shape[0], bias is not None, format=format, device="meta",
                      bias_dtype=torch.float32 if bias is None else bias.dtype, **options.as_kwargs())
         if options.packed:  # weight-only: the prepacked layout, built from the logical scale
-            module._set_packed(_packed.prepack(type(q)(q.data, checkpoints.scale_for_layout(q, False), *q[2:])))
+            module._set_packed(_packed.prepack(type(q)(q.data, _conventions.scale_for_layout(q, False), *q[2:])))
             module.bias = None if bias is None else bias.detach()
             return module
-        fields = (q.data, checkpoints.scale_for_layout(q, options.swizzle), *q[2:])
+        fields = (q.data, _conventions.scale_for_layout(q, options.swizzle), *q[2:])
         for name, t in zip(_QUANTIZED_BUFFERS, fields):
             expected = module._buffers[name]
             if t.dtype != expected.dtype or t.shape != expected.shape:
@@ -659,8 +659,6 @@ def quantize_model(model: torch.nn.Module, format: str, *,
             converted[id(module)] = Linear.from_float(_dequantized(module), format, **options.as_kwargs())
         if _is_gpt_oss_experts(module) and options.packed and name and not is_skipped(name, module):
             # gpt-oss's experts block (not nn.Linear layers): stacked packed experts (tilemm.moe).
-            from .moe import MoEExperts
-
             if id(module) not in converted:
                 converted[id(module)] = MoEExperts.from_gpt_oss(module, format, quantizer=options.quantize_weight)
         if id(module) in converted and (isinstance(module, Linear) or _is_gpt_oss_experts(module)):
@@ -697,8 +695,6 @@ def _dequantized(layer: Linear) -> torch.nn.Linear:
 
 def _is_gpt_oss_experts(module: torch.nn.Module) -> bool:
     """transformers' gpt-oss experts block (matched by name: transformers is not a dependency)."""
-    from .moe import GPT_OSS_EXPERTS
-
     return type(module).__name__ == GPT_OSS_EXPERTS
 
 

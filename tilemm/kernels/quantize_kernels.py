@@ -1,58 +1,26 @@
 """GPU quantizers: MXFP8, MXFP4, NVFP4 and FP8 in cuTile, bit-identical to ``tilemm.quantize``'s reference.
 
-What they compute: exactly what ``tilemm.quantize._quantize_<fmt>_reference`` computes (docs/numerics.md),
-for float32 / bfloat16 / float16 input (converted to fp32 in registers, which is exact). Each element
-is read once -- FP8 per tensor, and NVFP4 without a global scale on more tiles than the GPU has SMs,
-first run ``_amax_kernel`` (one more read; a smaller NVFP4 input takes its amax inside the one
-launch, ``_grid_amax``), FP8 per row reads each row twice when K > 8192 (the second time mostly from
-L2), and along axis=-2 first runs ``_column_amax_kernel`` -- and data plus scales are written in one
-pass, the scales already in the 32x4x4 layout when asked, its padding included.
-``tilemm.quantize.run_quantize_*`` dispatch non-empty CUDA tensors on sm_90 or newer here.
+Each kernel computes exactly what ``tilemm.quantize._quantize_<fmt>_reference`` computes
+(docs/numerics.md) for fp32 / bf16 / fp16 input (widened to fp32 in registers: exact), every rounding
+step on fp32 values and bits, in the reference's order:
 
-Every rounding step works on fp32 values and bits, in the reference's order:
+* e8m0 scales (MX): RCEIL or FLOOR from the bits, clamped to [0, 254]; a NaN / Inf block gets 255
+  (``_e8m0_scale``). Data: ``x * 2^(127-s)`` (exact), then e4m3 / e5m2 by ``ct.astype``
+  (``cvt.rn.satfinite``: the reference's clamp-then-round) or e2m1 by ``_e2m1_codes``.
+* NVFP4: ``S_enc``, ``s_b`` and ``enc`` as the reference, divisions IEEE (``RoundingMode.RN``), the
+  tensor amax over the finite elements; a NaN / Inf block gets the NaN scale 0x7F.
+* FP8: ``fp32(x / s)`` correctly rounded from one IEEE division per group (``_fp8_divide``, with the
+  proof); NaN groups store 0x7F.
 
-* e8m0 scales (MX): RCEIL from the bits of ``d = amax * fp32(1/Qmax)``, FLOOR from the bits of amax,
-  clamped to [0, 254]; a block holding NaN or +-Inf gets 255 (``_e8m0_scale``).
-* MX data: ``x * 2^(127-s)``, the power of two built from bits (an exact multiply), then
-  e4m3 / e5m2 through ``ct.astype``, which is ``cvt.rn.satfinite`` (F2FP.SATFINITE on sm_90): round to
-  nearest even, saturating at +-Qmax, i.e. the reference's clamp-then-round; or e2m1 by
-  ``_e2m1_codes`` (ties to even, from three exactly rounded fp32 adds). Blocks with scale byte 0 store
-  +0 and NaN blocks 0x7F (fp8) or code 0 (e2m1); the fp8 path does those selects only in tiles that
-  have such blocks.
-* NVFP4: ``S_enc``, ``s_b``, ``enc`` as the reference, divisions IEEE (``ct.truediv`` with
-  ``RoundingMode.RN``: no approximate reciprocal, no flush to zero); the tensor amax over the finite
-  elements, and a block holding a NaN or an Inf gets the NaN scale 0x7F (``_nvfp4_block_scale``).
-* FP8: ``fp32(x / s)`` correctly rounded without a division per element: one IEEE division per
-  group, then Markstein's residual correction with fused multiply-adds (``_fp8_divide``, where the
-  proof is); NaN groups store 0x7F.
-
-One portable implementation serves sm_90, sm_100 and sm_120 (``aot_variants`` lists every
-specialisation for all three): nothing uses float8_e8m0fnu or float4_e2m1fn, which cuTile rejects on
-Hopper. Scale bytes are stored as uint8 (e8m0, e4m3), fp8 data as float8 arrays, e2m1 packed in uint8.
-Blackwell's native e2m1 conversion was compiled and compared and does not pay here (the figures are in
-benchmarks/results/quantize-nvidia-h100-80gb-hbm3.md).
-
-Layout and grid: the input is a 3-D view (B, R, K) -- R rows per batch entry, blocks along K -- or,
-with ``TRANSPOSED``, the (B, K, R) storage of ``x.mT`` (the ``axis=-2`` quantizers: no copy). The
-block-scaled kernels, FP8 per tensor, FP8 per row and FP8 128x128 load its tiles in storage order
-(128x128 transposes strips of the input tile in registers, the others only the quantized bytes on the
-store); FP8 1x128 loads through ``order=(0, 2, 1)``, which was faster for it. One block
-quantizes one (TILE_R, TILE_K) tile; the grid is 1-D over B x row tiles x cdiv(K, TILE_K), K fastest.
-Logical scales of a contiguous batch are quantized as one (1, B * R, K) matrix. Swizzled scales are
-stored through the (B, R/128, Ks/4, 32, 4, 4) view of the 32x4x4 layout (its 16 columns split as 4
-row sub-tiles m2 x 4 columns k1): with TILE_R in {32, 64, 128} and TILE_K / block = 4 * G, the tile's
-scales s (TILE_R, 4G) go to::
-
-    row 32 * m2 + m1 of the 128-row block, column 4 * g + k1  ->  [g, m1, m2, k1]
-
-i.e. ``s.reshape(TILE_R / 32, 32, G, 4).permute(2, 1, 0, 3)`` (from the transposed kernels' (4G, TILE_R)
-scales, ``s.reshape(G, 4, TILE_R / 32, 32).permute(0, 3, 2, 1)``). Rows past R and columns past K load as
-zeros, whose scale byte is 0; tiles wholly in the rows that pad R to 128 only store zero scales. So the
-padding comes out zero without a separate fill, and no byte of the outputs (torch.empty) is left
-unwritten.
-
-How fast they run, against a device-to-device copy, and the tile and store choices that were measured
-and not adopted: benchmarks/results/quantize-nvidia-h100-80gb-hbm3.md (``benchmarks/bench_quantize.py``).
+Each element is read once, except where a tensor amax comes first (``tensor_amax``: FP8 per tensor,
+NVFP4 beyond one wave of tiles), FP8 per row with K > 8192 (read twice, the second time from L2) and
+FP8 per row along axis=-2 (``_column_amax_kernel`` first). One block quantizes one (TILE_R, TILE_K)
+tile of the (B, R, K) view of x, or of the (B, K, R) storage of ``x.mT`` (the ``axis=-2``
+quantizers: no copy); scales are stored logical or already in the 32x4x4 layout (``_store_scales``),
+the layout's padding written as zeros by the tiles past R, so no output byte is left unwritten. One
+portable implementation serves sm_90, sm_100 and sm_120 (nothing uses float8_e8m0fnu or float4_e2m1fn,
+which cuTile rejects on Hopper). Tiles: ``plan``. Speed against a device-to-device copy, and the
+designs measured and not adopted: benchmarks/results/quantize-nvidia-h100-80gb-hbm3.md.
 """
 
 from __future__ import annotations

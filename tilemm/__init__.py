@@ -4,19 +4,7 @@ Quantize with ``quantize_*``, lay scales out for the tensor cores with ``swizzle
 ``swizzle=True``), multiply with ``*_matmul`` or ``linear``. CPU tensors use the exact pure-PyTorch
 reference; CUDA tensors on Hopper (sm_90) and Blackwell (sm_100 / sm_120) use cuTile kernels.
 
-Where each public name lives (public function -> its tile code; ``kernels/`` is ``tilemm/kernels/``):
-
-| public name                                | function              | tile code (``@ct.kernel``)                  |
-|--------------------------------------------|-----------------------|---------------------------------------------|
-| ``mxfp8/mxfp4/nvfp4_matmul``, ``linear``   | ``matmul.py``         | ``kernels/hopper_block_scaled.py`` (sm_90), |
-|   (both operands quantized)                |                       | ``kernels/blackwell_block_scaled.py``       |
-| ``fp8_matmul``, ``linear`` (FP8)           | ``matmul.py``         | ``kernels/hopper_fp8.py`` + ``hopper_gemm.py``, ``kernels/blackwell_fp8.py`` |
-| ``linear(x, packed)``, ``prepack``         | ``weight_only.py``, ``packed.py`` | ``kernels/weight_only_kernels.py`` |
-| ``quantize_*`` (and the activation quantize of ``nn.Linear``) | ``quantize.py`` | ``kernels/quantize_kernels.py`` |
-| ``nn.Linear``, ``quantize_model``          | ``nn.py``             | the rows above                              |
-| ``swizzle_32_4_4``                         | ``swizzle/`` package  | (host only)                                 |
-| ``torch.ops.tilemm.*``                     | ``ops.py``            | the rows above                              |
-
+Where each public name's checks, plan and tile code live: README.md, "Where the code is".
 GPU generation: ``_arch.py``; planned calls, shared by every entry: ``kernels.PLANS``.
 """
 

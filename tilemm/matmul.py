@@ -740,12 +740,12 @@ def _fp8_granularities_of(t) -> list[str]:
 
 def _check_fp8_block_pair(fn: str, x_q, w_q) -> None:
     """FP8 blocks pair one way: activations x_q in 1x128 blocks with weights w_q in 128x128 blocks."""
-    global_scale_x, gw = _fp8_granularities_of(x_q), _fp8_granularities_of(w_q)
-    if any("128" not in a + b or (a, b) == ("(1, 128)", "(128, 128)") for a in global_scale_x for b in gw):
+    gran_x, gran_w = _fp8_granularities_of(x_q), _fp8_granularities_of(w_q)
+    if any("128" not in a + b or (a, b) == ("(1, 128)", "(128, 128)") for a in gran_x for b in gran_w):
         return
     raise ValueError(f"{fn}: FP8 blocks pair activations quantized with granularity=(1, 128) (x_q) "
                      f"with weights quantized with granularity=(128, 128) (w_q); got x_q with "
-                     f"granularity={global_scale_x[0]} and w_q with granularity={gw[0]}. Quantize x with "
+                     f"granularity={gran_x[0]} and w_q with granularity={gran_w[0]}. Quantize x with "
                      f"tilemm.quantize_fp8(x, granularity=(1, 128)) and w with "
                      f"tilemm.quantize_fp8(w, granularity=(128, 128))")
 

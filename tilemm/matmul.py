@@ -807,11 +807,41 @@ def linear(x_q, w_q, *, bias=None, out_dtype=None, alpha=None, use_fast_accum=Fa
             ys = ws.t()  # per output channel: (N, 1) -> (1, N)
         else:
             ys = ws.t() if ws.ndim == 2 else ws
+        if _eager_gpu(x_q.data) and x_q.data.dtype in FP8_DTYPES:
+            return _linear_eager("fp8_matmul", x_q, w.t(), ys, kw)
         return fp8_matmul(x_q.data, x_q.scale, w.t(), ys, **kw)
     ys = ws if ws.ndim == 4 else ws.t()
+    if _eager_gpu(x_q.data) and (x_q.data.dtype in FP8_DTYPES or not isinstance(x_q, MXFP8Tensor)):
+        name = "mxfp8_matmul" if isinstance(x_q, MXFP8Tensor) else (
+            "mxfp4_matmul" if isinstance(x_q, MXFP4Tensor) else "nvfp4_matmul")
+        return _linear_eager(name, x_q, w.t(), ys, kw, w_q)
     if isinstance(x_q, MXFP8Tensor):
         return mxfp8_matmul(x_q.data, x_q.scale, w.t(), ys, **kw)
     if isinstance(x_q, MXFP4Tensor):
         return mxfp4_matmul(x_q.data, x_q.scale, w.t(), ys, **kw)
     return nvfp4_matmul(x_q.data, x_q.scale, w.t(), ys, global_scale_x=x_q.global_scale,
                         global_scale_y=w_q.global_scale, **kw)
+
+
+def _linear_eager(fn: str, x_q, y, y_scale, kw: dict, w_q=None):
+    """An eager CUDA :func:`linear` of quantized operands, straight to the operator's implementation:
+    the checks the public function ``fn`` makes of its remaining arguments, then its planned call,
+    without passing through the public function (one layer fewer)."""
+    x, x_scale, out_dtype, bias = x_q.data, x_q.scale, kw["out_dtype"], kw["bias"]
+    _check_op_args(fn, out_dtype, bias, x_scale=x_scale, y_scale=y_scale)
+    alpha = _alpha_tensor(fn, kw["alpha"], x.device)
+    if fn == "fp8_matmul":
+        if not isinstance(kw["use_fast_accum"], bool):
+            raise TypeError(f"{fn}: use_fast_accum must be a bool, got {type(kw['use_fast_accum']).__name__}")
+        return run_fp8_matmul(x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
+                              use_fast_accum=kw["use_fast_accum"])
+    if fn == "mxfp8_matmul":
+        return run_block_scaled(fn, mxfp8_operand_format(fn, x), x, x_scale, y, y_scale, out_dtype=out_dtype,
+                                bias=bias, alpha=alpha)
+    if fn == "mxfp4_matmul":
+        return run_block_scaled(fn, MXFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha)
+    x_scale, y_scale = (s.view(NVFP4.scale_dtype) if s.dtype == torch.uint8 else s for s in (x_scale, y_scale))
+    global_scales = (as_fp32_scalar(fn, "global_scale_x", x_q.global_scale, x.device),
+                     as_fp32_scalar(fn, "global_scale_y", w_q.global_scale, x.device))
+    return run_block_scaled(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
+                            global_scales=global_scales)

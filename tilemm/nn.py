@@ -1,29 +1,25 @@
 """``tilemm.nn.Linear``: an nn.Linear whose weight is stored quantized, and ``quantize_model``.
 
 ``Linear.from_float(linear, format)`` quantizes a ``torch.nn.Linear``'s weight once ("mxfp8", "mxfp4",
-"nvfp4" or "fp8"); ``forward`` then quantizes the activations on the fly to the same format and runs
-tilemm's block-scaled matmul (``tilemm.linear``): ``y = dequantize(q(x)) @ dequantize(W).T + b``,
-accumulated in fp32 and returned in x's dtype (float32, bfloat16 or float16), for x of any leading
-dimensions. ``weight_only=True`` keeps x in its own precision instead: mxfp8, mxfp4 and nvfp4 weights
-are stored prepacked (``tilemm.prepack``) and multiplied by the fused weight-only kernel
-(``tilemm.weight_only``): ``y = x @ dequantize(W).T + b`` accumulated in fp32, one kernel launch per
-eager call; fp8 weights are dequantized on every call and multiplied with ``F.linear``.
+"nvfp4" or "fp8"); ``forward`` quantizes the activations on the fly to the same format and runs
+``tilemm.linear``: ``y = dequantize(q(x)) @ dequantize(W).T + b``, accumulated in fp32 and returned in
+x's dtype (float32, bfloat16 or float16), for x of any leading dimensions. ``weight_only=True`` keeps
+x in its own precision: mxfp8, mxfp4 and nvfp4 weights are stored prepacked (``tilemm.prepack``) for
+the fused weight-only kernel (``y = x @ dequantize(W).T + b``, fp32 accumulation, one launch per
+eager call); fp8 weights are dequantized on every call and multiplied with ``F.linear``.
 
-The quantized weight, its scales (and NVFP4's decode scale) and the bias are buffers, so
-``state_dict`` / ``load_state_dict`` round-trip them bit for bit (a weight-only layer keeps only the
-prepacked form in memory; its state dict holds the same interchange tensors, unpacked on the way
-out and prepacked on the way in); ``Module.to(dtype)``, ``.half()``
-and ``.bfloat16()`` move them between devices but never cast their encodings (the bias does follow).
+The quantized weight, its scales, NVFP4's ``global_scale`` and the bias are buffers: ``state_dict`` /
+``load_state_dict`` round-trip them bit for bit (a weight-only layer holds only the prepacked form,
+unpacked on the way out and prepacked on the way in); ``Module.to(dtype)``, ``.half()`` and
+``.bfloat16()`` move them between devices but never cast their encodings (the bias does follow).
 Inference only: no gradient flows through the quantized matmul.
 
-Small batch on Hopper: a block-scaled layer (mxfp8, mxfp4, nvfp4) called eagerly on CUDA with at most
-``SMALL_BATCH_ROWS`` rows runs ``weight_only.QuantizedActivationRunner`` instead of the block-scaled
-matmul: one kernel writes ``dequantize(q(x))`` as bf16 (exactly the activation the matmul would read;
-NVFP4's decode scale goes to the epilogue), the weight-only kernel multiplies it with a prepacked copy
-of the weight. Same result up to the order of the fp32 additions, two launches instead of four to
-seven; the copy is made on the first such call and doubles the layer's weight memory on the GPU.
-``torch.compile`` traces the block-scaled path instead, so a compiled and an eager call of such a
-layer agree to the matmul tolerance of docs/numerics.md, not bit for bit.
+Small batch on Hopper: a block-scaled layer called eagerly on CUDA with at most ``SMALL_BATCH_ROWS``
+rows runs ``weight_only.QuantizedActivationRunner``: one kernel writes ``dequantize(q(x))`` as bf16
+(exactly the activation the matmul reads; NVFP4's decode scale goes to the epilogue), the weight-only
+kernel multiplies it with a prepacked copy of the weight (made on the first such call: twice the
+layer's weight memory). Same result up to the order of the fp32 additions; ``torch.compile`` traces
+the block-scaled path, so compiled and eager calls agree to docs/numerics.md's matmul tolerance.
 
 ``quantize_model(model, format)`` swaps every ``torch.nn.Linear`` of a model for this class in place.
 """

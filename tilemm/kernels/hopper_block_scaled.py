@@ -2,18 +2,17 @@
 
 Computes ``out = (dequantize(a) @ dequantize(b).T) * alpha + bias`` per batch entry, fp32
 accumulation, one rounding to ``out``'s dtype (docs/numerics.md). a (Ba, M, Kd) and b, the
-(Bb, N, Kd) weight, are K-contiguous; scales are e8m0 (MX) or e4m3 (NVFP4, whose decode scales
-arrive folded into alpha). sm_90 has no block-scaled MMA (cuTile rejects e8m0 and e2m1 there), so
-``_decode`` turns uint8 data and scale bytes into 16-bit floats in which every scaled element is
-exact, and ``ct.mma`` multiplies those exactly into fp32.
-
-``plan`` picks one of two designs by M:
+(Bb, N, Kd) weight, are K-contiguous; scales are e8m0 (MX) or e4m3 (NVFP4, whose product is also
+multiplied by ``fp32(global_scale_x * global_scale_y)``). sm_90 has no block-scaled MMA (cuTile rejects
+e8m0 and e2m1 there), so ``_decode`` turns data and scale bytes into 16-bit floats in which every
+scaled element is exact (``kernels._common``'s e8m0 / e2m1 decode), and ``ct.mma`` multiplies those
+exactly into fp32. ``plan`` picks one of two designs by M:
 
 * stream (M < ``TWO_PASS_MIN_M``): ``_stream_kernel`` reads each weight byte once, operands swapped
   (the weight fills the MMA's M side), K split over ``split_k`` blocks when the output has few tiles
   (the last block of each output tile adds the partials in a fixed order, in the same launch), and,
-  with ``x16`` (M > 16), the activation decoded once by ``_dequantize_kernel``. Up to M = 16 a call
-  is one launch (NVFP4's two decode scales are multiplied in the epilogue).
+  with ``x16`` (M > 16, no K split), the activation decoded once by ``_dequantize_kernel``. Up to
+  M = 16 a call is one launch (NVFP4's two decode scales are multiplied in the epilogue).
 * two-pass: ``_dequantize_kernel`` writes both operands as bf16 / fp16, ``hopper_gemm`` multiplies.
 
 Invariants: the only rounding is the fp32 accumulation (split-K changes its order, deterministically);
@@ -21,9 +20,8 @@ packed nibbles are decoded as [low | high] half tiles on both operands (the same
 K padding loads as zero data with finite scales and adds exactly 0; scale byte 255 / an e4m3 NaN
 makes its row or column NaN; scale rows past M / N reach only accumulators that are never stored.
 MXFP8 elements below 2^-133 are lost (bf16's range), where the fp32 reference keeps them.
-
-``Prepared`` plans a signature once and launches it; ``launch`` is one prepared call. Design notes and
-measurements: benchmarks/results/hopper-design-nvidia-h100-80gb-hbm3.md.
+``Prepared`` plans a signature once and launches it; ``launch`` is one prepared call. Design notes
+and measurements: benchmarks/results/hopper-design-nvidia-h100-80gb-hbm3.md.
 """
 
 from __future__ import annotations

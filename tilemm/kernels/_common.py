@@ -194,7 +194,7 @@ def swizzled_scale_view(scale: torch.Tensor, cols_per_tile: int) -> torch.Tensor
 
 
 #: The current stream's raw handle for a device index (``torch.cuda.current_stream()`` builds a Stream
-#: object per call, about 5 us; ``ct.launch`` takes the raw integer).
+#: object per call; ``ct.launch`` takes the raw integer).
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 

@@ -378,7 +378,7 @@ def _nvfp4_encode_scale(g, FROM_AMAX):
 
 
 @ct.kernel(occupancy=_OCCUPANCY)
-def _nvfp4_quantize_kernel(X, Data, Scale, Global, GlobalOut,
+def _nvfp4_quantize_kernel(X, Data, Scale, Global, GlobalScaleOut,
                            FROM_AMAX: ConstBool, GRID_AMAX: ConstBool, SWIZZLED: ConstBool,
                            TRANSPOSED: ConstBool, TILE_R: ConstInt, TILE_K: ConstInt):
     """NVFP4 quantization of one (TILE_R, TILE_K) tile.
@@ -389,7 +389,7 @@ def _nvfp4_quantize_kernel(X, Data, Scale, Global, GlobalOut,
     ``_fake_quant_kernel``: Global is ``_grid_amax``'s int32 [maximum bits, arrived, departed] (zero
     between launches), every block adds its tile's maximum (``_amax_bits``) and waits for all the
     others, so the grid must be resident at once (the launcher keeps it within one block per SM).
-    Block 0 writes the decode scale S_dec to GlobalOut (1,).
+    Block 0 writes the decode scale S_dec (the returned ``global_scale``) to GlobalScaleOut (1,).
     """
     NB = TILE_K // 16
     R, K = _rows_and_k(X, TRANSPOSED)
@@ -402,14 +402,14 @@ def _nvfp4_quantize_kernel(X, Data, Scale, Global, GlobalOut,
             x = _load_blocks(X, b, rt, kt, TILE_R, TILE_K, 16, TRANSPOSED)
             s_enc, s_dec = _nvfp4_encode_scale(ct.bitcast(_grid_amax(Global, _amax_bits(x)), ct.float32), True)
             if ct.bid(0) == 0:
-                ct.store(GlobalOut, (0,), s_dec)
+                ct.store(GlobalScaleOut, (0,), s_dec)
             _nvfp4_encode_tile(x, Data, Scale, s_enc.reshape((1, 1, 1)), s_dec.reshape((1, 1, 1)), b, rt, kt,
                                SWIZZLED, TRANSPOSED, TILE_R, TILE_K)
     else:
         g = _tensor_amax(Global) if FROM_AMAX else ct.load(Global, (0,), (1,))
         s_enc, s_dec = _nvfp4_encode_scale(g, FROM_AMAX)
         if ct.bid(0) == 0:
-            ct.store(GlobalOut, (0,), s_dec)
+            ct.store(GlobalScaleOut, (0,), s_dec)
         if rt * TILE_R >= R:  # swizzle padding rows only
             _store_zero_scales(Scale, b, rt, kt, TILE_R, NB, SWIZZLED, TRANSPOSED)
         else:

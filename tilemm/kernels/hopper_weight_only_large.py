@@ -27,6 +27,7 @@ rules on the problem's quantities (``RULES``, ``plan``), fitted to what
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import cuda.tile as ct
 import torch
@@ -287,9 +288,15 @@ def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constant
     """out (M, N) = (x @ W.T) * alpha + bias with the fused kernel; arguments as
     ``weight_only_kernels.launch`` (``alpha`` replaces constants[0] when given), on ``stream``."""
     m, n = out.shape
-    ct.launch(stream, grid(cfg, m, n, sms), cfg.kernel,
-              (x, words, scale_t, out, constants[0:1] if alpha is None else alpha, constants[1:2], bias,
-               *_constants(layout, cfg, _wo._X_PARTS[x.dtype])))
+    launch_grid, kernel, consts = _prepared(cfg, layout, m, n, sms, _wo._X_PARTS[x.dtype])
+    ct.launch(stream, launch_grid, kernel,
+              (x, words, scale_t, out, constants[0:1] if alpha is None else alpha, constants[1:2], bias, *consts))
+
+
+@functools.lru_cache(maxsize=4096)
+def _prepared(cfg: LargeConfig, layout: _wo.Layout, m: int, n: int, sms: int, x_parts: int) -> tuple:
+    """(grid, hinted kernel, constant arguments) of one fused launch, worked out once per problem."""
+    return grid(cfg, m, n, sms), cfg.kernel, _constants(layout, cfg, x_parts)
 
 
 # --------------------------------------------------------------------------------------------------

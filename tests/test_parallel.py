@@ -196,6 +196,8 @@ def test_overlap_options_are_checked():
         tilemm.parallel.RowwiseParallel(chunks=0)
     with pytest.raises(ValueError, match=r"one_shot_max_bytes must be an int >= 0, got -1"):
         tilemm.parallel.RowwiseParallel(one_shot_max_bytes=-1)
+    with pytest.raises(ValueError, match=r"copy_min_bytes must be an int >= 0, got 1.5"):
+        tilemm.parallel.RowwiseParallel(copy_min_bytes=1.5)
     with pytest.raises(ValueError, match=r"overlapped: chunks must be an int >= 1, got True"):
         tilemm.parallel.overlapped(lambda t: t, torch.zeros(4, 2), True)
 
@@ -260,7 +262,7 @@ def _check_overlap(cases, ranks, case_id, on_gpu):
     mlp, x = cases[case_id]
     first = ranks[0][case_id]
     tensor_scale = case_id.rsplit("-", 1)[0] in ("nvfp4", "fp8-tensor")  # one activation scale per tensor
-    for key in ("out_chunked", "out_overlapped"):
+    for key in ("out_chunked", "out_overlapped", "out_fast"):
         got = first[key]
         if key == "out_overlapped" and tensor_scale:
             assert isinstance(got, str) and "one scale for the whole tensor" in got
@@ -499,6 +501,20 @@ def test_gpus_nccl(tmp_path_factory, world_size):
             except AssertionError as err:
                 failures.append(f"{case_id}: {err}")
         for rank, r in enumerate(ranks):
+            # The symmetric-memory paths must have run (else the checks above tested NCCL): the copy
+            # all-reduce for the pieces, the one-shot one (and its amax exchange, for one amax per
+            # tensor) for a layer that is not split.
+            setup = r[case_id]["fast_setup"]
+            tensor_scale = case_id.rsplit("-", 1)[0] in ("nvfp4", "fp8-tensor")
+            wanted = (("one_shot", "one_shot_used", "one_shot_error"), ("amax exchange", "amax_exchange", "amax_error")
+                      ) if tensor_scale else (("copy", "copy_used", "copy_error"),)
+            for what, used, error in wanted:
+                if not setup[used]:
+                    failures.append(f"{case_id}: rank {rank}: the {what} path did not run "
+                                    f"({setup[error] or 'not set up'}): NCCL did the sums")
+            if r[case_id]["graph_fast_equal"] is not True:
+                failures.append(f"{case_id}: rank {rank}: the copy / one-shot MLP in a CUDA graph: "
+                                f"{r[case_id]['graph_fast_equal']}")
             if r[case_id]["graph_overlapped_equal"] not in (True, None):
                 failures.append(f"{case_id}: rank {rank}: overlapped() in a CUDA graph: "
                                 f"{r[case_id]['graph_overlapped_equal']}")

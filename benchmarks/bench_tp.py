@@ -19,7 +19,12 @@ all-reduce of the whole output after fc2 (the default plan); ``row2`` / ``row4``
 with piece i's all-reduce during piece i+1's matmul (``RowwiseParallel(chunks=N)``, M >= 1024);
 ``mlp2`` / ``mlp4``, the whole MLP in row pieces, piece i's all-reduce during piece i+1's fc1 and fc2
 (``tilemm.parallel.overlapped``, M >= 1024); ``oneshot``, torch's symmetric-memory one-shot
-all-reduce for the small outputs (``RowwiseParallel(one_shot_max_bytes=...)``, M <= 16). Each is
+all-reduce for the small outputs (``RowwiseParallel(one_shot_max_bytes=...)``, M <= 16; NVFP4 / FP8
+per tensor both sides also exchange the amax through it); ``ce``, the all-reduce by the copy engines
+(``RowwiseParallel(copy_min_bytes=...)``: peer-to-peer copies into symmetric memory and one sum
+kernel, no NCCL kernel), ``ce4`` / ``ce8`` the same with fc2 in 4 / 8 row pieces, each piece's
+copies on a side stream during the next piece's matmul, ``mlpce4`` the whole MLP in 4 pieces
+(overlapped) with the copies (M >= 1024). Each is
 checked against the unsharded output and timed; "best" is the fastest correct one in a CUDA graph,
 the one a plan would pick, and the targets are checked on it.
 
@@ -39,7 +44,7 @@ call, median of ``--reps``):
 The unsharded MLP runs on rank 0 while the other ranks wait; the sharded one on all ranks at once
 (the slowest rank's median is reported). ``all-reduce`` is one (M, 4096) bf16 all-reduce alone, in
 a CUDA graph: the floor the row-wise layer adds (``one-shot``: the same through the one-shot
-all-reduce, M <= 16).
+all-reduce, M <= 16; ``copy-engine``: through the copy engines, M >= 1024).
 
 Writes ``tp-mlp-<gpu>-x<N>.json`` and ``.md`` to ``$OUT`` when it is set, else to
 ``benchmarks/results/``, naming the GPUs (``torch.cuda.get_device_name`` of every rank).
@@ -106,11 +111,22 @@ VARIANTS = {  # how the sharded MLP's all-reduce runs: name -> (description, app
     "mlp2": ("the whole MLP in 2 row pieces, piece i's all-reduce during piece i+1's fc1 and fc2 "
              "(tilemm.parallel.overlapped(mlp, x, 2))", lambda m: m >= CHUNK_MIN_ROWS),
     "mlp4": ("the same in 4 pieces (overlapped(mlp, x, 4))", lambda m: m >= CHUNK_MIN_ROWS),
-    "oneshot": ("small all-reduces through torch's symmetric-memory one-shot all-reduce "
+    "oneshot": ("small all-reduces through torch's symmetric-memory one-shot all-reduce, and the "
+                "activation amax (NVFP4 / FP8 per tensor both sides) exchanged through it "
                 f"(RowwiseParallel(one_shot_max_bytes={256 * 1024}))", lambda m: m <= 16),
+    "ce": ("one all-reduce at the end by the copy engines: peer-to-peer copies into symmetric memory and "
+           "one sum kernel (RowwiseParallel(copy_min_bytes=1 MiB))", lambda m: m >= CHUNK_MIN_ROWS),
+    "ce4": ("fc2 in 4 row pieces, piece i's copy-engine all-reduce (side stream, no SMs but the sum's) during "
+            "piece i+1's matmul, each sum written into its rows (RowwiseParallel(chunks=4, copy_min_bytes=1 MiB))",
+            lambda m: m >= CHUNK_MIN_ROWS),
+    "ce8": ("the same in 8 pieces (RowwiseParallel(chunks=8, copy_min_bytes=1 MiB))", lambda m: m >= CHUNK_MIN_ROWS),
+    "mlpce4": ("the whole MLP in 4 row pieces, piece i's copy-engine all-reduce during piece i+1's fc1 and fc2 "
+               "(overlapped(mlp, x, 4) with RowwiseParallel(copy_min_bytes=1 MiB))", lambda m: m >= CHUNK_MIN_ROWS),
 }
 CHUNK_MIN_ROWS = 1024
 ONE_SHOT_BYTES = 256 * 1024
+COPY_MIN_BYTES = 1 << 20
+COPY_CHUNKS = {"ce": 1, "ce4": 4, "ce8": 8}  # the copy-engine variants of one layer: pieces of fc2
 
 
 def shard(full: MLP, mesh, bf16: bool, variant: str = "end") -> MLP:
@@ -120,14 +136,18 @@ def shard(full: MLP, mesh, bf16: bool, variant: str = "end") -> MLP:
         if variant in ("row2", "row4", "oneshot"):
             return None  # PlainShard has one all-reduce (overlapped() pipelines it: mlp2 / mlp4)
         group = mesh.get_group()
-        return MLP(PlainShard(full.fc1, "colwise", group), PlainShard(full.fc2, "rowwise", group))
+        kw = (dict(copy_min_bytes=COPY_MIN_BYTES, chunks=COPY_CHUNKS[variant], chunk_min_rows=CHUNK_MIN_ROWS)
+              if variant in COPY_CHUNKS else {})
+        return MLP(PlainShard(full.fc1, "colwise", group), PlainShard(full.fc2, "rowwise", group, **kw))
     from torch.distributed.tensor.parallel import parallelize_module
 
     row = dict(end={}, mlp2={}, mlp4={}, row2=dict(chunks=2, chunk_min_rows=CHUNK_MIN_ROWS),
-               row4=dict(chunks=4, chunk_min_rows=CHUNK_MIN_ROWS), oneshot=dict(one_shot_max_bytes=ONE_SHOT_BYTES))
+               row4=dict(chunks=4, chunk_min_rows=CHUNK_MIN_ROWS), oneshot=dict(one_shot_max_bytes=ONE_SHOT_BYTES),
+               **{v: dict(chunks=c, chunk_min_rows=CHUNK_MIN_ROWS, copy_min_bytes=COPY_MIN_BYTES)
+                  for v, c in COPY_CHUNKS.items()})
     plan = {"fc1": tilemm.parallel.ColwiseParallel(), "fc2": tilemm.parallel.RowwiseParallel(**row[variant])}
     sharded = parallelize_module(copy.deepcopy(full), mesh, plan)
-    if variant != "end" and variant != "oneshot" and sharded.fc2._tp.tensor_scale:
+    if variant not in ("end", "oneshot", "ce") and sharded.fc2._tp.tensor_scale:
         return None  # one activation scale for the whole tensor: its rows are never split
     return sharded
 
@@ -135,19 +155,36 @@ def shard(full: MLP, mesh, bf16: bool, variant: str = "end") -> MLP:
 def shard_variants(full: MLP, mesh, bf16: bool, variants) -> dict:
     """{variant: sharded MLP or None}; mlp2 / mlp4 call the "end" MLP through overlapped()."""
     models = {"end": shard(full, mesh, bf16, "end")}
+    tensor_scale = not bf16 and models["end"].fc2._tp.tensor_scale
     for v in variants:
         if v in ("mlp2", "mlp4"):
-            tensor_scale = not bf16 and models["end"].fc2._tp.tensor_scale
             models[v] = None if tensor_scale else models["end"]
+        elif v == "mlpce4":
+            models[v] = None if tensor_scale else models.get("ce") or shard(full, mesh, bf16, "ce")
         elif v != "end":
             models[v] = shard(full, mesh, bf16, v)
     return models
 
 
+def fallback_of(model, variant: str) -> str | None:
+    """Why a symmetric-memory variant ran NCCL instead (its set-up failed), or None."""
+    fc2 = model.fc2
+    if isinstance(fc2, PlainShard):
+        ce, one_shot = fc2.copy, fc2.one_shot
+    else:
+        ce, one_shot = fc2._tp.copy, fc2._tp.one_shot
+    errors = []
+    if one_shot is not None and (one_shot.error or one_shot.amax_error):
+        errors.append(f"one-shot: {one_shot.error or one_shot.amax_error}")
+    if ce is not None and ce.error:
+        errors.append(f"copy engines: {ce.error}")
+    return "; ".join(errors) or None
+
+
 def call_of(model, variant: str, x):
     """The sharded call of ``variant``."""
-    if variant in ("mlp2", "mlp4"):
-        chunks = int(variant[3:])
+    if variant in ("mlp2", "mlp4", "mlpce4"):
+        chunks = int(variant[-1])
         return lambda: tilemm.parallel.overlapped(model, x, chunks)
     return lambda: model(x)
 
@@ -191,6 +228,8 @@ def bench(args, rank, world, device) -> int:
     for p in (*fc1.parameters(), *fc2.parameters()):  # every rank the same weights
         dist.broadcast(p.data, 0)
     one_shot = tilemm.parallel._OneShot(group, ONE_SHOT_BYTES) if "oneshot" in args.variants else None
+    copy_ar = (tilemm.parallel._CopyAllReduce(group, COPY_MIN_BYTES)
+               if any(v in COPY_CHUNKS or v == "mlpce4" for v in args.variants) else None)
     records, failed, t0 = [], [], time.time()
     formats = [f for f in args.formats.split(",") if f]
     skipped = []
@@ -231,8 +270,9 @@ def bench(args, rank, world, device) -> int:
                             continue
                         rec["variants"][variant] = v = measure(model, variant, x, want, timer_graph,
                                                                timer_eager_sharded, args.reps, device)
-                        if variant == "oneshot" and model.fc2._tp.one_shot.error:
-                            v["one_shot_error"] = model.fc2._tp.one_shot.error  # it ran NCCL instead
+                        fallback = fallback_of(model, variant)
+                        if fallback:
+                            v["one_shot_error"] = fallback  # it ran NCCL instead
                         if v.get("error"):
                             failed.append(f"{name} M={m} {variant}: {v['error']}")
                         elif not v["correct"]:
@@ -241,6 +281,14 @@ def bench(args, rank, world, device) -> int:
                     out = torch.empty(m, D_MODEL, device=device, dtype=torch.bfloat16)
                     allreduce_ms, _ = timer_graph(lambda: dist.all_reduce(out))
                     rec["allreduce_ms"] = slowest(allreduce_ms, device)
+                    if copy_ar is not None and m >= CHUNK_MIN_ROWS:
+                        waiter = copy_ar.start(out)  # sets up (collective) on the first call
+                        if waiter is not None:
+                            waiter.wait()
+                            rec["allreduce_copy_ms"] = slowest(timer_graph(lambda: copy_ar.start(out).wait())[0],
+                                                               device)
+                        else:
+                            rec["allreduce_copy_error"] = copy_ar.error or "not applicable"
                     if one_shot is not None and m <= 16:
                         one_shot(out)  # sets up (collective) on the first call
                         if one_shot.error is None:
@@ -310,6 +358,7 @@ def line(r: dict) -> str:
             f"{r['unsharded_eager_ms']:7.3f} / {r['sharded_eager_ms']:7.3f} ms  x{r['speedup_eager']:5.2f} | host "
             f"{r['unsharded_host_ms']:.3f} / {r['sharded_host_ms']:.3f} ms | all-reduce {r['allreduce_ms']:.4f} ms"
             + (f" one-shot {r['allreduce_oneshot_ms']:.4f} ms" if "allreduce_oneshot_ms" in r else "")
+            + (f" copy engines {r['allreduce_copy_ms']:.4f} ms" if "allreduce_copy_ms" in r else "")
             + f" | err {r['rel_err_vs_unsharded']:.1e} | graph ms by variant: {variants}"
             + ("" if r["correct"] else "  WRONG"))
 
@@ -354,19 +403,20 @@ def write(records, names, failed, skipped, args, seconds, final: bool) -> None:
              "in a CUDA graph (variants below). Host: the Python call alone (launches, not waited for).", "",
              "| format | M | 1 GPU graph ms | sharded graph ms | speed-up | best variant | best speed-up "
              "| 1 GPU eager ms | sharded eager ms | speed-up | 1 GPU host ms | sharded host ms | all-reduce ms "
-             "| one-shot all-reduce ms | rel. err vs 1 GPU |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| one-shot all-reduce ms | copy-engine all-reduce ms | rel. err vs 1 GPU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if "error" in r:
             lines.append(f"| {r['format']} | {r['m']} | failed: {r['error'][:100].replace('|', '/')} "
-                         f"| | | | | | | | | | | | |")
+                         f"| | | | | | | | | | | | | |")
             continue
         lines.append(f"| {r['format']} | {r['m']} | {r['unsharded_graph_ms']:.4f} | {r['sharded_graph_ms']:.4f} | "
                      f"{r['speedup_graph']:.2f} | {r.get('best_variant', '-')} | "
                      f"{r.get('speedup_graph_best', float('nan')):.2f} | {r['unsharded_eager_ms']:.4f} | "
                      f"{r['sharded_eager_ms']:.4f} | {r['speedup_eager']:.2f} | {r['unsharded_host_ms']:.4f} | "
                      f"{r['sharded_host_ms']:.4f} | {r['allreduce_ms']:.4f} | "
-                     f"{r.get('allreduce_oneshot_ms', float('nan')):.4f} | {r['rel_err_vs_unsharded']:.1e}"
+                     f"{r.get('allreduce_oneshot_ms', float('nan')):.4f} | "
+                     f"{r.get('allreduce_copy_ms', float('nan')):.4f} | {r['rel_err_vs_unsharded']:.1e}"
                      f"{'' if r['correct'] else ' (WRONG)'} |")
     lines += ["", "Variants (graph / eager / host ms, rel. err):", ""]
     lines += [f"- {k}: {desc}" for k, (desc, _) in VARIANTS.items() if k in args.variants]
@@ -380,14 +430,15 @@ def write(records, names, failed, skipped, args, seconds, final: bool) -> None:
             cells.append("-" if v is None else v["error"][:60].replace("|", "/") if v.get("error") else
                          f"{v['graph_ms']:.4f} / {v['eager_ms']:.4f} / {v['host_ms']:.4f}, "
                          f"{v['rel_err_vs_unsharded']:.1e}"
-                         + ("" if v["correct"] else " WRONG") + (" (NCCL: one-shot unavailable)"
+                         + ("" if v["correct"] else " WRONG") + (" (NCCL: symmetric memory unavailable)"
                                                                  if v.get("one_shot_error") else ""))
         lines.append(f"| {r['format']} | {r['m']} | " + " | ".join(cells) + " |")
     errs = sorted({v["one_shot_error"] for r in records for v in r.get("variants", {}).values()
                    if v.get("one_shot_error")}
-                  | {r["allreduce_oneshot_error"] for r in records if r.get("allreduce_oneshot_error")})
+                  | {r["allreduce_oneshot_error"] for r in records if r.get("allreduce_oneshot_error")}
+                  | {f"copy engines: {r['allreduce_copy_error']}" for r in records if r.get("allreduce_copy_error")})
     if errs:
-        lines += ["", "One-shot all-reduce unavailable: " + "; ".join(errs)]
+        lines += ["", "Symmetric-memory all-reduce unavailable: " + "; ".join(errs)]
     if checks:
         lines += ["", "Targets:", ""] + [f"- {c}" for c in checks]
     if skipped:

@@ -202,6 +202,38 @@ def test_overlap_options_are_checked():
         tilemm.parallel.overlapped(lambda t: t, torch.zeros(4, 2), True)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_copy_all_reduce_steps_sum_every_rank(world, dtype):
+    # The copy all-reduce's data movement, its ranks driven in lockstep in one process (the barriers'
+    # order) on CPU tensors standing for the symmetric buffers: every rank ends with the same sum,
+    # each element its ranks' values summed once in fp32 (exact here: small integers), into a
+    # separate output and in place; slots longer than the chunk are never read.
+    from tilemm.parallel import _CopyState
+
+    slot, n = 40, world * 12
+    buffers = [torch.full((world + 1, slot), float("nan"), dtype=dtype) for _ in range(world)]  # poison
+    states = []
+    for rank in range(world):
+        state = object.__new__(_CopyState)
+        state.world, state.rank, state.slot, state.views = world, rank, slot, buffers
+        states.append(state)
+    src = [((torch.arange(n) * (r + 3)) % 11).to(dtype) for r in range(world)]
+    want = sum(t.double() for t in src).to(dtype)
+    for in_place in (False, True):
+        srcs = [t.clone() for t in src]
+        dsts = srcs if in_place else [torch.full((n,), -1.0, dtype=dtype) for _ in range(world)]
+        chunk = n // world
+        for state, t in zip(states, srcs):
+            state.scatter(t, chunk)
+        for state in states:
+            state.reduce(chunk)
+        for state, d in zip(states, dsts):
+            state.gather(d, chunk)
+        for d in dsts:
+            assert torch.equal(d, want)
+
+
 def test_exported_from_tilemm():
     assert tilemm.shard_linear is shard_linear and tilemm.parallel.local_shard is local_shard
 

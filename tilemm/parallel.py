@@ -665,21 +665,36 @@ class _CopyState:
 
     def run(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Queue steps 1-5 for the flat ``src`` into the flat ``dst`` (may be ``src``)."""
-        world, rank, views = self.world, self.rank, self.views
-        chunk = src.numel() // world
+        chunk = src.numel() // self.world
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(src.device))
         with torch.cuda.stream(stream):
-            for step in range(world):  # 1. reduce-scatter by copies (own chunk last: the peers' first)
-                p = (rank + 1 + step) % world
-                views[p][rank, :chunk].copy_(src[p * chunk:(p + 1) * chunk])
+            self.scatter(src, chunk)
             self.handle.barrier(self.BARRIER_CHANNEL)  # 2.
-            mine = views[rank]
-            torch.sum(mine[:world, :chunk], dim=0, out=mine[world, :chunk])  # 3.
+            self.reduce(chunk)
             self.handle.barrier(self.BARRIER_CHANNEL)  # 4.
-            for step in range(world):  # 5. all-gather by copies
-                p = (rank + step) % world
-                dst[p * chunk:(p + 1) * chunk].copy_(views[p][world, :chunk])
+            self.gather(dst, chunk)
+
+    # The steps on the current stream (``run`` puts them on the side stream between the barriers);
+    # ``views``, ``rank`` and ``world`` are all they read, so a test can drive them on CPU tensors.
+    def scatter(self, src: torch.Tensor, chunk: int) -> None:
+        """1. Chunk p of src into slot ``rank`` of rank p's inbox (own chunk last: the peers' first)."""
+        world, rank, views = self.world, self.rank, self.views
+        for step in range(world):
+            p = (rank + 1 + step) % world
+            views[p][rank, :chunk].copy_(src[p * chunk:(p + 1) * chunk])
+
+    def reduce(self, chunk: int) -> None:
+        """3. The inbox slots in rank order, summed (fp32 accumulation, one rounding) into the outbox."""
+        mine, world = self.views[self.rank], self.world
+        torch.sum(mine[:world, :chunk], dim=0, out=mine[world, :chunk])
+
+    def gather(self, dst: torch.Tensor, chunk: int) -> None:
+        """5. Chunk p of dst from rank p's outbox."""
+        world, rank, views = self.world, self.rank, self.views
+        for step in range(world):
+            p = (rank + step) % world
+            dst[p * chunk:(p + 1) * chunk].copy_(views[p][world, :chunk])
 
 
 _PENDING: list | None = None  # the all-reduces that overlapped() waits for, while it runs

@@ -114,7 +114,7 @@ class PlainShard(torch.nn.Module):
 
     def forward(self, x):
         if (self.style == "rowwise" and self.copy is not None and self.chunks > 1 and x.ndim == 2
-                and x.shape[0] >= self.chunk_min_rows):
+                and x.shape[0] >= self.chunk_min_rows and tilemm.parallel._PENDING is None):
             return self._chunked(x)
         out = F.linear(x, self.weight, self.bias)
         if self.style == "rowwise":

@@ -58,8 +58,10 @@ captures in a CUDA graph. DTensor conversions (``from_local`` / ``redistribute``
 call exceeds the all-reduce's) happen only for DTensor inputs or non-default layouts. The all-reduce
 goes straight to the process group with options built once (``dist.all_reduce`` checks its arguments
 and builds its options on every call). Where the all-reduce's time matters, it can be overlapped with
-compute (``overlapped``; ``RowwiseParallel(chunks=...)``) or, for small outputs, sent through the
-symmetric-memory one-shot all-reduce (``RowwiseParallel(one_shot_max_bytes=...)``).
+compute (``overlapped``; ``RowwiseParallel(chunks=...)``), done by the copy engines through symmetric
+memory so that it takes no SMs from the matmuls it overlaps (``RowwiseParallel(copy_min_bytes=...)``,
+``_CopyAllReduce``) or, for small outputs, sent through the symmetric-memory one-shot all-reduce
+(``RowwiseParallel(one_shot_max_bytes=...)``, which then also carries the amax exchange).
 
 The sharded module is the same :class:`tilemm.nn.Linear` object, rebuilt in place for its shard
 through the public constructor and ``load_state_dict`` (so state derived from the buffers follows

@@ -220,16 +220,19 @@ def test_copy_all_reduce_steps_sum_every_rank(world, dtype):
         states.append(state)
     src = [((torch.arange(n) * (r + 3)) % 11).to(dtype) for r in range(world)]
     want = sum(t.double() for t in src).to(dtype)
-    for in_place in (False, True):
+    for in_place, per_peer in ((False, False), (True, False), (False, True)):
         srcs = [t.clone() for t in src]
         dsts = srcs if in_place else [torch.full((n,), -1.0, dtype=dtype) for _ in range(world)]
         chunk = n // world
         for state, t in zip(states, srcs):
-            state.scatter(t, chunk)
+            # per_peer: the copies one peer at a time, as _on_peer_streams issues them (peers, then self).
+            for only in ([*state._peers(), state.rank] if per_peer else [None]):
+                state.scatter(t, chunk, only=only)
         for state in states:
             state.reduce(chunk)
         for state, d in zip(states, dsts):
-            state.gather(d, chunk)
+            for only in ([*state._peers(), state.rank] if per_peer else [None]):
+                state.gather(d, chunk, only=only)
         for d in dsts:
             assert torch.equal(d, want)
 

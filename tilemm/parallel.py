@@ -664,6 +664,10 @@ class _CopyState:
         self.views = [self.buffer.view(rows, self.slot) if p == self.rank
                       else self.handle.get_buffer(p, (rows, self.slot), dtype) for p in range(self.world)]
         self.stream = torch.cuda.Stream(device=device)
+        # With more than one peer, the copies to (from) different peers go on streams of their own,
+        # so that several copy engines work at once instead of one after the other.
+        self.peer_streams = ([torch.cuda.Stream(device=device) for _ in range(self.world - 1)]
+                             if self.world > 2 else [])
 
     def run(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Queue steps 1-5 for the flat ``src`` into the flat ``dst`` (may be ``src``)."""
@@ -671,32 +675,53 @@ class _CopyState:
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(src.device))
         with torch.cuda.stream(stream):
-            self.scatter(src, chunk)
+            self._on_peer_streams(self.scatter, src, chunk)
             self.handle.barrier(self.BARRIER_CHANNEL)  # 2.
             self.reduce(chunk)
             self.handle.barrier(self.BARRIER_CHANNEL)  # 4.
-            self.gather(dst, chunk)
+            self._on_peer_streams(self.gather, dst, chunk)
+
+    def _on_peer_streams(self, step, t: torch.Tensor, chunk: int) -> None:
+        """``step``'s copies, each peer's on its own stream (forked from and joined back into the
+        current one) where there are several peers; else all on the current stream."""
+        if not self.peer_streams:
+            step(t, chunk)
+            return
+        current = torch.cuda.current_stream(t.device)
+        for p, peer_stream in zip(self._peers(), self.peer_streams):
+            peer_stream.wait_stream(current)
+            with torch.cuda.stream(peer_stream):
+                step(t, chunk, only=p)
+        step(t, chunk, only=self.rank)
+        for peer_stream in self.peer_streams:
+            current.wait_stream(peer_stream)
+
+    def _peers(self):
+        return [(self.rank + 1 + step) % self.world for step in range(self.world - 1)]
 
     # The steps on the current stream (``run`` puts them on the side stream between the barriers);
     # ``views``, ``rank`` and ``world`` are all they read, so a test can drive them on CPU tensors.
-    def scatter(self, src: torch.Tensor, chunk: int) -> None:
-        """1. Chunk p of src into slot ``rank`` of rank p's inbox (own chunk last: the peers' first)."""
+    def scatter(self, src: torch.Tensor, chunk: int, only: int | None = None) -> None:
+        """1. Chunk p of src into slot ``rank`` of rank p's inbox (own chunk last: the peers' first);
+        ``only``: that p alone."""
         world, rank, views = self.world, self.rank, self.views
         for step in range(world):
             p = (rank + 1 + step) % world
-            views[p][rank, :chunk].copy_(src[p * chunk:(p + 1) * chunk])
+            if only is None or p == only:
+                views[p][rank, :chunk].copy_(src[p * chunk:(p + 1) * chunk])
 
     def reduce(self, chunk: int) -> None:
         """3. The inbox slots in rank order, summed (fp32 accumulation, one rounding) into the outbox."""
         mine, world = self.views[self.rank], self.world
         torch.sum(mine[:world, :chunk], dim=0, out=mine[world, :chunk])
 
-    def gather(self, dst: torch.Tensor, chunk: int) -> None:
-        """5. Chunk p of dst from rank p's outbox."""
+    def gather(self, dst: torch.Tensor, chunk: int, only: int | None = None) -> None:
+        """5. Chunk p of dst from rank p's outbox; ``only``: that p alone."""
         world, rank, views = self.world, self.rank, self.views
         for step in range(world):
             p = (rank + step) % world
-            dst[p * chunk:(p + 1) * chunk].copy_(views[p][world, :chunk])
+            if only is None or p == only:
+                dst[p * chunk:(p + 1) * chunk].copy_(views[p][world, :chunk])
 
 
 _PENDING: list | None = None  # the all-reduces that overlapped() waits for, while it runs

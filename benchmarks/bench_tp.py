@@ -22,7 +22,7 @@ with piece i's all-reduce during piece i+1's matmul (``RowwiseParallel(chunks=N)
 all-reduce for the small outputs (``RowwiseParallel(one_shot_max_bytes=...)``, M <= 16; NVFP4 / FP8
 per tensor both sides also exchange the amax through it); ``ce``, the all-reduce by the copy engines
 (``RowwiseParallel(copy_min_bytes=...)``: peer-to-peer copies into symmetric memory and one sum
-kernel, no NCCL kernel), ``ce4`` / ``ce8`` the same with fc2 in 4 / 8 row pieces, each piece's
+kernel, no NCCL kernel), ``ce4`` / ``ce8`` / ``ce16`` the same with fc2 in 4 / 8 / 16 row pieces, each piece's
 copies on a side stream during the next piece's matmul, ``mlpce4`` the whole MLP in 4 pieces
 (overlapped) with the copies (M >= 1024). Each is
 checked against the unsharded output and timed; "best" is the fastest correct one in a CUDA graph,
@@ -120,13 +120,15 @@ VARIANTS = {  # how the sharded MLP's all-reduce runs: name -> (description, app
             "piece i+1's matmul, each sum written into its rows (RowwiseParallel(chunks=4, copy_min_bytes=1 MiB))",
             lambda m: m >= CHUNK_MIN_ROWS),
     "ce8": ("the same in 8 pieces (RowwiseParallel(chunks=8, copy_min_bytes=1 MiB))", lambda m: m >= CHUNK_MIN_ROWS),
+    "ce16": ("the same in 16 pieces (RowwiseParallel(chunks=16, copy_min_bytes=1 MiB)): a shorter exposed last "
+             "piece", lambda m: m >= 4 * CHUNK_MIN_ROWS),
     "mlpce4": ("the whole MLP in 4 row pieces, piece i's copy-engine all-reduce during piece i+1's fc1 and fc2 "
                "(overlapped(mlp, x, 4) with RowwiseParallel(copy_min_bytes=1 MiB))", lambda m: m >= CHUNK_MIN_ROWS),
 }
 CHUNK_MIN_ROWS = 1024
 ONE_SHOT_BYTES = 256 * 1024
 COPY_MIN_BYTES = 1 << 20
-COPY_CHUNKS = {"ce": 1, "ce4": 4, "ce8": 8}  # the copy-engine variants of one layer: pieces of fc2
+COPY_CHUNKS = {"ce": 1, "ce4": 4, "ce8": 8, "ce16": 16}  # the copy-engine variants of one layer: pieces of fc2
 
 
 def shard(full: MLP, mesh, bf16: bool, variant: str = "end") -> MLP:

@@ -93,18 +93,18 @@ step probe "$L_PROBE" "$PROBE_LOG" env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GR
 rm -f "$PROBE_LOG"
 fi
 
-# The all-reduce variants: NCCL at the end (end), NCCL overlapped with the whole MLP in 2 pieces
-# (mlp2), the one-shot all-reduce and amax exchange (oneshot, M <= 16), the copy engines at the end
-# (ce), overlapped with fc2's pieces (ce4, ce8) or with the whole MLP's (mlpce4).
-VARIANTS=end,mlp2,oneshot,ce,ce4,ce8,mlpce4
+# The all-reduce variants: NCCL at the end (end), the one-shot all-reduce and amax exchange
+# (oneshot, M <= 16), the copy engines overlapped with fc2's pieces (ce4, ce8; ce16 at M = 4096) or
+# with the whole MLP's (mlpce4). (NCCL overlapped, row4 / mlp2 / mlp4, measured before: slower.)
+VARIANTS=${TP_VARIANTS:-end,oneshot,ce4,ce8,ce16,mlpce4}
 want mlp && step mlp "$L_MLP" "$OUT/tp-mlp-x$N.log" \
     torchrun --nproc-per-node "$N" benchmarks/bench_tp.py --formats bf16,nvfp4-wo,mxfp4-wo,nvfp4,mxfp8 \
-    --rows 1,16,1024,4096 --reps 25 --variants "$VARIANTS" --max-seconds $((L_MLP - 45))
+    --rows 1,16,1024,4096 --reps 20 --variants "$VARIANTS" --max-seconds $((L_MLP - 45))
 # On 4 GPUs the MLP on 2 of them too, so that one machine gives both issues' figures.
 if want mlp2 && [ "$L_MLP2" -gt 0 ]; then
     step mlp2 "$L_MLP2" "$OUT/tp-mlp-x2.log" \
         torchrun --nproc-per-node 2 benchmarks/bench_tp.py --formats bf16,nvfp4-wo,mxfp4-wo,mxfp8 \
-        --rows 1,16,1024,4096 --reps 25 --variants "$VARIANTS" --max-seconds $((L_MLP2 - 40))
+        --rows 1,16,1024,4096 --reps 20 --variants "$VARIANTS" --max-seconds $((L_MLP2 - 40))
 fi
 want host && step host "$L_HOST" "$OUT/tp-host-x$N.log" \
     torchrun --nproc-per-node "$N" benchmarks/tp_host.py --formats bf16,nvfp4-wo,nvfp4 --reps 30 --profile-calls 200

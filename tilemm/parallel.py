@@ -750,7 +750,8 @@ def all_reduce_sum(t: torch.Tensor, group, copy: "_CopyAllReduce | None" = None)
 
 def overlapped(fn, x: torch.Tensor, chunks: int) -> torch.Tensor:
     """``fn(x)`` computed on ``chunks`` pieces of x's rows, each row-wise layer's all-reduce of piece
-    i running (on NCCL's own stream) while piece i + 1 is computed; returns the pieces' outputs
+    i running (on NCCL's own stream, or by the copy engines on their side stream for a layer with
+    ``copy_min_bytes``) while piece i + 1 is computed; returns the pieces' outputs
     joined, after the current stream has waited for every all-reduce (no host sync; captures in a
     CUDA graph).
 
@@ -835,9 +836,10 @@ class ShardedLinear(Linear):
         return Linear.forward(self, local)
 
     def _chunked(self, local: torch.Tensor, tp: _TPConfig) -> torch.Tensor:
-        """The rows in ``tp.chunks`` pieces: piece i's all-reduce (NCCL's own stream) runs while piece
-        i + 1 is multiplied; the current stream waits for all of them (no host sync), then the pieces
-        are joined. Same sums as one all-reduce, row by row."""
+        """The rows in ``tp.chunks`` pieces: piece i's all-reduce (NCCL's own stream, or the copy
+        engines' side stream) runs while piece i + 1 is multiplied; the current stream waits for all
+        of them (no host sync), then the pieces are joined (the copies write each piece's sum into its
+        rows of the output directly). Same sums as one all-reduce, row by row."""
         rows = local.reshape(-1, self.in_features)
         pieces = rows.chunk(tp.chunks)
         # The copy-engine all-reduce writes each piece's sum straight into its rows of the output

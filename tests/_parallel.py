@@ -176,8 +176,9 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
     ce, one_shot = fast.fc2._tp.copy, fast.fc2._tp.one_shot
     fast_setup = dict(copy_error=ce.error, copy_used=any(v is not None for v in ce.states.values()),
                       one_shot_error=one_shot.error,
-                      one_shot_used=any(v is not None for v in one_shot.buffers.values()), amax_error=one_shot.amax_error,
-                      amax_exchange=one_shot.amax_slots is not None, amax=fast.fc2._tp.amax)
+                      one_shot_used=any(v is not None for v in one_shot.buffers.values()),
+                      amax_error=one_shot.amax_error, amax_exchange=one_shot.amax_slots is not None,
+                      amax=fast.fc2._tp.amax)
     if device.type == "cuda":
         graph, error = None, None
         try:

@@ -10,7 +10,8 @@
 #   0. torchrun tp_probe.py                  (peer access, NCCL's transport with NCCL_DEBUG=INFO, the
 #                                             all-reduce by size, NCCL vs the one-shot all-reduce)
 #   1. torchrun bench_tp.py                  (the 4096 -> 14336 -> 4096 MLP, 1 GPU vs N, M = 1 .. 4096,
-#                                             the all-reduce variants: end, row4, mlp2, mlp4, oneshot)
+#                                             the all-reduce variants: TP_VARIANTS, default end, oneshot,
+#                                             ce4, ce8, ce16, mlpce4)
 #   2. torchrun bench_tp_decode.py           (Llama-3-8B-shaped decode, 1 GPU vs 2 (vs 4), batch 1 / 16,
 #                                             NCCL and one-shot all-reduces (+1shot);
 #                                             all 32 layers on 2 GPUs, 16 on 4)
@@ -22,8 +23,9 @@
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 # Writes to $OUT (else benchmarks/results/tp-suite-xN/), 8 files at most: tp-suite-xN.log (machine,
 # probe and NCCL transport lines, steps, exit codes), tp-tests-xN.log, tp-mlp-xN.log, tp-decode-xN.log,
-# and the benchmarks' own tp-mlp-<gpu>-xN.{json,md} and tp-decode-<gpu>-xN.{json,md}. Exits 1 if any
-# step failed.
+# tp-host-xN.log, and the benchmarks' own tp-mlp-<gpu>-xN.{json,md}, tp-decode-<gpu>-xN.{json,md} and
+# tp-host-<gpu>-xN.txt (more than 8 with every step: pick steps with TP_STEPS). Exits 1 if any step
+# failed.
 set -u
 N="${1:?usage: bash benchmarks/tp_suite.sh <number of GPUs: 2 or 4>}"
 case "$N" in 2|4) ;; *) echo "tp_suite.sh: the number of GPUs must be 2 or 4, got '$N'" >&2; exit 2 ;; esac

@@ -86,17 +86,19 @@ class PlainShard(torch.nn.Module):
     """
 
     def __init__(self, linear: torch.nn.Linear, style: str, group, gather: bool = False,
-                 one_shot_max_bytes: int = 0, copy_min_bytes: int = 0, chunks: int = 1, chunk_min_rows: int = 1024):
+                 one_shot_max_bytes: int = 0, copy_min_bytes: int = 0, chunks: int = 1, chunk_min_rows: int = 1024,
+                 taper: bool = False):
         super().__init__()
         # Row-wise: outputs of at most this many bytes are summed by the one-shot all-reduce, of at
         # least copy_min_bytes by the copy engines, and inputs of at least chunk_min_rows rows are
-        # multiplied in ``chunks`` pieces whose copy all-reduces overlap the next piece's matmul, as
-        # tilemm's RowwiseParallel(one_shot_max_bytes=..., copy_min_bytes=..., chunks=...) does.
+        # multiplied in ``chunks`` pieces (``taper``: halving toward the end) whose copy all-reduces
+        # overlap the next piece's matmul, as tilemm's RowwiseParallel(one_shot_max_bytes=...,
+        # copy_min_bytes=..., chunks=..., taper=...) does.
         self.one_shot = (tilemm.parallel._OneShot(group, one_shot_max_bytes)
                          if one_shot_max_bytes and style == "rowwise" else None)
         self.copy = (tilemm.parallel._CopyAllReduce(group, copy_min_bytes)
                      if copy_min_bytes and style == "rowwise" else None)
-        self.chunks, self.chunk_min_rows = chunks, chunk_min_rows
+        self.chunks, self.chunk_min_rows, self.taper = chunks, chunk_min_rows, taper
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         self.style, self.group, self.world, self.gather = style, group, world, gather
         w = linear.weight.detach()
@@ -138,7 +140,9 @@ class PlainShard(torch.nn.Module):
         copies' sizes go to the process group."""
         out = torch.empty(x.shape[0], self.weight.shape[0], dtype=x.dtype, device=x.device)
         parts, waits, start = [], [], 0  # parts stay referenced until the waits (the side stream reads them)
-        for piece in x.chunk(self.chunks):
+        pieces = (x.split(tilemm.parallel._tapered(x.shape[0], self.chunks)) if self.taper
+                  else x.chunk(self.chunks))
+        for piece in pieces:
             part = F.linear(piece, self.weight, self.bias)
             target = out[start:start + piece.shape[0]]
             waiter = self.copy.start(part, target)

@@ -22,7 +22,8 @@ with piece i's all-reduce during piece i+1's matmul (``RowwiseParallel(chunks=N)
 all-reduce for the small outputs (``RowwiseParallel(one_shot_max_bytes=...)``, M <= 16; NVFP4 / FP8
 per tensor both sides also exchange the amax through it); ``ce``, the all-reduce by the copy engines
 (``RowwiseParallel(copy_min_bytes=...)``: peer-to-peer copies into symmetric memory and one sum
-kernel, no NCCL kernel), ``ce4`` / ``ce8`` / ``ce16`` the same with fc2 in 4 / 8 / 16 row pieces, each piece's
+kernel, no NCCL kernel), ``ce4`` / ``ce8`` / ``ce16`` the same with fc2 in 4 / 8 / 16 row pieces
+(``ce6t``: 6 pieces halving toward the end), each piece's
 copies on a side stream during the next piece's matmul, ``mlpce4`` the whole MLP in 4 pieces
 (overlapped) with the copies (M >= 1024). Each is
 checked against the unsharded output and timed; "best" is the fastest correct one in a CUDA graph,
@@ -115,20 +116,24 @@ VARIANTS = {  # how the sharded MLP's all-reduce runs: name -> (description, app
                 "activation amax (NVFP4 / FP8 per tensor both sides) exchanged through it "
                 f"(RowwiseParallel(one_shot_max_bytes={256 * 1024}))", lambda m: m <= 16),
     "ce": ("one all-reduce at the end by the copy engines: peer-to-peer copies into symmetric memory and "
-           "one sum kernel (RowwiseParallel(copy_min_bytes=1 MiB))", lambda m: m >= CHUNK_MIN_ROWS),
+           "one sum kernel (RowwiseParallel(copy_min_bytes=128 KiB))", lambda m: m >= CHUNK_MIN_ROWS),
     "ce4": ("fc2 in 4 row pieces, piece i's copy-engine all-reduce (side stream, no SMs but the sum's) during "
-            "piece i+1's matmul, each sum written into its rows (RowwiseParallel(chunks=4, copy_min_bytes=1 MiB))",
+            "piece i+1's matmul, each sum written into its rows (RowwiseParallel(chunks=4, copy_min_bytes=128 KiB))",
             lambda m: m >= CHUNK_MIN_ROWS),
-    "ce8": ("the same in 8 pieces (RowwiseParallel(chunks=8, copy_min_bytes=1 MiB))", lambda m: m >= CHUNK_MIN_ROWS),
-    "ce16": ("the same in 16 pieces (RowwiseParallel(chunks=16, copy_min_bytes=1 MiB)): a shorter exposed last "
+    "ce8": ("the same in 8 pieces (RowwiseParallel(chunks=8, copy_min_bytes=128 KiB))", lambda m: m >= CHUNK_MIN_ROWS),
+    "ce16": ("the same in 16 pieces (RowwiseParallel(chunks=16, copy_min_bytes=128 KiB)): a shorter exposed last "
              "piece", lambda m: m >= 4 * CHUNK_MIN_ROWS),
+    "ce6t": ("the same in 6 pieces halving toward the end, e.g. 2048, 1024, 512, 256, 128, 128 rows: the exposed "
+             "last all-reduce short (RowwiseParallel(chunks=6, taper=True, copy_min_bytes=128 KiB))",
+             lambda m: m >= CHUNK_MIN_ROWS),
     "mlpce4": ("the whole MLP in 4 row pieces, piece i's copy-engine all-reduce during piece i+1's fc1 and fc2 "
-               "(overlapped(mlp, x, 4) with RowwiseParallel(copy_min_bytes=1 MiB))", lambda m: m >= CHUNK_MIN_ROWS),
+               "(overlapped(mlp, x, 4) with RowwiseParallel(copy_min_bytes=128 KiB))", lambda m: m >= CHUNK_MIN_ROWS),
 }
 CHUNK_MIN_ROWS = 1024
 ONE_SHOT_BYTES = 256 * 1024
-COPY_MIN_BYTES = 1 << 20
-COPY_CHUNKS = {"ce": 1, "ce4": 4, "ce8": 8, "ce16": 16}  # the copy-engine variants of one layer: pieces of fc2
+COPY_MIN_BYTES = 128 << 10  # from 16 rows of 4096 bf16 up: the tapered pieces' tails go by copies too
+# The copy-engine variants of one layer: pieces of fc2, tapered or not.
+COPY_CHUNKS = {"ce": (1, False), "ce4": (4, False), "ce8": (8, False), "ce16": (16, False), "ce6t": (6, True)}
 
 
 def shard(full: MLP, mesh, bf16: bool, variant: str = "end") -> MLP:
@@ -138,15 +143,15 @@ def shard(full: MLP, mesh, bf16: bool, variant: str = "end") -> MLP:
         if variant in ("row2", "row4", "oneshot"):
             return None  # PlainShard has one all-reduce (overlapped() pipelines it: mlp2 / mlp4)
         group = mesh.get_group()
-        kw = (dict(copy_min_bytes=COPY_MIN_BYTES, chunks=COPY_CHUNKS[variant], chunk_min_rows=CHUNK_MIN_ROWS)
-              if variant in COPY_CHUNKS else {})
+        kw = (dict(copy_min_bytes=COPY_MIN_BYTES, chunks=COPY_CHUNKS[variant][0], taper=COPY_CHUNKS[variant][1],
+                   chunk_min_rows=CHUNK_MIN_ROWS) if variant in COPY_CHUNKS else {})
         return MLP(PlainShard(full.fc1, "colwise", group), PlainShard(full.fc2, "rowwise", group, **kw))
     from torch.distributed.tensor.parallel import parallelize_module
 
     row = dict(end={}, mlp2={}, mlp4={}, row2=dict(chunks=2, chunk_min_rows=CHUNK_MIN_ROWS),
                row4=dict(chunks=4, chunk_min_rows=CHUNK_MIN_ROWS), oneshot=dict(one_shot_max_bytes=ONE_SHOT_BYTES),
-               **{v: dict(chunks=c, chunk_min_rows=CHUNK_MIN_ROWS, copy_min_bytes=COPY_MIN_BYTES)
-                  for v, c in COPY_CHUNKS.items()})
+               **{v: dict(chunks=c, taper=taper, chunk_min_rows=CHUNK_MIN_ROWS, copy_min_bytes=COPY_MIN_BYTES)
+                  for v, (c, taper) in COPY_CHUNKS.items()})
     plan = {"fc1": tilemm.parallel.ColwiseParallel(), "fc2": tilemm.parallel.RowwiseParallel(**row[variant])}
     sharded = parallelize_module(copy.deepcopy(full), mesh, plan)
     if variant not in ("end", "oneshot", "ce") and sharded.fc2._tp.tensor_scale:

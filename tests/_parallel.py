@@ -63,10 +63,10 @@ def tp_plan():
 
 
 def fast_plan():
-    """fc2 in 2 row pieces whose sums the copy engines do (any size), the one-shot all-reduce (and
-    amax exchange) for what is not split."""
+    """fc2 in 3 tapered row pieces (6 rows: 3, 1, 2) whose sums the copy engines do (any size), the
+    one-shot all-reduce (and amax exchange) for what is not split."""
     return {"fc1": tilemm.parallel.ColwiseParallel(),
-            "fc2": tilemm.parallel.RowwiseParallel(chunks=2, chunk_min_rows=1, copy_min_bytes=1,
+            "fc2": tilemm.parallel.RowwiseParallel(chunks=3, chunk_min_rows=1, copy_min_bytes=1, taper=True,
                                                    one_shot_max_bytes=1 << 20)}
 
 

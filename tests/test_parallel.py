@@ -198,6 +198,21 @@ def test_overlap_options_are_checked():
         tilemm.parallel.RowwiseParallel(one_shot_max_bytes=-1)
     with pytest.raises(ValueError, match=r"copy_min_bytes must be an int >= 0, got 1.5"):
         tilemm.parallel.RowwiseParallel(copy_min_bytes=1.5)
+    with pytest.raises(TypeError, match=r"taper must be True or False, got 1"):
+        tilemm.parallel.RowwiseParallel(taper=1)
+
+
+@pytest.mark.parametrize("rows, pieces, sizes", [
+    (4096, 6, [2048, 1024, 512, 256, 128, 128]),
+    (1024, 5, [512, 256, 128, 64, 64]),
+    (1000, 4, [496, 240, 128, 136]),  # multiples of 16 but the last
+    (6, 3, [3, 1, 2]),  # too few rows for 16-row pieces
+    (1, 4, [1]),  # fewer pieces where rows run out
+])
+def test_tapered_pieces(rows, pieces, sizes):
+    from tilemm.parallel import _tapered
+
+    assert _tapered(rows, pieces) == sizes and sum(sizes) == rows
     with pytest.raises(ValueError, match=r"overlapped: chunks must be an int >= 1, got True"):
         tilemm.parallel.overlapped(lambda t: t, torch.zeros(4, 2), True)
 

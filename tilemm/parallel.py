@@ -331,10 +331,11 @@ class _TPConfig:
     __slots__ = ("style", "mesh", "group", "input_layouts", "output_layouts", "use_local_output",
                  "desired_input", "local_output", "plain_input", "plain_output", "amax", "full_out",
                  "sum_opts", "sum_async_opts", "max_opts", "max_async_opts", "chunks", "chunk_min_rows",
-                 "one_shot", "copy", "tensor_scale")
+                 "one_shot", "copy", "tensor_scale", "taper")
 
     def __init__(self, style, mesh, input_layouts, output_layouts, use_local_output, amax, full_out,
-                 chunks=1, chunk_min_rows=1024, one_shot_max_bytes=0, tensor_scale=False, copy_min_bytes=0):
+                 chunks=1, chunk_min_rows=1024, one_shot_max_bytes=0, tensor_scale=False, copy_min_bytes=0,
+                 taper=False):
         self.style, self.mesh, self.group = style, mesh, mesh.get_group()
         self.input_layouts, self.output_layouts = tuple(input_layouts), tuple(output_layouts)
         self.use_local_output, self.amax, self.full_out = use_local_output, amax, full_out
@@ -343,7 +344,7 @@ class _TPConfig:
         self.sum_async_opts = _reduce_opts(dist.ReduceOp.SUM, True)
         self.max_opts = _reduce_opts(dist.ReduceOp.MAX, False)
         self.max_async_opts = _reduce_opts(dist.ReduceOp.MAX, True)
-        self.chunks, self.chunk_min_rows = chunks, chunk_min_rows
+        self.chunks, self.chunk_min_rows, self.taper = chunks, chunk_min_rows, taper
         self.tensor_scale = tensor_scale  # one activation scale for the whole tensor: rows may not split
         self.one_shot = _OneShot(self.group, one_shot_max_bytes) if one_shot_max_bytes > 0 else None
         self.copy = _CopyAllReduce(self.group, copy_min_bytes) if copy_min_bytes > 0 else None
@@ -779,6 +780,23 @@ def overlapped(fn, x: torch.Tensor, chunks: int) -> torch.Tensor:
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
+def _tapered(rows: int, pieces: int) -> list[int]:
+    """Row counts of at most ``pieces`` pieces that halve toward the end (the last two about equal):
+    4096 rows in 6 -> 2048, 1024, 512, 256, 128, 128. Piece i's all-reduce then runs during piece
+    i + 1's matmul, at least half as long, and the one left exposed, the last, is small. Multiples of
+    16 rows where the rows allow it."""
+    unit = 16 if rows >= 64 * pieces else 1
+    sizes, left = [], rows
+    for _ in range(pieces - 1):
+        size = (left // 2) // unit * unit
+        if size < unit:
+            break
+        sizes.append(size)
+        left -= size
+    sizes.append(left)
+    return sizes
+
+
 class ShardedLinear(Linear):
     """A :class:`tilemm.nn.Linear` sharded in place by ``ColwiseParallel`` / ``RowwiseParallel`` /
     ``shard_linear`` (its class becomes this one; ``isinstance(layer, tilemm.nn.Linear)`` still holds).
@@ -841,7 +859,7 @@ class ShardedLinear(Linear):
         of them (no host sync), then the pieces are joined (the copies write each piece's sum into its
         rows of the output directly). Same sums as one all-reduce, row by row."""
         rows = local.reshape(-1, self.in_features)
-        pieces = rows.chunk(tp.chunks)
+        pieces = rows.split(_tapered(rows.shape[0], tp.chunks)) if tp.taper else rows.chunk(tp.chunks)
         # The copy-engine all-reduce writes each piece's sum straight into its rows of the output
         # (no concatenation at the end); NCCL sums each piece in place.
         out = (torch.empty(rows.shape[0], self.out_features, dtype=local.dtype, device=local.device)
@@ -931,7 +949,7 @@ class ShardedLinear(Linear):
 def _shard_in_place(fn: str, module: Linear, mesh: DeviceMesh, style: str, *, src_data_rank,
                     input_layouts: tuple[Placement, ...], output_layouts: tuple[Placement, ...],
                     use_local_output: bool, chunks: int = 1, chunk_min_rows: int = 1024,
-                    one_shot_max_bytes: int = 0, copy_min_bytes: int = 0) -> Linear:
+                    one_shot_max_bytes: int = 0, copy_min_bytes: int = 0, taper: bool = False) -> Linear:
     _check_layer(fn, module)
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{fn}: device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got "
@@ -956,7 +974,8 @@ def _shard_in_place(fn: str, module: Linear, mesh: DeviceMesh, style: str, *, sr
     module._tp = _TPConfig(style, mesh, input_layouts, output_layouts, use_local_output, amax,
                            shard.out_features, chunks=chunks, chunk_min_rows=chunk_min_rows,
                            one_shot_max_bytes=one_shot_max_bytes if world_size > 1 else 0,
-                           tensor_scale=tensor_scale, copy_min_bytes=copy_min_bytes if world_size > 1 else 0)
+                           tensor_scale=tensor_scale, copy_min_bytes=copy_min_bytes if world_size > 1 else 0,
+                           taper=taper)
     module.__class__ = ShardedLinear
     return module
 
@@ -1002,11 +1021,17 @@ class RowwiseParallel(_torch_tp.RowwiseParallel):
       (``_CopyAllReduce``: peer-to-peer copies, one sum kernel; NCCL where it is unavailable). With
       ``chunks``, piece i's copies run on a side stream while piece i + 1 is multiplied, taking no
       SMs from the matmul.
+    - ``taper`` (default False: equal pieces): with ``chunks``, pieces that halve toward the end
+      (``_tapered``: 4096 rows in 6 -> 2048, 1024, 512, 256, 128, 128), so that the one all-reduce
+      left exposed, the last piece's, is short.
     """
 
     def __init__(self, *, chunks: int = 1, chunk_min_rows: int = 1024, one_shot_max_bytes: int = 0,
-                 copy_min_bytes: int = 0, **kwargs):
+                 copy_min_bytes: int = 0, taper: bool = False, **kwargs):
         super().__init__(**kwargs)
+        if not isinstance(taper, bool):
+            raise TypeError(f"tilemm.parallel.RowwiseParallel: taper must be True or False, got {taper!r}")
+        self.taper = taper
         for name, value, low in (("chunks", chunks, 1), ("chunk_min_rows", chunk_min_rows, 1),
                                  ("one_shot_max_bytes", one_shot_max_bytes, 0), ("copy_min_bytes", copy_min_bytes, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -1022,7 +1047,8 @@ class RowwiseParallel(_torch_tp.RowwiseParallel):
                                src_data_rank=self.src_data_rank, input_layouts=self.input_layouts,
                                output_layouts=self.output_layouts, use_local_output=self.use_local_output,
                                chunks=self.chunks, chunk_min_rows=self.chunk_min_rows,
-                               one_shot_max_bytes=self.one_shot_max_bytes, copy_min_bytes=self.copy_min_bytes)
+                               one_shot_max_bytes=self.one_shot_max_bytes, copy_min_bytes=self.copy_min_bytes,
+                               taper=self.taper)
 
 
 def shard_linear(layer: Linear, device_mesh: DeviceMesh, style: str, *, src_data_rank: int | None = 0,

@@ -73,7 +73,7 @@ step() {  # step NAME LIMIT LOG command...
 # 0. The probe: its output and NCCL's transport lines go into the suite log (no file of its own).
 PROBE_LOG="$(mktemp)"
 step probe "$L_PROBE" "$PROBE_LOG" env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH \
-    torchrun --nproc-per-node "$N" benchmarks/tp_probe.py --reps 20
+    torchrun --nproc-per-node "$N" benchmarks/investigations/tp_probe.py --reps 20
 {
     echo "   --- probe: results ---"
     grep -E "TP PROBE" "$PROBE_LOG"

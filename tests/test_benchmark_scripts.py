@@ -7,9 +7,9 @@ import pathlib
 
 import pytest
 
-SCRIPTS = sorted((pathlib.Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py"))
+SCRIPTS = sorted((pathlib.Path(__file__).resolve().parents[1] / "benchmarks").glob("**/*.py"))
 
 
-@pytest.mark.parametrize("path", SCRIPTS, ids=[p.name for p in SCRIPTS])
+@pytest.mark.parametrize("path", SCRIPTS, ids=[str(p.relative_to(p.parents[1] if p.parent.name == "investigations" else p.parent)) for p in SCRIPTS])
 def test_benchmark_script_compiles(path):
     compile(path.read_text(), str(path), "exec")

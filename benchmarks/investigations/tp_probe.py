@@ -1,7 +1,7 @@
 """What the GPUs of one machine offer the tensor-parallel layers: peer access, NCCL's transport and the
 all-reduce's speed by size, NCCL against torch's symmetric-memory one-shot all-reduce.
 
-    NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH torchrun --nproc-per-node 2 benchmarks/tp_probe.py
+    NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH torchrun --nproc-per-node 2 benchmarks/investigations/tp_probe.py
 
 Rank 0 prints, for every pair of GPUs, whether CUDA peer access is possible
 (``torch.cuda.can_device_access_peer``), then for bf16 all-reduces of 8 KiB .. 64 MiB, each in a
@@ -24,7 +24,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _tp
 
 from _tp import start  # noqa: E402
 

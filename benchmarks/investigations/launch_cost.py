@@ -1,6 +1,6 @@
 """What a cuTile launch costs on the host, per kind of argument, next to the PyTorch calls around it.
 
-    python benchmarks/launch_cost.py
+    python benchmarks/investigations/launch_cost.py
 
 Each row is the host time to issue one call (300 calls back to back, best of 5, then one
 synchronisation): ``ct.launch`` of empty kernels with 0-9 torch tensors and 9 constants, with the

@@ -1,6 +1,6 @@
 """How the L2 flush before each timed replay changes what a small-M matmul measures.
 
-    python benchmarks/timing_flush.py
+    python benchmarks/investigations/timing_flush.py
 
 Times cuBLAS bf16 ``F.linear`` and the MXFP4 weight-only ``tilemm.nn.Linear`` at M = 1 as CUDA-graph
 replays (median of 30) after each of: a flush by writes (zeroing 256 MB, which leaves the L2 full of
@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _timing
 from _timing import _graph_or_eager  # noqa: E402
 
 import tilemm  # noqa: E402

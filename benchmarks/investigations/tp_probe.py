@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -26,6 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _tp
 
+from _timing import Timer  # noqa: E402
 from _tp import start  # noqa: E402
 
 SIZES = [8 << 10, 64 << 10, 256 << 10, 1 << 20, 8 << 20, 32 << 20, 64 << 20]
@@ -33,26 +33,12 @@ ONE_SHOT_MAX = 256 << 10
 
 
 def graph_ms(fn, reps: int) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start_ev.record()
-        graph.replay()
-        end_ev.record()
-        end_ev.synchronize()
-        times.append(start_ev.elapsed_time(end_ev))
-    t = torch.tensor([statistics.median(times)], device="cuda", dtype=torch.float64)
+    """The slowest rank's median time of ``fn`` as CUDA-graph replays (``_timing.Timer``: no L2 flush,
+    the ranks lined up by a barrier before each replay, each waited for)."""
+    ms, how = Timer(reps, torch.device("cuda"), flush_l2=False, sync_each=True, before_each=dist.barrier)(fn)
+    if how != "graph":
+        raise RuntimeError("did not capture in a CUDA graph")
+    t = torch.tensor([ms], device="cuda", dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 

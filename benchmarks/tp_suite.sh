@@ -83,7 +83,7 @@ step() {  # step NAME LIMIT LOG command...
 if want probe; then
 PROBE_LOG="$(mktemp)"
 step probe "$L_PROBE" "$PROBE_LOG" env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH \
-    torchrun --nproc-per-node "$N" benchmarks/tp_probe.py --reps 20
+    torchrun --nproc-per-node "$N" benchmarks/investigations/tp_probe.py --reps 20
 {
     echo "   --- probe: results ---"
     grep -E "TP PROBE" "$PROBE_LOG"

@@ -13,8 +13,8 @@ Tile-code helpers (called from inside ``@ct.kernel`` functions, inlined by cuTil
 * ``epilogue``: ``acc * alpha + bias``, cast once to the output dtype, stored (partial tiles masked).
 
 Host helpers: ``folded_alpha`` (a problem's alpha with NVFP4's decode scales), ``ones_scalar`` /
-``zeros_vector`` (cached device constants that stand in for an absent ``alpha`` / ``bias``, so that one kernel specialisation serves calls with and without them),
-``swizzled_scale_view`` (the 6-D view of a swizzled scale tensor that the kernels load from), and
+``zeros_vector`` (cached device constants that stand in for an absent ``alpha`` / ``bias``, so that
+one kernel specialisation serves calls with and without them), ``swizzled_scale_view`` (the 6-D view of a swizzled scale tensor that the kernels load from), and
 ``hinted`` (cached ``replace_hints``).
 """
 
@@ -29,8 +29,8 @@ from ..numerics import ceil_div
 
 __all__ = ["tile_coords", "tile_coords_at", "e8m0_bits_bf16", "e8m0_to_bf16", "e8m0_to_fp32", "e2m1_lo_bits_fp16",
            "e2m1_hi_bits_fp16", "e2m1_lo_bits_bf16", "e2m1_hi_bits_bf16", "e2m1_to_fp32", "unswizzle_scale_tile",
-           "epilogue", "ones_scalar", "zeros_vector", "swizzled_scale_view", "hinted", "num_sms", "stream_handle", "ceil_div", "folded_alpha", "SWIZZLE_ROWS",
-           "SWIZZLE_COLS"]
+           "epilogue", "ones_scalar", "zeros_vector", "swizzled_scale_view", "hinted", "num_sms", "stream_handle",
+           "ceil_div", "folded_alpha", "SWIZZLE_ROWS", "SWIZZLE_COLS"]
 
 #: Rows and scale columns covered by one 32x16 block of the 32x4x4 layout.
 SWIZZLE_ROWS = _swizzle.ROW_TILE

@@ -14,8 +14,8 @@ Tile-code helpers (called from inside ``@ct.kernel`` functions, inlined by cuTil
 
 Host helpers: ``folded_alpha`` (a problem's alpha with NVFP4's decode scales), ``ones_scalar`` /
 ``zeros_vector`` (cached device constants that stand in for an absent ``alpha`` / ``bias``, so that
-one kernel specialisation serves calls with and without them), ``swizzled_scale_view`` (the 6-D view of a swizzled scale tensor that the kernels load from), and
-``hinted`` (cached ``replace_hints``).
+one kernel specialisation serves calls with and without them), ``swizzled_scale_view`` (the 6-D
+view of a swizzled scale tensor that the kernels load from), and ``hinted`` (cached ``replace_hints``).
 """
 
 from __future__ import annotations

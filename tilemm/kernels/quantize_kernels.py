@@ -819,10 +819,10 @@ def _fp8_columns_kernel(X, Data, Scale, Amax, ELEMENT: ConstInt, TILE_R: ConstIn
 
 @dataclasses.dataclass(frozen=True)
 class QuantizeConfig:
-    """A quantize kernel's tile (``plan``): rows and K columns per block, and blocks per SM (the compiler's register budget: 64 registers
-    per thread at 4). Block-scaled formats need tile_r in {32, 64, 128} and tile_k / block a multiple
-    of 4 (whole 32x16 blocks of swizzled scales) when swizzled; FP8 blocks need tile_k % 128 == 0 and,
-    for 128x128, tile_r = tile_k = 128."""
+    """A quantize kernel's tile (``plan``): rows and K columns per block, and blocks per SM (the
+    compiler's register budget: 64 registers per thread at 4). Block-scaled formats need tile_r in
+    {32, 64, 128} and tile_k / block a multiple of 4 (whole 32x16 blocks of swizzled scales) when
+    swizzled; FP8 blocks need tile_k % 128 == 0 and, for 128x128, tile_r = tile_k = 128."""
 
     tile_r: int
     tile_k: int

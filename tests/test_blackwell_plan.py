@@ -113,12 +113,12 @@ def test_table_for_capability():
     (2, 2048, 2048, "256x256x128B_2cta"),   # the batch counts too
 ])
 def test_block_scaled_config_choice_sm100(batch, m, n, expect):
-    assert bbs.plan("sm_100", batch, m, n, sm_count=148).name == expect
+    assert bbs.plan("sm_100", batch, m, n, sms=148).name == expect
 
 
 def test_block_scaled_sm120_has_no_two_cta_config():
     for shape in [(1, 128, 128), (1, 8192, 8192)]:
-        cfg = bbs.plan("sm_120", *shape, sm_count=188)
+        cfg = bbs.plan("sm_120", *shape, sms=188)
         assert cfg.num_ctas == 1 and cfg.tile_m == 128 and "sm_120" in cfg.targets
 
 
@@ -210,7 +210,7 @@ def test_prepared_launch_is_the_plan(monkeypatch, fmt, swizzled, m):
     monkeypatch.setattr(bbs, "num_sms", lambda device: 148)
     prepared = bbs.Prepared(problem)
     later, _ = block_scaled_case(fmt, m, 17, 128, ba=3, bb=1, swizzled=swizzled, bias=True, alpha=0.5, seed=1)
-    plan = bbs.Prepared(later, table="sm_100", sm_count=148)
+    plan = bbs.Prepared(later, table="sm_100", sms=148)
     launches = []
     monkeypatch.setattr(bbs, "ct", types.SimpleNamespace(launch=lambda *call: launches.append(call)))
     prepared.run(later, "stream")
@@ -265,8 +265,8 @@ def test_block_scaled_launches_are_aot_variants(fmt, swizzled, table):
     known = _variant_signatures(bbs.aot_variants())
     for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
         problem, _ = block_scaled_case(fmt, 7, 17, 64, swizzled=swizzled, out_dtype=out_dtype)
-        for sm_count in (1, 10_000):  # forces the large config where the table has one, then the small
-            plan = bbs.Prepared(problem, table=table, sm_count=sm_count)
+        for sms in (1, 10_000):  # forces the large config where the table has one, then the small
+            plan = bbs.Prepared(problem, table=table, sms=sms)
             assert (_signature(plan.args), table) in known, f"{plan.config} is not in aot_variants()"
 
 
@@ -278,8 +278,8 @@ def test_fp8_launches_are_aot_variants(granularity, table):
     for dt in dtypes:
         for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
             problem, _ = fp8_case(granularity, 7, 17, 128, dtype=dt, out_dtype=out_dtype)
-            for sm_count in (1, 10_000):
-                plan = bfp8.Prepared(problem, table=table, sm_count=sm_count)
+            for sms in (1, 10_000):
+                plan = bfp8.Prepared(problem, table=table, sms=sms)
                 assert (_signature(plan.args), table) in known, f"{plan.config} is not in aot_variants()"
 
 
@@ -315,7 +315,7 @@ def test_block_scaled_kernel_emulated(fmt, m, n, k, swizzled):
 def test_block_scaled_two_cta_tile_emulated(fmt, swizzled):
     """The 256x256 config: two 128-row scale blocks per load, partial tiles in both directions."""
     problem, ref = block_scaled_case(fmt, 300, 260, 160, swizzled=swizzled, poison=swizzled)
-    plan = bbs.Prepared(problem, table="sm_100", sm_count=1)
+    plan = bbs.Prepared(problem, table="sm_100", sms=1)
     assert plan.config.num_ctas == 2
     emulate(plan)
     assert_matches(problem.out, ref, torch.float32)
@@ -417,7 +417,7 @@ def test_fp8_batches_and_epilogue_emulated(granularity):
 
 def test_fp8_two_cta_tile_and_k_not_multiple_of_tile_emulated():
     problem, ref = fp8_case("row", 300, 260, 200, dtype=torch.float8_e5m2)
-    plan = bfp8.Prepared(problem, table="sm_100", sm_count=1)
+    plan = bfp8.Prepared(problem, table="sm_100", sms=1)
     assert plan.config.num_ctas == 2
     emulate(plan)
     assert_matches(problem.out, ref, torch.float32)
@@ -469,17 +469,17 @@ def test_scale_tile_loads_on_gpu(swizzled, tile_rows, tks, rows, ks):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("table,sm_count", [("sm_100", 10_000), ("sm_100", 1), ("sm_120", 1)],
+@pytest.mark.parametrize("table,sms", [("sm_100", 10_000), ("sm_100", 1), ("sm_120", 1)],
                          ids=["128x128", "256x256-2cta", "sm120"])
 @pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
-def test_blackwell_fp8_kernels_on_gpu(granularity, table, sm_count):
+def test_blackwell_fp8_kernels_on_gpu(granularity, table, sms):
     device = _fp8_gpu()
     for (m, n, k, ba, bb) in [(129, 17, 256, 1, 1), (100, 130, 384, 2, 1), (7, 300, 128, 1, 2)]:
         problem, ref = fp8_case(granularity, m, n, k, ba=ba, bb=bb, bias=True, alpha=0.5,
                                 out_dtype=torch.bfloat16)
         for field in ("a", "a_scale", "b", "b_scale", "out", "bias", "alpha"):
             setattr(problem, field, getattr(problem, field).to(device))
-        plan = bfp8.Prepared(problem, table=table, sm_count=sm_count)
+        plan = bfp8.Prepared(problem, table=table, sms=sms)
         ct.launch(torch.cuda.current_stream(), plan.grid, plan.kernel, plan.args)
         torch.cuda.synchronize()
         assert_matches(problem.out.cpu(), ref.to(torch.bfloat16), torch.bfloat16)
@@ -494,7 +494,7 @@ def test_fp8_prepared_launch_is_the_plan(monkeypatch, granularity):
     monkeypatch.setattr(bfp8, "num_sms", lambda device: 148)
     prepared = bfp8.Prepared(problem)
     later, _ = fp8_case(granularity, 100, 200, 256, ba=2, bias=True, alpha=0.5, seed=1)
-    plan = bfp8.Prepared(later, table="sm_100", sm_count=148)
+    plan = bfp8.Prepared(later, table="sm_100", sms=148)
     launches = []
     monkeypatch.setattr(bfp8, "ct", types.SimpleNamespace(launch=lambda *call: launches.append(call)))
     prepared.run(later, "stream")

@@ -411,7 +411,7 @@ def test_blackwell_plan_of_the_issue_shape_fits():
         fmt=fmt, a=meta(1, m, k, dtype=torch.float8_e4m3fn), a_scale=meta(1, m, k // 32, dtype=torch.uint8),
         b=meta(1, n, k, dtype=torch.float8_e4m3fn), b_scale=meta(1, n, k // 32, dtype=torch.uint8),
         swizzled=False, out=meta(1, m, n), bias=None, alpha=None)
-    plan = bbs.Prepared(problem, table="sm_100", sm_count=148)
+    plan = bbs.Prepared(problem, table="sm_100", sms=148)
     assert len(plan.launches) == 2
     assert all(_large.fits(*[a for a in args if isinstance(a, torch.Tensor)]) for _, args in plan.launches)
     assert sum(args[4].shape[1] for _, args in plan.launches) == m

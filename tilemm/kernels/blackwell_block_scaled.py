@@ -167,14 +167,14 @@ def table_for_capability(cap: tuple[int, int]) -> str:
     return "sm_100" if cap[0] == 10 else "sm_120"
 
 
-def plan(table: str, batch: int, m: int, n: int, sm_count: int = DEFAULT_SM_COUNT) -> BlockScaledConfig:
+def plan(table: str, batch: int, m: int, n: int, sms: int = DEFAULT_SM_COUNT) -> BlockScaledConfig:
     """The config of config table ``table`` for ``batch`` x (m, n) outputs: the large tile once it
     still gives every SM (pair) a tile, the small one otherwise."""
     configs = _CONFIGS[table]
     large = configs.get("large")
     if large is not None:
         tiles = batch * ceil_div(m, large.tile_m) * ceil_div(n, large.tile_n)
-        if tiles * large.num_ctas >= sm_count:
+        if tiles * large.num_ctas >= sms:
             return large
     return configs["small"]
 
@@ -246,20 +246,20 @@ class Prepared:
     the problem it was made from: ``launches`` holds (grid, args) per launch, one unless an operand has
     2^31 elements or more (``_large``: one per piece of the output), ``grid`` and ``args`` being the
     first; ``folded`` tells whether the batch is folded into M. ``table`` (a config table of
-    ``_CONFIGS``) and ``sm_count`` default to the problem's GPU; given, no GPU is needed (CPU tensors
+    ``_CONFIGS``) and ``sms`` default to the problem's GPU; given, no GPU is needed (CPU tensors
     give the same launches). Operands of 2^31 elements and more are prepared again on every call
     (their pieces are views of the call's tensors)."""
 
-    __slots__ = ("config", "kernel", "grid", "args", "folded", "launches", "table", "sm_count", "consts",
+    __slots__ = ("config", "kernel", "grid", "args", "folded", "launches", "table", "sms", "consts",
                  "direct", "swizzled", "n")
 
     def __init__(self, problem, config: BlockScaledConfig | None = None, *, table: str | None = None,
-                 sm_count: int | None = None):
+                 sms: int | None = None):
         fmt = problem.fmt
         out = problem.out
         device = out.device
         self.table = table_for_capability(capability(device)) if table is None else table
-        self.sm_count = (num_sms(device) if table is None else DEFAULT_SM_COUNT) if sm_count is None else sm_count
+        self.sms = (num_sms(device) if table is None else DEFAULT_SM_COUNT) if sms is None else sms
         batch, m, n = out.shape
         a, b = problem.a, problem.b
         if a.shape[0] not in (1, batch) or b.shape[0] not in (1, batch):
@@ -280,7 +280,7 @@ class Prepared:
                 self.folded = True
         grid_batch, grid_m = out.shape[0], out.shape[1]
 
-        cfg = self.config = config or plan(self.table, grid_batch, grid_m, n, self.sm_count)
+        cfg = self.config = config or plan(self.table, grid_batch, grid_m, n, self.sms)
         check_config(fmt, cfg)
         alpha = folded_alpha(problem)
         alpha = ones_scalar(device) if alpha is None else alpha.reshape(1)
@@ -307,7 +307,7 @@ class Prepared:
         """Launch for ``problem`` (a ``BlockScaledProblem`` of this signature) on raw stream ``stream``."""
         device = problem.out.device
         if not self.direct:
-            launches = Prepared(problem, self.config, table=self.table, sm_count=self.sm_count).launches
+            launches = Prepared(problem, self.config, table=self.table, sms=self.sms).launches
         else:
             a, a_scale, out = problem.a, _scale_bytes(problem.a_scale), problem.out
             if self.folded:

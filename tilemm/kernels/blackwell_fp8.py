@@ -136,12 +136,12 @@ def _kind(granularity: str) -> str:
     return fp8_kind(granularity, "blackwell_fp8")
 
 
-def plan(table: str, granularity: str, batch: int, m: int, n: int, sm_count: int = DEFAULT_SM_COUNT) -> FP8Config:
+def plan(table: str, granularity: str, batch: int, m: int, n: int, sms: int = DEFAULT_SM_COUNT) -> FP8Config:
     """The config of config table ``table`` (``table_for_capability``) for ``batch`` x (m, n) outputs:
     the large tile once every SM (pair) still gets a tile, else the small one."""
     configs = _CONFIGS[table][_kind(granularity)]
     large = configs.get("large")
-    if large is not None and batch * ceil_div(m, large.tile_m) * ceil_div(n, large.tile_n) * large.num_ctas >= sm_count:
+    if large is not None and batch * ceil_div(m, large.tile_m) * ceil_div(n, large.tile_n) * large.num_ctas >= sms:
         return large
     return configs["small"]
 
@@ -179,19 +179,19 @@ class Prepared:
     ``config`` (``plan``'s choice when None), the hinted ``kernel``, and the launches of the problem it
     was made from: ``launches`` holds (grid, args) per launch, one unless an operand has 2^31 elements
     or more (``_large``: one per piece of the output), ``grid`` and ``args`` being the first.
-    ``table`` and ``sm_count`` default to the problem's GPU; given, no GPU is needed (CPU tensors give
+    ``table`` and ``sms`` default to the problem's GPU; given, no GPU is needed (CPU tensors give
     the same launches). Operands of 2^31 elements and more are prepared again on every call (their
     pieces are views of the call's tensors)."""
 
-    __slots__ = ("config", "kernel", "grid", "args", "launches", "table", "sm_count", "consts", "direct", "n")
+    __slots__ = ("config", "kernel", "grid", "args", "launches", "table", "sms", "consts", "direct", "n")
 
     def __init__(self, problem, config: FP8Config | None = None, *, table: str | None = None,
-                 sm_count: int | None = None):
+                 sms: int | None = None):
         kind = _kind(problem.granularity)
         out = problem.out
         device = out.device
         self.table = table_for_capability(capability(device)) if table is None else table
-        self.sm_count = (num_sms(device) if table is None else DEFAULT_SM_COUNT) if sm_count is None else sm_count
+        self.sms = (num_sms(device) if table is None else DEFAULT_SM_COUNT) if sms is None else sms
         batch, m, n = out.shape
         a, b = problem.a, problem.b
         if a.shape[0] not in (1, batch) or b.shape[0] not in (1, batch):
@@ -200,7 +200,7 @@ class Prepared:
         if kind == "blockwise" and a.shape[2] % FP8_BLOCK:
             raise ValueError(f"blackwell_fp8: blockwise scaling needs K to be a multiple of {FP8_BLOCK}, got "
                              f"K={a.shape[2]}")
-        cfg = self.config = config or plan(self.table, problem.granularity, batch, m, n, self.sm_count)
+        cfg = self.config = config or plan(self.table, problem.granularity, batch, m, n, self.sms)
         check_config(problem.granularity, cfg)
         # Scales are tiny (M + N floats, or (M + N/128) * K/128): materialise the broadcast per-tensor
         # views and any transposed block-scale views.
@@ -230,7 +230,7 @@ class Prepared:
         """Launch for ``problem`` (an ``FP8Problem`` of this signature) on raw stream ``stream``."""
         device = problem.out.device
         if not self.direct:
-            launches = Prepared(problem, self.config, table=self.table, sm_count=self.sm_count).launches
+            launches = Prepared(problem, self.config, table=self.table, sms=self.sms).launches
         else:
             # Scales are tiny (M + N floats, or (M + N/128) * K/128): materialise broadcast views.
             alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)

@@ -1,0 +1,173 @@
+"""The Python cost of an eager call of every public entry on the CUDA route, measured on the CPU.
+
+    python -m benchmarks.investigations.host_path [--n 4096 --k 4096 --m 1,16] [--profile ENTRY]
+
+This measures Python only, not launch cost: no GPU is used and no kernel runs. The calls take the
+route an eager call on an sm_90 GPU takes (``TILEMM_ARCH=sm_90``, ``Tensor.is_cuda`` reported True,
+the stream handle, SM count and graph-capture checks stubbed), on CPU tensors, with ``ct.launch``
+replaced by a no-op that counts launches. So each figure is what the library's own Python (argument
+handling, plan lookup, output allocation, argument assembly) costs per call; a GPU call adds the
+launch itself (about 14 us for an empty ``ct.launch`` from Python on an H100) and the allocator's
+CUDA path. ``--profile ENTRY`` prints cProfile's top functions for one entry (a name as printed).
+
+Each figure: best of five timings of a few thousand calls back to back, in microseconds per call,
+after warm-up calls that fill the plan caches. Launches per call are counted on the last call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import os
+import pstats
+import sys
+import timeit
+
+os.environ.setdefault("TILEMM_ARCH", "sm_90")
+
+import torch  # noqa: E402
+
+import tilemm  # noqa: E402
+from tilemm import matmul as _matmul  # noqa: E402
+from tilemm import quantize as _quantize  # noqa: E402
+from tilemm import weight_only as _weight_only  # noqa: E402
+from tilemm.kernels import _common  # noqa: E402
+from tilemm.kernels import hopper_block_scaled, hopper_fp8, hopper_gemm, quantize_kernels  # noqa: E402
+from tilemm.kernels import weight_only_kernels  # noqa: E402
+
+LAUNCHES = []
+
+
+class _NoLaunch:
+    """``cuda.tile`` with ``launch`` counting instead of running."""
+
+    def __init__(self, ct):
+        self._ct = ct
+
+    def launch(self, stream, grid, kernel, args):
+        LAUNCHES.append(kernel)
+
+    def __getattr__(self, name):
+        return getattr(self._ct, name)
+
+
+class _Plain:
+    """``_common.Described`` for CPU tensors: holds the tensor (CPU tensors have no CUDA interface)."""
+
+    __slots__ = ("_tensor",)
+
+    def __init__(self, t):
+        self._tensor = t
+
+
+@contextlib.contextmanager
+def cuda_route():
+    """Make eager calls on CPU tensors take the sm_90 CUDA route, with launches counted, not run."""
+    patches = []
+
+    def patch(owner, name, value):
+        if hasattr(owner, name):
+            patches.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, value)
+
+    kernel_modules = (hopper_block_scaled, hopper_fp8, hopper_gemm, quantize_kernels, weight_only_kernels)
+    for module in kernel_modules:
+        patch(module, "ct", _NoLaunch(module.ct))
+        patch(module, "num_sms", lambda device: 132)
+        patch(module, "_capturing", lambda device: False)
+        patch(module, "Described", _Plain)
+    for module in (_matmul, _quantize, _weight_only, _common, *kernel_modules):
+        patch(module, "stream_handle", lambda device: 0)
+    patch(_weight_only, "num_sms", lambda device: 132)
+    patch(_common, "num_sms", lambda device: 132)
+    patch(torch.cuda, "current_stream", lambda *a, **k: 0)
+    patch(torch.cuda, "is_current_stream_capturing", lambda: False)
+    patch(torch.cuda, "synchronize", lambda *a, **k: None)
+    for module in (_quantize, quantize_kernels):
+        patch(module, "has_kernels", lambda device: True)
+    patch(quantize_kernels, "_target", lambda device: "sm_90")
+    patch(_matmul, "_on_gpu", lambda device: True)
+    if not hasattr(_matmul, "_on_gpu"):  # the route before ``_on_gpu`` decided it
+        for cls in ("_BlockScaledCall", "_FP8Call"):
+            init = getattr(_matmul, cls).__init__
+
+            def gpu_init(self, *args, _init=init):
+                _init(self, *args)
+                self.gpu = True
+
+            patch(getattr(_matmul, cls), "__init__", gpu_init)
+    torch.Tensor.is_cuda = property(lambda self: True)
+    try:
+        yield
+    finally:
+        del torch.Tensor.is_cuda
+        for owner, name, value in reversed(patches):
+            setattr(owner, name, value)
+
+
+def entries(m: int, n: int, k: int):
+    """(name, callable) per public entry at batch M, the operands prepared on the CPU reference path."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(k, n, dtype=torch.bfloat16)
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    quantizers = {"mxfp8": tilemm.quantize_mxfp8, "mxfp4": tilemm.quantize_mxfp4, "nvfp4": tilemm.quantize_nvfp4}
+    for fmt, q in quantizers.items():
+        xq, wq = q(x, swizzle=True), q(lin.weight, swizzle=True)
+        matmul = getattr(tilemm, f"{fmt}_matmul")
+        if fmt == "nvfp4":
+            yield (f"{fmt}_matmul", lambda xq=xq, wq=wq, mm=matmul: mm(
+                xq.data, xq.scale, wq.data.t(), wq.scale, global_scale_x=xq.global_scale,
+                global_scale_y=wq.global_scale))
+        else:
+            yield f"{fmt}_matmul", lambda xq=xq, wq=wq, mm=matmul: mm(xq.data, xq.scale, wq.data.t(), wq.scale)
+        yield f"{fmt} linear(xq, wq)", lambda xq=xq, wq=wq: tilemm.linear(xq, wq)
+        both = tilemm.nn.Linear.from_float(lin, fmt)
+        yield f"{fmt} nn.Linear both sides", lambda both=both: both(x)
+        yield f"quantize_{fmt}(x, swizzle=True)", lambda q=q: q(x, swizzle=True)
+    xq, wq = tilemm.quantize_fp8(x, granularity="row"), tilemm.quantize_fp8(lin.weight, granularity="row")
+    yield "fp8_matmul (row scales)", lambda: tilemm.fp8_matmul(xq.data, xq.scale, wq.data.t(), wq.scale.t())
+    yield "fp8 linear(xq, wq) row", lambda: tilemm.linear(xq, wq)
+    xb = tilemm.quantize_fp8(x, granularity=(1, 128))
+    wb = tilemm.quantize_fp8(lin.weight, granularity=(128, 128))
+    yield "fp8 linear(xq, wq) blocks", lambda: tilemm.linear(xb, wb)
+    for gran in ("row", "tensor", (128, 128)):
+        both = tilemm.nn.Linear.from_float(lin, "fp8", granularity=gran)
+        yield f"fp8 nn.Linear both sides {gran}", lambda both=both: both(x)
+    for gran in ("row", "tensor", (1, 128)):
+        yield f"quantize_fp8(x, {gran!r})", lambda gran=gran: tilemm.quantize_fp8(x, granularity=gran)
+
+
+def per_call_us(fn, number: int) -> float:
+    return min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e6
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="host_path.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--m", default="1,16", help="batch sizes, comma-separated")
+    ap.add_argument("--number", type=int, default=2000, help="calls per timing")
+    ap.add_argument("--profile", default=None, help="an entry's name: print its cProfile top functions")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    print(f"# CPU, N={args.n} K={args.k}: Python us per eager call on the sm_90 route (no launch), launches")
+    for m in (int(v) for v in args.m.split(",")):
+        for name, fn in entries(m, args.n, args.k):
+            with cuda_route():
+                for _ in range(3):
+                    fn()
+                LAUNCHES.clear()
+                fn()
+                launches = len(LAUNCHES)
+                us = per_call_us(fn, args.number)
+                if args.profile == name:
+                    prof = cProfile.Profile()
+                    prof.runcall(lambda: [fn() for _ in range(args.number)])
+                    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            print(f"M={m:<4d} {name:42s} {us:8.1f} us  {launches} launch(es)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -38,7 +38,8 @@ from . import _interop, kernels
 from ._validate import (as_fp32_scalar, check_bias, check_dtype, check_out_dtype, check_same_device,
                         check_tensor)
 from .formats import FP8_BLOCK, MXFP4, NVFP4, Format, fp8_format, mxfp8_format
-from .kernels._common import stream_handle
+from .kernels import as_view, view_spec
+from .kernels._common import ones_scalar, stream_handle, zeros_vector
 from .kernels._large import check_matmul_k
 from .packed import PackedWeight, prepack
 from .quantize import FP8Tensor, MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
@@ -248,11 +249,85 @@ def _sig(t) -> tuple | None:
     return (t.shape, t.stride(), t.dtype, t.device)
 
 
-def _remember(key, call):
-    if len(_CALLS) >= kernels.MAX_PLANS:  # a bound for programs that see ever new shapes
-        _CALLS.clear()
-    _CALLS[key] = call
-    return call
+_remember = kernels.remember
+_Tensor = torch.Tensor
+
+
+def _on_gpu(device: torch.device) -> bool:
+    """Whether a checked call on ``device`` runs a kernel (else the reference)."""
+    return device.type == "cuda"
+
+
+def _tsig(t) -> tuple:
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+def launch_key(tag: str, x, x_scale, y, y_scale, out_dtype, bias, alpha, extra=()) -> tuple | None:
+    """The key of an eager call's prepared launch in ``PLANS``: everything the checks and the plan read
+    (shapes, strides, dtypes and devices of the tensors, the options), as one tuple; None for a call
+    that has none (an argument that is not a plain torch tensor, or torch.compile tracing).
+    ``extra``: further plain tensors (NVFP4's decode scales), then options."""
+    if torch.compiler.is_compiling():
+        return None
+    if (type(x) is not _Tensor or type(x_scale) is not _Tensor or type(y) is not _Tensor
+            or type(y_scale) is not _Tensor or not (bias is None or type(bias) is _Tensor)
+            or not (alpha is None or type(alpha) is _Tensor)):
+        return None
+    return (tag, x.shape, x.stride(), x.dtype, x.device, x_scale.shape, x_scale.stride(), x_scale.dtype,
+            x_scale.device, y.shape, y.stride(), y.dtype, y.device, y_scale.shape, y_scale.stride(),
+            y_scale.dtype, y_scale.device, out_dtype, None if bias is None else _tsig(bias),
+            None if alpha is None else _tsig(alpha), *extra)
+
+
+class _Launch:
+    """An eager CUDA call of a checked signature whose launch is prepared (a ``direct`` Hopper
+    ``Prepared``): per call, the output's allocation, at most one view per operand (``view_spec``,
+    worked out on the signature's first call), alpha / bias / decode scales as the kernel takes them,
+    and the launch. Nothing is checked: the key (``launch_key``) holds everything the checks read."""
+
+    __slots__ = ("prepared", "specs", "out_shape", "out3", "out_dtype", "device", "ones", "zeros",
+                 "bias_fp32", "scaled")
+
+    def __init__(self, prepared, specs, out_shape, out3, out_dtype, device, bias, scaled):
+        self.prepared, self.specs, self.scaled = prepared, specs, scaled
+        self.out_shape, self.out3, self.out_dtype, self.device = out_shape, out3, out_dtype, device
+        self.ones, self.zeros = ones_scalar(device), zeros_vector(device, out3[2])
+        self.bias_fp32 = bias is not None and bias.dtype == torch.float32 and bias.is_contiguous()
+
+    def __call__(self, x, x_scale, y, y_scale, bias, alpha, global_scale_x=None, global_scale_y=None):
+        device = self.device
+        out = torch.empty(self.out_shape, dtype=self.out_dtype, device=device)
+        sa, ssa, sb, ssb = self.specs
+        if bias is None:
+            bias = self.zeros
+        elif not self.bias_fp32:
+            bias = bias.to(torch.float32).contiguous()
+        alpha = self.ones if alpha is None else alpha.reshape(1).to(device=device, dtype=torch.float32)
+        operands = (x if sa is None else as_view(x, sa), x_scale if ssa is None else as_view(x_scale, ssa),
+                    y if sb is None else as_view(y, sb), y_scale if ssb is None else as_view(y_scale, ssb))
+        if self.scaled:  # block-scaled: NVFP4's decode scales go to the kernel
+            if global_scale_x is None:
+                global_scale_x = global_scale_y = self.ones
+            else:
+                global_scale_x = global_scale_x.reshape(1).to(device=device, dtype=torch.float32)
+                global_scale_y = global_scale_y.reshape(1).to(device=device, dtype=torch.float32)
+            self.prepared.launch(stream_handle(device), *operands, out.view(self.out3), alpha, global_scale_x,
+                                 global_scale_y, bias)
+        else:
+            self.prepared.launch(stream_handle(device), *operands, out.view(self.out3), alpha, bias)
+        return out
+
+
+def _remember_launch(fast_key, prepared, problem, sources, out_shape, out_dtype, device, bias, scaled) -> None:
+    """Keep the prepared launch of an eager CUDA call under ``fast_key`` when each kernel operand is one
+    view of the caller's tensor (``sources``: x, x_scale and y, y_scale or the weight and its scale)."""
+    if fast_key is None or not getattr(prepared, "direct", False) or not hasattr(prepared, "launch"):
+        return
+    specs = tuple(view_spec(s, o) for s, o in zip(sources, prepared.operands(problem)))
+    if any(spec is False for spec in specs):
+        return
+    _remember(fast_key, _Launch(prepared, specs, out_shape, tuple(problem.out.shape), out_dtype, device, bias,
+                                scaled))
 
 
 class _BlockScaledCall:
@@ -269,7 +344,7 @@ class _BlockScaledCall:
         self.tail = 4 if swizzled else 2
         self.empty = x.numel() == 0 or y.numel() == 0 or m == 0 or n == 0
         self.prepared = None
-        self.gpu = device.type == "cuda"
+        self.gpu = _on_gpu(device)
 
     def problem(self, x, x_scale, y, y_scale, out, bias32, alpha32, global_scales=None) -> BlockScaledProblem:
         tail = self.tail
@@ -278,10 +353,13 @@ class _BlockScaledCall:
                                   _to3d(b_scale, tail), self.swizzled, out.view(-1, self.m, self.n), bias32,
                                   alpha32, global_scales)
 
-    def run(self, x, x_scale, y, y_scale, bias32, alpha32, global_scales=None):
+    def run(self, x, x_scale, y, y_scale, bias32, alpha32, global_scales=None, fast_key=None, sources=None,
+            bias=None):
         """The product for checked operands of this signature; bias32 (N,) fp32 contiguous or None,
         alpha32 a one-element fp32 tensor on the device or None; global_scales NVFP4's (global_scale_x,
-        global_scale_y), 0-d fp32 on the device, or None."""
+        global_scale_y), 0-d fp32 on the device, or None. ``fast_key``: the eager call's ``launch_key``,
+        under which its prepared launch is kept; ``sources``: the caller's tensors the operands are
+        views of (x, x_scale, y, y_scale by default); ``bias``: the caller's bias."""
         if self.empty or not self.gpu:
             if global_scales is not None:  # fp32(global_scale_x * global_scale_y) (* alpha), as the kernels do
                 global_scale_x, global_scale_y = global_scales
@@ -299,6 +377,8 @@ class _BlockScaledCall:
         prepared = self.prepared
         if prepared is None:
             prepared = self.prepared = kernels.prepare_block_scaled(problem)
+        _remember_launch(fast_key, prepared, problem, sources or (x, x_scale, y, y_scale), self.out_shape,
+                         self.out_dtype, self.device, bias, True)
         prepared.run(problem, stream_handle(self.device))
         return out
 
@@ -322,12 +402,14 @@ def _alpha32(alpha, device):
     return None if alpha is None else alpha.reshape(()).to(device=device, dtype=torch.float32)
 
 
-def run_block_scaled(fn, fmt, x, x_scale, y, y_scale, *, out_dtype, bias, alpha, global_scales=None):
+def run_block_scaled(fn, fmt, x, x_scale, y, y_scale, *, out_dtype, bias, alpha, global_scales=None,
+                     fast_key=None, sources=None):
     """What torch.ops.tilemm.{mxfp8,mxfp4,nvfp4}_matmul run: the planned call of this signature.
     ``global_scales``: NVFP4's decode scales (global_scale_x, global_scale_y) as 0-d fp32 tensors on the
-    device, or None."""
+    device, or None. ``fast_key`` / ``sources``: see ``_BlockScaledCall.run``."""
     call = block_scaled_call(fn, fmt, x, x_scale, y, y_scale, out_dtype, bias, alpha)
-    return call.run(x, x_scale, y, y_scale, _bias32(bias), _alpha32(alpha, call.device), global_scales)
+    return call.run(x, x_scale, y, y_scale, _bias32(bias), _alpha32(alpha, call.device), global_scales,
+                    fast_key, sources, bias)
 
 
 def _empty_result(shape, k, bias32, out_dtype, device):
@@ -448,10 +530,11 @@ class _FP8Call:
         self.empty = x.numel() == 0 or y.numel() == 0 or self.m == 0 or self.n == 0
         self.granularity = "block" if kx == "block" else ("tensor" if kx == ky == "tensor" else "row")
         self.tail = 2 if kx == "block" else 1
-        self.gpu = device.type == "cuda"
+        self.gpu = _on_gpu(device)
         self.prepared = None
 
-    def run(self, x, x_scale, y, y_scale, bias32, alpha32):
+    def run(self, x, x_scale, y, y_scale, bias32, alpha32, fast_key=None, sources=None, bias=None):
+        """As ``_BlockScaledCall.run``, without decode scales."""
         m, n, kx, ky = self.m, self.n, self.kx, self.ky
         if self.empty:
             return _empty_result(self.out_shape, self.k, bias32, self.out_dtype, self.device)
@@ -478,6 +561,8 @@ class _FP8Call:
         prepared = self.prepared
         if prepared is None:
             prepared = self.prepared = kernels.prepare_fp8(problem)
+        _remember_launch(fast_key, prepared, problem, sources or (x, x_scale, y, y_scale), self.out_shape,
+                         self.out_dtype, self.device, bias, False)
         prepared.run(problem, stream_handle(self.device))
         return out
 
@@ -494,10 +579,12 @@ def fp8_call(x, x_scale, y, y_scale, out_dtype, bias, alpha, use_fast_accum) -> 
     return call
 
 
-def run_fp8_matmul(x, x_scale, y, y_scale, *, out_dtype, bias, alpha, use_fast_accum):
+def run_fp8_matmul(x, x_scale, y, y_scale, *, out_dtype, bias, alpha, use_fast_accum, fast_key=None,
+                   sources=None):
     """What torch.ops.tilemm.fp8_matmul runs: the planned call of this signature."""
     call = fp8_call(x, x_scale, y, y_scale, out_dtype, bias, alpha, use_fast_accum)
-    return call.run(x, x_scale, y, y_scale, _bias32(bias), _alpha32(alpha, call.device))
+    return call.run(x, x_scale, y, y_scale, _bias32(bias), _alpha32(alpha, call.device), fast_key, sources,
+                    bias)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -632,12 +719,17 @@ def mxfp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None,
     silently wrong result. :func:`linear`, which takes each operand with its scale, cannot swap them.
     """
     fn = "mxfp8_matmul"
+    key = launch_key(fn, x, x_scale, y, y_scale, out_dtype, bias, alpha) if elem_dtype is None else None
+    launch = _CALLS.get(key)
+    if launch is not None:  # a signature seen before: checked then, launch prepared
+        return launch(x, x_scale, y, y_scale, bias, alpha)
+    sources = (x, x_scale, y, y_scale)
     x, y = _fp8_bytes(fn, "x", x, elem_dtype), _fp8_bytes(fn, "y", y, elem_dtype)
     _check_op_args(fn, out_dtype, bias, x=x, x_scale=x_scale, y=y, y_scale=y_scale)
     alpha = _alpha_tensor(fn, alpha, x.device)
     if _eager_gpu(x):  # the operator's own implementation, without the dispatcher's cost
         return run_block_scaled(fn, mxfp8_operand_format(fn, x), x, x_scale, y, y_scale, out_dtype=out_dtype,
-                                bias=bias, alpha=alpha)
+                                bias=bias, alpha=alpha, fast_key=key, sources=sources)
     return _mxfp8_matmul_op(x, x_scale, y, y_scale, out_dtype, bias, alpha)
 
 
@@ -652,10 +744,15 @@ def mxfp4_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None,
     silently wrong result. :func:`linear`, which takes each operand with its scale, cannot swap them.
     """
     fn = "mxfp4_matmul"
+    key = launch_key(fn, x, x_scale, y, y_scale, out_dtype, bias, alpha)
+    launch = _CALLS.get(key)
+    if launch is not None:
+        return launch(x, x_scale, y, y_scale, bias, alpha)
     _check_op_args(fn, out_dtype, bias, x=x, x_scale=x_scale, y=y, y_scale=y_scale)
     alpha = _alpha_tensor(fn, alpha, x.device)
     if _eager_gpu(x):
-        return run_block_scaled(fn, MXFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha)
+        return run_block_scaled(fn, MXFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
+                                fast_key=key)
     return _mxfp4_matmul_op(x, x_scale, y, y_scale, out_dtype, bias, alpha)
 
 
@@ -675,6 +772,14 @@ def nvfp4_matmul(x, x_scale, y, y_scale, *, global_scale_x, global_scale_y, out_
     silently wrong result. :func:`linear`, which takes each operand with its scale, cannot swap them.
     """
     fn = "nvfp4_matmul"
+    key = None
+    if type(global_scale_x) is _Tensor and type(global_scale_y) is _Tensor:
+        key = launch_key(fn, x, x_scale, y, y_scale, out_dtype, bias, alpha,
+                         (_tsig(global_scale_x), _tsig(global_scale_y)))
+        launch = _CALLS.get(key)
+        if launch is not None:
+            return launch(x, x_scale, y, y_scale, bias, alpha, global_scale_x, global_scale_y)
+    sources = (x, x_scale, y, y_scale)
     _check_op_args(fn, out_dtype, bias, x=x, x_scale=x_scale, y=y, y_scale=y_scale)
     # e4m3 scale bytes (NumPy / CuPy arrays have no float8) are unambiguous: view them as e4m3.
     x_scale, y_scale = (s.view(NVFP4.scale_dtype) if s.dtype == torch.uint8 else s for s in (x_scale, y_scale))
@@ -686,7 +791,7 @@ def nvfp4_matmul(x, x_scale, y, y_scale, *, global_scale_x, global_scale_y, out_
         # the kernel multiplies fp32(global_scale_x * global_scale_y) (then alpha) into the product
         # (``BlockScaledProblem.global_scales``)
         return run_block_scaled(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
-                                global_scales=(global_scale_x, global_scale_y))
+                                global_scales=(global_scale_x, global_scale_y), fast_key=key, sources=sources)
     return _nvfp4_matmul_op(x, x_scale, y, y_scale, global_scale_x, global_scale_y, out_dtype, bias, alpha)
 
 
@@ -707,6 +812,12 @@ def fp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, a
     ``torch.float8_e4m3fn`` (the default for bytes) or ``torch.float8_e5m2``.
     """
     fn = "fp8_matmul"
+    key = (launch_key(fn, x, x_scale, y, y_scale, out_dtype, bias, alpha, (use_fast_accum,))
+           if elem_dtype is None and type(use_fast_accum) is bool else None)
+    launch = _CALLS.get(key)
+    if launch is not None:
+        return launch(x, x_scale, y, y_scale, bias, alpha)
+    sources = (x, x_scale, y, y_scale)
     x, y = _fp8_bytes(fn, "x", x, elem_dtype), _fp8_bytes(fn, "y", y, elem_dtype)
     _check_op_args(fn, out_dtype, bias, x=x, x_scale=x_scale, y=y, y_scale=y_scale)
     if not isinstance(use_fast_accum, bool):
@@ -714,7 +825,7 @@ def fp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, a
     alpha = _alpha_tensor(fn, alpha, x.device)
     if _eager_gpu(x):
         return run_fp8_matmul(x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
-                              use_fast_accum=use_fast_accum)
+                              use_fast_accum=use_fast_accum, fast_key=key, sources=sources)
     return _fp8_matmul_op(x, x_scale, y, y_scale, out_dtype, bias, alpha, use_fast_accum)
 
 
@@ -772,6 +883,13 @@ def linear(x_q, w_q, *, bias=None, out_dtype=None, alpha=None, use_fast_accum=Fa
     detect; here each scale travels with its operand.
     """
     fn = "linear"
+    key = _linear_key(x_q, w_q, bias, out_dtype, alpha, use_fast_accum)
+    launch = _CALLS.get(key)
+    if launch is not None:  # a signature seen before: checked then, launch prepared
+        if key[0] == "linear nvfp4":
+            return launch(x_q.data, x_q.scale, w_q.data, w_q.scale, bias, alpha, x_q.global_scale,
+                          w_q.global_scale)
+        return launch(x_q.data, x_q.scale, w_q.data, w_q.scale, bias, alpha)
     kinds = _QUANTIZED
     if isinstance(x_q, torch.Tensor) and isinstance(w_q, (PackedWeight, MXFP8Tensor, MXFP4Tensor, NVFP4Tensor)):
         if use_fast_accum:
@@ -808,13 +926,13 @@ def linear(x_q, w_q, *, bias=None, out_dtype=None, alpha=None, use_fast_accum=Fa
         else:
             ys = ws.t() if ws.ndim == 2 else ws
         if _eager_gpu(x_q.data) and x_q.data.dtype in FP8_DTYPES:
-            return _linear_eager("fp8_matmul", x_q, w.t(), ys, kw)
+            return _linear_eager("fp8_matmul", x_q, w.t(), ys, kw, key=key, w_q=w_q)
         return fp8_matmul(x_q.data, x_q.scale, w.t(), ys, **kw)
     ys = ws if ws.ndim == 4 else ws.t()
     if _eager_gpu(x_q.data) and (x_q.data.dtype in FP8_DTYPES or not isinstance(x_q, MXFP8Tensor)):
         name = "mxfp8_matmul" if isinstance(x_q, MXFP8Tensor) else (
             "mxfp4_matmul" if isinstance(x_q, MXFP4Tensor) else "nvfp4_matmul")
-        return _linear_eager(name, x_q, w.t(), ys, kw, w_q)
+        return _linear_eager(name, x_q, w.t(), ys, kw, w_q, key)
     if isinstance(x_q, MXFP8Tensor):
         return mxfp8_matmul(x_q.data, x_q.scale, w.t(), ys, **kw)
     if isinstance(x_q, MXFP4Tensor):
@@ -823,25 +941,47 @@ def linear(x_q, w_q, *, bias=None, out_dtype=None, alpha=None, use_fast_accum=Fa
                         global_scale_y=w_q.global_scale, **kw)
 
 
-def _linear_eager(fn: str, x_q, y, y_scale, kw: dict, w_q=None):
+_LINEAR_TAGS = {MXFP8Tensor: "linear mxfp8", MXFP4Tensor: "linear mxfp4", NVFP4Tensor: "linear nvfp4",
+                FP8Tensor: "linear fp8"}
+
+
+def _linear_key(x_q, w_q, bias, out_dtype, alpha, use_fast_accum) -> tuple | None:
+    """``launch_key`` of a :func:`linear` of two quantized operands (their data and scales as stored),
+    or None."""
+    tag = _LINEAR_TAGS.get(type(x_q))
+    if tag is None or type(w_q) is not type(x_q) or type(use_fast_accum) is not bool:
+        return None
+    extra = (use_fast_accum,)
+    if tag == "linear nvfp4":
+        global_x, global_w = x_q.global_scale, w_q.global_scale
+        if type(global_x) is not _Tensor or type(global_w) is not _Tensor:
+            return None
+        extra = (_tsig(global_x), _tsig(global_w), use_fast_accum)
+    return launch_key(tag, x_q.data, x_q.scale, w_q.data, w_q.scale, out_dtype, bias, alpha, extra)
+
+
+def _linear_eager(fn: str, x_q, y, y_scale, kw: dict, w_q=None, key=None):
     """An eager CUDA :func:`linear` of quantized operands, straight to the operator's implementation:
     the checks the public function ``fn`` makes of its remaining arguments, then its planned call,
-    without passing through the public function (one layer fewer)."""
+    without passing through the public function (one layer fewer). Its prepared launch is kept under
+    ``key`` (``_linear_key``), with the operands' views taken from x_q's and w_q's own tensors."""
     x, x_scale, out_dtype, bias = x_q.data, x_q.scale, kw["out_dtype"], kw["bias"]
+    sources = (x, x_scale, w_q.data, w_q.scale)
     _check_op_args(fn, out_dtype, bias, x_scale=x_scale, y_scale=y_scale)
     alpha = _alpha_tensor(fn, kw["alpha"], x.device)
     if fn == "fp8_matmul":
         if not isinstance(kw["use_fast_accum"], bool):
             raise TypeError(f"{fn}: use_fast_accum must be a bool, got {type(kw['use_fast_accum']).__name__}")
         return run_fp8_matmul(x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
-                              use_fast_accum=kw["use_fast_accum"])
+                              use_fast_accum=kw["use_fast_accum"], fast_key=key, sources=sources)
     if fn == "mxfp8_matmul":
         return run_block_scaled(fn, mxfp8_operand_format(fn, x), x, x_scale, y, y_scale, out_dtype=out_dtype,
-                                bias=bias, alpha=alpha)
+                                bias=bias, alpha=alpha, fast_key=key, sources=sources)
     if fn == "mxfp4_matmul":
-        return run_block_scaled(fn, MXFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha)
+        return run_block_scaled(fn, MXFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
+                                fast_key=key, sources=sources)
     x_scale, y_scale = (s.view(NVFP4.scale_dtype) if s.dtype == torch.uint8 else s for s in (x_scale, y_scale))
     global_scales = (as_fp32_scalar(fn, "global_scale_x", x_q.global_scale, x.device),
                      as_fp32_scalar(fn, "global_scale_y", w_q.global_scale, x.device))
     return run_block_scaled(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
-                            global_scales=global_scales)
+                            global_scales=global_scales, fast_key=key, sources=sources)

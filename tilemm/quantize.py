@@ -21,8 +21,10 @@ import torch
 from swizzle import swizzle_32_4_4, swizzled_shape, unswizzle_32_4_4
 
 from . import _interop
+from . import kernels as _kernels
 from ._arch import has_kernels
-from .kernels import quantize_kernels
+from .kernels import as_view, quantize_kernels, view_spec
+from .kernels._common import stream_handle
 from .formats import FP8_BLOCK, FP8_E4M3, MXFP4, NVFP4, Format, fp8_format, mxfp8_format
 from .numerics import as_uint8, ceil_div, pack_e2m1
 from .reference import dequantize_blocks
@@ -575,6 +577,99 @@ def _eager_gpu(x) -> bool:
     return type(x) is torch.Tensor and x.is_cuda and not torch.compiler.is_compiling()
 
 
+# An eager CUDA quantize is prepared on the first call of its signature (x's shape, strides, dtype and
+# device, and the options): the one launch it made, with x and the outputs as views, is kept in
+# ``tilemm.kernels.PLANS``; a later call of that signature allocates the outputs and launches.
+
+_Tensor = torch.Tensor
+_SCALARS = (int, float, bool)
+
+
+def _quantize_key(tag: str, x, *options) -> tuple | None:
+    """The key of an eager quantize call's prepared launch, or None (not a plain torch tensor, or
+    torch.compile tracing)."""
+    if torch.compiler.is_compiling() or type(x) is not _Tensor:
+        return None
+    return (tag, x.shape, x.stride(), x.dtype, x.device, *options)
+
+
+def _prepared(key):
+    """The prepared launch under ``key`` (None for none, or for options that cannot be a key)."""
+    if key is None:
+        return None
+    try:
+        return _kernels.PLANS.get(key)
+    except TypeError:  # an unhashable option: the checks will name it
+        return None
+
+
+class _QuantizeLaunch:
+    """A quantizer signature's one launch, prepared: ``__call__(x)`` allocates the outputs (as the first
+    call returned them), makes the kernel's arguments from x and them (one view each, ``view_spec``)
+    and launches. A launch that passes a per-stream buffer (NVFP4's in-launch amax) holds for the
+    stream it was prepared on."""
+
+    __slots__ = ("outputs", "args", "views", "grid", "kernel", "device", "stream")
+
+    def __init__(self, outputs, args, views, grid, kernel, device, stream):
+        self.outputs, self.args, self.views = outputs, args, views
+        self.grid, self.kernel, self.device, self.stream = grid, kernel, device, stream
+
+    @staticmethod
+    def build(source, result, launches):
+        """The prepared form of a call that read ``source`` and returned ``result`` through
+        ``launches``, or None when it is not one launch of views of them."""
+        if len(launches) != 1:
+            return None
+        (grid, kernel, args), = launches
+        for out in result:
+            if (not out.is_contiguous() or out.storage_offset() != 0
+                    or out.untyped_storage().nbytes() != out.numel() * out.element_size()):
+                return None
+        tensors = (source, *result)
+        views, stream = [], None
+        for i, arg in enumerate(args):
+            if isinstance(arg, torch.Tensor):
+                for j, t in enumerate(tensors):
+                    spec = view_spec(t, arg)
+                    if spec is not False:
+                        views.append((i, j, spec))
+                        break
+                else:
+                    return None  # a buffer of the call's own (a two-pass amax): not prepared
+            elif not isinstance(arg, _SCALARS):  # a per-stream buffer
+                stream = stream_handle(source.device)
+        outputs = tuple((tuple(out.shape), out.dtype) for out in result)
+        return _QuantizeLaunch(outputs, list(args), tuple(views), grid, kernel, source.device, stream)
+
+    def __call__(self, x):
+        """The outputs for x (of this signature), or None where the launch does not hold (another stream)."""
+        device = self.device
+        if self.stream is not None and stream_handle(device) != self.stream:
+            return None
+        if x.requires_grad:
+            x = x.detach()
+        tensors = (x, *(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.outputs))
+        args = self.args.copy()
+        for i, j, spec in self.views:
+            args[i] = tensors[j] if spec is None else as_view(tensors[j], spec)
+        quantize_kernels._launch_kernel(device, self.grid, self.kernel, tuple(args))
+        return tensors[1:]
+
+
+def _run_recorded(key, source, run):
+    """``run()``, an eager CUDA quantize of ``source``; its launch is kept under ``key`` when
+    ``_QuantizeLaunch.build`` can prepare it."""
+    if key is None:
+        return run()
+    with quantize_kernels.recording() as launches:
+        result = run()
+    launch = _QuantizeLaunch.build(source, result, launches)
+    if launch is not None:
+        _kernels.remember(key, launch)
+    return result
+
+
 def run_quantize_mxfp8(x, elem_dtype, rounding, swizzle):
     return _quantize_mxfp8_checked(x, check_quantize_mxfp8(x, elem_dtype, rounding, swizzle), rounding, swizzle)
 
@@ -709,10 +804,18 @@ def quantize_mxfp8(x: torch.Tensor, *, elem_dtype: torch.dtype = torch.float8_e4
         ``MXFP8Tensor(data, scale)``: data (..., K) of ``elem_dtype``, scale (..., K/32)
         ``torch.float8_e8m0fnu`` (or swizzled).
     """
+    key = _quantize_key("quantize_mxfp8", x, elem_dtype, rounding, swizzle, axis)
+    launch = _prepared(key)
+    if launch is not None:  # a signature seen before: checked then, launch prepared
+        result = launch(x)
+        if result is not None:
+            return MXFP8Tensor(*result)
+    source = x
     x = _along("quantize_mxfp8", x, axis)
     fmt = check_quantize_mxfp8(x, elem_dtype, rounding, swizzle)
     if _eager_gpu(x):  # the operator's own implementation, without the dispatcher's cost
-        return MXFP8Tensor(*_quantize_mxfp8_checked(x.detach(), fmt, rounding, swizzle))
+        return MXFP8Tensor(*_run_recorded(key, source, lambda: _quantize_mxfp8_checked(x.detach(), fmt, rounding,
+                                                                                      swizzle)))
     return MXFP8Tensor(*torch.ops.tilemm.quantize_mxfp8(x.detach(), fmt.data_dtype, rounding, swizzle))
 
 
@@ -732,10 +835,18 @@ def quantize_mxfp4(x: torch.Tensor, *, rounding: str = "rceil",
         ``MXFP4Tensor(data, scale)``: data (..., K/2) uint8, element 2i in the low nibble of byte
         i; scale (..., K/32) ``torch.float8_e8m0fnu`` (or swizzled).
     """
+    key = _quantize_key("quantize_mxfp4", x, rounding, swizzle, axis)
+    launch = _prepared(key)
+    if launch is not None:
+        result = launch(x)
+        if result is not None:
+            return MXFP4Tensor(*result)
+    source = x
     x = _along("quantize_mxfp4", x, axis)
     check_quantize_mxfp4(x, rounding, swizzle)
     if _eager_gpu(x):
-        return MXFP4Tensor(*_quantize_mxfp4_checked(x.detach(), rounding, swizzle))
+        return MXFP4Tensor(*_run_recorded(key, source, lambda: _quantize_mxfp4_checked(x.detach(), rounding,
+                                                                                      swizzle)))
     return MXFP4Tensor(*torch.ops.tilemm.quantize_mxfp4(x.detach(), rounding, swizzle))
 
 
@@ -762,11 +873,18 @@ def quantize_nvfp4(x: torch.Tensor, *, global_scale=None, swizzle: bool = False,
         ``NVFP4Tensor(data, scale, global_scale)``: data (..., K/2) uint8, scale (..., K/16)
         ``torch.float8_e4m3fn`` (or swizzled), global_scale a 0-d fp32 tensor on x's device.
     """
+    key = _quantize_key("quantize_nvfp4", x, swizzle, axis) if global_scale is None else None
+    launch = _prepared(key)
+    if launch is not None:
+        result = launch(x)
+        if result is not None:
+            return NVFP4Tensor(*result)
+    source = x
     x = _along("quantize_nvfp4", x, axis)
     # The value of a given global_scale is checked by the operator (reading it back syncs a GPU).
     if _eager_gpu(x) and global_scale is None:
         check_quantize_nvfp4(x, None, swizzle)
-        return NVFP4Tensor(*_quantize_nvfp4_checked(x.detach(), None, swizzle))
+        return NVFP4Tensor(*_run_recorded(key, source, lambda: _quantize_nvfp4_checked(x.detach(), None, swizzle)))
     global_scale = check_quantize_nvfp4(x, global_scale, swizzle, check_value=False)
     return NVFP4Tensor(*torch.ops.tilemm.quantize_nvfp4(x.detach(), global_scale, swizzle))
 
@@ -792,10 +910,18 @@ def quantize_fp8(x: torch.Tensor, *, granularity="tensor",
     Tensor / row: ``s = amax / Qmax`` (1.0 when that is 0). Blocks: ``s = max(amax, 1e-4) / 448``.
     Then ``data = cast_RNE_satfinite(x / s)``. A NaN or Inf makes its group's scale and data NaN.
     """
+    key = _quantize_key("quantize_fp8", x, granularity, elem_dtype, pow2_scale, axis)
+    launch = _prepared(key)
+    if launch is not None:
+        result = launch(x)
+        if result is not None:
+            return FP8Tensor(*result)
+    source = x
     x = _along("quantize_fp8", x, axis)
     fmt, gran = check_quantize_fp8(x, granularity, elem_dtype, pow2_scale)
     if _eager_gpu(x):
-        return FP8Tensor(*_quantize_fp8_checked(x.detach(), fmt, gran, pow2_scale))
+        return FP8Tensor(*_run_recorded(key, source, lambda: _quantize_fp8_checked(x.detach(), fmt, gran,
+                                                                                  pow2_scale)))
     return FP8Tensor(*torch.ops.tilemm.quantize_fp8(x.detach(), fp8_granularity_name(gran),
                                                     fmt.data_dtype, pow2_scale))
 

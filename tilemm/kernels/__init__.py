@@ -34,6 +34,35 @@ PLANS: dict = {}
 MAX_PLANS = 4096
 
 
+def remember(key, plan):
+    """``PLANS[key] = plan`` (the table starts over once it holds ``MAX_PLANS``); returns plan."""
+    if len(PLANS) >= MAX_PLANS:
+        PLANS.clear()
+    PLANS[key] = plan
+    return plan
+
+
+def view_spec(source, operand):
+    """How a kernel operand made from ``source`` by views alone is made again, in one step, from any
+    tensor of source's signature (shape, strides, dtype): None when it is the source itself, else
+    (dtype to reinterpret as or None, shape, strides) for ``as_view``; False when ``operand`` is not
+    such a view (a copy, or another start in memory)."""
+    if operand is source or (operand.dtype == source.dtype and operand.shape == source.shape
+                             and operand.stride() == source.stride() and operand.data_ptr() == source.data_ptr()):
+        return None
+    if operand.data_ptr() != source.data_ptr() or operand.element_size() != source.element_size():
+        return False
+    return (None if operand.dtype == source.dtype else operand.dtype, tuple(operand.shape), operand.stride())
+
+
+def as_view(t, spec):
+    """The operand that ``view_spec`` describes, made from ``t`` (a tensor of the source's signature)."""
+    if spec is None:
+        return t
+    dtype, shape, stride = spec
+    return (t if dtype is None else t.view(dtype)).as_strided(shape, stride)
+
+
 def prepare_fp8(problem):
     """The prepared launch of a ``tilemm.matmul.FP8Problem``'s signature on its GPU."""
     return FP8[family(problem.out.device)](problem)

@@ -519,15 +519,21 @@ class Prepared:
             work = self._work[key] = (wrap(partial), wrap(counters))
         return work
 
-    def run(self, problem, stream) -> None:
-        """Launch for ``problem`` (a ``BlockScaledProblem`` of this signature) on raw stream ``stream``."""
-        fmt, out = self.fmt, problem.out
-        device = out.device
+    def operands(self, problem):
+        """(a, a_scale, b, b_scale) as the kernels read them: FP8 data in its own dtype (uint8 bytes
+        viewed), scales as uint8 (swizzled ones as the 6-D view). Views of the problem's tensors."""
+        fmt = self.fmt
         a, b = problem.a, problem.b
         if a.dtype != fmt.data_dtype:  # uint8 bytes of FP8 data
             a, b = a.view(fmt.data_dtype), b.view(fmt.data_dtype)
-        a_scale = _scale_operand(problem.a_scale, self.swizzled)
-        b_scale = _scale_operand(problem.b_scale, self.swizzled)
+        return (a, _scale_operand(problem.a_scale, self.swizzled), b,
+                _scale_operand(problem.b_scale, self.swizzled))
+
+    def run(self, problem, stream) -> None:
+        """Launch for ``problem`` (a ``BlockScaledProblem`` of this signature) on raw stream ``stream``."""
+        out = problem.out
+        device = out.device
+        a, a_scale, b, b_scale = self.operands(problem)
         bias = zeros_vector(device, self.n) if problem.bias is None else problem.bias
         cfg = self.cfg
         if isinstance(cfg, TwoPassConfig):
@@ -543,8 +549,13 @@ class Prepared:
         if not self.direct:
             _launch_stream(problem, cfg, a, a_scale, b, b_scale, alpha, global_scale_x, global_scale_y, bias, stream)
             return
-        if cfg.x16:
-            a16 = torch.empty(self.x16_shape, dtype=self.x16_dtype, device=device)
+        self.launch(stream, a, a_scale, b, b_scale, out, alpha, global_scale_x, global_scale_y, bias)
+
+    def launch(self, stream, a, a_scale, b, b_scale, out, alpha, global_scale_x, global_scale_y, bias) -> None:
+        """The launch(es) of a ``direct`` signature for its kernel operands (``operands``; out (B, M, N),
+        alpha and the decode scales (1,) fp32, bias (N,) fp32), on raw stream ``stream``."""
+        if self.cfg.x16:
+            a16 = torch.empty(self.x16_shape, dtype=self.x16_dtype, device=out.device)
             ct.launch(stream, self.x16_grid, _dequantize_kernel, (a, a_scale, a16, *self.x16_consts))
             a = a16
         ct.launch(stream, self.grid, self.kernel, (a, a_scale, b, b_scale, out, alpha, global_scale_x, global_scale_y,

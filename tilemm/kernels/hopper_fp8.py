@@ -168,19 +168,26 @@ class Prepared:
             self.grid = (batch * ceil_div(m, cfg.tile_m) * ceil_div(n, cfg.tile_n), 1, 1)
             self.consts = _blockwise_constants(cfg, self.fast_acc)
 
+    def operands(self, problem):
+        """(a, a_scale, b, b_scale) as the kernel reads them; the scales materialised where they are
+        broadcast (per tensor) or transposed (128x128 blocks) views, which are tiny."""
+        return problem.a, problem.a_scale.contiguous(), problem.b, problem.b_scale.contiguous()
+
     def run(self, problem, stream) -> None:
         """Launch for ``problem`` (an ``FP8Problem`` of this signature) on raw stream ``stream``."""
         device = problem.out.device
-        # Scales are tiny: materialise broadcast (per-tensor) and transposed (128x128 block) views.
-        a_scale = problem.a_scale.contiguous()
-        b_scale = problem.b_scale.contiguous()
+        a, a_scale, b, b_scale = self.operands(problem)
         alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
         bias = zeros_vector(device, self.n) if problem.bias is None else problem.bias
         if not self.direct:
             _launch(problem, self, a_scale, b_scale, alpha, bias, stream)
             return
-        ct.launch(stream, self.grid, self.kernel,
-                  (problem.a, a_scale, problem.b, b_scale, problem.out, alpha, bias, *self.consts))
+        self.launch(stream, a, a_scale, b, b_scale, problem.out, alpha, bias)
+
+    def launch(self, stream, a, a_scale, b, b_scale, out, alpha, bias) -> None:
+        """The launch of a ``direct`` signature for its kernel operands (``operands``; out (B, M, N),
+        alpha (1,) fp32, bias (N,) fp32), on raw stream ``stream``."""
+        ct.launch(stream, self.grid, self.kernel, (a, a_scale, b, b_scale, out, alpha, bias, *self.consts))
 
 
 def _launch(problem, prepared: Prepared, a_scale, b_scale, alpha, bias, stream) -> None:

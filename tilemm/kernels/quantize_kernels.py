@@ -25,8 +25,10 @@ designs measured and not adopted: benchmarks/results/quantize-nvidia-h100-80gb-h
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import struct
+import threading
 
 import cuda.tile as ct
 import torch
@@ -1016,8 +1018,27 @@ def _grid(batch: int, rows: int, k: int, cfg: QuantizeConfig, swizzle: bool = Fa
     return (batch * -(-rows // cfg.tile_r) * -(-k // cfg.tile_k), 1, 1)
 
 
+_RECORDS = threading.local()
+
+
 def _launch_kernel(device: torch.device, grid, kernel, args: tuple) -> None:
+    records = getattr(_RECORDS, "launches", None)
+    if records is not None:
+        records.append((grid, kernel, args))
     ct.launch(stream_handle(device), grid, kernel, args)
+
+
+@contextlib.contextmanager
+def recording():
+    """The launches (grid, kernel, args) that this thread's quantizer calls make inside the block, in a
+    list: how ``tilemm.quantize`` prepares a signature's launch on its first call."""
+    launches = []
+    outer = getattr(_RECORDS, "launches", None)
+    _RECORDS.launches = launches
+    try:
+        yield launches
+    finally:
+        _RECORDS.launches = outer
 
 
 

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import cuda.tile as ct
 import torch
+
+import tilemm
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tilemm.formats import MXFP4, MXFP8_E4M3, NVFP4
@@ -193,3 +195,156 @@ def test_quantize_nvfp4_amax_in_the_launch_emulated(monkeypatch, shape, swizzle)
     for got, other, want in zip(one, two, ref):
         got, other, want = (t.reshape(-1).view(torch.uint8) for t in (got, other, want))
         assert torch.equal(got, want) and torch.equal(other, want)
+
+
+# --------------------------------------------------------------------------------------------------
+# Every public entry on the CUDA route (CPU tensors made to take it, launches recorded, not run;
+# benchmarks/investigations/host_path.py): the launches per call, and that a repeated call of a
+# signature, which skips the checks and the planning, launches exactly what the full path launches.
+# --------------------------------------------------------------------------------------------------
+
+def _host_path():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "investigations" / "host_path.py"
+    spec = importlib.util.spec_from_file_location("host_path", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+HOST_PATH = _host_path()
+
+
+def _launch_form(launches, tensors):
+    """What a call launched, independent of where its tensors happen to live: per argument, a tensor's
+    shape, strides, dtype and which of ``tensors`` (the call's inputs and outputs) it views, by start
+    address; a buffer of the library's own (e.g. a bias converted to fp32, a workspace) by its order
+    of appearance, and its bytes unless it passes from one launch to the next (then it is scratch the
+    first launch fills); other arguments as they are."""
+    starts = {t.data_ptr(): i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.numel()}
+    own, launches_of = {}, {}
+    for n, (_, _, args) in enumerate(launches):
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.data_ptr() not in starts:
+                own.setdefault(a.data_ptr(), len(own))
+                launches_of.setdefault(a.data_ptr(), set()).add(n)
+    form = []
+    for grid, kernel, args in launches:
+        described = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                ptr = a.data_ptr()
+                if ptr in starts:
+                    role = ("arg", starts[ptr])
+                else:
+                    scratch = len(launches_of[ptr]) > 1
+                    role = ("own", own[ptr], None if scratch else bytes(a.contiguous().view(torch.uint8).numpy()))
+                described.append((tuple(a.shape), a.stride(), a.dtype, role))
+            else:
+                described.append(("value", id(a) if hasattr(a, "_tensor") else a))
+        form.append((grid, kernel, tuple(described)))
+    return form
+
+
+def _fresh(value):
+    """value with every tensor copied to new memory (the same signature)."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype).copy_(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_fresh(v) for v in value))
+    return value
+
+
+def _flat(value):
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, tuple):
+        return [t for v in value for t in _flat(v)]
+    return []
+
+
+def _repeat_launches_as_the_full_path(call, args, launches_per_call):
+    """``call(*args)`` twice on new memory: the second, a prepared launch, launches what the full path
+    (the plan table emptied) launches for the same tensors."""
+    from tilemm import kernels
+
+    launches = HOST_PATH.LAUNCHES
+    with HOST_PATH.cuda_route():
+        kernels.PLANS.clear()
+        call(*args)  # the first call of the signature: checked, planned, its launch kept
+        prepared = len(kernels.PLANS)
+        again = tuple(_fresh(a) for a in args)
+        launches.clear()
+        out = call(*again)
+        repeated = _launch_form(launches, [*_flat(again), *_flat(out)])
+        assert len(launches) == launches_per_call
+        kernels.PLANS.clear()
+        launches.clear()
+        out = call(*again)
+        full = _launch_form(launches, [*_flat(again), *_flat(out)])
+        launches.clear()
+    assert prepared and repeated == full
+
+
+def _quantized(m, n, k, fmt, swizzle):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    if fmt == "fp8_row":
+        return tilemm.quantize_fp8(x, granularity="row"), tilemm.quantize_fp8(w, granularity="row")
+    if fmt == "fp8_blocks":
+        return tilemm.quantize_fp8(x, granularity=(1, 128)), tilemm.quantize_fp8(w, granularity=(128, 128))
+    q = getattr(tilemm, f"quantize_{fmt}")
+    return q(x, swizzle=swizzle), q(w, swizzle=swizzle)
+
+
+MATMUL_CASES = [("mxfp8", True), ("mxfp8", False), ("mxfp4", True), ("nvfp4", True), ("nvfp4", False),
+                ("fp8_row", False), ("fp8_blocks", False)]
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])  # 64: the activation's dequantize launch comes first (x16)
+@pytest.mark.parametrize("fmt,swizzle", MATMUL_CASES, ids=[f"{f}-{'swz' if s else 'log'}" for f, s in MATMUL_CASES])
+def test_matmul_entries_repeat_the_full_launch(fmt, swizzle, m):
+    xq, wq = _quantized(m, 256, 256, fmt, swizzle)
+    x16 = m == 64 and not fmt.startswith("fp8")
+    bias = torch.randn(256).to(torch.bfloat16)
+    alpha = torch.tensor(0.5)
+    _repeat_launches_as_the_full_path(lambda xq, wq, bias, alpha: tilemm.linear(xq, wq, bias=bias, alpha=alpha),
+                                      (xq, wq, bias, alpha), 2 if x16 else 1)
+    if fmt == "fp8_blocks":
+        return
+    if fmt == "fp8_row":
+        def matmul(xq, wq, bias):
+            return tilemm.fp8_matmul(xq.data, xq.scale, wq.data.t(), wq.scale.t(), bias=bias)
+    elif fmt == "nvfp4":
+        def matmul(xq, wq, bias):
+            return tilemm.nvfp4_matmul(xq.data, xq.scale, wq.data.t(), wq.scale if swizzle else wq.scale.t(),
+                                       global_scale_x=xq.global_scale, global_scale_y=wq.global_scale, bias=bias)
+    else:
+        def matmul(xq, wq, bias):
+            fn = getattr(tilemm, f"{fmt}_matmul")
+            return fn(xq.data, xq.scale, wq.data.t(), wq.scale if swizzle else wq.scale.t(), bias=bias)
+    _repeat_launches_as_the_full_path(matmul, (xq, wq, None), 2 if x16 else 1)
+
+
+QUANTIZE_CASES = [("mxfp8", dict(swizzle=True)), ("mxfp8", dict(swizzle=False, elem_dtype=torch.float8_e5m2)),
+                  ("mxfp4", dict(swizzle=True)), ("mxfp4", dict(swizzle=False, axis=-2)),
+                  ("nvfp4", dict(swizzle=True)), ("nvfp4", dict(swizzle=False)),
+                  ("fp8", dict(granularity="row")), ("fp8", dict(granularity=(1, 128))),
+                  ("fp8", dict(granularity=(128, 128))), ("fp8", dict(granularity="tensor")),
+                  ("fp8", dict(granularity="row", axis=-2))]
+
+
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("fmt,options", QUANTIZE_CASES, ids=[f"{f}-{o}" for f, o in QUANTIZE_CASES])
+def test_quantizers_repeat_the_full_launch(fmt, options, m):
+    # One launch each, but FP8 per tensor (its amax first: the scale of every element needs all of
+    # them) and per row along axis=-2 (the column maxima first; a (K, 1) x is read as rows).
+    x = torch.randn(m, 256).to(torch.bfloat16)
+    if options.get("axis") == -2:
+        x = torch.randn(256, m).to(torch.bfloat16)
+    two = fmt == "fp8" and (options["granularity"] == "tensor" or (options.get("axis") == -2 and m > 1))
+    q = getattr(tilemm, f"quantize_{fmt}")
+    _repeat_launches_as_the_full_path(lambda x: q(x, **options), (x,), 2 if two else 1)

@@ -926,7 +926,7 @@ def linear(x_q, w_q, *, bias=None, out_dtype=None, alpha=None, use_fast_accum=Fa
         else:
             ys = ws.t() if ws.ndim == 2 else ws
         if _eager_gpu(x_q.data) and x_q.data.dtype in FP8_DTYPES:
-            return _linear_eager("fp8_matmul", x_q, w.t(), ys, kw, key=key, w_q=w_q)
+            return _linear_eager("fp8_matmul", x_q, w.t(), ys, kw, w_q, key)
         return fp8_matmul(x_q.data, x_q.scale, w.t(), ys, **kw)
     ys = ws if ws.ndim == 4 else ws.t()
     if _eager_gpu(x_q.data) and (x_q.data.dtype in FP8_DTYPES or not isinstance(x_q, MXFP8Tensor)):

@@ -604,43 +604,45 @@ def _prepared(key):
 
 
 class _QuantizeLaunch:
-    """A quantizer signature's one launch, prepared: ``__call__(x)`` allocates the outputs (as the first
-    call returned them), makes the kernel's arguments from x and them (one view each, ``view_spec``)
-    and launches. A launch that passes a per-stream buffer (NVFP4's in-launch amax) holds for the
-    stream it was prepared on."""
+    """A quantizer signature's launches, prepared: ``__call__(x)`` allocates the outputs (as the first
+    call returned them) and the buffers between its launches, makes each kernel's arguments from x and
+    them (one view each, ``view_spec``) and launches. A launch that passes a per-stream buffer (NVFP4's
+    in-launch amax) holds for the stream it was prepared on."""
 
-    __slots__ = ("outputs", "args", "views", "grid", "kernel", "device", "stream")
+    __slots__ = ("outputs", "buffers", "launches", "device", "stream")
 
-    def __init__(self, outputs, args, views, grid, kernel, device, stream):
-        self.outputs, self.args, self.views = outputs, args, views
-        self.grid, self.kernel, self.device, self.stream = grid, kernel, device, stream
+    def __init__(self, outputs, buffers, launches, device, stream):
+        self.outputs, self.buffers, self.launches = outputs, buffers, launches
+        self.device, self.stream = device, stream
 
     @staticmethod
-    def build(source, result, launches):
-        """The prepared form of a call that read ``source`` and returned ``result`` through
-        ``launches``, or None when it is not one launch of views of them."""
-        if len(launches) != 1:
-            return None
-        (grid, kernel, args), = launches
+    def build(source, result, launches, buffers):
+        """The prepared form of a call that read ``source`` and returned ``result`` through ``launches``
+        with ``buffers`` (``quantize_kernels.recording``), or None when an argument is not one view of
+        them (pieces of a tensor of 2^31 elements, a copy of x)."""
         for out in result:
             if (not out.is_contiguous() or out.storage_offset() != 0
                     or out.untyped_storage().nbytes() != out.numel() * out.element_size()):
                 return None
-        tensors = (source, *result)
-        views, stream = [], None
-        for i, arg in enumerate(args):
-            if isinstance(arg, torch.Tensor):
-                for j, t in enumerate(tensors):
-                    spec = view_spec(t, arg)
-                    if spec is not False:
-                        views.append((i, j, spec))
-                        break
-                else:
-                    return None  # a buffer of the call's own (a two-pass amax): not prepared
-            elif not isinstance(arg, _SCALARS):  # a per-stream buffer
-                stream = stream_handle(source.device)
+        tensors = (source, *result, *(b for b, _ in buffers))
+        prepared, stream = [], None
+        for grid, kernel, args in launches:
+            views = []
+            for i, arg in enumerate(args):
+                if isinstance(arg, torch.Tensor):
+                    for j, t in enumerate(tensors):
+                        spec = view_spec(t, arg)
+                        if spec is not False:
+                            views.append((i, j, spec))
+                            break
+                    else:
+                        return None
+                elif not isinstance(arg, _SCALARS):  # a per-stream buffer
+                    stream = stream_handle(source.device)
+            prepared.append((grid, kernel, list(args), tuple(views)))
         outputs = tuple((tuple(out.shape), out.dtype) for out in result)
-        return _QuantizeLaunch(outputs, list(args), tuple(views), grid, kernel, source.device, stream)
+        buffers = tuple((tuple(b.shape), b.dtype, zeroed) for b, zeroed in buffers)
+        return _QuantizeLaunch(outputs, buffers, tuple(prepared), source.device, stream)
 
     def __call__(self, x):
         """The outputs for x (of this signature), or None where the launch does not hold (another stream)."""
@@ -650,21 +652,25 @@ class _QuantizeLaunch:
         if x.requires_grad:
             x = x.detach()
         tensors = (x, *(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.outputs))
-        args = self.args.copy()
-        for i, j, spec in self.views:
-            args[i] = tensors[j] if spec is None else as_view(tensors[j], spec)
-        quantize_kernels._launch_kernel(device, self.grid, self.kernel, tuple(args))
-        return tensors[1:]
+        if self.buffers:
+            tensors += tuple((torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=device)
+                             for shape, dtype, zeroed in self.buffers)
+        for grid, kernel, args, views in self.launches:
+            args = args.copy()
+            for i, j, spec in views:
+                args[i] = tensors[j] if spec is None else as_view(tensors[j], spec)
+            quantize_kernels._launch_kernel(device, grid, kernel, tuple(args))
+        return tensors[1:1 + len(self.outputs)]
 
 
 def _run_recorded(key, source, run):
-    """``run()``, an eager CUDA quantize of ``source``; its launch is kept under ``key`` when
-    ``_QuantizeLaunch.build`` can prepare it."""
+    """``run()``, an eager CUDA quantize of ``source``; its launches are kept under ``key`` when
+    ``_QuantizeLaunch.build`` can prepare them."""
     if key is None:
         return run()
-    with quantize_kernels.recording() as launches:
+    with quantize_kernels.recording() as (launches, buffers):
         result = run()
-    launch = _QuantizeLaunch.build(source, result, launches)
+    launch = _QuantizeLaunch.build(source, result, launches, buffers)
     if launch is not None:
         _kernels.remember(key, launch)
     return result

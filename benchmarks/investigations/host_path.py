@@ -24,8 +24,6 @@ import pstats
 import sys
 import timeit
 
-os.environ.setdefault("TILEMM_ARCH", "sm_90")
-
 import torch  # noqa: E402
 
 import tilemm  # noqa: E402
@@ -36,17 +34,18 @@ from tilemm.kernels import _common  # noqa: E402
 from tilemm.kernels import hopper_block_scaled, hopper_fp8, hopper_gemm, quantize_kernels  # noqa: E402
 from tilemm.kernels import weight_only_kernels  # noqa: E402
 
+#: (grid, kernel, args) of every launch made under ``cuda_route`` (cleared by its users).
 LAUNCHES = []
 
 
 class _NoLaunch:
-    """``cuda.tile`` with ``launch`` counting instead of running."""
+    """``cuda.tile`` with ``launch`` recorded in ``LAUNCHES`` instead of run."""
 
     def __init__(self, ct):
         self._ct = ct
 
     def launch(self, stream, grid, kernel, args):
-        LAUNCHES.append(kernel)
+        LAUNCHES.append((grid, kernel, args))
 
     def __getattr__(self, name):
         return getattr(self._ct, name)
@@ -63,8 +62,10 @@ class _Plain:
 
 @contextlib.contextmanager
 def cuda_route():
-    """Make eager calls on CPU tensors take the sm_90 CUDA route, with launches counted, not run."""
+    """Make eager calls on CPU tensors take the sm_90 CUDA route, with launches recorded, not run."""
     patches = []
+    arch = os.environ.get("TILEMM_ARCH")
+    os.environ["TILEMM_ARCH"] = "sm_90"
 
     def patch(owner, name, value):
         if hasattr(owner, name):
@@ -102,6 +103,10 @@ def cuda_route():
         yield
     finally:
         del torch.Tensor.is_cuda
+        if arch is None:
+            del os.environ["TILEMM_ARCH"]
+        else:
+            os.environ["TILEMM_ARCH"] = arch
         for owner, name, value in reversed(patches):
             setattr(owner, name, value)
 
@@ -139,7 +144,7 @@ def entries(m: int, n: int, k: int):
 
 
 def per_call_us(fn, number: int) -> float:
-    return min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e6
+    return min(timeit.repeat(fn, setup=LAUNCHES.clear, number=number, repeat=7)) / number * 1e6
 
 
 def main(argv=None) -> int:
@@ -164,6 +169,7 @@ def main(argv=None) -> int:
                 if args.profile == name:
                     prof = cProfile.Profile()
                     prof.runcall(lambda: [fn() for _ in range(args.number)])
+                    LAUNCHES.clear()
                     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
             print(f"M={m:<4d} {name:42s} {us:8.1f} us  {launches} launch(es)", flush=True)
     return 0

@@ -1028,17 +1028,27 @@ def _launch_kernel(device: torch.device, grid, kernel, args: tuple) -> None:
     ct.launch(stream_handle(device), grid, kernel, args)
 
 
+def _buffer(shape: tuple, dtype: torch.dtype, device: torch.device, zeroed: bool = False) -> torch.Tensor:
+    """A buffer one call uses between its launches (uninitialised, or zeroed), recorded (``recording``)."""
+    t = (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=device)
+    buffers = getattr(_RECORDS, "buffers", None)
+    if buffers is not None:
+        buffers.append((t, zeroed))
+    return t
+
+
 @contextlib.contextmanager
 def recording():
-    """The launches (grid, kernel, args) that this thread's quantizer calls make inside the block, in a
-    list: how ``tilemm.quantize`` prepares a signature's launch on its first call."""
-    launches = []
-    outer = getattr(_RECORDS, "launches", None)
-    _RECORDS.launches = launches
+    """(launches, buffers): the launches (grid, kernel, args) that this thread's quantizer calls make
+    inside the block, and the buffers (tensor, zeroed) they allocate for them (``_buffer``): how
+    ``tilemm.quantize`` prepares a signature's launches on its first call."""
+    launches, buffers = [], []
+    outer = getattr(_RECORDS, "launches", None), getattr(_RECORDS, "buffers", None)
+    _RECORDS.launches, _RECORDS.buffers = launches, buffers
     try:
-        yield launches
+        yield launches, buffers
     finally:
-        _RECORDS.launches = outer
+        _RECORDS.launches, _RECORDS.buffers = outer
 
 
 
@@ -1155,7 +1165,7 @@ def tensor_amax(x: torch.Tensor, propagate_nan: bool) -> torch.Tensor:
     share = AMAX_PARTIALS // len(views)
     blocks = [min(v.shape[0] * -(-v.shape[1] // cfg.tile_r) * -(-v.shape[2] // cfg.tile_k),
                   num_sms(x.device) * AMAX_BLOCKS_PER_SM, share) for v in views]
-    partial = torch.empty(sum(blocks), dtype=torch.int32, device=x.device)
+    partial = _buffer((sum(blocks),), torch.int32, x.device)
     start = 0
     for v, n in zip(views, blocks):
         _launch_kernel(x.device, (n, 1, 1), _kernel(_amax_kernel, cfg),
@@ -1283,7 +1293,7 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
         scale = torch.empty(op.batch, op.rows, 1, dtype=torch.float32, device=x.device)
         row_scale = ((0, 0, 1), (1, 1, 1))  # (B, R, 1): its last dimension follows no axis
         if op.transposed:
-            amax = torch.zeros(op.batch, op.rows, dtype=torch.int32, device=x.device)
+            amax = _buffer((op.batch, op.rows), torch.int32, x.device, zeroed=True)
             acfg, cfg = plan("fp8_row_amax"), plan("fp8_row", transposed=True)
             # Every piece's column maxima (atomic, into the rows of Amax it covers) before any piece
             # is quantized: pieces cut along K share their rows' maxima.

@@ -348,3 +348,31 @@ def test_quantizers_repeat_the_full_launch(fmt, options, m):
     two = fmt == "fp8" and (options["granularity"] == "tensor" or (options.get("axis") == -2 and m > 1))
     q = getattr(tilemm, f"quantize_{fmt}")
     _repeat_launches_as_the_full_path(lambda x: q(x, **options), (x,), 2 if two else 1)
+
+
+@pytest.mark.parametrize("granularity", ["row", (128, 128)], ids=["row", "blocks"])
+@pytest.mark.parametrize("m", [1, 16])
+def test_fp8_linear_layer_is_two_launches(granularity, m):
+    # tilemm.nn.Linear, FP8 both sides: the activation's quantize and the matmul, and no torch kernel
+    # besides the outputs' allocations (the bf16 bias is converted to fp32 once, not on every call).
+    from tilemm import kernels
+
+    gen = torch.Generator().manual_seed(5)
+    lin = torch.nn.Linear(256, 384, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(384, 256, generator=gen))
+        lin.bias.copy_(torch.randn(384, generator=gen))
+    layer = tilemm.nn.Linear.from_float(lin, "fp8", granularity=granularity)
+    x = torch.randn(m, 256, generator=gen).to(torch.bfloat16)
+    with HOST_PATH.cuda_route():
+        kernels.PLANS.clear()
+        layer(x)
+        HOST_PATH.LAUNCHES.clear()
+        with _Ops() as ops:
+            layer(x)
+        launches = list(HOST_PATH.LAUNCHES)
+        HOST_PATH.LAUNCHES.clear()
+    assert [k for _, k, _ in launches][0] is not launches[1][1] and len(launches) == 2
+    assert set(ops.names) <= _VIEWS | _ALLOCATIONS, ops.names
+    bias = launches[1][2][6]  # the matmul's bias argument: the layer's, in fp32
+    assert bias.dtype == torch.float32 and torch.equal(bias, lin.bias.float())

@@ -213,6 +213,7 @@ class Linear(torch.nn.Module):
         # the meta device (the operators' fake implementations) and allocate zeros like it.
         meta = self._options.quantize_weight(torch.empty(out_features, in_features, device="meta"))
         self._runner = None
+        self._bias32 = None
         self._exponent = 0
         self._alpha_host = 1.0
         if self._options.packed:
@@ -405,7 +406,7 @@ class Linear(torch.nn.Module):
             # The common eager call, already checked by the conditions above.
             return small.runner(x if x.is_contiguous() else x.contiguous())
         self._check_input(x)
-        rows = x.reshape(-1, self.in_features)
+        rows = x if x.ndim == 2 else x.reshape(-1, self.in_features)
         if self.weight_only:
             # fp8 weight-only: no fused kernel; dequantize the weight (exact in fp32), round it once to
             # x's dtype and multiply there.
@@ -418,8 +419,19 @@ class Linear(torch.nn.Module):
                 out = runner(rows if rows.is_contiguous() else rows.contiguous())
             else:
                 out = _matmul.linear(self._options.quantize_activation(rows), self.quantized_weight(),
-                                     bias=self.bias, out_dtype=x.dtype)
-        return out.reshape(*x.shape[:-1], self.out_features)
+                                     bias=self._fp32_bias(), out_dtype=x.dtype)
+        return out if x.ndim == 2 else out.reshape(*x.shape[:-1], self.out_features)
+
+    def _fp32_bias(self):
+        """The bias as the kernels add it, fp32 (the same values: bf16 and fp16 convert exactly),
+        converted once per bias version rather than by a kernel on every call; None for none."""
+        bias = self.bias
+        if bias is None or bias.dtype == torch.float32 or torch.compiler.is_compiling():
+            return bias
+        cached = getattr(self, "_bias32", None)
+        if cached is None or cached[0] is not bias or cached[1] != bias._version:
+            cached = self._bias32 = (bias, bias._version, bias.to(torch.float32))
+        return cached[2]
 
     def _small_batch_runner(self, device):
         """The two-launch path of an MXFP8 / MXFP4 / NVFP4 layer at small batch on Hopper
@@ -519,6 +531,7 @@ class Linear(torch.nn.Module):
             # The cached runner holds device tensors (for a block-scaled layer, a prepacked copy of the
             # weight): drop it, so that moving the layer frees them; the next call rebuilds it.
             self._runner = None
+            self._bias32 = None
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):

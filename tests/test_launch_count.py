@@ -376,3 +376,17 @@ def test_fp8_linear_layer_is_two_launches(granularity, m):
     assert set(ops.names) <= _VIEWS | _ALLOCATIONS, ops.names
     bias = launches[1][2][6]  # the matmul's bias argument: the layer's, in fp32
     assert bias.dtype == torch.float32 and torch.equal(bias, lin.bias.float())
+
+
+def test_a_prepared_quantize_still_refuses_what_the_checks_refuse():
+    # swizzle=1 equals swizzle=True (and hashes alike), axis=-1.0 equals -1: a call with them after one
+    # with the right types must still raise, not find the prepared launch.
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    with HOST_PATH.cuda_route():
+        tilemm.quantize_mxfp8(x, swizzle=True)
+        tilemm.quantize_fp8(x, granularity="row", axis=-1)
+        with pytest.raises(TypeError, match="swizzle must be True or False"):
+            tilemm.quantize_mxfp8(x, swizzle=1)
+        with pytest.raises(TypeError, match="axis must be -1 or -2"):
+            tilemm.quantize_fp8(x, granularity="row", axis=-1.0)
+        HOST_PATH.LAUNCHES.clear()

@@ -16,12 +16,13 @@ Swapped swizzled scales of one padded shape cannot be detected; :func:`linear`, 
 operand with its own scale, cannot swap them: prefer it. CPU tensors run the pure-PyTorch reference
 (``tilemm.reference``), CUDA tensors the cuTile kernels of their GPU generation (``tilemm.kernels``).
 
-Path: the public function checks its arguments once per signature (shapes, strides, dtypes, devices,
-options: ``block_scaled_call`` / ``fp8_call``, cached in ``tilemm.kernels.PLANS``), then an eager call
-on CUDA tensors runs the planned call directly, and anything else (torch.compile, CPU tensors) goes
-through the custom operator ``torch.ops.tilemm.<name>`` registered here, which runs the same planned
-call; that reaches the family's prepared launch (``tilemm.kernels``) and its ``@ct.kernel``. NumPy and
-CuPy arrays are accepted and returned in kind (``tilemm._interop``).
+Path: an eager call on CUDA tensors looks its signature (``launch_key``: the tensors' shapes, strides,
+dtypes and devices and the options, one tuple) up in ``tilemm.kernels.PLANS``. A signature seen before
+was checked then: the call allocates the output, takes one view per operand and launches (``_Launch``).
+A first call checks every argument, plans (``block_scaled_call`` / ``fp8_call``), launches and keeps
+the launch. torch.compile and CPU tensors go through the custom operator ``torch.ops.tilemm.<name>``
+(registered here; its fake implementation runs the checks), which runs the same planned call. NumPy
+and CuPy arrays are accepted and returned in kind (``tilemm._interop``).
 """
 
 from __future__ import annotations

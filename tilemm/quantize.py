@@ -3,7 +3,9 @@
 Each public ``quantize_<fmt>`` validates its input and calls the custom operator
 ``torch.ops.tilemm.quantize_<fmt>`` (``tilemm.ops``), which runs the cuTile kernels of
 ``tilemm.kernels.quantize_kernels`` for CUDA tensors on sm_90 or newer and
-``_quantize_<fmt>_reference`` everywhere else; both give the same bits. Blocks run along the last
+``_quantize_<fmt>_reference`` everywhere else; both give the same bits. An eager CUDA call runs the
+kernels directly, and keeps its launches per signature (``_QuantizeLaunch``): a repeated call
+allocates its outputs and launches. Blocks run along the last
 dimension K; leading dimensions are batch (and, for 2-D blocks, M). float32, bfloat16 and float16
 inputs are converted to fp32 first (exact), and every step is an fp32 tensor operation in the order
 that docs/numerics.md gives, so the bits are defined. That page states every formula and every
@@ -587,10 +589,11 @@ _SCALARS = (int, float, bool)
 
 def _quantize_key(tag: str, x, *options) -> tuple | None:
     """The key of an eager quantize call's prepared launch, or None (not a plain torch tensor, or
-    torch.compile tracing)."""
+    torch.compile tracing). The options' types are part of it: ``swizzle=1`` equals ``swizzle=True``
+    but fails the checks."""
     if torch.compiler.is_compiling() or type(x) is not _Tensor:
         return None
-    return (tag, x.shape, x.stride(), x.dtype, x.device, *options)
+    return (tag, x.shape, x.stride(), x.dtype, x.device, options, tuple(map(type, options)))
 
 
 def _prepared(key):

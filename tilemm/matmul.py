@@ -40,7 +40,7 @@ from ._validate import (as_fp32_scalar, check_bias, check_dtype, check_out_dtype
                         check_tensor)
 from .formats import FP8_BLOCK, MXFP4, NVFP4, Format, fp8_format, mxfp8_format
 from .kernels import as_view, view_spec
-from .kernels._common import ones_scalar, stream_handle, zeros_vector
+from .kernels._common import Described, ones_scalar, stream_handle, zeros_vector
 from .kernels._large import check_matmul_k
 from .packed import PackedWeight, prepack
 from .quantize import FP8Tensor, MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
@@ -293,6 +293,8 @@ class _Launch:
         self.prepared, self.specs, self.scaled = prepared, specs, scaled
         self.out_shape, self.out3, self.out_dtype, self.device = out_shape, out3, out_dtype, device
         self.ones, self.zeros = ones_scalar(device), zeros_vector(device, out3[2])
+        if device.type == "cuda":  # fixed tensors, described for cuTile once
+            self.ones, self.zeros = Described(self.ones), Described(self.zeros)
         self.bias_fp32 = bias is not None and bias.dtype == torch.float32 and bias.is_contiguous()
 
     def __call__(self, x, x_scale, y, y_scale, bias, alpha, global_scale_x=None, global_scale_y=None):

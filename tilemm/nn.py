@@ -164,6 +164,8 @@ class _Options:
         return _quantize.quantize_fp8(t, granularity=granularity, elem_dtype=self.elem_dtype)
 
 
+_QUANTIZED_KIND = {"mxfp8": _quantize.MXFP8Tensor, "mxfp4": _quantize.MXFP4Tensor, "fp8": _quantize.FP8Tensor}
+
 INFERENCE_ONLY = ("tilemm.nn.Linear is for inference only: its weight is quantized (it has no gradient) "
                   "and its kernels have no backward, so no gradient flows through it to its input. Run "
                   "inference under torch.no_grad() or torch.inference_mode(); to train, use the float "
@@ -353,10 +355,10 @@ class Linear(torch.nn.Module):
             if self._options.swizzle:
                 w_q = w_q._replace(scale=_swizzle.swizzle_32_4_4(w_q.scale))
             return w_q
-        kind = {"mxfp8": _quantize.MXFP8Tensor, "mxfp4": _quantize.MXFP4Tensor,
-                "nvfp4": _quantize.NVFP4Tensor, "fp8": _quantize.FP8Tensor}[self.format]
-        fields = (self.weight, self.weight_scale, self._buffers.get("weight_global_scale"))
-        return kind(*fields[: len(kind._fields)])
+        buffers = self._buffers
+        if self._options.format == "nvfp4":
+            return _quantize.NVFP4Tensor(buffers["weight"], buffers["weight_scale"], buffers["weight_global_scale"])
+        return _QUANTIZED_KIND[self._options.format](buffers["weight"], buffers["weight_scale"])
 
     def packed_weight(self) -> "_packed.PackedWeight":
         """The weight-only layout (``weight_only=True`` with mxfp8, mxfp4 or nvfp4) as a PackedWeight."""

@@ -1,0 +1,107 @@
+"""Repeated eager calls on the GPU: a call of a signature seen before runs its prepared launch (the
+checks and the planning skipped, ``tilemm.kernels.PLANS``) and must give the bits that the full path
+gives for the same operands; and the kernels per call of every public entry. The same launches are
+compared argument by argument on the CPU in tests/test_launch_count.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilemm
+from tilemm import kernels
+
+from _gpu import kernels_per_call, requires_gpu
+
+pytestmark = requires_gpu
+
+
+def _bytes(value):
+    if isinstance(value, torch.Tensor):
+        return [value.contiguous().view(torch.uint8).cpu()]
+    return [b for v in value for b in _bytes(v)]
+
+
+def _same_bits_as_the_full_path(call, make_args):
+    """``call`` on one set of operands, then on another of the same signature (the prepared launch),
+    against the full path (the plan table emptied) on the second set."""
+    kernels.PLANS.clear()
+    call(*make_args(1))
+    second = make_args(2)
+    prepared = call(*second)
+    assert len(kernels.PLANS) > 0
+    kernels.PLANS.clear()
+    full = call(*second)
+    for got, want in zip(_bytes(prepared), _bytes(full)):
+        assert torch.equal(got, want)
+
+
+def _operands(fmt, m, seed, n=512, k=1024):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+    w = torch.randn(n, k, generator=gen, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen, device="cuda").to(torch.bfloat16)
+    if fmt == "fp8_row":
+        return tilemm.quantize_fp8(x, granularity="row"), tilemm.quantize_fp8(w, granularity="row"), bias
+    if fmt == "fp8_blocks":
+        return (tilemm.quantize_fp8(x, granularity=(1, 128)), tilemm.quantize_fp8(w, granularity=(128, 128)),
+                bias)
+    q = getattr(tilemm, f"quantize_{fmt}")
+    return q(x, swizzle=True), q(w, swizzle=True), bias
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4", "fp8_row", "fp8_blocks"])
+def test_repeated_matmul_calls_gpu(fmt, m):
+    alpha = torch.tensor(0.75, device="cuda")
+    _same_bits_as_the_full_path(lambda xq, wq, bias: tilemm.linear(xq, wq, bias=bias, alpha=alpha),
+                                lambda seed: _operands(fmt, m, seed))
+    if fmt == "fp8_blocks":
+        return
+    if fmt == "fp8_row":
+        def matmul(xq, wq, bias):
+            return tilemm.fp8_matmul(xq.data, xq.scale, wq.data.t(), wq.scale.t(), bias=bias)
+    elif fmt == "nvfp4":
+        def matmul(xq, wq, bias):
+            return tilemm.nvfp4_matmul(xq.data, xq.scale, wq.data.t(), wq.scale, global_scale_x=xq.global_scale,
+                                       global_scale_y=wq.global_scale, bias=bias)
+    else:
+        def matmul(xq, wq, bias):
+            return getattr(tilemm, f"{fmt}_matmul")(xq.data, xq.scale, wq.data.t(), wq.scale, bias=bias)
+    _same_bits_as_the_full_path(matmul, lambda seed: _operands(fmt, m, seed))
+    if m <= 16:
+        xq, wq, _ = _operands(fmt, m, 3)
+        assert len(kernels_per_call(lambda: matmul(xq, wq, None))) == 1
+
+
+QUANTIZERS = [("mxfp8", dict(swizzle=True)), ("mxfp4", dict(swizzle=True)), ("nvfp4", dict(swizzle=True)),
+              ("nvfp4", dict(swizzle=False)), ("fp8", dict(granularity="row")),
+              ("fp8", dict(granularity=(1, 128))), ("fp8", dict(granularity=(128, 128))),
+              ("fp8", dict(granularity="tensor"))]
+
+
+@pytest.mark.parametrize("m", [1, 16, 200])
+@pytest.mark.parametrize("fmt,options", QUANTIZERS, ids=[f"{f}-{o}" for f, o in QUANTIZERS])
+def test_repeated_quantize_calls_gpu(fmt, options, m):
+    q = getattr(tilemm, f"quantize_{fmt}")
+
+    def make(seed):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        return (torch.randn(m, 1024, generator=gen, device="cuda").to(torch.bfloat16),)
+
+    _same_bits_as_the_full_path(lambda x: q(x, **options), make)
+    x, = make(4)
+    # One launch each; FP8 per tensor takes its amax in a launch of its own first.
+    assert len(kernels_per_call(lambda: q(x, **options))) == (2 if options.get("granularity") == "tensor" else 1)
+
+
+@pytest.mark.parametrize("granularity", ["row", (128, 128)], ids=["row", "blocks"])
+@pytest.mark.parametrize("m", [1, 16])
+def test_fp8_linear_layer_gpu(granularity, m):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1024, 512, device="cuda", dtype=torch.bfloat16)
+    layer = tilemm.nn.Linear.from_float(lin, "fp8", granularity=granularity)
+    _same_bits_as_the_full_path(layer, lambda seed: (torch.randn(m, 1024, device="cuda").to(torch.bfloat16),))
+    x = torch.randn(m, 1024, device="cuda").to(torch.bfloat16)
+    assert len(kernels_per_call(lambda: layer(x))) == 2  # the activation's quantize and the matmul

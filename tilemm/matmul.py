@@ -723,7 +723,7 @@ def mxfp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None,
     """
     fn = "mxfp8_matmul"
     key = launch_key(fn, x, x_scale, y, y_scale, out_dtype, bias, alpha) if elem_dtype is None else None
-    launch = _CALLS.get(key)
+    launch = None if key is None else _CALLS.get(key)
     if launch is not None:  # a signature seen before: checked then, launch prepared
         return launch(x, x_scale, y, y_scale, bias, alpha)
     sources = (x, x_scale, y, y_scale)
@@ -748,7 +748,7 @@ def mxfp4_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None,
     """
     fn = "mxfp4_matmul"
     key = launch_key(fn, x, x_scale, y, y_scale, out_dtype, bias, alpha)
-    launch = _CALLS.get(key)
+    launch = None if key is None else _CALLS.get(key)
     if launch is not None:
         return launch(x, x_scale, y, y_scale, bias, alpha)
     _check_op_args(fn, out_dtype, bias, x=x, x_scale=x_scale, y=y, y_scale=y_scale)
@@ -779,7 +779,7 @@ def nvfp4_matmul(x, x_scale, y, y_scale, *, global_scale_x, global_scale_y, out_
     if type(global_scale_x) is _Tensor and type(global_scale_y) is _Tensor:
         key = launch_key(fn, x, x_scale, y, y_scale, out_dtype, bias, alpha,
                          (_tsig(global_scale_x), _tsig(global_scale_y)))
-        launch = _CALLS.get(key)
+        launch = None if key is None else _CALLS.get(key)
         if launch is not None:
             return launch(x, x_scale, y, y_scale, bias, alpha, global_scale_x, global_scale_y)
     sources = (x, x_scale, y, y_scale)
@@ -817,7 +817,7 @@ def fp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, a
     fn = "fp8_matmul"
     key = (launch_key(fn, x, x_scale, y, y_scale, out_dtype, bias, alpha, (use_fast_accum,))
            if elem_dtype is None and type(use_fast_accum) is bool else None)
-    launch = _CALLS.get(key)
+    launch = None if key is None else _CALLS.get(key)
     if launch is not None:
         return launch(x, x_scale, y, y_scale, bias, alpha)
     sources = (x, x_scale, y, y_scale)
@@ -887,7 +887,7 @@ def linear(x_q, w_q, *, bias=None, out_dtype=None, alpha=None, use_fast_accum=Fa
     """
     fn = "linear"
     key = _linear_key(x_q, w_q, bias, out_dtype, alpha, use_fast_accum)
-    launch = _CALLS.get(key)
+    launch = None if key is None else _CALLS.get(key)
     if launch is not None:  # a signature seen before: checked then, launch prepared
         if key[0] == "linear nvfp4":
             return launch(x_q.data, x_q.scale, w_q.data, w_q.scale, bias, alpha, x_q.global_scale,

@@ -3,15 +3,17 @@
     python -m benchmarks.investigations.host_path [--n 4096 --k 4096 --m 1,16] [--profile ENTRY]
 
 This measures Python only, not launch cost: no GPU is used and no kernel runs. The calls take the
-route an eager call on an sm_90 GPU takes (``TILEMM_ARCH=sm_90``, ``Tensor.is_cuda`` reported True,
-the stream handle, SM count and graph-capture checks stubbed), on CPU tensors, with ``ct.launch``
-replaced by a no-op that counts launches. So each figure is what the library's own Python (argument
-handling, plan lookup, output allocation, argument assembly) costs per call; a GPU call adds the
-launch itself (about 14 us for an empty ``ct.launch`` from Python on an H100) and the allocator's
-CUDA path. ``--profile ENTRY`` prints cProfile's top functions for one entry (a name as printed).
+route an eager call on an sm_90 GPU takes (``cuda_route``: ``TILEMM_ARCH=sm_90``, ``Tensor.is_cuda``
+reported True, the stream handle, SM count and graph-capture checks stubbed), on CPU tensors, with
+``ct.launch`` replaced by a stub that records the launch (``LAUNCHES``). So each figure is what the
+library's own Python (argument handling, plan lookup, output allocation, argument assembly) costs
+per call. A GPU call adds the launch itself (about 14 us for an empty ``ct.launch`` from Python on an
+H100, plus cuTile's description of each tensor argument); a CPU ``torch.empty`` costs more than the
+CUDA caching allocator's. ``--profile ENTRY`` prints cProfile's top functions for one entry (a name as
+printed). tests/test_launch_count.py uses ``cuda_route`` to check what the route launches.
 
-Each figure: best of five timings of a few thousand calls back to back, in microseconds per call,
-after warm-up calls that fill the plan caches. Launches per call are counted on the last call.
+Each figure: best of seven timings of ``--number`` calls back to back, in microseconds per call,
+after warm-up calls that fill the plan table. Launches per call are counted on one call.
 """
 
 from __future__ import annotations
@@ -89,15 +91,6 @@ def cuda_route():
         patch(module, "has_kernels", lambda device: True)
     patch(quantize_kernels, "_target", lambda device: "sm_90")
     patch(_matmul, "_on_gpu", lambda device: True)
-    if not hasattr(_matmul, "_on_gpu"):  # the route before ``_on_gpu`` decided it
-        for cls in ("_BlockScaledCall", "_FP8Call"):
-            init = getattr(_matmul, cls).__init__
-
-            def gpu_init(self, *args, _init=init):
-                _init(self, *args)
-                self.gpu = True
-
-            patch(getattr(_matmul, cls), "__init__", gpu_init)
     torch.Tensor.is_cuda = property(lambda self: True)
     try:
         yield

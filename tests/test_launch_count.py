@@ -390,3 +390,16 @@ def test_a_prepared_quantize_still_refuses_what_the_checks_refuse():
         with pytest.raises(TypeError, match="axis must be -1 or -2"):
             tilemm.quantize_fp8(x, granularity="row", axis=-1.0)
         HOST_PATH.LAUNCHES.clear()
+
+
+def test_byte_operands_repeat_the_full_launch():
+    # FP8 data as uint8 bytes (NumPy / CuPy arrays have no float8) and NVFP4 scales as bytes: the
+    # prepared launch reinterprets them as the full path does.
+    xq, wq = _quantized(16, 256, 256, "mxfp8", True)
+    as_bytes = (xq.data.view(torch.uint8), xq.scale, wq.data.view(torch.uint8), wq.scale)
+    _repeat_launches_as_the_full_path(lambda x, xs, w, ws: tilemm.mxfp8_matmul(x, xs, w.t(), ws), as_bytes, 1)
+    xq, wq = _quantized(16, 256, 256, "nvfp4", False)
+    _repeat_launches_as_the_full_path(
+        lambda x, xs, w, ws, gx, gw: tilemm.nvfp4_matmul(x, xs, w.t(), ws.t(), global_scale_x=gx, global_scale_y=gw),
+        (xq.data, xq.scale.view(torch.uint8), wq.data, wq.scale.view(torch.uint8), xq.global_scale,
+         wq.global_scale), 1)

@@ -10,9 +10,11 @@ Every kernel module speaks one vocabulary: its config record (``BlockScaledConfi
 choosing one from the problem's sizes, and ``aot_variants()`` listing every specialisation it can
 launch, for ahead-of-time compile tests. The matmul modules add ``Prepared(problem, config=None)`` (a
 signature planned once; ``.run(problem, stream)`` launches any problem of that signature) and
-``launch(problem, config=None)`` (one prepared call). ``PLANS`` keeps the planned calls of
-``tilemm.matmul`` by signature; ``prepare_block_scaled`` / ``prepare_fp8`` pick the module's
-``Prepared`` by GPU generation (``tilemm._arch``).
+``launch(problem, config=None)`` (one prepared call). ``PLANS`` keeps, by signature, the planned calls
+of ``tilemm.matmul`` and the prepared launches of repeated eager calls (matmuls, ``linear``,
+quantizers), whose operands ``view_spec`` / ``as_view`` make as one view of the caller's tensors;
+``prepare_block_scaled`` / ``prepare_fp8`` pick the module's ``Prepared`` by GPU generation
+(``tilemm._arch``).
 
 Portable kernels, the same on every family: ``quantize_kernels`` (the quantizers) and
 ``weight_only_kernels`` (float activations times a prepacked quantized weight, ``tilemm.weight_only``).

@@ -98,6 +98,20 @@ def test_e5m2_inf_and_fp32_overflow_are_refused():
         prepack(tilemm.MXFP4Tensor(data, scale.view(torch.float8_e8m0fnu)))
 
 
+def test_scale_2_to_127_is_refused():
+    """A block scale of 2^127 (byte 254) would need E = offset, where the kernel's multiplier of byte 0
+    (2^-127) and of the NaN byte would not be exact; prepack refuses it by name."""
+    w_q = quantized_weight(MXFP4, 4, 64)
+    data = torch.zeros_like(w_q.data)
+    data[0, 0] = 0x02  # element 0 = 1.0: 2^127 is finite
+    scale = _bytes(w_q.scale).clone()
+    scale[0, 0] = 254
+    with pytest.raises(ValueError, match="2\\^127"):
+        prepack(tilemm.MXFP4Tensor(data, scale.view(torch.float8_e8m0fnu)))
+    scale[0, 0] = 253
+    assert prepack(tilemm.MXFP4Tensor(data, scale.view(torch.float8_e8m0fnu))).exponent == 125
+
+
 def test_exponent_offset():
     """E = 0 for ordinary MX scales; large block scales move the multipliers down by 2^E."""
     assert prepack(quantized_weight(MXFP4, 4, 64, scale_bytes=(100, 129))).exponent == 0

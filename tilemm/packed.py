@@ -40,7 +40,7 @@ import torch
 import swizzle as _swizzle
 
 from .formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
-from .kernels.weight_only_kernels import LAYOUTS, Layout
+from .kernels.weight_only_kernels import E2M1_FIELDS, LAYOUTS, Layout
 from .numerics import as_uint8, e2m1_decode, unpack_e2m1, pack_e2m1
 from .quantize import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
 from .reference import decode_scales
@@ -134,13 +134,19 @@ def _tiles(t: torch.Tensor, layout: Layout) -> torch.Tensor:
     return t.reshape(n, -1, layout.planes, layout.group, layout.block // 2, 2)
 
 
+def _e2m1_fields(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per plane, the lane bit of the magnitude's lowest bit and of the sign (``E2M1_FIELDS``), shaped
+    to broadcast over (N, T, planes, group, words, lanes)."""
+    fields = torch.tensor(E2M1_FIELDS, dtype=torch.int64, device=device)
+    return fields[:, 0].reshape(1, 1, 4, 1, 1, 1), fields[:, 1].reshape(1, 1, 4, 1, 1, 1)
+
+
 def _pack_words(codes: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Element codes (N, K) (e2m1 nibbles, or FP8 bytes) -> words (N, T * words_per_tile) int32."""
     t = _tiles(codes.to(torch.int64), layout)  # (N, T, P, G, W, 2)
     if layout.planes == 4:
-        mag, sign = t & 0x7, (t >> 3) & 0x1
-        shift = torch.arange(4, device=t.device).reshape(1, 1, 4, 1, 1, 1)
-        lane = ((mag << (3 * shift)) | (sign << (12 + shift))).sum(dim=2)
+        mag_at, sign_at = _e2m1_fields(t.device)
+        lane = (((t & 0x7) << mag_at) | (((t >> 3) & 0x1) << sign_at)).sum(dim=2)
     else:
         lane = t[:, :, 0] | (t[:, :, 1] << 8)
     words = lane[..., 0] | (lane[..., 1] << 16)  # (N, T, G, W)
@@ -153,9 +159,9 @@ def _unpack_words(words: torch.Tensor, layout: Layout, k: int) -> torch.Tensor:
     w = _from_int32_words(words).reshape(n, -1, layout.group, layout.block // 2)
     lane = torch.stack((w & 0xFFFF, w >> 16), dim=-1)  # (N, T, G, W, 2)
     if layout.planes == 4:
-        shift = torch.arange(4, device=w.device).reshape(1, 1, 4, 1, 1, 1)
+        mag_at, sign_at = _e2m1_fields(w.device)
         lane = lane.unsqueeze(2)
-        codes = ((lane >> (3 * shift)) & 0x7) | (((lane >> (12 + shift)) & 0x1) << 3)
+        codes = ((lane >> mag_at) & 0x7) | (((lane >> sign_at) & 0x1) << 3)
     else:
         codes = torch.stack((lane & 0xFF, lane >> 8), dim=2)
     return codes.reshape(n, -1)[:, :k].to(torch.uint8)
@@ -247,6 +253,10 @@ def prepack(w_q) -> PackedWeight:
     s = decode_scales(fmt, scale)[finite]
     top = float(s.max()) if s.numel() else 0.0
     exponent = max(0, math.floor(math.log2(top)) + layout.offset - 127) if top > 0 else 0
+    if exponent >= layout.offset:
+        raise ValueError(f"{fn}: the weight holds a block scale of 2^127 (e8m0 byte 254); the weight-only "
+                         f"kernel's multipliers reach at most 2^126 exactly. Use tilemm.linear with a "
+                         f"quantized activation, or rescale the weight")
     alpha = 2.0 ** exponent
     constants = torch.tensor([alpha, 2.0 ** (layout.offset - exponent)], dtype=torch.float32,
                              device=w_q.data.device)

@@ -124,18 +124,27 @@ LAYOUTS = {
 }
 
 
+#: e2m1 fields within each 16-bit lane, per plane p: (lowest of the 3 magnitude bits, sign bit). Planes
+#: 0 and 1 keep the sign 9 bits above the magnitude's lowest bit, as bf16 does (bits 6..8 and 15), so one
+#: shift and one mask decode both lanes; plane 2's magnitude already sits at bits 6..8. No placement of
+#: four such fields tiles 16 bits, so planes 2 and 3 move the sign by a shift of its own.
+E2M1_FIELDS = ((0, 9), (3, 12), (6, 10), (13, 11))
+
+
 # --------------------------------------------------------------------------------------------------
 # Tile code
 # --------------------------------------------------------------------------------------------------
 
 def _decode_plane(w, P, ELEMENT):
     """Plane P of a (TN, WORDS) uint32 word tile as uint32 words of two bf16 bit patterns each."""
-    if ELEMENT == E2M1:
-        if P == 3:
-            mag = (w >> 3) & 0x01C001C0
-        else:
-            mag = (w << (6 - 3 * P)) & 0x01C001C0
-        return mag | ((w << (3 - P)) & 0x80008000)
+    if ELEMENT == E2M1:  # the fields of E2M1_FIELDS, moved to bf16 bits 6..8 (magnitude) and 15 (sign)
+        if P == 0:
+            return (w << 6) & 0x81C081C0
+        if P == 1:
+            return (w << 3) & 0x81C081C0
+        if P == 2:
+            return (w & 0x01C001C0) | ((w << 5) & 0x80008000)
+        return ((w >> 7) & 0x01C001C0) | ((w << 4) & 0x80008000)
     if ELEMENT == E4M3:
         if P == 0:
             return ((w << 4) & 0x07F007F0) | ((w << 8) & 0x80008000)
@@ -155,15 +164,15 @@ def _as_bf16_pairs(bits, ROWS, WORDS):
 def _multipliers(s_raw, Mult, SCALE_E8M0):
     """Scale bytes (TN, SC) -> bf16 ``scale * 2^(OFFSET - E)`` (Mult holds 2^(OFFSET - E)), exactly.
 
-    e8m0: the product is 2^(s - 127 + OFFSET - E), whose bf16 exponent field is s plus Mult's fp32
-    exponent field less 127 -- an integer add, no float arithmetic. ``prepack`` picks E so that this
-    field stays in 1..254 for every finite scale byte of the weight (s = 0 included, the zero padding
-    past K too), so only s = 255 (NaN) needs its own encoding."""
+    e8m0: the product is 2^(s - 127 + OFFSET - E), whose bf16 bits are (s + OFFSET - E) << 7 = s * 128
+    + base, base = (Mult's fp32 exponent field - 127) << 7: one integer multiply-add. ``prepack`` keeps
+    1 <= OFFSET - E and every finite field s + OFFSET - E <= 254 (s = 0 included, the zero padding past
+    K too), so finite bytes give at most 0x7F00 and s = 255 at least 0x8000: ``min(bits, 0x7FC0)``
+    turns exactly the NaN byte into bf16's NaN, with no compare."""
     mult = ct.load(Mult, (0,), (1,)).reshape((1, 1))
     if SCALE_E8M0:
-        shift = (ct.bitcast(mult, ct.int32) >> 23) - 127
-        bits = ((s_raw.astype(ct.int32) + shift) << 7).astype(ct.uint16)
-        bits = ct.where(s_raw == 255, ct.full(bits.shape, 0x7FC0, ct.uint16), bits)
+        base = ((ct.bitcast(mult, ct.int32) >> 16) & 0x7F80) - 0x3F80
+        bits = ct.minimum(s_raw.astype(ct.int32) * 128 + base, 0x7FC0).astype(ct.uint16)
         return ct.bitcast(bits, ct.bfloat16)
     s = ct.bitcast(s_raw, ct.float8_e4m3fn).astype(ct.float32)
     return (s * mult).astype(ct.bfloat16)
@@ -401,8 +410,7 @@ def _gemv_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
     g_begin = split * per_split
     g_end = max(min(g_begin + per_split, groups), g_begin)
 
-    acc_lo = ct.zeros((TM, TN, TP // 2), ct.float32)
-    acc_hi = ct.zeros((TM, TN, TP // 2), ct.float32)
+    acc = ct.zeros((TM, TN, TP // 2), ct.float32)
     for g in range(g_begin, g_end):
         ws = ct.bitcast(ct.load(W, (bn, g), (TN, UNROLL * WORDS), padding_mode=_ZERO), ct.uint32)
         ss = ct.load(S, (g, bn), (UNROLL * SC, TN), padding_mode=_ZERO)
@@ -415,9 +423,9 @@ def _gemv_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
                 w_lo, w_hi = _f32_halves(_scaled_plane(w, mult, p, ELEMENT, BLOCK, GROUP, TN), TN, TP, True)
                 x_lo, x_hi = _f32_halves(ct.extract(xs, (0, u * PLANES + p), (TM, TP)), TM, TP,
                                          X.dtype == ct.bfloat16)
-                acc_lo = acc_lo + w_lo.reshape((1, TN, TP // 2)) * x_lo.reshape((TM, 1, TP // 2))
-                acc_hi = acc_hi + w_hi.reshape((1, TN, TP // 2)) * x_hi.reshape((TM, 1, TP // 2))
-    out = ct.sum(acc_lo + acc_hi, axis=2)
+                acc = acc + w_lo.reshape((1, TN, TP // 2)) * x_lo.reshape((TM, 1, TP // 2))
+                acc = acc + w_hi.reshape((1, TN, TP // 2)) * x_hi.reshape((TM, 1, TP // 2))
+    out = ct.sum(acc, axis=2)
     if SPLIT_K == 1:
         _epilogue(out, C, Alpha, Bias, bm, bn, TM, TN)
     else:

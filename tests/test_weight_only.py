@@ -98,6 +98,20 @@ def test_e5m2_inf_and_fp32_overflow_are_refused():
         prepack(tilemm.MXFP4Tensor(data, scale.view(torch.float8_e8m0fnu)))
 
 
+def test_pickled_packed_weight_keeps_its_layout_version():
+    import copy
+    import pickle
+
+    packed = prepack(quantized_weight(MXFP4, 4, 64))
+    back = pickle.loads(pickle.dumps(packed))
+    assert torch.equal(back.words, packed.words) and copy.deepcopy(packed).exponent == packed.exponent
+    state = packed.__getstate__()
+    del state["layout_version"]  # a PackedWeight pickled before the version existed (layout 1)
+    old = object.__new__(type(packed))
+    with pytest.raises(ValueError, match="layout version 1"):
+        old.__setstate__(state)
+
+
 def test_scale_2_to_127_is_refused():
     """A block scale of 2^127 (byte 254) would need E = offset, where the kernel's multiplier of byte 0
     (2^-127) and of the NaN byte would not be exact; prepack refuses it by name."""

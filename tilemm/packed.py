@@ -19,7 +19,12 @@ A ``PackedWeight`` holds:
   usual block scales up to 448, the decode scale taking the rest).
 
 Weights that the kernel cannot reproduce exactly are refused with a ValueError naming the reason: an
-e5m2 Inf element, or a block whose dequantized values overflow fp32 (the reference gives +-inf there).
+e5m2 Inf element, a block whose dequantized values overflow fp32 (the reference gives +-inf there), or
+an MX block scale of 2^127 (byte 254: it would need E = offset, outside the multipliers' exact range).
+
+e2m1 words: each 16-bit lane holds one element of each of the 4 planes, its 3 magnitude bits and its
+sign at the bits ``E2M1_FIELDS`` names (chosen for the fewest decode instructions); 8-bit elements
+take a lane's low (plane 0) and high (plane 1) byte.
 
 Stacked expert weights (mixture of experts, ``tilemm.moe_linear``): ``prepack`` of a 3-D (E, N, K)
 quantized weight, or of a sequence of E quantized (N, K) weights (one per expert: NVFP4 experts with
@@ -48,6 +53,10 @@ from .reference import decode_scales
 __all__ = ["PackedWeight", "prepack", "unpack", "layout_of", "expert"]
 
 _FP32_MAX_LOG2 = 128.0  # values at or above 2^128 overflow fp32
+
+#: Version of the word layout: 2 since the e2m1 fields moved to ``E2M1_FIELDS`` (1: magnitudes at lane
+#: bits 3p..3p+2, signs at 12 + p). A pickled PackedWeight of another version is refused on load.
+LAYOUT_VERSION = 2
 
 
 def layout_of(fmt: Format) -> Layout:
@@ -104,10 +113,21 @@ class PackedWeight:
                                    nan_scale=move(self.nan_scale))
 
     def __getstate__(self) -> dict:
-        # Copies and pickles leave out the runners cached for eager calls (``weight_only.runner_for``).
+        # Copies and pickles leave out the runners cached for eager calls (``weight_only.runner_for``)
+        # and record the word layout's version, which ``__setstate__`` checks.
         state = dict(self.__dict__)
         state.pop("_runners", None)
+        state["layout_version"] = LAYOUT_VERSION
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        version = state.pop("layout_version", 1)
+        if version != LAYOUT_VERSION:
+            raise ValueError(f"tilemm.PackedWeight: pickled with word layout version {version}, this tilemm "
+                             f"reads version {LAYOUT_VERSION}; prepack the quantized weight again "
+                             f"(tilemm.prepack) instead of loading a pickled PackedWeight")
+        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         return (f"PackedWeight({self.fmt.name}, shape={self.shape}, tile_k={self.layout.tile_k}, "

@@ -21,12 +21,13 @@ All compute ``out = (x @ dequantize(w).T) * alpha + bias`` with fp32 accumulatio
 exactly as ``weight_only_kernels`` documents it (the decoded weight is ``dequantize(w) * 2^-E``, exact
 in bf16; alpha carries 2^E). Which design and which config serves an (M, N, K) problem is decided by
 rules on the problem's quantities (``RULES``, ``plan``), fitted to what
-``benchmarks/tune_weight_only_large.py`` measures.
+``benchmarks/investigations/tune_weight_only_large.py`` measures.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import cuda.tile as ct
 import torch
@@ -219,7 +220,7 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #:   more than 0.15 (6144x4096, M = 1024: 192 tiles of 256 rows fill 0.73 of two waves, 384 of 128
 #:   rows 0.97 of three; cat 0.74 against 0.66).
 #:
-#: What the rules reach on that sweep (``python benchmarks/plan_rule_check.py
+#: What the rules reach on that sweep (``python benchmarks/investigations/plan_rule_check.py
 #: benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt``): geomean over the five
 #: shapes of the picked candidate's measured speed-up over bf16, against the per-shape best
 #: candidate, one candidate per (family, M) chosen by geomean (the table the sweep printed before
@@ -287,9 +288,15 @@ def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constant
     """out (M, N) = (x @ W.T) * alpha + bias with the fused kernel; arguments as
     ``weight_only_kernels.launch`` (``alpha`` replaces constants[0] when given), on ``stream``."""
     m, n = out.shape
-    ct.launch(stream, grid(cfg, m, n, sms), cfg.kernel,
-              (x, words, scale_t, out, constants[0:1] if alpha is None else alpha, constants[1:2], bias,
-               *_constants(layout, cfg, _wo._X_PARTS[x.dtype])))
+    launch_grid, kernel, consts = _prepared(cfg, layout, m, n, sms, _wo._X_PARTS[x.dtype])
+    ct.launch(stream, launch_grid, kernel,
+              (x, words, scale_t, out, constants[0:1] if alpha is None else alpha, constants[1:2], bias, *consts))
+
+
+@functools.lru_cache(maxsize=4096)
+def _prepared(cfg: LargeConfig, layout: _wo.Layout, m: int, n: int, sms: int, x_parts: int) -> tuple:
+    """(grid, hinted kernel, constant arguments) of one fused launch, worked out once per problem."""
+    return grid(cfg, m, n, sms), cfg.kernel, _constants(layout, cfg, x_parts)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -325,13 +332,16 @@ def decode_gemm(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, con
     try:
         for r0 in range(0, n, rows):
             r1 = min(r0 + rows, n)
-            w16 = buffer[:r1 - r0]
-            _decode_rows(words[r0:r1], scale_t[:, r0:r1], mult, layout, w16, stream)
-            target = out[:, r0:r1]
+            whole = r0 == 0 and r1 == n  # the usual case: no views to make (each costs the host ~2 us)
+            w16 = buffer if whole else buffer[:r1 - r0]
+            _decode_rows(words if whole else words[r0:r1], scale_t if whole else scale_t[:, r0:r1], mult,
+                         layout, w16, stream)
+            target = out if whole else out[:, r0:r1]
+            w16t = (w16 if w16.shape[1] == k else w16[:, :k]).t()
             if alpha_host == 1.0:
-                torch.mm(x, w16[:, :k].t(), out=target)
+                torch.mm(x, w16t, out=target)
             else:
-                torch.addmm(target, x, w16[:, :k].t(), beta=0, alpha=alpha_host, out=target)
+                torch.addmm(target, x, w16t, beta=0, alpha=alpha_host, out=target)
     finally:
         flags.allow_bf16_reduced_precision_reduction = reduced
     return out
@@ -489,7 +499,7 @@ CANDIDATES = (
     LargeConfig("fused", 64, 128, occupancy=2),
 )
 
-#: The designs ``benchmarks/tune_weight_only_large.py`` times per weight family besides the small-M
+#: The designs ``benchmarks/investigations/tune_weight_only_large.py`` times per weight family besides the small-M
 #: plan and the old two-pass path: the fused configs the family's rules can pick (on the first H100
 #: sweep 4-bit weights lost 0.1-0.5x bf16 with cat or 256 rows of x, 8-bit weights never won with
 #: 128x128 tiles without cat or 64 rows of x), the whole weight decoded for cuBLAS, and the

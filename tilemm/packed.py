@@ -50,12 +50,13 @@ from .numerics import as_uint8, e2m1_decode, unpack_e2m1, pack_e2m1
 from .quantize import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
 from .reference import decode_scales
 
-__all__ = ["PackedWeight", "prepack", "unpack", "layout_of", "expert"]
+__all__ = ["PackedWeight", "prepack", "unpack", "layout_of", "expert", "relayout_words", "LAYOUT_VERSION"]
 
 _FP32_MAX_LOG2 = 128.0  # values at or above 2^128 overflow fp32
 
 #: Version of the word layout: 2 since the e2m1 fields moved to ``E2M1_FIELDS`` (1: magnitudes at lane
-#: bits 3p..3p+2, signs at 12 + p). A pickled PackedWeight of another version is refused on load.
+#: bits 3p..3p+2, signs at 12 + p). Pickled PackedWeights and ``MoEExperts`` state dicts record it, and
+#: words of an older version are re-laid out when they are loaded (``relayout_words``).
 LAYOUT_VERSION = 2
 
 
@@ -114,19 +115,17 @@ class PackedWeight:
 
     def __getstate__(self) -> dict:
         # Copies and pickles leave out the runners cached for eager calls (``weight_only.runner_for``)
-        # and record the word layout's version, which ``__setstate__`` checks.
+        # and record the word layout's version (see ``__setstate__``).
         state = dict(self.__dict__)
         state.pop("_runners", None)
         state["layout_version"] = LAYOUT_VERSION
         return state
 
     def __setstate__(self, state: dict) -> None:
+        # A PackedWeight pickled under an older word layout (no version: 1) is re-laid out.
         state = dict(state)
         version = state.pop("layout_version", 1)
-        if version != LAYOUT_VERSION:
-            raise ValueError(f"tilemm.PackedWeight: pickled with word layout version {version}, this tilemm "
-                             f"reads version {LAYOUT_VERSION}; prepack the quantized weight again "
-                             f"(tilemm.prepack) instead of loading a pickled PackedWeight")
+        state["words"] = relayout_words(state["words"], state["fmt"], version)
         self.__dict__.update(state)
 
     def __repr__(self) -> str:
@@ -159,6 +158,29 @@ def _e2m1_fields(device) -> tuple[torch.Tensor, torch.Tensor]:
     to broadcast over (N, T, planes, group, words, lanes)."""
     fields = torch.tensor(E2M1_FIELDS, dtype=torch.int64, device=device)
     return fields[:, 0].reshape(1, 1, 4, 1, 1, 1), fields[:, 1].reshape(1, 1, 4, 1, 1, 1)
+
+
+#: The e2m1 lane fields of each word layout version (``E2M1_FIELDS`` is the current one's).
+_E2M1_FIELDS_OF = {1: ((0, 12), (3, 13), (6, 14), (9, 15)), LAYOUT_VERSION: E2M1_FIELDS}
+
+
+def relayout_words(words: torch.Tensor, fmt: Format, src: int, dst: int = LAYOUT_VERSION) -> torch.Tensor:
+    """Prepacked ``words`` (int32, any leading dimensions) of a ``fmt`` weight in word layout version
+    ``src`` as the same elements in version ``dst``: a permutation of each 16-bit lane's bits (e2m1;
+    8-bit elements are laid out alike in every version)."""
+    for v in (src, dst):
+        if v not in _E2M1_FIELDS_OF:
+            raise ValueError(f"tilemm.packed.relayout_words: word layout versions are "
+                             f"{sorted(_E2M1_FIELDS_OF)}, got {v}")
+    if src == dst or not fmt.is_packed:
+        return words
+    w = _from_int32_words(words)
+    out = torch.zeros_like(w)
+    for (a, s), (a2, s2) in zip(_E2M1_FIELDS_OF[src], _E2M1_FIELDS_OF[dst]):
+        for lane in (0, 16):
+            out |= ((w >> (lane + a)) & 0x7) << (lane + a2)
+            out |= ((w >> (lane + s)) & 0x1) << (lane + s2)
+    return _to_int32_words(out)
 
 
 def _pack_words(codes: torch.Tensor, layout: Layout) -> torch.Tensor:

@@ -138,14 +138,15 @@ def _multipliers(s_raw, Mult, SCALE_E8M0):
     + base, base = (Mult's fp32 exponent field - 127) << 7: one integer multiply-add. ``prepack`` keeps
     1 <= OFFSET - E and every finite field s + OFFSET - E <= 254 (s = 0 included, the zero padding past
     K too), so finite bytes give at most 0x7F00 and s = 255 at least 0x8000: ``min(bits, 0x7FC0)``
-    turns exactly the NaN byte into bf16's NaN, with no compare."""
+    turns exactly the NaN byte into bf16's NaN, with no compare. e4m3 (NVFP4): the byte as bf16 (exact,
+    subnormals and NaN included) times 2^(OFFSET - E) in bf16, exact below 2^128, which ``prepack``'s E
+    guarantees."""
     mult = ct.load(Mult, (0,), (1,)).reshape((1, 1))
     if SCALE_E8M0:
         base = ((ct.bitcast(mult, ct.int32) >> 16) & 0x7F80) - 0x3F80
         bits = ct.minimum(s_raw.astype(ct.int32) * 128 + base, 0x7FC0).astype(ct.uint16)
         return ct.bitcast(bits, ct.bfloat16)
-    s = ct.bitcast(s_raw, ct.float8_e4m3fn).astype(ct.float32)
-    return (s * mult).astype(ct.bfloat16)
+    return ct.bitcast(s_raw, ct.float8_e4m3fn).astype(ct.bfloat16) * mult.astype(ct.bfloat16)
 
 
 def _mma_x(plane, x, acc, X_PARTS):

@@ -30,7 +30,7 @@ def _same_bits_as_the_full_path(call, make_args):
     call(*make_args(1))
     second = make_args(2)
     prepared = call(*second)
-    assert len(kernels.PLANS) > 0
+    assert any(type(v).__name__ in ("_Launch", "_QuantizeLaunch") for v in kernels.PLANS.values())
     kernels.PLANS.clear()
     full = call(*second)
     for got, want in zip(_bytes(prepared), _bytes(full)):
@@ -47,19 +47,21 @@ def _operands(fmt, m, seed, n=512, k=1024):
     if fmt == "fp8_blocks":
         return (tilemm.quantize_fp8(x, granularity=(1, 128)), tilemm.quantize_fp8(w, granularity=(128, 128)),
                 bias)
+    if fmt == "fp8_tensor":
+        return tilemm.quantize_fp8(x, granularity="tensor"), tilemm.quantize_fp8(w, granularity="tensor"), bias
     q = getattr(tilemm, f"quantize_{fmt}")
     return q(x, swizzle=True), q(w, swizzle=True), bias
 
 
 @pytest.mark.parametrize("m", [1, 16, 64])
-@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4", "fp8_row", "fp8_blocks"])
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4", "fp8_row", "fp8_blocks", "fp8_tensor"])
 def test_repeated_matmul_calls_gpu(fmt, m):
     alpha = torch.tensor(0.75, device="cuda")
     _same_bits_as_the_full_path(lambda xq, wq, bias: tilemm.linear(xq, wq, bias=bias, alpha=alpha),
                                 lambda seed: _operands(fmt, m, seed))
     if fmt == "fp8_blocks":
         return
-    if fmt == "fp8_row":
+    if fmt in ("fp8_row", "fp8_tensor"):
         def matmul(xq, wq, bias):
             return tilemm.fp8_matmul(xq.data, xq.scale, wq.data.t(), wq.scale.t(), bias=bias)
     elif fmt == "nvfp4":

@@ -274,7 +274,7 @@ def _repeat_launches_as_the_full_path(call, args, launches_per_call):
     with HOST_PATH.cuda_route():
         kernels.PLANS.clear()
         call(*args)  # the first call of the signature: checked, planned, its launch kept
-        prepared = len(kernels.PLANS)
+        prepared = any(type(v).__name__ in ("_Launch", "_QuantizeLaunch") for v in kernels.PLANS.values())
         again = tuple(_fresh(a) for a in args)
         launches.clear()
         out = call(*again)
@@ -296,12 +296,16 @@ def _quantized(m, n, k, fmt, swizzle):
         return tilemm.quantize_fp8(x, granularity="row"), tilemm.quantize_fp8(w, granularity="row")
     if fmt == "fp8_blocks":
         return tilemm.quantize_fp8(x, granularity=(1, 128)), tilemm.quantize_fp8(w, granularity=(128, 128))
+    if fmt == "fp8_tensor":  # per tensor: the kernel reads the value broadcast per row and column
+        return tilemm.quantize_fp8(x, granularity="tensor"), tilemm.quantize_fp8(w, granularity="tensor")
+    if fmt == "fp8_mixed":
+        return tilemm.quantize_fp8(x, granularity="row"), tilemm.quantize_fp8(w, granularity="tensor")
     q = getattr(tilemm, f"quantize_{fmt}")
     return q(x, swizzle=swizzle), q(w, swizzle=swizzle)
 
 
 MATMUL_CASES = [("mxfp8", True), ("mxfp8", False), ("mxfp4", True), ("nvfp4", True), ("nvfp4", False),
-                ("fp8_row", False), ("fp8_blocks", False)]
+                ("fp8_row", False), ("fp8_blocks", False), ("fp8_tensor", False), ("fp8_mixed", False)]
 
 
 @pytest.mark.parametrize("m", [1, 16, 64])  # 64: the activation's dequantize launch comes first (x16)
@@ -315,7 +319,7 @@ def test_matmul_entries_repeat_the_full_launch(fmt, swizzle, m):
                                       (xq, wq, bias, alpha), 2 if x16 else 1)
     if fmt == "fp8_blocks":
         return
-    if fmt == "fp8_row":
+    if fmt.startswith("fp8"):
         def matmul(xq, wq, bias):
             return tilemm.fp8_matmul(xq.data, xq.scale, wq.data.t(), wq.scale.t(), bias=bias)
     elif fmt == "nvfp4":

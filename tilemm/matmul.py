@@ -28,6 +28,7 @@ and CuPy arrays are accepted and returned in kind (``tilemm._interop``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
@@ -321,12 +322,22 @@ class _Launch:
         return out
 
 
-def _remember_launch(fast_key, prepared, problem, sources, out_shape, out_dtype, device, bias, scaled) -> None:
+def _broadcast_scale(scale, shape):
+    """A per-tensor FP8 scale as the per-row / per-column vector the kernel reads, made contiguous."""
+    return scale.reshape(1, 1).expand(shape).contiguous()
+
+
+def _remember_launch(fast_key, prepared, problem, sources, out_shape, out_dtype, device, bias, scaled,
+                     broadcast=(False, False)) -> None:
     """Keep the prepared launch of an eager CUDA call under ``fast_key`` when each kernel operand is one
-    view of the caller's tensor (``sources``: x, x_scale and y, y_scale or the weight and its scale)."""
+    view of the caller's tensor (``sources``: x, x_scale and y, y_scale or the weight and its scale),
+    or, for the scales that ``broadcast`` names (x's, y's: FP8 per tensor), that value broadcast."""
     if fast_key is None or not getattr(prepared, "direct", False) or not hasattr(prepared, "launch"):
         return
-    specs = tuple(view_spec(s, o) for s, o in zip(sources, prepared.operands(problem)))
+    specs = [view_spec(s, o) for s, o in zip(sources, prepared.operands(problem))]
+    for i, spread in ((1, broadcast[0]), (3, broadcast[1])):
+        if spread and specs[i] is False and sources[i].numel() == 1:
+            specs[i] = functools.partial(_broadcast_scale, shape=tuple(prepared.operands(problem)[i].shape))
     if any(spec is False for spec in specs):
         return
     _remember(fast_key, _Launch(prepared, specs, out_shape, tuple(problem.out.shape), out_dtype, device, bias,
@@ -565,7 +576,7 @@ class _FP8Call:
         if prepared is None:
             prepared = self.prepared = kernels.prepare_fp8(problem)
         _remember_launch(fast_key, prepared, problem, sources or (x, x_scale, y, y_scale), self.out_shape,
-                         self.out_dtype, self.device, bias, False)
+                         self.out_dtype, self.device, bias, False, (kx == "tensor", ky == "tensor"))
         prepared.run(problem, stream_handle(self.device))
         return out
 

@@ -58,9 +58,12 @@ def view_spec(source, operand):
 
 
 def as_view(t, spec):
-    """The operand that ``view_spec`` describes, made from ``t`` (a tensor of the source's signature)."""
+    """The operand that ``view_spec`` describes, made from ``t`` (a tensor of the source's signature);
+    a callable ``spec`` makes it itself (an operand that is no view of t, e.g. a broadcast value)."""
     if spec is None:
         return t
+    if callable(spec):
+        return spec(t)
     dtype, shape, stride = spec
     return (t if dtype is None else t.view(dtype)).as_strided(shape, stride)
 

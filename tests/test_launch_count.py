@@ -1,8 +1,11 @@
 """Kernel launches per eager call, with ``ct.launch`` stubbed (no GPU): the Hopper block-scaled matmul
 up to M = 16 and ``quantize_nvfp4`` of an activation are one launch each, and the launcher runs no
-torch kernel besides (no fill, no host-side multiply of NVFP4's decode scales). The bit-identity of the
-one-launch forms is checked on the emulator (tests/test_hopper_emulated.py); tests/test_small_batch_gpu.py
-counts the kernels on the GPU.
+torch kernel besides (no fill, no host-side multiply of NVFP4's decode scales). Every public entry on
+the CUDA route (``benchmarks/investigations/host_path.py``'s ``cuda_route``): its launches per call,
+and that a repeated call, which skips the checks and the planning, launches exactly what the full
+path launches for the same tensors. The bit-identity of the one-launch forms is checked on the
+emulator (tests/test_hopper_emulated.py); tests/test_small_batch_gpu.py and
+tests/test_host_path_gpu.py count the kernels and compare the bits on the GPU.
 """
 
 from __future__ import annotations

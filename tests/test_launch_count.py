@@ -410,3 +410,21 @@ def test_byte_operands_repeat_the_full_launch():
         lambda x, xs, w, ws, gx, gw: tilemm.nvfp4_matmul(x, xs, w.t(), ws.t(), global_scale_x=gx, global_scale_y=gw),
         (xq.data, xq.scale.view(torch.uint8), wq.data, wq.scale.view(torch.uint8), xq.global_scale,
          wq.global_scale), 1)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4", "fp8"])
+def test_an_empty_quantize_is_not_prepared(fmt):
+    # An empty x takes the reference (no launch; NVFP4's decode scale is computed there): a repeated
+    # call must compute it again, not return unfilled outputs.
+    from tilemm import kernels
+
+    q = getattr(tilemm, f"quantize_{fmt}")
+    x = torch.empty(0, 64, dtype=torch.bfloat16)
+    with HOST_PATH.cuda_route():
+        kernels.PLANS.clear()
+        first = q(x)
+        assert not any(type(v).__name__ == "_QuantizeLaunch" for v in kernels.PLANS.values())
+        second = q(x)
+    for a, b in zip(first, second):
+        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8)
+                           if b.element_size() == 1 else b)

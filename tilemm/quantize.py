@@ -621,8 +621,11 @@ class _QuantizeLaunch:
     @staticmethod
     def build(source, result, launches, buffers):
         """The prepared form of a call that read ``source`` and returned ``result`` through ``launches``
-        with ``buffers`` (``quantize_kernels.recording``), or None when an argument is not one view of
-        them (pieces of a tensor of 2^31 elements, a copy of x)."""
+        with ``buffers`` (``quantize_kernels.recording``), or None when it launched nothing (an empty x,
+        which the reference serves) or an argument is not one view of them (pieces of a tensor of 2^31
+        elements, a copy of x)."""
+        if not launches:
+            return None
         for out in result:
             if (not out.is_contiguous() or out.storage_offset() != 0
                     or out.untyped_storage().nbytes() != out.numel() * out.element_size()):

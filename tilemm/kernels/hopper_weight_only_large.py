@@ -34,7 +34,7 @@ import torch
 from ._aot import AotVariant, array
 from ._common import hinted, sm90_hints, tile_coords_at
 from . import weight_only_kernels as _wo
-from .weight_only_kernels import _epilogue, _k_tile
+from .weight_only_kernels import _epilogue, _k_tile, _split_k_finish
 
 __all__ = ["LargeConfig", "FamilyRule", "RULES", "CANDIDATES", "plan", "first_m", "family", "output_tiles",
            "wave_fill", "SWEEP", "grid", "launch", "decode_gemm", "overlap_gemm", "pingpong",
@@ -74,36 +74,64 @@ def _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GR
 
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
-def _large_kernel(X, W, S, C, Alpha, Mult, Bias,
+def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
                   ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                   GROUP: ConstInt, TM: ConstInt, TN: ConstInt, GROUP_SIZE_M: ConstInt,
-                  LATENCY_W: ConstInt, LATENCY_X: ConstInt, X_PARTS: ConstInt, CAT: ConstInt):
-    """C (M, N) = (X (M, K) @ decode(W).T) * alpha + bias, persistent over output tiles.
+                  LATENCY_W: ConstInt, LATENCY_X: ConstInt, X_PARTS: ConstInt, CAT: ConstInt,
+                  SPLIT_K: ConstInt):
+    """C (M, N) = (X (M, K) @ decode(W).T) * alpha + bias, persistent over work items.
 
     X (M, K) activations (bf16; fp16 / fp32 split exactly into X_PARTS bf16 parts as in the small-M
     kernel); W (N, k_tiles * WORDS) int32 prepacked words; S (K / BLOCK, N) scale bytes; Alpha (1,)
     and Mult (1,) fp32 (the PackedWeight's constants); Bias (N,) fp32. Grid: any number of blocks;
-    block b takes tiles b, b + blocks, ... of cdiv(M, TM) * cdiv(N, TN), numbered in GROUP_SIZE_M-row
-    groups of M tiles. LATENCY_W / LATENCY_X: the loads' latency hints (0: the compiler's choice).
-    CAT = 1: the K tile's decoded planes concatenated into one MMA operand (one wait for the tensor
-    cores per K tile instead of one per plane; all planes' registers live at once).
+    block b takes work items b, b + blocks, ... of SPLIT_K * cdiv(M, TM) * cdiv(N, TN): item i is
+    output tile i % tiles (numbered in GROUP_SIZE_M-row groups of M tiles) and K range i // tiles.
+    LATENCY_W / LATENCY_X: the loads' latency hints (0: the compiler's choice). CAT = 1: the K tile's
+    decoded planes concatenated into one MMA operand (one wait for the tensor cores per K tile instead
+    of one per plane; all planes' registers live at once).
+
+    SPLIT_K > 1 (few output tiles: M <= 256 and N of a few thousand): each item covers
+    cdiv(k_tiles, SPLIT_K) K tiles and ends as the small-M kernel's split does
+    (``weight_only_kernels._split_k_finish``: fp32 partial tiles in Partial (SPLIT_K, M, N), one
+    counter per output tile in Counter, zero between launches; the last arrival adds the partials in
+    split order, so the result does not depend on which block finishes last). SPLIT_K = 1 leaves
+    Partial and Counter unread.
     """
     M = X.shape[0]
     N = C.shape[1]
     TK = PLANES * GROUP * BLOCK
     k_tiles = ct.cdiv(X.shape[1], TK)
-    tiles = ct.cdiv(M, TM) * ct.cdiv(N, TN)
-    for t in range(ct.bid(0), tiles, ct.num_blocks(0)):
-        _, bm, bn = tile_coords_at(t, M, N, TM, TN, GROUP_SIZE_M)
-        # The first K tile outside the loop: a loop that starts from zeros makes tileiras 13.4 select
-        # between the accumulator and a copy of it on every iteration (2 instructions per accumulator
-        # register, about 1 per weight element at 128x128; sm_90 SASS).
-        acc = _step(X, W, S, Mult, ct.zeros((TN, TM), ct.float32), bm, bn, 0, ELEMENT, SCALE_E8M0, BLOCK,
-                    PLANES, GROUP, TM, TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
-        for kt in range(1, k_tiles):
-            acc = _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
-                        LATENCY_W, LATENCY_X, X_PARTS, CAT)
-        _epilogue(acc.transpose(), C, Alpha, Bias, bm, bn, TM, TN)
+    num_m = ct.cdiv(M, TM)
+    tiles = num_m * ct.cdiv(N, TN)
+    if SPLIT_K == 1:
+        for t in range(ct.bid(0), tiles, ct.num_blocks(0)):
+            _, bm, bn = tile_coords_at(t, M, N, TM, TN, GROUP_SIZE_M)
+            # The first K tile outside the loop: a loop that starts from zeros makes tileiras 13.4
+            # select between the accumulator and a copy of it on every iteration (2 instructions per
+            # accumulator register, about 1 per weight element at 128x128; sm_90 SASS).
+            acc = _step(X, W, S, Mult, ct.zeros((TN, TM), ct.float32), bm, bn, 0, ELEMENT, SCALE_E8M0, BLOCK,
+                        PLANES, GROUP, TM, TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
+            for kt in range(1, k_tiles):
+                acc = _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
+                            LATENCY_W, LATENCY_X, X_PARTS, CAT)
+            _epilogue(acc.transpose(), C, Alpha, Bias, bm, bn, TM, TN)
+    else:
+        per_split = ct.cdiv(k_tiles, SPLIT_K)
+        for item in range(ct.bid(0), tiles * SPLIT_K, ct.num_blocks(0)):
+            _, bm, bn = tile_coords_at(item % tiles, M, N, TM, TN, GROUP_SIZE_M)
+            split = item // tiles
+            k_begin = split * per_split
+            k_end = max(min(k_begin + per_split, k_tiles), k_begin)
+            # The first K tile peeled, as above (the small-M kernel's split does the same).
+            acc = ct.zeros((TN, TM), ct.float32)
+            if k_begin < k_end:
+                acc = _step(X, W, S, Mult, acc, bm, bn, k_begin, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM,
+                            TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
+            for kt in range(k_begin + 1, k_end):
+                acc = _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
+                            LATENCY_W, LATENCY_X, X_PARTS, CAT)
+            _split_k_finish(acc.transpose(), C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m, SPLIT_K,
+                                TM, TN)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -128,16 +156,23 @@ class LargeConfig:
     occupancy: int = 1
     chunk: int = 0
     cat: int = 0
+    split_k: int = 1
+    warps: int = 8
+    num_ctas: int = 1
 
     def __post_init__(self):
         if self.kind not in ("fused", "decode", "overlap"):
             raise ValueError(f"LargeConfig: kind must be 'fused', 'decode' or 'overlap', got {self.kind!r}")
         if self.kind == "overlap" and self.chunk <= 0:
             raise ValueError(f"LargeConfig: an 'overlap' config needs chunk > 0 weight rows, got {self.chunk}")
+        if self.warps not in (4, 8) or self.num_ctas not in (1, 2) or self.split_k < 1:
+            raise ValueError(f"LargeConfig: warps must be 4 or 8, num_ctas 1 or 2, split_k >= 1; got warps="
+                             f"{self.warps}, num_ctas={self.num_ctas}, split_k={self.split_k}")
 
     @property
     def kernel(self):
-        return hinted(_large_kernel, **sm90_hints(8, self.occupancy if self.occupancy > 1 else None))
+        return hinted(_large_kernel, **sm90_hints(self.warps, self.occupancy if self.occupancy > 1 else None,
+                                                  self.num_ctas if self.num_ctas > 1 else None))
 
     @property
     def name(self) -> str:
@@ -147,7 +182,11 @@ class LargeConfig:
         s = f"fused_{self.tile_n}x{self.tile_m}_g{self.group_size_m}"
         if self.latency_w or self.latency_x:
             s += f"_lw{self.latency_w}lx{self.latency_x}"
-        return s + (f"_occ{self.occupancy}" if self.occupancy > 1 else "") + ("_cat" if self.cat else "")
+        s += f"_occ{self.occupancy}" if self.occupancy > 1 else ""
+        s += f"_w{self.warps}" if self.warps != 8 else ""
+        s += f"_{self.num_ctas}cta" if self.num_ctas > 1 else ""
+        s += f"_s{self.split_k}" if self.split_k > 1 else ""
+        return s + ("_cat" if self.cat else "")
 
 
 def family(layout: _wo.Layout) -> str:
@@ -272,13 +311,14 @@ def plan(m: int, n: int, k: int, layout: _wo.Layout, rules: dict | None = None, 
 
 def _constants(layout: _wo.Layout, cfg: LargeConfig, x_parts: int) -> tuple:
     return (layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
-            cfg.tile_m, cfg.tile_n, cfg.group_size_m, cfg.latency_w, cfg.latency_x, x_parts, cfg.cat)
+            cfg.tile_m, cfg.tile_n, cfg.group_size_m, cfg.latency_w, cfg.latency_x, x_parts, cfg.cat, cfg.split_k)
 
 
 def grid(cfg: LargeConfig, m: int, n: int, sms: int) -> tuple:
-    """Persistent grid: at most one block per SM slot (``occupancy`` per SM), at most one per tile."""
-    tiles = -(-m // cfg.tile_m) * -(-n // cfg.tile_n)
-    return (max(1, min(tiles, sms * cfg.occupancy)), 1, 1)
+    """Persistent grid: at most one block (of ``num_ctas`` CTAs) per ``num_ctas`` SM slots
+    (``occupancy`` per SM), at most one per work item (output tile and K range)."""
+    items = output_tiles(cfg, m, n) * cfg.split_k
+    return (max(1, min(items, sms * cfg.occupancy // cfg.num_ctas)), 1, 1)
 
 
 def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
@@ -287,8 +327,13 @@ def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constant
     """out (M, N) = (x @ W.T) * alpha + bias with the fused kernel; arguments as
     ``weight_only_kernels.launch`` (``alpha`` replaces constants[0] when given), on ``stream``."""
     m, n = out.shape
+    alpha = constants[0:1] if alpha is None else alpha
+    if cfg.split_k > 1:  # the persistent split-K workspace (counters left at zero by every launch)
+        partial, counter = _wo.workspace(out.device, stream, cfg.split_k, m, n, output_tiles(cfg, m, n))
+    else:  # stand-ins the kernel never reads
+        partial, counter = out, alpha
     ct.launch(stream, grid(cfg, m, n, sms), cfg.kernel,
-              (x, words, scale_t, out, constants[0:1] if alpha is None else alpha, constants[1:2], bias,
+              (x, words, scale_t, out, alpha, constants[1:2], bias, partial, counter,
                *_constants(layout, cfg, _wo._X_PARTS[x.dtype])))
 
 
@@ -509,8 +554,10 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
     variants = []
     for name, layout in _wo.LAYOUTS.items():
         for cfg in _configs():
+            stand_ins = ((array(ct.float32, 3), array(ct.int32, 1)) if cfg.split_k > 1
+                         else (array(ct.bfloat16, 2), array(ct.float32, 1)))
             params = [array(ct.bfloat16, 2), array(ct.int32, 2), array(ct.uint8, 2), array(ct.bfloat16, 2),
-                      array(ct.float32, 1), array(ct.float32, 1), array(ct.float32, 1),
+                      array(ct.float32, 1), array(ct.float32, 1), array(ct.float32, 1), *stand_ins,
                       *_constants(layout, cfg, 1)]
             variants.append(AotVariant(f"weight_only_large_{name}_{cfg.name}", cfg.kernel, params,
                                        targets=("sm_90",)))

@@ -34,7 +34,7 @@ import torch
 from ._aot import AotVariant, array
 from ._common import hinted, sm90_hints, tile_coords_at
 from . import weight_only_kernels as _wo
-from .weight_only_kernels import _epilogue, _k_tile, _split_k_finish
+from .weight_only_kernels import _epilogue, _k_tile, _mma_x, _multipliers, _scaled_plane, _split_k_finish
 
 __all__ = ["LargeConfig", "FamilyRule", "RULES", "CANDIDATES", "plan", "first_m", "family", "output_tiles",
            "wave_fill", "SWEEP", "grid", "launch", "decode_gemm", "overlap_gemm", "pingpong",
@@ -61,16 +61,59 @@ def _load_w(W, bn, kt, TN, WORDS, LATENCY):
     return ct.bitcast(ct.load(W, (bn, kt), (TN, WORDS), padding_mode=_ZERO), ct.uint32)
 
 
+def _multipliers16(s_raw, Mult, SCALE_E8M0):
+    """``weight_only_kernels._multipliers`` (the same bf16 bits for every scale byte), with the e8m0
+    exponent add done in 16-bit lanes: ``s * 128 + shift * 128`` is one IMAD per scale byte where the
+    32-bit form compiles to an add and a shift (sm_90 SASS: 16 instructions fewer per 128 x 256 MXFP4
+    K tile). The field s + shift stays in 1..254 for finite bytes (``prepack``), so no lane overflows;
+    byte 255 is replaced by NaN as there."""
+    mult = ct.load(Mult, (0,), (1,)).reshape((1, 1))
+    if SCALE_E8M0:
+        shift = (ct.bitcast(mult, ct.int32) >> 23) - 127
+        s16 = s_raw.astype(ct.uint16)
+        bits = s16 * 128 + (shift * 128).astype(ct.uint16)
+        bits = ct.where(s16 == 255, ct.full(bits.shape, 0x7FC0, ct.uint16), bits)
+        return ct.bitcast(bits, ct.bfloat16)
+    return _multipliers(s_raw, Mult, SCALE_E8M0)
+
+
+def _k_tile16(w, s_raw, Mult, x, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT):
+    """``weight_only_kernels._k_tile`` with ``_multipliers16``: acc + decode(w) @ x.T for one K tile."""
+    TP = GROUP * BLOCK
+    mult = _multipliers16(s_raw, Mult, SCALE_E8M0).reshape((TN, PLANES, GROUP, 1))
+    if CAT == 1:
+        a = ct.cat((_scaled_plane(w, mult, 0, ELEMENT, BLOCK, GROUP, TN),
+                    _scaled_plane(w, mult, 1, ELEMENT, BLOCK, GROUP, TN)), 1)
+        if PLANES == 4:
+            a = ct.cat((a, ct.cat((_scaled_plane(w, mult, 2, ELEMENT, BLOCK, GROUP, TN),
+                                   _scaled_plane(w, mult, 3, ELEMENT, BLOCK, GROUP, TN)), 1)), 1)
+        return _mma_x(a, x, acc, X_PARTS)
+    for p in ct.static_iter(range(PLANES)):
+        plane = _scaled_plane(w, mult, p, ELEMENT, BLOCK, GROUP, TN)
+        acc = _mma_x(plane, ct.extract(x, (0, p), (TM, TP)), acc, X_PARTS)
+    return acc
+
+
 def _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN, LATENCY_W,
-          LATENCY_X, X_PARTS, CAT):
-    """acc + decode(W tile (bn, kt)) @ x tile (bm, kt).T."""
+          LATENCY_X, X_PARTS, CAT, DEPTH=1, FOLD=0):
+    """acc + decode(W) @ x.T over DEPTH consecutive K tiles, loaded at once: K tiles
+    DEPTH * kt ... DEPTH * kt + DEPTH - 1. FOLD = 1: ``_multipliers16``."""
     WORDS = GROUP * BLOCK // 2
     TK = PLANES * GROUP * BLOCK
     SC = PLANES * GROUP
-    w = _load_w(W, bn, kt, TN, WORDS, LATENCY_W)
-    s_raw = ct.load(S, (kt, bn), (SC, TN), padding_mode=_ZERO).transpose()
-    x = _load_x(X, bm, kt, TM, TK, LATENCY_X)
-    return _k_tile(w, s_raw, Mult, x, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT)
+    w = _load_w(W, bn, kt, TN, DEPTH * WORDS, LATENCY_W)
+    s_raw = ct.load(S, (kt, bn), (DEPTH * SC, TN), padding_mode=_ZERO)
+    x = _load_x(X, bm, kt, TM, DEPTH * TK, LATENCY_X)
+    for u in ct.static_iter(range(DEPTH)):
+        w_u = w if DEPTH == 1 else ct.extract(w, (0, u), (TN, WORDS))
+        s_u = (s_raw if DEPTH == 1 else ct.extract(s_raw, (u, 0), (SC, TN))).transpose()
+        x_u = x if DEPTH == 1 else ct.extract(x, (0, u), (TM, TK))
+        if FOLD == 1:
+            acc = _k_tile16(w_u, s_u, Mult, x_u, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS,
+                            CAT)
+        else:
+            acc = _k_tile(w_u, s_u, Mult, x_u, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT)
+    return acc
 
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
@@ -78,7 +121,7 @@ def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
                   ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                   GROUP: ConstInt, TM: ConstInt, TN: ConstInt, GROUP_SIZE_M: ConstInt,
                   LATENCY_W: ConstInt, LATENCY_X: ConstInt, X_PARTS: ConstInt, CAT: ConstInt,
-                  SPLIT_K: ConstInt):
+                  SPLIT_K: ConstInt, DEPTH: ConstInt, FOLD: ConstInt):
     """C (M, N) = (X (M, K) @ decode(W).T) * alpha + bias, persistent over work items.
 
     X (M, K) activations (bf16; fp16 / fp32 split exactly into X_PARTS bf16 parts as in the small-M
@@ -88,7 +131,9 @@ def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
     output tile i % tiles (numbered in GROUP_SIZE_M-row groups of M tiles) and K range i // tiles.
     LATENCY_W / LATENCY_X: the loads' latency hints (0: the compiler's choice). CAT = 1: the K tile's
     decoded planes concatenated into one MMA operand (one wait for the tensor cores per K tile instead
-    of one per plane; all planes' registers live at once).
+    of one per plane; all planes' registers live at once). DEPTH = 2 (SPLIT_K = 1 only): two K tiles
+    per load (twice the bytes per load, half the loop's fixed instructions), an odd last K tile alone.
+    FOLD = 1: the e8m0 multipliers computed in 16-bit lanes (``_multipliers16``, the same bits).
 
     SPLIT_K > 1 (few output tiles: M <= 256 and N of a few thousand): each item covers
     cdiv(k_tiles, SPLIT_K) K tiles and ends as the small-M kernel's split does
@@ -104,16 +149,25 @@ def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
     num_m = ct.cdiv(M, TM)
     tiles = num_m * ct.cdiv(N, TN)
     if SPLIT_K == 1:
+        groups = k_tiles // DEPTH  # whole loads of DEPTH K tiles; DEPTH = 2 leaves an odd last tile
         for t in range(ct.bid(0), tiles, ct.num_blocks(0)):
             _, bm, bn = tile_coords_at(t, M, N, TM, TN, GROUP_SIZE_M)
-            # The first K tile outside the loop: a loop that starts from zeros makes tileiras 13.4
+            # The first load outside the loop: a loop that starts from zeros makes tileiras 13.4
             # select between the accumulator and a copy of it on every iteration (2 instructions per
             # accumulator register, about 1 per weight element at 128x128; sm_90 SASS).
-            acc = _step(X, W, S, Mult, ct.zeros((TN, TM), ct.float32), bm, bn, 0, ELEMENT, SCALE_E8M0, BLOCK,
-                        PLANES, GROUP, TM, TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
-            for kt in range(1, k_tiles):
-                acc = _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
-                            LATENCY_W, LATENCY_X, X_PARTS, CAT)
+            zero = ct.zeros((TN, TM), ct.float32)
+            if DEPTH == 1 or groups == 0:
+                acc = _step(X, W, S, Mult, zero, bm, bn, 0, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
+                            LATENCY_W, LATENCY_X, X_PARTS, CAT, 1, FOLD)
+            else:
+                acc = _step(X, W, S, Mult, zero, bm, bn, 0, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
+                            LATENCY_W, LATENCY_X, X_PARTS, CAT, DEPTH, FOLD)
+            for g in range(1, groups):
+                acc = _step(X, W, S, Mult, acc, bm, bn, g, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
+                            LATENCY_W, LATENCY_X, X_PARTS, CAT, DEPTH, FOLD)
+            if DEPTH == 2 and groups > 0 and k_tiles % 2 == 1:
+                acc = _step(X, W, S, Mult, acc, bm, bn, k_tiles - 1, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP,
+                            TM, TN, LATENCY_W, LATENCY_X, X_PARTS, CAT, 1, FOLD)
             _epilogue(acc.transpose(), C, Alpha, Bias, bm, bn, TM, TN)
     else:
         per_split = ct.cdiv(k_tiles, SPLIT_K)
@@ -126,12 +180,12 @@ def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
             acc = ct.zeros((TN, TM), ct.float32)
             if k_begin < k_end:
                 acc = _step(X, W, S, Mult, acc, bm, bn, k_begin, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM,
-                            TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
+                            TN, LATENCY_W, LATENCY_X, X_PARTS, CAT, 1, FOLD)
             for kt in range(k_begin + 1, k_end):
                 acc = _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
-                            LATENCY_W, LATENCY_X, X_PARTS, CAT)
+                            LATENCY_W, LATENCY_X, X_PARTS, CAT, 1, FOLD)
             _split_k_finish(acc.transpose(), C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m, SPLIT_K,
-                                TM, TN)
+                            TM, TN)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -159,15 +213,19 @@ class LargeConfig:
     split_k: int = 1
     warps: int = 8
     num_ctas: int = 1
+    depth: int = 1
+    fold: int = 0
 
     def __post_init__(self):
         if self.kind not in ("fused", "decode", "overlap"):
             raise ValueError(f"LargeConfig: kind must be 'fused', 'decode' or 'overlap', got {self.kind!r}")
         if self.kind == "overlap" and self.chunk <= 0:
             raise ValueError(f"LargeConfig: an 'overlap' config needs chunk > 0 weight rows, got {self.chunk}")
-        if self.warps not in (4, 8) or self.num_ctas not in (1, 2) or self.split_k < 1:
-            raise ValueError(f"LargeConfig: warps must be 4 or 8, num_ctas 1 or 2, split_k >= 1; got warps="
-                             f"{self.warps}, num_ctas={self.num_ctas}, split_k={self.split_k}")
+        if (self.warps not in (4, 8) or self.num_ctas not in (1, 2) or self.split_k < 1 or self.depth not in (1, 2)
+                or (self.depth == 2 and self.split_k > 1)):
+            raise ValueError(f"LargeConfig: warps must be 4 or 8, num_ctas 1 or 2, split_k >= 1, depth 1 or 2 (2 "
+                             f"only without a K split); got warps={self.warps}, num_ctas={self.num_ctas}, "
+                             f"split_k={self.split_k}, depth={self.depth}")
 
     @property
     def kernel(self):
@@ -186,6 +244,8 @@ class LargeConfig:
         s += f"_w{self.warps}" if self.warps != 8 else ""
         s += f"_{self.num_ctas}cta" if self.num_ctas > 1 else ""
         s += f"_s{self.split_k}" if self.split_k > 1 else ""
+        s += f"_d{self.depth}" if self.depth > 1 else ""
+        s += "_fold" if self.fold else ""
         return s + ("_cat" if self.cat else "")
 
 
@@ -311,7 +371,8 @@ def plan(m: int, n: int, k: int, layout: _wo.Layout, rules: dict | None = None, 
 
 def _constants(layout: _wo.Layout, cfg: LargeConfig, x_parts: int) -> tuple:
     return (layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
-            cfg.tile_m, cfg.tile_n, cfg.group_size_m, cfg.latency_w, cfg.latency_x, x_parts, cfg.cat, cfg.split_k)
+            cfg.tile_m, cfg.tile_n, cfg.group_size_m, cfg.latency_w, cfg.latency_x, x_parts, cfg.cat, cfg.split_k,
+            cfg.depth, cfg.fold)
 
 
 def grid(cfg: LargeConfig, m: int, n: int, sms: int) -> tuple:

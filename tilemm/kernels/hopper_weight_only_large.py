@@ -30,6 +30,7 @@ import dataclasses
 
 import cuda.tile as ct
 import torch
+from cuda.tile import compilation as cc
 
 from ._aot import AotVariant, array
 from ._common import hinted, sm90_hints, tile_coords_at
@@ -95,52 +96,43 @@ def _k_tile16(w, s_raw, Mult, x, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP,
 
 
 def _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN, LATENCY_W,
-          LATENCY_X, X_PARTS, CAT, DEPTH=1, FOLD=0):
-    """acc + decode(W) @ x.T over DEPTH consecutive K tiles, loaded at once: K tiles
-    DEPTH * kt ... DEPTH * kt + DEPTH - 1. FOLD = 1: ``_multipliers16``."""
+          LATENCY_X, X_PARTS, CAT, FOLD):
+    """acc + decode(W tile (bn, kt)) @ x tile (bm, kt).T; FOLD = 1: ``_multipliers16``."""
     WORDS = GROUP * BLOCK // 2
     TK = PLANES * GROUP * BLOCK
     SC = PLANES * GROUP
-    w = _load_w(W, bn, kt, TN, DEPTH * WORDS, LATENCY_W)
-    s_raw = ct.load(S, (kt, bn), (DEPTH * SC, TN), padding_mode=_ZERO)
-    x = _load_x(X, bm, kt, TM, DEPTH * TK, LATENCY_X)
-    for u in ct.static_iter(range(DEPTH)):
-        w_u = w if DEPTH == 1 else ct.extract(w, (0, u), (TN, WORDS))
-        s_u = (s_raw if DEPTH == 1 else ct.extract(s_raw, (u, 0), (SC, TN))).transpose()
-        x_u = x if DEPTH == 1 else ct.extract(x, (0, u), (TM, TK))
-        if FOLD == 1:
-            acc = _k_tile16(w_u, s_u, Mult, x_u, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS,
-                            CAT)
-        else:
-            acc = _k_tile(w_u, s_u, Mult, x_u, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT)
-    return acc
+    w = _load_w(W, bn, kt, TN, WORDS, LATENCY_W)
+    s_raw = ct.load(S, (kt, bn), (SC, TN), padding_mode=_ZERO).transpose()
+    x = _load_x(X, bm, kt, TM, TK, LATENCY_X)
+    if FOLD == 1:
+        return _k_tile16(w, s_raw, Mult, x, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT)
+    return _k_tile(w, s_raw, Mult, x, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT)
 
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
-def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
+def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter, Splits,
                   ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                   GROUP: ConstInt, TM: ConstInt, TN: ConstInt, GROUP_SIZE_M: ConstInt,
                   LATENCY_W: ConstInt, LATENCY_X: ConstInt, X_PARTS: ConstInt, CAT: ConstInt,
-                  SPLIT_K: ConstInt, DEPTH: ConstInt, FOLD: ConstInt):
+                  SPLIT: ConstInt, FOLD: ConstInt):
     """C (M, N) = (X (M, K) @ decode(W).T) * alpha + bias, persistent over work items.
 
     X (M, K) activations (bf16; fp16 / fp32 split exactly into X_PARTS bf16 parts as in the small-M
     kernel); W (N, k_tiles * WORDS) int32 prepacked words; S (K / BLOCK, N) scale bytes; Alpha (1,)
     and Mult (1,) fp32 (the PackedWeight's constants); Bias (N,) fp32. Grid: any number of blocks;
-    block b takes work items b, b + blocks, ... of SPLIT_K * cdiv(M, TM) * cdiv(N, TN): item i is
+    block b takes work items b, b + blocks, ... of Splits * cdiv(M, TM) * cdiv(N, TN): item i is
     output tile i % tiles (numbered in GROUP_SIZE_M-row groups of M tiles) and K range i // tiles.
     LATENCY_W / LATENCY_X: the loads' latency hints (0: the compiler's choice). CAT = 1: the K tile's
     decoded planes concatenated into one MMA operand (one wait for the tensor cores per K tile instead
-    of one per plane; all planes' registers live at once). DEPTH = 2 (SPLIT_K = 1 only): two K tiles
-    per load (twice the bytes per load, half the loop's fixed instructions), an odd last K tile alone.
-    FOLD = 1: the e8m0 multipliers computed in 16-bit lanes (``_multipliers16``, the same bits).
+    of one per plane; all planes' registers live at once). FOLD = 1: the e8m0 multipliers computed in 16-bit lanes (``_multipliers16``, the same bits).
 
-    SPLIT_K > 1 (few output tiles: M <= 256 and N of a few thousand): each item covers
-    cdiv(k_tiles, SPLIT_K) K tiles and ends as the small-M kernel's split does
-    (``weight_only_kernels._split_k_finish``: fp32 partial tiles in Partial (SPLIT_K, M, N), one
+    SPLIT = 1 (few output tiles: M <= 256 and N of a few thousand): K is split into Splits ranges (a
+    run-time count, so that one compiled kernel serves every split), each item covers
+    cdiv(k_tiles, Splits) K tiles and ends as the small-M kernel's split does
+    (``weight_only_kernels._split_k_finish``: fp32 partial tiles in Partial (Splits, M, N), one
     counter per output tile in Counter, zero between launches; the last arrival adds the partials in
-    split order, so the result does not depend on which block finishes last). SPLIT_K = 1 leaves
-    Partial and Counter unread.
+    split order, so the result does not depend on which block finishes last). SPLIT = 0 leaves
+    Partial, Counter and Splits unread.
     """
     M = X.shape[0]
     N = C.shape[1]
@@ -148,30 +140,21 @@ def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
     k_tiles = ct.cdiv(X.shape[1], TK)
     num_m = ct.cdiv(M, TM)
     tiles = num_m * ct.cdiv(N, TN)
-    if SPLIT_K == 1:
-        groups = k_tiles // DEPTH  # whole loads of DEPTH K tiles; DEPTH = 2 leaves an odd last tile
+    if SPLIT == 0:
         for t in range(ct.bid(0), tiles, ct.num_blocks(0)):
             _, bm, bn = tile_coords_at(t, M, N, TM, TN, GROUP_SIZE_M)
-            # The first load outside the loop: a loop that starts from zeros makes tileiras 13.4
+            # The first K tile outside the loop: a loop that starts from zeros makes tileiras 13.4
             # select between the accumulator and a copy of it on every iteration (2 instructions per
             # accumulator register, about 1 per weight element at 128x128; sm_90 SASS).
-            zero = ct.zeros((TN, TM), ct.float32)
-            if DEPTH == 1 or groups == 0:
-                acc = _step(X, W, S, Mult, zero, bm, bn, 0, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
-                            LATENCY_W, LATENCY_X, X_PARTS, CAT, 1, FOLD)
-            else:
-                acc = _step(X, W, S, Mult, zero, bm, bn, 0, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
-                            LATENCY_W, LATENCY_X, X_PARTS, CAT, DEPTH, FOLD)
-            for g in range(1, groups):
-                acc = _step(X, W, S, Mult, acc, bm, bn, g, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
-                            LATENCY_W, LATENCY_X, X_PARTS, CAT, DEPTH, FOLD)
-            if DEPTH == 2 and groups > 0 and k_tiles % 2 == 1:
-                acc = _step(X, W, S, Mult, acc, bm, bn, k_tiles - 1, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP,
-                            TM, TN, LATENCY_W, LATENCY_X, X_PARTS, CAT, 1, FOLD)
+            acc = _step(X, W, S, Mult, ct.zeros((TN, TM), ct.float32), bm, bn, 0, ELEMENT, SCALE_E8M0, BLOCK,
+                        PLANES, GROUP, TM, TN, LATENCY_W, LATENCY_X, X_PARTS, CAT, FOLD)
+            for kt in range(1, k_tiles):
+                acc = _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
+                            LATENCY_W, LATENCY_X, X_PARTS, CAT, FOLD)
             _epilogue(acc.transpose(), C, Alpha, Bias, bm, bn, TM, TN)
     else:
-        per_split = ct.cdiv(k_tiles, SPLIT_K)
-        for item in range(ct.bid(0), tiles * SPLIT_K, ct.num_blocks(0)):
+        per_split = ct.cdiv(k_tiles, Splits)
+        for item in range(ct.bid(0), tiles * Splits, ct.num_blocks(0)):
             _, bm, bn = tile_coords_at(item % tiles, M, N, TM, TN, GROUP_SIZE_M)
             split = item // tiles
             k_begin = split * per_split
@@ -180,11 +163,11 @@ def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
             acc = ct.zeros((TN, TM), ct.float32)
             if k_begin < k_end:
                 acc = _step(X, W, S, Mult, acc, bm, bn, k_begin, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM,
-                            TN, LATENCY_W, LATENCY_X, X_PARTS, CAT, 1, FOLD)
+                            TN, LATENCY_W, LATENCY_X, X_PARTS, CAT, FOLD)
             for kt in range(k_begin + 1, k_end):
                 acc = _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
-                            LATENCY_W, LATENCY_X, X_PARTS, CAT, 1, FOLD)
-            _split_k_finish(acc.transpose(), C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m, SPLIT_K,
+                            LATENCY_W, LATENCY_X, X_PARTS, CAT, FOLD)
+            _split_k_finish(acc.transpose(), C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m, Splits,
                             TM, TN)
 
 
@@ -213,7 +196,6 @@ class LargeConfig:
     split_k: int = 1
     warps: int = 8
     num_ctas: int = 1
-    depth: int = 1
     fold: int = 0
 
     def __post_init__(self):
@@ -221,11 +203,9 @@ class LargeConfig:
             raise ValueError(f"LargeConfig: kind must be 'fused', 'decode' or 'overlap', got {self.kind!r}")
         if self.kind == "overlap" and self.chunk <= 0:
             raise ValueError(f"LargeConfig: an 'overlap' config needs chunk > 0 weight rows, got {self.chunk}")
-        if (self.warps not in (4, 8) or self.num_ctas not in (1, 2) or self.split_k < 1 or self.depth not in (1, 2)
-                or (self.depth == 2 and self.split_k > 1)):
-            raise ValueError(f"LargeConfig: warps must be 4 or 8, num_ctas 1 or 2, split_k >= 1, depth 1 or 2 (2 "
-                             f"only without a K split); got warps={self.warps}, num_ctas={self.num_ctas}, "
-                             f"split_k={self.split_k}, depth={self.depth}")
+        if self.warps not in (4, 8) or self.num_ctas not in (1, 2) or self.split_k < 1:
+            raise ValueError(f"LargeConfig: warps must be 4 or 8, num_ctas 1 or 2, split_k >= 1; got warps="
+                             f"{self.warps}, num_ctas={self.num_ctas}, split_k={self.split_k}")
 
     @property
     def kernel(self):
@@ -244,7 +224,6 @@ class LargeConfig:
         s += f"_w{self.warps}" if self.warps != 8 else ""
         s += f"_{self.num_ctas}cta" if self.num_ctas > 1 else ""
         s += f"_s{self.split_k}" if self.split_k > 1 else ""
-        s += f"_d{self.depth}" if self.depth > 1 else ""
         s += "_fold" if self.fold else ""
         return s + ("_cat" if self.cat else "")
 
@@ -371,8 +350,8 @@ def plan(m: int, n: int, k: int, layout: _wo.Layout, rules: dict | None = None, 
 
 def _constants(layout: _wo.Layout, cfg: LargeConfig, x_parts: int) -> tuple:
     return (layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
-            cfg.tile_m, cfg.tile_n, cfg.group_size_m, cfg.latency_w, cfg.latency_x, x_parts, cfg.cat, cfg.split_k,
-            cfg.depth, cfg.fold)
+            cfg.tile_m, cfg.tile_n, cfg.group_size_m, cfg.latency_w, cfg.latency_x, x_parts, cfg.cat,
+            int(cfg.split_k > 1), cfg.fold)
 
 
 def grid(cfg: LargeConfig, m: int, n: int, sms: int) -> tuple:
@@ -394,7 +373,7 @@ def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constant
     else:  # stand-ins the kernel never reads
         partial, counter = out, alpha
     ct.launch(stream, grid(cfg, m, n, sms), cfg.kernel,
-              (x, words, scale_t, out, alpha, constants[1:2], bias, partial, counter,
+              (x, words, scale_t, out, alpha, constants[1:2], bias, partial, counter, cfg.split_k,
                *_constants(layout, cfg, _wo._X_PARTS[x.dtype])))
 
 
@@ -619,7 +598,7 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                          else (array(ct.bfloat16, 2), array(ct.float32, 1)))
             params = [array(ct.bfloat16, 2), array(ct.int32, 2), array(ct.uint8, 2), array(ct.bfloat16, 2),
                       array(ct.float32, 1), array(ct.float32, 1), array(ct.float32, 1), *stand_ins,
-                      *_constants(layout, cfg, 1)]
+                      cc.ScalarConstraint(ct.int32), *_constants(layout, cfg, 1)]
             variants.append(AotVariant(f"weight_only_large_{name}_{cfg.name}", cfg.kernel, params,
                                        targets=("sm_90",)))
     return variants

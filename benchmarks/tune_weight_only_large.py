@@ -19,14 +19,19 @@ reported and left out), then times CUDA-graph replays (L2 flushed before each, m
   then a cast (the large-M path before ``hopper_weight_only_large``, the reference point), and the
   family's designs of ``hopper_weight_only_large.SWEEP``: fused configs (``fused_...``), the whole
   weight decoded for cuBLAS writing bf16 itself (``decode_c0``) and, from M = 256, the overlapped
-  decode + GEMM in chunks of weight rows (``overlap_cN``).
+  decode + GEMM in chunks of weight rows (``overlap_cN``);
+* the fused kernel's structural variants (``hopper_weight_only_large.VARIANTS``, each in its range
+  of M; ``--no-variants`` leaves them out): 16-bit multipliers (``_fold``), the K split that fills
+  the GPU (``_sauto``, ``with_split``), one-warpgroup blocks (``_w4``), 2-CTA clusters sharing the x
+  tile (``_2cta``).
 
 Prints one line per (format, shape, M) with every candidate's speed-up over bf16; per weight family
 ("4bit", "8bit") and M the geomean over shapes of each candidate; then, per problem and per (family,
 M), the rules' pick (``hopper_weight_only_large.plan``) against the fastest candidate of each shape
 (``plan_rule_check.py``, which reads the JSON offline); and last the wired plan's geomean per format against
-the issue's targets. Runtime on an H100: about 3 minutes with the defaults (kernels compiled before, e.g.
-by the GPU tests: each new specialisation compiles once per machine, 0.5-6 s).
+the issue's targets. Runtime on an H100: about 3 minutes with the defaults and ``--no-variants``
+(kernels compiled before, e.g. by the GPU tests: each new specialisation compiles once per machine,
+0.5-6 s); the variants add about 250 timings and 25 compiles.
 """
 
 from __future__ import annotations
@@ -91,8 +96,9 @@ def _run(cfg, packed, x, out, zero, sms):
                                    layout, k, cfg.chunk)
 
 
-def candidates(packed, x, out, sms):
-    """name -> callable writing ``out`` (M, N) bf16, launching on the current stream."""
+def candidates(packed, x, out, sms, variants=True):
+    """name -> callable writing ``out`` (M, N) bf16, launching on the current stream; ``variants``:
+    also the fused kernel's structural variants (``hopper_weight_only_large.VARIANTS``)."""
     dev = x.device
     layout, n, k = packed.layout, packed.out_features, packed.in_features
     m = x.shape[0]
@@ -113,6 +119,11 @@ def candidates(packed, x, out, sms):
         if cfg.kind == "overlap" and m < OVERLAP_M:
             continue
         cands[cfg.name] = _run(cfg, packed, x, out, zero, sms)
+    if variants:
+        for cfg, split, first, last in wl.VARIANTS[wl.family(layout)]:
+            if first <= m <= last:
+                run = wl.with_split(cfg, m, n, k, layout, sms) if split else cfg
+                cands[cfg.name + ("_sauto" if split else "")] = _run(run, packed, x, out, zero, sms)
     return cands
 
 
@@ -123,6 +134,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=None, help="NxK,NxK,... (default: the five above)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--json", default=None, help="also write every measurement to this file")
+    ap.add_argument("--no-variants", action="store_true",
+                    help="leave out the fused kernel's structural variants (VARIANTS)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -152,7 +165,7 @@ def main(argv=None) -> int:
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 ref = x.float() @ w_deq.T
                 out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-                cands = candidates(packed, x, out, sms)
+                cands = candidates(packed, x, out, sms, not args.no_variants)
                 cands["plan"] = lambda: layer(x)
                 line, times = [], {}
                 t_bf16 = timer(lambda: F.linear(x, w))[0]

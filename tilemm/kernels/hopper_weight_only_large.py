@@ -38,7 +38,7 @@ from . import weight_only_kernels as _wo
 from .weight_only_kernels import _epilogue, _k_tile, _mma_x, _multipliers, _scaled_plane, _split_k_finish
 
 __all__ = ["LargeConfig", "FamilyRule", "RULES", "CANDIDATES", "plan", "first_m", "family", "output_tiles",
-           "wave_fill", "SWEEP", "grid", "launch", "decode_gemm", "overlap_gemm", "pingpong",
+           "wave_fill", "with_split", "SWEEP", "VARIANTS", "grid", "launch", "decode_gemm", "overlap_gemm", "pingpong",
            "aot_variants"]
 
 ConstInt = ct.Constant[int]
@@ -269,6 +269,27 @@ def wave_fill(cfg: LargeConfig, m: int, n: int, sms: int) -> float:
     1.0 when the last wave is full."""
     tiles, slots = output_tiles(cfg, m, n), sms * cfg.occupancy
     return tiles / (-(-tiles // slots) * slots)
+
+
+#: Largest K split ``with_split`` gives, and the fewest K tiles a split's range may hold (each item
+#: writes a (tile_n, tile_m) fp32 partial tile: at 2 K tiles of 128 weight rows that is as many bytes
+#: as the 4-bit weight it reads).
+MAX_SPLIT = 16
+MIN_SPLIT_K_TILES = 2
+
+
+def with_split(cfg: LargeConfig, m: int, n: int, k: int, layout: _wo.Layout, sms: int) -> LargeConfig:
+    """``cfg`` with the K split that fills the GPU's block slots (``occupancy`` per SM, ``num_ctas`` SMs
+    per block): the largest power of two that keeps the work items within one wave of slots, up to
+    ``MAX_SPLIT`` and at least ``MIN_SPLIT_K_TILES`` K tiles per range; 1 where the output tiles
+    alone fill half the slots."""
+    tiles, slots = output_tiles(cfg, m, n), sms * cfg.occupancy // cfg.num_ctas
+    k_tiles = -(-k // layout.tile_k)
+    split = 1
+    while (tiles * split * 2 <= slots and split * 2 <= MAX_SPLIT
+           and k_tiles >= split * 2 * MIN_SPLIT_K_TILES):
+        split *= 2
+    return dataclasses.replace(cfg, split_k=split)
 
 
 _DECODE = LargeConfig("decode", chunk=0)
@@ -543,7 +564,8 @@ def overlap_gemm(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, co
 # --------------------------------------------------------------------------------------------------
 
 def _configs() -> list[LargeConfig]:
-    """The fused configs the rules name and the sweep's candidates."""
+    """The fused configs the rules name, the sweep's candidates and its variants (a split one with
+    split_k 2: the count is a run-time argument)."""
     seen = []
     for rule in RULES.values():
         for cfg in (rule.large, rule.narrow, *(c for c, _ in rule.fused)):
@@ -552,6 +574,11 @@ def _configs() -> list[LargeConfig]:
     for cfg in CANDIDATES:
         if cfg.kind == "fused" and cfg not in seen:
             seen.append(cfg)
+    for variants in VARIANTS.values():
+        for cfg, split, _, _ in variants:
+            cfg = dataclasses.replace(cfg, split_k=2) if split else cfg  # any split: one code path
+            if cfg not in seen:
+                seen.append(cfg)
     return seen
 
 
@@ -584,6 +611,29 @@ SWEEP = {
              LargeConfig("overlap", chunk=2048)),
     "8bit": (CANDIDATES[0], CANDIDATES[2], LargeConfig("decode", chunk=0), LargeConfig("overlap", chunk=1024),
              LargeConfig("overlap", chunk=2048)),
+}
+
+
+#: The fused kernel's structural variants that ``benchmarks/tune_weight_only_large.py`` times beside
+#: the committed candidates, per family: (config, split, first M, last M). ``split``: the config runs
+#: with ``with_split``'s K split for the shape (named ``..._sauto``). What each one tests:
+#: ``fold`` alone (the same tiles with 16-bit multipliers); the K split at M = 64-256, where N / 128
+#: output tiles leave SMs idle (N = 1024 ... 8192: 8-64 tiles on 132 SMs); 64 weight rows per
+#: block with one warpgroup, two blocks per SM (more independent warpgroups per SM to overlap one's
+#: decode with another's MMA; within a warpgroup every MMA is waited for before the next decode);
+#: 2-CTA clusters of 128 weight rows each sharing one x tile by TMA multicast (half the x bytes
+#: from L2 per weight byte, which at M >= 128 exceed the 4-bit weight's bytes).
+VARIANTS = {
+    "4bit": ((LargeConfig("fused", 128, 128, fold=1), False, 128, 1024),
+             (LargeConfig("fused", 64, 128, occupancy=2, fold=1), True, 64, 128),
+             (LargeConfig("fused", 128, 128, fold=1), True, 128, 256),
+             (LargeConfig("fused", 64, 64, warps=4, occupancy=2, fold=1), True, 64, 128),
+             (LargeConfig("fused", 64, 256, num_ctas=2, fold=1), True, 64, 256),
+             (LargeConfig("fused", 128, 256, num_ctas=2, fold=1), False, 128, 1024)),
+    "8bit": ((LargeConfig("fused", 128, 128, cat=1, fold=1), False, 64, 1024),
+             (LargeConfig("fused", 128, 128, fold=1), True, 64, 256),
+             (LargeConfig("fused", 64, 256, num_ctas=2, fold=1), True, 64, 256),
+             (LargeConfig("fused", 128, 256, num_ctas=2, fold=1), False, 128, 1024)),
 }
 
 

@@ -1,27 +1,26 @@
-"""Weight-only matmul for many rows of x (prefill, batched decode: M = 64 ... thousands), three designs:
+"""Weight-only matmul for many rows of x (prefill, batched decode: M = 64 ... thousands), three designs,
+each computing ``out = (x @ dequantize(w).T) * alpha + bias`` with fp32 accumulation and one rounding,
+as ``weight_only_kernels`` documents it (the decoded weight is ``dequantize(w) * 2^-E``, exact in bf16):
 
-* ``_large_kernel``, fused (the runner takes it on Hopper): a persistent mixed-input tensor-core
-  kernel. Each block takes output tiles of TN weight rows by TM rows of x in grouped order
-  (``tile_coords_at``: the blocks running at once
-  share weight tiles and x tiles in L2), and per K tile decodes the prepacked weight tile in registers
-  with the decode helpers of ``weight_only_kernels`` (``_k_tile``: the same shifts, masks and bf16
-  multipliers as the small-M kernel) and multiplies it as wgmma's left operand (registers) against the
-  x tile, which TMA brings to shared memory: ``acc (TN, TM) += decode(W tile) @ x_tile.T``. No bf16
-  copy of the weight exists anywhere. ``num_worker_warps = 8`` (two MMA warpgroups; without it an
-  accumulator above 128x128 spills on sm_90).
-* ``decode_gemm``, two-pass (any GPU): the prepacked weight decoded to bf16 (``weight_only_kernels``'s
-  ``_dequantize_kernel``), ``chunk`` weight rows at a time into a buffer small enough to stay in L2
-  (or the whole weight at once: ``chunk = 0``), each chunk multiplied by cuBLAS's bf16 GEMM into its
-  columns of the output, rounded once to the output's dtype by cuBLAS's fp32 epilogue.
-* ``overlap_gemm``, two-pass overlapped (any GPU): as ``decode_gemm`` in chunks, with the decode of the
-  next chunk on a side stream into one of two persistent ping-pong buffers while cuBLAS multiplies the
-  current chunk on the caller's stream (events order them; capturable in CUDA graphs).
+* ``_large_kernel``, fused (Hopper): a persistent mixed-input tensor-core kernel. Per K tile it decodes
+  the prepacked weight tile in registers with ``weight_only_kernels``' helpers and feeds it to wgmma
+  as the left operand (registers) against the x tile that TMA brings to shared memory, ``acc (TN, TM)
+  += decode(W) @ x.T``: M is the MMA's N dimension, and no bf16 copy of the weight exists. Work items
+  are output tiles in grouped order, or (``split_k``) output tiles times K ranges where the output has
+  too few tiles for the GPU. Two warpgroups per block, or one (``warps``); a 2-CTA cluster can share
+  one x tile by TMA multicast (``num_ctas``).
+* ``decode_gemm``: the weight decoded to bf16 (``_dequantize_kernel``), whole or ``chunk`` rows at a
+  time into a buffer that stays in L2, each chunk multiplied by cuBLAS's bf16 GEMM into its output
+  columns (cuBLAS's fp32 epilogue applies alpha and rounds once).
+* ``overlap_gemm``: as ``decode_gemm`` in chunks, the next chunk decoded on a side stream into one of
+  two persistent buffers while cuBLAS multiplies this one (events order them; CUDA-graph capturable).
 
-All compute ``out = (x @ dequantize(w).T) * alpha + bias`` with fp32 accumulation and one rounding,
-exactly as ``weight_only_kernels`` documents it (the decoded weight is ``dequantize(w) * 2^-E``, exact
-in bf16; alpha carries 2^E). Which design and which config serves an (M, N, K) problem is decided by
-rules on the problem's quantities (``RULES``, ``plan``), fitted to what
-``benchmarks/tune_weight_only_large.py`` measures.
+``plan`` picks the design and config per (M, N, K) from rules on the problem's quantities (``RULES``),
+fitted to ``benchmarks/tune_weight_only_large.py``'s sweep, which also times ``VARIANTS``. What sm_90
+compiles of the fused kernel show (tileiras 13.4): every ``ct.mma`` ends in a wait for all its wgmmas,
+so a warpgroup's decode never overlaps its own MMA, only other warpgroups'; instructions per weight
+element per config: ``benchmarks/decode_cost.py --large``; the findings and figures:
+``benchmarks/results/weight-only-large-sass-sm90.md``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,11 @@
                                                   # picks them at M = 1 and 16, and the block-scaled
                                                   # stream kernel for comparison
     python benchmarks/decode_cost.py --json out.json
-    python benchmarks/decode_cost.py --large      # every fused config of the large-M kernel
+    python benchmarks/decode_cost.py --cpu-smoke --out-dir /tmp/smoke   # the first variant only
+    python benchmarks/decode_cost.py --large      # instead: every fused config of the large-M kernel
+
+Writes ``decode-cost-sm90.json`` and what it prints to ``decode-cost-sm90.txt`` (``--out-dir``,
+``benchmarks/_results.py``).
 
 Each kernel variant is compiled ahead of time for sm_90 (``tileiras``, as CI does), disassembled with
 ``nvdisasm`` (the ``nvidia-cuda-nvdisasm`` wheel), and its main loop -- the smallest loop of the
@@ -27,11 +31,14 @@ import subprocess
 import sys
 import tempfile
 
-from tilemm.kernels import hopper_block_scaled as hbs
-from tilemm.kernels import hopper_weight_only_large as wol
-from tilemm.kernels import weight_only_kernels as wo
-from tilemm.kernels._aot import AotVariant, compile_variant
-from tilemm.formats import MXFP4, MXFP8_E4M3, NVFP4
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _results import Transcript, add_options, command, results_path  # noqa: E402
+
+from tilemm.kernels import hopper_block_scaled as hbs  # noqa: E402
+from tilemm.kernels import hopper_weight_only_large as wol  # noqa: E402
+from tilemm.kernels import weight_only_kernels as wo  # noqa: E402
+from tilemm.kernels._aot import AotVariant, compile_variant  # noqa: E402
+from tilemm.formats import MXFP4, MXFP8_E4M3, NVFP4  # noqa: E402
 
 
 def nvdisasm() -> str:
@@ -125,6 +132,10 @@ def stream_variant(fmt, tile_m: int = 16) -> tuple[AotVariant, float, int]:
     return v[0], cfg.tile_n * cfg.tile_k / (32 * cfg.num_worker_warps), 1
 
 
+#: The architecture the kernels are compiled for; the results files' ``<gpu>``.
+TARGET = "sm90"
+
+
 def report(variant: AotVariant, elements: float, unroll: int = 1) -> dict:
     marker = "FFMA" if "_wo_gemv" in variant.name else "HGMMA"
     counts = main_loop(compile_variant(variant, "sm_90"), unroll, marker)
@@ -157,14 +168,20 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--large", action="store_true",
                     help="instead: every fused config of the large-M kernel (about 35 compiles)")
+    add_options(ap)  # no GPU either way; --cpu-smoke: the first variant only
     args = ap.parse_args(argv)
     rows = []
-    for variant, elements, unroll in (large_variants() if args.large else default_variants()):
+    say = Transcript(command("decode_cost.py", argv), "sm_90 SASS, nvdisasm")
+    for variant, elements, unroll in (large_variants() if args.large else default_variants())[
+            :1 if args.cpu_smoke else None]:
         row = report(variant, elements, unroll)
         rows.append(row)
         top = " ".join(f"{k}:{v}" for k, v in row["top"].items())
-        print(f"{row['variant']:60s} {row['per_element']:5.2f} instr/element "
-              f"({row['loop_instructions']} per loop, {elements:.0f} elements/thread)  {top}", flush=True)
+        say(f"{row['variant']:60s} {row['per_element']:5.2f} instr/element "
+            f"({row['loop_instructions']} per loop, {elements:.0f} elements/thread)  {top}")
+    path = results_path(args.out_dir, "decode-cost", TARGET, "json", variant="large" if args.large else None)
+    path.write_text(json.dumps(rows, indent=1))
+    say.write(path.with_suffix(".txt"))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

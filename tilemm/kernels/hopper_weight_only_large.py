@@ -16,16 +16,18 @@ as ``weight_only_kernels`` documents it (the decoded weight is ``dequantize(w) *
   two persistent buffers while cuBLAS multiplies this one (events order them; CUDA-graph capturable).
 
 ``plan`` picks the design and config per (M, N, K) from rules on the problem's quantities (``RULES``),
-fitted to ``benchmarks/tune_weight_only_large.py``'s sweep, which also times ``VARIANTS``. What sm_90
+fitted to ``benchmarks/investigations/tune_weight_only_large.py``'s
+sweep, which also times ``VARIANTS``. What sm_90
 compiles of the fused kernel show (tileiras 13.4): every ``ct.mma`` ends in a wait for all its wgmmas,
 so a warpgroup's decode never overlaps its own MMA, only other warpgroups'; instructions per weight
 element per config: ``benchmarks/decode_cost.py --large``; the findings and figures:
-``benchmarks/results/weight-only-large-sass-sm90.md``.
+``benchmarks/results/weight-only-large-sass-nvidia-h100-80gb-hbm3.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import cuda.tile as ct
 import torch
@@ -317,7 +319,7 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #:   more than 0.15 (6144x4096, M = 1024: 192 tiles of 256 rows fill 0.73 of two waves, 384 of 128
 #:   rows 0.97 of three; cat 0.74 against 0.66).
 #:
-#: What the rules reach on that sweep (``python benchmarks/plan_rule_check.py
+#: What the rules reach on that sweep (``python benchmarks/investigations/plan_rule_check.py
 #: benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt``): geomean over the five
 #: shapes of the picked candidate's measured speed-up over bf16, against the per-shape best
 #: candidate, one candidate per (family, M) chosen by geomean (the table the sweep printed before
@@ -388,13 +390,19 @@ def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constant
     ``weight_only_kernels.launch`` (``alpha`` replaces constants[0] when given), on ``stream``."""
     m, n = out.shape
     alpha = constants[0:1] if alpha is None else alpha
+    launch_grid, kernel, consts = _prepared(cfg, layout, m, n, sms, _wo._X_PARTS[x.dtype])
     if cfg.split_k > 1:  # the persistent split-K workspace (counters left at zero by every launch)
         partial, counter = _wo.workspace(out.device, stream, cfg.split_k, m, n, output_tiles(cfg, m, n))
     else:  # stand-ins the kernel never reads
         partial, counter = out, alpha
-    ct.launch(stream, grid(cfg, m, n, sms), cfg.kernel,
-              (x, words, scale_t, out, alpha, constants[1:2], bias, partial, counter, cfg.split_k,
-               *_constants(layout, cfg, _wo._X_PARTS[x.dtype])))
+    ct.launch(stream, launch_grid, kernel,
+              (x, words, scale_t, out, alpha, constants[1:2], bias, partial, counter, cfg.split_k, *consts))
+
+
+@functools.lru_cache(maxsize=4096)
+def _prepared(cfg: LargeConfig, layout: _wo.Layout, m: int, n: int, sms: int, x_parts: int) -> tuple:
+    """(grid, hinted kernel, constant arguments) of one fused launch, worked out once per problem."""
+    return grid(cfg, m, n, sms), cfg.kernel, _constants(layout, cfg, x_parts)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -430,13 +438,16 @@ def decode_gemm(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, con
     try:
         for r0 in range(0, n, rows):
             r1 = min(r0 + rows, n)
-            w16 = buffer[:r1 - r0]
-            _decode_rows(words[r0:r1], scale_t[:, r0:r1], mult, layout, w16, stream)
-            target = out[:, r0:r1]
+            whole = r0 == 0 and r1 == n  # the usual case: no views to make (each costs the host ~2 us)
+            w16 = buffer if whole else buffer[:r1 - r0]
+            _decode_rows(words if whole else words[r0:r1], scale_t if whole else scale_t[:, r0:r1], mult,
+                         layout, w16, stream)
+            target = out if whole else out[:, r0:r1]
+            w16t = (w16 if w16.shape[1] == k else w16[:, :k]).t()
             if alpha_host == 1.0:
-                torch.mm(x, w16[:, :k].t(), out=target)
+                torch.mm(x, w16t, out=target)
             else:
-                torch.addmm(target, x, w16[:, :k].t(), beta=0, alpha=alpha_host, out=target)
+                torch.addmm(target, x, w16t, beta=0, alpha=alpha_host, out=target)
     finally:
         flags.allow_bf16_reduced_precision_reduction = reduced
     return out
@@ -600,7 +611,7 @@ CANDIDATES = (
     LargeConfig("fused", 64, 128, occupancy=2),
 )
 
-#: The designs ``benchmarks/tune_weight_only_large.py`` times per weight family besides the small-M
+#: The designs ``benchmarks/investigations/tune_weight_only_large.py`` times per weight family besides the small-M
 #: plan and the old two-pass path: the fused configs the family's rules can pick (on the first H100
 #: sweep 4-bit weights lost 0.1-0.5x bf16 with cat or 256 rows of x, 8-bit weights never won with
 #: 128x128 tiles without cat or 64 rows of x), the whole weight decoded for cuBLAS, and the

@@ -21,9 +21,10 @@ reported and left out), then times CUDA-graph replays (L2 flushed before each, m
   weight decoded for cuBLAS writing bf16 itself (``decode_c0``) and, from M = 256, the overlapped
   decode + GEMM in chunks of weight rows (``overlap_cN``);
 * the fused kernel's structural variants (``hopper_weight_only_large.VARIANTS``, each in its range
-  of M; ``--no-variants`` leaves them out): 16-bit multipliers (``_fold``), the K split that fills
-  the GPU (``_sauto``, ``with_split``), one-warpgroup blocks (``_w4``), 2-CTA clusters sharing the x
-  tile (``_2cta``).
+  of M; ``--no-variants`` leaves them out): the K split that fills the GPU (``_sauto``,
+  ``with_split``), one-warpgroup blocks (``_w4``), 2-CTA clusters sharing the x tile (``_2cta``),
+  16-bit multipliers (``_fold``). A candidate that fails (a wrong result, or a compile over
+  ``COMPILE_TIMEOUT``) is reported once and not tried again in the run.
 
 Prints one line per (format, shape, M) with every candidate's speed-up over bf16; per weight family
 ("4bit", "8bit") and M the geomean over shapes of each candidate; then, per problem and per (family,
@@ -42,6 +43,7 @@ import pathlib
 import sys
 import time
 
+import cuda.tile as ct
 import torch
 import torch.nn.functional as F
 
@@ -62,6 +64,7 @@ OVERLAP_M = 256
 TARGETS = {"4bit": ((1, 2.5), (16, 2.2), (64, 1.6), (128, 1.25), (256, 1.0)),
            "8bit": ((1, 1.8), (16, 1.6), (64, 1.3), (128, 1.1), (256, 1.0))}
 TOLERANCE = 1e-2  # relative Frobenius error of a bf16 output against the fp32 oracle
+COMPILE_TIMEOUT = 120  # seconds per kernel compile (tileiras), so that one slow variant cannot stall the sweep
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -170,9 +173,13 @@ def main(argv=None) -> int:
                 line, times = [], {}
                 t_bf16 = timer(lambda: F.linear(x, w))[0]
                 for name, fn in cands.items():
+                    if name in failed:  # failed before (a wrong result, or a compile over the timeout)
+                        continue
                     try:
                         out.fill_(float("nan"))
-                        res = fn()
+                        # A variant's first call compiles it: a compile that hangs fails the candidate.
+                        with ct.compiler_timeout(COMPILE_TIMEOUT):
+                            res = fn()
                         got = res if name == "plan" else out
                         torch.cuda.synchronize()
                         err = rel_err(got, ref)

@@ -624,26 +624,28 @@ SWEEP = {
 }
 
 
-#: The fused kernel's structural variants that ``benchmarks/tune_weight_only_large.py`` times beside
-#: the committed candidates, per family: (config, split, first M, last M). ``split``: the config runs
-#: with ``with_split``'s K split for the shape (named ``..._sauto``). What each one tests:
-#: ``fold`` alone (the same tiles with 16-bit multipliers); the K split at M = 64-256, where N / 128
-#: output tiles leave SMs idle (N = 1024 ... 8192: 8-64 tiles on 132 SMs); 64 weight rows per
-#: block with one warpgroup, two blocks per SM (more independent warpgroups per SM to overlap one's
-#: decode with another's MMA; within a warpgroup every MMA is waited for before the next decode);
-#: 2-CTA clusters of 128 weight rows each sharing one x tile by TMA multicast (half the x bytes
-#: from L2 per weight byte, which at M >= 128 exceed the 4-bit weight's bytes).
+#: The fused kernel's structural variants that ``benchmarks/investigations/tune_weight_only_large.py``
+#: times beside the committed candidates, per family: (config, split, first M, last M). ``split``: the
+#: config runs with ``with_split``'s K split for the shape (named ``..._sauto``). What each one tests:
+#: the K split at M = 64-256, where N / 128 output tiles leave SMs idle (N = 1024 ... 8192: 8-64
+#: tiles on 132 SMs); 64 weight rows per block with one warpgroup, two blocks per SM (more
+#: independent warpgroups per SM to overlap one's decode with another's MMA: within a warpgroup every
+#: MMA is waited for before the next decode); 2-CTA clusters of 128 weight rows each sharing one x
+#: tile by TMA multicast (half the x bytes from L2 per weight byte; at M >= 128 x's bytes exceed the
+#: 4-bit weight's); the multipliers in 16-bit lanes (``fold``) where they save instructions (with one
+#: MMA per K tile; elsewhere the sm_90 compiles came out longer, ``benchmarks/results/
+#: weight-only-large-sass-nvidia-h100-80gb-hbm3.md``).
 VARIANTS = {
-    "4bit": ((LargeConfig("fused", 128, 128, fold=1), False, 128, 1024),
-             (LargeConfig("fused", 64, 128, occupancy=2, fold=1), True, 64, 128),
-             (LargeConfig("fused", 128, 128, fold=1), True, 128, 256),
-             (LargeConfig("fused", 64, 64, warps=4, occupancy=2, fold=1), True, 64, 128),
-             (LargeConfig("fused", 64, 256, num_ctas=2, fold=1), True, 64, 256),
-             (LargeConfig("fused", 128, 256, num_ctas=2, fold=1), False, 128, 1024)),
+    "4bit": ((LargeConfig("fused", 128, 128), True, 64, 256),
+             (LargeConfig("fused", 64, 128, occupancy=2), True, 64, 128),
+             (LargeConfig("fused", 64, 64, warps=4, occupancy=2), True, 64, 128),
+             (LargeConfig("fused", 64, 256, num_ctas=2), True, 64, 256),
+             (LargeConfig("fused", 128, 256, num_ctas=2), False, 128, 1024),
+             (LargeConfig("fused", 128, 128, cat=1, fold=1), False, 128, 1024)),
     "8bit": ((LargeConfig("fused", 128, 128, cat=1, fold=1), False, 64, 1024),
-             (LargeConfig("fused", 128, 128, fold=1), True, 64, 256),
-             (LargeConfig("fused", 64, 256, num_ctas=2, fold=1), True, 64, 256),
-             (LargeConfig("fused", 128, 256, num_ctas=2, fold=1), False, 128, 1024)),
+             (LargeConfig("fused", 128, 128), True, 64, 256),
+             (LargeConfig("fused", 64, 256, num_ctas=2), True, 64, 256),
+             (LargeConfig("fused", 128, 256, num_ctas=2), False, 128, 1024)),
 }
 
 

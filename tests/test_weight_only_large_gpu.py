@@ -4,6 +4,7 @@ CUDA graph (no fill of a workspace, no zero bias)."""
 
 from __future__ import annotations
 
+import cuda.tile as ct
 import pytest
 import torch
 
@@ -75,8 +76,9 @@ def test_fused_variants_match_the_oracle(fmt, variant):
         assert cfg.split_k > 1
     for blocks in ((sms, sms) if split else (3, sms)):
         out = torch.full((m, n), float("nan"), device=DEV, dtype=torch.bfloat16)
-        wl.launch(x.to(DEV), packed.words, packed.scale_t, packed.constants, bias.to(DEV), out, packed.layout,
-                  cfg, blocks, torch.cuda.current_stream())
+        with ct.compiler_timeout(300):  # a compile that hangs fails here instead of stalling the run
+            wl.launch(x.to(DEV), packed.words, packed.scale_t, packed.constants, bias.to(DEV), out,
+                      packed.layout, cfg, blocks, torch.cuda.current_stream())
         _check(out, ref, torch.bfloat16)
 
 @pytest.mark.parametrize("fmt", [MXFP4, NVFP4, MXFP8_E4M3], ids=["mxfp4", "nvfp4", "mxfp8_e4m3"])

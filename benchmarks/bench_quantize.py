@@ -183,9 +183,9 @@ def _same_bits(a, b) -> bool:
 
 def _sweep_plan():
     """(quantizer, input orientation, config slot, candidates): a slot is (name, key) of a module-level
-    config of quantize_kernels -- a TileConfig, or the entry ``key`` of a dict of them; the current
+    config of quantize_kernels -- a QuantizeConfig, or the entry ``key`` of a dict of them; the current
     config is timed first."""
-    from tilemm.kernels.quantize_kernels import TileConfig as T
+    from tilemm.kernels.quantize_kernels import QuantizeConfig as T
 
     logical_t = [T(128, 64), T(64, 128), T(128, 128, 2), T(256, 64, 2)]
     swizzled_t = [T(32, 256), T(64, 128), T(128, 128, 2)]  # whole 4-column scale groups (128 of K) for MX

@@ -124,7 +124,7 @@ def large_variant(name: str, cfg) -> tuple[AotVariant, float, int]:
 
 def stream_variant(fmt, tile_m: int = 16) -> tuple[AotVariant, float, int]:
     """The block-scaled stream kernel (both operands quantized) as ``plan`` picks it for small M."""
-    cfg = hbs.stream_config(fmt, 1, tile_m, 14336, 4096)
+    cfg = hbs.plan(fmt, 1, tile_m, 14336, 4096)
     name = f"hopper_{fmt.name}_swz_bf16_{cfg.name}"
     v = [a for a in hbs.aot_variants() if a.name == name]
     if not v:

@@ -160,7 +160,7 @@ def default_variants():
 def large_variants():
     """Every fused config of the large-M kernel (``hopper_weight_only_large``: the rules' configs, the
     sweep's candidates and its structural variants) for MXFP4, NVFP4 and MXFP8 (e4m3)."""
-    return [large_variant(name, cfg) for name in ("mxfp4", "nvfp4", "mxfp8_e4m3") for cfg in wol._configs()]
+    return [large_variant(name, cfg) for name in ("mxfp4", "nvfp4", "mxfp8_e4m3") for cfg in wol._configs(name)]
 
 
 def main(argv=None) -> int:

@@ -573,8 +573,13 @@ def overlap_gemm(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, co
 # Ahead-of-time specialisations
 # --------------------------------------------------------------------------------------------------
 
-def _configs() -> list[LargeConfig]:
-    """The fused configs the rules name, the sweep's candidates and its variants (a split one with
+#: The layouts whose ``VARIANTS`` compile ahead of time (the ones the sweep times per family).
+_VARIANT_LAYOUTS = {"4bit": ("mxfp4", "nvfp4"), "8bit": ("mxfp8_e4m3",)}
+
+
+def _configs(layout_name: str | None = None) -> list[LargeConfig]:
+    """The fused configs the rules name and the sweep's candidates, and, for ``layout_name`` (a key of
+    ``weight_only_kernels.LAYOUTS``) the sweep times them on, its family's variants (a split one with
     split_k 2: the count is a run-time argument)."""
     seen = []
     for rule in RULES.values():
@@ -584,7 +589,9 @@ def _configs() -> list[LargeConfig]:
     for cfg in CANDIDATES:
         if cfg.kind == "fused" and cfg not in seen:
             seen.append(cfg)
-    for variants in VARIANTS.values():
+    for fam, variants in VARIANTS.items():
+        if layout_name not in _VARIANT_LAYOUTS[fam]:
+            continue
         for cfg, split, _, _ in variants:
             cfg = dataclasses.replace(cfg, split_k=2) if split else cfg  # any split: one code path
             if cfg not in seen:
@@ -656,7 +663,7 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
     compiles of the 256-column tiles took minutes and megabytes of code)."""
     variants = []
     for name, layout in _wo.LAYOUTS.items():
-        for cfg in _configs():
+        for cfg in _configs(name):
             stand_ins = ((array(ct.float32, 3), array(ct.int32, 1)) if cfg.split_k > 1
                          else (array(ct.bfloat16, 2), array(ct.float32, 1)))
             params = [array(ct.bfloat16, 2), array(ct.int32, 2), array(ct.uint8, 2), array(ct.bfloat16, 2),

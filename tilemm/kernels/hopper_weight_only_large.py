@@ -125,7 +125,8 @@ def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter, Splits,
     output tile i % tiles (numbered in GROUP_SIZE_M-row groups of M tiles) and K range i // tiles.
     LATENCY_W / LATENCY_X: the loads' latency hints (0: the compiler's choice). CAT = 1: the K tile's
     decoded planes concatenated into one MMA operand (one wait for the tensor cores per K tile instead
-    of one per plane; all planes' registers live at once). FOLD = 1: the e8m0 multipliers computed in 16-bit lanes (``_multipliers16``, the same bits).
+    of one per plane; all planes' registers live at once). FOLD = 1: the e8m0 multipliers computed in
+    16-bit lanes (``_multipliers16``, the same bits).
 
     SPLIT = 1 (few output tiles: M <= 256 and N of a few thousand): K is split into Splits ranges (a
     run-time count, so that one compiled kernel serves every split), each item covers

@@ -36,7 +36,7 @@ def test_fused_kernel_matches_reference(emulated, fmt):
     # M = 37 and N = 50 leave partial tiles on both sides; K = 1344 is 5.25 4-bit K tiles (10.5 8-bit
     # ones): the last reads zero words and zero-padded x. 3 x 4 output tiles on 5 persistent blocks
     # (some take two tiles, in grouped order with GROUP_SIZE_M 2), then on more blocks than tiles;
-    # one MMA per plane and one per K tile (cat); the multipliers in 16-bit lanes (fold).
+    # one MMA per plane and one per K tile (cat).
     m, n, k = 37, 50, 1344
     w_q = _weight(fmt, n, k, seed=7)
     packed = prepack(w_q)
@@ -44,9 +44,7 @@ def test_fused_kernel_matches_reference(emulated, fmt):
     bias = torch.randn(n)
     for cfg, sms in ((wl.LargeConfig("fused", 16, 16, group_size_m=2), 5),
                      (wl.LargeConfig("fused", 16, 16, latency_w=3, latency_x=2), 64),
-                     (wl.LargeConfig("fused", 16, 16, cat=1), 5),
-                     (wl.LargeConfig("fused", 16, 16, fold=1), 5),
-                     (wl.LargeConfig("fused", 16, 16, cat=1, fold=1), 64)):
+                     (wl.LargeConfig("fused", 16, 16, cat=1), 5)):
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
         wl.launch(x, packed.words, packed.scale_t, packed.constants, bias, out, packed.layout, cfg, sms, None)
         assert_matches(out.float(), _reference(x, w_q, bias), torch.bfloat16)
@@ -88,8 +86,8 @@ def test_fused_kernel_split_k_matches_reference(emulated, fmt):
 @pytest.mark.parametrize("fmt", [MXFP4, MXFP8_E4M3], ids=["mxfp4", "mxfp8_e4m3"])
 def test_fused_kernel_one_k_tile_and_nan_scale(emulated, fmt):
     """K = 96: a single K tile (the peeled first one, with and without a K split of 2: the second
-    range is empty); a NaN scale byte (255) makes exactly its output column NaN, through the 16-bit
-    multipliers (fold) too."""
+    range is empty); a NaN scale byte (255) makes exactly its output column NaN, with and without a
+    split (the NaN partial tiles added) and with one MMA per K tile."""
     m, n, k = 20, 24, 96
     w_q = _weight(fmt, n, k, seed=5)
     w_q.scale.view(torch.uint8)[3, 1] = 255  # row 3, second scale block: NaN
@@ -97,8 +95,8 @@ def test_fused_kernel_one_k_tile_and_nan_scale(emulated, fmt):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     ref = _reference(x, w_q)
     assert ref[:, 3].isnan().all() and not ref[:, [0, 1, 2, 4]].isnan().any()
-    for cfg in (wl.LargeConfig("fused", 16, 16, fold=1), wl.LargeConfig("fused", 16, 16, fold=1, cat=1),
-                wl.LargeConfig("fused", 16, 16, split_k=2, fold=1)):
+    for cfg in (wl.LargeConfig("fused", 16, 16), wl.LargeConfig("fused", 16, 16, cat=1),
+                wl.LargeConfig("fused", 16, 16, split_k=2)):
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
         wl.launch(x, packed.words, packed.scale_t, packed.constants, torch.zeros(n), out, packed.layout, cfg, 3, None)
         keep = [c for c in range(n) if c != 3]

@@ -22,9 +22,9 @@ reported and left out), then times CUDA-graph replays (L2 flushed before each, m
   decode + GEMM in chunks of weight rows (``overlap_cN``);
 * the fused kernel's structural variants (``hopper_weight_only_large.VARIANTS``, each in its range
   of M; ``--no-variants`` leaves them out): the K split that fills the GPU (``_sauto``,
-  ``with_split``), one-warpgroup blocks (``_w4``), 2-CTA clusters sharing the x tile (``_2cta``),
-  16-bit multipliers (``_fold``). A candidate that fails (a wrong result, or a compile over
-  ``COMPILE_TIMEOUT``) is reported once and not tried again in the run.
+  ``with_split``), one-warpgroup blocks (``_w4``), 2-CTA clusters sharing the x tile (``_2cta``).
+  A candidate that fails (a wrong result, or a compile over ``COMPILE_TIMEOUT``) is reported once
+  and not tried again in the run.
 
 Prints one line per (format, shape, M) with every candidate's speed-up over bf16; per weight family
 ("4bit", "8bit") and M the geomean over shapes of each candidate; then, per problem and per (family,

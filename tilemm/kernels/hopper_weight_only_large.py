@@ -36,7 +36,7 @@ from cuda.tile import compilation as cc
 from ._aot import AotVariant, array
 from ._common import hinted, sm90_hints, tile_coords_at
 from . import weight_only_kernels as _wo
-from .weight_only_kernels import _epilogue, _k_tile, _mma_x, _multipliers, _scaled_plane, _split_k_finish
+from .weight_only_kernels import _epilogue, _k_tile, _split_k_finish
 
 __all__ = ["LargeConfig", "FamilyRule", "RULES", "CANDIDATES", "plan", "first_m", "family", "output_tiles",
            "wave_fill", "with_split", "SWEEP", "VARIANTS", "grid", "launch", "decode_gemm", "overlap_gemm", "pingpong",
@@ -63,50 +63,15 @@ def _load_w(W, bn, kt, TN, WORDS, LATENCY):
     return ct.bitcast(ct.load(W, (bn, kt), (TN, WORDS), padding_mode=_ZERO), ct.uint32)
 
 
-def _multipliers16(s_raw, Mult, SCALE_E8M0):
-    """``weight_only_kernels._multipliers`` (the same bf16 bits for every scale byte), with the e8m0
-    exponent add done in 16-bit lanes: ``s * 128 + shift * 128`` is one IMAD per scale byte where the
-    32-bit form compiles to an add and a shift (sm_90 SASS: 16 instructions fewer per 128 x 256 MXFP4
-    K tile). The field s + shift stays in 1..254 for finite bytes (``prepack``), so no lane overflows;
-    byte 255 is replaced by NaN as there."""
-    mult = ct.load(Mult, (0,), (1,)).reshape((1, 1))
-    if SCALE_E8M0:
-        shift = (ct.bitcast(mult, ct.int32) >> 23) - 127
-        s16 = s_raw.astype(ct.uint16)
-        bits = s16 * 128 + (shift * 128).astype(ct.uint16)
-        bits = ct.where(s16 == 255, ct.full(bits.shape, 0x7FC0, ct.uint16), bits)
-        return ct.bitcast(bits, ct.bfloat16)
-    return _multipliers(s_raw, Mult, SCALE_E8M0)
-
-
-def _k_tile16(w, s_raw, Mult, x, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT):
-    """``weight_only_kernels._k_tile`` with ``_multipliers16``: acc + decode(w) @ x.T for one K tile."""
-    TP = GROUP * BLOCK
-    mult = _multipliers16(s_raw, Mult, SCALE_E8M0).reshape((TN, PLANES, GROUP, 1))
-    if CAT == 1:
-        a = ct.cat((_scaled_plane(w, mult, 0, ELEMENT, BLOCK, GROUP, TN),
-                    _scaled_plane(w, mult, 1, ELEMENT, BLOCK, GROUP, TN)), 1)
-        if PLANES == 4:
-            a = ct.cat((a, ct.cat((_scaled_plane(w, mult, 2, ELEMENT, BLOCK, GROUP, TN),
-                                   _scaled_plane(w, mult, 3, ELEMENT, BLOCK, GROUP, TN)), 1)), 1)
-        return _mma_x(a, x, acc, X_PARTS)
-    for p in ct.static_iter(range(PLANES)):
-        plane = _scaled_plane(w, mult, p, ELEMENT, BLOCK, GROUP, TN)
-        acc = _mma_x(plane, ct.extract(x, (0, p), (TM, TP)), acc, X_PARTS)
-    return acc
-
-
 def _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN, LATENCY_W,
-          LATENCY_X, X_PARTS, CAT, FOLD):
-    """acc + decode(W tile (bn, kt)) @ x tile (bm, kt).T; FOLD = 1: ``_multipliers16``."""
+          LATENCY_X, X_PARTS, CAT):
+    """acc + decode(W tile (bn, kt)) @ x tile (bm, kt).T."""
     WORDS = GROUP * BLOCK // 2
     TK = PLANES * GROUP * BLOCK
     SC = PLANES * GROUP
     w = _load_w(W, bn, kt, TN, WORDS, LATENCY_W)
     s_raw = ct.load(S, (kt, bn), (SC, TN), padding_mode=_ZERO).transpose()
     x = _load_x(X, bm, kt, TM, TK, LATENCY_X)
-    if FOLD == 1:
-        return _k_tile16(w, s_raw, Mult, x, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT)
     return _k_tile(w, s_raw, Mult, x, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT)
 
 
@@ -115,7 +80,7 @@ def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter, Splits,
                   ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                   GROUP: ConstInt, TM: ConstInt, TN: ConstInt, GROUP_SIZE_M: ConstInt,
                   LATENCY_W: ConstInt, LATENCY_X: ConstInt, X_PARTS: ConstInt, CAT: ConstInt,
-                  SPLIT: ConstInt, FOLD: ConstInt):
+                  SPLIT: ConstInt):
     """C (M, N) = (X (M, K) @ decode(W).T) * alpha + bias, persistent over work items.
 
     X (M, K) activations (bf16; fp16 / fp32 split exactly into X_PARTS bf16 parts as in the small-M
@@ -125,8 +90,7 @@ def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter, Splits,
     output tile i % tiles (numbered in GROUP_SIZE_M-row groups of M tiles) and K range i // tiles.
     LATENCY_W / LATENCY_X: the loads' latency hints (0: the compiler's choice). CAT = 1: the K tile's
     decoded planes concatenated into one MMA operand (one wait for the tensor cores per K tile instead
-    of one per plane; all planes' registers live at once). FOLD = 1: the e8m0 multipliers computed in
-    16-bit lanes (``_multipliers16``, the same bits).
+    of one per plane; all planes' registers live at once).
 
     SPLIT = 1 (few output tiles: M <= 256 and N of a few thousand): K is split into Splits ranges (a
     run-time count, so that one compiled kernel serves every split), each item covers
@@ -149,10 +113,10 @@ def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter, Splits,
             # select between the accumulator and a copy of it on every iteration (2 instructions per
             # accumulator register, about 1 per weight element at 128x128; sm_90 SASS).
             acc = _step(X, W, S, Mult, ct.zeros((TN, TM), ct.float32), bm, bn, 0, ELEMENT, SCALE_E8M0, BLOCK,
-                        PLANES, GROUP, TM, TN, LATENCY_W, LATENCY_X, X_PARTS, CAT, FOLD)
+                        PLANES, GROUP, TM, TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
             for kt in range(1, k_tiles):
                 acc = _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
-                            LATENCY_W, LATENCY_X, X_PARTS, CAT, FOLD)
+                            LATENCY_W, LATENCY_X, X_PARTS, CAT)
             _epilogue(acc.transpose(), C, Alpha, Bias, bm, bn, TM, TN)
     else:
         per_split = ct.cdiv(k_tiles, Splits)
@@ -165,10 +129,10 @@ def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter, Splits,
             acc = ct.zeros((TN, TM), ct.float32)
             if k_begin < k_end:
                 acc = _step(X, W, S, Mult, acc, bm, bn, k_begin, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM,
-                            TN, LATENCY_W, LATENCY_X, X_PARTS, CAT, FOLD)
+                            TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
             for kt in range(k_begin + 1, k_end):
                 acc = _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
-                            LATENCY_W, LATENCY_X, X_PARTS, CAT, FOLD)
+                            LATENCY_W, LATENCY_X, X_PARTS, CAT)
             _split_k_finish(acc.transpose(), C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m, Splits,
                             TM, TN)
 
@@ -198,7 +162,6 @@ class LargeConfig:
     split_k: int = 1
     warps: int = 8
     num_ctas: int = 1
-    fold: int = 0
 
     def __post_init__(self):
         if self.kind not in ("fused", "decode", "overlap"):
@@ -226,7 +189,6 @@ class LargeConfig:
         s += f"_w{self.warps}" if self.warps != 8 else ""
         s += f"_{self.num_ctas}cta" if self.num_ctas > 1 else ""
         s += f"_s{self.split_k}" if self.split_k > 1 else ""
-        s += "_fold" if self.fold else ""
         return s + ("_cat" if self.cat else "")
 
 
@@ -374,7 +336,7 @@ def plan(m: int, n: int, k: int, layout: _wo.Layout, rules: dict | None = None, 
 def _constants(layout: _wo.Layout, cfg: LargeConfig, x_parts: int) -> tuple:
     return (layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
             cfg.tile_m, cfg.tile_n, cfg.group_size_m, cfg.latency_w, cfg.latency_x, x_parts, cfg.cat,
-            int(cfg.split_k > 1), cfg.fold)
+            int(cfg.split_k > 1))
 
 
 def grid(cfg: LargeConfig, m: int, n: int, sms: int) -> tuple:
@@ -640,21 +602,19 @@ SWEEP = {
 #: independent warpgroups per SM to overlap one's decode with another's MMA: within a warpgroup every
 #: MMA is waited for before the next decode); 2-CTA clusters of 128 weight rows each sharing one x
 #: tile by TMA multicast (half the x bytes from L2 per weight byte; at M >= 128 x's bytes exceed the
-#: 4-bit weight's); the multipliers in 16-bit lanes (``fold``) where they save instructions (with one
-#: MMA per K tile, and in the 2-CTA blocks; elsewhere the sm_90 compiles came out longer,
-#: ``benchmarks/results/weight-only-large-sass-nvidia-h100-80gb-hbm3.md``). (The K split of 64 rows
-#: of x at two blocks per SM did not finish compiling for sm_90 in 10 minutes: not here.)
+#: 4-bit weight's); one MMA per K tile (``cat``) for 4-bit weights. (The K split of 64 rows of x at two
+#: blocks per SM did not finish compiling for sm_90 in 10 minutes: not here.) Instructions per
+#: element of each: ``benchmarks/results/weight-only-large-sass-nvidia-h100-80gb-hbm3.md``.
 VARIANTS = {
     "4bit": ((LargeConfig("fused", 128, 128), True, 64, 256),
              (LargeConfig("fused", 128, 128, cat=1), True, 64, 256),
              (LargeConfig("fused", 64, 128), True, 64, 64),
              (LargeConfig("fused", 64, 64, warps=4, occupancy=2), True, 64, 128),
-             (LargeConfig("fused", 64, 256, num_ctas=2, fold=1), True, 64, 256),
-             (LargeConfig("fused", 128, 256, num_ctas=2, fold=1), False, 128, 1024),
-             (LargeConfig("fused", 128, 128, cat=1, fold=1), False, 128, 1024)),
-    "8bit": ((LargeConfig("fused", 128, 128, cat=1, fold=1), False, 64, 1024),
-             (LargeConfig("fused", 128, 128, cat=1), True, 64, 256),
-             (LargeConfig("fused", 128, 256, num_ctas=2, fold=1), False, 128, 1024)),
+             (LargeConfig("fused", 64, 256, num_ctas=2), True, 64, 256),
+             (LargeConfig("fused", 128, 256, num_ctas=2), False, 128, 1024),
+             (LargeConfig("fused", 128, 128, cat=1), False, 128, 1024)),
+    "8bit": ((LargeConfig("fused", 128, 128, cat=1), True, 64, 256),
+             (LargeConfig("fused", 128, 256, num_ctas=2), False, 128, 1024)),
 }
 
 

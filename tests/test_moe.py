@@ -200,7 +200,7 @@ def emulated(monkeypatch):
     return emu
 
 
-def _run_kernel(x, packed, ids, bias, cfg, act=0, sorted_out=None):
+def _run_kernel(x, packed, ids, bias, cfg, act=0, sorted_out=None, blocks=None):
     """The kernel on x's rows sorted by expert; its output in (token, slot) row order (a sorted output
     put back in that order here)."""
     t, k = ids.shape
@@ -210,7 +210,7 @@ def _run_kernel(x, packed, ids, bias, cfg, act=0, sorted_out=None):
     b = None if bias is None else bias.float()
     routed = mk.route(ids, e)
     mk.launch(mk.sort_rows(x, routed, k), packed.words, packed.scale_t, packed.constants, b, routed, t, out,
-              packed.layout, act=act, cfg=cfg, sorted_out=sorted_out)
+              packed.layout, act=act, cfg=cfg, sorted_out=sorted_out, blocks=blocks)
     if (act if sorted_out is None else sorted_out):
         unsorted = torch.empty_like(out)
         unsorted[routed[0]] = out
@@ -401,6 +401,35 @@ def test_chunk_groups_spread_a_popular_expert(emulated):
     ids = torch.stack([torch.full((40,), 2), torch.arange(40) % 2], dim=1)
     out = _run_kernel(x, packed, ids, None, mk.MoEConfig(16, 16, 4, None, cat=1))
     assert_matches(out.float(), reference64(x, w_q, ids), torch.bfloat16)
+
+
+def test_persistent_grid_runs_every_item(emulated):
+    """A grid smaller than the work items (the persistent grid of skewed decode batches): each block
+    runs items b, b + blocks, ..; the result is the one-block-per-item result, bit for bit. Skewed
+    routing, fewer pairs than experts: most slots hold no rows; an expert with two chunks and
+    chunk groups > 1; one id out of range (a NaN row)."""
+    e, n, k = 9, 48, 256
+    _, packed = stacked("mxfp4", e, n, k, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    x = (torch.randn(20, k, generator=gen) * 2).to(torch.bfloat16)
+    ids = torch.stack([torch.zeros(20, dtype=torch.long), torch.full((20,), 9)], dim=1)[:4]  # 8 pairs <= E
+    ids[3, 1] = 4
+    x = x[:4]
+    bias = torch.randn(e, n, generator=gen)
+    cfg = mk.MoEConfig(16, 16, 4, None, cat=1)
+    full = _run_kernel(x, packed, ids, bias, cfg)
+    for blocks in (1, 2, 5):
+        assert torch.equal(_run_kernel(x, packed, ids, bias, cfg, blocks=blocks).isnan(), full.isnan())
+        same = ~full.isnan()
+        assert torch.equal(_run_kernel(x, packed, ids, bias, cfg, blocks=blocks)[same], full[same])
+    assert full[:3, 1].isnan().all() and not full[3, 1].isnan().any()
+    # chunk groups > 1 (T = 40 tokens on expert 2, two chunks of 16 spread over 3 groups), 3 blocks
+    x40 = torch.randn(40, k, generator=gen).to(torch.bfloat16)
+    ids40 = torch.stack([torch.full((40,), 2), torch.arange(40) % 2], dim=1)
+    assert torch.equal(_run_kernel(x40, packed, ids40, None, cfg, blocks=3), _run_kernel(x40, packed, ids40, None, cfg))
+    # the launcher's choice: persistent only while the pairs are at most E, and on CUDA
+    cpu = torch.device("cpu")
+    assert mk.grid_blocks(500, 64, 128, cfg, cpu) == 500 and mk.grid_blocks(500, 200, 128, cfg, cpu) == 500
 
 
 def test_plan_tile_m_follows_tokens_per_expert():

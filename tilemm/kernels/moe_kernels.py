@@ -63,17 +63,20 @@ import dataclasses
 import cuda.tile as ct
 import torch
 
+import cuda.tile.compilation as cc
+
 from ._aot import AotVariant, array
 from ._common import hinted, sm90_hints
 from .weight_only_kernels import LAYOUTS, Layout, _X_PARTS, _f32_halves, _k_tile, _multipliers, _scaled_plane
 
 __all__ = ["MoEConfig", "plan", "route", "launch", "sort_rows", "launch_pairs", "pairs_plan", "PairsConfig",
-           "combine_pays", "PAIRS_MAX_TOKENS", "zero_bias", "chunk_groups", "aot_variants", "SWIGLU_ALPHA",
+           "combine_pays", "grid_blocks", "PAIRS_MAX_TOKENS", "zero_bias", "chunk_groups", "aot_variants", "SWIGLU_ALPHA",
            "SWIGLU_LIMIT"]
 
 ConstInt = ct.Constant[int]
 
 _ZERO = ct.PaddingMode.ZERO
+_INT32 = cc.ScalarConstraint(ct.int32)
 
 
 #: gpt-oss's clamped SwiGLU, fused into the gate_up projection's epilogue with ACT = 1.
@@ -89,39 +92,48 @@ def _gpt_oss_glu(gate, up):
 
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
-def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
+def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, Groups,
                 ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                 GROUP: ConstInt, TM: ConstInt, TN: ConstInt, X_PARTS: ConstInt, CAT: ConstInt,
                 ACT: ConstInt, SORTED_OUT: ConstInt, UNROLL: ConstInt):
-    """Block (slot, bn): the Out rows of expert SlotExpert[slot]'s tokens, weight rows bn * TN ..
+    """Work items (slot, g, bn): the Out rows of expert SlotExpert[slot]'s tokens, weight rows bn * TN ..
 
     X (T * k, K): the activation rows in the sorted order (expert e's tokens are rows Offsets[e] ..
     Offsets[e + 1], loaded as a row range); W (E, N, k_tiles * WORDS) int32 and S (E, K / BLOCK, N)
     uint8: the stacked prepacked weights, UNROLL K tiles per load; Out (T * k, N), or with ACT = 1
-    (T * k, N / 2): rows in the sorted order (SORTED_OUT = 1) or the (token, slot) rows; Consts (E,
-    2) fp32 (column 0: each expert's epilogue factor alpha); Mult (1,) fp32: 2^(OFFSET - E), shared; Bias (E, N) fp32; Order (T * k,) int64: the (token, slot) rows
-    t * k + j sorted by expert; Offsets (E + 2,) int64; SlotExpert (S,) int64 (see the module
-    docstring). Grid: S * G * cdiv(N, TN), N tiles fastest, then G chunk groups: block (slot, g, bn)
-    takes chunks g, g + G, .. of its expert's tokens (G = 1 unless T is large: a popular expert's
-    chunks then spread over G blocks instead of running one after another in one).
+    (T * k, N / 2): rows in the sorted order (SORTED_OUT = 1) or the (token, slot) rows; Consts (E, 2)
+    fp32 (column 0: each expert's epilogue factor alpha); Mult (1,) fp32: 2^(OFFSET - E), shared;
+    Bias (E, N) fp32; Order (T * k,) int64: the (token, slot) rows t * k + j sorted by expert;
+    Offsets (E + 2,) int64; SlotExpert (S,) int64 (see the module docstring); Groups (int32) G.
+
+    Items: S * G * cdiv(N, TN), N tiles fastest, then G chunk groups: item (slot, g, bn) takes chunks
+    g, g + G, .. of its expert's tokens (G = 1 unless T is large: a popular expert's chunks then
+    spread over G items instead of running one after another in one). Block b runs items b, b +
+    blocks, ..: one item per block with the full grid, several with a persistent grid
+    (``launch``), where an item without rows costs a few scalar loads instead of a block.
 
     ACT = 1: the weight rows are gpt-oss's interleaved gate (even) and up (odd) rows; each product is
     rounded to Out's dtype as without ACT, then ``_gpt_oss_glu`` of the pair, in fp32, rounded once
     into column n / 2 of Out.
     """
-    N = W.shape[1]
+    num_n = ct.cdiv(W.shape[1], TN)
+    groups = Groups
+    for item in range(ct.bid(0), SlotExpert.shape[0] * groups * num_n, ct.num_blocks(0)):
+        _moe_item(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, item % num_n,
+                  (item // num_n) % groups, item // (num_n * groups), groups, ELEMENT, SCALE_E8M0, BLOCK, PLANES,
+                  GROUP, TM, TN, X_PARTS, CAT, ACT, SORTED_OUT, UNROLL)
+
+
+def _moe_item(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, bn, group, slot, groups,
+              ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN, X_PARTS, CAT, ACT, SORTED_OUT, UNROLL):
+    """Work item (slot, group, bn) of ``_moe_kernel``: chunks group, group + groups, .. of expert
+    SlotExpert[slot]'s tokens times weight rows bn * TN .. (nothing when the expert has no such chunk)."""
     ROWS = Out.shape[0]
     NUM_E = W.shape[0]
     WORDS = GROUP * BLOCK // 2
     TK = PLANES * GROUP * BLOCK
     SC = PLANES * GROUP
     TO = TN // 2 if ACT == 1 else TN  # output columns per block
-    num_n = ct.cdiv(N, TN)
-    groups = ct.num_blocks(0) // (num_n * SlotExpert.shape[0])
-    pid = ct.bid(0)
-    bn = pid % num_n
-    group = (pid // num_n) % groups
-    slot = pid // (num_n * groups)
     e = ct.load(SlotExpert, (slot,), ())
     if e >= 0:
         start = ct.load(Offsets, (e,), ())
@@ -129,33 +141,36 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
         cols = (bn * TO + ct.arange(TO, dtype=ct.int32)).reshape((1, TO))
         chunks = ct.cdiv(end - start, TM)
         if e < NUM_E:
-            k_tiles = ct.cdiv(X.shape[1], TK)
-            alpha = ct.load(Consts, (e, 0), (1, 1))
-            bias = ct.load(Bias, (e, bn), (1, TN), padding_mode=_ZERO)
-            for c in range(group, chunks, groups):
-                first = start + c * TM
-                pos = first + ct.arange(TM, dtype=ct.int64)
-                # Rows past the expert's run get the index ROWS: out of bounds, so their stores are
-                # dropped; its x rows are the slice's rows first .. end (sorted), zero past end.
-                xs = X.slice(0, first, end)
-                acc = ct.zeros((TN, TM), ct.float32)
-                for kg in range(ct.cdiv(k_tiles, UNROLL)):  # UNROLL K tiles per load
-                    ws = ct.bitcast(ct.load(W, (e, bn, kg), (1, TN, UNROLL * WORDS), padding_mode=_ZERO),
-                                    ct.uint32).reshape((TN, UNROLL * WORDS))
-                    ss = ct.load(S, (e, kg, bn), (1, UNROLL * SC, TN), padding_mode=_ZERO).reshape((UNROLL * SC, TN))
-                    xk = ct.load(xs, (0, kg), (TM, UNROLL * TK), padding_mode=_ZERO)
-                    for u in ct.static_iter(range(UNROLL)):
-                        acc = _k_tile(ct.extract(ws, (0, u), (TN, WORDS)), ct.extract(ss, (u, 0), (SC, TN)).transpose(),
-                                      Mult, ct.extract(xk, (0, u), (TM, TK)), acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES,
-                                      GROUP, TN, TM, X_PARTS, CAT)
-                out = (acc.transpose() * alpha + bias).astype(Out.dtype)
-                if ACT == 1:
-                    out = _glu_pairs(out, TM, TO, Out.dtype)
-                if SORTED_OUT == 1:
-                    ct.store(Out.slice(0, first, end), (0, bn), out)
-                else:
-                    rows = ct.gather(Order, pos, mask=pos < end, padding_value=ROWS)
-                    ct.scatter(Out, (rows.reshape((TM, 1)), cols), out)
+            if group < chunks:
+                k_tiles = ct.cdiv(X.shape[1], TK)
+                alpha = ct.load(Consts, (e, 0), (1, 1))
+                bias = ct.load(Bias, (e, bn), (1, TN), padding_mode=_ZERO)
+                for c in range(group, chunks, groups):
+                    first = start + c * TM
+                    pos = first + ct.arange(TM, dtype=ct.int64)
+                    # Rows past the expert's run get the index ROWS: out of bounds, so their stores are
+                    # dropped; its x rows are the slice's rows first .. end (sorted), zero past end.
+                    xs = X.slice(0, first, end)
+                    acc = ct.zeros((TN, TM), ct.float32)
+                    for kg in range(ct.cdiv(k_tiles, UNROLL)):  # UNROLL K tiles per load
+                        ws = ct.bitcast(ct.load(W, (e, bn, kg), (1, TN, UNROLL * WORDS), padding_mode=_ZERO),
+                                        ct.uint32).reshape((TN, UNROLL * WORDS))
+                        ss = ct.load(S, (e, kg, bn), (1, UNROLL * SC, TN),
+                                     padding_mode=_ZERO).reshape((UNROLL * SC, TN))
+                        xk = ct.load(xs, (0, kg), (TM, UNROLL * TK), padding_mode=_ZERO)
+                        for u in ct.static_iter(range(UNROLL)):
+                            acc = _k_tile(ct.extract(ws, (0, u), (TN, WORDS)),
+                                          ct.extract(ss, (u, 0), (SC, TN)).transpose(), Mult,
+                                          ct.extract(xk, (0, u), (TM, TK)), acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES,
+                                          GROUP, TN, TM, X_PARTS, CAT)
+                    out = (acc.transpose() * alpha + bias).astype(Out.dtype)
+                    if ACT == 1:
+                        out = _glu_pairs(out, TM, TO, Out.dtype)
+                    if SORTED_OUT == 1:
+                        ct.store(Out.slice(0, first, end), (0, bn), out)
+                    else:
+                        rows = ct.gather(Order, pos, mask=pos < end, padding_value=ROWS)
+                        ct.scatter(Out, (rows.reshape((TM, 1)), cols), out)
         else:
             # Ids outside [0, E): NaN rows, no weight read.
             nan = ct.full((TM, TO), float("nan"), Out.dtype)
@@ -366,13 +381,15 @@ def sort_rows(x: torch.Tensor, routed: tuple, top_k: int) -> torch.Tensor:
 
 def launch(xs: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
            bias: torch.Tensor | None, routed: tuple, tokens: int, out: torch.Tensor, layout: Layout,
-           act: int = 0, cfg: MoEConfig | None = None, sorted_out: int | None = None) -> None:
+           act: int = 0, cfg: MoEConfig | None = None, sorted_out: int | None = None,
+           blocks: int | None = None) -> None:
     """out = the expert products of the rows ``xs`` (T * k, K), sorted as ``routed`` (``route``'s
     result for (T, k) ids, T = ``tokens``) sorts the (token, slot) rows (``sort_rows``, or a previous
     launch's sorted output): (T * k, N), or (T * k, N / 2) with ``act`` = 1 (gpt-oss's SwiGLU on
     interleaved gate / up rows). ``sorted_out`` (default ``act``): 1 writes out's rows in the sorted
     order too (what the next projection reads), 0 scatters them to the (token, slot) rows. ``bias``
-    (E, N) fp32 or None; ``constants`` the stacked PackedWeight's (E, 2). One ``ct.launch``."""
+    (E, N) fp32 or None; ``constants`` the stacked PackedWeight's (E, 2). ``blocks``: the grid
+    (default ``grid_blocks``). One ``ct.launch``."""
     order, offsets, slot_expert = routed
     num_experts, n = words.shape[0], words.shape[1]
     top_k = xs.shape[0] // tokens
@@ -380,11 +397,28 @@ def launch(xs: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constan
     if bias is None:
         bias = zero_bias(num_experts, n, xs.device)
     groups = chunk_groups(tokens, cfg.tile_m)
-    grid = (slot_expert.shape[0] * groups * -(-n // cfg.tile_n), 1, 1)
+    items = slot_expert.shape[0] * groups * -(-n // cfg.tile_n)
+    if blocks is None:
+        blocks = grid_blocks(items, tokens * top_k, num_experts, cfg, out.device)
     stream = torch.cuda.current_stream(out.device)
-    ct.launch(stream, grid, cfg.kernel,
-              (xs, words, scale_t, out, constants, constants[0, 1:2], bias, order, offsets, slot_expert,
+    ct.launch(stream, (max(1, min(blocks, items)), 1, 1), cfg.kernel,
+              (xs, words, scale_t, out, constants, constants[0, 1:2], bias, order, offsets, slot_expert, groups,
                *_constants(layout, cfg, _X_PARTS[xs.dtype], act, act if sorted_out is None else sorted_out)))
+
+
+def grid_blocks(items: int, pairs: int, num_experts: int, cfg: MoEConfig, device) -> int:
+    """The grouped kernel's grid for ``items`` work items: while the (token, slot) ``pairs`` are at
+    most E, the slots are the busiest experts first and the empty ones last (``route``), and under
+    skewed routing most of them are empty (gpt-oss-120b at T = 16: about 30 of 64 slots hold rows):
+    a persistent grid of SMs x ``cfg.occupancy`` blocks then runs the items with rows spread evenly
+    over the blocks and skips the empty ones at a few loads each, where a block per item would
+    launch thousands of blocks that do nothing. From E + 1 pairs on, one block per item (the
+    hardware's block scheduler then balances chunks of unequal work)."""
+    if pairs > num_experts or device.type != "cuda":
+        return items
+    from ._common import num_sms
+
+    return num_sms(device) * (cfg.occupancy or 1)
 
 
 #: Up to this many tokens a call takes the per-pair FMA kernel (``_moe_gemv_kernel``, no routing):
@@ -484,7 +518,7 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                     params = [array(x_ct, 2), array(ct.int32, 3), array(ct.uint8, 3), array(x_ct, 2),
                               array(ct.float32, 2, aligned=False), array(ct.float32, 1, aligned=False),
                               array(ct.float32, 2), array(ct.int64, 1), array(ct.int64, 1), array(ct.int64, 1),
-                              *_constants(layout, cfg, _X_PARTS[x_dtype], act, act)]
+                              _INT32, *_constants(layout, cfg, _X_PARTS[x_dtype], act, act)]
                     suffix = "_swiglu" if act else ""
                     variants.append(AotVariant(f"moe_{name}_{x_ct.name}_{cfg.name}{suffix}", cfg.kernel, params))
         # The per-pair kernel, bf16 activations (fp16 is the same code path): each projection of a

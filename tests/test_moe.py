@@ -579,6 +579,10 @@ def test_benchmark_cpu_smoke(tmp_path):
     result = json.loads((tmp_path / "moe-cpu.json").read_text())
     assert result["layers"] and all(r["rel_err"] < 1e-2 for r in result["layers"])
     assert set(result["e2e"]) == {"gpt-oss-20b", "gpt-oss-120b"}
+    r20, r120 = result["e2e"]["gpt-oss-20b"], result["e2e"]["gpt-oss-120b"]
+    # the same decode step with MXFP4 and bf16 experts on the same weights: close logits
+    assert r20["logits_rel_err"] < 2e-2 and r20["mxfp4"]["finite"] and r20["bf16"]["finite"]
+    assert r120["batch1"]["finite"] and r120["batch8"]["finite"]
     assert bench.main(["--profile", "--cpu-smoke", "--out", str(tmp_path)]) == 0
     profiled = json.loads((tmp_path / "moe-profile-cpu.json").read_text())["profile"]
     assert {r["variant"] for r in profiled} == {"tilemm", "grouped"} and all(r["kernels"] for r in profiled)

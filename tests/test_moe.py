@@ -234,6 +234,53 @@ def test_routing_is_fixed_size_and_sorted():
     assert mk.route(torch.tensor([[2 ** 40, -2 ** 40]]), 6)[2].tolist() == [6, 0]  # (expert 0: no rows)
 
 
+def _route_both(ids, e):
+    """``route`` by the PyTorch operations and by ``_route_kernel`` (on the emulator)."""
+    return mk.route(ids, e, kernel=False), mk.route(ids, e, kernel=True)
+
+
+def test_route_kernel_matches_the_sorting_route(emulated):
+    """The one-block routing kernel: the same order (stable) and offsets as the PyTorch route; its
+    slots the same experts with rows in the same order (busiest first, ties by id), then -1 where
+    the PyTorch route lists experts without rows. Out-of-range ids (negative, >= E, huge), int32 ids,
+    a single row, every row on one expert, more rows than experts."""
+    gen = torch.Generator().manual_seed(31)
+    cases = [(torch.tensor([[2, 0], [2, 5], [-1, 2], [0, 7]]), 6), (torch.tensor([[3]]), 6),
+             (torch.tensor([[2 ** 40, -2 ** 40]]), 6), (torch.full((5, 2), 4, dtype=torch.int32), 9),
+             (torch.randint(-2, 40, (16, 4), generator=gen), 37), (torch.randint(0, 8, (12, 3), generator=gen), 8)]
+    for ids, e in cases:
+        (order, offsets, slots), (k_order, k_offsets, k_slots) = _route_both(ids, e)
+        assert torch.equal(k_order, order) and torch.equal(k_offsets, offsets), (ids, e)
+        assert k_slots.shape == slots.shape and k_slots.dtype == torch.int64
+        counts = (offsets[1:] - offsets[:-1]).tolist()  # (E + 1,): the extra expert E last
+        busiest = sorted((b for b in range(e + 1) if counts[b]), key=lambda b: (-counts[b], b))
+        assert k_slots.tolist() == busiest + [-1] * (len(k_slots) - len(busiest)), (ids, e)
+        if ids.numel() <= e:  # the PyTorch route's order then too
+            assert slots[:len(busiest)].tolist() == busiest
+    assert mk.route_kernel_fits(64, 128) and not mk.route_kernel_fits(128, 128)  # 120b: T = 16, not 32
+    assert mk.route_kernel_fits(128, 32) and mk.route_kernel_fits(32, 256) and not mk.route_kernel_fits(64, 256)
+
+
+def test_kernel_after_route_kernel(emulated):
+    """The grouped kernel on the routing kernel's slots (-1 entries: nothing to do), persistent grid."""
+    e, n, k = 7, 32, 256
+    w_q, packed = stacked("mxfp4", e, n, k, seed=32)
+    gen = torch.Generator().manual_seed(33)
+    x = (torch.randn(3, k, generator=gen) * 2).to(torch.bfloat16)
+    ids = torch.tensor([[1, 1 + 0], [1, 4], [9, 1]])[:, :2]
+    ids[0, 1] = 3
+    routed = mk.route(ids, e, kernel=True)
+    assert routed[2].tolist() == [1, 3, 4, 7, -1, -1]
+    out = torch.full((6, n), 12345.0, dtype=torch.bfloat16)
+    cfg = mk.MoEConfig(16, 16, 4, None, cat=1)
+    mk.launch(mk.sort_rows(x, routed, 2), packed.words, packed.scale_t, packed.constants, None, routed, 3, out,
+              packed.layout, cfg=cfg, blocks=2)
+    out = out.reshape(3, 2, n)
+    ok = ids < e
+    assert out[~ok].isnan().all()
+    assert_matches(out[ok].float(), reference64(x, w_q, ids)[ok], torch.bfloat16)
+
+
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_kernel_matches_reference(emulated, fmt, x_dtype):

@@ -66,11 +66,11 @@ import torch
 import cuda.tile.compilation as cc
 
 from ._aot import AotVariant, array
-from ._common import hinted, sm90_hints
+from ._common import hinted, sm90_hints, stream_handle
 from .weight_only_kernels import LAYOUTS, Layout, _X_PARTS, _f32_halves, _k_tile, _multipliers, _scaled_plane
 
 __all__ = ["MoEConfig", "plan", "route", "launch", "sort_rows", "launch_pairs", "pairs_plan", "PairsConfig",
-           "combine_pays", "grid_blocks", "PAIRS_MAX_TOKENS", "zero_bias", "chunk_groups", "aot_variants", "SWIGLU_ALPHA",
+           "combine_pays", "grid_blocks", "route_kernel_fits", "PAIRS_MAX_TOKENS", "zero_bias", "chunk_groups", "aot_variants", "SWIGLU_ALPHA",
            "SWIGLU_LIMIT"]
 
 ConstInt = ct.Constant[int]
@@ -269,6 +269,44 @@ def _moe_gemv_kernel(X, W, S, Out, Consts, Mult, Bias, Ids, Weights,
                                            SCALE_E8M0, BLOCK, PLANES, GROUP, TN, UNROLL, ACT))
 
 
+@ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
+def _route_kernel(Ids, Order, Offsets, SlotExpert, PP: ConstInt, EE: ConstInt):
+    """The routing of ``route`` in one block, for P = Ids.shape[0] <= PP (T * k (token, slot) rows)
+    and E + 2 = Offsets.shape[0] <= EE: the keys (ids outside [0, E) -> E, rows past P -> E + 1),
+    then with (PP, PP) and (EE, PP) comparison tiles, no sort:
+
+    * Offsets[b] = #{rows with key < b}, b = 0 .. E + 1;
+    * row i's place in the stable order: #{j: key_j < key_i} + #{j < i: key_j = key_i}, so
+      Order[place_i] = i (places are distinct: one scatter, no two writes to one element);
+    * SlotExpert (S,): the keys with rows, by decreasing number of rows (ties by key), then -1 (no
+      expert: its blocks do nothing). The keys are ranked at the first row of each run, the same
+      tie rule as ``route``'s stable argsort, and each slot's value is the max over rows of the key
+      ranked there (one store per slot)."""
+    rows = Ids.shape[0]
+    num_e = Offsets.shape[0] - 2
+    i = ct.arange(PP, dtype=ct.int32)
+    raw = ct.load(Ids, (0,), (PP,), padding_mode=_ZERO).astype(ct.int64)
+    key = ct.where(raw >= 0, ct.where(raw < num_e, raw, num_e), num_e).astype(ct.int32)
+    key = ct.where(i < rows, key, num_e + 1)
+    ki, kj = key.reshape((PP, 1)), key.reshape((1, PP))
+    ii, jj = i.reshape((PP, 1)), i.reshape((1, PP))
+    b = ct.arange(EE, dtype=ct.int32)
+    below = ct.sum(ct.where(kj < b.reshape((EE, 1)), 1, 0), axis=1)  # (EE,)
+    ct.scatter(Offsets, b, below.astype(ct.int64))  # (entries past E + 1: out of bounds, dropped)
+    same = ct.where(kj == ki, 1, 0)  # (PP, PP)
+    earlier = ct.sum(same * ct.where(jj < ii, 1, 0), axis=1)
+    place = ct.sum(ct.where(kj < ki, 1, 0), axis=1) + earlier
+    ct.scatter(Order, place, i.astype(ct.int64))  # (padding rows' places are >= P: dropped)
+    count = ct.sum(same, axis=1)  # rows of row i's key
+    lead = ct.where(earlier == 0, ct.where(i < rows, 1, 0), 0)  # row i starts its key's run
+    ci, cj = count.reshape((PP, 1)), count.reshape((1, PP))
+    ahead = ct.where(cj > ci, 1, ct.where(cj == ci, ct.where(kj < ki, 1, 0), 0))
+    rank = ct.sum(ahead * lead.reshape((1, PP)), axis=1)  # (PP,): the slot of a leading row's key
+    slot = ct.where(lead == 1, rank, PP)
+    slot_key = ct.max(ct.where(slot.reshape((1, PP)) == ii, kj, -1), axis=1)  # (PP,): slot s's key or -1
+    ct.scatter(SlotExpert, i, slot_key.astype(ct.int64))  # (slots past S dropped)
+
+
 # --------------------------------------------------------------------------------------------------
 # Routing, configs and launch
 # --------------------------------------------------------------------------------------------------
@@ -276,12 +314,42 @@ def _moe_gemv_kernel(X, W, S, Out, Consts, Mult, Bias, Ids, Weights,
 _BOUNDS: dict = {}
 
 
-def route(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+#: ``route`` runs ``_route_kernel`` (one launch) on CUDA while its comparison tiles stay at most this
+#: many elements (PP * max(PP, EE)): a decode batch of gpt-oss-120b up to T = 16, of gpt-oss-20b up to
+#: T = 32; beyond, about ten PyTorch operations (a radix sort among them).
+ROUTE_KERNEL_MAX_ELEMENTS = 16384
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def route_kernel_fits(pairs: int, num_experts: int) -> bool:
+    """Whether ``_route_kernel`` takes T * k = ``pairs`` rows for E = ``num_experts``."""
+    pp = _pow2(max(pairs, 1))
+    return pp * max(pp, _pow2(num_experts + 2)) <= ROUTE_KERNEL_MAX_ELEMENTS
+
+
+def route(topk_ids: torch.Tensor, num_experts: int, kernel: bool | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(order, offsets, slot_expert) int64 for ``topk_ids`` (T, k) (see the module docstring); fixed
-    sizes T * k, E + 2 and min(T * k, E + 1); no host synchronisation. About six small kernels: a
-    layer computes it once for both of its projections."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
+    sizes T * k, E + 2 and min(T * k, E + 1); no host synchronisation. ``kernel`` (default: on CUDA
+    where ``route_kernel_fits``): one launch of ``_route_kernel``, whose slot_expert ends with -1 (no
+    expert) where the PyTorch path lists the experts without rows; else about ten small PyTorch
+    kernels. Either way a layer computes it once for both of its projections."""
+    flat = topk_ids.reshape(-1)
     rows = flat.numel()
+    if kernel is None:
+        kernel = flat.is_cuda and route_kernel_fits(rows, num_experts)
+    if kernel:
+        order = torch.empty(rows, dtype=torch.int64, device=flat.device)
+        offsets = torch.empty(num_experts + 2, dtype=torch.int64, device=flat.device)
+        slot_expert = torch.empty(min(rows, num_experts + 1), dtype=torch.int64, device=flat.device)
+        pp, ee = _pow2(max(rows, 1)), _pow2(num_experts + 2)
+        ct.launch(stream_handle(flat.device), (1, 1, 1), _route_kernel,
+                  (flat.contiguous(), order, offsets, slot_expert, pp, ee))
+        return order, offsets, slot_expert
+    flat = flat.to(torch.int64)
     # ids outside [0, E) -> E: clamp to [-1, E], then -1 -> E (mod E + 1).
     key = torch.remainder(flat.clamp(-1, num_experts), num_experts + 1)
     sorted_key, order = torch.sort(key, stable=True)
@@ -400,7 +468,7 @@ def launch(xs: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constan
     items = slot_expert.shape[0] * groups * -(-n // cfg.tile_n)
     if blocks is None:
         blocks = grid_blocks(items, tokens * top_k, num_experts, cfg, out.device)
-    stream = torch.cuda.current_stream(out.device)
+    stream = stream_handle(out.device)
     ct.launch(stream, (max(1, min(blocks, items)), 1, 1), cfg.kernel,
               (xs, words, scale_t, out, constants, constants[0, 1:2], bias, order, offsets, slot_expert, groups,
                *_constants(layout, cfg, _X_PARTS[xs.dtype], act, act if sorted_out is None else sorted_out)))
@@ -479,7 +547,7 @@ def launch_pairs(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, co
         bias = zero_bias(num_experts, n, x.device)
     combine = int(weights is not None)
     grid = (out.shape[0] * -(-n // cfg.tile_n), 1, 1)
-    stream = torch.cuda.current_stream(out.device)
+    stream = stream_handle(out.device)
     ct.launch(stream, grid, cfg.kernel,
               (x, words, scale_t, out, constants, constants[0, 1:2], bias, ids, weights if combine else out,
                *_pairs_constants(layout, cfg, act, combine)))

@@ -661,11 +661,7 @@ def time_decode(model: DecodeModel, steps: int, device, t0, label: str) -> dict:
     captured in a CUDA graph and replayed ``steps`` times between CUDA events (the graph's own
     position and tokens advance each replay). On the CPU: one eager step, no timing."""
     batch = model.ids.shape[0]
-    gen = torch.Generator(device=device).manual_seed(SEED + batch)
-    model.k_cache.normal_(generator=gen)
-    model.v_cache.normal_(generator=gen)
-    model.ids.copy_(torch.randint(model.embed.shape[0], (batch,), generator=gen, device=device))
-    model.pos.fill_(E2E_START)
+    start_state(model, device, SEED + batch)
     rec = {"batch": batch}
     if device.type != "cuda":
         model.step()
@@ -713,13 +709,18 @@ def time_decode(model: DecodeModel, steps: int, device, t0, label: str) -> dict:
     return rec
 
 
-def first_step_logits(model: DecodeModel, device) -> torch.Tensor:
-    """Logits of one eager step from a fixed state (the same for every experts block)."""
-    gen = torch.Generator(device=device).manual_seed(SEED)
+def start_state(model: DecodeModel, device, seed: int = SEED) -> None:
+    """A fixed decode state: random keys and values in the cache, random tokens, position E2E_START."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     model.k_cache.normal_(generator=gen)
     model.v_cache.normal_(generator=gen)
     model.ids.copy_(torch.randint(model.embed.shape[0], (model.ids.shape[0],), generator=gen, device=device))
     model.pos.fill_(E2E_START)
+
+
+def first_step_logits(model: DecodeModel, device) -> torch.Tensor:
+    """Logits of one eager step from ``start_state`` (the same for every experts block)."""
+    start_state(model, device)
     model.step()
     return model.logits.float()
 

@@ -6,8 +6,9 @@ and rounded once to x's dtype. ``w`` is a stacked expert weight, ``tilemm.prepac
 quantized tensor (or of a list of E (N, K) ones).
 
 * On CUDA (Hopper, Blackwell), one token: one cuTile launch of the per-pair kernel, no routing.
-  From two tokens: one routing step of fixed-size PyTorch operations, x's rows gathered into expert
-  order, and one cuTile launch (``tilemm.kernels.moe_kernels``). No host synchronisation, no
+  From two tokens: one routing step (one small cuTile launch for decode-sized batches, else
+  fixed-size PyTorch operations), x's rows gathered into expert order, and one cuTile launch
+  (``tilemm.kernels.moe_kernels``). No host synchronisation, no
   allocation whose size depends on the routing, so a call can be captured in a CUDA graph; each
   expert's weight tile is read once per chunk of its tokens (the kernel module's docstring).
 * On the CPU: the same arithmetic in PyTorch (``reference_moe``), expert by expert.

@@ -1,59 +1,29 @@
-"""Grouped weight-only matmul for mixture-of-experts layers: every token's top-k expert products in
-one cuTile launch, each expert's prepacked MXFP4 / NVFP4 / MXFP8 weight decoded with the weight-only
-kernel's helpers (``weight_only_kernels``: same layout, same exact decode), on Hopper (sm_90) and
-Blackwell (sm_100 / sm_120).
-
-What it computes: ``out[t * k + j] = (x[t] @ dequantize(W[ids[t, j]]).T) * alpha[e] + bias[e]``,
-accumulated in fp32 and rounded once to out's dtype, for x (T, K), stacked weights W (E, N, K) and
-``ids`` (T, k).
+"""Grouped weight-only matmul for mixture-of-experts layers: every token's top-k expert products,
+``out[t * k + j] = (x[t] @ dequantize(W[ids[t, j]]).T) * alpha[e] + bias[e]`` (fp32 sums, one
+rounding), on stacked prepacked MXFP4 / NVFP4 / MXFP8 weights (E, N, K), decoded with the weight-only
+kernel's helpers (``weight_only_kernels``: same layout, same exact decode); sm_90 / sm_100 / sm_120.
 
 Two designs (``tilemm.moe`` picks by T; ``benchmarks/bench_moe.py`` times both):
 
-* per pair (``_moe_gemv_kernel``, ``launch_pairs``; T <= ``PAIRS_MAX_TOKENS``, i.e. a decode step of
-  one token): no routing at all. Block ((token, slot) pair, N tile of 16 weight rows) reads its
-  expert id, its x row (a plain tile load) and the weight tile, and multiplies on the FMA pipes as
-  the weight-only FMA kernel does (``_gemv_kernel``). One token's k experts are distinct, so each
-  expert's weight is read once. The down projection can apply the router's weights and sum the k
-  slots in its epilogue (one block per (token, N tile) runs the token's k pairs in turn), where
-  those blocks are enough to fill the GPU (``combine_pays``): the experts block of one token is then
-  two launches and nothing else; otherwise a batched GEMM sums the slots.
-* sorted (``_moe_kernel``, ``launch``): a routing step (``route``) of fixed-size PyTorch operations,
-  without a host synchronisation and without any allocation whose size depends on the routing (so a
-  call can be captured in a CUDA graph):
+* per pair (``_moe_gemv_kernel``, T <= ``PAIRS_MAX_TOKENS``): no routing; block ((token, slot),
+  16 weight rows) multiplies on the FMA pipes; one token's k experts are distinct, so each weight
+  is read once. The down projection may sum the k slots in its epilogue (``combine_pays``).
+* sorted (``_moe_kernel``): ``route`` gives the (token, slot) rows sorted by expert (``order``),
+  each expert's run (``offsets``, E + 2; ids outside [0, E) are the extra expert E) and the slots
+  (``slot_expert``: every expert with rows, busiest first); one cuTile block (``_route_kernel``,
+  comparison tiles, no sort) for decode-sized batches, else fixed-size PyTorch operations. x's rows
+  are gathered once into that order (``sort_rows``) so the K loop loads row ranges; gate_up writes
+  its rows in that order for down to read. Work item (slot, chunk group, N tile) runs the K loop of
+  the weight-only MMA kernel on TM-row chunks of its expert's tokens; a persistent grid
+  (``grid_blocks``) loops over the items while T * k <= E, so that empty slots (most of them under
+  skewed routing) cost a few loads, not a block. An expert's weight tile is read once per chunk.
 
-  * the T * k (token, slot) pairs are sorted by expert id (stable ``argsort``): ``order``;
-  * ``offsets`` (E + 2): where each expert's run starts in ``order`` (``searchsorted``), the last
-    entry T * k; ids outside [0, E) are sorted as the extra "expert" E;
-  * ``slot_expert`` (S = min(T * k, E + 1)): while T * k <= E, the experts 0 .. E by decreasing
-    number of rows (ties by id), cut to S entries: every present expert is among them (S bounds the
-    number of distinct experts whatever the routing), the busiest first (its blocks start first),
-    then experts with no rows, whose blocks do nothing; from T * k = E + 1 on, simply 0 .. E.
+No host synchronisation and no allocation whose size depends on the routing: a call can be captured
+in a CUDA graph. Rows of ids outside [0, E) come out NaN, no weight read for them. ACT = 1 fuses
+gpt-oss's clamped SwiGLU of interleaved (gate, up) rows into gate_up's epilogue.
 
-  x's rows are then gathered once into that order (``sort_rows``, one ``index_select``), so that
-  each expert's tokens are a contiguous run of rows: the kernel's K loop loads them as a plain tile
-  of a row range (``Array.slice``), not element by element (a per-element gather in the K loop
-  compiled to about 3100 sm_90 instructions per K tile against 480 for the row-range load). A layer
-  routes once for both of its projections (``tilemm.moe``'s gpt-oss experts op): the gate_up
-  projection writes its output rows in the sorted order too, which is the down projection's input.
-
-  The grid is S * G * cdiv(N, TN) blocks, fixed by T, k, E and N: block (slot, g, bn) takes expert
-  ``slot_expert[slot]``'s tokens in chunks of TM (every G-th chunk from chunk g; G grows with T,
-  ``chunk_groups``), runs the K loop of the weight-only MMA kernel on its TN weight rows, and stores
-  the TM output rows, in the sorted order (``sorted_out``) or scattered to their (token, slot) rows
-  (``ct.scatter``, once per chunk). A block whose expert has no rows does nothing, so an expert's
-  weight tile is read once per chunk of TM of its tokens: once per call while an expert has at most
-  TM tokens, and re-read from L2 for every further chunk.
-
-In both designs the rows of ids outside [0, E) (the extra expert) are written as NaN: no weight is
-read for them, never another expert's. With ACT = 1 the gate_up projection's epilogue applies
-gpt-oss's clamped SwiGLU to each (gate, up) pair of interleaved weight rows and writes the (T * k,
-N / 2) activation the down projection reads.
-
-Alternatives not taken, worth measuring: a K split for few active experts at T > 1; a sorted-token
-grouped GEMM over padded TM-row tiles (vLLM's ``moe_align_block_size`` scheme), better balanced under
-skewed routing at large T; the routing in one small cuTile kernel (a counting sort) instead of about
-ten PyTorch kernels; the per-pair design at a few tokens (an expert shared by several tokens is then
-read once per token, mostly from L2).
+Not taken, worth measuring: a K split for few active experts; vLLM-style padded TM-row tiles
+(``moe_align_block_size``); the per-pair design at a few tokens (a shared expert then read per token).
 """
 
 from __future__ import annotations

@@ -658,3 +658,156 @@ def test_custom_ops_opcheck():
     torch.library.opcheck(torch.ops.tilemm.gpt_oss_experts.default,
                           (x, ids, weights, packed.words, packed.scale_t, packed.constants, "mxfp4", None,
                            down.words, down.scale_t, down.constants, "mxfp4", torch.zeros(4, 64), 1.702, 7.0))
+
+
+# --------------------------------------------------------------------------------------------------
+# Experts from compressed-tensors and ModelOpt checkpoints
+# --------------------------------------------------------------------------------------------------
+
+E_CK, H_CK, I_CK = 3, 64, 32
+
+
+def _experts_model(num_experts=E_CK, hidden=H_CK, inter=I_CK):
+    """A module holding one transformers GptOssExperts at ``mlp.experts``."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    model = torch.nn.Module()
+    model.mlp = torch.nn.Module()
+    model.mlp.experts = GptOssExperts(tiny_gpt_oss_config(hidden_size=hidden, intermediate_size=inter,
+                                                          num_local_experts=num_experts))
+    return model
+
+
+def _expert_weights(fmt: str, seed: int = 40, shared_gate_up_scale: bool = True):
+    """Per expert {proj: (quantized (N, K), bias (N,))} for gpt-oss-shaped experts with separate gate
+    and up projections (as per-expert checkpoints store them)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(E_CK):
+        gs = torch.tensor(0.02 + 0.01 * i)
+        layer = {}
+        for proj, (n, k) in (("gate_proj", (I_CK, H_CK)), ("up_proj", (I_CK, H_CK)), ("down_proj", (H_CK, I_CK))):
+            w = torch.randn(n, k, generator=gen)
+            if fmt == "nvfp4":
+                shared = shared_gate_up_scale and proj != "down_proj"
+                q = tilemm.quantize_nvfp4(w, global_scale=gs if shared else None)
+            else:
+                q = QUANTIZERS[fmt](w)
+            layer[proj] = (q, torch.randn(n, generator=gen).to(torch.bfloat16))
+        out.append(layer)
+    return out
+
+
+def _dequant(q):
+    return q.dequantize().float()
+
+
+def _check_loaded_experts(model, weights):
+    """The loaded MoEExperts holds exactly the checkpoint's values: gate_up row 2j = gate row j, row
+    2j + 1 = up row j (and the biases alike), down as stored."""
+    ours = model.mlp.experts
+    assert isinstance(ours, MoEExperts) and ours.gate_up_words.dtype == torch.int32
+    for proj in ("gate_up", "down"):
+        w = unpack(ours.packed(proj))
+        dq = [_dequant(q) for q in w] if isinstance(w, list) else list(_dequant(w))
+        for e, layer in enumerate(weights):
+            if proj == "down":
+                expected, bias = _dequant(layer["down_proj"][0]), layer["down_proj"][1].float()
+            else:
+                expected = torch.stack((_dequant(layer["gate_proj"][0]), _dequant(layer["up_proj"][0])), 1)
+                expected = expected.reshape(2 * I_CK, H_CK)
+                bias = torch.stack((layer["gate_proj"][1], layer["up_proj"][1]), 1).reshape(-1).float()
+            assert torch.equal(dq[e], expected), (proj, e)
+            assert torch.equal(getattr(ours, proj + "_bias")[e], bias)
+    # and it runs: the module's forward against the same arithmetic on the dequantized weights
+    x = torch.randn(5, H_CK).to(torch.bfloat16)
+    ids = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]])
+    weights_ = torch.full((5, 2), 0.5, dtype=torch.bfloat16)
+    assert torch.isfinite(ours(x, ids, weights_)).all()
+
+
+def _ct_checkpoint(weights):
+    tensors, formats = {}, set()
+    for i, layer in enumerate(weights):
+        for proj, (q, bias) in layer.items():
+            t, fmt, args = checkpoints.to_compressed_tensors(q)
+            formats.add((fmt, json.dumps(args, sort_keys=True)))
+            tensors.update({f"mlp.experts.{i}.{proj}.{k}": v for k, v in t.items()})
+            tensors[f"mlp.experts.{i}.{proj}.bias"] = bias
+    (fmt, args), = formats
+    config = {"quant_method": "compressed-tensors", "format": fmt, "ignore": [],
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": json.loads(args), "format": fmt}}}
+    return tensors, config
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_experts_from_compressed_tensors(fmt):
+    """Per-expert compressed-tensors layers (``experts.<i>.{gate,up,down}_proj.weight_packed`` /
+    ``weight`` + scales) load into MoEExperts: packed bytes, no bf16 expert, exactly the stored values."""
+    weights = _expert_weights(fmt)
+    tensors, config = _ct_checkpoint(weights)
+    model = tilemm.load_quantized(_experts_model(), tensors, convention="compressed-tensors",
+                                  quantization_config=config)
+    # the stored values (NVFP4: the per-tensor scale travels as its encode reciprocal)
+    stored = [{proj: (checkpoints.from_compressed_tensors(*checkpoints.to_compressed_tensors(q)[:2]), b)
+               for proj, (q, b) in layer.items()} for layer in weights]
+    _check_loaded_experts(model, stored)
+
+
+def test_experts_from_modelopt_per_expert_and_fused():
+    """ModelOpt NVFP4: per-expert layers (``weight``, ``weight_scale``, ``weight_scale_2``), and the
+    fused gpt-oss export (``gate_up_proj`` (E, K/2, N) bytes, ``gate_up_proj_weight_scale`` (E, K/16,
+    N), ``_weight_scale_2`` shared or per expert, ``_input_scale`` dropped, ``_bias``)."""
+    weights = _expert_weights("nvfp4")
+    tensors = {}
+    for i, layer in enumerate(weights):
+        for proj, (q, bias) in layer.items():
+            tensors.update({f"mlp.experts.{i}.{proj}.{k}": v for k, v in checkpoints.to_modelopt(q).items()})
+            tensors[f"mlp.experts.{i}.{proj}.input_scale"] = torch.tensor(1.0)
+            tensors[f"mlp.experts.{i}.{proj}.bias"] = bias
+    config = {"quant_algo": "NVFP4", "exclude_modules": []}
+    model = tilemm.load_quantized(_experts_model(), tensors, convention="modelopt", quantization_config=config)
+    _check_loaded_experts(model, weights)
+
+    fused = {}
+    for proj in ("gate_up_proj", "down_proj"):
+        if proj == "gate_up_proj":
+            qs = [checkpoints._interleave_gate_up("t", "t", w["gate_proj"][0], w["up_proj"][0]) for w in weights]
+            bias = torch.stack([torch.stack((w["gate_proj"][1], w["up_proj"][1]), 1).reshape(-1) for w in weights])
+        else:
+            qs = [w["down_proj"][0] for w in weights]
+            bias = torch.stack([w["down_proj"][1] for w in weights])
+        fused[f"mlp.experts.{proj}"] = torch.stack([q.data for q in qs]).transpose(1, 2).contiguous()
+        fused[f"mlp.experts.{proj}_weight_scale"] = torch.stack([q.scale for q in qs]).transpose(1, 2).contiguous()
+        fused[f"mlp.experts.{proj}_weight_scale_2"] = torch.stack([q.global_scale for q in qs])
+        fused[f"mlp.experts.{proj}_input_scale"] = torch.tensor(1.0)
+        fused[f"mlp.experts.{proj}_bias"] = bias
+    model = tilemm.load_quantized(_experts_model(), fused, convention="modelopt", quantization_config=config)
+    _check_loaded_experts(model, weights)
+
+
+def test_expert_checkpoint_errors():
+    """Expert count or shapes that disagree with the model, gate / up NVFP4 scales that cannot share
+    one per-tensor scale, FP8 experts: ValueErrors naming the experts block and what differs."""
+    fn = "tilemm.load_quantized"
+    weights = _expert_weights("mxfp4")
+    tensors, config = _ct_checkpoint(weights)
+    load = lambda model, t: tilemm.load_quantized(model, t, convention="compressed-tensors",  # noqa: E731
+                                                  quantization_config=config)
+    with pytest.raises(ValueError, match=rf"{fn}: experts 'mlp.experts': the model has 4 experts, the checkpoint "
+                                         r"experts 0 .. 2 \(3 of them\)"):
+        load(_experts_model(num_experts=4), tensors)
+    with pytest.raises(ValueError, match=r"experts 'mlp.experts': gate_up_proj is \(N, K\) = \(128, 64\) per "
+                                         r"expert in the model but \(64, 64\) in the checkpoint"):
+        load(_experts_model(inter=64), tensors)
+    missing = {k: v for k, v in tensors.items() if not k.startswith("mlp.experts.1.")}
+    with pytest.raises(ValueError, match=r"the model has 3 experts, the checkpoint experts 0 .. 2 \(2 of them\)"):
+        load(_experts_model(), missing)
+    nv, nv_config = _ct_checkpoint(_expert_weights("nvfp4", shared_gate_up_scale=False))
+    with pytest.raises(ValueError, match=r"experts 'mlp.experts': expert 0: gate_proj and up_proj have different "
+                                         r"NVFP4 per-tensor scales"):
+        tilemm.load_quantized(_experts_model(), nv, convention="compressed-tensors", quantization_config=nv_config)
+    fp8 = [{proj: (tilemm.quantize_fp8(q.dequantize().float()), b) for proj, (q, b) in w.items()} for w in weights]
+    f8, f8_config = _ct_checkpoint(fp8)
+    with pytest.raises(ValueError, match=r"expert 0 gate_proj: FP8 experts .* have no grouped-kernel layout"):
+        tilemm.load_quantized(_experts_model(), f8, convention="compressed-tensors", quantization_config=f8_config)

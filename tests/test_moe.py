@@ -175,6 +175,61 @@ def test_moe_linear_errors_name_the_argument():
         tilemm.quantize_mxfp4(torch.randn(2, 16, 40))
 
 
+def test_moe_linear_errors_more():
+    _, packed = stacked("mxfp4", 4, 16, 64)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    ids = torch.zeros(3, 2, dtype=torch.long)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        tilemm.moe_linear([[0.0] * 64], packed, ids)
+    with pytest.raises(TypeError, match="topk_ids must be a torch.Tensor, got list"):
+        tilemm.moe_linear(x, packed, [[0, 1]] * 3)
+    with pytest.raises(ValueError, match=r"topk_ids must be \(T, k\) with T = 3 \(x's rows\) and k >= 1, got shape "
+                                         r"\(3, 0\)"):
+        tilemm.moe_linear(x, packed, ids[:, :0])
+    with pytest.raises(ValueError, match=r"x must be \(T, K\) with K = 64"):
+        tilemm.moe_linear(x.reshape(3, 1, 64), packed, ids)
+    with pytest.raises(TypeError, match="bias must be a torch.Tensor or None, got float"):
+        tilemm.moe_linear(x, packed, ids, 0.5)
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 4\) .* got values in \[0, 7\]"):
+        tilemm.moe_linear(x, packed, torch.tensor([[0, 7], [1, 2], [3, 3]]), check_ids=True)
+
+
+def test_experts_module_errors_name_the_argument():
+    """MoEExperts: weights that do not fit each other, biases of the wrong shape or type, and
+    forward's arguments: typed errors naming them."""
+    fn = "tilemm.moe.MoEExperts"
+    _, gu = stacked("mxfp4", 4, 64, 64, seed=50)
+    _, dn = stacked("mxfp4", 4, 64, 32, seed=51)
+    _, dn_bad = stacked("mxfp4", 3, 64, 32, seed=52)
+    with pytest.raises(TypeError, match=f"{fn}: gate_up must be a stacked expert PackedWeight"):
+        MoEExperts(prepack(tilemm.quantize_mxfp4(torch.randn(64, 64))), dn)
+    with pytest.raises(ValueError, match=r"gate_up \(E, 2I, H\) = \(4, 64, 64\) and down \(E, H, I\) = \(3, 64, 32\) "
+                                         r"do not fit"):
+        MoEExperts(gu, dn_bad)
+    with pytest.raises(ValueError, match=r"down_bias must be \(E, N\) = \(4, 64\), got \(4, 32\)"):
+        MoEExperts(gu, dn, None, torch.zeros(4, 32))
+    with pytest.raises(TypeError, match="gate_up_bias must be a float torch.Tensor"):
+        MoEExperts(gu, dn, torch.zeros(4, 64, dtype=torch.int64))
+    ours = MoEExperts(gu, dn)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 0]])
+    w = torch.full((3, 2), 0.5, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"hidden_states must be \(\.\.\., 64\), got \(3, 32\)"):
+        ours(x[:, :32], ids, w)
+    with pytest.raises(TypeError, match="hidden_states must be bfloat16 or float16, got torch.float32"):
+        ours(x.float(), ids, w)
+    with pytest.raises(TypeError, match="router_indices must be int32 or int64, got torch.float32"):
+        ours(x, ids.float(), w)
+    with pytest.raises(ValueError, match=r"router_indices must be \(T, k\) for the T = 3 tokens"):
+        ours(x, ids[:2], w)
+    with pytest.raises(ValueError, match=r"routing_weights must have router_indices' shape \(3, 2\)"):
+        ours(x, ids, w[:, :1])
+    with pytest.raises(TypeError, match="routing_weights must be a float tensor, got torch.int64"):
+        ours(x, ids, ids)
+    with pytest.raises(TypeError, match="routing_weights must be a torch.Tensor, got list"):
+        ours(x, ids, [[0.5, 0.5]] * 3)
+
+
 def test_moe_linear_compiles_fullgraph():
     """The custom op with its fake implementation traces as one op under torch.compile(fullgraph=True)."""
     w_q, packed = stacked("nvfp4", 4, 16, 64)

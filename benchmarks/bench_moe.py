@@ -5,7 +5,8 @@
     python benchmarks/bench_moe.py --layers-only  # every layer shape at every T, both routings, the designs
     python benchmarks/bench_moe.py --e2e          # gpt-oss-20b (bf16 vs MXFP4 experts) and -120b decode steps
     python benchmarks/bench_moe.py --cpu-smoke    # tiny shapes on the CPU: the code paths, no timing
-    python benchmarks/bench_moe.py --profile      # per-kernel GPU time of one layer at T = 1 and 16
+    python benchmarks/bench_moe.py --profile      # per-kernel GPU time of the layers at T = 1 and 16 (120b:
+                                                  # uniform and skewed routing)
 
 Layers (one MoE block: gate_up projection with its bias, gpt-oss's clamped SwiGLU, down projection
 with its bias, the router's weights applied and the k slots summed; the routing is given):
@@ -432,12 +433,13 @@ def bench_layers(args, device, timer, t0) -> list[dict]:
 # ---------------------------------------------------------------------------------------- profile
 
 #: ``--profile``: these layers (name, format) at these T, uniform routing.
-PROFILE_LAYERS = (("gpt-oss-20b", "mxfp4"), ("qwen-a3b-anchor", "nvfp4"))
+PROFILE_LAYERS = (("gpt-oss-20b", "mxfp4", ("uniform",)), ("gpt-oss-120b", "mxfp4", ("uniform", "skewed")),
+                  ("qwen-a3b-anchor", "nvfp4", ("uniform",)))
 PROFILE_TOKENS = (1, 16)
 PROFILE_CALLS = 5
 #: The designs profiled next to the default (the structurally different ones; each is a few more JIT
 #: compiles).
-PROFILE_DESIGNS = ("pairs_combine", "pairs_bmm", "sorted")
+PROFILE_DESIGNS = ("pairs_combine", "pairs_bmm", "sorted", "full_grid")
 
 
 def kernel_table(fn, calls: int, device) -> list[tuple[str, float, float]]:
@@ -471,11 +473,11 @@ def profile_layers(args, device, timer, t0) -> list[dict]:
     baseline) at T in PROFILE_TOKENS: where the time of a layer goes. Printed, and returned."""
     out = []
     layers = {(n, f): (n, h, i, e, k, b) for n, h, i, e, k, fs, b in LAYERS for f in fs}
-    todo = [(layers[key], key[1]) for key in PROFILE_LAYERS]
+    todo = [(layers[(n, f)], f, r) for n, f, r in PROFILE_LAYERS]
     tokens = PROFILE_TOKENS
     if args.cpu_smoke:
-        todo, tokens = [(("tiny", 256, 256, 8, 2, True), "mxfp4")], (1,)
-    for (name, hidden, inter, e, k, biases), fmt in todo:
+        todo, tokens = [(("tiny", 256, 256, 8, 2, True), "mxfp4", ("uniform",))], (1,)
+    for (name, hidden, inter, e, k, biases), fmt, routings in todo:
         gen = torch.Generator().manual_seed(SEED)
         gub = torch.randn(e, 2 * inter, generator=gen).to(device) * 0.1 if biases else None
         db = torch.randn(e, hidden, generator=gen).to(device) * 0.1 if biases else None
@@ -484,8 +486,8 @@ def profile_layers(args, device, timer, t0) -> list[dict]:
         ours = MoEExperts(gate_up, down, gub, db)
         grouped = GroupedBF16Experts(dequantized(gate_up).transpose(1, 2).contiguous(), gub,
                                      dequantized(down).transpose(1, 2).contiguous(), db)
-        for t in tokens:
-            ids, weights = routing("uniform", t, e, k, device, gen)
+        for routing_kind, t in [(r, t) for r in routings for t in tokens]:
+            ids, weights = routing(routing_kind, t, e, k, device, gen)
             x = (torch.randn(t, hidden, generator=gen) * 0.5).to(torch.bfloat16).to(device)
             variants = {"tilemm": lambda: ours(x, ids, weights), "grouped": lambda: grouped(x, ids, weights)}
             for design in designs_for(t, e, k) if device.type == "cuda" else ():  # (the designs launch the kernel)
@@ -493,7 +495,7 @@ def profile_layers(args, device, timer, t0) -> list[dict]:
                     continue
                 variants[design] = (lambda f: lambda: f(x, ids, weights))(designed(ours, design))
             for vname, fn in variants.items():
-                rec = {"layer": name, "format": fmt, "T": t, "variant": vname}
+                rec = {"layer": name, "format": fmt, "routing": routing_kind, "T": t, "variant": vname}
                 try:
                     if timer is not None:
                         ms, how = timer(fn)
@@ -505,7 +507,7 @@ def profile_layers(args, device, timer, t0) -> list[dict]:
                     out.append(rec)
                     continue
                 total = sum(us for _, us, _ in rec["kernels"])
-                log(f"{name} {fmt} T={t} {vname}: layer {_f(rec.get('layer_us'), '.1f')} us ({rec.get('how', '-')}); "
+                log(f"{name} {fmt} {routing_kind} T={t} {vname}: layer {_f(rec.get('layer_us'), '.1f')} us ({rec.get('how', '-')}); "
                     f"kernels {total:.1f} us in {sum(n for *_, n in rec['kernels']):.0f} launches:", t0)
                 for kname, us, n in rec["kernels"]:
                     print(f"    {us:8.1f} us  x{n:<4.1f} {kname[:110]}", flush=True)
@@ -861,7 +863,7 @@ def main(argv=None) -> int:
     mode.add_argument("--layers-only", action="store_true", help="the layer benchmark only")
     mode.add_argument("--e2e", action="store_true", help="the end-to-end decodes only")
     mode.add_argument("--profile", action="store_true",
-                      help="per-kernel GPU time of one layer (gpt-oss-20b MXFP4, anchor NVFP4) at T = 1, 16")
+                      help="per-kernel GPU time of one layer (gpt-oss-20b and -120b MXFP4, anchor NVFP4) at T = 1, 16")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU, no timing (with --profile: "
                     "the profile's code path)")
     ap.add_argument("--tokens", type=int, default=64, help="timed decode steps per end-to-end run (default 64)")

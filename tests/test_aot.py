@@ -198,8 +198,8 @@ def test_split_and_precision_are_paths_but_tile_shapes_are_not():
     base = "hopper_mxfp8_e4m3_swz_{}_stream_{}"
     assert path[base.format("bf16", "128x128x128_s1_x16")] == path[base.format("fp32", "128x128x128_s1_x16")]
     assert path[base.format("bf16", "128x128x128_s1_x16")] == path[base.format("bf16", "64x128x128_s1_occ2_x16")]
-    assert path[base.format("bf16", "128x128x128_s2_x16")] == path[base.format("bf16", "128x128x128_s8_x16")]
-    assert path[base.format("bf16", "128x128x128_s1_x16")] != path[base.format("bf16", "128x128x128_s2_x16")]
+    assert path[base.format("bf16", "128x128x128_s2")] == path[base.format("bf16", "128x128x128_s8")]
+    assert path[base.format("bf16", "128x128x128_s1_x16")] != path[base.format("bf16", "128x128x128_s2")]
     # e4m3 and e5m2 data, and swizzled and logical scales, are separate paths.
     assert path[base.format("bf16", "128x128x128_s1_x16")] != path[
         "hopper_mxfp8_e5m2_swz_bf16_stream_128x128x128_s1_x16"]

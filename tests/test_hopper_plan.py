@@ -37,12 +37,16 @@ def test_stream_config_small_m_uses_64_weight_rows_and_one_warpgroup():
     assert hbs.plan(MXFP4, 1, 100, 4096, 4096).tile_n == 128
 
 
-def test_stream_config_reads_a_16_bit_activation_copy_only_above_m_16():
-    # Up to M = 16 every block decodes its activation tile, so that a call is one launch (every format).
+def test_stream_config_reads_a_16_bit_activation_copy_only_above_m_16_without_a_split():
+    # Up to M = 16 every block decodes its activation tile, so that a call is one launch (every format);
+    # a K split always decodes in the kernel (see hopper_block_scaled._x16).
     for fmt in (MXFP8_E4M3, MXFP4, NVFP4):
         assert not hbs.plan(fmt, 1, 1, 4096, 4096).x16
         assert not hbs.plan(fmt, 1, 16, 4096, 4096).x16
-    assert hbs.plan(NVFP4, 1, 128, 4096, 4096).x16
+        split = hbs.plan(fmt, 1, 128, 4096, 4096)
+        assert split.split_k > 1 and not split.x16
+        whole = hbs.plan(fmt, 1, 128, 65536, 4096)
+        assert whole.split_k == 1 and whole.x16
 
 
 def test_two_pass_dequantizes_4_bit_formats_in_16x512_tiles():

@@ -198,8 +198,8 @@ def test_block_scaled_larger(fmt, m, n, k, swizzled):
     check_close(out, ref, oracle(xq, wq), torch.bfloat16)
 
 
-@pytest.mark.parametrize("m,n,k,swizzled", [(7, 300, 2048, True), (33, 17, 1024, False)],
-                         ids=["7x300x2048_swizzled", "33x17x1024"])
+@pytest.mark.parametrize("m,n,k,swizzled", [(7, 300, 2048, True), (33, 17, 1024, False), (100, 17, 1024, False)],
+                         ids=["7x300x2048_swizzled", "33x17x1024", "100x17x1024"])
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=FMT_IDS)
 def test_block_scaled_split_k(fmt, m, n, k, swizzled):
     # Few output tiles and a long K: the stream kernel splits K (4 and 2 ways here) and the last
@@ -209,6 +209,24 @@ def test_block_scaled_split_k(fmt, m, n, k, swizzled):
     bias = torch.randn(n, generator=torch.Generator().manual_seed(14))
     out, ref = run_both(fmt, xq, wq, swizzled, out_dtype=torch.bfloat16, alpha=0.5, bias=bias)
     check_close(out, ref, oracle(xq, wq, alpha=0.5, bias=bias), torch.bfloat16)
+
+
+@pytest.mark.skipif(not IS_HOPPER, reason="the Hopper stream kernel")
+@pytest.mark.xfail(strict=True, reason="tileiras 13.4 miscompiles the stream kernel reading the 16-bit activation "
+                   "copy with a K split (logical scales, NVFP4 at 64x128 tiles): wrong partial tiles on the H100; "
+                   "plan() never picks it (hopper_block_scaled._x16)")
+def test_x16_with_a_k_split_is_miscompiled():
+    from tilemm.kernels import hopper_block_scaled as hbs
+    from tilemm.matmul import BlockScaledProblem
+
+    xq, wq = quantized_pair(NVFP4, 33, 17, 1024, seed=13)
+    _, ref = run_both(NVFP4, xq, wq, False, out_dtype=torch.float32)
+    problem = BlockScaledProblem(fmt=NVFP4, a=xq.data.to(DEV)[None], a_scale=xq.scale.to(DEV)[None],
+                                 b=wq.data.to(DEV)[None], b_scale=wq.scale.to(DEV)[None], swizzled=False,
+                                 out=torch.full((1, 33, 17), float("nan"), device=DEV), bias=None, alpha=None,
+                                 global_scales=(xq.global_scale.to(DEV), wq.global_scale.to(DEV)))
+    hbs.launch(problem, hbs.StreamConfig(64, 128, 128, 2, num_worker_warps=8, occupancy=2, x16=True))
+    check_close(problem.out[0], ref, oracle(xq, wq), torch.float32)
 
 
 @pytest.mark.skipif(not IS_HOPPER, reason="the one-launch small-M call is the Hopper stream kernel's")

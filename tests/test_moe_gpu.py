@@ -134,6 +134,7 @@ def test_persistent_grid_equals_full_grid(fmt):
     layout = tilemm.packed.layout_of(packed.fmt)
     cfg = mk.plan(t, k, e, layout)
     assert mk.grid_blocks(10 ** 6, t * k, e, cfg, DEV) < 10 ** 6
+    assert mk.grid_blocks(10 ** 6, 4096, 128, cfg, DEV) == 10 ** 6  # large T: a block per item
     outs = []
     for kernel in (True, False):
         routed = mk.route(ids, e, kernel=kernel)

@@ -15,8 +15,8 @@ Two designs (``tilemm.moe`` picks by T; ``benchmarks/bench_moe.py`` times both):
   are gathered once into that order (``sort_rows``) so the K loop loads row ranges; gate_up writes
   its rows in that order for down to read. Work item (slot, chunk group, N tile) runs the K loop of
   the weight-only MMA kernel on TM-row chunks of its expert's tokens; a persistent grid
-  (``grid_blocks``) loops over the items while T * k <= E, so that empty slots (most of them under
-  skewed routing) cost a few loads, not a block. An expert's weight tile is read once per chunk.
+  (``grid_blocks``) loops over the items where the busiest slots come first, so that empty slots
+  (most of them under skewed routing) cost a few loads, not a block. An expert's weight tile is read once per chunk.
 
 No host synchronisation and no allocation whose size depends on the routing: a call can be captured
 in a CUDA graph. Rows of ids outside [0, E) come out NaN, no weight read for them. ACT = 1 fuses
@@ -445,14 +445,14 @@ def launch(xs: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constan
 
 
 def grid_blocks(items: int, pairs: int, num_experts: int, cfg: MoEConfig, device) -> int:
-    """The grouped kernel's grid for ``items`` work items: while the (token, slot) ``pairs`` are at
-    most E, the slots are the busiest experts first and the empty ones last (``route``), and under
-    skewed routing most of them are empty (gpt-oss-120b at T = 16: about 30 of 64 slots hold rows):
-    a persistent grid of SMs x ``cfg.occupancy`` blocks then runs the items with rows spread evenly
-    over the blocks and skips the empty ones at a few loads each, where a block per item would
-    launch thousands of blocks that do nothing. From E + 1 pairs on, one block per item (the
-    hardware's block scheduler then balances chunks of unequal work)."""
-    if pairs > num_experts or device.type != "cuda":
+    """The grouped kernel's grid for ``items`` work items. Where ``route`` puts the slots of the
+    experts with rows first, busiest first (T * k = ``pairs`` <= E, or its one-block kernel), most
+    slots may be empty (gpt-oss-120b at T = 16 under skewed routing: about 30 of 64 hold rows): a
+    persistent grid of SMs x ``cfg.occupancy`` blocks then runs the items with rows spread evenly
+    over the blocks and skips the rest at a few loads each, where a block per item would launch
+    thousands of blocks that do nothing. Otherwise one block per item (the hardware's block
+    scheduler then balances chunks of unequal work)."""
+    if device.type != "cuda" or not (pairs <= num_experts or route_kernel_fits(pairs, num_experts)):
         return items
     from ._common import num_sms
 

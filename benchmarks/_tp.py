@@ -86,12 +86,19 @@ class PlainShard(torch.nn.Module):
     """
 
     def __init__(self, linear: torch.nn.Linear, style: str, group, gather: bool = False,
-                 one_shot_max_bytes: int = 0):
+                 one_shot_max_bytes: int = 0, copy_min_bytes: int = 0, chunks: int = 1, chunk_min_rows: int = 1024,
+                 taper: bool = False):
         super().__init__()
-        # Row-wise: outputs of at most this many bytes are summed by the one-shot all-reduce, as
-        # tilemm's RowwiseParallel(one_shot_max_bytes=...) does.
+        # Row-wise: outputs of at most this many bytes are summed by the one-shot all-reduce, of at
+        # least copy_min_bytes by the copy engines, and inputs of at least chunk_min_rows rows are
+        # multiplied in ``chunks`` pieces (``taper``: halving toward the end) whose copy all-reduces
+        # overlap the next piece's matmul, as tilemm's RowwiseParallel(one_shot_max_bytes=...,
+        # copy_min_bytes=..., chunks=..., taper=...) does.
         self.one_shot = (tilemm.parallel._OneShot(group, one_shot_max_bytes)
                          if one_shot_max_bytes and style == "rowwise" else None)
+        self.copy = (tilemm.parallel._CopyAllReduce(group, copy_min_bytes)
+                     if copy_min_bytes and style == "rowwise" else None)
+        self.chunks, self.chunk_min_rows, self.taper = chunks, chunk_min_rows, taper
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         self.style, self.group, self.world, self.gather = style, group, world, gather
         w = linear.weight.detach()
@@ -108,17 +115,44 @@ class PlainShard(torch.nn.Module):
         self.bias = None if b is None else torch.nn.Parameter(b, requires_grad=False)
 
     def forward(self, x):
+        if (self.style == "rowwise" and self.copy is not None and self.chunks > 1 and x.ndim == 2
+                and x.shape[0] >= self.chunk_min_rows and tilemm.parallel._PENDING is None):
+            return self._chunked(x)
         out = F.linear(x, self.weight, self.bias)
         if self.style == "rowwise":
             if self.one_shot is not None:
                 reduced = self.one_shot(out)
                 if reduced is not None:
                     return reduced
-            tilemm.parallel.all_reduce_sum(out, self.group)  # overlaps inside tilemm.parallel.overlapped
+            # Overlaps inside tilemm.parallel.overlapped.
+            tilemm.parallel.all_reduce_sum(out, self.group, copy=self.copy)
         elif self.gather:
             local = out.reshape(-1, out.shape[-1]).contiguous()
             rows, cols = local.shape
             parts = torch.empty((self.world * rows, cols), dtype=out.dtype, device=out.device)
             dist.all_gather_into_tensor(parts, local, group=self.group)  # rank r's rows r*rows ..
             out = parts.view(self.world, rows, cols).transpose(0, 1).reshape(*out.shape[:-1], self.world * cols)
+        return out
+
+    def _chunked(self, x):
+        """The rows in pieces, each piece's sum by the copy engines into its rows of the output while
+        the next piece is multiplied (tilemm's ``ShardedLinear._chunked``); pieces outside the
+        copies' sizes go to the process group."""
+        out = torch.empty(x.shape[0], self.weight.shape[0], dtype=x.dtype, device=x.device)
+        parts, waits, start = [], [], 0  # parts stay referenced until the waits (the side stream reads them)
+        pieces = (x.split(tilemm.parallel._tapered(x.shape[0], self.chunks)) if self.taper
+                  else x.chunk(self.chunks))
+        for piece in pieces:
+            part = F.linear(piece, self.weight, self.bias)
+            target = out[start:start + piece.shape[0]]
+            waiter = self.copy.start(part, target)
+            if waiter is None:
+                tilemm.parallel.all_reduce_sum(part, self.group)
+                target.copy_(part)
+            else:
+                waits.append(waiter)
+            parts.append(part)
+            start += piece.shape[0]
+        for waiter in waits:
+            waiter.wait()
         return out

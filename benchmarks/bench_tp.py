@@ -19,7 +19,13 @@ all-reduce of the whole output after fc2 (the default plan); ``row2`` / ``row4``
 with piece i's all-reduce during piece i+1's matmul (``RowwiseParallel(chunks=N)``, M >= 1024);
 ``mlp2`` / ``mlp4``, the whole MLP in row pieces, piece i's all-reduce during piece i+1's fc1 and fc2
 (``tilemm.parallel.overlapped``, M >= 1024); ``oneshot``, torch's symmetric-memory one-shot
-all-reduce for the small outputs (``RowwiseParallel(one_shot_max_bytes=...)``, M <= 16). Each is
+all-reduce for the small outputs (``RowwiseParallel(one_shot_max_bytes=...)``, M <= 16; NVFP4 / FP8
+per tensor both sides also exchange the amax through it); ``ce``, the all-reduce by the copy engines
+(``RowwiseParallel(copy_min_bytes=...)``: peer-to-peer copies into symmetric memory and one sum
+kernel, no NCCL kernel), ``ce4`` / ``ce8`` / ``ce16`` the same with fc2 in 4 / 8 / 16 row pieces
+(``ce6t``: 6 pieces halving toward the end), each piece's
+copies on a side stream during the next piece's matmul, ``mlpce4`` the whole MLP in 4 pieces
+(overlapped) with the copies (M >= 1024). Each is
 checked against the unsharded output and timed; "best" is the fastest correct one in a CUDA graph,
 the one a plan would pick, and the targets are checked on it.
 
@@ -39,7 +45,7 @@ call, median of ``--reps``):
 The unsharded MLP runs on rank 0 while the other ranks wait; the sharded one on all ranks at once
 (the slowest rank's median is reported). ``all-reduce`` is one (M, 4096) bf16 all-reduce alone, in
 a CUDA graph: the floor the row-wise layer adds (``one-shot``: the same through the one-shot
-all-reduce, M <= 16).
+all-reduce, M <= 16; ``copy-engine``: through the copy engines, M >= 1024).
 
 Writes ``tp-mlp-<gpu>-x<N>.json`` and ``.md`` to ``$OUT`` when it is set, else to
 ``benchmarks/results/``, naming the GPUs (``torch.cuda.get_device_name`` of every rank).
@@ -106,11 +112,28 @@ VARIANTS = {  # how the sharded MLP's all-reduce runs: name -> (description, app
     "mlp2": ("the whole MLP in 2 row pieces, piece i's all-reduce during piece i+1's fc1 and fc2 "
              "(tilemm.parallel.overlapped(mlp, x, 2))", lambda m: m >= CHUNK_MIN_ROWS),
     "mlp4": ("the same in 4 pieces (overlapped(mlp, x, 4))", lambda m: m >= CHUNK_MIN_ROWS),
-    "oneshot": ("small all-reduces through torch's symmetric-memory one-shot all-reduce "
+    "oneshot": ("small all-reduces through torch's symmetric-memory one-shot all-reduce, and the "
+                "activation amax (NVFP4 / FP8 per tensor both sides) exchanged through it "
                 f"(RowwiseParallel(one_shot_max_bytes={256 * 1024}))", lambda m: m <= 16),
+    "ce": ("one all-reduce at the end by the copy engines: peer-to-peer copies into symmetric memory and "
+           "one sum kernel (RowwiseParallel(copy_min_bytes=128 KiB))", lambda m: m >= CHUNK_MIN_ROWS),
+    "ce4": ("fc2 in 4 row pieces, piece i's copy-engine all-reduce (side stream, no SMs but the sum's) during "
+            "piece i+1's matmul, each sum written into its rows (RowwiseParallel(chunks=4, copy_min_bytes=128 KiB))",
+            lambda m: m >= CHUNK_MIN_ROWS),
+    "ce8": ("the same in 8 pieces (RowwiseParallel(chunks=8, copy_min_bytes=128 KiB))", lambda m: m >= CHUNK_MIN_ROWS),
+    "ce16": ("the same in 16 pieces (RowwiseParallel(chunks=16, copy_min_bytes=128 KiB)): a shorter exposed last "
+             "piece", lambda m: m >= 4 * CHUNK_MIN_ROWS),
+    "ce6t": ("the same in 6 pieces halving toward the end, e.g. 2048, 1024, 512, 256, 128, 128 rows: the exposed "
+             "last all-reduce short (RowwiseParallel(chunks=6, taper=True, copy_min_bytes=128 KiB))",
+             lambda m: m >= CHUNK_MIN_ROWS),
+    "mlpce4": ("the whole MLP in 4 row pieces, piece i's copy-engine all-reduce during piece i+1's fc1 and fc2 "
+               "(overlapped(mlp, x, 4) with RowwiseParallel(copy_min_bytes=128 KiB))", lambda m: m >= CHUNK_MIN_ROWS),
 }
 CHUNK_MIN_ROWS = 1024
 ONE_SHOT_BYTES = 256 * 1024
+COPY_MIN_BYTES = 128 << 10  # from 16 rows of 4096 bf16 up: the tapered pieces' tails go by copies too
+# The copy-engine variants of one layer: pieces of fc2, tapered or not.
+COPY_CHUNKS = {"ce": (1, False), "ce4": (4, False), "ce8": (8, False), "ce16": (16, False), "ce6t": (6, True)}
 
 
 def shard(full: MLP, mesh, bf16: bool, variant: str = "end") -> MLP:
@@ -120,14 +143,18 @@ def shard(full: MLP, mesh, bf16: bool, variant: str = "end") -> MLP:
         if variant in ("row2", "row4", "oneshot"):
             return None  # PlainShard has one all-reduce (overlapped() pipelines it: mlp2 / mlp4)
         group = mesh.get_group()
-        return MLP(PlainShard(full.fc1, "colwise", group), PlainShard(full.fc2, "rowwise", group))
+        kw = (dict(copy_min_bytes=COPY_MIN_BYTES, chunks=COPY_CHUNKS[variant][0], taper=COPY_CHUNKS[variant][1],
+                   chunk_min_rows=CHUNK_MIN_ROWS) if variant in COPY_CHUNKS else {})
+        return MLP(PlainShard(full.fc1, "colwise", group), PlainShard(full.fc2, "rowwise", group, **kw))
     from torch.distributed.tensor.parallel import parallelize_module
 
     row = dict(end={}, mlp2={}, mlp4={}, row2=dict(chunks=2, chunk_min_rows=CHUNK_MIN_ROWS),
-               row4=dict(chunks=4, chunk_min_rows=CHUNK_MIN_ROWS), oneshot=dict(one_shot_max_bytes=ONE_SHOT_BYTES))
+               row4=dict(chunks=4, chunk_min_rows=CHUNK_MIN_ROWS), oneshot=dict(one_shot_max_bytes=ONE_SHOT_BYTES),
+               **{v: dict(chunks=c, taper=taper, chunk_min_rows=CHUNK_MIN_ROWS, copy_min_bytes=COPY_MIN_BYTES)
+                  for v, (c, taper) in COPY_CHUNKS.items()})
     plan = {"fc1": tilemm.parallel.ColwiseParallel(), "fc2": tilemm.parallel.RowwiseParallel(**row[variant])}
     sharded = parallelize_module(copy.deepcopy(full), mesh, plan)
-    if variant != "end" and variant != "oneshot" and sharded.fc2._tp.tensor_scale:
+    if variant not in ("end", "oneshot", "ce") and sharded.fc2._tp.tensor_scale:
         return None  # one activation scale for the whole tensor: its rows are never split
     return sharded
 
@@ -135,19 +162,36 @@ def shard(full: MLP, mesh, bf16: bool, variant: str = "end") -> MLP:
 def shard_variants(full: MLP, mesh, bf16: bool, variants) -> dict:
     """{variant: sharded MLP or None}; mlp2 / mlp4 call the "end" MLP through overlapped()."""
     models = {"end": shard(full, mesh, bf16, "end")}
+    tensor_scale = not bf16 and models["end"].fc2._tp.tensor_scale
     for v in variants:
         if v in ("mlp2", "mlp4"):
-            tensor_scale = not bf16 and models["end"].fc2._tp.tensor_scale
             models[v] = None if tensor_scale else models["end"]
+        elif v == "mlpce4":
+            models[v] = None if tensor_scale else models.get("ce") or shard(full, mesh, bf16, "ce")
         elif v != "end":
             models[v] = shard(full, mesh, bf16, v)
     return models
 
 
+def fallback_of(model, variant: str) -> str | None:
+    """Why a symmetric-memory variant ran NCCL instead (its set-up failed), or None."""
+    fc2 = model.fc2
+    if isinstance(fc2, PlainShard):
+        ce, one_shot = fc2.copy, fc2.one_shot
+    else:
+        ce, one_shot = fc2._tp.copy, fc2._tp.one_shot
+    errors = []
+    if one_shot is not None and (one_shot.error or one_shot.amax_error):
+        errors.append(f"one-shot: {one_shot.error or one_shot.amax_error}")
+    if ce is not None and ce.error:
+        errors.append(f"copy engines: {ce.error}")
+    return "; ".join(errors) or None
+
+
 def call_of(model, variant: str, x):
     """The sharded call of ``variant``."""
-    if variant in ("mlp2", "mlp4"):
-        chunks = int(variant[3:])
+    if variant in ("mlp2", "mlp4", "mlpce4"):
+        chunks = int(variant[-1])
         return lambda: tilemm.parallel.overlapped(model, x, chunks)
     return lambda: model(x)
 
@@ -167,11 +211,28 @@ def host_ms(fn, reps: int, barrier: bool) -> float:
     return statistics.median(times) * 1e3
 
 
+def loop_ms(fn, reps: int, barrier: bool) -> float:
+    """Eager calls back to back, as a decode loop makes them: ``reps`` calls between two CUDA events,
+    not waited for one by one, no flush; ms per call (the larger of the host's and the GPU's time per
+    call). Sharded: the ranks lined up by a barrier once, before the first call."""
+    fn()
+    torch.cuda.synchronize()
+    if barrier:
+        dist.barrier()
+    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start_ev.record()
+    for _ in range(reps):
+        fn()
+    end_ev.record()
+    end_ev.synchronize()
+    return start_ev.elapsed_time(end_ev) / reps
+
+
 def time_all(fn, timer_graph: Timer, timer_eager: Timer, reps: int, barrier: bool) -> dict:
     graph_ms, how = timer_graph(fn)
     eager_ms, _ = timer_eager(fn, capture=False)
     return dict(graph_ms=graph_ms if how == "graph" else None, eager_ms=eager_ms, host_ms=host_ms(fn, reps, barrier),
-                graph_error=None if how == "graph" else "did not capture")
+                loop_ms=loop_ms(fn, reps, barrier), graph_error=None if how == "graph" else "did not capture")
 
 
 def bench(args, rank, world, device) -> int:
@@ -191,6 +252,8 @@ def bench(args, rank, world, device) -> int:
     for p in (*fc1.parameters(), *fc2.parameters()):  # every rank the same weights
         dist.broadcast(p.data, 0)
     one_shot = tilemm.parallel._OneShot(group, ONE_SHOT_BYTES) if "oneshot" in args.variants else None
+    copy_ar = (tilemm.parallel._CopyAllReduce(group, COPY_MIN_BYTES)
+               if any(v in COPY_CHUNKS or v == "mlpce4" for v in args.variants) else None)
     records, failed, t0 = [], [], time.time()
     formats = [f for f in args.formats.split(",") if f]
     skipped = []
@@ -221,9 +284,9 @@ def bench(args, rank, world, device) -> int:
                     if rank == 0:
                         unsharded = time_all(lambda: full(x), timer_graph, timer_eager, args.reps, False)
                     else:
-                        unsharded = dict(graph_ms=0.0, eager_ms=0.0, host_ms=0.0, graph_error=None)
+                        unsharded = dict(graph_ms=0.0, eager_ms=0.0, host_ms=0.0, loop_ms=0.0, graph_error=None)
                     dist.barrier()
-                    for key in ("graph_ms", "eager_ms", "host_ms"):
+                    for key in ("graph_ms", "eager_ms", "host_ms", "loop_ms"):
                         u = unsharded[key]
                         rec[f"unsharded_{key}"] = slowest(u if u is not None else float("nan"), device)
                     for variant, model in models.items():
@@ -231,8 +294,9 @@ def bench(args, rank, world, device) -> int:
                             continue
                         rec["variants"][variant] = v = measure(model, variant, x, want, timer_graph,
                                                                timer_eager_sharded, args.reps, device)
-                        if variant == "oneshot" and model.fc2._tp.one_shot.error:
-                            v["one_shot_error"] = model.fc2._tp.one_shot.error  # it ran NCCL instead
+                        fallback = fallback_of(model, variant)
+                        if fallback:
+                            v["one_shot_error"] = fallback  # it ran NCCL instead
                         if v.get("error"):
                             failed.append(f"{name} M={m} {variant}: {v['error']}")
                         elif not v["correct"]:
@@ -241,6 +305,14 @@ def bench(args, rank, world, device) -> int:
                     out = torch.empty(m, D_MODEL, device=device, dtype=torch.bfloat16)
                     allreduce_ms, _ = timer_graph(lambda: dist.all_reduce(out))
                     rec["allreduce_ms"] = slowest(allreduce_ms, device)
+                    if copy_ar is not None and m >= CHUNK_MIN_ROWS:
+                        waiter = copy_ar.start(out)  # sets up (collective) on the first call
+                        if waiter is not None:
+                            waiter.wait()
+                            rec["allreduce_copy_ms"] = slowest(timer_graph(lambda: copy_ar.start(out).wait())[0],
+                                                               device)
+                        else:
+                            rec["allreduce_copy_error"] = copy_ar.error or "not applicable"
                     if one_shot is not None and m <= 16:
                         one_shot(out)  # sets up (collective) on the first call
                         if one_shot.error is None:
@@ -248,7 +320,7 @@ def bench(args, rank, world, device) -> int:
                         else:
                             rec["allreduce_oneshot_error"] = one_shot.error
                 base = rec["variants"].get("end", {})
-                for key in ("graph_ms", "eager_ms", "host_ms"):  # the default ("end") in the main columns
+                for key in ("graph_ms", "eager_ms", "host_ms", "loop_ms"):  # the default ("end") in the main columns
                     rec[f"sharded_{key}"] = base.get(key, float("nan"))
                 rec["speedup_graph"] = rec["unsharded_graph_ms"] / rec["sharded_graph_ms"]
                 rec["speedup_eager"] = rec["unsharded_eager_ms"] / rec["sharded_eager_ms"]
@@ -292,8 +364,8 @@ def measure(model, variant, x, want, timer_graph, timer_eager, reps, device) -> 
     except Exception as e:  # noqa: BLE001 (every rank fails alike: same code, same shapes)
         torch.cuda.synchronize()
         out["error"] = f"{type(e).__name__}: {e}"[:300]
-        t = dict(graph_ms=None, eager_ms=float("nan"), host_ms=float("nan"))
-    for key in ("graph_ms", "eager_ms", "host_ms"):
+        t = dict(graph_ms=None, eager_ms=float("nan"), host_ms=float("nan"), loop_ms=float("nan"))
+    for key in ("graph_ms", "eager_ms", "host_ms", "loop_ms"):
         value = t[key]
         out[key] = slowest(value if value is not None else float("nan"), device)
     return out
@@ -310,6 +382,7 @@ def line(r: dict) -> str:
             f"{r['unsharded_eager_ms']:7.3f} / {r['sharded_eager_ms']:7.3f} ms  x{r['speedup_eager']:5.2f} | host "
             f"{r['unsharded_host_ms']:.3f} / {r['sharded_host_ms']:.3f} ms | all-reduce {r['allreduce_ms']:.4f} ms"
             + (f" one-shot {r['allreduce_oneshot_ms']:.4f} ms" if "allreduce_oneshot_ms" in r else "")
+            + (f" copy engines {r['allreduce_copy_ms']:.4f} ms" if "allreduce_copy_ms" in r else "")
             + f" | err {r['rel_err_vs_unsharded']:.1e} | graph ms by variant: {variants}"
             + ("" if r["correct"] else "  WRONG"))
 
@@ -329,6 +402,15 @@ def targets(records, world) -> list[str]:
             ok = best <= u
             out.append(f"{r['format']} M=1 graph: {best:.3f} vs {u:.3f} ms ({tag}) "
                        f"(no slower than 1 GPU: {'met' if ok else 'NOT met'})")
+            if world == 2:  # issue 31: eagerly within 30 us of one GPU (each variant's loop and waited-for call)
+                loops = {k: v["loop_ms"] for k, v in r["variants"].items() if v.get("correct")
+                         and v.get("loop_ms") == v.get("loop_ms")}
+                if loops:
+                    k = min(loops, key=loops.get)
+                    ok = loops[k] <= r["unsharded_loop_ms"] + 0.030
+                    out.append(f"{r['format']} M=1 eager loop: {loops[k]:.3f} vs {r['unsharded_loop_ms']:.3f} ms ({k}; "
+                               f"waited for one by one: {r['variants'][k]['eager_ms']:.3f} vs "
+                               f"{r['unsharded_eager_ms']:.3f}) (within 30 us of 1 GPU: {'met' if ok else 'NOT met'})")
         if speedup and r["m"] >= from_m:
             ok = u / best >= speedup
             out.append(f"{r['format']} M={r['m']} graph: x{u / best:.2f} ({tag}, x{r['speedup_graph']:.2f}) "
@@ -351,24 +433,29 @@ def write(records, names, failed, skipped, args, seconds, final: bool) -> None:
     lines = [f"# Tensor-parallel MLP ({D_MODEL} -> {HIDDEN} -> {D_MODEL}, bf16 activations) on "
              f"{gpus_label(names)}, {meta['date']}", "", f"`{meta['command']}`", "", f"Timing: {meta['timing']}.",
              "", "Sharded: the default variant (end: one all-reduce at the end); best: the fastest correct variant "
-             "in a CUDA graph (variants below). Host: the Python call alone (launches, not waited for).", "",
+             "in a CUDA graph (variants below). Loop: eager calls back to back (a decode loop: no sync, no flush "
+             "between calls), time per call. Host: the Python call alone (launches, not waited for; GPU idle, "
+             "sharded: right after a barrier).", "",
              "| format | M | 1 GPU graph ms | sharded graph ms | speed-up | best variant | best speed-up "
-             "| 1 GPU eager ms | sharded eager ms | speed-up | 1 GPU host ms | sharded host ms | all-reduce ms "
-             "| one-shot all-reduce ms | rel. err vs 1 GPU |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| 1 GPU eager ms | sharded eager ms | speed-up | 1 GPU loop ms | sharded loop ms "
+             "| 1 GPU host ms | sharded host ms | all-reduce ms "
+             "| one-shot all-reduce ms | copy-engine all-reduce ms | rel. err vs 1 GPU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if "error" in r:
             lines.append(f"| {r['format']} | {r['m']} | failed: {r['error'][:100].replace('|', '/')} "
-                         f"| | | | | | | | | | | | |")
+                         f"| | | | | | | | | | | | | | | |")
             continue
         lines.append(f"| {r['format']} | {r['m']} | {r['unsharded_graph_ms']:.4f} | {r['sharded_graph_ms']:.4f} | "
                      f"{r['speedup_graph']:.2f} | {r.get('best_variant', '-')} | "
                      f"{r.get('speedup_graph_best', float('nan')):.2f} | {r['unsharded_eager_ms']:.4f} | "
-                     f"{r['sharded_eager_ms']:.4f} | {r['speedup_eager']:.2f} | {r['unsharded_host_ms']:.4f} | "
+                     f"{r['sharded_eager_ms']:.4f} | {r['speedup_eager']:.2f} | {r['unsharded_loop_ms']:.4f} | "
+                     f"{r['sharded_loop_ms']:.4f} | {r['unsharded_host_ms']:.4f} | "
                      f"{r['sharded_host_ms']:.4f} | {r['allreduce_ms']:.4f} | "
-                     f"{r.get('allreduce_oneshot_ms', float('nan')):.4f} | {r['rel_err_vs_unsharded']:.1e}"
+                     f"{r.get('allreduce_oneshot_ms', float('nan')):.4f} | "
+                     f"{r.get('allreduce_copy_ms', float('nan')):.4f} | {r['rel_err_vs_unsharded']:.1e}"
                      f"{'' if r['correct'] else ' (WRONG)'} |")
-    lines += ["", "Variants (graph / eager / host ms, rel. err):", ""]
+    lines += ["", "Variants (graph / eager / loop / host ms, rel. err):", ""]
     lines += [f"- {k}: {desc}" for k, (desc, _) in VARIANTS.items() if k in args.variants]
     lines += ["", "| format | M | " + " | ".join(args.variants) + " |", "|---|---|" + "---|" * len(args.variants)]
     for r in records:
@@ -378,16 +465,17 @@ def write(records, names, failed, skipped, args, seconds, final: bool) -> None:
         for k in args.variants:
             v = r["variants"].get(k)
             cells.append("-" if v is None else v["error"][:60].replace("|", "/") if v.get("error") else
-                         f"{v['graph_ms']:.4f} / {v['eager_ms']:.4f} / {v['host_ms']:.4f}, "
+                         f"{v['graph_ms']:.4f} / {v['eager_ms']:.4f} / {v['loop_ms']:.4f} / {v['host_ms']:.4f}, "
                          f"{v['rel_err_vs_unsharded']:.1e}"
-                         + ("" if v["correct"] else " WRONG") + (" (NCCL: one-shot unavailable)"
+                         + ("" if v["correct"] else " WRONG") + (" (NCCL: symmetric memory unavailable)"
                                                                  if v.get("one_shot_error") else ""))
         lines.append(f"| {r['format']} | {r['m']} | " + " | ".join(cells) + " |")
     errs = sorted({v["one_shot_error"] for r in records for v in r.get("variants", {}).values()
                    if v.get("one_shot_error")}
-                  | {r["allreduce_oneshot_error"] for r in records if r.get("allreduce_oneshot_error")})
+                  | {r["allreduce_oneshot_error"] for r in records if r.get("allreduce_oneshot_error")}
+                  | {f"copy engines: {r['allreduce_copy_error']}" for r in records if r.get("allreduce_copy_error")})
     if errs:
-        lines += ["", "One-shot all-reduce unavailable: " + "; ".join(errs)]
+        lines += ["", "Symmetric-memory all-reduce unavailable: " + "; ".join(errs)]
     if checks:
         lines += ["", "Targets:", ""] + [f"- {c}" for c in checks]
     if skipped:

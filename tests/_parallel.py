@@ -62,6 +62,41 @@ def tp_plan():
     return {"fc1": tilemm.parallel.ColwiseParallel(), "fc2": tilemm.parallel.RowwiseParallel()}
 
 
+def fast_plan():
+    """fc2 in 3 tapered row pieces (6 rows: 3, 1, 2) whose sums the copy engines do (any size), the
+    one-shot all-reduce (and amax exchange) for what is not split."""
+    return {"fc1": tilemm.parallel.ColwiseParallel(),
+            "fc2": tilemm.parallel.RowwiseParallel(chunks=3, chunk_min_rows=1, copy_min_bytes=1, taper=True,
+                                                   one_shot_max_bytes=1 << 20)}
+
+
+def _graph_replay_equal(run, static_in, new_in, device):
+    """Whether ``run()`` captured in a CUDA graph and replayed on ``new_in`` (copied into
+    ``static_in``) gives what an eager ``run()`` gives then: True / False, or why it did not capture
+    (on any rank). Collective: every rank calls it at the same point."""
+    graph, error = None, None
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), torch.no_grad():
+            static_out = run()
+    except Exception as err:  # noqa: BLE001 (reported by the test as this case's failure)
+        error = f"capture raised {type(err).__name__}: {err}"[:300]
+    torch.cuda.synchronize()
+    if not _all_ranks_ok(error is None, device):
+        return error or "another rank's capture failed"
+    static_in.copy_(new_in)
+    graph.replay()
+    with torch.no_grad():
+        eager = run()
+    torch.cuda.synchronize()
+    return bool(torch.equal(static_out, eager))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -111,9 +146,14 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
     chunked_plan = {"fc1": tilemm.parallel.ColwiseParallel(),
                     "fc2": tilemm.parallel.RowwiseParallel(chunks=2, chunk_min_rows=1)}
     chunked = parallelize_module(copy.deepcopy(mlp), mesh, chunked_plan)
+    # The symmetric-memory paths (GPU; elsewhere they fall back to the process group's all-reduce):
+    # the pieces' sums by the copy engines, and, for layers with one amax per tensor (not split into
+    # pieces), the one-shot all-reduce with the amax exchanged through it.
+    fast = parallelize_module(copy.deepcopy(mlp), mesh, fast_plan())
     rows = x.reshape(-1, x.shape[-1])
     with torch.no_grad():
         out_chunked = chunked(rows)
+        out_fast = fast(rows)
         try:
             out_overlapped = tilemm.parallel.overlapped(model, rows, 2)
         except ValueError as err:
@@ -132,7 +172,13 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
 
     # On a GPU: the sharded MLP (both collectives included) captured in a CUDA graph and replayed on a
     # new input gives the eager call's bits.
-    graph_equal = graph_overlapped_equal = None
+    graph_equal = graph_overlapped_equal = graph_fast_equal = None
+    ce, one_shot = fast.fc2._tp.copy, fast.fc2._tp.one_shot
+    fast_setup = dict(copy_error=ce.error, copy_used=any(v is not None for v in ce.states.values()),
+                      one_shot_error=one_shot.error,
+                      one_shot_used=any(v is not None for v in one_shot.buffers.values()),
+                      amax_error=one_shot.amax_error, amax_exchange=one_shot.amax_slots is not None,
+                      amax=fast.fc2._tp.amax)
     if device.type == "cuda":
         graph, error = None, None
         try:
@@ -149,8 +195,8 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
             error = f"capture raised {type(err).__name__}: {err}"[:300]
         torch.cuda.synchronize()
         # Replay only if every rank captured: a lone replay would wait for the others' collectives.
+        x2 = torch.randn(x.shape, generator=torch.Generator().manual_seed(7)).to(device=device, dtype=x.dtype)
         if _all_ranks_ok(error is None, device):
-            x2 = torch.randn(x.shape, generator=torch.Generator().manual_seed(7)).to(device=device, dtype=x.dtype)
             static_x.copy_(x2)
             graph.replay()
             with torch.no_grad():
@@ -160,6 +206,9 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
         else:
             graph_equal = error or "another rank's capture failed"
         del graph
+        static_rows = rows.clone()
+        graph_fast_equal = _graph_replay_equal(lambda: fast(static_rows), static_rows, x2.reshape(rows.shape),
+                                               device)
         graph_overlapped_equal = None  # the overlapped MLP (async all-reduces) in a CUDA graph
         if not isinstance(out_overlapped, str):
             graph, error = None, None
@@ -187,7 +236,8 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
 
     cpu = lambda t: t.detach().cpu()  # noqa: E731
     return dict(out=cpu(out), graph_equal=graph_equal, sharded_class=type(model.fc2).__name__,
-                out_chunked=cpu(out_chunked).reshape(out.shape),
+                out_chunked=cpu(out_chunked).reshape(out.shape), out_fast=cpu(out_fast).reshape(out.shape),
+                graph_fast_equal=graph_fast_equal, fast_setup=fast_setup,
                 out_overlapped=(out_overlapped if isinstance(out_overlapped, str)
                                 else cpu(out_overlapped).reshape(out.shape)),
                 graph_overlapped_equal=graph_overlapped_equal,

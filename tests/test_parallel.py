@@ -196,8 +196,60 @@ def test_overlap_options_are_checked():
         tilemm.parallel.RowwiseParallel(chunks=0)
     with pytest.raises(ValueError, match=r"one_shot_max_bytes must be an int >= 0, got -1"):
         tilemm.parallel.RowwiseParallel(one_shot_max_bytes=-1)
+    with pytest.raises(ValueError, match=r"copy_min_bytes must be an int >= 0, got 1.5"):
+        tilemm.parallel.RowwiseParallel(copy_min_bytes=1.5)
+    with pytest.raises(TypeError, match=r"taper must be True or False, got 1"):
+        tilemm.parallel.RowwiseParallel(taper=1)
+
+
+@pytest.mark.parametrize("rows, pieces, sizes", [
+    (4096, 6, [2048, 1024, 512, 256, 128, 128]),
+    (1024, 5, [512, 256, 128, 64, 64]),
+    (1000, 4, [496, 240, 128, 136]),  # multiples of 16 but the last
+    (6, 3, [3, 1, 2]),  # too few rows for 16-row pieces
+    (1, 4, [1]),  # fewer pieces where rows run out
+])
+def test_tapered_pieces(rows, pieces, sizes):
+    from tilemm.parallel import _tapered
+
+    assert _tapered(rows, pieces) == sizes and sum(sizes) == rows
     with pytest.raises(ValueError, match=r"overlapped: chunks must be an int >= 1, got True"):
         tilemm.parallel.overlapped(lambda t: t, torch.zeros(4, 2), True)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_copy_all_reduce_steps_sum_every_rank(world, dtype):
+    # The copy all-reduce's data movement, its ranks driven in lockstep in one process (the barriers'
+    # order) on CPU tensors standing for the symmetric buffers: every rank ends with the same sum,
+    # each element its ranks' values summed once in fp32 (exact here: small integers), into a
+    # separate output and in place; slots longer than the chunk are never read.
+    from tilemm.parallel import _CopyState
+
+    slot, n = 40, world * 12
+    buffers = [torch.full((world + 1, slot), float("nan"), dtype=dtype) for _ in range(world)]  # poison
+    states = []
+    for rank in range(world):
+        state = object.__new__(_CopyState)
+        state.world, state.rank, state.slot, state.views = world, rank, slot, buffers
+        states.append(state)
+    src = [((torch.arange(n) * (r + 3)) % 11).to(dtype) for r in range(world)]
+    want = sum(t.double() for t in src).to(dtype)
+    for in_place, per_peer in ((False, False), (True, False), (False, True)):
+        srcs = [t.clone() for t in src]
+        dsts = srcs if in_place else [torch.full((n,), -1.0, dtype=dtype) for _ in range(world)]
+        chunk = n // world
+        for state, t in zip(states, srcs):
+            # per_peer: the copies one peer at a time, as _on_peer_streams issues them (peers, then self).
+            for only in ([*state._peers(), state.rank] if per_peer else [None]):
+                state.scatter(t, chunk, only=only)
+        for state in states:
+            state.reduce(chunk)
+        for state, d in zip(states, dsts):
+            for only in ([*state._peers(), state.rank] if per_peer else [None]):
+                state.gather(d, chunk, only=only)
+        for d in dsts:
+            assert torch.equal(d, want)
 
 
 def test_exported_from_tilemm():
@@ -260,7 +312,7 @@ def _check_overlap(cases, ranks, case_id, on_gpu):
     mlp, x = cases[case_id]
     first = ranks[0][case_id]
     tensor_scale = case_id.rsplit("-", 1)[0] in ("nvfp4", "fp8-tensor")  # one activation scale per tensor
-    for key in ("out_chunked", "out_overlapped"):
+    for key in ("out_chunked", "out_overlapped", "out_fast"):
         got = first[key]
         if key == "out_overlapped" and tensor_scale:
             assert isinstance(got, str) and "one scale for the whole tensor" in got
@@ -499,6 +551,20 @@ def test_gpus_nccl(tmp_path_factory, world_size):
             except AssertionError as err:
                 failures.append(f"{case_id}: {err}")
         for rank, r in enumerate(ranks):
+            # The symmetric-memory paths must have run (else the checks above tested NCCL): the copy
+            # all-reduce for the pieces, the one-shot one (and its amax exchange, for one amax per
+            # tensor) for a layer that is not split.
+            setup = r[case_id]["fast_setup"]
+            tensor_scale = case_id.rsplit("-", 1)[0] in ("nvfp4", "fp8-tensor")
+            wanted = (("one_shot", "one_shot_used", "one_shot_error"), ("amax exchange", "amax_exchange", "amax_error")
+                      ) if tensor_scale else (("copy", "copy_used", "copy_error"),)
+            for what, used, error in wanted:
+                if not setup[used]:
+                    failures.append(f"{case_id}: rank {rank}: the {what} path did not run "
+                                    f"({setup[error] or 'not set up'}): NCCL did the sums")
+            if r[case_id]["graph_fast_equal"] is not True:
+                failures.append(f"{case_id}: rank {rank}: the copy / one-shot MLP in a CUDA graph: "
+                                f"{r[case_id]['graph_fast_equal']}")
             if r[case_id]["graph_overlapped_equal"] not in (True, None):
                 failures.append(f"{case_id}: rank {rank}: overlapped() in a CUDA graph: "
                                 f"{r[case_id]['graph_overlapped_equal']}")

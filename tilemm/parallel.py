@@ -58,8 +58,10 @@ captures in a CUDA graph. DTensor conversions (``from_local`` / ``redistribute``
 call exceeds the all-reduce's) happen only for DTensor inputs or non-default layouts. The all-reduce
 goes straight to the process group with options built once (``dist.all_reduce`` checks its arguments
 and builds its options on every call). Where the all-reduce's time matters, it can be overlapped with
-compute (``overlapped``; ``RowwiseParallel(chunks=...)``) or, for small outputs, sent through the
-symmetric-memory one-shot all-reduce (``RowwiseParallel(one_shot_max_bytes=...)``).
+compute (``overlapped``; ``RowwiseParallel(chunks=...)``), done by the copy engines through symmetric
+memory so that it takes no SMs from the matmuls it overlaps (``RowwiseParallel(copy_min_bytes=...)``,
+``_CopyAllReduce``) or, for small outputs, sent through the symmetric-memory one-shot all-reduce
+(``RowwiseParallel(one_shot_max_bytes=...)``, which then also carries the amax exchange).
 
 The sharded module is the same :class:`tilemm.nn.Linear` object, rebuilt in place for its shard
 through the public constructor and ``load_state_dict`` (so state derived from the buffers follows
@@ -329,11 +331,11 @@ class _TPConfig:
     __slots__ = ("style", "mesh", "group", "input_layouts", "output_layouts", "use_local_output",
                  "desired_input", "local_output", "plain_input", "plain_output", "amax", "full_out",
                  "sum_opts", "sum_async_opts", "max_opts", "max_async_opts", "chunks", "chunk_min_rows",
-                 "one_shot",
-                 "tensor_scale")
+                 "one_shot", "copy", "tensor_scale", "taper")
 
     def __init__(self, style, mesh, input_layouts, output_layouts, use_local_output, amax, full_out,
-                 chunks=1, chunk_min_rows=1024, one_shot_max_bytes=0, tensor_scale=False):
+                 chunks=1, chunk_min_rows=1024, one_shot_max_bytes=0, tensor_scale=False, copy_min_bytes=0,
+                 taper=False):
         self.style, self.mesh, self.group = style, mesh, mesh.get_group()
         self.input_layouts, self.output_layouts = tuple(input_layouts), tuple(output_layouts)
         self.use_local_output, self.amax, self.full_out = use_local_output, amax, full_out
@@ -342,9 +344,10 @@ class _TPConfig:
         self.sum_async_opts = _reduce_opts(dist.ReduceOp.SUM, True)
         self.max_opts = _reduce_opts(dist.ReduceOp.MAX, False)
         self.max_async_opts = _reduce_opts(dist.ReduceOp.MAX, True)
-        self.chunks, self.chunk_min_rows = chunks, chunk_min_rows
+        self.chunks, self.chunk_min_rows, self.taper = chunks, chunk_min_rows, taper
         self.tensor_scale = tensor_scale  # one activation scale for the whole tensor: rows may not split
         self.one_shot = _OneShot(self.group, one_shot_max_bytes) if one_shot_max_bytes > 0 else None
+        self.copy = _CopyAllReduce(self.group, copy_min_bytes) if copy_min_bytes > 0 else None
         if style == "colwise":
             self.desired_input, self.local_output = (Replicate(),), (Shard(-1),)
         else:
@@ -360,17 +363,36 @@ class _TPConfig:
         return self
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """SUM of ``t`` over the ranks, in place (NCCL: on the current stream), or the one-shot
-        all-reduce's new tensor for a small ``t`` where that is set up; returns the result."""
+        """SUM of ``t`` over the ranks, in place (NCCL: on the current stream; the copy-engine
+        all-reduce for a large ``t`` where that is set up), or the one-shot all-reduce's new tensor for
+        a small ``t`` where that is set up; returns the result."""
         one_shot = self.one_shot
         if one_shot is not None:
             reduced = one_shot(t)
             if reduced is not None:
                 return reduced
+        copy = self.copy
+        if copy is not None:
+            waiter = copy.start(t)
+            if waiter is not None:
+                waiter.wait()
+                return t
         work = self.group.allreduce([t], self.sum_opts)
         if work is not None:
             work.wait()
         return t
+
+    def start_all_reduce(self, t: torch.Tensor, out: torch.Tensor | None = None):
+        """The SUM of ``t`` started, not waited for: the copy-engine all-reduce on its side stream
+        (into ``out`` if given, else in place) where it applies, else NCCL on its own stream (in
+        place; ``out``, if given, is then filled by the caller after the wait). Returns (waiter or None,
+        whether ``out`` was written)."""
+        copy = self.copy
+        if copy is not None:
+            waiter = copy.start(t, out)
+            if waiter is not None:
+                return waiter, out is not None
+        return self.group.allreduce([t], self.sum_async_opts), False
 
 
 def _reduce_opts(op, async_op: bool):
@@ -401,6 +423,8 @@ class _OneShot:
         self.buffers: dict = {}  # dtype -> symmetric buffer (or None: failed)
         self.error: str | None = None
         self.group_name = getattr(group, "group_name", None)
+        self.amax_slots = None  # the amax exchange's (slots, this rank's slot), set up on first use
+        self.amax_error: str | None = None
 
     # One buffer per (group, dtype, device, size), shared by every layer: the kernel synchronizes the
     # ranks at its start and its end, so a buffer is free again when the kernel ends.
@@ -456,18 +480,268 @@ class _OneShot:
         return buf
 
 
+    # The amax exchange: every rank's amax gathered by the one-shot SUM, then the maximum locally.
+    # Rank r writes its amax (fp32 bits) into slot r of its own zero vector; the one-shot kernel sums
+    # the ranks' vectors, and a sum of one value and zeros is that value, bit for bit (IEEE addition
+    # without flush-to-zero, checked at set-up with subnormal bit patterns; NaN stays a NaN, +Inf +Inf).
+    # One kernel instead of NCCL's MAX all-reduce, whose launch and protocol cost more at 4 bytes.
+    AMAX_SLOTS_MIN = 4  # 16 bytes: the one-shot kernel's vector width
+
+    def amax_slot(self, device):
+        """``(slots, mine)``: the exchange's int32 vector (one slot per rank, the others zero for good)
+        and this rank's (1,) slot to write the local amax bits into; None where the exchange is not
+        available (then NCCL's MAX all-reduce). Set up (collective) on the first eager call."""
+        if self.amax_slots is not None:
+            return self.amax_slots
+        if self.amax_error is not None or self.error is not None or torch.cuda.is_current_stream_capturing():
+            return None
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        n = max(-(-world // self.AMAX_SLOTS_MIN) * self.AMAX_SLOTS_MIN, self.AMAX_SLOTS_MIN)
+        slots = torch.zeros(n, dtype=torch.int32, device=device)
+        buf = self.buffers.get(torch.float32)
+        if buf is None and torch.float32 not in self.buffers:
+            buf = self._setup(torch.empty(8, dtype=torch.float32, device=device))  # collective
+        error = None if buf is not None else (self.error or "no fp32 one-shot buffer")
+        if buf is not None:
+            try:
+                # Subnormal bit patterns 1 .. world (the values flush-to-zero arithmetic would lose).
+                probe = torch.zeros(n, dtype=torch.int32, device=device)
+                probe[rank] = rank + 1
+                got = torch.ops.symm_mem.one_shot_all_reduce_copy(buf[:n], probe.view(torch.float32), "sum",
+                                                                   self.group_name).view(torch.int32)
+                want = torch.zeros(n, dtype=torch.int32, device=device)
+                want[:world] = torch.arange(1, world + 1, dtype=torch.int32, device=device)
+                if not torch.equal(got, want):
+                    error = f"the one-shot sum of one-hot fp32 bits gave {got.tolist()}, not {want.tolist()}"
+            except Exception as err:  # noqa: BLE001 (reported in amax_error; NCCL stays)
+                error = f"{type(err).__name__}: {err}"[:300]
+        ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+        if error is None and ok.item() != 1:
+            error = "another rank could not set up the one-shot amax exchange"
+        if error is not None:
+            self.amax_error = error
+            return None
+        self.amax_slots = (slots, slots[rank:rank + 1])
+        return self.amax_slots
+
+    def amax_max(self, slots: torch.Tensor) -> torch.Tensor:
+        """The maximum over the ranks of the amax bits each wrote into its slot of ``slots``: (1,)
+        int32 (the int32 order of non-negative fp32 bits is their numeric order, NaN above +Inf)."""
+        n = slots.numel()
+        got = torch.ops.symm_mem.one_shot_all_reduce_copy(self.buffers[torch.float32][:n], slots.view(torch.float32),
+                                                          "sum", self.group_name)
+        return got.view(torch.int32).amax(0, keepdim=True)
+
+
+class _Waiter:
+    """What ``_CopyAllReduce.start`` returns: ``wait()`` makes the current stream wait for the side
+    stream's work queued so far (no host sync; capturable)."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def wait(self):
+        torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+
+class _CopyAllReduce:
+    """A SUM all-reduce done by the GPUs' copy engines, for large outputs, so that it can run beside
+    matmuls without taking their SMs (NCCL's reduction kernels do: overlapped with a matmul, both slow
+    down).
+
+    Every rank holds one symmetric-memory buffer (``torch.distributed._symmetric_memory``, mapped
+    into every peer over NVLink, no multicast) of ``world_size + 1`` slots: an inbox slot per rank and
+    an outbox. For a tensor t of n elements (n a multiple of world_size W, chunk = n / W), queued on a
+    side stream after what the current stream has queued:
+
+    1. reduce-scatter by copies: rank r copies chunk p of t into slot r of rank p's inbox (a
+       peer-to-peer ``copy_``, a DMA by a copy engine, no SM) and its own chunk into its own slot r;
+    2. a symmetric-memory barrier (every rank's copies have landed);
+    3. one sum kernel: the W inbox slots, in rank order, summed in fp32 and rounded once to t's
+       dtype, into the outbox (chunk r of the result; every rank receives these same bits);
+    4. a barrier (every outbox is written);
+    5. all-gather by copies: chunk p of the result <- rank p's outbox (copies again), into ``out``
+       (default: t itself).
+
+    Only the sum and the two barriers (one block each) run on SMs. The next call's copies into a
+    peer's inbox come after that peer's sum (barrier 4), and its sum after every peer's copies out of
+    the outbox (barrier 2 of the next call), so one buffer serves every call in turn, queued on one
+    side stream per (group, dtype, device) that every layer shares. The sum is each element's W
+    partial sums added in one fixed order: it equals NCCL's up to the order and rounding of the final
+    sum. Set up (a collective: allocation, rendezvous, a check of one all-reduce against the known
+    sum, agreed by all ranks) on the first eager call that fits; where torch lacks symmetric memory
+    or the check fails on any rank, ``error`` says why and calls return None (the caller uses NCCL).
+    Tensors of fewer than ``min_bytes`` or more than ``MAX_BYTES`` bytes, non-contiguous or not
+    divisible by W also return None.
+    """
+
+    MAX_BYTES = 64 << 20  # the buffer's capacity for t: (W + 1) / W times this is allocated per rank
+    SLOT_ALIGN = 64  # elements: each slot starts 128-byte aligned for bf16
+    _STATES: dict = {}  # (group name, dtype, device) -> _CopyState, shared by every layer
+
+    def __init__(self, group, min_bytes: int):
+        self.group, self.min_bytes = group, min_bytes
+        self.group_name = getattr(group, "group_name", None)
+        self.states: dict = {}  # dtype -> _CopyState or None (failed)
+        self.error: str | None = None
+
+    def start(self, t: torch.Tensor, out: torch.Tensor | None = None):
+        """Queue the all-reduce of ``t`` (result into ``out``, default ``t``) on the side stream; returns a
+        ``_Waiter`` or None where this all-reduce does not apply (nothing queued)."""
+        nbytes = t.numel() * t.element_size()
+        if (not t.is_cuda or nbytes < self.min_bytes or nbytes > self.MAX_BYTES or self.error is not None
+                or not t.is_contiguous() or (out is not None and not out.is_contiguous())):
+            return None
+        state = self.states.get(t.dtype)
+        if state is None:
+            if t.dtype in self.states or torch.cuda.is_current_stream_capturing():
+                return None
+            state = self._setup(t)
+            if state is None:
+                return None
+        if t.numel() % state.world:
+            return None
+        state.run(t.reshape(-1), t.reshape(-1) if out is None else out.reshape(-1))
+        return _Waiter(state.stream)
+
+    def _setup(self, t: torch.Tensor):
+        key = (self.group_name, t.dtype, t.device)
+        shared = _CopyAllReduce._STATES.get(key)
+        if shared is not None:  # every rank set it up at the same call
+            self.states[t.dtype] = shared
+            return shared
+        state, error = None, None
+        try:
+            if self.group_name is None:
+                raise RuntimeError("the process group has no group_name")
+            state = _CopyState(self.group, self.group_name, t.dtype, t.device, self.MAX_BYTES // t.element_size(),
+                               self.SLOT_ALIGN)
+            world, rank = state.world, state.rank
+            # Small integers: exact in every float dtype, and so is their sum.
+            n = world * 3 * self.SLOT_ALIGN
+            base = torch.arange(n, device=t.device) % 7
+            probe = (base + rank).to(t.dtype)
+            want = (base * world + world * (world - 1) // 2).to(t.dtype)
+            state.run(probe, probe)
+            _Waiter(state.stream).wait()
+            if not torch.equal(probe, want):
+                bad = (probe != want).nonzero()[:4].flatten().tolist()
+                raise RuntimeError(f"the copy all-reduce of a known tensor differs at elements {bad}")
+        except Exception as err:  # noqa: BLE001 (reported in self.error; NCCL stays)
+            error = f"{type(err).__name__}: {err}"[:300]
+        ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=t.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+        if error is None and ok.item() != 1:
+            error = "another rank could not set up the copy all-reduce"
+        if error is not None:
+            self.error = error
+            self.states[t.dtype] = None
+            return None
+        self.states[t.dtype] = _CopyAllReduce._STATES[key] = state
+        return state
+
+
+class _CopyState:
+    """One (group, dtype, device)'s symmetric buffer, its views of every rank's buffer and the side
+    stream of ``_CopyAllReduce`` (see there for the steps)."""
+
+    BARRIER_CHANNEL = 1  # the symmetric-memory kernels (one-shot all-reduce) signal on channel 0
+
+    def __init__(self, group, group_name, dtype, device, capacity: int, align: int):
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:
+            enable(group_name)
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.slot = -(-(-(-capacity // self.world)) // align) * align
+        rows = self.world + 1
+        self.buffer = symm_mem.empty(rows * self.slot, dtype=dtype, device=device)
+        self.handle = symm_mem.rendezvous(self.buffer, group_name)
+        # views[p]: rank p's buffer as (W + 1, slot): rows 0 .. W - 1 its inbox, row W its outbox.
+        self.views = [self.buffer.view(rows, self.slot) if p == self.rank
+                      else self.handle.get_buffer(p, (rows, self.slot), dtype) for p in range(self.world)]
+        self.stream = torch.cuda.Stream(device=device)
+        # With more than one peer, the copies to (from) different peers go on streams of their own,
+        # so that several copy engines work at once instead of one after the other.
+        self.peer_streams = ([torch.cuda.Stream(device=device) for _ in range(self.world - 1)]
+                             if self.world > 2 else [])
+
+    def run(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Queue steps 1-5 for the flat ``src`` into the flat ``dst`` (may be ``src``)."""
+        chunk = src.numel() // self.world
+        stream = self.stream
+        stream.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(stream):
+            self._on_peer_streams(self.scatter, src, chunk)
+            self.handle.barrier(self.BARRIER_CHANNEL)  # 2.
+            self.reduce(chunk)
+            self.handle.barrier(self.BARRIER_CHANNEL)  # 4.
+            self._on_peer_streams(self.gather, dst, chunk)
+
+    def _on_peer_streams(self, step, t: torch.Tensor, chunk: int) -> None:
+        """``step``'s copies, each peer's on its own stream (forked from and joined back into the
+        current one) where there are several peers; else all on the current stream."""
+        if not self.peer_streams:
+            step(t, chunk)
+            return
+        current = torch.cuda.current_stream(t.device)
+        for p, peer_stream in zip(self._peers(), self.peer_streams):
+            peer_stream.wait_stream(current)
+            with torch.cuda.stream(peer_stream):
+                step(t, chunk, only=p)
+        step(t, chunk, only=self.rank)
+        for peer_stream in self.peer_streams:
+            current.wait_stream(peer_stream)
+
+    def _peers(self):
+        return [(self.rank + 1 + step) % self.world for step in range(self.world - 1)]
+
+    # The steps on the current stream (``run`` puts them on the side stream between the barriers);
+    # ``views``, ``rank`` and ``world`` are all they read, so a test can drive them on CPU tensors.
+    def scatter(self, src: torch.Tensor, chunk: int, only: int | None = None) -> None:
+        """1. Chunk p of src into slot ``rank`` of rank p's inbox (own chunk last: the peers' first);
+        ``only``: that p alone."""
+        world, rank, views = self.world, self.rank, self.views
+        for step in range(world):
+            p = (rank + 1 + step) % world
+            if only is None or p == only:
+                views[p][rank, :chunk].copy_(src[p * chunk:(p + 1) * chunk])
+
+    def reduce(self, chunk: int) -> None:
+        """3. The inbox slots in rank order, summed (fp32 accumulation, one rounding) into the outbox."""
+        mine, world = self.views[self.rank], self.world
+        torch.sum(mine[:world, :chunk], dim=0, out=mine[world, :chunk])
+
+    def gather(self, dst: torch.Tensor, chunk: int, only: int | None = None) -> None:
+        """5. Chunk p of dst from rank p's outbox; ``only``: that p alone."""
+        world, rank, views = self.world, self.rank, self.views
+        for step in range(world):
+            p = (rank + step) % world
+            if only is None or p == only:
+                dst[p * chunk:(p + 1) * chunk].copy_(views[p][world, :chunk])
+
+
 _PENDING: list | None = None  # the all-reduces that overlapped() waits for, while it runs
 
 
-def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+def all_reduce_sum(t: torch.Tensor, group, copy: "_CopyAllReduce | None" = None) -> torch.Tensor:
     """SUM of ``t`` over ``group``, in place, as a row-wise layer reduces its partial sums: waited for
-    by the current stream, or, inside :func:`overlapped`, started on NCCL's stream and waited for at
-    its end. For layers outside tilemm (a bf16 ``torch.nn.Linear`` sharded by hand) that should
-    overlap like tilemm's. Returns ``t``."""
+    by the current stream, or, inside :func:`overlapped`, started on NCCL's stream (``copy``, a
+    ``_CopyAllReduce`` of the group, where it applies: on its side stream, by the copy engines) and
+    waited for at its end. For layers outside tilemm (a bf16 ``torch.nn.Linear`` sharded by hand)
+    that should overlap like tilemm's. Returns ``t``."""
     if group is None:
         group = dist.group.WORLD
+    waiter = copy.start(t) if copy is not None else None
     if _PENDING is not None:
-        _PENDING.append(group.allreduce([t], _SUM_ASYNC))
+        _PENDING.append(waiter if waiter is not None else group.allreduce([t], _SUM_ASYNC))
+        return t
+    if waiter is not None:
+        waiter.wait()
         return t
     work = group.allreduce([t], _SUM)
     if work is not None:
@@ -477,7 +751,8 @@ def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
 
 def overlapped(fn, x: torch.Tensor, chunks: int) -> torch.Tensor:
     """``fn(x)`` computed on ``chunks`` pieces of x's rows, each row-wise layer's all-reduce of piece
-    i running (on NCCL's own stream) while piece i + 1 is computed; returns the pieces' outputs
+    i running (on NCCL's own stream, or by the copy engines on their side stream for a layer with
+    ``copy_min_bytes``) while piece i + 1 is computed; returns the pieces' outputs
     joined, after the current stream has waited for every all-reduce (no host sync; captures in a
     CUDA graph).
 
@@ -503,6 +778,23 @@ def overlapped(fn, x: torch.Tensor, chunks: int) -> torch.Tensor:
             if work is not None:
                 work.wait()
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def _tapered(rows: int, pieces: int) -> list[int]:
+    """Row counts of at most ``pieces`` pieces that halve toward the end (the last two about equal):
+    4096 rows in 6 -> 2048, 1024, 512, 256, 128, 128. Piece i's all-reduce then runs during piece
+    i + 1's matmul, at least half as long, and the one left exposed, the last, is small. Multiples of
+    16 rows where the rows allow it."""
+    unit = 16 if rows >= 64 * pieces else 1
+    sizes, left = [], rows
+    for _ in range(pieces - 1):
+        size = (left // 2) // unit * unit
+        if size < unit:
+            break
+        sizes.append(size)
+        left -= size
+    sizes.append(left)
+    return sizes
 
 
 class ShardedLinear(Linear):
@@ -543,7 +835,7 @@ class ShardedLinear(Linear):
             pending = _PENDING
             if pending is not None:  # inside overlapped(): reduce asynchronously, wait at its end
                 out = self._partial(local, tp, on_nccl_stream=True)
-                pending.append(tp.group.allreduce([out], tp.sum_async_opts))
+                pending.append(tp.start_all_reduce(out)[0])
                 return out
             if (tp.chunks > 1 and not tp.tensor_scale and local.ndim >= 2
                     and local.numel() >= tp.chunk_min_rows * self.in_features):
@@ -562,19 +854,36 @@ class ShardedLinear(Linear):
         return Linear.forward(self, local)
 
     def _chunked(self, local: torch.Tensor, tp: _TPConfig) -> torch.Tensor:
-        """The rows in ``tp.chunks`` pieces: piece i's all-reduce (NCCL's own stream) runs while piece
-        i + 1 is multiplied; the current stream waits for all of them (no host sync), then the pieces
-        are joined. Same sums as one all-reduce, row by row."""
+        """The rows in ``tp.chunks`` pieces: piece i's all-reduce (NCCL's own stream, or the copy
+        engines' side stream) runs while piece i + 1 is multiplied; the current stream waits for all
+        of them (no host sync), then the pieces are joined (the copies write each piece's sum into its
+        rows of the output directly). Same sums as one all-reduce, row by row."""
         rows = local.reshape(-1, self.in_features)
-        parts, works = [], []
-        for piece in rows.chunk(tp.chunks):
+        pieces = rows.split(_tapered(rows.shape[0], tp.chunks)) if tp.taper else rows.chunk(tp.chunks)
+        # The copy-engine all-reduce writes each piece's sum straight into its rows of the output
+        # (no concatenation at the end); NCCL sums each piece in place.
+        out = (torch.empty(rows.shape[0], self.out_features, dtype=local.dtype, device=local.device)
+               if tp.copy is not None else None)
+        # Every piece's partial sum stays referenced until the waits: the side stream reads it while
+        # the current stream goes on, which could otherwise reuse its memory.
+        parts, works, start = [], [], 0
+        for piece in pieces:
             part = self._partial(piece, tp, on_nccl_stream=True)
-            works.append(tp.group.allreduce([part], tp.sum_async_opts))
-            parts.append(part)
+            target = None if out is None else out[start:start + piece.shape[0]]
+            work, written = tp.start_all_reduce(part, target)
+            works.append(work)
+            parts.append((part, None if written else target))
+            start += piece.shape[0]
         for work in works:
             if work is not None:
                 work.wait()
-        return torch.cat(parts).reshape(*local.shape[:-1], self.out_features)
+        if out is None:
+            out = torch.cat([part for part, _ in parts])
+        else:
+            for part, target in parts:
+                if target is not None:  # a piece that went to NCCL (outside the copies' sizes)
+                    target.copy_(part)
+        return out.reshape(*local.shape[:-1], self.out_features)
 
     def _partial_with_global_amax(self, x: torch.Tensor, tp: _TPConfig,
                                   on_nccl_stream: bool = False) -> torch.Tensor:
@@ -587,14 +896,28 @@ class ShardedLinear(Linear):
         rows = x.reshape(-1, self.in_features)
         options = self._options
         kernels = _quantize._quantize_kernels(rows) if options.format == "nvfp4" else None
+        # The symmetric-memory exchange (one one-shot kernel) where the layer has a one-shot
+        # all-reduce and one amax for the whole tensor; else NCCL's MAX all-reduce.
+        one_shot = tp.one_shot
+        exchange = (one_shot.amax_slot(x.device) if one_shot is not None and tp.amax == "tensor" and x.is_cuda
+                    and not on_nccl_stream else None)
         if kernels is not None:
-            amax = kernels.tensor_amax(rows, propagate_nan=False).amax().reshape(1)
+            partial = kernels.tensor_amax(rows, propagate_nan=False)
+            if exchange is not None:
+                torch.amax(partial, 0, keepdim=True, out=exchange[1])
+            else:
+                amax = partial.amax().reshape(1)
         else:
             nan = options.format == "fp8"  # FP8's amax propagates NaN; NVFP4's is over the finite values
             amax = _quantize.amax_bits(rows, tp.amax, propagate_nan=nan)
-        work = tp.group.allreduce([amax], tp.max_async_opts if on_nccl_stream else tp.max_opts)
-        if work is not None:
-            work.wait()
+            if exchange is not None:
+                exchange[1].copy_(amax)
+        if exchange is not None:
+            amax = one_shot.amax_max(exchange[0])
+        else:
+            work = tp.group.allreduce([amax], tp.max_async_opts if on_nccl_stream else tp.max_opts)
+            if work is not None:
+                work.wait()
         if options.format == "nvfp4":
             runner = (self._small_batch_runner(x.device) if x.is_cuda and rows.shape[0] <= _SMALL_BATCH_ROWS
                       and not torch.compiler.is_compiling() else None)
@@ -626,7 +949,7 @@ class ShardedLinear(Linear):
 def _shard_in_place(fn: str, module: Linear, mesh: DeviceMesh, style: str, *, src_data_rank,
                     input_layouts: tuple[Placement, ...], output_layouts: tuple[Placement, ...],
                     use_local_output: bool, chunks: int = 1, chunk_min_rows: int = 1024,
-                    one_shot_max_bytes: int = 0) -> Linear:
+                    one_shot_max_bytes: int = 0, copy_min_bytes: int = 0, taper: bool = False) -> Linear:
     _check_layer(fn, module)
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{fn}: device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got "
@@ -651,7 +974,8 @@ def _shard_in_place(fn: str, module: Linear, mesh: DeviceMesh, style: str, *, sr
     module._tp = _TPConfig(style, mesh, input_layouts, output_layouts, use_local_output, amax,
                            shard.out_features, chunks=chunks, chunk_min_rows=chunk_min_rows,
                            one_shot_max_bytes=one_shot_max_bytes if world_size > 1 else 0,
-                           tensor_scale=tensor_scale)
+                           tensor_scale=tensor_scale, copy_min_bytes=copy_min_bytes if world_size > 1 else 0,
+                           taper=taper)
     module.__class__ = ShardedLinear
     return module
 
@@ -689,17 +1013,32 @@ class RowwiseParallel(_torch_tp.RowwiseParallel):
       i's all-reduce runs on NCCL's stream while piece i + 1 is multiplied (not for layers with one
       activation scale for the whole tensor, whose pieces would be quantized differently).
     - ``one_shot_max_bytes`` (default 0: off): all-reduces of at most this many bytes go through
-      torch's symmetric-memory one-shot all-reduce (``_OneShot``; NCCL where it is unavailable).
+      torch's symmetric-memory one-shot all-reduce (``_OneShot``; NCCL where it is unavailable). With
+      both sides NVFP4 or FP8 per tensor, the activation amax is then exchanged through it too (one
+      one-shot kernel instead of NCCL's MAX all-reduce).
+    - ``copy_min_bytes`` (default 0: off): all-reduces of at least this many bytes (at most
+      ``_CopyAllReduce.MAX_BYTES``) are done by the copy engines through symmetric memory
+      (``_CopyAllReduce``: peer-to-peer copies, one sum kernel; NCCL where it is unavailable). With
+      ``chunks``, piece i's copies run on a side stream while piece i + 1 is multiplied, taking no
+      SMs from the matmul.
+    - ``taper`` (default False: equal pieces): with ``chunks``, pieces that halve toward the end
+      (``_tapered``: 4096 rows in 6 -> 2048, 1024, 512, 256, 128, 128), so that the one all-reduce
+      left exposed, the last piece's, is short.
     """
 
-    def __init__(self, *, chunks: int = 1, chunk_min_rows: int = 1024, one_shot_max_bytes: int = 0, **kwargs):
+    def __init__(self, *, chunks: int = 1, chunk_min_rows: int = 1024, one_shot_max_bytes: int = 0,
+                 copy_min_bytes: int = 0, taper: bool = False, **kwargs):
         super().__init__(**kwargs)
+        if not isinstance(taper, bool):
+            raise TypeError(f"tilemm.parallel.RowwiseParallel: taper must be True or False, got {taper!r}")
+        self.taper = taper
         for name, value, low in (("chunks", chunks, 1), ("chunk_min_rows", chunk_min_rows, 1),
-                                 ("one_shot_max_bytes", one_shot_max_bytes, 0)):
+                                 ("one_shot_max_bytes", one_shot_max_bytes, 0), ("copy_min_bytes", copy_min_bytes, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"tilemm.parallel.RowwiseParallel: {name} must be an int >= {low}, "
                                  f"got {value!r}")
         self.chunks, self.chunk_min_rows, self.one_shot_max_bytes = chunks, chunk_min_rows, one_shot_max_bytes
+        self.copy_min_bytes = copy_min_bytes
 
     def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
         if not isinstance(module, Linear):
@@ -708,7 +1047,8 @@ class RowwiseParallel(_torch_tp.RowwiseParallel):
                                src_data_rank=self.src_data_rank, input_layouts=self.input_layouts,
                                output_layouts=self.output_layouts, use_local_output=self.use_local_output,
                                chunks=self.chunks, chunk_min_rows=self.chunk_min_rows,
-                               one_shot_max_bytes=self.one_shot_max_bytes)
+                               one_shot_max_bytes=self.one_shot_max_bytes, copy_min_bytes=self.copy_min_bytes,
+                               taper=self.taper)
 
 
 def shard_linear(layer: Linear, device_mesh: DeviceMesh, style: str, *, src_data_rank: int | None = 0,

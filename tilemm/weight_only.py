@@ -83,7 +83,7 @@ class WeightOnlyRunner:
     caching allocator), so calls can be captured in a CUDA graph.
     """
 
-    __slots__ = ("packed", "bias", "layout", "n", "k", "device", "_prepared", "_sms", "bias_source",
+    __slots__ = ("packed", "bias", "layout", "n", "k", "device", "_prepared", "_large", "_sms", "bias_source",
                  "keep_workspace", "has_bias")
 
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None, keep_workspace: bool = True):
@@ -97,6 +97,7 @@ class WeightOnlyRunner:
         self.bias = (_kernel.zero_bias(self.device, self.n) if bias is None
                      else bias.detach().to(device=self.device, dtype=torch.float32).contiguous())
         self._prepared: dict = {}
+        self._large: dict = {}
         self._sms = None
         self.bias_source = None  # what the owner built ``bias`` from, to tell when it is stale
 
@@ -122,6 +123,20 @@ class WeightOnlyRunner:
         acc = torch.addmm(self.bias, x2d, w16.t(), out_dtype=torch.float32, alpha=p.alpha_host)
         return acc.to(out_dtype)
 
+    def _large_route(self, m: int, x_dtype: torch.dtype, out_dtype: torch.dtype):
+        """(large-M config or None, whether the fused kernel serves it)."""
+        if x_dtype != torch.bfloat16 or m < _large_kernel.first_m(self.layout):
+            return None, None
+        if self._sms is None:
+            self._sms = num_sms(self.device)
+        large = _large_kernel.plan(m, self.n, self.k, self.layout, sms=self._sms)
+        if large is not None and large.kind == "fused" and (family(self.device) is not Family.HOPPER
+                                                             or out_dtype != torch.bfloat16):
+            # The fused kernel is built for sm_90 and a bf16 output; otherwise decode + GEMM.
+            large = _large_kernel.LargeConfig("decode", chunk=0)
+        fused = large is not None and large.kind == "fused" and m * max(self.k, self.n) < _large.LIMIT
+        return large, fused
+
     def __call__(self, x2d: torch.Tensor, alpha: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """The (M, N) product in ``out_dtype`` (default: x2d's dtype); ``alpha``, a (1,) fp32 tensor,
@@ -132,17 +147,14 @@ class WeightOnlyRunner:
         if m == 0:
             return out
         stream = stream_handle(self.device)
-        # Many rows of bf16 x: the large-M plan (``hopper_weight_only_large.plan``), where it names a design.
-        large = None
-        if x2d.dtype == torch.bfloat16 and m >= _large_kernel.first_m(self.layout):
-            if self._sms is None:
-                self._sms = num_sms(self.device)
-            large = _large_kernel.plan(m, self.n, self.k, self.layout, sms=self._sms)
-        if large is not None and large.kind == "fused" and (family(self.device) is not Family.HOPPER
-                                                             or out_dtype != torch.bfloat16):
-            # The fused kernel is built for sm_90 and a bf16 output; otherwise decode + GEMM.
-            large = _large_kernel.LargeConfig("decode", chunk=0)
-        if large is not None and large.kind == "fused" and m * max(self.k, self.n) < _large.LIMIT:
+        # Many rows of bf16 x: the large-M plan (``hopper_weight_only_large.plan``), where it names a
+        # design; worked out once per (M, x dtype, output dtype), as the small-M launches are.
+        key = (m, x2d.dtype, out_dtype)
+        route = self._large.get(key)
+        if route is None:
+            route = self._large[key] = self._large_route(m, x2d.dtype, out_dtype)
+        large, fused = route
+        if fused:
             p = self.packed
             _large_kernel.launch(x2d, p.words, p.scale_t, p.constants, self.bias, out, self.layout, large,
                                  self._sms, stream, alpha)

@@ -27,6 +27,7 @@ rules on the problem's quantities (``RULES``, ``plan``), fitted to what
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import cuda.tile as ct
 import torch
@@ -287,9 +288,15 @@ def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constant
     """out (M, N) = (x @ W.T) * alpha + bias with the fused kernel; arguments as
     ``weight_only_kernels.launch`` (``alpha`` replaces constants[0] when given), on ``stream``."""
     m, n = out.shape
-    ct.launch(stream, grid(cfg, m, n, sms), cfg.kernel,
-              (x, words, scale_t, out, constants[0:1] if alpha is None else alpha, constants[1:2], bias,
-               *_constants(layout, cfg, _wo._X_PARTS[x.dtype])))
+    launch_grid, kernel, consts = _prepared(cfg, layout, m, n, sms, _wo._X_PARTS[x.dtype])
+    ct.launch(stream, launch_grid, kernel,
+              (x, words, scale_t, out, constants[0:1] if alpha is None else alpha, constants[1:2], bias, *consts))
+
+
+@functools.lru_cache(maxsize=4096)
+def _prepared(cfg: LargeConfig, layout: _wo.Layout, m: int, n: int, sms: int, x_parts: int) -> tuple:
+    """(grid, hinted kernel, constant arguments) of one fused launch, worked out once per problem."""
+    return grid(cfg, m, n, sms), cfg.kernel, _constants(layout, cfg, x_parts)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -325,13 +332,16 @@ def decode_gemm(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, con
     try:
         for r0 in range(0, n, rows):
             r1 = min(r0 + rows, n)
-            w16 = buffer[:r1 - r0]
-            _decode_rows(words[r0:r1], scale_t[:, r0:r1], mult, layout, w16, stream)
-            target = out[:, r0:r1]
+            whole = r0 == 0 and r1 == n  # the usual case: no views to make (each costs the host ~2 us)
+            w16 = buffer if whole else buffer[:r1 - r0]
+            _decode_rows(words if whole else words[r0:r1], scale_t if whole else scale_t[:, r0:r1], mult,
+                         layout, w16, stream)
+            target = out if whole else out[:, r0:r1]
+            w16t = (w16 if w16.shape[1] == k else w16[:, :k]).t()
             if alpha_host == 1.0:
-                torch.mm(x, w16[:, :k].t(), out=target)
+                torch.mm(x, w16t, out=target)
             else:
-                torch.addmm(target, x, w16[:, :k].t(), beta=0, alpha=alpha_host, out=target)
+                torch.addmm(target, x, w16t, beta=0, alpha=alpha_host, out=target)
     finally:
         flags.allow_bf16_reduced_precision_reduction = reduced
     return out

@@ -32,9 +32,10 @@ is ever quantized); the bf16 baselines get the same weights dequantized exactly:
 Correctness first: every variant against the layer in fp32 on the same (exactly dequantized) weights,
 expert by expert; tilemm's relative Frobenius error must stay below 1e-2 (it rounds the gate_up
 products, the activation and the down products to bf16 once each); the bf16 baselines' errors are
-recorded too (they round after every operation). Then every variant is timed with ``benchmarks/_timing.py``'s timer: CUDA-graph replays (eager
-calls where a graph cannot be captured, e.g. transformers' eager experts loop, which reads the routing
-back to the host; the results say which), L2 flushed before each, median of the replays.
+recorded too (they round after every operation). Then every variant is timed with
+``benchmarks/_timing.py``'s timer: CUDA-graph replays (eager calls where a graph cannot be captured,
+e.g. transformers' eager experts loop, which reads the routing back to the host; the results say
+which), L2 flushed before each, median of the replays.
 
 End to end (``--e2e``): ``DecodeModel``, gpt-oss's decoder built from a transformers ``GptOssConfig``
 with random weights made on the GPU (nothing is downloaded), one decode step (attention over a static
@@ -507,8 +508,8 @@ def profile_layers(args, device, timer, t0) -> list[dict]:
                     out.append(rec)
                     continue
                 total = sum(us for _, us, _ in rec["kernels"])
-                log(f"{name} {fmt} {routing_kind} T={t} {vname}: layer {_f(rec.get('layer_us'), '.1f')} us ({rec.get('how', '-')}); "
-                    f"kernels {total:.1f} us in {sum(n for *_, n in rec['kernels']):.0f} launches:", t0)
+                log(f"{name} {fmt} {routing_kind} T={t} {vname}: layer {_f(rec.get('layer_us'), '.1f')} us "
+                    f"({rec.get('how', '-')}); kernels {total:.1f} us in {sum(n for *_, n in rec['kernels']):.0f} launches:", t0)
                 for kname, us, n in rec["kernels"]:
                     print(f"    {us:8.1f} us  x{n:<4.1f} {kname[:110]}", flush=True)
                 out.append(rec)

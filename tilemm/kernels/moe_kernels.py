@@ -40,8 +40,8 @@ from ._common import hinted, sm90_hints, stream_handle
 from .weight_only_kernels import LAYOUTS, Layout, _X_PARTS, _f32_halves, _k_tile, _multipliers, _scaled_plane
 
 __all__ = ["MoEConfig", "plan", "route", "launch", "sort_rows", "launch_pairs", "pairs_plan", "PairsConfig",
-           "combine_pays", "grid_blocks", "route_kernel_fits", "PAIRS_MAX_TOKENS", "zero_bias", "chunk_groups", "aot_variants", "SWIGLU_ALPHA",
-           "SWIGLU_LIMIT"]
+           "combine_pays", "grid_blocks", "route_kernel_fits", "PAIRS_MAX_TOKENS", "zero_bias", "chunk_groups",
+           "aot_variants", "SWIGLU_ALPHA", "SWIGLU_LIMIT"]
 
 ConstInt = ct.Constant[int]
 

@@ -508,8 +508,9 @@ def profile_layers(args, device, timer, t0) -> list[dict]:
                     out.append(rec)
                     continue
                 total = sum(us for _, us, _ in rec["kernels"])
+                launches = sum(n for *_, n in rec["kernels"])
                 log(f"{name} {fmt} {routing_kind} T={t} {vname}: layer {_f(rec.get('layer_us'), '.1f')} us "
-                    f"({rec.get('how', '-')}); kernels {total:.1f} us in {sum(n for *_, n in rec['kernels']):.0f} launches:", t0)
+                    f"({rec.get('how', '-')}); kernels {total:.1f} us in {launches:.0f} launches:", t0)
                 for kname, us, n in rec["kernels"]:
                     print(f"    {us:8.1f} us  x{n:<4.1f} {kname[:110]}", flush=True)
                 out.append(rec)

@@ -731,10 +731,27 @@ def first_step_logits(model: DecodeModel, device) -> torch.Tensor:
 
 def bench_e2e(args, device, t0) -> dict:
     """gpt-oss-20b-shaped: bf16 experts against MXFP4 experts (same dequantized weights, the rest the
-    same bf16 tensors), batch 1; gpt-oss-120b-shaped: MXFP4 experts, batch 1 and 8, peak memory."""
+    same bf16 tensors), batch 1; gpt-oss-120b-shaped: MXFP4 experts, batch 1 and 8, peak memory.
+    A model whose run fails is recorded with its error (the other one still runs)."""
     out = {}
+    for name, run in (("gpt-oss-20b", _e2e_20b), ("gpt-oss-120b", _e2e_120b)):
+        try:
+            out[name] = run(args, device, t0)
+        except Exception as err:  # noqa: BLE001 (recorded; main's exit status says so)
+            out[name] = {"error": f"{type(err).__name__}: {err}"[:500]}
+            log(f"{name}: FAILED {out[name]['error']}", t0)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def _e2e_steps(args) -> tuple[int, int]:
     steps = 4 if args.cpu_smoke else args.tokens
-    max_len = E2E_START + E2E_EAGER_STEPS * 2 + steps + 8
+    return steps, E2E_START + E2E_EAGER_STEPS * 2 + steps + 8
+
+
+def _e2e_20b(args, device, t0) -> dict:
+    steps, max_len = _e2e_steps(args)
     cuda = device.type == "cuda"
     shape20 = TINY if args.cpu_smoke else GPT_OSS_20B
     config = gpt_oss_config(shape20, shape20["num_hidden_layers"])
@@ -758,11 +775,12 @@ def bench_e2e(args, device, t0) -> dict:
         rec["speedup"] = rec["mxfp4"]["tokens_per_s"] / rec["bf16"]["tokens_per_s"]
     log(f"gpt-oss-20b: logits of MXFP4 vs bf16 experts, relative error {rec['logits_rel_err']:.2e}; speed-up "
         f"{_f(rec.get('speedup'), '.2f')}x", t0)
-    out["gpt-oss-20b"] = rec
-    del model
-    if cuda:
-        torch.cuda.empty_cache()
+    return rec
 
+
+def _e2e_120b(args, device, t0) -> dict:
+    steps, max_len = _e2e_steps(args)
+    cuda = device.type == "cuda"
     shape120 = dict(TINY, num_local_experts=16) if args.cpu_smoke else GPT_OSS_120B
     config = gpt_oss_config(shape120, shape120["num_hidden_layers"])
     if cuda:
@@ -784,8 +802,7 @@ def bench_e2e(args, device, t0) -> dict:
         rec["gpu_gib"] = torch.cuda.get_device_properties(device).total_memory / 2 ** 30
     log(f"gpt-oss-120b: weights {rec['weights_gib']:.1f} GiB, peak {_f(rec.get('peak_gib'), '.1f')} GiB "
         f"(bf16 experts alone would be {rec['bf16_experts_gb']:.0f} GB)", t0)
-    out["gpt-oss-120b"] = rec
-    return out
+    return rec
 
 
 # ------------------------------------------------------------------------------------------- output
@@ -835,8 +852,11 @@ def markdown(meta, layers, e2e) -> str:
     if e2e:
         lines += ["", "## End to end (greedy decode steps of a gpt-oss-shaped model, random weights, one CUDA "
                   "graph per step)", ""]
+        for name, r in e2e.items():
+            if "error" in r:
+                lines.append(f"- {name}: failed: {r['error']}")
         r = e2e.get("gpt-oss-20b")
-        if r:
+        if r and "error" not in r:
             lines.append(f"- {r['model']}, {r['layers']} layers, batch 1, {r['steps']} steps: experts MXFP4 "
                          f"{_f(r['mxfp4'].get('tokens_per_s'), '.1f')} tokens/s ({r['mxfp4'].get('how')}; eager "
                          f"{_f(r['mxfp4'].get('eager_ms_per_token'), '.2f')} ms per step), experts bf16 "
@@ -847,7 +867,7 @@ def markdown(meta, layers, e2e) -> str:
                          f"bf16 experts on the same (dequantized) weights: relative error "
                          f"{_f(r.get('logits_rel_err'), '.1e')}, same greedy token: {r.get('same_greedy_token')}")
         r = e2e.get("gpt-oss-120b")
-        if r:
+        if r and "error" not in r:
             per = ", ".join(f"batch {b} {_f(r[f'batch{b}'].get('tokens_per_s'), '.1f')} tokens/s "
                             f"({r[f'batch{b}'].get('how')})" for b in (1, 8) if f"batch{b}" in r)
             lines.append(f"- {r['model']}, {r['layers']} layers, experts MXFP4 (random packed weights, everything "
@@ -908,7 +928,7 @@ def main(argv=None) -> int:
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "layers": layers, "e2e": e2e}, indent=1))
     stem.with_suffix(".md").write_text(markdown(meta, layers, e2e))
     log(f"wrote {stem}.json / .md", t0)
-    failed = [r for r in layers if "error" in r]
+    failed = [r for r in layers if "error" in r] + [r for r in e2e.values() if "error" in r]
     return 1 if failed else 0
 
 

@@ -274,23 +274,23 @@ def hf_experts(config_kw: dict, gate_up, gate_up_bias, down, down_bias):
 #: from T = 2); "all_experts": the sorted design with a block per (expert, N tile) for every expert
 #: (the empty ones exit at once) instead of the active experts first; "unfused": the sorted design
 #: with the gate_up products written out and gpt-oss's SwiGLU as PyTorch operations, instead of the
-#: fused epilogue; "full_grid": the sorted design with one block per work item instead of the
-#: persistent grid the launcher takes for decode-sized batches (``moe_kernels.grid_blocks``), timed
-#: at every such T (``--quick`` included).
+#: fused epilogue; "full_grid": the sorted design with one block per work item (as many chunk
+#: groups as the shapes allow, those past the busiest expert's chunks exiting at once) instead of the
+#: persistent grid (``moe_kernels.grid_blocks``), timed at every T >= 2 (``--quick`` included).
 DESIGNS = ("pairs_combine", "pairs_bmm", "sorted", "all_experts", "unfused", "full_grid")
 DESIGN_MAX_T = 16
 
 
 def designs_for(t: int, e: int | None = None, k: int | None = None, quick: bool = False) -> tuple:
     """The DESIGNS to time at T = ``t`` for E = ``e`` experts, top-``k``: the sorted one only where it
-    is not the default; full_grid only where the default grid is persistent (``grid_blocks``);
+    is not the default; full_grid from T = 2 (where the sorted design runs);
     the others only at T <= DESIGN_MAX_T and not with ``quick``."""
     from tilemm.kernels import moe_kernels as mk
 
     out = []
     for d in DESIGNS:
         if d == "full_grid":
-            if e is not None and t > mk.PAIRS_MAX_TOKENS and (t * k <= e or mk.route_kernel_fits(t * k, e)):
+            if e is not None and t > mk.PAIRS_MAX_TOKENS:
                 out.append(d)
         elif not quick and t <= DESIGN_MAX_T and (d != "sorted" or t <= mk.PAIRS_MAX_TOKENS):
             out.append(d)

@@ -281,7 +281,7 @@ def test_routing_is_fixed_size_and_sorted():
     assert torch.equal(keys[order], torch.sort(keys, stable=True).values)
     assert torch.equal(order[:2], torch.tensor([1, 6]))  # stable: rows of one expert in row order
     assert offsets.tolist() == [0, 2, 2, 5, 5, 5, 6, 8]
-    assert slot_expert.tolist() == [0, 1, 2, 3, 4, 5, 6]  # 8 rows >= E + 1: every expert its slot
+    assert slot_expert.tolist() == [2, 0, 6, 5, 1, 3, 4]  # 8 rows >= E + 1: every expert, busiest first
     # fewer rows than experts: by decreasing rows (ties by id), then the empty experts
     assert mk.route(ids[:3], 9)[2].tolist() == [2, 0, 5, 9, 1, 3]  # 3 rows, 1, 1, 1 (the extra), none
     # one token, one expert: a single slot; far out-of-range ids still land on the extra expert
@@ -310,8 +310,7 @@ def test_route_kernel_matches_the_sorting_route(emulated):
         counts = (offsets[1:] - offsets[:-1]).tolist()  # (E + 1,): the extra expert E last
         busiest = sorted((b for b in range(e + 1) if counts[b]), key=lambda b: (-counts[b], b))
         assert k_slots.tolist() == busiest + [-1] * (len(k_slots) - len(busiest)), (ids, e)
-        if ids.numel() <= e:  # the PyTorch route's order then too
-            assert slots[:len(busiest)].tolist() == busiest
+        assert slots[:len(busiest)].tolist() == busiest  # the PyTorch route's order too
     assert mk.route_kernel_fits(64, 128) and not mk.route_kernel_fits(128, 128)  # 120b: T = 16, not 32
     assert mk.route_kernel_fits(128, 32) and mk.route_kernel_fits(32, 256) and not mk.route_kernel_fits(64, 256)
 
@@ -529,9 +528,14 @@ def test_persistent_grid_runs_every_item(emulated):
     x40 = torch.randn(40, k, generator=gen).to(torch.bfloat16)
     ids40 = torch.stack([torch.full((40,), 2), torch.arange(40) % 2], dim=1)
     assert torch.equal(_run_kernel(x40, packed, ids40, None, cfg, blocks=3), _run_kernel(x40, packed, ids40, None, cfg))
-    # the launcher's choice: one block per item on the CPU (the emulator), whatever the routing
-    cpu = torch.device("cpu")
-    assert mk.grid_blocks(500, 64, 128, cfg, cpu) == 500 and mk.grid_blocks(500, 2000, 128, cfg, cpu) == 500
+    # fewer chunk groups than the shapes allow (T = 40: 3; no expert over 16 rows: the kernel takes 1)
+    w_q, packed = stacked("mxfp4", 3, 16, 256, seed=23)
+    ids3 = (torch.arange(40) % 3).reshape(40, 1)
+    out = _run_kernel(x40, packed, ids3, None, cfg, blocks=4)
+    assert mk.chunk_groups(40, 16) == 3
+    assert_matches(out.float(), reference64(x40, w_q, ids3), torch.bfloat16)
+    # the launcher's choice: one block per item on the CPU (the emulator)
+    assert mk.grid_blocks(500, cfg, torch.device("cpu")) == 500
 
 
 def test_plan_tile_m_follows_tokens_per_expert():

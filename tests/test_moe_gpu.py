@@ -121,8 +121,8 @@ def test_route_kernel_matches_sorting_route(rows_e, id_dtype):
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_persistent_grid_equals_full_grid(fmt):
-    """Skewed routing with T * k <= E (the persistent grid): bit for bit the one-block-per-item
-    result, both routings' slots."""
+    """Skewed routing (the persistent grid, many empty slots): bit for bit the one-block-per-item
+    result, with either routing's slots."""
     gen = torch.Generator().manual_seed(5)
     e, n, kdim, t, k = 64, 320, 512, 12, 4
     w_q = QUANTIZERS[fmt](torch.randn(e, n, kdim, generator=gen))
@@ -133,8 +133,7 @@ def test_persistent_grid_equals_full_grid(fmt):
     ids = ids.to(DEV)
     layout = tilemm.packed.layout_of(packed.fmt)
     cfg = mk.plan(t, k, e, layout)
-    assert mk.grid_blocks(10 ** 6, t * k, e, cfg, DEV) < 10 ** 6
-    assert mk.grid_blocks(10 ** 6, 4096, 128, cfg, DEV) == 10 ** 6  # large T: a block per item
+    assert mk.grid_blocks(10 ** 6, cfg, DEV) < 10 ** 6
     outs = []
     for kernel in (True, False):
         routed = mk.route(ids, e, kernel=kernel)

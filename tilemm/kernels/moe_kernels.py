@@ -14,9 +14,9 @@ Two designs (``tilemm.moe`` picks by T; ``benchmarks/bench_moe.py`` times both):
   comparison tiles, no sort) for decode-sized batches, else fixed-size PyTorch operations. x's rows
   are gathered once into that order (``sort_rows``) so the K loop loads row ranges; gate_up writes
   its rows in that order for down to read. Work item (slot, chunk group, N tile) runs the K loop of
-  the weight-only MMA kernel on TM-row chunks of its expert's tokens; a persistent grid
-  (``grid_blocks``) loops over the items where the busiest slots come first, so that empty slots
-  (most of them under skewed routing) cost a few loads, not a block. An expert's weight tile is read once per chunk.
+  the weight-only MMA kernel on TM-row chunks of its expert's tokens, the chunk groups as many as
+  the busiest expert needs (read on the device); a persistent grid (``grid_blocks``) loops over the
+  items, so that empty slots (most of them under skewed routing) cost a few loads, not a block. An expert's weight tile is read once per chunk.
 
 No host synchronisation and no allocation whose size depends on the routing: a call can be captured
 in a CUDA graph. Rows of ids outside [0, E) come out NaN, no weight read for them. ACT = 1 fuses
@@ -65,7 +65,7 @@ def _gpt_oss_glu(gate, up):
 def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, Groups,
                 ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                 GROUP: ConstInt, TM: ConstInt, TN: ConstInt, X_PARTS: ConstInt, CAT: ConstInt,
-                ACT: ConstInt, SORTED_OUT: ConstInt, UNROLL: ConstInt):
+                ACT: ConstInt, SORTED_OUT: ConstInt, UNROLL: ConstInt, EE: ConstInt):
     """Work items (slot, g, bn): the Out rows of expert SlotExpert[slot]'s tokens, weight rows bn * TN ..
 
     X (T * k, K): the activation rows in the sorted order (expert e's tokens are rows Offsets[e] ..
@@ -74,24 +74,33 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, Gr
     (T * k, N / 2): rows in the sorted order (SORTED_OUT = 1) or the (token, slot) rows; Consts (E, 2)
     fp32 (column 0: each expert's epilogue factor alpha); Mult (1,) fp32: 2^(OFFSET - E), shared;
     Bias (E, N) fp32; Order (T * k,) int64: the (token, slot) rows t * k + j sorted by expert;
-    Offsets (E + 2,) int64; SlotExpert (S,) int64 (see the module docstring); Groups (int32) G.
+    Offsets (E + 2,) int64, loaded whole as a tile of EE >= E + 2; SlotExpert (S,) int64 (see the
+    module docstring); Groups (int32): the most chunk groups G the launcher allows.
 
-    Items: S * G * cdiv(N, TN), N tiles fastest, then G chunk groups: item (slot, g, bn) takes chunks
-    g, g + G, .. of its expert's tokens (G = 1 unless T is large: a popular expert's chunks then
-    spread over G items instead of running one after another in one). Block b runs items b, b +
-    blocks, ..: one item per block with the full grid, several with a persistent grid
-    (``launch``), where an item without rows costs a few scalar loads instead of a block.
+    Items: G * S * cdiv(N, TN), N tiles fastest, then slots, then G chunk groups: item (g, slot, bn)
+    takes chunks g, g + G, .. of its expert's tokens, G = min(Groups, the busiest expert's chunks)
+    (a popular expert's chunks then spread over G items instead of running one after another in
+    one; G = 1 when every expert has at most TM rows). The slots come busiest first, so in each
+    chunk group the items with rows are a prefix. Block b runs items b, b + blocks, ..: a persistent
+    grid (``grid_blocks``) spreads each prefix evenly over the blocks, and an item without rows costs
+    a few scalar loads instead of a block.
 
     ACT = 1: the weight rows are gpt-oss's interleaved gate (even) and up (odd) rows; each product is
     rounded to Out's dtype as without ACT, then ``_gpt_oss_glu`` of the pair, in fp32, rounded once
     into column n / 2 of Out.
     """
     num_n = ct.cdiv(W.shape[1], TN)
-    groups = Groups
-    for item in range(ct.bid(0), SlotExpert.shape[0] * groups * num_n, ct.num_blocks(0)):
-        _moe_item(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, item % num_n,
-                  (item // num_n) % groups, item // (num_n * groups), groups, ELEMENT, SCALE_E8M0, BLOCK, PLANES,
-                  GROUP, TM, TN, X_PARTS, CAT, ACT, SORTED_OUT, UNROLL)
+    # G: at most Groups, and no more than the busiest expert's chunks (every item then holds at most
+    # one chunk, and none past the busiest expert's: a uniform routing at large T needs G = 1 or 2).
+    lo = ct.load(Offsets, (0,), (EE,), padding_mode=_ZERO)
+    hi = ct.load(Offsets.slice(0, 1, Offsets.shape[0]), (0,), (EE,), padding_mode=_ZERO)
+    groups = ct.minimum(ct.cdiv(ct.max(hi - lo), TM), Groups)
+    band = SlotExpert.shape[0] * num_n  # the items of one chunk group
+    for item in range(ct.bid(0), band * groups, ct.num_blocks(0)):
+        rem = item % band
+        _moe_item(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, rem % num_n, item // band,
+                  rem // num_n, groups, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN, X_PARTS, CAT, ACT,
+                  SORTED_OUT, UNROLL)
 
 
 def _moe_item(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, bn, group, slot, groups,
@@ -328,12 +337,10 @@ def route(topk_ids: torch.Tensor, num_experts: int, kernel: bool | None = None
         bounds = _BOUNDS[(flat.device, num_experts)] = torch.arange(
             num_experts + 2, device=flat.device, dtype=torch.int64)
     offsets = torch.searchsorted(sorted_key, bounds)
-    if rows >= num_experts + 1:  # S = E + 1: every expert has its slot, in id order (no sort needed)
-        return order, offsets, bounds[:num_experts + 1]
     # The experts by decreasing number of rows (ties by id; stable), the empty ones last: the first
-    # S entries hold every present expert, and the busiest expert's blocks start first.
+    # S entries hold every present expert, and the busiest expert's items come first.
     slot_expert = torch.argsort(offsets[:-1] - offsets[1:], stable=True)  # (E + 1,): minus each run's length
-    return order, offsets, slot_expert[:rows]
+    return order, offsets, slot_expert[:min(rows, num_experts + 1)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,10 +398,10 @@ MAX_CHUNK_GROUPS = 8
 
 
 def chunk_groups(tokens: int, tile_m: int) -> int:
-    """G, the blocks per (expert, N tile): enough that an expert chosen by every one of the T =
-    ``tokens`` tokens runs at most ceil(T / (TM * G)) chunks in a row, at most ``MAX_CHUNK_GROUPS``;
-    1 while T <= TM. Fixed by the shapes, not the routing (blocks past an expert's chunks exit at
-    once)."""
+    """The most chunk groups (work items per (expert, N tile)): enough that an expert chosen by
+    every one of the T = ``tokens`` tokens runs at most ceil(T / (TM * G)) chunks in a row, at most
+    ``MAX_CHUNK_GROUPS``; 1 while T <= TM. Fixed by the shapes; the kernel takes G = the smaller of
+    this and the busiest expert's chunks, read on the device."""
     return max(1, min(MAX_CHUNK_GROUPS, -(-tokens // tile_m)))
 
 
@@ -437,26 +444,26 @@ def launch(xs: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constan
     groups = chunk_groups(tokens, cfg.tile_m)
     items = slot_expert.shape[0] * groups * -(-n // cfg.tile_n)
     if blocks is None:
-        blocks = grid_blocks(items, tokens * top_k, num_experts, cfg, out.device)
+        blocks = grid_blocks(items, cfg, out.device)
     stream = stream_handle(out.device)
     ct.launch(stream, (max(1, min(blocks, items)), 1, 1), cfg.kernel,
               (xs, words, scale_t, out, constants, constants[0, 1:2], bias, order, offsets, slot_expert, groups,
-               *_constants(layout, cfg, _X_PARTS[xs.dtype], act, act if sorted_out is None else sorted_out)))
+               *_constants(layout, cfg, _X_PARTS[xs.dtype], act, act if sorted_out is None else sorted_out,
+                           _pow2(offsets.shape[0]))))
 
 
-def grid_blocks(items: int, pairs: int, num_experts: int, cfg: MoEConfig, device) -> int:
-    """The grouped kernel's grid for ``items`` work items. Where ``route`` puts the slots of the
-    experts with rows first, busiest first (T * k = ``pairs`` <= E, or its one-block kernel), most
-    slots may be empty (gpt-oss-120b at T = 16 under skewed routing: about 30 of 64 hold rows): a
-    persistent grid of SMs x ``cfg.occupancy`` blocks then runs the items with rows spread evenly
-    over the blocks and skips the rest at a few loads each, where a block per item would launch
-    thousands of blocks that do nothing. Otherwise one block per item (the hardware's block
-    scheduler then balances chunks of unequal work)."""
-    if device.type != "cuda" or not (pairs <= num_experts or route_kernel_fits(pairs, num_experts)):
+def grid_blocks(items: int, cfg: MoEConfig, device) -> int:
+    """The grouped kernel's persistent grid: SMs x ``cfg.occupancy`` blocks (2 per SM without an
+    occupancy hint), at most ``items``; one block per item on the CPU (the emulator). The slots come
+    busiest first, so the items with rows are a prefix of each chunk group, spread evenly over the
+    blocks, and the many items without rows (most slots under skewed routing: gpt-oss-120b at T = 16
+    has about 30 of 64 with rows; chunk groups past an expert's chunks) cost a few loads each where a
+    block per item would launch thousands of blocks that do nothing."""
+    if device.type != "cuda":
         return items
     from ._common import num_sms
 
-    return num_sms(device) * (cfg.occupancy or 1)
+    return min(items, num_sms(device) * (cfg.occupancy or 2))
 
 
 #: Up to this many tokens a call takes the per-pair FMA kernel (``_moe_gemv_kernel``, no routing):
@@ -528,9 +535,9 @@ def _pairs_constants(layout: Layout, cfg: PairsConfig, act: int, combine: int) -
             cfg.tile_n, cfg.unroll, act, combine)
 
 
-def _constants(layout: Layout, cfg: MoEConfig, x_parts: int, act: int, sorted_out: int) -> tuple:
+def _constants(layout: Layout, cfg: MoEConfig, x_parts: int, act: int, sorted_out: int, offsets_tile: int) -> tuple:
     return (layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
-            cfg.tile_m, cfg.tile_n, x_parts, cfg.cat, act, sorted_out, cfg.unroll)
+            cfg.tile_m, cfg.tile_n, x_parts, cfg.cat, act, sorted_out, cfg.unroll, offsets_tile)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -556,7 +563,7 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                     params = [array(x_ct, 2), array(ct.int32, 3), array(ct.uint8, 3), array(x_ct, 2),
                               array(ct.float32, 2, aligned=False), array(ct.float32, 1, aligned=False),
                               array(ct.float32, 2), array(ct.int64, 1), array(ct.int64, 1), array(ct.int64, 1),
-                              _INT32, *_constants(layout, cfg, _X_PARTS[x_dtype], act, act)]
+                              _INT32, *_constants(layout, cfg, _X_PARTS[x_dtype], act, act, 64)]
                     suffix = "_swiglu" if act else ""
                     variants.append(AotVariant(f"moe_{name}_{x_ct.name}_{cfg.name}{suffix}", cfg.kernel, params))
         # The per-pair kernel, bf16 activations (fp16 is the same code path): each projection of a

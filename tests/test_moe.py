@@ -534,6 +534,12 @@ def test_persistent_grid_runs_every_item(emulated):
     out = _run_kernel(x40, packed, ids3, None, cfg, blocks=4)
     assert mk.chunk_groups(40, 16) == 3
     assert_matches(out.float(), reference64(x40, w_q, ids3), torch.bfloat16)
+    # E + 2 = 72 offsets (two loads of 64 when the kernel looks for the longest run): the busiest
+    # expert, 69, in the second
+    w_q, packed = stacked("mxfp4", 70, 16, 256, seed=24)
+    ids69 = torch.stack([torch.full((40,), 69), torch.arange(40) % 7], dim=1)
+    out = _run_kernel(x40, packed, ids69, None, cfg, blocks=5)
+    assert_matches(out.float(), reference64(x40, w_q, ids69), torch.bfloat16)
     # the launcher's choice: one block per item on the CPU (the emulator)
     assert mk.grid_blocks(500, cfg, torch.device("cpu")) == 500
 

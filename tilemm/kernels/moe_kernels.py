@@ -47,6 +47,8 @@ ConstInt = ct.Constant[int]
 
 _ZERO = ct.PaddingMode.ZERO
 _INT32 = cc.ScalarConstraint(ct.int32)
+#: Offsets entries the grouped kernel reads per load when it looks for the longest expert run.
+_RUNS = 64
 
 
 #: gpt-oss's clamped SwiGLU, fused into the gate_up projection's epilogue with ACT = 1.
@@ -65,7 +67,7 @@ def _gpt_oss_glu(gate, up):
 def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, Groups,
                 ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                 GROUP: ConstInt, TM: ConstInt, TN: ConstInt, X_PARTS: ConstInt, CAT: ConstInt,
-                ACT: ConstInt, SORTED_OUT: ConstInt, UNROLL: ConstInt, EE: ConstInt):
+                ACT: ConstInt, SORTED_OUT: ConstInt, UNROLL: ConstInt):
     """Work items (slot, g, bn): the Out rows of expert SlotExpert[slot]'s tokens, weight rows bn * TN ..
 
     X (T * k, K): the activation rows in the sorted order (expert e's tokens are rows Offsets[e] ..
@@ -74,8 +76,8 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, Gr
     (T * k, N / 2): rows in the sorted order (SORTED_OUT = 1) or the (token, slot) rows; Consts (E, 2)
     fp32 (column 0: each expert's epilogue factor alpha); Mult (1,) fp32: 2^(OFFSET - E), shared;
     Bias (E, N) fp32; Order (T * k,) int64: the (token, slot) rows t * k + j sorted by expert;
-    Offsets (E + 2,) int64, loaded whole as a tile of EE >= E + 2; SlotExpert (S,) int64 (see the
-    module docstring); Groups (int32): the most chunk groups G the launcher allows.
+    Offsets (E + 2,) int64; SlotExpert (S,) int64 (see the module docstring); Groups (int32): the
+    most chunk groups G the launcher allows.
 
     Items: G * S * cdiv(N, TN), N tiles fastest, then slots, then G chunk groups: item (g, slot, bn)
     takes chunks g, g + G, .. of its expert's tokens, G = min(Groups, the busiest expert's chunks)
@@ -92,9 +94,12 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, Gr
     num_n = ct.cdiv(W.shape[1], TN)
     # G: at most Groups, and no more than the busiest expert's chunks (every item then holds at most
     # one chunk, and none past the busiest expert's: a uniform routing at large T needs G = 1 or 2).
-    lo = ct.load(Offsets, (0,), (EE,), padding_mode=_ZERO)
-    hi = ct.load(Offsets.slice(0, 1, Offsets.shape[0]), (0,), (EE,), padding_mode=_ZERO)
-    groups = ct.minimum(ct.cdiv(ct.max(hi - lo), TM), Groups)
+    runs = ct.zeros((_RUNS,), ct.int64)  # the longest run per position mod _RUNS
+    for c in range(ct.cdiv(Offsets.shape[0] - 1, _RUNS)):
+        lo = ct.load(Offsets, (c,), (_RUNS,), padding_mode=_ZERO)
+        hi = ct.load(Offsets.slice(0, 1, Offsets.shape[0]), (c,), (_RUNS,), padding_mode=_ZERO)
+        runs = ct.maximum(runs, hi - lo)  # (past the end: 0 - 0, or 0 - T * k)
+    groups = ct.minimum(ct.cdiv(ct.max(runs), TM), Groups)
     band = SlotExpert.shape[0] * num_n  # the items of one chunk group
     for item in range(ct.bid(0), band * groups, ct.num_blocks(0)):
         rem = item % band
@@ -448,8 +453,7 @@ def launch(xs: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constan
     stream = stream_handle(out.device)
     ct.launch(stream, (max(1, min(blocks, items)), 1, 1), cfg.kernel,
               (xs, words, scale_t, out, constants, constants[0, 1:2], bias, order, offsets, slot_expert, groups,
-               *_constants(layout, cfg, _X_PARTS[xs.dtype], act, act if sorted_out is None else sorted_out,
-                           _pow2(offsets.shape[0]))))
+               *_constants(layout, cfg, _X_PARTS[xs.dtype], act, act if sorted_out is None else sorted_out)))
 
 
 def grid_blocks(items: int, cfg: MoEConfig, device) -> int:
@@ -535,9 +539,9 @@ def _pairs_constants(layout: Layout, cfg: PairsConfig, act: int, combine: int) -
             cfg.tile_n, cfg.unroll, act, combine)
 
 
-def _constants(layout: Layout, cfg: MoEConfig, x_parts: int, act: int, sorted_out: int, offsets_tile: int) -> tuple:
+def _constants(layout: Layout, cfg: MoEConfig, x_parts: int, act: int, sorted_out: int) -> tuple:
     return (layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
-            cfg.tile_m, cfg.tile_n, x_parts, cfg.cat, act, sorted_out, cfg.unroll, offsets_tile)
+            cfg.tile_m, cfg.tile_n, x_parts, cfg.cat, act, sorted_out, cfg.unroll)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -563,7 +567,7 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                     params = [array(x_ct, 2), array(ct.int32, 3), array(ct.uint8, 3), array(x_ct, 2),
                               array(ct.float32, 2, aligned=False), array(ct.float32, 1, aligned=False),
                               array(ct.float32, 2), array(ct.int64, 1), array(ct.int64, 1), array(ct.int64, 1),
-                              _INT32, *_constants(layout, cfg, _X_PARTS[x_dtype], act, act, 64)]
+                              _INT32, *_constants(layout, cfg, _X_PARTS[x_dtype], act, act)]
                     suffix = "_swiglu" if act else ""
                     variants.append(AotVariant(f"moe_{name}_{x_ct.name}_{cfg.name}{suffix}", cfg.kernel, params))
         # The per-pair kernel, bf16 activations (fp16 is the same code path): each projection of a

@@ -316,8 +316,8 @@ def designed(ours: MoEExperts, design: str):
 
     def forward(x, ids, weights):
         t, k = ids.shape
-        order, offsets, slots = mk.route(ids, ours.num_experts)
-        routed = (order, offsets, every if design == "all_experts" else slots)
+        order, offsets, slots, longest = mk.route(ids, ours.num_experts)
+        routed = (order, offsets, every if design == "all_experts" else slots, longest)
         blocks = 2 ** 31 - 1 if design == "full_grid" else None  # (the launcher clamps it to the items)
         xs = mk.sort_rows(x, routed, k)
         h = torch.empty(t * k, ours.intermediate_size, dtype=x.dtype, device=x.device)

@@ -275,8 +275,9 @@ def _run_kernel(x, packed, ids, bias, cfg, act=0, sorted_out=None, blocks=None):
 
 def test_routing_is_fixed_size_and_sorted():
     ids = torch.tensor([[2, 0], [2, 5], [-1, 2], [0, 7]])
-    order, offsets, slot_expert = mk.route(ids, 6)
+    order, offsets, slot_expert, longest = mk.route(ids, 6)
     assert order.shape == (8,) and offsets.shape == (8,) and slot_expert.shape == (7,)
+    assert longest.tolist() == [3]  # expert 2
     keys = torch.where((ids.reshape(-1) >= 6) | (ids.reshape(-1) < 0), 6, ids.reshape(-1))
     assert torch.equal(keys[order], torch.sort(keys, stable=True).values)
     assert torch.equal(order[:2], torch.tensor([1, 6]))  # stable: rows of one expert in row order
@@ -304,8 +305,9 @@ def test_route_kernel_matches_the_sorting_route(emulated):
              (torch.tensor([[2 ** 40, -2 ** 40]]), 6), (torch.full((5, 2), 4, dtype=torch.int32), 9),
              (torch.randint(-2, 40, (16, 4), generator=gen), 37), (torch.randint(0, 8, (12, 3), generator=gen), 8)]
     for ids, e in cases:
-        (order, offsets, slots), (k_order, k_offsets, k_slots) = _route_both(ids, e)
+        (order, offsets, slots, longest), (k_order, k_offsets, k_slots, k_longest) = _route_both(ids, e)
         assert torch.equal(k_order, order) and torch.equal(k_offsets, offsets), (ids, e)
+        assert k_longest.tolist() == longest.tolist() == [int((offsets[1:] - offsets[:-1]).max())]
         assert k_slots.shape == slots.shape and k_slots.dtype == torch.int64
         counts = (offsets[1:] - offsets[:-1]).tolist()  # (E + 1,): the extra expert E last
         busiest = sorted((b for b in range(e + 1) if counts[b]), key=lambda b: (-counts[b], b))

@@ -111,9 +111,9 @@ def test_route_kernel_matches_sorting_route(rows_e, id_dtype):
     ids[: rows // 2] = torch.randint(0, 3, (rows // 2, 1), generator=gen)  # skewed: a few busy experts
     ids = ids.to(id_dtype).to(DEV)
     assert mk.route_kernel_fits(rows, e)
-    order, offsets, slots = mk.route(ids, e, kernel=False)
-    k_order, k_offsets, k_slots = mk.route(ids, e)
-    assert torch.equal(k_order, order) and torch.equal(k_offsets, offsets)
+    order, offsets, slots, longest = mk.route(ids, e, kernel=False)
+    k_order, k_offsets, k_slots, k_longest = mk.route(ids, e)
+    assert torch.equal(k_order, order) and torch.equal(k_offsets, offsets) and torch.equal(k_longest, longest)
     counts = (offsets[1:] - offsets[:-1]).tolist()
     busiest = sorted((b for b in range(e + 1) if counts[b]), key=lambda b: (-counts[b], b))
     assert k_slots.tolist() == busiest + [-1] * (k_slots.numel() - len(busiest))

@@ -15,8 +15,9 @@ Two designs (``tilemm.moe`` picks by T; ``benchmarks/bench_moe.py`` times both):
   are gathered once into that order (``sort_rows``) so the K loop loads row ranges; gate_up writes
   its rows in that order for down to read. Work item (slot, chunk group, N tile) runs the K loop of
   the weight-only MMA kernel on TM-row chunks of its expert's tokens, the chunk groups as many as
-  the busiest expert needs (read on the device); a persistent grid (``grid_blocks``) loops over the
-  items, so that empty slots (most of them under skewed routing) cost a few loads, not a block. An expert's weight tile is read once per chunk.
+  the busiest expert needs (``longest``, read on the device); a persistent grid (``grid_blocks``)
+  loops over the items, so that empty slots (most of them under skewed routing) cost a few loads,
+  not a block. An expert's weight tile is read once per chunk.
 
 No host synchronisation and no allocation whose size depends on the routing: a call can be captured
 in a CUDA graph. Rows of ids outside [0, E) come out NaN, no weight read for them. ACT = 1 fuses
@@ -47,8 +48,6 @@ ConstInt = ct.Constant[int]
 
 _ZERO = ct.PaddingMode.ZERO
 _INT32 = cc.ScalarConstraint(ct.int32)
-#: Offsets entries the grouped kernel reads per load when it looks for the longest expert run.
-_RUNS = 64
 
 
 #: gpt-oss's clamped SwiGLU, fused into the gate_up projection's epilogue with ACT = 1.
@@ -64,7 +63,7 @@ def _gpt_oss_glu(gate, up):
 
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
-def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, Groups,
+def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, Longest, Groups,
                 ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                 GROUP: ConstInt, TM: ConstInt, TN: ConstInt, X_PARTS: ConstInt, CAT: ConstInt,
                 ACT: ConstInt, SORTED_OUT: ConstInt, UNROLL: ConstInt):
@@ -76,8 +75,8 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, Gr
     (T * k, N / 2): rows in the sorted order (SORTED_OUT = 1) or the (token, slot) rows; Consts (E, 2)
     fp32 (column 0: each expert's epilogue factor alpha); Mult (1,) fp32: 2^(OFFSET - E), shared;
     Bias (E, N) fp32; Order (T * k,) int64: the (token, slot) rows t * k + j sorted by expert;
-    Offsets (E + 2,) int64; SlotExpert (S,) int64 (see the module docstring); Groups (int32): the
-    most chunk groups G the launcher allows.
+    Offsets (E + 2,) int64; SlotExpert (S,) int64; Longest (1,) int64: the longest run (see the
+    module docstring); Groups (int32): the most chunk groups G the launcher allows.
 
     Items: G * S * cdiv(N, TN), N tiles fastest, then slots, then G chunk groups: item (g, slot, bn)
     takes chunks g, g + G, .. of its expert's tokens, G = min(Groups, the busiest expert's chunks)
@@ -92,14 +91,9 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, Gr
     into column n / 2 of Out.
     """
     num_n = ct.cdiv(W.shape[1], TN)
-    # G: at most Groups, and no more than the busiest expert's chunks (every item then holds at most
-    # one chunk, and none past the busiest expert's: a uniform routing at large T needs G = 1 or 2).
-    runs = ct.zeros((_RUNS,), ct.int64)  # the longest run per position mod _RUNS
-    for c in range(ct.cdiv(Offsets.shape[0] - 1, _RUNS)):
-        lo = ct.load(Offsets, (c,), (_RUNS,), padding_mode=_ZERO)
-        hi = ct.load(Offsets.slice(0, 1, Offsets.shape[0]), (c,), (_RUNS,), padding_mode=_ZERO)
-        runs = ct.maximum(runs, hi - lo)  # (past the end: 0 - 0, or 0 - T * k)
-    groups = ct.minimum(ct.cdiv(ct.max(runs), TM), Groups)
+    # G: at most Groups, and no more than the busiest expert's chunks (Longest: its rows), so that no
+    # chunk group is past every expert's chunks (a uniform routing at large T needs G = 1 or 2).
+    groups = ct.minimum(ct.cdiv(ct.load(Longest, (0,), ()), TM), Groups)
     band = SlotExpert.shape[0] * num_n  # the items of one chunk group
     for item in range(ct.bid(0), band * groups, ct.num_blocks(0)):
         rem = item % band
@@ -254,7 +248,7 @@ def _moe_gemv_kernel(X, W, S, Out, Consts, Mult, Bias, Ids, Weights,
 
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
-def _route_kernel(Ids, Order, Offsets, SlotExpert, PP: ConstInt, EE: ConstInt):
+def _route_kernel(Ids, Order, Offsets, SlotExpert, Longest, PP: ConstInt, EE: ConstInt):
     """The routing of ``route`` in one block, for P = Ids.shape[0] <= PP (T * k (token, slot) rows)
     and E + 2 = Offsets.shape[0] <= EE: the keys (ids outside [0, E) -> E, rows past P -> E + 1),
     then with (PP, PP) and (EE, PP) comparison tiles, no sort:
@@ -282,6 +276,8 @@ def _route_kernel(Ids, Order, Offsets, SlotExpert, PP: ConstInt, EE: ConstInt):
     place = ct.sum(ct.where(kj < ki, 1, 0), axis=1) + earlier
     ct.scatter(Order, place, i.astype(ct.int64))  # (padding rows' places are >= P: dropped)
     count = ct.sum(same, axis=1)  # rows of row i's key
+    longest = ct.max(ct.where(i < rows, count, 0), axis=0, keepdims=True)  # (1,)
+    ct.store(Longest, (0,), longest.astype(ct.int64))
     lead = ct.where(earlier == 0, ct.where(i < rows, 1, 0), 0)  # row i starts its key's run
     ci, cj = count.reshape((PP, 1)), count.reshape((1, PP))
     ahead = ct.where(cj > ci, 1, ct.where(cj == ci, ct.where(kj < ki, 1, 0), 0))
@@ -315,9 +311,10 @@ def route_kernel_fits(pairs: int, num_experts: int) -> bool:
 
 
 def route(topk_ids: torch.Tensor, num_experts: int, kernel: bool | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(order, offsets, slot_expert) int64 for ``topk_ids`` (T, k) (see the module docstring); fixed
-    sizes T * k, E + 2 and min(T * k, E + 1); no host synchronisation. ``kernel`` (default: on CUDA
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, offsets, slot_expert, longest) int64 for ``topk_ids`` (T, k) (see the module
+    docstring; longest: the most rows of one expert, ids outside [0, E) counted as expert E); fixed
+    sizes T * k, E + 2, min(T * k, E + 1) and 1; no host synchronisation. ``kernel`` (default: on CUDA
     where ``route_kernel_fits``): one launch of ``_route_kernel``, whose slot_expert ends with -1 (no
     expert) where the PyTorch path lists the experts without rows; else about ten small PyTorch
     kernels. Either way a layer computes it once for both of its projections."""
@@ -329,10 +326,11 @@ def route(topk_ids: torch.Tensor, num_experts: int, kernel: bool | None = None
         order = torch.empty(rows, dtype=torch.int64, device=flat.device)
         offsets = torch.empty(num_experts + 2, dtype=torch.int64, device=flat.device)
         slot_expert = torch.empty(min(rows, num_experts + 1), dtype=torch.int64, device=flat.device)
+        longest = torch.empty(1, dtype=torch.int64, device=flat.device)
         pp, ee = _pow2(max(rows, 1)), _pow2(num_experts + 2)
         ct.launch(stream_handle(flat.device), (1, 1, 1), _route_kernel,
-                  (flat.contiguous(), order, offsets, slot_expert, pp, ee))
-        return order, offsets, slot_expert
+                  (flat.contiguous(), order, offsets, slot_expert, longest, pp, ee))
+        return order, offsets, slot_expert, longest
     flat = flat.to(torch.int64)
     # ids outside [0, E) -> E: clamp to [-1, E], then -1 -> E (mod E + 1).
     key = torch.remainder(flat.clamp(-1, num_experts), num_experts + 1)
@@ -344,8 +342,9 @@ def route(topk_ids: torch.Tensor, num_experts: int, kernel: bool | None = None
     offsets = torch.searchsorted(sorted_key, bounds)
     # The experts by decreasing number of rows (ties by id; stable), the empty ones last: the first
     # S entries hold every present expert, and the busiest expert's items come first.
-    slot_expert = torch.argsort(offsets[:-1] - offsets[1:], stable=True)  # (E + 1,): minus each run's length
-    return order, offsets, slot_expert[:min(rows, num_experts + 1)]
+    minus_runs = offsets[:-1] - offsets[1:]  # (E + 1,): minus each run's length
+    slot_expert = torch.argsort(minus_runs, stable=True)
+    return order, offsets, slot_expert[:min(rows, num_experts + 1)], torch.amax(-minus_runs, dim=0, keepdim=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -440,7 +439,7 @@ def launch(xs: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constan
     order too (what the next projection reads), 0 scatters them to the (token, slot) rows. ``bias``
     (E, N) fp32 or None; ``constants`` the stacked PackedWeight's (E, 2). ``blocks``: the grid
     (default ``grid_blocks``). One ``ct.launch``."""
-    order, offsets, slot_expert = routed
+    order, offsets, slot_expert, longest = routed
     num_experts, n = words.shape[0], words.shape[1]
     top_k = xs.shape[0] // tokens
     cfg = cfg or plan(tokens, top_k, num_experts, layout)
@@ -452,8 +451,8 @@ def launch(xs: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constan
         blocks = grid_blocks(items, cfg, out.device)
     stream = stream_handle(out.device)
     ct.launch(stream, (max(1, min(blocks, items)), 1, 1), cfg.kernel,
-              (xs, words, scale_t, out, constants, constants[0, 1:2], bias, order, offsets, slot_expert, groups,
-               *_constants(layout, cfg, _X_PARTS[xs.dtype], act, act if sorted_out is None else sorted_out)))
+              (xs, words, scale_t, out, constants, constants[0, 1:2], bias, order, offsets, slot_expert, longest,
+               groups, *_constants(layout, cfg, _X_PARTS[xs.dtype], act, act if sorted_out is None else sorted_out)))
 
 
 def grid_blocks(items: int, cfg: MoEConfig, device) -> int:
@@ -567,7 +566,7 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                     params = [array(x_ct, 2), array(ct.int32, 3), array(ct.uint8, 3), array(x_ct, 2),
                               array(ct.float32, 2, aligned=False), array(ct.float32, 1, aligned=False),
                               array(ct.float32, 2), array(ct.int64, 1), array(ct.int64, 1), array(ct.int64, 1),
-                              _INT32, *_constants(layout, cfg, _X_PARTS[x_dtype], act, act)]
+                              array(ct.int64, 1), _INT32, *_constants(layout, cfg, _X_PARTS[x_dtype], act, act)]
                     suffix = "_swiglu" if act else ""
                     variants.append(AotVariant(f"moe_{name}_{x_ct.name}_{cfg.name}{suffix}", cfg.kernel, params))
         # The per-pair kernel, bf16 activations (fp16 is the same code path): each projection of a

@@ -1,6 +1,6 @@
 """What the tensor-parallel benchmarks (``bench_tp.py``, ``bench_tp_decode.py``) share: starting the
 ranks, a bf16 ``nn.Linear`` sharded the way ``tilemm.parallel`` shards a tilemm layer (the baseline),
-the GPUs' names and where results go.
+the GPUs' names (results go where ``_results.py`` says).
 
 ``PlainShard`` is the bf16 baseline: torch's own ``ColwiseParallel`` / ``RowwiseParallel`` would turn
 the weight into a DTensor and dispatch every call through DTensor, a per-call host cost that
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import pathlib
 import signal
 import sys
 
@@ -23,8 +22,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tilemm
-
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
 def start(cpu: bool = False) -> tuple[int, int, torch.device]:
@@ -43,13 +40,6 @@ def start(cpu: bool = False) -> tuple[int, int, torch.device]:
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local)
-
-
-def out_dir() -> pathlib.Path:
-    """``$OUT`` when it is set (a run on the GPU machine), else ``benchmarks/results``."""
-    path = pathlib.Path(os.environ["OUT"]) if os.environ.get("OUT") else RESULTS
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def gpu_names() -> list[str]:

@@ -48,9 +48,12 @@ Targets on the H100 (checked in the summary): with CUDA graphs, 4-bit weight-onl
 at least 2x bf16's tokens/s at batch 1; eagerly, no slower than bf16 at batch 1; compiled, 1.7x at
 batch 1 and 1.4x at batch 16, and the 512-token prefill no slower than bf16's.
 
-Writes ``benchmarks/results/decode-<gpu>.json``, ``.md`` and ``.png`` (tokens/s speed-up over bf16
-against the batch size per variant, eager and CUDA-graph panels); the JSON and Markdown are
-rewritten after every variant, so an interrupted run keeps what it measured.
+Writes ``decode-<gpu>.json`` (``decode-compiled-<gpu>`` with ``--compile``), ``.md`` and ``.png``
+(tokens/s speed-up over bf16 against the batch size per variant, eager and CUDA-graph panels) to
+``--out-dir`` (``benchmarks/_results.py``); the JSON and Markdown are rewritten after every variant, so
+an interrupted run keeps what it measured. ``--cpu-smoke``: ``--tiny --no-graphs`` on the CPU, one layer, two
+tokens, NVFP4 (unless the options say otherwise). Decode
+loops and prefills are wall times synchronized at both ends (``_timing.loop_seconds`` / ``wall_call``).
 """
 
 from __future__ import annotations
@@ -72,8 +75,9 @@ import torch
 import tilemm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _results import add_options, out_dir, results_path  # noqa: E402
+from _timing import loop_seconds, wall_call  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 FULL_LAYERS = 32
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                  num_key_value_heads=8)
@@ -284,12 +288,8 @@ def prefill(model, cache, prompt: torch.Tensor) -> torch.Tensor:
 
 
 def timed_loop(fn, tokens: int, device: torch.device) -> float:
-    sync(device)
-    t = time.perf_counter()
-    for _ in range(tokens):
-        fn()
-    sync(device)
-    return time.perf_counter() - t
+    """Seconds for ``tokens`` decode steps (``_timing.loop_seconds``)."""
+    return loop_seconds(fn, tokens, device)
 
 
 GRAPH_CHECK_KEYS = ("tokens_match_eager", "graph_matches_eager", "first_step_logits_max_diff",
@@ -361,21 +361,15 @@ def run_batch(model, batch: int, args, device: torch.device, t0: float) -> dict:
     generator = torch.Generator().manual_seed(SEED + batch)
     prompt = torch.randint(model.config.vocab_size, (batch, args.prompt), generator=generator).to(device)
     cache = make_cache(model, batch, args.prompt + args.tokens, device)
-    sync(device)
-    t = time.perf_counter()
-    logits = prefill(model, cache, prompt)
-    sync(device)
-    prefill_ms = (time.perf_counter() - t) * 1e3
+    logits, seconds = wall_call(lambda: prefill(model, cache, prompt), device)
+    prefill_ms = seconds * 1e3
     if args.compile:  # the first prefill compiled kernels: time it again, each time into a fresh cache
         times = []
         for _ in range(PREFILL_REPS):
             del cache
             cache = make_cache(model, batch, args.prompt + args.tokens, device)
-            sync(device)
-            t = time.perf_counter()
-            logits = prefill(model, cache, prompt)
-            sync(device)
-            times.append((time.perf_counter() - t) * 1e3)
+            logits, seconds = wall_call(lambda: prefill(model, cache, prompt), device)
+            times.append(seconds * 1e3)
         prefill_ms = min(times)
     result = {"prefill_ms": prefill_ms, "logits": logits}
     dec = Decoder(model, cache, logits.argmax(-1), args.prompt, args.tokens)
@@ -386,11 +380,7 @@ def run_batch(model, batch: int, args, device: torch.device, t0: float) -> dict:
         eager_tokens = dec.out[:, :check].clone()
         dec.reset()
         step = compiled_step(dec)
-        t = time.perf_counter()
-        for _ in range(3):  # inductor compiles, CUDA graph trees warm up, then record
-            step()
-        sync(device)
-        compile_s = time.perf_counter() - t
+        compile_s = loop_seconds(step, 3, device)  # inductor compiles, CUDA graph trees warm up, then record
         dec.reset()
         for _ in range(min(WARMUP_REPLAYS, args.tokens)):
             step()
@@ -474,10 +464,18 @@ def main(argv=None) -> int:
     ap.add_argument("--no-tinygemm", action="store_true", help="with --compile: leave out the int4 peer")
     ap.add_argument("--out", default=None, help="result file stem (default decode-<gpu>, "
                     "decode-compiled-<gpu> with --compile)")
+    add_options(ap)
     explicit = set()
     for a in (sys.argv[1:] if argv is None else argv):
         explicit.add(a.split("=")[0].lstrip("-").replace("-", "_"))
     args = ap.parse_args(argv)
+    if args.cpu_smoke:
+        if args.compile:
+            ap.error("--cpu-smoke: --compile's CUDA graphs need a GPU")
+        args.tiny = args.no_graphs = True
+        if "formats" not in explicit:
+            args.formats = "nvfp4"  # one format, both modes: the code paths, in seconds
+        args.layers, args.tokens = args.layers or 1, args.tokens or 2
     if args.compile:
         for key, value in COMPILE_DEFAULTS.items():
             if key not in explicit:
@@ -496,7 +494,7 @@ def main(argv=None) -> int:
     if not args.tiny and args.layers > FULL_LAYERS:
         ap.error(f"--layers: Llama-3-8B has {FULL_LAYERS} layers")
 
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not args.cpu_smoke:
         device = torch.device("cuda")
         gpu = torch.cuda.get_device_name(device)
     elif args.tiny:
@@ -522,7 +520,9 @@ def main(argv=None) -> int:
             "formats": formats, "modes": modes, "graphs": not args.no_graphs and is_cuda and not args.compile,
             "compiled": args.compile,
             "skipped": [], "seconds": None}
-    stem = args.out or ("decode-compiled-" if args.compile else "decode-") + gpu.lower().replace(" ", "-")
+    stem = (out_dir(args.out_dir) / args.out if args.out else
+            results_path(args.out_dir, "decode", gpu, "json", variant="compiled" if args.compile else None
+                         ).with_suffix(""))
     log(f"{gpu}: {meta['model']}, {layers_note}; batches {batches}, prompt {args.prompt}, "
         f"{args.tokens} tokens", t0)
 
@@ -632,7 +632,7 @@ def main(argv=None) -> int:
     meta["seconds"] = time.time() - t0
     summary = write(stem, meta, variants, records, accuracy, plot_too=True)
     print(markdown(meta, variants, records, accuracy, summary))
-    log(f"wrote {RESULTS / stem}.json, .md, .png", t0)
+    log(f"wrote {stem}.json, .md, .png", t0)
     return 0
 
 
@@ -682,14 +682,14 @@ def targets(records) -> list[dict]:
 
 def write(stem, meta, variants, records, accuracy, plot_too: bool) -> dict:
     summary = {"targets": targets(records)}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(
+    stem = pathlib.Path(stem)
+    stem.with_name(stem.name + ".json").write_text(json.dumps(
         {"meta": meta, "summary": summary, "variants": variants, "records": records, "accuracy": accuracy},
         indent=1))
-    (RESULTS / f"{stem}.md").write_text(markdown(meta, variants, records, accuracy, summary))
+    stem.with_name(stem.name + ".md").write_text(markdown(meta, variants, records, accuracy, summary))
     if plot_too:
         try:
-            plot(meta, records, RESULTS / f"{stem}.png")
+            plot(meta, records, stem.with_name(stem.name + ".png"))
         except Exception as e:  # noqa: BLE001
             print(f"plot skipped: {e}", flush=True)
     return summary

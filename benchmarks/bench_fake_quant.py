@@ -5,7 +5,10 @@ flushed).
     python benchmarks/bench_fake_quant.py [--ks 4096,14336] [--ms 1,16]
 
 NVFP4 is timed twice: with its tensor amax inside the launch (a grid-wide barrier, what the path
-runs) and with ``tensor_amax`` first (two launches).
+runs) and with ``tensor_amax`` first (two launches). Writes what it prints to
+``fake-quant-<gpu>.txt`` (``benchmarks/_results.py``). ``--cpu-smoke``: K = 64, M = 1 on the CPU, where
+the FakeQuant column is the definition it implements, ``dequantize(quantize(x))`` in bf16 (the kernel
+needs a GPU), and both columns are wall times.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _results import Transcript, add_options, command, device_name, results_path  # noqa: E402
 from _timing import Timer  # noqa: E402
 
 import tilemm  # noqa: E402
@@ -28,11 +32,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="bench_fake_quant.py")
     ap.add_argument("--ks", default="4096,14336")
     ap.add_argument("--ms", default="1,16")
+    add_options(ap)
     args = ap.parse_args(argv)
-    dev = torch.device("cuda")
-    timer = Timer(50, dev)
+    if args.cpu_smoke:
+        args.ks, args.ms = "64", "1"
+    dev = torch.device("cpu" if args.cpu_smoke else "cuda")
+    timer = Timer(3 if args.cpu_smoke else 50, dev)
     alpha = torch.ones(1, device=dev)
-    print(f"{'format':22s} {'M':>4s} {'K':>6s} {'FakeQuant us':>13s} {'quantizer us':>13s}")
+    say = Transcript(command("bench_fake_quant.py", argv), device_name(dev))
+    if args.cpu_smoke:
+        say("# --cpu-smoke: FakeQuant = dequantize(quantize(x)) by the CPU reference; wall times, not GPU figures")
+    say(f"{'format':22s} {'M':>4s} {'K':>6s} {'FakeQuant us':>13s} {'quantizer us':>13s}")
     for k in map(int, args.ks.split(",")):
         for m in map(int, args.ms.split(",")):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -40,12 +50,18 @@ def main(argv=None) -> int:
                                         ("mxfp8", MXFP8_E4M3, lambda: tilemm.quantize_mxfp8(x)),
                                         ("nvfp4", NVFP4, lambda: tilemm.quantize_nvfp4(x)),
                                         ("nvfp4 (tensor_amax)", NVFP4, None)):
-                fq = FakeQuant(fmt, "rceil", alpha)
-                if quantize is None:
-                    fq._sms = 0  # more tiles than "SMs": tensor_amax first
-                t, _ = timer(lambda: fq.run(x, torch.cuda.current_stream()))
+                if args.cpu_smoke:
+                    if quantize is None:
+                        continue  # the same definition as the row above
+                    t, _ = timer(lambda: quantize().dequantize().to(torch.bfloat16))
+                else:
+                    fq = FakeQuant(fmt, "rceil", alpha)
+                    if quantize is None:
+                        fq._sms = 0  # more tiles than "SMs": tensor_amax first
+                    t, _ = timer(lambda: fq.run(x, torch.cuda.current_stream()))
                 tq = timer(quantize)[0] * 1e3 if quantize is not None else float("nan")
-                print(f"{name:22s} {m:4d} {k:6d} {t * 1e3:13.1f} {tq:13.1f}", flush=True)
+                say(f"{name:22s} {m:4d} {k:6d} {t * 1e3:13.1f} {tq:13.1f}")
+    say.write(results_path(args.out_dir, "fake-quant", device_name(dev), "txt"))
     return 0
 
 

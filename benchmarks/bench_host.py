@@ -8,40 +8,27 @@ prints ``F.linear`` (bf16), then per format (MXFP8, MXFP4, NVFP4; FP8 per row): 
 ``*_matmul`` on pre-quantized swizzled operands, ``tilemm.linear(xq, wq)`` (both sides quantized),
 ``tilemm.linear(x, prepack(wq))`` (weight-only), ``tilemm.nn.Linear`` both sides and weight-only, and
 the quantizer of an (M, K) activation (``swizzle=True``), each with its ratio to ``F.linear`` and its
-kernels per call (torch.profiler). Results go to ``$OUT/bench_host.json`` when ``OUT`` is set.
+kernels per call (torch.profiler). Writes ``host-<gpu>.json`` and what it prints to ``host-<gpu>.txt``
+(``benchmarks/_results.py``). ``--cpu-smoke``: N = 128, K = 64, M = 1 on the CPU (the reference path's
+host times; no kernel counts).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import pathlib
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-import tilemm
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import tilemm  # noqa: E402
+from _results import Transcript, add_options, command, device_name, results_path  # noqa: E402
+from _timing import issue_us  # noqa: E402
 
 FORMATS = {"mxfp8": tilemm.quantize_mxfp8, "mxfp4": tilemm.quantize_mxfp4, "nvfp4": tilemm.quantize_nvfp4}
-
-
-def per_call_us(fn, calls: int = 300, reps: int = 5) -> float:
-    """Host time per call: the time to issue ``calls`` calls back to back (fewer than the GPU's launch
-    queue holds, so the host never waits for the GPU), best of ``reps``; the GPU catches up between
-    repetitions."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, time.perf_counter() - t0)
-        torch.cuda.synchronize()
-    return best / calls * 1e6
 
 
 def kernels_per_call(fn) -> int:
@@ -96,23 +83,27 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--m", default="1,16", help="batch sizes, comma-separated")
     ap.add_argument("--formats", default="mxfp8,mxfp4,nvfp4,fp8")
+    add_options(ap)
     args = ap.parse_args(argv)
-    dev = torch.device("cuda")
-    report = {"device": torch.cuda.get_device_name(dev), "n": args.n, "k": args.k, "rows": []}
-    print(f"# {report['device']}, N={args.n} K={args.k}; host us per eager call, ratio to F.linear, kernels")
+    if args.cpu_smoke:
+        args.n, args.k, args.m = 128, 64, "1"
+    dev = torch.device("cpu" if args.cpu_smoke else "cuda")
+    calls, reps = (5, 1) if args.cpu_smoke else (300, 5)
+    report = {"device": device_name(dev), "n": args.n, "k": args.k, "rows": []}
+    say = Transcript(command("bench_host.py", argv), report["device"])
+    say(f"# {report['device']}, N={args.n} K={args.k}; host us per eager call, ratio to F.linear, kernels")
     for m in (int(v) for v in args.m.split(",")):
         base = None
         for name, fn in entries(m, args.n, args.k, args.formats.split(","), dev):
-            us = per_call_us(fn)
+            us = issue_us(fn, calls, reps, warmup=2 if args.cpu_smoke else 20)
             base = base or us
-            kernels = kernels_per_call(fn)
+            kernels = kernels_per_call(fn) if dev.type == "cuda" else None
             report["rows"].append({"m": m, "entry": name, "us": round(us, 1), "x_f_linear": round(us / base, 2),
                                    "kernels": kernels})
-            print(f"M={m:<4d} {name:42s} {us:8.1f} us {us / base:6.2f}x  {kernels} kernel(s)")
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "bench_host.json"), "w") as f:
-            json.dump(report, f, indent=1)
+            say(f"M={m:<4d} {name:42s} {us:8.1f} us {us / base:6.2f}x  {'-' if kernels is None else kernels} kernel(s)")
+    path = results_path(args.out_dir, "host", report["device"], "json")
+    path.write_text(json.dumps(report, indent=1))
+    say.write(path.with_suffix(".txt"))
     return 0
 
 

@@ -20,8 +20,9 @@ the exactly dequantized weight, then times CUDA-graph replays (L2 flushed before
 
 Host time per eager call and kernels per call: ``benchmarks/bench_host.py``.
 
-Writes ``benchmarks/results/inference-<gpu>.json`` and ``.md`` (speed-up over bf16 per format and M,
-geomeans, the HBM fraction), and ``.png`` (speed-up against M per format).
+Writes ``inference-<gpu>.json`` and ``.md`` (speed-up over bf16 per format and M, geomeans, the HBM
+fraction), and ``.png`` (speed-up against M per format) to ``--out-dir`` (``benchmarks/_results.py``).
+``--cpu-smoke``: one 128x64 shape at M = 1 on the CPU (the reference path; wall times).
 """
 
 from __future__ import annotations
@@ -38,12 +39,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _results import add_options, device_name, out_dir, results_path  # noqa: E402
 from _timing import Timer  # noqa: E402
 
 import tilemm  # noqa: E402
 from tilemm.reference import matmul_fp32  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 NK = [(4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]
 NK_QUICK = [(14336, 4096), (4096, 14336), (8192, 8192)]
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024]
@@ -63,9 +64,9 @@ def weight_bytes(fmt: str, n: int, k: int) -> int:
     return int(n * k * per_elem + n * k // block)
 
 
-def copy_bandwidth(timer: Timer, device) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write of 512 MiB)."""
-    src = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=device)
+def copy_bandwidth(timer: Timer, device, nbytes: int = 256 * 1024 * 1024) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write of 2 x ``nbytes``: 512 MiB)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms, _ = timer(lambda: dst.copy_(src))
     return 2 * src.numel() / (ms * 1e-3)
@@ -107,16 +108,19 @@ def main(argv=None) -> int:
     ap.add_argument("--no-both-sides", action="store_true", help="skip the block-scaled nn.Linear rows")
     ap.add_argument("--ms", default=None, help="comma-separated M values (default: the full or quick list)")
     ap.add_argument("--out", default=None, help="result file stem (default inference-<gpu>)")
+    add_options(ap)
     args = ap.parse_args(argv)
-    device = torch.device("cuda")
-    gpu = torch.cuda.get_device_name(device)
-    timer = Timer(max(args.reps, 20), device)
+    device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    gpu = device_name(device)
+    timer = Timer(3 if args.cpu_smoke else max(args.reps, 20), device)
     formats = args.formats.split(",")
-    bw = copy_bandwidth(timer, device)
+    bw = copy_bandwidth(timer, device, 1 << 20 if args.cpu_smoke else 256 * 1024 * 1024)
     print(f"{gpu}: copy bandwidth {bw / 1e12:.2f} TB/s")
     records, failures = [], []
     nks, ms = (NK_QUICK, MS_QUICK) if args.quick else (NK, MS)
-    if args.ms:
+    if args.cpu_smoke:
+        nks, ms = [(128, 64)], [1]
+    elif args.ms:
         ms = [int(v) for v in args.ms.split(",")]
     t_start = time.time()
     for n, k in nks:
@@ -165,13 +169,13 @@ def main(argv=None) -> int:
     summary = summarize(records, formats)
     meta = {"gpu": gpu, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "copy_bandwidth_TBps": bw / 1e12, "command": " ".join(["python benchmarks/bench_inference.py", *sys.argv[1:]]), "seconds": time.time() - t_start}
-    stem = args.out or "inference-" + gpu.lower().replace(" ", "-")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps({"meta": meta, "summary": summary,
-                                                      "records": records, "failures": failures}, indent=1))
-    (RESULTS / f"{stem}.md").write_text(markdown(meta, summary, records, formats))
+    path = (out_dir(args.out_dir) / f"{args.out}.json" if args.out
+            else results_path(args.out_dir, "inference", gpu, "json"))
+    path.write_text(json.dumps({"meta": meta, "summary": summary, "records": records, "failures": failures},
+                               indent=1))
+    path.with_suffix(".md").write_text(markdown(meta, summary, records, formats))
     try:
-        plot(summary, RESULTS / f"{stem}.png", gpu, formats)
+        plot(summary, path.with_suffix(".png"), gpu, formats)
     except Exception as e:  # noqa: BLE001
         print(f"plot skipped: {e}")
     print(markdown(meta, summary, records, formats))

@@ -10,7 +10,9 @@ graph runs ``--copies`` layers of the same shape back to back, each with its own
 larger than the L2 cache, so every layer reads its weight from DRAM), on the same activation; the
 time per layer is the replay's time divided by the copies (median of the replays, L2 flushed before
 each). The ratio to bf16 is per layer, like bench_inference's, whose rule for the baseline it follows too
-(cuBLAS timed before and after the others, the faster time counts).
+(cuBLAS timed before and after the others, the faster time counts). Writes what it prints to
+``layer-stream-<gpu>.txt`` (``benchmarks/_results.py``); ``--cpu-smoke``: one 128x64 shape, M = 1, two
+copies, on the CPU (wall times of the reference path).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _results import Transcript, add_options, command, device_name, results_path  # noqa: E402
 from _timing import Timer  # noqa: E402
 
 import tilemm  # noqa: E402
@@ -37,14 +40,17 @@ def main(argv=None) -> int:
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--formats", default="mxfp4,nvfp4,mxfp8")
     ap.add_argument("--shapes", default=None, help="NxK,NxK,... (default: 14336x4096, 4096x14336, 8192x8192)")
+    add_options(ap)
     args = ap.parse_args(argv)
-    dev = torch.device("cuda")
-    timer = Timer(20, dev)
+    if args.cpu_smoke:
+        args.ms, args.copies, args.shapes = "1", 2, "128x64"
+    dev = torch.device("cpu" if args.cpu_smoke else "cuda")
+    timer = Timer(3 if args.cpu_smoke else 20, dev)
     copies = args.copies
     formats = args.formats.split(",")
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else NK
-    print(f"{torch.cuda.get_device_name(dev)}: {copies} layers per graph; per-layer us and ratio to bf16",
-          flush=True)
+    say = Transcript(command("bench_layer_stream.py", argv), device_name(dev))
+    say(f"{device_name(dev)}: {copies} layers per graph; per-layer us and ratio to bf16")
     ratios: dict = {}
     for n, k in shapes:
         torch.manual_seed(0)
@@ -74,12 +80,14 @@ def main(argv=None) -> int:
             for name, t in line:
                 ratios.setdefault((name, m), []).append(t_bf16 / t)
             line = [f"{name} {t * 1e3:.1f} ({t_bf16 / t:.2f}x)" for name, t in line]
-            print(f"N={n:5d} K={k:5d} M={m:3d} bf16 {t_bf16 * 1e3:.1f} | " + " | ".join(line), flush=True)
+            say(f"N={n:5d} K={k:5d} M={m:3d} bf16 {t_bf16 * 1e3:.1f} | " + " | ".join(line))
         del stacks, weights
-        torch.cuda.empty_cache()
-    print("geomean over the shapes, ratio to bf16 per layer:")
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    say("geomean over the shapes, ratio to bf16 per layer:")
     for (name, m), v in ratios.items():
-        print(f"  {name:10s} M={m:3d} {math.exp(sum(map(math.log, v)) / len(v)):.2f}x")
+        say(f"  {name:10s} M={m:3d} {math.exp(sum(map(math.log, v)) / len(v)):.2f}x")
+    say.write(results_path(args.out_dir, "layer-stream", device_name(dev), "txt"))
     return 0
 
 

@@ -19,9 +19,11 @@ Peers, per format:
 * mxfp8 / mxfp4 / nvfp4: cuBLAS bf16 (``torch.matmul`` on the bf16 originals), Triton ``tl.dot_scaled``
   (MX formats; emulated on Hopper; best of ``TRITON_CONFIGS``) and eager dequantize + cuBLAS bf16.
 
-Writes ``benchmarks/results/<gpu>.json`` (meta, every record, the ratio summary, the targets with
-``met`` flags and a ``notes`` field that says what limits each missed target), ``<gpu>.md`` (the same
-as tables) and ``<gpu>.png`` (TFLOPS against M for N=14336, K=4096 per format, and the ratios).
+Writes ``matmul-<gpu>.json`` (meta, every record, the ratio summary, the targets with ``met`` flags and
+a ``notes`` field that says what limits each missed target), ``matmul-<gpu>.md`` (the same as tables)
+and ``matmul-<gpu>.png`` (TFLOPS against M for N=14336, K=4096 per format, and the ratios), in
+``--out-dir`` (``benchmarks/_results.py``). ``--cpu-smoke``: one 16x64x64 shape on the CPU (tilemm's
+reference path and the peers that run there; wall times).
 """
 
 from __future__ import annotations
@@ -38,9 +40,8 @@ import torch
 
 import tilemm
 from tilemm.reference import matmul_fp32
-from _timing import Timer  # run as a script: benchmarks/ is on sys.path
-
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+from _results import add_options, device_name, results_path  # run as a script: benchmarks/ is on sys.path
+from _timing import Timer
 
 SQUARE = [(4096, 4096, 4096), (8192, 8192, 8192)]
 LLM_NK = [(4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]
@@ -132,8 +133,7 @@ TRITON_CONFIGS = [(128, 128, 128, 8, 3), (64, 128, 128, 4, 4)]
 QUANTIZERS = {"mxfp8": tilemm.quantize_mxfp8, "mxfp4": tilemm.quantize_mxfp4, "nvfp4": tilemm.quantize_nvfp4}
 
 
-def bench_shape(m, n, k, timer: Timer, records, log, failures):
-    dev = torch.device("cuda")
+def bench_shape(m, n, k, timer: Timer, records, log, failures, dev=torch.device("cuda")):
     gen = torch.Generator(device=dev).manual_seed(m * 7 + n * 3 + k)
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=gen) / math.sqrt(k)
@@ -177,7 +177,8 @@ def bench_shape(m, n, k, timer: Timer, records, log, failures):
         except Exception as e:
             log(f"  {fmt}: FAILED: {type(e).__name__}: {str(e)[:200]}")
             failures.append(f"{fmt} M={m} N={n} K={k}: {type(e).__name__}: {str(e)[:200]}")
-    torch.cuda.empty_cache()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _bench_fp8(m, n, x, w, record, check):
@@ -213,7 +214,7 @@ def _bench_block_scaled(fmt, quantize, x, w, record, check, timer, log):
                                  tilemm.dequantize(wl).to(torch.bfloat16).t())
     # The reference dequantizers are many small PyTorch ops: launched eagerly, as a user would.
     record(fmt, "eager_dequant_cublas_bf16", eager, check(fmt, "eager", eager(), oracle), capture=False)
-    if fmt in ("mxfp8", "mxfp4"):
+    if fmt in ("mxfp8", "mxfp4") and x.is_cuda:  # Triton runs on GPUs only
         tfmt = "e4m3" if fmt == "mxfp8" else "e2m1"
         sa, sb = xl.scale.view(torch.uint8), wl.scale.view(torch.uint8)
         best = None
@@ -531,15 +532,18 @@ def main(argv=None) -> int:
                              "results JSON from its records (after editing LIMITS)")
     parser.add_argument("--max-seconds", type=float, default=420.0,
                         help="stop starting new shapes after this long (the results say which were skipped)")
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    add_options(parser, out_dir_aliases=("--out",))
     args = parser.parse_args(argv)
     if args.render is not None:
         return render(args.render)
-    if args.reps < 20:
+    if args.cpu_smoke:
+        args.reps = 3
+    elif args.reps < 20:
         parser.error("--reps must be at least 20 (medians of fewer replays vary too much)")
-    if not torch.cuda.is_available():
-        print("bench_matmul: needs a CUDA GPU; none found")
+    elif not torch.cuda.is_available():
+        print("bench_matmul: needs a CUDA GPU; none found (--cpu-smoke runs the CPU path)")
         return 2
+    dev = torch.device("cpu" if args.cpu_smoke else "cuda")
     t0 = time.time()
     import cuda.tile
     try:
@@ -547,29 +551,30 @@ def main(argv=None) -> int:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "absent"
-    gpu = torch.cuda.get_device_name().replace(" ", "_")
-    meta = dict(gpu=torch.cuda.get_device_name(),
-                capability=".".join(map(str, torch.cuda.get_device_capability())),
+    meta = dict(gpu=device_name(dev),
+                capability=".".join(map(str, torch.cuda.get_device_capability())) if dev.type == "cuda" else None,
                 date=datetime.date.today().isoformat(), torch=torch.__version__, triton=triton_version,
                 cuda_tile=getattr(cuda.tile, "__version__", "?"), reps=args.reps,
-                command="python benchmarks/bench_matmul.py" + (" --quick" if args.quick else ""))
-    timer = Timer(args.reps, torch.device("cuda"))
+                command="python benchmarks/bench_matmul.py" + (" --quick" if args.quick else "")
+                + (" --cpu-smoke" if args.cpu_smoke else ""))
+    timer = Timer(args.reps, dev)
     records, failures = [], []
-    todo = [s for s in shapes(args.quick) if args.only is None or args.only in f"{s[1]}x{s[2]}x{s[3]}"]
+    todo = [("smoke", 16, 64, 64)] if args.cpu_smoke else [
+        s for s in shapes(args.quick) if args.only is None or args.only in f"{s[1]}x{s[2]}x{s[3]}"]
     progress = Progress(todo)
-    args.out.mkdir(parents=True, exist_ok=True)
+    path = results_path(args.out_dir, "matmul", meta["gpu"], "json")
     meta["skipped_shapes"] = []
     for kind, m, n, k in progress:
         if time.time() - t0 > args.max_seconds:
             meta["skipped_shapes"].append(f"{m}x{n}x{k}")
             continue
         progress.write(f"{kind} M={m} N={n} K={k}")
-        bench_shape(m, n, k, timer, records, progress.write, failures)
-        _write_json(args.out / f"{gpu}.json", meta, records, failures, t0)  # partial results survive a crash
-    summary, targets = _write_json(args.out / f"{gpu}.json", meta, records, failures, t0)
+        bench_shape(m, n, k, timer, records, progress.write, failures, dev)
+        _write_json(path, meta, records, failures, t0)  # partial results survive a crash
+    summary, targets = _write_json(path, meta, records, failures, t0)
     md = markdown(records, summary, targets, meta)
-    (args.out / f"{gpu}.md").write_text(md)
-    plot(records, summary, args.out / f"{gpu}.png", f"tilemm vs peers on {meta['gpu']} ({meta['date']})")
+    path.with_suffix(".md").write_text(md)
+    plot(records, summary, path.with_suffix(".png"), f"tilemm vs peers on {meta['gpu']} ({meta['date']})")
     print(md.split("## All timings")[0])
     if meta["skipped_shapes"]:
         print(f"time budget ({args.max_seconds:.0f} s) ran out; skipped: {', '.join(meta['skipped_shapes'])}")

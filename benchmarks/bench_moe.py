@@ -51,7 +51,8 @@ gpt-oss ships them:
   form (about 61 GB; never a bf16 expert: bf16 would need about 234 GB for the experts alone),
   batch 1 and 8, and the peak GPU memory.
 
-Results: ``$OUT/moe[-quick|-layers|-e2e]-<gpu>.json`` and ``.md`` when ``$OUT`` is set, else ``benchmarks/results/``.
+Results: ``moe[-<mode>]-<gpu>.json`` and ``.md`` (``moe-profile-<gpu>.json`` with ``--profile``) in
+``--out-dir`` (``--out``), else ``$OUT``, else ``benchmarks/results/`` (``benchmarks/_results.py``).
 """
 
 from __future__ import annotations
@@ -60,7 +61,6 @@ import argparse
 import datetime
 import json
 import math
-import os
 import pathlib
 import shlex
 import sys
@@ -75,8 +75,8 @@ import tilemm  # noqa: E402
 from tilemm.moe import MoEExperts  # noqa: E402
 from tilemm.packed import PackedWeight, expert, layout_of, unpack  # noqa: E402
 from tilemm.reference import decode_scales  # noqa: E402
+from _results import add_options, results_path  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 SEED = 0
 
 #: (name, hidden, intermediate, experts, top_k, formats, biases)
@@ -886,11 +886,9 @@ def main(argv=None) -> int:
     mode.add_argument("--e2e", action="store_true", help="the end-to-end decodes only")
     mode.add_argument("--profile", action="store_true",
                       help="per-kernel GPU time of one layer (gpt-oss-20b and -120b MXFP4, anchor NVFP4) at T = 1, 16")
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU, no timing (with --profile: "
-                    "the profile's code path)")
     ap.add_argument("--tokens", type=int, default=64, help="timed decode steps per end-to-end run (default 64)")
     ap.add_argument("--reps", type=int, default=30, help="timed replays per layer variant (default 30)")
-    ap.add_argument("--out", default=None, help="result directory (default $OUT, else benchmarks/results)")
+    add_options(ap, out_dir_aliases=("--out",))  # --cpu-smoke: tiny shapes on the CPU, no timing
     args = ap.parse_args(argv)
     if args.cpu_smoke:
         device, gpu = torch.device("cpu"), "cpu"
@@ -911,23 +909,18 @@ def main(argv=None) -> int:
             "grouped_mm": hasattr(torch, "_grouped_mm"), "hf_experts_implementation": hf_experts_implementation()}
     if args.profile:
         records = profile_layers(args, device, timer, t0)
-        out_dir = pathlib.Path(args.out or os.environ.get("OUT") or RESULTS)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / f"moe-profile-{gpu.lower().replace(' ', '-')}.json"
+        path = results_path(args.out_dir, "moe", gpu, "json", variant="profile")
         path.write_text(json.dumps({"meta": meta, "profile": records}, indent=1))
         log(f"wrote {path}", t0)
         return 1 if any("error" in r for r in records) else 0
     layers = [] if args.e2e else bench_layers(args, device, timer, t0)
     e2e = {} if (args.layers_only or args.quick) else bench_e2e(args, device, t0)
     meta["seconds"] = time.time() - t0
-    out_dir = pathlib.Path(args.out or os.environ.get("OUT") or RESULTS)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    slug = gpu.lower().replace(" ", "-")
-    suffix = "-quick" if args.quick else "-layers" if args.layers_only else "-e2e" if args.e2e else ""
-    stem = out_dir / f"moe{suffix}-{slug}"
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "layers": layers, "e2e": e2e}, indent=1))
-    stem.with_suffix(".md").write_text(markdown(meta, layers, e2e))
-    log(f"wrote {stem}.json / .md", t0)
+    variant = "quick" if args.quick else "layers" if args.layers_only else "e2e" if args.e2e else None
+    path = results_path(args.out_dir, "moe", gpu, "json", variant=variant)
+    path.write_text(json.dumps({"meta": meta, "layers": layers, "e2e": e2e}, indent=1))
+    path.with_suffix(".md").write_text(markdown(meta, layers, e2e))
+    log(f"wrote {path} / .md", t0)
     failed = [r for r in layers if "error" in r] + [r for r in e2e.values() if "error" in r]
     return 1 if failed else 0
 

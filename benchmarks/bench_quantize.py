@@ -27,7 +27,9 @@ with an amax pass (NVFP4 without a global scale, FP8 per tensor, FP8 per row alo
 DRAM it tops out near 60 % of the copy (the amax pass ends where the quantize pass begins, so part of
 the second read comes from L2).
 
-Writes ``benchmarks/results/quantize-<gpu>.json`` and prints a markdown table.
+Writes ``quantize-<gpu>.json`` to ``--out-dir`` (``benchmarks/_results.py``) and prints a markdown table.
+``--cpu-smoke``: one 128x128 input on the CPU, the public quantizers only (the kernel-only cases need a
+GPU), wall times.
 """
 
 from __future__ import annotations
@@ -36,15 +38,16 @@ import argparse
 import datetime
 import json
 import pathlib
+import sys
 
 import torch
 
 import tilemm
-from _timing import Timer, median_ms  # run as a script: benchmarks/ is on sys.path
+from _results import add_options, device_name, results_path  # run as a script: benchmarks/ is on sys.path
+from _timing import Timer, median_ms
 from tilemm import quantize as q
 from tilemm.formats import FP8_E4M3, MXFP4, MXFP8_E4M3, MXFP8_E5M2
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 MIB = 1 << 20
 # bf16 (M, K) inputs of 64 MiB and 256 MiB.
 SIZES = {"64MiB": (8192, 4096), "256MiB": (16384, 8192)}
@@ -148,17 +151,22 @@ def _bytes(t) -> int:
 #: points of the copy where they now vary by about 1.
 GPU_BUSY_CYCLES = 200_000
 
+#: Where the run times (the CPU for ``--cpu-smoke``).
+DEVICE = torch.device("cuda")
+
 
 def time_ms(fn, reps: int) -> tuple[float, str]:
     """Median time of ``fn`` in ms and how it was taken: CUDA-graph replays when ``fn`` captures (the
     kernels alone, no Python dispatch, each replay queued behind ``GPU_BUSY_CYCLES`` of GPU sleep),
     else eager calls between CUDA events. No L2 flush: the inputs are larger than the L2."""
-    return Timer(reps, flush_l2=False, busy_cycles=GPU_BUSY_CYCLES, warmup=3, sync_each=True)(fn)
+    return Timer(reps, DEVICE, flush_l2=False, busy_cycles=GPU_BUSY_CYCLES, warmup=3, sync_each=True)(fn)
 
 
 def _eager_ms(fn, reps: int) -> float:
     """Median of ``reps`` eager calls of fn, each between CUDA events: Python dispatch included, what
     one call costs."""
+    if DEVICE.type == "cpu":
+        return Timer(reps, DEVICE)(fn)[0]
     return median_ms(fn, reps, sync_each=True)
 
 
@@ -175,9 +183,9 @@ def _same_bits(a, b) -> bool:
 
 def _sweep_plan():
     """(quantizer, input orientation, config slot, candidates): a slot is (name, key) of a module-level
-    config of quantize_kernels -- a TileConfig, or the entry ``key`` of a dict of them; the current
+    config of quantize_kernels -- a QuantizeConfig, or the entry ``key`` of a dict of them; the current
     config is timed first."""
-    from tilemm.kernels.quantize_kernels import TileConfig as T
+    from tilemm.kernels.quantize_kernels import QuantizeConfig as T
 
     logical_t = [T(128, 64), T(64, 128), T(128, 128, 2), T(256, 64, 2)]
     swizzled_t = [T(32, 256), T(64, 128), T(128, 128, 2)]  # whole 4-column scale groups (128 of K) for MX
@@ -262,31 +270,40 @@ def sweep(x: torch.Tensor, reps: int, warm_only: bool) -> list[dict]:
              "ms_after_kernels": copy_after_ms, "gb_s": copy_gbs, "pct_copy": 100.0}, *rows]
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    global DEVICE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=20, help="timed runs per measurement (>= 20)")
     parser.add_argument("--ref-reps", type=int, default=20, help="timed runs of the eager reference")
     parser.add_argument("--warm-only", action="store_true", help="compile the kernels and exit")
-    parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default: results/)")
+    parser.add_argument("--out", type=pathlib.Path, default=None,
+                        help="JSON path (default: quantize-<gpu>.json in --out-dir)")
     parser.add_argument("--sweep", action="store_true",
                         help="also time other tile shapes and occupancies of the kernels")
     parser.add_argument("--sweep-only", action="store_true", help="only the sweep")
     parser.add_argument("--sweep-size", choices=sorted(SIZES), default="256MiB",
                         help="the sweep's input size")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_quantize.py needs a CUDA GPU")
+    add_options(parser)
+    args = parser.parse_args(argv)
+    sizes = SIZES
+    if args.cpu_smoke:
+        DEVICE, sizes, args.reps, args.ref_reps = torch.device("cpu"), {"128x128": (128, 128)}, 2, 2
+        if args.sweep or args.sweep_only:
+            parser.error("--sweep times kernel variants: it needs a GPU")
+    elif not torch.cuda.is_available():
+        raise SystemExit("bench_quantize.py needs a CUDA GPU (--cpu-smoke runs the CPU path)")
 
-    dev = torch.device("cuda")
-    props = torch.cuda.get_device_properties(dev)
+    dev = DEVICE
     cases, gs = _cases()
+    if dev.type == "cpu":  # the kernel launchers called directly need a GPU
+        cases = {name: c for name, c in cases.items() if "kernel only" not in name and "alone" not in name}
     gs["nvfp4"] = torch.tensor(1.0 / 2688.0 * 8.0, device=dev)
     rows = []
     sweep_rows = []
     if args.sweep or args.sweep_only:
         m, k = SIZES[args.sweep_size]
         sweep_rows = sweep(torch.randn(m, k, device=dev, dtype=torch.bfloat16), args.reps, args.warm_only)
-    for size_name, (m, k) in ({} if args.sweep_only else SIZES).items():
+    for size_name, (m, k) in ({} if args.sweep_only else sizes).items():
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16) * 4
         gs["fp8 amax"] = x.float().abs().amax().reshape(1)
         in_bytes = x.numel() * x.element_size()
@@ -294,7 +311,8 @@ def main() -> None:
         if args.warm_only:
             for fn, _ in cases.values():
                 fn(x)
-            torch.cuda.synchronize()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
             continue
         # Bit-exactness first; then the copy and the kernels back to back (the eager references run
         # for milliseconds each and would sit between them); then eager calls and references.
@@ -326,17 +344,19 @@ def main() -> None:
                          "pct_copy": 100.0 * moved / ms / 1e6 / copy_gbs,
                          "ref_ms": ref_ms, "speedup_vs_ref": ref_ms / ms})
         del x, dst
-        torch.cuda.empty_cache()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     if args.warm_only:
         print("kernels compiled")
         return
 
-    gpu = props.name
+    gpu = device_name(dev)
     now = datetime.datetime.now(datetime.timezone.utc)
     result = {
         "date": now.date().isoformat(),
         "recorded": now.isoformat(timespec="seconds"),
         "gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
+        "command": "python benchmarks/bench_quantize.py" + (" --cpu-smoke" if args.cpu_smoke else ""),
         "input_dtype": "bfloat16", "reps": args.reps,
         "method": "median of CUDA-event timings of CUDA-graph replays, each queued behind "
                   f"torch.cuda._sleep({GPU_BUSY_CYCLES}) so that the interval is GPU time (eager calls "
@@ -346,6 +366,8 @@ def main() -> None:
                   "scales written) / time; copy GB/s = 2 * input bytes / time; eager_call_ms: one eager "
                   "call between events, Python dispatch included",
         "rows": rows,
+        **({"method": "--cpu-smoke: the median wall time of calls on the CPU (tilemm's reference path)"}
+           if dev.type == "cpu" else {}),
         "sweep_size": args.sweep_size if sweep_rows else None,
         "sweep": sweep_rows,
     }
@@ -362,7 +384,7 @@ def main() -> None:
                   f"{r['pct_copy']:.0f} |")
     if args.sweep_only:
         return
-    out = args.out or RESULTS / f"quantize-{gpu.lower().replace(' ', '-')}.json"
+    out = args.out or results_path(args.out_dir, "quantize", gpu, "json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
 
@@ -374,7 +396,7 @@ def main() -> None:
         if "ref_ms" not in r:
             print(f"| {r['size']} | {r['quantizer']} | | {r['ms'] * 1e3:.1f} | {r['gb_s']:.0f} | 100 | | | |")
             continue
-        timed = "" if r["timing"] == "graph" else " (events)"
+        timed = "" if r["timing"] == "graph" else f" ({r['timing']})"
         print(f"| {r['size']} | {r['quantizer']} | {'yes' if r['bit_exact'] else 'NO'} | "
               f"{r['ms'] * 1e3:.1f}{timed} | {r['gb_s']:.0f} | {r['pct_copy']:.0f} | "
               f"{r['eager_call_ms'] * 1e3:.0f} | {r['ref_ms'] * 1e3:.0f} | {r['speedup_vs_ref']:.0f}x |")
@@ -382,4 +404,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

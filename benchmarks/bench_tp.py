@@ -38,8 +38,8 @@ call, median of ``--reps``):
   (``sync_each``; sharded: the ranks lined up by a barrier before each call, outside the interval):
   what one call costs a caller, Python dispatch included wherever it is longer than the flush that
   precedes it (about 0.1 ms);
-* ``host``: the Python call alone (``time.perf_counter`` around it, GPU idle at the start, not
-  waited for): the host cost of dispatch and launches, which eager calls pay where it exceeds the
+* ``host``: the Python call alone (``_timing.host_ms``: wall time around it, GPU idle at the start,
+  not waited for): the host cost of dispatch and launches, which eager calls pay where it exceeds the
   GPU time.
 
 The unsharded MLP runs on rank 0 while the other ranks wait; the sharded one on all ranks at once
@@ -47,8 +47,11 @@ The unsharded MLP runs on rank 0 while the other ranks wait; the sharded one on 
 a CUDA graph: the floor the row-wise layer adds (``one-shot``: the same through the one-shot
 all-reduce, M <= 16; ``copy-engine``: through the copy engines, M >= 1024).
 
-Writes ``tp-mlp-<gpu>-x<N>.json`` and ``.md`` to ``$OUT`` when it is set, else to
-``benchmarks/results/``, naming the GPUs (``torch.cuda.get_device_name`` of every rank).
+Writes ``tp-mlp-<gpu>-x<N>.json`` and ``.md`` to ``--out-dir``, else ``$OUT``, else
+``benchmarks/results/`` (``benchmarks/_results.py``), naming the GPUs (``torch.cuda.get_device_name`` of
+every rank). ``--cpu-smoke``: gloo on the CPU (``torchrun --nproc-per-node 1|2 ... --cpu-smoke``), a
+128 -> 256 -> 128 MLP, M = 1, bf16 / nvfp4 / mxfp4-wo, the "end" variant (unless the options say
+otherwise), wall times.
 """
 
 from __future__ import annotations
@@ -58,7 +61,6 @@ import copy
 import datetime
 import json
 import shlex
-import statistics
 import sys
 import time
 import traceback
@@ -69,8 +71,9 @@ import torch.distributed as dist
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 
 import tilemm  # noqa: E402
-from _timing import Timer  # noqa: E402
-from _tp import PlainShard, gpu_names, gpus_label, out_dir, slowest, start  # noqa: E402
+from _results import add_options, results_path  # noqa: E402
+from _timing import Timer, host_ms, loop_seconds  # noqa: E402
+from _tp import PlainShard, gpu_names, gpus_label, slowest, start  # noqa: E402
 from tilemm.nn import Linear  # noqa: E402
 
 D_MODEL, HIDDEN = 4096, 14336
@@ -196,25 +199,19 @@ def call_of(model, variant: str, x):
     return lambda: model(x)
 
 
-def host_ms(fn, reps: int, barrier: bool) -> float:
-    """Median host time of one call (Python and launches, not waited for), in ms; each call starts
-    with the GPU idle (and, with ``barrier``, the ranks lined up)."""
-    times = []
-    for _ in range(reps):
+def _sync(device) -> None:
+    if device.type == "cuda":
         torch.cuda.synchronize()
-        if barrier:
-            dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return statistics.median(times) * 1e3
 
 
 def loop_ms(fn, reps: int, barrier: bool) -> float:
     """Eager calls back to back, as a decode loop makes them: ``reps`` calls between two CUDA events,
     not waited for one by one, no flush; ms per call (the larger of the host's and the GPU's time per
     call). Sharded: the ranks lined up by a barrier once, before the first call."""
+    if not torch.cuda.is_available():  # --cpu-smoke: wall time
+        if barrier:
+            dist.barrier()
+        return loop_seconds(fn, reps) * 1e3 / reps
     fn()
     torch.cuda.synchronize()
     if barrier:
@@ -231,7 +228,8 @@ def loop_ms(fn, reps: int, barrier: bool) -> float:
 def time_all(fn, timer_graph: Timer, timer_eager: Timer, reps: int, barrier: bool) -> dict:
     graph_ms, how = timer_graph(fn)
     eager_ms, _ = timer_eager(fn, capture=False)
-    return dict(graph_ms=graph_ms if how == "graph" else None, eager_ms=eager_ms, host_ms=host_ms(fn, reps, barrier),
+    return dict(graph_ms=graph_ms if how == "graph" else None, eager_ms=eager_ms,
+                host_ms=host_ms(fn, reps, before_each=dist.barrier if barrier else None),
                 loop_ms=loop_ms(fn, reps, barrier), graph_error=None if how == "graph" else "did not capture")
 
 
@@ -337,12 +335,13 @@ def bench(args, rank, world, device) -> int:
                 failed.append(f"{name} M={m}: {rec['error']}")
                 if rank == 0:
                     traceback.print_exc()
-                torch.cuda.synchronize()
+                _sync(device)
             records.append(rec)
             if rank == 0:
                 print(line(rec), flush=True)
         del full, models
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         if rank == 0:  # after every format, so that an interrupted run keeps what it measured
             write(records, names, failed, skipped, args, time.time() - t0, final=False)
     if rank == 0:
@@ -362,7 +361,7 @@ def measure(model, variant, x, want, timer_graph, timer_eager, reps, device) -> 
         if t["graph_error"]:
             out["graph_error"] = "did not capture in a CUDA graph"
     except Exception as e:  # noqa: BLE001 (every rank fails alike: same code, same shapes)
-        torch.cuda.synchronize()
+        _sync(device)
         out["error"] = f"{type(e).__name__}: {e}"[:300]
         t = dict(graph_ms=None, eager_ms=float("nan"), host_ms=float("nan"), loop_ms=float("nan"))
     for key in ("graph_ms", "eager_ms", "host_ms", "loop_ms"):
@@ -420,14 +419,13 @@ def targets(records, world) -> list[str]:
 
 def write(records, names, failed, skipped, args, seconds, final: bool) -> None:
     world = len(names)
-    meta = dict(gpus=names, gpu=names[0], world_size=world, backend="nccl",
+    meta = dict(gpus=names, gpu=names[0], world_size=world, backend="gloo" if args.cpu_smoke else "nccl",
                 date=datetime.date.today().isoformat(), torch=torch.__version__, tilemm=tilemm.__version__,
                 command=f"torchrun --nproc-per-node {world} benchmarks/bench_tp.py {shlex.join(args.argv)}".strip(),
                 skipped=skipped, timing="benchmarks/_timing.Timer: L2 flushed by a 256 MB read before each call, median of "
                        f"{args.reps}; graph = CUDA-graph replay, eager = eager calls waited for one by one; "
                        "sharded = the slowest rank", seconds=seconds)
-    stem = f"tp-mlp-{names[0].lower().replace(' ', '-')}-x{world}"
-    path = out_dir() / f"{stem}.json"
+    path = results_path(args.out_dir, "tp", names[0], "json", variant="mlp", gpus=world)
     checks = targets(records, world)
     path.write_text(json.dumps(dict(meta=meta, records=records, targets=checks, failed=failed), indent=1))
     lines = [f"# Tensor-parallel MLP ({D_MODEL} -> {HIDDEN} -> {D_MODEL}, bf16 activations) on "
@@ -500,7 +498,16 @@ def main(argv=None) -> int:
                         "(default all; each only where it applies: see VARIANTS)")
     parser.add_argument("--max-seconds", type=float, default=0,
                         help="start no new format after this long (0: no limit); the results list those skipped")
+    add_options(parser)
     args = parser.parse_args(argv)
+    if args.cpu_smoke:
+        global D_MODEL, HIDDEN
+        D_MODEL, HIDDEN = 128, 256
+        given = {a.split("=")[0] for a in argv}
+        args.rows = args.rows if "--rows" in given else "1"
+        args.formats = args.formats if "--formats" in given else "bf16,nvfp4,mxfp4-wo"
+        args.variants = args.variants if "--variants" in given else "end"
+        args.reps = args.reps if "--reps" in given else 2
     args.argv = argv
     args.m = [int(v) for v in args.rows.split(",")]
     args.variants = [v for v in args.variants.split(",") if v]
@@ -509,7 +516,7 @@ def main(argv=None) -> int:
     unknown = [f for f in args.formats.split(",") if f and f not in FORMATS]
     if unknown:
         parser.error(f"--formats: unknown {unknown} (choose from {', '.join(FORMATS)})")
-    rank, world, device = start()
+    rank, world, device = start(cpu=args.cpu_smoke)
     try:
         return bench(args, rank, world, device)
     finally:

@@ -35,9 +35,11 @@ row-wise all-reduces (each (batch, 4096) bf16) sent through torch's symmetric-me
 all-reduce (``RowwiseParallel(one_shot_max_bytes=...)``; NCCL where that is unavailable), sharded
 sizes only, compared with the base variant's 1-GPU run.
 
-Writes ``tp-decode-<gpu>-x<N>.json`` and ``.md`` to ``$OUT`` when it is set, else to
-``benchmarks/results/``, naming the GPUs; rewritten after every run, so an interrupted one keeps what
-it measured. No variant is started after ``--max-seconds``.
+Writes ``tp-decode-<gpu>-x<N>.json`` and ``.md`` to ``--out-dir``, else ``$OUT``, else
+``benchmarks/results/`` (``benchmarks/_results.py``), naming the GPUs; rewritten after every run, so an
+interrupted one keeps what it measured. No variant is started after ``--max-seconds``. ``--cpu-smoke``:
+``--tiny`` with one layer, batch 1, an 8-token prompt, 2 tokens, bf16 and nvfp4-wo (unless the options
+say otherwise).
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import bench_decode  # noqa: E402
 import tilemm  # noqa: E402
-from _tp import PlainShard, gpu_names, gpus_label, out_dir, slowest, start  # noqa: E402
+from _results import add_options, results_path  # noqa: E402
+from _tp import PlainShard, gpu_names, gpus_label, slowest, start  # noqa: E402
 
 VARIANTS = {"bf16": None, "mxfp4-wo": ("mxfp4", True), "nvfp4-wo": ("nvfp4", True),
             "nvfp4": ("nvfp4", False), "mxfp8": ("mxfp8", False)}
@@ -134,7 +137,15 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seconds", type=float, default=0, help="start no new run after this long (0: no limit)")
     ap.add_argument("--tiny", action="store_true", help="bench_decode's tiny config on the CPU with gloo, eager "
                     "only (a smoke test of the sharding: torchrun --nproc-per-node 2 ... --tiny)")
+    add_options(ap)
     args = ap.parse_args(argv)
+    if args.cpu_smoke:
+        given = {a.split("=")[0] for a in argv}
+        args.tiny = True
+        for name, value in (("layers", 1), ("batches", "1"), ("prompt", 8), ("tokens", 2),
+                            ("variants", "bf16,nvfp4-wo")):
+            if "--" + name not in given:
+                setattr(args, name, value)
     args.compile = False  # bench_decode.run_batch's torch.compile path is not sharded here
     if args.tiny:
         args.no_graphs = True
@@ -200,7 +211,7 @@ def run(args, argv, variants, sizes, rank, world, device) -> int:
                 if rank == 0:
                     add_speedups(records)
                     meta["seconds"] = time.time() - t0
-                    write(meta, records)
+                    write(meta, records, args.out_dir)
     if rank == 0:
         print(markdown(meta, records))
     return 1 if meta["failed"] else 0
@@ -347,9 +358,8 @@ def markdown(meta, records) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(meta, records) -> None:
-    stem = f"tp-decode-{meta['gpu'].lower().replace(' ', '-')}-x{meta['world_size']}"
-    path = out_dir() / f"{stem}.json"
+def write(meta, records, directory=None) -> None:
+    path = results_path(directory, "tp-decode", meta["gpu"], "json", gpus=meta["world_size"])
     path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
     path.with_suffix(".md").write_text(markdown(meta, records))
 

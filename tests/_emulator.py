@@ -266,6 +266,11 @@ class TileEmulator:
         op = np.max if propagate_nan or t.ct_dtype in _INT_DTYPES else np.nanmax
         return Tile(np.asarray(op(np.asarray(t), axis=axis, keepdims=keepdims)), t.ct_dtype)
 
+    @staticmethod
+    def min(t, axis=None, keepdims=False, propagate_nan=False):
+        op = np.min if propagate_nan or t.ct_dtype in _INT_DTYPES else np.nanmin
+        return Tile(np.asarray(op(np.asarray(t), axis=axis, keepdims=keepdims)), t.ct_dtype)
+
     def truediv(self, a, b, rounding_mode=None):
         """IEEE fp32 division: the float64 quotient of two fp32 values rounded once to fp32 is the
         correctly rounded fp32 quotient (53 >= 2 * 24 + 2)."""

@@ -37,7 +37,7 @@ FMT_IDS = [f.name for f in BLOCK_FORMATS]
 
 
 def emulate(plan):
-    """Run ``plan`` (a ``plan_launch`` result) through the NumPy model of cuTile."""
+    """Run ``plan`` (a ``Prepared``) through the NumPy model of cuTile."""
     TileEmulator().launch(None, plan.grid, plan.kernel, plan.args)
 
 
@@ -113,26 +113,26 @@ def test_table_for_capability():
     (2, 2048, 2048, "256x256x128B_2cta"),   # the batch counts too
 ])
 def test_block_scaled_config_choice_sm100(batch, m, n, expect):
-    assert bbs.config_for("sm_100", batch, m, n, sm_count=148).name == expect
+    assert bbs.plan("sm_100", batch, m, n, sms=148).name == expect
 
 
 def test_block_scaled_sm120_has_no_two_cta_config():
     for shape in [(1, 128, 128), (1, 8192, 8192)]:
-        cfg = bbs.config_for("sm_120", *shape, sm_count=188)
+        cfg = bbs.plan("sm_120", *shape, sms=188)
         assert cfg.num_ctas == 1 and cfg.tile_m == 128 and "sm_120" in cfg.targets
 
 
 @pytest.mark.parametrize("fmt,cfg,expect", [
     # TK covers 128 bytes: 128 e4m3/e5m2 elements = 4 scale columns = one 4-column block ...
-    (MXFP8_E4M3, bbs.TileConfig(128, 128), (1, 1)),
+    (MXFP8_E4M3, bbs.BlockScaledConfig(128, 128), (1, 1)),
     # ... 256 e2m1 elements: 8 e8m0 columns (block 32) = two blocks, 16 e4m3 columns (block 16) = four.
-    (MXFP4, bbs.TileConfig(128, 128), (1, 2)),
-    (NVFP4, bbs.TileConfig(128, 128), (1, 4)),
+    (MXFP4, bbs.BlockScaledConfig(128, 128), (1, 2)),
+    (NVFP4, bbs.BlockScaledConfig(128, 128), (1, 4)),
     # A 256-row tile loads two 128-row blocks per operand.
-    (NVFP4, bbs.TileConfig(256, 256, num_ctas=2), (2, 4)),
+    (NVFP4, bbs.BlockScaledConfig(256, 256, num_ctas=2), (2, 4)),
     # TK = 128 e2m1 elements: 8 NVFP4 scale columns = two blocks, but 4 MXFP4 columns = one.
-    (NVFP4, bbs.TileConfig(128, 128, k_bytes=64), (1, 2)),
-    (MXFP4, bbs.TileConfig(128, 128, k_bytes=64), (1, 1)),
+    (NVFP4, bbs.BlockScaledConfig(128, 128, k_bytes=64), (1, 2)),
+    (MXFP4, bbs.BlockScaledConfig(128, 128, k_bytes=64), (1, 1)),
 ], ids=["mxfp8", "mxfp4", "nvfp4", "nvfp4-256", "nvfp4-tk128", "mxfp4-tk128"])
 def test_swizzled_scale_load_shape(fmt, cfg, expect):
     assert bbs.scale_tile_blocks(fmt, cfg) == expect
@@ -142,12 +142,12 @@ def test_swizzled_scale_load_shape(fmt, cfg, expect):
 
 
 @pytest.mark.parametrize("fmt,cfg,match", [
-    (MXFP8_E4M3, bbs.TileConfig(64, 128), "multiples of 128"),
-    (MXFP8_E4M3, bbs.TileConfig(128, 128, k_bytes=64), "multiple of 4 scale blocks \\(128 for mxfp8_e4m3\\)"),
-    (NVFP4, bbs.TileConfig(128, 128, k_bytes=16), "multiple of 4 scale blocks \\(64 for nvfp4\\)"),
-    (MXFP4, bbs.TileConfig(128, 128, num_ctas=2), "num_ctas must be 1, or 2 with tile_m = 256"),
-    (MXFP4, bbs.TileConfig(128, 96), "tile_n must be a power of two"),
-    (FP8_E4M3, bbs.TileConfig(128, 128), "format must be one of"),
+    (MXFP8_E4M3, bbs.BlockScaledConfig(64, 128), "multiples of 128"),
+    (MXFP8_E4M3, bbs.BlockScaledConfig(128, 128, k_bytes=64), "multiple of 4 scale blocks \\(128 for mxfp8_e4m3\\)"),
+    (NVFP4, bbs.BlockScaledConfig(128, 128, k_bytes=16), "multiple of 4 scale blocks \\(64 for nvfp4\\)"),
+    (MXFP4, bbs.BlockScaledConfig(128, 128, num_ctas=2), "num_ctas must be 1, or 2 with tile_m = 256"),
+    (MXFP4, bbs.BlockScaledConfig(128, 96), "tile_n must be a power of two"),
+    (FP8_E4M3, bbs.BlockScaledConfig(128, 128), "format must be one of"),
 ])
 def test_block_scaled_config_errors(fmt, cfg, match):
     with pytest.raises(ValueError, match=match):
@@ -155,31 +155,31 @@ def test_block_scaled_config_errors(fmt, cfg, match):
 
 
 def test_fp8_config_choice_and_errors():
-    assert bfp8.config_for("sm_100", "row", 1, 4096, 4096, 148).num_ctas == 2
-    assert bfp8.config_for("sm_100", "tensor", 1, 256, 256, 148).num_ctas == 1
-    assert bfp8.config_for("sm_100", "block", 1, 8192, 8192, 148).tile_n == 128
-    assert bfp8.config_for("sm_120", "row", 1, 8192, 8192, 188).num_ctas == 1
+    assert bfp8.plan("sm_100", "row", 1, 4096, 4096, 148).num_ctas == 2
+    assert bfp8.plan("sm_100", "tensor", 1, 256, 256, 148).num_ctas == 1
+    assert bfp8.plan("sm_100", "block", 1, 8192, 8192, 148).tile_n == 128
+    assert bfp8.plan("sm_120", "row", 1, 8192, 8192, 188).num_ctas == 1
     with pytest.raises(ValueError, match="granularity must be 'tensor', 'row' or 'block', got 'colwise'"):
-        bfp8.config_for("sm_100", "colwise", 1, 1, 1)
+        bfp8.plan("sm_100", "colwise", 1, 1, 1)
     with pytest.raises(ValueError, match="blockwise configs need tile_n = tile_k = 128"):
-        bfp8.check_config("block", bfp8.TileConfig(128, 256))
+        bfp8.check_config("block", bfp8.FP8Config(128, 256))
     with pytest.raises(ValueError, match="num_ctas must be 1, or 2 with tile_m = 256"):
-        bfp8.check_config("row", bfp8.TileConfig(128, 256, num_ctas=2))
+        bfp8.check_config("row", bfp8.FP8Config(128, 256, num_ctas=2))
 
 
 def test_plan_rejects_inconsistent_problems():
     problem, _ = block_scaled_case(MXFP8_E4M3, 7, 17, 64, ba=2, bb=2)
     problem.out = problem.out[:1].expand(3, 7, 17)
     with pytest.raises(ValueError, match="batch sizes must be 1 or 3, got 2 and 2"):
-        bbs.plan_launch(problem, "sm_100")
+        bbs.Prepared(problem, table="sm_100")
     problem, _ = block_scaled_case(MXFP8_E4M3, 7, 17, 64, swizzled=True)
     problem.swizzled = False
     with pytest.raises(ValueError, match="swizzled=False needs 3-D scales"):
-        bbs.plan_launch(problem, "sm_100")
+        bbs.Prepared(problem, table="sm_100")
     fp8, _ = fp8_case("block", 7, 17, 128)
     fp8.a = fp8.a[:, :, :100]
     with pytest.raises(ValueError, match="K to be a multiple of 128, got K=100"):
-        bfp8.plan_launch(fp8, "sm_100")
+        bfp8.Prepared(fp8, table="sm_100")
 
 
 @pytest.mark.parametrize("swizzled,m,folds", [
@@ -189,7 +189,7 @@ def test_plan_rejects_inconsistent_problems():
 ])
 def test_shared_weight_folds_batch_into_m(swizzled, m, folds):
     problem, _ = block_scaled_case(MXFP8_E4M3, m, 17, 64, ba=3, bb=1, swizzled=swizzled)
-    plan = bbs.plan_launch(problem, "sm_100")
+    plan = bbs.Prepared(problem, table="sm_100")
     assert plan.folded == folds
     a, out = plan.args[0], plan.args[4]
     if folds:
@@ -203,14 +203,14 @@ def test_shared_weight_folds_batch_into_m(swizzled, m, folds):
 @pytest.mark.parametrize("swizzled, m", [(False, 100), (True, 128), (True, 100)])
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=FMT_IDS)
 def test_prepared_launch_is_the_plan(monkeypatch, fmt, swizzled, m):
-    # The launch that Prepared.run makes for a later problem of the signature is the one plan_launch
+    # The launch that Prepared.run makes for a later problem of the signature is the one Prepared
     # makes for it: same kernel, grid and arguments (tensors by address, shape and strides).
     problem, _ = block_scaled_case(fmt, m, 17, 128, ba=3, bb=1, swizzled=swizzled, bias=True, alpha=0.5)
     monkeypatch.setattr(bbs, "capability", lambda device: (10, 0))
     monkeypatch.setattr(bbs, "num_sms", lambda device: 148)
     prepared = bbs.Prepared(problem)
     later, _ = block_scaled_case(fmt, m, 17, 128, ba=3, bb=1, swizzled=swizzled, bias=True, alpha=0.5, seed=1)
-    plan = bbs.plan_launch(later, "sm_100", 148)
+    plan = bbs.Prepared(later, table="sm_100", sms=148)
     launches = []
     monkeypatch.setattr(bbs, "ct", types.SimpleNamespace(launch=lambda *call: launches.append(call)))
     prepared.run(later, "stream")
@@ -228,7 +228,7 @@ def test_prepared_launch_is_the_plan(monkeypatch, fmt, swizzled, m):
 def test_scales_and_epilogue_arguments():
     """Scales travel as bytes; an absent alpha / bias becomes 1.0 / zeros; NVFP4 sets the e4m3 flag."""
     problem, _ = block_scaled_case(NVFP4, 7, 17, 64)
-    plan = bbs.plan_launch(problem, "sm_120")
+    plan = bbs.Prepared(problem, table="sm_120")
     a, sa, b, sb, out, alpha, bias, tm, tn, tk, block, packed, e4m3, group = plan.args
     assert sa.dtype == sb.dtype == torch.uint8
     assert alpha.tolist() == [1.0] and bias.shape == (17,) and not bias.any()
@@ -265,8 +265,8 @@ def test_block_scaled_launches_are_aot_variants(fmt, swizzled, table):
     known = _variant_signatures(bbs.aot_variants())
     for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
         problem, _ = block_scaled_case(fmt, 7, 17, 64, swizzled=swizzled, out_dtype=out_dtype)
-        for sm_count in (1, 10_000):  # forces the large config where the table has one, then the small
-            plan = bbs.plan_launch(problem, table, sm_count)
+        for sms in (1, 10_000):  # forces the large config where the table has one, then the small
+            plan = bbs.Prepared(problem, table=table, sms=sms)
             assert (_signature(plan.args), table) in known, f"{plan.config} is not in aot_variants()"
 
 
@@ -278,8 +278,8 @@ def test_fp8_launches_are_aot_variants(granularity, table):
     for dt in dtypes:
         for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
             problem, _ = fp8_case(granularity, 7, 17, 128, dtype=dt, out_dtype=out_dtype)
-            for sm_count in (1, 10_000):
-                plan = bfp8.plan_launch(problem, table, sm_count)
+            for sms in (1, 10_000):
+                plan = bfp8.Prepared(problem, table=table, sms=sms)
                 assert (_signature(plan.args), table) in known, f"{plan.config} is not in aot_variants()"
 
 
@@ -306,7 +306,7 @@ EDGE_SHAPES = [(1, 17, 160), (7, 17, 96), (100, 17, 288), (129, 17, 416)]
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=FMT_IDS)
 def test_block_scaled_kernel_emulated(fmt, m, n, k, swizzled):
     problem, ref = block_scaled_case(fmt, m, n, k, swizzled=swizzled, poison=swizzled)
-    emulate(bbs.plan_launch(problem, "sm_100"))
+    emulate(bbs.Prepared(problem, table="sm_100"))
     assert_matches(problem.out, ref, torch.float32)
 
 
@@ -315,7 +315,7 @@ def test_block_scaled_kernel_emulated(fmt, m, n, k, swizzled):
 def test_block_scaled_two_cta_tile_emulated(fmt, swizzled):
     """The 256x256 config: two 128-row scale blocks per load, partial tiles in both directions."""
     problem, ref = block_scaled_case(fmt, 300, 260, 160, swizzled=swizzled, poison=swizzled)
-    plan = bbs.plan_launch(problem, "sm_100", sm_count=1)
+    plan = bbs.Prepared(problem, table="sm_100", sms=1)
     assert plan.config.num_ctas == 2
     emulate(plan)
     assert_matches(problem.out, ref, torch.float32)
@@ -326,7 +326,7 @@ def test_block_scaled_two_cta_tile_emulated(fmt, swizzled):
 @pytest.mark.parametrize("fmt", [MXFP8_E5M2, MXFP4], ids=["mxfp8_e5m2", "mxfp4"])
 def test_block_scaled_batches_emulated(fmt, swizzled, ba, bb):
     problem, ref = block_scaled_case(fmt, 100, 17, 96, ba=ba, bb=bb, swizzled=swizzled, poison=swizzled)
-    emulate(bbs.plan_launch(problem, "sm_100"))
+    emulate(bbs.Prepared(problem, table="sm_100"))
     assert_matches(problem.out, ref, torch.float32)
 
 
@@ -335,7 +335,7 @@ def test_block_scaled_batches_emulated(fmt, swizzled, ba, bb):
 def test_block_scaled_epilogue_emulated(fmt, out_dtype):
     """alpha (NVFP4's folded global scales) and bias, then one cast."""
     problem, ref = block_scaled_case(fmt, 7, 17, 64, out_dtype=out_dtype, alpha=0.375, bias=True)
-    emulate(bbs.plan_launch(problem, "sm_120"))
+    emulate(bbs.Prepared(problem, table="sm_120"))
     assert_matches(problem.out, ref.to(out_dtype), out_dtype)
 
 
@@ -348,7 +348,7 @@ def test_nan_scale_poisons_exactly_its_row_and_column_emulated(swizzled):
     if swizzled:
         sa, sb = swizzle.swizzle_32_4_4(sa), swizzle.swizzle_32_4_4(sb)
     problem.a_scale, problem.b_scale, problem.swizzled = sa, sb, swizzled
-    emulate(bbs.plan_launch(problem, "sm_100"))
+    emulate(bbs.Prepared(problem, table="sm_100"))
     nan = problem.out[0].isnan()
     expect = torch.zeros(7, 17, dtype=torch.bool)
     expect[3, :] = True
@@ -359,7 +359,7 @@ def test_nan_scale_poisons_exactly_its_row_and_column_emulated(swizzled):
 def test_plain_sample_sizing_would_miss_nvfp4_scales():
     """Sizing the swizzled row extent as TM // B // 4 (right only for B = 32) reads two 128-row blocks
     for NVFP4 (B = 16) at TM = 128: the derivation from the 128-row block is what the kernel uses."""
-    cfg = bbs.TileConfig(128, 128)
+    cfg = bbs.BlockScaledConfig(128, 128)
     assert cfg.tile_m // NVFP4.block // 4 == 2
     assert bbs.scale_tile_blocks(NVFP4, cfg)[0] == 1
 
@@ -403,7 +403,7 @@ def fp8_case(granularity, m, n, k, *, ba=1, bb=1, dtype=torch.float8_e4m3fn, out
 @pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
 def test_fp8_kernel_emulated(granularity, m, n, k):
     problem, ref = fp8_case(granularity, m, n, k)
-    emulate(bfp8.plan_launch(problem, "sm_100"))
+    emulate(bfp8.Prepared(problem, table="sm_100"))
     assert_matches(problem.out, ref, torch.float32)
 
 
@@ -411,13 +411,13 @@ def test_fp8_kernel_emulated(granularity, m, n, k):
 def test_fp8_batches_and_epilogue_emulated(granularity):
     problem, ref = fp8_case(granularity, 100, 130, 256, ba=2, bb=1, out_dtype=torch.bfloat16, bias=True,
                             alpha=1.5)
-    emulate(bfp8.plan_launch(problem, "sm_120"))
+    emulate(bfp8.Prepared(problem, table="sm_120"))
     assert_matches(problem.out, ref.to(torch.bfloat16), torch.bfloat16)
 
 
 def test_fp8_two_cta_tile_and_k_not_multiple_of_tile_emulated():
     problem, ref = fp8_case("row", 300, 260, 200, dtype=torch.float8_e5m2)
-    plan = bfp8.plan_launch(problem, "sm_100", sm_count=1)
+    plan = bfp8.Prepared(problem, table="sm_100", sms=1)
     assert plan.config.num_ctas == 2
     emulate(plan)
     assert_matches(problem.out, ref, torch.float32)
@@ -469,17 +469,17 @@ def test_scale_tile_loads_on_gpu(swizzled, tile_rows, tks, rows, ks):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("table,sm_count", [("sm_100", 10_000), ("sm_100", 1), ("sm_120", 1)],
+@pytest.mark.parametrize("table,sms", [("sm_100", 10_000), ("sm_100", 1), ("sm_120", 1)],
                          ids=["128x128", "256x256-2cta", "sm120"])
 @pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
-def test_blackwell_fp8_kernels_on_gpu(granularity, table, sm_count):
+def test_blackwell_fp8_kernels_on_gpu(granularity, table, sms):
     device = _fp8_gpu()
     for (m, n, k, ba, bb) in [(129, 17, 256, 1, 1), (100, 130, 384, 2, 1), (7, 300, 128, 1, 2)]:
         problem, ref = fp8_case(granularity, m, n, k, ba=ba, bb=bb, bias=True, alpha=0.5,
                                 out_dtype=torch.bfloat16)
         for field in ("a", "a_scale", "b", "b_scale", "out", "bias", "alpha"):
             setattr(problem, field, getattr(problem, field).to(device))
-        plan = bfp8.plan_launch(problem, table, sm_count)
+        plan = bfp8.Prepared(problem, table=table, sms=sms)
         ct.launch(torch.cuda.current_stream(), plan.grid, plan.kernel, plan.args)
         torch.cuda.synchronize()
         assert_matches(problem.out.cpu(), ref.to(torch.bfloat16), torch.bfloat16)
@@ -488,13 +488,13 @@ def test_blackwell_fp8_kernels_on_gpu(granularity, table, sm_count):
 @pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
 def test_fp8_prepared_launch_is_the_plan(monkeypatch, granularity):
     # As for the block-scaled kernel: Prepared.run launches a later problem of the signature exactly
-    # as plan_launch plans it.
+    # as Prepared plans it.
     problem, _ = fp8_case(granularity, 100, 200, 256, ba=2, bias=True, alpha=0.5)
     monkeypatch.setattr(bfp8, "capability", lambda device: (10, 0))
     monkeypatch.setattr(bfp8, "num_sms", lambda device: 148)
     prepared = bfp8.Prepared(problem)
     later, _ = fp8_case(granularity, 100, 200, 256, ba=2, bias=True, alpha=0.5, seed=1)
-    plan = bfp8.plan_launch(later, "sm_100", 148)
+    plan = bfp8.Prepared(later, table="sm_100", sms=148)
     launches = []
     monkeypatch.setattr(bfp8, "ct", types.SimpleNamespace(launch=lambda *call: launches.append(call)))
     prepared.run(later, "stream")

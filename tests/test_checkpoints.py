@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import tilemm
-from tilemm import checkpoints
+from tilemm import checkpoints, conventions
 from tilemm.nn import Linear
 from tilemm.numerics import e2m1_decode, unpack_e2m1
 
@@ -383,7 +383,7 @@ def test_torchao_nvfp4_both_directions(swizzled):
         _assert_bits_equal(q.global_scale, pts.float())  # torchao's per_tensor_scale is a decode scale
         theirs = t.dequantize(torch.float32)
         # torchao: element * fp32(per_tensor_scale * s_b); tilemm: (element * s_b) * decode.
-        s_b = checkpoints._logical_scale(q).to(torch.float32).repeat_interleave(16, -1)
+        s_b = conventions._logical_scale(q).to(torch.float32).repeat_interleave(16, -1)
         _assert_bits_equal(_elements(q.data) * (q.global_scale * s_b), theirs)
         ours = q.dequantize()
         assert ((ours - theirs).abs() <= REL_NVFP4 * theirs.abs()).all()

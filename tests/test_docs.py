@@ -6,7 +6,8 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SOURCES = [p for pattern in ("tilemm/**/*.py", "swizzle/**/*.py", "tests/*.py", "benchmarks/*.py",
+SOURCES = [p for pattern in ("tilemm/**/*.py", "swizzle/**/*.py", "tests/*.py", "benchmarks/**/*.py",
+                             "benchmarks/*.md", "benchmarks/*.sh",
                              "notebooks/*.ipynb", "*.md", "docs/*.md")
            for p in sorted(ROOT.glob(pattern))]
 
@@ -27,6 +28,9 @@ def test_cited_documents_exist(path):
     # Documents that live outside the repository cannot be cited.
     assert not re.search(r"\b(NUMERICS|STYLE)\.md\b", text), f"{path.name} cites a file the repository lacks"
     for cited in set(re.findall(r"\bdocs/[\w./-]+\.md\b", text)):
+        assert (ROOT / cited).is_file(), f"{path.name} cites {cited}, which does not exist"
+    # A benchmark script or results file named by its path (patterns such as ``<gpu>`` or ``*`` aside).
+    for cited in set(re.findall(r"\bbenchmarks/[\w./-]+\.(?:py|sh|md|json|txt|png|log)\b", text)):
         assert (ROOT / cited).is_file(), f"{path.name} cites {cited}, which does not exist"
 
 

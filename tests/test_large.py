@@ -140,7 +140,7 @@ def test_mx_rows_cut_on_128_row_blocks(recorded, fmt, swizzle):
     x = meta(65600, 32768)
     data, scale = qk.quantize_mx(x, fmt, "rceil", swizzle)
     assert len(recorded) == 2 and _all_fit(recorded)
-    cfg = qk.BLOCK_CONFIGS["mxfp4" if fmt.is_packed else "mxfp8", swizzle, False]
+    cfg = qk.plan("mxfp4" if fmt.is_packed else "mxfp8", swizzled=swizzle)
     rows = [args[0].shape[1] for _, _, args in recorded]
     assert sum(rows) == 65600 and rows[0] % (128 if swizzle else cfg.tile_r) == 0
     # the pieces' blocks add up to the one launch's grid: no tile is done twice or left out
@@ -372,7 +372,7 @@ def test_blackwell_block_scaled_pieces_are_exact(monkeypatch, swizzled):
     for lim in (_large.LIMIT, 2 ** 16):
         monkeypatch.setattr(_large, "LIMIT", lim)
         problem, _ = block_scaled_case(MXFP8_E4M3, 300, 384, 128, ba=2, bb=1, swizzled=swizzled, bias=True, seed=8)
-        plan = bbs.plan_launch(problem, "sm_120")
+        plan = bbs.Prepared(problem, table="sm_120")
         emu = TileEmulator()
         for grid, args in plan.launches:
             assert all(_large.fits(a) for a in args if isinstance(a, torch.Tensor))
@@ -393,7 +393,7 @@ def test_blackwell_fp8_pieces_are_exact(monkeypatch):
         problem = FP8Problem(fmt=None, a=a, a_scale=torch.rand(1, m, k // 128, generator=g) + 0.5, b=b,
                              b_scale=torch.rand(1, 3, k // 128, generator=g) + 0.5, granularity="block",
                              out=torch.full((1, m, n), float("nan")), bias=None, alpha=None)
-        plan = bfp8.plan_launch(problem, "sm_100")
+        plan = bfp8.Prepared(problem, table="sm_100")
         emu = TileEmulator()
         for grid, args in plan.launches:
             emu.launch(None, grid, plan.kernel, args)
@@ -411,7 +411,7 @@ def test_blackwell_plan_of_the_issue_shape_fits():
         fmt=fmt, a=meta(1, m, k, dtype=torch.float8_e4m3fn), a_scale=meta(1, m, k // 32, dtype=torch.uint8),
         b=meta(1, n, k, dtype=torch.float8_e4m3fn), b_scale=meta(1, n, k // 32, dtype=torch.uint8),
         swizzled=False, out=meta(1, m, n), bias=None, alpha=None)
-    plan = bbs.plan_launch(problem, "sm_100", 148)
+    plan = bbs.Prepared(problem, table="sm_100", sms=148)
     assert len(plan.launches) == 2
     assert all(_large.fits(*[a for a in args if isinstance(a, torch.Tensor)]) for _, args in plan.launches)
     assert sum(args[4].shape[1] for _, args in plan.launches) == m

@@ -128,9 +128,9 @@ def test_quantize_nvfp4_of_an_activation_is_one_launch(quantize_recorded, m, swi
 def test_quantize_nvfp4_of_a_weight_takes_the_amax_first(quantize_recorded):
     # 4096 x 4096: more tiles than SMs, so the grid cannot wait for itself: tensor_amax, then quantize.
     qk.quantize_nvfp4(torch.zeros(4096, 4096, dtype=torch.bfloat16), None, True)
-    assert [c[1] for c in quantize_recorded] == [qk._kernel(qk._amax_kernel, qk.AMAX_CONFIG),
+    assert [c[1] for c in quantize_recorded] == [qk._kernel(qk._amax_kernel, qk.plan("amax")),
                                                  qk._kernel(qk._nvfp4_quantize_kernel,
-                                                            qk.BLOCK_CONFIGS["nvfp4", True, False])]
+                                                            qk.plan("nvfp4", swizzled=True))]
     assert quantize_recorded[1][2][6] is False
 
 

@@ -266,6 +266,37 @@ def test_linear_matches_explicit_calls():
         assert rel_err(out, ref) < 1e-5, gran
 
 
+@pytest.mark.parametrize("swizzle", [False, True], ids=["logical", "swizzled"])
+def test_linear_eager_route_is_the_public_functions(monkeypatch, swizzle):
+    # An eager CUDA linear() goes straight to the operators' implementations (``_linear_eager``); the
+    # implementations run on the CPU too, so forcing that route here must give the public functions'
+    # bits, and their errors.
+    from tilemm import matmul as mm
+
+    gen = torch.Generator().manual_seed(6)
+    a, w = torch.randn(2, 5, 64, generator=gen), torch.randn(17, 64, generator=gen)
+    bias = torch.randn(17, generator=gen)
+    cases = [(tilemm.quantize_mxfp8(a, swizzle=swizzle), tilemm.quantize_mxfp8(w, swizzle=swizzle)),
+             (tilemm.quantize_mxfp4(a, swizzle=swizzle), tilemm.quantize_mxfp4(w, swizzle=swizzle)),
+             (tilemm.quantize_nvfp4(a, swizzle=swizzle), tilemm.quantize_nvfp4(w, swizzle=swizzle))]
+    if not swizzle:
+        cases += [(tilemm.quantize_fp8(a, granularity="row"), tilemm.quantize_fp8(w, granularity="tensor")),
+                  (tilemm.quantize_fp8(a[..., :1, :].expand(2, 5, 64).contiguous(), granularity="tensor"),
+                   tilemm.quantize_fp8(w, granularity="row"))]
+    want = [tilemm.linear(xq, wq, bias=bias, alpha=0.5, out_dtype=torch.float16) for xq, wq in cases]
+    monkeypatch.setattr(mm, "_eager_gpu", lambda x: True)
+    routed, inner = [], mm._linear_eager
+    monkeypatch.setattr(mm, "_linear_eager", lambda fn, *args: routed.append(fn) or inner(fn, *args))
+    for (xq, wq), expected in zip(cases, want):
+        got = tilemm.linear(xq, wq, bias=bias, alpha=0.5, out_dtype=torch.float16)
+        assert got.dtype == torch.float16 and torch.equal(got, expected), type(xq).__name__
+        assert routed.pop() == f"{type(xq).__name__[:-6].lower()}_matmul"
+        with pytest.raises(TypeError, match=r"_matmul: out_dtype must be one of"):
+            tilemm.linear(xq, wq, out_dtype=torch.int8)
+        with pytest.raises(ValueError, match=r"_matmul: bias must have shape \(N,\) = \(17,\)"):
+            tilemm.linear(xq, wq, bias=torch.zeros(3))
+
+
 def test_linear_fp8_blocks():
     gen = torch.Generator().manual_seed(4)
     a = torch.randn(9, 256, generator=gen)

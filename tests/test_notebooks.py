@@ -91,7 +91,7 @@ def test_notebook_is_committed_executed(name):
 LAST_LINE = {
     "01_formats.ipynb": "e4m3 ties to even, zero blocks, NaN and Inf blocks: ok",
     "02_swizzle.ipynb": "quantize_nvfp4: logical scale (129, 10) -> swizzled (2, 3, 32, 16)",
-    "03_matmul.ipynb": "NVIDIA_H100_80GB_HBM3.json: NVIDIA H100 80GB HBM3, ",
+    "03_matmul.ipynb": "matmul-nvidia-h100-80gb-hbm3.json: NVIDIA H100 80GB HBM3, ",
     "04_checkpoints.ipynb": "max |logit difference|",
 }
 
@@ -148,13 +148,14 @@ def test_matmul_notebook_plots_benchmark_results(tmp_path, monkeypatch):
                for fmt in ("mxfp8", "nvfp4") for impl in ("tilemm", "cublas_bf16")
                for m in (16, 128, 1024, 8192)]
     records.append(dict(format="mxfp8", impl="tilemm", m=4096, n=4096, k=4096, ms=1.0, tflops=None))
-    (tmp_path / "NVIDIA_H100_80GB_HBM3.json").write_text(
+    (tmp_path / "matmul-nvidia-h100-80gb-hbm3.json").write_text(
         json.dumps(dict(meta=dict(gpu="NVIDIA H100 80GB HBM3"), summary=[], records=records)))
     loose = [dict(fmt="mxfp4", peer=peer, shape=f"{m}x8192x8192", TFLOPS=m / 10.0)
              for peer in ("tilemm", "cublas") for m in (64, 256)]
     loose += [dict(format="mxfp4", impl="tilemm", shape=[2048, 8192, 8192], tflops=300.0), "junk", {}]
-    (tmp_path / "other_gpu.json").write_text(json.dumps(loose))
-    (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / "matmul-other-gpu.json").write_text(json.dumps(loose))
+    (tmp_path / "matmul-broken.json").write_text("{not json")
+    (tmp_path / "quantize-other-gpu.json").write_text("[]")  # another benchmark's results: not read
 
     # Only the setup cell (imports, capability guard) and the benchmark cell: the matmul cells in
     # between ran in test_notebook_runs, and the benchmark cell needs nothing they define.
@@ -164,9 +165,10 @@ def test_matmul_notebook_plots_benchmark_results(tmp_path, monkeypatch):
 
     out = _stdout(_execute("03_matmul.ipynb", monkeypatch, keep=setup_or_benchmark,
                            TILEMM_BENCH_RESULTS=str(tmp_path)))
-    assert "NVIDIA_H100_80GB_HBM3.json: NVIDIA H100 80GB HBM3, 16 records, 1 skipped" in out
-    assert "other_gpu.json: other gpu, 5 records, 2 skipped" in out
-    assert "broken.json: could not be read" in out
+    assert "matmul-nvidia-h100-80gb-hbm3.json: NVIDIA H100 80GB HBM3, 16 records, 1 skipped" in out
+    assert "matmul-other-gpu.json: other gpu, 5 records, 2 skipped" in out
+    assert "matmul-broken.json: could not be read" in out
+    assert "quantize-" not in out
 
 
 RUNNER_CELLS = [

@@ -1,8 +1,10 @@
-"""The NVFP4 quantizer kernels' tile code on the CPU (tests/_emulator.py), against the reference.
+"""The quantizer kernels' tile code on the CPU (tests/_emulator.py), against the reference.
 
-Inputs with NaN, +Inf and -Inf: the amax pass takes the maximum over the finite elements, a block
-holding a non-finite value gets the NaN scale (0x7F), and every other byte equals the reference's
-(docs/numerics.md, "NVFP4"). This checks the kernels' index arithmetic and numerics, not cuTile's
+NVFP4 inputs with NaN, +Inf and -Inf: the amax pass takes the maximum over the finite elements, a
+block holding a non-finite value gets the NaN scale (0x7F), and every other byte equals the
+reference's (docs/numerics.md, "NVFP4"). MXFP8 / MXFP4: every e8m0 scale byte from 0 to 255 that a
+block can get, through the quantize kernel and the fake-quant kernel (the shared e8m0 / e2m1 decode of
+``kernels._common``). This checks the kernels' index arithmetic and numerics, not cuTile's
 compiler or the hardware (``pytest -m gpu tests/test_quantize_gpu.py tests/test_small_batch_gpu.py``
 does that on a GPU).
 """
@@ -14,7 +16,9 @@ import torch
 
 from _emulator import TileEmulator
 from tilemm.kernels import quantize_kernels as qk
-from tilemm.quantize import _quantize_nvfp4_reference, dequantize_nvfp4
+from tilemm.formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2
+from tilemm.quantize import (_quantize_mxfp4_reference, _quantize_mxfp8_reference, _quantize_nvfp4_reference,
+                             dequantize_mxfp4, dequantize_mxfp8, dequantize_nvfp4)
 
 INF, NAN = float("inf"), float("nan")
 TILE_R, TILE_K = 16, 64  # small tiles: partial row and K tiles at the edges of a (20, 96) input
@@ -94,3 +98,71 @@ def test_nvfp4_fake_quant_kernel_matches_reference(case, grid_amax):
     assert alpha_out.item() == (ref.global_scale * alpha).item()  # fp32 product
     if grid_amax:
         assert amax.tolist() == [0, 0, 0]  # left zeroed for the next launch
+
+
+MX_FORMATS = [MXFP8_E4M3, MXFP8_E5M2, MXFP4]
+
+
+def _mx_input(special: bool = True) -> torch.Tensor:
+    """(20, 96): three 32-element blocks per row, each row at its own magnitude from 2^-140 (fp32
+    subnormals: scale byte 0) to 2^126 (the largest bytes), and odd sizes so that row and K tiles are
+    partial; with ``special``, a zero block, a -0.0 block, and +-Inf and NaN blocks (byte 255)."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(20, 96, generator=gen)
+    x = x * torch.pow(2.0, torch.linspace(-140 if special else -100, 126, 20)).reshape(20, 1)
+    if special:
+        x[1, :32] = 0.0
+        x[2, 32:64] = -0.0
+        x[4, 5], x[6, 70], x[8, 40] = float("inf"), float("-inf"), float("nan")
+    return x
+
+
+def _mx_reference(x, fmt, rounding):
+    if fmt is MXFP4:
+        return _quantize_mxfp4_reference(x, rounding, False)
+    return _quantize_mxfp8_reference(x, fmt, rounding, False)
+
+
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+@pytest.mark.parametrize("fmt", MX_FORMATS, ids=lambda f: f.name)
+def test_mx_kernel_matches_reference(fmt, rounding):
+    # MXFP8 without zero or non-finite blocks, and in whole tiles (zero padding would make zero
+    # blocks): the emulator cannot run the fp8 path's byte selects (a bit-cast back to the tile's own
+    # float8 dtype). MXFP4 takes every block kind and partial tiles.
+    emu = TileEmulator()
+    x = _mx_input(special=fmt.is_packed)
+    r, k = x.shape
+    tile_r, tile_k = (TILE_R, TILE_K) if fmt.is_packed else (4, 32)
+    ref = _mx_reference(x, fmt, rounding)
+    data = torch.full((1, r, fmt.data_k(k)), 0xAA, dtype=torch.uint8)
+    scale = torch.full((1, r, k // 32), 0xAA, dtype=torch.uint8)
+    tiles = -(-r // tile_r) * -(-k // tile_k)
+    emu.launch(None, (tiles, 1, 1), qk._mx_quantize_kernel,
+               (x.unsqueeze(0), data if fmt.is_packed else data.view(fmt.data_dtype), scale,
+                int(rounding == "floor"), fmt.element_code, False, False, tile_r, tile_k))
+    assert torch.equal(scale[0], ref.scale.view(torch.uint8))
+    assert torch.equal(data[0], ref.data.view(torch.uint8))
+    if fmt.is_packed:
+        assert {0, 255} <= set(scale.unique().tolist())
+
+
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+@pytest.mark.parametrize("fmt", MX_FORMATS, ids=lambda f: f.name)
+def test_mx_fake_quant_kernel_matches_reference(fmt, rounding):
+    # dequantize(quantize(x)) in one pass, as bf16: the reference's fp32 decode rounded once to bf16.
+    emu = TileEmulator()
+    x = _mx_input().to(torch.bfloat16).float() * 1.0  # bf16 values: the small-batch path's activations
+    r, k = x.shape
+    ref = _mx_reference(x, fmt, rounding)
+    if fmt is MXFP4:
+        expected = dequantize_mxfp4(ref.data, ref.scale)
+    else:
+        expected = dequantize_mxfp8(ref.data, ref.scale)
+    out = torch.full((r, k), float("nan"), dtype=torch.bfloat16)
+    alpha = torch.tensor([3.0])
+    emu.launch(None, (-(-r // TILE_R) * -(-k // TILE_K), 1, 1), qk._fake_quant_kernel,
+               (x, out, int(rounding == "floor"), torch.zeros(1, dtype=torch.int32), alpha, alpha,
+                fmt.element_code, False, False, TILE_R, TILE_K))
+    expected = expected.to(torch.bfloat16)
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert torch.equal(out.nan_to_num().view(torch.int16), expected.nan_to_num().view(torch.int16))

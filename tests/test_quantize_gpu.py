@@ -298,7 +298,7 @@ def test_fp8_row_tiles(k):
     """Per row, each row tile (2048, 4096, 8192 columns) and rows longer than 8192 (two passes)."""
     from tilemm.kernels import quantize_kernels as qk
 
-    assert qk.row_config(k).tile_k == min(8192, 1 << (k - 1).bit_length())
+    assert qk.plan("fp8_row", k=k).tile_k == min(8192, 1 << (k - 1).bit_length())
     for kind in ("random", "specials"):
         x = make_input((5, k), kind, torch.bfloat16)
         poison_allocator_cache()
@@ -459,7 +459,7 @@ def test_nvfp4_amax_in_the_launch_matches_the_amax_pass(shape, swizzle, transpos
     if transposed:
         x = x.mT.contiguous().mT
     op = qk._operand(x)
-    cfg = qk.BLOCK_CONFIGS["nvfp4", swizzle, op.transposed]
+    cfg = qk.plan("nvfp4", swizzled=swizzle, transposed=op.transposed)
     grid = qk._view_grid(op.view if swizzle else qk._rows_flattened(op).view, op.transposed, cfg, swizzle)
     assert grid[0] <= qk.num_sms(x.device)  # the one-launch path
     one = qk.quantize_nvfp4(x, None, swizzle)

@@ -435,7 +435,7 @@ def test_a_call_is_one_launch_and_only_the_output_allocation(monkeypatch):
     def call():
         runner = wol.WeightOnlyRunner(packed, None, keep_workspace=False)
         runner._sms = 132
-        assert runner.config(5).split_k > 1
+        assert runner.plan(5).split_k > 1
         return runner(x)
 
     call()

@@ -98,7 +98,7 @@ def test_overlap_gemm_matches_reference(emulated, fmt, chunk):
 
 #: Per (family, N, K, M) of the H100 sweep (benchmarks/results/tune-weight-only-large-*.txt), the
 #: candidate the rules must pick (None: the small-M plan): the measured per-shape winner, or one within
-#: 0.02 of it (``benchmarks/plan_rule_check.py`` lists them). 132 SMs.
+#: 0.02 of it (``benchmarks/investigations/plan_rule_check.py`` lists them). 132 SMs.
 _MEASURED_PICKS = {
     ("4bit", 64): {(14336, 4096): None, (4096, 14336): None, (8192, 8192): None,
                    (6144, 4096): "fused_128x64_g8_occ2", (1024, 4096): "decode_c0"},
@@ -189,16 +189,16 @@ def test_runner_dispatches_through_the_table(emulated, monkeypatch, kind):
 def test_rules_on_the_committed_h100_sweep():
     """On every (family, M) of the committed H100 sweep, the rules' picks reach the per-shape best
     candidate's geomean within 0.02 and never fall below the best single candidate per (family, M)
-    (``benchmarks/plan_rule_check.py``, offline)."""
+    (``benchmarks/investigations/plan_rule_check.py``, offline)."""
     import pathlib
     import sys
 
     root = pathlib.Path(__file__).resolve().parent.parent
-    sys.path.insert(0, str(root / "benchmarks"))
+    sys.path.insert(0, str(root / "benchmarks" / "investigations"))
     try:
         import plan_rule_check
     finally:
-        sys.path.remove(str(root / "benchmarks"))
+        sys.path.remove(str(root / "benchmarks" / "investigations"))
     rows, sms = plan_rule_check.read_rows(
         str(root / "benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt"))
     assert sms == 132 and len(rows) > 500

@@ -4,19 +4,7 @@ Quantize with ``quantize_*``, lay scales out for the tensor cores with ``swizzle
 ``swizzle=True``), multiply with ``*_matmul`` or ``linear``. CPU tensors use the exact pure-PyTorch
 reference; CUDA tensors on Hopper (sm_90) and Blackwell (sm_100 / sm_120) use cuTile kernels.
 
-Where each public name lives (public function -> its tile code; ``kernels/`` is ``tilemm/kernels/``):
-
-| public name                                | function              | tile code (``@ct.kernel``)                  |
-|--------------------------------------------|-----------------------|---------------------------------------------|
-| ``mxfp8/mxfp4/nvfp4_matmul``, ``linear``   | ``matmul.py``         | ``kernels/hopper_block_scaled.py`` (sm_90), |
-|   (both operands quantized)                |                       | ``kernels/blackwell_block_scaled.py``       |
-| ``fp8_matmul``, ``linear`` (FP8)           | ``matmul.py``         | ``kernels/hopper_fp8.py`` + ``hopper_gemm.py``, ``kernels/blackwell_fp8.py`` |
-| ``linear(x, packed)``, ``prepack``         | ``weight_only.py``, ``packed.py`` | ``kernels/weight_only_kernels.py`` |
-| ``quantize_*`` (and the activation quantize of ``nn.Linear``) | ``quantize.py`` | ``kernels/quantize_kernels.py`` |
-| ``nn.Linear``, ``quantize_model``          | ``nn.py``             | the rows above                              |
-| ``swizzle_32_4_4``                         | ``swizzle/`` package  | (host only)                                 |
-| ``torch.ops.tilemm.*``                     | ``ops.py``            | the rows above                              |
-
+Where each public name's checks, plan and tile code live: README.md, "Where the code is".
 GPU generation: ``_arch.py``; planned calls, shared by every entry: ``kernels.PLANS``.
 """
 
@@ -35,7 +23,7 @@ from . import ops  # registers torch.ops.tilemm.* (the public functions above ca
 from . import nn
 from .moe import moe_linear
 from .nn import quantize_model
-from . import checkpoints
+from . import conventions, checkpoints
 from .checkpoints import export_quantized, load_quantized
 
 __version__ = "0.1.0"
@@ -59,6 +47,6 @@ __all__ = [
     "mxfp8_matmul", "mxfp4_matmul", "nvfp4_matmul", "fp8_matmul", "linear",
     "prepack", "unpack", "PackedWeight", "moe_linear",
     "swizzle_32_4_4", "unswizzle_32_4_4", "UnsupportedGPUError", "crosscheck",
-    "nn", "quantize_model", "checkpoints", "load_quantized", "export_quantized",
+    "nn", "quantize_model", "conventions", "checkpoints", "load_quantized", "export_quantized",
     "parallel", "shard_linear", "ops", "formats", "numerics", "reference",
 ]

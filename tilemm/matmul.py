@@ -64,8 +64,9 @@ class BlockScaledProblem:
     a_scale / b_scale: logical (Ba, M, Ks) / (Bb, N, Ks), or swizzled (Ba, Mt, Kt, 32, 16) / (Bb, Nt, Kt, 32, 16).
     out: (B, M, N) contiguous, B = max(Ba, Bb); Ba and Bb are B or 1 (broadcast).
     bias: (N,) fp32 or None.   alpha: 0-d fp32 tensor on the device, or None.
-    global_scales: NVFP4's decode scales (gx, gy), 0-d fp32 tensors on the device, or None: the
-    product is then multiplied by ``fp32(gx * gy)`` (then by alpha), which the kernels do on the GPU.
+    global_scales: NVFP4's decode scales (global_scale_x, global_scale_y), 0-d fp32 tensors on the device,
+    or None: the product is then multiplied by ``fp32(global_scale_x * global_scale_y)`` (then by alpha),
+    which the kernels do on the GPU.
     """
 
     fmt: Format
@@ -279,12 +280,13 @@ class _BlockScaledCall:
 
     def run(self, x, x_scale, y, y_scale, bias32, alpha32, global_scales=None):
         """The product for checked operands of this signature; bias32 (N,) fp32 contiguous or None,
-        alpha32 a one-element fp32 tensor on the device or None; global_scales NVFP4's (gx, gy), 0-d
-        fp32 on the device, or None."""
+        alpha32 a one-element fp32 tensor on the device or None; global_scales NVFP4's (global_scale_x,
+        global_scale_y), 0-d fp32 on the device, or None."""
         if self.empty or not self.gpu:
-            if global_scales is not None:  # fp32(gx * gy) (* alpha), as the kernels multiply them
-                gx, gy = global_scales
-                alpha32 = gx * gy if alpha32 is None else gx * gy * alpha32
+            if global_scales is not None:  # fp32(global_scale_x * global_scale_y) (* alpha), as the kernels do
+                global_scale_x, global_scale_y = global_scales
+                scales = global_scale_x * global_scale_y
+                alpha32 = scales if alpha32 is None else scales * alpha32
         if self.empty:
             return _empty_result(self.out_shape, self.k, bias32, self.out_dtype, self.device)
         if not self.gpu:
@@ -322,7 +324,8 @@ def _alpha32(alpha, device):
 
 def run_block_scaled(fn, fmt, x, x_scale, y, y_scale, *, out_dtype, bias, alpha, global_scales=None):
     """What torch.ops.tilemm.{mxfp8,mxfp4,nvfp4}_matmul run: the planned call of this signature.
-    ``global_scales``: NVFP4's decode scales (gx, gy) as 0-d fp32 tensors on the device, or None."""
+    ``global_scales``: NVFP4's decode scales (global_scale_x, global_scale_y) as 0-d fp32 tensors on the
+    device, or None."""
     call = block_scaled_call(fn, fmt, x, x_scale, y, y_scale, out_dtype, bias, alpha)
     return call.run(x, x_scale, y, y_scale, _bias32(bias), _alpha32(alpha, call.device), global_scales)
 
@@ -538,11 +541,11 @@ def _nvfp4_matmul_op(x: Tensor, x_scale: Tensor, y: Tensor, y_scale: Tensor, glo
                  bias: Optional[Tensor] = None, alpha: Optional[Tensor] = None) -> Tensor:
     fn = "nvfp4_matmul"
     device = x.device
-    gx = as_fp32_scalar(fn, "global_scale_x", global_scale_x, device)
-    gy = as_fp32_scalar(fn, "global_scale_y", global_scale_y, device)
+    global_scale_x = as_fp32_scalar(fn, "global_scale_x", global_scale_x, device)
+    global_scale_y = as_fp32_scalar(fn, "global_scale_y", global_scale_y, device)
     alpha = _alpha_tensor(fn, alpha, device)
     return run_block_scaled(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
-                            global_scales=(gx, gy))
+                            global_scales=(global_scale_x, global_scale_y))
 
 
 @_nvfp4_matmul_op.register_fake
@@ -676,14 +679,15 @@ def nvfp4_matmul(x, x_scale, y, y_scale, *, global_scale_x, global_scale_y, out_
     # e4m3 scale bytes (NumPy / CuPy arrays have no float8) are unambiguous: view them as e4m3.
     x_scale, y_scale = (s.view(NVFP4.scale_dtype) if s.dtype == torch.uint8 else s for s in (x_scale, y_scale))
     device = x.device
-    gx = as_fp32_scalar(fn, "global_scale_x", global_scale_x, device)
-    gy = as_fp32_scalar(fn, "global_scale_y", global_scale_y, device)
+    global_scale_x = as_fp32_scalar(fn, "global_scale_x", global_scale_x, device)
+    global_scale_y = as_fp32_scalar(fn, "global_scale_y", global_scale_y, device)
     alpha = _alpha_tensor(fn, alpha, device)
-    if _eager_gpu(x):  # gx, gy (and alpha) are 0-d fp32 tensors on the device already; the kernel
-        # multiplies fp32(gx * gy) (then alpha) into the product (``BlockScaledProblem.global_scales``)
+    if _eager_gpu(x):  # global_scale_x, global_scale_y (and alpha) are 0-d fp32 tensors on the device already;
+        # the kernel multiplies fp32(global_scale_x * global_scale_y) (then alpha) into the product
+        # (``BlockScaledProblem.global_scales``)
         return run_block_scaled(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
-                                global_scales=(gx, gy))
-    return _nvfp4_matmul_op(x, x_scale, y, y_scale, gx, gy, out_dtype, bias, alpha)
+                                global_scales=(global_scale_x, global_scale_y))
+    return _nvfp4_matmul_op(x, x_scale, y, y_scale, global_scale_x, global_scale_y, out_dtype, bias, alpha)
 
 
 @_interop.accepts_arrays
@@ -736,12 +740,12 @@ def _fp8_granularities_of(t) -> list[str]:
 
 def _check_fp8_block_pair(fn: str, x_q, w_q) -> None:
     """FP8 blocks pair one way: activations x_q in 1x128 blocks with weights w_q in 128x128 blocks."""
-    gx, gw = _fp8_granularities_of(x_q), _fp8_granularities_of(w_q)
-    if any("128" not in a + b or (a, b) == ("(1, 128)", "(128, 128)") for a in gx for b in gw):
+    gran_x, gran_w = _fp8_granularities_of(x_q), _fp8_granularities_of(w_q)
+    if any("128" not in a + b or (a, b) == ("(1, 128)", "(128, 128)") for a in gran_x for b in gran_w):
         return
     raise ValueError(f"{fn}: FP8 blocks pair activations quantized with granularity=(1, 128) (x_q) "
                      f"with weights quantized with granularity=(128, 128) (w_q); got x_q with "
-                     f"granularity={gx[0]} and w_q with granularity={gw[0]}. Quantize x with "
+                     f"granularity={gran_x[0]} and w_q with granularity={gran_w[0]}. Quantize x with "
                      f"tilemm.quantize_fp8(x, granularity=(1, 128)) and w with "
                      f"tilemm.quantize_fp8(w, granularity=(128, 128))")
 
@@ -803,11 +807,41 @@ def linear(x_q, w_q, *, bias=None, out_dtype=None, alpha=None, use_fast_accum=Fa
             ys = ws.t()  # per output channel: (N, 1) -> (1, N)
         else:
             ys = ws.t() if ws.ndim == 2 else ws
+        if _eager_gpu(x_q.data) and x_q.data.dtype in FP8_DTYPES:
+            return _linear_eager("fp8_matmul", x_q, w.t(), ys, kw)
         return fp8_matmul(x_q.data, x_q.scale, w.t(), ys, **kw)
     ys = ws if ws.ndim == 4 else ws.t()
+    if _eager_gpu(x_q.data) and (x_q.data.dtype in FP8_DTYPES or not isinstance(x_q, MXFP8Tensor)):
+        name = "mxfp8_matmul" if isinstance(x_q, MXFP8Tensor) else (
+            "mxfp4_matmul" if isinstance(x_q, MXFP4Tensor) else "nvfp4_matmul")
+        return _linear_eager(name, x_q, w.t(), ys, kw, w_q)
     if isinstance(x_q, MXFP8Tensor):
         return mxfp8_matmul(x_q.data, x_q.scale, w.t(), ys, **kw)
     if isinstance(x_q, MXFP4Tensor):
         return mxfp4_matmul(x_q.data, x_q.scale, w.t(), ys, **kw)
     return nvfp4_matmul(x_q.data, x_q.scale, w.t(), ys, global_scale_x=x_q.global_scale,
                         global_scale_y=w_q.global_scale, **kw)
+
+
+def _linear_eager(fn: str, x_q, y, y_scale, kw: dict, w_q=None):
+    """An eager CUDA :func:`linear` of quantized operands, straight to the operator's implementation:
+    the checks the public function ``fn`` makes of its remaining arguments, then its planned call,
+    without passing through the public function (one layer fewer)."""
+    x, x_scale, out_dtype, bias = x_q.data, x_q.scale, kw["out_dtype"], kw["bias"]
+    _check_op_args(fn, out_dtype, bias, x_scale=x_scale, y_scale=y_scale)
+    alpha = _alpha_tensor(fn, kw["alpha"], x.device)
+    if fn == "fp8_matmul":
+        if not isinstance(kw["use_fast_accum"], bool):
+            raise TypeError(f"{fn}: use_fast_accum must be a bool, got {type(kw['use_fast_accum']).__name__}")
+        return run_fp8_matmul(x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
+                              use_fast_accum=kw["use_fast_accum"])
+    if fn == "mxfp8_matmul":
+        return run_block_scaled(fn, mxfp8_operand_format(fn, x), x, x_scale, y, y_scale, out_dtype=out_dtype,
+                                bias=bias, alpha=alpha)
+    if fn == "mxfp4_matmul":
+        return run_block_scaled(fn, MXFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha)
+    x_scale, y_scale = (s.view(NVFP4.scale_dtype) if s.dtype == torch.uint8 else s for s in (x_scale, y_scale))
+    global_scales = (as_fp32_scalar(fn, "global_scale_x", x_q.global_scale, x.device),
+                     as_fp32_scalar(fn, "global_scale_y", w_q.global_scale, x.device))
+    return run_block_scaled(fn, NVFP4, x, x_scale, y, y_scale, out_dtype=out_dtype, bias=bias, alpha=alpha,
+                            global_scales=global_scales)

@@ -334,10 +334,10 @@ class MoEExperts(torch.nn.Module):
         constants = getattr(self, f"{name}_constants")
         fmt = FORMATS[self.formats[i]]
         # NVFP4: constants[:, 0] = 2^E * decode scale, so the per-tensor scales come back exactly.
-        gs = constants[:, 0] / 2.0 ** self.exponents[i] if fmt.has_global_scale else None
+        global_scale = constants[:, 0] / 2.0 ** self.exponents[i] if fmt.has_global_scale else None
         return PackedWeight(fmt=fmt, words=getattr(self, f"{name}_words"),
                             scale_t=getattr(self, f"{name}_scale_t"), constants=constants,
-                            exponent=self.exponents[i], global_scale=gs,
+                            exponent=self.exponents[i], global_scale=global_scale,
                             in_features=self.hidden_size if i == 0 else self.intermediate_size)
 
     @classmethod

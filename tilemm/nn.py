@@ -1,29 +1,25 @@
 """``tilemm.nn.Linear``: an nn.Linear whose weight is stored quantized, and ``quantize_model``.
 
 ``Linear.from_float(linear, format)`` quantizes a ``torch.nn.Linear``'s weight once ("mxfp8", "mxfp4",
-"nvfp4" or "fp8"); ``forward`` then quantizes the activations on the fly to the same format and runs
-tilemm's block-scaled matmul (``tilemm.linear``): ``y = dequantize(q(x)) @ dequantize(W).T + b``,
-accumulated in fp32 and returned in x's dtype (float32, bfloat16 or float16), for x of any leading
-dimensions. ``weight_only=True`` keeps x in its own precision instead: mxfp8, mxfp4 and nvfp4 weights
-are stored prepacked (``tilemm.prepack``) and multiplied by the fused weight-only kernel
-(``tilemm.weight_only``): ``y = x @ dequantize(W).T + b`` accumulated in fp32, one kernel launch per
-eager call; fp8 weights are dequantized on every call and multiplied with ``F.linear``.
+"nvfp4" or "fp8"); ``forward`` quantizes the activations on the fly to the same format and runs
+``tilemm.linear``: ``y = dequantize(q(x)) @ dequantize(W).T + b``, accumulated in fp32 and returned in
+x's dtype (float32, bfloat16 or float16), for x of any leading dimensions. ``weight_only=True`` keeps
+x in its own precision: mxfp8, mxfp4 and nvfp4 weights are stored prepacked (``tilemm.prepack``) for
+the fused weight-only kernel (``y = x @ dequantize(W).T + b``, fp32 accumulation, one launch per
+eager call); fp8 weights are dequantized on every call and multiplied with ``F.linear``.
 
-The quantized weight, its scales (and NVFP4's decode scale) and the bias are buffers, so
-``state_dict`` / ``load_state_dict`` round-trip them bit for bit (a weight-only layer keeps only the
-prepacked form in memory; its state dict holds the same interchange tensors, unpacked on the way
-out and prepacked on the way in); ``Module.to(dtype)``, ``.half()``
-and ``.bfloat16()`` move them between devices but never cast their encodings (the bias does follow).
+The quantized weight, its scales, NVFP4's ``global_scale`` and the bias are buffers: ``state_dict`` /
+``load_state_dict`` round-trip them bit for bit (a weight-only layer holds only the prepacked form,
+unpacked on the way out and prepacked on the way in); ``Module.to(dtype)``, ``.half()`` and
+``.bfloat16()`` move them between devices but never cast their encodings (the bias does follow).
 Inference only: no gradient flows through the quantized matmul.
 
-Small batch on Hopper: a block-scaled layer (mxfp8, mxfp4, nvfp4) called eagerly on CUDA with at most
-``SMALL_BATCH_ROWS`` rows runs ``weight_only.QuantizedActivationRunner`` instead of the block-scaled
-matmul: one kernel writes ``dequantize(q(x))`` as bf16 (exactly the activation the matmul would read;
-NVFP4's decode scale goes to the epilogue), the weight-only kernel multiplies it with a prepacked copy
-of the weight. Same result up to the order of the fp32 additions, two launches instead of four to
-seven; the copy is made on the first such call and doubles the layer's weight memory on the GPU.
-``torch.compile`` traces the block-scaled path instead, so a compiled and an eager call of such a
-layer agree to the matmul tolerance of docs/numerics.md, not bit for bit.
+Small batch on Hopper: a block-scaled layer called eagerly on CUDA with at most ``SMALL_BATCH_ROWS``
+rows runs ``weight_only.QuantizedActivationRunner``: one kernel writes ``dequantize(q(x))`` as bf16
+(exactly the activation the matmul reads; NVFP4's decode scale goes to the epilogue), the weight-only
+kernel multiplies it with a prepacked copy of the weight (made on the first such call: twice the
+layer's weight memory). Same result up to the order of the fp32 additions; ``torch.compile`` traces
+the block-scaled path, so compiled and eager calls agree to docs/numerics.md's matmul tolerance.
 
 ``quantize_model(model, format)`` swaps every ``torch.nn.Linear`` of a model for this class in place.
 """
@@ -38,12 +34,14 @@ import torch.nn.functional as F
 
 import swizzle as _swizzle
 
+from . import conventions as _conventions
 from . import matmul as _matmul
 from ._arch import Family, family
 from . import packed as _packed
 from . import quantize as _quantize
 from . import weight_only as _weight_only
 from .formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
+from .moe import GPT_OSS_EXPERTS, MoEExperts
 
 __all__ = ["Linear", "quantize_model", "FORMATS"]
 
@@ -302,7 +300,7 @@ class Linear(torch.nn.Module):
         Args:
             weight: a tilemm ``MXFP8Tensor`` / ``MXFP4Tensor`` / ``NVFP4Tensor`` / ``FP8Tensor`` of a 2-D
                 (out_features, in_features) weight, or, with ``convention``, one layer of a checkpoint
-                written by another tool (see ``tilemm.checkpoints.to_tilemm``).
+                written by another tool (see ``tilemm.conventions.to_tilemm``).
             bias: (out_features,) or None; kept as it is.
             convention: ``None`` (a tilemm tensor), ``"compressed-tensors"`` (with ``format=``),
                 ``"modelopt"``, ``"gpt-oss"`` or ``"torchao"``; ``convention_options`` go to it.
@@ -312,11 +310,9 @@ class Linear(torch.nn.Module):
         The data and scale bytes become the buffers as they are (views of ``weight``'s tensors);
         only a scale whose layout differs from ``swizzle`` is re-laid out.
         """
-        from . import checkpoints
-
         fn = "tilemm.nn.Linear.from_quantized"
-        q = checkpoints.to_tilemm(weight, convention, **convention_options)
-        format, storage = checkpoints.linear_options(q)
+        q = _conventions.to_tilemm(weight, convention, **convention_options)
+        format, storage = _conventions.linear_options(q)
         options = _Options(fn, format, swizzle=swizzle, weight_only=weight_only, rounding=rounding,
                            granularity=storage.get("granularity"), elem_dtype=storage.get("elem_dtype"))
         if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != q.data.shape[:1]):
@@ -326,10 +322,10 @@ class Linear(torch.nn.Module):
         module = cls(in_features, q.data.shape[0], bias is not None, format=format, device="meta",
                      bias_dtype=torch.float32 if bias is None else bias.dtype, **options.as_kwargs())
         if options.packed:  # weight-only: the prepacked layout, built from the logical scale
-            module._set_packed(_packed.prepack(type(q)(q.data, checkpoints.scale_for_layout(q, False), *q[2:])))
+            module._set_packed(_packed.prepack(type(q)(q.data, _conventions.scale_for_layout(q, False), *q[2:])))
             module.bias = None if bias is None else bias.detach()
             return module
-        fields = (q.data, checkpoints.scale_for_layout(q, options.swizzle), *q[2:])
+        fields = (q.data, _conventions.scale_for_layout(q, options.swizzle), *q[2:])
         for name, t in zip(_QUANTIZED_BUFFERS, fields):
             expected = module._buffers[name]
             if t.dtype != expected.dtype or t.shape != expected.shape:
@@ -450,9 +446,10 @@ class Linear(torch.nn.Module):
         """What the small-batch runner is built from: the device and the quantized buffers and bias,
         each with its version counter (in-place changes, ``load_state_dict``, bump it)."""
         buffers = self._buffers
-        weight, bias, gs = buffers["weight"], buffers["bias"], buffers.get("weight_global_scale")
+        weight, bias, global_scale = buffers["weight"], buffers["bias"], buffers.get("weight_global_scale")
         return (device, weight, weight._version, buffers["weight_scale"]._version,
-                None if gs is None else (gs, gs._version), None if bias is None else (bias, bias._version))
+                None if global_scale is None else (global_scale, global_scale._version),
+                None if bias is None else (bias, bias._version))
 
     def _forward_weight_only(self, x: torch.Tensor) -> torch.Tensor:
         """The fused weight-only kernel. Eager CUDA calls go straight to a cached WeightOnlyRunner (one
@@ -658,8 +655,6 @@ def quantize_model(model: torch.nn.Module, format: str, *,
             converted[id(module)] = Linear.from_float(_dequantized(module), format, **options.as_kwargs())
         if _is_gpt_oss_experts(module) and options.packed and name and not is_skipped(name, module):
             # gpt-oss's experts block (not nn.Linear layers): stacked packed experts (tilemm.moe).
-            from .moe import MoEExperts
-
             if id(module) not in converted:
                 converted[id(module)] = MoEExperts.from_gpt_oss(module, format, quantizer=options.quantize_weight)
         if id(module) in converted and (isinstance(module, Linear) or _is_gpt_oss_experts(module)):
@@ -696,8 +691,6 @@ def _dequantized(layer: Linear) -> torch.nn.Linear:
 
 def _is_gpt_oss_experts(module: torch.nn.Module) -> bool:
     """transformers' gpt-oss experts block (matched by name: transformers is not a dependency)."""
-    from .moe import GPT_OSS_EXPERTS
-
     return type(module).__name__ == GPT_OSS_EXPERTS
 
 

@@ -1,13 +1,10 @@
 """tilemm's quantizers and matmuls as PyTorch custom operators, ``torch.ops.tilemm.*``.
 
-The quantizer operators are registered here; the matmul operators next to their public functions
-(``tilemm.matmul``, ``tilemm.weight_only``) and named here too. ``torch.compile`` sees each as one
-opaque op (``fullgraph=True`` too); the public functions call them for CPU tensors and under
-torch.compile, and run the same implementation directly for eager CUDA calls. The matmul operators
-check a signature once (then look it up); their fake (meta) implementations run the checks, which
-read only shapes, dtypes and devices, and return empty outputs of the exact shapes and dtypes.
-
-Operators take and return tensors::
+The quantizer operators are registered here, the matmul operators next to their public functions
+(``tilemm.matmul``, ``tilemm.weight_only``, ``tilemm.moe``). ``torch.compile`` sees each as one opaque
+op (``fullgraph=True`` too); the public functions call them for CPU tensors and under torch.compile,
+and run their implementation directly for eager CUDA calls. Fake (meta) implementations run the checks,
+which read only shapes, dtypes and devices, and return empty outputs of the exact shapes and dtypes::
 
     quantize_mxfp8(Tensor x, ScalarType? elem_dtype=None, str rounding="rceil", bool swizzle=False)
         -> (Tensor data, Tensor scale)
@@ -28,9 +25,8 @@ Operators take and return tensors::
                        float alpha_host=1.0) -> Tensor
                        # x (M, K) float; the other tensors are a tilemm.PackedWeight's
 
-``elem_dtype=None`` means ``torch.float8_e4m3fn``. Arguments and results mean what they mean for the
-public function of the same name. The operators are for inference: no autograd formula is registered,
-so a backward pass through one raises.
+Arguments and results mean what they mean for the public function of the same name (``elem_dtype=None``:
+``torch.float8_e4m3fn``). Inference only: no autograd formula is registered, so a backward pass raises.
 """
 
 from __future__ import annotations

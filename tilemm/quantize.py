@@ -173,9 +173,9 @@ def _repr(self) -> str:
     if not isinstance(self, FP8Tensor):  # FP8 scales have no swizzled form
         fields.append(f"layout={'swizzled' if self.swizzled else 'logical'}")
     if isinstance(self, NVFP4Tensor):
-        gs = self.global_scale
-        on_host = not is_torch or gs.device.type == "cpu"  # reading a GPU value would synchronise
-        fields.append(f"global_scale={float(gs):.6g}" if on_host else "global_scale=<fp32 on device>")
+        global_scale = self.global_scale
+        on_host = not is_torch or global_scale.device.type == "cpu"  # reading a GPU value would synchronise
+        fields.append(f"global_scale={float(global_scale):.6g}" if on_host else "global_scale=<fp32 on device>")
     device = str(self.data.device) if is_torch else ("cpu (NumPy arrays)" if isinstance(self.data, np.ndarray)
                                                      else "cuda (CuPy arrays)")
     fields.append(f"device={device}")
@@ -258,18 +258,18 @@ def _global_decode_scale(fn: str, global_scale, device: torch.device,
             raise TypeError(f"{fn}: global_scale must have a floating-point dtype, "
                             f"got {global_scale.dtype}")
         # Every float dtype converts to fp32 exactly except float64, which rounds to nearest.
-        gs = global_scale.detach().to(device=device, dtype=torch.float32)
+        global_scale32 = global_scale.detach().to(device=device, dtype=torch.float32)
     else:
-        gs = torch.tensor(float(global_scale), dtype=torch.float32, device=device)
+        global_scale32 = torch.tensor(float(global_scale), dtype=torch.float32, device=device)
     on_host = not isinstance(global_scale, torch.Tensor) or global_scale.device.type == "cpu"
     if not check_value or not on_host:
-        return gs
+        return global_scale32
     host = global_scale if isinstance(global_scale, torch.Tensor) else torch.tensor(float(global_scale))
     value = host.to(torch.float32).item()
     if not (value > 0.0 and value != float("inf")):
         raise ValueError(f"{fn}: global_scale must be a positive finite decode scale, "
                          f"got {value!r}")
-    return gs
+    return global_scale32
 
 
 def _parse_granularity(fn: str, granularity):
@@ -606,8 +606,8 @@ _NVFP4_SB_ZERO = 2.0 ** -10
 _NVFP4_SB_SATURATED = 464.0
 
 
-def check_nvfp4_global_scale_fits(x: torch.Tensor, gs: torch.Tensor) -> None:
-    """ValueError when the given decode scale ``gs`` makes every non-zero finite block of x round to
+def check_nvfp4_global_scale_fits(x: torch.Tensor, global_scale: torch.Tensor) -> None:
+    """ValueError when the given decode scale ``global_scale`` makes every non-zero finite block of x round to
     zero, or saturates every one: the usual sign that the *encode* scale (2688 / amax, what
     compressed-tensors stores) was passed for the decode scale. One extra read of x, plus, on a GPU, one
     host synchronisation: paid only when a global scale is given (not inside CUDA graph capture,
@@ -618,14 +618,14 @@ def check_nvfp4_global_scale_fits(x: torch.Tensor, gs: torch.Tensor) -> None:
     blocks = x.detach().unflatten(-1, (-1, NVFP4.block))
     amax_b = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=-1).to(torch.float32)
     live = torch.isfinite(amax_b) & (amax_b > 0)
-    s_enc = (_f32(1.0, x.device) / gs).clamp(max=_FLT_MAX)
+    s_enc = (_f32(1.0, x.device) / global_scale).clamp(max=_FLT_MAX)
     t = amax_b * (s_enc * _f32(1.0 / NVFP4.qmax, x.device))
     zero = (t <= _NVFP4_SB_ZERO) | ~live
     saturated = (t > _NVFP4_SB_SATURATED) | ~live
     verdict = torch.stack([live.any(), zero.all(), saturated.all()]).tolist()  # one sync
     if not verdict[0] or not (verdict[1] or verdict[2]):
         return
-    g = float(gs)
+    g = float(global_scale)
     what = "round to zero (the tensor would dequantize to all zeros)" if verdict[1] else \
         "saturate (their scales clamp at 448)"
     raise ValueError(f"quantize_nvfp4: global_scale={g:.6g} makes every non-zero block {what}. "
@@ -636,20 +636,20 @@ def check_nvfp4_global_scale_fits(x: torch.Tensor, gs: torch.Tensor) -> None:
 
 
 def run_quantize_nvfp4(x, global_scale, swizzle):
-    gs = check_quantize_nvfp4(x, global_scale, swizzle)
-    if gs is not None:
-        check_nvfp4_global_scale_fits(x, gs)
-    return _quantize_nvfp4_checked(x, gs, swizzle)
+    global_scale = check_quantize_nvfp4(x, global_scale, swizzle)
+    if global_scale is not None:
+        check_nvfp4_global_scale_fits(x, global_scale)
+    return _quantize_nvfp4_checked(x, global_scale, swizzle)
 
 
-def _quantize_nvfp4_checked(x, gs, swizzle):
+def _quantize_nvfp4_checked(x, global_scale, swizzle):
     kernels = _quantize_kernels(x)
     if kernels is not None:
-        data, scale, decode = kernels.quantize_nvfp4(x, gs, swizzle)  # decode: a new tensor
+        data, scale, decode = kernels.quantize_nvfp4(x, global_scale, swizzle)  # decode: a new tensor
         return data, scale.view(NVFP4.scale_dtype), decode
-    data, scale, decode = _quantize_nvfp4_reference(x.contiguous(), gs, swizzle)
+    data, scale, decode = _quantize_nvfp4_reference(x.contiguous(), global_scale, swizzle)
     # A given decode scale comes back out; an operator's outputs must not alias its inputs.
-    return data, scale, decode if gs is None else decode.clone()
+    return data, scale, decode if global_scale is None else decode.clone()
 
 
 def fp8_granularity_from_name(granularity: str):
@@ -767,8 +767,8 @@ def quantize_nvfp4(x: torch.Tensor, *, global_scale=None, swizzle: bool = False,
     if _eager_gpu(x) and global_scale is None:
         check_quantize_nvfp4(x, None, swizzle)
         return NVFP4Tensor(*_quantize_nvfp4_checked(x.detach(), None, swizzle))
-    gs = check_quantize_nvfp4(x, global_scale, swizzle, check_value=False)
-    return NVFP4Tensor(*torch.ops.tilemm.quantize_nvfp4(x.detach(), gs, swizzle))
+    global_scale = check_quantize_nvfp4(x, global_scale, swizzle, check_value=False)
+    return NVFP4Tensor(*torch.ops.tilemm.quantize_nvfp4(x.detach(), global_scale, swizzle))
 
 
 @_interop.accepts_arrays
@@ -977,8 +977,8 @@ def dequantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, global_scale) -> t
         raise TypeError(f"{fn}: data.dtype must be torch.uint8 (two e2m1 per byte), "
                         f"got {data.dtype}")
     _check_scale_dtype(fn, scale, NVFP4)
-    gs = _global_decode_scale(fn, global_scale, data.device, not torch.compiler.is_compiling())
-    return dequantize_blocks(NVFP4, data, _logical_block_scale(fn, NVFP4, data, scale), gs)
+    global_scale = _global_decode_scale(fn, global_scale, data.device, not torch.compiler.is_compiling())
+    return dequantize_blocks(NVFP4, data, _logical_block_scale(fn, NVFP4, data, scale), global_scale)
 
 
 @_interop.accepts_arrays

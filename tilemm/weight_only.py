@@ -101,7 +101,8 @@ class WeightOnlyRunner:
         self._sms = None
         self.bias_source = None  # what the owner built ``bias`` from, to tell when it is stale
 
-    def config(self, m: int) -> _kernel.WeightOnlyConfig:
+    def plan(self, m: int) -> _kernel.WeightOnlyConfig:
+        """The config of an (M, K) input: ``weight_only_kernels.plan`` on this layer's device."""
         if self._sms is None:
             self._sms = num_sms(self.device)
         return _kernel.plan(m, self.n, self.k, self.layout, self._sms)
@@ -109,7 +110,7 @@ class WeightOnlyRunner:
     def _prepare(self, m: int, dtype: torch.dtype, cfg=None) -> _kernel.Prepared:
         p = self.packed
         prepared = _kernel.Prepared(p.words, p.scale_t, p.constants, self.bias, self.layout,
-                                    cfg or self.config(m), m, dtype, keep_workspace=self.keep_workspace)
+                                    cfg or self.plan(m), m, dtype, keep_workspace=self.keep_workspace)
         if cfg is None:
             self._prepared[(m, dtype)] = prepared
         return prepared
@@ -179,7 +180,7 @@ class WeightOnlyRunner:
         # 2^31 elements or more in x or out: launch per block of rows (each output row depends on its
         # x row only, and the config, chosen for the whole M, is the same in every piece).
         rows = (_large.LIMIT - 1) // max(self.k, self.n) // 128 * 128
-        cfg = self.config(m)
+        cfg = self.plan(m)
         for r0 in range(0, m, rows):
             piece = x2d[r0:r0 + rows]
             self._prepare(piece.shape[0], x2d.dtype, cfg).run(piece, out[r0:r0 + rows], stream, alpha)

@@ -5,16 +5,17 @@ Tile-code helpers (called from inside ``@ct.kernel`` functions, inlined by cuTil
 * ``tile_coords`` / ``tile_coords_at``: the batch index and the (M-tile, N-tile) of a block of a 1-D
   grid (or of tile number t of a persistent block), visiting tiles in GROUP_SIZE_M-row groups so that
   neighbouring blocks share operand tiles in L2.
-* ``e8m0_to_bf16``: e8m0 scale bytes -> their exact bf16 values (2^(s-127); 0 -> 2^-127; 255 -> NaN).
-* ``e2m1_lo_bits_*`` / ``e2m1_hi_bits_*``: the low / high nibble of packed e2m1 bytes as 16-bit float
-  bit patterns (fp16 or bf16), with a known power-of-two offset.
+* The one e8m0 and e2m1 decode every kernel uses. ``e8m0_to_bf16`` / ``e8m0_to_fp32`` (the bits:
+  ``e8m0_bits_bf16``): e8m0 scale bytes -> their exact values (2^(s-127); 0 -> 2^-127; 255 -> NaN).
+  ``e2m1_lo_bits_*`` / ``e2m1_hi_bits_*``: the low / high nibble of packed e2m1 bytes as 16-bit float
+  bit patterns (fp16 or bf16), with a known power-of-two offset; ``e2m1_to_fp32``: codes -> fp32 values.
 * ``unswizzle_scale_tile``: a tile of the 32x4x4 ("swizzled") scale layout back to (rows, columns).
 * ``epilogue``: ``acc * alpha + bias``, cast once to the output dtype, stored (partial tiles masked).
 
-Host helpers: ``folded_alpha`` (a problem's alpha with NVFP4's decode scales), ``ones_scalar`` / ``zeros_vector`` (cached device constants that stand in for an
-absent ``alpha`` / ``bias``, so that one kernel specialisation serves calls with and without them),
-``swizzled_scale_view`` (the 6-D view of a swizzled scale tensor that the kernels load from), and
-``hinted`` (cached ``replace_hints``).
+Host helpers: ``folded_alpha`` (a problem's alpha with NVFP4's decode scales), ``ones_scalar`` /
+``zeros_vector`` (cached device constants that stand in for an absent ``alpha`` / ``bias``, so that
+one kernel specialisation serves calls with and without them), ``swizzled_scale_view`` (the 6-D
+view of a swizzled scale tensor that the kernels load from), and ``hinted`` (cached ``replace_hints``).
 """
 
 from __future__ import annotations
@@ -26,11 +27,10 @@ import swizzle as _swizzle
 
 from ..numerics import ceil_div
 
-__all__ = ["tile_coords", "tile_coords_at", "e8m0_to_bf16", "e2m1_lo_bits_fp16", "e2m1_hi_bits_fp16",
-           "e2m1_lo_bits_bf16",
-           "e2m1_hi_bits_bf16", "unswizzle_scale_tile", "epilogue", "ones_scalar", "zeros_vector",
-           "swizzled_scale_view", "hinted", "num_sms", "stream_handle", "ceil_div", "folded_alpha", "SWIZZLE_ROWS",
-           "SWIZZLE_COLS"]
+__all__ = ["tile_coords", "tile_coords_at", "e8m0_bits_bf16", "e8m0_to_bf16", "e8m0_to_fp32", "e2m1_lo_bits_fp16",
+           "e2m1_hi_bits_fp16", "e2m1_lo_bits_bf16", "e2m1_hi_bits_bf16", "e2m1_to_fp32", "unswizzle_scale_tile",
+           "epilogue", "ones_scalar", "zeros_vector", "swizzled_scale_view", "hinted", "num_sms", "stream_handle",
+           "ceil_div", "folded_alpha", "SWIZZLE_ROWS", "SWIZZLE_COLS"]
 
 #: Rows and scale columns covered by one 32x16 block of the 32x4x4 layout.
 SWIZZLE_ROWS = _swizzle.ROW_TILE
@@ -65,18 +65,29 @@ def tile_coords_at(t, M, N, TM, TN, GROUP_SIZE_M):
     return batch, bm, bn
 
 
-def e8m0_to_bf16(s):
-    """e8m0 scale bytes (a uint8 tile) -> bf16 tile of exactly 2^(s-127).
+def e8m0_bits_bf16(s, dtype):
+    """e8m0 scale bytes s (0..255 in an integer tile) -> the bf16 bit patterns of exactly 2^(s-127),
+    as a tile of integer ``dtype`` (``ct.uint16`` to bit-cast to bf16, ``ct.int32`` for fp32's upper half).
 
     bf16 has fp32's 8-bit exponent, so byte s goes straight into the exponent field (s << 7) for
     s = 1..254. s = 0 is 2^-127, the bf16 subnormal 0x0040; s = 255 becomes 0x7FC0, a quiet NaN (s << 7
     alone would be +inf, and inf would survive as inf instead of NaN). Both specials set bit 6.
     """
-    s16 = s.astype(ct.uint16)
-    special = ((s16 + 1) & 0xFF) < 2  # s == 255 or s == 0
-    bits = (s16 << 7) | ct.where(special, ct.full(s16.shape, 0x40, ct.uint16),
-                                 ct.full(s16.shape, 0, ct.uint16))
-    return ct.bitcast(bits, ct.bfloat16)
+    s = s.astype(dtype)
+    special = ((s + 1) & 0xFF) < 2  # s == 255 or s == 0
+    return (s << 7) | ct.where(special, ct.full(s.shape, 0x40, dtype), ct.full(s.shape, 0, dtype))
+
+
+def e8m0_to_bf16(s):
+    """e8m0 scale bytes (an integer tile, e.g. uint8) -> bf16 tile of exactly 2^(s-127) (``e8m0_bits_bf16``)."""
+    return ct.bitcast(e8m0_bits_bf16(s, ct.uint16), ct.bfloat16)
+
+
+def e8m0_to_fp32(s):
+    """e8m0 scale bytes (an integer tile) -> fp32 tile of exactly 2^(s-127): ``e8m0_bits_bf16``'s
+    pattern in the upper half of the word (fp32 is bf16 with 16 more mantissa bits), so byte 0 is the
+    subnormal 2^-127 (0x00400000) and byte 255 the quiet NaN 0x7FC00000."""
+    return ct.bitcast(e8m0_bits_bf16(s, ct.int32) << 16, ct.float32)
 
 
 # e2m1 nibble n (bit 3 sign, bits 2-0 = 2 exponent bits + 1 mantissa bit) placed so that its exponent
@@ -102,6 +113,12 @@ def e2m1_lo_bits_bf16(p):
 def e2m1_hi_bits_bf16(p):
     """High nibbles of a uint16 tile of packed bytes as bf16 bit patterns of e2m1 * 2^-126."""
     return ((p & 0x80) << 8) | ((p & 0x70) << 2)
+
+
+def e2m1_to_fp32(codes):
+    """e2m1 codes (an int32 tile of 0..15, sign in bit 3) -> their fp32 values, exactly:
+    ``e2m1_lo_bits_bf16``'s e2m1 * 2^-126 in the upper half of the word, times 2^126."""
+    return ct.bitcast(e2m1_lo_bits_bf16(codes) << 16, ct.float32) * (2.0 ** 126)
 
 
 def unswizzle_scale_tile(t, ROWS, COLS):
@@ -177,7 +194,7 @@ def swizzled_scale_view(scale: torch.Tensor, cols_per_tile: int) -> torch.Tensor
 
 
 #: The current stream's raw handle for a device index (``torch.cuda.current_stream()`` builds a Stream
-#: object per call, about 5 us; ``ct.launch`` takes the raw integer).
+#: object per call; ``ct.launch`` takes the raw integer).
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
@@ -230,13 +247,15 @@ def hinted(kernel, **hints):
 
 def folded_alpha(problem):
     """A ``BlockScaledProblem``'s alpha with NVFP4's decode scales multiplied in, as one fp32 tensor:
-    ``fp32(gx * gy)``, then ``* alpha`` when one is given (the order ``nvfp4_matmul`` documents), or
+    ``fp32(global_scale_x * global_scale_y)``, then ``* alpha`` when one is given (the order
+    ``nvfp4_matmul`` documents), or
     ``problem.alpha`` (None for none) when the problem carries no decode scales. For the launchers
     that apply one alpha; Hopper's stream kernel multiplies the scales in its epilogue instead."""
     if problem.global_scales is None:
         return problem.alpha
-    gx, gy = problem.global_scales
-    return gx * gy if problem.alpha is None else gx * gy * problem.alpha
+    global_scale_x, global_scale_y = problem.global_scales
+    scales = global_scale_x * global_scale_y
+    return scales if problem.alpha is None else scales * problem.alpha
 
 
 class Described:

@@ -1,35 +1,28 @@
 """Launches on tensors of 2^31 elements and more: the launch cut into pieces that 32-bit indexing covers.
 
 Why pieces. cuTile hands a kernel each array's shape and strides in the array's index dtype, int32
-unless the parameter is annotated ``ct.IndexedWithInt64``. ``ct.launch`` refuses a shape or stride
-above 2^31 - 1 (``OverflowError: stride is too big``: the batch stride of the (B, R, K) view of a 2^31
-element tensor is one), and the offsets inside an int32-indexed array are computed in int32 (cuTile
-widens tile indices to int64 only for int64-indexed arrays), so an array whose largest element
-offset reaches 2^31 must not reach a kernel either, even where each stride fits.
+unless the parameter is annotated ``ct.IndexedWithInt64``; ``ct.launch`` refuses a shape or stride
+above 2^31 - 1 (``OverflowError: stride is too big``), and offsets inside an int32-indexed array are
+computed in int32, so no array whose largest element offset reaches 2^31 may reach a kernel. An
+int64-indexed twin of every kernel would double the specialisations and put 64-bit address arithmetic
+into kernels whose common case never needs it. Instead a launcher whose arrays do not all ``fit`` (the
+common path's only extra work: an element count and contiguity check per array) cuts its index space
+into rectangular pieces where that is exact, and launches the unchanged kernel once per piece's views:
 
-Why not 64-bit kernels. An int64-indexed twin of every kernel would double the specialisations (and
-the ahead-of-time compiles), and put 64-bit address arithmetic into kernels whose common case never
-needs it. Instead a launcher whose arrays do not all ``fit`` (the only extra work on the common path:
-an element count and contiguity check per array) cuts its index space into rectangular pieces along axes where that
-is exact, and launches the unchanged kernel once per piece on views of the pieces:
-
-* along a batch, or along rows, of any kernel whose outputs per row (block quantizers, FP8 per row
-  or per block, matmul output rows) depend only on that row;
+* along a batch or along rows, for kernels whose outputs per row depend only on that row;
 * along K of the block quantizers, on whole tiles (every block and its scale stay in one piece);
 * along N of a matmul (output columns);
 * never along a matmul's K (that would change the fp32 summation), nor through a 128-row block of
-  swizzled scales: a cut on a 128-row (and, along K, 4-scale-column) boundary of the 32x4x4 layout
-  maps to a contiguous slab of the scale tensor, so every piece's scales are a view too.
+  swizzled scales: cuts on 128-row (and, along K, 4-scale-column) boundaries of the 32x4x4 layout
+  keep every piece's scales a contiguous slab, a view.
 
-Reductions over the whole tensor (the per-tensor amax of FP8 per tensor and NVFP4) are taken over all
-pieces first (an exact maximum) and each piece is quantized with it. So a piece computes bit for bit
-what the whole launch computes for its elements, and the same as the public function run on those
-elements alone with the same kernel configuration.
+Whole-tensor reductions (the per-tensor amax of FP8 and NVFP4) are taken over all pieces first (an
+exact maximum). So a piece computes bit for bit what the whole launch computes for its elements.
 
-Use: describe the launch's index space as ``Axis`` es (size, the unit that cuts fall on) and each
-array as an ``Operand`` (which of its dimensions follow which axis, and at what ratio), then
-``pieces`` returns the views to launch on; ``plan_extents`` is the pure decision (shapes and strides
-in, piece extents out), testable without allocating anything.
+Use: describe the index space as ``Axis`` es (size, the unit cuts fall on) and each array as an
+``Operand`` (which of its dimensions follow which axis, at what ratio); ``pieces`` / ``split`` return
+the views to launch on; ``plan_extents`` is the pure decision (shapes and strides in, piece extents
+out), testable without allocating anything.
 """
 
 from __future__ import annotations

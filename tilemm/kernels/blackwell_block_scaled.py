@@ -18,8 +18,8 @@ and scale rows past M / N reach only accumulators that are never stored; swizzle
 are zero by contract (``swizzle.swizzle_32_4_4`` writes zeros); scale byte 255 / an e4m3 NaN makes
 its row or column NaN. A shared weight (Bb == 1) folds the batch into M where the views exist.
 
-Configs (``_CONFIGS``, by compute capability: ``table_for_capability``) were chosen without a
-Blackwell GPU; ``Prepared`` plans a signature once, ``launch`` is one prepared call. Design notes:
+Configs (``_CONFIGS``, a table per compute capability: ``table_for_capability``; ``plan`` picks one)
+were chosen without a Blackwell GPU; ``Prepared`` plans a signature once, ``launch`` is one prepared call. Design notes:
 benchmarks/results/hopper-design-nvidia-h100-80gb-hbm3.md ("blackwell_block_scaled").
 """
 
@@ -37,8 +37,8 @@ from .._arch import capability
 from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, ceil_div, epilogue, folded_alpha, hinted, num_sms, ones_scalar,
                       stream_handle, tile_coords, zeros_vector)
 
-__all__ = ["launch", "aot_variants", "TileConfig", "LaunchPlan", "config_for", "plan_launch",
-           "scale_tile_blocks", "check_config", "FORMATS"]
+__all__ = ["launch", "Prepared", "aot_variants", "BlockScaledConfig", "plan", "scale_tile_blocks", "check_config",
+           "FORMATS"]
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -122,7 +122,7 @@ def _block_scaled_kernel(A, A_scale, B, B_scale, C, Alpha, Bias,
 # --------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class TileConfig:
+class BlockScaledConfig:
     """Output tile (tile_m x tile_n), K step in bytes of each operand row (tile_k = k_bytes elements
     for FP8, 2 * k_bytes for packed e2m1), CTAs per cluster, the GROUP_SIZE_M order, and whether sm_12x
     gets num_worker_warps=8. ``targets`` lists the architectures the table offers it on."""
@@ -148,11 +148,11 @@ class TileConfig:
                 "num_worker_warps": ct.ByTarget(sm_120=8, sm_121=8)}
 
 
-_SMALL = TileConfig(128, 128)
-_LARGE_2CTA = TileConfig(256, 256, num_ctas=2, targets=("sm_100",))
+_SMALL = BlockScaledConfig(128, 128)
+_LARGE_2CTA = BlockScaledConfig(256, 256, num_ctas=2, targets=("sm_100",))
 
 #: Configs per table: "sm_100" for compute capability 10.x, "sm_120" for 11.x / 12.x.
-_CONFIGS: dict[str, dict[str, TileConfig]] = {
+_CONFIGS: dict[str, dict[str, BlockScaledConfig]] = {
     "sm_100": {"small": _SMALL, "large": _LARGE_2CTA},
     "sm_120": {"small": _SMALL},
 }
@@ -167,26 +167,26 @@ def table_for_capability(cap: tuple[int, int]) -> str:
     return "sm_100" if cap[0] == 10 else "sm_120"
 
 
-def config_for(table: str, batch: int, m: int, n: int, sm_count: int = DEFAULT_SM_COUNT) -> TileConfig:
-    """The table's config for ``batch`` x (m, n) outputs: the large tile once it still gives every SM
-    (pair) a tile, the small one otherwise."""
+def plan(table: str, batch: int, m: int, n: int, sms: int = DEFAULT_SM_COUNT) -> BlockScaledConfig:
+    """The config of config table ``table`` for ``batch`` x (m, n) outputs: the large tile once it
+    still gives every SM (pair) a tile, the small one otherwise."""
     configs = _CONFIGS[table]
     large = configs.get("large")
     if large is not None:
         tiles = batch * ceil_div(m, large.tile_m) * ceil_div(n, large.tile_n)
-        if tiles * large.num_ctas >= sm_count:
+        if tiles * large.num_ctas >= sms:
             return large
     return configs["small"]
 
 
-def scale_tile_blocks(fmt: Format, cfg: TileConfig) -> tuple[int, int]:
+def scale_tile_blocks(fmt: Format, cfg: BlockScaledConfig) -> tuple[int, int]:
     """(row blocks, column blocks) of one operand's swizzled scale load for ``cfg``: (TM / 128,
     TK / (B * 4)), e.g. (1, 1) for MXFP8 at 128x128 (TK = 128), (1, 4) for NVFP4 (TK = 256, B = 16)."""
     check_config(fmt, cfg)
     return cfg.tile_m // SWIZZLE_ROWS, cfg.tile_k(fmt) // (fmt.block * SWIZZLE_COLS)
 
 
-def check_config(fmt: Format, cfg: TileConfig) -> None:
+def check_config(fmt: Format, cfg: BlockScaledConfig) -> None:
     """Raise ValueError unless ``cfg`` can run ``fmt``: power-of-two tiles, whole 128-row swizzle blocks,
     K steps of whole 4-column scale blocks, and 2-CTA clusters only for 256-row tiles."""
     if fmt not in FORMATS:
@@ -211,20 +211,6 @@ def check_config(fmt: Format, cfg: TileConfig) -> None:
 # Launch
 # --------------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass
-class LaunchPlan:
-    """Everything ``ct.launch`` gets: the hinted kernel, the 1-D grid and the argument tuple."""
-
-    config: TileConfig
-    kernel: object
-    grid: tuple[int, int, int]
-    args: tuple
-    folded: bool
-    #: (grid, args) per launch: ((grid, args),) unless an operand has 2^31 elements or more
-    #: (``_large``), then one per piece of the output, ``grid`` and ``args`` being the first.
-    launches: tuple = ()
-
-
 def _fold_batch(a, a_scale, out, swizzled):
     """(Ba, M, ...) views with the batch folded into M, or None where a view is impossible or the
     swizzled scale has per-batch row padding (M % 128 != 0)."""
@@ -243,7 +229,7 @@ def _fold_batch(a, a_scale, out, swizzled):
     return a2, s2, o2
 
 
-def _constants(fmt: Format, cfg: TileConfig) -> tuple:
+def _constants(fmt: Format, cfg: BlockScaledConfig) -> tuple:
     return (cfg.tile_m, cfg.tile_n, cfg.tile_k(fmt), fmt.block, fmt.is_packed,
             fmt.scale_dtype == torch.float8_e4m3fn, cfg.group_size_m)
 
@@ -252,98 +238,98 @@ def _scale_bytes(scale: torch.Tensor) -> torch.Tensor:
     return scale if scale.dtype == torch.uint8 else scale.view(torch.uint8)
 
 
-def plan_launch(problem, table: str, sm_count: int = DEFAULT_SM_COUNT,
-                config: TileConfig | None = None) -> LaunchPlan:
-    """Choose the config and build the grid and arguments for ``problem`` (a ``BlockScaledProblem``)
-    on a GPU of config table ``table``. Needs no GPU: CPU tensors give the same plan."""
-    fmt = problem.fmt
-    out = problem.out
-    batch, m, n = out.shape
-    a, b = problem.a, problem.b
-    if a.shape[0] not in (1, batch) or b.shape[0] not in (1, batch):
-        raise ValueError(f"blackwell_block_scaled: a and b batch sizes must be 1 or {batch}, got "
-                         f"{a.shape[0]} and {b.shape[0]}")
-    want_ndim = 5 if problem.swizzled else 3
-    if problem.a_scale.ndim != want_ndim or problem.b_scale.ndim != want_ndim:
-        raise ValueError(f"blackwell_block_scaled: swizzled={problem.swizzled} needs {want_ndim}-D scales, "
-                         f"got a_scale {tuple(problem.a_scale.shape)}, b_scale {tuple(problem.b_scale.shape)}")
-    a_scale = _scale_bytes(problem.a_scale)
-    b_scale = _scale_bytes(problem.b_scale)
-
-    folded = False
-    if b.shape[0] == 1:
-        views = _fold_batch(a, a_scale, out, problem.swizzled)
-        if views is not None:
-            a, a_scale, out = views
-            folded = True
-    grid_batch, grid_m = out.shape[0], out.shape[1]
-
-    cfg = config or config_for(table, grid_batch, grid_m, n, sm_count)
-    check_config(fmt, cfg)
-    device = out.device
-    alpha = folded_alpha(problem)
-    alpha = ones_scalar(device) if alpha is None else alpha.reshape(1)
-    bias = zeros_vector(device, n) if problem.bias is None else problem.bias
-    kernel = hinted(_block_scaled_kernel, **cfg.hints())
-    # Operands of 2^31 elements and more: one launch per piece of the output along M and N
-    # (``_large``; tiles are whole 128-row scale blocks), each tile computed as in one launch.
-    lg = _large
-    per = SWIZZLE_ROWS if problem.swizzled else 1
-    operands = lg.matmul_operands(a, a_scale, b, b_scale, out, alpha, bias, grid_batch, per, per)
-    launches = []
-    for views in lg.split("block-scaled matmul", lg.matmul_axes(grid_batch, grid_m, n, cfg.tile_m, cfg.tile_n),
-                          operands):
-        pb, pm, pn = views[4].shape
-        launches.append(((pb * ceil_div(pm, cfg.tile_m) * ceil_div(pn, cfg.tile_n), 1, 1), (*views, *_constants(fmt, cfg))))
-    grid, args = launches[0]
-    return LaunchPlan(cfg, kernel, grid, args, folded, tuple(launches))
-
-
-
-
 class Prepared:
-    """One block-scaled matmul signature on a Blackwell GPU, planned once (``plan_launch``): ``run``
-    launches it for any problem of that signature. Operands of 2^31 elements and more are planned
-    again on every call (their pieces are views of the call's tensors)."""
+    """One block-scaled matmul signature on a Blackwell GPU, planned once: ``run`` launches it for any
+    problem of that signature.
 
-    __slots__ = ("plan", "consts", "direct", "swizzled", "n")
+    ``config`` (the table's choice, ``plan``, when None), the hinted ``kernel``, and the launches of
+    the problem it was made from: ``launches`` holds (grid, args) per launch, one unless an operand has
+    2^31 elements or more (``_large``: one per piece of the output), ``grid`` and ``args`` being the
+    first; ``folded`` tells whether the batch is folded into M. ``table`` (a config table of
+    ``_CONFIGS``) and ``sms`` default to the problem's GPU; given, no GPU is needed (CPU tensors
+    give the same launches). Operands of 2^31 elements and more are prepared again on every call
+    (their pieces are views of the call's tensors)."""
 
-    def __init__(self, problem, config: TileConfig | None = None):
-        device = problem.out.device
-        self.plan = plan_launch(problem, table_for_capability(capability(device)), num_sms(device), config)
-        self.direct = len(self.plan.launches) == 1
-        self.consts = _constants(problem.fmt, self.plan.config)
-        self.swizzled, self.n = problem.swizzled, problem.out.shape[2]
+    __slots__ = ("config", "kernel", "grid", "args", "folded", "launches", "table", "sms", "consts",
+                 "direct", "swizzled", "n")
+
+    def __init__(self, problem, config: BlockScaledConfig | None = None, *, table: str | None = None,
+                 sms: int | None = None):
+        fmt = problem.fmt
+        out = problem.out
+        device = out.device
+        self.table = table_for_capability(capability(device)) if table is None else table
+        self.sms = (num_sms(device) if table is None else DEFAULT_SM_COUNT) if sms is None else sms
+        batch, m, n = out.shape
+        a, b = problem.a, problem.b
+        if a.shape[0] not in (1, batch) or b.shape[0] not in (1, batch):
+            raise ValueError(f"blackwell_block_scaled: a and b batch sizes must be 1 or {batch}, got "
+                             f"{a.shape[0]} and {b.shape[0]}")
+        want_ndim = 5 if problem.swizzled else 3
+        if problem.a_scale.ndim != want_ndim or problem.b_scale.ndim != want_ndim:
+            raise ValueError(f"blackwell_block_scaled: swizzled={problem.swizzled} needs {want_ndim}-D scales, "
+                             f"got a_scale {tuple(problem.a_scale.shape)}, b_scale {tuple(problem.b_scale.shape)}")
+        a_scale = _scale_bytes(problem.a_scale)
+        b_scale = _scale_bytes(problem.b_scale)
+
+        self.folded = False
+        if b.shape[0] == 1:
+            views = _fold_batch(a, a_scale, out, problem.swizzled)
+            if views is not None:
+                a, a_scale, out = views
+                self.folded = True
+        grid_batch, grid_m = out.shape[0], out.shape[1]
+
+        cfg = self.config = config or plan(self.table, grid_batch, grid_m, n, self.sms)
+        check_config(fmt, cfg)
+        alpha = folded_alpha(problem)
+        alpha = ones_scalar(device) if alpha is None else alpha.reshape(1)
+        bias = zeros_vector(device, n) if problem.bias is None else problem.bias
+        self.kernel = hinted(_block_scaled_kernel, **cfg.hints())
+        self.consts = _constants(fmt, cfg)
+        # Operands of 2^31 elements and more: one launch per piece of the output along M and N
+        # (``_large``; tiles are whole 128-row scale blocks), each tile computed as in one launch.
+        lg = _large
+        per = SWIZZLE_ROWS if problem.swizzled else 1
+        operands = lg.matmul_operands(a, a_scale, b, b_scale, out, alpha, bias, grid_batch, per, per)
+        launches = []
+        for views in lg.split("block-scaled matmul", lg.matmul_axes(grid_batch, grid_m, n, cfg.tile_m, cfg.tile_n),
+                              operands):
+            pb, pm, pn = views[4].shape
+            launches.append(((pb * ceil_div(pm, cfg.tile_m) * ceil_div(pn, cfg.tile_n), 1, 1),
+                             (*views, *self.consts)))
+        self.launches = tuple(launches)
+        self.grid, self.args = launches[0]
+        self.direct = len(launches) == 1
+        self.swizzled, self.n = problem.swizzled, n
 
     def run(self, problem, stream) -> None:
         """Launch for ``problem`` (a ``BlockScaledProblem`` of this signature) on raw stream ``stream``."""
         device = problem.out.device
         if not self.direct:
-            plan = plan_launch(problem, table_for_capability(capability(device)), num_sms(device),
-                               self.plan.config)
-            launches = plan.launches
+            launches = Prepared(problem, self.config, table=self.table, sms=self.sms).launches
         else:
             a, a_scale, out = problem.a, _scale_bytes(problem.a_scale), problem.out
-            if self.plan.folded:
+            if self.folded:
                 a, a_scale, out = _fold_batch(a, a_scale, out, self.swizzled)
             alpha = folded_alpha(problem)
             alpha = ones_scalar(device) if alpha is None else alpha.reshape(1)
             bias = zeros_vector(device, self.n) if problem.bias is None else problem.bias
-            launches = ((self.plan.grid, (a, a_scale, problem.b, _scale_bytes(problem.b_scale), out, alpha, bias,
-                                          *self.consts)),)
+            launches = ((self.grid, (a, a_scale, problem.b, _scale_bytes(problem.b_scale), out, alpha, bias,
+                                     *self.consts)),)
         if device.index is None or device.index == torch.cuda.current_device():
             for grid, args in launches:
-                ct.launch(stream, grid, self.plan.kernel, args)
+                ct.launch(stream, grid, self.kernel, args)
             return
         with torch.cuda.device(device):
             for grid, args in launches:
-                ct.launch(stream, grid, self.plan.kernel, args)
+                ct.launch(stream, grid, self.kernel, args)
 
 
-def launch(problem, config: TileConfig | None = None) -> None:
+def launch(problem, config: BlockScaledConfig | None = None) -> None:
     """Run a ``tilemm.matmul.BlockScaledProblem`` on a Blackwell GPU, writing ``problem.out``.
 
-    ``config`` overrides the table's choice (for tuning and benchmarks)."""
+    ``config`` overrides ``plan``'s choice (for tuning and benchmarks)."""
     Prepared(problem, config).run(problem, stream_handle(problem.out.device))
 
 

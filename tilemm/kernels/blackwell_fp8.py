@@ -35,7 +35,7 @@ from ._common import (ceil_div, epilogue, fp8_kind, hinted, num_sms, ones_scalar
                       zeros_vector)
 from .blackwell_block_scaled import DEFAULT_SM_COUNT, launch_array, table_for_capability
 
-__all__ = ["launch", "Prepared", "aot_variants", "TileConfig", "LaunchPlan", "config_for", "plan_launch", "check_config"]
+__all__ = ["launch", "Prepared", "aot_variants", "FP8Config", "plan", "check_config"]
 
 ConstInt = ct.Constant[int]
 
@@ -99,7 +99,7 @@ def _fp8_blockwise_kernel(A, A_scale, B, B_scale, C, Alpha, Bias,
 # --------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class TileConfig:
+class FP8Config:
     """Output tile, K step, CTAs per cluster and GROUP_SIZE_M; ``targets`` lists the architectures
     the table offers it on. Blockwise configs have tile_n = tile_k = 128."""
 
@@ -116,18 +116,18 @@ class TileConfig:
                 + (f"_{self.num_ctas}cta" if self.num_ctas > 1 else ""))
 
     def hints(self) -> dict:
-        # See blackwell_block_scaled.TileConfig.hints: sm_12x keeps the accumulator in registers.
+        # See blackwell_block_scaled.BlockScaledConfig.hints: sm_12x keeps the accumulator in registers.
         return {"num_ctas": self.num_ctas, "num_worker_warps": ct.ByTarget(sm_120=8, sm_121=8)}
 
 
-_CONFIGS: dict[str, dict[str, dict[str, TileConfig]]] = {
+_CONFIGS: dict[str, dict[str, dict[str, FP8Config]]] = {
     "sm_100": {
-        "scaled": {"small": TileConfig(128, 128), "large": TileConfig(256, 256, num_ctas=2, targets=("sm_100",))},
-        "blockwise": {"small": TileConfig(128, 128)},
+        "scaled": {"small": FP8Config(128, 128), "large": FP8Config(256, 256, num_ctas=2, targets=("sm_100",))},
+        "blockwise": {"small": FP8Config(128, 128)},
     },
     "sm_120": {
-        "scaled": {"small": TileConfig(128, 128)},
-        "blockwise": {"small": TileConfig(128, 128)},
+        "scaled": {"small": FP8Config(128, 128)},
+        "blockwise": {"small": FP8Config(128, 128)},
     },
 }
 
@@ -136,17 +136,17 @@ def _kind(granularity: str) -> str:
     return fp8_kind(granularity, "blackwell_fp8")
 
 
-def config_for(table: str, granularity: str, batch: int, m: int, n: int,
-               sm_count: int = DEFAULT_SM_COUNT) -> TileConfig:
-    """The table's config: the large tile once every SM (pair) still gets a tile, else the small one."""
+def plan(table: str, granularity: str, batch: int, m: int, n: int, sms: int = DEFAULT_SM_COUNT) -> FP8Config:
+    """The config of config table ``table`` (``table_for_capability``) for ``batch`` x (m, n) outputs:
+    the large tile once every SM (pair) still gets a tile, else the small one."""
     configs = _CONFIGS[table][_kind(granularity)]
     large = configs.get("large")
-    if large is not None and batch * ceil_div(m, large.tile_m) * ceil_div(n, large.tile_n) * large.num_ctas >= sm_count:
+    if large is not None and batch * ceil_div(m, large.tile_m) * ceil_div(n, large.tile_n) * large.num_ctas >= sms:
         return large
     return configs["small"]
 
 
-def check_config(granularity: str, cfg: TileConfig) -> None:
+def check_config(granularity: str, cfg: FP8Config) -> None:
     """Raise ValueError unless ``cfg`` suits the kernel of ``granularity``."""
     for what, v in (("tile_m", cfg.tile_m), ("tile_n", cfg.tile_n), ("tile_k", cfg.tile_k)):
         if v < 16 or v & (v - 1):
@@ -163,107 +163,93 @@ def check_config(granularity: str, cfg: TileConfig) -> None:
 # Launch
 # --------------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass
-class LaunchPlan:
-    """Everything ``ct.launch`` gets: the hinted kernel, the 1-D grid and the argument tuple."""
-
-    config: TileConfig
-    kernel: object
-    grid: tuple[int, int, int]
-    args: tuple
-    #: (grid, args) per launch: ((grid, args),) unless an operand has 2^31 elements or more
-    #: (``_large``), then one per piece of the output, ``grid`` and ``args`` being the first.
-    launches: tuple = ()
-
-
 _KERNELS = {"scaled": _fp8_scaled_kernel, "blockwise": _fp8_blockwise_kernel}
 
 
-def _constants(kind: str, cfg: TileConfig) -> tuple:
+def _constants(kind: str, cfg: FP8Config) -> tuple:
     if kind == "blockwise":
         return (cfg.tile_m, cfg.group_size_m)
     return (cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.group_size_m)
 
 
-def plan_launch(problem, table: str, sm_count: int = DEFAULT_SM_COUNT,
-                config: TileConfig | None = None) -> LaunchPlan:
-    """Choose the config and build the grid and arguments for ``problem`` (an ``FP8Problem``) on a GPU
-    of config table ``table``. Needs no GPU: CPU tensors give the same plan."""
-    kind = _kind(problem.granularity)
-    out = problem.out
-    batch, m, n = out.shape
-    a, b = problem.a, problem.b
-    if a.shape[0] not in (1, batch) or b.shape[0] not in (1, batch):
-        raise ValueError(f"blackwell_fp8: a and b batch sizes must be 1 or {batch}, got {a.shape[0]} and "
-                         f"{b.shape[0]}")
-    if kind == "blockwise" and a.shape[2] % FP8_BLOCK:
-        raise ValueError(f"blackwell_fp8: blockwise scaling needs K to be a multiple of {FP8_BLOCK}, got "
-                         f"K={a.shape[2]}")
-    cfg = config or config_for(table, problem.granularity, batch, m, n, sm_count)
-    check_config(problem.granularity, cfg)
-    device = out.device
-    # Scales are tiny (M + N floats, or (M + N/128) * K/128): materialise the broadcast per-tensor
-    # views and any transposed block-scale views.
-    a_scale = problem.a_scale.contiguous()
-    b_scale = problem.b_scale.contiguous()
-    alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
-    bias = zeros_vector(device, n) if problem.bias is None else problem.bias
-    kernel = hinted(_KERNELS[kind], **cfg.hints())
-    # Operands of 2^31 elements and more: one launch per piece of the output along M and N
-    # (``_large``), each tile computed as in one launch; N cuts fall on 128-row scale blocks.
-    lg = _large
-    per = FP8_BLOCK if kind == "blockwise" else 1
-    operands = lg.matmul_operands(a, a_scale, b, b_scale, out, alpha, bias, batch, b_per=per)
-    launches = []
-    for views in lg.split("fp8_matmul", lg.matmul_axes(batch, m, n, cfg.tile_m, math.lcm(cfg.tile_n, per)),
-                          operands):
-        pb, pm, pn = views[4].shape
-        launches.append(((pb * ceil_div(pm, cfg.tile_m) * ceil_div(pn, cfg.tile_n), 1, 1), (*views, *_constants(kind, cfg))))
-    grid, args = launches[0]
-    return LaunchPlan(cfg, kernel, grid, args, tuple(launches))
-
-
-
-
 class Prepared:
-    """One FP8 matmul signature on a Blackwell GPU, planned once (``plan_launch``): ``run`` launches it
-    for any problem of that signature. Operands of 2^31 elements and more are planned again on every
-    call (their pieces are views of the call's tensors)."""
+    """One FP8 matmul signature on a Blackwell GPU, planned once: ``run`` launches it for any problem
+    of that signature.
 
-    __slots__ = ("plan", "consts", "direct", "n")
+    ``config`` (``plan``'s choice when None), the hinted ``kernel``, and the launches of the problem it
+    was made from: ``launches`` holds (grid, args) per launch, one unless an operand has 2^31 elements
+    or more (``_large``: one per piece of the output), ``grid`` and ``args`` being the first.
+    ``table`` and ``sms`` default to the problem's GPU; given, no GPU is needed (CPU tensors give
+    the same launches). Operands of 2^31 elements and more are prepared again on every call (their
+    pieces are views of the call's tensors)."""
 
-    def __init__(self, problem, config: TileConfig | None = None):
-        device = problem.out.device
-        self.plan = plan_launch(problem, table_for_capability(capability(device)), num_sms(device), config)
-        self.direct = len(self.plan.launches) == 1
-        self.consts = _constants(_kind(problem.granularity), self.plan.config)
-        self.n = problem.out.shape[2]
+    __slots__ = ("config", "kernel", "grid", "args", "launches", "table", "sms", "consts", "direct", "n")
+
+    def __init__(self, problem, config: FP8Config | None = None, *, table: str | None = None,
+                 sms: int | None = None):
+        kind = _kind(problem.granularity)
+        out = problem.out
+        device = out.device
+        self.table = table_for_capability(capability(device)) if table is None else table
+        self.sms = (num_sms(device) if table is None else DEFAULT_SM_COUNT) if sms is None else sms
+        batch, m, n = out.shape
+        a, b = problem.a, problem.b
+        if a.shape[0] not in (1, batch) or b.shape[0] not in (1, batch):
+            raise ValueError(f"blackwell_fp8: a and b batch sizes must be 1 or {batch}, got {a.shape[0]} and "
+                             f"{b.shape[0]}")
+        if kind == "blockwise" and a.shape[2] % FP8_BLOCK:
+            raise ValueError(f"blackwell_fp8: blockwise scaling needs K to be a multiple of {FP8_BLOCK}, got "
+                             f"K={a.shape[2]}")
+        cfg = self.config = config or plan(self.table, problem.granularity, batch, m, n, self.sms)
+        check_config(problem.granularity, cfg)
+        # Scales are tiny (M + N floats, or (M + N/128) * K/128): materialise the broadcast per-tensor
+        # views and any transposed block-scale views.
+        a_scale = problem.a_scale.contiguous()
+        b_scale = problem.b_scale.contiguous()
+        alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
+        bias = zeros_vector(device, n) if problem.bias is None else problem.bias
+        self.kernel = hinted(_KERNELS[kind], **cfg.hints())
+        self.consts = _constants(kind, cfg)
+        # Operands of 2^31 elements and more: one launch per piece of the output along M and N
+        # (``_large``), each tile computed as in one launch; N cuts fall on 128-row scale blocks.
+        lg = _large
+        per = FP8_BLOCK if kind == "blockwise" else 1
+        operands = lg.matmul_operands(a, a_scale, b, b_scale, out, alpha, bias, batch, b_per=per)
+        launches = []
+        for views in lg.split("fp8_matmul", lg.matmul_axes(batch, m, n, cfg.tile_m, math.lcm(cfg.tile_n, per)),
+                              operands):
+            pb, pm, pn = views[4].shape
+            launches.append(((pb * ceil_div(pm, cfg.tile_m) * ceil_div(pn, cfg.tile_n), 1, 1),
+                             (*views, *self.consts)))
+        self.launches = tuple(launches)
+        self.grid, self.args = launches[0]
+        self.direct = len(launches) == 1
+        self.n = n
 
     def run(self, problem, stream) -> None:
         """Launch for ``problem`` (an ``FP8Problem`` of this signature) on raw stream ``stream``."""
         device = problem.out.device
         if not self.direct:
-            launches = plan_launch(problem, table_for_capability(capability(device)), num_sms(device),
-                                   self.plan.config).launches
+            launches = Prepared(problem, self.config, table=self.table, sms=self.sms).launches
         else:
             # Scales are tiny (M + N floats, or (M + N/128) * K/128): materialise broadcast views.
             alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
             bias = zeros_vector(device, self.n) if problem.bias is None else problem.bias
-            launches = ((self.plan.grid, (problem.a, problem.a_scale.contiguous(), problem.b,
-                                          problem.b_scale.contiguous(), problem.out, alpha, bias, *self.consts)),)
+            launches = ((self.grid, (problem.a, problem.a_scale.contiguous(), problem.b,
+                                     problem.b_scale.contiguous(), problem.out, alpha, bias, *self.consts)),)
         if device.index is None or device.index == torch.cuda.current_device():
             for grid, args in launches:
-                ct.launch(stream, grid, self.plan.kernel, args)
+                ct.launch(stream, grid, self.kernel, args)
             return
         with torch.cuda.device(device):
             for grid, args in launches:
-                ct.launch(stream, grid, self.plan.kernel, args)
+                ct.launch(stream, grid, self.kernel, args)
 
 
-def launch(problem, config: TileConfig | None = None) -> None:
+def launch(problem, config: FP8Config | None = None) -> None:
     """Run a ``tilemm.matmul.FP8Problem`` on a Blackwell GPU, writing ``problem.out``.
 
-    ``config`` overrides the table's choice (for tuning and benchmarks). ``problem.use_fast_accum`` has
+    ``config`` overrides ``plan``'s choice (for tuning and benchmarks). ``problem.use_fast_accum`` has
     no effect here (see the module docstring)."""
     Prepared(problem, config).run(problem, stream_handle(problem.out.device))
 
@@ -283,7 +269,7 @@ def aot_variants() -> list[AotVariant]:
         sdim = 3 if kind == "blockwise" else 2
         elements = ("e4m3",) if kind == "blockwise" else ("e4m3", "e5m2")
         # One entry per distinct config, with the union of the targets that offer it.
-        configs: dict[TileConfig, set[str]] = {}
+        configs: dict[FP8Config, set[str]] = {}
         for table in _CONFIGS.values():
             for cfg in table[kind].values():
                 configs.setdefault(cfg, set()).update(cfg.targets)

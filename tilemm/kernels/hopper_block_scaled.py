@@ -2,18 +2,17 @@
 
 Computes ``out = (dequantize(a) @ dequantize(b).T) * alpha + bias`` per batch entry, fp32
 accumulation, one rounding to ``out``'s dtype (docs/numerics.md). a (Ba, M, Kd) and b, the
-(Bb, N, Kd) weight, are K-contiguous; scales are e8m0 (MX) or e4m3 (NVFP4, whose decode scales
-arrive folded into alpha). sm_90 has no block-scaled MMA (cuTile rejects e8m0 and e2m1 there), so
-``_decode`` turns uint8 data and scale bytes into 16-bit floats in which every scaled element is
-exact, and ``ct.mma`` multiplies those exactly into fp32.
-
-``plan`` picks one of two designs by M:
+(Bb, N, Kd) weight, are K-contiguous; scales are e8m0 (MX) or e4m3 (NVFP4, whose product is also
+multiplied by ``fp32(global_scale_x * global_scale_y)``). sm_90 has no block-scaled MMA (cuTile rejects
+e8m0 and e2m1 there), so ``_decode`` turns data and scale bytes into 16-bit floats in which every
+scaled element is exact (``kernels._common``'s e8m0 / e2m1 decode), and ``ct.mma`` multiplies those
+exactly into fp32. ``plan`` picks one of two designs by M:
 
 * stream (M < ``TWO_PASS_MIN_M``): ``_stream_kernel`` reads each weight byte once, operands swapped
   (the weight fills the MMA's M side), K split over ``split_k`` blocks when the output has few tiles
   (the last block of each output tile adds the partials in a fixed order, in the same launch), and,
-  with ``x16`` (M > 16), the activation decoded once by ``_dequantize_kernel``. Up to M = 16 a call
-  is one launch (NVFP4's two decode scales are multiplied in the epilogue).
+  with ``x16`` (M > 16, no K split), the activation decoded once by ``_dequantize_kernel``. Up to
+  M = 16 a call is one launch (NVFP4's two decode scales are multiplied in the epilogue).
 * two-pass: ``_dequantize_kernel`` writes both operands as bf16 / fp16, ``hopper_gemm`` multiplies.
 
 Invariants: the only rounding is the fp32 accumulation (split-K changes its order, deterministically);
@@ -21,9 +20,8 @@ packed nibbles are decoded as [low | high] half tiles on both operands (the same
 K padding loads as zero data with finite scales and adds exactly 0; scale byte 255 / an e4m3 NaN
 makes its row or column NaN; scale rows past M / N reach only accumulators that are never stored.
 MXFP8 elements below 2^-133 are lost (bf16's range), where the fp32 reference keeps them.
-
-``Prepared`` plans a signature once and launches it; ``launch`` is one prepared call. Design notes and
-measurements: benchmarks/results/hopper-design-nvidia-h100-80gb-hbm3.md.
+``Prepared`` plans a signature once and launches it; ``launch`` is one prepared call. Design notes
+and measurements: benchmarks/results/hopper-design-nvidia-h100-80gb-hbm3.md.
 """
 
 from __future__ import annotations
@@ -43,7 +41,8 @@ from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, Described, ceil_div, e2m1_hi_b
 from .hopper_gemm import GemmConfig, gemm_constants, gemm_kernel, launch_gemm, load_k_tile, num_sms
 from .weight_only_kernels import _capturing, _stream_key, workspace
 
-__all__ = ["launch", "Prepared", "aot_variants", "StreamConfig", "TwoPassConfig", "plan", "TWO_PASS_MIN_M"]
+__all__ = ["launch", "Prepared", "aot_variants", "BlockScaledConfig", "StreamConfig", "TwoPassConfig", "plan",
+           "TWO_PASS_MIN_M"]
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -124,7 +123,7 @@ def _decode(raw, s_raw, ROWS, TK, SC, ELEMENT, SCALE_E8M0, FOLD_NVFP4):
 
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
-def _stream_kernel(A, A_scale, B, B_scale, C, Alpha, Gx, Gy, Bias, Partial, Counter,
+def _stream_kernel(A, A_scale, B, B_scale, C, Alpha, GlobalScaleX, GlobalScaleY, Bias, Partial, Counter,
                    ELEMENT: ConstInt, SCALE_E8M0: ConstBool, SCALE_BLOCK: ConstInt, SWIZZLED: ConstBool,
                    TM: ConstInt, TN: ConstInt, TK: ConstInt, SPLIT_K: ConstInt, LATENCY: ConstInt,
                    X16: ConstBool):
@@ -133,7 +132,8 @@ def _stream_kernel(A, A_scale, B, B_scale, C, Alpha, Gx, Gy, Bias, Partial, Coun
 
     Grid: SPLIT_K * Bt * cdiv(N, TN) * cdiv(M, TM) blocks, M tiles fastest (blocks that share a weight
     tile run together). A (Ba, M, Kd), B (Bb, N, Kd); scales logical (B*, R, Ks) or the 6-D swizzled
-    view; C (Bt, M, N); Alpha, Gx, Gy (1,) fp32 (``_epilogue``); Partial (SPLIT_K * Bt, M, N) fp32 and
+    view; C (Bt, M, N); Alpha, GlobalScaleX, GlobalScaleY (1,) fp32 (``_epilogue``); Partial
+    (SPLIT_K * Bt, M, N) fp32 and
     Counter (one int32 per output tile, zero between launches), used when SPLIT_K > 1
     (``_split_k_finish``). With X16, A is instead ``_dequantize_kernel``'s 16-bit copy of the
     activation (Ba, M, Kp), written with TK-wide tiles so that its [lo | hi] order is the weight's, and
@@ -179,27 +179,28 @@ def _stream_kernel(A, A_scale, B, B_scale, C, Alpha, Gx, Gy, Bias, Partial, Coun
         acc = acc * (_NVFP4_FOLD if X16 else _NVFP4_FOLD * _NVFP4_FOLD)
     out = acc.transpose()
     if SPLIT_K == 1:
-        _epilogue(out, C, Alpha, Gx, Gy, Bias, batch, bm, bn, SCALE_E8M0, TM, TN)
+        _epilogue(out, C, Alpha, GlobalScaleX, GlobalScaleY, Bias, batch, bm, bn, SCALE_E8M0, TM, TN)
     else:
-        _split_k_finish(out, C, Alpha, Gx, Gy, Bias, Partial, Counter, split, batch, bm, bn, pid % (num_m * num_n
-                        * C.shape[0]), SCALE_E8M0, SPLIT_K, TM, TN)
+        _split_k_finish(out, C, Alpha, GlobalScaleX, GlobalScaleY, Bias, Partial, Counter, split, batch, bm, bn,
+                        pid % (num_m * num_n * C.shape[0]), SCALE_E8M0, SPLIT_K, TM, TN)
 
 
-def _epilogue(acc, C, Alpha, Gx, Gy, Bias, batch, bm, bn, SCALE_E8M0, TM, TN):
+def _epilogue(acc, C, Alpha, GlobalScaleX, GlobalScaleY, Bias, batch, bm, bn, SCALE_E8M0, TM, TN):
     """C[batch] tile (bm, bn) = acc * alpha + bias, rounded once to C's dtype; NVFP4's alpha is
-    fp32(fp32(gx * gy) * Alpha), the two tensors' decode scales Gx, Gy multiplied in the order
+    fp32(fp32(global_scale_x * global_scale_y) * Alpha), the two tensors' decode scales GlobalScaleX,
+    GlobalScaleY multiplied in the order
     ``nvfp4_matmul`` documents (Alpha is 1 when the call gives none: an exact factor)."""
     if SCALE_E8M0:
         alpha = ct.load(Alpha, (0,), (1,))
     else:
-        alpha = ct.load(Gx, (0,), (1,)) * ct.load(Gy, (0,), (1,)) * ct.load(Alpha, (0,), (1,))
+        alpha = ct.load(GlobalScaleX, (0,), (1,)) * ct.load(GlobalScaleY, (0,), (1,)) * ct.load(Alpha, (0,), (1,))
     bias = ct.load(Bias, (bn,), (TN,), padding_mode=_ZERO).reshape((1, TN))
     out = acc * alpha.reshape((1, 1)) + bias
     ct.store(C, (batch, bm, bn), out.astype(C.dtype).reshape((1, TM, TN)))
 
 
-def _split_k_finish(out, C, Alpha, Gx, Gy, Bias, Partial, Counter, split, batch, bm, bn, tile, SCALE_E8M0,
-                    SPLIT_K, TM, TN):
+def _split_k_finish(out, C, Alpha, GlobalScaleX, GlobalScaleY, Bias, Partial, Counter, split, batch, bm, bn, tile,
+                    SCALE_E8M0, SPLIT_K, TM, TN):
     """The batched form of ``weight_only_kernels._split_k_finish``: store this block's fp32 partial
     tile ``out`` (TM, TN) as Partial[split * Bt + batch]; the block that brings output tile ``tile``'s
     arrival counter to SPLIT_K adds the SPLIT_K partials in split order (the same order whichever
@@ -214,7 +215,7 @@ def _split_k_finish(out, C, Alpha, Gx, Gy, Bias, Partial, Counter, split, batch,
         for s in range(SPLIT_K):
             part = ct.load(Partial, (s * bt + batch, bm, bn), (1, TM, TN), padding_mode=_ZERO)
             total = total + part.reshape((TM, TN))
-        _epilogue(total, C, Alpha, Gx, Gy, Bias, batch, bm, bn, SCALE_E8M0, TM, TN)
+        _epilogue(total, C, Alpha, GlobalScaleX, GlobalScaleY, Bias, batch, bm, bn, SCALE_E8M0, TM, TN)
         ct.atomic_xchg(Counter, tile, 0)
 
 
@@ -292,6 +293,9 @@ class TwoPassConfig:
         return f"twopass_{self.dequant_rows}x{self.dequant_k}_{self.gemm.name}"
 
 
+#: The family's config: one of its two designs, each a frozen record of its own tiles (``plan``).
+BlockScaledConfig = StreamConfig | TwoPassConfig
+
 #: M from which the two-pass design is used (below it the stream kernel reads the weight once); the
 #: crossing point measured at N=14336, K=4096 lies between M = 128 and M = 1024.
 TWO_PASS_MIN_M = 512
@@ -334,7 +338,7 @@ def _x16(tile_m: int, split_k: int) -> bool:
     return tile_m >= 64 and split_k == 1
 
 
-def stream_config(fmt: Format, batch: int, m: int, n: int, k: int, sms: int = 132) -> StreamConfig:
+def _stream_config(fmt: Format, batch: int, m: int, n: int, k: int, sms: int) -> StreamConfig:
     """The stream kernel's config: the smallest tile_m that covers M (up to 128), and a K split
     that gives at least ``occupancy`` blocks per SM when the output alone has too few tiles."""
     tile_m = next((t for t in _STREAM_TILE_M if t >= m), _STREAM_TILE_M[-1])
@@ -350,11 +354,12 @@ def stream_config(fmt: Format, batch: int, m: int, n: int, k: int, sms: int = 13
                         x16=_x16(tile_m, split))
 
 
-def plan(fmt: Format, batch: int, m: int, n: int, k: int, sms: int = 132):
-    """The design and config for a problem: a StreamConfig or a TwoPassConfig."""
+def plan(fmt: Format, batch: int, m: int, n: int, k: int, sms: int = 132) -> BlockScaledConfig:
+    """The design and config for a problem: a StreamConfig below ``TWO_PASS_MIN_M`` rows, else a
+    TwoPassConfig."""
     if m >= TWO_PASS_MIN_M:
         return _TWO_PASS_PACKED if fmt.is_packed else _TWO_PASS
-    return stream_config(fmt, batch, m, n, k, sms)
+    return _stream_config(fmt, batch, m, n, k, sms)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -384,7 +389,8 @@ def _check_scale_tile(fmt: Format, tile_k: int, what: str) -> None:
                          f"for {fmt.name}, got {tile_k}")
 
 
-def _launch_stream(problem, cfg: StreamConfig, a, a_scale, b, b_scale, alpha, gx, gy, bias, stream) -> None:
+def _launch_stream(problem, cfg: StreamConfig, a, a_scale, b, b_scale, alpha, global_scale_x, global_scale_y, bias,
+                   stream) -> None:
     fmt, out = problem.fmt, problem.out
     batch, m, n = out.shape
     if cfg.x16:
@@ -415,7 +421,7 @@ def _launch_stream(problem, cfg: StreamConfig, a, a_scale, b, b_scale, alpha, gx
         work = ((pout, palpha) if cfg.split_k == 1 else
                 (partial[:cfg.split_k * pout.numel()].view(cfg.split_k * pbatch, pm, pn), counters[:tiles]))
         ct.launch(stream, (cfg.split_k * tiles, 1, 1), kernel,
-                  (pa, psa, pb, psb, pout, palpha, gx, gy, pbias, *work,
+                  (pa, psa, pb, psb, pout, palpha, global_scale_x, global_scale_y, pbias, *work,
                    *_stream_constants(fmt, problem.swizzled, cfg)))
 
 
@@ -463,7 +469,7 @@ class Prepared:
     __slots__ = ("fmt", "swizzled", "cfg", "direct", "kernel", "grid", "consts", "work_shape", "tiles",
                  "x16_shape", "x16_dtype", "x16_grid", "x16_consts", "n", "_work")
 
-    def __init__(self, problem, config: StreamConfig | TwoPassConfig | None = None):
+    def __init__(self, problem, config: BlockScaledConfig | None = None):
         fmt, out = problem.fmt, problem.out
         batch, m, n = out.shape
         self.fmt, self.swizzled, self.n = fmt, problem.swizzled, n
@@ -531,21 +537,21 @@ class Prepared:
             return
         alpha = ones_scalar(device) if problem.alpha is None else problem.alpha.reshape(1)
         if problem.global_scales is None:
-            gx = gy = ones_scalar(device)
+            global_scale_x = global_scale_y = ones_scalar(device)
         else:
-            gx, gy = (g.reshape(1) for g in problem.global_scales)
+            global_scale_x, global_scale_y = (g.reshape(1) for g in problem.global_scales)
         if not self.direct:
-            _launch_stream(problem, cfg, a, a_scale, b, b_scale, alpha, gx, gy, bias, stream)
+            _launch_stream(problem, cfg, a, a_scale, b, b_scale, alpha, global_scale_x, global_scale_y, bias, stream)
             return
         if cfg.x16:
             a16 = torch.empty(self.x16_shape, dtype=self.x16_dtype, device=device)
             ct.launch(stream, self.x16_grid, _dequantize_kernel, (a, a_scale, a16, *self.x16_consts))
             a = a16
-        ct.launch(stream, self.grid, self.kernel, (a, a_scale, b, b_scale, out, alpha, gx, gy, bias,
-                                                   *self._workspace(out, stream), *self.consts))
+        ct.launch(stream, self.grid, self.kernel, (a, a_scale, b, b_scale, out, alpha, global_scale_x, global_scale_y,
+                                                   bias, *self._workspace(out, stream), *self.consts))
 
 
-def launch(problem, config: StreamConfig | TwoPassConfig | None = None) -> None:
+def launch(problem, config: BlockScaledConfig | None = None) -> None:
     """Run a ``tilemm.matmul.BlockScaledProblem`` on an sm_90 GPU, writing ``problem.out``.
 
     ``config`` overrides ``plan``'s choice (for tuning and benchmarks)."""

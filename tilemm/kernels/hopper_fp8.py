@@ -32,7 +32,7 @@ from ._aot import AotVariant, array
 from ._common import ceil_div, epilogue, fp8_kind, hinted, ones_scalar, stream_handle, tile_coords, zeros_vector
 from .hopper_gemm import GemmConfig, gemm_constants, gemm_grid, gemm_kernel, launch_gemm, num_sms
 
-__all__ = ["launch", "Prepared", "aot_variants", "TileConfig", "config_for"]
+__all__ = ["launch", "Prepared", "aot_variants", "FP8Config", "plan"]
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -82,9 +82,9 @@ def _fp8_blockwise_kernel(A, A_scale, B, B_scale, C, Alpha, Bias,
 # Configs
 # --------------------------------------------------------------------------------------------------
 
-#: Configs are ``hopper_gemm.GemmConfig``s (the blockwise kernel reads tile_m, tile_n, group_size_m
-#: and latency_a as its one load latency hint).
-TileConfig = GemmConfig
+#: The family's config is ``hopper_gemm.GemmConfig`` (the blockwise kernel reads tile_m, tile_n,
+#: group_size_m and latency_a as its one load latency hint).
+FP8Config = GemmConfig
 
 _LARGE_TILES = 132  # at least one wave of the large tile on the H100's 132 SMs
 
@@ -92,15 +92,15 @@ _LARGE_TILES = 132  # at least one wave of the large tile on the H100's 132 SMs
 # tile spills registers (cuobjdump: 184 bytes of stack) and the precise tile stays 128x128. Persistent
 # scheduling (one block per SM walking the tiles) was faster than one block per tile; with fewer tiles
 # than SMs it launches one block per tile anyway.
-_CONFIGS: dict[tuple[str, bool], dict[str, GemmConfig]] = {
-    ("scaled", False): {"small": GemmConfig(128, 128, 128, persistent=True),
-                        "large": GemmConfig(128, 128, 128, persistent=True)},
-    ("scaled", True): {"small": GemmConfig(128, 128, 128, persistent=True),
-                       "large": GemmConfig(128, 256, 128, persistent=True)},
-    ("blockwise", False): {"small": GemmConfig(128, 128, FP8_BLOCK),
-                           "large": GemmConfig(128, 128, FP8_BLOCK)},
-    ("blockwise", True): {"small": GemmConfig(128, 128, FP8_BLOCK),
-                          "large": GemmConfig(128, 128, FP8_BLOCK)},
+_CONFIGS: dict[tuple[str, bool], dict[str, FP8Config]] = {
+    ("scaled", False): {"small": FP8Config(128, 128, 128, persistent=True),
+                        "large": FP8Config(128, 128, 128, persistent=True)},
+    ("scaled", True): {"small": FP8Config(128, 128, 128, persistent=True),
+                       "large": FP8Config(128, 256, 128, persistent=True)},
+    ("blockwise", False): {"small": FP8Config(128, 128, FP8_BLOCK),
+                           "large": FP8Config(128, 128, FP8_BLOCK)},
+    ("blockwise", True): {"small": FP8Config(128, 128, FP8_BLOCK),
+                          "large": FP8Config(128, 128, FP8_BLOCK)},
 }
 
 
@@ -119,9 +119,8 @@ def _wave_fill(tiles: int, sms: int) -> float:
     return tiles / (ceil_div(tiles, sms) * sms)
 
 
-def config_for(granularity: str, batch: int, m: int, n: int, fast_accum: bool = False,
-               sms: int = 132) -> TileConfig:
-    """The table's config for ``batch`` x (m, n) outputs: the large tile when there are at least
+def plan(granularity: str, batch: int, m: int, n: int, fast_accum: bool = False, sms: int = 132) -> FP8Config:
+    """The config for ``batch`` x (m, n) outputs: the large tile when there are at least
     ``_LARGE_TILES`` of it and its last wave is not mostly empty, else the small one."""
     table = _CONFIGS[_kind(granularity), fast_accum]
     large, small = table["large"], table["small"]
@@ -138,7 +137,7 @@ def config_for(granularity: str, batch: int, m: int, n: int, fast_accum: bool = 
 # Launch
 # --------------------------------------------------------------------------------------------------
 
-def _blockwise_constants(cfg: GemmConfig, fast_acc: bool) -> tuple:
+def _blockwise_constants(cfg: FP8Config, fast_acc: bool) -> tuple:
     return (cfg.tile_m, cfg.tile_n, cfg.group_size_m, cfg.latency_a, fast_acc)
 
 
@@ -149,13 +148,13 @@ class Prepared:
 
     __slots__ = ("cfg", "scaled", "fast_acc", "kernel", "grid", "consts", "n", "direct")
 
-    def __init__(self, problem, config: GemmConfig | None = None):
+    def __init__(self, problem, config: FP8Config | None = None):
         out = problem.out
         batch, m, n = out.shape
         self.n = n
         self.scaled = _kind(problem.granularity) == "scaled"
         self.fast_acc = bool(getattr(problem, "use_fast_accum", False))
-        cfg = self.cfg = config or config_for(problem.granularity, batch, m, n, self.fast_acc, num_sms(out.device))
+        cfg = self.cfg = config or plan(problem.granularity, batch, m, n, self.fast_acc, num_sms(out.device))
         if not self.scaled and (cfg.tile_k != FP8_BLOCK or FP8_BLOCK % cfg.tile_n or cfg.persistent):
             raise ValueError(f"hopper_fp8: blockwise configs need tile_k == 128, tile_n dividing 128 and no "
                              f"persistent scheduling, got {cfg}")
@@ -204,10 +203,10 @@ def _launch(problem, prepared: Prepared, a_scale, b_scale, alpha, bias, stream) 
         ct.launch(stream, grid, prepared.kernel, (*views, *prepared.consts))
 
 
-def launch(problem, config: GemmConfig | None = None) -> None:
+def launch(problem, config: FP8Config | None = None) -> None:
     """Run a ``tilemm.matmul.FP8Problem`` on an sm_90 GPU, writing ``problem.out``.
 
-    ``config`` overrides the table's choice (for tuning and benchmarks)."""
+    ``config`` overrides ``plan``'s choice (for tuning and benchmarks)."""
     Prepared(problem, config).run(problem, stream_handle(problem.out.device))
 
 

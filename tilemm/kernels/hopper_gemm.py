@@ -15,10 +15,8 @@ striding over tiles ``t = bid, bid + nblocks, ...``. ``num_worker_warps = 8`` (t
 is what lets 128x256 fp32 accumulators fit in registers on sm_90. Load latency hints (``latency=``
 on ``ct.load``) set the depth of the TMA pipeline per operand.
 
-Why these hints (cuobjdump on JIT-like specialisations): with two MMA warpgroups a 128x256 fp32
-accumulator fits (REG 168, STACK 0) and tileiras keeps 4 TMA stages of 128x256x128 FP8 or 256x256x64
-bf16 tiles in ~210 KB of shared memory; persistent scheduling was faster than one block per tile for
-FP8 and bf16 alike.
+Why these hints (cuobjdump): with two MMA warpgroups a 128x256 fp32 accumulator fits (REG 168,
+STACK 0) beside 4 TMA stages of 128x256x128 FP8 or 256x256x64 bf16 tiles (~210 KB of shared memory).
 
 FP8 accumulation: ``FAST_ACC`` maps to ``ct.mma(..., use_fast_acc=True)``, which skips the second
 fp32 accumulator that cuTile keeps by default on Hopper (as ``torch._scaled_mm(use_fast_accum=...)``).

@@ -21,7 +21,7 @@ All compute ``out = (x @ dequantize(w).T) * alpha + bias`` with fp32 accumulatio
 exactly as ``weight_only_kernels`` documents it (the decoded weight is ``dequantize(w) * 2^-E``, exact
 in bf16; alpha carries 2^E). Which design and which config serves an (M, N, K) problem is decided by
 rules on the problem's quantities (``RULES``, ``plan``), fitted to what
-``benchmarks/tune_weight_only_large.py`` measures.
+``benchmarks/investigations/tune_weight_only_large.py`` measures.
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #:   more than 0.15 (6144x4096, M = 1024: 192 tiles of 256 rows fill 0.73 of two waves, 384 of 128
 #:   rows 0.97 of three; cat 0.74 against 0.66).
 #:
-#: What the rules reach on that sweep (``python benchmarks/plan_rule_check.py
+#: What the rules reach on that sweep (``python benchmarks/investigations/plan_rule_check.py
 #: benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt``): geomean over the five
 #: shapes of the picked candidate's measured speed-up over bf16, against the per-shape best
 #: candidate, one candidate per (family, M) chosen by geomean (the table the sweep printed before
@@ -499,7 +499,7 @@ CANDIDATES = (
     LargeConfig("fused", 64, 128, occupancy=2),
 )
 
-#: The designs ``benchmarks/tune_weight_only_large.py`` times per weight family besides the small-M
+#: The designs ``benchmarks/investigations/tune_weight_only_large.py`` times per weight family besides the small-M
 #: plan and the old two-pass path: the fused configs the family's rules can pick (on the first H100
 #: sweep 4-bit weights lost 0.1-0.5x bf16 with cat or 256 rows of x, 8-bit weights never won with
 #: 128x128 tiles without cat or 64 rows of x), the whole weight decoded for cuBLAS, and the

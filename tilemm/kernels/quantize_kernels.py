@@ -1,58 +1,26 @@
 """GPU quantizers: MXFP8, MXFP4, NVFP4 and FP8 in cuTile, bit-identical to ``tilemm.quantize``'s reference.
 
-What they compute: exactly what ``tilemm.quantize._quantize_<fmt>_reference`` computes (docs/numerics.md),
-for float32 / bfloat16 / float16 input (converted to fp32 in registers, which is exact). Each element
-is read once -- FP8 per tensor, and NVFP4 without a global scale on more tiles than the GPU has SMs,
-first run ``_amax_kernel`` (one more read; a smaller NVFP4 input takes its amax inside the one
-launch, ``_grid_amax``), FP8 per row reads each row twice when K > 8192 (the second time mostly from
-L2), and along axis=-2 first runs ``_column_amax_kernel`` -- and data plus scales are written in one
-pass, the scales already in the 32x4x4 layout when asked, its padding included.
-``tilemm.quantize.run_quantize_*`` dispatch non-empty CUDA tensors on sm_90 or newer here.
+Each kernel computes exactly what ``tilemm.quantize._quantize_<fmt>_reference`` computes
+(docs/numerics.md) for fp32 / bf16 / fp16 input (widened to fp32 in registers: exact), every rounding
+step on fp32 values and bits, in the reference's order:
 
-Every rounding step works on fp32 values and bits, in the reference's order:
+* e8m0 scales (MX): RCEIL or FLOOR from the bits, clamped to [0, 254]; a NaN / Inf block gets 255
+  (``_e8m0_scale``). Data: ``x * 2^(127-s)`` (exact), then e4m3 / e5m2 by ``ct.astype``
+  (``cvt.rn.satfinite``: the reference's clamp-then-round) or e2m1 by ``_e2m1_codes``.
+* NVFP4: ``S_enc``, ``s_b`` and ``enc`` as the reference, divisions IEEE (``RoundingMode.RN``), the
+  tensor amax over the finite elements; a NaN / Inf block gets the NaN scale 0x7F.
+* FP8: ``fp32(x / s)`` correctly rounded from one IEEE division per group (``_fp8_divide``, with the
+  proof); NaN groups store 0x7F.
 
-* e8m0 scales (MX): RCEIL from the bits of ``d = amax * fp32(1/Qmax)``, FLOOR from the bits of amax,
-  clamped to [0, 254]; a block holding NaN or +-Inf gets 255 (``_e8m0_scale``).
-* MX data: ``x * 2^(127-s)``, the power of two built from bits (an exact multiply), then
-  e4m3 / e5m2 through ``ct.astype``, which is ``cvt.rn.satfinite`` (F2FP.SATFINITE on sm_90): round to
-  nearest even, saturating at +-Qmax, i.e. the reference's clamp-then-round; or e2m1 by
-  ``_e2m1_codes`` (ties to even, from three exactly rounded fp32 adds). Blocks with scale byte 0 store
-  +0 and NaN blocks 0x7F (fp8) or code 0 (e2m1); the fp8 path does those selects only in tiles that
-  have such blocks.
-* NVFP4: ``S_enc``, ``s_b``, ``enc`` as the reference, divisions IEEE (``ct.truediv`` with
-  ``RoundingMode.RN``: no approximate reciprocal, no flush to zero); the tensor amax over the finite
-  elements, and a block holding a NaN or an Inf gets the NaN scale 0x7F (``_nvfp4_block_scale``).
-* FP8: ``fp32(x / s)`` correctly rounded without a division per element: one IEEE division per
-  group, then Markstein's residual correction with fused multiply-adds (``_fp8_divide``, where the
-  proof is); NaN groups store 0x7F.
-
-One portable implementation serves sm_90, sm_100 and sm_120 (``aot_variants`` lists every
-specialisation for all three): nothing uses float8_e8m0fnu or float4_e2m1fn, which cuTile rejects on
-Hopper. Scale bytes are stored as uint8 (e8m0, e4m3), fp8 data as float8 arrays, e2m1 packed in uint8.
-Blackwell's native e2m1 conversion was compiled and compared and does not pay here (the figures are in
-benchmarks/results/quantize-nvidia-h100-80gb-hbm3.md).
-
-Layout and grid: the input is a 3-D view (B, R, K) -- R rows per batch entry, blocks along K -- or,
-with ``TRANSPOSED``, the (B, K, R) storage of ``x.mT`` (the ``axis=-2`` quantizers: no copy). The
-block-scaled kernels, FP8 per tensor, FP8 per row and FP8 128x128 load its tiles in storage order
-(128x128 transposes strips of the input tile in registers, the others only the quantized bytes on the
-store); FP8 1x128 loads through ``order=(0, 2, 1)``, which was faster for it. One block
-quantizes one (TILE_R, TILE_K) tile; the grid is 1-D over B x row tiles x cdiv(K, TILE_K), K fastest.
-Logical scales of a contiguous batch are quantized as one (1, B * R, K) matrix. Swizzled scales are
-stored through the (B, R/128, Ks/4, 32, 4, 4) view of the 32x4x4 layout (its 16 columns split as 4
-row sub-tiles m2 x 4 columns k1): with TILE_R in {32, 64, 128} and TILE_K / block = 4 * G, the tile's
-scales s (TILE_R, 4G) go to::
-
-    row 32 * m2 + m1 of the 128-row block, column 4 * g + k1  ->  [g, m1, m2, k1]
-
-i.e. ``s.reshape(TILE_R / 32, 32, G, 4).permute(2, 1, 0, 3)`` (from the transposed kernels' (4G, TILE_R)
-scales, ``s.reshape(G, 4, TILE_R / 32, 32).permute(0, 3, 2, 1)``). Rows past R and columns past K load as
-zeros, whose scale byte is 0; tiles wholly in the rows that pad R to 128 only store zero scales. So the
-padding comes out zero without a separate fill, and no byte of the outputs (torch.empty) is left
-unwritten.
-
-How fast they run, against a device-to-device copy, and the tile and store choices that were measured
-and not adopted: benchmarks/results/quantize-nvidia-h100-80gb-hbm3.md (``benchmarks/bench_quantize.py``).
+Each element is read once, except where a tensor amax comes first (``tensor_amax``: FP8 per tensor,
+NVFP4 beyond one wave of tiles), FP8 per row with K > 8192 (read twice, the second time from L2) and
+FP8 per row along axis=-2 (``_column_amax_kernel`` first). One block quantizes one (TILE_R, TILE_K)
+tile of the (B, R, K) view of x, or of the (B, K, R) storage of ``x.mT`` (the ``axis=-2``
+quantizers: no copy); scales are stored logical or already in the 32x4x4 layout (``_store_scales``),
+the layout's padding written as zeros by the tiles past R, so no output byte is left unwritten. One
+portable implementation serves sm_90, sm_100 and sm_120 (nothing uses float8_e8m0fnu or float4_e2m1fn,
+which cuTile rejects on Hopper). Tiles: ``plan``. Speed against a device-to-device copy, and the
+designs measured and not adopted: benchmarks/results/quantize-nvidia-h100-80gb-hbm3.md.
 """
 
 from __future__ import annotations
@@ -68,7 +36,8 @@ from .._arch import capability, gpu_code, has_kernels
 from ..formats import E2M1, E4M3, E5M2, ELEMENT_CODES, FP8_BLOCK, FP8_E4M3, NVFP4, Format
 from . import _large
 from ._aot import TARGETS, AotVariant, array
-from ._common import SWIZZLE_COLS, SWIZZLE_ROWS, Described, hinted, num_sms, stream_handle
+from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, Described, e2m1_to_fp32, e8m0_to_fp32, hinted, num_sms,
+                      stream_handle)
 from .weight_only_kernels import _capturing, _outside_graph_pools, _stream_key
 
 __all__ = ["quantize_mx", "quantize_nvfp4", "quantize_fp8", "FakeQuant", "aot_variants", "supported"]
@@ -118,7 +87,6 @@ _EXP_MASK = 0x7F800000  # fp32 exponent field; bits >= this (sign cleared) are I
 _SIGN_BIT = -0x80000000  # 0x80000000 as an int32
 _ROUND_MAGIC = 12582912.0  # 1.5 * 2^23: v + M rounds v (|v| < 2^22) to an integer, ties to even
 _ROUND_MAGIC_BITS = 0x4B400000
-_TWO_126 = 2.0 ** 126
 
 
 # --------------------------------------------------------------------------------------------------
@@ -235,13 +203,10 @@ def _e8m0_scale(amax, Floor, INV_QMAX, EMAX):
 
 
 def _e8m0_multiplier(s):
-    """x -> x * 2^(127 - s) multipliers (fp32, exact powers of two, from bits) for scale bytes s.
-
-    Byte 254 gives the subnormal 2^-127. Bytes 0 and 255 give 0: their blocks store zero data
-    (the fp8 path sets NaN blocks afterwards)."""
-    bits = ct.where(s == _E8M0_MAX_FINITE, 0x00400000, (_E8M0_MAX_FINITE - s) << 23)
-    bits = ct.where((s == 0) | (s == _E8M0_NAN), 0, bits)
-    return ct.bitcast(bits, ct.float32)
+    """x -> x * 2^(127 - s) multipliers (fp32, exact powers of two) for scale bytes s (int32): the
+    e8m0 value of byte 254 - s (``e8m0_to_fp32``), so byte 254 gives the subnormal 2^-127. Bytes 0
+    and 255 give 0: their blocks store zero data (the fp8 path sets NaN blocks afterwards)."""
+    return ct.where((s == 0) | (s == _E8M0_NAN), 0.0, e8m0_to_fp32(_E8M0_MAX_FINITE - s))
 
 
 def _fp8_cast(y, dtype):
@@ -413,7 +378,7 @@ def _nvfp4_encode_scale(g, FROM_AMAX):
 
 
 @ct.kernel(occupancy=_OCCUPANCY)
-def _nvfp4_quantize_kernel(X, Data, Scale, Global, GlobalOut,
+def _nvfp4_quantize_kernel(X, Data, Scale, Global, GlobalScaleOut,
                            FROM_AMAX: ConstBool, GRID_AMAX: ConstBool, SWIZZLED: ConstBool,
                            TRANSPOSED: ConstBool, TILE_R: ConstInt, TILE_K: ConstInt):
     """NVFP4 quantization of one (TILE_R, TILE_K) tile.
@@ -424,7 +389,7 @@ def _nvfp4_quantize_kernel(X, Data, Scale, Global, GlobalOut,
     ``_fake_quant_kernel``: Global is ``_grid_amax``'s int32 [maximum bits, arrived, departed] (zero
     between launches), every block adds its tile's maximum (``_amax_bits``) and waits for all the
     others, so the grid must be resident at once (the launcher keeps it within one block per SM).
-    Block 0 writes the decode scale S_dec to GlobalOut (1,).
+    Block 0 writes the decode scale S_dec (the returned ``global_scale``) to GlobalScaleOut (1,).
     """
     NB = TILE_K // 16
     R, K = _rows_and_k(X, TRANSPOSED)
@@ -437,14 +402,14 @@ def _nvfp4_quantize_kernel(X, Data, Scale, Global, GlobalOut,
             x = _load_blocks(X, b, rt, kt, TILE_R, TILE_K, 16, TRANSPOSED)
             s_enc, s_dec = _nvfp4_encode_scale(ct.bitcast(_grid_amax(Global, _amax_bits(x)), ct.float32), True)
             if ct.bid(0) == 0:
-                ct.store(GlobalOut, (0,), s_dec)
+                ct.store(GlobalScaleOut, (0,), s_dec)
             _nvfp4_encode_tile(x, Data, Scale, s_enc.reshape((1, 1, 1)), s_dec.reshape((1, 1, 1)), b, rt, kt,
                                SWIZZLED, TRANSPOSED, TILE_R, TILE_K)
     else:
         g = _tensor_amax(Global) if FROM_AMAX else ct.load(Global, (0,), (1,))
         s_enc, s_dec = _nvfp4_encode_scale(g, FROM_AMAX)
         if ct.bid(0) == 0:
-            ct.store(GlobalOut, (0,), s_dec)
+            ct.store(GlobalScaleOut, (0,), s_dec)
         if rt * TILE_R >= R:  # swizzle padding rows only
             _store_zero_scales(Scale, b, rt, kt, TILE_R, NB, SWIZZLED, TRANSPOSED)
         else:
@@ -476,19 +441,6 @@ def _nvfp4_encode_tile(x, Data, Scale, s_enc, s_dec, b, rt, kt, SWIZZLED, TRANSP
     q = _pack_e2m1(_e2m1_codes(x * enc), TILE_R, TILE_K, TRANSPOSED)
     _store_data(Data, q, b, rt, kt, TILE_R, TILE_K // 2, TRANSPOSED)
     _store_scales(Scale, s_b_bytes, b, rt, kt, TILE_R, TILE_K // BLOCK, SWIZZLED, TRANSPOSED)
-
-
-def _e2m1_values(codes):
-    """e2m1 codes (int32 0..15) -> their values in fp32, exactly: the three magnitude bits put at fp32
-    bits 22..24 make e2m1 * 2^-126 (code 1, 0.5, lands on the subnormal 2^-127), the sign at bit 31."""
-    bits = ((codes & 7) << 22) | ((codes & 8) << 28)
-    return ct.bitcast(bits, ct.float32) * _TWO_126
-
-
-def _e8m0_value(s):
-    """Scale bytes s (int32 0..255) -> 2^(s - 127) in fp32 (byte 0: the subnormal 2^-127; 255: NaN)."""
-    v = ct.bitcast(ct.where(s == 0, 0x00400000, s << 23), ct.float32)
-    return ct.where(s == _E8M0_NAN, _nan_like(v), v)
 
 
 def _grid_amax(Sync, bits):
@@ -561,19 +513,19 @@ def _fake_quant_kernel(X, Out, Floor, Amax, Alpha, AlphaOut, ELEMENT: ConstInt, 
                              ct.float8_e4m3fn).astype(ct.float32)
         enc = ct.minimum(ct.truediv(1.0, s_b_f32 * s_dec.reshape((1, 1, 1)), rounding_mode=_RN), _FLT_MAX,
                          propagate_nan=True)
-        v = _e2m1_values(_e2m1_codes(x * enc)) * s_b_f32
+        v = e2m1_to_fp32(_e2m1_codes(x * enc)) * s_b_f32
     else:
         INV_QMAX, EMAX = _mx_limits(ELEMENT)
         sb = _e8m0_scale(amax, Floor, INV_QMAX, EMAX)
         y = x * _e8m0_multiplier(sb)
         if ELEMENT == _E2M1:
-            q = _e2m1_values(_e2m1_codes(y))
+            q = e2m1_to_fp32(_e2m1_codes(y))
         elif ELEMENT == _E4M3:
             q = _fp8_cast(y, ct.float8_e4m3fn).astype(ct.float32)
         else:
             q = _fp8_cast(y, ct.float8_e5m2).astype(ct.float32)
         # Scale byte 0 blocks store +0 data; NaN blocks give q * NaN = NaN whatever q is.
-        v = ct.where(sb == 0, 0.0, q * _e8m0_value(sb))
+        v = ct.where(sb == 0, 0.0, q * e8m0_to_fp32(sb))
     ct.store(Out, (rt, kt), v.reshape((TILE_R, TILE_K)).astype(ct.bfloat16))
 
 
@@ -866,11 +818,11 @@ def _fp8_columns_kernel(X, Data, Scale, Amax, ELEMENT: ConstInt, TILE_R: ConstIn
 # --------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class TileConfig:
-    """Rows and K columns per block, and blocks per SM (the compiler's register budget: 64 registers
-    per thread at 4). Block-scaled formats need tile_r in {32, 64, 128} and tile_k / block a multiple
-    of 4 (whole 32x16 blocks of swizzled scales) when swizzled; FP8 blocks need tile_k % 128 == 0 and,
-    for 128x128, tile_r = tile_k = 128."""
+class QuantizeConfig:
+    """A quantize kernel's tile (``plan``): rows and K columns per block, and blocks per SM (the
+    compiler's register budget: 64 registers per thread at 4). Block-scaled formats need tile_r in
+    {32, 64, 128} and tile_k / block a multiple of 4 (whole 32x16 blocks of swizzled scales) when
+    swizzled; FP8 blocks need tile_k % 128 == 0 and, for 128x128, tile_r = tile_k = 128."""
 
     tile_r: int
     tile_k: int
@@ -881,52 +833,44 @@ class TileConfig:
 #: the H100 (bf16 input). Transposed inputs are read in storage order (tile_r rows contiguous), and
 #: their swizzled scales scattered (``_store_scales``).
 BLOCK_CONFIGS = {
-    ("mxfp8", True, False): TileConfig(64, 128),
-    ("mxfp8", False, False): TileConfig(16, 512),
-    ("mxfp8", True, True): TileConfig(64, 128),
-    ("mxfp8", False, True): TileConfig(128, 64),
-    ("mxfp4", True, False): TileConfig(32, 256),
-    ("mxfp4", False, False): TileConfig(16, 512),
-    ("mxfp4", True, True): TileConfig(64, 128),
-    ("mxfp4", False, True): TileConfig(128, 64),
-    ("nvfp4", True, False): TileConfig(32, 256),
-    ("nvfp4", False, False): TileConfig(16, 512),
-    ("nvfp4", True, True): TileConfig(128, 64),
-    ("nvfp4", False, True): TileConfig(128, 64),
+    ("mxfp8", True, False): QuantizeConfig(64, 128),
+    ("mxfp8", False, False): QuantizeConfig(16, 512),
+    ("mxfp8", True, True): QuantizeConfig(64, 128),
+    ("mxfp8", False, True): QuantizeConfig(128, 64),
+    ("mxfp4", True, False): QuantizeConfig(32, 256),
+    ("mxfp4", False, False): QuantizeConfig(16, 512),
+    ("mxfp4", True, True): QuantizeConfig(64, 128),
+    ("mxfp4", False, True): QuantizeConfig(128, 64),
+    ("nvfp4", True, False): QuantizeConfig(32, 256),
+    ("nvfp4", False, False): QuantizeConfig(16, 512),
+    ("nvfp4", True, True): QuantizeConfig(128, 64),
+    ("nvfp4", False, True): QuantizeConfig(128, 64),
 }
 #: FP8 per tensor.
-FP8_CONFIG = TileConfig(64, 128)
+FP8_CONFIG = QuantizeConfig(64, 128)
 #: FP8 1x128 blocks: 64x128 spills (with bf16 input) and is still the fastest.
-FP8_1X128_CONFIG = TileConfig(64, 128)
+FP8_1X128_CONFIG = QuantizeConfig(64, 128)
 #: 128x128 blocks (``_fp8_square_tile``, one block per tile), blocks per SM by (transposed input,
 #: bytes per input element): the input tile stays in its dtype, 64 registers per thread for bf16 and
 #: fp16, 128 for fp32; the occupancies are the fastest measured.
 FP8_BLOCK_CONFIGS = {
-    (False, 2): TileConfig(128, 128, occupancy=3),
-    (False, 4): TileConfig(128, 128, occupancy=2),
-    (True, 2): TileConfig(128, 128, occupancy=4),
-    (True, 4): TileConfig(128, 128, occupancy=2),
+    (False, 2): QuantizeConfig(128, 128, occupancy=3),
+    (False, 4): QuantizeConfig(128, 128, occupancy=2),
+    (True, 2): QuantizeConfig(128, 128, occupancy=4),
+    (True, 4): QuantizeConfig(128, 128, occupancy=2),
 }
 #: FP8 of a transposed input (axis=-2), per tensor and 1x128: per tensor read in storage order
 #: (``_fp8_tensor_tile_transposed``; tile_r input columns by tile_k of K), 1x128 loaded through
 #: ``order``; both the fastest of the forms measured.
 FP8_TRANSPOSED_CONFIGS = {
-    _FP8_TENSOR: TileConfig(32, 256),
-    _FP8_1X128: TileConfig(64, 128),
+    _FP8_TENSOR: QuantizeConfig(32, 256),
+    _FP8_1X128: QuantizeConfig(64, 128),
 }
 
 
-def fp8_config(gran: int, transposed: bool, itemsize: int) -> TileConfig:
-    """The tile of ``_fp8_quantize_kernel`` for granularity code ``gran`` and an input of ``itemsize``
-    bytes per element."""
-    if gran == _FP8_128X128:
-        return FP8_BLOCK_CONFIGS[transposed, itemsize]
-    if transposed:
-        return FP8_TRANSPOSED_CONFIGS[gran]
-    return {_FP8_TENSOR: FP8_CONFIG, _FP8_1X128: FP8_1X128_CONFIG}[gran]
-
-
-AMAX_CONFIG = TileConfig(64, 128)
+#: Tile of ``_fake_quant_kernel`` (activations of a few rows).
+FAKE_QUANT_CONFIG = QuantizeConfig(16, 256)
+AMAX_CONFIG = QuantizeConfig(64, 128)
 #: Blocks of the amax reduction per SM (each loops over its share of the tiles).
 AMAX_BLOCKS_PER_SM = 4
 #: Most blocks of the amax reduction, and the per-block maxima its users reduce with one tile load:
@@ -950,19 +894,50 @@ PLAIN_STORE_TARGETS = ("sm_90",)
 #: ``_column_amax_kernel`` reduces ROW_AMAX_CHUNK tiles of ROW_AMAX_CONFIG (tile_r input rows, contiguous
 #: in storage, by tile_k of K) per block, then ``_fp8_columns_kernel`` quantizes one
 #: ROW_TRANSPOSED_CONFIG tile per block (two kernels, so that enough blocks fill the GPU).
-ROW_AMAX_CONFIG = TileConfig(64, 128)
+ROW_AMAX_CONFIG = QuantizeConfig(64, 128)
 ROW_AMAX_CHUNK = 16
-ROW_TRANSPOSED_CONFIG = TileConfig(32, 256)
+ROW_TRANSPOSED_CONFIG = QuantizeConfig(32, 256)
 
 
-def row_config(k: int) -> TileConfig:
-    """FP8 per-row tile for rows of k elements (an input that is not transposed): tile_k the power of
-    two >= k within [1024, 8192], ``ROW_ELEMENTS`` per block."""
-    tile_k = min(ROW_MAX_K, max(ROW_MIN_K, 1 << max(0, k - 1).bit_length()))
-    return TileConfig(ROW_ELEMENTS // tile_k, tile_k)
+#: The granularity codes of ``_fp8_quantize_kernel`` by ``plan``'s kernel names.
+_FP8_GRANULARITY = {"fp8_tensor": _FP8_TENSOR, "fp8_1x128": _FP8_1X128, "fp8_128x128": _FP8_128X128}
+_FP8_KERNEL = {code: name for name, code in _FP8_GRANULARITY.items()}
 
 
-def _row_tma_store(cfg: TileConfig, target: str) -> bool:
+def plan(kernel: str, *, swizzled: bool = False, transposed: bool = False, itemsize: int = 2,
+         k: int = 0) -> QuantizeConfig:
+    """The tile of a quantize launch, from the tables above.
+
+    ``kernel``: "mxfp8", "mxfp4", "nvfp4" (``BLOCK_CONFIGS`` by ``swizzled`` scales and ``transposed``
+    input); "fp8_tensor", "fp8_1x128", "fp8_128x128" (``_fp8_quantize_kernel``; 128x128 by the input's
+    ``itemsize`` bytes per element); "fp8_row" (rows of ``k`` elements: tile_k the power of two >= k
+    within [ROW_MIN_K, ROW_MAX_K], ``ROW_ELEMENTS`` per block; a transposed input's second pass:
+    ``ROW_TRANSPOSED_CONFIG``); "fp8_row_amax" (a transposed input's first pass, ``ROW_AMAX_CONFIG``);
+    "fake_quant" and "amax"."""
+    if kernel in ("mxfp8", "mxfp4", "nvfp4"):
+        return BLOCK_CONFIGS[kernel, swizzled, transposed]
+    gran = _FP8_GRANULARITY.get(kernel)
+    if gran == _FP8_128X128:
+        return FP8_BLOCK_CONFIGS[transposed, itemsize]
+    if gran is not None:
+        if transposed:
+            return FP8_TRANSPOSED_CONFIGS[gran]
+        return FP8_CONFIG if gran == _FP8_TENSOR else FP8_1X128_CONFIG
+    if kernel == "fp8_row":
+        if transposed:
+            return ROW_TRANSPOSED_CONFIG
+        tile_k = min(ROW_MAX_K, max(ROW_MIN_K, 1 << max(0, k - 1).bit_length()))
+        return QuantizeConfig(ROW_ELEMENTS // tile_k, tile_k)
+    if kernel == "fp8_row_amax":
+        return ROW_AMAX_CONFIG
+    if kernel == "fake_quant":
+        return FAKE_QUANT_CONFIG
+    if kernel == "amax":
+        return AMAX_CONFIG
+    raise ValueError(f"quantize_kernels.plan: unknown kernel {kernel!r}")
+
+
+def _row_tma_store(cfg: QuantizeConfig, target: str) -> bool:
     """Whether the per-row kernel stores its fp8 tile through TMA on ``target`` (e.g. "sm_90")."""
     return cfg.tile_k > ROW_PLAIN_STORE_K or target not in PLAIN_STORE_TARGETS
 
@@ -985,7 +960,7 @@ def _row_tiles_k() -> list[int]:
     return out
 
 
-def _kernel(kernel, cfg: TileConfig):
+def _kernel(kernel, cfg: QuantizeConfig):
     """``kernel`` compiled for cfg's blocks per SM."""
     return kernel if cfg.occupancy == _OCCUPANCY else hinted(kernel, occupancy=cfg.occupancy)
 
@@ -1034,7 +1009,7 @@ def _rows_flattened(op: _Operand) -> _Operand:
     return _Operand(flat, 1, op.batch * op.rows, op.k, False, op.lead)
 
 
-def _grid(batch: int, rows: int, k: int, cfg: TileConfig, swizzle: bool = False) -> tuple[int, int, int]:
+def _grid(batch: int, rows: int, k: int, cfg: QuantizeConfig, swizzle: bool = False) -> tuple[int, int, int]:
     """One block per tile; swizzled scales also need the tiles of the rows padding R to 128."""
     if swizzle:
         rows = -(-rows // SWIZZLE_ROWS) * SWIZZLE_ROWS
@@ -1086,12 +1061,12 @@ def _pieces(where: str, op: _Operand, row_unit: int, k_unit: int, operands) -> l
                         operands)
 
 
-def _row_unit(cfg: TileConfig, swizzle: bool) -> int:
+def _row_unit(cfg: QuantizeConfig, swizzle: bool) -> int:
     """Row cuts on whole tiles, and for swizzled scales on whole 128-row blocks."""
     return max(cfg.tile_r, SWIZZLE_ROWS) if swizzle else cfg.tile_r
 
 
-def _view_grid(view: torch.Tensor, transposed: bool, cfg: TileConfig, swizzle: bool = False):
+def _view_grid(view: torch.Tensor, transposed: bool, cfg: QuantizeConfig, swizzle: bool = False):
     """``_grid`` of a piece's input view, (B, R, K) or transposed (B, K, R)."""
     b, r, k = (view.shape[0], view.shape[2], view.shape[1]) if transposed else view.shape
     return _grid(b, r, k, cfg, swizzle)
@@ -1127,7 +1102,7 @@ def quantize_mx(x: torch.Tensor, fmt: Format, rounding: str, swizzle: bool):
     (x.stride(-2) == 1) is read as it is stored."""
     full = _operand(x)
     op = full if swizzle else _rows_flattened(full)
-    cfg = BLOCK_CONFIGS["mxfp4" if fmt.is_packed else "mxfp8", swizzle, op.transposed]
+    cfg = plan("mxfp4" if fmt.is_packed else "mxfp8", swizzled=swizzle, transposed=op.transposed)
     data = torch.empty(op.batch, op.rows, fmt.data_k(op.k), dtype=fmt.data_dtype, device=x.device)
     scale = _block_scale_buffer(op, op.k // fmt.block, swizzle, torch.uint8)
     floor = 1 if rounding == "floor" else 0
@@ -1151,7 +1126,7 @@ def tensor_amax(x: torch.Tensor, propagate_nan: bool) -> torch.Tensor:
     block writes its own slot, so there is no zeroed buffer to fill first."""
     op = _operand(x)
     view = op.view  # the storage, (B, K, R) for a transposed x: a maximum does not care about order
-    cfg = AMAX_CONFIG
+    cfg = plan("amax")
     # The storage's pieces (``_pieces`` with the storage as (batch, rows, K)): each writes its own
     # share of the AMAX_PARTIALS slots, so the users' maximum covers every piece.
     storage = _Operand(view, view.shape[0], view.shape[1], view.shape[2], False, op.lead)
@@ -1183,10 +1158,10 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None, swizzle: 
     launch (``_grid_amax``: one launch) when its grid fits one block per SM, else by ``tensor_amax``
     first."""
     from_amax = global_scale is None
-    g_out = torch.empty(1, dtype=torch.float32, device=x.device)
+    global_scale_out = torch.empty(1, dtype=torch.float32, device=x.device)
     full = _operand(x)
     op = full if swizzle else _rows_flattened(full)
-    cfg = BLOCK_CONFIGS["nvfp4", swizzle, op.transposed]
+    cfg = plan("nvfp4", swizzled=swizzle, transposed=op.transposed)
     data = torch.empty(op.batch, op.rows, op.k // 2, dtype=torch.uint8, device=x.device)
     scale = _block_scale_buffer(op, op.k // NVFP4.block, swizzle, torch.uint8)
     kernel = _kernel(_nvfp4_quantize_kernel, cfg)
@@ -1203,14 +1178,10 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None, swizzle: 
         g = tensor_amax(x, propagate_nan=False) if amax is None else amax.view(torch.int32).reshape(1)
     for view, d, s in pieces:
         _launch_kernel(x.device, _view_grid(view, op.transposed, cfg, swizzle), kernel,
-                       (view, d, s, g, g_out, from_amax, grid_amax, swizzle, op.transposed, cfg.tile_r,
+                       (view, d, s, g, global_scale_out, from_amax, grid_amax, swizzle, op.transposed, cfg.tile_r,
                         cfg.tile_k))
     data, scale = _shaped(full, x, data, scale, swizzle)
-    return data, scale, g_out.reshape(())
-
-
-#: Tile of ``_fake_quant_kernel`` (activations of a few rows).
-FAKE_QUANT_CONFIG = TileConfig(16, 256)
+    return data, scale, global_scale_out.reshape(())
 
 
 class FakeQuant:
@@ -1220,7 +1191,7 @@ class FakeQuant:
     (``run`` returns ``S_dec * alpha`` as a new (1,) tensor). One launch; NVFP4 with more tiles than
     the GPU has SMs: two, ``tensor_amax`` first."""
 
-    __slots__ = ("element", "nv", "floor", "alpha", "_stub_i32", "_kernel", "_sms")
+    __slots__ = ("element", "nv", "floor", "alpha", "config", "_stub_i32", "_kernel", "_sms")
 
     def __init__(self, fmt: Format, rounding: str | None, alpha: torch.Tensor):
         self.element = _ELEMENT_CODE[fmt.element]
@@ -1229,7 +1200,8 @@ class FakeQuant:
         # Fixed arguments, described for cuTile once (``Described``).
         self.alpha = Described(alpha)
         self._stub_i32 = Described(torch.zeros(1, dtype=torch.int32, device=alpha.device))
-        self._kernel = _kernel(_fake_quant_kernel, FAKE_QUANT_CONFIG)
+        self.config = plan("fake_quant")
+        self._kernel = _kernel(_fake_quant_kernel, self.config)
         self._sms = num_sms(alpha.device)
 
     def run(self, x: torch.Tensor, stream, amax: torch.Tensor | None = None
@@ -1238,7 +1210,7 @@ class FakeQuant:
         or a torch.cuda.Stream, the one x's producer ran on. ``amax`` (NVFP4): the tensor amax to use
         instead of x's, as (1,) int32 fp32 bits (a row-wise tensor-parallel rank's all-reduced one)."""
         m, k = x.shape
-        cfg = FAKE_QUANT_CONFIG
+        cfg = self.config
         out = torch.empty((m, k), dtype=torch.bfloat16, device=x.device)
         alpha_out = torch.empty(1, dtype=torch.float32, device=x.device) if self.nv else self.alpha
         blocks = -(-m // cfg.tile_r) * -(-k // cfg.tile_k)
@@ -1291,7 +1263,7 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
         row_scale = ((0, 0, 1), (1, 1, 1))  # (B, R, 1): its last dimension follows no axis
         if op.transposed:
             amax = torch.zeros(op.batch, op.rows, dtype=torch.int32, device=x.device)
-            acfg, cfg = ROW_AMAX_CONFIG, ROW_TRANSPOSED_CONFIG
+            acfg, cfg = plan("fp8_row_amax"), plan("fp8_row", transposed=True)
             # Every piece's column maxima (atomic, into the rows of Amax it covers) before any piece
             # is quantized: pieces cut along K share their rows' maxima.
             views = _pieces("quantize_fp8", op, max(acfg.tile_r, cfg.tile_r), max(acfg.tile_k, cfg.tile_k),
@@ -1307,7 +1279,7 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
                 _launch_kernel(x.device, _view_grid(view, True, cfg), _kernel(_fp8_columns_kernel, cfg),
                                (view, d, s, a, element, cfg.tile_r, cfg.tile_k))
         else:
-            cfg = row_config(op.k)
+            cfg = plan("fp8_row", k=op.k)
             tma = _row_tma_store(cfg, _target(x.device))
             for view, d, s in _pieces("quantize_fp8", op, cfg.tile_r, op.k,
                                       (("x", op.view, _BRK), ("data", data, _BRK), ("scale", scale, row_scale))):
@@ -1334,7 +1306,7 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
         gran = _FP8_128X128
         scale_dims = amax_dims = ((0, 0, 1), (1, 1, FP8_BLOCK), (2, 2, FP8_BLOCK))
     data = torch.empty(op.batch, op.rows, op.k, dtype=fmt.data_dtype, device=x.device)
-    cfg = fp8_config(gran, op.transposed, x.element_size())
+    cfg = plan(_FP8_KERNEL[gran], transposed=op.transposed, itemsize=x.element_size())
     kernel = _kernel(_fp8_quantize_kernel, cfg)
     tma = fp8_tma_store(gran, _target(x.device))
     for view, d, s, a in _pieces("quantize_fp8", op, cfg.tile_r, cfg.tile_k,
@@ -1382,23 +1354,23 @@ def aot_variants() -> list[AotVariant]:
                 scale = array(ct.uint8, 6 if swizzled else 3)
                 layout = ("swz" if swizzled else "log") + t
                 for element, code in _ELEMENT_CODE.items():
-                    cfg = BLOCK_CONFIGS["mxfp4" if element == "e2m1" else "mxfp8", swizzled, transposed]
+                    cfg = plan("mxfp4" if element == "e2m1" else "mxfp8", swizzled=swizzled, transposed=transposed)
                     add(f"quantize_mx_{element}_{in_name}_{layout}", _mx_quantize_kernel, cfg,
                         [x, _data_array(element), scale, _INT32, code, swizzled, transposed])
                 for source in ("given", "amax", "grid_amax"):
                     from_amax, grid_amax = source != "given", source == "grid_amax"
                     add(f"quantize_nvfp4_{source}_{in_name}_{layout}",
-                        _nvfp4_quantize_kernel, BLOCK_CONFIGS["nvfp4", swizzled, transposed],
+                        _nvfp4_quantize_kernel, plan("nvfp4", swizzled=swizzled, transposed=transposed),
                         [x, u8, scale, i32_1 if from_amax else f32_1, f32_1, from_amax, grid_amax, swizzled,
                          transposed])
             for element in ("e4m3", "e5m2"):
                 code = _ELEMENT_CODE[element]
                 if transposed:
                     add(f"quantize_fp8_rowcols_{element}_{in_name}", _fp8_columns_kernel,
-                        ROW_TRANSPOSED_CONFIG,
+                        plan("fp8_row", transposed=True),
                         [x, _data_array(element), array(ct.float32, 3), array(ct.int32, 2), code])
                 for tile_k in [] if transposed else _row_tiles_k():
-                    cfg = row_config(tile_k)
+                    cfg = plan("fp8_row", k=tile_k)
                     for tma in (True, False):
                         targets = tuple(tg for tg in TARGETS if _row_tma_store(cfg, tg) == tma)
                         if targets:
@@ -1409,7 +1381,7 @@ def aot_variants() -> list[AotVariant]:
                 if element == "e4m3":
                     grans.update({"1x128": _FP8_1X128, "128x128": _FP8_128X128})
                 for gname, gran in grans.items():
-                    cfg = fp8_config(gran, transposed, in_dtype.bitwidth // 8)
+                    cfg = plan(_FP8_KERNEL[gran], transposed=transposed, itemsize=in_dtype.bitwidth // 8)
                     scale = f32_1 if gran == _FP8_TENSOR else array(ct.float32, 3)
                     amax = i32_1 if gran == _FP8_TENSOR else array(ct.float32, 3)
                     for tma in (False, True):
@@ -1423,13 +1395,13 @@ def aot_variants() -> list[AotVariant]:
             for nv, grid_amax in ((False, False),) if element != "e2m1" else ((False, False), (True, False),
                                                                                (True, True)):
                 kind = ("nvfp4_grid_amax" if grid_amax else "nvfp4") if nv else f"mx_{element}"
-                add(f"fake_quant_{kind}_{in_name}", _fake_quant_kernel, FAKE_QUANT_CONFIG,
+                add(f"fake_quant_{kind}_{in_name}", _fake_quant_kernel, plan("fake_quant"),
                     [array(in_dtype, 2), array(ct.bfloat16, 2), _INT32, i32_1, f32_1, f32_1, code, nv,
                      grid_amax])
-        add(f"amax_columns_{in_name}", _column_amax_kernel, ROW_AMAX_CONFIG,
+        add(f"amax_columns_{in_name}", _column_amax_kernel, plan("fp8_row_amax"),
             [array(in_dtype, 3), array(ct.int32, 2), ROW_AMAX_CHUNK])
         for propagate in (False, True):
             for columns in (False, True):
                 add(f"amax_{'nan' if propagate else 'nonan'}_{in_name}{'_t' if columns else ''}", _amax_kernel,
-                    AMAX_CONFIG, [x, i32_1, propagate, columns])
+                    plan("amax"), [x, i32_1, propagate, columns])
     return variants

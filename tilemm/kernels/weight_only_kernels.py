@@ -512,7 +512,7 @@ _X_PARTS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 #: per SM where the registers allow it (64 per thread at tile_m 16 / 32, no spills on sm_90; 128 at
 #: tile_m 64 with two blocks); tile_m 128 takes two warpgroups on 128 rows. The decode of one block
 #: stalls on load and MMA latency, which other resident blocks hide
-#: (``benchmarks/tune_weight_only.py`` measures the alternatives).
+#: (``benchmarks/investigations/tune_weight_only.py`` measures the alternatives).
 _SHAPE = {16: (64, 4, 4), 32: (64, 4, 4), 64: (64, 4, 2), 128: (128, 8, None)}
 
 
@@ -596,7 +596,7 @@ def plan(m: int, n: int, k: int, layout: Layout, sms: int = 132) -> WeightOnlyCo
     per SM, or (tile_m 64, where a split of 2 measured up to 1.5x slower) about one (then
     ``_unsplit``), else the largest power of two (each split at least 2 K tiles) that
     keeps the grid within the blocks the GPU holds at once, loading two K tiles at a time at small M.
-    ``benchmarks/tune_weight_only.py`` measures the alternatives. Up to ``GEMV_M`` rows: the FMA
+    ``benchmarks/investigations/tune_weight_only.py`` measures the alternatives. Up to ``GEMV_M`` rows: the FMA
     kernel (``_gemv``); from 2 to 16 rows, where they pay, stacked K tiles (``_stacked``)."""
     if m <= GEMV_M:
         return _gemv(m, n, k, layout, sms)

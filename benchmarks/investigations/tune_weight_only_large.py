@@ -2,8 +2,8 @@
 on one GPU; prints what the committed plan reaches against the issue's targets and against the best
 candidate per shape.
 
-    python benchmarks/tune_weight_only_large.py                  # mxfp4, nvfp4, mxfp8; M = 1 ... 4096
-    python benchmarks/tune_weight_only_large.py --formats nvfp4 --ms 256,1024 --json out.json
+    python benchmarks/investigations/tune_weight_only_large.py                  # mxfp4, nvfp4, mxfp8; M = 1 ... 4096
+    python benchmarks/investigations/tune_weight_only_large.py --formats nvfp4 --ms 256,1024 --json out.json
 
 For each format, (N, K) in 14336x4096, 4096x14336, 8192x8192 (the README's shapes), 1024x4096 (GQA
 k / v) and 6144x4096 (fused qkv), and each M, with bf16 x and bf16 output, it first checks every
@@ -40,7 +40,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _timing
 from _timing import Timer  # noqa: E402
 
 import tilemm  # noqa: E402

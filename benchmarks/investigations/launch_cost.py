@@ -1,6 +1,6 @@
 """What a cuTile launch costs on the host, per kind of argument, next to the PyTorch calls around it.
 
-    python benchmarks/launch_cost.py
+    python benchmarks/investigations/launch_cost.py
 
 Each row is the host time to issue one call (300 calls back to back, best of 5, then one
 synchronisation): ``ct.launch`` of empty kernels with 0-9 torch tensors and 9 constants, with the
@@ -10,26 +10,15 @@ stream handle, ``torch.empty``, ``view``); bf16 ``F.linear`` and ``nn.Linear``; 
 layer and its parts at N = K = 1024, M = 1.
 """
 
-import time
+import pathlib
+import sys
 
 import cuda.tile as ct
 import torch
 import torch.nn.functional as F
 
-
-def issue_us(fn, calls=300, reps=5):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    best = 1e9
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        best = min(best, (t1 - t0) / calls * 1e6)
-    return best
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _timing
+from _timing import issue_us  # noqa: E402  (300 calls back to back, best of 5)
 
 
 @ct.kernel

@@ -1,7 +1,7 @@
 """Where the host time of one sharded MLP call goes: a per-step wall-clock breakdown and a profile.
 
-    torchrun --nproc-per-node 2 benchmarks/tp_host.py                    # NCCL, one GPU per rank
-    torchrun --nproc-per-node 2 benchmarks/tp_host.py --cpu --dims 256,1024   # gloo on the CPU
+    torchrun --nproc-per-node 2 benchmarks/investigations/tp_host.py                    # NCCL, one GPU per rank
+    torchrun --nproc-per-node 2 benchmarks/investigations/tp_host.py --cpu --dims 256,1024   # gloo on the CPU
 
 The MLP is ``bench_tp.py``'s (fc2(relu(fc1(x))), 4096 -> 14336 -> 4096 unless ``--dims``), sharded
 column-then-row with ``tilemm.parallel`` (bf16: ``_tp.PlainShard``), at ``--rows`` rows (default 1).
@@ -41,7 +41,7 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _tp
 
 import tilemm  # noqa: E402
 from _tp import PlainShard, gpu_names, gpus_label, slowest, start  # noqa: E402
@@ -108,7 +108,7 @@ def main() -> int:
     conditions = [("idle", 0, 0.0), ("settled", 0, 2e-3)] + ([("busy", busy, 0.0)] if busy else [])
     lines = [f"# Host time of one sharded MLP call ({d_model} -> {hidden} -> {d_model}, M = {args.rows}, "
              f"bf16 activations) on {label}", "",
-             f"`torchrun --nproc-per-node {world} benchmarks/tp_host.py {' '.join(sys.argv[1:])}`", "",
+             f"`torchrun --nproc-per-node {world} benchmarks/investigations/tp_host.py {' '.join(sys.argv[1:])}`", "",
              f"torch {torch.__version__}; median of {args.reps} calls, us, the slowest rank. Each call after "
              f"a device sync and a barrier; idle: at once; settled: 2 ms later (host sleep); busy: behind a "
              f"{args.busy_us:g} us GPU sleep.", ""]

@@ -1,7 +1,7 @@
 """What the GPUs of one machine offer the tensor-parallel layers: peer access, NCCL's transport and the
 all-reduce's speed by size, NCCL against torch's symmetric-memory one-shot all-reduce.
 
-    NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH torchrun --nproc-per-node 2 benchmarks/tp_probe.py
+    NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH torchrun --nproc-per-node 2 benchmarks/investigations/tp_probe.py
 
 Rank 0 prints, for every pair of GPUs, whether CUDA peer access is possible
 (``torch.cuda.can_device_access_peer``), then for bf16 all-reduces of 8 KiB .. 64 MiB, each in a
@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _tp
 
+from _timing import Timer  # noqa: E402
 from _tp import start  # noqa: E402
 
 SIZES = [8 << 10, 64 << 10, 256 << 10, 1 << 20, 8 << 20, 32 << 20, 64 << 20]
@@ -33,26 +33,12 @@ ONE_SHOT_MAX = 256 << 10
 
 
 def graph_ms(fn, reps: int) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start_ev.record()
-        graph.replay()
-        end_ev.record()
-        end_ev.synchronize()
-        times.append(start_ev.elapsed_time(end_ev))
-    t = torch.tensor([statistics.median(times)], device="cuda", dtype=torch.float64)
+    """The slowest rank's median time of ``fn`` as CUDA-graph replays (``_timing.Timer``: no L2 flush,
+    the ranks lined up by a barrier before each replay, each waited for)."""
+    ms, how = Timer(reps, torch.device("cuda"), flush_l2=False, sync_each=True, before_each=dist.barrier)(fn)
+    if how != "graph":
+        raise RuntimeError("did not capture in a CUDA graph")
+    t = torch.tensor([ms], device="cuda", dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 

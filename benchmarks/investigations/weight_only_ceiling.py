@@ -2,8 +2,8 @@
 load what the FMA kernel loads (the prepacked weight words, its scale bytes and x) run, against cuBLAS
 bf16 and tilemm's weight-only layer in the same run, per shape of the inference benchmark.
 
-    python benchmarks/weight_only_ceiling.py [mxfp4,nvfp4,mxfp8]
-    python benchmarks/weight_only_ceiling.py mxfp4 --stream 8   # per layer inside a graph of 8 layers
+    python benchmarks/investigations/weight_only_ceiling.py [mxfp4,nvfp4,mxfp8]
+    python benchmarks/investigations/weight_only_ceiling.py mxfp4 --stream 8   # per layer inside a graph of 8 layers
 
 A kernel cannot stream its operands faster than a kernel that loads the same tiles and does nothing
 else with them, so the load-only speed-up over bf16 bounds what any decode built on these loads
@@ -32,7 +32,7 @@ import cuda.tile as ct
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _timing
 from _timing import Timer  # noqa: E402
 
 import tilemm  # noqa: E402

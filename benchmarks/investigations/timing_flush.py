@@ -1,6 +1,6 @@
 """How the L2 flush before each timed replay changes what a small-M matmul measures.
 
-    python benchmarks/timing_flush.py
+    python benchmarks/investigations/timing_flush.py
 
 Times cuBLAS bf16 ``F.linear`` and the MXFP4 weight-only ``tilemm.nn.Linear`` at M = 1 as CUDA-graph
 replays (median of 30) after each of: a flush by writes (zeroing 256 MB, which leaves the L2 full of
@@ -12,14 +12,13 @@ come from DRAM.
 from __future__ import annotations
 
 import pathlib
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _timing import _graph_or_eager  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _timing
+from _timing import _graph_or_eager, median_ms  # noqa: E402
 
 import tilemm  # noqa: E402
 
@@ -32,17 +31,8 @@ def main() -> int:
     sink = torch.empty((), dtype=torch.float32, device=dev)
     flushes = {"writes": buf.zero_, "reads": lambda: torch.sum(buf, dim=(0,), out=sink), "none": lambda: None}
 
-    def median_us(run, flush, reps=30):
-        events = []
-        for _ in range(reps):
-            flush()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            events.append((start, end))
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
+    def median_us(run, flush, reps=30):  # each flush before its call's interval
+        return median_ms(run, reps, before_each=flush) * 1e3
 
     print(f"{torch.cuda.get_device_name(dev)}; M = 1, bf16 activations; us per call, median of 30")
     print(f"{'N':>6} {'K':>6} {'flush':>7} {'bf16':>8} {'mxfp4 wo':>9} {'ratio':>6}")

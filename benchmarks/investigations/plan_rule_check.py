@@ -10,7 +10,7 @@ family and M the geomean speed-up over cuBLAS bf16 of
   table with a row per M and no shape quantities reaches);
 * ``wired``: the ``plan`` column, where the sweep timed the layer as the committed plan dispatched it.
 
-    python benchmarks/plan_rule_check.py benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt
+    python benchmarks/investigations/plan_rule_check.py benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt
 
 A problem whose pick the sweep did not time (a candidate left out) is named in the listing and left
 out of the ``rule`` geomean of its (family, M), which is then marked ``*``.
@@ -25,7 +25,7 @@ import re
 import sys
 from collections import defaultdict
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this checkout's tilemm
 from tilemm.kernels import weight_only_kernels as wo  # noqa: E402
 from tilemm.kernels import hopper_weight_only_large as wl  # noqa: E402
 

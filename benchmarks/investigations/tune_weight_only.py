@@ -1,7 +1,7 @@
 """Sweep of the weight-only kernel's tile shape, hints and K split on one GPU (CUDA-graph replays, L2
 flushed), against cuBLAS bf16 in the same run; the winners set ``weight_only_kernels.plan``.
 
-    python benchmarks/tune_weight_only.py [--formats mxfp4] [--ms 1,16]
+    python benchmarks/investigations/tune_weight_only.py [--formats mxfp4] [--ms 1,16]
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _timing
 from _timing import Timer  # noqa: E402
 
 import tilemm  # noqa: E402

@@ -96,6 +96,30 @@ def test_stacked_exponent_is_shared():
     assert_matches(tilemm.moe_linear(x, packed, ids).float(), reference64(x, w_q, ids), torch.bfloat16)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+def test_experts_state_dict_of_an_older_word_layout_loads(fmt):
+    """MoEExperts keeps its prepacked words in its state dict, under the word layout's version: a state
+    dict saved with layout 1 (before the e2m1 fields moved) loads as the same elements."""
+    from tilemm.packed import LAYOUT_VERSION, relayout_words
+
+    _, gate_up = stacked(fmt, 2, 64, 64, seed=5)  # (E, 2I, H)
+    _, down = stacked(fmt, 2, 64, 32, seed=6)  # (E, H, I)
+    module = MoEExperts(gate_up, down)
+    state = module.state_dict()
+    assert state._metadata[""]["version"] == LAYOUT_VERSION
+    old = dict(state)
+    for name in ("gate_up_words", "down_words"):
+        old[name] = relayout_words(state[name], gate_up.fmt, LAYOUT_VERSION, 1)
+    assert fmt == "mxfp8" or not torch.equal(old["gate_up_words"], state["gate_up_words"])
+    fresh = MoEExperts(*(stacked(fmt, 2, n, k, seed=9)[1] for n, k in ((64, 64), (64, 32))))
+    fresh.load_state_dict(old)  # no metadata: version 1
+    for name in ("gate_up_words", "down_words"):
+        assert torch.equal(getattr(fresh, name), state[name])
+    fresh.load_state_dict(state)  # the current version as it is
+    assert torch.equal(fresh.gate_up_words, state["gate_up_words"])
+    assert torch.equal(unpack(fresh.packed("gate_up")).data, unpack(gate_up).data)
+
+
 def test_stacked_prepack_errors():
     a = tilemm.quantize_mxfp4(torch.randn(8, 64))
     with pytest.raises(ValueError, match="one format and shape"):

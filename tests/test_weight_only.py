@@ -14,6 +14,7 @@ import swizzle
 import tilemm
 from tilemm.formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
 from tilemm.kernels import weight_only_kernels as wo
+from tilemm.numerics import unpack_e2m1
 from tilemm.packed import layout_of, prepack, unpack
 
 from _emulator import LaunchProxy, TileEmulator, assert_matches
@@ -96,6 +97,58 @@ def test_e5m2_inf_and_fp32_overflow_are_refused():
     scale[0, 0] = 254  # 6 * 2^127 overflows fp32
     with pytest.raises(ValueError, match="overflow float32"):
         prepack(tilemm.MXFP4Tensor(data, scale.view(torch.float8_e8m0fnu)))
+
+
+def test_pickled_packed_weight_keeps_its_layout_version():
+    import copy
+    import pickle
+
+    from tilemm.packed import LAYOUT_VERSION, relayout_words
+
+    packed = prepack(quantized_weight(MXFP4, 4, 64))
+    back = pickle.loads(pickle.dumps(packed))
+    assert torch.equal(back.words, packed.words) and copy.deepcopy(packed).exponent == packed.exponent
+    state = packed.__getstate__()
+    assert state.pop("layout_version") == LAYOUT_VERSION  # as pickled before versions existed: layout 1
+    state["words"] = relayout_words(packed.words, MXFP4, LAYOUT_VERSION, 1)
+    old = object.__new__(type(packed))
+    old.__setstate__(state)
+    assert torch.equal(old.words, packed.words)
+    assert torch.equal(unpack(old).data, unpack(packed).data)
+
+
+def test_relayout_from_word_layout_1():
+    """Layout 1 held plane p's magnitude at lane bits 3p..3p+2 and its sign at 12 + p; relayout_words
+    turns such words into the current layout's words of the same weight, and back."""
+    from tilemm.packed import LAYOUT_VERSION, relayout_words
+
+    w_q = quantized_weight(MXFP4, 3, 512)
+    packed = prepack(w_q)
+    codes = unpack_e2m1(w_q.data).to(torch.int64).reshape(3, -1, 4, 2, 16, 2)  # (N, T, P, G, W, lane)
+    p = torch.arange(4).reshape(1, 1, 4, 1, 1, 1)
+    lane = (((codes & 7) << (3 * p)) | (((codes >> 3) & 1) << (12 + p))).sum(dim=2)
+    old = lane[..., 0] | (lane[..., 1] << 16)
+    old = torch.where(old >= 2 ** 31, old - 2 ** 32, old).to(torch.int32).reshape(3, -1)
+    assert torch.equal(relayout_words(old, MXFP4, 1), packed.words)
+    assert torch.equal(relayout_words(packed.words, MXFP4, LAYOUT_VERSION, 1), old)
+    mx8 = prepack(quantized_weight(MXFP8_E4M3, 2, 128)).words
+    assert relayout_words(mx8, MXFP8_E4M3, 1) is mx8
+    with pytest.raises(ValueError, match="versions are"):
+        relayout_words(packed.words, MXFP4, 0)
+
+
+def test_scale_2_to_127_is_refused():
+    """A block scale of 2^127 (byte 254) would need E = offset, where the kernel's multiplier of byte 0
+    (2^-127) and of the NaN byte would not be exact; prepack refuses it by name."""
+    w_q = quantized_weight(MXFP4, 4, 64)
+    data = torch.zeros_like(w_q.data)
+    data[0, 0] = 0x02  # element 0 = 1.0: 2^127 is finite
+    scale = _bytes(w_q.scale).clone()
+    scale[0, 0] = 254
+    with pytest.raises(ValueError, match="2\\^127"):
+        prepack(tilemm.MXFP4Tensor(data, scale.view(torch.float8_e8m0fnu)))
+    scale[0, 0] = 253
+    assert prepack(tilemm.MXFP4Tensor(data, scale.view(torch.float8_e8m0fnu))).exponent == 125
 
 
 def test_exponent_offset():

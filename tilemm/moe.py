@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .formats import FORMATS
-from .packed import PackedWeight, layout_of
+from .packed import LAYOUT_VERSION, PackedWeight, layout_of, relayout_words
 
 __all__ = ["moe_linear", "reference_moe", "gpt_oss_glu", "MoEExperts"]
 
@@ -327,6 +327,20 @@ class MoEExperts(torch.nn.Module):
             if b is not None and tuple(b.shape) != (e, n):
                 raise ValueError(f"{fn}: {name} must be (E, N) = ({e}, {n}), got {tuple(b.shape)}")
             self.register_buffer(name, None if b is None else b.detach().to(torch.float32).contiguous())
+
+    #: State dicts record the prepacked word layout's version (``tilemm.packed.LAYOUT_VERSION``); words
+    #: of an older version are re-laid out on load.
+    _version = LAYOUT_VERSION
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        version = local_metadata.get("version", 1)
+        for name, fmt in zip(("gate_up", "down"), self.formats):
+            key = f"{prefix}{name}_words"
+            if key in state_dict:
+                state_dict[key] = relayout_words(state_dict[key], FORMATS[fmt], version)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def packed(self, name: str) -> PackedWeight:
         """The stacked PackedWeight ``"gate_up"`` or ``"down"`` (views of the buffers)."""

@@ -19,7 +19,12 @@ A ``PackedWeight`` holds:
   usual block scales up to 448, the decode scale taking the rest).
 
 Weights that the kernel cannot reproduce exactly are refused with a ValueError naming the reason: an
-e5m2 Inf element, or a block whose dequantized values overflow fp32 (the reference gives +-inf there).
+e5m2 Inf element, a block whose dequantized values overflow fp32 (the reference gives +-inf there), or
+an MX block scale of 2^127 (byte 254: it would need E = offset, outside the multipliers' exact range).
+
+e2m1 words: each 16-bit lane holds one element of each of the 4 planes, its 3 magnitude bits and its
+sign at the bits ``E2M1_FIELDS`` names (chosen for the fewest decode instructions); 8-bit elements
+take a lane's low (plane 0) and high (plane 1) byte.
 
 Stacked expert weights (mixture of experts, ``tilemm.moe_linear``): ``prepack`` of a 3-D (E, N, K)
 quantized weight, or of a sequence of E quantized (N, K) weights (one per expert: NVFP4 experts with
@@ -40,14 +45,19 @@ import torch
 import swizzle as _swizzle
 
 from .formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
-from .kernels.weight_only_kernels import LAYOUTS, Layout
+from .kernels.weight_only_kernels import E2M1_FIELDS, LAYOUTS, Layout
 from .numerics import as_uint8, e2m1_decode, unpack_e2m1, pack_e2m1
 from .quantize import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
 from .reference import decode_scales
 
-__all__ = ["PackedWeight", "prepack", "unpack", "layout_of", "expert"]
+__all__ = ["PackedWeight", "prepack", "unpack", "layout_of", "expert", "relayout_words", "LAYOUT_VERSION"]
 
 _FP32_MAX_LOG2 = 128.0  # values at or above 2^128 overflow fp32
+
+#: Version of the word layout: 2 since the e2m1 fields moved to ``E2M1_FIELDS`` (1: magnitudes at lane
+#: bits 3p..3p+2, signs at 12 + p). Pickled PackedWeights and ``MoEExperts`` state dicts record it, and
+#: words of an older version are re-laid out when they are loaded (``relayout_words``).
+LAYOUT_VERSION = 2
 
 
 def layout_of(fmt: Format) -> Layout:
@@ -104,10 +114,19 @@ class PackedWeight:
                                    nan_scale=move(self.nan_scale))
 
     def __getstate__(self) -> dict:
-        # Copies and pickles leave out the runners cached for eager calls (``weight_only.runner_for``).
+        # Copies and pickles leave out the runners cached for eager calls (``weight_only.runner_for``)
+        # and record the word layout's version (see ``__setstate__``).
         state = dict(self.__dict__)
         state.pop("_runners", None)
+        state["layout_version"] = LAYOUT_VERSION
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        # A PackedWeight pickled under an older word layout (no version: 1) is re-laid out.
+        state = dict(state)
+        version = state.pop("layout_version", 1)
+        state["words"] = relayout_words(state["words"], state["fmt"], version)
+        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         return (f"PackedWeight({self.fmt.name}, shape={self.shape}, tile_k={self.layout.tile_k}, "
@@ -134,13 +153,42 @@ def _tiles(t: torch.Tensor, layout: Layout) -> torch.Tensor:
     return t.reshape(n, -1, layout.planes, layout.group, layout.block // 2, 2)
 
 
+def _e2m1_fields(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per plane, the lane bit of the magnitude's lowest bit and of the sign (``E2M1_FIELDS``), shaped
+    to broadcast over (N, T, planes, group, words, lanes)."""
+    fields = torch.tensor(E2M1_FIELDS, dtype=torch.int64, device=device)
+    return fields[:, 0].reshape(1, 1, 4, 1, 1, 1), fields[:, 1].reshape(1, 1, 4, 1, 1, 1)
+
+
+#: The e2m1 lane fields of each word layout version (``E2M1_FIELDS`` is the current one's).
+_E2M1_FIELDS_OF = {1: ((0, 12), (3, 13), (6, 14), (9, 15)), LAYOUT_VERSION: E2M1_FIELDS}
+
+
+def relayout_words(words: torch.Tensor, fmt: Format, src: int, dst: int = LAYOUT_VERSION) -> torch.Tensor:
+    """Prepacked ``words`` (int32, any leading dimensions) of a ``fmt`` weight in word layout version
+    ``src`` as the same elements in version ``dst``: a permutation of each 16-bit lane's bits (e2m1;
+    8-bit elements are laid out alike in every version)."""
+    for v in (src, dst):
+        if v not in _E2M1_FIELDS_OF:
+            raise ValueError(f"tilemm.packed.relayout_words: word layout versions are "
+                             f"{sorted(_E2M1_FIELDS_OF)}, got {v}")
+    if src == dst or not fmt.is_packed:
+        return words
+    w = _from_int32_words(words)
+    out = torch.zeros_like(w)
+    for (a, s), (a2, s2) in zip(_E2M1_FIELDS_OF[src], _E2M1_FIELDS_OF[dst]):
+        for lane in (0, 16):
+            out |= ((w >> (lane + a)) & 0x7) << (lane + a2)
+            out |= ((w >> (lane + s)) & 0x1) << (lane + s2)
+    return _to_int32_words(out)
+
+
 def _pack_words(codes: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Element codes (N, K) (e2m1 nibbles, or FP8 bytes) -> words (N, T * words_per_tile) int32."""
     t = _tiles(codes.to(torch.int64), layout)  # (N, T, P, G, W, 2)
     if layout.planes == 4:
-        mag, sign = t & 0x7, (t >> 3) & 0x1
-        shift = torch.arange(4, device=t.device).reshape(1, 1, 4, 1, 1, 1)
-        lane = ((mag << (3 * shift)) | (sign << (12 + shift))).sum(dim=2)
+        mag_at, sign_at = _e2m1_fields(t.device)
+        lane = (((t & 0x7) << mag_at) | (((t >> 3) & 0x1) << sign_at)).sum(dim=2)
     else:
         lane = t[:, :, 0] | (t[:, :, 1] << 8)
     words = lane[..., 0] | (lane[..., 1] << 16)  # (N, T, G, W)
@@ -153,9 +201,9 @@ def _unpack_words(words: torch.Tensor, layout: Layout, k: int) -> torch.Tensor:
     w = _from_int32_words(words).reshape(n, -1, layout.group, layout.block // 2)
     lane = torch.stack((w & 0xFFFF, w >> 16), dim=-1)  # (N, T, G, W, 2)
     if layout.planes == 4:
-        shift = torch.arange(4, device=w.device).reshape(1, 1, 4, 1, 1, 1)
+        mag_at, sign_at = _e2m1_fields(w.device)
         lane = lane.unsqueeze(2)
-        codes = ((lane >> (3 * shift)) & 0x7) | (((lane >> (12 + shift)) & 0x1) << 3)
+        codes = ((lane >> mag_at) & 0x7) | (((lane >> sign_at) & 0x1) << 3)
     else:
         codes = torch.stack((lane & 0xFF, lane >> 8), dim=2)
     return codes.reshape(n, -1)[:, :k].to(torch.uint8)
@@ -247,6 +295,10 @@ def prepack(w_q) -> PackedWeight:
     s = decode_scales(fmt, scale)[finite]
     top = float(s.max()) if s.numel() else 0.0
     exponent = max(0, math.floor(math.log2(top)) + layout.offset - 127) if top > 0 else 0
+    if exponent >= layout.offset:
+        raise ValueError(f"{fn}: the weight holds a block scale of 2^127 (e8m0 byte 254); the weight-only "
+                         f"kernel's multipliers reach at most 2^126 exactly. Use tilemm.linear with a "
+                         f"quantized activation, or rescale the weight")
     alpha = 2.0 ** exponent
     constants = torch.tensor([alpha, 2.0 ** (layout.offset - exponent)], dtype=torch.float32,
                              device=w_q.data.device)

@@ -1,66 +1,31 @@
-"""Weight-only matmul: bf16 / fp16 / fp32 activations times a prepacked MXFP4, NVFP4 or MXFP8 weight,
-in one cuTile kernel that reads each weight byte once and never writes a dequantized weight: the
-tensor-core kernel ``_weight_only_kernel``, or, for a single row of x, the FMA kernel ``_gemv_kernel``
-(``plan`` chooses).
+"""Weight-only matmul: bf16 / fp16 / fp32 activations x (M, K) times a prepacked MXFP4, NVFP4 or MXFP8
+weight (N, K), ``out = (x @ dequantize(w).T) * alpha + bias`` accumulated in fp32 and rounded once,
+reading each weight byte once and writing no dequantized weight. ``plan`` picks the tensor-core kernel
+``_weight_only_kernel`` or, for one row of x, the FMA kernel ``_gemv_kernel``; ``_dequantize_kernel``
+and ``_k_tile`` also serve ``hopper_weight_only_large`` and ``moe_kernels`` (same layout, same decode).
 
-The kernels use integer operations, bf16 ``ct.mma`` and fp32 arithmetic only, so the same code runs
-on Hopper (sm_90) and Blackwell (sm_100 / sm_120; ``ct.mma_scaled`` there takes no bf16 operand, and
-quantizing the activation would change the result). For many rows of bf16 activations the caller
-(``tilemm.weight_only``) follows the plan of ``hopper_weight_only_large`` where it names a design: its
-fused persistent kernel (on Hopper; built on this module's decode helpers), or the weight decoded with
-``_dequantize_kernel`` and multiplied by cuBLAS's bf16 GEMM (at once, or chunk by chunk overlapped
-with the GEMM).
+Layout (``tilemm.prepack`` builds it once; ``Layout``, ``E2M1_FIELDS``). A K tile is PLANES planes of
+G scale blocks; 32-bit word w of a row's tile holds elements 2w and 2w + 1 of every plane, one per
+16-bit lane. Decoding a plane is one or two shifts and masks on whole words and yields two bf16 bit
+patterns at once: e2m1 * 2^-126, e4m3 * 2^-120 or e5m2 * 2^-112 (subnormal codes land on bf16
+subnormals of the same value). The e2m1 fields are placed so that planes 0 and 1 need one shift for
+magnitude and sign together and plane 2's magnitude none; the 8-bit lanes are already minimal.
 
-What it computes: ``out = (x @ dequantize(w).T) * alpha + bias``, accumulated in fp32, rounded once to
-``out``'s dtype; ``x`` is (M, K), the weight (N, K). The weight arrives in the layout that
-``tilemm.prepack`` builds once at load time (``tilemm.packed``), described here because the kernel's
-decode is that layout's other half.
+Scaling. Each decoded pair is multiplied (one bf16x2 multiply) by the bf16 multiplier ``scale *
+2^(OFFSET - E)`` of its row and block (e8m0: integer arithmetic on the byte, ``_multipliers``); E >= 0
+is chosen by ``prepack`` so that every multiplier is a finite bf16 number, and the epilogue multiplies
+by ``alpha = 2^E`` (times NVFP4's per-tensor decode scale). Invariant: the scaled element is exactly
+``dequantize(w) * 2^-E`` in bf16 (at most 6 significant bits; scale bytes near 0 share the lower
+range limit of the block-scaled kernels); a NaN scale gives a NaN multiplier, so NaN reaches exactly
+the output columns the reference makes NaN.
 
-Planes. A K tile of ``TK = PLANES * G * B`` elements (B the scale block) is cut into PLANES
-contiguous "planes" of ``G * B`` elements, so a plane holds G whole scale blocks. Each 32-bit word of a
-weight row holds two elements of every plane, one per 16-bit half ("lane"): element
-``kt * TK + p * G * B + g * B + 2 * w + lane`` sits in word ``g * B / 2 + w`` of tile kt.
-Decoding plane p is then one shift and one mask per source field on whole 32-bit words, which makes
-two bf16 bit patterns at once, with no byte shuffles:
-
-* e2m1 (4 planes, 4 elements per lane): element p's magnitude bits (e1 e0 m) are stored at lane bits
-  3p..3p+2 and its sign at bit 12 + p. ``((w << (6 - 3p)) & 0x01C001C0) | ((w << (3 - p)) &
-  0x80008000)`` (a right shift for p = 3) puts them at bf16 bits 6..8 and 15: the bf16 number
-  e2m1 * 2^-126, exact for every code (code 1, 0.5, lands on the subnormal 2^-127).
-* e4m3 / e5m2 (2 planes, 2 elements per lane): plane 0 in each lane's low byte, plane 1 in its high
-  byte; the 7 magnitude bits go to bf16 bits 4..10 (e4m3, giving e4m3 * 2^-120) or 5..11 (e5m2, e5m2 *
-  2^-112), the sign to bit 15. Subnormal e4m3 / e5m2 land on bf16 subnormals of the same value.
-
-Bits shifted across the lane boundary always fall outside the masks. Each decoded plane (TN, G * B) is
-multiplied by one bf16 multiplier per row and scale block, ``scale * 2^(OFFSET - E)`` (OFFSET = 126
-for e2m1, 120 for e4m3, 112 for e5m2: the decode's power of two taken back), so the MMA operand is the
-dequantized weight times 2^-E; the epilogue multiplies by ``alpha = 2^E * ...`` in fp32. E >= 0 is
-chosen per weight by ``tilemm.prepack`` so that the largest multiplier fits bf16: E = 0 for an MX weight
-whose block scales are at most 2^1 (MXFP4), 2^7 (e4m3) or 2^15 (e5m2) -- then the MMA operand is the
-dequantized weight itself; NVFP4 weights with block scales up to 448 take E = 7.
-NaN scales decode to NaN multipliers, so NaN reaches exactly the output columns the reference makes
-NaN (a NaN weight element poisons its whole output column, so prepack marks such a block's scale NaN).
-
-Exactness. Every decoded, scaled element is exactly representable in bf16 (at most 5 significant bits,
-and within bf16's exponent range given E, with the same lower limit as the block-scaled kernels for
-scale bytes near 0), and bf16 x bf16 products are exact in the fp32 accumulator. Activations in fp16
-or fp32 are split in the kernel into 2 or 3 bf16 parts whose sum is exactly x (8 + 8 (+ 8) significant
-bits; for fp32 values below about 2^-110 the last part can fall under bf16's smallest subnormal,
-2^-133, and be lost); each part runs its own MMA into the same accumulator. So the result equals an
-fp32-accumulated ``x @ dequantize(w).T`` up to the order of the fp32 additions (and, with E > 0 or
-NVFP4's decode scale, the placement of one power-of-two or fp32 factor).
-
-Operands sit as Hopper's wgmma wants them at small M: the decoded weight plane is the left operand
-(registers), ``x`` the right one, ``acc (TN, TM) = W_plane @ x_plane.T``; TM = 16 covers M <= 16 with
-one MMA column block. K is split over ``SPLIT_K`` blocks when the output alone has too few tiles for
-the GPU; the last block of each output tile adds their fp32 partial tiles in a fixed order
-(deterministic), in the same launch. At M <= 16 the kernel loads two K tiles at a time (cuTile gives
-each load one shared-memory buffer, so a bigger load is more weight in flight) and, where the output
-tiles alone fill the GPU, concatenates the decoded planes into one MMA per K tile (one wait for the
-tensor cores instead of one per plane). From 2 to 16 rows, where 64-row blocks would split K, the
-kernel stacks STACK consecutive K tiles of a block's weight rows into the wgmma's 64 (or 128) rows
-(see the kernel's docstring): blocks of 32 or 16 rows, no K split, the same decode. What was
-measured for these choices and their alternatives is in ``benchmarks/results/weight-only-designs-*.md``.
+Exactness. bf16 x bf16 products are exact in fp32; fp16 / fp32 activations are split into 2 / 3 bf16
+parts whose sum is x (fp32 values below about 2^-110 can lose the last part); the FMA kernel turns bf16
+into fp32 by bit operations and rounds each product once into an fp32 sum. So each output equals the
+fp32-accumulated ``x @ dequantize(w).T`` up to the order of the additions and the placement of alpha.
+The block scale is applied per element, not to per-block partial sums: for e8m0 that would be exact
+only if the unscaled products could not underflow (the decoded e2m1 * 2^-126 makes them), and an
+NVFP4 e4m3 factor would round each partial once more, which summation order does not allow.
 """
 
 from __future__ import annotations
@@ -124,18 +89,32 @@ LAYOUTS = {
 }
 
 
+#: e2m1 fields within each 16-bit lane, per plane p: (lowest of the 3 magnitude bits, sign bit). Planes
+#: 0 and 1 keep the sign 9 bits above the magnitude's lowest bit, as bf16 does (bits 6..8 and 15), so one
+#: shift and one mask decode both lanes; plane 2's magnitude already sits at bits 6..8. No placement of
+#: four such fields tiles 16 bits, so planes 2 and 3 move the sign by a shift of its own.
+E2M1_FIELDS = ((0, 9), (3, 12), (6, 10), (13, 11))
+
+
 # --------------------------------------------------------------------------------------------------
 # Tile code
 # --------------------------------------------------------------------------------------------------
 
 def _decode_plane(w, P, ELEMENT):
-    """Plane P of a (TN, WORDS) uint32 word tile as uint32 words of two bf16 bit patterns each."""
-    if ELEMENT == E2M1:
-        if P == 3:
-            mag = (w >> 3) & 0x01C001C0
-        else:
-            mag = (w << (6 - 3 * P)) & 0x01C001C0
-        return mag | ((w << (3 - P)) & 0x80008000)
+    """Plane P of a (TN, WORDS) uint32 word tile as uint32 words of two bf16 bit patterns each.
+
+    e2m1: the magnitude field (e1 e0 m) of ``E2M1_FIELDS`` moves to bf16 bits 6..8 and the sign to bit
+    15, giving e2m1 * 2^-126. e4m3 / e5m2: plane 0 is each lane's low byte, plane 1 its high byte; the
+    7 magnitude bits move to bf16 bits 4..10 (e4m3 * 2^-120) or 5..11 (e5m2 * 2^-112), the sign to bit
+    15. The same shift serves both lanes; bits shifted across the lane boundary fall outside the masks."""
+    if ELEMENT == E2M1:  # the fields of E2M1_FIELDS, moved to bf16 bits 6..8 (magnitude) and 15 (sign)
+        if P == 0:
+            return (w << 6) & 0x81C081C0
+        if P == 1:
+            return (w << 3) & 0x81C081C0
+        if P == 2:
+            return (w & 0x01C001C0) | ((w << 5) & 0x80008000)
+        return ((w >> 7) & 0x01C001C0) | ((w << 4) & 0x80008000)
     if ELEMENT == E4M3:
         if P == 0:
             return ((w << 4) & 0x07F007F0) | ((w << 8) & 0x80008000)
@@ -155,18 +134,19 @@ def _as_bf16_pairs(bits, ROWS, WORDS):
 def _multipliers(s_raw, Mult, SCALE_E8M0):
     """Scale bytes (TN, SC) -> bf16 ``scale * 2^(OFFSET - E)`` (Mult holds 2^(OFFSET - E)), exactly.
 
-    e8m0: the product is 2^(s - 127 + OFFSET - E), whose bf16 exponent field is s plus Mult's fp32
-    exponent field less 127 -- an integer add, no float arithmetic. ``prepack`` picks E so that this
-    field stays in 1..254 for every finite scale byte of the weight (s = 0 included, the zero padding
-    past K too), so only s = 255 (NaN) needs its own encoding."""
+    e8m0: the product is 2^(s - 127 + OFFSET - E), whose bf16 bits are (s + OFFSET - E) << 7 = s * 128
+    + base, base = (Mult's fp32 exponent field - 127) << 7: one integer multiply-add. ``prepack`` keeps
+    1 <= OFFSET - E and every finite field s + OFFSET - E <= 254 (s = 0 included, the zero padding past
+    K too), so finite bytes give at most 0x7F00 and s = 255 at least 0x8000: ``min(bits, 0x7FC0)``
+    turns exactly the NaN byte into bf16's NaN, with no compare. e4m3 (NVFP4): the byte as bf16 (exact,
+    subnormals and NaN included) times 2^(OFFSET - E) in bf16, exact below 2^128, which ``prepack``'s E
+    guarantees."""
     mult = ct.load(Mult, (0,), (1,)).reshape((1, 1))
     if SCALE_E8M0:
-        shift = (ct.bitcast(mult, ct.int32) >> 23) - 127
-        bits = ((s_raw.astype(ct.int32) + shift) << 7).astype(ct.uint16)
-        bits = ct.where(s_raw == 255, ct.full(bits.shape, 0x7FC0, ct.uint16), bits)
+        base = ((ct.bitcast(mult, ct.int32) >> 16) & 0x7F80) - 0x3F80
+        bits = ct.minimum(s_raw.astype(ct.int32) * 128 + base, 0x7FC0).astype(ct.uint16)
         return ct.bitcast(bits, ct.bfloat16)
-    s = ct.bitcast(s_raw, ct.float8_e4m3fn).astype(ct.float32)
-    return (s * mult).astype(ct.bfloat16)
+    return ct.bitcast(s_raw, ct.float8_e4m3fn).astype(ct.bfloat16) * mult.astype(ct.bfloat16)
 
 
 def _mma_x(plane, x, acc, X_PARTS):
@@ -258,7 +238,9 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
                         ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                         GROUP: ConstInt, TM: ConstInt, TN: ConstInt, SPLIT_K: ConstInt,
                         X_PARTS: ConstInt, UNROLL: ConstInt, CAT: ConstInt, STACK: ConstInt):
-    """acc (TN, TM) = sum over this block's K tiles and planes of decode(W plane) @ x_plane.T.
+    """acc (TN, TM) = sum over this block's K tiles and planes of decode(W plane) @ x_plane.T: the
+    decoded weight is the MMA's left operand (Hopper's wgmma reads it from registers), x the right one;
+    TM = 16 covers M <= 16 with one MMA column block.
 
     X (M, K) activations; W (N, k_tiles * WORDS) int32, WORDS = GROUP * BLOCK / 2 words per row and
     K tile; S (K / BLOCK, N) raw scale bytes (transposed, so that a tile's rows are N-contiguous); C
@@ -401,8 +383,7 @@ def _gemv_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
     g_begin = split * per_split
     g_end = max(min(g_begin + per_split, groups), g_begin)
 
-    acc_lo = ct.zeros((TM, TN, TP // 2), ct.float32)
-    acc_hi = ct.zeros((TM, TN, TP // 2), ct.float32)
+    acc = ct.zeros((TM, TN, TP // 2), ct.float32)
     for g in range(g_begin, g_end):
         ws = ct.bitcast(ct.load(W, (bn, g), (TN, UNROLL * WORDS), padding_mode=_ZERO), ct.uint32)
         ss = ct.load(S, (g, bn), (UNROLL * SC, TN), padding_mode=_ZERO)
@@ -415,9 +396,9 @@ def _gemv_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
                 w_lo, w_hi = _f32_halves(_scaled_plane(w, mult, p, ELEMENT, BLOCK, GROUP, TN), TN, TP, True)
                 x_lo, x_hi = _f32_halves(ct.extract(xs, (0, u * PLANES + p), (TM, TP)), TM, TP,
                                          X.dtype == ct.bfloat16)
-                acc_lo = acc_lo + w_lo.reshape((1, TN, TP // 2)) * x_lo.reshape((TM, 1, TP // 2))
-                acc_hi = acc_hi + w_hi.reshape((1, TN, TP // 2)) * x_hi.reshape((TM, 1, TP // 2))
-    out = ct.sum(acc_lo + acc_hi, axis=2)
+                acc = acc + w_lo.reshape((1, TN, TP // 2)) * x_lo.reshape((TM, 1, TP // 2))
+                acc = acc + w_hi.reshape((1, TN, TP // 2)) * x_hi.reshape((TM, 1, TP // 2))
+    out = ct.sum(acc, axis=2)
     if SPLIT_K == 1:
         _epilogue(out, C, Alpha, Bias, bm, bn, TM, TN)
     else:

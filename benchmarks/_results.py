@@ -6,7 +6,8 @@ A results file is named ``<benchmark>[-<variant>]-<gpu>[-x<N>].<ext>``:
   ``layer-stream``); ``<variant>``: what a run chose that changes what it measured (``decode-b1``,
   ``moe-quick``), if anything;
 * ``<gpu>``: ``torch.cuda.get_device_name()`` in lower case with hyphens for spaces
-  (``nvidia-h100-80gb-hbm3``), ``cpu`` for a ``--cpu-smoke`` run; ``-x<N>`` for a run on N GPUs;
+  (``nvidia-h100-80gb-hbm3``), ``cpu`` for a ``--cpu-smoke`` run, the compile target (``sm90``) for
+  counts made without a GPU (``decode-cost``); ``-x<N>`` for a run on N GPUs;
 * ``<ext>``: ``json`` (every record), ``md`` (tables), ``txt`` (what the benchmark printed), ``png``.
 
 The directory is ``--out-dir`` when given, else ``$OUT`` when set (a run on a GPU machine), else

@@ -1,11 +1,12 @@
 """Mixture-of-experts layers and models with MXFP4 / NVFP4 experts (``tilemm.moe``) against bf16.
 
-    python benchmarks/bench_moe.py --quick        # layers at T = 1, 16, 256 + a 4-layer gpt-oss-20b decode
-                                                  # (no alternative designs: --profile times those)
-    python benchmarks/bench_moe.py --layers-only  # every layer shape, T = 1 .. 1024, both routings
-    python benchmarks/bench_moe.py --e2e          # gpt-oss-20b (24 layers) and gpt-oss-120b decode
+    python benchmarks/bench_moe.py --quick        # layers: gpt-oss shapes at every T, both routings, the
+                                                  # anchor at T = 1, 2, 4 (alternative designs: full_grid only)
+    python benchmarks/bench_moe.py --layers-only  # every layer shape at every T, both routings, the designs
+    python benchmarks/bench_moe.py --e2e          # gpt-oss-20b (bf16 vs MXFP4 experts) and -120b decode steps
     python benchmarks/bench_moe.py --cpu-smoke    # tiny shapes on the CPU: the code paths, no timing
-    python benchmarks/bench_moe.py --profile      # per-kernel GPU time of one layer at T = 1 and 16
+    python benchmarks/bench_moe.py --profile      # per-kernel GPU time of the layers at T = 1 and 16 (120b:
+                                                  # uniform and skewed routing)
 
 Layers (one MoE block: gate_up projection with its bias, gpt-oss's clamped SwiGLU, down projection
 with its bias, the router's weights applied and the k slots summed; the routing is given):
@@ -16,7 +17,8 @@ with its bias, the router's weights applied and the k slots summed; the routing 
   MXFP4, without biases (run through the same module, so with gpt-oss's activation: the same
   elementwise work as a SwiGLU).
 
-T (tokens) in 1, 4, 16, 64, 256, 1024; routing "uniform" (each token k distinct experts, uniformly)
+T (tokens) in 1, 4, 16, 64, 256, 1024 for the gpt-oss shapes, 1, 2, 4 for the anchor (the published
+figures' T; with ``--layers-only`` also 16 .. 1024); routing "uniform" (each token k distinct experts, uniformly)
 or "skewed" (expert e drawn with probability proportional to 1 / (e + 1)^1.2, without replacement).
 The packed expert weights are random words and scale bytes made directly on the GPU (no bf16 expert
 is ever quantized); the bf16 baselines get the same weights dequantized exactly:
@@ -30,23 +32,24 @@ is ever quantized); the bf16 baselines get the same weights dequantized exactly:
 Correctness first: every variant against the layer in fp32 on the same (exactly dequantized) weights,
 expert by expert; tilemm's relative Frobenius error must stay below 1e-2 (it rounds the gate_up
 products, the activation and the down products to bf16 once each); the bf16 baselines' errors are
-recorded too (they round after every operation). Then every variant is timed with ``benchmarks/_timing.py``'s timer: CUDA-graph replays (eager
-calls where a graph cannot be captured, e.g. transformers' eager experts loop, which reads the routing
-back to the host; the results say which), L2 flushed before each, median of the replays.
+recorded too (they round after every operation). Then every variant is timed with
+``benchmarks/_timing.py``'s timer: CUDA-graph replays (eager calls where a graph cannot be captured,
+e.g. transformers' eager experts loop, which reads the routing back to the host; the results say
+which), L2 flushed before each, median of the replays.
 
-End to end (``--e2e``; ``--quick`` runs the first 4 layers of gpt-oss-20b only): transformers'
-``GptOssForCausalLM`` with random weights (nothing is downloaded), greedy decode of ``--tokens``
-tokens after a 32-token prompt, static KV cache, one CUDA graph per decode step (the loop of
-``benchmarks/bench_decode.py``):
+End to end (``--e2e``): ``DecodeModel``, gpt-oss's decoder built from a transformers ``GptOssConfig``
+with random weights made on the GPU (nothing is downloaded), one decode step (attention over a static
+KV cache, router, experts block, greedy next token) captured in a CUDA graph and replayed
+``--tokens`` times; tokens/s = batch / step time. Its attention, router and unembedding are bf16, as
+gpt-oss ships them:
 
-* gpt-oss-20b-shaped (24 layers, 64 heads, 8 KV heads, vocab 201088), batch 1: the bf16 model (its
-  experts as the ``grouped`` baseline module, which a CUDA graph can capture) against the same model
-  with its experts swapped by ``tilemm.quantize_model(model, "mxfp4", weight_only=True)`` (experts
-  MXFP4, attention and everything else bf16, as gpt-oss ships), tokens/s in the same run;
-* gpt-oss-120b-shaped (36 layers, 128 experts): built with a 32-wide intermediate so that its bf16
-  experts never exist, each experts block then replaced by a ``MoEExperts`` of random packed MXFP4
-  weights of the real size (2880); tokens/s at batch 1 and 8 and the peak GPU memory. (bf16 would
-  need about 234 GB for its experts alone.)
+* gpt-oss-20b-shaped (24 layers, 32 experts), batch 1: experts MXFP4 (``MoEExperts`` of random packed
+  weights) against the same experts exactly dequantized to bf16 on the grouped module (``torch.
+  _grouped_mm``, capturable), the rest the very same tensors, in the same run; the logits of one step
+  of each are compared;
+* gpt-oss-120b-shaped (36 layers, 128 experts): experts MXFP4 only, made layer by layer in packed
+  form (about 61 GB; never a bf16 expert: bf16 would need about 234 GB for the experts alone),
+  batch 1 and 8, and the peak GPU memory.
 
 Results: ``moe[-<mode>]-<gpu>.json`` and ``.md`` (``moe-profile-<gpu>.json`` with ``--profile``) in
 ``--out-dir`` (``--out``), else ``$OUT``, else ``benchmarks/results/`` (``benchmarks/_results.py``).
@@ -81,7 +84,17 @@ LAYERS = [("gpt-oss-20b", 2880, 2880, 32, 4, ("mxfp4",), True),
           ("gpt-oss-120b", 2880, 2880, 128, 4, ("mxfp4",), True),
           ("qwen-a3b-anchor", 2048, 512, 256, 8, ("nvfp4", "mxfp4"), False)]
 TOKENS = (1, 4, 16, 64, 256, 1024)
-QUICK_TOKENS = (1, 16, 256)
+#: The anchor shape's tokens: the published figures' 1, 2, 4 (``--quick``), then TOKENS' larger ones.
+ANCHOR_TOKENS = (1, 2, 4)
+
+
+def tokens_for(layer: str, quick: bool) -> tuple:
+    """The T of one layer shape: gpt-oss's TOKENS always; the anchor's ANCHOR_TOKENS, and with
+    ``--layers-only`` TOKENS' larger ones too."""
+    if layer.startswith("gpt-oss"):
+        return TOKENS
+    return ANCHOR_TOKENS if quick else ANCHOR_TOKENS + tuple(t for t in TOKENS if t > ANCHOR_TOKENS[-1])
+
 ROUTINGS = ("uniform", "skewed")
 #: Targets of the MXFP4 layer over the fastest bf16 baseline (gpt-oss shapes), by T.
 TARGETS = {1: 2.5, 4: 2.5, 16: 2.5, 64: 1.5, 256: 1.0, 1024: 1.0}
@@ -90,7 +103,7 @@ ANCHOR_US = {1: 93.5, 2: 98.8, 4: 116.6}
 
 GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
                    num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
-                   vocab_size=201088, sliding_window=128, max_position_embeddings=4096)
+                   vocab_size=201088, sliding_window=128)
 GPT_OSS_120B = dict(GPT_OSS_20B, num_hidden_layers=36, num_local_experts=128)
 TINY = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, vocab_size=128,
@@ -261,16 +274,27 @@ def hf_experts(config_kw: dict, gate_up, gate_up_bias, down, down_bias):
 #: from T = 2); "all_experts": the sorted design with a block per (expert, N tile) for every expert
 #: (the empty ones exit at once) instead of the active experts first; "unfused": the sorted design
 #: with the gate_up products written out and gpt-oss's SwiGLU as PyTorch operations, instead of the
-#: fused epilogue.
-DESIGNS = ("pairs_combine", "pairs_bmm", "sorted", "all_experts", "unfused")
+#: fused epilogue; "full_grid": the sorted design with one block per work item (as many chunk
+#: groups as the shapes allow, those past the busiest expert's chunks exiting at once) instead of the
+#: persistent grid (``moe_kernels.grid_blocks``), timed at every T >= 2 (``--quick`` included).
+DESIGNS = ("pairs_combine", "pairs_bmm", "sorted", "all_experts", "unfused", "full_grid")
 DESIGN_MAX_T = 16
 
 
-def designs_for(t: int) -> tuple:
-    """The DESIGNS to time at T = ``t`` (the sorted one only where it is not the default)."""
+def designs_for(t: int, e: int | None = None, k: int | None = None, quick: bool = False) -> tuple:
+    """The DESIGNS to time at T = ``t`` for E = ``e`` experts, top-``k``: the sorted one only where it
+    is not the default; full_grid from T = 2 (where the sorted design runs);
+    the others only at T <= DESIGN_MAX_T and not with ``quick``."""
     from tilemm.kernels import moe_kernels as mk
 
-    return tuple(d for d in DESIGNS if d != "sorted" or t <= mk.PAIRS_MAX_TOKENS)
+    out = []
+    for d in DESIGNS:
+        if d == "full_grid":
+            if e is not None and t > mk.PAIRS_MAX_TOKENS:
+                out.append(d)
+        elif not quick and t <= DESIGN_MAX_T and (d != "sorted" or t <= mk.PAIRS_MAX_TOKENS):
+            out.append(d)
+    return tuple(out)
 
 
 def designed(ours: MoEExperts, design: str):
@@ -292,8 +316,9 @@ def designed(ours: MoEExperts, design: str):
 
     def forward(x, ids, weights):
         t, k = ids.shape
-        order, offsets, slots = mk.route(ids, ours.num_experts)
-        routed = (order, offsets, every if design == "all_experts" else slots)
+        order, offsets, slots, longest = mk.route(ids, ours.num_experts)
+        routed = (order, offsets, every if design == "all_experts" else slots, longest)
+        blocks = 2 ** 31 - 1 if design == "full_grid" else None  # (the launcher clamps it to the items)
         xs = mk.sort_rows(x, routed, k)
         h = torch.empty(t * k, ours.intermediate_size, dtype=x.dtype, device=x.device)
         if design == "unfused":
@@ -302,9 +327,10 @@ def designed(ours: MoEExperts, design: str):
                       sorted_out=1)
             h = gpt_oss_glu(gate_up, ours.alpha, ours.limit)
         else:
-            mk.launch(xs, gu.words, gu.scale_t, gu.constants, ours.gate_up_bias, routed, t, h, gu.layout, act=1)
+            mk.launch(xs, gu.words, gu.scale_t, gu.constants, ours.gate_up_bias, routed, t, h, gu.layout, act=1,
+                      blocks=blocks)
         y = torch.empty(t * k, ours.hidden_size, dtype=x.dtype, device=x.device)
-        mk.launch(h, dn.words, dn.scale_t, dn.constants, ours.down_bias, routed, t, y, dn.layout)
+        mk.launch(h, dn.words, dn.scale_t, dn.constants, ours.down_bias, routed, t, y, dn.layout, blocks=blocks)
         return _weighted_sum(y.reshape(t, k, ours.hidden_size), weights)
 
     return forward
@@ -319,12 +345,11 @@ def rel_err(a, b) -> float:
 
 def bench_layers(args, device, timer, t0) -> list[dict]:
     records = []
-    tokens = QUICK_TOKENS if args.quick else TOKENS
     layers = LAYERS
     if args.cpu_smoke:
         layers = [("tiny", 256, 256, 8, 2, ("mxfp4", "nvfp4"), True)]
-        tokens = (1, 5)
     for name, hidden, inter, e, k, formats, biases in layers:
+        tokens = (1, 3, 5) if args.cpu_smoke else tokens_for(name, args.quick)
         gen = torch.Generator().manual_seed(SEED)
         gub = torch.randn(e, 2 * inter, generator=gen).to(device) * 0.1 if biases else None
         db = torch.randn(e, hidden, generator=gen).to(device) * 0.1 if biases else None
@@ -373,18 +398,18 @@ def bench_layers(args, device, timer, t0) -> list[dict]:
                             variants["hf"] = lambda: hf(x, ids, weights)
                         if can_group:
                             variants["grouped"] = lambda: grouped(x, ids, weights)
-                        if t <= DESIGN_MAX_T and not args.quick:  # (--quick: --profile times them)
-                            for design in designs_for(t):
-                                try:  # a design that fails or is wrong is recorded, not timed
-                                    fwd = designed(ours, design)
-                                    rec[f"{design}_rel_err"] = d_err = rel_err(fwd(x, ids, weights), ref)
-                                    if not d_err < 1e-2:
-                                        raise ValueError(f"relative error {d_err:.3g} >= 1e-2")
-                                except Exception as err_:  # noqa: BLE001
-                                    rec[f"{design}_error"] = f"{type(err_).__name__}: {err_}"[:300]
-                                    log(f"  design {design} T={t}: {rec[f'{design}_error']}", t0)
-                                    continue
-                                variants[design] = (lambda f: lambda: f(x, ids, weights))(fwd)
+                        # the alternative designs (--quick: full_grid only; --profile times the others)
+                        for design in designs_for(t, e, k, args.quick):
+                            try:  # a design that fails or is wrong is recorded, not timed
+                                fwd = designed(ours, design)
+                                rec[f"{design}_rel_err"] = d_err = rel_err(fwd(x, ids, weights), ref)
+                                if not d_err < 1e-2:
+                                    raise ValueError(f"relative error {d_err:.3g} >= 1e-2")
+                            except Exception as err_:  # noqa: BLE001
+                                rec[f"{design}_error"] = f"{type(err_).__name__}: {err_}"[:300]
+                                log(f"  design {design} T={t}: {rec[f'{design}_error']}", t0)
+                                continue
+                            variants[design] = (lambda f: lambda: f(x, ids, weights))(fwd)
                         for vname, fn in variants.items():
                             try:
                                 ms, how = timer(fn)
@@ -409,12 +434,13 @@ def bench_layers(args, device, timer, t0) -> list[dict]:
 # ---------------------------------------------------------------------------------------- profile
 
 #: ``--profile``: these layers (name, format) at these T, uniform routing.
-PROFILE_LAYERS = (("gpt-oss-20b", "mxfp4"), ("qwen-a3b-anchor", "nvfp4"))
+PROFILE_LAYERS = (("gpt-oss-20b", "mxfp4", ("uniform",)), ("gpt-oss-120b", "mxfp4", ("uniform", "skewed")),
+                  ("qwen-a3b-anchor", "nvfp4", ("uniform",)))
 PROFILE_TOKENS = (1, 16)
 PROFILE_CALLS = 5
 #: The designs profiled next to the default (the structurally different ones; each is a few more JIT
 #: compiles).
-PROFILE_DESIGNS = ("pairs_combine", "pairs_bmm", "sorted")
+PROFILE_DESIGNS = ("pairs_combine", "pairs_bmm", "sorted", "full_grid")
 
 
 def kernel_table(fn, calls: int, device) -> list[tuple[str, float, float]]:
@@ -448,11 +474,11 @@ def profile_layers(args, device, timer, t0) -> list[dict]:
     baseline) at T in PROFILE_TOKENS: where the time of a layer goes. Printed, and returned."""
     out = []
     layers = {(n, f): (n, h, i, e, k, b) for n, h, i, e, k, fs, b in LAYERS for f in fs}
-    todo = [(layers[key], key[1]) for key in PROFILE_LAYERS]
+    todo = [(layers[(n, f)], f, r) for n, f, r in PROFILE_LAYERS]
     tokens = PROFILE_TOKENS
     if args.cpu_smoke:
-        todo, tokens = [(("tiny", 256, 256, 8, 2, True), "mxfp4")], (1,)
-    for (name, hidden, inter, e, k, biases), fmt in todo:
+        todo, tokens = [(("tiny", 256, 256, 8, 2, True), "mxfp4", ("uniform",))], (1,)
+    for (name, hidden, inter, e, k, biases), fmt, routings in todo:
         gen = torch.Generator().manual_seed(SEED)
         gub = torch.randn(e, 2 * inter, generator=gen).to(device) * 0.1 if biases else None
         db = torch.randn(e, hidden, generator=gen).to(device) * 0.1 if biases else None
@@ -461,16 +487,16 @@ def profile_layers(args, device, timer, t0) -> list[dict]:
         ours = MoEExperts(gate_up, down, gub, db)
         grouped = GroupedBF16Experts(dequantized(gate_up).transpose(1, 2).contiguous(), gub,
                                      dequantized(down).transpose(1, 2).contiguous(), db)
-        for t in tokens:
-            ids, weights = routing("uniform", t, e, k, device, gen)
+        for routing_kind, t in [(r, t) for r in routings for t in tokens]:
+            ids, weights = routing(routing_kind, t, e, k, device, gen)
             x = (torch.randn(t, hidden, generator=gen) * 0.5).to(torch.bfloat16).to(device)
             variants = {"tilemm": lambda: ours(x, ids, weights), "grouped": lambda: grouped(x, ids, weights)}
-            for design in designs_for(t) if device.type == "cuda" else ():  # (the designs launch the kernel)
+            for design in designs_for(t, e, k) if device.type == "cuda" else ():  # (the designs launch the kernel)
                 if design not in PROFILE_DESIGNS:
                     continue
                 variants[design] = (lambda f: lambda: f(x, ids, weights))(designed(ours, design))
             for vname, fn in variants.items():
-                rec = {"layer": name, "format": fmt, "T": t, "variant": vname}
+                rec = {"layer": name, "format": fmt, "routing": routing_kind, "T": t, "variant": vname}
                 try:
                     if timer is not None:
                         ms, how = timer(fn)
@@ -482,8 +508,9 @@ def profile_layers(args, device, timer, t0) -> list[dict]:
                     out.append(rec)
                     continue
                 total = sum(us for _, us, _ in rec["kernels"])
-                log(f"{name} {fmt} T={t} {vname}: layer {_f(rec.get('layer_us'), '.1f')} us ({rec.get('how', '-')}); "
-                    f"kernels {total:.1f} us in {sum(n for *_, n in rec['kernels']):.0f} launches:", t0)
+                launches = sum(n for *_, n in rec["kernels"])
+                log(f"{name} {fmt} {routing_kind} T={t} {vname}: layer {_f(rec.get('layer_us'), '.1f')} us "
+                    f"({rec.get('how', '-')}); kernels {total:.1f} us in {launches:.0f} launches:", t0)
                 for kname, us, n in rec["kernels"]:
                     print(f"    {us:8.1f} us  x{n:<4.1f} {kname[:110]}", flush=True)
                 out.append(rec)
@@ -495,144 +522,287 @@ def profile_layers(args, device, timer, t0) -> list[dict]:
 
 # --------------------------------------------------------------------------------------- end to end
 
-def build_gpt_oss(shape: dict, layers: int, device, *, intermediate: int | None = None):
-    """A random-weight GptOssForCausalLM in bf16 on ``device`` (``intermediate`` overrides the expert
-    width while building, so that its bf16 experts stay small)."""
-    from transformers import GptOssConfig, GptOssForCausalLM
+class DecodeModel(torch.nn.Module):
+    """gpt-oss's decoder for one token per sequence per step, built from a transformers
+    ``GptOssConfig`` with random bf16 weights made on the device, the experts blocks given.
+
+    What a step computes, per layer: RMSNorm, attention (q / k / v / o projections with biases,
+    rotary embedding at the step's position, grouped-query attention over a static KV cache, sliding
+    window on the config's ``sliding_attention`` layers, one learned sink logit per head in the
+    softmax), the residual; RMSNorm, the router (a biased linear map to E logits, top-k, softmax of
+    the k logits), the experts block (``experts[i](x, ids, weights)``), the residual; then the final
+    RMSNorm, the unembedding and the greedy next token. The rotary embedding is plain RoPE with the
+    config's theta (gpt-oss's YaRN scaling changes the angles, not the work). Everything reads and
+    writes static tensors (the tokens, the position, the cache), with no host synchronisation, so a
+    step is captured in one CUDA graph and replayed."""
+
+    def __init__(self, config, experts: list, batch: int, max_len: int, device, seed: int = SEED):
+        super().__init__()
+        c = config
+        self.h, self.nh, self.nkv, self.hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.k, self.eps, self.window = c.num_experts_per_tok, c.rms_norm_eps, c.sliding_window
+        layers = c.num_hidden_layers
+        self.sliding = [t == "sliding_attention" for t in c.layer_types[:layers]]
+        theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta", getattr(c, "rope_theta", 150000.0))
+        gen = torch.Generator(device=device).manual_seed(seed)
+        bf16 = dict(dtype=torch.bfloat16, device=device)
+
+        def rand(*shape, std=0.02):
+            return torch.randn(*shape, generator=gen, **bf16) * std
+
+        q, kv = self.nh * self.hd, self.nkv * self.hd
+        self.embed = rand(c.vocab_size, self.h, std=1.0)
+        self.lm_head = rand(c.vocab_size, self.h)
+        self.norm = torch.ones(self.h, **bf16)
+        self.attn = [dict(ln=torch.ones(self.h, **bf16), qkv=rand(q + 2 * kv, self.h), qkv_b=rand(q + 2 * kv),
+                          o=rand(self.h, q), o_b=rand(self.h), sinks=rand(self.nh, std=1.0),
+                          ln2=torch.ones(self.h, **bf16), router=rand(c.num_local_experts, self.h),
+                          router_b=rand(c.num_local_experts)) for _ in range(layers)]
+        self.experts = torch.nn.ModuleList(experts)
+        self.k_cache = torch.zeros(layers, batch, self.nkv, max_len, self.hd, **bf16)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        self.inv_freq = 1.0 / theta ** (torch.arange(0, self.hd, 2, device=device, dtype=torch.float32) / self.hd)
+        self.slots = torch.arange(max_len, device=device)
+        self.ids = torch.zeros(batch, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.logits = None
+
+    def _rms(self, x, w):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * w
+
+    def _rope(self, t, cos, sin):  # t (B, heads, hd): the halves rotated
+        a, b = t[..., : self.hd // 2], t[..., self.hd // 2:]
+        return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+    def _attention(self, i, x, cos, sin, allowed):
+        p = self.attn[i]
+        bsz = x.shape[0]
+        qkv = torch.nn.functional.linear(x, p["qkv"], p["qkv_b"])
+        q_, kv = self.nh * self.hd, self.nkv * self.hd
+        q = self._rope(qkv[:, :q_].view(bsz, self.nh, self.hd), cos, sin)
+        k = self._rope(qkv[:, q_:q_ + kv].view(bsz, self.nkv, self.hd), cos, sin)
+        v = qkv[:, q_ + kv:].view(bsz, self.nkv, self.hd)
+        self.k_cache[i].index_copy_(2, self.pos, k.unsqueeze(2))
+        self.v_cache[i].index_copy_(2, self.pos, v.unsqueeze(2))
+        q = q.view(bsz, self.nkv, self.nh // self.nkv, self.hd)
+        scores = torch.matmul(q, self.k_cache[i].transpose(-1, -2)).float() * self.hd ** -0.5  # (B, KV, G, L)
+        scores = scores.masked_fill(~allowed[i], float("-inf"))
+        sinks = p["sinks"].float().view(1, self.nkv, self.nh // self.nkv, 1).expand(bsz, -1, -1, 1)
+        probs = torch.softmax(torch.cat((scores, sinks), dim=-1), dim=-1)[..., :-1].to(x.dtype)
+        out = torch.matmul(probs, self.v_cache[i]).reshape(bsz, self.nh * self.hd)
+        return torch.nn.functional.linear(out, p["o"], p["o_b"])
+
+    def step(self) -> None:
+        """One greedy decode step at position ``pos`` for every sequence: logits, next tokens into
+        ``ids``, ``pos`` advanced."""
+        x = self.embed[self.ids]
+        angles = self.pos.float() * self.inv_freq
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        causal = self.slots <= self.pos
+        window = causal & (self.slots > self.pos - self.window)
+        allowed = [window if s else causal for s in self.sliding]
+        for i, experts in enumerate(self.experts):
+            x = x + self._attention(i, self._rms(x, self.attn[i]["ln"]), cos, sin, allowed)
+            h = self._rms(x, self.attn[i]["ln2"])
+            logits = torch.nn.functional.linear(h, self.attn[i]["router"], self.attn[i]["router_b"])
+            top, ids = torch.topk(logits, self.k, dim=-1)
+            weights = torch.softmax(top.float(), dim=-1).to(h.dtype)
+            x = x + experts(h, ids, weights)
+        self.logits = torch.nn.functional.linear(self._rms(x, self.norm), self.lm_head)
+        self.ids.copy_(self.logits.argmax(-1))
+        self.pos.add_(1)
+
+    def weight_bytes(self) -> int:
+        tensors = [self.embed, self.lm_head] + [t for p in self.attn for t in p.values()]
+        tensors += list(self.experts.buffers()) + [b for m in self.experts for b in vars(m).values()
+                                                  if isinstance(b, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+
+
+def gpt_oss_config(shape: dict, layers: int):
+    from transformers import GptOssConfig
 
     kw = dict(shape, num_hidden_layers=layers)
     kw["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-    if intermediate is not None:
-        kw["intermediate_size"] = intermediate
-    config = GptOssConfig(**kw)
-    torch.manual_seed(SEED)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = GptOssForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval().requires_grad_(False)
+    return GptOssConfig(**kw)
 
 
-def _experts_modules(model):
-    return [(n, m) for n, m in model.named_modules() if type(m).__name__ in ("GptOssExperts", "MoEExperts",
-                                                                              "GroupedBF16Experts")]
+def packed_experts(config, layers: int, device, seed: int) -> list:
+    """``layers`` MoEExperts of random packed MXFP4 weights of the config's shape, made on the device
+    layer by layer (never a bf16 expert), with random fp32 biases."""
+    e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for layer in range(layers):
+        out.append(MoEExperts(random_packed("mxfp4", e, 2 * i, h, device, seed=seed + 2 * layer),
+                              random_packed("mxfp4", e, h, i, device, seed=seed + 2 * layer + 1),
+                              torch.randn(e, 2 * i, generator=gen, device=device) * 0.1,
+                              torch.randn(e, h, generator=gen, device=device) * 0.1,
+                              alpha=1.702, limit=config.swiglu_limit))
+    return out
 
 
-def _swap(model, name, new):
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent), child, new)
+def bf16_experts(packed: list) -> list:
+    """The same experts in bf16 (exactly dequantized, transformers' (E, K, N) layout) on the grouped
+    bf16 module (``torch._grouped_mm``, capturable)."""
+    out = []
+    for m in packed:
+        gu, dn = m.packed("gate_up"), m.packed("down")
+        out.append(GroupedBF16Experts(dequantized(gu).transpose(1, 2).contiguous(), m.gate_up_bias,
+                                      dequantized(dn).transpose(1, 2).contiguous(), m.down_bias, m.alpha, m.limit))
+    return out
 
 
-def decode_tokens_per_s(model, batch: int, tokens: int, device, t0, label: str) -> dict:
-    """Prefill 32 tokens, then ``tokens`` greedy steps as CUDA-graph replays (bench_decode's loop)."""
-    from bench_decode import WARMUP_GRAPH, Decoder, make_cache, prefill, timed_loop
+#: End to end: the decode position the timed steps start from (the cache before it holds random
+#: keys and values: the work of a step does not depend on them), untimed eager steps, graph replays.
+E2E_START = 32
+E2E_EAGER_STEPS = 3
 
-    gen = torch.Generator().manual_seed(SEED + batch)
-    prompt = torch.randint(model.config.vocab_size, (batch, 32), generator=gen).to(device)
-    cache = make_cache(model, batch, 32 + tokens + 8, device)
-    logits = prefill(model, cache, prompt)
-    dec = Decoder(model, cache, logits.argmax(-1), 32, tokens)
-    result = {"batch": batch, "first_logits": logits[0, :8].tolist()}
+
+def time_decode(model: DecodeModel, steps: int, device, t0, label: str) -> dict:
+    """Tokens/s of ``model`` (its batch) over ``steps`` decode steps: eager steps, then one step
+    captured in a CUDA graph and replayed ``steps`` times between CUDA events (the graph's own
+    position and tokens advance each replay). On the CPU: one eager step, no timing."""
+    batch = model.ids.shape[0]
+    start_state(model, device, SEED + batch)
+    rec = {"batch": batch}
     if device.type != "cuda":
-        dec.step()
-        result["tokens_per_s"] = None
-        return result
+        model.step()
+        rec.update(tokens_per_s=None, how="cpu", finite=bool(model.logits.isfinite().all()))
+        return rec
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up: JIT compiles, caches (routing bounds, zero biases)
+        for _ in range(E2E_EAGER_STEPS):
+            model.step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(E2E_EAGER_STEPS):
+        model.step()
+    end.record()
+    torch.cuda.synchronize(device)
+    rec["eager_ms_per_token"] = start.elapsed_time(end) / E2E_EAGER_STEPS
+    model.pos.fill_(E2E_START)
     try:
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_GRAPH):
-                dec.step()
-        torch.cuda.current_stream(device).wait_stream(side)
-        torch.cuda.synchronize()
-        dec.reset()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            dec.step()
-        dec.reset()
+            model.step()
+    except Exception as err:  # noqa: BLE001 (recorded: the eager figure stands)
+        torch.cuda.synchronize(device)
+        rec.update(how="eager", graph_error=f"{type(err).__name__}: {err}"[:300],
+                   tokens_per_s=batch / rec["eager_ms_per_token"] * 1e3)
+        log(f"  {label} batch {batch}: graph capture failed ({rec['graph_error']})", t0)
+        return rec
+    model.pos.fill_(E2E_START)
+    graph.replay()
+    torch.cuda.synchronize(device)
+    start.record()
+    for _ in range(steps):
         graph.replay()
-        dec.reset()
-        seconds = timed_loop(graph.replay, tokens, device)
-        result.update(tokens_per_s=batch * tokens / seconds, ms_per_token=seconds / tokens * 1e3, how="graph")
-    except Exception as err:  # noqa: BLE001 (record, then time eager steps)
-        torch.cuda.synchronize()
-        dec.reset()
-        seconds = timed_loop(dec.step, tokens, device)
-        result.update(tokens_per_s=batch * tokens / seconds, ms_per_token=seconds / tokens * 1e3, how="eager",
-                      graph_error=f"{type(err).__name__}: {err}"[:300])
-    log(f"  {label} batch {batch}: {result['tokens_per_s']:.1f} tokens/s ({result['how']})", t0)
-    return result
+    end.record()
+    torch.cuda.synchronize(device)
+    ms = start.elapsed_time(end) / steps
+    rec.update(how="graph", ms_per_token=ms, tokens_per_s=batch / ms * 1e3,
+               finite=bool(model.logits.isfinite().all()))
+    log(f"  {label} batch {batch}: {rec['tokens_per_s']:.1f} tokens/s ({ms:.3f} ms per step in a CUDA graph; "
+        f"eager {rec['eager_ms_per_token']:.2f} ms)", t0)
+    del graph
+    return rec
+
+
+def start_state(model: DecodeModel, device, seed: int = SEED) -> None:
+    """A fixed decode state: random keys and values in the cache, random tokens, position E2E_START."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    model.k_cache.normal_(generator=gen)
+    model.v_cache.normal_(generator=gen)
+    model.ids.copy_(torch.randint(model.embed.shape[0], (model.ids.shape[0],), generator=gen, device=device))
+    model.pos.fill_(E2E_START)
+
+
+def first_step_logits(model: DecodeModel, device) -> torch.Tensor:
+    """Logits of one eager step from ``start_state`` (the same for every experts block)."""
+    start_state(model, device)
+    model.step()
+    return model.logits.float()
 
 
 def bench_e2e(args, device, t0) -> dict:
+    """gpt-oss-20b-shaped: bf16 experts against MXFP4 experts (same dequantized weights, the rest the
+    same bf16 tensors), batch 1; gpt-oss-120b-shaped: MXFP4 experts, batch 1 and 8, peak memory.
+    A model whose run fails is recorded with its error (the other one still runs)."""
     out = {}
-    layers20 = 2 if args.cpu_smoke else (4 if args.quick else GPT_OSS_20B["num_hidden_layers"])
+    for name, run in (("gpt-oss-20b", _e2e_20b), ("gpt-oss-120b", _e2e_120b)):
+        try:
+            out[name] = run(args, device, t0)
+        except Exception as err:  # noqa: BLE001 (recorded; main's exit status says so)
+            out[name] = {"error": f"{type(err).__name__}: {err}"[:500]}
+            log(f"{name}: FAILED {out[name]['error']}", t0)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def _e2e_steps(args) -> tuple[int, int]:
+    steps = 4 if args.cpu_smoke else args.tokens
+    return steps, E2E_START + E2E_EAGER_STEPS * 2 + steps + 8
+
+
+def _e2e_20b(args, device, t0) -> dict:
+    steps, max_len = _e2e_steps(args)
+    cuda = device.type == "cuda"
     shape20 = TINY if args.cpu_smoke else GPT_OSS_20B
-    tokens = 4 if args.cpu_smoke else args.tokens
-    # gpt-oss-20b: bf16 (grouped experts, capturable) vs experts in MXFP4.
-    model = build_gpt_oss(shape20, layers20, device)
-    for name, m in _experts_modules(model):  # the bf16 model's experts as the capturable grouped module
-        _swap(model, name, GroupedBF16Experts(m.gate_up_proj, m.gate_up_proj_bias, m.down_proj,
-                                              m.down_proj_bias, m.alpha, m.limit))
-    rec = {"model": "gpt-oss-20b shape" if not args.cpu_smoke else "tiny gpt-oss", "layers": layers20,
-           "of_layers": shape20["num_hidden_layers"], "tokens": tokens}
-    try:
-        rec["bf16"] = decode_tokens_per_s(model, 1, tokens, device, t0, "gpt-oss-20b bf16")
-    except Exception as err:  # noqa: BLE001 (torch._grouped_mm refused: the gathered-weights bmm instead)
-        rec["bf16_grouped_mm_error"] = f"{type(err).__name__}: {err}"[:300]
-        for _, m in _experts_modules(model):
-            m.grouped = False
-        rec["bf16"] = decode_tokens_per_s(model, 1, tokens, device, t0, "gpt-oss-20b bf16 (bmm)")
-    # The same weights' experts quantized (MXFP4 along K per expert), everything else kept in bf16.
-    for name, m in _experts_modules(model):
-        hf_like = torch.nn.Module()
-        hf_like.gate_up_proj = torch.nn.Parameter(m.gate_up, requires_grad=False)
-        hf_like.down_proj = torch.nn.Parameter(m.down, requires_grad=False)
-        hf_like.gate_up_proj_bias, hf_like.down_proj_bias = m.gate_up_bias, m.down_bias
-        hf_like.alpha, hf_like.limit = m.alpha, m.limit  # (the module's own: config names vary by version)
-        _swap(model, name, MoEExperts.from_gpt_oss(hf_like, "mxfp4"))
-        del hf_like, m
-    if device.type == "cuda":
+    config = gpt_oss_config(shape20, shape20["num_hidden_layers"])
+    layers = config.num_hidden_layers
+    packed = packed_experts(config, layers, device, seed=SEED + 100)
+    model = DecodeModel(config, packed, 1, max_len, device)
+    rec = {"model": "gpt-oss-20b shape" if not args.cpu_smoke else "tiny gpt-oss", "layers": layers,
+           "steps": steps, "weights_gib": model.weight_bytes() / 2 ** 30}
+    logits_q = first_step_logits(model, device)
+    rec["mxfp4"] = time_decode(model, steps, device, t0, "gpt-oss-20b experts mxfp4")
+    model.experts = torch.nn.ModuleList(bf16_experts(packed))  # the same weights in bf16, the rest shared
+    del packed
+    if cuda:
         torch.cuda.empty_cache()
-    rec["mxfp4"] = decode_tokens_per_s(model, 1, tokens, device, t0, "gpt-oss-20b experts mxfp4")
+    rec["bf16_weights_gib"] = model.weight_bytes() / 2 ** 30
+    logits_b = first_step_logits(model, device)
+    rec["logits_rel_err"] = float((logits_q - logits_b).norm() / logits_b.norm())
+    rec["same_greedy_token"] = bool(torch.equal(logits_q.argmax(-1), logits_b.argmax(-1)))
+    rec["bf16"] = time_decode(model, steps, device, t0, "gpt-oss-20b bf16")
     if rec["bf16"].get("tokens_per_s") and rec["mxfp4"].get("tokens_per_s"):
         rec["speedup"] = rec["mxfp4"]["tokens_per_s"] / rec["bf16"]["tokens_per_s"]
-    out["gpt-oss-20b"] = rec
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    if args.quick:
-        return out
+    log(f"gpt-oss-20b: logits of MXFP4 vs bf16 experts, relative error {rec['logits_rel_err']:.2e}; speed-up "
+        f"{_f(rec.get('speedup'), '.2f')}x", t0)
+    return rec
 
-    # gpt-oss-120b: built with narrow bf16 experts, each replaced by random packed MXFP4 of full width.
-    shape120 = TINY if args.cpu_smoke else GPT_OSS_120B
-    layers120 = 2 if args.cpu_smoke else shape120["num_hidden_layers"]
-    if device.type == "cuda":
+
+def _e2e_120b(args, device, t0) -> dict:
+    steps, max_len = _e2e_steps(args)
+    cuda = device.type == "cuda"
+    shape120 = dict(TINY, num_local_experts=16) if args.cpu_smoke else GPT_OSS_120B
+    config = gpt_oss_config(shape120, shape120["num_hidden_layers"])
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    model = build_gpt_oss(shape120, layers120, device, intermediate=32)
-    model.config.intermediate_size = shape120["intermediate_size"]
-    gen = torch.Generator().manual_seed(SEED)
-    e, h, i = shape120["num_local_experts"], shape120["hidden_size"], shape120["intermediate_size"]
-    for layer, (name, _) in enumerate(_experts_modules(model)):
-        _swap(model, name, None)
-        _swap(model, name, MoEExperts(random_packed("mxfp4", e, 2 * i, h, device, seed=2 * layer),
-                                      random_packed("mxfp4", e, h, i, device, seed=2 * layer + 1),
-                                      (torch.randn(e, 2 * i, generator=gen) * 0.1).to(device),
-                                      (torch.randn(e, h, generator=gen) * 0.1).to(device)))
-    from bench_decode import model_bytes
-
-    rec = {"model": "gpt-oss-120b shape" if not args.cpu_smoke else "tiny gpt-oss", "layers": layers120,
-           "tokens": tokens, "model_gib": model_bytes(model) / 2 ** 30}
+    experts = packed_experts(config, config.num_hidden_layers, device, seed=SEED + 200)
+    rec = {"model": "gpt-oss-120b shape" if not args.cpu_smoke else "tiny gpt-oss, 16 experts",
+           "layers": config.num_hidden_layers, "steps": steps,
+           "bf16_experts_gb": config.num_hidden_layers * config.num_local_experts * 3 * config.hidden_size
+           * config.intermediate_size * 2 / 1e9}
     for batch in (1, 8):
-        rec[f"batch{batch}"] = decode_tokens_per_s(model, batch, tokens, device, t0, "gpt-oss-120b mxfp4")
-    if device.type == "cuda":
+        model = DecodeModel(config, experts, batch, max_len, device)
+        rec.setdefault("weights_gib", model.weight_bytes() / 2 ** 30)
+        rec[f"batch{batch}"] = time_decode(model, steps, device, t0, "gpt-oss-120b experts mxfp4")
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+    if cuda:
         rec["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
         rec["gpu_gib"] = torch.cuda.get_device_properties(device).total_memory / 2 ** 30
-    out["gpt-oss-120b"] = rec
-    return out
+    log(f"gpt-oss-120b: weights {rec['weights_gib']:.1f} GiB, peak {_f(rec.get('peak_gib'), '.1f')} GiB "
+        f"(bf16 experts alone would be {rec['bf16_experts_gb']:.0f} GB)", t0)
+    return rec
 
 
 # ------------------------------------------------------------------------------------------- output
@@ -644,12 +814,13 @@ def _f(v, fmt):
 def markdown(meta, layers, e2e) -> str:
     lines = [f"# MoE layers and models: {meta['gpu']}", "",
              f"`{meta['command']}` ({meta['date']}, torch {meta['torch']}, transformers {meta['transformers']}).",
+             ] + ([] if not layers else [
              "Times in us per layer (CUDA-graph replays, L2 flushed, median); `hf`: transformers' "
              "GptOssExperts (eager where its loop reads the routing back: marked `*`); `grouped`: bf16 "
              "grouped GEMM; speed-up of tilemm over the faster bf16 baseline. Targets (gpt-oss shapes): "
              ">= 2.5x at T <= 16, 1.5x at 64, 1.0x from 256.", "",
              "| layer | fmt | routing | T | tilemm | hf | grouped | speed-up | target | rel. err tilemm / hf |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"])
     for r in layers:
         target = TARGETS.get(r["T"]) if r["layer"].startswith("gpt-oss") else None
         hf = _f(r.get("hf_us"), ".1f") + ("*" if r.get("hf_how") == "events" else "")
@@ -663,7 +834,8 @@ def markdown(meta, layers, e2e) -> str:
                   "slot) pair on the FMA pipes, the weighted sum in the down launch or a batched GEMM; sorted "
                   "= routing, rows sorted by expert, tensor "
                   "cores; all_experts = sorted with a block per (expert, N tile) for every expert; unfused = "
-                  "sorted with the SwiGLU outside the kernel.", "",
+                  "sorted with the SwiGLU outside the kernel; full_grid = the default's sorted launches with one "
+                  "block per work item instead of the persistent grid.", "",
                   "| layer | fmt | routing | T | tilemm | " + " | ".join(DESIGNS) + " |",
                   "|---|---|---|---|---|" + "---|" * len(DESIGNS)]
         for r in designs:
@@ -678,32 +850,43 @@ def markdown(meta, layers, e2e) -> str:
             lines.append(f"- {r['format']} {r['routing']} T = {r['T']}: {r['tilemm_us']:.1f} us, "
                          f"{ANCHOR_US[r['T']] / r['tilemm_us']:.1f}x the anchor")
     if e2e:
-        lines += ["", "## End to end (greedy decode, CUDA graph per step)", ""]
+        lines += ["", "## End to end (greedy decode steps of a gpt-oss-shaped model, random weights, one CUDA "
+                  "graph per step)", ""]
+        for name, r in e2e.items():
+            if "error" in r:
+                lines.append(f"- {name}: failed: {r['error']}")
         r = e2e.get("gpt-oss-20b")
-        if r:
-            lines.append(f"- {r['model']}, {r['layers']} of {r['of_layers']} layers, batch 1: bf16 "
-                         f"{_f(r['bf16'].get('tokens_per_s'), '.1f')} tokens/s ({r['bf16'].get('how')}), experts "
-                         f"MXFP4 {_f(r['mxfp4'].get('tokens_per_s'), '.1f')} tokens/s ({r['mxfp4'].get('how')}): "
-                         f"{_f(r.get('speedup'), '.2f')}x (target 1.5x)")
+        if r and "error" not in r:
+            lines.append(f"- {r['model']}, {r['layers']} layers, batch 1, {r['steps']} steps: experts MXFP4 "
+                         f"{_f(r['mxfp4'].get('tokens_per_s'), '.1f')} tokens/s ({r['mxfp4'].get('how')}; eager "
+                         f"{_f(r['mxfp4'].get('eager_ms_per_token'), '.2f')} ms per step), experts bf16 "
+                         f"{_f(r['bf16'].get('tokens_per_s'), '.1f')} tokens/s ({r['bf16'].get('how')}; eager "
+                         f"{_f(r['bf16'].get('eager_ms_per_token'), '.2f')} ms per step): "
+                         f"{_f(r.get('speedup'), '.2f')}x (target 1.5x); weights {_f(r.get('weights_gib'), '.1f')} "
+                         f"GiB against {_f(r.get('bf16_weights_gib'), '.1f')} GiB; logits of one step, MXFP4 against "
+                         f"bf16 experts on the same (dequantized) weights: relative error "
+                         f"{_f(r.get('logits_rel_err'), '.1e')}, same greedy token: {r.get('same_greedy_token')}")
         r = e2e.get("gpt-oss-120b")
-        if r:
-            lines.append(f"- {r['model']}, {r['layers']} layers, experts MXFP4 (random packed weights): "
-                         f"batch 1 {_f(r['batch1'].get('tokens_per_s'), '.1f')} tokens/s, batch 8 "
-                         f"{_f(r['batch8'].get('tokens_per_s'), '.1f')} tokens/s; model "
-                         f"{_f(r.get('model_gib'), '.1f')} GiB, peak {_f(r.get('peak_gib'), '.1f')} GiB of "
-                         f"{_f(r.get('gpu_gib'), '.1f')} GiB")
+        if r and "error" not in r:
+            per = ", ".join(f"batch {b} {_f(r[f'batch{b}'].get('tokens_per_s'), '.1f')} tokens/s "
+                            f"({r[f'batch{b}'].get('how')})" for b in (1, 8) if f"batch{b}" in r)
+            lines.append(f"- {r['model']}, {r['layers']} layers, experts MXFP4 (random packed weights, everything "
+                         f"else bf16): {per}; weights {_f(r.get('weights_gib'), '.1f')} GiB, peak "
+                         f"{_f(r.get('peak_gib'), '.1f')} GiB of {_f(r.get('gpu_gib'), '.1f')} GiB. In bf16 its "
+                         f"experts alone would take {r['bf16_experts_gb']:.0f} GB: not one 80 GB GPU.")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="bench_moe.py", description=__doc__.split("\n\n")[0])
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="T = 1, 16, 256 and a 4-layer gpt-oss-20b decode")
+    mode.add_argument("--quick", action="store_true", help="the layers: gpt-oss shapes at every T, the anchor "
+                      "at T = 1, 2, 4; no end to end")
     mode.add_argument("--layers-only", action="store_true", help="the layer benchmark only")
     mode.add_argument("--e2e", action="store_true", help="the end-to-end decodes only")
     mode.add_argument("--profile", action="store_true",
-                      help="per-kernel GPU time of one layer (gpt-oss-20b MXFP4, anchor NVFP4) at T = 1, 16")
-    ap.add_argument("--tokens", type=int, default=64, help="decoded tokens per end-to-end run (default 64)")
+                      help="per-kernel GPU time of one layer (gpt-oss-20b and -120b MXFP4, anchor NVFP4) at T = 1, 16")
+    ap.add_argument("--tokens", type=int, default=64, help="timed decode steps per end-to-end run (default 64)")
     ap.add_argument("--reps", type=int, default=30, help="timed replays per layer variant (default 30)")
     add_options(ap, out_dir_aliases=("--out",))  # --cpu-smoke: tiny shapes on the CPU, no timing
     args = ap.parse_args(argv)
@@ -731,14 +914,14 @@ def main(argv=None) -> int:
         log(f"wrote {path}", t0)
         return 1 if any("error" in r for r in records) else 0
     layers = [] if args.e2e else bench_layers(args, device, timer, t0)
-    e2e = {} if args.layers_only else bench_e2e(args, device, t0)
+    e2e = {} if (args.layers_only or args.quick) else bench_e2e(args, device, t0)
     meta["seconds"] = time.time() - t0
     variant = "quick" if args.quick else "layers" if args.layers_only else "e2e" if args.e2e else None
     path = results_path(args.out_dir, "moe", gpu, "json", variant=variant)
     path.write_text(json.dumps({"meta": meta, "layers": layers, "e2e": e2e}, indent=1))
     path.with_suffix(".md").write_text(markdown(meta, layers, e2e))
     log(f"wrote {path} / .md", t0)
-    failed = [r for r in layers if "error" in r]
+    failed = [r for r in layers if "error" in r] + [r for r in e2e.values() if "error" in r]
     return 1 if failed else 0
 
 

@@ -5,6 +5,7 @@
                                                   # stream kernel for comparison
     python benchmarks/decode_cost.py --json out.json
     python benchmarks/decode_cost.py --cpu-smoke --out-dir /tmp/smoke   # the first variant only
+    python benchmarks/decode_cost.py --large      # instead: every fused config of the large-M kernel
 
 Writes ``decode-cost-sm90.json`` and what it prints to ``decode-cost-sm90.txt`` (``--out-dir``,
 ``benchmarks/_results.py``).
@@ -112,12 +113,13 @@ def weight_only_variant(name: str, cfg: wo.WeightOnlyConfig) -> tuple[AotVariant
 def large_variant(name: str, cfg) -> tuple[AotVariant, float, int]:
     """(variant, weight elements per thread per main-loop iteration, 1) of the large-M fused kernel
     (``hopper_weight_only_large``) for a bf16 activation: each K tile's tile_n x tile_k weight elements
-    are decoded once by the block's 256 threads and feed tile_m columns of x."""
+    are decoded once by the block's threads and feed tile_m columns of x."""
     layout = wo.LAYOUTS[name]
     v = [a for a in wol.aot_variants() if a.name == f"weight_only_large_{name}_{cfg.name}"]
     if not v:
         raise KeyError(f"no large-M weight-only variant {name} {cfg.name}")
-    return v[0], cfg.tile_n * layout.tile_k / 256, 1
+    # A block of num_ctas CTAs: each CTA's 32 * warps threads decode its tile_n / num_ctas rows.
+    return v[0], cfg.tile_n // cfg.num_ctas * layout.tile_k / (32 * cfg.warps), 1
 
 
 def stream_variant(fmt, tile_m: int = 16) -> tuple[AotVariant, float, int]:
@@ -155,20 +157,29 @@ def default_variants():
     return out
 
 
+def large_variants():
+    """Every fused config of the large-M kernel (``hopper_weight_only_large``: the rules' configs, the
+    sweep's candidates and its structural variants) for MXFP4, NVFP4 and MXFP8 (e4m3)."""
+    return [large_variant(name, cfg) for name in ("mxfp4", "nvfp4", "mxfp8_e4m3") for cfg in wol._configs(name)]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="decode_cost.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--large", action="store_true",
+                    help="instead: every fused config of the large-M kernel (about 35 compiles)")
     add_options(ap)  # no GPU either way; --cpu-smoke: the first variant only
     args = ap.parse_args(argv)
     rows = []
     say = Transcript(command("decode_cost.py", argv), "sm_90 SASS, nvdisasm")
-    for variant, elements, unroll in default_variants()[:1 if args.cpu_smoke else None]:
+    for variant, elements, unroll in (large_variants() if args.large else default_variants())[
+            :1 if args.cpu_smoke else None]:
         row = report(variant, elements, unroll)
         rows.append(row)
         top = " ".join(f"{k}:{v}" for k, v in row["top"].items())
         say(f"{row['variant']:60s} {row['per_element']:5.2f} instr/element "
             f"({row['loop_instructions']} per loop, {elements:.0f} elements/thread)  {top}")
-    path = results_path(args.out_dir, "decode-cost", TARGET, "json")
+    path = results_path(args.out_dir, "decode-cost", TARGET, "json", variant="large" if args.large else None)
     path.write_text(json.dumps(rows, indent=1))
     say.write(path.with_suffix(".txt"))
     if args.json:

@@ -199,6 +199,61 @@ def test_moe_linear_errors_name_the_argument():
         tilemm.quantize_mxfp4(torch.randn(2, 16, 40))
 
 
+def test_moe_linear_errors_more():
+    _, packed = stacked("mxfp4", 4, 16, 64)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    ids = torch.zeros(3, 2, dtype=torch.long)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        tilemm.moe_linear([[0.0] * 64], packed, ids)
+    with pytest.raises(TypeError, match="topk_ids must be a torch.Tensor, got list"):
+        tilemm.moe_linear(x, packed, [[0, 1]] * 3)
+    with pytest.raises(ValueError, match=r"topk_ids must be \(T, k\) with T = 3 \(x's rows\) and k >= 1, got shape "
+                                         r"\(3, 0\)"):
+        tilemm.moe_linear(x, packed, ids[:, :0])
+    with pytest.raises(ValueError, match=r"x must be \(T, K\) with K = 64"):
+        tilemm.moe_linear(x.reshape(3, 1, 64), packed, ids)
+    with pytest.raises(TypeError, match="bias must be a torch.Tensor or None, got float"):
+        tilemm.moe_linear(x, packed, ids, 0.5)
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 4\) .* got values in \[0, 7\]"):
+        tilemm.moe_linear(x, packed, torch.tensor([[0, 7], [1, 2], [3, 3]]), check_ids=True)
+
+
+def test_experts_module_errors_name_the_argument():
+    """MoEExperts: weights that do not fit each other, biases of the wrong shape or type, and
+    forward's arguments: typed errors naming them."""
+    fn = "tilemm.moe.MoEExperts"
+    _, gu = stacked("mxfp4", 4, 64, 64, seed=50)
+    _, dn = stacked("mxfp4", 4, 64, 32, seed=51)
+    _, dn_bad = stacked("mxfp4", 3, 64, 32, seed=52)
+    with pytest.raises(TypeError, match=f"{fn}: gate_up must be a stacked expert PackedWeight"):
+        MoEExperts(prepack(tilemm.quantize_mxfp4(torch.randn(64, 64))), dn)
+    with pytest.raises(ValueError, match=r"gate_up \(E, 2I, H\) = \(4, 64, 64\) and down \(E, H, I\) = \(3, 64, 32\) "
+                                         r"do not fit"):
+        MoEExperts(gu, dn_bad)
+    with pytest.raises(ValueError, match=r"down_bias must be \(E, N\) = \(4, 64\), got \(4, 32\)"):
+        MoEExperts(gu, dn, None, torch.zeros(4, 32))
+    with pytest.raises(TypeError, match="gate_up_bias must be a float torch.Tensor"):
+        MoEExperts(gu, dn, torch.zeros(4, 64, dtype=torch.int64))
+    ours = MoEExperts(gu, dn)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 0]])
+    w = torch.full((3, 2), 0.5, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"hidden_states must be \(\.\.\., 64\), got \(3, 32\)"):
+        ours(x[:, :32], ids, w)
+    with pytest.raises(TypeError, match="hidden_states must be bfloat16 or float16, got torch.float32"):
+        ours(x.float(), ids, w)
+    with pytest.raises(TypeError, match="router_indices must be int32 or int64, got torch.float32"):
+        ours(x, ids.float(), w)
+    with pytest.raises(ValueError, match=r"router_indices must be \(T, k\) for the T = 3 tokens"):
+        ours(x, ids[:2], w)
+    with pytest.raises(ValueError, match=r"routing_weights must have router_indices' shape \(3, 2\)"):
+        ours(x, ids, w[:, :1])
+    with pytest.raises(TypeError, match="routing_weights must be a float tensor, got torch.int64"):
+        ours(x, ids, ids)
+    with pytest.raises(TypeError, match="routing_weights must be a torch.Tensor, got list"):
+        ours(x, ids, [[0.5, 0.5]] * 3)
+
+
 def test_moe_linear_compiles_fullgraph():
     """The custom op with its fake implementation traces as one op under torch.compile(fullgraph=True)."""
     w_q, packed = stacked("nvfp4", 4, 16, 64)
@@ -224,7 +279,7 @@ def emulated(monkeypatch):
     return emu
 
 
-def _run_kernel(x, packed, ids, bias, cfg, act=0, sorted_out=None):
+def _run_kernel(x, packed, ids, bias, cfg, act=0, sorted_out=None, blocks=None):
     """The kernel on x's rows sorted by expert; its output in (token, slot) row order (a sorted output
     put back in that order here)."""
     t, k = ids.shape
@@ -234,7 +289,7 @@ def _run_kernel(x, packed, ids, bias, cfg, act=0, sorted_out=None):
     b = None if bias is None else bias.float()
     routed = mk.route(ids, e)
     mk.launch(mk.sort_rows(x, routed, k), packed.words, packed.scale_t, packed.constants, b, routed, t, out,
-              packed.layout, act=act, cfg=cfg, sorted_out=sorted_out)
+              packed.layout, act=act, cfg=cfg, sorted_out=sorted_out, blocks=blocks)
     if (act if sorted_out is None else sorted_out):
         unsorted = torch.empty_like(out)
         unsorted[routed[0]] = out
@@ -244,18 +299,66 @@ def _run_kernel(x, packed, ids, bias, cfg, act=0, sorted_out=None):
 
 def test_routing_is_fixed_size_and_sorted():
     ids = torch.tensor([[2, 0], [2, 5], [-1, 2], [0, 7]])
-    order, offsets, slot_expert = mk.route(ids, 6)
+    order, offsets, slot_expert, longest = mk.route(ids, 6)
     assert order.shape == (8,) and offsets.shape == (8,) and slot_expert.shape == (7,)
+    assert longest.tolist() == [3]  # expert 2
     keys = torch.where((ids.reshape(-1) >= 6) | (ids.reshape(-1) < 0), 6, ids.reshape(-1))
     assert torch.equal(keys[order], torch.sort(keys, stable=True).values)
     assert torch.equal(order[:2], torch.tensor([1, 6]))  # stable: rows of one expert in row order
     assert offsets.tolist() == [0, 2, 2, 5, 5, 5, 6, 8]
-    assert slot_expert.tolist() == [0, 1, 2, 3, 4, 5, 6]  # 8 rows >= E + 1: every expert its slot
+    assert slot_expert.tolist() == [2, 0, 6, 5, 1, 3, 4]  # 8 rows >= E + 1: every expert, busiest first
     # fewer rows than experts: by decreasing rows (ties by id), then the empty experts
     assert mk.route(ids[:3], 9)[2].tolist() == [2, 0, 5, 9, 1, 3]  # 3 rows, 1, 1, 1 (the extra), none
     # one token, one expert: a single slot; far out-of-range ids still land on the extra expert
     assert mk.route(torch.tensor([[3]]), 6)[2].tolist() == [3]
     assert mk.route(torch.tensor([[2 ** 40, -2 ** 40]]), 6)[2].tolist() == [6, 0]  # (expert 0: no rows)
+
+
+def _route_both(ids, e):
+    """``route`` by the PyTorch operations and by ``_route_kernel`` (on the emulator)."""
+    return mk.route(ids, e, kernel=False), mk.route(ids, e, kernel=True)
+
+
+def test_route_kernel_matches_the_sorting_route(emulated):
+    """The one-block routing kernel: the same order (stable) and offsets as the PyTorch route; its
+    slots the same experts with rows in the same order (busiest first, ties by id), then -1 where
+    the PyTorch route lists experts without rows. Out-of-range ids (negative, >= E, huge), int32 ids,
+    a single row, every row on one expert, more rows than experts."""
+    gen = torch.Generator().manual_seed(31)
+    cases = [(torch.tensor([[2, 0], [2, 5], [-1, 2], [0, 7]]), 6), (torch.tensor([[3]]), 6),
+             (torch.tensor([[2 ** 40, -2 ** 40]]), 6), (torch.full((5, 2), 4, dtype=torch.int32), 9),
+             (torch.randint(-2, 40, (16, 4), generator=gen), 37), (torch.randint(0, 8, (12, 3), generator=gen), 8)]
+    for ids, e in cases:
+        (order, offsets, slots, longest), (k_order, k_offsets, k_slots, k_longest) = _route_both(ids, e)
+        assert torch.equal(k_order, order) and torch.equal(k_offsets, offsets), (ids, e)
+        assert k_longest.tolist() == longest.tolist() == [int((offsets[1:] - offsets[:-1]).max())]
+        assert k_slots.shape == slots.shape and k_slots.dtype == torch.int64
+        counts = (offsets[1:] - offsets[:-1]).tolist()  # (E + 1,): the extra expert E last
+        busiest = sorted((b for b in range(e + 1) if counts[b]), key=lambda b: (-counts[b], b))
+        assert k_slots.tolist() == busiest + [-1] * (len(k_slots) - len(busiest)), (ids, e)
+        assert slots[:len(busiest)].tolist() == busiest  # the PyTorch route's order too
+    assert mk.route_kernel_fits(64, 128) and not mk.route_kernel_fits(128, 128)  # 120b: T = 16, not 32
+    assert mk.route_kernel_fits(128, 32) and mk.route_kernel_fits(32, 256) and not mk.route_kernel_fits(64, 256)
+
+
+def test_kernel_after_route_kernel(emulated):
+    """The grouped kernel on the routing kernel's slots (-1 entries: nothing to do), persistent grid."""
+    e, n, k = 7, 32, 256
+    w_q, packed = stacked("mxfp4", e, n, k, seed=32)
+    gen = torch.Generator().manual_seed(33)
+    x = (torch.randn(3, k, generator=gen) * 2).to(torch.bfloat16)
+    ids = torch.tensor([[1, 1 + 0], [1, 4], [9, 1]])[:, :2]
+    ids[0, 1] = 3
+    routed = mk.route(ids, e, kernel=True)
+    assert routed[2].tolist() == [1, 3, 4, 7, -1, -1]
+    out = torch.full((6, n), 12345.0, dtype=torch.bfloat16)
+    cfg = mk.MoEConfig(16, 16, 4, None, cat=1)
+    mk.launch(mk.sort_rows(x, routed, 2), packed.words, packed.scale_t, packed.constants, None, routed, 3, out,
+              packed.layout, cfg=cfg, blocks=2)
+    out = out.reshape(3, 2, n)
+    ok = ids < e
+    assert out[~ok].isnan().all()
+    assert_matches(out[ok].float(), reference64(x, w_q, ids)[ok], torch.bfloat16)
 
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
@@ -427,6 +530,46 @@ def test_chunk_groups_spread_a_popular_expert(emulated):
     assert_matches(out.float(), reference64(x, w_q, ids), torch.bfloat16)
 
 
+def test_persistent_grid_runs_every_item(emulated):
+    """A grid smaller than the work items (the persistent grid of skewed decode batches): each block
+    runs items b, b + blocks, ..; the result is the one-block-per-item result, bit for bit. Skewed
+    routing, fewer pairs than experts: most slots hold no rows; an expert with two chunks and
+    chunk groups > 1; one id out of range (a NaN row)."""
+    e, n, k = 9, 48, 256
+    _, packed = stacked("mxfp4", e, n, k, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    x = (torch.randn(20, k, generator=gen) * 2).to(torch.bfloat16)
+    ids = torch.stack([torch.zeros(20, dtype=torch.long), torch.full((20,), 9)], dim=1)[:4]  # 8 pairs <= E
+    ids[3, 1] = 4
+    x = x[:4]
+    bias = torch.randn(e, n, generator=gen)
+    cfg = mk.MoEConfig(16, 16, 4, None, cat=1)
+    full = _run_kernel(x, packed, ids, bias, cfg)
+    for blocks in (1, 2, 5):
+        assert torch.equal(_run_kernel(x, packed, ids, bias, cfg, blocks=blocks).isnan(), full.isnan())
+        same = ~full.isnan()
+        assert torch.equal(_run_kernel(x, packed, ids, bias, cfg, blocks=blocks)[same], full[same])
+    assert full[:3, 1].isnan().all() and not full[3, 1].isnan().any()
+    # chunk groups > 1 (T = 40 tokens on expert 2, two chunks of 16 spread over 3 groups), 3 blocks
+    x40 = torch.randn(40, k, generator=gen).to(torch.bfloat16)
+    ids40 = torch.stack([torch.full((40,), 2), torch.arange(40) % 2], dim=1)
+    assert torch.equal(_run_kernel(x40, packed, ids40, None, cfg, blocks=3), _run_kernel(x40, packed, ids40, None, cfg))
+    # fewer chunk groups than the shapes allow (T = 40: 3; no expert over 16 rows: the kernel takes 1)
+    w_q, packed = stacked("mxfp4", 3, 16, 256, seed=23)
+    ids3 = (torch.arange(40) % 3).reshape(40, 1)
+    out = _run_kernel(x40, packed, ids3, None, cfg, blocks=4)
+    assert mk.chunk_groups(40, 16) == 3
+    assert_matches(out.float(), reference64(x40, w_q, ids3), torch.bfloat16)
+    # E + 2 = 72 offsets (two loads of 64 when the kernel looks for the longest run): the busiest
+    # expert, 69, in the second
+    w_q, packed = stacked("mxfp4", 70, 16, 256, seed=24)
+    ids69 = torch.stack([torch.full((40,), 69), torch.arange(40) % 7], dim=1)
+    out = _run_kernel(x40, packed, ids69, None, cfg, blocks=5)
+    assert_matches(out.float(), reference64(x40, w_q, ids69), torch.bfloat16)
+    # the launcher's choice: one block per item on the CPU (the emulator)
+    assert mk.grid_blocks(500, cfg, torch.device("cpu")) == 500
+
+
 def test_plan_tile_m_follows_tokens_per_expert():
     layout = tilemm.packed.layout_of(MXFP4)
     assert mk.plan(1, 4, 32, layout).tile_m == 16
@@ -574,6 +717,10 @@ def test_benchmark_cpu_smoke(tmp_path):
     result = json.loads((tmp_path / "moe-cpu.json").read_text())
     assert result["layers"] and all(r["rel_err"] < 1e-2 for r in result["layers"])
     assert set(result["e2e"]) == {"gpt-oss-20b", "gpt-oss-120b"}
+    r20, r120 = result["e2e"]["gpt-oss-20b"], result["e2e"]["gpt-oss-120b"]
+    # the same decode step with MXFP4 and bf16 experts on the same weights: close logits
+    assert r20["logits_rel_err"] < 2e-2 and r20["mxfp4"]["finite"] and r20["bf16"]["finite"]
+    assert r120["batch1"]["finite"] and r120["batch8"]["finite"]
     assert bench.main(["--profile", "--cpu-smoke", "--out", str(tmp_path)]) == 0
     profiled = json.loads((tmp_path / "moe-profile-cpu.json").read_text())["profile"]
     assert {r["variant"] for r in profiled} == {"tilemm", "grouped"} and all(r["kernels"] for r in profiled)
@@ -602,3 +749,156 @@ def test_custom_ops_opcheck():
     torch.library.opcheck(torch.ops.tilemm.gpt_oss_experts.default,
                           (x, ids, weights, packed.words, packed.scale_t, packed.constants, "mxfp4", None,
                            down.words, down.scale_t, down.constants, "mxfp4", torch.zeros(4, 64), 1.702, 7.0))
+
+
+# --------------------------------------------------------------------------------------------------
+# Experts from compressed-tensors and ModelOpt checkpoints
+# --------------------------------------------------------------------------------------------------
+
+E_CK, H_CK, I_CK = 3, 64, 32
+
+
+def _experts_model(num_experts=E_CK, hidden=H_CK, inter=I_CK):
+    """A module holding one transformers GptOssExperts at ``mlp.experts``."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    model = torch.nn.Module()
+    model.mlp = torch.nn.Module()
+    model.mlp.experts = GptOssExperts(tiny_gpt_oss_config(hidden_size=hidden, intermediate_size=inter,
+                                                          num_local_experts=num_experts))
+    return model
+
+
+def _expert_weights(fmt: str, seed: int = 40, shared_gate_up_scale: bool = True):
+    """Per expert {proj: (quantized (N, K), bias (N,))} for gpt-oss-shaped experts with separate gate
+    and up projections (as per-expert checkpoints store them)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(E_CK):
+        gs = torch.tensor(0.02 + 0.01 * i)
+        layer = {}
+        for proj, (n, k) in (("gate_proj", (I_CK, H_CK)), ("up_proj", (I_CK, H_CK)), ("down_proj", (H_CK, I_CK))):
+            w = torch.randn(n, k, generator=gen)
+            if fmt == "nvfp4":
+                shared = shared_gate_up_scale and proj != "down_proj"
+                q = tilemm.quantize_nvfp4(w, global_scale=gs if shared else None)
+            else:
+                q = QUANTIZERS[fmt](w)
+            layer[proj] = (q, torch.randn(n, generator=gen).to(torch.bfloat16))
+        out.append(layer)
+    return out
+
+
+def _dequant(q):
+    return q.dequantize().float()
+
+
+def _check_loaded_experts(model, weights):
+    """The loaded MoEExperts holds exactly the checkpoint's values: gate_up row 2j = gate row j, row
+    2j + 1 = up row j (and the biases alike), down as stored."""
+    ours = model.mlp.experts
+    assert isinstance(ours, MoEExperts) and ours.gate_up_words.dtype == torch.int32
+    for proj in ("gate_up", "down"):
+        w = unpack(ours.packed(proj))
+        dq = [_dequant(q) for q in w] if isinstance(w, list) else list(_dequant(w))
+        for e, layer in enumerate(weights):
+            if proj == "down":
+                expected, bias = _dequant(layer["down_proj"][0]), layer["down_proj"][1].float()
+            else:
+                expected = torch.stack((_dequant(layer["gate_proj"][0]), _dequant(layer["up_proj"][0])), 1)
+                expected = expected.reshape(2 * I_CK, H_CK)
+                bias = torch.stack((layer["gate_proj"][1], layer["up_proj"][1]), 1).reshape(-1).float()
+            assert torch.equal(dq[e], expected), (proj, e)
+            assert torch.equal(getattr(ours, proj + "_bias")[e], bias)
+    # and it runs: the module's forward against the same arithmetic on the dequantized weights
+    x = torch.randn(5, H_CK).to(torch.bfloat16)
+    ids = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]])
+    weights_ = torch.full((5, 2), 0.5, dtype=torch.bfloat16)
+    assert torch.isfinite(ours(x, ids, weights_)).all()
+
+
+def _ct_checkpoint(weights):
+    tensors, formats = {}, set()
+    for i, layer in enumerate(weights):
+        for proj, (q, bias) in layer.items():
+            t, fmt, args = checkpoints.to_compressed_tensors(q)
+            formats.add((fmt, json.dumps(args, sort_keys=True)))
+            tensors.update({f"mlp.experts.{i}.{proj}.{k}": v for k, v in t.items()})
+            tensors[f"mlp.experts.{i}.{proj}.bias"] = bias
+    (fmt, args), = formats
+    config = {"quant_method": "compressed-tensors", "format": fmt, "ignore": [],
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": json.loads(args), "format": fmt}}}
+    return tensors, config
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_experts_from_compressed_tensors(fmt):
+    """Per-expert compressed-tensors layers (``experts.<i>.{gate,up,down}_proj.weight_packed`` /
+    ``weight`` + scales) load into MoEExperts: packed bytes, no bf16 expert, exactly the stored values."""
+    weights = _expert_weights(fmt)
+    tensors, config = _ct_checkpoint(weights)
+    model = tilemm.load_quantized(_experts_model(), tensors, convention="compressed-tensors",
+                                  quantization_config=config)
+    # the stored values (NVFP4: the per-tensor scale travels as its encode reciprocal)
+    stored = [{proj: (checkpoints.from_compressed_tensors(*checkpoints.to_compressed_tensors(q)[:2]), b)
+               for proj, (q, b) in layer.items()} for layer in weights]
+    _check_loaded_experts(model, stored)
+
+
+def test_experts_from_modelopt_per_expert_and_fused():
+    """ModelOpt NVFP4: per-expert layers (``weight``, ``weight_scale``, ``weight_scale_2``), and the
+    fused gpt-oss export (``gate_up_proj`` (E, K/2, N) bytes, ``gate_up_proj_weight_scale`` (E, K/16,
+    N), ``_weight_scale_2`` shared or per expert, ``_input_scale`` dropped, ``_bias``)."""
+    weights = _expert_weights("nvfp4")
+    tensors = {}
+    for i, layer in enumerate(weights):
+        for proj, (q, bias) in layer.items():
+            tensors.update({f"mlp.experts.{i}.{proj}.{k}": v for k, v in checkpoints.to_modelopt(q).items()})
+            tensors[f"mlp.experts.{i}.{proj}.input_scale"] = torch.tensor(1.0)
+            tensors[f"mlp.experts.{i}.{proj}.bias"] = bias
+    config = {"quant_algo": "NVFP4", "exclude_modules": []}
+    model = tilemm.load_quantized(_experts_model(), tensors, convention="modelopt", quantization_config=config)
+    _check_loaded_experts(model, weights)
+
+    fused = {}
+    for proj in ("gate_up_proj", "down_proj"):
+        if proj == "gate_up_proj":
+            qs = [checkpoints._interleave_gate_up("t", "t", w["gate_proj"][0], w["up_proj"][0]) for w in weights]
+            bias = torch.stack([torch.stack((w["gate_proj"][1], w["up_proj"][1]), 1).reshape(-1) for w in weights])
+        else:
+            qs = [w["down_proj"][0] for w in weights]
+            bias = torch.stack([w["down_proj"][1] for w in weights])
+        fused[f"mlp.experts.{proj}"] = torch.stack([q.data for q in qs]).transpose(1, 2).contiguous()
+        fused[f"mlp.experts.{proj}_weight_scale"] = torch.stack([q.scale for q in qs]).transpose(1, 2).contiguous()
+        fused[f"mlp.experts.{proj}_weight_scale_2"] = torch.stack([q.global_scale for q in qs])
+        fused[f"mlp.experts.{proj}_input_scale"] = torch.tensor(1.0)
+        fused[f"mlp.experts.{proj}_bias"] = bias
+    model = tilemm.load_quantized(_experts_model(), fused, convention="modelopt", quantization_config=config)
+    _check_loaded_experts(model, weights)
+
+
+def test_expert_checkpoint_errors():
+    """Expert count or shapes that disagree with the model, gate / up NVFP4 scales that cannot share
+    one per-tensor scale, FP8 experts: ValueErrors naming the experts block and what differs."""
+    fn = "tilemm.load_quantized"
+    weights = _expert_weights("mxfp4")
+    tensors, config = _ct_checkpoint(weights)
+    load = lambda model, t: tilemm.load_quantized(model, t, convention="compressed-tensors",  # noqa: E731
+                                                  quantization_config=config)
+    with pytest.raises(ValueError, match=rf"{fn}: experts 'mlp.experts': the model has 4 experts, the checkpoint "
+                                         r"experts 0 .. 2 \(3 of them\)"):
+        load(_experts_model(num_experts=4), tensors)
+    with pytest.raises(ValueError, match=r"experts 'mlp.experts': gate_up_proj is \(N, K\) = \(128, 64\) per "
+                                         r"expert in the model but \(64, 64\) in the checkpoint"):
+        load(_experts_model(inter=64), tensors)
+    missing = {k: v for k, v in tensors.items() if not k.startswith("mlp.experts.1.")}
+    with pytest.raises(ValueError, match=r"the model has 3 experts, the checkpoint experts 0 .. 2 \(2 of them\)"):
+        load(_experts_model(), missing)
+    nv, nv_config = _ct_checkpoint(_expert_weights("nvfp4", shared_gate_up_scale=False))
+    with pytest.raises(ValueError, match=r"experts 'mlp.experts': expert 0: gate_proj and up_proj have different "
+                                         r"NVFP4 per-tensor scales"):
+        tilemm.load_quantized(_experts_model(), nv, convention="compressed-tensors", quantization_config=nv_config)
+    fp8 = [{proj: (tilemm.quantize_fp8(q.dequantize().float()), b) for proj, (q, b) in w.items()} for w in weights]
+    f8, f8_config = _ct_checkpoint(fp8)
+    with pytest.raises(ValueError, match=r"expert 0 gate_proj: FP8 experts .* have no grouped-kernel layout"):
+        tilemm.load_quantized(_experts_model(), f8, convention="compressed-tensors", quantization_config=f8_config)

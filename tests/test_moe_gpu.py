@@ -88,13 +88,92 @@ def test_one_token_launches_no_routing():
 
 
 def test_one_kernel_after_routing():
-    """One cuTile launch per projection (the routing is a few small PyTorch kernels)."""
+    """One cuTile launch per projection (the routing at this size: one more, ``_route_kernel``)."""
     w_q = tilemm.quantize_mxfp4(torch.randn(8, 256, 512))
     packed = tilemm.prepack(w_q).to(DEV)
     x = torch.randn(4, 512, device=DEV, dtype=torch.bfloat16)
     ids = torch.randint(0, 8, (4, 2), device=DEV)
     names = kernels_per_call(lambda: tilemm.moe_linear(x, packed, ids))
     assert sum("moe_kernel" in name for name in names) == 1, names
+    assert sum("route_kernel" in name for name in names) == 1, names
+    assert not any("sort" in name.lower() for name in names), names
+
+
+@pytest.mark.parametrize("rows_e", [(4, 6), (64, 128), (32, 256), (128, 32), (1, 8), (40, 9)])
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+def test_route_kernel_matches_sorting_route(rows_e, id_dtype):
+    """``_route_kernel`` on the GPU: order and offsets equal to the PyTorch route's, its slots the
+    experts with rows busiest first then -1 (gpt-oss-120b at T = 16, the anchor at T = 4, gpt-oss-20b
+    at T = 32, skewed and out-of-range ids)."""
+    rows, e = rows_e
+    gen = torch.Generator().manual_seed(rows + e)
+    ids = torch.randint(-1, e + 2, (rows, 1), generator=gen)
+    ids[: rows // 2] = torch.randint(0, 3, (rows // 2, 1), generator=gen)  # skewed: a few busy experts
+    ids = ids.to(id_dtype).to(DEV)
+    assert mk.route_kernel_fits(rows, e)
+    order, offsets, slots, longest = mk.route(ids, e, kernel=False)
+    k_order, k_offsets, k_slots, k_longest = mk.route(ids, e)
+    assert torch.equal(k_order, order) and torch.equal(k_offsets, offsets) and torch.equal(k_longest, longest)
+    counts = (offsets[1:] - offsets[:-1]).tolist()
+    busiest = sorted((b for b in range(e + 1) if counts[b]), key=lambda b: (-counts[b], b))
+    assert k_slots.tolist() == busiest + [-1] * (k_slots.numel() - len(busiest))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_persistent_grid_equals_full_grid(fmt):
+    """Skewed routing (the persistent grid, many empty slots): bit for bit the one-block-per-item
+    result, with either routing's slots."""
+    gen = torch.Generator().manual_seed(5)
+    e, n, kdim, t, k = 64, 320, 512, 12, 4
+    w_q = QUANTIZERS[fmt](torch.randn(e, n, kdim, generator=gen))
+    packed = tilemm.prepack(w_q).to(DEV)
+    x = torch.randn(t, kdim, generator=gen).to(torch.bfloat16).to(DEV)
+    ids = torch.multinomial(1.0 / (torch.arange(e) + 1.0) ** 1.2, k, generator=gen).repeat(t, 1)
+    ids[::3] = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(ids[::3].shape[0])])
+    ids = ids.to(DEV)
+    layout = tilemm.packed.layout_of(packed.fmt)
+    cfg = mk.plan(t, k, e, layout)
+    assert mk.grid_blocks(10 ** 6, cfg, DEV) < 10 ** 6
+    outs = []
+    for kernel in (True, False):
+        routed = mk.route(ids, e, kernel=kernel)
+        xs = mk.sort_rows(x, routed, k)
+        for blocks in (None, 2 ** 31 - 1):
+            out = torch.empty(t * k, n, dtype=torch.bfloat16, device=DEV)
+            mk.launch(xs, packed.words, packed.scale_t, packed.constants, None, routed, t, out, layout,
+                      blocks=blocks)
+            outs.append(out)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    _check(outs[0].reshape(t, k, n), reference64(x.cpu(), w_q, ids.cpu()), torch.bfloat16)
+
+
+def test_decode_step_captures_in_a_cuda_graph():
+    """benchmarks/bench_moe.py's decode step (tiny gpt-oss shape, MXFP4 experts, batch 1 and 8):
+    captured in a CUDA graph, a replay gives the eager step's logits and next tokens."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_moe.py"
+    spec = importlib.util.spec_from_file_location("bench_moe_gpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    config = bench.gpt_oss_config(bench.TINY, 2)
+    experts = bench.packed_experts(config, 2, DEV, seed=3)
+    for batch in (1, 8):
+        model = bench.DecodeModel(config, experts, batch, 64, DEV)
+        eager = bench.first_step_logits(model, DEV).clone()
+        eager_ids = model.ids.clone()
+        bench.first_step_logits(model, DEV)  # warm-up: compiles, caches
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            model.step()
+        bench.start_state(model, DEV)  # the state of the eager step again
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(model.logits.float(), eager) and torch.equal(model.ids, eager_ids)
+        assert int(model.pos) == bench.E2E_START + 1
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])

@@ -4,6 +4,7 @@ CUDA graph (no fill of a workspace, no zero bias)."""
 
 from __future__ import annotations
 
+import cuda.tile as ct
 import pytest
 import torch
 
@@ -48,6 +49,37 @@ def test_fused_kernel_matches_the_oracle(fmt, cfg):
                   cfg, sms, torch.cuda.current_stream())
         _check(out, ref, torch.bfloat16)
 
+
+# The sweep's structural variants (``VARIANTS``): every one on its family's first format, the first of
+# each family on the other formats.
+_VARIANT_CASES = ([(f, v) for f in (MXFP4, MXFP8_E4M3) for v in wl.VARIANTS[wl.family(wo.LAYOUTS[
+                      "mxfp4" if f is MXFP4 else "mxfp8_e4m3"])]]
+                  + [(f, wl.VARIANTS["4bit" if f is NVFP4 else "8bit"][0]) for f in (NVFP4, MXFP8_E5M2)])
+
+
+@pytest.mark.parametrize("fmt,variant", _VARIANT_CASES,
+                         ids=[f"{f.name}-{v[0].name}{'_sauto' if v[1] else ''}" for f, v in _VARIANT_CASES])
+def test_fused_variants_match_the_oracle(fmt, variant):
+    """M = 100 with N = 200 (a partial x tile and weight tile; with the K split: 4 ranges of K = 4128,
+    its last partial K tile in the last range), with a bias, launched twice (the split's counters
+    must be back at zero for the second launch); M = 300 without a split, on 3 blocks and on every SM."""
+    cfg, split, _, _ = variant
+    m, n, k = (100, 200, 4128) if split else (300, 200, 4128)
+    w_q = _weight(fmt, n, k, seed=7)
+    packed = tilemm.prepack(w_q).to(DEV)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    bias = torch.randn(n)
+    ref = _oracle(x, w_q, bias)
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    if split:
+        cfg = wl.with_split(cfg, m, n, k, packed.layout, sms)
+        assert cfg.split_k > 1
+    for blocks in ((sms, sms) if split else (3, sms)):
+        out = torch.full((m, n), float("nan"), device=DEV, dtype=torch.bfloat16)
+        with ct.compiler_timeout(300):  # a compile that hangs fails here instead of stalling the run
+            wl.launch(x.to(DEV), packed.words, packed.scale_t, packed.constants, bias.to(DEV), out,
+                      packed.layout, cfg, blocks, torch.cuda.current_stream())
+        _check(out, ref, torch.bfloat16)
 
 @pytest.mark.parametrize("fmt", [MXFP4, NVFP4, MXFP8_E4M3], ids=["mxfp4", "nvfp4", "mxfp8_e4m3"])
 @pytest.mark.parametrize("chunk", [0, 64])

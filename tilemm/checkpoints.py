@@ -8,6 +8,11 @@ compressed-tensors' or ModelOpt's convention. One layer's tensors go through the
 ``tilemm.conventions`` (re-exported here: :func:`to_tilemm` / :func:`from_tilemm` and the ``from_*`` /
 ``to_*`` pair of each convention), which say how each convention stores its numbers.
 
+gpt-oss experts blocks (transformers' ``GptOssExperts``) become ``tilemm.moe.MoEExperts`` when the
+checkpoint stores their experts quantized: ``"gpt-oss"``'s MXFP4 blocks; compressed-tensors' (and
+ModelOpt's) per-expert ``<experts>.<i>.{gate,up,down}_proj`` layers in NVFP4 / MXFP4 / MXFP8, gate and
+up rows interleaved into gpt-oss's gate_up; ModelOpt's fused NVFP4 export (``_load_quantized_experts``).
+
 What is *not* carried over: static activation scales (``input_scale``, ``input_global_scale``).
 ``tilemm.nn.Linear`` quantizes activations on every call from their own amax (or, with
 ``weight_only=True``, leaves them unquantized), so a W4A4 / W8A8 checkpoint runs with dynamic
@@ -28,6 +33,7 @@ from .conventions import (ACTIVATION_SCALE_NAMES, COMPRESSED_TENSORS_FORMATS, CO
                           MODELOPT_ALGOS, _check_convention, _torchao_classes, from_compressed_tensors, from_gpt_oss,
                           from_modelopt, from_tilemm, from_torchao, linear_options, to_compressed_tensors,
                           to_gpt_oss, to_modelopt, to_tilemm, to_torchao)
+from .conventions import _e4m3_scale, _fp32_scale, _get, _logical_scale, _packed_e2m1  # (the experts loaders)
 from .formats import NVFP4
 from .moe import GPT_OSS_EXPERTS, MoEExperts
 from .nn import Linear
@@ -276,8 +282,9 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
     if weight_only is None:
         weight_only = convention == "modelopt" and algo == "W4A16_NVFP4"
 
-    used: set[str] = set()  # checkpoint keys consumed by the swapped layers
-    new_keys: set[str] = set()  # the swapped layers' own state-dict keys
+    # gpt-oss experts blocks whose experts the checkpoint stores quantized: MoEExperts
+    used, new_keys = _load_quantized_experts(fn, model, tensors, convention, config,
+                                             algo if convention == "modelopt" else None)
     converted: dict[int, Linear] = {}
     for name, module in list(model.named_modules(remove_duplicate=False)):
         if type(module) is not torch.nn.Linear:
@@ -459,3 +466,189 @@ def export_quantized(model: torch.nn.Module, convention: str) -> tuple[dict[str,
               "format": formats.pop() if len(formats) == 1 else "mixed-precision",
               "config_groups": config_groups, "ignore": ignore}
     return state, config
+
+
+# ----------------------------------------------------------------------------------------------
+# Mixture-of-experts blocks from compressed-tensors and ModelOpt checkpoints
+# ----------------------------------------------------------------------------------------------
+
+#: The projections of one expert in per-expert checkpoints (``<experts>.<i>.<proj>.<tensor>``).
+_EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _experts_device(module: torch.nn.Module) -> torch.device:
+    return next((t.device for t in list(module.buffers()) + list(module.parameters()) if t.device.type != "meta"),
+                torch.device("cpu"))
+
+
+def _expert_indices(tensors: Mapping, prefix: str) -> list[int]:
+    """The expert numbers i of the keys ``<prefix><i>.<proj>.<tensor>``, sorted."""
+    found = set()
+    for key in tensors:
+        if key.startswith(prefix):
+            head, _, rest = key[len(prefix):].partition(".")
+            if head.isdigit() and rest.partition(".")[0] in _EXPERT_PROJS:
+                found.add(int(head))
+    return sorted(found)
+
+
+def _interleave_gate_up(fn: str, where: str, gate, up):
+    """gpt-oss's gate_up rows of one expert from separate gate (I, H) and up (I, H) quantized weights:
+    row 2j = gate row j, row 2j + 1 = up row j (rows are quantized independently along K, so the
+    interleaved tensor holds exactly both weights' values). NVFP4 needs one per-tensor scale for both."""
+    if type(gate) is not type(up) or gate.data.shape != up.data.shape:
+        raise ValueError(f"{fn}: {where}: gate_proj ({type(gate).__name__} {tuple(gate.data.shape)}) and up_proj "
+                         f"({type(up).__name__} {tuple(up.data.shape)}) must have one format and shape")
+
+    def rows(a, b):
+        return torch.stack((a, b), dim=-2).reshape(*a.shape[:-2], 2 * a.shape[-2], a.shape[-1])
+
+    data = rows(gate.data, up.data)
+    scale = rows(_logical_scale(gate), _logical_scale(up))
+    if isinstance(gate, NVFP4Tensor):
+        if not bool((gate.global_scale == up.global_scale).all()):
+            raise ValueError(f"{fn}: {where}: gate_proj and up_proj have different NVFP4 per-tensor scales "
+                             f"({float(gate.global_scale)!r} and {float(up.global_scale)!r}); gpt-oss's fused gate_up "
+                             f"projection has one per expert (quantize with shared gate / up global scales)")
+        return NVFP4Tensor(data, scale.view(torch.float8_e4m3fn), gate.global_scale)
+    return type(gate)(data, scale)
+
+
+def _refuse_fp8_experts(fn: str, where: str, q) -> None:
+    if isinstance(q, FP8Tensor):
+        raise ValueError(f"{fn}: {where}: FP8 experts (per tensor, per channel or 128x128 blocks) have no "
+                         f"grouped-kernel layout; tilemm.moe takes MXFP4, NVFP4 or MXFP8 experts")
+
+
+def _per_expert_weights(fn: str, name: str, tensors: Mapping, indices: list[int], convention: str,
+                        config: Mapping | None, algo: str | None) -> tuple[list, list, dict, set]:
+    """Per-expert checkpoints (compressed-tensors, ModelOpt per-expert export):
+    ``<name>.<i>.{gate,up,down}_proj.<tensor>`` -> (gate_up quantized per expert, down per expert,
+    biases, keys used)."""
+    probe = torch.nn.Linear(1, 1, device="meta")  # compressed-tensors' class targets ("Linear") match it
+    gate_up, down, used = [], [], set()
+    biases: dict[str, list] = {"gate_up_proj": [], "down_proj": []}
+    for i in indices:
+        qs = {}
+        for proj in _EXPERT_PROJS:
+            layer = f"{name}.{i}.{proj}"
+            local = {k[len(layer) + 1:]: v for k, v in tensors.items()
+                     if k.startswith(layer + ".") and "." not in k[len(layer) + 1:]}
+            bias = local.pop("bias", None)
+            where = f"experts {name!r}: expert {i} {proj}"
+            try:
+                if convention == "compressed-tensors":
+                    scheme = _ct_scheme(config, layer, probe)
+                    if scheme is None:
+                        raise ValueError("the quantization config leaves it unquantized (no config group "
+                                         "targets it, or it is ignored)")
+                    q = from_compressed_tensors(local, scheme[0], weights=scheme[1])
+                else:
+                    q = from_modelopt(local, quant_algo=algo)
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"{fn}: {where}: {err}") from None
+            _refuse_fp8_experts(fn, where, q)
+            qs[proj] = (q, bias)
+            used.update(f"{layer}.{k}" for k in local)
+            if bias is not None:
+                used.add(f"{layer}.bias")
+        gate_up.append(_interleave_gate_up(fn, f"experts {name!r}: expert {i}", qs["gate_proj"][0], qs["up_proj"][0]))
+        down.append(qs["down_proj"][0])
+        gb, ub = qs["gate_proj"][1], qs["up_proj"][1]
+        if (gb is None) != (ub is None):
+            raise ValueError(f"{fn}: experts {name!r}: expert {i} has a bias on only one of gate_proj and up_proj")
+        biases["gate_up_proj"].append(None if gb is None else torch.stack((gb, ub), dim=-1).reshape(-1))
+        biases["down_proj"].append(qs["down_proj"][1])
+    stacked = {}
+    for proj, values in biases.items():
+        if all(v is None for v in values):
+            stacked[proj] = None
+        elif any(v is None for v in values):
+            raise ValueError(f"{fn}: experts {name!r}: {proj} has a bias on some experts only")
+        else:
+            stacked[proj] = torch.stack(values)
+    return gate_up, down, stacked, used
+
+
+def _modelopt_fused_weights(fn: str, name: str, tensors: Mapping, algo: str) -> tuple[list, list, dict, set]:
+    """ModelOpt's export of fused (bmm-style) gpt-oss experts, NVFP4 (ModelOpt 0.47,
+    ``_export_quantized_weight``): ``<name>.gate_up_proj`` uint8 (E, K/2, N), the packed (E, N, K/2)
+    bytes transposed back to transformers' (E, in, out) order; ``<name>.gate_up_proj_weight_scale``
+    e4m3 (E, K/16, N) likewise; ``<name>.gate_up_proj_weight_scale_2`` fp32, the decode scale, one
+    for all experts (() or (1,)) or one per expert (E,); ``_input_scale`` not used; ``_bias`` (E, N);
+    the same for ``down_proj``. Each expert's bytes are transposed back (a byte copy)."""
+    if algo not in ("NVFP4", "W4A16_NVFP4"):
+        raise ValueError(f"{fn}: experts {name!r}: ModelOpt {algo} fused experts have no grouped-kernel layout; "
+                         f"tilemm.moe takes NVFP4 ones from ModelOpt")
+    out, used, biases = {}, set(), {}
+    for proj in ("gate_up_proj", "down_proj"):
+        key = f"{name}.{proj}"
+        where = f"experts {name!r}: {proj}"
+        data = _packed_e2m1(fn, key, _get(fn, tensors, key, where), 1)
+        if data.ndim != 3:
+            raise ValueError(f"{fn}: {key} must be (E, K/2, N), got shape {tuple(data.shape)}")
+        e, half_k, n = data.shape
+        if (2 * half_k) % NVFP4.block:
+            raise ValueError(f"{fn}: {key} is (E, K/2, N) = {tuple(data.shape)}: K = {2 * half_k} is not a "
+                             f"multiple of NVFP4's block {NVFP4.block}")
+        scale = _e4m3_scale(fn, key + "_weight_scale", _get(fn, tensors, key + "_weight_scale", where),
+                            (e, 2 * half_k // NVFP4.block, n))
+        s2 = _get(fn, tensors, key + "_weight_scale_2", where)
+        decode = _fp32_scale(fn, key + "_weight_scale_2", s2, ((), (1,), (e,))).reshape(-1).expand(e)
+        data, scale = data.transpose(1, 2), scale.transpose(1, 2)
+        out[proj] = [NVFP4Tensor(data[x].contiguous(), scale[x].contiguous(), decode[x].clone()) for x in range(e)]
+        used.update(k for k in (key, key + "_weight_scale", key + "_weight_scale_2", key + "_input_scale")
+                    if k in tensors)
+        biases[proj] = tensors.get(key + "_bias")
+        if biases[proj] is not None:
+            used.add(key + "_bias")
+    return out["gate_up_proj"], out["down_proj"], biases, used
+
+
+def _load_quantized_experts(fn: str, model: torch.nn.Module, tensors: Mapping, convention: str,
+                            config: Mapping | None, algo: str | None) -> tuple[set, set]:
+    """Replace every gpt-oss experts block of ``model`` whose quantized experts the checkpoint holds
+    by a ``tilemm.moe.MoEExperts`` (compressed-tensors: per-expert ``<name>.<i>.{gate,up,down}_proj``
+    layers; ModelOpt: the same per-expert layers, or the fused NVFP4 export). gate_proj and up_proj
+    rows are interleaved into gpt-oss's gate_up (``_interleave_gate_up``); bytes are prepacked on the
+    module's device, no high-precision expert is built. A block the checkpoint stores unquantized is
+    left to the plain state-dict load. Returns (checkpoint keys used, the new modules' keys)."""
+    used: set[str] = set()
+    new_keys: set[str] = set()
+    for name, module in list(model.named_modules()):
+        if not name or not (type(module).__name__ == GPT_OSS_EXPERTS or isinstance(module, MoEExperts)):
+            continue
+        indices = _expert_indices(tensors, name + ".")
+        if indices:
+            gate_up, down, biases, keys = _per_expert_weights(fn, name, tensors, indices, convention, config, algo)
+        elif convention == "modelopt" and f"{name}.gate_up_proj_weight_scale" in tensors:
+            gate_up, down, biases, keys = _modelopt_fused_weights(fn, name, tensors, algo)
+        else:
+            continue
+        e, h, i = module.num_experts, module.hidden_size, module.intermediate_size
+        if indices and indices != list(range(e)):
+            raise ValueError(f"{fn}: experts {name!r}: the model has {e} experts, the checkpoint experts "
+                             f"{indices[0]} .. {indices[-1]} ({len(indices)} of them)")
+        if len(gate_up) != e:
+            raise ValueError(f"{fn}: experts {name!r}: the model has {e} experts, the checkpoint {len(gate_up)}")
+        for proj, qs, want in (("gate_up_proj", gate_up, (2 * i, h)), ("down_proj", down, (h, i))):
+            got = (qs[0].data.shape[-2], qs[0].format.logical_k(qs[0].data.shape[-1]))
+            if got != want:
+                raise ValueError(f"{fn}: experts {name!r}: {proj} is (N, K) = {want} per expert in the model but "
+                                 f"{got} in the checkpoint")
+            b = biases[proj]
+            if b is not None and tuple(b.shape) != (e, want[0]):
+                raise ValueError(f"{fn}: experts {name!r}: {proj}_bias is {tuple(b.shape)} in the checkpoint, "
+                                 f"expected (E, N) = ({e}, {want[0]})")
+        device = _experts_device(module)
+        try:
+            packed = [prepack([type(q)(*(t.to(device) for t in q)) for q in qs]) for qs in (gate_up, down)]
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{fn}: experts {name!r}: {err}") from None
+        new = MoEExperts(*packed, biases["gate_up_proj"], biases["down_proj"],
+                         alpha=getattr(module, "alpha", 1.702), limit=getattr(module, "limit", 7.0))
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, new)
+        used |= keys
+        new_keys.update(f"{name}.{k}" for k in new.state_dict())
+    return used, new_keys

@@ -6,8 +6,9 @@ and rounded once to x's dtype. ``w`` is a stacked expert weight, ``tilemm.prepac
 quantized tensor (or of a list of E (N, K) ones).
 
 * On CUDA (Hopper, Blackwell), one token: one cuTile launch of the per-pair kernel, no routing.
-  From two tokens: one routing step of fixed-size PyTorch operations, x's rows gathered into expert
-  order, and one cuTile launch (``tilemm.kernels.moe_kernels``). No host synchronisation, no
+  From two tokens: one routing step (one small cuTile launch for decode-sized batches, else
+  fixed-size PyTorch operations), x's rows gathered into expert order, and one cuTile launch
+  (``tilemm.kernels.moe_kernels``). No host synchronisation, no
   allocation whose size depends on the routing, so a call can be captured in a CUDA graph; each
   expert's weight tile is read once per chunk of its tokens (the kernel module's docstring).
 * On the CPU: the same arithmetic in PyTorch (``reference_moe``), expert by expert.
@@ -320,6 +321,9 @@ class MoEExperts(torch.nn.Module):
             self.register_buffer(f"{name}_scale_t", w.scale_t)
             self.register_buffer(f"{name}_constants", w.constants)
         for name, b, n in (("gate_up_bias", gate_up_bias, two_i), ("down_bias", down_bias, hidden)):
+            if b is not None and not (isinstance(b, torch.Tensor) and b.is_floating_point()):
+                got = b.dtype if isinstance(b, torch.Tensor) else type(b).__name__
+                raise TypeError(f"{fn}: {name} must be a float torch.Tensor (E, N) or None, got {got}")
             if b is not None and tuple(b.shape) != (e, n):
                 raise ValueError(f"{fn}: {name} must be (E, N) = ({e}, {n}), got {tuple(b.shape)}")
             self.register_buffer(name, None if b is None else b.detach().to(torch.float32).contiguous())
@@ -376,15 +380,31 @@ class MoEExperts(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
         fn = "tilemm.moe.MoEExperts"
+        for name, t in (("hidden_states", hidden_states), ("router_indices", router_indices),
+                        ("routing_weights", routing_weights)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.device != self.gate_up_words.device:
+                raise ValueError(f"{fn}: {name} is on {t.device} but the experts' weights are on "
+                                 f"{self.gate_up_words.device}")
         if hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"{fn}: hidden_states must be (..., {self.hidden_size}), got "
                              f"{tuple(hidden_states.shape)}")
         if hidden_states.dtype not in _X_DTYPES:
             raise TypeError(f"{fn}: hidden_states must be bfloat16 or float16, got {hidden_states.dtype}")
         x = hidden_states.reshape(-1, self.hidden_size)
+        if router_indices.ndim == 0 or router_indices.numel() % max(x.shape[0], 1) or (
+                x.shape[0] and router_indices.numel() == 0):
+            raise ValueError(f"{fn}: router_indices must be (T, k) for the T = {x.shape[0]} tokens of "
+                             f"hidden_states, k >= 1, got shape {tuple(router_indices.shape)}")
         ids = router_indices.reshape(x.shape[0], -1)
         if ids.dtype not in _ID_DTYPES:
             raise TypeError(f"{fn}: router_indices must be int32 or int64, got {ids.dtype}")
+        if routing_weights.numel() != ids.numel():
+            raise ValueError(f"{fn}: routing_weights must have router_indices' shape {tuple(router_indices.shape)} "
+                             f"(one weight per chosen expert), got {tuple(routing_weights.shape)}")
+        if not routing_weights.is_floating_point():
+            raise TypeError(f"{fn}: routing_weights must be a float tensor, got {routing_weights.dtype}")
         weights = routing_weights.reshape(ids.shape)
         out = _gpt_oss_experts_op(x, ids, weights, self.gate_up_words, self.gate_up_scale_t,
                                   self.gate_up_constants, self.formats[0], self.gate_up_bias, self.down_words,

@@ -19,14 +19,20 @@ reported and left out), then times CUDA-graph replays (L2 flushed before each, m
   then a cast (the large-M path before ``hopper_weight_only_large``, the reference point), and the
   family's designs of ``hopper_weight_only_large.SWEEP``: fused configs (``fused_...``), the whole
   weight decoded for cuBLAS writing bf16 itself (``decode_c0``) and, from M = 256, the overlapped
-  decode + GEMM in chunks of weight rows (``overlap_cN``).
+  decode + GEMM in chunks of weight rows (``overlap_cN``);
+* the fused kernel's structural variants (``hopper_weight_only_large.VARIANTS``, each in its range
+  of M; ``--no-variants`` leaves them out): the K split that fills the GPU (``_sauto``,
+  ``with_split``), one-warpgroup blocks (``_w4``), 2-CTA clusters sharing the x tile (``_2cta``).
+  A candidate that fails (a wrong result, or a compile over ``COMPILE_TIMEOUT``) is reported once
+  and not tried again in the run.
 
 Prints one line per (format, shape, M) with every candidate's speed-up over bf16; per weight family
 ("4bit", "8bit") and M the geomean over shapes of each candidate; then, per problem and per (family,
 M), the rules' pick (``hopper_weight_only_large.plan``) against the fastest candidate of each shape
 (``plan_rule_check.py``, which reads the JSON offline); and last the wired plan's geomean per format against
-the issue's targets. Runtime on an H100: about 3 minutes with the defaults (kernels compiled before, e.g.
-by the GPU tests: each new specialisation compiles once per machine, 0.5-6 s).
+the issue's targets. Runtime on an H100: about 3 minutes with the defaults and ``--no-variants``
+(kernels compiled before, e.g. by the GPU tests: each new specialisation compiles once per machine,
+0.5-6 s); the variants add about 250 timings and 25 compiles.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import pathlib
 import sys
 import time
 
+import cuda.tile as ct
 import torch
 import torch.nn.functional as F
 
@@ -57,6 +64,7 @@ OVERLAP_M = 256
 TARGETS = {"4bit": ((1, 2.5), (16, 2.2), (64, 1.6), (128, 1.25), (256, 1.0)),
            "8bit": ((1, 1.8), (16, 1.6), (64, 1.3), (128, 1.1), (256, 1.0))}
 TOLERANCE = 1e-2  # relative Frobenius error of a bf16 output against the fp32 oracle
+COMPILE_TIMEOUT = 120  # seconds per kernel compile (tileiras), so that one slow variant cannot stall the sweep
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -91,8 +99,9 @@ def _run(cfg, packed, x, out, zero, sms):
                                    layout, k, cfg.chunk)
 
 
-def candidates(packed, x, out, sms):
-    """name -> callable writing ``out`` (M, N) bf16, launching on the current stream."""
+def candidates(packed, x, out, sms, variants=True):
+    """name -> callable writing ``out`` (M, N) bf16, launching on the current stream; ``variants``:
+    also the fused kernel's structural variants (``hopper_weight_only_large.VARIANTS``)."""
     dev = x.device
     layout, n, k = packed.layout, packed.out_features, packed.in_features
     m = x.shape[0]
@@ -113,6 +122,11 @@ def candidates(packed, x, out, sms):
         if cfg.kind == "overlap" and m < OVERLAP_M:
             continue
         cands[cfg.name] = _run(cfg, packed, x, out, zero, sms)
+    if variants:
+        for cfg, split, first, last in wl.VARIANTS[wl.family(layout)]:
+            if first <= m <= last:
+                run = wl.with_split(cfg, m, n, k, layout, sms) if split else cfg
+                cands[cfg.name + ("_sauto" if split else "")] = _run(run, packed, x, out, zero, sms)
     return cands
 
 
@@ -123,6 +137,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=None, help="NxK,NxK,... (default: the five above)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--json", default=None, help="also write every measurement to this file")
+    ap.add_argument("--no-variants", action="store_true",
+                    help="leave out the fused kernel's structural variants (VARIANTS)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -152,14 +168,18 @@ def main(argv=None) -> int:
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 ref = x.float() @ w_deq.T
                 out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-                cands = candidates(packed, x, out, sms)
+                cands = candidates(packed, x, out, sms, not args.no_variants)
                 cands["plan"] = lambda: layer(x)
                 line, times = [], {}
                 t_bf16 = timer(lambda: F.linear(x, w))[0]
                 for name, fn in cands.items():
+                    if name in failed:  # failed before (a wrong result, or a compile over the timeout)
+                        continue
                     try:
                         out.fill_(float("nan"))
-                        res = fn()
+                        # A variant's first call compiles it: a compile that hangs fails the candidate.
+                        with ct.compiler_timeout(COMPILE_TIMEOUT):
+                            res = fn()
                         got = res if name == "plan" else out
                         torch.cuda.synchronize()
                         err = rel_err(got, ref)

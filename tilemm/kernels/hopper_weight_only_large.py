@@ -1,27 +1,27 @@
-"""Weight-only matmul for many rows of x (prefill, batched decode: M = 64 ... thousands), three designs:
+"""Weight-only matmul for many rows of x (prefill, batched decode: M = 64 ... thousands), three designs,
+each computing ``out = (x @ dequantize(w).T) * alpha + bias`` with fp32 accumulation and one rounding,
+as ``weight_only_kernels`` documents it (the decoded weight is ``dequantize(w) * 2^-E``, exact in bf16):
 
-* ``_large_kernel``, fused (the runner takes it on Hopper): a persistent mixed-input tensor-core
-  kernel. Each block takes output tiles of TN weight rows by TM rows of x in grouped order
-  (``tile_coords_at``: the blocks running at once
-  share weight tiles and x tiles in L2), and per K tile decodes the prepacked weight tile in registers
-  with the decode helpers of ``weight_only_kernels`` (``_k_tile``: the same shifts, masks and bf16
-  multipliers as the small-M kernel) and multiplies it as wgmma's left operand (registers) against the
-  x tile, which TMA brings to shared memory: ``acc (TN, TM) += decode(W tile) @ x_tile.T``. No bf16
-  copy of the weight exists anywhere. ``num_worker_warps = 8`` (two MMA warpgroups; without it an
-  accumulator above 128x128 spills on sm_90).
-* ``decode_gemm``, two-pass (any GPU): the prepacked weight decoded to bf16 (``weight_only_kernels``'s
-  ``_dequantize_kernel``), ``chunk`` weight rows at a time into a buffer small enough to stay in L2
-  (or the whole weight at once: ``chunk = 0``), each chunk multiplied by cuBLAS's bf16 GEMM into its
-  columns of the output, rounded once to the output's dtype by cuBLAS's fp32 epilogue.
-* ``overlap_gemm``, two-pass overlapped (any GPU): as ``decode_gemm`` in chunks, with the decode of the
-  next chunk on a side stream into one of two persistent ping-pong buffers while cuBLAS multiplies the
-  current chunk on the caller's stream (events order them; capturable in CUDA graphs).
+* ``_large_kernel``, fused (Hopper): a persistent mixed-input tensor-core kernel. Per K tile it decodes
+  the prepacked weight tile in registers with ``weight_only_kernels``' helpers and feeds it to wgmma
+  as the left operand (registers) against the x tile that TMA brings to shared memory, ``acc (TN, TM)
+  += decode(W) @ x.T``: M is the MMA's N dimension, and no bf16 copy of the weight exists. Work items
+  are output tiles in grouped order, or (``split_k``) output tiles times K ranges where the output has
+  too few tiles for the GPU. Two warpgroups per block, or one (``warps``); a 2-CTA cluster can share
+  one x tile by TMA multicast (``num_ctas``).
+* ``decode_gemm``: the weight decoded to bf16 (``_dequantize_kernel``), whole or ``chunk`` rows at a
+  time into a buffer that stays in L2, each chunk multiplied by cuBLAS's bf16 GEMM into its output
+  columns (cuBLAS's fp32 epilogue applies alpha and rounds once).
+* ``overlap_gemm``: as ``decode_gemm`` in chunks, the next chunk decoded on a side stream into one of
+  two persistent buffers while cuBLAS multiplies this one (events order them; CUDA-graph capturable).
 
-All compute ``out = (x @ dequantize(w).T) * alpha + bias`` with fp32 accumulation and one rounding,
-exactly as ``weight_only_kernels`` documents it (the decoded weight is ``dequantize(w) * 2^-E``, exact
-in bf16; alpha carries 2^E). Which design and which config serves an (M, N, K) problem is decided by
-rules on the problem's quantities (``RULES``, ``plan``), fitted to what
-``benchmarks/investigations/tune_weight_only_large.py`` measures.
+``plan`` picks the design and config per (M, N, K) from rules on the problem's quantities (``RULES``),
+fitted to ``benchmarks/investigations/tune_weight_only_large.py``'s
+sweep, which also times ``VARIANTS``. What sm_90
+compiles of the fused kernel show (tileiras 13.4): every ``ct.mma`` ends in a wait for all its wgmmas,
+so a warpgroup's decode never overlaps its own MMA, only other warpgroups'; instructions per weight
+element per config: ``benchmarks/decode_cost.py --large``; the findings and figures:
+``benchmarks/results/weight-only-large-sass-nvidia-h100-80gb-hbm3.md``.
 """
 
 from __future__ import annotations
@@ -31,14 +31,15 @@ import functools
 
 import cuda.tile as ct
 import torch
+from cuda.tile import compilation as cc
 
 from ._aot import AotVariant, array
 from ._common import hinted, sm90_hints, tile_coords_at
 from . import weight_only_kernels as _wo
-from .weight_only_kernels import _epilogue, _k_tile
+from .weight_only_kernels import _epilogue, _k_tile, _split_k_finish
 
 __all__ = ["LargeConfig", "FamilyRule", "RULES", "CANDIDATES", "plan", "first_m", "family", "output_tiles",
-           "wave_fill", "SWEEP", "grid", "launch", "decode_gemm", "overlap_gemm", "pingpong",
+           "wave_fill", "with_split", "SWEEP", "VARIANTS", "grid", "launch", "decode_gemm", "overlap_gemm", "pingpong",
            "aot_variants"]
 
 ConstInt = ct.Constant[int]
@@ -75,36 +76,65 @@ def _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GR
 
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
-def _large_kernel(X, W, S, C, Alpha, Mult, Bias,
+def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter, Splits,
                   ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                   GROUP: ConstInt, TM: ConstInt, TN: ConstInt, GROUP_SIZE_M: ConstInt,
-                  LATENCY_W: ConstInt, LATENCY_X: ConstInt, X_PARTS: ConstInt, CAT: ConstInt):
-    """C (M, N) = (X (M, K) @ decode(W).T) * alpha + bias, persistent over output tiles.
+                  LATENCY_W: ConstInt, LATENCY_X: ConstInt, X_PARTS: ConstInt, CAT: ConstInt,
+                  SPLIT: ConstInt):
+    """C (M, N) = (X (M, K) @ decode(W).T) * alpha + bias, persistent over work items.
 
     X (M, K) activations (bf16; fp16 / fp32 split exactly into X_PARTS bf16 parts as in the small-M
     kernel); W (N, k_tiles * WORDS) int32 prepacked words; S (K / BLOCK, N) scale bytes; Alpha (1,)
     and Mult (1,) fp32 (the PackedWeight's constants); Bias (N,) fp32. Grid: any number of blocks;
-    block b takes tiles b, b + blocks, ... of cdiv(M, TM) * cdiv(N, TN), numbered in GROUP_SIZE_M-row
-    groups of M tiles. LATENCY_W / LATENCY_X: the loads' latency hints (0: the compiler's choice).
-    CAT = 1: the K tile's decoded planes concatenated into one MMA operand (one wait for the tensor
-    cores per K tile instead of one per plane; all planes' registers live at once).
+    block b takes work items b, b + blocks, ... of Splits * cdiv(M, TM) * cdiv(N, TN): item i is
+    output tile i % tiles (numbered in GROUP_SIZE_M-row groups of M tiles) and K range i // tiles.
+    LATENCY_W / LATENCY_X: the loads' latency hints (0: the compiler's choice). CAT = 1: the K tile's
+    decoded planes concatenated into one MMA operand (one wait for the tensor cores per K tile instead
+    of one per plane; all planes' registers live at once).
+
+    SPLIT = 1 (few output tiles: M <= 256 and N of a few thousand): K is split into Splits ranges (a
+    run-time count, so that one compiled kernel serves every split), each item covers
+    cdiv(k_tiles, Splits) K tiles and ends as the small-M kernel's split does
+    (``weight_only_kernels._split_k_finish``: fp32 partial tiles in Partial (Splits, M, N), one
+    counter per output tile in Counter, zero between launches; the last arrival adds the partials in
+    split order, so the result does not depend on which block finishes last). SPLIT = 0 leaves
+    Partial, Counter and Splits unread.
     """
     M = X.shape[0]
     N = C.shape[1]
     TK = PLANES * GROUP * BLOCK
     k_tiles = ct.cdiv(X.shape[1], TK)
-    tiles = ct.cdiv(M, TM) * ct.cdiv(N, TN)
-    for t in range(ct.bid(0), tiles, ct.num_blocks(0)):
-        _, bm, bn = tile_coords_at(t, M, N, TM, TN, GROUP_SIZE_M)
-        # The first K tile outside the loop: a loop that starts from zeros makes tileiras 13.4 select
-        # between the accumulator and a copy of it on every iteration (2 instructions per accumulator
-        # register, about 1 per weight element at 128x128; sm_90 SASS).
-        acc = _step(X, W, S, Mult, ct.zeros((TN, TM), ct.float32), bm, bn, 0, ELEMENT, SCALE_E8M0, BLOCK,
-                    PLANES, GROUP, TM, TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
-        for kt in range(1, k_tiles):
-            acc = _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
-                        LATENCY_W, LATENCY_X, X_PARTS, CAT)
-        _epilogue(acc.transpose(), C, Alpha, Bias, bm, bn, TM, TN)
+    num_m = ct.cdiv(M, TM)
+    tiles = num_m * ct.cdiv(N, TN)
+    if SPLIT == 0:
+        for t in range(ct.bid(0), tiles, ct.num_blocks(0)):
+            _, bm, bn = tile_coords_at(t, M, N, TM, TN, GROUP_SIZE_M)
+            # The first K tile outside the loop: a loop that starts from zeros makes tileiras 13.4
+            # select between the accumulator and a copy of it on every iteration (2 instructions per
+            # accumulator register, about 1 per weight element at 128x128; sm_90 SASS).
+            acc = _step(X, W, S, Mult, ct.zeros((TN, TM), ct.float32), bm, bn, 0, ELEMENT, SCALE_E8M0, BLOCK,
+                        PLANES, GROUP, TM, TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
+            for kt in range(1, k_tiles):
+                acc = _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
+                            LATENCY_W, LATENCY_X, X_PARTS, CAT)
+            _epilogue(acc.transpose(), C, Alpha, Bias, bm, bn, TM, TN)
+    else:
+        per_split = ct.cdiv(k_tiles, Splits)
+        for item in range(ct.bid(0), tiles * Splits, ct.num_blocks(0)):
+            _, bm, bn = tile_coords_at(item % tiles, M, N, TM, TN, GROUP_SIZE_M)
+            split = item // tiles
+            k_begin = split * per_split
+            k_end = max(min(k_begin + per_split, k_tiles), k_begin)
+            # The first K tile peeled, as above (the small-M kernel's split does the same).
+            acc = ct.zeros((TN, TM), ct.float32)
+            if k_begin < k_end:
+                acc = _step(X, W, S, Mult, acc, bm, bn, k_begin, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM,
+                            TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
+            for kt in range(k_begin + 1, k_end):
+                acc = _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
+                            LATENCY_W, LATENCY_X, X_PARTS, CAT)
+            _split_k_finish(acc.transpose(), C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m, Splits,
+                            TM, TN)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -129,16 +159,23 @@ class LargeConfig:
     occupancy: int = 1
     chunk: int = 0
     cat: int = 0
+    split_k: int = 1
+    warps: int = 8
+    num_ctas: int = 1
 
     def __post_init__(self):
         if self.kind not in ("fused", "decode", "overlap"):
             raise ValueError(f"LargeConfig: kind must be 'fused', 'decode' or 'overlap', got {self.kind!r}")
         if self.kind == "overlap" and self.chunk <= 0:
             raise ValueError(f"LargeConfig: an 'overlap' config needs chunk > 0 weight rows, got {self.chunk}")
+        if self.warps not in (4, 8) or self.num_ctas not in (1, 2) or self.split_k < 1:
+            raise ValueError(f"LargeConfig: warps must be 4 or 8, num_ctas 1 or 2, split_k >= 1; got warps="
+                             f"{self.warps}, num_ctas={self.num_ctas}, split_k={self.split_k}")
 
     @property
     def kernel(self):
-        return hinted(_large_kernel, **sm90_hints(8, self.occupancy if self.occupancy > 1 else None))
+        return hinted(_large_kernel, **sm90_hints(self.warps, self.occupancy if self.occupancy > 1 else None,
+                                                  self.num_ctas if self.num_ctas > 1 else None))
 
     @property
     def name(self) -> str:
@@ -148,7 +185,11 @@ class LargeConfig:
         s = f"fused_{self.tile_n}x{self.tile_m}_g{self.group_size_m}"
         if self.latency_w or self.latency_x:
             s += f"_lw{self.latency_w}lx{self.latency_x}"
-        return s + (f"_occ{self.occupancy}" if self.occupancy > 1 else "") + ("_cat" if self.cat else "")
+        s += f"_occ{self.occupancy}" if self.occupancy > 1 else ""
+        s += f"_w{self.warps}" if self.warps != 8 else ""
+        s += f"_{self.num_ctas}cta" if self.num_ctas > 1 else ""
+        s += f"_s{self.split_k}" if self.split_k > 1 else ""
+        return s + ("_cat" if self.cat else "")
 
 
 def family(layout: _wo.Layout) -> str:
@@ -192,6 +233,27 @@ def wave_fill(cfg: LargeConfig, m: int, n: int, sms: int) -> float:
     1.0 when the last wave is full."""
     tiles, slots = output_tiles(cfg, m, n), sms * cfg.occupancy
     return tiles / (-(-tiles // slots) * slots)
+
+
+#: Largest K split ``with_split`` gives, and the fewest K tiles a split's range may hold (each item
+#: writes a (tile_n, tile_m) fp32 partial tile: at 2 K tiles of 128 weight rows that is as many bytes
+#: as the 4-bit weight it reads).
+MAX_SPLIT = 16
+MIN_SPLIT_K_TILES = 2
+
+
+def with_split(cfg: LargeConfig, m: int, n: int, k: int, layout: _wo.Layout, sms: int) -> LargeConfig:
+    """``cfg`` with the K split that fills the GPU's block slots (``occupancy`` per SM, ``num_ctas`` SMs
+    per block): the largest power of two that keeps the work items within one wave of slots, up to
+    ``MAX_SPLIT`` and at least ``MIN_SPLIT_K_TILES`` K tiles per range; 1 where the output tiles
+    alone fill half the slots."""
+    tiles, slots = output_tiles(cfg, m, n), sms * cfg.occupancy // cfg.num_ctas
+    k_tiles = -(-k // layout.tile_k)
+    split = 1
+    while (tiles * split * 2 <= slots and split * 2 <= MAX_SPLIT
+           and k_tiles >= split * 2 * MIN_SPLIT_K_TILES):
+        split *= 2
+    return dataclasses.replace(cfg, split_k=split)
 
 
 _DECODE = LargeConfig("decode", chunk=0)
@@ -273,13 +335,15 @@ def plan(m: int, n: int, k: int, layout: _wo.Layout, rules: dict | None = None, 
 
 def _constants(layout: _wo.Layout, cfg: LargeConfig, x_parts: int) -> tuple:
     return (layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
-            cfg.tile_m, cfg.tile_n, cfg.group_size_m, cfg.latency_w, cfg.latency_x, x_parts, cfg.cat)
+            cfg.tile_m, cfg.tile_n, cfg.group_size_m, cfg.latency_w, cfg.latency_x, x_parts, cfg.cat,
+            int(cfg.split_k > 1))
 
 
 def grid(cfg: LargeConfig, m: int, n: int, sms: int) -> tuple:
-    """Persistent grid: at most one block per SM slot (``occupancy`` per SM), at most one per tile."""
-    tiles = -(-m // cfg.tile_m) * -(-n // cfg.tile_n)
-    return (max(1, min(tiles, sms * cfg.occupancy)), 1, 1)
+    """Persistent grid: at most one block (of ``num_ctas`` CTAs) per ``num_ctas`` SM slots
+    (``occupancy`` per SM), at most one per work item (output tile and K range)."""
+    items = output_tiles(cfg, m, n) * cfg.split_k
+    return (max(1, min(items, sms * cfg.occupancy // cfg.num_ctas)), 1, 1)
 
 
 def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
@@ -288,9 +352,14 @@ def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constant
     """out (M, N) = (x @ W.T) * alpha + bias with the fused kernel; arguments as
     ``weight_only_kernels.launch`` (``alpha`` replaces constants[0] when given), on ``stream``."""
     m, n = out.shape
+    alpha = constants[0:1] if alpha is None else alpha
     launch_grid, kernel, consts = _prepared(cfg, layout, m, n, sms, _wo._X_PARTS[x.dtype])
+    if cfg.split_k > 1:  # the persistent split-K workspace (counters left at zero by every launch)
+        partial, counter = _wo.workspace(out.device, stream, cfg.split_k, m, n, output_tiles(cfg, m, n))
+    else:  # stand-ins the kernel never reads
+        partial, counter = out, alpha
     ct.launch(stream, launch_grid, kernel,
-              (x, words, scale_t, out, constants[0:1] if alpha is None else alpha, constants[1:2], bias, *consts))
+              (x, words, scale_t, out, alpha, constants[1:2], bias, partial, counter, cfg.split_k, *consts))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -467,8 +536,14 @@ def overlap_gemm(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, co
 # Ahead-of-time specialisations
 # --------------------------------------------------------------------------------------------------
 
-def _configs() -> list[LargeConfig]:
-    """The fused configs the rules name and the sweep's candidates."""
+#: The layouts whose ``VARIANTS`` compile ahead of time (the ones the sweep times per family).
+_VARIANT_LAYOUTS = {"4bit": ("mxfp4", "nvfp4"), "8bit": ("mxfp8_e4m3",)}
+
+
+def _configs(layout_name: str | None = None) -> list[LargeConfig]:
+    """The fused configs the rules name and the sweep's candidates, and, for ``layout_name`` (a key of
+    ``weight_only_kernels.LAYOUTS``) the sweep times them on, its family's variants (a split one with
+    split_k 2: the count is a run-time argument)."""
     seen = []
     for rule in RULES.values():
         for cfg in (rule.large, rule.narrow, *(c for c, _ in rule.fused)):
@@ -477,6 +552,13 @@ def _configs() -> list[LargeConfig]:
     for cfg in CANDIDATES:
         if cfg.kind == "fused" and cfg not in seen:
             seen.append(cfg)
+    for fam, variants in VARIANTS.items():
+        if layout_name not in _VARIANT_LAYOUTS[fam]:
+            continue
+        for cfg, split, _, _ in variants:
+            cfg = dataclasses.replace(cfg, split_k=2) if split else cfg  # any split: one code path
+            if cfg not in seen:
+                seen.append(cfg)
     return seen
 
 
@@ -512,16 +594,42 @@ SWEEP = {
 }
 
 
+#: The fused kernel's structural variants that ``benchmarks/investigations/tune_weight_only_large.py``
+#: times beside the committed candidates, per family: (config, split, first M, last M). ``split``: the
+#: config runs with ``with_split``'s K split for the shape (named ``..._sauto``). What each one tests:
+#: the K split at M = 64-256, where N / 128 output tiles leave SMs idle (N = 1024 ... 8192: 8-64
+#: tiles on 132 SMs); 64 weight rows per block with one warpgroup, two blocks per SM (more
+#: independent warpgroups per SM to overlap one's decode with another's MMA: within a warpgroup every
+#: MMA is waited for before the next decode); 2-CTA clusters of 128 weight rows each sharing one x
+#: tile by TMA multicast (half the x bytes from L2 per weight byte; at M >= 128 x's bytes exceed the
+#: 4-bit weight's); one MMA per K tile (``cat``) for 4-bit weights. (The K split of 64 rows of x at two
+#: blocks per SM did not finish compiling for sm_90 in 10 minutes: not here.) Instructions per
+#: element of each: ``benchmarks/results/weight-only-large-sass-nvidia-h100-80gb-hbm3.md``.
+VARIANTS = {
+    "4bit": ((LargeConfig("fused", 128, 128), True, 64, 256),
+             (LargeConfig("fused", 128, 128, cat=1), True, 64, 256),
+             (LargeConfig("fused", 64, 128), True, 64, 64),
+             (LargeConfig("fused", 64, 64, warps=4, occupancy=2), True, 64, 128),
+             (LargeConfig("fused", 64, 256, num_ctas=2), True, 64, 256),
+             (LargeConfig("fused", 128, 256, num_ctas=2), False, 128, 1024),
+             (LargeConfig("fused", 128, 128, cat=1), False, 128, 1024)),
+    "8bit": ((LargeConfig("fused", 128, 128, cat=1), True, 64, 256),
+             (LargeConfig("fused", 128, 256, num_ctas=2), False, 128, 1024)),
+}
+
+
 def aot_variants(full: bool = True) -> list[AotVariant]:
     """The fused kernel per (layout, config) for bf16 x and output (the large-M plan runs bf16 x only),
     on sm_90: the runner takes the fused design on Hopper only (elsewhere the decode design; sm_120
     compiles of the 256-column tiles took minutes and megabytes of code)."""
     variants = []
     for name, layout in _wo.LAYOUTS.items():
-        for cfg in _configs():
+        for cfg in _configs(name):
+            stand_ins = ((array(ct.float32, 3), array(ct.int32, 1)) if cfg.split_k > 1
+                         else (array(ct.bfloat16, 2), array(ct.float32, 1)))
             params = [array(ct.bfloat16, 2), array(ct.int32, 2), array(ct.uint8, 2), array(ct.bfloat16, 2),
-                      array(ct.float32, 1), array(ct.float32, 1), array(ct.float32, 1),
-                      *_constants(layout, cfg, 1)]
+                      array(ct.float32, 1), array(ct.float32, 1), array(ct.float32, 1), *stand_ins,
+                      cc.ScalarConstraint(ct.int32), *_constants(layout, cfg, 1)]
             variants.append(AotVariant(f"weight_only_large_{name}_{cfg.name}", cfg.kernel, params,
                                        targets=("sm_90",)))
     return variants

@@ -1,59 +1,30 @@
-"""Grouped weight-only matmul for mixture-of-experts layers: every token's top-k expert products in
-one cuTile launch, each expert's prepacked MXFP4 / NVFP4 / MXFP8 weight decoded with the weight-only
-kernel's helpers (``weight_only_kernels``: same layout, same exact decode), on Hopper (sm_90) and
-Blackwell (sm_100 / sm_120).
-
-What it computes: ``out[t * k + j] = (x[t] @ dequantize(W[ids[t, j]]).T) * alpha[e] + bias[e]``,
-accumulated in fp32 and rounded once to out's dtype, for x (T, K), stacked weights W (E, N, K) and
-``ids`` (T, k).
+"""Grouped weight-only matmul for mixture-of-experts layers: every token's top-k expert products,
+``out[t * k + j] = (x[t] @ dequantize(W[ids[t, j]]).T) * alpha[e] + bias[e]`` (fp32 sums, one
+rounding), on stacked prepacked MXFP4 / NVFP4 / MXFP8 weights (E, N, K), decoded with the weight-only
+kernel's helpers (``weight_only_kernels``: same layout, same exact decode); sm_90 / sm_100 / sm_120.
 
 Two designs (``tilemm.moe`` picks by T; ``benchmarks/bench_moe.py`` times both):
 
-* per pair (``_moe_gemv_kernel``, ``launch_pairs``; T <= ``PAIRS_MAX_TOKENS``, i.e. a decode step of
-  one token): no routing at all. Block ((token, slot) pair, N tile of 16 weight rows) reads its
-  expert id, its x row (a plain tile load) and the weight tile, and multiplies on the FMA pipes as
-  the weight-only FMA kernel does (``_gemv_kernel``). One token's k experts are distinct, so each
-  expert's weight is read once. The down projection can apply the router's weights and sum the k
-  slots in its epilogue (one block per (token, N tile) runs the token's k pairs in turn), where
-  those blocks are enough to fill the GPU (``combine_pays``): the experts block of one token is then
-  two launches and nothing else; otherwise a batched GEMM sums the slots.
-* sorted (``_moe_kernel``, ``launch``): a routing step (``route``) of fixed-size PyTorch operations,
-  without a host synchronisation and without any allocation whose size depends on the routing (so a
-  call can be captured in a CUDA graph):
+* per pair (``_moe_gemv_kernel``, T <= ``PAIRS_MAX_TOKENS``): no routing; block ((token, slot),
+  16 weight rows) multiplies on the FMA pipes; one token's k experts are distinct, so each weight
+  is read once. The down projection may sum the k slots in its epilogue (``combine_pays``).
+* sorted (``_moe_kernel``): ``route`` gives the (token, slot) rows sorted by expert (``order``),
+  each expert's run (``offsets``, E + 2; ids outside [0, E) are the extra expert E) and the slots
+  (``slot_expert``: every expert with rows, busiest first); one cuTile block (``_route_kernel``,
+  comparison tiles, no sort) for decode-sized batches, else fixed-size PyTorch operations. x's rows
+  are gathered once into that order (``sort_rows``) so the K loop loads row ranges; gate_up writes
+  its rows in that order for down to read. Work item (slot, chunk group, N tile) runs the K loop of
+  the weight-only MMA kernel on TM-row chunks of its expert's tokens, the chunk groups as many as
+  the busiest expert needs (``longest``, read on the device); a persistent grid (``grid_blocks``)
+  loops over the items, so that empty slots (most of them under skewed routing) cost a few loads,
+  not a block. An expert's weight tile is read once per chunk.
 
-  * the T * k (token, slot) pairs are sorted by expert id (stable ``argsort``): ``order``;
-  * ``offsets`` (E + 2): where each expert's run starts in ``order`` (``searchsorted``), the last
-    entry T * k; ids outside [0, E) are sorted as the extra "expert" E;
-  * ``slot_expert`` (S = min(T * k, E + 1)): while T * k <= E, the experts 0 .. E by decreasing
-    number of rows (ties by id), cut to S entries: every present expert is among them (S bounds the
-    number of distinct experts whatever the routing), the busiest first (its blocks start first),
-    then experts with no rows, whose blocks do nothing; from T * k = E + 1 on, simply 0 .. E.
+No host synchronisation and no allocation whose size depends on the routing: a call can be captured
+in a CUDA graph. Rows of ids outside [0, E) come out NaN, no weight read for them. ACT = 1 fuses
+gpt-oss's clamped SwiGLU of interleaved (gate, up) rows into gate_up's epilogue.
 
-  x's rows are then gathered once into that order (``sort_rows``, one ``index_select``), so that
-  each expert's tokens are a contiguous run of rows: the kernel's K loop loads them as a plain tile
-  of a row range (``Array.slice``), not element by element (a per-element gather in the K loop
-  compiled to about 3100 sm_90 instructions per K tile against 480 for the row-range load). A layer
-  routes once for both of its projections (``tilemm.moe``'s gpt-oss experts op): the gate_up
-  projection writes its output rows in the sorted order too, which is the down projection's input.
-
-  The grid is S * G * cdiv(N, TN) blocks, fixed by T, k, E and N: block (slot, g, bn) takes expert
-  ``slot_expert[slot]``'s tokens in chunks of TM (every G-th chunk from chunk g; G grows with T,
-  ``chunk_groups``), runs the K loop of the weight-only MMA kernel on its TN weight rows, and stores
-  the TM output rows, in the sorted order (``sorted_out``) or scattered to their (token, slot) rows
-  (``ct.scatter``, once per chunk). A block whose expert has no rows does nothing, so an expert's
-  weight tile is read once per chunk of TM of its tokens: once per call while an expert has at most
-  TM tokens, and re-read from L2 for every further chunk.
-
-In both designs the rows of ids outside [0, E) (the extra expert) are written as NaN: no weight is
-read for them, never another expert's. With ACT = 1 the gate_up projection's epilogue applies
-gpt-oss's clamped SwiGLU to each (gate, up) pair of interleaved weight rows and writes the (T * k,
-N / 2) activation the down projection reads.
-
-Alternatives not taken, worth measuring: a K split for few active experts at T > 1; a sorted-token
-grouped GEMM over padded TM-row tiles (vLLM's ``moe_align_block_size`` scheme), better balanced under
-skewed routing at large T; the routing in one small cuTile kernel (a counting sort) instead of about
-ten PyTorch kernels; the per-pair design at a few tokens (an expert shared by several tokens is then
-read once per token, mostly from L2).
+Not taken, worth measuring: a K split for few active experts; vLLM-style padded TM-row tiles
+(``moe_align_block_size``); the per-pair design at a few tokens (a shared expert then read per token).
 """
 
 from __future__ import annotations
@@ -63,17 +34,20 @@ import dataclasses
 import cuda.tile as ct
 import torch
 
+import cuda.tile.compilation as cc
+
 from ._aot import AotVariant, array
-from ._common import hinted, sm90_hints
+from ._common import hinted, sm90_hints, stream_handle
 from .weight_only_kernels import LAYOUTS, Layout, _X_PARTS, _f32_halves, _k_tile, _multipliers, _scaled_plane
 
 __all__ = ["MoEConfig", "plan", "route", "launch", "sort_rows", "launch_pairs", "pairs_plan", "PairsConfig",
-           "combine_pays", "PAIRS_MAX_TOKENS", "zero_bias", "chunk_groups", "aot_variants", "SWIGLU_ALPHA",
-           "SWIGLU_LIMIT"]
+           "combine_pays", "grid_blocks", "route_kernel_fits", "PAIRS_MAX_TOKENS", "zero_bias", "chunk_groups",
+           "aot_variants", "SWIGLU_ALPHA", "SWIGLU_LIMIT"]
 
 ConstInt = ct.Constant[int]
 
 _ZERO = ct.PaddingMode.ZERO
+_INT32 = cc.ScalarConstraint(ct.int32)
 
 
 #: gpt-oss's clamped SwiGLU, fused into the gate_up projection's epilogue with ACT = 1.
@@ -89,39 +63,55 @@ def _gpt_oss_glu(gate, up):
 
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
-def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
+def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, Longest, Groups,
                 ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                 GROUP: ConstInt, TM: ConstInt, TN: ConstInt, X_PARTS: ConstInt, CAT: ConstInt,
                 ACT: ConstInt, SORTED_OUT: ConstInt, UNROLL: ConstInt):
-    """Block (slot, bn): the Out rows of expert SlotExpert[slot]'s tokens, weight rows bn * TN ..
+    """Work items (slot, g, bn): the Out rows of expert SlotExpert[slot]'s tokens, weight rows bn * TN ..
 
     X (T * k, K): the activation rows in the sorted order (expert e's tokens are rows Offsets[e] ..
     Offsets[e + 1], loaded as a row range); W (E, N, k_tiles * WORDS) int32 and S (E, K / BLOCK, N)
     uint8: the stacked prepacked weights, UNROLL K tiles per load; Out (T * k, N), or with ACT = 1
-    (T * k, N / 2): rows in the sorted order (SORTED_OUT = 1) or the (token, slot) rows; Consts (E,
-    2) fp32 (column 0: each expert's epilogue factor alpha); Mult (1,) fp32: 2^(OFFSET - E), shared; Bias (E, N) fp32; Order (T * k,) int64: the (token, slot) rows
-    t * k + j sorted by expert; Offsets (E + 2,) int64; SlotExpert (S,) int64 (see the module
-    docstring). Grid: S * G * cdiv(N, TN), N tiles fastest, then G chunk groups: block (slot, g, bn)
-    takes chunks g, g + G, .. of its expert's tokens (G = 1 unless T is large: a popular expert's
-    chunks then spread over G blocks instead of running one after another in one).
+    (T * k, N / 2): rows in the sorted order (SORTED_OUT = 1) or the (token, slot) rows; Consts (E, 2)
+    fp32 (column 0: each expert's epilogue factor alpha); Mult (1,) fp32: 2^(OFFSET - E), shared;
+    Bias (E, N) fp32; Order (T * k,) int64: the (token, slot) rows t * k + j sorted by expert;
+    Offsets (E + 2,) int64; SlotExpert (S,) int64; Longest (1,) int64: the longest run (see the
+    module docstring); Groups (int32): the most chunk groups G the launcher allows.
+
+    Items: G * S * cdiv(N, TN), N tiles fastest, then slots, then G chunk groups: item (g, slot, bn)
+    takes chunks g, g + G, .. of its expert's tokens, G = min(Groups, the busiest expert's chunks)
+    (a popular expert's chunks then spread over G items instead of running one after another in
+    one; G = 1 when every expert has at most TM rows). The slots come busiest first, so in each
+    chunk group the items with rows are a prefix. Block b runs items b, b + blocks, ..: a persistent
+    grid (``grid_blocks``) spreads each prefix evenly over the blocks, and an item without rows costs
+    a few scalar loads instead of a block.
 
     ACT = 1: the weight rows are gpt-oss's interleaved gate (even) and up (odd) rows; each product is
     rounded to Out's dtype as without ACT, then ``_gpt_oss_glu`` of the pair, in fp32, rounded once
     into column n / 2 of Out.
     """
-    N = W.shape[1]
+    num_n = ct.cdiv(W.shape[1], TN)
+    # G: at most Groups, and no more than the busiest expert's chunks (Longest: its rows), so that no
+    # chunk group is past every expert's chunks (a uniform routing at large T needs G = 1 or 2).
+    groups = ct.minimum(ct.cdiv(ct.load(Longest, (0,), ()), TM), Groups)
+    band = SlotExpert.shape[0] * num_n  # the items of one chunk group
+    for item in range(ct.bid(0), band * groups, ct.num_blocks(0)):
+        rem = item % band
+        _moe_item(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, rem % num_n, item // band,
+                  rem // num_n, groups, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN, X_PARTS, CAT, ACT,
+                  SORTED_OUT, UNROLL)
+
+
+def _moe_item(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, bn, group, slot, groups,
+              ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN, X_PARTS, CAT, ACT, SORTED_OUT, UNROLL):
+    """Work item (slot, group, bn) of ``_moe_kernel``: chunks group, group + groups, .. of expert
+    SlotExpert[slot]'s tokens times weight rows bn * TN .. (nothing when the expert has no such chunk)."""
     ROWS = Out.shape[0]
     NUM_E = W.shape[0]
     WORDS = GROUP * BLOCK // 2
     TK = PLANES * GROUP * BLOCK
     SC = PLANES * GROUP
     TO = TN // 2 if ACT == 1 else TN  # output columns per block
-    num_n = ct.cdiv(N, TN)
-    groups = ct.num_blocks(0) // (num_n * SlotExpert.shape[0])
-    pid = ct.bid(0)
-    bn = pid % num_n
-    group = (pid // num_n) % groups
-    slot = pid // (num_n * groups)
     e = ct.load(SlotExpert, (slot,), ())
     if e >= 0:
         start = ct.load(Offsets, (e,), ())
@@ -129,33 +119,36 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
         cols = (bn * TO + ct.arange(TO, dtype=ct.int32)).reshape((1, TO))
         chunks = ct.cdiv(end - start, TM)
         if e < NUM_E:
-            k_tiles = ct.cdiv(X.shape[1], TK)
-            alpha = ct.load(Consts, (e, 0), (1, 1))
-            bias = ct.load(Bias, (e, bn), (1, TN), padding_mode=_ZERO)
-            for c in range(group, chunks, groups):
-                first = start + c * TM
-                pos = first + ct.arange(TM, dtype=ct.int64)
-                # Rows past the expert's run get the index ROWS: out of bounds, so their stores are
-                # dropped; its x rows are the slice's rows first .. end (sorted), zero past end.
-                xs = X.slice(0, first, end)
-                acc = ct.zeros((TN, TM), ct.float32)
-                for kg in range(ct.cdiv(k_tiles, UNROLL)):  # UNROLL K tiles per load
-                    ws = ct.bitcast(ct.load(W, (e, bn, kg), (1, TN, UNROLL * WORDS), padding_mode=_ZERO),
-                                    ct.uint32).reshape((TN, UNROLL * WORDS))
-                    ss = ct.load(S, (e, kg, bn), (1, UNROLL * SC, TN), padding_mode=_ZERO).reshape((UNROLL * SC, TN))
-                    xk = ct.load(xs, (0, kg), (TM, UNROLL * TK), padding_mode=_ZERO)
-                    for u in ct.static_iter(range(UNROLL)):
-                        acc = _k_tile(ct.extract(ws, (0, u), (TN, WORDS)), ct.extract(ss, (u, 0), (SC, TN)).transpose(),
-                                      Mult, ct.extract(xk, (0, u), (TM, TK)), acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES,
-                                      GROUP, TN, TM, X_PARTS, CAT)
-                out = (acc.transpose() * alpha + bias).astype(Out.dtype)
-                if ACT == 1:
-                    out = _glu_pairs(out, TM, TO, Out.dtype)
-                if SORTED_OUT == 1:
-                    ct.store(Out.slice(0, first, end), (0, bn), out)
-                else:
-                    rows = ct.gather(Order, pos, mask=pos < end, padding_value=ROWS)
-                    ct.scatter(Out, (rows.reshape((TM, 1)), cols), out)
+            if group < chunks:
+                k_tiles = ct.cdiv(X.shape[1], TK)
+                alpha = ct.load(Consts, (e, 0), (1, 1))
+                bias = ct.load(Bias, (e, bn), (1, TN), padding_mode=_ZERO)
+                for c in range(group, chunks, groups):
+                    first = start + c * TM
+                    pos = first + ct.arange(TM, dtype=ct.int64)
+                    # Rows past the expert's run get the index ROWS: out of bounds, so their stores are
+                    # dropped; its x rows are the slice's rows first .. end (sorted), zero past end.
+                    xs = X.slice(0, first, end)
+                    acc = ct.zeros((TN, TM), ct.float32)
+                    for kg in range(ct.cdiv(k_tiles, UNROLL)):  # UNROLL K tiles per load
+                        ws = ct.bitcast(ct.load(W, (e, bn, kg), (1, TN, UNROLL * WORDS), padding_mode=_ZERO),
+                                        ct.uint32).reshape((TN, UNROLL * WORDS))
+                        ss = ct.load(S, (e, kg, bn), (1, UNROLL * SC, TN),
+                                     padding_mode=_ZERO).reshape((UNROLL * SC, TN))
+                        xk = ct.load(xs, (0, kg), (TM, UNROLL * TK), padding_mode=_ZERO)
+                        for u in ct.static_iter(range(UNROLL)):
+                            acc = _k_tile(ct.extract(ws, (0, u), (TN, WORDS)),
+                                          ct.extract(ss, (u, 0), (SC, TN)).transpose(), Mult,
+                                          ct.extract(xk, (0, u), (TM, TK)), acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES,
+                                          GROUP, TN, TM, X_PARTS, CAT)
+                    out = (acc.transpose() * alpha + bias).astype(Out.dtype)
+                    if ACT == 1:
+                        out = _glu_pairs(out, TM, TO, Out.dtype)
+                    if SORTED_OUT == 1:
+                        ct.store(Out.slice(0, first, end), (0, bn), out)
+                    else:
+                        rows = ct.gather(Order, pos, mask=pos < end, padding_value=ROWS)
+                        ct.scatter(Out, (rows.reshape((TM, 1)), cols), out)
         else:
             # Ids outside [0, E): NaN rows, no weight read.
             nan = ct.full((TM, TO), float("nan"), Out.dtype)
@@ -254,6 +247,46 @@ def _moe_gemv_kernel(X, W, S, Out, Consts, Mult, Bias, Ids, Weights,
                                            SCALE_E8M0, BLOCK, PLANES, GROUP, TN, UNROLL, ACT))
 
 
+@ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
+def _route_kernel(Ids, Order, Offsets, SlotExpert, Longest, PP: ConstInt, EE: ConstInt):
+    """The routing of ``route`` in one block, for P = Ids.shape[0] <= PP (T * k (token, slot) rows)
+    and E + 2 = Offsets.shape[0] <= EE: the keys (ids outside [0, E) -> E, rows past P -> E + 1),
+    then with (PP, PP) and (EE, PP) comparison tiles, no sort:
+
+    * Offsets[b] = #{rows with key < b}, b = 0 .. E + 1;
+    * row i's place in the stable order: #{j: key_j < key_i} + #{j < i: key_j = key_i}, so
+      Order[place_i] = i (places are distinct: one scatter, no two writes to one element);
+    * SlotExpert (S,): the keys with rows, by decreasing number of rows (ties by key), then -1 (no
+      expert: its blocks do nothing). The keys are ranked at the first row of each run, the same
+      tie rule as ``route``'s stable argsort, and each slot's value is the max over rows of the key
+      ranked there (one store per slot)."""
+    rows = Ids.shape[0]
+    num_e = Offsets.shape[0] - 2
+    i = ct.arange(PP, dtype=ct.int32)
+    raw = ct.load(Ids, (0,), (PP,), padding_mode=_ZERO).astype(ct.int64)
+    key = ct.where(raw >= 0, ct.where(raw < num_e, raw, num_e), num_e).astype(ct.int32)
+    key = ct.where(i < rows, key, num_e + 1)
+    ki, kj = key.reshape((PP, 1)), key.reshape((1, PP))
+    ii, jj = i.reshape((PP, 1)), i.reshape((1, PP))
+    b = ct.arange(EE, dtype=ct.int32)
+    below = ct.sum(ct.where(kj < b.reshape((EE, 1)), 1, 0), axis=1)  # (EE,)
+    ct.scatter(Offsets, b, below.astype(ct.int64))  # (entries past E + 1: out of bounds, dropped)
+    same = ct.where(kj == ki, 1, 0)  # (PP, PP)
+    earlier = ct.sum(same * ct.where(jj < ii, 1, 0), axis=1)
+    place = ct.sum(ct.where(kj < ki, 1, 0), axis=1) + earlier
+    ct.scatter(Order, place, i.astype(ct.int64))  # (padding rows' places are >= P: dropped)
+    count = ct.sum(same, axis=1)  # rows of row i's key
+    longest = ct.max(ct.where(i < rows, count, 0), axis=0, keepdims=True)  # (1,)
+    ct.store(Longest, (0,), longest.astype(ct.int64))
+    lead = ct.where(earlier == 0, ct.where(i < rows, 1, 0), 0)  # row i starts its key's run
+    ci, cj = count.reshape((PP, 1)), count.reshape((1, PP))
+    ahead = ct.where(cj > ci, 1, ct.where(cj == ci, ct.where(kj < ki, 1, 0), 0))
+    rank = ct.sum(ahead * lead.reshape((1, PP)), axis=1)  # (PP,): the slot of a leading row's key
+    slot = ct.where(lead == 1, rank, PP)
+    slot_key = ct.max(ct.where(slot.reshape((1, PP)) == ii, kj, -1), axis=1)  # (PP,): slot s's key or -1
+    ct.scatter(SlotExpert, i, slot_key.astype(ct.int64))  # (slots past S dropped)
+
+
 # --------------------------------------------------------------------------------------------------
 # Routing, configs and launch
 # --------------------------------------------------------------------------------------------------
@@ -261,12 +294,44 @@ def _moe_gemv_kernel(X, W, S, Out, Consts, Mult, Bias, Ids, Weights,
 _BOUNDS: dict = {}
 
 
-def route(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(order, offsets, slot_expert) int64 for ``topk_ids`` (T, k) (see the module docstring); fixed
-    sizes T * k, E + 2 and min(T * k, E + 1); no host synchronisation. About six small kernels: a
-    layer computes it once for both of its projections."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
+#: ``route`` runs ``_route_kernel`` (one launch) on CUDA while its comparison tiles stay at most this
+#: many elements (PP * max(PP, EE)): a decode batch of gpt-oss-120b up to T = 16, of gpt-oss-20b up to
+#: T = 32; beyond, about ten PyTorch operations (a radix sort among them).
+ROUTE_KERNEL_MAX_ELEMENTS = 16384
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def route_kernel_fits(pairs: int, num_experts: int) -> bool:
+    """Whether ``_route_kernel`` takes T * k = ``pairs`` rows for E = ``num_experts``."""
+    pp = _pow2(max(pairs, 1))
+    return pp * max(pp, _pow2(num_experts + 2)) <= ROUTE_KERNEL_MAX_ELEMENTS
+
+
+def route(topk_ids: torch.Tensor, num_experts: int, kernel: bool | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, offsets, slot_expert, longest) int64 for ``topk_ids`` (T, k) (see the module
+    docstring; longest: the most rows of one expert, ids outside [0, E) counted as expert E); fixed
+    sizes T * k, E + 2, min(T * k, E + 1) and 1; no host synchronisation. ``kernel`` (default: on CUDA
+    where ``route_kernel_fits``): one launch of ``_route_kernel``, whose slot_expert ends with -1 (no
+    expert) where the PyTorch path lists the experts without rows; else about ten small PyTorch
+    kernels. Either way a layer computes it once for both of its projections."""
+    flat = topk_ids.reshape(-1)
     rows = flat.numel()
+    if kernel is None:
+        kernel = flat.is_cuda and route_kernel_fits(rows, num_experts)
+    if kernel:
+        order = torch.empty(rows, dtype=torch.int64, device=flat.device)
+        offsets = torch.empty(num_experts + 2, dtype=torch.int64, device=flat.device)
+        slot_expert = torch.empty(min(rows, num_experts + 1), dtype=torch.int64, device=flat.device)
+        longest = torch.empty(1, dtype=torch.int64, device=flat.device)
+        pp, ee = _pow2(max(rows, 1)), _pow2(num_experts + 2)
+        ct.launch(stream_handle(flat.device), (1, 1, 1), _route_kernel,
+                  (flat.contiguous(), order, offsets, slot_expert, longest, pp, ee))
+        return order, offsets, slot_expert, longest
+    flat = flat.to(torch.int64)
     # ids outside [0, E) -> E: clamp to [-1, E], then -1 -> E (mod E + 1).
     key = torch.remainder(flat.clamp(-1, num_experts), num_experts + 1)
     sorted_key, order = torch.sort(key, stable=True)
@@ -275,12 +340,11 @@ def route(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch
         bounds = _BOUNDS[(flat.device, num_experts)] = torch.arange(
             num_experts + 2, device=flat.device, dtype=torch.int64)
     offsets = torch.searchsorted(sorted_key, bounds)
-    if rows >= num_experts + 1:  # S = E + 1: every expert has its slot, in id order (no sort needed)
-        return order, offsets, bounds[:num_experts + 1]
     # The experts by decreasing number of rows (ties by id; stable), the empty ones last: the first
-    # S entries hold every present expert, and the busiest expert's blocks start first.
-    slot_expert = torch.argsort(offsets[:-1] - offsets[1:], stable=True)  # (E + 1,): minus each run's length
-    return order, offsets, slot_expert[:rows]
+    # S entries hold every present expert, and the busiest expert's items come first.
+    minus_runs = offsets[:-1] - offsets[1:]  # (E + 1,): minus each run's length
+    slot_expert = torch.argsort(minus_runs, stable=True)
+    return order, offsets, slot_expert[:min(rows, num_experts + 1)], torch.amax(-minus_runs, dim=0, keepdim=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,10 +402,10 @@ MAX_CHUNK_GROUPS = 8
 
 
 def chunk_groups(tokens: int, tile_m: int) -> int:
-    """G, the blocks per (expert, N tile): enough that an expert chosen by every one of the T =
-    ``tokens`` tokens runs at most ceil(T / (TM * G)) chunks in a row, at most ``MAX_CHUNK_GROUPS``;
-    1 while T <= TM. Fixed by the shapes, not the routing (blocks past an expert's chunks exit at
-    once)."""
+    """The most chunk groups (work items per (expert, N tile)): enough that an expert chosen by
+    every one of the T = ``tokens`` tokens runs at most ceil(T / (TM * G)) chunks in a row, at most
+    ``MAX_CHUNK_GROUPS``; 1 while T <= TM. Fixed by the shapes; the kernel takes G = the smaller of
+    this and the busiest expert's chunks, read on the device."""
     return max(1, min(MAX_CHUNK_GROUPS, -(-tokens // tile_m)))
 
 
@@ -366,25 +430,43 @@ def sort_rows(x: torch.Tensor, routed: tuple, top_k: int) -> torch.Tensor:
 
 def launch(xs: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
            bias: torch.Tensor | None, routed: tuple, tokens: int, out: torch.Tensor, layout: Layout,
-           act: int = 0, cfg: MoEConfig | None = None, sorted_out: int | None = None) -> None:
+           act: int = 0, cfg: MoEConfig | None = None, sorted_out: int | None = None,
+           blocks: int | None = None) -> None:
     """out = the expert products of the rows ``xs`` (T * k, K), sorted as ``routed`` (``route``'s
     result for (T, k) ids, T = ``tokens``) sorts the (token, slot) rows (``sort_rows``, or a previous
     launch's sorted output): (T * k, N), or (T * k, N / 2) with ``act`` = 1 (gpt-oss's SwiGLU on
     interleaved gate / up rows). ``sorted_out`` (default ``act``): 1 writes out's rows in the sorted
     order too (what the next projection reads), 0 scatters them to the (token, slot) rows. ``bias``
-    (E, N) fp32 or None; ``constants`` the stacked PackedWeight's (E, 2). One ``ct.launch``."""
-    order, offsets, slot_expert = routed
+    (E, N) fp32 or None; ``constants`` the stacked PackedWeight's (E, 2). ``blocks``: the grid
+    (default ``grid_blocks``). One ``ct.launch``."""
+    order, offsets, slot_expert, longest = routed
     num_experts, n = words.shape[0], words.shape[1]
     top_k = xs.shape[0] // tokens
     cfg = cfg or plan(tokens, top_k, num_experts, layout)
     if bias is None:
         bias = zero_bias(num_experts, n, xs.device)
     groups = chunk_groups(tokens, cfg.tile_m)
-    grid = (slot_expert.shape[0] * groups * -(-n // cfg.tile_n), 1, 1)
-    stream = torch.cuda.current_stream(out.device)
-    ct.launch(stream, grid, cfg.kernel,
-              (xs, words, scale_t, out, constants, constants[0, 1:2], bias, order, offsets, slot_expert,
-               *_constants(layout, cfg, _X_PARTS[xs.dtype], act, act if sorted_out is None else sorted_out)))
+    items = slot_expert.shape[0] * groups * -(-n // cfg.tile_n)
+    if blocks is None:
+        blocks = grid_blocks(items, cfg, out.device)
+    stream = stream_handle(out.device)
+    ct.launch(stream, (max(1, min(blocks, items)), 1, 1), cfg.kernel,
+              (xs, words, scale_t, out, constants, constants[0, 1:2], bias, order, offsets, slot_expert, longest,
+               groups, *_constants(layout, cfg, _X_PARTS[xs.dtype], act, act if sorted_out is None else sorted_out)))
+
+
+def grid_blocks(items: int, cfg: MoEConfig, device) -> int:
+    """The grouped kernel's persistent grid: SMs x ``cfg.occupancy`` blocks (2 per SM without an
+    occupancy hint), at most ``items``; one block per item on the CPU (the emulator). The slots come
+    busiest first, so the items with rows are a prefix of each chunk group, spread evenly over the
+    blocks, and the many items without rows (most slots under skewed routing: gpt-oss-120b at T = 16
+    has about 30 of 64 with rows; chunk groups past an expert's chunks) cost a few loads each where a
+    block per item would launch thousands of blocks that do nothing."""
+    if device.type != "cuda":
+        return items
+    from ._common import num_sms
+
+    return min(items, num_sms(device) * (cfg.occupancy or 2))
 
 
 #: Up to this many tokens a call takes the per-pair FMA kernel (``_moe_gemv_kernel``, no routing):
@@ -445,7 +527,7 @@ def launch_pairs(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, co
         bias = zero_bias(num_experts, n, x.device)
     combine = int(weights is not None)
     grid = (out.shape[0] * -(-n // cfg.tile_n), 1, 1)
-    stream = torch.cuda.current_stream(out.device)
+    stream = stream_handle(out.device)
     ct.launch(stream, grid, cfg.kernel,
               (x, words, scale_t, out, constants, constants[0, 1:2], bias, ids, weights if combine else out,
                *_pairs_constants(layout, cfg, act, combine)))
@@ -484,7 +566,7 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                     params = [array(x_ct, 2), array(ct.int32, 3), array(ct.uint8, 3), array(x_ct, 2),
                               array(ct.float32, 2, aligned=False), array(ct.float32, 1, aligned=False),
                               array(ct.float32, 2), array(ct.int64, 1), array(ct.int64, 1), array(ct.int64, 1),
-                              *_constants(layout, cfg, _X_PARTS[x_dtype], act, act)]
+                              array(ct.int64, 1), _INT32, *_constants(layout, cfg, _X_PARTS[x_dtype], act, act)]
                     suffix = "_swiglu" if act else ""
                     variants.append(AotVariant(f"moe_{name}_{x_ct.name}_{cfg.name}{suffix}", cfg.kernel, params))
         # The per-pair kernel, bf16 activations (fp16 is the same code path): each projection of a

@@ -1,6 +1,6 @@
 """The Python cost of an eager call of every public entry on the CUDA route, measured on the CPU.
 
-    python -m benchmarks.investigations.host_path [--n 4096 --k 4096 --m 1,16] [--profile ENTRY]
+    python benchmarks/investigations/host_path.py [--n 4096 --k 4096 --m 1,16] [--profile ENTRY]
 
 This measures Python only, not launch cost: no GPU is used and no kernel runs. The calls take the
 route an eager call on an sm_90 GPU takes (``cuda_route``: ``TILEMM_ARCH=sm_90``, ``Tensor.is_cuda``
@@ -22,11 +22,14 @@ import argparse
 import contextlib
 import cProfile
 import os
+import pathlib
 import pstats
 import sys
 import timeit
 
-import torch  # noqa: E402
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository: tilemm
 
 import tilemm  # noqa: E402
 from tilemm import matmul as _matmul  # noqa: E402

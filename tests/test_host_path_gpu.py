@@ -23,14 +23,16 @@ def _bytes(value):
     return [b for v in value for b in _bytes(v)]
 
 
-def _same_bits_as_the_full_path(call, make_args):
-    """``call`` on one set of operands, then on another of the same signature (the prepared launch),
-    against the full path (the plan table emptied) on the second set."""
+def _same_bits_as_the_full_path(call, make_args, expect_prepared=True):
+    """``call`` on one set of operands, then on another of the same signature (the prepared launch,
+    unless ``expect_prepared`` is False), against the full path (the plan table emptied) on the second
+    set."""
     kernels.PLANS.clear()
     call(*make_args(1))
     second = make_args(2)
     prepared = call(*second)
-    assert any(type(v).__name__ in ("_Launch", "_QuantizeLaunch") for v in kernels.PLANS.values())
+    kept = any(type(v).__name__ in ("_Launch", "_QuantizeLaunch") for v in kernels.PLANS.values())
+    assert kept == expect_prepared
     kernels.PLANS.clear()
     full = call(*second)
     for got, want in zip(_bytes(prepared), _bytes(full)):
@@ -57,8 +59,9 @@ def _operands(fmt, m, seed, n=512, k=1024):
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4", "fp8_row", "fp8_blocks", "fp8_tensor"])
 def test_repeated_matmul_calls_gpu(fmt, m):
     alpha = torch.tensor(0.75, device="cuda")
+    prepared = fmt != "fp8_tensor"  # per-tensor FP8 scales: the full path on every call
     _same_bits_as_the_full_path(lambda xq, wq, bias: tilemm.linear(xq, wq, bias=bias, alpha=alpha),
-                                lambda seed: _operands(fmt, m, seed))
+                                lambda seed: _operands(fmt, m, seed), prepared)
     if fmt == "fp8_blocks":
         return
     if fmt in ("fp8_row", "fp8_tensor"):
@@ -71,7 +74,7 @@ def test_repeated_matmul_calls_gpu(fmt, m):
     else:
         def matmul(xq, wq, bias):
             return getattr(tilemm, f"{fmt}_matmul")(xq.data, xq.scale, wq.data.t(), wq.scale, bias=bias)
-    _same_bits_as_the_full_path(matmul, lambda seed: _operands(fmt, m, seed))
+    _same_bits_as_the_full_path(matmul, lambda seed: _operands(fmt, m, seed), prepared)
     if m <= 16:
         xq, wq, _ = _operands(fmt, m, 3)
         # one launch; per-tensor FP8 scales are first copied out as the per-row / per-column vectors
@@ -94,7 +97,9 @@ def test_repeated_quantize_calls_gpu(fmt, options, m):
         gen = torch.Generator(device="cuda").manual_seed(seed)
         return (torch.randn(m, 1024, generator=gen, device="cuda").to(torch.bfloat16),)
 
-    _same_bits_as_the_full_path(lambda x: q(x, **options), make)
+    # NVFP4 and FP8 per tensor: the full path on every call (tilemm.quantize.quantize_nvfp4)
+    prepared = not (fmt == "nvfp4" or options.get("granularity") == "tensor")
+    _same_bits_as_the_full_path(lambda x: q(x, **options), make, prepared)
     x, = make(4)
     # One launch each; FP8 per tensor takes its amax in a launch of its own first.
     assert len(kernels_per_call(lambda: q(x, **options))) == (2 if options.get("granularity") == "tensor" else 1)

@@ -268,9 +268,10 @@ def _flat(value):
     return []
 
 
-def _repeat_launches_as_the_full_path(call, args, launches_per_call):
-    """``call(*args)`` twice on new memory: the second, a prepared launch, launches what the full path
-    (the plan table emptied) launches for the same tensors."""
+def _repeat_launches_as_the_full_path(call, args, launches_per_call, expect_prepared=True):
+    """``call(*args)`` twice on new memory: the second, a prepared launch (unless ``expect_prepared`` is
+    False: the entries that take the full path on every call), launches what the full path (the plan
+    table emptied) launches for the same tensors."""
     from tilemm import kernels
 
     launches = HOST_PATH.LAUNCHES
@@ -288,7 +289,7 @@ def _repeat_launches_as_the_full_path(call, args, launches_per_call):
         out = call(*again)
         full = _launch_form(launches, [*_flat(again), *_flat(out)])
         launches.clear()
-    assert prepared and repeated == full
+    assert prepared == expect_prepared and repeated == full
 
 
 def _quantized(m, n, k, fmt, swizzle):
@@ -318,8 +319,10 @@ def test_matmul_entries_repeat_the_full_launch(fmt, swizzle, m):
     x16 = m == 64 and not fmt.startswith("fp8")
     bias = torch.randn(256).to(torch.bfloat16)
     alpha = torch.tensor(0.5)
+    # FP8 per-tensor scales take the full path on every call (tilemm.matmul._per_tensor).
+    prepared = fmt not in ("fp8_tensor", "fp8_mixed")
     _repeat_launches_as_the_full_path(lambda xq, wq, bias, alpha: tilemm.linear(xq, wq, bias=bias, alpha=alpha),
-                                      (xq, wq, bias, alpha), 2 if x16 else 1)
+                                      (xq, wq, bias, alpha), 2 if x16 else 1, prepared)
     if fmt == "fp8_blocks":
         return
     if fmt.startswith("fp8"):
@@ -333,7 +336,7 @@ def test_matmul_entries_repeat_the_full_launch(fmt, swizzle, m):
         def matmul(xq, wq, bias):
             fn = getattr(tilemm, f"{fmt}_matmul")
             return fn(xq.data, xq.scale, wq.data.t(), wq.scale if swizzle else wq.scale.t(), bias=bias)
-    _repeat_launches_as_the_full_path(matmul, (xq, wq, None), 2 if x16 else 1)
+    _repeat_launches_as_the_full_path(matmul, (xq, wq, None), 2 if x16 else 1, prepared)
 
 
 QUANTIZE_CASES = [("mxfp8", dict(swizzle=True)), ("mxfp8", dict(swizzle=False, elem_dtype=torch.float8_e5m2)),
@@ -354,7 +357,9 @@ def test_quantizers_repeat_the_full_launch(fmt, options, m):
         x = torch.randn(256, m).to(torch.bfloat16)
     two = fmt == "fp8" and (options["granularity"] == "tensor" or (options.get("axis") == -2 and m > 1))
     q = getattr(tilemm, f"quantize_{fmt}")
-    _repeat_launches_as_the_full_path(lambda x: q(x, **options), (x,), 2 if two else 1)
+    # NVFP4 and FP8 per tensor take the full path on every call (tilemm.quantize.quantize_nvfp4).
+    prepared = not (fmt == "nvfp4" or options.get("granularity") == "tensor")
+    _repeat_launches_as_the_full_path(lambda x: q(x, **options), (x,), 2 if two else 1, prepared)
 
 
 @pytest.mark.parametrize("granularity", ["row", (128, 128)], ids=["row", "blocks"])

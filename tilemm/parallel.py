@@ -1,74 +1,27 @@
 """Tensor parallelism for :class:`tilemm.nn.Linear` with ``torch.distributed`` (DTensor styles).
 
-A quantized linear layer ``y = x @ W.T + b`` with W of shape (N, K) (N = out_features, K =
-in_features) is split over the ranks of a 1-D device mesh in one of two ways, as Megatron-LM and
-``torch.distributed.tensor.parallel`` split ``torch.nn.Linear``:
+A quantized layer ``y = x @ W.T + b``, W (N, K), is split over the ranks of a 1-D device mesh as
+Megatron-LM and ``torch.distributed.tensor.parallel`` split ``torch.nn.Linear``: column-wise
+(``"colwise"``, ``ColwiseParallel``), each rank holds a slice of the N output features and computes
+those output columns (a ``Shard(-1)`` tensor) from the replicated input; row-wise (``"rowwise"``,
+``RowwiseParallel``), each rank holds a slice of the K input features, takes the matching ``Shard(-1)``
+input and computes a partial sum, reduced over the ranks. Slices follow ``torch.chunk`` (DTensor's
+``Shard``), so a column-wise layer's local output is exactly the slice a following row-wise layer expects.
 
-- **column-wise** (``"colwise"``): each rank holds a slice of the N output rows of W (with their
-  scales and bias). The input is replicated; each rank computes its slice of the output columns,
-  which is a ``Shard(-1)`` tensor.
-- **row-wise** (``"rowwise"``): each rank holds a slice of the K input columns of W. The input is
-  ``Shard(-1)`` (the column-wise layer's output); each rank computes a partial sum over its slice of
-  K, and the partial sums are reduced (all-reduce to ``Replicate()`` by default).
+Invariants (``tests/test_parallel.py`` pins them):
+- Nothing is re-quantized: every shard holds bytes of the unsharded layer (``local_shard`` says what
+  each buffer becomes); a shard boundary that would split a scale block raises ValueError.
+- Column-wise, every format and mode: each rank's output columns are bit-identical to the unsharded layer's.
+- Row-wise: each rank quantizes its K-slice of the activation to exactly the bytes the unsharded layer
+  produces for it, so the result equals the unsharded one up to the order of the fp32 reduction over K
+  and the rounding of each partial sum to the output dtype before the all-reduce. Where the activation
+  scale spans K (both sides NVFP4, FP8 per tensor / per row), the ranks first all-reduce its amax.
 
-The slices follow ``torch.chunk`` (DTensor's ``Shard``): rank r of W ranks gets ``ceil(S / W)``
-features starting at ``r * ceil(S / W)``, the last rank what is left, so a column-wise layer's local
-output is exactly the slice of its features that a following row-wise layer expects.
-
-What is sharded, and how (nothing is re-quantized; every shard holds bytes of the unsharded layer):
-
-- ``weight``: rows (column-wise) or columns (row-wise; for MXFP4 / NVFP4 two elements per byte).
-- ``weight_scale``, logical: the matching rows, or the matching columns of scale blocks. Swizzled
-  (32x4x4): unswizzled to (N, K / block), sliced, and swizzled again for the shard's own shape, so
-  a shard boundary inside a 128-row or 4-column swizzle tile is handled exactly (the shard's new
-  padding is zero, as docs/numerics.md requires). FP8 scales: per tensor, replicated; per row, sliced
-  column-wise and replicated row-wise; (128, 128) blocks, sliced by block.
-- ``weight_global_scale`` (NVFP4): replicated. It stays the one decode scale of the whole weight, so
-  every shard decodes exactly the values the unsharded layer decodes.
-- ``bias``: sliced column-wise. Row-wise, rank 0 holds the whole bias and every other rank a zero
-  bias, so the reduced sum adds it once (a ``Partial`` bias in DTensor's terms); the reduction then
-  happens in the activation dtype, like ``torch.nn.Linear`` under ``RowwiseParallel``.
-
-A shard boundary that would split a scale block raises ``ValueError`` naming the constraint: row-wise,
-``ceil(in_features / world_size)`` must be a multiple of the block (32 for MXFP8 / MXFP4, 16 for
-NVFP4, 128 for FP8 (128, 128)); column-wise with FP8 (128, 128), ``ceil(out_features /
-world_size)`` must be a multiple of 128. Every rank must also receive at least one feature.
-
-What the sharded layer computes, against the unsharded one (``tests/test_parallel.py`` pins it):
-
-- Column-wise, every format and mode: each rank's output columns are bit-identical to the unsharded
-  layer's (same activation, same bytes, same per-column reduction over K).
-- Row-wise, every format and mode: each rank quantizes its K-slice of the activation to exactly
-  the bytes the unsharded layer produces for that slice, so the result equals the unsharded one up
-  to the order of the fp32 reduction over K and the rounding of each rank's partial sum to the
-  output dtype before the all-reduce. Where the activation scale is local along K (weight-only;
-  MXFP8, MXFP4: 32-blocks; FP8 (128, 128): 1x128 activation blocks) that needs nothing. Where it
-  spans K (both sides with NVFP4's global decode scale, FP8 per tensor / per row), the ranks first
-  all-reduce the activation's amax (MAX over the fp32 bits as int32: NaN propagates where the
-  quantizer propagates it) and each quantizes its slice with the whole activation's amax
-  (``tilemm.quantize.quantize_nvfp4_with_amax`` / ``quantize_fp8_with_amax``).
-
-How it runs (``ShardedLinear.forward``): on plain local tensors, with no DTensor on the way, for the
-styles' default layouts. Column-wise is the local matmul, its output this rank's slice of the
-features; row-wise is the local matmul plus one ``torch.distributed.all_reduce`` of the partial sums
-(SUM, in the activation dtype), and for NVFP4 / FP8 per tensor / per row both-sides one small
-all-reduce (MAX) of the amax before it. A column-then-row pair (an MLP, attention's q/k/v then o)
-thus costs one collective, as in Megatron-LM and serving engines; it has no host synchronization and
-captures in a CUDA graph. DTensor conversions (``from_local`` / ``redistribute``, whose host time per
-call exceeds the all-reduce's) happen only for DTensor inputs or non-default layouts. The all-reduce
-goes straight to the process group with options built once (``dist.all_reduce`` checks its arguments
-and builds its options on every call). Where the all-reduce's time matters, it can be overlapped with
-compute (``overlapped``; ``RowwiseParallel(chunks=...)``), done by the copy engines through symmetric
-memory so that it takes no SMs from the matmuls it overlaps (``RowwiseParallel(copy_min_bytes=...)``,
-``_CopyAllReduce``) or, for small outputs, sent through the symmetric-memory one-shot all-reduce
-(``RowwiseParallel(one_shot_max_bytes=...)``, which then also carries the amax exchange).
-
-The sharded module is the same :class:`tilemm.nn.Linear` object, rebuilt in place for its shard
-through the public constructor and ``load_state_dict`` (so state derived from the buffers follows
-the shard), its class switched to :class:`ShardedLinear` (a subclass: only ``forward`` differs).
-Its buffers are plain local tensors, so ``state_dict()`` holds this rank's shard and loads into a
-layer sharded the same way (same mesh size and style); it is not a DTensor state dict for
-``torch.distributed.checkpoint``.
+Design (``ShardedLinear``): plain local tensors for the styles' default layouts, so a column-then-row
+pair (an MLP) costs one collective, as in Megatron-LM, without host synchronization, and captures in a
+CUDA graph; DTensor only for DTensor inputs or other layouts. ``RowwiseParallel``'s options overlap the
+all-reduce with compute or hand it to the copy engines or a one-shot kernel. The layer is sharded in
+place; its ``state_dict()`` is this rank's shard.
 """
 
 from __future__ import annotations
@@ -239,11 +192,30 @@ def _build_local(layer: Linear, shard: ShardInfo, device) -> Linear:
 def local_shard(layer: Linear, style: str, rank: int, world_size: int) -> Linear:
     """Rank ``rank``'s piece of ``layer`` as a new, ordinary :class:`tilemm.nn.Linear`; no communication.
 
-    ``style`` is ``"colwise"`` (out_features split) or ``"rowwise"`` (in_features split); see the
-    module docstring for what each buffer becomes and which boundaries raise ``ValueError``. The
-    result's forward computes this rank's output columns (colwise) or partial sum (rowwise) from
+    ``style`` is ``"colwise"`` (out_features split) or ``"rowwise"`` (in_features split). Rank r of W
+    ranks gets ``ceil(S / W)`` features starting at ``r * ceil(S / W)``, the last rank what is left
+    (``torch.chunk``). Nothing is re-quantized; every shard holds bytes of the unsharded layer:
+
+    - ``weight``: rows (column-wise) or columns (row-wise; for MXFP4 / NVFP4 two elements per byte).
+    - ``weight_scale``, logical: the matching rows, or the matching columns of scale blocks. Swizzled
+      (32x4x4): unswizzled to (N, K / block), sliced, and swizzled again for the shard's own shape, so
+      a shard boundary inside a 128-row or 4-column swizzle tile is handled exactly (the shard's new
+      padding is zero, as docs/numerics.md requires). FP8 scales: per tensor, replicated; per row,
+      sliced column-wise and replicated row-wise; (128, 128) blocks, sliced by block.
+    - ``weight_global_scale`` (NVFP4): replicated. It stays the one decode scale of the whole weight,
+      so every shard decodes exactly the values the unsharded layer decodes.
+    - ``bias``: sliced column-wise. Row-wise, rank 0 holds the whole bias and every other rank a zero
+      bias, so the reduced sum adds it once (a ``Partial`` bias in DTensor's terms); the reduction then
+      happens in the activation dtype, like ``torch.nn.Linear`` under ``RowwiseParallel``.
+
+    A shard boundary that would split a scale block raises ``ValueError`` naming the constraint:
+    row-wise, ``ceil(in_features / world_size)`` must be a multiple of the block (32 for MXFP8 / MXFP4,
+    16 for NVFP4, 128 for FP8 (128, 128)); column-wise with FP8 (128, 128), ``ceil(out_features /
+    world_size)`` must be a multiple of 128. Every rank must also receive at least one feature.
+
+    The result's forward computes this rank's output columns (colwise) or partial sum (rowwise) from
     local inputs; summing the row-wise pieces' outputs over ranks gives the unsharded output up to
-    the reduction order (except where the activation scale spans K: see the module docstring).
+    the reduction order (except where the activation scale spans K: see ``ShardedLinear``).
     ``layer`` is left as it is. ``shard_linear`` and the styles build on this.
     """
     fn = "tilemm.parallel.local_shard"
@@ -314,7 +286,9 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
 
 def _global_activation_scale(layer: Linear):
     """The activation amax a row-wise rank must share: ``"tensor"`` (NVFP4's decode scale, FP8 per
-    tensor) or ``"row"`` (FP8 per row), or None where the activation scales are local along K."""
+    tensor) or ``"row"`` (FP8 per row), or None where the activation scales are local along K
+    (weight-only; MXFP8, MXFP4: 32-blocks; FP8 (128, 128): 1x128 activation blocks), so that a rank's
+    K-slice quantizes to the unsharded layer's bytes with nothing shared."""
     options = layer._options
     if options.weight_only:
         return None
@@ -801,10 +775,11 @@ class ShardedLinear(Linear):
     """A :class:`tilemm.nn.Linear` sharded in place by ``ColwiseParallel`` / ``RowwiseParallel`` /
     ``shard_linear`` (its class becomes this one; ``isinstance(layer, tilemm.nn.Linear)`` still holds).
 
-    Its buffers are its rank's shard (see the module docstring), and its forward runs on plain local
-    tensors: column-wise, the local matmul (the output stays this rank's ``Shard(-1)`` slice);
-    row-wise, the local matmul of this rank's K-slice and one ``torch.distributed.all_reduce`` (SUM,
-    in the activation dtype, on the current CUDA stream for NCCL) of the partial sums. With both
+    Its buffers are its rank's shard (see ``local_shard``), and its forward runs on plain local
+    tensors: column-wise, the local matmul (the output stays this rank's ``Shard(-1)`` slice; same
+    activation, same bytes, same per-column reduction over K as the unsharded layer); row-wise, the
+    local matmul of this rank's K-slice and one all-reduce (SUM, in the activation dtype, on the
+    current CUDA stream for NCCL) of the partial sums. With both
     sides quantized to NVFP4 or FP8 per tensor / per row, a row-wise layer first all-reduces (MAX)
     the activation's amax (the fp32 bits as int32, ``tilemm.quantize.amax_bits``; (M, 1) per row) and
     quantizes its slice with it, so every rank quantizes exactly as the unsharded layer does. Nothing
@@ -813,7 +788,13 @@ class ShardedLinear(Linear):
 
     DTensor is used only where the caller asks for it: a DTensor input, or input / output layouts
     other than the styles' defaults, go through ``DTensor.from_local`` / ``redistribute`` as torch's
-    styles do.
+    styles do (their host time per call exceeds the all-reduce's). The all-reduce goes straight to the
+    process group with options built once (``dist.all_reduce`` checks its arguments and builds its
+    options on every call).
+
+    Its buffers are plain local tensors, so ``state_dict()`` holds this rank's shard and loads into a
+    layer sharded the same way (same mesh size and style); it is not a DTensor state dict for
+    ``torch.distributed.checkpoint``.
     """
 
     def forward(self, x):
@@ -889,9 +870,12 @@ class ShardedLinear(Linear):
                                   on_nccl_stream: bool = False) -> torch.Tensor:
         """This rank's partial sum, its K-slice quantized with the amax of the whole activation.
 
-        NVFP4 on the GPU takes its slice's amax from the quantize kernels' own ``tensor_amax`` (one
-        read of the activation in its dtype, then one small reduction), the amax the unsharded layer's
-        quantizer computes; elsewhere ``quantize.amax_bits``."""
+        The ranks all-reduce the amax (MAX over the fp32 bits as int32: NaN propagates where the
+        quantizer propagates it), and each quantizes its slice with it
+        (``tilemm.quantize.quantize_nvfp4_with_amax`` / ``quantize_fp8_with_amax``). NVFP4 on the GPU
+        takes its slice's amax from the quantize kernels' own ``tensor_amax`` (one read of the
+        activation in its dtype, then one small reduction), the amax the unsharded layer's quantizer
+        computes; elsewhere ``quantize.amax_bits``."""
         self._check_input(x)
         rows = x.reshape(-1, self.in_features)
         options = self._options
@@ -950,6 +934,9 @@ def _shard_in_place(fn: str, module: Linear, mesh: DeviceMesh, style: str, *, sr
                     input_layouts: tuple[Placement, ...], output_layouts: tuple[Placement, ...],
                     use_local_output: bool, chunks: int = 1, chunk_min_rows: int = 1024,
                     one_shot_max_bytes: int = 0, copy_min_bytes: int = 0, taper: bool = False) -> Linear:
+    """Shard ``module`` in place: the same :class:`tilemm.nn.Linear` object, rebuilt for its shard through
+    the public constructor and ``load_state_dict`` (so state derived from the buffers follows the shard),
+    its class switched to :class:`ShardedLinear` (a subclass: only ``forward`` differs)."""
     _check_layer(fn, module)
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{fn}: device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got "
@@ -985,7 +972,7 @@ class ColwiseParallel(_torch_tp.ColwiseParallel):
 
     Same keywords (``input_layouts``, default ``Replicate()``; ``output_layouts``, default
     ``Shard(-1)``; ``use_local_output``, default True) and the same placements on the module's
-    inputs and outputs. A tilemm layer is sharded in place as the module docstring describes
+    inputs and outputs. A tilemm layer is sharded in place as ``local_shard`` describes
     (output features split; the quantized bytes come from rank ``src_data_rank`` of
     ``parallelize_module``, default 0, or from each rank itself with None); any other module goes to
     torch's style, so one plan can mix tilemm and torch layers.
@@ -1059,7 +1046,7 @@ def shard_linear(layer: Linear, device_mesh: DeviceMesh, style: str, *, src_data
     input, output features split, the local output is this rank's ``Shard(-1)`` slice.
     ``style="rowwise"`` is the same with ``RowwiseParallel()``: ``Shard(-1)`` input (a local slice of
     the features, as a column-wise layer returns it, or a DTensor), partial sums all-reduced to a
-    replicated output. Nothing is re-quantized (see the module docstring for the exact bytes each rank
+    replicated output. Nothing is re-quantized (see ``local_shard`` for the exact bytes each rank
     keeps and the ValueErrors for boundaries inside a scale block). ``src_data_rank`` (default 0)
     broadcasts that rank's layer first, so all ranks shard the same bytes; None uses each rank's own.
     The layer moves to the mesh's device (the current CUDA device for a "cuda" mesh).

@@ -6,26 +6,21 @@ and ``_k_tile`` also serve ``hopper_weight_only_large`` and ``moe_kernels`` (sam
 
 Layout (``tilemm.prepack`` builds it once; ``Layout``, ``E2M1_FIELDS``). A K tile is PLANES planes of
 G scale blocks; 32-bit word w of a row's tile holds elements 2w and 2w + 1 of every plane, one per
-16-bit lane. Decoding a plane is one or two shifts and masks on whole words and yields two bf16 bit
-patterns at once: e2m1 * 2^-126, e4m3 * 2^-120 or e5m2 * 2^-112 (subnormal codes land on bf16
-subnormals of the same value). The e2m1 fields are placed so that planes 0 and 1 need one shift for
-magnitude and sign together and plane 2's magnitude none; the 8-bit lanes are already minimal.
+16-bit lane. Decoding a plane (``_decode_plane``) is one or two shifts and masks on whole words and
+yields two bf16 bit patterns at once: e2m1 * 2^-126, e4m3 * 2^-120 or e5m2 * 2^-112.
 
 Scaling. Each decoded pair is multiplied (one bf16x2 multiply) by the bf16 multiplier ``scale *
-2^(OFFSET - E)`` of its row and block (e8m0: integer arithmetic on the byte, ``_multipliers``); E >= 0
-is chosen by ``prepack`` so that every multiplier is a finite bf16 number, and the epilogue multiplies
-by ``alpha = 2^E`` (times NVFP4's per-tensor decode scale). Invariant: the scaled element is exactly
-``dequantize(w) * 2^-E`` in bf16 (at most 6 significant bits; scale bytes near 0 share the lower
-range limit of the block-scaled kernels); a NaN scale gives a NaN multiplier, so NaN reaches exactly
-the output columns the reference makes NaN.
+2^(OFFSET - E)`` of its row and block (``_multipliers``); E >= 0 is chosen by ``prepack`` so that every
+multiplier is a finite bf16 number, and the epilogue multiplies by ``alpha = 2^E`` (times NVFP4's
+per-tensor decode scale). Invariant: the scaled element is exactly ``dequantize(w) * 2^-E`` in bf16
+(``_scaled_plane``); a NaN scale gives a NaN multiplier, so NaN reaches exactly the output columns the
+reference makes NaN. The scale is applied per element, not to per-block partial sums (``_k_tile``).
 
 Exactness. bf16 x bf16 products are exact in fp32; fp16 / fp32 activations are split into 2 / 3 bf16
-parts whose sum is x (fp32 values below about 2^-110 can lose the last part); the FMA kernel turns bf16
-into fp32 by bit operations and rounds each product once into an fp32 sum. So each output equals the
-fp32-accumulated ``x @ dequantize(w).T`` up to the order of the additions and the placement of alpha.
-The block scale is applied per element, not to per-block partial sums: for e8m0 that would be exact
-only if the unscaled products could not underflow (the decoded e2m1 * 2^-126 makes them), and an
-NVFP4 e4m3 factor would round each partial once more, which summation order does not allow.
+parts whose sum is x (``_mma_x``; fp32 values below about 2^-110 can lose the last part); the FMA
+kernel turns bf16 into fp32 by bit operations and rounds each product once into an fp32 sum. So each
+output equals the fp32-accumulated ``x @ dequantize(w).T`` up to the order of the additions and the
+placement of alpha.
 """
 
 from __future__ import annotations
@@ -106,7 +101,10 @@ def _decode_plane(w, P, ELEMENT):
     e2m1: the magnitude field (e1 e0 m) of ``E2M1_FIELDS`` moves to bf16 bits 6..8 and the sign to bit
     15, giving e2m1 * 2^-126. e4m3 / e5m2: plane 0 is each lane's low byte, plane 1 its high byte; the
     7 magnitude bits move to bf16 bits 4..10 (e4m3 * 2^-120) or 5..11 (e5m2 * 2^-112), the sign to bit
-    15. The same shift serves both lanes; bits shifted across the lane boundary fall outside the masks."""
+    15. Subnormal codes land on bf16 subnormals of the same value. The same shift serves both lanes;
+    bits shifted across the lane boundary fall outside the masks. The e2m1 fields are placed so that
+    planes 0 and 1 need one shift for magnitude and sign together and plane 2's magnitude none; the
+    8-bit lanes are already minimal."""
     if ELEMENT == E2M1:  # the fields of E2M1_FIELDS, moved to bf16 bits 6..8 (magnitude) and 15 (sign)
         if P == 0:
             return (w << 6) & 0x81C081C0
@@ -168,7 +166,8 @@ def _mma_x(plane, x, acc, X_PARTS):
 
 def _scaled_plane(w, mult, P, ELEMENT, BLOCK, GROUP, TN):
     """Plane P of the word tile w, decoded and times its per-row, per-block multipliers: (TN, G * B)
-    bf16, the dequantized weight times 2^-E."""
+    bf16, the dequantized weight times 2^-E, exactly (at most 6 significant bits; scale bytes near 0
+    share the lower range limit of the block-scaled kernels)."""
     plane = _as_bf16_pairs(_decode_plane(w, P, ELEMENT), TN, GROUP * BLOCK // 2).reshape((TN, GROUP, BLOCK))
     m_p = ct.extract(mult, (0, P, 0, 0), (TN, 1, GROUP, 1)).reshape((TN, GROUP, 1))
     return (plane * m_p).reshape((TN, GROUP * BLOCK))
@@ -180,7 +179,11 @@ def _k_tile(w, s_raw, Mult, x, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, T
 
     CAT = 1 concatenates the decoded planes into one (TN, TK) operand and runs one ``ct.mma`` (one
     wait for the tensor cores per K tile, but all planes' registers live at once); CAT = 0 runs one
-    ``ct.mma`` per plane, reusing the registers, and waits after each."""
+    ``ct.mma`` per plane, reusing the registers, and waits after each.
+
+    The block scale is applied per element, not to per-block partial sums: for e8m0 that would be
+    exact only if the unscaled products could not underflow (the decoded e2m1 * 2^-126 makes them),
+    and an NVFP4 e4m3 factor would round each partial once more, which summation order does not allow."""
     TP = GROUP * BLOCK
     mult = _multipliers(s_raw, Mult, SCALE_E8M0).reshape((TN, PLANES, GROUP, 1))
     if CAT == 1:
@@ -292,8 +295,8 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
         # different K tiles and are dropped. STACK = 1 is the plain kernel.
         # From tile_m 64 on (unstacked), the first K tile outside the loop: a loop that starts from
         # zeros makes tileiras 13.4 select between the accumulator and a copy of it on every iteration
-        # (FSEL + IMAD.MOV per accumulator register: MXFP4 4.05 -> 3.45 SASS instructions per weight
-        # element at tile_m 64, 5.05 -> 4.04 at 128; ``benchmarks/decode_cost.py``). The peeled loads
+        # (FSEL + IMAD.MOV per accumulator register; the SASS counts are in
+        # ``benchmarks/results/weight-only-designs-nvidia-h100-80gb-hbm3.md``). The peeled loads
         # take shared memory of their own, which the smaller blocks (3-4 per SM) cannot spare.
         acc = ct.zeros((TN * STACK, TM * STACK), ct.float32)
         first = k_begin
@@ -574,11 +577,12 @@ def _stacked(m: int, n: int, layout: Layout, sms: int) -> WeightOnlyConfig | Non
 def plan(m: int, n: int, k: int, layout: Layout, sms: int = 132) -> WeightOnlyConfig:
     """The weight-only kernel's config for an (M, K) x (N, K) problem: the smallest tile_m that covers
     M (up to 128) with its tile shape, and a K split: none when the output tiles alone give 1.5 blocks
-    per SM, or (tile_m 64, where a split of 2 measured up to 1.5x slower) about one (then
-    ``_unsplit``), else the largest power of two (each split at least 2 K tiles) that
-    keeps the grid within the blocks the GPU holds at once, loading two K tiles at a time at small M.
-    ``benchmarks/investigations/tune_weight_only.py`` measures the alternatives. Up to ``GEMV_M`` rows: the FMA
-    kernel (``_gemv``); from 2 to 16 rows, where they pay, stacked K tiles (``_stacked``)."""
+    per SM, or (tile_m 64, where a split of 2 was slower than none) about one (then ``_unsplit``),
+    else the largest power of two (each split at least 2 K tiles) that keeps the grid within the
+    blocks the GPU holds at once, loading two K tiles at a time at small M.
+    ``benchmarks/investigations/tune_weight_only.py`` measures the alternatives (results:
+    ``benchmarks/results/weight-only-designs-nvidia-h100-80gb-hbm3.md``). Up to ``GEMV_M`` rows: the
+    FMA kernel (``_gemv``); from 2 to 16 rows, where they pay, stacked K tiles (``_stacked``)."""
     if m <= GEMV_M:
         return _gemv(m, n, k, layout, sms)
     stacked = _stacked(m, n, layout, sms)

@@ -5,34 +5,20 @@ decodes cheapest (``tilemm.kernels.weight_only_kernels`` describes the "planes" 
 quantizers' tensors (``MXFP8Tensor``, ``MXFP4Tensor``, ``NVFP4Tensor``) as the interchange format:
 ``unpack(prepack(w))`` returns exactly the bytes of ``w`` (with logical scales).
 
-A ``PackedWeight`` holds:
-
-* ``words`` (N, k_tiles * words_per_tile) int32: the elements of each row, permuted within K tiles of
-  ``layout.tile_k`` elements (K padded with zero elements to a whole tile);
-* ``scale_t`` (K / B, N) uint8: the scale bytes (e8m0, or e4m3 for NVFP4), transposed, which is how
-  the kernel loads them. MXFP8 only: a block holding a NaN element gets the NaN scale byte 255, since
-  a NaN anywhere in weight row n makes output column n NaN either way (the original bytes are kept in
-  ``nan_scale`` for ``unpack``);
-* ``exponent`` E and ``constants`` = [2^E * decode scale, 2^(offset - E)] (fp32, on the device): the
-  kernel's multipliers are ``scale * 2^(offset - E)`` in bf16, which must stay finite; E = 0 unless a
-  block scale is large (MX: above 2^1 for MXFP4, 2^7 for e4m3, 2^15 for e5m2; NVFP4: E = 7 for the
-  usual block scales up to 448, the decode scale taking the rest).
+A ``PackedWeight`` (its docstring lists the tensors) holds the elements as int32 words permuted within
+K tiles, the scale bytes transposed as the kernel loads them, and a power-of-two exponent E: the
+kernel's bf16 multipliers ``scale * 2^(offset - E)`` must stay finite, and the epilogue's alpha
+carries 2^E (times NVFP4's per-tensor decode scale).
 
 Weights that the kernel cannot reproduce exactly are refused with a ValueError naming the reason: an
 e5m2 Inf element, a block whose dequantized values overflow fp32 (the reference gives +-inf there), or
 an MX block scale of 2^127 (byte 254: it would need E = offset, outside the multipliers' exact range).
 
-e2m1 words: each 16-bit lane holds one element of each of the 4 planes, its 3 magnitude bits and its
-sign at the bits ``E2M1_FIELDS`` names (chosen for the fewest decode instructions); 8-bit elements
-take a lane's low (plane 0) and high (plane 1) byte.
-
 Stacked expert weights (mixture of experts, ``tilemm.moe_linear``): ``prepack`` of a 3-D (E, N, K)
 quantized weight, or of a sequence of E quantized (N, K) weights (one per expert: NVFP4 experts with
-their own per-tensor scales), gives one PackedWeight whose tensors carry a leading expert dimension:
-``words`` (E, N, k_tiles * words_per_tile), ``scale_t`` (E, K / B, N), ``constants`` (E, 2) (one
-shared exponent E, the largest any expert needs, so ``constants[:, 1]`` is one value; ``constants[e, 0]``
-carries expert e's decode scale), ``global_scale`` (E,) for NVFP4. Each expert is prepacked on its own,
-so the temporary fp32 copy of the finiteness check never exceeds one expert.
+their own per-tensor scales), gives one PackedWeight whose tensors carry a leading expert dimension
+and one shared exponent E, the largest any expert needs. Each expert is prepacked on its own, so the
+temporary fp32 copy of the finiteness check never exceeds one expert.
 """
 
 from __future__ import annotations
@@ -70,7 +56,27 @@ def layout_of(fmt: Format) -> Layout:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PackedWeight:
-    """A quantized (N, K) weight in the weight-only kernel's layout; see the module docstring."""
+    """A quantized (N, K) weight in the weight-only kernel's layout (see the module docstring).
+
+    * ``words`` (N, k_tiles * words_per_tile) int32: the elements of each row, permuted within K tiles
+      of ``layout.tile_k`` elements (K padded with zero elements to a whole tile). e2m1: each 16-bit
+      lane holds one element of each of the 4 planes, its 3 magnitude bits and its sign at the bits
+      ``E2M1_FIELDS`` names (chosen for the fewest decode instructions); 8-bit elements take a lane's
+      low (plane 0) and high (plane 1) byte.
+    * ``scale_t`` (K / B, N) uint8: the scale bytes (e8m0, or e4m3 for NVFP4), transposed, which is
+      how the kernel loads them. MXFP8 only: a block holding a NaN element gets the NaN scale byte
+      255, since a NaN anywhere in weight row n makes output column n NaN either way (the original
+      bytes are kept in ``nan_scale`` for ``unpack``).
+    * ``exponent`` E and ``constants`` = [2^E * decode scale, 2^(offset - E)] (fp32, on the device):
+      the kernel's multipliers are ``scale * 2^(offset - E)`` in bf16, which must stay finite; E = 0
+      unless a block scale is large (MX: above 2^1 for MXFP4, 2^7 for e4m3, 2^15 for e5m2; NVFP4:
+      E = 7 for the usual block scales up to 448, the decode scale taking the rest).
+
+    Stacked experts (``num_experts`` E): ``words`` (E, N, k_tiles * words_per_tile), ``scale_t``
+    (E, K / B, N), ``constants`` (E, 2) (one shared exponent, the largest any expert needs, so
+    ``constants[:, 1]`` is one value; ``constants[e, 0]`` carries expert e's decode scale),
+    ``global_scale`` (E,) for NVFP4.
+    """
 
     fmt: Format
     words: torch.Tensor

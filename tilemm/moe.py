@@ -3,18 +3,14 @@
 ``moe_linear(x, w, topk_ids, bias=None)``: every token's product with each of its top-k experts,
 ``out[t, j] = x[t] @ dequantize(W[topk_ids[t, j]]).T (+ bias[topk_ids[t, j]])``, accumulated in fp32
 and rounded once to x's dtype. ``w`` is a stacked expert weight, ``tilemm.prepack`` of an (E, N, K)
-quantized tensor (or of a list of E (N, K) ones).
+quantized tensor (or of a list of E (N, K) ones). It is the custom operator
+``torch.ops.tilemm.moe_linear``, which ``torch.compile(fullgraph=True)`` traces as one op.
 
-* On CUDA (Hopper, Blackwell), one token: one cuTile launch of the per-pair kernel, no routing.
-  From two tokens: one routing step (one small cuTile launch for decode-sized batches, else
-  fixed-size PyTorch operations), x's rows gathered into expert order, and one cuTile launch
-  (``tilemm.kernels.moe_kernels``). No host synchronisation, no
-  allocation whose size depends on the routing, so a call can be captured in a CUDA graph; each
-  expert's weight tile is read once per chunk of its tokens (the kernel module's docstring).
+* On CUDA (Hopper, Blackwell): one cuTile launch of the per-pair kernel for one token, else one
+  routing step, x's rows gathered into expert order and one grouped launch (``run_moe``;
+  ``tilemm.kernels.moe_kernels`` describes both designs). No host synchronisation and no allocation
+  whose size depends on the routing, so a call can be captured in a CUDA graph.
 * On the CPU: the same arithmetic in PyTorch (``reference_moe``), expert by expert.
-
-It is the custom operator ``torch.ops.tilemm.moe_linear``, which ``torch.compile(fullgraph=True)``
-traces as one op.
 
 Expert ids outside [0, E): checking them on the GPU would need a host synchronisation, so by default
 the call does not raise; the rows of such (token, slot) pairs come out as NaN, on the GPU and the CPU
@@ -63,7 +59,11 @@ def reference_moe(x, words, scale_t, constants, fmt_name: str, in_features: int,
 
 
 def run_moe(x, words, scale_t, constants, fmt_name: str, in_features: int, topk_ids, bias):
-    """What ``torch.ops.tilemm.moe_linear`` runs on checked tensors."""
+    """What ``torch.ops.tilemm.moe_linear`` runs on checked tensors. On CUDA, one token: one cuTile
+    launch of the per-pair kernel, no routing. From two tokens: one routing step (one small cuTile
+    launch for decode-sized batches, else fixed-size PyTorch operations), x's rows gathered into
+    expert order, and one cuTile launch, in which each expert's weight tile is read once per chunk of
+    its tokens. Elsewhere ``reference_moe``."""
     if x.device.type != "cuda":
         return reference_moe(x, words, scale_t, constants, fmt_name, in_features, topk_ids, bias)
     from ._arch import family

@@ -10,21 +10,16 @@ Two designs (``tilemm.moe`` picks by T; ``benchmarks/bench_moe.py`` times both):
   is read once. The down projection may sum the k slots in its epilogue (``combine_pays``).
 * sorted (``_moe_kernel``): ``route`` gives the (token, slot) rows sorted by expert (``order``),
   each expert's run (``offsets``, E + 2; ids outside [0, E) are the extra expert E) and the slots
-  (``slot_expert``: every expert with rows, busiest first); one cuTile block (``_route_kernel``,
-  comparison tiles, no sort) for decode-sized batches, else fixed-size PyTorch operations. x's rows
-  are gathered once into that order (``sort_rows``) so the K loop loads row ranges; gate_up writes
-  its rows in that order for down to read. Work item (slot, chunk group, N tile) runs the K loop of
-  the weight-only MMA kernel on TM-row chunks of its expert's tokens, the chunk groups as many as
-  the busiest expert needs (``longest``, read on the device); a persistent grid (``grid_blocks``)
-  loops over the items, so that empty slots (most of them under skewed routing) cost a few loads,
-  not a block. An expert's weight tile is read once per chunk.
+  (``slot_expert``: every expert with rows, busiest first); x's rows are gathered once into that
+  order (``sort_rows``) so the K loop loads row ranges, and gate_up writes its rows in that order for
+  down to read. Work item (slot, chunk group, N tile) runs the K loop of the weight-only MMA kernel
+  on TM-row chunks of its expert's tokens; a persistent grid (``grid_blocks``) loops over the items,
+  so that empty slots (most of them under skewed routing) cost a few loads, not a block. An expert's
+  weight tile is read once per chunk.
 
 No host synchronisation and no allocation whose size depends on the routing: a call can be captured
 in a CUDA graph. Rows of ids outside [0, E) come out NaN, no weight read for them. ACT = 1 fuses
 gpt-oss's clamped SwiGLU of interleaved (gate, up) rows into gate_up's epilogue.
-
-Not taken, worth measuring: a K split for few active experts; vLLM-style padded TM-row tiles
-(``moe_align_block_size``); the per-pair design at a few tokens (a shared expert then read per token).
 """
 
 from __future__ import annotations
@@ -390,7 +385,8 @@ def _config(tile_m: int, layout: Layout) -> MoEConfig:
 def plan(tokens: int, top_k: int, num_experts: int, layout: Layout) -> MoEConfig:
     """The config for T = ``tokens``: tile_m the smallest of 16, 32, 64, 128 that covers the mean
     number of tokens per active expert, T * k / min(T * k, E) (a balanced routing then takes one
-    chunk per expert)."""
+    chunk per expert). Not taken, worth measuring: a K split for few active experts; vLLM-style
+    padded TM-row tiles (``moe_align_block_size``)."""
     pairs = tokens * top_k
     mean = -(-pairs // max(1, min(pairs, num_experts)))
     tile_m = next((t for t in _TILE_M if t >= mean), _TILE_M[-1])
@@ -459,9 +455,9 @@ def grid_blocks(items: int, cfg: MoEConfig, device) -> int:
     """The grouped kernel's persistent grid: SMs x ``cfg.occupancy`` blocks (2 per SM without an
     occupancy hint), at most ``items``; one block per item on the CPU (the emulator). The slots come
     busiest first, so the items with rows are a prefix of each chunk group, spread evenly over the
-    blocks, and the many items without rows (most slots under skewed routing: gpt-oss-120b at T = 16
-    has about 30 of 64 with rows; chunk groups past an expert's chunks) cost a few loads each where a
-    block per item would launch thousands of blocks that do nothing."""
+    blocks, and the many items without rows (under skewed routing most slots; chunk groups past an
+    expert's chunks) cost a few loads each where a block per item would launch thousands of blocks
+    that do nothing."""
     if device.type != "cuda":
         return items
     from ._common import num_sms
@@ -471,7 +467,8 @@ def grid_blocks(items: int, cfg: MoEConfig, device) -> int:
 
 #: Up to this many tokens a call takes the per-pair FMA kernel (``_moe_gemv_kernel``, no routing):
 #: one token's k experts are distinct, so each expert's weight is still read once; from two tokens
-#: on, a shared expert would be read once per token, and the sorted design takes over.
+#: on, a shared expert would be read once per token, and the sorted design takes over (the per-pair
+#: design at a few tokens is not measured).
 PAIRS_MAX_TOKENS = 1
 
 

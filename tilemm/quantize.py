@@ -885,20 +885,13 @@ def quantize_nvfp4(x: torch.Tensor, *, global_scale=None, swizzle: bool = False,
         ``NVFP4Tensor(data, scale, global_scale)``: data (..., K/2) uint8, scale (..., K/16)
         ``torch.float8_e4m3fn`` (or swizzled), global_scale a 0-d fp32 tensor on x's device.
     """
-    # No prepared launch for NVFP4: its repeated-call form (the in-launch amax's per-stream buffer)
-    # failed its GPU test (tests/test_host_path_gpu.py), cause unknown; every call takes the full path.
-    key = None
-    launch = _prepared(key)
-    if launch is not None:
-        result = launch(x)
-        if result is not None:
-            return NVFP4Tensor(*result)
-    source = x
+    # No prepared launch for NVFP4 (unlike the MX quantizers): its repeated-call form failed its GPU
+    # test (tests/test_host_path_gpu.py), cause unknown, so every call takes the checked path.
     x = _along("quantize_nvfp4", x, axis)
     # The value of a given global_scale is checked by the operator (reading it back syncs a GPU).
     if _eager_gpu(x) and global_scale is None:
         check_quantize_nvfp4(x, None, swizzle)
-        return NVFP4Tensor(*_run_recorded(key, source, lambda: _quantize_nvfp4_checked(x.detach(), None, swizzle)))
+        return NVFP4Tensor(*_quantize_nvfp4_checked(x.detach(), None, swizzle))
     global_scale = check_quantize_nvfp4(x, global_scale, swizzle, check_value=False)
     return NVFP4Tensor(*torch.ops.tilemm.quantize_nvfp4(x.detach(), global_scale, swizzle))
 

@@ -67,6 +67,17 @@ def _chunk(size: int, rank: int, world: int) -> tuple[int, int]:
     return lo, min(lo + step, size)
 
 
+class MLP(torch.nn.Module):
+    """fc2(relu(fc1(x))): the 4096 -> 14336 -> 4096 MLP the tensor-parallel benchmarks shard."""
+
+    def __init__(self, fc1, fc2):
+        super().__init__()
+        self.fc1, self.fc2 = fc1, fc2
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
 class PlainShard(torch.nn.Module):
     """Rank ``rank``'s piece of a bf16 ``nn.Linear`` (see the module docstring).
 

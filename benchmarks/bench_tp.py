@@ -73,7 +73,7 @@ sys.path.insert(0, __import__("os").path.dirname(__file__))
 import tilemm  # noqa: E402
 from _results import add_options, results_path  # noqa: E402
 from _timing import Timer, host_ms, loop_seconds  # noqa: E402
-from _tp import PlainShard, gpu_names, gpus_label, slowest, start  # noqa: E402
+from _tp import MLP, PlainShard, gpu_names, gpus_label, slowest, start  # noqa: E402
 from tilemm.nn import Linear  # noqa: E402
 
 D_MODEL, HIDDEN = 4096, 14336
@@ -91,15 +91,6 @@ FORMATS = {  # name: from_float keywords (None: bf16 torch.nn.Linear)
 }
 TOLERANCE = 1e-2  # relative Frobenius error, bf16 output with bf16-rounded partial sums
 TARGETS = {2: (1.7, 1024), 4: (3.0, 4096)}  # world size: (speed-up at least, from M on)
-
-
-class MLP(torch.nn.Module):
-    def __init__(self, fc1, fc2):
-        super().__init__()
-        self.fc1, self.fc2 = fc1, fc2
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -44,21 +44,12 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _tp
 
 import tilemm  # noqa: E402
-from _tp import PlainShard, gpu_names, gpus_label, slowest, start  # noqa: E402
+from _tp import MLP, PlainShard, gpu_names, gpus_label, slowest, start  # noqa: E402
 from tilemm.nn import Linear  # noqa: E402
 
 FORMATS = {"bf16": None, "nvfp4-wo": dict(format="nvfp4", weight_only=True),
            "mxfp4-wo": dict(format="mxfp4", weight_only=True), "nvfp4": dict(format="nvfp4"),
            "mxfp8": dict(format="mxfp8")}
-
-
-class MLP(torch.nn.Module):
-    def __init__(self, fc1, fc2):
-        super().__init__()
-        self.fc1, self.fc2 = fc1, fc2
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
 
 
 def host_us(fn, reps: int, device, busy_cycles: int, after=None, settle_s: float = 0.0) -> float:

@@ -319,7 +319,7 @@ def test_matmul_entries_repeat_the_full_launch(fmt, swizzle, m):
     x16 = m == 64 and not fmt.startswith("fp8")
     bias = torch.randn(256).to(torch.bfloat16)
     alpha = torch.tensor(0.5)
-    # FP8 per-tensor scales take the full path on every call (tilemm.matmul._per_tensor).
+    # FP8 per-tensor scales take the full path on every call (tilemm.matmul._remember_launch).
     prepared = fmt not in ("fp8_tensor", "fp8_mixed")
     _repeat_launches_as_the_full_path(lambda xq, wq, bias, alpha: tilemm.linear(xq, wq, bias=bias, alpha=alpha),
                                       (xq, wq, bias, alpha), 2 if x16 else 1, prepared)

@@ -28,7 +28,6 @@ and CuPy arrays are accepted and returned in kind (``tilemm._interop``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional
 
 import torch
@@ -322,22 +321,14 @@ class _Launch:
         return out
 
 
-def _broadcast_scale(scale, shape):
-    """A per-tensor FP8 scale as the per-row / per-column vector the kernel reads, made contiguous."""
-    return scale.reshape(1, 1).expand(shape).contiguous()
-
-
-def _remember_launch(fast_key, prepared, problem, sources, out_shape, out_dtype, device, bias, scaled,
-                     broadcast=(False, False)) -> None:
+def _remember_launch(fast_key, prepared, problem, sources, out_shape, out_dtype, device, bias, scaled) -> None:
     """Keep the prepared launch of an eager CUDA call under ``fast_key`` when each kernel operand is one
-    view of the caller's tensor (``sources``: x, x_scale and y, y_scale or the weight and its scale),
-    or, for the scales that ``broadcast`` names (x's, y's: FP8 per tensor), that value broadcast."""
+    view of the caller's tensor (``sources``: x, x_scale and y, y_scale or the weight and its scale).
+    FP8 per-tensor scales reach the kernel as vectors copied from the one value, not views, so those
+    calls are not kept (a form that broadcast them failed its GPU test, tests/test_host_path_gpu.py)."""
     if fast_key is None or not getattr(prepared, "direct", False) or not hasattr(prepared, "launch"):
         return
     specs = [view_spec(s, o) for s, o in zip(sources, prepared.operands(problem))]
-    for i, spread in ((1, broadcast[0]), (3, broadcast[1])):
-        if spread and specs[i] is False and sources[i].numel() == 1:
-            specs[i] = functools.partial(_broadcast_scale, shape=tuple(prepared.operands(problem)[i].shape))
     if any(spec is False for spec in specs):
         return
     _remember(fast_key, _Launch(prepared, specs, out_shape, tuple(problem.out.shape), out_dtype, device, bias,
@@ -576,7 +567,7 @@ class _FP8Call:
         if prepared is None:
             prepared = self.prepared = kernels.prepare_fp8(problem)
         _remember_launch(fast_key, prepared, problem, sources or (x, x_scale, y, y_scale), self.out_shape,
-                         self.out_dtype, self.device, bias, False, (kx == "tensor", ky == "tensor"))
+                         self.out_dtype, self.device, bias, False)
         prepared.run(problem, stream_handle(self.device))
         return out
 
@@ -827,7 +818,7 @@ def fp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, a
     """
     fn = "fp8_matmul"
     key = (launch_key(fn, x, x_scale, y, y_scale, out_dtype, bias, alpha, (use_fast_accum,))
-           if elem_dtype is None and type(use_fast_accum) is bool and not _per_tensor(x_scale, y_scale) else None)
+           if elem_dtype is None and type(use_fast_accum) is bool else None)
     launch = None if key is None else _CALLS.get(key)
     if launch is not None:
         return launch(x, x_scale, y, y_scale, bias, alpha)
@@ -959,13 +950,6 @@ _LINEAR_TAGS = {MXFP8Tensor: "linear mxfp8", MXFP4Tensor: "linear mxfp4", NVFP4T
                 FP8Tensor: "linear fp8"}
 
 
-def _per_tensor(*scales) -> bool:
-    """Whether an FP8 scale is one value for the whole tensor (0-d). Such calls take the full path on
-    every call: their repeated-call launch (the scale broadcast to a vector) failed its GPU test
-    (tests/test_host_path_gpu.py), cause unknown."""
-    return any(type(s) is _Tensor and s.ndim == 0 for s in scales)
-
-
 def _linear_key(x_q, w_q, bias, out_dtype, alpha, use_fast_accum) -> tuple | None:
     """``launch_key`` of a :func:`linear` of two quantized operands (their data and scales as stored),
     or None."""
@@ -973,8 +957,6 @@ def _linear_key(x_q, w_q, bias, out_dtype, alpha, use_fast_accum) -> tuple | Non
     if tag is None or type(w_q) is not type(x_q) or type(use_fast_accum) is not bool:
         return None
     extra = (use_fast_accum,)
-    if tag == "linear fp8" and _per_tensor(x_q.scale, w_q.scale):
-        return None
     if tag == "linear nvfp4":
         global_x, global_w = x_q.global_scale, w_q.global_scale
         if type(global_x) is not _Tensor or type(global_w) is not _Tensor:

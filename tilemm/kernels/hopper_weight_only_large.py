@@ -401,7 +401,7 @@ def decode_gemm(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, con
     try:
         for r0 in range(0, n, rows):
             r1 = min(r0 + rows, n)
-            whole = r0 == 0 and r1 == n  # the usual case: no views to make (each costs the host ~2 us)
+            whole = r0 == 0 and r1 == n  # the usual case: no views to make (each costs host time per call)
             w16 = buffer if whole else buffer[:r1 - r0]
             _decode_rows(words if whole else words[r0:r1], scale_t if whole else scale_t[:, r0:r1], mult,
                          layout, w16, stream)

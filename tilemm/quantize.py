@@ -6,11 +6,11 @@ Each public ``quantize_<fmt>`` validates its input and calls the custom operator
 ``_quantize_<fmt>_reference`` everywhere else; both give the same bits. An eager CUDA call runs the
 kernels directly, and keeps its launches per signature (``_QuantizeLaunch``): a repeated call
 allocates its outputs and launches (not NVFP4 or FP8 per tensor, which take the full path every
-time). Blocks run along the last dimension K; leading dimensions are batch (and, for 2-D blocks,
-M). float32, bfloat16 and float16 inputs are converted to fp32 first (exact), and every step is an fp32 tensor operation in the order
-that docs/numerics.md gives, so the bits are defined. That page states every formula and every
-special case (zero, NaN and Inf blocks, the e2m1 sign of values that round to zero); the tests in
-tests/test_quantize.py pin each of them.
+time). Blocks run along the last dimension K; leading dimensions are batch (and, for 2-D blocks, M).
+float32, bfloat16 and float16 inputs are converted to fp32 first (exact), and every step is an fp32
+tensor operation in the order that docs/numerics.md gives, so the bits are defined. That page states
+every formula and every special case (zero, NaN and Inf blocks, the e2m1 sign of values that round
+to zero); the tests in tests/test_quantize.py pin each of them.
 """
 
 from __future__ import annotations

@@ -73,6 +73,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import tilemm  # noqa: E402
 from tilemm.moe import MoEExperts  # noqa: E402
+from tilemm.kernels.moe_kernels import SWIGLU_ALPHA, SWIGLU_LIMIT  # noqa: E402
 from tilemm.packed import PackedWeight, expert, layout_of, unpack  # noqa: E402
 from tilemm.reference import decode_scales  # noqa: E402
 from _results import add_options, results_path  # noqa: E402
@@ -639,7 +640,8 @@ def packed_experts(config, layers: int, device, seed: int) -> list:
                               random_packed("mxfp4", e, h, i, device, seed=seed + 2 * layer + 1),
                               torch.randn(e, 2 * i, generator=gen, device=device) * 0.1,
                               torch.randn(e, h, generator=gen, device=device) * 0.1,
-                              alpha=1.702, limit=config.swiglu_limit))
+                              alpha=float(getattr(config, "swiglu_alpha", SWIGLU_ALPHA)),
+                              limit=float(getattr(config, "swiglu_limit", SWIGLU_LIMIT))))
     return out
 
 

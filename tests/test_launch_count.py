@@ -357,9 +357,7 @@ def test_quantizers_repeat_the_full_launch(fmt, options, m):
         x = torch.randn(256, m).to(torch.bfloat16)
     two = fmt == "fp8" and (options["granularity"] == "tensor" or (options.get("axis") == -2 and m > 1))
     q = getattr(tilemm, f"quantize_{fmt}")
-    # NVFP4 and FP8 per tensor take the full path on every call (tilemm.quantize.quantize_nvfp4).
-    prepared = not (fmt == "nvfp4" or options.get("granularity") == "tensor")
-    _repeat_launches_as_the_full_path(lambda x: q(x, **options), (x,), 2 if two else 1, prepared)
+    _repeat_launches_as_the_full_path(lambda x: q(x, **options), (x,), 2 if two else 1)
 
 
 @pytest.mark.parametrize("granularity", ["row", (128, 128)], ids=["row", "blocks"])

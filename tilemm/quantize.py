@@ -5,8 +5,7 @@ Each public ``quantize_<fmt>`` validates its input and calls the custom operator
 ``tilemm.kernels.quantize_kernels`` for CUDA tensors on sm_90 or newer and
 ``_quantize_<fmt>_reference`` everywhere else; both give the same bits. An eager CUDA call runs the
 kernels directly, and keeps its launches per signature (``_QuantizeLaunch``): a repeated call
-allocates its outputs and launches (not NVFP4 or FP8 per tensor, which take the full path every
-time). Blocks run along the last dimension K; leading dimensions are batch (and, for 2-D blocks, M).
+allocates its outputs and launches. Blocks run along the last dimension K; leading dimensions are batch (and, for 2-D blocks, M).
 float32, bfloat16 and float16 inputs are converted to fp32 first (exact), and every step is an fp32
 tensor operation in the order that docs/numerics.md gives, so the bits are defined. That page states
 every formula and every special case (zero, NaN and Inf blocks, the e2m1 sign of values that round
@@ -885,13 +884,18 @@ def quantize_nvfp4(x: torch.Tensor, *, global_scale=None, swizzle: bool = False,
         ``NVFP4Tensor(data, scale, global_scale)``: data (..., K/2) uint8, scale (..., K/16)
         ``torch.float8_e4m3fn`` (or swizzled), global_scale a 0-d fp32 tensor on x's device.
     """
-    # No prepared launch for NVFP4 (unlike the MX quantizers): its repeated-call form failed its GPU
-    # test (tests/test_host_path_gpu.py), cause unknown, so every call takes the checked path.
+    key = _quantize_key("quantize_nvfp4", x, swizzle, axis) if global_scale is None else None
+    launch = _prepared(key)
+    if launch is not None:
+        result = launch(x)
+        if result is not None:
+            return NVFP4Tensor(*result)
+    source = x
     x = _along("quantize_nvfp4", x, axis)
     # The value of a given global_scale is checked by the operator (reading it back syncs a GPU).
     if _eager_gpu(x) and global_scale is None:
         check_quantize_nvfp4(x, None, swizzle)
-        return NVFP4Tensor(*_quantize_nvfp4_checked(x.detach(), None, swizzle))
+        return NVFP4Tensor(*_run_recorded(key, source, lambda: _quantize_nvfp4_checked(x.detach(), None, swizzle)))
     global_scale = check_quantize_nvfp4(x, global_scale, swizzle, check_value=False)
     return NVFP4Tensor(*torch.ops.tilemm.quantize_nvfp4(x.detach(), global_scale, swizzle))
 
@@ -917,9 +921,7 @@ def quantize_fp8(x: torch.Tensor, *, granularity="tensor",
     Tensor / row: ``s = amax / Qmax`` (1.0 when that is 0). Blocks: ``s = max(amax, 1e-4) / 448``.
     Then ``data = cast_RNE_satfinite(x / s)``. A NaN or Inf makes its group's scale and data NaN.
     """
-    # Per tensor (the amax in a launch of its own first): the full path on every call, as NVFP4.
-    key = (None if isinstance(granularity, str) and granularity == "tensor"
-           else _quantize_key("quantize_fp8", x, granularity, elem_dtype, pow2_scale, axis))
+    key = _quantize_key("quantize_fp8", x, granularity, elem_dtype, pow2_scale, axis)
     launch = _prepared(key)
     if launch is not None:
         result = launch(x)

@@ -350,7 +350,7 @@ def bench_layers(args, device, timer, t0) -> list[dict]:
     if args.cpu_smoke:
         layers = [("tiny", 256, 256, 8, 2, ("mxfp4", "nvfp4"), True)]
     for name, hidden, inter, e, k, formats, biases in layers:
-        tokens = (1, 3, 5) if args.cpu_smoke else tokens_for(name, args.quick)
+        tokens = (1, 3, 5) if args.cpu_smoke else args.ts or tokens_for(name, args.quick)
         gen = torch.Generator().manual_seed(SEED)
         gub = torch.randn(e, 2 * inter, generator=gen).to(device) * 0.1 if biases else None
         db = torch.randn(e, hidden, generator=gen).to(device) * 0.1 if biases else None
@@ -889,6 +889,8 @@ def main(argv=None) -> int:
     mode.add_argument("--profile", action="store_true",
                       help="per-kernel GPU time of one layer (gpt-oss-20b and -120b MXFP4, anchor NVFP4) at T = 1, 16")
     ap.add_argument("--tokens", type=int, default=64, help="timed decode steps per end-to-end run (default 64)")
+    ap.add_argument("--ts", type=lambda v: tuple(int(t) for t in v.split(",")), default=None,
+                    help="the layers' T, comma-separated (default: TOKENS, the anchor's ANCHOR_TOKENS)")
     ap.add_argument("--reps", type=int, default=30, help="timed replays per layer variant (default 30)")
     add_options(ap, out_dir_aliases=("--out",))  # --cpu-smoke: tiny shapes on the CPU, no timing
     args = ap.parse_args(argv)

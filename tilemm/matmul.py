@@ -566,6 +566,8 @@ class _FP8Call:
         prepared = self.prepared
         if prepared is None:
             prepared = self.prepared = kernels.prepare_fp8(problem)
+        if "tensor" in (kx, ky):  # the scale vectors are copies made per call: nothing to keep
+            fast_key = None
         _remember_launch(fast_key, prepared, problem, sources or (x, x_scale, y, y_scale), self.out_shape,
                          self.out_dtype, self.device, bias, False)
         prepared.run(problem, stream_handle(self.device))

@@ -282,20 +282,26 @@ DESIGNS = ("pairs_combine", "pairs_bmm", "sorted", "all_experts", "unfused", "fu
 DESIGN_MAX_T = 16
 
 
-def designs_for(t: int, e: int | None = None, k: int | None = None, quick: bool = False) -> tuple:
-    """The DESIGNS to time at T = ``t`` for E = ``e`` experts, top-``k``: the sorted one only where it
-    is not the default; full_grid from T = 2 (where the sorted design runs);
-    the others only at T <= DESIGN_MAX_T and not with ``quick``."""
-    from tilemm.kernels import moe_kernels as mk
-
+def designs_for(t: int, pairs_default: bool, quick: bool = False) -> tuple:
+    """The DESIGNS to time at T = ``t``, where the default is the per-pair design or not
+    (``pairs_default``, ``moe_kernels.pairs_pay``): the sorted one only where it is not the default,
+    full_grid where it is; the others only at T <= DESIGN_MAX_T and not with ``quick``."""
     out = []
     for d in DESIGNS:
         if d == "full_grid":
-            if e is not None and t > mk.PAIRS_MAX_TOKENS:
+            if not pairs_default:
                 out.append(d)
-        elif not quick and t <= DESIGN_MAX_T and (d != "sorted" or t <= mk.PAIRS_MAX_TOKENS):
+        elif not quick and t <= DESIGN_MAX_T and (d != "sorted" or pairs_default):
             out.append(d)
     return tuple(out)
+
+
+def pairs_default(t: int, k: int, experts) -> bool:
+    """Whether the MoEExperts module ``experts`` takes the per-pair design at T = ``t``, top-``k``."""
+    from tilemm.kernels import moe_kernels as mk
+
+    gu, dn = experts.packed("gate_up"), experts.packed("down")
+    return mk.pairs_pay(t, k, gu.words.shape[0], mk.expert_bytes(gu.words, gu.scale_t, dn.words, dn.scale_t))
 
 
 def designed(ours: MoEExperts, design: str):
@@ -400,7 +406,7 @@ def bench_layers(args, device, timer, t0) -> list[dict]:
                         if can_group:
                             variants["grouped"] = lambda: grouped(x, ids, weights)
                         # the alternative designs (--quick: full_grid only; --profile times the others)
-                        for design in designs_for(t, e, k, args.quick):
+                        for design in designs_for(t, pairs_default(t, k, ours), args.quick):
                             try:  # a design that fails or is wrong is recorded, not timed
                                 fwd = designed(ours, design)
                                 rec[f"{design}_rel_err"] = d_err = rel_err(fwd(x, ids, weights), ref)
@@ -492,7 +498,7 @@ def profile_layers(args, device, timer, t0) -> list[dict]:
             ids, weights = routing(routing_kind, t, e, k, device, gen)
             x = (torch.randn(t, hidden, generator=gen) * 0.5).to(torch.bfloat16).to(device)
             variants = {"tilemm": lambda: ours(x, ids, weights), "grouped": lambda: grouped(x, ids, weights)}
-            for design in designs_for(t, e, k) if device.type == "cuda" else ():  # (the designs launch the kernel)
+            for design in designs_for(t, pairs_default(t, k, ours)) if device.type == "cuda" else ():  # (the designs launch the kernel)
                 if design not in PROFILE_DESIGNS:
                     continue
                 variants[design] = (lambda f: lambda: f(x, ids, weights))(designed(ours, design))

@@ -513,10 +513,22 @@ def test_pairs_plan_unroll_wastes_little():
     assert [mk.pairs_plan(k, layout).unroll for k in (2880, 2048, 512, 256, 8192)] == [4, 8, 2, 2, 8]
 
 
-def test_combine_only_with_two_blocks_per_sm():
-    # gpt-oss-20b's down projection at T = 1: 180 blocks of (token, 16 rows) on 132 SMs -> no
-    assert not mk.combine_pays(1, 2880, 132)
-    assert mk.combine_pays(1, 7168, 132) and mk.combine_pays(2, 2880, 132)
+def test_combine_only_with_one_and_a_half_blocks_per_sm():
+    # gpt-oss-20b's down projection at T = 1: 180 blocks of (token, 16 rows) on 132 SMs -> no;
+    # the 2048-wide anchor layer at T = 2: 256 blocks -> yes
+    assert not mk.combine_pays(1, 2880, 132) and not mk.combine_pays(1, 2048, 132)
+    assert mk.combine_pays(1, 7168, 132) and mk.combine_pays(2, 2880, 132) and mk.combine_pays(2, 2048, 132)
+
+
+def test_pairs_for_a_few_tokens():
+    # one token always; then while the pairs are at most half the experts and read <= 256 MiB
+    gpt_oss, anchor = 13 * 2 ** 20, 1.6 * 2 ** 20  # one expert's gate_up + down bytes in MXFP4
+    assert [t for t in (1, 2, 4, 8, 16, 32) if mk.pairs_pay(t, 4, 32, gpt_oss)] == [1, 2, 4]
+    assert [t for t in (1, 2, 4, 8, 16, 32) if mk.pairs_pay(t, 4, 128, gpt_oss)] == [1, 2, 4]
+    assert [t for t in (1, 2, 4, 8, 16, 32) if mk.pairs_pay(t, 8, 256, anchor)] == [1, 2, 4, 8, 16]
+    assert mk.pairs_pay(1, 8, 8, 10 ** 12) and not mk.pairs_pay(2, 2, 6, 1)
+    w = torch.zeros(4, 10, 3, dtype=torch.int32)
+    assert mk.expert_bytes(w, torch.zeros(4, 5, dtype=torch.uint8)) == 10 * 3 * 4 + 5
 
 
 def test_chunk_groups_spread_a_popular_expert(emulated):

@@ -44,10 +44,11 @@ def _routing(kind, t, k, e, gen):
 
 def _cases():
     """(fmt, x dtype, (T, k, E, N, K), routing). Shapes: decode (T = 1, tile_m 16); a few tokens with
-    N = 200 and K = 4128 not tile multiples; T = 100 top-4 of 16 (tile_m 32); T = 300 top-4 of 8
+    N = 200 and K = 4128 not tile multiples, sorted (T = 5 of 6 experts) and per pair (T = 3 of 16); T = 100 top-4 of 16 (tile_m 32); T = 300 top-4 of 8
     (tile_m 128, several chunks per expert under skewed routing). fp16 on the first two shapes (each
     new (format, dtype, tile_m) is one more JIT compile)."""
-    shapes = [(1, 4, 8, 256, 512), (5, 2, 6, 200, 4128), (100, 4, 16, 192, 256), (300, 4, 8, 128, 512)]
+    shapes = [(1, 4, 8, 256, 512), (5, 2, 6, 200, 4128), (100, 4, 16, 192, 256), (300, 4, 8, 128, 512),
+              (3, 2, 16, 200, 4128)]
     for fmt in QUANTIZERS:
         for i, shape in enumerate(shapes):
             for routing in ("uniform", "skewed", "invalid"):

@@ -6,8 +6,8 @@ and rounded once to x's dtype. ``w`` is a stacked expert weight, ``tilemm.prepac
 quantized tensor (or of a list of E (N, K) ones). It is the custom operator
 ``torch.ops.tilemm.moe_linear``, which ``torch.compile(fullgraph=True)`` traces as one op.
 
-* On CUDA (Hopper, Blackwell): one cuTile launch of the per-pair kernel for one token, else one
-  routing step, x's rows gathered into expert order and one grouped launch (``run_moe``;
+* On CUDA (Hopper, Blackwell): one cuTile launch of the per-pair kernel for a few tokens
+  (``moe_kernels.pairs_pay``), else one routing step, x's rows gathered into expert order and one grouped launch (``run_moe``;
   ``tilemm.kernels.moe_kernels`` describes both designs). No host synchronisation and no allocation
   whose size depends on the routing, so a call can be captured in a CUDA graph.
 * On the CPU: the same arithmetic in PyTorch (``reference_moe``), expert by expert.
@@ -60,7 +60,7 @@ def reference_moe(x, words, scale_t, constants, fmt_name: str, in_features: int,
 
 def run_moe(x, words, scale_t, constants, fmt_name: str, in_features: int, topk_ids, bias):
     """What ``torch.ops.tilemm.moe_linear`` runs on checked tensors. On CUDA, one token: one cuTile
-    launch of the per-pair kernel, no routing. From two tokens: one routing step (one small cuTile
+    launch of the per-pair kernel, no routing, for a few tokens (one always; ``pairs_pay``). Else: one routing step (one small cuTile
     launch for decode-sized batches, else fixed-size PyTorch operations), x's rows gathered into
     expert order, and one cuTile launch, in which each expert's weight tile is read once per chunk of
     its tokens. Elsewhere ``reference_moe``."""
@@ -73,7 +73,7 @@ def run_moe(x, words, scale_t, constants, fmt_name: str, in_features: int, topk_
     tokens, top_k = topk_ids.shape
     num_experts, n = words.shape[0], words.shape[1]
     out = torch.empty((tokens * top_k, n), dtype=x.dtype, device=x.device)
-    if out.numel() and tokens <= moe_kernels.PAIRS_MAX_TOKENS:  # one token: no routing
+    if out.numel() and moe_kernels.pairs_pay(tokens, top_k, num_experts, moe_kernels.expert_bytes(words, scale_t)):
         moe_kernels.launch_pairs(x.contiguous(), words, scale_t, constants, bias, topk_ids.reshape(-1), out,
                                  layout_of(FORMATS[fmt_name]))
     elif out.numel():
@@ -185,7 +185,7 @@ def run_gpt_oss_experts(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_
     """What ``torch.ops.tilemm.gpt_oss_experts`` runs on checked tensors: gate_up, SwiGLU, down, the
     weighted sum over the k slots. On CUDA (``_experts_launches``): for one token, the per-pair kernel
     for gate_up (the SwiGLU fused for gpt-oss's alpha and limit; other values run it unfused) and for
-    down (with the weighted sum where ``combine_pays``); from two tokens, one routing, x's rows sorted
+    down (with the weighted sum where ``combine_pays``); for more tokens (``pairs_pay``), one routing, x's rows sorted
     by expert, the gate_up launch (SwiGLU fused likewise), the down launch, one batched GEMM."""
     tokens, top_k = ids.shape
     num_experts, inter, hidden = gu_words.shape[0], gu_words.shape[1] // 2, d_words.shape[1]
@@ -206,8 +206,8 @@ def run_gpt_oss_experts(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_
 def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format: str, gu_bias, d_words,
                       d_scale_t, d_constants, d_format: str, d_bias, alpha: float, limit: float,
                       design: str | None = None):
-    """The GPU path of ``run_gpt_oss_experts``. ``design`` "pairs" (the default up to
-    ``moe_kernels.PAIRS_MAX_TOKENS`` tokens): no routing, the per-pair kernel for gate_up (SwiGLU
+    """The GPU path of ``run_gpt_oss_experts``. ``design`` "pairs" (the default for a few tokens:
+    ``moe_kernels.pairs_pay``): no routing, the per-pair kernel for gate_up (SwiGLU
     fused) and for down, with the weighted sum in the down launch's epilogue where that pays
     (``moe_kernels.combine_pays``: two launches), else as a batched GEMM ("pairs_combine" /
     "pairs_bmm" force either). "sorted" (the default above): the routing, x's rows sorted by expert
@@ -218,7 +218,8 @@ def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_fo
     tokens, top_k = ids.shape
     num_experts, inter, hidden = gu_words.shape[0], gu_words.shape[1] // 2, d_words.shape[1]
     if design is None:
-        design = "pairs" if tokens <= mk.PAIRS_MAX_TOKENS else "sorted"
+        pairs = mk.pairs_pay(tokens, top_k, num_experts, mk.expert_bytes(gu_words, gu_scale_t, d_words, d_scale_t))
+        design = "pairs" if pairs else "sorted"
     if design.startswith("pairs"):
         flat = ids.reshape(-1)
         h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # pair order
@@ -291,9 +292,9 @@ class MoEExperts(torch.nn.Module):
     * ``y = moe_linear(h, W_down, ids, down_bias)``: one row per (token, slot);
     * the output: sum over the k slots of ``y * routing_weights``, in fp32, rounded once.
 
-    It is one custom op, ``torch.ops.tilemm.gpt_oss_experts``: on CUDA, for one token two launches of
-    the per-pair kernel (the weighted sum in the second where that pays, else a batched GEMM); from
-    two tokens one routing (shared by both projections), two grouped launches and a batched GEMM for
+    It is one custom op, ``torch.ops.tilemm.gpt_oss_experts``: on CUDA, for a few tokens two launches of
+    the per-pair kernel (the weighted sum in the second where that pays, else a batched GEMM); for
+    more, one routing (shared by both projections), two grouped launches and a batched GEMM for
     the weighted sum. transformers rounds
     to bf16 after each of its elementwise operations; the results agree up to those roundings.
 

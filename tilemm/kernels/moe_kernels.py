@@ -5,9 +5,9 @@ kernel's helpers (``weight_only_kernels``: same layout, same exact decode); sm_9
 
 Two designs (``tilemm.moe`` picks by T; ``benchmarks/bench_moe.py`` times both):
 
-* per pair (``_moe_gemv_kernel``, T <= ``PAIRS_MAX_TOKENS``): no routing; block ((token, slot),
+* per pair (``_moe_gemv_kernel``, a few tokens: ``pairs_pay``): no routing; block ((token, slot),
   16 weight rows) multiplies on the FMA pipes; one token's k experts are distinct, so each weight
-  is read once. The down projection may sum the k slots in its epilogue (``combine_pays``).
+  is read once per token. The down projection may sum the k slots in its epilogue (``combine_pays``).
 * sorted (``_moe_kernel``): ``route`` gives the (token, slot) rows sorted by expert (``order``),
   each expert's run (``offsets``, E + 2; ids outside [0, E) are the extra expert E) and the slots
   (``slot_expert``: every expert with rows, busiest first); x's rows are gathered once into that
@@ -36,7 +36,8 @@ from ._common import hinted, sm90_hints, stream_handle
 from .weight_only_kernels import LAYOUTS, Layout, _X_PARTS, _f32_halves, _k_tile, _multipliers, _scaled_plane
 
 __all__ = ["MoEConfig", "plan", "route", "launch", "sort_rows", "launch_pairs", "pairs_plan", "PairsConfig",
-           "combine_pays", "grid_blocks", "route_kernel_fits", "PAIRS_MAX_TOKENS", "zero_bias", "chunk_groups",
+           "combine_pays", "grid_blocks", "route_kernel_fits", "pairs_pay", "expert_bytes", "PAIRS_MAX_BYTES",
+           "zero_bias", "chunk_groups",
            "aot_variants", "SWIGLU_ALPHA", "SWIGLU_LIMIT"]
 
 ConstInt = ct.Constant[int]
@@ -465,11 +466,27 @@ def grid_blocks(items: int, cfg: MoEConfig, device) -> int:
     return min(items, num_sms(device) * (cfg.occupancy or 2))
 
 
-#: Up to this many tokens a call takes the per-pair FMA kernel (``_moe_gemv_kernel``, no routing):
-#: one token's k experts are distinct, so each expert's weight is still read once; from two tokens
-#: on, a shared expert would be read once per token, and the sorted design takes over (the per-pair
-#: design at a few tokens is not measured).
-PAIRS_MAX_TOKENS = 1
+#: The most expert weight bytes the per-pair design may read in one call (its pairs times one
+#: expert's bytes): about 85 us of an H100's HBM, the scale at which the sorted design's fixed cost
+#: (routing, gathers, tiles of mostly empty rows) stops outweighing the pairs' re-reads.
+PAIRS_MAX_BYTES = 256 * 2 ** 20
+
+
+def pairs_pay(tokens: int, top_k: int, num_experts: int, expert_bytes: int) -> bool:
+    """Whether a call takes the per-pair design (no routing) rather than the sorted one. One token
+    always does: its k experts are distinct, so every weight is read once either way. From two tokens,
+    pairs that share an expert read it once each; the per-pair design keeps paying while the pairs
+    are at most half the experts (few of them shared under uniform routing) and read at most
+    ``PAIRS_MAX_BYTES``. Measured on an H100 (``benchmarks/results/moe-layers-*``): with 256 small
+    experts (1.6 MiB, top-8) the pairs win up to 16 tokens, with gpt-oss's 13 MiB experts they win at
+    2 tokens, tie at 4 and lose from 8."""
+    pairs = tokens * top_k
+    return tokens <= 1 or (2 * pairs <= num_experts and pairs * expert_bytes <= PAIRS_MAX_BYTES)
+
+
+def expert_bytes(*words_and_scales: torch.Tensor) -> int:
+    """The bytes of one expert of stacked (E, ...) weight tensors (words and scales)."""
+    return sum(t[0].numel() * t.element_size() for t in words_and_scales)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -495,9 +512,10 @@ class PairsConfig:
 def combine_pays(tokens: int, n: int, sms: int) -> bool:
     """Whether the down projection should apply the router's weights in its epilogue (one block per
     (token, N tile), each running the token's k experts one after another): only while those blocks
-    alone give at least two per SM; with fewer, the per-pair blocks (k times as many) and a batched
-    GEMM for the sum keep more weight loads in flight."""
-    return tokens * -(-n // PairsConfig(1).tile_n) >= 2 * sms
+    alone give at least 1.5 per SM; with fewer, the per-pair blocks (k times as many) and a batched
+    GEMM for the sum keep more weight loads in flight (H100: 180 blocks on 132 SMs lose by 1.4 us,
+    256 win by 4 us)."""
+    return 2 * tokens * -(-n // PairsConfig(1).tile_n) >= 3 * sms
 
 
 def pairs_plan(k: int, layout: Layout) -> PairsConfig:

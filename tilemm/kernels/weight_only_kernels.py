@@ -1,7 +1,8 @@
 """Weight-only matmul: bf16 / fp16 / fp32 activations x (M, K) times a prepacked MXFP4, NVFP4 or MXFP8
 weight (N, K), ``out = (x @ dequantize(w).T) * alpha + bias`` accumulated in fp32 and rounded once,
 reading each weight byte once and writing no dequantized weight. ``plan`` picks the tensor-core kernel
-``_weight_only_kernel`` or, for one row of x, the FMA kernel ``_gemv_kernel``; ``_dequantize_kernel``
+``_weight_only_kernel`` or, for one row of x, the FMA kernel ``_gemv_kernel`` (or there, as the
+variant ``M1_KERNEL = "mma"``, the tensor-core kernel again); ``_dequantize_kernel``
 and ``_k_tile`` also serve ``hopper_weight_only_large`` and ``moe_kernels`` (same layout, same decode).
 
 Layout (``tilemm.prepack`` builds it once; ``Layout``, ``E2M1_FIELDS``). A K tile is PLANES planes of

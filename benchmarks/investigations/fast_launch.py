@@ -203,7 +203,8 @@ def check_layout(cubin: bytes, symbol: str, params: list[Param], say=print) -> N
     want = [(i, p.offset, p.size) for i, p in enumerate(params)]
     assert got == want, f"{symbol}: .nv.info parameters {got} != calling convention {want}"
     flags = [ptr for *_, ptr in info["params"]]
-    if all(f is not None for f in flags):
+    flagged = bool(flags) and all(f is not None for f in flags)
+    if flagged:
         assert flags == [p.pointer for p in params], f"{symbol}: pointer flags {flags} differ"
     ptx = ptx_params(cubin, symbol)
     hidden = []
@@ -213,7 +214,7 @@ def check_layout(cubin: bytes, symbol: str, params: list[Param], say=print) -> N
         assert visible == [(p.size, p.pointer) for p in params], f"{symbol}: PTX parameters {visible} differ"
     end = params[-1].offset + params[-1].size if params else 0
     say(f"  {len(params)} arguments, {end} bytes; .nv.info agrees (ordinal, offset, size"
-        f"{', pointer' if all(f is not None for f in flags) else ''}); "
+        f"{', pointer' if flagged else ''}); "
         + ("PTX .entry agrees" if ptx is not None else "no embedded PTX")
         + (f"; {len(hidden)} hidden parameters of {sorted(set(hidden))} bytes after them" if hidden else "")
         + f"; parameter block {info.get('param_bytes')} bytes; reqntid {info.get('reqntid')}")

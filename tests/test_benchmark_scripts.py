@@ -119,12 +119,13 @@ def test_results_names(tmp_path):
 
 
 def test_committed_results_follow_the_naming_scheme():
-    """``<benchmark>[-<variant>]-<gpu>[-x<N>].<ext>``: every committed results file names a GPU slug, or
-    the compile target for counts made without a GPU (``decode-cost-sm90``)."""
+    """``<benchmark>[-<variant>]-<gpu>[-x<N>].<ext>``: every committed results file names a GPU slug, the
+    compile target for counts made without a GPU (``decode-cost-sm90``), or ``cpu`` for numerics
+    measured on the CPU (no timings: ``moe-drift-cpu``)."""
     for path in sorted((ROOT / "benchmarks" / "results").iterdir()):
         assert path.suffix in (".json", ".md", ".txt", ".png", ".log"), path.name
         assert path.name == path.name.lower() and "_" not in path.name, path.name
-        assert any(f"-{gpu}" in path.stem for gpu in ("nvidia-h100", "nvidia-h200", "sm90", "sm100", "sm120")), path.name
+        assert any(f"-{gpu}" in path.stem for gpu in ("nvidia-h100", "nvidia-h200", "sm90", "sm100", "sm120", "cpu")), path.name
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=[str(p.relative_to(ROOT / "benchmarks")) for p in SCRIPTS])

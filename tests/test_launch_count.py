@@ -112,6 +112,7 @@ def quantize_recorded(monkeypatch):
     monkeypatch.setattr(qk, "_launch_kernel", lambda device, grid, kernel, args: calls.append((grid, kernel, args)))
     monkeypatch.setattr(qk, "num_sms", lambda device: 132)
     monkeypatch.setattr(qk, "stream_handle", lambda device: 5)
+    monkeypatch.setattr(qk, "_target", lambda device: "sm_90")
     return calls
 
 
@@ -197,6 +198,71 @@ def test_quantize_nvfp4_amax_in_the_launch_emulated(monkeypatch, shape, swizzle)
                        magnitudes[magnitudes.isfinite()].max())  # NVFP4's amax: over the finite elements
     for got, other, want in zip(one, two, ref):
         got, other, want = (t.reshape(-1).view(torch.uint8) for t in (got, other, want))
+        assert torch.equal(got, want) and torch.equal(other, want)
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_quantize_fp8_per_tensor_of_an_activation_is_one_launch(quantize_recorded, m):
+    x = torch.zeros(m, 4096, dtype=torch.bfloat16)
+    qk.quantize_fp8(x, qk.FP8_E4M3, "tensor", False)
+    quantize_recorded.clear()
+    with _Ops() as ops:
+        qk.quantize_fp8(x, qk.FP8_E4M3, "tensor", False)
+    [(grid, kernel, args)] = quantize_recorded
+    assert grid[0] <= 132 and args[8] is True  # GRID_AMAX: the amax inside the launch
+    assert args[3] is qk._grid_sync(x.device, 5)
+    assert set(ops.names) <= _VIEWS | _ALLOCATIONS, ops.names
+
+
+def test_quantize_fp8_per_tensor_of_a_weight_takes_the_amax_first(quantize_recorded):
+    qk.quantize_fp8(torch.zeros(4096, 4096, dtype=torch.bfloat16), qk.FP8_E4M3, "tensor", False)
+    assert [c[1] for c in quantize_recorded] == [qk._kernel(qk._amax_kernel, qk.plan("amax")),
+                                                 qk._kernel(qk._fp8_quantize_kernel, qk.plan("fp8_tensor"))]
+    assert quantize_recorded[1][2][8] is False
+
+
+@pytest.mark.parametrize("special", ["finite", "nan", "inf"])
+@pytest.mark.parametrize("shape,axis", [((1, 512), -1), ((16, 384), -1), ((3, 40, 256), -1), ((256, 48), -2)],
+                         ids=["1x512", "16x384", "3x40x256", "256x48-axis-2"])
+def test_quantize_fp8_per_tensor_amax_in_the_launch_emulated(monkeypatch, shape, axis, special):
+    # FP8 per tensor in one launch (its tile code on the NumPy model of cuTile) gives the reference's
+    # bits and those of the launch that reads the amax taken first; its amax propagates NaN.
+    from _emulator import LaunchProxy, TileEmulator
+    from tilemm import quantize as tq
+
+    emu = TileEmulator()
+    monkeypatch.setattr(qk, "ct", LaunchProxy(emu))
+    monkeypatch.setattr(qk, "num_sms", lambda device: 132)
+    monkeypatch.setattr(qk, "stream_handle", lambda device: 5)
+    grid_amax = _TwoPassGridAmax()
+    monkeypatch.setattr(qk, "_grid_amax", grid_amax)
+    monkeypatch.setattr(qk, "_target", lambda device: "sm_90")
+    gen = torch.Generator().manual_seed(12)
+    x = (torch.randn(shape, generator=gen) * 4).to(torch.bfloat16)
+    if special == "nan":
+        x.view(-1)[7] = float("nan")
+    elif special == "inf":
+        x.view(-1)[-3] = float("-inf")
+    source = x.mT if axis == -2 else x
+    launches = []
+    monkeypatch.setattr(qk, "_launch_kernel", lambda device, grid, kernel, args: (
+        launches.append(args), emu.launch(None, grid, kernel, args)))
+    qk.quantize_fp8(source, qk.FP8_E4M3, "tensor", False)  # the first pass
+    grid_amax.total = max(grid_amax.contributions)
+    launches.clear()
+    one = qk.quantize_fp8(source, qk.FP8_E4M3, "tensor", False)
+    assert len(launches) == 1 and launches[0][8] is True
+    ref = tq._quantize_fp8_reference(source.contiguous(), qk.FP8_E4M3, "tensor", False)
+    amax = torch.tensor([grid_amax.total], dtype=torch.int32)
+    two = qk.quantize_fp8(source, qk.FP8_E4M3, "tensor", False, amax=amax.view(torch.float32))
+    assert launches[1][8] is False
+    if special == "nan":
+        assert torch.isnan(amax.view(torch.float32)).all() and torch.isnan(one[1])
+    else:
+        assert amax.view(torch.float32).item() == x.float().abs().max().item()
+    for got, other, want in zip(one, two, ref):
+        got, other, want = (t.reshape(-1).view(torch.int8 if t.element_size() == 1 else torch.int32)
+                            for t in (got, other, want))
         assert torch.equal(got, want) and torch.equal(other, want)
 
 
@@ -344,18 +410,18 @@ QUANTIZE_CASES = [("mxfp8", dict(swizzle=True)), ("mxfp8", dict(swizzle=False, e
                   ("nvfp4", dict(swizzle=True)), ("nvfp4", dict(swizzle=False)),
                   ("fp8", dict(granularity="row")), ("fp8", dict(granularity=(1, 128))),
                   ("fp8", dict(granularity=(128, 128))), ("fp8", dict(granularity="tensor")),
-                  ("fp8", dict(granularity="row", axis=-2))]
+                  ("fp8", dict(granularity="tensor", axis=-2)), ("fp8", dict(granularity="row", axis=-2))]
 
 
 @pytest.mark.parametrize("m", [1, 16])
 @pytest.mark.parametrize("fmt,options", QUANTIZE_CASES, ids=[f"{f}-{o}" for f, o in QUANTIZE_CASES])
 def test_quantizers_repeat_the_full_launch(fmt, options, m):
-    # One launch each, but FP8 per tensor (its amax first: the scale of every element needs all of
-    # them) and per row along axis=-2 (the column maxima first; a (K, 1) x is read as rows).
+    # One launch each (FP8 per tensor takes its amax inside the launch), but FP8 per row along
+    # axis=-2 (the column maxima first; a (K, 1) x is read as rows).
     x = torch.randn(m, 256).to(torch.bfloat16)
     if options.get("axis") == -2:
         x = torch.randn(256, m).to(torch.bfloat16)
-    two = fmt == "fp8" and (options["granularity"] == "tensor" or (options.get("axis") == -2 and m > 1))
+    two = fmt == "fp8" and options["granularity"] == "row" and options.get("axis") == -2 and m > 1
     q = getattr(tilemm, f"quantize_{fmt}")
     _repeat_launches_as_the_full_path(lambda x: q(x, **options), (x,), 2 if two else 1)
 

@@ -366,7 +366,7 @@ def _quantized(m, n, k, fmt, swizzle):
         return tilemm.quantize_fp8(x, granularity="row"), tilemm.quantize_fp8(w, granularity="row")
     if fmt == "fp8_blocks":
         return tilemm.quantize_fp8(x, granularity=(1, 128)), tilemm.quantize_fp8(w, granularity=(128, 128))
-    if fmt == "fp8_tensor":  # per tensor: the kernel reads the value broadcast per row and column
+    if fmt == "fp8_tensor":  # per tensor: the kernel reads each scale's one value
         return tilemm.quantize_fp8(x, granularity="tensor"), tilemm.quantize_fp8(w, granularity="tensor")
     if fmt == "fp8_mixed":
         return tilemm.quantize_fp8(x, granularity="row"), tilemm.quantize_fp8(w, granularity="tensor")
@@ -385,10 +385,8 @@ def test_matmul_entries_repeat_the_full_launch(fmt, swizzle, m):
     x16 = m == 64 and not fmt.startswith("fp8")
     bias = torch.randn(256).to(torch.bfloat16)
     alpha = torch.tensor(0.5)
-    # FP8 per-tensor scales take the full path on every call (tilemm.matmul._remember_launch).
-    prepared = fmt not in ("fp8_tensor", "fp8_mixed")
     _repeat_launches_as_the_full_path(lambda xq, wq, bias, alpha: tilemm.linear(xq, wq, bias=bias, alpha=alpha),
-                                      (xq, wq, bias, alpha), 2 if x16 else 1, prepared)
+                                      (xq, wq, bias, alpha), 2 if x16 else 1)
     if fmt == "fp8_blocks":
         return
     if fmt.startswith("fp8"):
@@ -402,7 +400,7 @@ def test_matmul_entries_repeat_the_full_launch(fmt, swizzle, m):
         def matmul(xq, wq, bias):
             fn = getattr(tilemm, f"{fmt}_matmul")
             return fn(xq.data, xq.scale, wq.data.t(), wq.scale if swizzle else wq.scale.t(), bias=bias)
-    _repeat_launches_as_the_full_path(matmul, (xq, wq, None), 2 if x16 else 1, prepared)
+    _repeat_launches_as_the_full_path(matmul, (xq, wq, None), 2 if x16 else 1)
 
 
 QUANTIZE_CASES = [("mxfp8", dict(swizzle=True)), ("mxfp8", dict(swizzle=False, elem_dtype=torch.float8_e5m2)),
@@ -426,7 +424,7 @@ def test_quantizers_repeat_the_full_launch(fmt, options, m):
     _repeat_launches_as_the_full_path(lambda x: q(x, **options), (x,), 2 if two else 1)
 
 
-@pytest.mark.parametrize("granularity", ["row", (128, 128)], ids=["row", "blocks"])
+@pytest.mark.parametrize("granularity", ["row", "tensor", (128, 128)], ids=["row", "tensor", "blocks"])
 @pytest.mark.parametrize("m", [1, 16])
 def test_fp8_linear_layer_is_two_launches(granularity, m):
     # tilemm.nn.Linear, FP8 both sides: the activation's quantize and the matmul, and no torch kernel

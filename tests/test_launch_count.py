@@ -286,12 +286,12 @@ def _host_path():
 HOST_PATH = _host_path()
 
 
-def _launch_form(launches, tensors):
+def _launch_form(launches, tensors, own_bytes=True):
     """What a call launched, independent of where its tensors happen to live: per argument, a tensor's
     shape, strides, dtype and which of ``tensors`` (the call's inputs and outputs) it views, by start
     address; a buffer of the library's own (e.g. a bias converted to fp32, a workspace) by its order
     of appearance, and its bytes unless it passes from one launch to the next (then it is scratch the
-    first launch fills); other arguments as they are."""
+    first launch fills, or ``own_bytes`` is False); other arguments as they are."""
     starts = {t.data_ptr(): i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.numel()}
     own, launches_of = {}, {}
     for n, (_, _, args) in enumerate(launches):
@@ -308,7 +308,7 @@ def _launch_form(launches, tensors):
                 if ptr in starts:
                     role = ("arg", starts[ptr])
                 else:
-                    scratch = len(launches_of[ptr]) > 1
+                    scratch = len(launches_of[ptr]) > 1 or not own_bytes
                     role = ("own", own[ptr], None if scratch else bytes(a.contiguous().view(torch.uint8).numpy()))
                 described.append((tuple(a.shape), a.stride(), a.dtype, role))
             else:
@@ -334,26 +334,27 @@ def _flat(value):
     return []
 
 
-def _repeat_launches_as_the_full_path(call, args, launches_per_call, expect_prepared=True):
+def _repeat_launches_as_the_full_path(call, args, launches_per_call, expect_prepared=True, own_bytes=True):
     """``call(*args)`` twice on new memory: the second, a prepared launch (unless ``expect_prepared`` is
     False: the entries that take the full path on every call), launches what the full path (the plan
-    table emptied) launches for the same tensors."""
+    table emptied) launches for the same tensors (``own_bytes``: see ``_launch_form``)."""
     from tilemm import kernels
 
     launches = HOST_PATH.LAUNCHES
     with HOST_PATH.cuda_route():
         kernels.PLANS.clear()
         call(*args)  # the first call of the signature: checked, planned, its launch kept
-        prepared = any(type(v).__name__ in ("_Launch", "_QuantizeLaunch") for v in kernels.PLANS.values())
+        prepared = any(type(v).__name__ in ("_Launch", "_QuantizeLaunch", "_MoELinearLaunch", "_MoEExpertsLaunch")
+                       for v in kernels.PLANS.values())
         again = tuple(_fresh(a) for a in args)
         launches.clear()
         out = call(*again)
-        repeated = _launch_form(launches, [*_flat(again), *_flat(out)])
+        repeated = _launch_form(launches, [*_flat(again), *_flat(out)], own_bytes)
         assert len(launches) == launches_per_call
         kernels.PLANS.clear()
         launches.clear()
         out = call(*again)
-        full = _launch_form(launches, [*_flat(again), *_flat(out)])
+        full = _launch_form(launches, [*_flat(again), *_flat(out)], own_bytes)
         launches.clear()
     assert prepared == expect_prepared and repeated == full
 
@@ -450,6 +451,45 @@ def test_fp8_linear_layer_is_two_launches(granularity, m):
     assert set(ops.names) <= _VIEWS | _ALLOCATIONS, ops.names
     bias = launches[1][2][6]  # the matmul's bias argument: the layer's, in fp32
     assert bias.dtype == torch.float32 and torch.equal(bias, lin.bias.float())
+
+
+def _experts(n, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return tilemm.prepack(tilemm.quantize_mxfp4(torch.randn(8, n, k, generator=gen).to(torch.bfloat16)))
+
+
+@pytest.mark.parametrize("tokens", [1, 16])  # 1: the per-pair design; 16 tokens of 8 experts: sorted
+def test_moe_entries_repeat_the_full_launch(tokens):
+    # moe_linear and MoEExperts.forward: a repeated eager call launches what the first one did (one
+    # per-pair launch, or the routing and one grouped launch per projection).
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(tokens, 256, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.arange(tokens) % 8, (torch.arange(tokens) + 3) % 8], dim=1).to(torch.int32)
+    stacked = _experts(128, 256, 1)
+    bias = torch.randn(8, 128, generator=gen).to(torch.bfloat16)
+    _repeat_launches_as_the_full_path(lambda x, ids, bias: tilemm.moe_linear(x, stacked, ids, bias), (x, ids, bias),
+                                      1 if tokens == 1 else 2)
+    block = tilemm.moe.MoEExperts(_experts(2 * 64, 256, 2), _experts(256, 64, 3))
+    weights = torch.rand(tokens, 2, generator=gen).to(torch.bfloat16)
+    # Its launches write buffers that a torch operation reads (y, before the weighted sum): their bytes
+    # are what the stubbed launches left, so only their shapes and roles are compared.
+    _repeat_launches_as_the_full_path(lambda x, ids, weights: block(x, ids, weights), (x, ids, weights),
+                                      2 if tokens == 1 else 3, own_bytes=False)
+
+
+def test_a_prepared_moe_call_still_checks_what_changes():
+    # check_ids reads values: never prepared; a new signature (ids of another shape) is checked again.
+    stacked = _experts(128, 256, 1)
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    with HOST_PATH.cuda_route():
+        tilemm.moe_linear(x, stacked, torch.zeros(4, 2, dtype=torch.int64))
+        with pytest.raises(ValueError, match="topk_ids must lie in"):
+            tilemm.moe_linear(x, stacked, torch.full((4, 2), 8, dtype=torch.int64), check_ids=True)
+        with pytest.raises(ValueError, match="topk_ids must be"):
+            tilemm.moe_linear(x, stacked, torch.zeros(3, 2, dtype=torch.int64))
+        with pytest.raises(TypeError, match="topk_ids must be int32 or int64"):
+            tilemm.moe_linear(x, stacked, torch.zeros(4, 2, dtype=torch.float32))
+        HOST_PATH.LAUNCHES.clear()
 
 
 def test_a_prepared_quantize_still_refuses_what_the_checks_refuse():

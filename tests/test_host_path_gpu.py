@@ -136,3 +136,25 @@ def test_fp8_linear_layer_gpu(granularity, m):
     _same_bits_as_the_full_path(layer, lambda seed: (torch.randn(m, 1024, device="cuda").to(torch.bfloat16),))
     x = torch.randn(m, 1024, device="cuda").to(torch.bfloat16)
     assert len(kernels_per_call(lambda: layer(x))) == 2  # the activation's quantize and the matmul
+
+
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_repeated_moe_calls_gpu(tokens):
+    # moe_linear and MoEExperts.forward: the prepared repeated call gives the full path's bits.
+    def experts(n, k, seed):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        w = torch.randn(8, n, k, generator=gen, device="cuda").to(torch.bfloat16)
+        return tilemm.prepack(tilemm.quantize_mxfp4(w))
+
+    stacked = experts(512, 1024, 1)
+    block = tilemm.moe.MoEExperts(experts(2 * 256, 1024, 2), experts(1024, 256, 3))
+
+    def make(seed):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        x = torch.randn(tokens, 1024, generator=gen, device="cuda").to(torch.bfloat16)
+        ids = torch.randint(0, 8, (tokens, 2), generator=gen, device="cuda", dtype=torch.int32)
+        weights = torch.rand(tokens, 2, generator=gen, device="cuda").to(torch.bfloat16)
+        return x, ids, weights
+
+    _same_bits_as_the_full_path(lambda x, ids, weights: tilemm.moe_linear(x, stacked, ids), make)
+    _same_bits_as_the_full_path(lambda x, ids, weights: block(x, ids, weights), make)

@@ -453,7 +453,13 @@ class TileEmulator:
         array.stored()
 
     @staticmethod
-    def store(array, index, tile):
+    def store(array, index, tile, *, order=None, allow_tma=True):
+        """``allow_tma`` is a hint (how, not what, is stored); ``order``: tile dimension i (and index
+        entry i) runs along array dimension order[i], e.g. (0, 2, 1) stores a tile transposed."""
+        if order is not None:
+            inverse = tuple(int(i) for i in np.argsort(order))
+            tile = Tile(np.transpose(np.asarray(tile), inverse), tile.ct_dtype)
+            index = tuple(index[i] for i in inverse)
         src, dst = _window(array.shape, index, tile.shape)
         if tile.ct_dtype != array.dtype:
             raise TypeError(f"storing a {tile.ct_dtype} tile into a {array.dtype} array")

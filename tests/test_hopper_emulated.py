@@ -263,3 +263,33 @@ def test_fp8_rowwise_emulated(emulated, cfg):
                          out=torch.full((2, m, n), float("nan")), bias=bias, alpha=None)
     hfp8.launch(problem, cfg)
     assert_matches(problem.out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("scales", ["tensor", "x_row_y_tensor", "x_tensor_y_row"])
+def test_fp8_per_tensor_scales_emulated(emulated, scales):
+    # A per-tensor scale reaches the kernel as its one value (A_TENSOR / B_TENSOR), not as a vector of
+    # copies: the same products, so the same bits as the vectors, and the reference's values.
+    gen = torch.Generator().manual_seed(5)
+    m, n, k = 130, 300, 200
+    a = (torch.randn(2, m, k, generator=gen) * 4).to(torch.float8_e4m3fn)
+    b = (torch.randn(1, n, k, generator=gen) * 4).to(torch.float8_e4m3fn)
+    x_tensor, y_tensor = scales in ("tensor", "x_tensor_y_row"), scales in ("tensor", "x_row_y_tensor")
+    sa = (torch.rand((), generator=gen) + 0.5).expand(2, m) if x_tensor else torch.rand(2, m, generator=gen) + 0.5
+    sb = (torch.rand((), generator=gen) + 0.5).expand(1, n) if y_tensor else torch.rand(1, n, generator=gen) + 0.5
+    bias = torch.randn(n, generator=gen)
+    alpha = torch.tensor([0.75])
+    outs = []
+    for x_scale, y_scale in ((sa, sb), (sa.contiguous(), sb.contiguous())):
+        problem = FP8Problem(fmt=None, a=a, a_scale=x_scale, b=b, b_scale=y_scale, granularity="row",
+                             out=torch.full((2, m, n), float("nan")), bias=bias, alpha=alpha)
+        prepared = hfp8.Prepared(problem)
+        one = x_scale.stride() == (0, 0), y_scale.stride() == (0, 0)
+        assert (prepared.a_tensor, prepared.b_tensor) == one
+        assert [s.shape for s in prepared.operands(problem)[1::2]] == [
+            (1,) if one[0] else (2, m), (1,) if one[1] else (1, n)]
+        prepared.run(problem, None)
+        outs.append(problem.out)
+    assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
+    ref = fp8_matmul_reference(a, sa[..., None], b.transpose(-1, -2), sb[:, None, :], out_dtype=torch.float64,
+                               alpha=alpha.reshape(()), bias=bias)
+    assert_matches(outs[0], ref, torch.float32)

@@ -31,7 +31,8 @@ def _same_bits_as_the_full_path(call, make_args, expect_prepared=True):
     kernels.PLANS.clear()
     call(*first)
     prepared = call(*second)
-    kept = any(type(v).__name__ in ("_Launch", "_QuantizeLaunch") for v in kernels.PLANS.values())
+    kept = any(type(v).__name__ in ("_Launch", "_QuantizeLaunch", "_MoELinearLaunch", "_MoEExpertsLaunch")
+               for v in kernels.PLANS.values())
     assert kept == expect_prepared
     kernels.PLANS.clear()
     full = call(*second)
@@ -59,9 +60,8 @@ def _operands(fmt, m, seed, n=512, k=1024):
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4", "fp8_row", "fp8_blocks", "fp8_tensor"])
 def test_repeated_matmul_calls_gpu(fmt, m):
     alpha = torch.tensor(0.75, device="cuda")
-    prepared = fmt != "fp8_tensor"  # per-tensor FP8 scales: the full path on every call
     _same_bits_as_the_full_path(lambda xq, wq, bias: tilemm.linear(xq, wq, bias=bias, alpha=alpha),
-                                lambda seed: _operands(fmt, m, seed), prepared)
+                                lambda seed: _operands(fmt, m, seed))
     if fmt == "fp8_blocks":
         return
     if fmt in ("fp8_row", "fp8_tensor"):
@@ -74,13 +74,11 @@ def test_repeated_matmul_calls_gpu(fmt, m):
     else:
         def matmul(xq, wq, bias):
             return getattr(tilemm, f"{fmt}_matmul")(xq.data, xq.scale, wq.data.t(), wq.scale, bias=bias)
-    _same_bits_as_the_full_path(matmul, lambda seed: _operands(fmt, m, seed), prepared)
+    _same_bits_as_the_full_path(matmul, lambda seed: _operands(fmt, m, seed))
     if m <= 16:
         xq, wq, _ = _operands(fmt, m, 3)
-        # one launch; per-tensor FP8 scales are first copied out as the per-row / per-column vectors
-        # the kernel reads (a copy kernel for each vector of more than one element)
-        copies = (m > 1) + 1 if fmt == "fp8_tensor" else 0
-        assert len(kernels_per_call(lambda: matmul(xq, wq, None))) == 1 + copies
+        # one launch; a per-tensor FP8 scale reaches the kernel as its one value (no copy kernel)
+        assert len(kernels_per_call(lambda: matmul(xq, wq, None))) == 1
 
 
 QUANTIZERS = [("mxfp8", dict(swizzle=True)), ("mxfp4", dict(swizzle=True)), ("nvfp4", dict(swizzle=True)),
@@ -100,11 +98,37 @@ def test_repeated_quantize_calls_gpu(fmt, options, m):
 
     _same_bits_as_the_full_path(lambda x: q(x, **options), make)
     x, = make(4)
-    # One launch each; FP8 per tensor takes its amax in a launch of its own first.
-    assert len(kernels_per_call(lambda: q(x, **options))) == (2 if options.get("granularity") == "tensor" else 1)
+    # One launch each (NVFP4 and FP8 per tensor take the tensor amax inside it: the grid fits one
+    # block per SM here).
+    assert len(kernels_per_call(lambda: q(x, **options))) == 1
 
 
-@pytest.mark.parametrize("granularity", ["row", (128, 128)], ids=["row", "blocks"])
+@pytest.mark.parametrize("special", ["finite", "nan", "inf"])
+@pytest.mark.parametrize("m", [1, 16, 200])
+def test_fp8_per_tensor_amax_in_the_launch_gpu(monkeypatch, special, m):
+    # The one-launch FP8 per tensor (the amax through _grid_amax) gives the bits of the launch after a
+    # tensor amax (forced by reporting no SMs) and of the reference; NaN propagates into the scale.
+    from tilemm import quantize as tq
+    from tilemm.formats import FP8_E4M3
+    from tilemm.kernels import quantize_kernels as qk
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(m, 1024, generator=gen, device="cuda").to(torch.bfloat16)
+    if special != "finite":
+        x[m // 2, 5] = float(special)
+    kernels.PLANS.clear()
+    assert len(kernels_per_call(lambda: tilemm.quantize_fp8(x, granularity="tensor"))) == 1
+    one = tilemm.quantize_fp8(x, granularity="tensor")
+    kernels.PLANS.clear()
+    monkeypatch.setattr(qk, "num_sms", lambda device: 0)
+    two = tilemm.quantize_fp8(x, granularity="tensor")
+    kernels.PLANS.clear()
+    ref = tq._quantize_fp8_reference(x.cpu(), FP8_E4M3, "tensor", False)
+    for got, other, want in zip(_bytes(one), _bytes(two), _bytes(ref)):
+        assert torch.equal(got, want) and torch.equal(other, want)
+
+
+@pytest.mark.parametrize("granularity", ["row", "tensor", (128, 128)], ids=["row", "tensor", "blocks"])
 @pytest.mark.parametrize("m", [1, 16])
 def test_fp8_linear_layer_gpu(granularity, m):
     torch.manual_seed(0)
@@ -113,3 +137,25 @@ def test_fp8_linear_layer_gpu(granularity, m):
     _same_bits_as_the_full_path(layer, lambda seed: (torch.randn(m, 1024, device="cuda").to(torch.bfloat16),))
     x = torch.randn(m, 1024, device="cuda").to(torch.bfloat16)
     assert len(kernels_per_call(lambda: layer(x))) == 2  # the activation's quantize and the matmul
+
+
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_repeated_moe_calls_gpu(tokens):
+    # moe_linear and MoEExperts.forward: the prepared repeated call gives the full path's bits.
+    def experts(n, k, seed):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        w = torch.randn(8, n, k, generator=gen, device="cuda").to(torch.bfloat16)
+        return tilemm.prepack(tilemm.quantize_mxfp4(w))
+
+    stacked = experts(512, 1024, 1)
+    block = tilemm.moe.MoEExperts(experts(2 * 256, 1024, 2), experts(1024, 256, 3))
+
+    def make(seed):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        x = torch.randn(tokens, 1024, generator=gen, device="cuda").to(torch.bfloat16)
+        ids = torch.randint(0, 8, (tokens, 2), generator=gen, device="cuda", dtype=torch.int32)
+        weights = torch.rand(tokens, 2, generator=gen, device="cuda").to(torch.bfloat16)
+        return x, ids, weights
+
+    _same_bits_as_the_full_path(lambda x, ids, weights: tilemm.moe_linear(x, stacked, ids), make)
+    _same_bits_as_the_full_path(lambda x, ids, weights: block(x, ids, weights), make)

@@ -112,6 +112,7 @@ def quantize_recorded(monkeypatch):
     monkeypatch.setattr(qk, "_launch_kernel", lambda device, grid, kernel, args: calls.append((grid, kernel, args)))
     monkeypatch.setattr(qk, "num_sms", lambda device: 132)
     monkeypatch.setattr(qk, "stream_handle", lambda device: 5)
+    monkeypatch.setattr(qk, "_target", lambda device: "sm_90")
     return calls
 
 
@@ -200,6 +201,71 @@ def test_quantize_nvfp4_amax_in_the_launch_emulated(monkeypatch, shape, swizzle)
         assert torch.equal(got, want) and torch.equal(other, want)
 
 
+@pytest.mark.parametrize("m", [1, 16])
+def test_quantize_fp8_per_tensor_of_an_activation_is_one_launch(quantize_recorded, m):
+    x = torch.zeros(m, 4096, dtype=torch.bfloat16)
+    qk.quantize_fp8(x, qk.FP8_E4M3, "tensor", False)
+    quantize_recorded.clear()
+    with _Ops() as ops:
+        qk.quantize_fp8(x, qk.FP8_E4M3, "tensor", False)
+    [(grid, kernel, args)] = quantize_recorded
+    assert grid[0] <= 132 and args[8] is True  # GRID_AMAX: the amax inside the launch
+    assert args[3] is qk._grid_sync(x.device, 5)
+    assert set(ops.names) <= _VIEWS | _ALLOCATIONS, ops.names
+
+
+def test_quantize_fp8_per_tensor_of_a_weight_takes_the_amax_first(quantize_recorded):
+    qk.quantize_fp8(torch.zeros(4096, 4096, dtype=torch.bfloat16), qk.FP8_E4M3, "tensor", False)
+    assert [c[1] for c in quantize_recorded] == [qk._kernel(qk._amax_kernel, qk.plan("amax")),
+                                                 qk._kernel(qk._fp8_quantize_kernel, qk.plan("fp8_tensor"))]
+    assert quantize_recorded[1][2][8] is False
+
+
+@pytest.mark.parametrize("special", ["finite", "nan", "inf"])
+@pytest.mark.parametrize("shape,axis", [((1, 512), -1), ((16, 384), -1), ((3, 40, 256), -1), ((256, 48), -2)],
+                         ids=["1x512", "16x384", "3x40x256", "256x48-axis-2"])
+def test_quantize_fp8_per_tensor_amax_in_the_launch_emulated(monkeypatch, shape, axis, special):
+    # FP8 per tensor in one launch (its tile code on the NumPy model of cuTile) gives the reference's
+    # bits and those of the launch that reads the amax taken first; its amax propagates NaN.
+    from _emulator import LaunchProxy, TileEmulator
+    from tilemm import quantize as tq
+
+    emu = TileEmulator()
+    monkeypatch.setattr(qk, "ct", LaunchProxy(emu))
+    monkeypatch.setattr(qk, "num_sms", lambda device: 132)
+    monkeypatch.setattr(qk, "stream_handle", lambda device: 5)
+    grid_amax = _TwoPassGridAmax()
+    monkeypatch.setattr(qk, "_grid_amax", grid_amax)
+    monkeypatch.setattr(qk, "_target", lambda device: "sm_90")
+    gen = torch.Generator().manual_seed(12)
+    x = (torch.randn(shape, generator=gen) * 4).to(torch.bfloat16)
+    if special == "nan":
+        x.view(-1)[7] = float("nan")
+    elif special == "inf":
+        x.view(-1)[-3] = float("-inf")
+    source = x.mT if axis == -2 else x
+    launches = []
+    monkeypatch.setattr(qk, "_launch_kernel", lambda device, grid, kernel, args: (
+        launches.append(args), emu.launch(None, grid, kernel, args)))
+    qk.quantize_fp8(source, qk.FP8_E4M3, "tensor", False)  # the first pass
+    grid_amax.total = max(grid_amax.contributions)
+    launches.clear()
+    one = qk.quantize_fp8(source, qk.FP8_E4M3, "tensor", False)
+    assert len(launches) == 1 and launches[0][8] is True
+    ref = tq._quantize_fp8_reference(source.contiguous(), qk.FP8_E4M3, "tensor", False)
+    amax = torch.tensor([grid_amax.total], dtype=torch.int32)
+    two = qk.quantize_fp8(source, qk.FP8_E4M3, "tensor", False, amax=amax.view(torch.float32))
+    assert launches[1][8] is False
+    if special == "nan":
+        assert torch.isnan(amax.view(torch.float32)).all() and torch.isnan(one[1])
+    else:
+        assert amax.view(torch.float32).item() == x.float().abs().max().item()
+    for got, other, want in zip(one, two, ref):
+        got, other, want = (t.reshape(-1).view(torch.int8 if t.element_size() == 1 else torch.int32)
+                            for t in (got, other, want))
+        assert torch.equal(got, want) and torch.equal(other, want)
+
+
 # --------------------------------------------------------------------------------------------------
 # Every public entry on the CUDA route (CPU tensors made to take it, launches recorded, not run;
 # benchmarks/investigations/host_path.py): the launches per call, and that a repeated call of a
@@ -220,12 +286,12 @@ def _host_path():
 HOST_PATH = _host_path()
 
 
-def _launch_form(launches, tensors):
+def _launch_form(launches, tensors, own_bytes=True):
     """What a call launched, independent of where its tensors happen to live: per argument, a tensor's
     shape, strides, dtype and which of ``tensors`` (the call's inputs and outputs) it views, by start
     address; a buffer of the library's own (e.g. a bias converted to fp32, a workspace) by its order
     of appearance, and its bytes unless it passes from one launch to the next (then it is scratch the
-    first launch fills); other arguments as they are."""
+    first launch fills, or ``own_bytes`` is False); other arguments as they are."""
     starts = {t.data_ptr(): i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.numel()}
     own, launches_of = {}, {}
     for n, (_, _, args) in enumerate(launches):
@@ -242,7 +308,7 @@ def _launch_form(launches, tensors):
                 if ptr in starts:
                     role = ("arg", starts[ptr])
                 else:
-                    scratch = len(launches_of[ptr]) > 1
+                    scratch = len(launches_of[ptr]) > 1 or not own_bytes
                     role = ("own", own[ptr], None if scratch else bytes(a.contiguous().view(torch.uint8).numpy()))
                 described.append((tuple(a.shape), a.stride(), a.dtype, role))
             else:
@@ -268,26 +334,27 @@ def _flat(value):
     return []
 
 
-def _repeat_launches_as_the_full_path(call, args, launches_per_call, expect_prepared=True):
+def _repeat_launches_as_the_full_path(call, args, launches_per_call, expect_prepared=True, own_bytes=True):
     """``call(*args)`` twice on new memory: the second, a prepared launch (unless ``expect_prepared`` is
     False: the entries that take the full path on every call), launches what the full path (the plan
-    table emptied) launches for the same tensors."""
+    table emptied) launches for the same tensors (``own_bytes``: see ``_launch_form``)."""
     from tilemm import kernels
 
     launches = HOST_PATH.LAUNCHES
     with HOST_PATH.cuda_route():
         kernels.PLANS.clear()
         call(*args)  # the first call of the signature: checked, planned, its launch kept
-        prepared = any(type(v).__name__ in ("_Launch", "_QuantizeLaunch") for v in kernels.PLANS.values())
+        prepared = any(type(v).__name__ in ("_Launch", "_QuantizeLaunch", "_MoELinearLaunch", "_MoEExpertsLaunch")
+                       for v in kernels.PLANS.values())
         again = tuple(_fresh(a) for a in args)
         launches.clear()
         out = call(*again)
-        repeated = _launch_form(launches, [*_flat(again), *_flat(out)])
+        repeated = _launch_form(launches, [*_flat(again), *_flat(out)], own_bytes)
         assert len(launches) == launches_per_call
         kernels.PLANS.clear()
         launches.clear()
         out = call(*again)
-        full = _launch_form(launches, [*_flat(again), *_flat(out)])
+        full = _launch_form(launches, [*_flat(again), *_flat(out)], own_bytes)
         launches.clear()
     assert prepared == expect_prepared and repeated == full
 
@@ -300,7 +367,7 @@ def _quantized(m, n, k, fmt, swizzle):
         return tilemm.quantize_fp8(x, granularity="row"), tilemm.quantize_fp8(w, granularity="row")
     if fmt == "fp8_blocks":
         return tilemm.quantize_fp8(x, granularity=(1, 128)), tilemm.quantize_fp8(w, granularity=(128, 128))
-    if fmt == "fp8_tensor":  # per tensor: the kernel reads the value broadcast per row and column
+    if fmt == "fp8_tensor":  # per tensor: the kernel reads each scale's one value
         return tilemm.quantize_fp8(x, granularity="tensor"), tilemm.quantize_fp8(w, granularity="tensor")
     if fmt == "fp8_mixed":
         return tilemm.quantize_fp8(x, granularity="row"), tilemm.quantize_fp8(w, granularity="tensor")
@@ -319,10 +386,8 @@ def test_matmul_entries_repeat_the_full_launch(fmt, swizzle, m):
     x16 = m == 64 and not fmt.startswith("fp8")
     bias = torch.randn(256).to(torch.bfloat16)
     alpha = torch.tensor(0.5)
-    # FP8 per-tensor scales take the full path on every call (tilemm.matmul._remember_launch).
-    prepared = fmt not in ("fp8_tensor", "fp8_mixed")
     _repeat_launches_as_the_full_path(lambda xq, wq, bias, alpha: tilemm.linear(xq, wq, bias=bias, alpha=alpha),
-                                      (xq, wq, bias, alpha), 2 if x16 else 1, prepared)
+                                      (xq, wq, bias, alpha), 2 if x16 else 1)
     if fmt == "fp8_blocks":
         return
     if fmt.startswith("fp8"):
@@ -336,7 +401,7 @@ def test_matmul_entries_repeat_the_full_launch(fmt, swizzle, m):
         def matmul(xq, wq, bias):
             fn = getattr(tilemm, f"{fmt}_matmul")
             return fn(xq.data, xq.scale, wq.data.t(), wq.scale if swizzle else wq.scale.t(), bias=bias)
-    _repeat_launches_as_the_full_path(matmul, (xq, wq, None), 2 if x16 else 1, prepared)
+    _repeat_launches_as_the_full_path(matmul, (xq, wq, None), 2 if x16 else 1)
 
 
 QUANTIZE_CASES = [("mxfp8", dict(swizzle=True)), ("mxfp8", dict(swizzle=False, elem_dtype=torch.float8_e5m2)),
@@ -344,23 +409,23 @@ QUANTIZE_CASES = [("mxfp8", dict(swizzle=True)), ("mxfp8", dict(swizzle=False, e
                   ("nvfp4", dict(swizzle=True)), ("nvfp4", dict(swizzle=False)),
                   ("fp8", dict(granularity="row")), ("fp8", dict(granularity=(1, 128))),
                   ("fp8", dict(granularity=(128, 128))), ("fp8", dict(granularity="tensor")),
-                  ("fp8", dict(granularity="row", axis=-2))]
+                  ("fp8", dict(granularity="tensor", axis=-2)), ("fp8", dict(granularity="row", axis=-2))]
 
 
 @pytest.mark.parametrize("m", [1, 16])
 @pytest.mark.parametrize("fmt,options", QUANTIZE_CASES, ids=[f"{f}-{o}" for f, o in QUANTIZE_CASES])
 def test_quantizers_repeat_the_full_launch(fmt, options, m):
-    # One launch each, but FP8 per tensor (its amax first: the scale of every element needs all of
-    # them) and per row along axis=-2 (the column maxima first; a (K, 1) x is read as rows).
+    # One launch each (FP8 per tensor takes its amax inside the launch), but FP8 per row along
+    # axis=-2 (the column maxima first; a (K, 1) x is read as rows).
     x = torch.randn(m, 256).to(torch.bfloat16)
     if options.get("axis") == -2:
         x = torch.randn(256, m).to(torch.bfloat16)
-    two = fmt == "fp8" and (options["granularity"] == "tensor" or (options.get("axis") == -2 and m > 1))
+    two = fmt == "fp8" and options["granularity"] == "row" and options.get("axis") == -2 and m > 1
     q = getattr(tilemm, f"quantize_{fmt}")
     _repeat_launches_as_the_full_path(lambda x: q(x, **options), (x,), 2 if two else 1)
 
 
-@pytest.mark.parametrize("granularity", ["row", (128, 128)], ids=["row", "blocks"])
+@pytest.mark.parametrize("granularity", ["row", "tensor", (128, 128)], ids=["row", "tensor", "blocks"])
 @pytest.mark.parametrize("m", [1, 16])
 def test_fp8_linear_layer_is_two_launches(granularity, m):
     # tilemm.nn.Linear, FP8 both sides: the activation's quantize and the matmul, and no torch kernel
@@ -386,6 +451,45 @@ def test_fp8_linear_layer_is_two_launches(granularity, m):
     assert set(ops.names) <= _VIEWS | _ALLOCATIONS, ops.names
     bias = launches[1][2][6]  # the matmul's bias argument: the layer's, in fp32
     assert bias.dtype == torch.float32 and torch.equal(bias, lin.bias.float())
+
+
+def _experts(n, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return tilemm.prepack(tilemm.quantize_mxfp4(torch.randn(8, n, k, generator=gen).to(torch.bfloat16)))
+
+
+@pytest.mark.parametrize("tokens", [1, 16])  # 1: the per-pair design; 16 tokens of 8 experts: sorted
+def test_moe_entries_repeat_the_full_launch(tokens):
+    # moe_linear and MoEExperts.forward: a repeated eager call launches what the first one did (one
+    # per-pair launch, or the routing and one grouped launch per projection).
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(tokens, 256, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.arange(tokens) % 8, (torch.arange(tokens) + 3) % 8], dim=1).to(torch.int32)
+    stacked = _experts(128, 256, 1)
+    bias = torch.randn(8, 128, generator=gen).to(torch.bfloat16)
+    _repeat_launches_as_the_full_path(lambda x, ids, bias: tilemm.moe_linear(x, stacked, ids, bias), (x, ids, bias),
+                                      1 if tokens == 1 else 2)
+    block = tilemm.moe.MoEExperts(_experts(2 * 64, 256, 2), _experts(256, 64, 3))
+    weights = torch.rand(tokens, 2, generator=gen).to(torch.bfloat16)
+    # Its launches write buffers that a torch operation reads (y, before the weighted sum): their bytes
+    # are what the stubbed launches left, so only their shapes and roles are compared.
+    _repeat_launches_as_the_full_path(lambda x, ids, weights: block(x, ids, weights), (x, ids, weights),
+                                      2 if tokens == 1 else 3, own_bytes=False)
+
+
+def test_a_prepared_moe_call_still_checks_what_changes():
+    # check_ids reads values: never prepared; a new signature (ids of another shape) is checked again.
+    stacked = _experts(128, 256, 1)
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    with HOST_PATH.cuda_route():
+        tilemm.moe_linear(x, stacked, torch.zeros(4, 2, dtype=torch.int64))
+        with pytest.raises(ValueError, match="topk_ids must lie in"):
+            tilemm.moe_linear(x, stacked, torch.full((4, 2), 8, dtype=torch.int64), check_ids=True)
+        with pytest.raises(ValueError, match="topk_ids must be"):
+            tilemm.moe_linear(x, stacked, torch.zeros(3, 2, dtype=torch.int64))
+        with pytest.raises(TypeError, match="topk_ids must be int32 or int64"):
+            tilemm.moe_linear(x, stacked, torch.zeros(4, 2, dtype=torch.float32))
+        HOST_PATH.LAUNCHES.clear()
 
 
 def test_a_prepared_quantize_still_refuses_what_the_checks_refuse():

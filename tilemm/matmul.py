@@ -323,9 +323,8 @@ class _Launch:
 
 def _remember_launch(fast_key, prepared, problem, sources, out_shape, out_dtype, device, bias, scaled) -> None:
     """Keep the prepared launch of an eager CUDA call under ``fast_key`` when each kernel operand is one
-    view of the caller's tensor (``sources``: x, x_scale and y, y_scale or the weight and its scale).
-    FP8 per-tensor scales reach the kernel as vectors copied from the one value, not views, so those
-    calls are not kept (a form that broadcast them failed its GPU test, tests/test_host_path_gpu.py)."""
+    view of the caller's tensor (``sources``: x, x_scale and y, y_scale or the weight and its scale;
+    an FP8 per-tensor scale is a (1,) view of its 0-d tensor on sm_90)."""
     if fast_key is None or not getattr(prepared, "direct", False) or not hasattr(prepared, "launch"):
         return
     specs = [view_spec(s, o) for s, o in zip(sources, prepared.operands(problem))]
@@ -566,8 +565,6 @@ class _FP8Call:
         prepared = self.prepared
         if prepared is None:
             prepared = self.prepared = kernels.prepare_fp8(problem)
-        if "tensor" in (kx, ky):  # the scale vectors are copies made per call: nothing to keep
-            fast_key = None
         _remember_launch(fast_key, prepared, problem, sources or (x, x_scale, y, y_scale), self.out_shape,
                          self.out_dtype, self.device, bias, False)
         prepared.run(problem, stream_handle(self.device))

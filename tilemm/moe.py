@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import kernels as _kernels
 from .formats import FORMATS
 from .packed import LAYOUT_VERSION, PackedWeight, layout_of, relayout_words
 
@@ -70,17 +71,57 @@ def run_moe(x, words, scale_t, constants, fmt_name: str, in_features: int, topk_
     from .kernels import moe_kernels
 
     family(x.device)  # raises UnsupportedGPUError below sm_90
-    tokens, top_k = topk_ids.shape
-    num_experts, n = words.shape[0], words.shape[1]
-    out = torch.empty((tokens * top_k, n), dtype=x.dtype, device=x.device)
-    if out.numel() and moe_kernels.pairs_pay(tokens, top_k, num_experts, moe_kernels.expert_bytes(words, scale_t)):
-        moe_kernels.launch_pairs(x.contiguous(), words, scale_t, constants, bias, topk_ids.reshape(-1), out,
-                                 layout_of(FORMATS[fmt_name]))
-    elif out.numel():
-        routed = moe_kernels.route(topk_ids, num_experts)
-        moe_kernels.launch(moe_kernels.sort_rows(x.contiguous(), routed, top_k), words, scale_t, constants, bias,
-                           routed, tokens, out, layout_of(FORMATS[fmt_name]))
-    return out.reshape(tokens, top_k, n)
+    return _MoELinearLaunch(x, words, scale_t, fmt_name, topk_ids)(x, words, scale_t, constants, topk_ids, bias)
+
+
+class _MoELinearLaunch:
+    """``run_moe``'s GPU path for one signature, planned once: the design (``moe_kernels.pairs_pay``),
+    the weight layout and the output's shape. ``__call__`` allocates the output and launches; it is
+    what a repeated eager ``moe_linear`` call runs (``tilemm.kernels.PLANS``), without the checks and
+    the operator's dispatcher."""
+
+    __slots__ = ("pairs", "layout", "tokens", "top_k", "n", "dtype", "device")
+
+    def __init__(self, x, words, scale_t, fmt_name: str, topk_ids):
+        from .kernels import moe_kernels
+
+        self.tokens, self.top_k = topk_ids.shape
+        num_experts, self.n = words.shape[0], words.shape[1]
+        self.dtype, self.device = x.dtype, x.device
+        self.layout = layout_of(FORMATS[fmt_name])
+        self.pairs = moe_kernels.pairs_pay(self.tokens, self.top_k, num_experts,
+                                           moe_kernels.expert_bytes(words, scale_t))
+
+    def __call__(self, x, words, scale_t, constants, topk_ids, bias):
+        from .kernels import moe_kernels
+
+        tokens, top_k = self.tokens, self.top_k
+        out = torch.empty((tokens * top_k, self.n), dtype=self.dtype, device=self.device)
+        if out.numel() and self.pairs:
+            moe_kernels.launch_pairs(x.contiguous(), words, scale_t, constants, bias, topk_ids.reshape(-1), out,
+                                     self.layout)
+        elif out.numel():
+            routed = moe_kernels.route(topk_ids, words.shape[0])
+            moe_kernels.launch(moe_kernels.sort_rows(x.contiguous(), routed, top_k), words, scale_t, constants,
+                               bias, routed, tokens, out, self.layout)
+        return out.reshape(tokens, top_k, self.n)
+
+
+def _sig(t) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _eager_key(tag: str, *tensors, options=()) -> tuple | None:
+    """The key of an eager CUDA call's prepared launch in ``tilemm.kernels.PLANS``: the shapes,
+    strides, dtypes and devices of ``tensors`` (None for an absent one) and the options; None where
+    there is none (torch.compile tracing, a tensor that is not a plain CUDA torch.Tensor: those go
+    through the custom operator)."""
+    if torch.compiler.is_compiling():
+        return None
+    for t in tensors:
+        if t is not None and (type(t) is not torch.Tensor or not t.is_cuda):
+            return None
+    return (tag, *map(_sig, tensors), *options)
 
 
 @torch.library.custom_op("tilemm::moe_linear", mutates_args=())
@@ -153,9 +194,24 @@ def moe_linear(x: torch.Tensor, w: PackedWeight, topk_ids: torch.Tensor, bias: t
         and sums (NVFP4: the per-tensor decode scale applied to the fp32 sum), rounded once; equal to
         the reference up to the order of the fp32 additions.
     """
+    key = None
+    if not check_ids and type(w) is PackedWeight:  # checks that read values run on every call
+        key = _eager_key("moe_linear", x, w.words, w.scale_t, w.constants, topk_ids, bias,
+                         options=(w.fmt.name, w.in_features))
+        launch = _kernels.PLANS.get(key) if key is not None else None
+        if launch is not None:  # a signature seen before: checked then, planned
+            if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+                bias = bias.to(torch.float32).contiguous()
+            return launch(x, w.words, w.scale_t, w.constants, topk_ids, bias)
     fn = "tilemm.moe_linear"
     _check(fn, x, w, topk_ids, bias, check_ids)
     bias32 = None if bias is None else bias.to(torch.float32).contiguous()
+    if key is not None:  # an eager CUDA call: the operator's implementation, without the dispatcher
+        from ._arch import family
+
+        family(x.device)  # raises UnsupportedGPUError below sm_90
+        launch = _kernels.remember(key, _MoELinearLaunch(x, w.words, w.scale_t, w.fmt.name, topk_ids))
+        return launch(x, w.words, w.scale_t, w.constants, topk_ids, bias32)
     return _moe_linear_op(x, w.words, w.scale_t, w.constants, w.fmt.name, w.in_features, topk_ids, bias32)
 
 
@@ -218,8 +274,7 @@ def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_fo
     tokens, top_k = ids.shape
     num_experts, inter, hidden = gu_words.shape[0], gu_words.shape[1] // 2, d_words.shape[1]
     if design is None:
-        pairs = mk.pairs_pay(tokens, top_k, num_experts, mk.expert_bytes(gu_words, gu_scale_t, d_words, d_scale_t))
-        design = "pairs" if pairs else "sorted"
+        design = experts_design(tokens, top_k, gu_words, gu_scale_t, d_words, d_scale_t, x.device)
     if design.startswith("pairs"):
         flat = ids.reshape(-1)
         h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # pair order
@@ -257,6 +312,39 @@ def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_fo
     y = torch.empty((tokens * top_k, hidden), dtype=x.dtype, device=x.device)  # (token, slot) rows
     mk.launch(h, d_words, d_scale_t, d_constants, d_bias, routed, tokens, y, layout_of(FORMATS[d_format]))
     return _weighted_sum(y.reshape(tokens, top_k, hidden), weights)
+
+
+def experts_design(tokens: int, top_k: int, gu_words, gu_scale_t, d_words, d_scale_t, device) -> str:
+    """``_experts_launches``' design for T = ``tokens`` tokens of k = ``top_k`` experts: "sorted",
+    or per pair with the weighted sum in the down launch ("pairs_combine") or as a batched GEMM
+    ("pairs_bmm")."""
+    from .kernels import moe_kernels as mk
+    from .kernels._common import num_sms
+
+    if not mk.pairs_pay(tokens, top_k, gu_words.shape[0], mk.expert_bytes(gu_words, gu_scale_t, d_words, d_scale_t)):
+        return "sorted"
+    return "pairs_combine" if mk.combine_pays(tokens, d_words.shape[1], num_sms(device)) else "pairs_bmm"
+
+
+class _MoEExpertsLaunch:
+    """A checked ``MoEExperts.forward`` signature on CUDA with its design planned
+    (``experts_design``): ``__call__(module, hidden_states, router_indices, routing_weights)`` runs
+    ``_experts_launches`` on the module's buffers, without the checks and the operator's dispatcher."""
+
+    __slots__ = ("design", "shape", "tokens")
+
+    def __init__(self, module, x, ids):
+        self.tokens = x.shape[0]
+        self.shape = ids.shape
+        self.design = experts_design(x.shape[0], ids.shape[1], module.gate_up_words, module.gate_up_scale_t,
+                                     module.down_words, module.down_scale_t, x.device)
+
+    def __call__(self, m, hidden_states, router_indices, routing_weights):
+        out = _experts_launches(hidden_states.reshape(self.tokens, m.hidden_size), router_indices.reshape(self.shape),
+                                routing_weights.reshape(self.shape), m.gate_up_words, m.gate_up_scale_t,
+                                m.gate_up_constants, m.formats[0], m.gate_up_bias, m.down_words, m.down_scale_t,
+                                m.down_constants, m.formats[1], m.down_bias, m.alpha, m.limit, self.design)
+        return out.reshape(hidden_states.shape)
 
 
 @torch.library.custom_op("tilemm::gpt_oss_experts", mutates_args=())
@@ -378,8 +466,19 @@ class MoEExperts(torch.nn.Module):
         return cls(gate_up, down, getattr(experts, "gate_up_proj_bias", None),
                    getattr(experts, "down_proj_bias", None), alpha=experts.alpha, limit=experts.limit)
 
+    def _weight_tensors(self) -> tuple:
+        return (self.gate_up_words, self.gate_up_scale_t, self.gate_up_constants, self.gate_up_bias,
+                self.down_words, self.down_scale_t, self.down_constants, self.down_bias)
+
     def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
+        # A repeated eager CUDA call of a signature (the inputs' and the buffers' shapes, strides, dtypes
+        # and devices, the formats, alpha and limit) was checked and planned on its first call.
+        key = _eager_key("gpt_oss_experts", hidden_states, router_indices, routing_weights, *self._weight_tensors(),
+                         options=(self.formats, self.alpha, self.limit))
+        launch = _kernels.PLANS.get(key) if key is not None else None
+        if launch is not None:
+            return launch(self, hidden_states, router_indices, routing_weights)
         fn = "tilemm.moe.MoEExperts"
         for name, t in (("hidden_states", hidden_states), ("router_indices", router_indices),
                         ("routing_weights", routing_weights)):
@@ -407,6 +506,12 @@ class MoEExperts(torch.nn.Module):
         if not routing_weights.is_floating_point():
             raise TypeError(f"{fn}: routing_weights must be a float tensor, got {routing_weights.dtype}")
         weights = routing_weights.reshape(ids.shape)
+        if key is not None and x.shape[0]:  # an eager CUDA call: the operator's implementation, no dispatcher
+            from ._arch import family
+
+            family(x.device)  # raises UnsupportedGPUError below sm_90
+            launch = _kernels.remember(key, _MoEExpertsLaunch(self, x, ids))
+            return launch(self, hidden_states, router_indices, routing_weights)
         out = _gpt_oss_experts_op(x, ids, weights, self.gate_up_words, self.gate_up_scale_t,
                                   self.gate_up_constants, self.formats[0], self.gate_up_bias, self.down_words,
                                   self.down_scale_t, self.down_constants, self.formats[1], self.down_bias,

@@ -5,7 +5,8 @@
 This measures Python only, not launch cost: no GPU is used and no kernel runs. The calls take the
 route an eager call on an sm_90 GPU takes (``cuda_route``: ``TILEMM_ARCH=sm_90``, ``Tensor.is_cuda``
 reported True, the stream handle, SM count and graph-capture checks stubbed), on CPU tensors, with
-``ct.launch`` replaced by a stub that records the launch (``LAUNCHES``). So each figure is what the
+``ct.launch`` replaced by a stub that records the launch (``LAUNCHES``; the MoE routing's order is
+zeroed after its stub, so that the gather after it reads valid rows). So each figure is what the
 library's own Python (argument handling, plan lookup, output allocation, argument assembly) costs
 per call. A GPU call adds the launch itself (about 14 us for an empty ``ct.launch`` from Python on an
 H100, plus cuTile's description of each tensor argument); a CPU ``torch.empty`` costs more than the
@@ -37,7 +38,7 @@ from tilemm import quantize as _quantize  # noqa: E402
 from tilemm import weight_only as _weight_only  # noqa: E402
 from tilemm.kernels import _common  # noqa: E402
 from tilemm.kernels import hopper_block_scaled, hopper_fp8, hopper_gemm, quantize_kernels  # noqa: E402
-from tilemm.kernels import weight_only_kernels  # noqa: E402
+from tilemm.kernels import moe_kernels, weight_only_kernels  # noqa: E402
 
 #: (grid, kernel, args) of every launch made under ``cuda_route`` (cleared by its users).
 LAUNCHES = []
@@ -77,7 +78,7 @@ def cuda_route():
             patches.append((owner, name, getattr(owner, name)))
             setattr(owner, name, value)
 
-    kernel_modules = (hopper_block_scaled, hopper_fp8, hopper_gemm, quantize_kernels, weight_only_kernels)
+    kernel_modules = (hopper_block_scaled, hopper_fp8, hopper_gemm, quantize_kernels, weight_only_kernels, moe_kernels)
     for module in kernel_modules:
         patch(module, "ct", _NoLaunch(module.ct))
         patch(module, "num_sms", lambda device: 132)
@@ -94,6 +95,13 @@ def cuda_route():
         patch(module, "has_kernels", lambda device: True)
     patch(quantize_kernels, "_target", lambda device: "sm_90")
     patch(_matmul, "_on_gpu", lambda device: True)
+    route = moe_kernels.route
+
+    def routed(*args, **kwargs):  # the stubbed routing wrote nothing: valid rows for the gather after it
+        order, *rest = route(*args, **kwargs)
+        return (order.zero_(), *rest)
+
+    patch(moe_kernels, "route", routed)
     torch.Tensor.is_cuda = property(lambda self: True)
     try:
         yield
@@ -129,6 +137,9 @@ def entries(m: int, n: int, k: int):
     xq, wq = tilemm.quantize_fp8(x, granularity="row"), tilemm.quantize_fp8(lin.weight, granularity="row")
     yield "fp8_matmul (row scales)", lambda: tilemm.fp8_matmul(xq.data, xq.scale, wq.data.t(), wq.scale.t())
     yield "fp8 linear(xq, wq) row", lambda: tilemm.linear(xq, wq)
+    xt, wt = tilemm.quantize_fp8(x, granularity="tensor"), tilemm.quantize_fp8(lin.weight, granularity="tensor")
+    yield "fp8_matmul (tensor scales)", lambda: tilemm.fp8_matmul(xt.data, xt.scale, wt.data.t(), wt.scale)
+    yield "fp8 linear(xq, wq) tensor", lambda: tilemm.linear(xt, wt)
     xb = tilemm.quantize_fp8(x, granularity=(1, 128))
     wb = tilemm.quantize_fp8(lin.weight, granularity=(128, 128))
     yield "fp8 linear(xq, wq) blocks", lambda: tilemm.linear(xb, wb)
@@ -137,6 +148,16 @@ def entries(m: int, n: int, k: int):
         yield f"fp8 nn.Linear both sides {gran}", lambda both=both: both(x)
     for gran in ("row", "tensor", (1, 128)):
         yield f"quantize_fp8(x, {gran!r})", lambda gran=gran: tilemm.quantize_fp8(x, granularity=gran)
+    # Mixture of experts: 8 MXFP4 experts of (N, K), top-2 routing.
+    experts, top_k = 8, 2
+    ids = torch.stack([torch.arange(m) % experts, (torch.arange(m) + 1) % experts], dim=1)
+    stacked = tilemm.prepack(tilemm.quantize_mxfp4(torch.randn(experts, n, k, dtype=torch.bfloat16)))
+    yield "moe_linear", lambda: tilemm.moe_linear(x, stacked, ids)
+    gate_up = tilemm.prepack(tilemm.quantize_mxfp4(torch.randn(experts, n, k, dtype=torch.bfloat16)))
+    down = tilemm.prepack(tilemm.quantize_mxfp4(torch.randn(experts, k, n // 2, dtype=torch.bfloat16)))
+    block = tilemm.moe.MoEExperts(gate_up, down)
+    weights = torch.full((m, top_k), 1.0 / top_k, dtype=torch.bfloat16)
+    yield "moe.MoEExperts", lambda: block(x, ids, weights)
 
 
 def per_call_us(fn, number: int) -> float:

@@ -326,15 +326,15 @@ def out_dims() -> tuple[tuple[int, int, int], ...]:
 
 
 def matmul_operands(a, a_scale, b, b_scale, out, alpha, bias, batch: int, a_per: int = 1, b_per: int = 1,
-                    scaled: bool = True) -> list:
+                    scaled: bool = True, a_tensor: bool = False, b_tensor: bool = False) -> list:
     """The operands of a matmul launch as ``split`` takes them, in the kernels' order: x (B, M, K),
     its scales (``a_per`` rows of x per scale row), y (B, N, K), its scales, the (B, M, N) output,
     alpha (taken whole) and the (N,) bias. ``scaled=False``: the scale arguments are stand-ins, taken
-    whole."""
+    whole; ``a_tensor`` / ``b_tensor``: that scale is one per-tensor value, taken whole."""
     return [("x", a, rows_of(a, batch, M)),
-            ("x_scale", a_scale, rows_of(a_scale, batch, M, a_per) if scaled else ()),
+            ("x_scale", a_scale, rows_of(a_scale, batch, M, a_per) if scaled and not a_tensor else ()),
             ("y", b, rows_of(b, batch, N)),
-            ("y_scale", b_scale, rows_of(b_scale, batch, N, b_per) if scaled else ()),
+            ("y_scale", b_scale, rows_of(b_scale, batch, N, b_per) if scaled and not b_tensor else ()),
             ("out", out, out_dims()), ("alpha", alpha),
             ("bias", bias, ((0, N, 1),))]
 

@@ -7,7 +7,9 @@ Kernels (1-D GROUP_SIZE_M-swizzled tile order, num_worker_warps = 8: two MMA war
 
 * granularity "tensor" and "row": ``hopper_gemm``'s kernel with ``SCALED``: FP8
   ``ct.mma`` over all of K into one fp32 accumulator; the epilogue multiplies row r / column c by
-  ``sa[r] * sb[c]`` (a per-tensor scale arrives as a broadcast vector, so both share the kernel).
+  ``sa[r] * sb[c]``. A per-tensor scale (a broadcast view of one value) reaches the kernel as that
+  one (1,) value (``A_TENSOR`` / ``B_TENSOR``), which multiplies every row / column: the same
+  products, and no vector to copy, so a repeated call is one launch.
 * "block" (``_fp8_blockwise_kernel``, e4m3, K a multiple of 128): a (Ba, M, K/128) scale per 1x128
   block of a and a (Bb, cdiv(N, 128), K/128) scale per 128x128 block of b; TK = 128 and TN divides 128,
   so each K step is one scale column: ``acc += mma(a_k, b_k, 0) * sa[:, k] * sb[n, k]``.
@@ -146,7 +148,7 @@ class Prepared:
     launches it for any problem of that signature. Operands of 2^31 elements and more are planned
     again on every call (``_launch``)."""
 
-    __slots__ = ("cfg", "scaled", "fast_acc", "kernel", "grid", "consts", "n", "direct")
+    __slots__ = ("cfg", "scaled", "fast_acc", "kernel", "grid", "consts", "n", "direct", "a_tensor", "b_tensor")
 
     def __init__(self, problem, config: FP8Config | None = None):
         out = problem.out
@@ -159,19 +161,23 @@ class Prepared:
             raise ValueError(f"hopper_fp8: blockwise configs need tile_k == 128, tile_n dividing 128 and no "
                              f"persistent scheduling, got {cfg}")
         self.direct = _large.fits(problem.a, problem.b, out, problem.a_scale, problem.b_scale)
+        self.a_tensor = self.scaled and _one_value(problem.a_scale)
+        self.b_tensor = self.scaled and _one_value(problem.b_scale)
         if self.scaled:
             self.kernel = hinted(gemm_kernel(), **cfg.hints())
             self.grid = (gemm_grid(cfg, batch, m, n, num_sms(out.device)), 1, 1)
-            self.consts = gemm_constants(cfg, self.fast_acc, True)
+            self.consts = gemm_constants(cfg, self.fast_acc, True, self.a_tensor, self.b_tensor)
         else:
             self.kernel = hinted(_fp8_blockwise_kernel, **cfg.hints())
             self.grid = (batch * ceil_div(m, cfg.tile_m) * ceil_div(n, cfg.tile_n), 1, 1)
             self.consts = _blockwise_constants(cfg, self.fast_acc)
 
     def operands(self, problem):
-        """(a, a_scale, b, b_scale) as the kernel reads them; the scales materialised where they are
-        broadcast (per tensor) or transposed (128x128 blocks) views, which are tiny."""
-        return problem.a, problem.a_scale.contiguous(), problem.b, problem.b_scale.contiguous()
+        """(a, a_scale, b, b_scale) as the kernel reads them: a per-tensor scale as a (1,) view of its
+        value; other scales contiguous (a transposed 128x128 block-scale view is copied: it is tiny)."""
+        a_scale = _value(problem.a_scale) if self.a_tensor else problem.a_scale.contiguous()
+        b_scale = _value(problem.b_scale) if self.b_tensor else problem.b_scale.contiguous()
+        return problem.a, a_scale, problem.b, b_scale
 
     def run(self, problem, stream) -> None:
         """Launch for ``problem`` (an ``FP8Problem`` of this signature) on raw stream ``stream``."""
@@ -190,6 +196,16 @@ class Prepared:
         ct.launch(stream, self.grid, self.kernel, (a, a_scale, b, b_scale, out, alpha, bias, *self.consts))
 
 
+def _one_value(scale: torch.Tensor) -> bool:
+    """Whether a (B, rows) scale is one value broadcast (every stride 0): a per-tensor scale."""
+    return scale.numel() > 0 and not any(scale.stride())
+
+
+def _value(scale: torch.Tensor) -> torch.Tensor:
+    """The one value of a broadcast scale as a (1,) view of it (no copy)."""
+    return scale.as_strided((1,), (1,))
+
+
 def _launch(problem, prepared: Prepared, a_scale, b_scale, alpha, bias, stream) -> None:
     """``Prepared.run`` for operands of 2^31 elements and more: one launch per piece of the output
     (``_large``; each tile as in one launch, K never cut); N cuts fall on the weight's 128-row scale
@@ -198,7 +214,7 @@ def _launch(problem, prepared: Prepared, a_scale, b_scale, alpha, bias, stream) 
     batch, m, n = out.shape
     if prepared.scaled:
         launch_gemm(problem.a, a_scale, problem.b, b_scale, out, alpha, bias, cfg, fast_acc=prepared.fast_acc,
-                    scaled=True)
+                    scaled=True, a_tensor=prepared.a_tensor, b_tensor=prepared.b_tensor)
         return
     lg = _large
     axes = lg.matmul_axes(batch, m, n, cfg.tile_m, math.lcm(cfg.tile_n, FP8_BLOCK))
@@ -226,24 +242,31 @@ _DATA_DTYPES = {"e4m3": ct.float8_e4m3fn, "e5m2": ct.float8_e5m2}
 
 
 def aot_variants() -> list[AotVariant]:
-    """Every (kernel, element dtype, output dtype, config, accumulation mode) ``launch`` can pick."""
+    """Every (kernel, element dtype, output dtype, config, accumulation mode, per-tensor scales)
+    ``launch`` can pick. The per-tensor scale modes (x's, y's or both) take the scaled kernel's other
+    paths; they are listed with bf16 outputs only (the output dtype is a precision, not a path)."""
     variants = []
     for kind in ("scaled", "blockwise"):
         sdim = 3 if kind == "blockwise" else 2
         elements = ("e4m3",) if kind == "blockwise" else ("e4m3", "e5m2")
+        modes = ((False, False), (True, True), (False, True), (True, False)) if kind == "scaled" else ((False, False),)
         for elem in elements:
             data = _DATA_DTYPES[elem]
             for out_name, out_dtype in _OUT_DTYPES.items():
                 for fast_acc in (False, True):
                     for cfg in sorted(set(_CONFIGS[kind, fast_acc].values()), key=repr):
-                        arrays = [array(data, 3), array(ct.float32, sdim), array(data, 3),
-                                  array(ct.float32, sdim), array(out_dtype, 3), array(ct.float32, 1),
-                                  array(ct.float32, 1)]
-                        if kind == "scaled":
-                            kernel, consts = gemm_kernel(), gemm_constants(cfg, fast_acc, True)
-                        else:
-                            kernel, consts = _fp8_blockwise_kernel, _blockwise_constants(cfg, fast_acc)
-                        name = f"hopper_fp8_{kind}_{elem}_{out_name}_{cfg.name}{'_fastacc' if fast_acc else ''}"
-                        variants.append(AotVariant(name, hinted(kernel, **cfg.hints()), [*arrays, *consts],
-                                                   targets=("sm_90",)))
+                        for a_tensor, b_tensor in modes if out_name == "bf16" else modes[:1]:
+                            arrays = [array(data, 3), array(ct.float32, 1 if a_tensor else sdim), array(data, 3),
+                                      array(ct.float32, 1 if b_tensor else sdim), array(out_dtype, 3),
+                                      array(ct.float32, 1), array(ct.float32, 1)]
+                            if kind == "scaled":
+                                kernel, consts = gemm_kernel(), gemm_constants(cfg, fast_acc, True, a_tensor, b_tensor)
+                            else:
+                                kernel, consts = _fp8_blockwise_kernel, _blockwise_constants(cfg, fast_acc)
+                            scales = {(True, True): "_tensor", (False, True): "_ytensor",
+                                      (True, False): "_xtensor"}.get((a_tensor, b_tensor), "")
+                            name = (f"hopper_fp8_{kind}_{elem}_{out_name}_{cfg.name}{'_fastacc' if fast_acc else ''}"
+                                    f"{scales}")
+                            variants.append(AotVariant(name, hinted(kernel, **cfg.hints()), [*arrays, *consts],
+                                                       targets=("sm_90",)))
     return variants

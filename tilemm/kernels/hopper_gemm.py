@@ -55,7 +55,7 @@ def load_k_tile(X, batch, row_tile, kt, ROWS, TK, LATENCY):
 
 
 def _gemm_tile(A, A_scale, B, B_scale, C, Alpha, Bias, t, TM, TN, TK, GROUP_SIZE_M, LATENCY_A, LATENCY_B,
-               FAST_ACC, SCALED):
+               FAST_ACC, SCALED, A_TENSOR, B_TENSOR):
     """Output tile number ``t``: K loop, then scales, alpha, bias, one cast, one store."""
     batch, bm, bn = tile_coords_at(t, C.shape[1], C.shape[2], TM, TN, GROUP_SIZE_M)
     ba = batch % A.shape[0]
@@ -66,8 +66,14 @@ def _gemm_tile(A, A_scale, B, B_scale, C, Alpha, Bias, t, TM, TN, TK, GROUP_SIZE
         b = load_k_tile(B, bb, bn, kt, TN, TK, LATENCY_B)
         acc = ct.mma(a, b.transpose(), acc, use_fast_acc=FAST_ACC)
     if SCALED:
-        sa = ct.load(A_scale, (ba, bm), (1, TM), padding_mode=_ZERO).reshape((TM, 1))
-        sb = ct.load(B_scale, (bb, bn), (1, TN), padding_mode=_ZERO).reshape((1, TN))
+        if A_TENSOR:  # one value for every row: the same products as a vector of copies
+            sa = ct.load(A_scale, (0,), (1,)).reshape((1, 1))
+        else:
+            sa = ct.load(A_scale, (ba, bm), (1, TM), padding_mode=_ZERO).reshape((TM, 1))
+        if B_TENSOR:
+            sb = ct.load(B_scale, (0,), (1,)).reshape((1, 1))
+        else:
+            sb = ct.load(B_scale, (bb, bn), (1, TN), padding_mode=_ZERO).reshape((1, TN))
         acc = acc * sa * sb
     epilogue(acc, C, Alpha, Bias, batch, bm, bn, TM, TN)
 
@@ -76,20 +82,21 @@ def _gemm_tile(A, A_scale, B, B_scale, C, Alpha, Bias, t, TM, TN, TK, GROUP_SIZE
 def _gemm_kernel(A, A_scale, B, B_scale, C, Alpha, Bias,
                  TM: ConstInt, TN: ConstInt, TK: ConstInt, GROUP_SIZE_M: ConstInt,
                  LATENCY_A: ConstInt, LATENCY_B: ConstInt, FAST_ACC: ConstBool, SCALED: ConstBool,
-                 PERSISTENT: ConstBool):
+                 A_TENSOR: ConstBool, B_TENSOR: ConstBool, PERSISTENT: ConstBool):
     """C[b] = (A[ba] @ B[bb].T) (* A_scale[ba][:, None] * B_scale[bb][None, :]) * alpha + bias.
 
     A (Ba, M, K), B (Bb, N, K); A_scale (Ba, M), B_scale (Bb, N) fp32 when SCALED (otherwise any
-    arrays, never read); C (B, M, N); Alpha (1,) fp32; Bias (N,) fp32.
+    arrays, never read), or with A_TENSOR / B_TENSOR a (1,) fp32 per-tensor scale that multiplies
+    every row / column; C (B, M, N); Alpha (1,) fp32; Bias (N,) fp32.
     """
     if PERSISTENT:
         tiles = C.shape[0] * ct.cdiv(C.shape[1], TM) * ct.cdiv(C.shape[2], TN)
         for t in range(ct.bid(0), tiles, ct.num_blocks(0)):
             _gemm_tile(A, A_scale, B, B_scale, C, Alpha, Bias, t, TM, TN, TK, GROUP_SIZE_M, LATENCY_A,
-                       LATENCY_B, FAST_ACC, SCALED)
+                       LATENCY_B, FAST_ACC, SCALED, A_TENSOR, B_TENSOR)
     else:
         _gemm_tile(A, A_scale, B, B_scale, C, Alpha, Bias, ct.bid(0), TM, TN, TK, GROUP_SIZE_M, LATENCY_A,
-                   LATENCY_B, FAST_ACC, SCALED)
+                   LATENCY_B, FAST_ACC, SCALED, A_TENSOR, B_TENSOR)
 
 
 def gemm_kernel():
@@ -147,25 +154,29 @@ def gemm_grid(cfg: GemmConfig, batch: int, m: int, n: int, sms: int) -> int:
     return ceil_div(blocks, ctas) * ctas  # whole clusters; surplus blocks find no tile and exit
 
 
-def gemm_constants(cfg: GemmConfig, fast_acc: bool, scaled: bool) -> tuple:
+def gemm_constants(cfg: GemmConfig, fast_acc: bool, scaled: bool, a_tensor: bool = False,
+                   b_tensor: bool = False) -> tuple:
+    """The kernel's constants; ``a_tensor`` / ``b_tensor``: that operand's scale is one (1,) value."""
     return (cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.group_size_m, cfg.latency_a, cfg.latency_b, fast_acc,
-            scaled, cfg.persistent)
+            scaled, a_tensor, b_tensor, cfg.persistent)
 
 
 def launch_gemm(a, a_scale, b, b_scale, out, alpha, bias, cfg: GemmConfig, *, fast_acc: bool,
-                scaled: bool) -> None:
+                scaled: bool, a_tensor: bool = False, b_tensor: bool = False) -> None:
     """``out = (a @ b.T) (* a_scale * b_scale) * alpha + bias`` on the current stream.
 
-    a (Ba, M, K), b (Bb, N, K), out (B, M, N); scales (Ba, M) / (Bb, N) fp32 when ``scaled`` (pass any
-    tensors otherwise, e.g. ``alpha``); alpha (1,) and bias (N,) fp32."""
+    a (Ba, M, K), b (Bb, N, K), out (B, M, N); scales (Ba, M) / (Bb, N) fp32 when ``scaled``, or (1,)
+    per tensor with ``a_tensor`` / ``b_tensor`` (pass any tensors when not ``scaled``, e.g.
+    ``alpha``); alpha (1,) and bias (N,) fp32."""
     batch, m, n = out.shape
     sms = num_sms(out.device)
     kernel = hinted(_gemm_kernel, **cfg.hints())
     # Operands of 2^31 elements and more: one launch per piece of the output (``_large``), each
     # output tile computed exactly as in one launch (K is never cut).
     lg = _large
-    operands = lg.matmul_operands(a, a_scale, b, b_scale, out, alpha, bias, batch, scaled=scaled)
+    operands = lg.matmul_operands(a, a_scale, b, b_scale, out, alpha, bias, batch, scaled=scaled,
+                                  a_tensor=a_tensor, b_tensor=b_tensor)
     for views in lg.split("matmul", lg.matmul_axes(batch, m, n, cfg.tile_m, cfg.tile_n), operands):
         grid = (gemm_grid(cfg, *views[4].shape, sms), 1, 1)
         ct.launch(stream_handle(out.device), grid, kernel,
-                  (*views, *gemm_constants(cfg, fast_acc, scaled)))
+                  (*views, *gemm_constants(cfg, fast_acc, scaled, a_tensor, b_tensor)))

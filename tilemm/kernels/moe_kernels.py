@@ -25,6 +25,7 @@ gpt-oss's clamped SwiGLU of interleaved (gate, up) rows into gate_up's epilogue.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import cuda.tile as ct
 import torch
@@ -355,7 +356,7 @@ class MoEConfig:
     cat: int = 0
     unroll: int = 1
 
-    @property
+    @functools.cached_property
     def kernel(self):
         return hinted(_moe_kernel, **sm90_hints(self.num_worker_warps, self.occupancy))
 
@@ -372,6 +373,7 @@ class MoEConfig:
 _TILE_M = (16, 32, 64, 128)
 
 
+@functools.lru_cache(maxsize=256)  # one config object per (tile_m, layout): its kernel is looked up once
 def _config(tile_m: int, layout: Layout) -> MoEConfig:
     if tile_m == 16:  # 4-bit weights: two K tiles per load, as the weight-only kernel's unsplit tile_m 16
         four_bit = layout.planes == 4
@@ -500,7 +502,7 @@ class PairsConfig:
     num_worker_warps: int = 4
     occupancy: int | None = 4
 
-    @property
+    @functools.cached_property
     def kernel(self):
         return hinted(_moe_gemv_kernel, **sm90_hints(self.num_worker_warps, self.occupancy))
 
@@ -518,6 +520,7 @@ def combine_pays(tokens: int, n: int, sms: int) -> bool:
     return 2 * tokens * -(-n // PairsConfig(1).tile_n) >= 3 * sms
 
 
+@functools.lru_cache(maxsize=256)  # one config object per (K, layout): its kernel is looked up once
 def pairs_plan(k: int, layout: Layout) -> PairsConfig:
     """K tiles per load: the most of 8, 4, 2 (8: 16 KB of a 16-row block's weight in flight) whose last
     load wastes at most an eighth of the K tiles on zero padding (this kernel is bound by its decode

@@ -12,8 +12,8 @@ step on fp32 values and bits, in the reference's order:
 * FP8: ``fp32(x / s)`` correctly rounded from one IEEE division per group (``_fp8_divide``, with the
   proof); NaN groups store 0x7F.
 
-Each element is read once, except where a tensor amax comes first (``tensor_amax``: FP8 per tensor,
-NVFP4 beyond one wave of tiles), FP8 per row with K > 8192 (read twice, the second time from L2) and
+Each element is read once, except where a tensor amax comes first (``tensor_amax``: FP8 per tensor
+and NVFP4 beyond one wave of tiles; within one, ``_grid_amax`` takes it inside the launch), FP8 per row with K > 8192 (read twice, the second time from L2) and
 FP8 per row along axis=-2 (``_column_amax_kernel`` first). One block quantizes one (TILE_R, TILE_K)
 tile of the (B, R, K) view of x, or of the (B, K, R) storage of ``x.mT`` (the ``axis=-2``
 quantizers: no copy); scales are stored logical or already in the 32x4x4 layout (``_store_scales``),
@@ -220,10 +220,10 @@ def _fp8_cast(y, dtype):
     return ct.astype(y, dtype)
 
 
-def _set_bytes(q, where, byte):
-    """The float8 tile q with the byte ``byte`` wherever ``where`` holds (broadcast)."""
+def _set_bytes(q, where, byte, dtype):
+    """The float8 tile q (of ``dtype``) with the byte ``byte`` wherever ``where`` holds (broadcast)."""
     raw = ct.bitcast(q, ct.uint8)
-    return ct.bitcast(ct.where(where, ct.full(raw.shape, byte, ct.uint8), raw), q.dtype)
+    return ct.bitcast(ct.where(where, ct.full(raw.shape, byte, ct.uint8), raw), dtype)
 
 
 def _fp8_bytes(y):
@@ -354,7 +354,7 @@ def _mx_tile(X, Data, Scale, Floor, b, rt, kt, INV_QMAX, EMAX, ELEMENT, SWIZZLED
         # Blocks with scale byte 0 store +0 bytes and NaN / Inf blocks 0x7F; rare, so a tile without
         # them skips the per-element selects.
         if (ct.min(s) == 0) | (ct.max(s) == _E8M0_NAN):
-            q = _set_bytes(_set_bytes(q, s == 0, 0), s == _E8M0_NAN, _NAN_BYTE)
+            q = _set_bytes(_set_bytes(q, s == 0, 0, Data.dtype), s == _E8M0_NAN, _NAN_BYTE, Data.dtype)
         _store_data(Data, q, b, rt, kt, TILE_R, TILE_K, TRANSPOSED)
     _store_scales(Scale, s.astype(ct.uint8), b, rt, kt, TILE_R, TILE_K // BLOCK, SWIZZLED, TRANSPOSED)
 
@@ -639,18 +639,21 @@ def _fp8_divide(x, s, dtype):
     q1 = r * (-y) + q0
     q = _fp8_cast(ct.bitcast((_bits(q1) & 0x7FFFFFFF) | (_bits(x) & _SIGN_BIT), ct.float32), dtype)
     if ct.max(ct.where(ct.isnan(s), 1, 0)) > 0:
-        q = _set_bytes(q, ct.isnan(s), _NAN_BYTE)
+        q = _set_bytes(q, ct.isnan(s), _NAN_BYTE, dtype)
     return q
 
 
 @ct.kernel(occupancy=_OCCUPANCY)
 def _fp8_quantize_kernel(X, Data, Scale, Amax, Pow2,
-                         ELEMENT: ConstInt, GRANULARITY: ConstInt, TRANSPOSED: ConstBool,
+                         ELEMENT: ConstInt, GRANULARITY: ConstInt, TRANSPOSED: ConstBool, GRID_AMAX: ConstBool,
                          TMA_STORE: ConstBool, TILE_R: ConstInt, TILE_K: ConstInt):
     """FP8 per tensor, 1x128 or 128x128 (GRANULARITY) of one (TILE_R, TILE_K) tile: q = sat(x / s).
 
     X as for ``_mx_quantize_kernel``; Data (B, R, K) e4m3 / e5m2 bytes. Per tensor: Amax holds
-    ``tensor_amax``'s int32 maxima (NaN propagated), Scale is (1,) and block 0 writes it. 1x128: Scale
+    ``tensor_amax``'s int32 maxima (NaN propagated), or with GRID_AMAX ``_grid_amax``'s sync words: the
+    tensor amax is then taken in this launch (every block adds its tile's max |x| bits, NaN
+    propagating, and waits for the others: the grid must be resident at once, as for
+    ``_nvfp4_quantize_kernel``); Scale is (1,) and block 0 writes it. 1x128: Scale
     (B, R, K/128). 128x128 (TILE_R = TILE_K = 128): Scale (B, cdiv(R, 128), K/128). Amax is only read per tensor.
     Pow2: int32, 1 to round block scales up to a power of two. TMA_STORE: the fp8 tile of a tile loaded
     in its logical order is stored through TMA rather than with plain stores (``fp8_tma_store``).
@@ -661,19 +664,19 @@ def _fp8_quantize_kernel(X, Data, Scale, Amax, Pow2,
     if GRANULARITY == _FP8_128X128:
         _fp8_square_tile(X, Data, Scale, Pow2, TRANSPOSED, b, rt, kt)
     elif TRANSPOSED and GRANULARITY == _FP8_TENSOR:
-        _fp8_tensor_tile_transposed(X, Data, Scale, Amax, QMAX, b, rt, kt, TILE_R, TILE_K)
+        _fp8_tensor_tile_transposed(X, Data, Scale, Amax, QMAX, GRID_AMAX, b, rt, kt, TILE_R, TILE_K)
     else:
-        _fp8_tile(X, Data, Scale, Amax, Pow2, QMAX, GRANULARITY, TRANSPOSED, TMA_STORE, b, rt, kt, TILE_R,
-                  TILE_K)
+        _fp8_tile(X, Data, Scale, Amax, Pow2, QMAX, GRANULARITY, GRID_AMAX, TRANSPOSED, TMA_STORE, b, rt, kt,
+                  TILE_R, TILE_K)
 
 
-def _fp8_tile(X, Data, Scale, Amax, Pow2, QMAX, GRANULARITY, TRANSPOSED, TMA_STORE, b, rt, kt, TILE_R,
-              TILE_K):
+def _fp8_tile(X, Data, Scale, Amax, Pow2, QMAX, GRANULARITY, GRID_AMAX, TRANSPOSED, TMA_STORE, b, rt, kt,
+              TILE_R, TILE_K):
     """FP8 per tensor or 1x128 of the (TILE_R, TILE_K) tile (b, rt, kt), loaded through ``order``
     when TRANSPOSED."""
     x = _load_fp32(X, b, rt, kt, TILE_R, TILE_K, TRANSPOSED)
     if GRANULARITY == _FP8_TENSOR:
-        q = _fp8_tensor_quantize(x, Scale, Amax, QMAX, Data.dtype)
+        q = _fp8_tensor_quantize(x, Scale, Amax, QMAX, GRID_AMAX, Data.dtype)
     else:
         NB = TILE_K // FP8_BLOCK
         xb = x.reshape((TILE_R, NB, FP8_BLOCK))
@@ -711,19 +714,26 @@ def _fp8_square_tile(X, Data, Scale, Pow2, TRANSPOSED, b, rt, kt):
         ct.store(Data, (b, rt * STRIPS + i, kt), q.reshape((1, FP8_STRIP, FP8_BLOCK)), allow_tma=False)
 
 
-def _fp8_tensor_tile_transposed(X, Data, Scale, Amax, QMAX, b, rt, kt, TILE_R, TILE_K):
+def _fp8_tensor_tile_transposed(X, Data, Scale, Amax, QMAX, GRID_AMAX, b, rt, kt, TILE_R, TILE_K):
     """FP8 per tensor of tile (b, rt, kt) of a transposed input, X (B, K, R): read in storage order as a
     (TILE_K, TILE_R) tile and the fp8 bytes stored transposed into Data (B, R, K), as
     ``_fp8_columns_kernel`` does; faster than a load through ``order``. (For 1x128 blocks it was
     slower than their transposed loads.)"""
-    q = _fp8_tensor_quantize(_column_tile(X, b, kt, rt, TILE_K, TILE_R), Scale, Amax, QMAX, Data.dtype)
+    q = _fp8_tensor_quantize(_column_tile(X, b, kt, rt, TILE_K, TILE_R), Scale, Amax, QMAX, GRID_AMAX,
+                             Data.dtype)
     ct.store(Data, (b, kt, rt), q.reshape((1, TILE_K, TILE_R)), order=(0, 2, 1))
 
 
-def _fp8_tensor_quantize(x, Scale, Amax, QMAX, dtype):
-    """sat(x / s) of a 2-D tile with the per-tensor scale s from ``tensor_amax``'s maxima; block 0
-    stores s to Scale (1,)."""
-    s = _fp8_tensor_scale(_tensor_amax(Amax), QMAX)
+def _fp8_tensor_quantize(x, Scale, Amax, QMAX, GRID_AMAX, dtype):
+    """sat(x / s) of a 2-D tile with the per-tensor scale s from ``tensor_amax``'s maxima, or with
+    GRID_AMAX from every block's max |x| bits through ``_grid_amax`` (the integer maximum of the bits
+    is the float maximum, NaN propagating: the same amax as ``_amax_kernel``'s); block 0 stores s to
+    Scale (1,)."""
+    if GRID_AMAX:
+        amax = ct.bitcast(_grid_amax(Amax, ct.max(_bits(x) & 0x7FFFFFFF)), ct.float32)
+    else:
+        amax = _tensor_amax(Amax)
+    s = _fp8_tensor_scale(amax, QMAX)
     if ct.bid(0) == 0:
         ct.store(Scale, (0,), s)
     return _fp8_divide(x, s.reshape((1, 1)), dtype)
@@ -1282,8 +1292,10 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
                  amax: torch.Tensor | None = None):
     """FP8 of x on the GPU: (data of fmt.data_dtype in x's shape, fp32 scale in the reference's shape).
 
-    granularity: "tensor" (scale 0-d; a NaN-propagating ``tensor_amax`` first, unless ``amax``, a
-    (1,) fp32 tensor holding max |x|, is given: the benchmark times the kernel alone that way), "row"
+    granularity: "tensor" (scale 0-d; the NaN-propagating tensor amax taken inside the launch
+    (``_grid_amax``: one launch) when its grid fits one block per SM, else by ``tensor_amax`` first;
+    ``amax``, a (1,) fp32 tensor holding max |x|, replaces it: the benchmark times the kernel alone
+    that way), "row"
     (..., M, 1), (1, 128) (..., M, K/128) or (128, 128) (..., cdiv(M, 128), K/128)."""
     element = _ELEMENT_CODE[fmt.element]
     full = _operand(x)
@@ -1320,10 +1332,9 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
         return _shaped(full, x, data, scale, False)
     if granularity == "tensor":
         op = _rows_flattened(full)
-        amax = tensor_amax(x, propagate_nan=True) if amax is None else amax.view(torch.int32)
         scale = torch.empty(1, dtype=torch.float32, device=x.device)
         gran = _FP8_TENSOR
-        scale_dims = amax_dims = ()
+        scale_dims = ()
     elif granularity == (1, FP8_BLOCK):
         op = _rows_flattened(full)
         amax = scale = _block_scale_buffer(op, op.k // FP8_BLOCK, False, torch.float32)
@@ -1340,12 +1351,25 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
     cfg = plan(_FP8_KERNEL[gran], transposed=op.transposed, itemsize=x.element_size())
     kernel = _kernel(_fp8_quantize_kernel, cfg)
     tma = fp8_tma_store(gran, _target(x.device))
-    for view, d, s, a in _pieces("quantize_fp8", op, cfg.tile_r, cfg.tile_k,
-                                 (("x", op.view, _input_dims(op)), ("data", data, _BRK), ("scale", scale, scale_dims),
-                                  ("amax", amax, amax_dims))):
+    operands = [("x", op.view, _input_dims(op)), ("data", data, _BRK), ("scale", scale, scale_dims)]
+    grid_amax = False
+    if gran == _FP8_TENSOR:  # every piece reads the one amax: taken in the launch, or first
+        pieces = _pieces("quantize_fp8", op, cfg.tile_r, cfg.tile_k, operands)
+        grid_amax = (amax is None and len(pieces) == 1
+                     and _view_grid(pieces[0][0], op.transposed, cfg)[0] <= num_sms(x.device))
+        if grid_amax:
+            amax = _grid_sync(x.device, stream_handle(x.device))
+        elif amax is None:
+            amax = tensor_amax(x, propagate_nan=True)
+        else:
+            amax = amax.view(torch.int32)
+        pieces = [(*piece, amax) for piece in pieces]
+    else:
+        pieces = _pieces("quantize_fp8", op, cfg.tile_r, cfg.tile_k, [*operands, ("amax", amax, amax_dims)])
+    for view, d, s, a in pieces:
         _launch_kernel(x.device, _view_grid(view, op.transposed, cfg), kernel,
-                       (view, d, s, a, 1 if pow2_scale else 0, element, gran, op.transposed, tma, cfg.tile_r,
-                        cfg.tile_k))
+                       (view, d, s, a, 1 if pow2_scale else 0, element, gran, op.transposed, grid_amax, tma,
+                        cfg.tile_r, cfg.tile_k))
     head = (*full.lead, full.rows) if x.ndim >= 2 else ()
     data = data.reshape(*head, op.k)
     if gran == _FP8_TENSOR:
@@ -1415,13 +1439,14 @@ def aot_variants() -> list[AotVariant]:
                     cfg = plan(_FP8_KERNEL[gran], transposed=transposed, itemsize=in_dtype.bitwidth // 8)
                     scale = f32_1 if gran == _FP8_TENSOR else array(ct.float32, 3)
                     amax = i32_1 if gran == _FP8_TENSOR else array(ct.float32, 3)
-                    for tma in (False, True):
-                        targets = tuple(tg for tg in TARGETS if fp8_tma_store(gran, tg) == tma)
-                        if targets:
-                            add(f"quantize_fp8_{gname}_{element}_{in_name}{t}{'_tma' if tma else ''}",
-                                _fp8_quantize_kernel, cfg,
-                                [x, _data_array(element), scale, amax, _INT32, code, gran, transposed, tma],
-                                targets)
+                    for grid_amax in (False, True) if gran == _FP8_TENSOR else (False,):
+                        for tma in (False, True):
+                            targets = tuple(tg for tg in TARGETS if fp8_tma_store(gran, tg) == tma)
+                            if targets:
+                                add(f"quantize_fp8_{gname}{'_grid_amax' if grid_amax else ''}_{element}_{in_name}"
+                                    f"{t}{'_tma' if tma else ''}", _fp8_quantize_kernel, cfg,
+                                    [x, _data_array(element), scale, amax, _INT32, code, gran, transposed,
+                                     grid_amax, tma], targets)
         for element, code in _ELEMENT_CODE.items():
             for nv, grid_amax in ((False, False),) if element != "e2m1" else ((False, False), (True, False),
                                                                                (True, True)):

@@ -341,6 +341,24 @@ def experts_dims(module: torch.nn.Module) -> tuple[int, int, int]:
     return int(module.num_experts), int(hidden), int(inter)
 
 
+def check_silu_experts(fn: str, experts: torch.nn.Module) -> None:
+    """Raise ValueError unless ``experts`` computes what ``MoEExperts(activation="silu")`` does: its
+    ``act_fn`` is SiLU, it has no bias, ``gate_up_proj`` is (E, 2I, H) and ``down_proj`` (E, H, I)."""
+    act = getattr(experts, "act_fn", None)
+    if type(act).__name__ not in ("SiLU", "SiLUActivation"):
+        raise ValueError(f"{fn}: experts.act_fn must be SiLU (what activation='silu' computes), got "
+                         f"{type(act).__name__}")
+    for name in ("gate_up_proj_bias", "down_proj_bias"):
+        if getattr(experts, name, None) is not None:
+            raise ValueError(f"{fn}: experts has a {name}; SiLU-gated MoEExperts have no bias")
+    e, hidden, inter = experts_dims(experts)
+    for name, want in (("gate_up_proj", (e, 2 * inter, hidden)), ("down_proj", (e, hidden, inter))):
+        got = tuple(getattr(experts, name).shape)
+        if got != want:
+            raise ValueError(f"{fn}: experts.{name} must be (E, N, K) = {want} for its {e} experts, hidden "
+                             f"{hidden} and intermediate {inter}, got {got}")
+
+
 class MoEExperts(torch.nn.Module):
     """A mixture-of-experts experts block on stacked packed weights; the forward of transformers'
     ``GptOssExperts`` (``activation="gpt-oss"``) or of its SiLU-gated ``Qwen3MoeExperts``,
@@ -456,19 +474,8 @@ class MoEExperts(torch.nn.Module):
 
         fn = "tilemm.moe.MoEExperts.from_silu_experts"
         quantizer = cls._quantizer(fn, format, quantizer)
-        act = getattr(experts, "act_fn", None)
-        if type(act).__name__ not in ("SiLU", "SiLUActivation"):
-            raise ValueError(f"{fn}: experts.act_fn must be SiLU (what activation='silu' computes), got "
-                             f"{type(act).__name__}")
-        for name in ("gate_up_proj_bias", "down_proj_bias"):
-            if getattr(experts, name, None) is not None:
-                raise ValueError(f"{fn}: experts has a {name}; SiLU-gated MoEExperts have no bias")
-        e, hidden, inter = experts_dims(experts)
-        for name, want in (("gate_up_proj", (e, 2 * inter, hidden)), ("down_proj", (e, hidden, inter))):
-            got = tuple(getattr(experts, name).shape)
-            if got != want:
-                raise ValueError(f"{fn}: experts.{name} must be (E, N, K) = {want} for its {e} experts, hidden "
-                                 f"{hidden} and intermediate {inter}, got {got}")
+        check_silu_experts(fn, experts)
+        e = experts.num_experts
         with torch.no_grad():
             gate_up = prepack([quantizer(experts.gate_up_proj[x].contiguous()) for x in range(e)])
             down = prepack([quantizer(experts.down_proj[x].contiguous()) for x in range(e)])

@@ -41,7 +41,7 @@ from . import packed as _packed
 from . import quantize as _quantize
 from . import weight_only as _weight_only
 from .formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
-from .moe import MoEExperts, experts_activation
+from .moe import MoEExperts, check_silu_experts, experts_activation
 
 __all__ = ["Linear", "quantize_model", "FORMATS"]
 
@@ -662,6 +662,11 @@ def quantize_model(model: torch.nn.Module, format: str, *,
         if is_skipped("", model):
             return model
         return Linear.from_float(model, format, **options.as_kwargs())
+
+    if options.packed:  # refuse experts blocks MoEExperts cannot compute before changing anything
+        for name, module in model.named_modules():
+            if name and _experts_to_swap(module) == "silu" and not is_skipped(name, module):
+                check_silu_experts(f"{fn}: experts {name!r}", module)
 
     converted: dict[int, Linear] = {}
     misfits = []

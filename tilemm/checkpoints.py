@@ -284,7 +284,7 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
     if weight_only is None:
         weight_only = convention == "modelopt" and algo == "W4A16_NVFP4"
 
-    # gpt-oss experts blocks whose experts the checkpoint stores quantized: MoEExperts
+    # experts blocks (gpt-oss's, SiLU-gated) whose experts the checkpoint stores quantized: MoEExperts
     used, new_keys = _load_quantized_experts(fn, model, tensors, convention, config,
                                              algo if convention == "modelopt" else None)
     converted: dict[int, Linear] = {}
@@ -360,7 +360,7 @@ def _load_rest(fn: str, model, tensors, used: set, new_keys: set, strict: bool):
 
 def _load_gpt_oss_experts(fn: str, model: torch.nn.Module, tensors: Mapping) -> tuple[set, set]:
     """Replace every gpt-oss experts block of ``model`` (transformers' ``GptOssExperts``, or a
-    ``tilemm.moe.MoEExperts``) by a ``MoEExperts`` filled from the checkpoint's ``<name>.gate_up_proj_blocks``
+    ``tilemm.moe.MoEExperts`` with activation "gpt-oss") by a ``MoEExperts`` filled from the checkpoint's ``<name>.gate_up_proj_blocks``
     / ``_scales`` / ``_bias`` and ``<name>.down_proj_*``: the MXFP4 bytes are prepacked expert by expert
     on the module's device (the CPU for a meta module); no bf16 expert is built. Returns (checkpoint
     keys used, the new modules' state-dict keys)."""

@@ -70,6 +70,16 @@ def _routing(tokens: int, fp32_weights: bool, seed: int):
 # The module against transformers' experts
 # --------------------------------------------------------------------------------------------------
 
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied before and after: every MoEExperts instance compiled is one more entry
+    of the forward's code object, and fullgraph=True fails hard past the recompile limit (8), which a
+    run of many such tests in one process would otherwise reach."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def test_silu_glu_is_halves_in_fp32_rounded_once():
     """silu_glu: gate = the first half of the columns, up = the second (transformers' chunk(2)),
     silu(gate) * up from fp32, one rounding."""
@@ -84,7 +94,7 @@ def test_silu_glu_is_halves_in_fp32_rounded_once():
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_silu_experts_match_transformers(fmt, family):
+def test_silu_experts_match_transformers(fmt, family, fresh_dynamo):
     """MoEExperts.from_silu_experts against transformers' own experts block (bf16) on the dequantized
     weights. Both compute gate_up with fp32 sums rounded to bf16 and down likewise; transformers then
     rounds silu(gate), silu(gate) * up, each weighted slot and each partial sum of the k slots to bf16

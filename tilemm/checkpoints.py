@@ -360,10 +360,11 @@ def _load_rest(fn: str, model, tensors, used: set, new_keys: set, strict: bool):
 
 def _load_gpt_oss_experts(fn: str, model: torch.nn.Module, tensors: Mapping) -> tuple[set, set]:
     """Replace every gpt-oss experts block of ``model`` (transformers' ``GptOssExperts``, or a
-    ``tilemm.moe.MoEExperts`` with activation "gpt-oss") by a ``MoEExperts`` filled from the checkpoint's ``<name>.gate_up_proj_blocks``
-    / ``_scales`` / ``_bias`` and ``<name>.down_proj_*``: the MXFP4 bytes are prepacked expert by expert
-    on the module's device (the CPU for a meta module); no bf16 expert is built. Returns (checkpoint
-    keys used, the new modules' state-dict keys)."""
+    ``tilemm.moe.MoEExperts`` with activation "gpt-oss") by a ``MoEExperts`` filled from the
+    checkpoint's ``<name>.gate_up_proj_blocks`` / ``_scales`` / ``_bias`` and ``<name>.down_proj_*``:
+    the MXFP4 bytes are prepacked expert by expert on the module's device (the CPU for a meta
+    module); no bf16 expert is built. Returns (checkpoint keys used, the new modules' state-dict
+    keys)."""
     used: set[str] = set()
     new_keys: set[str] = set()
     found = 0

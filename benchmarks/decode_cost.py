@@ -144,14 +144,22 @@ def report(variant: AotVariant, elements: float, unroll: int = 1) -> dict:
             "per_element": total / elements, "top": dict(counts.most_common(8))}
 
 
+def _planned(layout) -> list:
+    """The weight-only configs ``default_variants`` counts for one layout, each once, in order."""
+    cfgs = [wo.plan(1, 14336, 4096, layout)]
+    cfgs += [wo.plan(1, n, 4096, layout, m1_kernel="mma") for n in (14336, 4096)]
+    cfgs += [wo.plan(m, n, 4096, layout) for m, n in ((16, 2048), (16, 14336), (4, 8192), (4, 4096), (16, 4096))]
+    return list(dict.fromkeys(cfgs))
+
+
 def default_variants():
     """The weight-only kernels as ``plan`` picks them, per layout: the FMA kernel at M = 1 (N = 14336,
-    K = 4096), the MMA kernel at M = 16 with a K split (N = 2048, K = 4096) and without (N = 14336),
+    K = 4096), the MMA kernel at M = 1 (``m1_kernel="mma"``: N = 14336, 32-row blocks of stacks of 2;
+    N = 4096, 16-row blocks of stacks of 4), the MMA kernel at M = 16 with a K split (N = 2048, K = 4096) and without (N = 14336),
     with stacked K tiles at M = 4 (N = 8192: 32-row blocks; N = 4096: 16-row blocks) and M = 16 (N =
     4096: 32 rows in 128 MMA rows); the block-scaled stream kernel at M = 16; and the large-M fused
     kernel (its first candidate: 128 weight rows x 128 rows of x, one MMA per K tile)."""
-    out = [weight_only_variant(name, wo.plan(m, n, 4096, layout)) for name, layout in wo.LAYOUTS.items()
-           for m, n in ((1, 14336), (16, 2048), (16, 14336), (4, 8192), (4, 4096), (16, 4096))]
+    out = [weight_only_variant(name, cfg) for name, layout in wo.LAYOUTS.items() for cfg in _planned(layout)]
     out += [stream_variant(fmt) for fmt in (MXFP4, NVFP4, MXFP8_E4M3)]
     out += [large_variant(name, wol.CANDIDATES[0]) for name in ("mxfp4", "nvfp4", "mxfp8_e4m3")]
     return out

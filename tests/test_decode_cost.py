@@ -2,8 +2,8 @@
 
 ``benchmarks/decode_cost.py`` compiles the kernels as ``plan`` picks them -- the MMA kernel at M = 16
 (N = 2048, K = 4096: a K split, two K tiles per load) and with stacked K tiles at M = 4, the FMA
-kernel at M = 1 -- for sm_90, disassembles them (``nvdisasm``) and counts the main loop. At small M
-these kernels issue those instructions for every weight element they read, so a change that adds
+kernel at M = 1, and the MMA kernel at M = 1 (``m1_kernel="mma"``: the same stacked configs) -- for
+sm_90, disassembles them (``nvdisasm``) and counts the main loop. At small M these kernels issue those instructions for every weight element they read, so a change that adds
 decode work shows here before any GPU run. The bounds sit a little above the counts of the committed
 kernels (MMA: 3.50 MXFP4, 4.50 NVFP4, 4.18 MXFP8, with ``tileiras`` 13.4, well below the
 block-scaled stream kernel's 12.4-16.2; FMA and stacked: below).
@@ -86,6 +86,27 @@ def test_stacked_main_loop_instructions_per_element(layout, n):
     assert row["per_element"] <= STACKED_BOUNDS[layout], (
         f"{variant.name}: {row['per_element']:.2f} SASS instructions per weight element in the main loop "
         f"(bound {STACKED_BOUNDS[layout]}): {row['top']}")
+
+
+#: One row of x on the MMA kernel (``plan(..., m1_kernel="mma")``): the stacked configs above, at most
+#: 4 instructions per weight element (the FMA kernel's 7.3-9.6 is what it replaces).
+M1_MMA_BOUND = 4.0
+
+
+@pytest.mark.skipif(COMPILER_MISSING is not None, reason=COMPILER_MISSING or "")
+@pytest.mark.skipif(_nvdisasm_missing() is not None, reason=_nvdisasm_missing() or "")
+@pytest.mark.parametrize("layout", list(STACKED_BOUNDS))
+@pytest.mark.parametrize("n", [14336, 4096])
+def test_one_row_mma_main_loop_instructions_per_element(layout, n):
+    from tilemm.kernels import weight_only_kernels as wo
+
+    cfg = wo.plan(1, n, 4096, wo.LAYOUTS[layout], m1_kernel="mma")
+    assert cfg.stack > 1 and not cfg.gemv
+    variant, elements, unroll = decode_cost.weight_only_variant(layout, cfg)
+    row = decode_cost.report(variant, elements, unroll)
+    assert row["per_element"] <= min(M1_MMA_BOUND, STACKED_BOUNDS[layout]), (
+        f"{variant.name}: {row['per_element']:.2f} SASS instructions per weight element in the main loop "
+        f"(bound {M1_MMA_BOUND}): {row['top']}")
 
 
 #: The large-M fused kernel (``hopper_weight_only_large``, 128x128, one MMA per K tile), MXFP4: 3.22

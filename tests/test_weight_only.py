@@ -321,6 +321,42 @@ def test_stacked_k_tiles_match_reference(emulated, fmt, stack, x_dtype):
         assert_matches(out.float(), _reference(x, w_q, bias), x_dtype)
 
 
+@pytest.mark.parametrize("fmt", [MXFP4, NVFP4, MXFP8_E4M3], ids=["mxfp4", "nvfp4", "mxfp8_e4m3"])
+def test_one_row_on_the_mma_kernel_matches_reference(emulated, fmt):
+    # M = 1 on the MMA kernel (``plan``'s m1_kernel "mma"): an 8-column x tile of which 7 columns are
+    # padding, the configs ``_one_row_mma`` picks (wide and narrow stacks, K splits leaving empty
+    # splits) over K = 1344 (a partial last stack) and N = 40 (a partial block).
+    m, n, k = 1, 40, 1344
+    w_q = quantized_weight(fmt, n, k, seed=7, scale_bytes=(105, 122) if fmt.is_mx else (1, 0x50))
+    packed = prepack(w_q)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(8)) * 3).to(torch.bfloat16)
+    bias = torch.randn(n)
+    for (tile_n, stack, warps, occupancy), split in zip(wo._STACKED[8] * 2, (1, 2, 4, 1)):
+        cfg = wo.WeightOnlyConfig(8, tile_n, split, warps, occupancy, cat=1, stack=stack)
+        out = _run(x, packed, cfg, bias)
+        assert_matches(out.float(), _reference(x, w_q, bias), torch.bfloat16)
+
+
+def test_plan_one_row_mma():
+    """m1_kernel "mma": one row of x on the MMA kernel, tile_m 8, 32-row blocks (stacks of 2) while
+    they give a block per SM, else 16-row blocks (stacks of 4), a K split below one block per SM; the
+    default stays the FMA kernel, and more rows ignore the choice."""
+    mx4 = wo.LAYOUTS["mxfp4"]
+    assert wo.M1_KERNEL == "fma" and wo.plan(1, 14336, 4096, mx4).gemv
+    cfg = wo.plan(1, 14336, 4096, mx4, m1_kernel="mma")
+    assert (cfg.gemv, cfg.tile_m, cfg.tile_n, cfg.stack, cfg.split_k, cfg.cat) == (0, 8, 32, 2, 1, 1)
+    cfg = wo.plan(1, 4096, 14336, mx4, m1_kernel="mma")
+    assert (cfg.tile_m, cfg.tile_n, cfg.stack, cfg.split_k) == (8, 16, 4, 1)
+    cfg = wo.plan(1, 1024, 4096, mx4, m1_kernel="mma")  # 64 blocks of 16 rows, 4 stacks
+    assert (cfg.tile_n, cfg.stack, cfg.split_k) == (16, 4, 2)
+    assert wo.plan(2, 14336, 4096, mx4, m1_kernel="mma") == wo.plan(2, 14336, 4096, mx4)
+    with pytest.raises(ValueError, match="m1_kernel must be one of"):
+        wo.plan(1, 4096, 4096, mx4, m1_kernel="tensor")
+    for layout in wo.LAYOUTS.values():
+        for n, k in ((4096, 4096), (14336, 4096), (1024, 4096), (1024, 256), (40, 1344)):
+            assert wo.plan(1, n, k, layout, m1_kernel="mma") in wo._configs(layout)
+
+
 def test_stacking_needs_the_plain_loads():
     with pytest.raises(ValueError, match="stack=2 needs unroll=1"):
         wo.WeightOnlyConfig(8, 32, unroll=2, stack=2)

@@ -89,6 +89,25 @@ def test_stacked_configs_match_the_oracle(fmt, x_dtype, cfg):
         _check(out, _oracle(x, w_q, bias), x_dtype)
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("n,k", [(200, 4128), (8192, 1024), (1024, 4096)])
+def test_one_row_on_the_mma_kernel(monkeypatch, fmt, x_dtype, n, k):
+    """``M1_KERNEL = "mma"``: one row of x through ``tilemm.linear`` on the MMA kernel (the config of
+    ``plan(..., m1_kernel="mma")``: narrow blocks with a K split, wide blocks), against the oracle and
+    the CPU path."""
+    monkeypatch.setattr(wo, "M1_KERNEL", "mma")
+    w_q = quantized_weight(fmt, n, k, seed=9, scale_bytes=(112, 124) if fmt.is_mx else (1, 0x50))
+    packed = tilemm.prepack(w_q).to(DEV)
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    assert not wo.plan(1, n, k, packed.layout, sms).gemv
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(10)).to(x_dtype)
+    bias = torch.randn(n)
+    out = tilemm.linear(x.to(DEV), packed, bias=bias.to(DEV))
+    _check(out, _oracle(x, w_q, bias), x_dtype)
+    _check(out, tilemm.linear(x, tilemm.prepack(w_q), bias=bias).double(), x_dtype)
+
+
 @pytest.mark.parametrize("m", [4, 16])
 def test_plan_picks_stacked_k_tiles_at_llm_widths(m):
     """N = 8192: the plan's stacked config, through ``tilemm.linear``, against the oracle."""

@@ -2,6 +2,12 @@
 flushed), against cuBLAS bf16 in the same run; the winners set ``weight_only_kernels.plan``.
 
     python benchmarks/investigations/tune_weight_only.py [--formats mxfp4] [--ms 1,16]
+    python benchmarks/investigations/tune_weight_only.py --plans [--formats mxfp4,nvfp4,mxfp8] [--ms 1,4,16]
+
+``--plans`` times, instead of the tile-shape candidates, the configs ``plan`` can give: at each M the
+default plan; at M = 1 also ``plan(..., m1_kernel=...)`` for every kernel of ``M1_KERNELS`` (the FMA
+kernel and the MMA kernel with stacked K tiles), and the MMA kernel's other stacked block shape; from
+2 to 16 rows the stacked block shapes of ``_STACKED`` (K split by ``_one_row_mma``'s rule).
 """
 
 from __future__ import annotations
@@ -32,6 +38,28 @@ def split_for(tiles: int, k_tiles: int, per_sm: int, sms: int) -> int:
     return split
 
 
+def plan_variants(m: int, n: int, k: int, layout, sms: int) -> list:
+    """(label, config) pairs that ``--plans`` times at one shape: the default plan first."""
+    out = [("plan", wo.plan(m, n, k, layout, sms))]
+    if m == 1:
+        out += [(f"m1={kind}", wo.plan(m, n, k, layout, sms, m1_kernel=kind)) for kind in wo.M1_KERNELS]
+    if m <= 16:
+        tile_m = 8 if m <= 8 else 16
+        for tile_n, stack, warps, occupancy in wo._STACKED[tile_m]:
+            split = 1
+            stacks = -(-(-(-k // layout.tile_k)) // stack)
+            while -(-n // tile_n) * split < sms and split * 2 <= 16 and stacks >= split * 4:
+                split *= 2
+            out.append((f"stack{stack}", wo.WeightOnlyConfig(tile_m, tile_n, split, warps, occupancy, cat=1,
+                                                            stack=stack)))
+    seen, unique = set(), []
+    for label, cfg in out:
+        if cfg not in seen:
+            seen.add(cfg)
+            unique.append((label, cfg))
+    return unique
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="tune_weight_only.py")
     ap.add_argument("--formats", default="mxfp4")
@@ -41,6 +69,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=None, help="NxK,NxK,... (default: the three of the targets)")
     ap.add_argument("--tile-m", type=int, default=None,
                     help="force this tile_m (default: the smallest of 16, 32, 64, 128 that covers M)")
+    ap.add_argument("--plans", action="store_true",
+                    help="time the configs plan can give (default, m1_kernel choices, stacked shapes)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -59,6 +89,16 @@ def main(argv=None) -> int:
                 t_bf16, _ = timer(lambda: F.linear(x, w))
                 out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
                 line = []
+                if args.plans:
+                    for label, cfg in plan_variants(m, n, k, packed.layout, sms):
+                        run = lambda: wo.launch(x, packed.words, packed.scale_t, packed.constants, bias, out,  # noqa: E731
+                                                packed.layout, cfg)
+                        t, _ = timer(run)
+                        rows.append({"fmt": fmt, "n": n, "k": k, "m": m, "cfg": cfg.name, "label": label,
+                                     "us": t * 1e3, "vs_bf16": t_bf16 / t})
+                        line.append(f"{label} {cfg.name}: {t * 1e3:.1f} us {t_bf16 / t:.2f}x")
+                    print(f"{fmt} N={n} K={k} M={m} bf16 {t_bf16 * 1e3:.1f} us | " + " | ".join(line), flush=True)
+                    continue
                 for tn, warps, occ, per_sm, *extra in cands:
                     tm = args.tile_m or next(t for t in (16, 32, 64, 128) if t >= m)
                     tiles = -(-m // tm) * -(-n // tn)

@@ -1,7 +1,8 @@
 """Weight-only matmul: bf16 / fp16 / fp32 activations x (M, K) times a prepacked MXFP4, NVFP4 or MXFP8
 weight (N, K), ``out = (x @ dequantize(w).T) * alpha + bias`` accumulated in fp32 and rounded once,
 reading each weight byte once and writing no dequantized weight. ``plan`` picks the tensor-core kernel
-``_weight_only_kernel`` or, for one row of x, the FMA kernel ``_gemv_kernel``; ``_dequantize_kernel``
+``_weight_only_kernel`` or, for one row of x, the FMA kernel ``_gemv_kernel`` (or there, as the
+variant ``M1_KERNEL = "mma"``, the tensor-core kernel again); ``_dequantize_kernel``
 and ``_k_tile`` also serve ``hopper_weight_only_large`` and ``moe_kernels`` (same layout, same decode).
 
 Layout (``tilemm.prepack`` builds it once; ``Layout``, ``E2M1_FIELDS``). A K tile is PLANES planes of
@@ -36,7 +37,7 @@ from ._aot import AotVariant, array
 from ._common import Described, hinted, sm90_hints
 
 
-__all__ = ["WeightOnlyConfig", "plan", "launch", "Prepared", "aot_variants", "LAYOUTS", "Layout"]
+__all__ = ["WeightOnlyConfig", "plan", "M1_KERNELS", "launch", "Prepared", "aot_variants", "LAYOUTS", "Layout"]
 
 ConstInt = ct.Constant[int]
 
@@ -574,7 +575,32 @@ def _stacked(m: int, n: int, layout: Layout, sms: int) -> WeightOnlyConfig | Non
     return WeightOnlyConfig(tile_m, tile_n, 1, warps, occupancy, cat=1, stack=stack)
 
 
-def plan(m: int, n: int, k: int, layout: Layout, sms: int = 132) -> WeightOnlyConfig:
+#: The kernels ``plan`` can give one row of x: "fma", the FMA kernel (``_gemv``), and "mma", the MMA
+#: kernel with 8-column x tiles and stacked K tiles (``_one_row_mma``): 7 of its 8 x columns are zero
+#: padding, which costs tensor-core work only, and its main loop issues fewer instructions per weight
+#: element than the FMA kernel's (``benchmarks/results/decode-cost-sm90.txt``), where a decode step is
+#: bound by instruction issue rather than memory (the H200). ``M1_KERNEL`` is the default;
+#: ``benchmarks/investigations/tune_weight_only.py --m1`` times both.
+M1_KERNELS = ("fma", "mma")
+M1_KERNEL = "fma"
+
+
+def _one_row_mma(n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig:
+    """The MMA kernel's config for one row of x: tile_m 8 with the stacked blocks of ``_STACKED[8]``,
+    the wide ones (32 weight rows as 64 MMA rows) where they give a block per SM, else the narrow ones
+    (16 rows), and a K split while the blocks are fewer than the SMs (each split at least 2 stacks)."""
+    wide, narrow = _STACKED[8]
+    tile_n, stack, warps, occupancy = wide if -(-n // wide[0]) >= sms else narrow
+    stacks = -(-(-(-k // layout.tile_k)) // stack)
+    tiles = -(-n // tile_n)
+    split = 1
+    while tiles * split < sms and split * 2 <= _SPLITS[-1] and stacks >= split * 2 * 2:
+        split *= 2
+    return WeightOnlyConfig(8, tile_n, split, warps, occupancy, cat=1, stack=stack)
+
+
+def plan(m: int, n: int, k: int, layout: Layout, sms: int = 132, m1_kernel: str | None = None
+         ) -> WeightOnlyConfig:
     """The weight-only kernel's config for an (M, K) x (N, K) problem: the smallest tile_m that covers
     M (up to 128) with its tile shape, and a K split: none when the output tiles alone give 1.5 blocks
     per SM, or (tile_m 64, where a split of 2 was slower than none) about one (then ``_unsplit``),
@@ -582,7 +608,13 @@ def plan(m: int, n: int, k: int, layout: Layout, sms: int = 132) -> WeightOnlyCo
     blocks the GPU holds at once, loading two K tiles at a time at small M.
     ``benchmarks/investigations/tune_weight_only.py`` measures the alternatives (results:
     ``benchmarks/results/weight-only-designs-nvidia-h100-80gb-hbm3.md``). Up to ``GEMV_M`` rows: the
-    FMA kernel (``_gemv``); from 2 to 16 rows, where they pay, stacked K tiles (``_stacked``)."""
+    FMA kernel (``_gemv``), or with ``m1_kernel`` "mma" (default ``M1_KERNEL``) and one row, the MMA
+    kernel (``_one_row_mma``); from 2 to 16 rows, where they pay, stacked K tiles (``_stacked``)."""
+    m1_kernel = M1_KERNEL if m1_kernel is None else m1_kernel
+    if m1_kernel not in M1_KERNELS:
+        raise ValueError(f"plan: m1_kernel must be one of {M1_KERNELS}, got {m1_kernel!r}")
+    if m == 1 and m1_kernel == "mma":
+        return _one_row_mma(n, k, layout, sms)
     if m <= GEMV_M:
         return _gemv(m, n, k, layout, sms)
     stacked = _stacked(m, n, layout, sms)
@@ -817,6 +849,9 @@ def _configs(layout: Layout) -> list[WeightOnlyConfig]:
         out += [WeightOnlyConfig(tm, tile_n, split, warps, occupancy, unroll=unroll) for split in _SPLITS[1:]]
     out += [WeightOnlyConfig(tile_m, tile_n, 1, warps, occupancy, cat=1, stack=stack)
             for tile_m, shapes in _STACKED.items() for tile_n, stack, warps, occupancy in shapes]
+    # One row of x on the MMA kernel (``_one_row_mma``): the tile_m 8 stacked blocks with a K split.
+    out += [WeightOnlyConfig(8, tile_n, split, warps, occupancy, cat=1, stack=stack)
+            for tile_n, stack, warps, occupancy in _STACKED[8] for split in _SPLITS[1:]]
     tile_n, warps, occupancy = _GEMV_SHAPE
     out += [WeightOnlyConfig(m, tile_n, split, warps, occupancy, unroll=unroll, gemv=1)
             for m in range(1, GEMV_M + 1) for unroll in _GEMV_UNROLL for split in _SPLITS]

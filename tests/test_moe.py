@@ -429,7 +429,7 @@ def test_experts_launches_chain(emulated, unfused, design):
     (token, slot) rows; "pairs_*": the per-pair kernel, the weighted sum in the down launch or as a
     batched GEMM (any T is correct; the default takes the per-pair kernel at T = 1 only). Expert 0
     gets 19 of the 24 rows (two chunks of 16); one id is out of range (NaN token)."""
-    from tilemm.moe import _experts_launches, run_gpt_oss_experts
+    from tilemm.moe import _experts_launches, run_experts
 
     e, hidden, inter = 4, 64, 32
     gen = torch.Generator().manual_seed(12)
@@ -446,7 +446,7 @@ def test_experts_launches_chain(emulated, unfused, design):
     args = (x, ids, weights, gu.words, gu.scale_t, gu.constants, "mxfp4", gub, dn.words, dn.scale_t,
             dn.constants, "mxfp4", db, mk.SWIGLU_ALPHA, limit)
     out = _experts_launches(*args, design=design)
-    ref = run_gpt_oss_experts(*args)  # the CPU path
+    ref = run_experts(*args)  # the CPU path
     assert out[11].isnan().all() and ref[11].isnan().all()
     # the fused SwiGLU's exp may differ by an ulp of h; the rest is summation order
     err = ((out[:11].double() - ref[:11].double()).norm() / ref[:11].double().norm()).item()
@@ -875,7 +875,7 @@ def test_experts_from_modelopt_per_expert_and_fused():
     fused = {}
     for proj in ("gate_up_proj", "down_proj"):
         if proj == "gate_up_proj":
-            qs = [checkpoints._interleave_gate_up("t", "t", w["gate_proj"][0], w["up_proj"][0]) for w in weights]
+            qs = [checkpoints._fuse_gate_up("t", "t", w["gate_proj"][0], w["up_proj"][0]) for w in weights]
             bias = torch.stack([torch.stack((w["gate_proj"][1], w["up_proj"][1]), 1).reshape(-1) for w in weights])
         else:
             qs = [w["down_proj"][0] for w in weights]

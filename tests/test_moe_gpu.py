@@ -1,7 +1,7 @@
 """The grouped MoE kernel on the GPU: ``tilemm.moe_linear`` against the CPU reference on the same
 stacked packed weight (shapes, formats, uniform / skewed / out-of-range routings), inside a CUDA graph
 (routing changed between replays), under ``torch.compile(fullgraph=True)``, and gpt-oss's experts
-module against transformers' on the GPU."""
+module against transformers' on the GPU; SiLU-gated (Qwen3-MoE) experts against their CPU path."""
 
 from __future__ import annotations
 
@@ -239,3 +239,53 @@ def test_gpt_oss_experts_on_gpu_match_cpu(tokens):
     torch.cuda.synchronize()
     assert torch.equal(static_out, gpu)
     del transformers
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "mxfp8"])
+@pytest.mark.parametrize("tokens", [1, 4, 40])  # by default per pair (T = 1; 16 pairs of 32 experts), sorted (40)
+def test_silu_experts_on_gpu_match_cpu(fmt, tokens):
+    """SiLU-gated experts (a Qwen3-MoE block, top-4 of 32; Mixtral's fp32 router weights at T = 40)
+    on the GPU against the CPU path on the same packed weights: the same roundings (gate_up, h, y, the
+    weighted sum), so equal up to fp32 summation order, which may flip a bf16 rounding here and there
+    (the bound of the gpt-oss test). Every design ("sorted", "pairs_combine", "pairs_bmm") is checked
+    too; under torch.compile(fullgraph=True) and in a CUDA graph the module is bit-equal to eager."""
+    pytest.importorskip("transformers")
+    from test_moe_silu import experts_class, tiny_config
+
+    from tilemm.moe import _experts_launches
+
+    torch.manual_seed(0)
+    hf = experts_class("qwen3_moe")(tiny_config("qwen3_moe", hidden_size=256, moe_intermediate_size=512,
+                                                num_experts=32, num_experts_per_tok=4))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.05)
+    ours = MoEExperts.from_silu_experts(hf, fmt)
+    x = torch.randn(tokens, 256).to(torch.bfloat16)
+    top, ids = torch.topk(torch.randn(tokens, 32), 4, dim=-1)
+    weights = torch.softmax(top, dim=-1)
+    if tokens != 40:
+        weights = weights.to(torch.bfloat16)
+    cpu = ours(x, ids, weights).double()
+
+    def rel_err(out):
+        return ((out.double().cpu() - cpu).norm() / cpu.norm()).item()
+
+    ours = ours.to(DEV)
+    x_dev, ids_dev, weights_dev = x.to(DEV), ids.to(DEV), weights.to(DEV)
+    gpu = ours(x_dev, ids_dev, weights_dev)
+    assert torch.isfinite(gpu).all()
+    assert rel_err(gpu) < 1e-2
+    gu, dn = ours.packed("gate_up"), ours.packed("down")
+    for design in ("sorted", "pairs_combine", "pairs_bmm"):
+        out = _experts_launches(x_dev, ids_dev, weights_dev, gu.words, gu.scale_t, gu.constants, fmt, None,
+                                dn.words, dn.scale_t, dn.constants, fmt, None, 0.0, 0.0, design=design,
+                                activation="silu")
+        assert rel_err(out) < 1e-2, design
+    torch._dynamo.reset()  # each instance compiled is one more entry; fullgraph fails past the limit
+    compiled = torch.compile(ours, fullgraph=True)
+    assert torch.equal(compiled(x_dev, ids_dev, weights_dev), gpu)
+    graph, static_x, static_out = capture(lambda x: ours(x, ids_dev, weights_dev), x_dev)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, gpu)

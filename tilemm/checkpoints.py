@@ -1,17 +1,19 @@
 """Whole quantized checkpoints written by other tools: load them into a model, bit for bit, and
 export a model of ``tilemm.nn.Linear`` layers in another tool's convention.
 
-:func:`load_quantized` swaps ``torch.nn.Linear`` layers for ``tilemm.nn.Linear`` (and gpt-oss experts
+:func:`load_quantized` swaps ``torch.nn.Linear`` layers for ``tilemm.nn.Linear`` (and experts
 blocks for ``tilemm.moe.MoEExperts``) and fills them from the checkpoint's quantized bytes without ever
 building the high-precision weights; :func:`export_quantized` writes a model's layers in
 compressed-tensors' or ModelOpt's convention. One layer's tensors go through the converters of
 ``tilemm.conventions`` (re-exported here: :func:`to_tilemm` / :func:`from_tilemm` and the ``from_*`` /
 ``to_*`` pair of each convention), which say how each convention stores its numbers.
 
-gpt-oss experts blocks (transformers' ``GptOssExperts``) become ``tilemm.moe.MoEExperts`` when the
-checkpoint stores their experts quantized: ``"gpt-oss"``'s MXFP4 blocks; compressed-tensors' (and
+Experts blocks become ``tilemm.moe.MoEExperts`` when the checkpoint stores their experts quantized.
+gpt-oss's (transformers' ``GptOssExperts``): ``"gpt-oss"``'s MXFP4 blocks; compressed-tensors' (and
 ModelOpt's) per-expert ``<experts>.<i>.{gate,up,down}_proj`` layers in NVFP4 / MXFP4 / MXFP8, gate and
-up rows interleaved into gpt-oss's gate_up; ModelOpt's fused NVFP4 export (``_load_quantized_experts``).
+up rows interleaved into gpt-oss's gate_up; ModelOpt's fused NVFP4 export. The SiLU-gated experts of
+Qwen3-MoE, Qwen2-MoE and Mixtral (``Qwen3MoeExperts``, ``Qwen2MoeExperts``, ``MixtralExperts``): the
+same per-expert layers, gate rows then up rows, no bias (``_load_quantized_experts``).
 
 What is *not* carried over: static activation scales (``input_scale``, ``input_global_scale``).
 ``tilemm.nn.Linear`` quantizes activations on every call from their own amax (or, with
@@ -35,7 +37,7 @@ from .conventions import (ACTIVATION_SCALE_NAMES, COMPRESSED_TENSORS_FORMATS, CO
                           to_gpt_oss, to_modelopt, to_tilemm, to_torchao)
 from .conventions import _e4m3_scale, _fp32_scale, _get, _logical_scale, _packed_e2m1  # (the experts loaders)
 from .formats import NVFP4
-from .moe import GPT_OSS_EXPERTS, MoEExperts
+from .moe import MoEExperts, experts_activation, experts_dims
 from .nn import Linear
 from .packed import prepack
 from .quantize import FP8Tensor, MXFP4Tensor, NVFP4Tensor
@@ -282,7 +284,7 @@ def load_quantized(model: torch.nn.Module, state_dict_or_path, *, convention: st
     if weight_only is None:
         weight_only = convention == "modelopt" and algo == "W4A16_NVFP4"
 
-    # gpt-oss experts blocks whose experts the checkpoint stores quantized: MoEExperts
+    # experts blocks (gpt-oss's, SiLU-gated) whose experts the checkpoint stores quantized: MoEExperts
     used, new_keys = _load_quantized_experts(fn, model, tensors, convention, config,
                                              algo if convention == "modelopt" else None)
     converted: dict[int, Linear] = {}
@@ -358,15 +360,16 @@ def _load_rest(fn: str, model, tensors, used: set, new_keys: set, strict: bool):
 
 def _load_gpt_oss_experts(fn: str, model: torch.nn.Module, tensors: Mapping) -> tuple[set, set]:
     """Replace every gpt-oss experts block of ``model`` (transformers' ``GptOssExperts``, or a
-    ``tilemm.moe.MoEExperts``) by a ``MoEExperts`` filled from the checkpoint's ``<name>.gate_up_proj_blocks``
-    / ``_scales`` / ``_bias`` and ``<name>.down_proj_*``: the MXFP4 bytes are prepacked expert by expert
-    on the module's device (the CPU for a meta module); no bf16 expert is built. Returns (checkpoint
-    keys used, the new modules' state-dict keys)."""
+    ``tilemm.moe.MoEExperts`` with activation "gpt-oss") by a ``MoEExperts`` filled from the
+    checkpoint's ``<name>.gate_up_proj_blocks`` / ``_scales`` / ``_bias`` and ``<name>.down_proj_*``:
+    the MXFP4 bytes are prepacked expert by expert on the module's device (the CPU for a meta
+    module); no bf16 expert is built. Returns (checkpoint keys used, the new modules' state-dict
+    keys)."""
     used: set[str] = set()
     new_keys: set[str] = set()
     found = 0
     for name, module in list(model.named_modules()):
-        if not (type(module).__name__ == GPT_OSS_EXPERTS or isinstance(module, MoEExperts)) or not name:
+        if experts_activation(module) != "gpt-oss" or not name:
             continue
         found += 1
         prefix = name + "."
@@ -492,15 +495,19 @@ def _expert_indices(tensors: Mapping, prefix: str) -> list[int]:
     return sorted(found)
 
 
-def _interleave_gate_up(fn: str, where: str, gate, up):
-    """gpt-oss's gate_up rows of one expert from separate gate (I, H) and up (I, H) quantized weights:
-    row 2j = gate row j, row 2j + 1 = up row j (rows are quantized independently along K, so the
-    interleaved tensor holds exactly both weights' values). NVFP4 needs one per-tensor scale for both."""
+def _fuse_gate_up(fn: str, where: str, gate, up, activation: str = "gpt-oss"):
+    """One expert's gate_up rows from separate gate (I, H) and up (I, H) quantized weights, in the
+    layout of ``MoEExperts``'s ``activation``: "gpt-oss" interleaves them (row 2j = gate row j, row
+    2j + 1 = up row j), "silu" stacks them (rows 0 .. I-1 gate, I .. 2I-1 up). Rows are quantized
+    independently along K, so the fused tensor holds exactly both weights' values. NVFP4 needs one
+    per-tensor scale for both."""
     if type(gate) is not type(up) or gate.data.shape != up.data.shape:
         raise ValueError(f"{fn}: {where}: gate_proj ({type(gate).__name__} {tuple(gate.data.shape)}) and up_proj "
                          f"({type(up).__name__} {tuple(up.data.shape)}) must have one format and shape")
 
     def rows(a, b):
+        if activation == "silu":
+            return torch.cat((a, b), dim=-2)
         return torch.stack((a, b), dim=-2).reshape(*a.shape[:-2], 2 * a.shape[-2], a.shape[-1])
 
     data = rows(gate.data, up.data)
@@ -508,7 +515,7 @@ def _interleave_gate_up(fn: str, where: str, gate, up):
     if isinstance(gate, NVFP4Tensor):
         if not bool((gate.global_scale == up.global_scale).all()):
             raise ValueError(f"{fn}: {where}: gate_proj and up_proj have different NVFP4 per-tensor scales "
-                             f"({float(gate.global_scale)!r} and {float(up.global_scale)!r}); gpt-oss's fused gate_up "
+                             f"({float(gate.global_scale)!r} and {float(up.global_scale)!r}); the fused gate_up "
                              f"projection has one per expert (quantize with shared gate / up global scales)")
         return NVFP4Tensor(data, scale.view(torch.float8_e4m3fn), gate.global_scale)
     return type(gate)(data, scale)
@@ -521,10 +528,12 @@ def _refuse_fp8_experts(fn: str, where: str, q) -> None:
 
 
 def _per_expert_weights(fn: str, name: str, tensors: Mapping, indices: list[int], convention: str,
-                        config: Mapping | None, algo: str | None) -> tuple[list, list, dict, set]:
+                        config: Mapping | None, algo: str | None,
+                        activation: str = "gpt-oss") -> tuple[list, list, dict, set]:
     """Per-expert checkpoints (compressed-tensors, ModelOpt per-expert export):
-    ``<name>.<i>.{gate,up,down}_proj.<tensor>`` -> (gate_up quantized per expert, down per expert,
-    biases, keys used)."""
+    ``<name>.<i>.{gate,up,down}_proj.<tensor>`` -> (gate_up quantized per expert in ``activation``'s
+    layout (``_fuse_gate_up``), down per expert, biases, keys used). "silu" experts have no bias:
+    a stored bias raises ValueError."""
     probe = torch.nn.Linear(1, 1, device="meta")  # compressed-tensors' class targets ("Linear") match it
     gate_up, down, used = [], [], set()
     biases: dict[str, list] = {"gate_up_proj": [], "down_proj": []}
@@ -536,6 +545,9 @@ def _per_expert_weights(fn: str, name: str, tensors: Mapping, indices: list[int]
                      if k.startswith(layer + ".") and "." not in k[len(layer) + 1:]}
             bias = local.pop("bias", None)
             where = f"experts {name!r}: expert {i} {proj}"
+            if bias is not None and activation == "silu":
+                raise ValueError(f"{fn}: {where}: the checkpoint has a bias ({layer}.bias), but the model's "
+                                 f"SiLU-gated experts have none")
             try:
                 if convention == "compressed-tensors":
                     scheme = _ct_scheme(config, layer, probe)
@@ -552,7 +564,8 @@ def _per_expert_weights(fn: str, name: str, tensors: Mapping, indices: list[int]
             used.update(f"{layer}.{k}" for k in local)
             if bias is not None:
                 used.add(f"{layer}.bias")
-        gate_up.append(_interleave_gate_up(fn, f"experts {name!r}: expert {i}", qs["gate_proj"][0], qs["up_proj"][0]))
+        gate_up.append(_fuse_gate_up(fn, f"experts {name!r}: expert {i}", qs["gate_proj"][0], qs["up_proj"][0],
+                                     activation))
         down.append(qs["down_proj"][0])
         gb, ub = qs["gate_proj"][1], qs["up_proj"][1]
         if (gb is None) != (ub is None):
@@ -607,25 +620,29 @@ def _modelopt_fused_weights(fn: str, name: str, tensors: Mapping, algo: str) -> 
 
 def _load_quantized_experts(fn: str, model: torch.nn.Module, tensors: Mapping, convention: str,
                             config: Mapping | None, algo: str | None) -> tuple[set, set]:
-    """Replace every gpt-oss experts block of ``model`` whose quantized experts the checkpoint holds
-    by a ``tilemm.moe.MoEExperts`` (compressed-tensors: per-expert ``<name>.<i>.{gate,up,down}_proj``
-    layers; ModelOpt: the same per-expert layers, or the fused NVFP4 export). gate_proj and up_proj
-    rows are interleaved into gpt-oss's gate_up (``_interleave_gate_up``); bytes are prepacked on the
-    module's device, no high-precision expert is built. A block the checkpoint stores unquantized is
-    left to the plain state-dict load. Returns (checkpoint keys used, the new modules' keys)."""
+    """Replace every experts block of ``model`` (``tilemm.moe.experts_activation``: gpt-oss's, the
+    SiLU-gated ones, or a ``MoEExperts``) whose quantized experts the checkpoint holds by a
+    ``tilemm.moe.MoEExperts`` of the same gating (compressed-tensors: per-expert
+    ``<name>.<i>.{gate,up,down}_proj`` layers; ModelOpt: the same per-expert layers, or for gpt-oss
+    the fused NVFP4 export). gate_proj and up_proj rows are fused into gate_up in the gating's layout
+    (``_fuse_gate_up``: interleaved for gpt-oss, halves for SiLU); bytes are prepacked on the module's
+    device, no high-precision expert is built. A block the checkpoint stores unquantized is left to
+    the plain state-dict load. Returns (checkpoint keys used, the new modules' keys)."""
     used: set[str] = set()
     new_keys: set[str] = set()
     for name, module in list(model.named_modules()):
-        if not name or not (type(module).__name__ == GPT_OSS_EXPERTS or isinstance(module, MoEExperts)):
+        activation = experts_activation(module)
+        if not name or activation is None:
             continue
         indices = _expert_indices(tensors, name + ".")
         if indices:
-            gate_up, down, biases, keys = _per_expert_weights(fn, name, tensors, indices, convention, config, algo)
-        elif convention == "modelopt" and f"{name}.gate_up_proj_weight_scale" in tensors:
+            gate_up, down, biases, keys = _per_expert_weights(fn, name, tensors, indices, convention, config, algo,
+                                                              activation)
+        elif activation == "gpt-oss" and convention == "modelopt" and f"{name}.gate_up_proj_weight_scale" in tensors:
             gate_up, down, biases, keys = _modelopt_fused_weights(fn, name, tensors, algo)
         else:
             continue
-        e, h, i = module.num_experts, module.hidden_size, module.intermediate_size
+        e, h, i = experts_dims(module)
         if indices and indices != list(range(e)):
             raise ValueError(f"{fn}: experts {name!r}: the model has {e} experts, the checkpoint experts "
                              f"{indices[0]} .. {indices[-1]} ({len(indices)} of them)")
@@ -646,7 +663,8 @@ def _load_quantized_experts(fn: str, model: torch.nn.Module, tensors: Mapping, c
         except (TypeError, ValueError) as err:
             raise type(err)(f"{fn}: experts {name!r}: {err}") from None
         new = MoEExperts(*packed, biases["gate_up_proj"], biases["down_proj"],
-                         alpha=getattr(module, "alpha", 1.702), limit=getattr(module, "limit", 7.0))
+                         alpha=getattr(module, "alpha", 1.702), limit=getattr(module, "limit", 7.0),
+                         activation=activation)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, new)
         used |= keys

@@ -17,10 +17,12 @@ the call does not raise; the rows of such (token, slot) pairs come out as NaN, o
 alike, and no weight is read for them. ``check_ids=True`` checks on the host first (a synchronisation)
 and raises ValueError.
 
-``MoEExperts`` is gpt-oss's experts block (``GptOssExperts`` in transformers) on two stacked packed
-weights: ``tilemm.quantize_model(model, "mxfp4", weight_only=True)`` swaps it in, and
-``tilemm.load_quantized(model, path, convention="gpt-oss")`` fills it from the checkpoint's
-``*_blocks`` / ``*_scales`` without building a bf16 expert.
+``MoEExperts`` is a transformers experts block on two stacked packed weights (gate_up and down),
+with one of two gatings (``activation``): gpt-oss's (``GptOssExperts``: interleaved gate / up rows,
+biases, clamped SwiGLU), or SiLU on gate / up halves without bias (``Qwen3MoeExperts``,
+``Qwen2MoeExperts``, ``MixtralExperts``). ``tilemm.quantize_model(model, fmt, weight_only=True)``
+swaps it in; ``tilemm.load_quantized`` fills it from a checkpoint's quantized experts without
+building a bf16 expert.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from . import kernels as _kernels
 from .formats import FORMATS
 from .packed import LAYOUT_VERSION, PackedWeight, layout_of, relayout_words
 
-__all__ = ["moe_linear", "reference_moe", "gpt_oss_glu", "MoEExperts"]
+__all__ = ["moe_linear", "reference_moe", "gpt_oss_glu", "silu_glu", "MoEExperts", "ACTIVATIONS"]
 
 _X_DTYPES = (torch.bfloat16, torch.float16)
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -228,6 +230,23 @@ def gpt_oss_glu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tens
     return ((u + 1) * (g * torch.sigmoid(g * alpha))).to(gate_up.dtype)
 
 
+def silu_glu(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU gating of (..., 2I) values whose first I columns are the gate and last I the up
+    projection (transformers' ``gate, up = gate_up.chunk(2, dim=-1)``) -> (..., I):
+    ``silu(gate) * up`` in fp32 from the given values, rounded once to their dtype."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
+
+
+#: The gatings of ``MoEExperts``: "gpt-oss" (interleaved gate / up rows, gpt-oss's clamped SwiGLU,
+#: biases allowed) and "silu" (gate / up halves, ``silu(gate) * up``, no bias).
+ACTIVATIONS = ("gpt-oss", "silu")
+
+
+def _glu(gate_up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    return gpt_oss_glu(gate_up, alpha, limit) if activation == "gpt-oss" else silu_glu(gate_up)
+
+
 def _weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """sum_j y[t, j] * weights[t, j]: fp32 products and sums, rounded once to y's dtype (one batched
     GEMM on CUDA when the weights have y's dtype, as the router's do)."""
@@ -236,56 +255,62 @@ def _weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (y.float() * weights.float().unsqueeze(-1)).sum(dim=1).to(y.dtype)
 
 
-def run_gpt_oss_experts(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format: str, gu_bias,
-                        d_words, d_scale_t, d_constants, d_format: str, d_bias, alpha: float, limit: float):
-    """What ``torch.ops.tilemm.gpt_oss_experts`` runs on checked tensors: gate_up, SwiGLU, down, the
-    weighted sum over the k slots. On CUDA (``_experts_launches``): for one token, the per-pair kernel
-    for gate_up (the SwiGLU fused for gpt-oss's alpha and limit; other values run it unfused) and for
-    down (with the weighted sum where ``combine_pays``); for more tokens (``pairs_pay``), one routing, x's rows sorted
-    by expert, the gate_up launch (SwiGLU fused likewise), the down launch, one batched GEMM."""
+def run_experts(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format: str, gu_bias,
+                d_words, d_scale_t, d_constants, d_format: str, d_bias, alpha: float, limit: float,
+                activation: str = "gpt-oss"):
+    """What ``torch.ops.tilemm.gpt_oss_experts`` and ``torch.ops.tilemm.silu_experts`` run on checked
+    tensors: gate_up, the gating (``activation``, see ``ACTIVATIONS``), down, the weighted sum over
+    the k slots. On CUDA ``_experts_launches``; elsewhere the reference, projection by projection:
+    ``reference_moe`` for gate_up, ``gpt_oss_glu`` / ``silu_glu``, ``reference_moe`` for down (one row
+    per (token, slot) pair), ``_weighted_sum``."""
     tokens, top_k = ids.shape
     num_experts, inter, hidden = gu_words.shape[0], gu_words.shape[1] // 2, d_words.shape[1]
     if tokens == 0:
         return x.new_empty((0, hidden))
     if x.device.type != "cuda":
         gate_up = reference_moe(x, gu_words, gu_scale_t, gu_constants, gu_format, hidden, ids, gu_bias)
-        h = gpt_oss_glu(gate_up, alpha, limit).reshape(tokens * top_k, inter)
+        h = _glu(gate_up, activation, alpha, limit).reshape(tokens * top_k, inter)
         y = reference_moe(h, d_words, d_scale_t, d_constants, d_format, inter, ids.reshape(-1, 1), d_bias)
         return _weighted_sum(y.reshape(tokens, top_k, hidden), weights)
     from ._arch import family
 
     family(x.device)
     return _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format, gu_bias, d_words,
-                             d_scale_t, d_constants, d_format, d_bias, alpha, limit)
+                             d_scale_t, d_constants, d_format, d_bias, alpha, limit, activation=activation)
 
 
 def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format: str, gu_bias, d_words,
                       d_scale_t, d_constants, d_format: str, d_bias, alpha: float, limit: float,
-                      design: str | None = None):
-    """The GPU path of ``run_gpt_oss_experts``. ``design`` "pairs" (the default for a few tokens:
-    ``moe_kernels.pairs_pay``): no routing, the per-pair kernel for gate_up (SwiGLU
-    fused) and for down, with the weighted sum in the down launch's epilogue where that pays
-    (``moe_kernels.combine_pays``: two launches), else as a batched GEMM ("pairs_combine" /
-    "pairs_bmm" force either). "sorted" (the default above): the routing, x's rows sorted by expert
-    once, gate_up writing h in that order, down reading it and writing (token, slot) rows, the
-    weighted sum as a batched GEMM."""
+                      design: str | None = None, activation: str = "gpt-oss"):
+    """The GPU path of ``run_experts``. ``design`` "pairs" (the default for a few tokens:
+    ``moe_kernels.pairs_pay``): no routing, the per-pair kernel for gate_up and for down, with the
+    weighted sum in the down launch's epilogue where that pays (``moe_kernels.combine_pays``: two
+    launches), else as a batched GEMM ("pairs_combine" / "pairs_bmm" force either). "sorted" (the
+    default above): the routing, x's rows sorted by expert once, gate_up writing its rows in that
+    order, down reading them and writing (token, slot) rows, the weighted sum as a batched GEMM.
+
+    The gating: gpt-oss's SwiGLU with gpt-oss's alpha and limit is fused into the gate_up launch's
+    epilogue (``act=1``); any other (other alpha / limit, or ``activation`` "silu") runs gate_up
+    unfused, then ``gpt_oss_glu`` / ``silu_glu`` in PyTorch (fp32, rounded once: what the CPU path
+    computes from the same rounded gate_up)."""
     from .kernels import moe_kernels as mk
 
     tokens, top_k = ids.shape
     num_experts, inter, hidden = gu_words.shape[0], gu_words.shape[1] // 2, d_words.shape[1]
+    fused = activation == "gpt-oss" and alpha == mk.SWIGLU_ALPHA and limit == mk.SWIGLU_LIMIT
     if design is None:
         design = experts_design(tokens, top_k, gu_words, gu_scale_t, d_words, d_scale_t, x.device)
     if design.startswith("pairs"):
         flat = ids.reshape(-1)
         h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # pair order
-        if alpha == mk.SWIGLU_ALPHA and limit == mk.SWIGLU_LIMIT:
+        if fused:
             mk.launch_pairs(x.contiguous(), gu_words, gu_scale_t, gu_constants, gu_bias, flat, h,
                             layout_of(FORMATS[gu_format]), act=1)
         else:
             gate_up = torch.empty((tokens * top_k, 2 * inter), dtype=x.dtype, device=x.device)
             mk.launch_pairs(x.contiguous(), gu_words, gu_scale_t, gu_constants, gu_bias, flat, gate_up,
                             layout_of(FORMATS[gu_format]))
-            h = gpt_oss_glu(gate_up, alpha, limit)
+            h = _glu(gate_up, activation, alpha, limit)
         if design == "pairs":
             from .kernels._common import num_sms
 
@@ -301,14 +326,14 @@ def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_fo
     routed = mk.route(ids, num_experts)
     xs = mk.sort_rows(x.contiguous(), routed, top_k)  # x's rows in expert order
     h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # sorted rows too
-    if alpha == mk.SWIGLU_ALPHA and limit == mk.SWIGLU_LIMIT:
+    if fused:
         mk.launch(xs, gu_words, gu_scale_t, gu_constants, gu_bias, routed, tokens, h,
                   layout_of(FORMATS[gu_format]), act=1)
     else:
         gate_up = torch.empty((tokens * top_k, 2 * inter), dtype=x.dtype, device=x.device)
         mk.launch(xs, gu_words, gu_scale_t, gu_constants, gu_bias, routed, tokens, gate_up,
                   layout_of(FORMATS[gu_format]), sorted_out=1)
-        h = gpt_oss_glu(gate_up, alpha, limit)
+        h = _glu(gate_up, activation, alpha, limit)
     y = torch.empty((tokens * top_k, hidden), dtype=x.dtype, device=x.device)  # (token, slot) rows
     mk.launch(h, d_words, d_scale_t, d_constants, d_bias, routed, tokens, y, layout_of(FORMATS[d_format]))
     return _weighted_sum(y.reshape(tokens, top_k, hidden), weights)
@@ -343,7 +368,8 @@ class _MoEExpertsLaunch:
         out = _experts_launches(hidden_states.reshape(self.tokens, m.hidden_size), router_indices.reshape(self.shape),
                                 routing_weights.reshape(self.shape), m.gate_up_words, m.gate_up_scale_t,
                                 m.gate_up_constants, m.formats[0], m.gate_up_bias, m.down_words, m.down_scale_t,
-                                m.down_constants, m.formats[1], m.down_bias, m.alpha, m.limit, self.design)
+                                m.down_constants, m.formats[1], m.down_bias, m.alpha, m.limit, self.design,
+                                m.activation)
         return out.reshape(hidden_states.shape)
 
 
@@ -353,8 +379,8 @@ def _gpt_oss_experts_op(x: Tensor, ids: Tensor, weights: Tensor, gu_words: Tenso
                         d_scale_t: Tensor, d_constants: Tensor, d_format: str, d_bias: Optional[Tensor],
                         alpha: float, limit: float) -> Tensor:
     """gpt-oss's experts block on stacked packed weights: x (T, H), ids and weights (T, k) -> (T, H)."""
-    return run_gpt_oss_experts(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format, gu_bias,
-                               d_words, d_scale_t, d_constants, d_format, d_bias, alpha, limit)
+    return run_experts(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format, gu_bias,
+                       d_words, d_scale_t, d_constants, d_format, d_bias, alpha, limit, "gpt-oss")
 
 
 @_gpt_oss_experts_op.register_fake
@@ -363,37 +389,107 @@ def _(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format, gu_bias, d
     return x.new_empty((x.shape[0], d_words.shape[1]))
 
 
-#: transformers' class whose modules ``quantize_model`` / ``load_quantized`` replace.
+@torch.library.custom_op("tilemm::silu_experts", mutates_args=())
+def _silu_experts_op(x: Tensor, ids: Tensor, weights: Tensor, gu_words: Tensor, gu_scale_t: Tensor,
+                     gu_constants: Tensor, gu_format: str, d_words: Tensor, d_scale_t: Tensor, d_constants: Tensor,
+                     d_format: str) -> Tensor:
+    """A SiLU-gated experts block (gate / up halves, no bias) on stacked packed weights: x (T, H), ids
+    and weights (T, k) -> (T, H)."""
+    return run_experts(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format, None,
+                       d_words, d_scale_t, d_constants, d_format, None, 0.0, 0.0, "silu")
+
+
+@_silu_experts_op.register_fake
+def _(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format, d_words, d_scale_t, d_constants, d_format):
+    return x.new_empty((x.shape[0], d_words.shape[1]))
+
+
+#: transformers' classes whose modules ``quantize_model`` / ``load_quantized`` replace (matched by
+#: name: transformers is not a dependency): gpt-oss's experts, and the SiLU-gated experts whose fused
+#: ``gate_up_proj`` (E, 2I, H) holds the gate rows then the up rows and that have no bias.
 GPT_OSS_EXPERTS = "GptOssExperts"
+SILU_EXPERTS = ("Qwen3MoeExperts", "Qwen2MoeExperts", "MixtralExperts")
+
+
+def experts_activation(module: torch.nn.Module) -> str | None:
+    """The ``MoEExperts`` gating a module is replaced with: "gpt-oss" for transformers'
+    ``GptOssExperts``, "silu" for its SiLU-gated experts classes (``SILU_EXPERTS``), a
+    ``MoEExperts``'s own; None for any other module."""
+    if isinstance(module, MoEExperts):
+        return module.activation
+    name = type(module).__name__
+    return "gpt-oss" if name == GPT_OSS_EXPERTS else "silu" if name in SILU_EXPERTS else None
+
+
+def experts_dims(module: torch.nn.Module) -> tuple[int, int, int]:
+    """(experts, hidden, intermediate) of a transformers experts block or a ``MoEExperts``
+    (transformers names them ``num_experts``, ``hidden_size`` / ``hidden_dim``,
+    ``intermediate_size`` / ``intermediate_dim`` depending on the family)."""
+    hidden = getattr(module, "hidden_size", None) or getattr(module, "hidden_dim")
+    inter = getattr(module, "intermediate_size", None) or getattr(module, "intermediate_dim")
+    return int(module.num_experts), int(hidden), int(inter)
+
+
+def check_silu_experts(fn: str, experts: torch.nn.Module) -> None:
+    """Raise ValueError unless ``experts`` computes what ``MoEExperts(activation="silu")`` does: its
+    ``act_fn`` is SiLU, it has no bias, ``gate_up_proj`` is (E, 2I, H) and ``down_proj`` (E, H, I)."""
+    act = getattr(experts, "act_fn", None)
+    if type(act).__name__ not in ("SiLU", "SiLUActivation"):
+        raise ValueError(f"{fn}: experts.act_fn must be SiLU (what activation='silu' computes), got "
+                         f"{type(act).__name__}")
+    for name in ("gate_up_proj_bias", "down_proj_bias"):
+        if getattr(experts, name, None) is not None:
+            raise ValueError(f"{fn}: experts has a {name}; SiLU-gated MoEExperts have no bias")
+    e, hidden, inter = experts_dims(experts)
+    for name, want in (("gate_up_proj", (e, 2 * inter, hidden)), ("down_proj", (e, hidden, inter))):
+        got = tuple(getattr(experts, name).shape)
+        if got != want:
+            raise ValueError(f"{fn}: experts.{name} must be (E, N, K) = {want} for its {e} experts, hidden "
+                             f"{hidden} and intermediate {inter}, got {got}")
 
 
 class MoEExperts(torch.nn.Module):
-    """gpt-oss's experts on stacked packed weights; the forward of transformers' ``GptOssExperts``.
+    """A mixture-of-experts experts block on stacked packed weights; the forward of transformers'
+    ``GptOssExperts`` (``activation="gpt-oss"``) or of its SiLU-gated ``Qwen3MoeExperts``,
+    ``Qwen2MoeExperts`` and ``MixtralExperts`` (``activation="silu"``).
 
     ``forward(hidden_states (T, H), router_indices (T, k), routing_weights (T, k)) -> (T, H)``:
 
-    * ``gate_up = moe_linear(x, W_gate_up, ids, gate_up_bias)`` (T, k, 2I), gate / up interleaved
-      in its columns (gate = columns 0, 2, ..., up = 1, 3, ..., as in the checkpoint);
-    * ``h = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, g = ``clamp(gate, max=limit)``
-      (limit 7.0, alpha 1.702 in gpt-oss), in fp32 from the rounded gate_up, rounded once
-      (``gpt_oss_glu``; on CUDA fused into the gate_up kernel's epilogue);
+    * ``gate_up = moe_linear(x, W_gate_up, ids, gate_up_bias)`` (T, k, 2I);
+    * "gpt-oss": gate / up interleaved in its columns (gate = columns 0, 2, ..., up = 1, 3, ..., as
+      in the checkpoint); ``h = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``,
+      g = ``clamp(gate, max=limit)`` (limit 7.0, alpha 1.702 in gpt-oss), in fp32 from the rounded
+      gate_up, rounded once (``gpt_oss_glu``; on CUDA fused into the gate_up kernel's epilogue);
+    * "silu": gate = columns 0 .. I-1, up = columns I .. 2I-1 (transformers' ``chunk(2, dim=-1)``),
+      no bias; ``h = silu(gate) * up`` in fp32 from the rounded gate_up, rounded once
+      (``silu_glu``; on CUDA in PyTorch after the unfused gate_up launch);
     * ``y = moe_linear(h, W_down, ids, down_bias)``: one row per (token, slot);
     * the output: sum over the k slots of ``y * routing_weights``, in fp32, rounded once.
 
-    It is one custom op, ``torch.ops.tilemm.gpt_oss_experts``: on CUDA, for a few tokens two launches of
-    the per-pair kernel (the weighted sum in the second where that pays, else a batched GEMM); for
-    more, one routing (shared by both projections), two grouped launches and a batched GEMM for
-    the weighted sum. transformers rounds
-    to bf16 after each of its elementwise operations; the results agree up to those roundings.
+    It is one custom op, ``torch.ops.tilemm.gpt_oss_experts`` or ``torch.ops.tilemm.silu_experts``
+    (both run ``run_experts``): on CUDA, for a few tokens two launches of the per-pair kernel (the
+    weighted sum in the second where that pays, else a batched GEMM); for more, one routing (shared
+    by both projections), two grouped launches and a batched GEMM for the weighted sum. transformers
+    rounds to bf16 after each of its elementwise operations; the results agree up to those roundings.
 
     The weights are registered buffers (``{gate_up,down}_{words,scale_t,constants}``, biases in
     fp32), so ``.to(device)`` and state dicts carry them.
     """
 
     def __init__(self, gate_up: PackedWeight, down: PackedWeight, gate_up_bias: torch.Tensor | None = None,
-                 down_bias: torch.Tensor | None = None, *, alpha: float = 1.702, limit: float = 7.0):
+                 down_bias: torch.Tensor | None = None, *, alpha: float = 1.702, limit: float = 7.0,
+                 activation: str = "gpt-oss"):
         super().__init__()
         fn = "tilemm.moe.MoEExperts"
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"{fn}: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got "
+                             f"{activation!r}")
+        if activation == "silu":
+            for name, b in (("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
+                if b is not None:
+                    raise ValueError(f"{fn}: {name} must be None with activation='silu' (SiLU-gated experts "
+                                     f"have no bias), got a {type(b).__name__}")
+        self.activation = activation
         for name, w in (("gate_up", gate_up), ("down", down)):
             if not isinstance(w, PackedWeight) or w.num_experts is None:
                 raise TypeError(f"{fn}: {name} must be a stacked expert PackedWeight, got {type(w).__name__}")
@@ -443,20 +539,46 @@ class MoEExperts(torch.nn.Module):
                             exponent=self.exponents[i], global_scale=global_scale,
                             in_features=self.hidden_size if i == 0 else self.intermediate_size)
 
+    @staticmethod
+    def _quantizer(fn: str, format: str, quantizer):
+        from . import quantize as q
+
+        quantizers = {"mxfp4": q.quantize_mxfp4, "nvfp4": q.quantize_nvfp4, "mxfp8": q.quantize_mxfp8}
+        if format not in quantizers:
+            raise ValueError(f"{fn}: format must be one of {', '.join(map(repr, quantizers))}, got {format!r}")
+        return quantizer or quantizers[format]
+
+    @classmethod
+    def from_silu_experts(cls, experts: torch.nn.Module, format: str = "mxfp4", *,
+                          quantizer=None) -> "MoEExperts":
+        """Quantize a transformers SiLU-gated experts block (``Qwen3MoeExperts``, ``Qwen2MoeExperts``,
+        ``MixtralExperts``: ``gate_up_proj`` (E, 2I, H) with the gate rows first, ``down_proj``
+        (E, H, I), ``act_fn`` SiLU, no bias) along K per expert to ``format`` ("mxfp4", "nvfp4" or
+        "mxfp8") and prepack it; ``activation="silu"``. Its weights are already (N, K) per expert (it
+        computes ``F.linear(x, gate_up_proj[e])``), so each expert is quantized as stored (NVFP4:
+        one per-tensor scale per expert projection, gate and up together). ``quantizer`` as for
+        ``from_gpt_oss``. Another activation or a bias raises ValueError (the module would compute
+        something else)."""
+        from .packed import prepack
+
+        fn = "tilemm.moe.MoEExperts.from_silu_experts"
+        quantizer = cls._quantizer(fn, format, quantizer)
+        check_silu_experts(fn, experts)
+        e = experts.num_experts
+        with torch.no_grad():
+            gate_up = prepack([quantizer(experts.gate_up_proj[x].contiguous()) for x in range(e)])
+            down = prepack([quantizer(experts.down_proj[x].contiguous()) for x in range(e)])
+        return cls(gate_up, down, activation="silu")
+
     @classmethod
     def from_gpt_oss(cls, experts: torch.nn.Module, format: str = "mxfp4", *, quantizer=None) -> "MoEExperts":
         """Quantize a transformers ``GptOssExperts`` (bf16 gate_up_proj (E, H, 2I), down_proj (E, I, H),
         biases) along K per expert to ``format`` ("mxfp4", "nvfp4" or "mxfp8") and prepack it.
         ``quantizer`` (an (N, K) tensor -> a quantized weight of ``format``) replaces the default
         ``tilemm.quantize_<format>`` (``quantize_model`` passes its element dtype and rounding)."""
-        from . import quantize as q
         from .packed import prepack
 
-        quantizers = {"mxfp4": q.quantize_mxfp4, "nvfp4": q.quantize_nvfp4, "mxfp8": q.quantize_mxfp8}
-        if format not in quantizers:
-            raise ValueError(f"tilemm.moe.MoEExperts.from_gpt_oss: format must be one of "
-                             f"{', '.join(map(repr, quantizers))}, got {format!r}")
-        quantizer = quantizer or quantizers[format]
+        quantizer = cls._quantizer("tilemm.moe.MoEExperts.from_gpt_oss", format, quantizer)
         with torch.no_grad():
             # transformers stores (E, K, N) (x @ W); tilemm quantizes (E, N, K) rows along K, per expert.
             gate_up = prepack([quantizer(experts.gate_up_proj[e].t().contiguous())
@@ -473,9 +595,9 @@ class MoEExperts(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
         # A repeated eager CUDA call of a signature (the inputs' and the buffers' shapes, strides, dtypes
-        # and devices, the formats, alpha and limit) was checked and planned on its first call.
+        # and devices, the formats, alpha, limit and the activation) was checked and planned on its first call.
         key = _eager_key("gpt_oss_experts", hidden_states, router_indices, routing_weights, *self._weight_tensors(),
-                         options=(self.formats, self.alpha, self.limit))
+                         options=(self.formats, self.alpha, self.limit, self.activation))
         launch = _kernels.PLANS.get(key) if key is not None else None
         if launch is not None:
             return launch(self, hidden_states, router_indices, routing_weights)
@@ -512,6 +634,11 @@ class MoEExperts(torch.nn.Module):
             family(x.device)  # raises UnsupportedGPUError below sm_90
             launch = _kernels.remember(key, _MoEExpertsLaunch(self, x, ids))
             return launch(self, hidden_states, router_indices, routing_weights)
+        if self.activation == "silu":
+            out = _silu_experts_op(x, ids, weights, self.gate_up_words, self.gate_up_scale_t, self.gate_up_constants,
+                                   self.formats[0], self.down_words, self.down_scale_t, self.down_constants,
+                                   self.formats[1])
+            return out.reshape(hidden_states.shape)
         out = _gpt_oss_experts_op(x, ids, weights, self.gate_up_words, self.gate_up_scale_t,
                                   self.gate_up_constants, self.formats[0], self.gate_up_bias, self.down_words,
                                   self.down_scale_t, self.down_constants, self.formats[1], self.down_bias,
@@ -520,4 +647,4 @@ class MoEExperts(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden_size}, "
-                f"intermediate={self.intermediate_size}, formats={self.formats}")
+                f"intermediate={self.intermediate_size}, formats={self.formats}, activation={self.activation!r}")

@@ -41,7 +41,7 @@ from . import packed as _packed
 from . import quantize as _quantize
 from . import weight_only as _weight_only
 from .formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
-from .moe import GPT_OSS_EXPERTS, MoEExperts
+from .moe import MoEExperts, check_silu_experts, experts_activation
 
 __all__ = ["Linear", "quantize_model", "FORMATS"]
 
@@ -627,9 +627,12 @@ def quantize_model(model: torch.nn.Module, format: str, *,
             fp32) and quantize it again in ``format`` (the error of both quantizations adds up; the
             bias is kept).
 
-    With ``weight_only=True`` and mxfp4, nvfp4 or mxfp8, transformers' gpt-oss experts blocks
-    (``GptOssExperts``) are replaced too, by :class:`tilemm.moe.MoEExperts` (each expert's projections
-    quantized along K, stacked; ``tilemm.moe_linear`` runs them).
+    With ``weight_only=True`` and mxfp4, nvfp4 or mxfp8, transformers' experts blocks are replaced
+    too, by :class:`tilemm.moe.MoEExperts` (each expert's projections quantized along K, stacked;
+    ``tilemm.moe_linear`` runs them): gpt-oss's (``GptOssExperts``, ``MoEExperts.from_gpt_oss``) and
+    the SiLU-gated ones of Qwen3-MoE, Qwen2-MoE and Mixtral (``Qwen3MoeExperts``, ``Qwen2MoeExperts``,
+    ``MixtralExperts``; ``MoEExperts.from_silu_experts``, which raises ValueError for another
+    ``act_fn``: skip such a block with ``skip=``).
 
     Layers whose ``in_features`` is not a multiple of the format's block size (32 for mxfp8 / mxfp4,
     16 for nvfp4, 128 for fp8 (128, 128) blocks) stay unquantized; one ``UserWarning`` lists them.
@@ -660,6 +663,11 @@ def quantize_model(model: torch.nn.Module, format: str, *,
             return model
         return Linear.from_float(model, format, **options.as_kwargs())
 
+    if options.packed:  # refuse experts blocks MoEExperts cannot compute before changing anything
+        for name, module in model.named_modules():
+            if name and _experts_to_swap(module) == "silu" and not is_skipped(name, module):
+                check_silu_experts(f"{fn}: experts {name!r}", module)
+
     converted: dict[int, Linear] = {}
     misfits = []
     for name, module in list(model.named_modules(remove_duplicate=False)):
@@ -668,11 +676,13 @@ def quantize_model(model: torch.nn.Module, format: str, *,
                 misfits.append(f"{name} (in_features={module.in_features})")
                 continue
             converted[id(module)] = Linear.from_float(_dequantized(module), format, **options.as_kwargs())
-        if _is_gpt_oss_experts(module) and options.packed and name and not is_skipped(name, module):
-            # gpt-oss's experts block (not nn.Linear layers): stacked packed experts (tilemm.moe).
+        activation = _experts_to_swap(module)
+        if activation and options.packed and name and not is_skipped(name, module):
+            # a transformers experts block (not nn.Linear layers): stacked packed experts (tilemm.moe).
             if id(module) not in converted:
-                converted[id(module)] = MoEExperts.from_gpt_oss(module, format, quantizer=options.quantize_weight)
-        if id(module) in converted and (isinstance(module, Linear) or _is_gpt_oss_experts(module)):
+                build = MoEExperts.from_gpt_oss if activation == "gpt-oss" else MoEExperts.from_silu_experts
+                converted[id(module)] = build(module, format, quantizer=options.quantize_weight)
+        if id(module) in converted and (isinstance(module, Linear) or activation):
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, converted[id(module)])
             continue
@@ -704,9 +714,10 @@ def _dequantized(layer: Linear) -> torch.nn.Linear:
     return out
 
 
-def _is_gpt_oss_experts(module: torch.nn.Module) -> bool:
-    """transformers' gpt-oss experts block (matched by name: transformers is not a dependency)."""
-    return type(module).__name__ == GPT_OSS_EXPERTS
+def _experts_to_swap(module: torch.nn.Module) -> str | None:
+    """The gating of the ``MoEExperts`` that replaces a transformers experts block ("gpt-oss" or
+    "silu", ``tilemm.moe.experts_activation``); None for any other module, a ``MoEExperts`` included."""
+    return None if isinstance(module, MoEExperts) else experts_activation(module)
 
 
 def _skip_predicate(fn: str, model: torch.nn.Module, skip) -> Callable[[str, torch.nn.Module], bool]:

@@ -41,6 +41,9 @@ from swizzle import swizzle_32_4_4, unswizzle_32_4_4
 from . import matmul as _matmul
 from . import quantize as _quantize
 from .formats import FP8_BLOCK
+from .kernels import quantize_kernels as _quantize_kernels
+from .kernels._common import stream_handle
+from .nn import _ACTIVATION_DTYPES
 from .nn import SMALL_BATCH_ROWS as _SMALL_BATCH_ROWS
 from .nn import Linear
 
@@ -305,12 +308,15 @@ class _TPConfig:
     __slots__ = ("style", "mesh", "group", "input_layouts", "output_layouts", "use_local_output",
                  "desired_input", "local_output", "plain_input", "plain_output", "amax", "full_out",
                  "sum_opts", "sum_async_opts", "max_opts", "max_async_opts", "chunks", "chunk_min_rows",
-                 "one_shot", "copy", "tensor_scale", "taper")
+                 "one_shot", "copy", "tensor_scale", "taper", "widest_k")
 
     def __init__(self, style, mesh, input_layouts, output_layouts, use_local_output, amax, full_out,
                  chunks=1, chunk_min_rows=1024, one_shot_max_bytes=0, tensor_scale=False, copy_min_bytes=0,
-                 taper=False):
+                 taper=False, widest_k=0):
         self.style, self.mesh, self.group = style, mesh, mesh.get_group()
+        # Row-wise: the longest K-slice of any rank (rank 0's, torch.chunk's step), which fixes how
+        # many amax slots every rank exchanges (``ShardedLinear._small_batch_nvfp4``).
+        self.widest_k = widest_k
         self.input_layouts, self.output_layouts = tuple(input_layouts), tuple(output_layouts)
         self.use_local_output, self.amax, self.full_out = use_local_output, amax, full_out
         # Built once: dist.all_reduce builds its options and checks its arguments on every call.
@@ -875,7 +881,18 @@ class ShardedLinear(Linear):
         (``tilemm.quantize.quantize_nvfp4_with_amax`` / ``quantize_fp8_with_amax``). NVFP4 on the GPU
         takes its slice's amax from the quantize kernels' own ``tensor_amax`` (one read of the
         activation in its dtype, then one small reduction), the amax the unsharded layer's quantizer
-        computes; elsewhere ``quantize.amax_bits``."""
+        computes; at small batch on Hopper over NCCL the per-tile maxima themselves are exchanged
+        (``_small_batch_nvfp4``); elsewhere ``quantize.amax_bits``."""
+        small = self._runner
+        if (small is not None and type(x) is torch.Tensor and x.ndim == 2 and x.is_cuda
+                and x.shape[0] <= _SMALL_BATCH_ROWS and x.shape[1] == self.in_features
+                and x.dtype in _ACTIVATION_DTYPES and self._options.format == "nvfp4" and small.runner is not None
+                and (tp.one_shot is None or on_nccl_stream) and small.source == self._small_batch_key(x.device)
+                and not torch.compiler.is_compiling()):
+            # The common eager call, checked as Linear.forward checks its own small-batch call.
+            slots = _quantize_kernels.amax_slots(x.shape[0], tp.widest_k)
+            if slots <= _quantize_kernels.AMAX_PARTIALS:
+                return self._small_batch_nvfp4(x, x, tp, small.runner, slots, on_nccl_stream)
         self._check_input(x)
         rows = x.reshape(-1, self.in_features)
         options = self._options
@@ -885,6 +902,13 @@ class ShardedLinear(Linear):
         one_shot = tp.one_shot
         exchange = (one_shot.amax_slot(x.device) if one_shot is not None and tp.amax == "tensor" and x.is_cuda
                     and not on_nccl_stream else None)
+        runner = None
+        if kernels is not None and rows.shape[0] <= _SMALL_BATCH_ROWS and not torch.compiler.is_compiling():
+            runner = self._small_batch_runner(x.device)  # what Linear.forward runs at small batch on Hopper
+            if runner is not None and exchange is None:
+                slots = kernels.amax_slots(rows.shape[0], tp.widest_k)
+                if slots <= kernels.AMAX_PARTIALS:
+                    return self._small_batch_nvfp4(x, rows, tp, runner, slots, on_nccl_stream)
         if kernels is not None:
             partial = kernels.tensor_amax(rows, propagate_nan=False)
             if exchange is not None:
@@ -903,12 +927,9 @@ class ShardedLinear(Linear):
             if work is not None:
                 work.wait()
         if options.format == "nvfp4":
-            runner = (self._small_batch_runner(x.device) if x.is_cuda and rows.shape[0] <= _SMALL_BATCH_ROWS
-                      and not torch.compiler.is_compiling() else None)
-            if runner is not None:  # what Linear.forward runs at small batch on Hopper
+            if runner is not None:
                 rows = rows if rows.is_contiguous() else rows.contiguous()
-                stream = torch.cuda.current_stream(x.device)
-                xq, alpha = runner.fake_quant.run(rows, stream, amax=amax)
+                xq, alpha = runner.fake_quant.run(rows, stream_handle(x.device), amax=amax)
                 out = runner.inner(xq, alpha, out_dtype=x.dtype)
                 return out.reshape(*x.shape[:-1], self.out_features)
             x_q = _quantize.quantize_nvfp4_with_amax(rows, amax, swizzle=options.swizzle)
@@ -917,6 +938,25 @@ class ShardedLinear(Linear):
                                                    elem_dtype=options.elem_dtype)
         out = _matmul.linear(x_q, self.quantized_weight(), bias=self.bias, out_dtype=x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _small_batch_nvfp4(self, x: torch.Tensor, rows: torch.Tensor, tp: _TPConfig, runner, slots: int,
+                           on_nccl_stream: bool) -> torch.Tensor:
+        """``_partial_with_global_amax`` for NVFP4 at small batch on Hopper over NCCL, with nothing
+        worked out per call that the layer's shape fixes: the slice's per-tile amax maxima
+        (``quantize_kernels.tile_amax``, ``slots`` of them, as many on every rank: the widest slice's
+        tiles), their elementwise MAX all-reduce, and the small-batch runner's two launches, which
+        reduce the maxima themselves. Four launches (amax, all-reduce, fake-quantize, matmul), one
+        fewer than reducing the maxima to one word before the all-reduce; the same amax bits, so the
+        same bytes."""
+        rows = rows if rows.is_contiguous() else rows.contiguous()
+        stream = stream_handle(x.device)
+        amax = _quantize_kernels.tile_amax(rows, slots, stream)
+        work = tp.group.allreduce([amax], tp.max_async_opts if on_nccl_stream else tp.max_opts)
+        if work is not None:
+            work.wait()
+        xq, alpha = runner.fake_quant.run(rows, stream, amax=amax)
+        out = runner.inner(xq, alpha, out_dtype=x.dtype)
+        return out if x.ndim == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
     def _to_output_layout(self, out: torch.Tensor, tp: _TPConfig):
         if tp.style == "colwise":
@@ -962,7 +1002,7 @@ def _shard_in_place(fn: str, module: Linear, mesh: DeviceMesh, style: str, *, sr
                            shard.out_features, chunks=chunks, chunk_min_rows=chunk_min_rows,
                            one_shot_max_bytes=one_shot_max_bytes if world_size > 1 else 0,
                            tensor_scale=tensor_scale, copy_min_bytes=copy_min_bytes if world_size > 1 else 0,
-                           taper=taper)
+                           taper=taper, widest_k=-(-shard.in_features // world_size))
     module.__class__ = ShardedLinear
     return module
 

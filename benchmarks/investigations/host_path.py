@@ -84,7 +84,7 @@ def cuda_route():
         patch(module, "num_sms", lambda device: 132)
         patch(module, "_capturing", lambda device: False)
         patch(module, "Described", _Plain)
-    for module in (_matmul, _quantize, _weight_only, _common, *kernel_modules):
+    for module in (_matmul, _quantize, _weight_only, _common, tilemm.parallel, *kernel_modules):
         patch(module, "stream_handle", lambda device: 0)
     patch(_weight_only, "num_sms", lambda device: 132)
     patch(_common, "num_sms", lambda device: 132)

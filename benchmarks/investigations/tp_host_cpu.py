@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
+import gc
 import os
 import pathlib
 import pstats
@@ -133,9 +134,13 @@ def main(argv=None) -> int:
                 us = per_call_us(fn, args.number)
                 if args.profile is not None and args.profile.strip() == name.strip():
                     prof = cProfile.Profile()
-                    prof.runcall(lambda: [fn() for _ in range(args.number)])
+                    gc.disable()  # as timeit does: no collection's time charged to the function it interrupts
+                    try:
+                        prof.runcall(lambda: [fn() for _ in range(args.number)])
+                    finally:
+                        gc.enable()
                     LAUNCHES.clear()
-                    pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+                    pstats.Stats(prof).sort_stats(os.environ.get("SORT", "tottime")).print_stats(int(os.environ.get("TOP", "20")))
             print(f"{name:24s} {us:8.1f} us  {launches} launch(es)", flush=True)
     dist.destroy_process_group()
     return 0

@@ -1184,6 +1184,32 @@ def tensor_amax(x: torch.Tensor, propagate_nan: bool) -> torch.Tensor:
     return partial
 
 
+def amax_slots(rows: int, k: int) -> int:
+    """The tiles of ``AMAX_CONFIG`` over a (rows, k) activation: the fewest slots (blocks) that
+    ``tile_amax`` may fill for it."""
+    return -(-rows // AMAX_CONFIG.tile_r) * -(-k // AMAX_CONFIG.tile_k)
+
+
+def tile_amax(x: torch.Tensor, slots: int, stream) -> torch.Tensor:
+    """``tensor_amax(x, propagate_nan=False)`` of a contiguous (M, K) x, as (slots,) int32 per-block
+    maxima, launched with exactly ``slots`` blocks (``amax_slots(M, K) <= slots <= AMAX_PARTIALS``):
+    the launch a row-wise tensor-parallel rank makes on the small-batch path, its arguments known
+    without ``tensor_amax``'s general handling (any layout, 32-bit index pieces).
+
+    ``_amax_kernel`` strides its blocks over the tiles, so with at least one block per tile each block
+    reduces at most one tile and the blocks beyond x's tiles write 0 (the maximum of nothing, which
+    leaves every maximum of the slots unchanged): ranks whose K-slices differ in length still fill the
+    same number of slots, so their maxima can be combined slot by slot (an elementwise MAX all-reduce),
+    and every quantize kernel that takes ``tensor_amax``'s maxima reduces them (``_tensor_amax``).
+    The maximum over the slots is the bits of ``tensor_amax``'s: the same tiles, the same maxima."""
+    m, k = x.shape
+    cfg = AMAX_CONFIG
+    partial = torch.empty(slots, dtype=torch.int32, device=x.device)
+    ct.launch(stream, (slots, 1, 1), _kernel(_amax_kernel, cfg),
+              (x.view(1, m, k), partial, False, False, cfg.tile_r, cfg.tile_k))
+    return partial
+
+
 def amax_value(partial: torch.Tensor) -> torch.Tensor:
     """The (1,) fp32 amax that ``tensor_amax``'s per-block maxima stand for."""
     return partial.amax().reshape(1).view(torch.float32)
@@ -1249,7 +1275,8 @@ class FakeQuant:
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(bf16 (M, K) fake-quantized x, NVFP4's ``S_dec * alpha`` or None). ``stream``: a raw handle
         or a torch.cuda.Stream, the one x's producer ran on. ``amax`` (NVFP4): the tensor amax to use
-        instead of x's, as (1,) int32 fp32 bits (a row-wise tensor-parallel rank's all-reduced one)."""
+        instead of x's, as int32 fp32 bits: (1,), or (P,) per-block maxima whose maximum it is, P <=
+        AMAX_PARTIALS (a row-wise tensor-parallel rank's all-reduced one)."""
         m, k = x.shape
         cfg = self.config
         out = torch.empty((m, k), dtype=torch.bfloat16, device=x.device)
@@ -1259,7 +1286,8 @@ class FakeQuant:
         if not self.nv:
             amax = self._stub_i32
         elif amax is not None:
-            amax = amax.view(torch.int32).reshape(1)
+            if amax.dtype != torch.int32 or amax.ndim != 1:
+                amax = amax.view(torch.int32).reshape(-1)
         elif grid_amax:
             amax = _grid_sync(x.device, stream)
         else:

@@ -539,3 +539,57 @@ def test_an_empty_quantize_is_not_prepared(fmt):
     for a, b in zip(first, second):
         assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8)
                            if b.element_size() == 1 else b)
+
+
+class _RecordingGroup:
+    """A process group whose all-reduce records (tensors, reduce op) and returns no work: what a
+    sharded layer hands to NCCL, without communicating."""
+
+    def __init__(self):
+        self.calls = []
+
+    def allreduce(self, tensors, opts):
+        self.calls.append((list(tensors), opts.reduceOp))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("m", [1, 16])
+def test_sharded_nvfp4_rowwise_small_batch_launches(rank, m):
+    # A row-wise NVFP4 (both sides) shard at small batch on the CUDA route: the per-tile amax maxima of
+    # its K-slice (one launch into the slots that every rank fills alike), their MAX all-reduce, then
+    # exactly the unsharded small-batch launches (fake-quantize reading those all-reduced maxima, the
+    # weight-only matmul) and the SUM all-reduce of the partial sums; no torch kernel besides views
+    # and the outputs' allocations.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tilemm.parallel import shard_linear
+
+    gen = torch.Generator().manual_seed(6)
+    lin = torch.nn.Linear(512, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(256, 512, generator=gen))
+    x = torch.randn(m, 256, generator=gen).to(torch.bfloat16)  # this rank's K-slice
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+    try:
+        layer = shard_linear(tilemm.nn.Linear.from_float(lin, "nvfp4"), init_device_mesh("cpu", (2,)), "rowwise")
+        group = layer._tp.group = _RecordingGroup()
+        with HOST_PATH.cuda_route():
+            layer(x)  # the first call builds the small-batch runner
+            HOST_PATH.LAUNCHES.clear()
+            group.calls.clear()
+            with _Ops() as ops:
+                out = layer(x)
+            launches = list(HOST_PATH.LAUNCHES)
+            HOST_PATH.LAUNCHES.clear()
+    finally:
+        dist.destroy_process_group()
+    slots = qk.amax_slots(m, 256)  # the widest K-slice: 512 / 2
+    (grid, amax_kernel, amax_args), (_, quant_kernel, quant_args), *matmul = launches
+    assert grid == (slots, 1, 1) and amax_args[1].shape == (slots,) and amax_args[0].shape == (1, m, 256)
+    assert len(matmul) == 1 and quant_args[3] is amax_args[1]
+    assert [(t[0] is amax_args[1], op) for t, op in group.calls] == [(True, dist.ReduceOp.MAX),
+                                                                      (False, dist.ReduceOp.SUM)]
+    assert group.calls[1][0][0] is out
+    assert set(ops.names) <= _VIEWS | _ALLOCATIONS, ops.names

@@ -8,16 +8,21 @@ column-then-row with ``tilemm.parallel`` (bf16: ``_tp.PlainShard``), at ``--rows
 For each format, the median over ``--reps`` calls of the host time (``time.perf_counter`` around the
 call alone, not waited for) of:
 
-* the whole call, unsharded and sharded, and the sharded call's steps one at a time: fc1 (column-wise,
+* the whole call, unsharded and sharded, the unsharded layers alone, and the sharded call's steps one
+  at a time: fc1 (column-wise,
   no communication), relu, fc2's local matmul (``ShardedLinear._partial``: for both-sides NVFP4 the
   amax all-reduce included), and the all-reduce of fc2's partial sums by each way of calling it:
   ``ProcessGroup.allreduce`` with prebuilt options (what ``ShardedLinear`` does) split into the call
   and ``Work.wait``, ``dist.all_reduce``, the functional ``torch.ops._c10d_functional.all_reduce_`` +
   ``wait_tensor``, the symmetric-memory one-shot all-reduce, the copy-engine all-reduce; and the amax
-  exchange alone (NCCL MAX of one int32 against the one-shot exchange);
-* each twice: with the GPU idle when the call starts (synchronized, ranks lined up by a barrier) and
-  with the GPU still busy (a ``--busy-us`` GPU sleep queued first), because a launch can cost the host
-  more when the GPU is idle;
+  exchange alone (NCCL MAX of the layer's per-tile amax slots, ``quantize_kernels.amax_slots`` of the
+  widest K-slice, against the one-shot exchange of one int32);
+* with the GPU idle when the call starts (synchronized, ranks lined up by a barrier; "idle", and
+  "settled" 2 ms later) and with the GPU still busy (a ``--busy-us`` GPU sleep queued first), because
+  a launch can cost the host more when the GPU is idle; and "loop": the mean over ``--reps`` calls
+  back to back, the host cost per call in steady state, comparable between a step alone and a whole
+  call (a step timed alone after a sync pays the first launch's cost each time; in a whole call only
+  its first launch does);
 
 then rank 0's ``cProfile`` of ``--profile-calls`` sharded calls (top functions by own time). On the
 CPU every step includes its compute (gloo and the reference kernels are synchronous): use small
@@ -75,6 +80,23 @@ def host_us(fn, reps: int, device, busy_cycles: int, after=None, settle_s: float
         torch.cuda.synchronize()
     dist.barrier()
     return slowest(statistics.median(times) * 1e6, device)
+
+
+def loop_us(fn, reps: int, device) -> float:
+    """Host time per call of ``reps`` calls of ``fn()`` back to back (after a device sync and a
+    barrier, nothing between the calls): what each call costs the host once the first has started
+    the GPU, as in a decode loop; the slowest rank's."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    per_call = (time.perf_counter() - t0) / reps
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    return slowest(per_call * 1e6, device)
 
 
 def main() -> int:
@@ -150,7 +172,9 @@ def main() -> int:
                 pg_call()
                 pg_wait()
 
+            h_full = torch.relu(full.fc1(x))
             steps = [("unsharded call", lambda: full(x)), ("sharded call", lambda: sharded(x)),
+                     ("  unsharded fc1", lambda: full.fc1(x)), ("  unsharded fc2", lambda: full.fc2(h_full)),
                      ("  fc1 (column-wise)", lambda: sharded.fc1(x)), ("  relu", lambda: torch.relu(h)),
                      ("  fc2 local matmul", part_fn),
                      ("  all-reduce: ProcessGroup.allreduce + wait", pg_both),
@@ -166,7 +190,8 @@ def main() -> int:
                 if copy_ar.start(part) is not None:
                     steps.append(("  all-reduce: copy engines", lambda: copy_ar.start(part).wait()))
                 if kw is not None and sharded.fc2._tp.amax == "tensor":
-                    bits = torch.zeros(1, dtype=torch.int32, device=device)
+                    slots = tilemm.kernels.quantize_kernels.amax_slots(args.rows, sharded.fc2._tp.widest_k)
+                    bits = torch.zeros(slots, dtype=torch.int32, device=device)
                     max_opts = tilemm.parallel._reduce_opts(dist.ReduceOp.MAX, False)
 
                     def nccl_max():
@@ -183,13 +208,14 @@ def main() -> int:
             for _, step in steps:  # warm-up (first calls build runners, compile kernels)
                 step()
             pg_both()
-            steps.insert(6, ("  all-reduce: ProcessGroup.allreduce call alone", (pg_call, pg_wait)))
-            lines += [f"## {name}", "", "| step | " + " | ".join(c for c, _, _ in conditions) + " |",
-                      "|---|" + "---|" * len(conditions)]
+            steps.insert(8, ("  all-reduce: ProcessGroup.allreduce call alone", (pg_call, pg_wait)))
+            lines += [f"## {name}", "", "| step | " + " | ".join(c for c, _, _ in conditions) + " | loop |",
+                      "|---|" + "---|" * (len(conditions) + 1)]
             for label_, step in steps:
                 call, after = step if isinstance(step, tuple) else (step, None)
                 cells = [f"{host_us(call, args.reps, device, cycles, after, settle):.1f}"
                          for _, cycles, settle in conditions]
+                cells.append("-" if after is not None else f"{loop_us(call, args.reps, device):.1f}")
                 lines.append(f"| {label_} | " + " | ".join(cells) + " |")
             lines.append("")
             # The profile: rank 0's own time per function over many sharded calls.

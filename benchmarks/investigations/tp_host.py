@@ -108,7 +108,12 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--busy-us", type=float, default=300.0, help="the GPU sleep queued before a 'busy' call")
     ap.add_argument("--profile-calls", type=int, default=200)
+    ap.add_argument("--no-flight-recorder", action="store_true",
+                    help="TORCH_FR_BUFFER_SIZE=0: ProcessGroupNCCL records no entry (with its Python stack) per "
+                         "collective")
     args = ap.parse_args()
+    if args.no_flight_recorder:
+        os.environ["TORCH_FR_BUFFER_SIZE"] = "0"  # read when the process group is created
     rank, world, device = start(cpu=args.cpu)
     d_model, hidden = (int(v) for v in args.dims.split(","))
     dtype = torch.bfloat16

@@ -48,13 +48,19 @@ def experts_class(family: str):
     return getattr(importlib.import_module(module), name)
 
 
+def _halves(gate_up: torch.Tensor) -> torch.Tensor:
+    """(E, 2I, K) rows interleaved (MoEExperts' layout) -> gate rows then up rows (transformers')."""
+    return torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1)
+
+
 def _dequantized_into(hf_experts, ours: MoEExperts):
-    """transformers' SiLU experts given our dequantized weights ((E, N, K), its own layout)."""
+    """transformers' SiLU experts given our dequantized weights ((E, N, K), its own layout: gate_up's
+    interleaved rows put back as halves)."""
     with torch.no_grad():
         for proj in ("gate_up", "down"):
             w = unpack(ours.packed(proj))
             dq = torch.stack([q.dequantize() for q in w]) if isinstance(w, list) else w.dequantize()
-            getattr(hf_experts, proj + "_proj").copy_(dq)
+            getattr(hf_experts, proj + "_proj").copy_(_halves(dq) if proj == "gate_up" else dq)
 
 
 def _routing(tokens: int, fp32_weights: bool, seed: int):
@@ -144,7 +150,7 @@ def test_silu_experts_reference_is_the_stated_arithmetic():
         for j in range(TOP_K):
             e = ids[t, j]
             gate_up = (wg[e] @ x[t].double()).to(torch.bfloat16).double()
-            g, u = gate_up[:I], gate_up[I:]
+            g, u = gate_up[0::2], gate_up[1::2]  # MoEExperts' rows: gate / up interleaved
             h = (g * torch.sigmoid(g) * u).to(torch.bfloat16).double()
             y = (wd[e] @ h).to(torch.bfloat16).double()
             total += y * weights[t, j].double()
@@ -157,9 +163,9 @@ def test_silu_experts_reference_is_the_stated_arithmetic():
 
 @pytest.mark.parametrize("design", ["sorted", "pairs_combine", "pairs_bmm"])
 def test_silu_experts_launches_on_emulator(emulated, design):  # noqa: F811
-    """The GPU path (``_experts_launches`` with activation "silu": gate_up unfused, silu_glu in
-    PyTorch, down, the weighted sum) on the CPU emulator against the CPU path: equal up to fp32
-    summation order. fp32 router weights (Mixtral's); expert 0 takes most rows (two chunks of 16);
+    """The GPU path (``_experts_launches`` with activation "silu": gate_up with the SiLU gating fused
+    in its epilogue, down, the weighted sum) on the CPU emulator against the CPU path: equal up to
+    fp32 summation order. fp32 router weights (Mixtral's); expert 0 takes most rows (two chunks of 16);
     one id out of range gives a NaN token."""
     from tilemm.moe import _experts_launches, run_experts
 
@@ -316,8 +322,8 @@ def _experts_holder(family: str, **kw):
     return model
 
 
-def _check_halves(ours: MoEExperts, layers):
-    """gate_up rows 0 .. I-1 = gate, I .. 2I-1 = up, down as stored: exactly the stored values."""
+def _check_interleaved(ours: MoEExperts, layers):
+    """gate_up row 2j = gate row j, row 2j + 1 = up row j, down as stored: exactly the stored values."""
     assert isinstance(ours, MoEExperts) and ours.activation == "silu" and ours.gate_up_words.dtype == torch.int32
     for proj in ("gate_up", "down"):
         w = unpack(ours.packed(proj))
@@ -326,7 +332,8 @@ def _check_halves(ours: MoEExperts, layers):
             if proj == "down":
                 expected = layer["down_proj"].dequantize().float()
             else:
-                expected = torch.cat((layer["gate_proj"].dequantize().float(), layer["up_proj"].dequantize().float()))
+                expected = torch.stack((layer["gate_proj"].dequantize().float(), layer["up_proj"].dequantize().float()),
+                                       dim=1).reshape(2 * I, -1)
             assert torch.equal(dq[e], expected), (proj, e)
 
 
@@ -334,7 +341,7 @@ def _check_halves(ours: MoEExperts, layers):
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_silu_experts_from_compressed_tensors(fmt, family):
     """Per-expert compressed-tensors layers (``experts.<i>.{gate,up,down}_proj``) fill a SiLU
-    MoEExperts: packed bytes, gate and up stacked as halves, exactly the stored values; its forward
+    MoEExperts: packed bytes, gate and up rows interleaved, exactly the stored values; its forward
     equals the module quantize_model builds from those dequantized weights when the formats quantize
     them back to the same bytes (MX: row-wise blocks)."""
     layers = _expert_layers(fmt)
@@ -343,7 +350,7 @@ def test_silu_experts_from_compressed_tensors(fmt, family):
                                   quantization_config=config)
     stored = [{proj: checkpoints.from_compressed_tensors(*checkpoints.to_compressed_tensors(q)[:2])
                for proj, q in layer.items()} for layer in layers]
-    _check_halves(model.mlp.experts, stored)
+    _check_interleaved(model.mlp.experts, stored)
     if fmt != "nvfp4":
         hf = experts_class(family)(tiny_config(family))
         with torch.no_grad():
@@ -367,7 +374,7 @@ def test_silu_experts_from_modelopt():
             tensors[f"mlp.experts.{i}.{proj}.input_scale"] = torch.tensor(1.0)
     model = tilemm.load_quantized(_experts_holder("qwen2_moe"), tensors, convention="modelopt",
                                   quantization_config={"quant_algo": "NVFP4", "exclude_modules": []})
-    _check_halves(model.mlp.experts, layers)
+    _check_interleaved(model.mlp.experts, layers)
 
 
 def test_whole_qwen3_moe_model_from_compressed_tensors(tmp_path):

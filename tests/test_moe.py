@@ -106,7 +106,8 @@ def test_experts_state_dict_of_an_older_word_layout_loads(fmt):
     _, down = stacked(fmt, 2, 64, 32, seed=6)  # (E, H, I)
     module = MoEExperts(gate_up, down)
     state = module.state_dict()
-    assert state._metadata[""]["version"] == LAYOUT_VERSION
+    assert state._metadata[""]["version"] == MoEExperts._version
+    assert MoEExperts._WORD_LAYOUT[MoEExperts._version] == LAYOUT_VERSION  # a new word layout needs a new version
     old = dict(state)
     for name in ("gate_up_words", "down_words"):
         old[name] = relayout_words(state[name], gate_up.fmt, LAYOUT_VERSION, 1)

@@ -487,8 +487,8 @@ def grid_blocks(items: int, cfg: MoEConfig, device) -> int:
 
 
 #: The most expert weight bytes the per-pair design may read in one call (its pairs times one
-#: expert's bytes): about 85 us of an H100's HBM, the scale at which the sorted design's fixed cost
-#: (routing, gathers, tiles of mostly empty rows) stops outweighing the pairs' re-reads.
+#: expert's bytes): the scale at which the sorted design's fixed cost (routing, gathers, tiles of
+#: mostly empty rows) stops outweighing the pairs' re-reads (``benchmarks/results/moe-layers-*``).
 PAIRS_MAX_BYTES = 256 * 2 ** 20
 
 
@@ -497,9 +497,8 @@ def pairs_pay(tokens: int, top_k: int, num_experts: int, expert_bytes: int) -> b
     always does: its k experts are distinct, so every weight is read once either way. From two tokens,
     pairs that share an expert read it once each; the per-pair design keeps paying while the pairs
     are at most half the experts (few of them shared under uniform routing) and read at most
-    ``PAIRS_MAX_BYTES``. Measured on an H100 (``benchmarks/results/moe-layers-*``): with 256 small
-    experts (1.6 MiB, top-8) the pairs win up to 16 tokens, with gpt-oss's 13 MiB experts they win at
-    2 tokens, tie at 4 and lose from 8."""
+    ``PAIRS_MAX_BYTES``: many small experts keep the per-pair design for more tokens than a few large
+    ones (``benchmarks/results/moe-layers-*`` compares the two designs by T)."""
     pairs = tokens * top_k
     return tokens <= 1 or (2 * pairs <= num_experts and pairs * expert_bytes <= PAIRS_MAX_BYTES)
 
@@ -533,8 +532,7 @@ def combine_pays(tokens: int, n: int, sms: int) -> bool:
     """Whether the down projection should apply the router's weights in its epilogue (one block per
     (token, N tile), each running the token's k experts one after another): only while those blocks
     alone give at least 1.5 per SM; with fewer, the per-pair blocks (k times as many) and a batched
-    GEMM for the sum keep more weight loads in flight (H100: 180 blocks on 132 SMs lose by 1.4 us,
-    256 win by 4 us)."""
+    GEMM for the sum keep more weight loads in flight (``benchmarks/results/moe-layers-*``)."""
     return 2 * tokens * -(-n // PairsConfig(1).tile_n) >= 3 * sms
 
 

@@ -6,26 +6,23 @@ and rounded once to x's dtype. ``w`` is a stacked expert weight, ``tilemm.prepac
 quantized tensor (or of a list of E (N, K) ones). It is the custom operator
 ``torch.ops.tilemm.moe_linear``, which ``torch.compile(fullgraph=True)`` traces as one op.
 
-* On CUDA (Hopper, Blackwell): one cuTile launch of the per-pair kernel for a few tokens
-  (``moe_kernels.pairs_pay``), else one routing step, x's rows gathered into expert order and one grouped launch (``run_moe``;
-  ``tilemm.kernels.moe_kernels`` describes both designs). No host synchronisation and no allocation
-  whose size depends on the routing, so a call can be captured in a CUDA graph.
+* On CUDA (Hopper, Blackwell): for a few tokens (``moe_kernels.pairs_pay``) one launch of the
+  per-pair kernel, else one routing step, x's rows gathered into expert order and one grouped launch
+  (``run_moe``; ``moe_kernels`` describes both). No host synchronisation and no allocation whose
+  size depends on the routing, so a call can be captured in a CUDA graph.
 * On the CPU: the same arithmetic in PyTorch (``reference_moe``), expert by expert.
 
-Expert ids outside [0, E): checking them on the GPU would need a host synchronisation, so by default
-the call does not raise; the rows of such (token, slot) pairs come out as NaN, on the GPU and the CPU
-alike, and no weight is read for them. ``check_ids=True`` checks on the host first (a synchronisation)
-and raises ValueError.
+Expert ids outside [0, E) are not checked by default (that would synchronise): their rows come out
+NaN on the GPU and the CPU alike, and no weight is read for them; ``check_ids=True`` checks on the
+host first and raises ValueError.
 
-``MoEExperts`` is a transformers experts block on two stacked packed weights (gate_up and down),
-with one of two gatings (``activation``): gpt-oss's (``GptOssExperts``: biases, clamped SwiGLU), or
-SiLU without bias (``Qwen3MoeExperts``, ``Qwen2MoeExperts``, ``MixtralExperts``, whose gate_up holds
-gate / up halves). Its gate_up rows are interleaved for both (gate row j = row 2j, up row j = row
-2j + 1: gpt-oss's own layout; ``interleave_gate_up`` permutes the SiLU families' halves once), so
-each N tile of the gate_up kernel holds matching gate and up rows and both gatings run fused in its
-epilogue. ``tilemm.quantize_model(model, fmt, weight_only=True)``
-swaps it in; ``tilemm.load_quantized`` fills it from a checkpoint's quantized experts without
-building a bf16 expert.
+``MoEExperts`` is a transformers experts block on two stacked packed weights (gate_up, down) with one
+of two gatings (``activation``): gpt-oss's (biases, clamped SwiGLU) or SiLU without bias (Qwen3-MoE,
+Qwen2-MoE, Mixtral, which store gate / up as halves). Its gate_up rows are interleaved for both
+(gate row j = row 2j, up row j = 2j + 1; ``interleave_gate_up`` permutes halves once), so each N tile
+holds matching gate and up rows and either gating runs fused in the gate_up epilogue.
+``tilemm.quantize_model(model, fmt, weight_only=True)`` swaps it in; ``tilemm.load_quantized`` fills
+it from a checkpoint's quantized experts without building a bf16 expert.
 """
 
 from __future__ import annotations

@@ -518,7 +518,7 @@ def test_moe_entries_repeat_the_full_launch(tokens):
     # are what the stubbed launches left, so only their shapes and roles are compared.
     _repeat_launches_as_the_full_path(lambda x, ids, weights: block(x, ids, weights), (x, ids, weights),
                                       2 if tokens == 1 else 3, own_bytes=False)
-    # SiLU-gated experts (gate_up unfused, the gating in PyTorch): the same launches, own prepared key.
+    # SiLU-gated experts (the gating fused in gate_up's epilogue): the same launches, own prepared key.
     silu = tilemm.moe.MoEExperts(_experts(2 * 64, 256, 2), _experts(256, 64, 3), activation="silu")
     _repeat_launches_as_the_full_path(lambda x, ids, weights: silu(x, ids, weights), (x, ids, weights),
                                       2 if tokens == 1 else 3, own_bytes=False)

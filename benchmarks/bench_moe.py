@@ -8,14 +8,15 @@
     python benchmarks/bench_moe.py --profile      # per-kernel GPU time of the layers at T = 1 and 16 (120b:
                                                   # uniform and skewed routing)
 
-Layers (one MoE block: gate_up projection with its bias, gpt-oss's clamped SwiGLU, down projection
-with its bias, the router's weights applied and the k slots summed; the routing is given):
+Layers (one MoE block: gate_up projection, the gating, down projection, the router's weights
+applied and the k slots summed; the routing is given):
 
-* gpt-oss-20b: hidden 2880, expert intermediate 2880, 32 experts, top-4, MXFP4;
+* gpt-oss-20b: hidden 2880, expert intermediate 2880, 32 experts, top-4, MXFP4; gate_up and down
+  with biases, gpt-oss's clamped SwiGLU (``MoEExperts(activation="gpt-oss")``);
 * gpt-oss-120b: the same with 128 experts;
-* the anchor shape (a Qwen3-style layer: hidden 2048, intermediate 512, 256 experts, top-8), NVFP4 and
-  MXFP4, without biases (run through the same module, so with gpt-oss's activation: the same
-  elementwise work as a SwiGLU).
+* the anchor shape (a Qwen3-MoE-style layer: hidden 2048, intermediate 512, 256 experts, top-8),
+  NVFP4 and MXFP4: SiLU-gated, no biases (``MoEExperts(activation="silu")``, as the anchor's SwiGLU
+  layer; its bf16 baseline from transformers is ``Qwen3MoeExperts``).
 
 T (tokens) in 1, 4, 16, 64, 256, 1024 for the gpt-oss shapes, 1, 2, 4 for the anchor (the published
 figures' T; with ``--layers-only`` also 16 .. 1024); routing "uniform" (each token k distinct experts, uniformly)
@@ -23,8 +24,10 @@ or "skewed" (expert e drawn with probability proportional to 1 / (e + 1)^1.2, wi
 The packed expert weights are random words and scale bytes made directly on the GPU (no bf16 expert
 is ever quantized); the bf16 baselines get the same weights dequantized exactly:
 
-* ``hf``: transformers' own ``GptOssExperts`` module with the experts implementation a model built from
-  the config selects (``hf_experts_implementation``: ``grouped_mm`` where registered), same routing;
+* ``hf``: transformers' own experts module (``GptOssExperts``; ``Qwen3MoeExperts`` for the SiLU
+  anchor, its gate / up halves being our interleaved rows put back) with the experts implementation a
+  model built from the config selects (``hf_experts_implementation``: ``grouped_mm`` where
+  registered), same routing;
 * ``grouped``: tokens sorted by expert and ``torch._grouped_mm`` (where the installed PyTorch has it;
   else the chosen experts' weights gathered and multiplied with ``torch.bmm`` up to T * k = 64, else
   skipped), the same activation and weighted sum.
@@ -80,10 +83,14 @@ from _results import add_options, results_path  # noqa: E402
 
 SEED = 0
 
-#: (name, hidden, intermediate, experts, top_k, formats, biases)
-LAYERS = [("gpt-oss-20b", 2880, 2880, 32, 4, ("mxfp4",), True),
-          ("gpt-oss-120b", 2880, 2880, 128, 4, ("mxfp4",), True),
-          ("qwen-a3b-anchor", 2048, 512, 256, 8, ("nvfp4", "mxfp4"), False)]
+#: (name, hidden, intermediate, experts, top_k, formats, activation): "gpt-oss" layers have biases,
+#: "silu" ones none.
+LAYERS = [("gpt-oss-20b", 2880, 2880, 32, 4, ("mxfp4",), "gpt-oss"),
+          ("gpt-oss-120b", 2880, 2880, 128, 4, ("mxfp4",), "gpt-oss"),
+          ("qwen-a3b-anchor", 2048, 512, 256, 8, ("nvfp4", "mxfp4"), "silu")]
+#: ``--cpu-smoke``'s layers: tiny shapes of both gatings.
+SMOKE_LAYERS = [("tiny", 256, 256, 8, 2, ("mxfp4", "nvfp4"), "gpt-oss"),
+                ("tiny-silu", 256, 128, 8, 2, ("nvfp4",), "silu")]
 TOKENS = (1, 4, 16, 64, 256, 1024)
 #: The anchor shape's tokens: the published figures' 1, 2, 4 (``--quick``), then TOKENS' larger ones.
 ANCHOR_TOKENS = (1, 2, 4)
@@ -171,17 +178,23 @@ def _gpt_oss_glu(gate_up, alpha=1.702, limit=7.0):
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-class GroupedBF16Experts(torch.nn.Module):
-    """bf16 experts in gpt-oss's layout, grouped: the (token, slot) rows sorted by expert and one
-    ``torch._grouped_mm`` per projection (no host synchronisation); without ``_grouped_mm`` (or on
-    the CPU), the chosen experts' weights gathered (T * k of them) and ``torch.bmm``. Weights as
-    transformers stores them: gate_up (E, H, 2I), down (E, I, H) (x @ W)."""
+def _silu_glu(gate_up):
+    """SiLU gating of interleaved gate / up columns (bf16 in, bf16 out, as a bf16 model computes it)."""
+    return torch.nn.functional.silu(gate_up[..., ::2]) * gate_up[..., 1::2]
 
-    def __init__(self, gate_up, gate_up_bias, down, down_bias, alpha=1.702, limit=7.0):
+
+class GroupedBF16Experts(torch.nn.Module):
+    """bf16 experts, grouped: the (token, slot) rows sorted by expert and one ``torch._grouped_mm``
+    per projection (no host synchronisation); without ``_grouped_mm`` (or on the CPU), the chosen
+    experts' weights gathered (T * k of them) and ``torch.bmm``. Weights in gpt-oss's layout
+    (x @ W): gate_up (E, H, 2I) with gate / up columns interleaved, down (E, I, H); the gating
+    gpt-oss's SwiGLU or SiLU (``activation``)."""
+
+    def __init__(self, gate_up, gate_up_bias, down, down_bias, alpha=1.702, limit=7.0, activation="gpt-oss"):
         super().__init__()
         self.gate_up, self.down = gate_up, down
         self.gate_up_bias, self.down_bias = gate_up_bias, down_bias  # (E, N) or None
-        self.alpha, self.limit = alpha, limit
+        self.alpha, self.limit, self.activation = alpha, limit, activation
         self.grouped = hasattr(torch, "_grouped_mm") and gate_up.is_cuda
 
     def _project(self, rows, w, bias, expert_of_row, offsets):
@@ -199,17 +212,18 @@ class GroupedBF16Experts(torch.nn.Module):
         offsets = torch.searchsorted(expert_of_row, torch.arange(1, self.gate_up.shape[0] + 1,
                                                                  device=flat.device)).to(torch.int32)
         rows = hidden_states[order // k]
-        h = _gpt_oss_glu(self._project(rows, self.gate_up, self.gate_up_bias, expert_of_row, offsets),
-                         self.alpha, self.limit)
+        gate_up = self._project(rows, self.gate_up, self.gate_up_bias, expert_of_row, offsets)
+        h = _silu_glu(gate_up) if self.activation == "silu" else _gpt_oss_glu(gate_up, self.alpha, self.limit)
         y = self._project(h, self.down, self.down_bias, expert_of_row, offsets)
         y = y * routing_weights.reshape(-1)[order, None].to(y.dtype)
         out = torch.zeros_like(hidden_states)
         return out.index_add_(0, order // k, y)
 
 
-def reference_layer(x, ids, weights, gate_up, gate_up_bias, down, down_bias, alpha=1.702, limit=7.0):
+def reference_layer(x, ids, weights, gate_up, gate_up_bias, down, down_bias, alpha=1.702, limit=7.0,
+                    activation="gpt-oss"):
     """The layer in fp32 on the exact (bf16) weights, expert by expert (a host loop: the oracle, not
-    timed). Weights in transformers' layout."""
+    timed). Weights in gpt-oss's layout (``GroupedBF16Experts``')."""
     t, k = ids.shape
     out = torch.zeros(t, down.shape[2], dtype=torch.float32, device=x.device)
     for e in torch.unique(ids).tolist():
@@ -217,8 +231,12 @@ def reference_layer(x, ids, weights, gate_up, gate_up_bias, down, down_bias, alp
         gu = x[tok].float() @ gate_up[e].float()
         if gate_up_bias is not None:
             gu = gu + gate_up_bias[e].float()
-        g, u = gu[:, ::2].clamp(max=limit), gu[:, 1::2].clamp(-limit, limit)
-        y = ((u + 1) * (g * torch.sigmoid(g * alpha))) @ down[e].float()
+        if activation == "silu":
+            h = torch.nn.functional.silu(gu[:, ::2]) * gu[:, 1::2]
+        else:
+            g, u = gu[:, ::2].clamp(max=limit), gu[:, 1::2].clamp(-limit, limit)
+            h = (u + 1) * (g * torch.sigmoid(g * alpha))
+        y = h @ down[e].float()
         if down_bias is not None:
             y = y + down_bias[e].float()
         out.index_add_(0, tok, y * weights[tok, slot, None].float())
@@ -237,14 +255,26 @@ def hf_experts_implementation() -> str | None:
     return "grouped_mm" if "grouped_mm" in ALL_EXPERTS_FUNCTIONS and hasattr(torch, "_grouped_mm") else "eager"
 
 
-def hf_experts(config_kw: dict, gate_up, gate_up_bias, down, down_bias):
-    """transformers' GptOssExperts holding the given bf16 weights (its layout: (E, H, 2I), (E, I, H)),
-    with the experts implementation a model built from the config would give it
-    (``hf_experts_implementation``; a standalone module would otherwise run with none set)."""
-    from transformers import GptOssConfig
-    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+def hf_experts(config_kw: dict, gate_up, gate_up_bias, down, down_bias, activation="gpt-oss"):
+    """transformers' experts module holding the given bf16 weights (gpt-oss's layout: (E, H, 2I) with
+    gate / up columns interleaved, (E, I, H)), with the experts implementation a model built from
+    the config would give it (``hf_experts_implementation``; a standalone module would otherwise run
+    with none set): ``GptOssExperts``, or for ``activation`` "silu" ``Qwen3MoeExperts`` (no biases;
+    its layout (E, 2I, H) with gate / up halves, (E, H, I))."""
+    if activation == "silu":
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    cfg = GptOssConfig(**config_kw)
+        cfg = Qwen3MoeConfig(hidden_size=config_kw["hidden_size"], moe_intermediate_size=config_kw["intermediate_size"],
+                             num_experts=config_kw["num_local_experts"],
+                             num_experts_per_tok=config_kw["num_experts_per_tok"], hidden_act="silu")
+        experts_class = Qwen3MoeExperts
+    else:
+        from transformers import GptOssConfig
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+        cfg = GptOssConfig(**config_kw)
+        experts_class = GptOssExperts
     impl = hf_experts_implementation()
     if impl is not None:
         try:
@@ -252,8 +282,13 @@ def hf_experts(config_kw: dict, gate_up, gate_up_bias, down, down_bias):
         except Exception:  # noqa: BLE001 (then the module's own default; the records say which ran)
             pass
     with torch.device("meta"):
-        module = GptOssExperts(cfg)
+        module = experts_class(cfg)
     e, two_i, hidden = gate_up.shape[0], gate_up.shape[2], gate_up.shape[1]
+    if activation == "silu":
+        halves = torch.cat((gate_up[..., 0::2], gate_up[..., 1::2]), dim=2).transpose(1, 2).contiguous()
+        module.gate_up_proj = torch.nn.Parameter(halves, requires_grad=False)
+        module.down_proj = torch.nn.Parameter(down.transpose(1, 2).contiguous(), requires_grad=False)
+        return module
     module.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
     module.down_proj = torch.nn.Parameter(down, requires_grad=False)
     zeros = lambda n: torch.zeros(e, n, dtype=torch.bfloat16, device=gate_up.device)  # noqa: E731
@@ -305,9 +340,9 @@ def pairs_default(t: int, k: int, experts) -> bool:
 
 
 def designed(ours: MoEExperts, design: str):
-    """``ours``'s forward with one design choice changed (the same numbers but for the SwiGLU's exp)."""
+    """``ours``'s forward with one design choice changed (the same numbers but for the gating's exp)."""
     from tilemm.kernels import moe_kernels as mk
-    from tilemm.moe import _weighted_sum, gpt_oss_glu
+    from tilemm.moe import _weighted_sum, gpt_oss_glu, silu_glu
 
     from tilemm.moe import _experts_launches
 
@@ -317,7 +352,8 @@ def designed(ours: MoEExperts, design: str):
         def launches(x, ids, weights):
             return _experts_launches(x, ids, weights, gu.words, gu.scale_t, gu.constants, gu.fmt.name,
                                      ours.gate_up_bias, dn.words, dn.scale_t, dn.constants, dn.fmt.name,
-                                     ours.down_bias, ours.alpha, ours.limit, design=design)
+                                     ours.down_bias, ours.alpha, ours.limit, design=design,
+                                     activation=ours.activation)
 
         return launches
 
@@ -332,9 +368,11 @@ def designed(ours: MoEExperts, design: str):
             gate_up = torch.empty(t * k, 2 * ours.intermediate_size, dtype=x.dtype, device=x.device)
             mk.launch(xs, gu.words, gu.scale_t, gu.constants, ours.gate_up_bias, routed, t, gate_up, gu.layout,
                       sorted_out=1)
-            h = gpt_oss_glu(gate_up, ours.alpha, ours.limit)
+            h = (silu_glu(gate_up, interleaved=True) if ours.activation == "silu"
+                 else gpt_oss_glu(gate_up, ours.alpha, ours.limit))
         else:
-            mk.launch(xs, gu.words, gu.scale_t, gu.constants, ours.gate_up_bias, routed, t, h, gu.layout, act=1,
+            act = mk.ACT_SILU if ours.activation == "silu" else mk.ACT_GPT_OSS
+            mk.launch(xs, gu.words, gu.scale_t, gu.constants, ours.gate_up_bias, routed, t, h, gu.layout, act=act,
                       blocks=blocks)
         y = torch.empty(t * k, ours.hidden_size, dtype=x.dtype, device=x.device)
         mk.launch(h, dn.words, dn.scale_t, dn.constants, ours.down_bias, routed, t, y, dn.layout, blocks=blocks)
@@ -352,10 +390,9 @@ def rel_err(a, b) -> float:
 
 def bench_layers(args, device, timer, t0) -> list[dict]:
     records = []
-    layers = LAYERS
-    if args.cpu_smoke:
-        layers = [("tiny", 256, 256, 8, 2, ("mxfp4", "nvfp4"), True)]
-    for name, hidden, inter, e, k, formats, biases in layers:
+    layers = SMOKE_LAYERS if args.cpu_smoke else LAYERS
+    for name, hidden, inter, e, k, formats, activation in layers:
+        biases = activation == "gpt-oss"
         tokens = (1, 3, 5) if args.cpu_smoke else args.ts or tokens_for(name, args.quick)
         gen = torch.Generator().manual_seed(SEED)
         gub = torch.randn(e, 2 * inter, generator=gen).to(device) * 0.1 if biases else None
@@ -363,28 +400,28 @@ def bench_layers(args, device, timer, t0) -> list[dict]:
         for fmt in formats:
             gate_up = random_packed(fmt, e, 2 * inter, hidden, device, seed=SEED + 1)
             down = random_packed(fmt, e, hidden, inter, device, seed=SEED + 2)
-            ours = MoEExperts(gate_up, down, gub, db)
-            # transformers' layout (E, K, N), made once (the grouped GEMM and its module share it)
+            ours = MoEExperts(gate_up, down, gub, db, activation=activation)  # (random rows: either layout)
+            # gpt-oss's layout (E, K, N), made once (the grouped GEMM and its module share it)
             w_gu = dequantized(gate_up).transpose(1, 2).contiguous()
             w_d = dequantized(down).transpose(1, 2).contiguous()
-            grouped = GroupedBF16Experts(w_gu, gub, w_d, db)
+            grouped = GroupedBF16Experts(w_gu, gub, w_d, db, activation=activation)
             cfg_kw = dict(hidden_size=hidden, intermediate_size=inter, num_local_experts=e,
                           num_experts_per_tok=k)
-            hf = hf_experts(cfg_kw, w_gu, gub, w_d, db)
+            hf = hf_experts(cfg_kw, w_gu, gub, w_d, db, activation)
             weight_mb = sum(t.numel() * t.element_size() for t in (gate_up.words, gate_up.scale_t,
                                                                    down.words, down.scale_t)) / 2 ** 20
             hf_impl = getattr(getattr(hf, "config", None), "_experts_implementation", None)
-            log(f"{name} {fmt}: E={e} top-{k}, packed experts {weight_mb:.0f} MiB; hf experts implementation "
-                f"{hf_impl}", t0)
+            log(f"{name} {fmt} ({activation}): E={e} top-{k}, packed experts {weight_mb:.0f} MiB; hf experts "
+                f"implementation {hf_impl}", t0)
             for routing_kind in ROUTINGS:
                 for t in tokens:
                     ids, weights = routing(routing_kind, t, e, k, device, gen)
                     x = (torch.randn(t, hidden, generator=gen) * 0.5).to(torch.bfloat16).to(device)
-                    ref = reference_layer(x, ids, weights, w_gu, gub, w_d, db)
+                    ref = reference_layer(x, ids, weights, w_gu, gub, w_d, db, activation=activation)
                     err = rel_err(ours(x, ids, weights), ref)
                     can_group = grouped.grouped or t * k <= 64
                     rec = {"layer": name, "format": fmt, "routing": routing_kind, "T": t, "E": e, "top_k": k,
-                           "hidden": hidden, "intermediate": inter, "rel_err": err,
+                           "hidden": hidden, "intermediate": inter, "activation": activation, "rel_err": err,
                            "hf_impl": getattr(getattr(hf, "config", None), "_experts_implementation", None)}
                     for bname, module in (("hf", hf), ("grouped", grouped if can_group else None)):
                         if module is None:
@@ -480,20 +517,21 @@ def profile_layers(args, device, timer, t0) -> list[dict]:
     """Per-kernel GPU time of one layer (tilemm, its alternative designs and the grouped bf16
     baseline) at T in PROFILE_TOKENS: where the time of a layer goes. Printed, and returned."""
     out = []
-    layers = {(n, f): (n, h, i, e, k, b) for n, h, i, e, k, fs, b in LAYERS for f in fs}
+    layers = {(n, f): (n, h, i, e, k, a) for n, h, i, e, k, fs, a in LAYERS for f in fs}
     todo = [(layers[(n, f)], f, r) for n, f, r in PROFILE_LAYERS]
     tokens = PROFILE_TOKENS
     if args.cpu_smoke:
-        todo, tokens = [(("tiny", 256, 256, 8, 2, True), "mxfp4", ("uniform",))], (1,)
-    for (name, hidden, inter, e, k, biases), fmt, routings in todo:
+        todo, tokens = [((n, h, i, e, k, a), fs[0], ("uniform",)) for n, h, i, e, k, fs, a in SMOKE_LAYERS], (1,)
+    for (name, hidden, inter, e, k, activation), fmt, routings in todo:
+        biases = activation == "gpt-oss"
         gen = torch.Generator().manual_seed(SEED)
         gub = torch.randn(e, 2 * inter, generator=gen).to(device) * 0.1 if biases else None
         db = torch.randn(e, hidden, generator=gen).to(device) * 0.1 if biases else None
         gate_up = random_packed(fmt, e, 2 * inter, hidden, device, seed=SEED + 1)
         down = random_packed(fmt, e, hidden, inter, device, seed=SEED + 2)
-        ours = MoEExperts(gate_up, down, gub, db)
+        ours = MoEExperts(gate_up, down, gub, db, activation=activation)
         grouped = GroupedBF16Experts(dequantized(gate_up).transpose(1, 2).contiguous(), gub,
-                                     dequantized(down).transpose(1, 2).contiguous(), db)
+                                     dequantized(down).transpose(1, 2).contiguous(), db, activation=activation)
         for routing_kind, t in [(r, t) for r in routings for t in tokens]:
             ids, weights = routing(routing_kind, t, e, k, device, gen)
             x = (torch.randn(t, hidden, generator=gen) * 0.5).to(torch.bfloat16).to(device)

@@ -23,10 +23,10 @@ def _bytes(value):
     return [b for v in value for b in _bytes(v)]
 
 
-def _same_bits_as_the_full_path(call, make_args, expect_prepared=True):
+def _same_bits_as_the_full_path(call, make_args, expect_prepared=True, forget=lambda: None):
     """``call`` on one set of operands, then on another of the same signature (the prepared launch,
-    unless ``expect_prepared`` is False), against the full path (the plan table emptied) on the second
-    set."""
+    unless ``expect_prepared`` is False), against the full path (the plan table emptied, and ``forget()``
+    called: a layer's own prepared calls dropped) on the second set."""
     first, second = make_args(1), make_args(2)  # before the table is emptied: their quantizes are not the call
     kernels.PLANS.clear()
     call(*first)
@@ -35,6 +35,7 @@ def _same_bits_as_the_full_path(call, make_args, expect_prepared=True):
                for v in kernels.PLANS.values())
     assert kept == expect_prepared
     kernels.PLANS.clear()
+    forget()
     full = call(*second)
     for got, want in zip(_bytes(prepared), _bytes(full)):
         assert torch.equal(got, want)
@@ -134,7 +135,9 @@ def test_fp8_linear_layer_gpu(granularity, m):
     torch.manual_seed(0)
     lin = torch.nn.Linear(1024, 512, device="cuda", dtype=torch.bfloat16)
     layer = tilemm.nn.Linear.from_float(lin, "fp8", granularity=granularity)
-    _same_bits_as_the_full_path(layer, lambda seed: (torch.randn(m, 1024, device="cuda").to(torch.bfloat16),))
+    _same_bits_as_the_full_path(layer, lambda seed: (torch.randn(m, 1024, device="cuda").to(torch.bfloat16),),
+                                forget=lambda: setattr(layer, "_runner", None))
+    assert type(layer._runner).__name__ == "_PreparedFP8"  # the layer's own prepared calls
     x = torch.randn(m, 1024, device="cuda").to(torch.bfloat16)
     assert len(kernels_per_call(lambda: layer(x))) == 2  # the activation's quantize and the matmul
 

@@ -334,10 +334,12 @@ def _flat(value):
     return []
 
 
-def _repeat_launches_as_the_full_path(call, args, launches_per_call, expect_prepared=True, own_bytes=True):
+def _repeat_launches_as_the_full_path(call, args, launches_per_call, expect_prepared=True, own_bytes=True,
+                                      forget=lambda: None):
     """``call(*args)`` twice on new memory: the second, a prepared launch (unless ``expect_prepared`` is
     False: the entries that take the full path on every call), launches what the full path (the plan
-    table emptied) launches for the same tensors (``own_bytes``: see ``_launch_form``)."""
+    table emptied, and ``forget()`` called: a layer's own prepared calls dropped) launches for the same
+    tensors (``own_bytes``: see ``_launch_form``)."""
     from tilemm import kernels
 
     launches = HOST_PATH.LAUNCHES
@@ -352,6 +354,7 @@ def _repeat_launches_as_the_full_path(call, args, launches_per_call, expect_prep
         repeated = _launch_form(launches, [*_flat(again), *_flat(out)], own_bytes)
         assert len(launches) == launches_per_call
         kernels.PLANS.clear()
+        forget()
         launches.clear()
         out = call(*again)
         full = _launch_form(launches, [*_flat(again), *_flat(out)], own_bytes)
@@ -453,6 +456,46 @@ def test_fp8_linear_layer_is_two_launches(granularity, m):
     assert bias.dtype == torch.float32 and torch.equal(bias, lin.bias.float())
 
 
+@pytest.mark.parametrize("granularity", ["row", "tensor", (128, 128)], ids=["row", "tensor", "blocks"])
+@pytest.mark.parametrize("shape", [(1, 256), (16, 256), (2, 3, 256)], ids=["m1", "m16", "3d"])
+def test_fp8_linear_layer_repeats_the_full_launch(granularity, shape):
+    # The layer keeps its own prepared calls (the activation's quantize and the matmul on its weight):
+    # a repeated call launches what the full path, with nothing prepared, launches for the same x.
+    gen = torch.Generator().manual_seed(6)
+    lin = torch.nn.Linear(256, 384, dtype=torch.bfloat16)
+    layer = tilemm.nn.Linear.from_float(lin, "fp8", granularity=granularity)
+    x = torch.randn(shape, generator=gen).to(torch.bfloat16)
+
+    def forget():
+        layer._runner = None
+
+    _repeat_launches_as_the_full_path(layer, (x,), 2, forget=forget)
+    with HOST_PATH.cuda_route():
+        layer(x)
+        assert type(layer._runner).__name__ == "_PreparedFP8" and all(layer._runner.calls.values())
+        HOST_PATH.LAUNCHES.clear()
+
+
+def test_a_prepared_fp8_layer_still_checks_what_changes():
+    # A new buffer (another weight, a bias set to None) or an input the checks refuse is not served by
+    # the prepared calls of the old one.
+    lin = torch.nn.Linear(256, 128, dtype=torch.bfloat16)
+    layer = tilemm.nn.Linear.from_float(lin, "fp8")
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    with HOST_PATH.cuda_route():
+        layer(x)
+        layer(x)
+        layer.bias = None
+        HOST_PATH.LAUNCHES.clear()
+        layer(x)
+        assert HOST_PATH.LAUNCHES[1][2][6].abs().sum() == 0  # the matmul's bias: zeros now
+        with pytest.raises(TypeError, match="input dtype must be"):
+            layer(x.to(torch.float64))
+        with pytest.raises(ValueError, match="input must be"):
+            layer(torch.randn(4, 128).to(torch.bfloat16))
+        HOST_PATH.LAUNCHES.clear()
+
+
 def _experts(n, k, seed):
     gen = torch.Generator().manual_seed(seed)
     return tilemm.prepack(tilemm.quantize_mxfp4(torch.randn(8, n, k, generator=gen).to(torch.bfloat16)))
@@ -475,7 +518,7 @@ def test_moe_entries_repeat_the_full_launch(tokens):
     # are what the stubbed launches left, so only their shapes and roles are compared.
     _repeat_launches_as_the_full_path(lambda x, ids, weights: block(x, ids, weights), (x, ids, weights),
                                       2 if tokens == 1 else 3, own_bytes=False)
-    # SiLU-gated experts (gate_up unfused, the gating in PyTorch): the same launches, own prepared key.
+    # SiLU-gated experts (the gating fused in gate_up's epilogue): the same launches, own prepared key.
     silu = tilemm.moe.MoEExperts(_experts(2 * 64, 256, 2), _experts(256, 64, 3), activation="silu")
     _repeat_launches_as_the_full_path(lambda x, ids, weights: silu(x, ids, weights), (x, ids, weights),
                                       2 if tokens == 1 else 3, own_bytes=False)

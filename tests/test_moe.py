@@ -106,7 +106,8 @@ def test_experts_state_dict_of_an_older_word_layout_loads(fmt):
     _, down = stacked(fmt, 2, 64, 32, seed=6)  # (E, H, I)
     module = MoEExperts(gate_up, down)
     state = module.state_dict()
-    assert state._metadata[""]["version"] == LAYOUT_VERSION
+    assert state._metadata[""]["version"] == MoEExperts._version
+    assert MoEExperts._WORD_LAYOUT[MoEExperts._version] == LAYOUT_VERSION  # a new word layout needs a new version
     old = dict(state)
     for name in ("gate_up_words", "down_words"):
         old[name] = relayout_words(state[name], gate_up.fmt, LAYOUT_VERSION, 1)
@@ -728,6 +729,9 @@ def test_benchmark_cpu_smoke(tmp_path):
     assert bench.main(["--cpu-smoke", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "moe-cpu.json").read_text())
     assert result["layers"] and all(r["rel_err"] < 1e-2 for r in result["layers"])
+    # both gatings (the SiLU layer as the anchor runs it); transformers' module on the same weights agrees
+    assert {r["activation"] for r in result["layers"]} == {"gpt-oss", "silu"}
+    assert all(r["hf_rel_err"] < 2e-2 for r in result["layers"])
     assert set(result["e2e"]) == {"gpt-oss-20b", "gpt-oss-120b"}
     r20, r120 = result["e2e"]["gpt-oss-20b"], result["e2e"]["gpt-oss-120b"]
     # the same decode step with MXFP4 and bf16 experts on the same weights: close logits

@@ -1,7 +1,8 @@
 """The grouped MoE kernel on the GPU: ``tilemm.moe_linear`` against the CPU reference on the same
 stacked packed weight (shapes, formats, uniform / skewed / out-of-range routings), inside a CUDA graph
 (routing changed between replays), under ``torch.compile(fullgraph=True)``, and gpt-oss's experts
-module against transformers' on the GPU; SiLU-gated (Qwen3-MoE) experts against their CPU path."""
+module against transformers' on the GPU; SiLU-gated (Qwen3-MoE) experts against their CPU path, and
+their fused gating against ``silu_glu`` of the unfused gate_up."""
 
 from __future__ import annotations
 
@@ -278,8 +279,8 @@ def test_silu_experts_on_gpu_match_cpu(fmt, tokens):
     assert rel_err(gpu) < 1e-2
     gu, dn = ours.packed("gate_up"), ours.packed("down")
     for design in ("sorted", "pairs_combine", "pairs_bmm"):
-        out = _experts_launches(x_dev, ids_dev, weights_dev, gu.words, gu.scale_t, gu.constants, fmt, None,
-                                dn.words, dn.scale_t, dn.constants, fmt, None, 0.0, 0.0, design=design,
+        out = _experts_launches(x_dev, ids_dev, weights_dev, gu.words, gu.scale_t, gu.constants, gu.fmt.name, None,
+                                dn.words, dn.scale_t, dn.constants, dn.fmt.name, None, 0.0, 0.0, design=design,
                                 activation="silu")
         assert rel_err(out) < 1e-2, design
     torch._dynamo.reset()  # each instance compiled is one more entry; fullgraph fails past the limit
@@ -289,3 +290,38 @@ def test_silu_experts_on_gpu_match_cpu(fmt, tokens):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, gpu)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "mxfp8"])
+@pytest.mark.parametrize("tokens", [1, 40])  # the per-pair kernel (T = 1) and the sorted one (tile_m 16)
+def test_fused_silu_epilogue_on_gpu(fmt, tokens):
+    """ACT = 2 on the GPU: the fused gating of interleaved gate / up rows against ``silu_glu`` of the
+    same kernel's unfused gate_up (the same rounded products). The arithmetic is the same; only the
+    hardware exp may round its fp32 result differently, which reaches the bf16 output rarely and by
+    one ulp: at most one bf16 ulp apart, and nearly all bit-equal. K = 2048 (the anchor's hidden)."""
+    from tilemm.moe import silu_glu
+
+    e, n, k, top_k = 32, 512, 2048, 4
+    gen = torch.Generator().manual_seed(60)
+    w_q = QUANTIZERS[fmt](torch.randn(e, n, k, generator=gen) * 0.5)
+    packed = tilemm.prepack(w_q).to(DEV)
+    x = torch.randn(tokens, k, generator=gen).to(torch.bfloat16).to(DEV)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(tokens)]).to(DEV)
+    args = (packed.words, packed.scale_t, packed.constants, None)
+    plain = torch.empty((tokens * top_k, n), dtype=torch.bfloat16, device=DEV)
+    fused = torch.empty((tokens * top_k, n // 2), dtype=torch.bfloat16, device=DEV)
+    if tokens == 1:
+        mk.launch_pairs(x, *args, ids.reshape(-1), plain, packed.layout)
+        mk.launch_pairs(x, *args, ids.reshape(-1), fused, packed.layout, act=mk.ACT_SILU)
+    else:
+        routed = mk.route(ids, e)
+        xs = mk.sort_rows(x, routed, top_k)
+        mk.launch(xs, *args, routed, tokens, plain, packed.layout, sorted_out=1)
+        mk.launch(xs, *args, routed, tokens, fused, packed.layout, act=mk.ACT_SILU)
+    expected = silu_glu(plain, interleaved=True).float().cpu()
+    fused = fused.float().cpu()
+    assert torch.isfinite(expected).all() and (plain[:, 0::2].abs() > 20).any()
+    ulp = torch.where(expected == 0, torch.full_like(expected, 2.0 ** -133),
+                      2.0 ** (torch.floor(torch.log2(expected.abs())) - 7))
+    assert ((fused - expected).abs() <= ulp).all()
+    assert (fused == expected).float().mean() > 0.99

@@ -48,13 +48,19 @@ def experts_class(family: str):
     return getattr(importlib.import_module(module), name)
 
 
+def _halves(gate_up: torch.Tensor) -> torch.Tensor:
+    """(E, 2I, K) rows interleaved (MoEExperts' layout) -> gate rows then up rows (transformers')."""
+    return torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1)
+
+
 def _dequantized_into(hf_experts, ours: MoEExperts):
-    """transformers' SiLU experts given our dequantized weights ((E, N, K), its own layout)."""
+    """transformers' SiLU experts given our dequantized weights ((E, N, K), its own layout: gate_up's
+    interleaved rows put back as halves)."""
     with torch.no_grad():
         for proj in ("gate_up", "down"):
             w = unpack(ours.packed(proj))
             dq = torch.stack([q.dequantize() for q in w]) if isinstance(w, list) else w.dequantize()
-            getattr(hf_experts, proj + "_proj").copy_(dq)
+            getattr(hf_experts, proj + "_proj").copy_(_halves(dq) if proj == "gate_up" else dq)
 
 
 def _routing(tokens: int, fp32_weights: bool, seed: int):
@@ -144,7 +150,7 @@ def test_silu_experts_reference_is_the_stated_arithmetic():
         for j in range(TOP_K):
             e = ids[t, j]
             gate_up = (wg[e] @ x[t].double()).to(torch.bfloat16).double()
-            g, u = gate_up[:I], gate_up[I:]
+            g, u = gate_up[0::2], gate_up[1::2]  # MoEExperts' rows: gate / up interleaved
             h = (g * torch.sigmoid(g) * u).to(torch.bfloat16).double()
             y = (wd[e] @ h).to(torch.bfloat16).double()
             total += y * weights[t, j].double()
@@ -157,9 +163,9 @@ def test_silu_experts_reference_is_the_stated_arithmetic():
 
 @pytest.mark.parametrize("design", ["sorted", "pairs_combine", "pairs_bmm"])
 def test_silu_experts_launches_on_emulator(emulated, design):  # noqa: F811
-    """The GPU path (``_experts_launches`` with activation "silu": gate_up unfused, silu_glu in
-    PyTorch, down, the weighted sum) on the CPU emulator against the CPU path: equal up to fp32
-    summation order. fp32 router weights (Mixtral's); expert 0 takes most rows (two chunks of 16);
+    """The GPU path (``_experts_launches`` with activation "silu": gate_up with the SiLU gating fused
+    in its epilogue, down, the weighted sum) on the CPU emulator against the CPU path: equal up to
+    fp32 summation order. fp32 router weights (Mixtral's); expert 0 takes most rows (two chunks of 16);
     one id out of range gives a NaN token."""
     from tilemm.moe import _experts_launches, run_experts
 
@@ -316,8 +322,8 @@ def _experts_holder(family: str, **kw):
     return model
 
 
-def _check_halves(ours: MoEExperts, layers):
-    """gate_up rows 0 .. I-1 = gate, I .. 2I-1 = up, down as stored: exactly the stored values."""
+def _check_interleaved(ours: MoEExperts, layers):
+    """gate_up row 2j = gate row j, row 2j + 1 = up row j, down as stored: exactly the stored values."""
     assert isinstance(ours, MoEExperts) and ours.activation == "silu" and ours.gate_up_words.dtype == torch.int32
     for proj in ("gate_up", "down"):
         w = unpack(ours.packed(proj))
@@ -326,7 +332,8 @@ def _check_halves(ours: MoEExperts, layers):
             if proj == "down":
                 expected = layer["down_proj"].dequantize().float()
             else:
-                expected = torch.cat((layer["gate_proj"].dequantize().float(), layer["up_proj"].dequantize().float()))
+                expected = torch.stack((layer["gate_proj"].dequantize().float(), layer["up_proj"].dequantize().float()),
+                                       dim=1).reshape(2 * I, -1)
             assert torch.equal(dq[e], expected), (proj, e)
 
 
@@ -334,7 +341,7 @@ def _check_halves(ours: MoEExperts, layers):
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_silu_experts_from_compressed_tensors(fmt, family):
     """Per-expert compressed-tensors layers (``experts.<i>.{gate,up,down}_proj``) fill a SiLU
-    MoEExperts: packed bytes, gate and up stacked as halves, exactly the stored values; its forward
+    MoEExperts: packed bytes, gate and up rows interleaved, exactly the stored values; its forward
     equals the module quantize_model builds from those dequantized weights when the formats quantize
     them back to the same bytes (MX: row-wise blocks)."""
     layers = _expert_layers(fmt)
@@ -343,7 +350,7 @@ def test_silu_experts_from_compressed_tensors(fmt, family):
                                   quantization_config=config)
     stored = [{proj: checkpoints.from_compressed_tensors(*checkpoints.to_compressed_tensors(q)[:2])
                for proj, q in layer.items()} for layer in layers]
-    _check_halves(model.mlp.experts, stored)
+    _check_interleaved(model.mlp.experts, stored)
     if fmt != "nvfp4":
         hf = experts_class(family)(tiny_config(family))
         with torch.no_grad():
@@ -367,7 +374,7 @@ def test_silu_experts_from_modelopt():
             tensors[f"mlp.experts.{i}.{proj}.input_scale"] = torch.tensor(1.0)
     model = tilemm.load_quantized(_experts_holder("qwen2_moe"), tensors, convention="modelopt",
                                   quantization_config={"quant_algo": "NVFP4", "exclude_modules": []})
-    _check_halves(model.mlp.experts, layers)
+    _check_interleaved(model.mlp.experts, layers)
 
 
 def test_whole_qwen3_moe_model_from_compressed_tensors(tmp_path):
@@ -442,3 +449,168 @@ def test_silu_expert_checkpoint_errors():
     missing = {k: v for k, v in tensors.items() if not k.startswith("mlp.experts.2.")}
     with pytest.raises(ValueError, match=r"the model has 4 experts, the checkpoint experts 0 .. 3 \(3 of them\)"):
         load(_experts_holder("qwen3_moe"), missing)
+
+
+# --------------------------------------------------------------------------------------------------
+# The fused SiLU epilogue (ACT = 2) on the CPU emulator, and the interleaved gate_up layout
+# --------------------------------------------------------------------------------------------------
+
+def _silu_case(fmt: str, n: int = 40, k: int = 256, tokens: int = 6):
+    """Stacked experts (E, N, K) with gates past +-88 (exp(-gate) overflows to Inf: silu(gate) = -0)
+    and an id out of range (NaN rows)."""
+    from test_moe import stacked as stacked_
+
+    _, packed = stacked_(fmt, E, n, k, seed=40)
+    gen = torch.Generator().manual_seed(41)
+    x = (torch.randn(tokens, k, generator=gen) * 4).to(torch.bfloat16)
+    ids = torch.stack([torch.arange(tokens) % E, (torch.arange(tokens) + 1) % E], dim=1)
+    ids[:4, 0] = 0  # expert 0: 4 rows + 1
+    ids[-1, 1] = E
+    return packed, x, ids
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_fused_silu_epilogue_sorted_kernel(emulated, fmt):
+    """ACT = 2 in the grouped kernel: gate_up rows interleaved; each product rounded to bf16 as without
+    ACT, then silu(gate) * up in fp32, rounded once: bit for bit ``silu_glu`` of the unfused output and
+    of the CPU path's gate_up (``reference_moe``; the emulator's exact exp is the reference's). N = 40:
+    a partial weight tile (its padded rows' outputs fall outside Out); the output in the sorted order
+    (what down reads) and scattered to (token, slot) rows; NaN rows for the id out of range."""
+    from test_moe import _run_kernel
+    from tilemm.kernels import moe_kernels as mk
+    from tilemm.moe import reference_moe
+
+    packed, x, ids = _silu_case(fmt)
+    ok = (ids >= 0) & (ids < E)
+    ref = reference_moe(x, packed.words, packed.scale_t, packed.constants, packed.fmt.name, packed.in_features,
+                        ids, None)
+    expected = silu_glu(ref, interleaved=True)
+    gates = ref[..., 0::2][ok].float()
+    assert (gates < -88).any() and (gates > 88).any()  # exp(-gate) overflows, and underflows to 0
+    for cfg in (mk.MoEConfig(16, 16, 4, None, cat=1), mk.plan(6, 2, E, packed.layout)):
+        plain = _run_kernel(x, packed, ids, None, cfg)
+        for sorted_out in (1, 0):
+            fused = _run_kernel(x, packed, ids, None, cfg, act=mk.ACT_SILU, sorted_out=sorted_out)
+            assert fused.shape == (6, 2, 20) and fused[~ok].isnan().all()
+            assert torch.equal(fused[ok], silu_glu(plain, interleaved=True)[ok])
+            assert torch.equal(fused[ok], expected[ok])
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_fused_silu_epilogue_pairs_kernel(emulated, fmt):
+    """ACT = 2 in the per-pair kernel: one token's experts and two tokens sharing one, an id out of range;
+    bit for bit ``silu_glu`` of the CPU path's gate_up."""
+    from tilemm.kernels import moe_kernels as mk
+    from tilemm.moe import reference_moe
+
+    packed, x, ids = _silu_case(fmt, k=320)  # K = 320: a partial K tile
+    for xs, pairs in ((x[:1], torch.tensor([[3, 0, 2, 1]])), (x[:2], ids[-2:])):
+        out = torch.full((pairs.numel(), 20), 12345.0, dtype=torch.bfloat16)
+        mk.launch_pairs(xs, packed.words, packed.scale_t, packed.constants, None, pairs.reshape(-1), out,
+                        packed.layout, act=mk.ACT_SILU)
+        out = out.reshape(*pairs.shape, 20)
+        ok = (pairs >= 0) & (pairs < E)
+        ref = reference_moe(xs, packed.words, packed.scale_t, packed.constants, packed.fmt.name,
+                            packed.in_features, pairs, None)
+        assert out[~ok].isnan().all()
+        assert torch.equal(out[ok], silu_glu(ref, interleaved=True)[ok])
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+@pytest.mark.parametrize("design", ["sorted", "pairs_combine", "pairs_bmm"])
+def test_silu_experts_launches_bit_exact_on_emulator(emulated, fmt, design):
+    """The whole GPU path of a SiLU block (gate_up with the fused gating, down, the weighted sum) on the
+    emulator equals the CPU path bit for bit: the emulator sums exactly as the reference does here,
+    and the fused gating is ``silu_glu``'s arithmetic."""
+    from tilemm.moe import _experts_launches, run_experts
+
+    from test_moe import stacked as stacked_
+
+    _, gu = stacked_(fmt, E, 2 * I, H, seed=42)
+    _, dn = stacked_(fmt, E, H, I, seed=43)
+    gen = torch.Generator().manual_seed(44)
+    x = (torch.randn(7, H, generator=gen) * 2).to(torch.bfloat16)
+    ids = torch.stack([torch.arange(7) % E, (torch.arange(7) + 2) % E], dim=1)
+    weights = torch.softmax(torch.randn(7, 2, generator=gen), -1).to(torch.bfloat16)
+    args = (x, ids, weights, gu.words, gu.scale_t, gu.constants, gu.fmt.name, None, dn.words, dn.scale_t,
+            dn.constants, dn.fmt.name, None, 0.0, 0.0)
+    out = _experts_launches(*args, design=design, activation="silu")
+    ref = run_experts(*args, activation="silu")
+    assert torch.isfinite(ref).all() and torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_interleave_gate_up_permutes_whole_rows(fmt):
+    """interleave_gate_up: row 2j = gate row j, row 2j + 1 = up row j of the packed words and scale
+    bytes (an MXFP8 NaN block's original scale bytes too); the quantized values are the halves'
+    values, moved; constants kept. Errors name the argument."""
+    from tilemm.moe import interleave_gate_up
+
+    from test_moe import stacked as stacked_
+
+    w_q, packed = stacked_(fmt, 3, 2 * I, H, seed=45)
+    if fmt == "mxfp8":  # a NaN element: its block's scale byte is 255 in scale_t, the original in nan_scale
+        data = w_q.data.clone()
+        data.view(torch.uint8)[1, 5, 7] = 0x7F
+        w_q = type(w_q)(data, w_q.scale)
+        packed = tilemm.prepack(w_q)
+        assert packed.nan_scale is not None
+    out = interleave_gate_up(packed)
+    assert torch.equal(out.constants, packed.constants) and out.exponent == packed.exponent
+    back = unpack(out)
+    rows = torch.stack((torch.arange(I), torch.arange(I) + I), dim=1).reshape(-1)
+    assert torch.equal(back.data.view(torch.uint8), w_q.data.view(torch.uint8)[:, rows])
+    assert torch.equal(back.scale.view(torch.uint8), w_q.scale.view(torch.uint8)[:, rows])
+    if fmt == "nvfp4":
+        assert torch.equal(out.global_scale, packed.global_scale)
+    with pytest.raises(TypeError, match=r"tilemm.moe.interleave_gate_up: w must be a stacked expert PackedWeight"):
+        interleave_gate_up(tilemm.prepack(QUANTIZERS[fmt](torch.randn(8, H))))
+    with pytest.raises(ValueError, match=r"tilemm.moe.interleave_gate_up: w must have an even number of rows"):
+        interleave_gate_up(stacked_(fmt, 2, 3, H)[1])
+
+
+def _silu_module(fmt: str = "mxfp4", seed: int = 46) -> MoEExperts:
+    torch.manual_seed(seed)
+    hf = experts_class("qwen3_moe")(tiny_config("qwen3_moe"))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.1)
+    return MoEExperts.from_silu_experts(hf, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_silu_state_dict_with_halves_loads(fmt):
+    """State dicts of SiLU MoEExperts saved before gate_up rows were interleaved (module version 2:
+    gate / up halves; no version, 1: halves and the older word layout) load as the interleaved module;
+    the current version loads as it is; a gpt-oss module's gate_up is never permuted; a version newer
+    than the module's is an error."""
+    from tilemm.packed import relayout_words
+
+    module = _silu_module(fmt)
+    state = module.state_dict()
+    assert state._metadata[""]["version"] == MoEExperts._version == 3
+    halves = dict(state)
+    halves["gate_up_words"] = torch.cat((state["gate_up_words"][:, 0::2], state["gate_up_words"][:, 1::2]), 1)
+    halves["gate_up_scale_t"] = torch.cat((state["gate_up_scale_t"][..., 0::2], state["gate_up_scale_t"][..., 1::2]),
+                                          2)
+    assert not torch.equal(halves["gate_up_words"], state["gate_up_words"])
+    version2 = type(state)(halves)
+    version2._metadata = {"": {"version": 2}}
+    version1 = {k: relayout_words(v, module.packed(k[:-6]).fmt, 2, 1) if k.endswith("_words") else v
+                for k, v in halves.items()}  # a plain dict: no metadata
+    for old in (version2, version1, state):
+        fresh = _silu_module(fmt, seed=47)
+        fresh.load_state_dict(old)
+        for name, t in state.items():
+            assert torch.equal(getattr(fresh, name), t), name
+    x = torch.randn(3, H).to(torch.bfloat16)
+    ids, weights = _routing(3, fp32_weights=False, seed=48)
+    assert torch.equal(fresh(x, ids, weights), module(x, ids, weights))
+
+    gpt_oss = MoEExperts(module.packed("gate_up"), module.packed("down"))  # the same buffers, gpt-oss gating
+    gpt_oss.load_state_dict(version2)
+    assert torch.equal(gpt_oss.gate_up_words, halves["gate_up_words"])  # taken as given
+    newer = type(state)(state)
+    newer._metadata = {"": {"version": MoEExperts._version + 1}}
+    with pytest.raises(RuntimeError, match=r"a state dict of version 4, which this tilemm does not know"):
+        fresh.load_state_dict(newer)

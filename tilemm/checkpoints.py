@@ -495,19 +495,16 @@ def _expert_indices(tensors: Mapping, prefix: str) -> list[int]:
     return sorted(found)
 
 
-def _fuse_gate_up(fn: str, where: str, gate, up, activation: str = "gpt-oss"):
-    """One expert's gate_up rows from separate gate (I, H) and up (I, H) quantized weights, in the
-    layout of ``MoEExperts``'s ``activation``: "gpt-oss" interleaves them (row 2j = gate row j, row
-    2j + 1 = up row j), "silu" stacks them (rows 0 .. I-1 gate, I .. 2I-1 up). Rows are quantized
-    independently along K, so the fused tensor holds exactly both weights' values. NVFP4 needs one
-    per-tensor scale for both."""
+def _fuse_gate_up(fn: str, where: str, gate, up):
+    """One expert's gate_up rows from separate gate (I, H) and up (I, H) quantized weights, in
+    ``MoEExperts``' layout for either gating: interleaved (row 2j = gate row j, row 2j + 1 = up row
+    j). Rows are quantized independently along K, so the fused tensor holds exactly both weights'
+    values. NVFP4 needs one per-tensor scale for both."""
     if type(gate) is not type(up) or gate.data.shape != up.data.shape:
         raise ValueError(f"{fn}: {where}: gate_proj ({type(gate).__name__} {tuple(gate.data.shape)}) and up_proj "
                          f"({type(up).__name__} {tuple(up.data.shape)}) must have one format and shape")
 
     def rows(a, b):
-        if activation == "silu":
-            return torch.cat((a, b), dim=-2)
         return torch.stack((a, b), dim=-2).reshape(*a.shape[:-2], 2 * a.shape[-2], a.shape[-1])
 
     data = rows(gate.data, up.data)
@@ -531,8 +528,8 @@ def _per_expert_weights(fn: str, name: str, tensors: Mapping, indices: list[int]
                         config: Mapping | None, algo: str | None,
                         activation: str = "gpt-oss") -> tuple[list, list, dict, set]:
     """Per-expert checkpoints (compressed-tensors, ModelOpt per-expert export):
-    ``<name>.<i>.{gate,up,down}_proj.<tensor>`` -> (gate_up quantized per expert in ``activation``'s
-    layout (``_fuse_gate_up``), down per expert, biases, keys used). "silu" experts have no bias:
+    ``<name>.<i>.{gate,up,down}_proj.<tensor>`` -> (gate_up quantized per expert, gate / up rows
+    interleaved (``_fuse_gate_up``), down per expert, biases, keys used). "silu" experts have no bias:
     a stored bias raises ValueError."""
     probe = torch.nn.Linear(1, 1, device="meta")  # compressed-tensors' class targets ("Linear") match it
     gate_up, down, used = [], [], set()
@@ -564,8 +561,7 @@ def _per_expert_weights(fn: str, name: str, tensors: Mapping, indices: list[int]
             used.update(f"{layer}.{k}" for k in local)
             if bias is not None:
                 used.add(f"{layer}.bias")
-        gate_up.append(_fuse_gate_up(fn, f"experts {name!r}: expert {i}", qs["gate_proj"][0], qs["up_proj"][0],
-                                     activation))
+        gate_up.append(_fuse_gate_up(fn, f"experts {name!r}: expert {i}", qs["gate_proj"][0], qs["up_proj"][0]))
         down.append(qs["down_proj"][0])
         gb, ub = qs["gate_proj"][1], qs["up_proj"][1]
         if (gb is None) != (ub is None):
@@ -624,8 +620,8 @@ def _load_quantized_experts(fn: str, model: torch.nn.Module, tensors: Mapping, c
     SiLU-gated ones, or a ``MoEExperts``) whose quantized experts the checkpoint holds by a
     ``tilemm.moe.MoEExperts`` of the same gating (compressed-tensors: per-expert
     ``<name>.<i>.{gate,up,down}_proj`` layers; ModelOpt: the same per-expert layers, or for gpt-oss
-    the fused NVFP4 export). gate_proj and up_proj rows are fused into gate_up in the gating's layout
-    (``_fuse_gate_up``: interleaved for gpt-oss, halves for SiLU); bytes are prepacked on the module's
+    the fused NVFP4 export). gate_proj and up_proj rows are fused into gate_up interleaved, the
+    module's layout for either gating (``_fuse_gate_up``); bytes are prepacked on the module's
     device, no high-precision expert is built. A block the checkpoint stores unquantized is left to
     the plain state-dict load. Returns (checkpoint keys used, the new modules' keys)."""
     used: set[str] = set()

@@ -320,6 +320,39 @@ class _Launch:
             self.prepared.launch(stream_handle(device), *operands, out.view(self.out3), alpha, bias)
         return out
 
+    def bound(self, y, y_scale, bias):
+        """This FP8 launch with its y operands and bias fixed, for a caller that holds them (a layer's
+        weight): ``(x, x_scale) -> out`` launches what ``self(x, x_scale, y, y_scale, bias, None)``
+        launches. ``y``, ``y_scale`` and ``bias`` are tensors of the signature's, whose memory the
+        bound launch reads on every call (their views are taken here, once)."""
+        if self.scaled:
+            raise ValueError("_Launch.bound: block-scaled launches take per-call decode scales")
+        _, _, sb, ssb = self.specs
+        if bias is None:
+            bias = self.zeros
+        elif not self.bias_fp32:
+            bias = bias.to(torch.float32).contiguous()
+        return _BoundLaunch(self, as_view(y, sb), as_view(y_scale, ssb), bias)
+
+
+class _BoundLaunch:
+    """``_Launch.bound``: an FP8 launch whose y operands (as the kernel views them) and bias are fixed."""
+
+    __slots__ = ("launch", "y", "y_scale", "bias")
+
+    def __init__(self, launch, y, y_scale, bias):
+        self.launch, self.y, self.y_scale, self.bias = launch, y, y_scale, bias
+
+    def __call__(self, x, x_scale):
+        launch = self.launch
+        device = launch.device
+        out = torch.empty(launch.out_shape, dtype=launch.out_dtype, device=device)
+        sa, ssa, _, _ = launch.specs
+        launch.prepared.launch(stream_handle(device), x if sa is None else as_view(x, sa),
+                               x_scale if ssa is None else as_view(x_scale, ssa), self.y, self.y_scale,
+                               out.view(launch.out3), launch.ones, self.bias)
+        return out
+
 
 def _remember_launch(fast_key, prepared, problem, sources, out_shape, out_dtype, device, bias, scaled) -> None:
     """Keep the prepared launch of an eager CUDA call under ``fast_key`` when each kernel operand is one
@@ -962,6 +995,14 @@ def _linear_key(x_q, w_q, bias, out_dtype, alpha, use_fast_accum) -> tuple | Non
             return None
         extra = (_tsig(global_x), _tsig(global_w), use_fast_accum)
     return launch_key(tag, x_q.data, x_q.scale, w_q.data, w_q.scale, out_dtype, bias, alpha, extra)
+
+
+def prepared_linear(x_q, w_q, bias, out_dtype):
+    """The prepared launch (``_Launch``) that an eager CUDA ``linear(x_q, w_q, bias=bias,
+    out_dtype=out_dtype)`` of two quantized operands (no alpha) kept for their signature, or None.
+    For a caller that keeps the launch itself (``tilemm.nn.Linear``; see ``_Launch.bound``)."""
+    key = _linear_key(x_q, w_q, bias, out_dtype, None, False)
+    return None if key is None else _CALLS.get(key)
 
 
 def _linear_eager(fn: str, x_q, y, y_scale, kw: dict, w_q=None, key=None):

@@ -6,27 +6,28 @@ and rounded once to x's dtype. ``w`` is a stacked expert weight, ``tilemm.prepac
 quantized tensor (or of a list of E (N, K) ones). It is the custom operator
 ``torch.ops.tilemm.moe_linear``, which ``torch.compile(fullgraph=True)`` traces as one op.
 
-* On CUDA (Hopper, Blackwell): one cuTile launch of the per-pair kernel for a few tokens
-  (``moe_kernels.pairs_pay``), else one routing step, x's rows gathered into expert order and one grouped launch (``run_moe``;
-  ``tilemm.kernels.moe_kernels`` describes both designs). No host synchronisation and no allocation
-  whose size depends on the routing, so a call can be captured in a CUDA graph.
+* On CUDA (Hopper, Blackwell): for a few tokens (``moe_kernels.pairs_pay``) one launch of the
+  per-pair kernel, else one routing step, x's rows gathered into expert order and one grouped launch
+  (``run_moe``; ``moe_kernels`` describes both). No host synchronisation and no allocation whose
+  size depends on the routing, so a call can be captured in a CUDA graph.
 * On the CPU: the same arithmetic in PyTorch (``reference_moe``), expert by expert.
 
-Expert ids outside [0, E): checking them on the GPU would need a host synchronisation, so by default
-the call does not raise; the rows of such (token, slot) pairs come out as NaN, on the GPU and the CPU
-alike, and no weight is read for them. ``check_ids=True`` checks on the host first (a synchronisation)
-and raises ValueError.
+Expert ids outside [0, E) are not checked by default (that would synchronise): their rows come out
+NaN on the GPU and the CPU alike, and no weight is read for them; ``check_ids=True`` checks on the
+host first and raises ValueError.
 
-``MoEExperts`` is a transformers experts block on two stacked packed weights (gate_up and down),
-with one of two gatings (``activation``): gpt-oss's (``GptOssExperts``: interleaved gate / up rows,
-biases, clamped SwiGLU), or SiLU on gate / up halves without bias (``Qwen3MoeExperts``,
-``Qwen2MoeExperts``, ``MixtralExperts``). ``tilemm.quantize_model(model, fmt, weight_only=True)``
-swaps it in; ``tilemm.load_quantized`` fills it from a checkpoint's quantized experts without
-building a bf16 expert.
+``MoEExperts`` is a transformers experts block on two stacked packed weights (gate_up, down) with one
+of two gatings (``activation``): gpt-oss's (biases, clamped SwiGLU) or SiLU without bias (Qwen3-MoE,
+Qwen2-MoE, Mixtral, which store gate / up as halves). Its gate_up rows are interleaved for both
+(gate row j = row 2j, up row j = 2j + 1; ``interleave_gate_up`` permutes halves once), so each N tile
+holds matching gate and up rows and either gating runs fused in the gate_up epilogue.
+``tilemm.quantize_model(model, fmt, weight_only=True)`` swaps it in; ``tilemm.load_quantized`` fills
+it from a checkpoint's quantized experts without building a bf16 expert.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -34,9 +35,10 @@ from torch import Tensor
 
 from . import kernels as _kernels
 from .formats import FORMATS
-from .packed import LAYOUT_VERSION, PackedWeight, layout_of, relayout_words
+from .packed import PackedWeight, layout_of, relayout_words
 
-__all__ = ["moe_linear", "reference_moe", "gpt_oss_glu", "silu_glu", "MoEExperts", "ACTIVATIONS"]
+__all__ = ["moe_linear", "reference_moe", "gpt_oss_glu", "silu_glu", "interleave_gate_up", "MoEExperts",
+           "ACTIVATIONS"]
 
 _X_DTYPES = (torch.bfloat16, torch.float16)
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -230,21 +232,53 @@ def gpt_oss_glu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tens
     return ((u + 1) * (g * torch.sigmoid(g * alpha))).to(gate_up.dtype)
 
 
-def silu_glu(gate_up: torch.Tensor) -> torch.Tensor:
-    """SiLU gating of (..., 2I) values whose first I columns are the gate and last I the up
-    projection (transformers' ``gate, up = gate_up.chunk(2, dim=-1)``) -> (..., I):
-    ``silu(gate) * up`` in fp32 from the given values, rounded once to their dtype."""
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
+def silu_glu(gate_up: torch.Tensor, *, interleaved: bool = False) -> torch.Tensor:
+    """SiLU gating of (..., 2I) gate / up values -> (..., I): ``silu(gate) * up``, computed as
+    ``gate / (exp(-gate) + 1) * up`` in fp32 from the given values, each operation rounded to fp32 in
+    that order (exp correctly rounded: evaluated in float64, rounded once to fp32), then rounded once
+    to their dtype. The grouped kernel's fused epilogue (ACT = 2) runs the same operations; only its
+    hardware exp may round differently in the last fp32 ulp. Gate and up: the first and last I
+    columns (transformers' ``gate, up = gate_up.chunk(2, dim=-1)``), or with ``interleaved`` columns
+    0, 2, .. and 1, 3, .. (``MoEExperts``' gate_up layout)."""
+    values = gate_up.float()
+    gate, up = (values[..., ::2], values[..., 1::2]) if interleaved else values.chunk(2, dim=-1)
+    e = torch.exp(-gate.double()).float()
+    return (gate / (e + 1) * up).to(gate_up.dtype)
 
 
-#: The gatings of ``MoEExperts``: "gpt-oss" (interleaved gate / up rows, gpt-oss's clamped SwiGLU,
-#: biases allowed) and "silu" (gate / up halves, ``silu(gate) * up``, no bias).
+def _interleaved_rows(n: int, device) -> torch.Tensor:
+    """The permutation of 2I = ``n`` rows from halves to interleaved: entry 2j is j (gate row j),
+    entry 2j + 1 is I + j (up row j)."""
+    half = torch.arange(n // 2, device=device)
+    return torch.stack((half, half + n // 2), dim=1).reshape(-1)
+
+
+def interleave_gate_up(w: PackedWeight) -> PackedWeight:
+    """A stacked (E, 2I, K) gate_up weight whose rows are gate / up halves (rows 0 .. I-1 the gate,
+    I .. 2I-1 the up projection, as transformers' SiLU-gated experts store them) with its rows
+    interleaved (row 2j = gate row j, row 2j + 1 = up row j), the layout ``MoEExperts`` takes. A
+    permutation of whole rows of the packed tensors (words, scale bytes), no requantization; each
+    expert's constants are per expert and stay. Raises TypeError for anything but a stacked
+    PackedWeight, ValueError for an odd number of rows."""
+    fn = "tilemm.moe.interleave_gate_up"
+    if not isinstance(w, PackedWeight) or w.num_experts is None:
+        raise TypeError(f"{fn}: w must be a stacked expert PackedWeight (E, 2I, K), got "
+                        f"{repr(w) if isinstance(w, PackedWeight) else type(w).__name__}")
+    n = w.out_features
+    if n % 2:
+        raise ValueError(f"{fn}: w must have an even number of rows 2I (gate and up halves), got {w.shape}")
+    perm = _interleaved_rows(n, w.device)
+    return dataclasses.replace(w, words=w.words[:, perm].contiguous(), scale_t=w.scale_t[:, :, perm].contiguous(),
+                               nan_scale=None if w.nan_scale is None else w.nan_scale[:, perm].contiguous())
+
+
+#: The gatings of ``MoEExperts`` (both on interleaved gate / up rows): "gpt-oss" (gpt-oss's clamped
+#: SwiGLU, biases allowed) and "silu" (``silu(gate) * up``, no bias).
 ACTIVATIONS = ("gpt-oss", "silu")
 
 
 def _glu(gate_up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
-    return gpt_oss_glu(gate_up, alpha, limit) if activation == "gpt-oss" else silu_glu(gate_up)
+    return gpt_oss_glu(gate_up, alpha, limit) if activation == "gpt-oss" else silu_glu(gate_up, interleaved=True)
 
 
 def _weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -289,15 +323,21 @@ def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_fo
     default above): the routing, x's rows sorted by expert once, gate_up writing its rows in that
     order, down reading them and writing (token, slot) rows, the weighted sum as a batched GEMM.
 
-    The gating: gpt-oss's SwiGLU with gpt-oss's alpha and limit is fused into the gate_up launch's
-    epilogue (``act=1``); any other (other alpha / limit, or ``activation`` "silu") runs gate_up
-    unfused, then ``gpt_oss_glu`` / ``silu_glu`` in PyTorch (fp32, rounded once: what the CPU path
-    computes from the same rounded gate_up)."""
+    The gating, on interleaved gate / up rows, is fused into the gate_up launch's epilogue: gpt-oss's
+    SwiGLU with gpt-oss's alpha and limit (``act=1``), SiLU (``activation`` "silu", ``act=2``). A
+    SwiGLU of another alpha / limit runs gate_up unfused, then ``gpt_oss_glu`` in PyTorch (fp32,
+    rounded once: what the CPU path computes from the same rounded gate_up)."""
     from .kernels import moe_kernels as mk
 
     tokens, top_k = ids.shape
     num_experts, inter, hidden = gu_words.shape[0], gu_words.shape[1] // 2, d_words.shape[1]
-    fused = activation == "gpt-oss" and alpha == mk.SWIGLU_ALPHA and limit == mk.SWIGLU_LIMIT
+    if activation == "silu":
+        act = mk.ACT_SILU
+    elif alpha == mk.SWIGLU_ALPHA and limit == mk.SWIGLU_LIMIT:
+        act = mk.ACT_GPT_OSS
+    else:
+        act = mk.ACT_NONE
+    fused = act != mk.ACT_NONE
     if design is None:
         design = experts_design(tokens, top_k, gu_words, gu_scale_t, d_words, d_scale_t, x.device)
     if design.startswith("pairs"):
@@ -305,7 +345,7 @@ def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_fo
         h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # pair order
         if fused:
             mk.launch_pairs(x.contiguous(), gu_words, gu_scale_t, gu_constants, gu_bias, flat, h,
-                            layout_of(FORMATS[gu_format]), act=1)
+                            layout_of(FORMATS[gu_format]), act=act)
         else:
             gate_up = torch.empty((tokens * top_k, 2 * inter), dtype=x.dtype, device=x.device)
             mk.launch_pairs(x.contiguous(), gu_words, gu_scale_t, gu_constants, gu_bias, flat, gate_up,
@@ -328,7 +368,7 @@ def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_fo
     h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # sorted rows too
     if fused:
         mk.launch(xs, gu_words, gu_scale_t, gu_constants, gu_bias, routed, tokens, h,
-                  layout_of(FORMATS[gu_format]), act=1)
+                  layout_of(FORMATS[gu_format]), act=act)
     else:
         gate_up = torch.empty((tokens * top_k, 2 * inter), dtype=x.dtype, device=x.device)
         mk.launch(xs, gu_words, gu_scale_t, gu_constants, gu_bias, routed, tokens, gate_up,
@@ -455,14 +495,14 @@ class MoEExperts(torch.nn.Module):
 
     ``forward(hidden_states (T, H), router_indices (T, k), routing_weights (T, k)) -> (T, H)``:
 
-    * ``gate_up = moe_linear(x, W_gate_up, ids, gate_up_bias)`` (T, k, 2I);
-    * "gpt-oss": gate / up interleaved in its columns (gate = columns 0, 2, ..., up = 1, 3, ..., as
-      in the checkpoint); ``h = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``,
+    * ``gate_up = moe_linear(x, W_gate_up, ids, gate_up_bias)`` (T, k, 2I), gate / up interleaved
+      in its columns (gate = columns 0, 2, ..., up = 1, 3, ...: gpt-oss's checkpoint layout; the
+      SiLU families' halves are interleaved when the module is built or loaded);
+    * "gpt-oss": ``h = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``,
       g = ``clamp(gate, max=limit)`` (limit 7.0, alpha 1.702 in gpt-oss), in fp32 from the rounded
       gate_up, rounded once (``gpt_oss_glu``; on CUDA fused into the gate_up kernel's epilogue);
-    * "silu": gate = columns 0 .. I-1, up = columns I .. 2I-1 (transformers' ``chunk(2, dim=-1)``),
-      no bias; ``h = silu(gate) * up`` in fp32 from the rounded gate_up, rounded once
-      (``silu_glu``; on CUDA in PyTorch after the unfused gate_up launch);
+    * "silu": no bias; ``h = silu(gate) * up`` in fp32 from the rounded gate_up, rounded once
+      (``silu_glu``; on CUDA fused into the gate_up kernel's epilogue);
     * ``y = moe_linear(h, W_down, ids, down_bias)``: one row per (token, slot);
     * the output: sum over the k slots of ``y * routing_weights``, in fp32, rounded once.
 
@@ -473,7 +513,9 @@ class MoEExperts(torch.nn.Module):
     rounds to bf16 after each of its elementwise operations; the results agree up to those roundings.
 
     The weights are registered buffers (``{gate_up,down}_{words,scale_t,constants}``, biases in
-    fp32), so ``.to(device)`` and state dicts carry them.
+    fp32), so ``.to(device)`` and state dicts carry them, gate_up's rows interleaved. ``gate_up``
+    (E, 2I, H) is given interleaved for either gating (``interleave_gate_up`` converts halves;
+    ``from_silu_experts`` and ``tilemm.load_quantized`` do it); down (E, H, I).
     """
 
     def __init__(self, gate_up: PackedWeight, down: PackedWeight, gate_up_bias: torch.Tensor | None = None,
@@ -513,22 +555,39 @@ class MoEExperts(torch.nn.Module):
                 raise ValueError(f"{fn}: {name} must be (E, N) = ({e}, {n}), got {tuple(b.shape)}")
             self.register_buffer(name, None if b is None else b.detach().to(torch.float32).contiguous())
 
-    #: State dicts record the prepacked word layout's version (``tilemm.packed.LAYOUT_VERSION``); words
-    #: of an older version are re-laid out on load.
-    _version = LAYOUT_VERSION
+    #: State dicts record the module's version (a state dict without it is version 1). Each version's
+    #: prepacked word layout (``tilemm.packed.LAYOUT_VERSION``; words of an older one are re-laid out
+    #: on load), and from version 3 on SiLU gate_up rows are interleaved (before: halves, permuted on
+    #: load). A new word layout needs a new version here.
+    _WORD_LAYOUT = {1: 1, 2: 2, 3: 2}
+    _SILU_INTERLEAVED_SINCE = 3
+    _version = 3
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         version = local_metadata.get("version", 1)
+        if version not in self._WORD_LAYOUT:
+            error_msgs.append(f"MoEExperts {prefix!r}: a state dict of version {version}, which this tilemm does "
+                              f"not know (it reads versions {min(self._WORD_LAYOUT)} .. {self._version})")
+            return
         for name, fmt in zip(("gate_up", "down"), self.formats):
             key = f"{prefix}{name}_words"
             if key in state_dict:
-                state_dict[key] = relayout_words(state_dict[key], FORMATS[fmt], version)
+                state_dict[key] = relayout_words(state_dict[key], FORMATS[fmt], self._WORD_LAYOUT[version])
+        if self.activation == "silu" and version < self._SILU_INTERLEAVED_SINCE:
+            # gate_up saved as gate / up halves: its rows (words dim 1, scale bytes dim 2) interleaved.
+            # Tensors of another shape are left for the shape check to report.
+            n = 2 * self.intermediate_size
+            for key, dim in ((f"{prefix}gate_up_words", 1), (f"{prefix}gate_up_scale_t", 2)):
+                t = state_dict.get(key)
+                if isinstance(t, torch.Tensor) and t.ndim == 3 and t.shape[dim] == n:
+                    state_dict[key] = t.index_select(dim, _interleaved_rows(n, t.device))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
     def packed(self, name: str) -> PackedWeight:
-        """The stacked PackedWeight ``"gate_up"`` or ``"down"`` (views of the buffers)."""
+        """The stacked PackedWeight ``"gate_up"`` (rows interleaved, see the class docstring) or
+        ``"down"`` (views of the buffers)."""
         i = ("gate_up", "down").index(name)
         constants = getattr(self, f"{name}_constants")
         fmt = FORMATS[self.formats[i]]
@@ -556,8 +615,8 @@ class MoEExperts(torch.nn.Module):
         (E, H, I), ``act_fn`` SiLU, no bias) along K per expert to ``format`` ("mxfp4", "nvfp4" or
         "mxfp8") and prepack it; ``activation="silu"``. Its weights are already (N, K) per expert (it
         computes ``F.linear(x, gate_up_proj[e])``), so each expert is quantized as stored (NVFP4:
-        one per-tensor scale per expert projection, gate and up together). ``quantizer`` as for
-        ``from_gpt_oss``. Another activation or a bias raises ValueError (the module would compute
+        one per-tensor scale per expert projection, gate and up together), prepacked, and its
+        gate_up rows interleaved (``interleave_gate_up``). ``quantizer`` as for ``from_gpt_oss``. Another activation or a bias raises ValueError (the module would compute
         something else)."""
         from .packed import prepack
 
@@ -566,7 +625,7 @@ class MoEExperts(torch.nn.Module):
         check_silu_experts(fn, experts)
         e = experts.num_experts
         with torch.no_grad():
-            gate_up = prepack([quantizer(experts.gate_up_proj[x].contiguous()) for x in range(e)])
+            gate_up = interleave_gate_up(prepack([quantizer(experts.gate_up_proj[x].contiguous()) for x in range(e)]))
             down = prepack([quantizer(experts.down_proj[x].contiguous()) for x in range(e)])
         return cls(gate_up, down, activation="silu")
 

@@ -39,7 +39,10 @@ from . import matmul as _matmul
 from ._arch import Family, family
 from . import packed as _packed
 from . import quantize as _quantize
+from . import kernels as _kernels
 from . import weight_only as _weight_only
+from .kernels import _common as _kernels_common
+from .kernels import quantize_kernels as _quantize_kernels
 from .formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
 from .moe import MoEExperts, check_silu_experts, experts_activation
 
@@ -156,12 +159,15 @@ class _Options:
             return _quantize.quantize_mxfp4(t, rounding=self.rounding, swizzle=self.swizzle)
         if self.format == "nvfp4":
             return _quantize.quantize_nvfp4(t, swizzle=self.swizzle)
-        # fp8: per-row weights pair with per-row activations, per-tensor with per-tensor, and
-        # 128x128 weight blocks with 1x128 activation blocks (DeepSeek style).
-        granularity = self.granularity
-        if granularity == (128, 128) and not weight:
-            granularity = (1, 128)
+        granularity = self.granularity if weight else self.activation_granularity
         return _quantize.quantize_fp8(t, granularity=granularity, elem_dtype=self.elem_dtype)
+
+    @property
+    def activation_granularity(self):
+        """fp8: how activations are quantized. Per-row weights pair with per-row activations,
+        per-tensor with per-tensor, and 128x128 weight blocks with 1x128 activation blocks (DeepSeek
+        style)."""
+        return (1, 128) if self.granularity == (128, 128) else self.granularity
 
 
 _QUANTIZED_KIND = {"mxfp8": _quantize.MXFP8Tensor, "mxfp4": _quantize.MXFP4Tensor, "fp8": _quantize.FP8Tensor}
@@ -401,7 +407,12 @@ class Linear(torch.nn.Module):
         if self._options.packed:
             return self._forward_weight_only(x)
         small = self._runner
-        if (small is not None and type(x) is torch.Tensor and x.ndim == 2 and x.is_cuda
+        if type(small) is _PreparedFP8:
+            if type(x) is torch.Tensor and x.is_cuda and not torch.compiler.is_compiling():
+                out = small(self, x)
+                if out is not None:
+                    return out
+        elif (small is not None and type(x) is torch.Tensor and x.ndim == 2 and x.is_cuda
                 and x.shape[0] <= SMALL_BATCH_ROWS and x.shape[1] == self.in_features
                 and x.dtype in _ACTIVATION_DTYPES and small.runner is not None
                 and small.source == self._small_batch_key(x.device) and not torch.compiler.is_compiling()):
@@ -420,9 +431,35 @@ class Linear(torch.nn.Module):
             if runner is not None:
                 out = runner(rows if rows.is_contiguous() else rows.contiguous())
             else:
-                out = _matmul.linear(self._options.quantize_activation(rows), self.quantized_weight(),
-                                     bias=self._fp32_bias(), out_dtype=x.dtype)
+                x_q, w_q, bias32 = self._options.quantize_activation(rows), self.quantized_weight(), self._fp32_bias()
+                out = _matmul.linear(x_q, w_q, bias=bias32, out_dtype=x.dtype)
+                if self.format == "fp8" and type(x) is torch.Tensor and x.is_cuda and not torch.compiler.is_compiling():
+                    self._prepare_fp8(x, rows, x_q, w_q, bias32)
         return out if x.ndim == 2 else out.reshape(*x.shape[:-1], self.out_features)
+
+    def _prepare_fp8(self, x, rows, x_q, w_q, bias32) -> None:
+        """After an eager CUDA call of an FP8 layer, checked and run by the full path: keep the two
+        launches it made (the activation's quantize and the matmul, prepared in ``tilemm.kernels.PLANS``)
+        for x's signature, so that a later call of that signature makes exactly them (``_PreparedFP8``)."""
+        source = self._fp8_source()
+        prepared = self._runner
+        if type(prepared) is not _PreparedFP8 or prepared.source != source:
+            prepared = self._runner = _PreparedFP8(source)
+        quantize = _quantize.prepared_quantize_fp8(rows, self._options.activation_granularity,
+                                                   self._options.elem_dtype)
+        matmul = _matmul.prepared_linear(x_q, w_q, bias32, x.dtype)
+        call = None
+        if quantize is not None and matmul is not None:
+            call = _FP8Call(quantize, matmul.bound(w_q.data, w_q.scale, bias32),
+                            None if x.ndim == 2 else (*x.shape[:-1], self.out_features), self.in_features)
+        prepared.remember((x.shape, x.stride(), x.dtype, x.device), call)
+
+    def _fp8_source(self) -> tuple:
+        """What an FP8 layer's prepared calls hold: the quantized buffers and the bias, each with its
+        version counter (in-place changes, ``load_state_dict``, bump it)."""
+        buffers = self._buffers
+        weight, scale, bias = buffers["weight"], buffers["weight_scale"], buffers["bias"]
+        return (weight, weight._version, scale, scale._version, bias, None if bias is None else bias._version)
 
     def _fp32_bias(self):
         """The bias as the kernels add it, fp32 (the same values: bf16 and fp16 convert exactly),
@@ -593,6 +630,145 @@ class _SmallBatch:
 
     def __init__(self, runner, source):
         self.runner, self.source = runner, source
+
+
+class _PreparedFP8:
+    """An FP8 layer's (both sides quantized) eager CUDA calls, prepared per signature of x (shape,
+    strides, dtype, device), for the buffers and bias listed in ``source`` (``Linear._fp8_source``).
+    A call of a signature seen before was checked by the full path then: it runs its ``_FP8Call``
+    (None for a signature whose launches could not be kept: the full path serves it)."""
+
+    __slots__ = ("source", "calls")
+
+    #: Signatures kept before the table starts over.
+    MAX_CALLS = 16
+
+    def __init__(self, source):
+        self.source, self.calls = source, {}
+
+    def remember(self, key, call) -> None:
+        if len(self.calls) >= self.MAX_CALLS:
+            self.calls.clear()
+        self.calls[key] = call
+
+    def __call__(self, layer, x):
+        """The layer's output for x, or None where no prepared call holds (the full path then)."""
+        call = self.calls.get((x.shape, x.stride(), x.dtype, x.device))
+        if call is None or self.source != layer._fp8_source():
+            return None
+        return call(x)
+
+
+class _FP8Call:
+    """One signature of an FP8 layer's input, prepared: the activation's quantize launch
+    (``tilemm.quantize.prepared_quantize_fp8``) and the matmul launch bound to the layer's weight and
+    fp32 bias (``tilemm.matmul`` ``_Launch.bound``): the launches the full path makes for x, with the
+    same arguments.
+
+    Where the quantize is one launch (no buffers between launches) and every view of its two outputs
+    keeps their dtype, the outputs, which only the matmul reads, are allocated in the shape the
+    quantize kernel views them in (fresh memory either way, so every view ``as_view`` takes of them
+    is the same), and a view the two kernels share is taken once (``_fuse``)."""
+
+    __slots__ = ("quantize", "matmul", "out_shape", "in_features", "fused")
+
+    def __init__(self, quantize, matmul, out_shape, in_features):
+        self.quantize, self.matmul = quantize, matmul
+        self.out_shape, self.in_features = out_shape, in_features  # out_shape None: x is 2-D
+        self.fused = _fuse(quantize, matmul)
+
+    def __call__(self, x):
+        out_shape = self.out_shape
+        rows = x if out_shape is None else x.reshape(-1, self.in_features)
+        fused = self.fused
+        if fused is None:
+            q = self.quantize(rows)
+            if q is None:  # another stream than the quantize launch holds for
+                return None
+            out = self.matmul(q[0], q[1])
+            return out if out_shape is None else out.reshape(out_shape)
+        quantize, matmul = self.quantize, self.matmul
+        device = quantize.device
+        stream = _kernels_common.stream_handle(device)
+        if quantize.stream is not None and stream != quantize.stream:
+            return None
+        if rows.requires_grad:
+            rows = rows.detach()
+        grid, kernel, args, views, (data_alloc, scale_alloc), (a_spec, a_scale_spec) = fused
+        tensors = (rows, torch.empty(data_alloc[0], dtype=data_alloc[1], device=device),
+                   torch.empty(scale_alloc[0], dtype=scale_alloc[1], device=device))
+        args = args.copy()
+        for i, j, spec in views:
+            args[i] = tensors[j] if spec is None else _kernels.as_view(tensors[j], spec)
+        _quantize_kernels.launch_on(stream, grid, kernel, tuple(args))
+        launch = matmul.launch
+        out = torch.empty(launch.out_shape if out_shape is None else out_shape, dtype=launch.out_dtype,
+                          device=device)
+        data, scale = tensors[1], tensors[2]
+        launch.prepared.launch(stream, data if a_spec is None else _kernels.as_view(data, a_spec),
+                               scale if a_scale_spec is None else _kernels.as_view(scale, a_scale_spec),
+                               matmul.y, matmul.y_scale, out.view(launch.out3), launch.ones, matmul.bias)
+        return out
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
+
+
+class _NotFused(Exception):
+    """A view ``_fuse`` cannot express on the fused allocation (a dtype change)."""
+
+
+def _fuse(quantize, matmul):
+    """``_FP8Call``'s one-step form of a quantize launch followed by a bound matmul launch, or None:
+    (grid, kernel, args, views of (rows, data, scale), the (shape, dtype) data and scale are allocated
+    as, the matmul's views of data and scale). Each view is (dtype None, shape, strides) of the
+    allocation, or None for the allocation itself."""
+    if len(quantize.launches) != 1 or quantize.buffers or len(quantize.outputs) != 2:
+        return None
+    grid, kernel, args, views = quantize.launches[0]
+    first = {}  # output -> its first view, as (None, shape, strides)
+    for _, j, spec in views:
+        if j == 0:
+            continue
+        shape = quantize.outputs[j - 1][0]
+        spec = (None, shape, _contiguous_strides(shape)) if spec is None else spec
+        if callable(spec) or spec[0] is not None:
+            return None
+        first.setdefault(j, spec)
+    allocs = []
+    for j, (shape, dtype) in enumerate(quantize.outputs, start=1):
+        view = first.get(j)
+        if view is not None and view[2] == _contiguous_strides(view[1]) and _numel(view[1]) == _numel(shape):
+            allocs.append((tuple(view[1]), dtype))
+        else:
+            allocs.append((tuple(shape), dtype))
+
+    def relative(j, spec):
+        shape = quantize.outputs[j - 1][0]
+        spec = (None, tuple(shape), _contiguous_strides(shape)) if spec is None else spec
+        if callable(spec) or spec[0] is not None:
+            raise _NotFused
+        alloc = allocs[j - 1][0]
+        return None if (tuple(spec[1]), tuple(spec[2])) == (alloc, _contiguous_strides(alloc)) else spec
+
+    try:
+        fused_views = tuple((i, j, spec if j == 0 else relative(j, spec)) for i, j, spec in views)
+        a_spec, a_scale_spec = (relative(j, spec) for j, spec in zip((1, 2), matmul.launch.specs[:2]))
+    except _NotFused:
+        return None
+    return grid, kernel, args, fused_views, tuple(allocs), (a_spec, a_scale_spec)
 
 
 def _packed_state_dict(module, state_dict, prefix, local_metadata):

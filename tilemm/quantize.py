@@ -937,6 +937,14 @@ def quantize_fp8(x: torch.Tensor, *, granularity="tensor",
                                                     fmt.data_dtype, pow2_scale))
 
 
+def prepared_quantize_fp8(x: torch.Tensor, granularity, elem_dtype: torch.dtype):
+    """The prepared launch that an eager CUDA ``quantize_fp8(x, granularity=granularity,
+    elem_dtype=elem_dtype)`` (``pow2_scale`` and ``axis`` at their defaults) kept for x's signature, or
+    None: ``launch(x)`` returns the (data, scale) of any x of that signature, or None on a stream it
+    does not hold for. For a caller that keeps the launch itself (``tilemm.nn.Linear``)."""
+    return _prepared(_quantize_key("quantize_fp8", x, granularity, elem_dtype, False, -1))
+
+
 
 # ----------------------------------------------------------------------------------------------
 # Quantizing with the amax given: one tensor spread over several processes

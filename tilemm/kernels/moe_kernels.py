@@ -19,7 +19,9 @@ Two designs (``tilemm.moe`` picks by T; ``benchmarks/bench_moe.py`` times both):
 
 No host synchronisation and no allocation whose size depends on the routing: a call can be captured
 in a CUDA graph. Rows of ids outside [0, E) come out NaN, no weight read for them. ACT = 1 fuses
-gpt-oss's clamped SwiGLU of interleaved (gate, up) rows into gate_up's epilogue.
+gpt-oss's clamped SwiGLU of interleaved (gate, up) rows into gate_up's epilogue, ACT = 2 the SiLU
+gating ``silu(gate) * up`` of Qwen-MoE / Mixtral experts stored the same way (``tilemm.moe``
+interleaves their gate / up halves once when it builds or loads them).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from .weight_only_kernels import LAYOUTS, Layout, _X_PARTS, _f32_halves, _k_tile
 __all__ = ["MoEConfig", "plan", "route", "launch", "sort_rows", "launch_pairs", "pairs_plan", "PairsConfig",
            "combine_pays", "grid_blocks", "route_kernel_fits", "pairs_pay", "expert_bytes", "PAIRS_MAX_BYTES",
            "zero_bias", "chunk_groups",
-           "aot_variants", "SWIGLU_ALPHA", "SWIGLU_LIMIT"]
+           "aot_variants", "SWIGLU_ALPHA", "SWIGLU_LIMIT", "ACT_NONE", "ACT_GPT_OSS", "ACT_SILU"]
 
 ConstInt = ct.Constant[int]
 
@@ -50,6 +52,17 @@ _INT32 = cc.ScalarConstraint(ct.int32)
 #: gpt-oss's clamped SwiGLU, fused into the gate_up projection's epilogue with ACT = 1.
 SWIGLU_ALPHA = 1.702
 SWIGLU_LIMIT = 7.0
+
+
+#: The fused epilogues (the kernels' ACT): none, gpt-oss's clamped SwiGLU, SiLU gating.
+ACT_NONE, ACT_GPT_OSS, ACT_SILU = 0, 1, 2
+
+
+def _silu_glu(gate, up):
+    """silu(gate) * up = gate / (exp(-gate) + 1) * up in fp32, each operation rounded to fp32 in this
+    order (``tilemm.moe.silu_glu`` computes the same operations; exp is the one that the hardware
+    rounds within a few ulp of the exact value)."""
+    return gate / (ct.exp(gate * -1.0) + 1.0) * up
 
 
 def _gpt_oss_glu(gate, up):
@@ -68,7 +81,7 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, Lo
 
     X (T * k, K): the activation rows in the sorted order (expert e's tokens are rows Offsets[e] ..
     Offsets[e + 1], loaded as a row range); W (E, N, k_tiles * WORDS) int32 and S (E, K / BLOCK, N)
-    uint8: the stacked prepacked weights, UNROLL K tiles per load; Out (T * k, N), or with ACT = 1
+    uint8: the stacked prepacked weights, UNROLL K tiles per load; Out (T * k, N), or with ACT = 1 or 2
     (T * k, N / 2): rows in the sorted order (SORTED_OUT = 1) or the (token, slot) rows; Consts (E, 2)
     fp32 (column 0: each expert's epilogue factor alpha); Mult (1,) fp32: 2^(OFFSET - E), shared;
     Bias (E, N) fp32; Order (T * k,) int64: the (token, slot) rows t * k + j sorted by expert;
@@ -83,9 +96,9 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, Lo
     grid (``grid_blocks``) spreads each prefix evenly over the blocks, and an item without rows costs
     a few scalar loads instead of a block.
 
-    ACT = 1: the weight rows are gpt-oss's interleaved gate (even) and up (odd) rows; each product is
-    rounded to Out's dtype as without ACT, then ``_gpt_oss_glu`` of the pair, in fp32, rounded once
-    into column n / 2 of Out.
+    ACT = 1 and 2: the weight rows are interleaved gate (even) and up (odd) rows; each product is
+    rounded to Out's dtype as without ACT, then the gating of the pair in fp32 (ACT = 1:
+    ``_gpt_oss_glu``, ACT = 2: ``_silu_glu``), rounded once into column n / 2 of Out.
     """
     num_n = ct.cdiv(W.shape[1], TN)
     # G: at most Groups, and no more than the busiest expert's chunks (Longest: its rows), so that no
@@ -108,7 +121,7 @@ def _moe_item(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, bn, 
     WORDS = GROUP * BLOCK // 2
     TK = PLANES * GROUP * BLOCK
     SC = PLANES * GROUP
-    TO = TN // 2 if ACT == 1 else TN  # output columns per block
+    TO = TN // 2 if ACT != 0 else TN  # output columns per block
     e = ct.load(SlotExpert, (slot,), ())
     if e >= 0:
         start = ct.load(Offsets, (e,), ())
@@ -139,8 +152,8 @@ def _moe_item(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, bn, 
                                           ct.extract(xk, (0, u), (TM, TK)), acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES,
                                           GROUP, TN, TM, X_PARTS, CAT)
                     out = (acc.transpose() * alpha + bias).astype(Out.dtype)
-                    if ACT == 1:
-                        out = _glu_pairs(out, TM, TO, Out.dtype)
+                    if ACT != 0:
+                        out = _glu_pairs(out, TM, TO, Out.dtype, ACT)
                     if SORTED_OUT == 1:
                         ct.store(Out.slice(0, first, end), (0, bn), out)
                     else:
@@ -159,12 +172,17 @@ def _moe_item(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, bn, 
                     ct.scatter(Out, (rows.reshape((TM, 1)), cols), nan)
 
 
-def _glu_pairs(out, TM, TO, dtype):
-    """gpt-oss's SwiGLU of interleaved (gate, up) columns of a (TM, 2 * TO) tile, rounded to ``dtype``."""
+def _glu_pairs(out, TM, TO, dtype, ACT):
+    """The gating of interleaved (gate, up) columns of a (TM, 2 * TO) tile (ACT = 1: gpt-oss's SwiGLU,
+    ACT = 2: SiLU), in fp32 from the tile's values, rounded to ``dtype``."""
     pairs = out.astype(ct.float32).reshape((TM, TO, 2))
     gate = ct.extract(pairs, (0, 0, 0), (TM, TO, 1)).reshape((TM, TO))
     up = ct.extract(pairs, (0, 0, 1), (TM, TO, 1)).reshape((TM, TO))
-    return _gpt_oss_glu(gate, up).astype(dtype)
+    if ACT == 2:
+        h = _silu_glu(gate, up)
+    else:
+        h = _gpt_oss_glu(gate, up)
+    return h.astype(dtype)
 
 
 def _pair_row(X, W, S, Consts, Mult, Bias, Ids, p, bn, dtype, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN,
@@ -172,14 +190,14 @@ def _pair_row(X, W, S, Consts, Mult, Bias, Ids, p, bn, dtype, ELEMENT, SCALE_E8M
     """(1, TO) in ``dtype``: (token, slot) pair p's product with weight rows bn * TN .. of its expert
     Ids[p], on the FMA pipes (``_gemv_kernel``'s scheme: decoded planes as fp32 halves times x's, two
     fp32 accumulators, one reduction over K at the end), then alpha, bias, rounding, and with ACT = 1
-    the SwiGLU; NaN for an id outside [0, E) (no weight read). Its x row: X row p // (pairs / X rows)
+    or 2 the gating of interleaved (gate, up) rows (``_glu_pairs``); NaN for an id outside [0, E) (no weight read). Its x row: X row p // (pairs / X rows)
     (the token for the gate_up projection's (T, K) x, the pair itself for the down projection's
     (T * k, I) input)."""
     WORDS = GROUP * BLOCK // 2
     TP = GROUP * BLOCK
     TK = PLANES * TP
     SC = PLANES * GROUP
-    TO = TN // 2 if ACT == 1 else TN
+    TO = TN // 2 if ACT != 0 else TN
     out = ct.full((1, TO), float("nan"), dtype)
     e = ct.load(Ids, (p,), ())
     if e >= 0:
@@ -206,7 +224,7 @@ def _pair_row(X, W, S, Consts, Mult, Bias, Ids, p, bn, dtype, ELEMENT, SCALE_E8M
             alpha = ct.load(Consts, (e, 0), (1, 1))
             bias = ct.load(Bias, (e, bn), (1, TN), padding_mode=_ZERO)
             y = (ct.sum(acc_lo + acc_hi, axis=2) * alpha + bias).astype(dtype)
-            out = _glu_pairs(y, 1, TO, dtype) if ACT == 1 else y
+            out = _glu_pairs(y, 1, TO, dtype, ACT) if ACT != 0 else y
     return out
 
 
@@ -220,12 +238,12 @@ def _moe_gemv_kernel(X, W, S, Out, Consts, Mult, Bias, Ids, Weights,
     Ids (T * k,) the flattened router choice (int32 / int64); X (T, K) (the gate_up projection) or
     (T * k, I) (the down projection, one row per pair); the weights as in ``_moe_kernel``. Grid:
     rows * cdiv(N, TN), N tiles fastest. COMBINE = 0: block (pair p, bn) writes Out (T * k, N) (N / 2
-    with ACT = 1) row p, pair order. COMBINE = 1 (the down projection with the router's weights
+    with ACT = 1 or 2) row p, pair order. COMBINE = 1 (the down projection with the router's weights
     applied): block (token t, bn) runs the k pairs of token t one after another and writes Out (T, N)
     row t = sum_j Weights[t, j] * y_j, each y_j rounded to Out's dtype first, the products and sum in
     fp32 in slot order, rounded once (what ``tilemm.moe``'s weighted sum computes); no atomics."""
     N = W.shape[1]
-    TO = TN // 2 if ACT == 1 else TN
+    TO = TN // 2 if ACT != 0 else TN
     num_n = ct.cdiv(N, TN)
     pid = ct.bid(0)
     bn = pid % num_n
@@ -451,7 +469,7 @@ def launch(xs: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constan
     stream = stream_handle(out.device)
     ct.launch(stream, (max(1, min(blocks, items)), 1, 1), cfg.kernel,
               (xs, words, scale_t, out, constants, constants[0, 1:2], bias, order, offsets, slot_expert, longest,
-               groups, *_constants(layout, cfg, _X_PARTS[xs.dtype], act, act if sorted_out is None else sorted_out)))
+               groups, *_constants(layout, cfg, _X_PARTS[xs.dtype], act, int(act != 0) if sorted_out is None else sorted_out)))
 
 
 def grid_blocks(items: int, cfg: MoEConfig, device) -> int:
@@ -469,8 +487,8 @@ def grid_blocks(items: int, cfg: MoEConfig, device) -> int:
 
 
 #: The most expert weight bytes the per-pair design may read in one call (its pairs times one
-#: expert's bytes): about 85 us of an H100's HBM, the scale at which the sorted design's fixed cost
-#: (routing, gathers, tiles of mostly empty rows) stops outweighing the pairs' re-reads.
+#: expert's bytes): the scale at which the sorted design's fixed cost (routing, gathers, tiles of
+#: mostly empty rows) stops outweighing the pairs' re-reads (``benchmarks/results/moe-layers-*``).
 PAIRS_MAX_BYTES = 256 * 2 ** 20
 
 
@@ -479,9 +497,8 @@ def pairs_pay(tokens: int, top_k: int, num_experts: int, expert_bytes: int) -> b
     always does: its k experts are distinct, so every weight is read once either way. From two tokens,
     pairs that share an expert read it once each; the per-pair design keeps paying while the pairs
     are at most half the experts (few of them shared under uniform routing) and read at most
-    ``PAIRS_MAX_BYTES``. Measured on an H100 (``benchmarks/results/moe-layers-*``): with 256 small
-    experts (1.6 MiB, top-8) the pairs win up to 16 tokens, with gpt-oss's 13 MiB experts they win at
-    2 tokens, tie at 4 and lose from 8."""
+    ``PAIRS_MAX_BYTES``: many small experts keep the per-pair design for more tokens than a few large
+    ones (``benchmarks/results/moe-layers-*`` compares the two designs by T)."""
     pairs = tokens * top_k
     return tokens <= 1 or (2 * pairs <= num_experts and pairs * expert_bytes <= PAIRS_MAX_BYTES)
 
@@ -515,8 +532,7 @@ def combine_pays(tokens: int, n: int, sms: int) -> bool:
     """Whether the down projection should apply the router's weights in its epilogue (one block per
     (token, N tile), each running the token's k experts one after another): only while those blocks
     alone give at least 1.5 per SM; with fewer, the per-pair blocks (k times as many) and a batched
-    GEMM for the sum keep more weight loads in flight (H100: 180 blocks on 132 SMs lose by 1.4 us,
-    256 win by 4 us)."""
+    GEMM for the sum keep more weight loads in flight (``benchmarks/results/moe-layers-*``)."""
     return 2 * tokens * -(-n // PairsConfig(1).tile_n) >= 3 * sms
 
 
@@ -536,7 +552,7 @@ def launch_pairs(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, co
                  bias: torch.Tensor | None, ids: torch.Tensor, out: torch.Tensor, layout: Layout, act: int = 0,
                  weights: torch.Tensor | None = None, cfg: PairsConfig | None = None) -> None:
     """The per-pair design, no routing: ``ids`` (T * k,) the flattened router choice. Without
-    ``weights``: out (T * k, N) (N / 2 with ``act``) = each pair's product with its expert, pair order,
+    ``weights``: out (T * k, N) (N / 2 with ``act`` 1 or 2, the gating of ``launch``) = each pair's product with its expert, pair order,
     x (T, K) or one row per pair. With ``weights`` (T, k): out (T, N) = the weighted sum over each
     token's k slots (see ``_moe_gemv_kernel``). One ``ct.launch``."""
     num_experts, n = words.shape[0], words.shape[1]
@@ -566,32 +582,35 @@ def _constants(layout: Layout, cfg: MoEConfig, x_parts: int, act: int, sorted_ou
 # --------------------------------------------------------------------------------------------------
 
 _CT_DTYPES = {torch.bfloat16: ct.bfloat16, torch.float16: ct.float16}
+_ACT_SUFFIX = {ACT_NONE: "", ACT_GPT_OSS: "_swiglu", ACT_SILU: "_silu"}
 
 
 def aot_variants(full: bool = True) -> list[AotVariant]:
     """The grouped kernel per (layout, activation dtype, config, epilogue), for sm_90, sm_100 and
     sm_120 (bf16 ``ct.mma`` and integer operations only). ``full=False`` keeps tile_m 16 and 64 (one
     MMA per K tile, or one per plane). The fused SwiGLU epilogue (act 1) is listed for 4-bit weights
-    and bf16 activations (gpt-oss). ``Consts`` (E, 2) and ``Mult`` (a view at byte 4 of it) are passed
+    and bf16 activations (gpt-oss), the fused SiLU gating (act 2) likewise with tile_m 16 only. ``Consts`` (E, 2) and ``Mult`` (a view at byte 4 of it) are passed
     as the launcher passes them: strides and base not 16-byte aligned."""
     variants = []
     for name, layout in LAYOUTS.items():
         configs = [_config(t, layout) for t in (_TILE_M if full else (16, 64))]
         for x_dtype, x_ct in _CT_DTYPES.items():
-            acts = (0, 1) if layout.planes == 4 and x_dtype == torch.bfloat16 else (0,)
+            acts = (0, 1, 2) if layout.planes == 4 and x_dtype == torch.bfloat16 else (0,)
             for act in acts:
-                for cfg in configs:
+                # SiLU gating (act 2): tile_m 16 only, the config of a SiLU layer's few tokens per
+                # expert (the anchor's 256 experts); the other configs share its code path.
+                for cfg in configs if act != 2 else configs[:1]:
                     params = [array(x_ct, 2), array(ct.int32, 3), array(ct.uint8, 3), array(x_ct, 2),
                               array(ct.float32, 2, aligned=False), array(ct.float32, 1, aligned=False),
                               array(ct.float32, 2), array(ct.int64, 1), array(ct.int64, 1), array(ct.int64, 1),
                               array(ct.int64, 1), _INT32, *_constants(layout, cfg, _X_PARTS[x_dtype], act, act)]
-                    suffix = "_swiglu" if act else ""
+                    suffix = _ACT_SUFFIX[act]
                     variants.append(AotVariant(f"moe_{name}_{x_ct.name}_{cfg.name}{suffix}", cfg.kernel, params))
         # The per-pair kernel, bf16 activations (fp16 is the same code path): each projection of a
-        # decode step (plain, SwiGLU for 4-bit gate_up, the weighted sum for down) with 8 K tiles per
+        # decode step (plain, SwiGLU or SiLU for 4-bit gate_up, the weighted sum for down) with 8 K tiles per
         # load; gpt-oss's MXFP4 projections (K = 2880) with 4, the anchor's down projection (K = 512)
         # with 2.
-        cases = [(8, 0, 0), (8, 0, 1)] + ([(8, 1, 0)] if layout.planes == 4 else [])
+        cases = [(8, 0, 0), (8, 0, 1)] + ([(8, 1, 0), (8, 2, 0)] if layout.planes == 4 else [])
         cases += {"mxfp4": [(4, 1, 0), (4, 0, 0), (2, 0, 0)], "nvfp4": [(2, 0, 0)]}.get(name, [])
         for unroll, act, combine in cases:
             cfg = PairsConfig(unroll)
@@ -599,6 +618,6 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                       array(ct.float32, 2, aligned=False), array(ct.float32, 1, aligned=False),
                       array(ct.float32, 2), array(ct.int64, 1), array(ct.bfloat16, 2),
                       *_pairs_constants(layout, cfg, act, combine)]
-            suffix = ("_swiglu" if act else "") + ("_combine" if combine else "")
+            suffix = _ACT_SUFFIX[act] + ("_combine" if combine else "")
             variants.append(AotVariant(f"moe_{name}_bfloat16_{cfg.name}{suffix}", cfg.kernel, params))
     return variants

@@ -1032,10 +1032,15 @@ _RECORDS = threading.local()
 
 
 def _launch_kernel(device: torch.device, grid, kernel, args: tuple) -> None:
+    launch_on(stream_handle(device), grid, kernel, args)
+
+
+def launch_on(stream, grid, kernel, args: tuple) -> None:
+    """``ct.launch`` on raw stream ``stream``, recorded (``recording``) like every quantizer launch."""
     records = getattr(_RECORDS, "launches", None)
     if records is not None:
         records.append((grid, kernel, args))
-    ct.launch(stream_handle(device), grid, kernel, args)
+    ct.launch(stream, grid, kernel, args)
 
 
 def _buffer(shape: tuple, dtype: torch.dtype, device: torch.device, zeroed: bool = False) -> torch.Tensor:

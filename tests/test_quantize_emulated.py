@@ -100,6 +100,39 @@ def test_nvfp4_fake_quant_kernel_matches_reference(case, grid_amax):
         assert amax.tolist() == [0, 0, 0]  # left zeroed for the next launch
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_tile_amax_slots_exchanged_quantize_as_the_tensor_amax(monkeypatch, case):
+    # The row-wise tensor-parallel small-batch path: each rank's K-slice's per-tile maxima
+    # (``tile_amax``) in as many slots as the widest slice has tiles (a narrower slice's extra blocks
+    # write 0), combined slot by slot as the MAX all-reduce does, make the fake-quantize of every slice
+    # exactly what the whole tensor's amax makes it. Slices of 80 and 16 columns: 4 and 2 tiles.
+    from _emulator import LaunchProxy
+
+    emu = TileEmulator()
+    monkeypatch.setattr(qk, "ct", LaunchProxy(emu))
+    monkeypatch.setattr(qk, "AMAX_CONFIG", qk.QuantizeConfig(TILE_R, TILE_K))
+    x = _input(case, torch.bfloat16)
+    slices = [x[:, :80].contiguous(), x[:, 80:].contiguous()]
+    slots = qk.amax_slots(20, 80)
+    assert slots == 4 and qk.amax_slots(20, 16) == 2
+    maxima = [qk.tile_amax(s, slots, None) for s in slices]
+    assert maxima[1][2:].tolist() == [0, 0]
+    exchanged = torch.maximum(*maxima)
+    whole = _emulated_amax(emu, x.unsqueeze(0)).amax().reshape(1)  # the amax every rank had before
+    assert exchanged.max() == whole[0]
+    for s in slices:
+        r, k = s.shape
+        blocks = -(-r // TILE_R) * -(-k // TILE_K)
+        outs = []
+        for amax in (exchanged, whole):
+            out = torch.full((r, k), NAN, dtype=torch.bfloat16)
+            alpha_out = torch.full((1,), NAN)
+            emu.launch(None, (blocks, 1, 1), qk._fake_quant_kernel,
+                       (s, out, 0, amax, torch.tensor([3.0]), alpha_out, qk._E2M1, True, False, TILE_R, TILE_K))
+            outs.append((out.view(torch.int16), alpha_out.view(torch.int32)))
+        assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 MX_FORMATS = [MXFP8_E4M3, MXFP8_E5M2, MXFP4]
 
 

@@ -787,8 +787,9 @@ class ShardedLinear(Linear):
     local matmul of this rank's K-slice and one all-reduce (SUM, in the activation dtype, on the
     current CUDA stream for NCCL) of the partial sums. With both
     sides quantized to NVFP4 or FP8 per tensor / per row, a row-wise layer first all-reduces (MAX)
-    the activation's amax (the fp32 bits as int32, ``tilemm.quantize.amax_bits``; (M, 1) per row) and
-    quantizes its slice with it, so every rank quantizes exactly as the unsharded layer does. Nothing
+    the activation's amax (the fp32 bits as int32, ``tilemm.quantize.amax_bits``; (M, 1) per row; NVFP4
+    at small batch on Hopper: its K-slice's per-tile maxima, slot by slot) and quantizes its slice with
+    it, so every rank quantizes exactly as the unsharded layer does. Nothing
     syncs with the host and every allocation has the same size each call, so a column-then-row pair
     captures in one CUDA graph with one all-reduce (two with the amax).
 

@@ -496,6 +496,27 @@ def test_a_prepared_fp8_layer_still_checks_what_changes():
         HOST_PATH.LAUNCHES.clear()
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nvfp4"])
+def test_a_prepared_layer_follows_replaced_buffers(fmt):
+    # Buffers assigned anew (layer.weight = ..., load_state_dict(assign=True)) between calls: the next
+    # call rebuilds its prepared path from the new tensors (its key holds identities and versions,
+    # never tensors to compare).
+    lin = torch.nn.Linear(256, 128, dtype=torch.bfloat16)
+    layer = tilemm.nn.Linear.from_float(lin, fmt)
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    with HOST_PATH.cuda_route():
+        layer(x)
+        layer(x)
+        old = layer._runner
+        layer.weight = layer.weight.clone()
+        layer.bias = layer.bias.clone()
+        layer(x)
+        layer(x)
+        assert layer._runner is not old and layer._runner.tensors[0] is layer.weight
+        assert layer._runner.tensors[-1] is layer.bias
+        HOST_PATH.LAUNCHES.clear()
+
+
 def _experts(n, k, seed):
     gen = torch.Generator().manual_seed(seed)
     return tilemm.prepack(tilemm.quantize_mxfp4(torch.randn(8, n, k, generator=gen).to(torch.bfloat16)))
@@ -593,6 +614,34 @@ class _RecordingGroup:
 
     def allreduce(self, tensors, opts):
         self.calls.append((list(tensors), opts.reduceOp))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("m", [1, 16])
+def test_sharded_nvfp4_rowwise_exchanges_the_slots_without_a_runner(monkeypatch, rank, m):
+    # A rank whose slice has no small-batch runner (prepack may refuse one rank's slice) still
+    # all-reduces the same number of words as the ranks that have one: collectives of one length.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tilemm.parallel import ShardedLinear, shard_linear
+
+    lin = torch.nn.Linear(512, 256, dtype=torch.bfloat16)
+    x = torch.randn(m, 256).to(torch.bfloat16)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+    try:
+        layer = shard_linear(tilemm.nn.Linear.from_float(lin, "nvfp4"), init_device_mesh("cpu", (2,)), "rowwise")
+        group = layer._tp.group = _RecordingGroup()
+        monkeypatch.setattr(ShardedLinear, "_small_batch_runner", lambda self, device: None)
+        with HOST_PATH.cuda_route():
+            layer(x)
+            HOST_PATH.LAUNCHES.clear()
+    finally:
+        dist.destroy_process_group()
+    slots = qk.amax_slots(m, 256)
+    assert [(tuple(t[0].shape), op) for t, op in group.calls] == [((slots,), dist.ReduceOp.MAX),
+                                                                    ((m, 256), dist.ReduceOp.SUM)]
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -444,7 +444,7 @@ class Linear(torch.nn.Module):
         source = self._fp8_source()
         prepared = self._runner
         if type(prepared) is not _PreparedFP8 or prepared.source != source:
-            prepared = self._runner = _PreparedFP8(source)
+            prepared = self._runner = _PreparedFP8(source, self._source_tensors())
         quantize = _quantize.prepared_quantize_fp8(rows, self._options.activation_granularity,
                                                    self._options.elem_dtype)
         matmul = _matmul.prepared_linear(x_q, w_q, bias32, x.dtype)
@@ -455,11 +455,12 @@ class Linear(torch.nn.Module):
         prepared.remember((x.shape, x.stride(), x.dtype, x.device), call)
 
     def _fp8_source(self) -> tuple:
-        """What an FP8 layer's prepared calls hold: the quantized buffers and the bias, each with its
-        version counter (in-place changes, ``load_state_dict``, bump it)."""
+        """What an FP8 layer's prepared calls hold: the quantized buffers and the bias, each as its
+        identity and version counter (in-place changes, ``load_state_dict``, bump it). Plain integers,
+        so that comparing two never compares tensors; ``_PreparedFP8`` keeps the tensors alive, so an
+        identity it holds cannot be reused by a new tensor."""
         buffers = self._buffers
-        weight, scale, bias = buffers["weight"], buffers["weight_scale"], buffers["bias"]
-        return (weight, weight._version, scale, scale._version, bias, None if bias is None else bias._version)
+        return _identities((buffers["weight"], buffers["weight_scale"], buffers["bias"]))
 
     def _fp32_bias(self):
         """The bias as the kernels add it, fp32 (the same values: bf16 and fp16 convert exactly),
@@ -490,17 +491,20 @@ class Linear(torch.nn.Module):
                 packed = None
             if packed is not None:
                 built = _weight_only.QuantizedActivationRunner(packed, bias, self._options.rounding)
-        self._runner = _SmallBatch(built, key)
+        self._runner = _SmallBatch(built, key, self._source_tensors())
         return built
 
     def _small_batch_key(self, device) -> tuple:
         """What the small-batch runner is built from: the device and the quantized buffers and bias,
-        each with its version counter (in-place changes, ``load_state_dict``, bump it)."""
+        each as its identity and version counter (in-place changes, ``load_state_dict``, bump it);
+        integers only, as ``_fp8_source``, and ``_SmallBatch`` keeps the tensors alive."""
+        return (device, *_identities(self._source_tensors()))
+
+    def _source_tensors(self) -> tuple:
+        """The buffers a prepared path is built from: weight, its scale, NVFP4's global scale (or
+        None) and the bias (or None)."""
         buffers = self._buffers
-        weight, bias, global_scale = buffers["weight"], buffers["bias"], buffers.get("weight_global_scale")
-        return (device, weight, weight._version, buffers["weight_scale"]._version,
-                None if global_scale is None else (global_scale, global_scale._version),
-                None if bias is None else (bias, bias._version))
+        return buffers["weight"], buffers["weight_scale"], buffers.get("weight_global_scale"), buffers["bias"]
 
     def _forward_weight_only(self, x: torch.Tensor) -> torch.Tensor:
         """The fused weight-only kernel. Eager CUDA calls go straight to a cached WeightOnlyRunner (one
@@ -623,13 +627,23 @@ class Linear(torch.nn.Module):
             error_msgs.append(f"{keys[0]}: {e}")
 
 
+def _identities(tensors) -> tuple:
+    """Each tensor (or None) as (id, version): a key that compares as integers."""
+    out = []
+    for t in tensors:
+        out += (-1, 0) if t is None else (id(t), t._version)
+    return tuple(out)
+
+
 class _SmallBatch:
-    """A block-scaled layer's cached small-batch runner (or None) and the state it was built from."""
+    """A block-scaled layer's cached small-batch runner (or None) and the state it was built from
+    (``source``: identities and versions; ``tensors``: those tensors, held so that their identities
+    stay theirs)."""
 
-    __slots__ = ("runner", "source")
+    __slots__ = ("runner", "source", "tensors")
 
-    def __init__(self, runner, source):
-        self.runner, self.source = runner, source
+    def __init__(self, runner, source, tensors):
+        self.runner, self.source, self.tensors = runner, source, tensors
 
 
 class _PreparedFP8:
@@ -638,13 +652,13 @@ class _PreparedFP8:
     A call of a signature seen before was checked by the full path then: it runs its ``_FP8Call``
     (None for a signature whose launches could not be kept: the full path serves it)."""
 
-    __slots__ = ("source", "calls")
+    __slots__ = ("source", "tensors", "calls")
 
     #: Signatures kept before the table starts over.
     MAX_CALLS = 16
 
-    def __init__(self, source):
-        self.source, self.calls = source, {}
+    def __init__(self, source, tensors):
+        self.source, self.tensors, self.calls = source, tensors, {}
 
     def remember(self, key, call) -> None:
         if len(self.calls) >= self.MAX_CALLS:

@@ -903,14 +903,25 @@ class ShardedLinear(Linear):
         one_shot = tp.one_shot
         exchange = (one_shot.amax_slot(x.device) if one_shot is not None and tp.amax == "tensor" and x.is_cuda
                     and not on_nccl_stream else None)
-        runner = None
+        runner, amax = None, None
         if kernels is not None and rows.shape[0] <= _SMALL_BATCH_ROWS and not torch.compiler.is_compiling():
             runner = self._small_batch_runner(x.device)  # what Linear.forward runs at small batch on Hopper
-            if runner is not None and exchange is None:
-                slots = kernels.amax_slots(rows.shape[0], tp.widest_k)
-                if slots <= kernels.AMAX_PARTIALS:
+            slots = kernels.amax_slots(rows.shape[0], tp.widest_k)
+            if exchange is None and slots <= kernels.AMAX_PARTIALS:
+                if runner is not None:
                     return self._small_batch_nvfp4(x, rows, tp, runner, slots, on_nccl_stream)
-        if kernels is not None:
+                # Every rank exchanges the same ``slots`` words, whether or not its own slice has a
+                # runner (prepack may refuse one rank's slice): collectives of one length on all ranks.
+                rows = rows if rows.is_contiguous() else rows.contiguous()
+                amax = kernels.tile_amax(rows, slots, stream_handle(x.device))
+                work = tp.group.allreduce([amax], tp.max_async_opts if on_nccl_stream else tp.max_opts)
+                if work is not None:
+                    work.wait()
+                amax = amax.amax().reshape(1)
+        exchanged = amax is not None  # the per-tile maxima, exchanged above
+        if exchanged:
+            pass
+        elif kernels is not None:
             partial = kernels.tensor_amax(rows, propagate_nan=False)
             if exchange is not None:
                 torch.amax(partial, 0, keepdim=True, out=exchange[1])
@@ -923,7 +934,7 @@ class ShardedLinear(Linear):
                 exchange[1].copy_(amax)
         if exchange is not None:
             amax = one_shot.amax_max(exchange[0])
-        else:
+        elif not exchanged:
             work = tp.group.allreduce([amax], tp.max_async_opts if on_nccl_stream else tp.max_opts)
             if work is not None:
                 work.wait()

@@ -162,3 +162,19 @@ def test_repeated_moe_calls_gpu(tokens):
 
     _same_bits_as_the_full_path(lambda x, ids, weights: tilemm.moe_linear(x, stacked, ids), make)
     _same_bits_as_the_full_path(lambda x, ids, weights: block(x, ids, weights), make)
+    silu = tilemm.moe.MoEExperts(experts(2 * 256, 1024, 4), experts(1024, 256, 5), activation="silu")
+    _same_bits_as_the_full_path(lambda x, ids, weights: silu(x, ids, weights), make)
+    # ... and the custom operators' bits (the route torch.compile and CPU tensors take)
+    x, ids, weights = make(7)
+    assert torch.equal(tilemm.moe_linear(x, stacked, ids),
+                       torch.ops.tilemm.moe_linear(x, stacked.words, stacked.scale_t, stacked.constants,
+                                                   stacked.fmt.name, stacked.in_features, ids, None))
+    for m in (block, silu):
+        tensors = (m.gate_up_words, m.gate_up_scale_t, m.gate_up_constants, m.formats[0])
+        down = (m.down_words, m.down_scale_t, m.down_constants, m.formats[1])
+        if m.activation == "silu":
+            want = torch.ops.tilemm.silu_experts(x, ids, weights, *tensors, *down)
+        else:
+            want = torch.ops.tilemm.gpt_oss_experts(x, ids, weights, *tensors, m.gate_up_bias, *down, m.down_bias,
+                                                    m.alpha, m.limit)
+        assert torch.equal(m(x, ids, weights), want)

@@ -545,6 +545,20 @@ def test_moe_entries_repeat_the_full_launch(tokens):
                                       2 if tokens == 1 else 3, own_bytes=False)
 
 
+def test_moe_calls_autograd_would_record_take_the_operator():
+    # An input that requires grad: not the prepared launch (whose output would carry no gradient) but
+    # the custom operator, which has no backward and says so when backward runs.
+    stacked = _experts(128, 256, 1)
+    x = torch.randn(4, 256).to(torch.bfloat16).requires_grad_()
+    ids = torch.zeros(4, 2, dtype=torch.int64)
+    with HOST_PATH.cuda_route():
+        out = tilemm.moe_linear(x, stacked, ids)
+        HOST_PATH.LAUNCHES.clear()
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="autograd"):
+        out.float().sum().backward()
+
+
 def test_a_prepared_moe_call_still_checks_what_changes():
     # check_ids reads values: never prepared; a new signature (ids of another shape) is checked again.
     stacked = _experts(128, 256, 1)

@@ -337,6 +337,14 @@ def _check_interleaved(ours: MoEExperts, layers):
             assert torch.equal(dq[e], expected), (proj, e)
 
 
+def test_silu_experts_of_another_act_fn_refused_by_the_loader():
+    """A Qwen3-MoE experts block whose act_fn is not SiLU is not filled as SiLU-gated experts."""
+    tensors, config = _ct_tensors(_expert_layers("mxfp4"), "mlp.experts")
+    with pytest.raises(ValueError, match=r"experts 'mlp.experts': experts.act_fn must be SiLU"):
+        tilemm.load_quantized(_experts_holder("qwen3_moe", hidden_act="gelu"), tensors,
+                              convention="compressed-tensors", quantization_config=config)
+
+
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_silu_experts_from_compressed_tensors(fmt, family):

@@ -37,7 +37,7 @@ from .conventions import (ACTIVATION_SCALE_NAMES, COMPRESSED_TENSORS_FORMATS, CO
                           to_gpt_oss, to_modelopt, to_tilemm, to_torchao)
 from .conventions import _e4m3_scale, _fp32_scale, _get, _logical_scale, _packed_e2m1  # (the experts loaders)
 from .formats import NVFP4
-from .moe import MoEExperts, experts_activation, experts_dims
+from .moe import MoEExperts, check_silu_experts, experts_activation, experts_dims
 from .nn import Linear
 from .packed import prepack
 from .quantize import FP8Tensor, MXFP4Tensor, NVFP4Tensor
@@ -638,6 +638,8 @@ def _load_quantized_experts(fn: str, model: torch.nn.Module, tensors: Mapping, c
             gate_up, down, biases, keys = _modelopt_fused_weights(fn, name, tensors, algo)
         else:
             continue
+        if activation == "silu" and not isinstance(module, MoEExperts):
+            check_silu_experts(f"{fn}: experts {name!r}", module)  # its act_fn is SiLU, no bias
         e, h, i = experts_dims(module)
         if indices and indices != list(range(e)):
             raise ValueError(f"{fn}: experts {name!r}: the model has {e} experts, the checkpoint experts "

@@ -119,11 +119,13 @@ def _eager_key(tag: str, *tensors, options=()) -> tuple | None:
     """The key of an eager CUDA call's prepared launch in ``tilemm.kernels.PLANS``: the shapes,
     strides, dtypes and devices of ``tensors`` (None for an absent one) and the options; None where
     there is none (torch.compile tracing, a tensor that is not a plain CUDA torch.Tensor: those go
-    through the custom operator)."""
+    through the custom operator, and so does a call that autograd would record: the operator, which
+    has no backward, then refuses it rather than returning an output without a gradient)."""
     if torch.compiler.is_compiling():
         return None
+    grad = torch.is_grad_enabled()
     for t in tensors:
-        if t is not None and (type(t) is not torch.Tensor or not t.is_cuda):
+        if t is not None and (type(t) is not torch.Tensor or not t.is_cuda or grad and t.requires_grad):
             return None
     return (tag, *map(_sig, tensors), *options)
 
@@ -237,7 +239,7 @@ def silu_glu(gate_up: torch.Tensor, *, interleaved: bool = False) -> torch.Tenso
     ``gate / (exp(-gate) + 1) * up`` in fp32 from the given values, each operation rounded to fp32 in
     that order (exp correctly rounded: evaluated in float64, rounded once to fp32), then rounded once
     to their dtype. The grouped kernel's fused epilogue (ACT = 2) runs the same operations; only its
-    hardware exp may round differently in the last fp32 ulp. Gate and up: the first and last I
+    hardware exp may differ from it by a few fp32 ulp. Gate and up: the first and last I
     columns (transformers' ``gate, up = gate_up.chunk(2, dim=-1)``), or with ``interleaved`` columns
     0, 2, .. and 1, 3, .. (``MoEExperts``' gate_up layout)."""
     values = gate_up.float()

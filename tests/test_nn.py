@@ -246,6 +246,24 @@ def test_quantize_model_swaps_in_place_and_warns_once_about_misfits():
     assert net(_x(2, 3, 64)).shape == (2, 3, 10)
 
 
+def test_quantize_model_changes_nothing_when_a_layer_fails(monkeypatch):
+    # Every layer is converted before any is swapped in: an error on the third leaves the model as it was.
+    net = _Net()
+    before = [(n, type(m)) for n, m in net.named_modules()]
+    real, calls = Linear.from_float, []
+
+    def failing(module, *args, **kwargs):
+        calls.append(module)
+        if len(calls) == 3:
+            raise ValueError("this layer cannot be quantized")
+        return real(module, *args, **kwargs)
+
+    monkeypatch.setattr(Linear, "from_float", staticmethod(failing))
+    with pytest.raises(ValueError, match="this layer cannot be quantized"):
+        tilemm.quantize_model(net, "fp8")
+    assert len(calls) == 3 and [(n, type(m)) for n, m in net.named_modules()] == before
+
+
 def test_quantize_model_skip_predicate_and_fp8_needs_no_block():
     net = _Net()
     tilemm.quantize_model(net, "fp8", skip=lambda name, m: name.endswith("up"))

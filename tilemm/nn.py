@@ -826,6 +826,7 @@ def quantize_model(model: torch.nn.Module, format: str, *,
 
     Layers whose ``in_features`` is not a multiple of the format's block size (32 for mxfp8 / mxfp4,
     16 for nvfp4, 128 for fp8 (128, 128) blocks) stay unquantized; one ``UserWarning`` lists them.
+    Every module is converted before any is swapped in, so an error leaves ``model`` unchanged.
 
     Returns:
         ``model`` (a bare ``torch.nn.Linear`` cannot be swapped in place: the quantized module is
@@ -858,8 +859,10 @@ def quantize_model(model: torch.nn.Module, format: str, *,
             if name and _experts_to_swap(module) == "silu" and not is_skipped(name, module):
                 check_silu_experts(f"{fn}: experts {name!r}", module)
 
+    # Every module is converted first and swapped in only when all have been: an error on the way
+    # leaves the model as it was.
     converted: dict[int, Linear] = {}
-    misfits = []
+    misfits, swaps = [], []
     for name, module in list(model.named_modules(remove_duplicate=False)):
         if isinstance(module, Linear) and name in quantized and id(module) not in converted:
             if module.in_features % options.k_multiple:
@@ -873,8 +876,7 @@ def quantize_model(model: torch.nn.Module, format: str, *,
                 build = MoEExperts.from_gpt_oss if activation == "gpt-oss" else MoEExperts.from_silu_experts
                 converted[id(module)] = build(module, format, quantizer=options.quantize_weight)
         if id(module) in converted and (isinstance(module, Linear) or activation):
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child, converted[id(module)])
+            swaps.append((name, converted[id(module)]))
             continue
         if type(module) is not torch.nn.Linear or is_skipped(name, module):
             continue
@@ -883,8 +885,10 @@ def quantize_model(model: torch.nn.Module, format: str, *,
             continue
         if id(module) not in converted:
             converted[id(module)] = Linear.from_float(module, format, **options.as_kwargs())
+        swaps.append((name, converted[id(module)]))
+    for name, new in swaps:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, converted[id(module)])
+        setattr(model.get_submodule(parent_name), child, new)
     if misfits:
         warnings.warn(f"{fn}: left {len(misfits)} torch.nn.Linear layer(s) unquantized because their "
                       f"in_features is not a multiple of {options.k_multiple} (the {format} block size): "

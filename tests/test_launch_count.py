@@ -10,6 +10,8 @@ tests/test_host_path_gpu.py count the kernels and compare the bits on the GPU.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import cuda.tile as ct
@@ -630,29 +632,39 @@ class _RecordingGroup:
         self.calls.append((list(tensors), opts.reduceOp))
 
 
+@contextlib.contextmanager
+def _rowwise_nvfp4_shard(rank: int, lin: torch.nn.Linear):
+    """``lin`` as an NVFP4 (both sides) row-wise shard of rank ``rank`` of 2 (torch's fake process
+    group), its all-reduces recorded (``_RecordingGroup``), inside the CUDA route."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tilemm.parallel import shard_linear
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+    try:
+        layer = shard_linear(tilemm.nn.Linear.from_float(lin, "nvfp4"), init_device_mesh("cpu", (2,)), "rowwise")
+        group = layer._tp.group = _RecordingGroup()
+        with HOST_PATH.cuda_route():
+            yield layer, group
+            HOST_PATH.LAUNCHES.clear()
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("m", [1, 16])
 def test_sharded_nvfp4_rowwise_exchanges_the_slots_without_a_runner(monkeypatch, rank, m):
     # A rank whose slice has no small-batch runner (prepack may refuse one rank's slice) still
     # all-reduces the same number of words as the ranks that have one: collectives of one length.
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from tilemm.parallel import ShardedLinear, shard_linear
+    from tilemm.parallel import ShardedLinear
 
-    lin = torch.nn.Linear(512, 256, dtype=torch.bfloat16)
-    x = torch.randn(m, 256).to(torch.bfloat16)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
-    try:
-        layer = shard_linear(tilemm.nn.Linear.from_float(lin, "nvfp4"), init_device_mesh("cpu", (2,)), "rowwise")
-        group = layer._tp.group = _RecordingGroup()
-        monkeypatch.setattr(ShardedLinear, "_small_batch_runner", lambda self, device: None)
-        with HOST_PATH.cuda_route():
-            layer(x)
-            HOST_PATH.LAUNCHES.clear()
-    finally:
-        dist.destroy_process_group()
+    monkeypatch.setattr(ShardedLinear, "_small_batch_runner", lambda self, device: None)
+    with _rowwise_nvfp4_shard(rank, torch.nn.Linear(512, 256, dtype=torch.bfloat16)) as (layer, group):
+        layer(torch.randn(m, 256).to(torch.bfloat16))
     slots = qk.amax_slots(m, 256)
     assert [(tuple(t[0].shape), op) for t, op in group.calls] == [((slots,), dist.ReduceOp.MAX),
                                                                     ((m, 256), dist.ReduceOp.SUM)]
@@ -667,30 +679,19 @@ def test_sharded_nvfp4_rowwise_small_batch_launches(rank, m):
     # weight-only matmul) and the SUM all-reduce of the partial sums; no torch kernel besides views
     # and the outputs' allocations.
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from tilemm.parallel import shard_linear
 
     gen = torch.Generator().manual_seed(6)
     lin = torch.nn.Linear(512, 256, dtype=torch.bfloat16)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(256, 512, generator=gen))
     x = torch.randn(m, 256, generator=gen).to(torch.bfloat16)  # this rank's K-slice
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
-    try:
-        layer = shard_linear(tilemm.nn.Linear.from_float(lin, "nvfp4"), init_device_mesh("cpu", (2,)), "rowwise")
-        group = layer._tp.group = _RecordingGroup()
-        with HOST_PATH.cuda_route():
-            layer(x)  # the first call builds the small-batch runner
-            HOST_PATH.LAUNCHES.clear()
-            group.calls.clear()
-            with _Ops() as ops:
-                out = layer(x)
-            launches = list(HOST_PATH.LAUNCHES)
-            HOST_PATH.LAUNCHES.clear()
-    finally:
-        dist.destroy_process_group()
+    with _rowwise_nvfp4_shard(rank, lin) as (layer, group):
+        layer(x)  # the first call builds the small-batch runner
+        HOST_PATH.LAUNCHES.clear()
+        group.calls.clear()
+        with _Ops() as ops:
+            out = layer(x)
+        launches = list(HOST_PATH.LAUNCHES)
     slots = qk.amax_slots(m, 256)  # the widest K-slice: 512 / 2
     (grid, amax_kernel, amax_args), (_, quant_kernel, quant_args), *matmul = launches
     assert grid == (slots, 1, 1) and amax_args[1].shape == (slots,) and amax_args[0].shape == (1, m, 256)

@@ -605,6 +605,13 @@ def _prepared(key):
         return None
 
 
+def _repeated(key, x):
+    """The outputs of the prepared launch under ``key`` for x, or None (no such launch, or one that
+    does not hold for this call: the full path then)."""
+    launch = _prepared(key)
+    return None if launch is None else launch(x)
+
+
 class _QuantizeLaunch:
     """A quantizer signature's launches, prepared: ``__call__(x)`` allocates the outputs (as the first
     call returned them) and the buffers between its launches, makes each kernel's arguments from x and
@@ -816,11 +823,9 @@ def quantize_mxfp8(x: torch.Tensor, *, elem_dtype: torch.dtype = torch.float8_e4
         ``torch.float8_e8m0fnu`` (or swizzled).
     """
     key = _quantize_key("quantize_mxfp8", x, elem_dtype, rounding, swizzle, axis)
-    launch = _prepared(key)
-    if launch is not None:  # a signature seen before: checked then, launch prepared
-        result = launch(x)
-        if result is not None:
-            return MXFP8Tensor(*result)
+    result = _repeated(key, x)  # a signature seen before: checked then, launch prepared
+    if result is not None:
+        return MXFP8Tensor(*result)
     source = x
     x = _along("quantize_mxfp8", x, axis)
     fmt = check_quantize_mxfp8(x, elem_dtype, rounding, swizzle)
@@ -847,11 +852,9 @@ def quantize_mxfp4(x: torch.Tensor, *, rounding: str = "rceil",
         i; scale (..., K/32) ``torch.float8_e8m0fnu`` (or swizzled).
     """
     key = _quantize_key("quantize_mxfp4", x, rounding, swizzle, axis)
-    launch = _prepared(key)
-    if launch is not None:
-        result = launch(x)
-        if result is not None:
-            return MXFP4Tensor(*result)
+    result = _repeated(key, x)  # a signature seen before: checked then, launch prepared
+    if result is not None:
+        return MXFP4Tensor(*result)
     source = x
     x = _along("quantize_mxfp4", x, axis)
     check_quantize_mxfp4(x, rounding, swizzle)
@@ -885,11 +888,9 @@ def quantize_nvfp4(x: torch.Tensor, *, global_scale=None, swizzle: bool = False,
         ``torch.float8_e4m3fn`` (or swizzled), global_scale a 0-d fp32 tensor on x's device.
     """
     key = _quantize_key("quantize_nvfp4", x, swizzle, axis) if global_scale is None else None
-    launch = _prepared(key)
-    if launch is not None:
-        result = launch(x)
-        if result is not None:
-            return NVFP4Tensor(*result)
+    result = _repeated(key, x)  # a signature seen before: checked then, launch prepared
+    if result is not None:
+        return NVFP4Tensor(*result)
     source = x
     x = _along("quantize_nvfp4", x, axis)
     # The value of a given global_scale is checked by the operator (reading it back syncs a GPU).
@@ -922,11 +923,9 @@ def quantize_fp8(x: torch.Tensor, *, granularity="tensor",
     Then ``data = cast_RNE_satfinite(x / s)``. A NaN or Inf makes its group's scale and data NaN.
     """
     key = _quantize_key("quantize_fp8", x, granularity, elem_dtype, pow2_scale, axis)
-    launch = _prepared(key)
-    if launch is not None:
-        result = launch(x)
-        if result is not None:
-            return FP8Tensor(*result)
+    result = _repeated(key, x)  # a signature seen before: checked then, launch prepared
+    if result is not None:
+        return FP8Tensor(*result)
     source = x
     x = _along("quantize_fp8", x, axis)
     fmt, gran = check_quantize_fp8(x, granularity, elem_dtype, pow2_scale)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
 import os
 import pathlib
 import pstats
@@ -176,20 +177,32 @@ def main(argv=None) -> int:
     print(f"# CPU, N={args.n} K={args.k}: Python us per eager call on the sm_90 route (no launch), launches")
     for m in (int(v) for v in args.m.split(",")):
         for name, fn in entries(m, args.n, args.k):
-            with cuda_route():
-                for _ in range(3):
-                    fn()
-                LAUNCHES.clear()
-                fn()
-                launches = len(LAUNCHES)
-                us = per_call_us(fn, args.number)
-                if args.profile == name:
-                    prof = cProfile.Profile()
-                    prof.runcall(lambda: [fn() for _ in range(args.number)])
-                    LAUNCHES.clear()
-                    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            us, launches = measure(fn, args.number, profile=args.profile == name)
             print(f"M={m:<4d} {name:42s} {us:8.1f} us  {launches} launch(es)", flush=True)
     return 0
+
+
+def measure(fn, number: int, profile: bool = False, top: int = 25, sort: str = "tottime") -> tuple[float, int]:
+    """(us per call, launches per call) of ``fn`` on the CUDA route, after warm-up calls; with
+    ``profile``, cProfile's ``top`` functions of ``number`` calls too (garbage collection off, as
+    timeit does, so that no collection's time is charged to the function it interrupts)."""
+    with cuda_route():
+        for _ in range(3):
+            fn()
+        LAUNCHES.clear()
+        fn()
+        launches = len(LAUNCHES)
+        us = per_call_us(fn, number)
+        if profile:
+            prof = cProfile.Profile()
+            gc.disable()
+            try:
+                prof.runcall(lambda: [fn() for _ in range(number)])
+            finally:
+                gc.enable()
+            LAUNCHES.clear()
+            pstats.Stats(prof).sort_stats(sort).print_stats(top)
+    return us, launches
 
 
 if __name__ == "__main__":

@@ -28,11 +28,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import cProfile
-import gc
 import os
 import pathlib
-import pstats
 import sys
 import tempfile
 
@@ -40,24 +37,17 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository: tilemm
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks: _tp
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # host_path
 
 import tilemm  # noqa: E402
-from host_path import LAUNCHES, cuda_route, per_call_us  # noqa: E402
+from _tp import MLP  # noqa: E402
+from host_path import cuda_route, measure  # noqa: E402
 from tilemm.nn import Linear  # noqa: E402
 
 FORMATS = {"nvfp4-wo": dict(format="nvfp4", weight_only=True),
            "mxfp4-wo": dict(format="mxfp4", weight_only=True), "nvfp4": dict(format="nvfp4"),
            "mxfp8": dict(format="mxfp8"), "mxfp4": dict(format="mxfp4")}
-
-
-class MLP(torch.nn.Module):
-    def __init__(self, fc1, fc2):
-        super().__init__()
-        self.fc1, self.fc2 = fc1, fc2
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
 
 
 def start(world: int) -> None:
@@ -125,22 +115,9 @@ def main(argv=None) -> int:
     for fmt in (f for f in args.formats.split(",") if f):
         print(f"## {fmt}")
         for name, fn in steps(FORMATS[fmt], d_model, hidden, args.rows, args.world):
-            with cuda_route():
-                for _ in range(3):
-                    fn()
-                LAUNCHES.clear()
-                fn()
-                launches = len(LAUNCHES)
-                us = per_call_us(fn, args.number)
-                if args.profile is not None and args.profile.strip() == name.strip():
-                    prof = cProfile.Profile()
-                    gc.disable()  # as timeit does: no collection's time charged to the function it interrupts
-                    try:
-                        prof.runcall(lambda: [fn() for _ in range(args.number)])
-                    finally:
-                        gc.enable()
-                    LAUNCHES.clear()
-                    pstats.Stats(prof).sort_stats(os.environ.get("SORT", "tottime")).print_stats(int(os.environ.get("TOP", "20")))
+            us, launches = measure(fn, args.number,
+                                   profile=args.profile is not None and args.profile.strip() == name.strip(),
+                                   top=int(os.environ.get("TOP", "20")), sort=os.environ.get("SORT", "tottime"))
             print(f"{name:24s} {us:8.1f} us  {launches} launch(es)", flush=True)
     dist.destroy_process_group()
     return 0

@@ -89,11 +89,14 @@ def main(argv=None) -> int:
                 t_bf16, _ = timer(lambda: F.linear(x, w))
                 out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
                 line = []
+
+                def time_cfg(cfg):
+                    return timer(lambda: wo.launch(x, packed.words, packed.scale_t, packed.constants, bias, out,
+                                                   packed.layout, cfg))[0]
+
                 if args.plans:
                     for label, cfg in plan_variants(m, n, k, packed.layout, sms):
-                        run = lambda: wo.launch(x, packed.words, packed.scale_t, packed.constants, bias, out,  # noqa: E731
-                                                packed.layout, cfg)
-                        t, _ = timer(run)
+                        t = time_cfg(cfg)
                         rows.append({"fmt": fmt, "n": n, "k": k, "m": m, "cfg": cfg.name, "label": label,
                                      "us": t * 1e3, "vs_bf16": t_bf16 / t})
                         line.append(f"{label} {cfg.name}: {t * 1e3:.1f} us {t_bf16 / t:.2f}x")
@@ -104,9 +107,7 @@ def main(argv=None) -> int:
                     tiles = -(-m // tm) * -(-n // tn)
                     split = split_for(tiles, -(-k // packed.layout.tile_k), per_sm, sms)
                     cfg = wo.WeightOnlyConfig(tm, tn, split, warps, occ, *extra)
-                    run = lambda: wo.launch(x, packed.words, packed.scale_t, packed.constants, bias, out,  # noqa: E731
-                                            packed.layout, cfg)
-                    t, _ = timer(run)
+                    t = time_cfg(cfg)
                     rows.append({"fmt": fmt, "n": n, "k": k, "m": m, "cfg": cfg.name, "per_sm": per_sm,
                                  "us": t * 1e3, "vs_bf16": t_bf16 / t})
                     line.append(f"{cfg.name}/{per_sm}: {t_bf16 / t:.2f}x")

@@ -2,8 +2,11 @@
 
     python benchmarks/bench_host.py [--n 4096 --k 4096 --m 1,16]
 
-The host time of a call is the time to issue it: a few hundred calls back to back, which the GPU's
-launch queue absorbs, timed on the host (best of five), then one synchronisation. For each M it
+The host time of a call is the time to issue it: a short run of calls back to back (40: few enough
+that the GPU's launch queue never fills, which would time the GPU instead), timed on the host, then one
+synchronisation. The entries take turns, one run each per round, and each keeps its best of 15 rounds,
+so that every entry and ``F.linear`` are measured in the same stretch of time (the host's speed
+drifts: timing each entry alone, one after another, moved single entries by 1.5x). For each M it
 prints ``F.linear`` (bf16), then per format (MXFP8, MXFP4, NVFP4; FP8 per row): the format's
 ``*_matmul`` on pre-quantized swizzled operands, ``tilemm.linear(xq, wq)`` (both sides quantized),
 ``tilemm.linear(x, prepack(wq))`` (weight-only), ``tilemm.nn.Linear`` both sides and weight-only, and
@@ -42,39 +45,46 @@ def kernels_per_call(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def entries(m: int, n: int, k: int, formats, dev):
+def entries(m: int, n: int, k: int, formats, dev) -> list:
     """(name, callable) for every public entry at batch M."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(k, n, device=dev, dtype=torch.bfloat16)
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    yield "F.linear bf16", lambda: F.linear(x, lin.weight, lin.bias)
+    named = [("F.linear bf16", lambda: F.linear(x, lin.weight, lin.bias))]
     for fmt in formats:
-        if fmt == "fp8":
-            xq = tilemm.quantize_fp8(x, granularity="row")
-            wq = tilemm.quantize_fp8(lin.weight, granularity="row")
-            yield "fp8_matmul (row scales)", lambda: tilemm.fp8_matmul(xq.data, xq.scale, wq.data.t(), wq.scale.t())
-            yield "fp8 linear(xq, wq)", lambda: tilemm.linear(xq, wq)
-            both = tilemm.nn.Linear.from_float(lin, "fp8")
-            yield "fp8 nn.Linear both sides", lambda: both(x)
-            yield "quantize_fp8(x, 'row')", lambda: tilemm.quantize_fp8(x, granularity="row")
-            continue
-        q = FORMATS[fmt]
-        xq, wq = q(x, swizzle=True), q(lin.weight, swizzle=True)
-        matmul = getattr(tilemm, f"{fmt}_matmul")
-        if fmt == "nvfp4":
-            yield (f"{fmt}_matmul", lambda: matmul(xq.data, xq.scale, wq.data.t(), wq.scale,
-                                                    global_scale_x=xq.global_scale,
-                                                    global_scale_y=wq.global_scale))
-        else:
-            yield f"{fmt}_matmul", lambda: matmul(xq.data, xq.scale, wq.data.t(), wq.scale)
-        yield f"{fmt} linear(xq, wq)", lambda: tilemm.linear(xq, wq)
-        packed = tilemm.prepack(q(lin.weight))
-        yield f"{fmt} linear(x, packed) weight-only", lambda: tilemm.linear(x, packed)
-        both = tilemm.nn.Linear.from_float(lin, fmt)
-        yield f"{fmt} nn.Linear both sides", lambda: both(x)
-        wo = tilemm.nn.Linear.from_float(lin, fmt, weight_only=True)
-        yield f"{fmt} nn.Linear weight-only", lambda: wo(x)
-        yield f"quantize_{fmt}(x, swizzle=True)", lambda: q(x, swizzle=True)
+        named += _format_entries(fmt, lin, x)
+    return named
+
+
+def _format_entries(fmt: str, lin: torch.nn.Linear, x: torch.Tensor) -> list:
+    """One format's entries (a function of its own, so that each closure keeps its own operands)."""
+    if fmt == "fp8":
+        xq = tilemm.quantize_fp8(x, granularity="row")
+        wq = tilemm.quantize_fp8(lin.weight, granularity="row")
+        both = tilemm.nn.Linear.from_float(lin, "fp8")
+        return [("fp8_matmul (row scales)", lambda: tilemm.fp8_matmul(xq.data, xq.scale, wq.data.t(), wq.scale.t())),
+                ("fp8 linear(xq, wq)", lambda: tilemm.linear(xq, wq)),
+                ("fp8 nn.Linear both sides", lambda: both(x)),
+                ("quantize_fp8(x, 'row')", lambda: tilemm.quantize_fp8(x, granularity="row"))]
+    q = FORMATS[fmt]
+    xq, wq = q(x, swizzle=True), q(lin.weight, swizzle=True)
+    matmul = getattr(tilemm, f"{fmt}_matmul")
+    if fmt == "nvfp4":
+        def product():
+            return matmul(xq.data, xq.scale, wq.data.t(), wq.scale, global_scale_x=xq.global_scale,
+                          global_scale_y=wq.global_scale)
+    else:
+        def product():
+            return matmul(xq.data, xq.scale, wq.data.t(), wq.scale)
+    packed = tilemm.prepack(q(lin.weight))
+    both = tilemm.nn.Linear.from_float(lin, fmt)
+    wo = tilemm.nn.Linear.from_float(lin, fmt, weight_only=True)
+    return [(f"{fmt}_matmul", product),
+            (f"{fmt} linear(xq, wq)", lambda: tilemm.linear(xq, wq)),
+            (f"{fmt} linear(x, packed) weight-only", lambda: tilemm.linear(x, packed)),
+            (f"{fmt} nn.Linear both sides", lambda: both(x)),
+            (f"{fmt} nn.Linear weight-only", lambda: wo(x)),
+            (f"quantize_{fmt}(x, swizzle=True)", lambda: q(x, swizzle=True))]
 
 
 def main(argv=None) -> int:
@@ -88,19 +98,23 @@ def main(argv=None) -> int:
     if args.cpu_smoke:
         args.n, args.k, args.m = 128, 64, "1"
     dev = torch.device("cpu" if args.cpu_smoke else "cuda")
-    calls, reps = (5, 1) if args.cpu_smoke else (300, 5)
-    report = {"device": device_name(dev), "n": args.n, "k": args.k, "rows": []}
+    calls, rounds = (5, 1) if args.cpu_smoke else (40, 15)
+    report = {"device": device_name(dev), "n": args.n, "k": args.k, "calls": calls, "rounds": rounds, "rows": []}
     say = Transcript(command("bench_host.py", argv), report["device"])
-    say(f"# {report['device']}, N={args.n} K={args.k}; host us per eager call, ratio to F.linear, kernels")
+    say(f"# {report['device']}, N={args.n} K={args.k}; host us per eager call (best of {rounds} interleaved "
+        f"rounds of {calls} calls), ratio to F.linear, kernels")
     for m in (int(v) for v in args.m.split(",")):
-        base = None
-        for name, fn in entries(m, args.n, args.k, args.formats.split(","), dev):
-            us = issue_us(fn, calls, reps, warmup=2 if args.cpu_smoke else 20)
-            base = base or us
-            kernels = kernels_per_call(fn) if dev.type == "cuda" else None
+        named = entries(m, args.n, args.k, args.formats.split(","), dev)
+        kernels = [kernels_per_call(fn) if dev.type == "cuda" else None for _, fn in named]
+        best = [float("inf")] * len(named)
+        for _ in range(rounds):
+            for i, (_, fn) in enumerate(named):
+                best[i] = min(best[i], issue_us(fn, calls, 1, warmup=1))
+        base = best[0]
+        for (name, _), us, count in zip(named, best, kernels):
             report["rows"].append({"m": m, "entry": name, "us": round(us, 1), "x_f_linear": round(us / base, 2),
-                                   "kernels": kernels})
-            say(f"M={m:<4d} {name:42s} {us:8.1f} us {us / base:6.2f}x  {'-' if kernels is None else kernels} kernel(s)")
+                                   "kernels": count})
+            say(f"M={m:<4d} {name:42s} {us:8.1f} us {us / base:6.2f}x  {'-' if count is None else count} kernel(s)")
     path = results_path(args.out_dir, "host", report["device"], "json")
     path.write_text(json.dumps(report, indent=1))
     say.write(path.with_suffix(".txt"))

@@ -446,7 +446,8 @@ def test_fp8_linear_layer_is_two_launches(granularity, m):
     x = torch.randn(m, 256, generator=gen).to(torch.bfloat16)
     with HOST_PATH.cuda_route():
         kernels.PLANS.clear()
-        layer(x)
+        layer(x)  # the full path, which prepares the layer's launches
+        layer(x)  # the first prepared call: it takes its views of the stream's scratch once
         HOST_PATH.LAUNCHES.clear()
         with _Ops() as ops:
             layer(x)
@@ -454,6 +455,7 @@ def test_fp8_linear_layer_is_two_launches(granularity, m):
         HOST_PATH.LAUNCHES.clear()
     assert [k for _, k, _ in launches][0] is not launches[1][1] and len(launches) == 2
     assert set(ops.names) <= _VIEWS | _ALLOCATIONS, ops.names
+    assert ops.names.count("empty.memory_format") == 1, ops.names  # the output; the quantized x is scratch
     bias = launches[1][2][6]  # the matmul's bias argument: the layer's, in fp32
     assert bias.dtype == torch.float32 and torch.equal(bias, lin.bias.float())
 

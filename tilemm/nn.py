@@ -680,16 +680,46 @@ class _FP8Call:
     same arguments.
 
     Where the quantize is one launch (no buffers between launches) and every view of its two outputs
-    keeps their dtype, the outputs, which only the matmul reads, are allocated in the shape the
-    quantize kernel views them in (fresh memory either way, so every view ``as_view`` takes of them
-    is the same), and a view the two kernels share is taken once (``_fuse``)."""
+    keeps their dtype, the outputs, which only the matmul reads, are laid out in the shape the
+    quantize kernel views them in (``_fuse``), in the stream's activation scratch
+    (``quantize_kernels.activation_scratch``: the matmul's read precedes the next call's write in
+    stream order), and both kernels' views of them are taken once per scratch buffer; inside a CUDA
+    graph capture they are allocated fresh."""
 
-    __slots__ = ("quantize", "matmul", "out_shape", "in_features", "fused")
+    __slots__ = ("quantize", "matmul", "out_shape", "in_features", "fused", "scratch_elements", "bound")
 
     def __init__(self, quantize, matmul, out_shape, in_features):
         self.quantize, self.matmul = quantize, matmul
         self.out_shape, self.in_features = out_shape, in_features  # out_shape None: x is 2-D
         self.fused = _fuse(quantize, matmul)
+        self.bound = None  # (scratch buffer, quantize arguments, the matmul's views): per scratch buffer
+        if self.fused is not None:
+            (data_shape, data_dtype), (scale_shape, scale_dtype) = self.fused[4]
+            self.scratch_elements = -(-(self._scale_offset() + _numel(scale_shape) * scale_dtype.itemsize) // 2)
+
+    def _scale_offset(self) -> int:
+        """Where the scale starts in the scratch bytes: after the data, 16-byte aligned."""
+        data_shape, data_dtype = self.fused[4][0]
+        return -(-_numel(data_shape) * data_dtype.itemsize // 16) * 16
+
+    def _carve(self, values: torch.Tensor) -> tuple:
+        """(data, scale) as the quantize allocates them, in the scratch ``values`` (bf16, flat)."""
+        (data_shape, data_dtype), (scale_shape, scale_dtype) = self.fused[4]
+        raw = values.view(torch.uint8)
+        start, size = self._scale_offset(), _numel(scale_shape) * scale_dtype.itemsize
+        data = raw[:_numel(data_shape) * data_dtype.itemsize].view(data_dtype).view(data_shape)
+        return data, raw[start:start + size].view(scale_dtype).view(scale_shape)
+
+    def _bind(self, data: torch.Tensor, scale: torch.Tensor) -> tuple:
+        """(the quantize's arguments with data and scale's views in place, the matmul's views of them)."""
+        _, _, args, views, _, (a_spec, a_scale_spec) = self.fused
+        tensors = (None, data, scale)
+        args = args.copy()
+        for i, j, spec in views:
+            if j != 0:
+                args[i] = tensors[j] if spec is None else _kernels.as_view(tensors[j], spec)
+        return (args, data if a_spec is None else _kernels.as_view(data, a_spec),
+                scale if a_scale_spec is None else _kernels.as_view(scale, a_scale_spec))
 
     def __call__(self, x):
         out_shape = self.out_shape
@@ -708,20 +738,27 @@ class _FP8Call:
             return None
         if rows.requires_grad:
             rows = rows.detach()
-        grid, kernel, args, views, (data_alloc, scale_alloc), (a_spec, a_scale_spec) = fused
-        tensors = (rows, torch.empty(data_alloc[0], dtype=data_alloc[1], device=device),
-                   torch.empty(scale_alloc[0], dtype=scale_alloc[1], device=device))
+        grid, kernel, _, views, (data_alloc, scale_alloc), _ = fused
+        if _quantize_kernels._capturing(device):  # fresh buffers, from the graph's pool
+            bound = self._bind(torch.empty(data_alloc[0], dtype=data_alloc[1], device=device),
+                               torch.empty(scale_alloc[0], dtype=scale_alloc[1], device=device))
+        else:  # the stream's scratch (only the matmul below reads what the quantize writes)
+            scratch = _quantize_kernels.activation_scratch(device, stream, self.scratch_elements)
+            bound = self.bound
+            if bound is None or bound[0] is not scratch.values:
+                bound = self.bound = (scratch.values, *self._bind(*self._carve(scratch.values)))
+            bound = bound[1:]
+        args, a, a_scale = bound
         args = args.copy()
         for i, j, spec in views:
-            args[i] = tensors[j] if spec is None else _kernels.as_view(tensors[j], spec)
+            if j == 0:
+                args[i] = rows if spec is None else _kernels.as_view(rows, spec)
         _quantize_kernels.launch_on(stream, grid, kernel, tuple(args))
         launch = matmul.launch
         out = torch.empty(launch.out_shape if out_shape is None else out_shape, dtype=launch.out_dtype,
                           device=device)
-        data, scale = tensors[1], tensors[2]
-        launch.prepared.launch(stream, data if a_spec is None else _kernels.as_view(data, a_spec),
-                               scale if a_scale_spec is None else _kernels.as_view(scale, a_scale_spec),
-                               matmul.y, matmul.y_scale, out.view(launch.out3), launch.ones, matmul.bias)
+        launch.prepared.launch(stream, a, a_scale, matmul.y, matmul.y_scale, out.view(launch.out3), launch.ones,
+                               matmul.bias)
         return out
 
 

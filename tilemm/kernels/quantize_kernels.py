@@ -1256,12 +1256,48 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None, swizzle: 
     return data, scale, global_scale_out.reshape(())
 
 
+class _Scratch:
+    """One stream's buffers for an activation that one launch writes and the next reads."""
+
+    __slots__ = ("values", "alpha", "retired")
+
+    def __init__(self, values: torch.Tensor, alpha: torch.Tensor, retired: list):
+        self.values, self.alpha, self.retired = values, alpha, retired
+
+
+_SCRATCH: dict = {}
+
+
+def activation_scratch(device: torch.device, stream, elements: int) -> _Scratch:
+    """The (device, stream)'s scratch: ``values``, a flat bf16 buffer of at least ``elements``
+    (doubling when a call needs more), and ``alpha``, one fp32 word. For values that one launch
+    writes and the next launch on the same stream reads, and nothing else: stream order then keeps
+    every write after the previous read, across all the layers that share it. Allocated outside
+    torch.compile's graph pools (``_outside_graph_pools``, on another thread's stream: a buffer
+    outgrown is kept, never freed, so that no allocation on that stream reuses memory a launch of
+    this stream may still read); never used inside a capture."""
+    key = (device, _stream_key(stream))
+    scratch = _SCRATCH.get(key)
+    if scratch is None:
+        alpha = _outside_graph_pools(lambda: torch.empty(1, dtype=torch.float32, device=device))
+        scratch = _SCRATCH[key] = _Scratch(torch.empty(0, dtype=torch.bfloat16, device=device), alpha, [])
+    if scratch.values.numel() < elements:
+        size = max(elements, 2 * scratch.values.numel(), 1 << 16)
+        scratch.retired.append(scratch.values)
+        scratch.values = _outside_graph_pools(lambda: torch.empty(size, dtype=torch.bfloat16, device=device))
+    return scratch
+
+
 class FakeQuant:
     """``dequantize(quantize(x))`` of an activation x (M, K), contiguous, as a bf16 (M, K) tensor, with
     everything but x worked out once: the format ("mxfp8" with e4m3 / e5m2, "mxfp4", "nvfp4"), the MX
     scale rounding, and for NVFP4 the (1,) fp32 ``alpha`` that the tensor's decode scale multiplies
     (``run`` returns ``S_dec * alpha`` as a new (1,) tensor). One launch; NVFP4 with more tiles than
-    the GPU has SMs: two, ``tensor_amax`` first."""
+    the GPU has SMs: two, ``tensor_amax`` first.
+
+    Its outputs are only ever read by the next launch on the same stream (the weight-only matmul), so
+    outside CUDA-graph captures they live in ``activation_scratch``, shared by every layer on that
+    stream: a call's write follows the previous call's read in stream order. Captures take fresh ones."""
 
     __slots__ = ("element", "nv", "floor", "alpha", "config", "_stub_i32", "_kernel", "_sms")
 
@@ -1276,6 +1312,16 @@ class FakeQuant:
         self._kernel = _kernel(_fake_quant_kernel, self.config)
         self._sms = num_sms(alpha.device)
 
+    def _outputs(self, x: torch.Tensor, stream) -> tuple:
+        """(bf16 (M, K), NVFP4's (1,) fp32 alpha or ``self.alpha``)."""
+        m, k = x.shape
+        device = x.device
+        if _capturing(device):
+            return (torch.empty((m, k), dtype=torch.bfloat16, device=device),
+                    torch.empty(1, dtype=torch.float32, device=device) if self.nv else self.alpha)
+        scratch = activation_scratch(device, stream, m * k)
+        return scratch.values[:m * k].view(m, k), scratch.alpha if self.nv else self.alpha
+
     def run(self, x: torch.Tensor, stream, amax: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(bf16 (M, K) fake-quantized x, NVFP4's ``S_dec * alpha`` or None). ``stream``: a raw handle
@@ -1284,8 +1330,7 @@ class FakeQuant:
         AMAX_PARTIALS (a row-wise tensor-parallel rank's all-reduced one)."""
         m, k = x.shape
         cfg = self.config
-        out = torch.empty((m, k), dtype=torch.bfloat16, device=x.device)
-        alpha_out = torch.empty(1, dtype=torch.float32, device=x.device) if self.nv else self.alpha
+        out, alpha_out = self._outputs(x, stream)
         blocks = -(-m // cfg.tile_r) * -(-k // cfg.tile_k)
         grid_amax = self.nv and blocks <= self._sms and amax is None
         if not self.nv:

@@ -1,0 +1,111 @@
+"""The per-pair MoE kernel's block shape (``moe_kernels.PairsConfig``: weight rows per block, blocks
+per SM, K tiles per load) timed on the layers that take the per-pair design: gpt-oss-20b / 120b at
+T = 1, 2, 4 and the Qwen-shaped anchor (NVFP4, MXFP4) at T = 1, 2, 4, uniform and skewed routing.
+
+    python benchmarks/investigations/moe_pairs_tune.py [--reps 20] [--plans base,rows32]
+
+Each plan is a function (K, layout) -> PairsConfig that replaces ``moe_kernels.pairs_plan``
+for the whole layer (gate_up and down). Every plan's output is compared bit for bit with the
+committed plan's (each output row is the same fp32 sums in the same order whatever the block shape),
+then the layer is timed as ``bench_moe.py`` times it (CUDA-graph replays, L2 flushed, median). The
+SASS counts that chose the candidates: ``benchmarks/results/moe-pairs-sass-sm90.txt``; the H100 run:
+``moe-pairs-tune-nvidia-h100-80gb-hbm3.txt`` (the committed plan was fastest everywhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import pathlib
+import sys
+
+import torch
+
+sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[1]), str(pathlib.Path(__file__).resolve().parents[2])]
+
+from tilemm.kernels import moe_kernels as mk  # noqa: E402
+from tilemm.moe import MoEExperts  # noqa: E402
+from bench_moe import random_packed, routing  # noqa: E402
+from _results import Transcript, add_options, command, device_name, results_path  # noqa: E402
+
+LAYERS = [("gpt-oss-20b", 2880, 2880, 32, 4, "mxfp4", "gpt-oss", (1, 2, 4)),
+          ("gpt-oss-120b", 2880, 2880, 128, 4, "mxfp4", "gpt-oss", (1, 4, 8)),
+          ("anchor", 2048, 512, 256, 8, "nvfp4", "silu", (1, 2, 4)),
+          ("anchor", 2048, 512, 256, 8, "mxfp4", "silu", (1, 2, 4))]
+SMOKE_LAYERS = [("tiny", 512, 256, 8, 2, "mxfp4", "gpt-oss", (1, 2)),
+                ("tiny-silu", 512, 256, 8, 2, "nvfp4", "silu", (1, 2))]
+
+_COMMITTED = mk.pairs_plan.__wrapped__
+
+
+def _rows(tile_n: int, occupancy_for_unroll: dict):
+    @functools.lru_cache(maxsize=None)  # one config object per case: its kernel is hinted once
+    def plan(k, layout):
+        unroll = _COMMITTED(k, layout).unroll
+        return mk.PairsConfig(unroll, tile_n=tile_n, occupancy=occupancy_for_unroll.get(unroll, 4))
+    return plan
+
+
+PLANS = {
+    "base": _COMMITTED,
+    # 32 weight rows per block: fewer address and loop instructions per weight element; blocks per
+    # SM lowered where 4 would spill (the SASS counts).
+    "rows32": _rows(32, {2: 4, 4: 2, 8: 2}),
+    "rows32_occ3": _rows(32, {2: 3, 4: 3, 8: 2}),
+    "rows16_occ2": _rows(16, {2: 2, 4: 2, 8: 2}),
+}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="moe_pairs_tune.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--plans", default=",".join(PLANS))
+    add_options(ap)
+    args = ap.parse_args(argv)
+    device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    say = Transcript(command("investigations/moe_pairs_tune.py", argv), device_name(device))
+    timer = None
+    if device.type == "cuda":
+        from _timing import Timer
+
+        timer = Timer(args.reps, device)
+    plans = {name: PLANS[name] for name in args.plans.split(",")}
+    committed = mk.pairs_plan
+    failed = False
+    for name, hidden, inter, e, k, fmt, activation, tokens in (SMOKE_LAYERS if args.cpu_smoke else LAYERS):
+        gen = torch.Generator().manual_seed(0)
+        biases = activation == "gpt-oss"
+        gub = torch.randn(e, 2 * inter, generator=gen).to(device) * 0.1 if biases else None
+        db = torch.randn(e, hidden, generator=gen).to(device) * 0.1 if biases else None
+        ours = MoEExperts(random_packed(fmt, e, 2 * inter, hidden, device, seed=1),
+                          random_packed(fmt, e, hidden, inter, device, seed=2), gub, db, activation=activation)
+        for kind in ("uniform", "skewed"):
+            for t in tokens:
+                ids, weights = routing(kind, t, e, k, device, gen)
+                x = (torch.randn(t, hidden, generator=gen) * 0.5).to(torch.bfloat16).to(device)
+                cells, want = [], None
+                for pname, plan in plans.items():
+                    mk.pairs_plan = plan
+                    try:
+                        got = ours(x, ids, weights)
+                        if want is None:
+                            want = got
+                        elif not torch.equal(got, want):
+                            failed = True
+                            cells.append(f"{pname} DIFFERENT BITS")
+                            continue
+                        if timer is None:
+                            cells.append(f"{pname} ok")
+                            continue
+                        ms, _ = timer(lambda: ours(x, ids, weights))
+                        cells.append(f"{pname} {ms * 1e3:7.1f} us")
+                    finally:
+                        mk.pairs_plan = committed
+                say(f"{name:12s} {fmt} {kind:7s} T={t:<3d} " + " | ".join(cells))
+    path = results_path(args.out_dir, "moe-pairs-tune", device_name(device), "txt")
+    say.write(path)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

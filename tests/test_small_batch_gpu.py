@@ -122,3 +122,24 @@ def test_an_eager_block_scaled_call_launches_at_most_two_kernels(fmt, m):
     x = torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16)
     kernels = kernels_per_call(lambda: layer(x))
     assert 1 <= len(kernels) <= 2, kernels
+
+
+def test_layers_sharing_the_activation_scratch():
+    # Both-sides layers of several formats and widths, called back to back on one stream: they share
+    # the stream's activation scratch (which grows on the way from 1 to 100 rows), and each output is
+    # the bits of the same call made alone, the GPU idle before and after it.
+    torch.manual_seed(0)
+    specs = [("nvfp4", 512, 256), ("mxfp4", 2048, 128), ("fp8", 256, 384), ("mxfp8", 1056, 200)]
+    layers = [tilemm.nn.Linear.from_float(torch.nn.Linear(k, n, device=DEV, dtype=torch.bfloat16), fmt)
+              for fmt, k, n in specs]
+    calls = [(layer, torch.randn(m, k, device=DEV).to(torch.bfloat16))
+             for m in (1, 100, 16, 1) for layer, (_, k, _) in zip(layers, specs)]
+    alone = []
+    for layer, x in calls:
+        torch.cuda.synchronize()
+        alone.append(layer(x).clone())
+        torch.cuda.synchronize()
+    together = [layer(x) for layer, x in calls]
+    torch.cuda.synchronize()
+    for (layer, x), a, b in zip(calls, alone, together):
+        assert torch.equal(a, b), (layer.format, x.shape)

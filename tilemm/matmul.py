@@ -280,6 +280,13 @@ def launch_key(tag: str, x, x_scale, y, y_scale, out_dtype, bias, alpha, extra=(
             None if alpha is None else _tsig(alpha), *extra)
 
 
+def _fp32_word(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A 0-d or (1,) tensor as the (1,) fp32 tensor on ``device`` that a kernel reads."""
+    if t.dtype is torch.float32 and t.device == device:
+        return t.reshape(1)
+    return t.reshape(1).to(device=device, dtype=torch.float32)
+
+
 class _Launch:
     """An eager CUDA call of a checked signature whose launch is prepared (a ``direct`` Hopper
     ``Prepared``): per call, the output's allocation, at most one view per operand (``view_spec``,
@@ -311,9 +318,9 @@ class _Launch:
         if self.scaled:  # block-scaled: NVFP4's decode scales go to the kernel
             if global_scale_x is None:
                 global_scale_x = global_scale_y = self.ones
-            else:
-                global_scale_x = global_scale_x.reshape(1).to(device=device, dtype=torch.float32)
-                global_scale_y = global_scale_y.reshape(1).to(device=device, dtype=torch.float32)
+            else:  # (quantize_nvfp4's are fp32 on the device already: a view each)
+                global_scale_x = _fp32_word(global_scale_x, device)
+                global_scale_y = _fp32_word(global_scale_y, device)
             self.prepared.launch(stream_handle(device), *operands, out.view(self.out3), alpha, global_scale_x,
                                  global_scale_y, bias)
         else:

@@ -56,10 +56,26 @@ PLANS = {
 }
 
 
+_COMMITTED_SORTED = mk.plan
+
+#: The sorted design's configs for many tokens (``--sorted``): replacements of ``moe_kernels.plan``.
+SORTED_PLANS = {
+    "base": _COMMITTED_SORTED,
+    "m64": lambda tokens, top_k, num_experts, layout: mk._config(64, layout),
+    "m128_w8_occ1": lambda tokens, top_k, num_experts, layout: mk.MoEConfig(128, 128, 8, 1),
+    "m128x64_w4": lambda tokens, top_k, num_experts, layout: mk.MoEConfig(128, 64, 4, 1),
+}
+SORTED_LAYERS = [("gpt-oss-20b", 2880, 2880, 32, 4, "mxfp4", "gpt-oss", (256, 1024)),
+                 ("gpt-oss-120b", 2880, 2880, 128, 4, "mxfp4", "gpt-oss", (1024,))]
+SMOKE_SORTED_LAYERS = [("tiny", 512, 256, 8, 2, "mxfp4", "gpt-oss", (40,))]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="moe_pairs_tune.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--plans", default=",".join(PLANS))
+    ap.add_argument("--plans", default=None, help="comma-separated (default: all of the mode's)")
+    ap.add_argument("--sorted", action="store_true",
+                    help="the sorted design's tile configs at T = 256 / 1024 instead (plans: " + ", ".join(SORTED_PLANS) + ")")
     add_options(ap)
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
@@ -69,10 +85,16 @@ def main(argv=None) -> int:
         from _timing import Timer
 
         timer = Timer(args.reps, device)
-    plans = {name: PLANS[name] for name in args.plans.split(",")}
-    committed = mk.pairs_plan
+    table = SORTED_PLANS if args.sorted else PLANS
+    plans = {name: table[name] for name in (args.plans.split(",") if args.plans else table)}
+    attribute = "plan" if args.sorted else "pairs_plan"
+    committed = getattr(mk, attribute)
     failed = False
-    for name, hidden, inter, e, k, fmt, activation, tokens in (SMOKE_LAYERS if args.cpu_smoke else LAYERS):
+    if args.sorted:
+        layers = SMOKE_SORTED_LAYERS if args.cpu_smoke else SORTED_LAYERS
+    else:
+        layers = SMOKE_LAYERS if args.cpu_smoke else LAYERS
+    for name, hidden, inter, e, k, fmt, activation, tokens in layers:
         gen = torch.Generator().manual_seed(0)
         biases = activation == "gpt-oss"
         gub = torch.randn(e, 2 * inter, generator=gen).to(device) * 0.1 if biases else None
@@ -85,7 +107,7 @@ def main(argv=None) -> int:
                 x = (torch.randn(t, hidden, generator=gen) * 0.5).to(torch.bfloat16).to(device)
                 cells, want = [], None
                 for pname, plan in plans.items():
-                    mk.pairs_plan = plan
+                    setattr(mk, attribute, plan)
                     try:
                         got = ours(x, ids, weights)
                         if want is None:
@@ -100,9 +122,9 @@ def main(argv=None) -> int:
                         ms, _ = timer(lambda: ours(x, ids, weights))
                         cells.append(f"{pname} {ms * 1e3:7.1f} us")
                     finally:
-                        mk.pairs_plan = committed
+                        setattr(mk, attribute, committed)
                 say(f"{name:12s} {fmt} {kind:7s} T={t:<3d} " + " | ".join(cells))
-    path = results_path(args.out_dir, "moe-pairs-tune", device_name(device), "txt")
+    path = results_path(args.out_dir, "moe-sorted-tune" if args.sorted else "moe-pairs-tune", device_name(device), "txt")
     say.write(path)
     return 1 if failed else 0
 

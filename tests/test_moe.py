@@ -588,7 +588,8 @@ def test_plan_tile_m_follows_tokens_per_expert():
     assert mk.plan(1, 4, 32, layout).tile_m == 16
     assert mk.plan(64, 4, 32, layout).tile_m == 16        # 8 per expert
     assert mk.plan(256, 4, 32, layout).tile_m == 32       # 32 per expert
-    assert mk.plan(1024, 4, 32, layout).tile_m == 128
+    assert mk.plan(1024, 4, 32, layout).tile_m == 64       # 128 per expert: two 64-row chunks
+    assert mk.plan(2048, 4, 32, layout).tile_m == 128      # 256 per expert
     assert mk.plan(1024, 8, 256, layout).tile_m == 32
     assert mk.plan(16, 4, 32, tilemm.packed.layout_of(MXFP8_E4M3)).occupancy == 2
 

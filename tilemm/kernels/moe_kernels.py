@@ -404,14 +404,17 @@ def _config(tile_m: int, layout: Layout) -> MoEConfig:
 
 
 def plan(tokens: int, top_k: int, num_experts: int, layout: Layout) -> MoEConfig:
-    """The config for T = ``tokens``: tile_m the smallest of 16, 32, 64, 128 that covers the mean
-    number of tokens per active expert, T * k / min(T * k, E) (a balanced routing then takes one
-    chunk per expert). Not taken, worth measuring: a K split for few active experts; vLLM-style
-    padded TM-row tiles (``moe_align_block_size``)."""
+    """The config for T = ``tokens``: tile_m the smallest of 16, 32, 64 that covers the mean number of
+    tokens per active expert, T * k / min(T * k, E) (a balanced routing then takes one chunk per
+    expert), and 128 only above a mean of 128: at a mean of 128 (gpt-oss-20b, T = 1024) two 64-row
+    chunks per expert ran faster than one 128-row chunk, under uniform and skewed routing
+    (``benchmarks/results/moe-sorted-tune-*``). Not taken, worth measuring: a K split for few active
+    experts; vLLM-style padded TM-row tiles (``moe_align_block_size``)."""
     pairs = tokens * top_k
     mean = -(-pairs // max(1, min(pairs, num_experts)))
-    tile_m = next((t for t in _TILE_M if t >= mean), _TILE_M[-1])
-    return _config(tile_m, layout)
+    if mean > 128:
+        return _config(128, layout)
+    return _config(next((t for t in _TILE_M[:-1] if t >= mean), 64), layout)
 
 
 #: At most this many blocks share one (expert, N tile)'s chunks of tokens.

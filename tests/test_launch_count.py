@@ -702,3 +702,27 @@ def test_sharded_nvfp4_rowwise_small_batch_launches(rank, m):
                                                                       (False, dist.ReduceOp.SUM)]
     assert group.calls[1][0][0] is out
     assert set(ops.names) <= _VIEWS | _ALLOCATIONS, ops.names
+
+
+def test_a_prepared_experts_call_follows_replaced_buffers():
+    # MoEExperts' prepared call holds the buffers of its first call: a module given another one since
+    # is served with it (checked and planned again), never by the launches bound to the old one.
+    gen = torch.Generator().manual_seed(4)
+    block = tilemm.moe.MoEExperts(_experts(2 * 64, 256, 2), _experts(256, 64, 3),
+                                  torch.randn(8, 128, generator=gen), torch.randn(8, 256, generator=gen))
+    x = torch.randn(1, 256, generator=gen).to(torch.bfloat16)
+    ids = torch.tensor([[1, 5]], dtype=torch.int32)
+    weights = torch.rand(1, 2, generator=gen).to(torch.bfloat16)
+    with HOST_PATH.cuda_route():
+        block(x, ids, weights)
+        block(x, ids, weights)  # the prepared, bound launches
+        new_bias = torch.randn(8, 256, generator=gen)
+        block.down_bias = new_bias
+        HOST_PATH.LAUNCHES.clear()
+        block(x, ids, weights)
+        launches = list(HOST_PATH.LAUNCHES)
+        HOST_PATH.LAUNCHES.clear()
+    assert len(launches) == 2
+    down_args = launches[1][2]
+    assert any(a is block.down_bias for a in down_args) and block.down_bias is not None
+    assert torch.equal(block.down_bias, new_bias.to(block.down_bias.dtype))

@@ -333,12 +333,7 @@ def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_fo
 
     tokens, top_k = ids.shape
     num_experts, inter, hidden = gu_words.shape[0], gu_words.shape[1] // 2, d_words.shape[1]
-    if activation == "silu":
-        act = mk.ACT_SILU
-    elif alpha == mk.SWIGLU_ALPHA and limit == mk.SWIGLU_LIMIT:
-        act = mk.ACT_GPT_OSS
-    else:
-        act = mk.ACT_NONE
+    act = _fused_act(activation, alpha, limit)
     fused = act != mk.ACT_NONE
     if design is None:
         design = experts_design(tokens, top_k, gu_words, gu_scale_t, d_words, d_scale_t, x.device)
@@ -396,23 +391,83 @@ def experts_design(tokens: int, top_k: int, gu_words, gu_scale_t, d_words, d_sca
 class _MoEExpertsLaunch:
     """A checked ``MoEExperts.forward`` signature on CUDA with its design planned
     (``experts_design``): ``__call__(module, hidden_states, router_indices, routing_weights)`` runs
-    ``_experts_launches`` on the module's buffers, without the checks and the operator's dispatcher."""
+    ``_experts_launches`` on the module's buffers, without the checks and the operator's dispatcher.
 
-    __slots__ = ("design", "shape", "tokens")
+    It holds the module's buffers of its first call (``held``) and serves only a module that still
+    holds those very tensors (else it returns None and the forward checks and plans again): its key
+    has the inputs' signatures and the module's identity, not the buffers'. The per-pair design with
+    the gating fused (a decode step's few tokens) is bound to them once (``moe_kernels.PreparedPairs``
+    for gate_up and down): the output allocations and the two launches (and, without the combine
+    epilogue, the weighted sum); the other designs go through ``_experts_launches``."""
+
+    __slots__ = ("design", "shape", "tokens", "held", "gate_up", "down")
+
+    #: The buffers a bound call reads, by name in ``MoEExperts._buffers``.
+    BUFFERS = ("gate_up_words", "gate_up_scale_t", "gate_up_constants", "gate_up_bias", "down_words",
+               "down_scale_t", "down_constants", "down_bias")
 
     def __init__(self, module, x, ids):
+        from .kernels import moe_kernels as mk
+
         self.tokens = x.shape[0]
         self.shape = ids.shape
         self.design = experts_design(x.shape[0], ids.shape[1], module.gate_up_words, module.gate_up_scale_t,
                                      module.down_words, module.down_scale_t, x.device)
+        self.held = held = tuple(module._buffers.get(name) for name in self.BUFFERS)
+        self.gate_up = self.down = None
+        act = _fused_act(module.activation, module.alpha, module.limit)
+        if self.design.startswith("pairs") and act != mk.ACT_NONE:
+            gu_words, gu_scale_t, gu_constants, gu_bias, d_words, d_scale_t, d_constants, d_bias = held
+            pairs = self.tokens * ids.shape[1]
+            combine = self.design == "pairs_combine"
+            self.gate_up = mk.PreparedPairs(module.hidden_size, gu_words, gu_scale_t, gu_constants, gu_bias,
+                                            layout_of(FORMATS[module.formats[0]]), pairs, act)
+            self.down = mk.PreparedPairs(module.intermediate_size, d_words, d_scale_t, d_constants, d_bias,
+                                         layout_of(FORMATS[module.formats[1]]), self.tokens if combine else pairs,
+                                         combine=int(combine))
 
     def __call__(self, m, hidden_states, router_indices, routing_weights):
+        buffers = m._buffers
+        if not all(buffers.get(name) is t for name, t in zip(self.BUFFERS, self.held)):
+            return None  # a buffer replaced since: the forward checks and plans again
+        if self.gate_up is not None:
+            return self._bound(m, hidden_states, router_indices, routing_weights)
         out = _experts_launches(hidden_states.reshape(self.tokens, m.hidden_size), router_indices.reshape(self.shape),
                                 routing_weights.reshape(self.shape), m.gate_up_words, m.gate_up_scale_t,
                                 m.gate_up_constants, m.formats[0], m.gate_up_bias, m.down_words, m.down_scale_t,
                                 m.down_constants, m.formats[1], m.down_bias, m.alpha, m.limit, self.design,
                                 m.activation)
         return out.reshape(hidden_states.shape)
+
+    def _bound(self, m, hidden_states, router_indices, routing_weights):
+        """``_experts_launches``' per-pair design with the gating fused, on the bound launches."""
+        tokens, (_, top_k) = self.tokens, self.shape
+        x = hidden_states.reshape(tokens, m.hidden_size)
+        x = x if x.is_contiguous() else x.contiguous()
+        flat = router_indices.reshape(-1)
+        h = torch.empty((tokens * top_k, m.intermediate_size), dtype=x.dtype, device=x.device)  # pair order
+        self.gate_up.run(x, flat, h)
+        weights = routing_weights.reshape(self.shape)
+        if self.design == "pairs_combine":
+            out = torch.empty((tokens, m.hidden_size), dtype=x.dtype, device=x.device)
+            self.down.run(h, flat, out, weights if weights.is_contiguous() else weights.contiguous())
+        else:
+            y = torch.empty((tokens * top_k, m.hidden_size), dtype=x.dtype, device=x.device)
+            self.down.run(h, flat, y)
+            out = _weighted_sum(y.reshape(tokens, top_k, m.hidden_size), weights)
+        return out.reshape(hidden_states.shape)
+
+
+def _fused_act(activation: str, alpha: float, limit: float) -> int:
+    """The gate_up epilogue's gating code (``moe_kernels.ACT_*``): SiLU, gpt-oss's SwiGLU with its own
+    alpha and limit, else none (the gating then runs in PyTorch)."""
+    from .kernels import moe_kernels as mk
+
+    if activation == "silu":
+        return mk.ACT_SILU
+    if alpha == mk.SWIGLU_ALPHA and limit == mk.SWIGLU_LIMIT:
+        return mk.ACT_GPT_OSS
+    return mk.ACT_NONE
 
 
 @torch.library.custom_op("tilemm::gpt_oss_experts", mutates_args=())
@@ -649,19 +704,18 @@ class MoEExperts(torch.nn.Module):
         return cls(gate_up, down, getattr(experts, "gate_up_proj_bias", None),
                    getattr(experts, "down_proj_bias", None), alpha=experts.alpha, limit=experts.limit)
 
-    def _weight_tensors(self) -> tuple:
-        return (self.gate_up_words, self.gate_up_scale_t, self.gate_up_constants, self.gate_up_bias,
-                self.down_words, self.down_scale_t, self.down_constants, self.down_bias)
-
     def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
-        # A repeated eager CUDA call of a signature (the inputs' and the buffers' shapes, strides, dtypes
-        # and devices, the formats, alpha, limit and the activation) was checked and planned on its first call.
-        key = _eager_key("gpt_oss_experts", hidden_states, router_indices, routing_weights, *self._weight_tensors(),
-                         options=(self.formats, self.alpha, self.limit, self.activation))
+        # A repeated eager CUDA call of a signature (the inputs' shapes, strides, dtypes and devices, this
+        # module, its formats, alpha, limit and activation) was checked and planned on its first call; the
+        # launch serves it while the module holds the buffers it was planned with.
+        key = _eager_key("gpt_oss_experts", hidden_states, router_indices, routing_weights,
+                         options=(id(self), self.formats, self.alpha, self.limit, self.activation))
         launch = _kernels.PLANS.get(key) if key is not None else None
         if launch is not None:
-            return launch(self, hidden_states, router_indices, routing_weights)
+            out = launch(self, hidden_states, router_indices, routing_weights)
+            if out is not None:
+                return out
         fn = "tilemm.moe.MoEExperts"
         for name, t in (("hidden_states", hidden_states), ("router_indices", router_indices),
                         ("routing_weights", routing_weights)):

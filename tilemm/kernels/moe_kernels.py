@@ -38,7 +38,7 @@ from ._aot import AotVariant, array
 from ._common import hinted, sm90_hints, stream_handle
 from .weight_only_kernels import LAYOUTS, Layout, _X_PARTS, _f32_halves, _k_tile, _multipliers, _scaled_plane
 
-__all__ = ["MoEConfig", "plan", "route", "launch", "sort_rows", "launch_pairs", "pairs_plan", "PairsConfig",
+__all__ = ["MoEConfig", "plan", "route", "launch", "sort_rows", "launch_pairs", "PreparedPairs", "pairs_plan", "PairsConfig",
            "combine_pays", "grid_blocks", "route_kernel_fits", "pairs_pay", "expert_bytes", "PAIRS_MAX_BYTES",
            "zero_bias", "chunk_groups",
            "aot_variants", "SWIGLU_ALPHA", "SWIGLU_LIMIT", "ACT_NONE", "ACT_GPT_OSS", "ACT_SILU"]
@@ -558,16 +558,34 @@ def launch_pairs(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, co
     ``weights``: out (T * k, N) (N / 2 with ``act`` 1 or 2, the gating of ``launch``) = each pair's product with its expert, pair order,
     x (T, K) or one row per pair. With ``weights`` (T, k): out (T, N) = the weighted sum over each
     token's k slots (see ``_moe_gemv_kernel``). One ``ct.launch``."""
-    num_experts, n = words.shape[0], words.shape[1]
-    cfg = cfg or pairs_plan(x.shape[1], layout)
-    if bias is None:
-        bias = zero_bias(num_experts, n, x.device)
-    combine = int(weights is not None)
-    grid = (out.shape[0] * -(-n // cfg.tile_n), 1, 1)
-    stream = stream_handle(out.device)
-    ct.launch(stream, grid, cfg.kernel,
-              (x, words, scale_t, out, constants, constants[0, 1:2], bias, ids, weights if combine else out,
-               *_pairs_constants(layout, cfg, act, combine)))
+    PreparedPairs(x.shape[1], words, scale_t, constants, bias, layout, out.shape[0], act, int(weights is not None),
+                  cfg).run(x, ids, out, weights)
+
+
+class PreparedPairs:
+    """One per-pair launch (``launch_pairs``) of a projection with ``rows`` output rows, with
+    everything but x, the ids, the output and the router's weights worked out: the kernel, the grid,
+    and the weight's arguments (the tensors held)."""
+
+    __slots__ = ("kernel", "grid", "words", "scale_t", "rest", "consts")
+
+    def __init__(self, k: int, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
+                 bias: torch.Tensor | None, layout: Layout, rows: int, act: int = 0, combine: int = 0,
+                 cfg: PairsConfig | None = None):
+        num_experts, n = words.shape[0], words.shape[1]
+        cfg = cfg or pairs_plan(k, layout)
+        if bias is None:
+            bias = zero_bias(num_experts, n, words.device)
+        self.kernel = cfg.kernel
+        self.grid = (rows * -(-n // cfg.tile_n), 1, 1)
+        self.words, self.scale_t = words, scale_t
+        self.rest = (constants, constants[0, 1:2], bias)
+        self.consts = _pairs_constants(layout, cfg, act, combine)
+
+    def run(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        ct.launch(stream_handle(out.device), self.grid, self.kernel,
+                  (x, self.words, self.scale_t, out, *self.rest, ids, out if weights is None else weights,
+                   *self.consts))
 
 
 def _pairs_constants(layout: Layout, cfg: PairsConfig, act: int, combine: int) -> tuple:

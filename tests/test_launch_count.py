@@ -337,11 +337,11 @@ def _flat(value):
 
 
 def _repeat_launches_as_the_full_path(call, args, launches_per_call, expect_prepared=True, own_bytes=True,
-                                      forget=lambda: None):
+                                      forget=lambda: None, kept=lambda: ()):
     """``call(*args)`` twice on new memory: the second, a prepared launch (unless ``expect_prepared`` is
     False: the entries that take the full path on every call), launches what the full path (the plan
     table emptied, and ``forget()`` called: a layer's own prepared calls dropped) launches for the same
-    tensors (``own_bytes``: see ``_launch_form``)."""
+    tensors (``own_bytes``: see ``_launch_form``). ``kept()``: prepared launches a module keeps itself."""
     from tilemm import kernels
 
     launches = HOST_PATH.LAUNCHES
@@ -349,7 +349,7 @@ def _repeat_launches_as_the_full_path(call, args, launches_per_call, expect_prep
         kernels.PLANS.clear()
         call(*args)  # the first call of the signature: checked, planned, its launch kept
         prepared = any(type(v).__name__ in ("_Launch", "_QuantizeLaunch", "_MoELinearLaunch", "_MoEExpertsLaunch")
-                       for v in kernels.PLANS.values())
+                       for v in (*kernels.PLANS.values(), *kept()))
         again = tuple(_fresh(a) for a in args)
         launches.clear()
         out = call(*again)
@@ -542,11 +542,13 @@ def test_moe_entries_repeat_the_full_launch(tokens):
     # Its launches write buffers that a torch operation reads (y, before the weighted sum): their bytes
     # are what the stubbed launches left, so only their shapes and roles are compared.
     _repeat_launches_as_the_full_path(lambda x, ids, weights: block(x, ids, weights), (x, ids, weights),
-                                      2 if tokens == 1 else 3, own_bytes=False)
+                                      2 if tokens == 1 else 3, own_bytes=False, forget=block._launches.clear,
+                                      kept=lambda: block._launches.values())
     # SiLU-gated experts (the gating fused in gate_up's epilogue): the same launches, own prepared key.
     silu = tilemm.moe.MoEExperts(_experts(2 * 64, 256, 2), _experts(256, 64, 3), activation="silu")
     _repeat_launches_as_the_full_path(lambda x, ids, weights: silu(x, ids, weights), (x, ids, weights),
-                                      2 if tokens == 1 else 3, own_bytes=False)
+                                      2 if tokens == 1 else 3, own_bytes=False, forget=silu._launches.clear,
+                                      kept=lambda: silu._launches.values())
 
 
 def test_moe_calls_autograd_would_record_take_the_operator():
@@ -716,13 +718,31 @@ def test_a_prepared_experts_call_follows_replaced_buffers():
     with HOST_PATH.cuda_route():
         block(x, ids, weights)
         block(x, ids, weights)  # the prepared, bound launches
+        first_bias = block.down_bias
         new_bias = torch.randn(8, 256, generator=gen)
         block.down_bias = new_bias
         HOST_PATH.LAUNCHES.clear()
         block(x, ids, weights)
         launches = list(HOST_PATH.LAUNCHES)
         HOST_PATH.LAUNCHES.clear()
-    assert len(launches) == 2
+    assert len(launches) == 2 and len(block._launches) == 1
+    assert all(t is not old for launch in block._launches.values() for t in launch.held for old in (first_bias,))
     down_args = launches[1][2]
     assert any(a is block.down_bias for a in down_args) and block.down_bias is not None
     assert torch.equal(block.down_bias, new_bias.to(block.down_bias.dtype))
+
+
+def test_moving_experts_drops_their_prepared_launches():
+    # The prepared launches hold the module's buffers: .to() / .cpu() must not keep the old ones alive.
+    block = tilemm.moe.MoEExperts(_experts(2 * 64, 256, 2), _experts(256, 64, 3))
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    ids = torch.tensor([[1, 5]], dtype=torch.int32)
+    weights = torch.rand(1, 2).to(torch.bfloat16)
+    with HOST_PATH.cuda_route():
+        block(x, ids, weights)
+        HOST_PATH.LAUNCHES.clear()
+    assert len(block._launches) == 1
+    block.to(torch.device("cpu"))
+    assert block._launches == {}
+    block.load_state_dict(block.state_dict())
+    assert block._launches == {}

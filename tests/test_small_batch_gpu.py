@@ -124,10 +124,12 @@ def test_an_eager_block_scaled_call_launches_at_most_two_kernels(fmt, m):
     assert 1 <= len(kernels) <= 2, kernels
 
 
-def test_layers_sharing_the_activation_scratch():
+def test_layers_sharing_the_activation_scratch(monkeypatch):
     # Both-sides layers of several formats and widths, called back to back on one stream: they share
-    # the stream's activation scratch (which grows on the way from 1 to 100 rows), and each output is
-    # the bits of the same call made alone, the GPU idle before and after it.
+    # the stream's activation scratch (started empty, so that it grows on the way from 1 to 100 rows
+    # while launches are queued), and each output is the bits of the same call made alone, the GPU
+    # idle before and after it.
+    from tilemm.kernels import quantize_kernels
     torch.manual_seed(0)
     specs = [("nvfp4", 512, 256), ("mxfp4", 2048, 128), ("fp8", 256, 384), ("mxfp8", 1056, 200)]
     layers = [tilemm.nn.Linear.from_float(torch.nn.Linear(k, n, device=DEV, dtype=torch.bfloat16), fmt)
@@ -139,6 +141,7 @@ def test_layers_sharing_the_activation_scratch():
         torch.cuda.synchronize()
         alone.append(layer(x).clone())
         torch.cuda.synchronize()
+    monkeypatch.setattr(quantize_kernels, "_SCRATCH", {})
     together = [layer(x) for layer, x in calls]
     torch.cuda.synchronize()
     for (layer, x), a, b in zip(calls, alone, together):

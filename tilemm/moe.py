@@ -393,9 +393,10 @@ class _MoEExpertsLaunch:
     (``experts_design``): ``__call__(module, hidden_states, router_indices, routing_weights)`` runs
     ``_experts_launches`` on the module's buffers, without the checks and the operator's dispatcher.
 
-    It holds the module's buffers of its first call (``held``) and serves only a module that still
-    holds those very tensors (else it returns None and the forward checks and plans again): its key
-    has the inputs' signatures and the module's identity, not the buffers'. The per-pair design with
+    Kept in the module's own table (``MoEExperts._launches``, keyed by the inputs' signatures and
+    the options). It holds the module's buffers of its first call (``held``) and serves only while
+    the module still holds those very tensors (else it returns None: the forward empties the table,
+    checks and plans again). The per-pair design with
     the gating fused (a decode step's few tokens) is bound to them once (``moe_kernels.PreparedPairs``
     for gate_up and down): the output allocations and the two launches (and, without the combine
     epilogue, the weighted sum); the other designs go through ``_experts_launches``."""
@@ -579,6 +580,7 @@ class MoEExperts(torch.nn.Module):
                  down_bias: torch.Tensor | None = None, *, alpha: float = 1.702, limit: float = 7.0,
                  activation: str = "gpt-oss"):
         super().__init__()
+        self._launches = {}  # eager CUDA signatures -> _MoEExpertsLaunch (holding this module's buffers)
         fn = "tilemm.moe.MoEExperts"
         if activation not in ACTIVATIONS:
             raise ValueError(f"{fn}: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got "
@@ -617,11 +619,26 @@ class MoEExperts(torch.nn.Module):
     #: on load), and from version 3 on SiLU gate_up rows are interleaved (before: halves, permuted on
     #: load). A new word layout needs a new version here.
     _WORD_LAYOUT = {1: 1, 2: 2, 3: 2}
+    #: Eager signatures whose prepared launches the module keeps before its table starts over.
+    MAX_LAUNCHES = 16
+
+    def _apply(self, fn, recurse=True):
+        # The prepared launches hold the buffers: drop them, so that moving or casting the module
+        # frees the old tensors; the next call plans again.
+        self.__dict__["_launches"] = {}
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self):
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        state = dict(state)
+        state["_launches"] = {}  # kernels and device tensors: planned again after unpickling
+        return state
     _SILU_INTERLEAVED_SINCE = 3
     _version = 3
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        self.__dict__["_launches"] = {}  # the prepared launches hold the buffers being replaced
         version = local_metadata.get("version", 1)
         if version not in self._WORD_LAYOUT:
             error_msgs.append(f"MoEExperts {prefix!r}: a state dict of version {version}, which this tilemm does "
@@ -710,12 +727,16 @@ class MoEExperts(torch.nn.Module):
         # module, its formats, alpha, limit and activation) was checked and planned on its first call; the
         # launch serves it while the module holds the buffers it was planned with.
         key = _eager_key("gpt_oss_experts", hidden_states, router_indices, routing_weights,
-                         options=(id(self), self.formats, self.alpha, self.limit, self.activation))
-        launch = _kernels.PLANS.get(key) if key is not None else None
+                         options=(self.formats, self.alpha, self.limit, self.activation))
+        launches = self.__dict__.get("_launches")
+        if launches is None:  # (a module unpickled from before the table existed)
+            launches = self.__dict__["_launches"] = {}
+        launch = launches.get(key) if key is not None else None
         if launch is not None:
             out = launch(self, hidden_states, router_indices, routing_weights)
             if out is not None:
                 return out
+            launches.clear()  # a buffer was replaced: no launch may keep the old ones alive
         fn = "tilemm.moe.MoEExperts"
         for name, t in (("hidden_states", hidden_states), ("router_indices", router_indices),
                         ("routing_weights", routing_weights)):
@@ -747,7 +768,9 @@ class MoEExperts(torch.nn.Module):
             from ._arch import family
 
             family(x.device)  # raises UnsupportedGPUError below sm_90
-            launch = _kernels.remember(key, _MoEExpertsLaunch(self, x, ids))
+            if len(launches) >= self.MAX_LAUNCHES:
+                launches.clear()
+            launch = launches[key] = _MoEExpertsLaunch(self, x, ids)
             return launch(self, hidden_states, router_indices, routing_weights)
         if self.activation == "silu":
             out = _silu_experts_op(x, ids, weights, self.gate_up_words, self.gate_up_scale_t, self.gate_up_constants,

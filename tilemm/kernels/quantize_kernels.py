@@ -1269,14 +1269,16 @@ _SCRATCH: dict = {}
 
 
 def activation_scratch(device: torch.device, stream, elements: int) -> _Scratch:
-    """The (device, stream)'s scratch: ``values``, a flat bf16 buffer of at least ``elements``
+    """The (device, stream, thread)'s scratch: ``values``, a flat bf16 buffer of at least ``elements``
     (doubling when a call needs more), and ``alpha``, one fp32 word. For values that one launch
     writes and the next launch on the same stream reads, and nothing else: stream order then keeps
-    every write after the previous read, across all the layers that share it. Allocated outside
+    every write after the previous read, across all the layers that share it (the thread is in the
+    key because threads start on the same default stream: two threads' calls could interleave their
+    launches there). Allocated outside
     torch.compile's graph pools (``_outside_graph_pools``, on another thread's stream: a buffer
     outgrown is kept, never freed, so that no allocation on that stream reuses memory a launch of
     this stream may still read); never used inside a capture."""
-    key = (device, _stream_key(stream))
+    key = (device, _stream_key(stream), threading.get_ident())
     scratch = _SCRATCH.get(key)
     if scratch is None:
         alpha = _outside_graph_pools(lambda: torch.empty(1, dtype=torch.float32, device=device))
@@ -1292,7 +1294,7 @@ class FakeQuant:
     """``dequantize(quantize(x))`` of an activation x (M, K), contiguous, as a bf16 (M, K) tensor, with
     everything but x worked out once: the format ("mxfp8" with e4m3 / e5m2, "mxfp4", "nvfp4"), the MX
     scale rounding, and for NVFP4 the (1,) fp32 ``alpha`` that the tensor's decode scale multiplies
-    (``run`` returns ``S_dec * alpha`` as a new (1,) tensor). One launch; NVFP4 with more tiles than
+    (``run`` returns ``S_dec * alpha`` in a (1,) tensor that the next call on the stream rewrites). One launch; NVFP4 with more tiles than
     the GPU has SMs: two, ``tensor_amax`` first.
 
     Its outputs are only ever read by the next launch on the same stream (the weight-only matmul), so

@@ -746,3 +746,20 @@ def test_moving_experts_drops_their_prepared_launches():
     assert block._launches == {}
     block.load_state_dict(block.state_dict())
     assert block._launches == {}
+
+
+def test_experts_with_a_bias_that_requires_grad_take_the_operator():
+    # A float buffer that requires grad (in grad mode): the operator, as for an input that does.
+    gen = torch.Generator().manual_seed(2)
+    block = tilemm.moe.MoEExperts(_experts(2 * 64, 256, 2), _experts(256, 64, 3), None,
+                                  torch.randn(8, 256, generator=gen))
+    block.down_bias.requires_grad_()
+    x = torch.randn(1, 256, generator=gen).to(torch.bfloat16)
+    ids = torch.tensor([[1, 5]], dtype=torch.int32)
+    weights = torch.rand(1, 2, generator=gen).to(torch.bfloat16)
+    with HOST_PATH.cuda_route():
+        out = block(x, ids, weights)
+        HOST_PATH.LAUNCHES.clear()
+    assert block._launches == {} and out.requires_grad
+    with pytest.raises(RuntimeError, match="autograd"):
+        out.float().sum().backward()

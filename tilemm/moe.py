@@ -622,6 +622,12 @@ class MoEExperts(torch.nn.Module):
     #: Eager signatures whose prepared launches the module keeps before its table starts over.
     MAX_LAUNCHES = 16
 
+    def _float_buffer_requires_grad(self) -> bool:
+        buffers = self._buffers
+        return any(t is not None and t.requires_grad for t in (
+            buffers.get("gate_up_constants"), buffers.get("gate_up_bias"), buffers.get("down_constants"),
+            buffers.get("down_bias")))
+
     def _apply(self, fn, recurse=True):
         # The prepared launches hold the buffers: drop them, so that moving or casting the module
         # frees the old tensors; the next call plans again.
@@ -728,6 +734,8 @@ class MoEExperts(torch.nn.Module):
         # launch serves it while the module holds the buffers it was planned with.
         key = _eager_key("gpt_oss_experts", hidden_states, router_indices, routing_weights,
                          options=(self.formats, self.alpha, self.limit, self.activation))
+        if key is not None and torch.is_grad_enabled() and self._float_buffer_requires_grad():
+            key = None  # autograd would record the call: the operator (which has no backward) refuses it
         launches = self.__dict__.get("_launches")
         if launches is None:  # (a module unpickled from before the table existed)
             launches = self.__dict__["_launches"] = {}

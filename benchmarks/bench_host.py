@@ -6,7 +6,8 @@ The host time of a call is the time to issue it: a short run of calls back to ba
 that the GPU's launch queue never fills, which would time the GPU instead), timed on the host, then one
 synchronisation. The entries take turns, one run each per round, and each keeps its best of 15 rounds,
 so that every entry and ``F.linear`` are measured in the same stretch of time (the host's speed
-drifts: timing each entry alone, one after another, moved single entries by 1.5x). For each M it
+drifts: timing each entry alone, one after another, moved single entries by 1.5x); the ratio uses the
+best rounds, and the medians over the rounds are printed beside them, to show the spread. For each M it
 prints ``F.linear`` (bf16), then per format (MXFP8, MXFP4, NVFP4; FP8 per row): the format's
 ``*_matmul`` on pre-quantized swizzled operands, ``tilemm.linear(xq, wq)`` (both sides quantized),
 ``tilemm.linear(x, prepack(wq))`` (weight-only), ``tilemm.nn.Linear`` both sides and weight-only, and
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import pathlib
 import sys
 
@@ -102,19 +104,25 @@ def main(argv=None) -> int:
     report = {"device": device_name(dev), "n": args.n, "k": args.k, "calls": calls, "rounds": rounds, "rows": []}
     say = Transcript(command("bench_host.py", argv), report["device"])
     say(f"# {report['device']}, N={args.n} K={args.k}; host us per eager call (best of {rounds} interleaved "
-        f"rounds of {calls} calls), ratio to F.linear, kernels")
+        f"rounds of {calls} calls), ratio to F.linear, the same of the rounds' medians, kernels")
     for m in (int(v) for v in args.m.split(",")):
         named = entries(m, args.n, args.k, args.formats.split(","), dev)
         kernels = [kernels_per_call(fn) if dev.type == "cuda" else None for _, fn in named]
-        best = [float("inf")] * len(named)
+        for _, fn in named:  # one warm-up call each (one-time work, such as a first kernel compile)
+            fn()
+        times = [[] for _ in named]
         for _ in range(rounds):
             for i, (_, fn) in enumerate(named):
-                best[i] = min(best[i], issue_us(fn, calls, 1, warmup=1))
-        base = best[0]
-        for (name, _), us, count in zip(named, best, kernels):
+                times[i].append(issue_us(fn, calls, 1, warmup=1))
+        best = [min(t) for t in times]
+        median = [statistics.median(t) for t in times]
+        base, base_median = best[0], median[0]
+        for (name, _), us, mid, count in zip(named, best, median, kernels):
             report["rows"].append({"m": m, "entry": name, "us": round(us, 1), "x_f_linear": round(us / base, 2),
+                                   "median_us": round(mid, 1), "median_x_f_linear": round(mid / base_median, 2),
                                    "kernels": count})
-            say(f"M={m:<4d} {name:42s} {us:8.1f} us {us / base:6.2f}x  {'-' if count is None else count} kernel(s)")
+            say(f"M={m:<4d} {name:42s} {us:8.1f} us {us / base:6.2f}x  (median {mid:6.1f} us {mid / base_median:5.2f}x)  "
+                f"{'-' if count is None else count} kernel(s)")
     path = results_path(args.out_dir, "host", report["device"], "json")
     path.write_text(json.dumps(report, indent=1))
     say.write(path.with_suffix(".txt"))

@@ -337,15 +337,16 @@ def _flat(value):
 
 
 def _repeat_launches_as_the_full_path(call, args, launches_per_call, expect_prepared=True, own_bytes=True,
-                                      forget=lambda: None, kept=lambda: ()):
+                                      forget=lambda: None, kept=lambda: (), target="sm_90"):
     """``call(*args)`` twice on new memory: the second, a prepared launch (unless ``expect_prepared`` is
     False: the entries that take the full path on every call), launches what the full path (the plan
     table emptied, and ``forget()`` called: a layer's own prepared calls dropped) launches for the same
-    tensors (``own_bytes``: see ``_launch_form``). ``kept()``: prepared launches a module keeps itself."""
+    tensors (``own_bytes``: see ``_launch_form``). ``kept()``: prepared launches a module keeps itself;
+    ``target``: the GPU whose route the calls take."""
     from tilemm import kernels
 
     launches = HOST_PATH.LAUNCHES
-    with HOST_PATH.cuda_route():
+    with HOST_PATH.cuda_route(target):
         kernels.PLANS.clear()
         call(*args)  # the first call of the signature: checked, planned, its launch kept
         prepared = any(type(v).__name__ in ("_Launch", "_QuantizeLaunch", "_MoELinearLaunch", "_MoEExpertsLaunch")
@@ -763,3 +764,28 @@ def test_experts_with_a_bias_that_requires_grad_take_the_operator():
     assert block._launches == {} and out.requires_grad
     with pytest.raises(RuntimeError, match="autograd"):
         out.float().sum().backward()
+
+
+BLACKWELL_CASES = [("mxfp8", True), ("mxfp8", False), ("mxfp4", True), ("nvfp4", True), ("nvfp4", False)]
+
+
+@pytest.mark.parametrize("target", ["sm_100", "sm_120"])
+@pytest.mark.parametrize("fmt,swizzle", BLACKWELL_CASES, ids=[f"{f}-{'swz' if s else 'log'}" for f, s in BLACKWELL_CASES])
+def test_blackwell_matmul_entries_repeat_the_full_launch(fmt, swizzle, target):
+    # On Blackwell too a repeated eager call is the prepared launch: what the full path launches
+    # (NVFP4's decode scales folded into the one alpha as the full path folds them), with and without
+    # alpha and bias, and a batched x whose batch the launcher folds into M.
+    xq, wq = _quantized(16, 256, 256, fmt, swizzle)
+    bias = torch.randn(256).to(torch.bfloat16)
+    alpha = torch.tensor(0.5)
+    _repeat_launches_as_the_full_path(lambda xq, wq, bias, alpha: tilemm.linear(xq, wq, bias=bias, alpha=alpha),
+                                      (xq, wq, bias, alpha), 1, target=target)
+    _repeat_launches_as_the_full_path(lambda xq, wq: tilemm.linear(xq, wq), (xq, wq), 1, target=target)
+    if swizzle:  # (a swizzled batch folds only with whole 128-row blocks)
+        xb, _ = _quantized(256, 256, 256, fmt, swizzle)
+    else:
+        xb, _ = _quantized(2 * 16, 256, 256, fmt, swizzle)
+    q = getattr(tilemm, f"quantize_{fmt}")
+    x3 = torch.randn(2, xb.data.shape[0] // 2 if not swizzle else 128, 256).to(torch.bfloat16)
+    x3q = q(x3, swizzle=swizzle)
+    _repeat_launches_as_the_full_path(lambda xq, wq: tilemm.linear(xq, wq), (x3q, wq), 1, target=target)

@@ -39,7 +39,7 @@ from tilemm import quantize as _quantize  # noqa: E402
 from tilemm import weight_only as _weight_only  # noqa: E402
 from tilemm.kernels import _common  # noqa: E402
 from tilemm.kernels import hopper_block_scaled, hopper_fp8, hopper_gemm, quantize_kernels  # noqa: E402
-from tilemm.kernels import moe_kernels, weight_only_kernels  # noqa: E402
+from tilemm.kernels import blackwell_block_scaled, blackwell_fp8, moe_kernels, weight_only_kernels  # noqa: E402
 
 #: (grid, kernel, args) of every launch made under ``cuda_route`` (cleared by its users).
 LAUNCHES = []
@@ -68,18 +68,20 @@ class _Plain:
 
 
 @contextlib.contextmanager
-def cuda_route():
-    """Make eager calls on CPU tensors take the sm_90 CUDA route, with launches recorded, not run."""
+def cuda_route(target: str = "sm_90"):
+    """Make eager calls on CPU tensors take the CUDA route of ``target`` ("sm_90", or "sm_100" /
+    "sm_120": the Blackwell matmul launchers), with launches recorded, not run."""
     patches = []
     arch = os.environ.get("TILEMM_ARCH")
-    os.environ["TILEMM_ARCH"] = "sm_90"
+    os.environ["TILEMM_ARCH"] = target
 
     def patch(owner, name, value):
         if hasattr(owner, name):
             patches.append((owner, name, getattr(owner, name)))
             setattr(owner, name, value)
 
-    kernel_modules = (hopper_block_scaled, hopper_fp8, hopper_gemm, quantize_kernels, weight_only_kernels, moe_kernels)
+    kernel_modules = (hopper_block_scaled, hopper_fp8, hopper_gemm, quantize_kernels, weight_only_kernels, moe_kernels,
+                      blackwell_block_scaled, blackwell_fp8)
     for module in kernel_modules:
         patch(module, "ct", _NoLaunch(module.ct))
         patch(module, "num_sms", lambda device: 132)
@@ -94,7 +96,7 @@ def cuda_route():
     patch(torch.cuda, "synchronize", lambda *a, **k: None)
     for module in (_quantize, quantize_kernels):
         patch(module, "has_kernels", lambda device: True)
-    patch(quantize_kernels, "_target", lambda device: "sm_90")
+    patch(quantize_kernels, "_target", lambda device: target)
     patch(_matmul, "_on_gpu", lambda device: True)
     route = moe_kernels.route
 

@@ -251,7 +251,7 @@ class Prepared:
     (their pieces are views of the call's tensors)."""
 
     __slots__ = ("config", "kernel", "grid", "args", "folded", "launches", "table", "sms", "consts",
-                 "direct", "swizzled", "n")
+                 "direct", "swizzled", "n", "decode_scales", "alpha_given")
 
     def __init__(self, problem, config: BlockScaledConfig | None = None, *, table: str | None = None,
                  sms: int | None = None):
@@ -302,6 +302,35 @@ class Prepared:
         self.grid, self.args = launches[0]
         self.direct = len(launches) == 1
         self.swizzled, self.n = problem.swizzled, n
+        # Fixed by the signature (``tilemm.matmul``'s keys hold them): how ``launch`` folds alpha.
+        self.decode_scales = problem.global_scales is not None
+        self.alpha_given = problem.alpha is not None
+
+    def operands(self, problem):
+        """(a, a_scale, b, b_scale) as the kernel reads them: scales as uint8 bytes, a and a_scale
+        with the batch folded into M where ``folded``. Views of the problem's tensors."""
+        a, a_scale = problem.a, _scale_bytes(problem.a_scale)
+        if self.folded:
+            a, a_scale, _ = _fold_batch(a, a_scale, problem.out, self.swizzled)
+        return a, a_scale, problem.b, _scale_bytes(problem.b_scale)
+
+    def launch(self, stream, a, a_scale, b, b_scale, out, alpha, global_scale_x, global_scale_y, bias) -> None:
+        """The launch of a ``direct`` signature for its kernel operands (``operands``) on raw stream
+        ``stream``: out (B, M, N) (folded here as ``run`` folds it), alpha (1,) fp32 (ones for none),
+        NVFP4's decode scales (1,) fp32 (ignored for MX), bias (N,) fp32. The kernel's one alpha is
+        ``folded_alpha``'s: fp32(global_scale_x * global_scale_y), then times the given alpha."""
+        if self.folded:
+            out = out.view(1, out.shape[0] * out.shape[1], out.shape[2])
+        if self.decode_scales:
+            scales = global_scale_x * global_scale_y
+            alpha = scales * alpha if self.alpha_given else scales
+        args = (a, a_scale, b, b_scale, out, alpha, bias, *self.consts)
+        device = out.device
+        if device.index is None or device.index == torch.cuda.current_device():
+            ct.launch(stream, self.grid, self.kernel, args)
+            return
+        with torch.cuda.device(device):
+            ct.launch(stream, self.grid, self.kernel, args)
 
     def run(self, problem, stream) -> None:
         """Launch for ``problem`` (a ``BlockScaledProblem`` of this signature) on raw stream ``stream``."""

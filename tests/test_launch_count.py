@@ -789,3 +789,27 @@ def test_blackwell_matmul_entries_repeat_the_full_launch(fmt, swizzle, target):
     x3 = torch.randn(2, xb.data.shape[0] // 2 if not swizzle else 128, 256).to(torch.bfloat16)
     x3q = q(x3, swizzle=swizzle)
     _repeat_launches_as_the_full_path(lambda xq, wq: tilemm.linear(xq, wq), (x3q, wq), 1, target=target)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_row", "fp8_blocks", "fp8_tensor"])
+def test_blackwell_fp8_entries_repeat_the_full_launch(fmt):
+    # Blackwell FP8: row and block scales are views, so a repeated call is the prepared launch; a
+    # per-tensor scale is copied per row for the kernel, so those calls stay on the planned path.
+    xq, wq = _quantized(16, 256, 256, fmt, False)
+    bias = torch.randn(256).to(torch.bfloat16)
+    _repeat_launches_as_the_full_path(lambda xq, wq, bias: tilemm.linear(xq, wq, bias=bias), (xq, wq, bias), 1,
+                                      expect_prepared=fmt != "fp8_tensor", target="sm_100")
+
+
+def test_blackwell_fp8_layer_repeats_the_full_launch():
+    # The FP8 layer's own prepared calls bind the Blackwell launch to the weight as on Hopper.
+    gen = torch.Generator().manual_seed(6)
+    lin = torch.nn.Linear(256, 384, dtype=torch.bfloat16)
+    layer = tilemm.nn.Linear.from_float(lin, "fp8", granularity="row")
+    x = torch.randn(16, 256, generator=gen).to(torch.bfloat16)
+    _repeat_launches_as_the_full_path(layer, (x,), 2, forget=lambda: setattr(layer, "_runner", None),
+                                      target="sm_100")
+    with HOST_PATH.cuda_route("sm_100"):
+        layer(x)
+        assert type(layer._runner).__name__ == "_PreparedFP8" and all(layer._runner.calls.values())
+        HOST_PATH.LAUNCHES.clear()

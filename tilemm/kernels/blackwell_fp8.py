@@ -226,6 +226,23 @@ class Prepared:
         self.direct = len(launches) == 1
         self.n = n
 
+    def operands(self, problem):
+        """(a, a_scale, b, b_scale) as the kernel reads them: the scales contiguous (a broadcast
+        per-tensor scale or a transposed block-scale view is copied, which keeps such a signature's
+        repeated calls on the planned path: ``tilemm.matmul`` keeps only launches of views)."""
+        return problem.a, problem.a_scale.contiguous(), problem.b, problem.b_scale.contiguous()
+
+    def launch(self, stream, a, a_scale, b, b_scale, out, alpha, bias) -> None:
+        """The launch of a ``direct`` signature for its kernel operands (``operands``; out (B, M, N),
+        alpha (1,) fp32, bias (N,) fp32) on raw stream ``stream``."""
+        args = (a, a_scale, b, b_scale, out, alpha, bias, *self.consts)
+        device = out.device
+        if device.index is None or device.index == torch.cuda.current_device():
+            ct.launch(stream, self.grid, self.kernel, args)
+            return
+        with torch.cuda.device(device):
+            ct.launch(stream, self.grid, self.kernel, args)
+
     def run(self, problem, stream) -> None:
         """Launch for ``problem`` (an ``FP8Problem`` of this signature) on raw stream ``stream``."""
         device = problem.out.device

@@ -121,8 +121,8 @@ def main(argv=None) -> int:
             report["rows"].append({"m": m, "entry": name, "us": round(us, 1), "x_f_linear": round(us / base, 2),
                                    "median_us": round(mid, 1), "median_x_f_linear": round(mid / base_median, 2),
                                    "kernels": count})
-            say(f"M={m:<4d} {name:42s} {us:8.1f} us {us / base:6.2f}x  (median {mid:6.1f} us {mid / base_median:5.2f}x)  "
-                f"{'-' if count is None else count} kernel(s)")
+            say(f"M={m:<4d} {name:42s} {us:8.1f} us {us / base:6.2f}x  "
+                f"(median {mid:6.1f} us {mid / base_median:5.2f}x)  {'-' if count is None else count} kernel(s)")
     path = results_path(args.out_dir, "host", report["device"], "json")
     path.write_text(json.dumps(report, indent=1))
     say.write(path.with_suffix(".txt"))

@@ -75,7 +75,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--plans", default=None, help="comma-separated (default: all of the mode's)")
     ap.add_argument("--sorted", action="store_true",
-                    help="the sorted design's tile configs at T = 256 / 1024 instead (plans: " + ", ".join(SORTED_PLANS) + ")")
+                    help="the sorted design's tile configs at T = 256 / 1024 instead (plans: "
+                    + ", ".join(SORTED_PLANS) + ")")
     add_options(ap)
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
@@ -124,7 +125,8 @@ def main(argv=None) -> int:
                     finally:
                         setattr(mk, attribute, committed)
                 say(f"{name:12s} {fmt} {kind:7s} T={t:<3d} " + " | ".join(cells))
-    path = results_path(args.out_dir, "moe-sorted-tune" if args.sorted else "moe-pairs-tune", device_name(device), "txt")
+    name = "moe-sorted-tune" if args.sorted else "moe-pairs-tune"
+    path = results_path(args.out_dir, name, device_name(device), "txt")
     say.write(path)
     return 1 if failed else 0
 

@@ -27,8 +27,8 @@ import swizzle as _swizzle
 
 from ..numerics import ceil_div
 
-__all__ = ["tile_coords", "tile_coords_at", "e8m0_bits_bf16", "e8m0_to_bf16", "e8m0_to_fp32", "e2m1_lo_bits_fp16",
-           "e2m1_hi_bits_fp16", "e2m1_lo_bits_bf16", "e2m1_hi_bits_bf16", "e2m1_to_fp32", "unswizzle_scale_tile",
+__all__ = ["launch_all_on", "tile_coords", "tile_coords_at", "e8m0_bits_bf16", "e8m0_to_bf16", "e8m0_to_fp32",
+           "e2m1_lo_bits_fp16", "e2m1_hi_bits_fp16", "e2m1_lo_bits_bf16", "e2m1_hi_bits_bf16", "e2m1_to_fp32", "unswizzle_scale_tile",
            "epilogue", "ones_scalar", "zeros_vector", "swizzled_scale_view", "hinted", "num_sms", "stream_handle",
            "ceil_div", "folded_alpha", "SWIZZLE_ROWS", "SWIZZLE_COLS"]
 
@@ -243,6 +243,19 @@ def hinted(kernel, **hints):
     if cached is None:
         cached = _HINTED[key] = (kernel, kernel.replace_hints(**hints))
     return cached[1]
+
+
+def launch_all_on(device: torch.device, launch, stream, kernel, launches) -> None:
+    """``launch(stream, grid, kernel, args)`` for each (grid, args) of ``launches``, with ``device``
+    the current CUDA device meanwhile (``ct.launch`` launches on the current one). ``launch`` is the
+    caller's ``ct.launch``."""
+    if device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            for grid, args in launches:
+                launch(stream, grid, kernel, args)
+        return
+    for grid, args in launches:
+        launch(stream, grid, kernel, args)
 
 
 def folded_alpha(problem):

@@ -34,8 +34,8 @@ from ..formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
 from . import _large
 from ._aot import AotVariant, array
 from .._arch import capability
-from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, ceil_div, epilogue, folded_alpha, hinted, num_sms, ones_scalar,
-                      stream_handle, tile_coords, zeros_vector)
+from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, ceil_div, epilogue, folded_alpha, hinted, launch_all_on, num_sms,
+                      ones_scalar, stream_handle, tile_coords, zeros_vector)
 
 __all__ = ["launch", "Prepared", "aot_variants", "BlockScaledConfig", "plan", "scale_tile_blocks", "check_config",
            "FORMATS"]
@@ -324,13 +324,8 @@ class Prepared:
         if self.decode_scales:
             scales = global_scale_x * global_scale_y
             alpha = scales * alpha if self.alpha_given else scales
-        args = (a, a_scale, b, b_scale, out, alpha, bias, *self.consts)
-        device = out.device
-        if device.index is None or device.index == torch.cuda.current_device():
-            ct.launch(stream, self.grid, self.kernel, args)
-            return
-        with torch.cuda.device(device):
-            ct.launch(stream, self.grid, self.kernel, args)
+        launch_all_on(out.device, ct.launch, stream, self.kernel,
+                      ((self.grid, (a, a_scale, b, b_scale, out, alpha, bias, *self.consts)),))
 
     def run(self, problem, stream) -> None:
         """Launch for ``problem`` (a ``BlockScaledProblem`` of this signature) on raw stream ``stream``."""
@@ -346,13 +341,7 @@ class Prepared:
             bias = zeros_vector(device, self.n) if problem.bias is None else problem.bias
             launches = ((self.grid, (a, a_scale, problem.b, _scale_bytes(problem.b_scale), out, alpha, bias,
                                      *self.consts)),)
-        if device.index is None or device.index == torch.cuda.current_device():
-            for grid, args in launches:
-                ct.launch(stream, grid, self.kernel, args)
-            return
-        with torch.cuda.device(device):
-            for grid, args in launches:
-                ct.launch(stream, grid, self.kernel, args)
+        launch_all_on(device, ct.launch, stream, self.kernel, launches)
 
 
 def launch(problem, config: BlockScaledConfig | None = None) -> None:

@@ -31,8 +31,8 @@ from ..formats import FP8_BLOCK
 from . import _large
 from ._aot import AotVariant
 from .._arch import capability
-from ._common import (ceil_div, epilogue, fp8_kind, hinted, num_sms, ones_scalar, stream_handle, tile_coords,
-                      zeros_vector)
+from ._common import (ceil_div, epilogue, fp8_kind, hinted, launch_all_on, num_sms, ones_scalar, stream_handle,
+                      tile_coords, zeros_vector)
 from .blackwell_block_scaled import DEFAULT_SM_COUNT, launch_array, table_for_capability
 
 __all__ = ["launch", "Prepared", "aot_variants", "FP8Config", "plan", "check_config"]
@@ -235,13 +235,8 @@ class Prepared:
     def launch(self, stream, a, a_scale, b, b_scale, out, alpha, bias) -> None:
         """The launch of a ``direct`` signature for its kernel operands (``operands``; out (B, M, N),
         alpha (1,) fp32, bias (N,) fp32) on raw stream ``stream``."""
-        args = (a, a_scale, b, b_scale, out, alpha, bias, *self.consts)
-        device = out.device
-        if device.index is None or device.index == torch.cuda.current_device():
-            ct.launch(stream, self.grid, self.kernel, args)
-            return
-        with torch.cuda.device(device):
-            ct.launch(stream, self.grid, self.kernel, args)
+        launch_all_on(out.device, ct.launch, stream, self.kernel,
+                      ((self.grid, (a, a_scale, b, b_scale, out, alpha, bias, *self.consts)),))
 
     def run(self, problem, stream) -> None:
         """Launch for ``problem`` (an ``FP8Problem`` of this signature) on raw stream ``stream``."""
@@ -254,13 +249,7 @@ class Prepared:
             bias = zeros_vector(device, self.n) if problem.bias is None else problem.bias
             launches = ((self.grid, (problem.a, problem.a_scale.contiguous(), problem.b,
                                      problem.b_scale.contiguous(), problem.out, alpha, bias, *self.consts)),)
-        if device.index is None or device.index == torch.cuda.current_device():
-            for grid, args in launches:
-                ct.launch(stream, grid, self.kernel, args)
-            return
-        with torch.cuda.device(device):
-            for grid, args in launches:
-                ct.launch(stream, grid, self.kernel, args)
+        launch_all_on(device, ct.launch, stream, self.kernel, launches)
 
 
 def launch(problem, config: FP8Config | None = None) -> None:

@@ -38,7 +38,8 @@ from ._aot import AotVariant, array
 from ._common import hinted, sm90_hints, stream_handle
 from .weight_only_kernels import LAYOUTS, Layout, _X_PARTS, _f32_halves, _k_tile, _multipliers, _scaled_plane
 
-__all__ = ["MoEConfig", "plan", "route", "launch", "sort_rows", "launch_pairs", "PreparedPairs", "pairs_plan", "PairsConfig",
+__all__ = ["MoEConfig", "plan", "route", "launch", "sort_rows", "launch_pairs", "PreparedPairs", "pairs_plan",
+           "PairsConfig",
            "combine_pays", "grid_blocks", "route_kernel_fits", "pairs_pay", "expert_bytes", "PAIRS_MAX_BYTES",
            "zero_bias", "chunk_groups",
            "aot_variants", "SWIGLU_ALPHA", "SWIGLU_LIMIT", "ACT_NONE", "ACT_GPT_OSS", "ACT_SILU"]

@@ -288,8 +288,8 @@ def _fp32_word(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class _Launch:
-    """An eager CUDA call of a checked signature whose launch is prepared (a ``direct`` Hopper
-    ``Prepared``): per call, the output's allocation, at most one view per operand (``view_spec``,
+    """An eager CUDA call of a checked signature whose launch is prepared (a ``direct`` Hopper or
+    Blackwell ``Prepared``): per call, the output's allocation, at most one view per operand (``view_spec``,
     worked out on the signature's first call), alpha / bias / decode scales as the kernel takes them,
     and the launch. Nothing is checked: the key (``launch_key``) holds everything the checks read."""
 
@@ -364,7 +364,8 @@ class _BoundLaunch:
 def _remember_launch(fast_key, prepared, problem, sources, out_shape, out_dtype, device, bias, scaled) -> None:
     """Keep the prepared launch of an eager CUDA call under ``fast_key`` when each kernel operand is one
     view of the caller's tensor (``sources``: x, x_scale and y, y_scale or the weight and its scale;
-    an FP8 per-tensor scale is a (1,) view of its 0-d tensor on sm_90)."""
+    an FP8 per-tensor scale is a (1,) view of its 0-d tensor on sm_90, a copied vector on Blackwell,
+    which therefore keeps no launch)."""
     if fast_key is None or not getattr(prepared, "direct", False) or not hasattr(prepared, "launch"):
         return
     specs = [view_spec(s, o) for s, o in zip(sources, prepared.operands(problem))]

@@ -148,6 +148,20 @@ def test_quantize_nvfp4_with_a_given_scale_is_one_launch(quantize_recorded):
     assert args[5] is False and args[6] is False
 
 
+def _emulated_quantize(monkeypatch):
+    """The quantize kernels on the NumPy model of cuTile (132 SMs, a stand-in stream), the in-launch
+    grid amax run as two passes: (the emulator, the ``_TwoPassGridAmax``)."""
+    from _emulator import LaunchProxy, TileEmulator
+
+    emu = TileEmulator()
+    monkeypatch.setattr(qk, "ct", LaunchProxy(emu))
+    monkeypatch.setattr(qk, "num_sms", lambda device: 132)
+    monkeypatch.setattr(qk, "stream_handle", lambda device: 5)
+    grid_amax = _TwoPassGridAmax()
+    monkeypatch.setattr(qk, "_grid_amax", grid_amax)
+    return emu, grid_amax
+
+
 class _TwoPassGridAmax:
     """``_grid_amax`` for the sequential emulator, which cannot wait for blocks that run later: a first
     launch collects every block's contribution (its results are discarded), the second hands each
@@ -171,15 +185,9 @@ class _TwoPassGridAmax:
 def test_quantize_nvfp4_amax_in_the_launch_emulated(monkeypatch, shape, swizzle):
     # The one-launch quantize (its tile code on the NumPy model of cuTile) gives the reference's bits,
     # and those of the launch that reads a tensor amax computed beforehand; a NaN and an Inf included.
-    from _emulator import LaunchProxy, TileEmulator
     from tilemm import quantize as tq
 
-    emu = TileEmulator()
-    monkeypatch.setattr(qk, "ct", LaunchProxy(emu))
-    monkeypatch.setattr(qk, "num_sms", lambda device: 132)
-    monkeypatch.setattr(qk, "stream_handle", lambda device: 5)
-    grid_amax = _TwoPassGridAmax()
-    monkeypatch.setattr(qk, "_grid_amax", grid_amax)
+    emu, grid_amax = _emulated_quantize(monkeypatch)
     gen = torch.Generator().manual_seed(11)
     x = (torch.randn(shape, generator=gen) * 4).to(torch.bfloat16)
     x.view(-1)[5] = float("nan")
@@ -229,15 +237,9 @@ def test_quantize_fp8_per_tensor_of_a_weight_takes_the_amax_first(quantize_recor
 def test_quantize_fp8_per_tensor_amax_in_the_launch_emulated(monkeypatch, shape, axis, special):
     # FP8 per tensor in one launch (its tile code on the NumPy model of cuTile) gives the reference's
     # bits and those of the launch that reads the amax taken first; its amax propagates NaN.
-    from _emulator import LaunchProxy, TileEmulator
     from tilemm import quantize as tq
 
-    emu = TileEmulator()
-    monkeypatch.setattr(qk, "ct", LaunchProxy(emu))
-    monkeypatch.setattr(qk, "num_sms", lambda device: 132)
-    monkeypatch.setattr(qk, "stream_handle", lambda device: 5)
-    grid_amax = _TwoPassGridAmax()
-    monkeypatch.setattr(qk, "_grid_amax", grid_amax)
+    emu, grid_amax = _emulated_quantize(monkeypatch)
     monkeypatch.setattr(qk, "_target", lambda device: "sm_90")
     gen = torch.Generator().manual_seed(12)
     x = (torch.randn(shape, generator=gen) * 4).to(torch.bfloat16)
@@ -334,6 +336,18 @@ def _flat(value):
     if isinstance(value, tuple):
         return [t for v in value for t in _flat(v)]
     return []
+
+
+def _seeded_linear(k: int, n: int, seed: int, bias: bool = True):
+    """(a bf16 torch.nn.Linear (k -> n) with normal weights (and bias) from ``seed``, the generator to
+    draw inputs from next)."""
+    gen = torch.Generator().manual_seed(seed)
+    lin = torch.nn.Linear(k, n, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=gen))
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=gen))
+    return lin, gen
 
 
 def _repeat_launches_as_the_full_path(call, args, launches_per_call, expect_prepared=True, own_bytes=True,
@@ -438,11 +452,7 @@ def test_fp8_linear_layer_is_two_launches(granularity, m):
     # besides the outputs' allocations (the bf16 bias is converted to fp32 once, not on every call).
     from tilemm import kernels
 
-    gen = torch.Generator().manual_seed(5)
-    lin = torch.nn.Linear(256, 384, dtype=torch.bfloat16)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(384, 256, generator=gen))
-        lin.bias.copy_(torch.randn(384, generator=gen))
+    lin, gen = _seeded_linear(256, 384, seed=5)
     layer = tilemm.nn.Linear.from_float(lin, "fp8", granularity=granularity)
     x = torch.randn(m, 256, generator=gen).to(torch.bfloat16)
     with HOST_PATH.cuda_route():
@@ -685,10 +695,7 @@ def test_sharded_nvfp4_rowwise_small_batch_launches(rank, m):
     # and the outputs' allocations.
     import torch.distributed as dist
 
-    gen = torch.Generator().manual_seed(6)
-    lin = torch.nn.Linear(512, 256, dtype=torch.bfloat16)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(256, 512, generator=gen))
+    lin, gen = _seeded_linear(512, 256, seed=6, bias=False)
     x = torch.randn(m, 256, generator=gen).to(torch.bfloat16)  # this rank's K-slice
     with _rowwise_nvfp4_shard(rank, lin) as (layer, group):
         layer(x)  # the first call builds the small-batch runner

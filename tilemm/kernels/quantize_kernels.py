@@ -1259,10 +1259,23 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None, swizzle: 
 class _Scratch:
     """One stream's buffers for an activation that one launch writes and the next reads."""
 
-    __slots__ = ("values", "alpha", "retired")
+    __slots__ = ("values", "alpha", "retired", "matrices")
+
+    #: (rows, cols) views of ``values`` kept before the table starts over.
+    MAX_MATRICES = 64
 
     def __init__(self, values: torch.Tensor, alpha: torch.Tensor, retired: list):
         self.values, self.alpha, self.retired = values, alpha, retired
+        self.matrices = {}
+
+    def matrix(self, rows: int, cols: int) -> torch.Tensor:
+        """The first rows * cols values as a (rows, cols) tensor, the view taken once per shape."""
+        view = self.matrices.get((rows, cols))
+        if view is None:
+            if len(self.matrices) >= self.MAX_MATRICES:
+                self.matrices.clear()
+            view = self.matrices[(rows, cols)] = self.values[:rows * cols].view(rows, cols)
+        return view
 
 
 _SCRATCH: dict = {}
@@ -1287,6 +1300,7 @@ def activation_scratch(device: torch.device, stream, elements: int) -> _Scratch:
         size = max(elements, 2 * scratch.values.numel(), 1 << 16)
         scratch.retired.append(scratch.values)
         scratch.values = _outside_graph_pools(lambda: torch.empty(size, dtype=torch.bfloat16, device=device))
+        scratch.matrices.clear()
     return scratch
 
 
@@ -1322,7 +1336,7 @@ class FakeQuant:
             return (torch.empty((m, k), dtype=torch.bfloat16, device=device),
                     torch.empty(1, dtype=torch.float32, device=device) if self.nv else self.alpha)
         scratch = activation_scratch(device, stream, m * k)
-        return scratch.values[:m * k].view(m, k), scratch.alpha if self.nv else self.alpha
+        return scratch.matrix(m, k), scratch.alpha if self.nv else self.alpha
 
     def run(self, x: torch.Tensor, stream, amax: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -23,17 +23,19 @@ def _bytes(value):
     return [b for v in value for b in _bytes(v)]
 
 
-def _same_bits_as_the_full_path(call, make_args, expect_prepared=True, forget=lambda: None):
+def _same_bits_as_the_full_path(call, make_args, expect_prepared=True, forget=lambda: None,
+                                kept=lambda: kernels.PLANS.values()):
     """``call`` on one set of operands, then on another of the same signature (the prepared launch,
     unless ``expect_prepared`` is False), against the full path (the plan table emptied, and ``forget()``
-    called: a layer's own prepared calls dropped) on the second set."""
+    called: a layer's own prepared calls dropped) on the second set. ``kept()`` lists the table the
+    prepared launch lands in (a module's own table for ``MoEExperts``)."""
     first, second = make_args(1), make_args(2)  # before the table is emptied: their quantizes are not the call
     kernels.PLANS.clear()
     call(*first)
     prepared = call(*second)
-    kept = any(type(v).__name__ in ("_Launch", "_QuantizeLaunch", "_MoELinearLaunch", "_MoEExpertsLaunch")
-               for v in kernels.PLANS.values())
-    assert kept == expect_prepared
+    prepared_kept = any(type(v).__name__ in ("_Launch", "_QuantizeLaunch", "_MoELinearLaunch", "_MoEExpertsLaunch")
+                        for v in kept())
+    assert prepared_kept == expect_prepared
     kernels.PLANS.clear()
     forget()
     full = call(*second)
@@ -159,9 +161,11 @@ def test_repeated_moe_calls_gpu(tokens):
         return x, ids, weights
 
     _same_bits_as_the_full_path(lambda x, ids, weights: tilemm.moe_linear(x, stacked, ids), make)
-    _same_bits_as_the_full_path(lambda x, ids, weights: block(x, ids, weights), make)
+    _same_bits_as_the_full_path(lambda x, ids, weights: block(x, ids, weights), make,
+                                forget=block._launches.clear, kept=lambda: block._launches.values())
     silu = tilemm.moe.MoEExperts(experts(2 * 256, 1024, 4), experts(1024, 256, 5), activation="silu")
-    _same_bits_as_the_full_path(lambda x, ids, weights: silu(x, ids, weights), make)
+    _same_bits_as_the_full_path(lambda x, ids, weights: silu(x, ids, weights), make,
+                                forget=silu._launches.clear, kept=lambda: silu._launches.values())
     # ... and the custom operators' bits (the route torch.compile and CPU tensors take)
     x, ids, weights = make(7)
     assert torch.equal(tilemm.moe_linear(x, stacked, ids),

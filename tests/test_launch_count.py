@@ -424,6 +424,37 @@ def test_matmul_entries_repeat_the_full_launch(fmt, swizzle, m):
     _repeat_launches_as_the_full_path(matmul, (xq, wq, None), 2 if x16 else 1)
 
 
+def test_nvfp4_decode_scales_are_read_from_the_tensors_passed():
+    # The prepared launch keeps the word of the last decode scale seen per operand (a weight's, passed on
+    # every call); each call must still read the tensors it is given: the same objects, new ones, a
+    # float64 scale (converted: a copy) and the kept one again after a change in place.
+    from tilemm import kernels
+
+    xq, wq = _quantized(1, 256, 256, "nvfp4", True)
+
+    def read(gx, gy):
+        launches = HOST_PATH.LAUNCHES
+        launches.clear()
+        tilemm.nvfp4_matmul(xq.data, xq.scale, wq.data.t(), wq.scale, global_scale_x=gx, global_scale_y=gy)
+        (_, _, args), = launches
+        return [a for a in args if isinstance(a, torch.Tensor) and a.shape == (1,) and a.dtype == torch.float32]
+
+    gx, gy = xq.global_scale.clone(), wq.global_scale.clone()
+    with HOST_PATH.cuda_route("sm_90"):
+        kernels.PLANS.clear()
+        read(gx, gy)
+        for a, b in [(gx, gy), (gx.clone(), gy), (gx, gy.clone()), (gx.clone(), gy.clone()), (gx, gy)]:
+            words = read(a, b)
+            assert [w.data_ptr() for w in words[1:]] == [a.data_ptr(), b.data_ptr()]  # after alpha
+        gx.mul_(2)  # in place: the kept word reads the new value
+        assert read(gx, gy)[1].item() == gx.item()
+        wide = gy.to(torch.float64)  # not fp32: a converted copy each call, never kept
+        assert read(gx, wide)[2].item() == wide.item()
+        wide.mul_(2)
+        assert read(gx, wide)[2].item() == wide.item()
+        kernels.PLANS.clear()
+
+
 QUANTIZE_CASES = [("mxfp8", dict(swizzle=True)), ("mxfp8", dict(swizzle=False, elem_dtype=torch.float8_e5m2)),
                   ("mxfp4", dict(swizzle=True)), ("mxfp4", dict(swizzle=False, axis=-2)),
                   ("nvfp4", dict(swizzle=True)), ("nvfp4", dict(swizzle=False)),

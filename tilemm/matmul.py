@@ -294,7 +294,7 @@ class _Launch:
     and the launch. Nothing is checked: the key (``launch_key``) holds everything the checks read."""
 
     __slots__ = ("prepared", "specs", "out_shape", "out3", "out_dtype", "device", "ones", "zeros",
-                 "bias_fp32", "scaled")
+                 "bias_fp32", "scaled", "words")
 
     def __init__(self, prepared, specs, out_shape, out3, out_dtype, device, bias, scaled):
         self.prepared, self.specs, self.scaled = prepared, specs, scaled
@@ -303,6 +303,21 @@ class _Launch:
         if device.type == "cuda":  # fixed tensors, described for cuTile once
             self.ones, self.zeros = Described(self.ones), Described(self.zeros)
         self.bias_fp32 = bias is not None and bias.dtype == torch.float32 and bias.is_contiguous()
+        self.words = [(None, None), (None, None)]  # per operand: the last decode scale seen, its word
+
+    def _word(self, i: int, t: torch.Tensor):
+        """Decode scale ``t`` (slot 0: x's, 1: y's) as the (1,) fp32 word the kernel reads. A scale that
+        is already fp32 on the device is read in place, so the word of the last such tensor seen in this
+        slot is kept (described once) and given again while the same tensor object comes back: a
+        weight's decode scale, passed on every call, costs no view and no description. (Each slot is
+        replaced as one pair, so concurrent callers never see one tensor with another's word.)"""
+        kept, word = self.words[i]
+        if t is kept:
+            return word
+        word = _fp32_word(t, self.device)
+        if t.dtype is torch.float32 and t.device == self.device:  # a view of t, not a copy
+            self.words[i] = (t, Described(word) if self.device.type == "cuda" else word)
+        return word
 
     def __call__(self, x, x_scale, y, y_scale, bias, alpha, global_scale_x=None, global_scale_y=None):
         device = self.device
@@ -319,8 +334,7 @@ class _Launch:
             if global_scale_x is None:
                 global_scale_x = global_scale_y = self.ones
             else:  # (quantize_nvfp4's are fp32 on the device already: a view each)
-                global_scale_x = _fp32_word(global_scale_x, device)
-                global_scale_y = _fp32_word(global_scale_y, device)
+                global_scale_x, global_scale_y = self._word(0, global_scale_x), self._word(1, global_scale_y)
             self.prepared.launch(stream_handle(device), *operands, out.view(self.out3), alpha, global_scale_x,
                                  global_scale_y, bias)
         else:

@@ -73,8 +73,9 @@ _INV_QMAX_E4M3 = _f32(1.0 / 448.0)  # fp32(1/Qmax) for RCEIL, as the reference's
 _INV_QMAX_E5M2 = _f32(1.0 / 57344.0)
 _INV_QMAX_E2M1 = _f32(1.0 / 6.0)
 
-# Element codes (the ELEMENT constant): tilemm.formats owns them.
-_E4M3, _E5M2, _E2M1, _ELEMENT_CODE = E4M3, E5M2, E2M1, ELEMENT_CODES
+# The element codes (the ELEMENT constant) are tilemm.formats' E4M3 / E5M2 / E2M1; host code uses those
+# and ``Format.element_code``. These names exist only because the tile code compares ELEMENT with them.
+_E4M3, _E5M2, _E2M1 = E4M3, E5M2, E2M1
 
 # FP8 granularities of ``_fp8_quantize_kernel`` (GRANULARITY); per row has its own kernel.
 _FP8_TENSOR = 0
@@ -1159,7 +1160,7 @@ def quantize_mx(x: torch.Tensor, fmt: Format, rounding: str, swizzle: bool):
                                ("data", data, ((0, 0, 1), (1, 1, 1), (2, 2, fmt.elements_per_byte))),
                                ("scale", _scale_operand(scale, swizzle), _block_scale_dims(fmt.block, swizzle)))):
         _launch_kernel(x.device, _view_grid(view, op.transposed, cfg, swizzle), kernel,
-                       (view, d, s, floor, _ELEMENT_CODE[fmt.element], swizzle, op.transposed, cfg.tile_r,
+                       (view, d, s, floor, fmt.element_code, swizzle, op.transposed, cfg.tile_r,
                         cfg.tile_k))
     return _shaped(full, x, data, scale, swizzle)
 
@@ -1318,7 +1319,7 @@ class FakeQuant:
     __slots__ = ("element", "nv", "floor", "alpha", "config", "_stub_i32", "_kernel", "_sms")
 
     def __init__(self, fmt: Format, rounding: str | None, alpha: torch.Tensor):
-        self.element = _ELEMENT_CODE[fmt.element]
+        self.element = fmt.element_code
         self.nv = fmt is NVFP4
         self.floor = 1 if rounding == "floor" else 0
         # Fixed arguments, described for cuTile once (``Described``).
@@ -1391,7 +1392,7 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
     ``amax``, a (1,) fp32 tensor holding max |x|, replaces it: the benchmark times the kernel alone
     that way), "row"
     (..., M, 1), (1, 128) (..., M, K/128) or (128, 128) (..., cdiv(M, 128), K/128)."""
-    element = _ELEMENT_CODE[fmt.element]
+    element = fmt.element_code
     full = _operand(x)
     if granularity == "row":
         op = _rows_flattened(full)
@@ -1502,7 +1503,7 @@ def aot_variants() -> list[AotVariant]:
             for swizzled in (False, True):
                 scale = array(ct.uint8, 6 if swizzled else 3)
                 layout = ("swz" if swizzled else "log") + t
-                for element, code in _ELEMENT_CODE.items():
+                for element, code in ELEMENT_CODES.items():
                     cfg = plan("mxfp4" if element == "e2m1" else "mxfp8", swizzled=swizzled, transposed=transposed)
                     add(f"quantize_mx_{element}_{in_name}_{layout}", _mx_quantize_kernel, cfg,
                         [x, _data_array(element), scale, _INT32, code, swizzled, transposed])
@@ -1513,7 +1514,7 @@ def aot_variants() -> list[AotVariant]:
                         [x, u8, scale, i32_1 if from_amax else f32_1, f32_1, from_amax, grid_amax, swizzled,
                          transposed])
             for element in ("e4m3", "e5m2"):
-                code = _ELEMENT_CODE[element]
+                code = ELEMENT_CODES[element]
                 if transposed:
                     add(f"quantize_fp8_rowcols_{element}_{in_name}", _fp8_columns_kernel,
                         plan("fp8_row", transposed=True),
@@ -1541,7 +1542,7 @@ def aot_variants() -> list[AotVariant]:
                                     f"{t}{'_tma' if tma else ''}", _fp8_quantize_kernel, cfg,
                                     [x, _data_array(element), scale, amax, _INT32, code, gran, transposed,
                                      grid_amax, tma], targets)
-        for element, code in _ELEMENT_CODE.items():
+        for element, code in ELEMENT_CODES.items():
             for nv, grid_amax in ((False, False),) if element != "e2m1" else ((False, False), (True, False),
                                                                                (True, True)):
                 kind = ("nvfp4_grid_amax" if grid_amax else "nvfp4") if nv else f"mx_{element}"

@@ -9,6 +9,7 @@ CuPy arrays, and needs only numpy to import.
 """
 
 from ._layout import (
+    BLOCK_SHAPE,
     COL_TILE,
     ROW_TILE,
     swizzle_32_4_4,
@@ -18,6 +19,7 @@ from ._layout import (
 )
 
 __all__ = [
+    "BLOCK_SHAPE",
     "COL_TILE",
     "ROW_TILE",
     "swizzle_32_4_4",

@@ -26,6 +26,8 @@ _SUBTILES = ROW_TILE // _LANES  # m2 = 4: sub-tiles side by side in a block row
 _BLOCK_ROWS = _LANES  # 32
 _BLOCK_COLS = _SUBTILES * COL_TILE  # 16
 _BLOCK_SIZE = _BLOCK_ROWS * _BLOCK_COLS  # 512 elements per (128 x 4) tile
+#: Shape of one stored block, (32, 16): the trailing two dimensions of every swizzled scale.
+BLOCK_SHAPE = (_BLOCK_ROWS, _BLOCK_COLS)
 
 _ACCEPTED = "a numpy.ndarray, a torch.Tensor or a cupy.ndarray"
 
@@ -118,7 +120,7 @@ def swizzled_shape(rows: int, cols: int) -> tuple[int, int, int, int]:
     """Shape of one swizzled (rows, cols) scale matrix: (ceil(rows/128), ceil(cols/4), 32, 16)."""
     rows = _as_size("rows", rows)
     cols = _as_size("cols", cols)
-    return (_ceil_div(rows, ROW_TILE), _ceil_div(cols, COL_TILE), _BLOCK_ROWS, _BLOCK_COLS)
+    return (_ceil_div(rows, ROW_TILE), _ceil_div(cols, COL_TILE), *BLOCK_SHAPE)
 
 
 def _is_integer_array(x: Any) -> bool:

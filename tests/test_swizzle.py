@@ -247,11 +247,12 @@ def test_empty(rows, cols):
 
 def test_public_api():
     assert (ROW_TILE, COL_TILE) == (128, 4)
+    assert swizzle.BLOCK_SHAPE == (32, 16)
     assert swizzled_shape(300, 5) == (3, 2, 32, 16)
     assert swizzled_shape(0, 0) == (0, 0, 32, 16)
     assert swizzled_shape(np.int64(128), 4) == (1, 1, 32, 16)
     assert set(swizzle.__all__) == {
-        "COL_TILE", "ROW_TILE", "swizzle_32_4_4", "swizzle_index", "swizzled_shape", "unswizzle_32_4_4",
+        "BLOCK_SHAPE", "COL_TILE", "ROW_TILE", "swizzle_32_4_4", "swizzle_index", "swizzled_shape", "unswizzle_32_4_4",
     }
     # The docstring carries the formula and the diagram.
     doc = swizzle_32_4_4.__doc__

@@ -31,7 +31,7 @@ from typing import Mapping
 
 import torch
 
-from swizzle import swizzle_32_4_4, unswizzle_32_4_4
+from swizzle import swizzle_32_4_4, swizzled_shape, unswizzle_32_4_4
 
 from .formats import MXFP4, NVFP4
 from .quantize import FP8_BLOCK, FP8Tensor, MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
@@ -463,7 +463,7 @@ def _torchao_scale(fn: str, t, scale: torch.Tensor, rows: int, cols: int) -> tor
     if t.qdata.ndim != 2:
         raise ValueError(f"{fn}: swizzled torchao scales are read for 2-D weights; got qdata shape "
                          f"{tuple(t.qdata.shape)}")
-    return scale.contiguous().reshape(-(-rows // 128), -(-cols // 4), 32, 16)
+    return scale.contiguous().reshape(swizzled_shape(rows, cols))
 
 
 def from_torchao(t):

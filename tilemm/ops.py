@@ -46,8 +46,6 @@ __all__ = ["quantize_mxfp8", "quantize_mxfp4", "quantize_nvfp4", "quantize_fp8",
            "mxfp8_matmul", "mxfp4_matmul", "nvfp4_matmul", "fp8_matmul", "weight_only_linear"]
 
 _E4M3 = torch.float8_e4m3fn
-SWIZZLE_ROWS = _swizzle.ROW_TILE  # scale rows per 32x16 block of the 32x4x4 layout
-SWIZZLE_COLS = _swizzle.COL_TILE  # scale columns per 32x16 block
 
 
 def _block_scale_shape(shape, block: int, swizzle: bool) -> tuple:
@@ -56,7 +54,8 @@ def _block_scale_shape(shape, block: int, swizzle: bool) -> tuple:
     cols = shape[-1] // block
     if not swizzle:
         return (*shape[:-1], cols)
-    return (*shape[:-2], ceil_div(shape[-2], SWIZZLE_ROWS), ceil_div(cols, SWIZZLE_COLS), 32, 16)
+    return (*shape[:-2], ceil_div(shape[-2], _swizzle.ROW_TILE), ceil_div(cols, _swizzle.COL_TILE),
+            *_swizzle.BLOCK_SHAPE)
 
 
 # --------------------------------------------------------------------------------------------------

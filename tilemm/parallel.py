@@ -35,7 +35,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor import parallel as _torch_tp
 from torch.distributed.tensor.placement_types import Placement
 
-import swizzle as _swizzle
 from swizzle import swizzle_32_4_4, unswizzle_32_4_4
 
 from . import matmul as _matmul
@@ -52,8 +51,6 @@ __all__ = ["STYLES", "ShardInfo", "ShardedLinear", "ColwiseParallel", "RowwisePa
 
 STYLES = ("colwise", "rowwise")
 _PACKED = {"mxfp4", "nvfp4"}  # two e2m1 elements per byte along K
-_SWIZZLE_ROWS, _SWIZZLE_COLS = _swizzle.ROW_TILE, _swizzle.COL_TILE  # one 32x4x4 tile: 128 rows x 4 columns
-_FP8_BLOCK = FP8_BLOCK  # FP8 (128, 128) weight blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +111,8 @@ def _shard_of(fn: str, layer: Linear, style: str, rank: int, world_size: int) ->
                          f"at least one (use at most {-(-size // step)} ranks)")
     if style == "rowwise":
         multiple = options.k_multiple  # a scale block may not straddle two ranks
-    elif options.format == "fp8" and options.granularity == (_FP8_BLOCK, _FP8_BLOCK):
-        multiple = _FP8_BLOCK
+    elif options.format == "fp8" and options.granularity == (FP8_BLOCK, FP8_BLOCK):
+        multiple = FP8_BLOCK
     else:
         multiple = 1
     if world_size > 1 and step % multiple:
@@ -148,7 +145,7 @@ def _shard_tensors(layer: Linear, shard: ShardInfo) -> dict[str, torch.Tensor]:
         elif options.granularity == "row":  # (N, 1)
             scale = scale[lo:hi] if col else scale
         else:  # (128, 128) blocks: (ceil(N / 128), K / 128); boundaries checked to fall on blocks
-            b = _FP8_BLOCK
+            b = FP8_BLOCK
             scale = scale[lo // b: -(-hi // b)] if col else scale[:, lo // b: hi // b]
     else:
         block = options.k_multiple

@@ -190,7 +190,7 @@ def swizzled_scale_view(scale: torch.Tensor, cols_per_tile: int) -> torch.Tensor
     """
     c = min(cols_per_tile, SWIZZLE_COLS)
     b, rt, kt = scale.shape[:3]
-    return scale.reshape(b, rt, kt, 32 * 4, SWIZZLE_COLS // c, c)
+    return scale.reshape(b, rt, kt, SWIZZLE_ROWS, SWIZZLE_COLS // c, c)
 
 
 #: The current stream's raw handle for a device index (``torch.cuda.current_stream()`` builds a Stream

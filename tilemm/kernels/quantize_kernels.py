@@ -34,6 +34,8 @@ import cuda.tile as ct
 import torch
 from cuda.tile import compilation as cc
 
+from swizzle import swizzled_shape
+
 from .._arch import capability, gpu_code, has_kernels
 from ..formats import E2M1, E4M3, E5M2, ELEMENT_CODES, FP8_BLOCK, FP8_E4M3, NVFP4, Format
 from . import _large
@@ -1128,7 +1130,7 @@ def _block_scale_buffer(op: _Operand, cols: int, swizzle: bool, dtype) -> torch.
     """Scale output for ``cols`` scale columns per row: (B, R, cols), or swizzled (B, Rt, Ct, 32, 16).
     Uninitialised: the kernel writes every byte, the layout's zero padding included."""
     if swizzle:
-        shape = (op.batch, -(-op.rows // SWIZZLE_ROWS), -(-cols // SWIZZLE_COLS), 32, 16)
+        shape = (op.batch, *swizzled_shape(op.rows, cols))
     else:
         shape = (op.batch, op.rows, cols)
     return torch.empty(shape, dtype=dtype, device=op.view.device)

@@ -14,7 +14,7 @@ import re
 import torch
 
 __all__ = ["Family", "capability", "family", "family_for_capability", "has_kernels", "gpu_code",
-           "UnsupportedGPUError"]
+           "is_datacenter_blackwell", "table_for_capability", "UnsupportedGPUError"]
 
 
 class UnsupportedGPUError(RuntimeError):
@@ -77,3 +77,16 @@ def has_kernels(device: torch.device) -> bool:
 def gpu_code(cap: tuple[int, int]) -> str:
     """The ``gpu_code`` string cuTile's compiler takes, e.g. ``"sm_100"``."""
     return f"sm_{cap[0]}{cap[1]}"
+
+
+def is_datacenter_blackwell(cap: tuple[int, int]) -> bool:
+    """Whether ``cap`` is compute capability 10.x: tcgen05 with 2-SM MMA and 228 KB of shared memory,
+    which the 2-CTA tiles and the CuTe-DSL kernels need (11.x / 12.x have neither)."""
+    return cap[0] == 10
+
+
+def table_for_capability(cap: tuple[int, int]) -> str:
+    """The config table of the Blackwell kernels for a Blackwell compute capability: "sm_100" (10.x:
+    tcgen05 with 2-SM MMA and 228 KB of shared memory) or "sm_120" (11.x / 12.x: no 2-CTA tile, about
+    100 KB)."""
+    return "sm_100" if is_datacenter_blackwell(cap) else "sm_120"

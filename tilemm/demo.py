@@ -19,7 +19,7 @@ import sys
 import torch
 
 import tilemm
-from tilemm._arch import capability
+from tilemm._arch import capability, gpu_code, has_kernels
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -30,12 +30,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _device_label() -> tuple[torch.device, str]:
     if not torch.cuda.is_available():
         return torch.device("cpu"), "no CUDA GPU found: running the exact reference path on the CPU"
-    major, minor = capability()
-    name = torch.cuda.get_device_name()
-    if major < 9:
-        return torch.device("cpu"), (f"{name} is sm_{major}{minor}; tilemm's kernels need sm_90 or newer: "
+    cuda = torch.device("cuda")
+    name, arch = torch.cuda.get_device_name(), gpu_code(capability(cuda))
+    if not has_kernels(cuda):
+        return torch.device("cpu"), (f"{name} is {arch}; tilemm's kernels need sm_90 or newer: "
                                      "running the reference path on the CPU")
-    return torch.device("cuda"), f"{name} (sm_{major}{minor}): running tilemm's cuTile kernels"
+    return cuda, f"{name} ({arch}): running tilemm's cuTile kernels"
 
 
 # MXFP8 and MXFP4 scale blocks of 32 elements along K (NVFP4's are 16).

@@ -22,7 +22,7 @@ import torch
 
 import swizzle as _swizzle
 
-from .._arch import UnsupportedGPUError, capability, gpu_code
+from .._arch import UnsupportedGPUError, capability, gpu_code, is_datacenter_blackwell
 from .._validate import as_fp32_scalar, check_out_dtype, check_same_device, check_tensor
 from ..formats import FORMATS, MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
 
@@ -74,9 +74,9 @@ def blackwell_device(device: torch.device | None = None) -> torch.device | None:
         if device.type != "cuda":
             return None
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return device if capability(index)[0] == 10 else None
+        return device if is_datacenter_blackwell(capability(index)) else None
     for index in range(torch.cuda.device_count()):
-        if capability(index)[0] == 10:
+        if is_datacenter_blackwell(capability(index)):
             return torch.device("cuda", index)
     return None
 
@@ -201,8 +201,7 @@ def block_scaled_matmul(fmt, a, a_scale, b, b_scale, *, alpha=None, global_scale
     scale = _alpha(fn, fmt, alpha, global_scale_a, global_scale_b, device)
 
     if blackwell_device(device) is None:
-        where = (f"this GPU ({torch.cuda.get_device_name(device)}) is sm_"
-                 f"{''.join(map(str, capability(device)))}"
+        where = (f"this GPU ({torch.cuda.get_device_name(device)}) is {gpu_code(capability(device))}"
                  if device.type == "cuda" else f"the tensors are on {device}")
         raise UnsupportedGPUError(f"{fn}: the CuTe-DSL kernel needs tensors on a compute capability "
                                   f"10.x GPU (Blackwell, sm_100a); {where}")

@@ -18,7 +18,7 @@ and scale rows past M / N reach only accumulators that are never stored; swizzle
 are zero by contract (``swizzle.swizzle_32_4_4`` writes zeros); scale byte 255 / an e4m3 NaN makes
 its row or column NaN. A shared weight (Bb == 1) folds the batch into M where the views exist.
 
-Configs (``_CONFIGS``, a table per compute capability: ``table_for_capability``; ``plan`` picks one)
+Configs (``_CONFIGS``, a table per compute capability: ``_arch.table_for_capability``; ``plan`` picks one)
 were chosen without a Blackwell GPU; ``Prepared`` plans a signature once, ``launch`` is one prepared call. Design notes:
 benchmarks/results/hopper-design-nvidia-h100-80gb-hbm3.md ("blackwell_block_scaled").
 """
@@ -33,7 +33,7 @@ import torch
 from ..formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
 from . import _large
 from ._aot import AotVariant, array
-from .._arch import capability
+from .._arch import capability, table_for_capability
 from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, ceil_div, epilogue, folded_alpha, hinted, launch_all_on, num_sms,
                       ones_scalar, stream_handle, tile_coords, zeros_vector)
 
@@ -159,12 +159,6 @@ _CONFIGS: dict[str, dict[str, BlockScaledConfig]] = {
 
 #: SM count assumed when the device cannot be asked (B200).
 DEFAULT_SM_COUNT = 148
-
-
-def table_for_capability(cap: tuple[int, int]) -> str:
-    """The config table for a Blackwell compute capability: "sm_100" (10.x: tcgen05 with 2-SM MMA and
-    228 KB of shared memory) or "sm_120" (11.x / 12.x: no 2-CTA tile here, about 100 KB)."""
-    return "sm_100" if cap[0] == 10 else "sm_120"
 
 
 def plan(table: str, batch: int, m: int, n: int, sms: int = DEFAULT_SM_COUNT) -> BlockScaledConfig:

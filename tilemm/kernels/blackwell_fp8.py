@@ -30,10 +30,10 @@ import torch
 from ..formats import FP8_BLOCK
 from . import _large
 from ._aot import AotVariant
-from .._arch import capability
+from .._arch import capability, table_for_capability
 from ._common import (ceil_div, epilogue, fp8_kind, hinted, launch_all_on, num_sms, ones_scalar, stream_handle,
                       tile_coords, zeros_vector)
-from .blackwell_block_scaled import DEFAULT_SM_COUNT, launch_array, table_for_capability
+from .blackwell_block_scaled import DEFAULT_SM_COUNT, launch_array
 
 __all__ = ["launch", "Prepared", "aot_variants", "FP8Config", "plan", "check_config"]
 

@@ -34,8 +34,13 @@ import torch
 from torch import Tensor
 
 from . import kernels as _kernels
+from . import quantize as _quantize
+from ._arch import family
 from .formats import FORMATS
-from .packed import PackedWeight, layout_of, relayout_words
+from .kernels import moe_kernels
+from .kernels._common import num_sms
+from .packed import PackedWeight, layout_of, prepack, relayout_words
+from .weight_only import reference_weight_only
 
 __all__ = ["moe_linear", "reference_moe", "gpt_oss_glu", "silu_glu", "interleave_gate_up", "MoEExperts",
            "ACTIVATIONS"]
@@ -47,8 +52,6 @@ _ID_DTYPES = (torch.int32, torch.int64)
 def reference_moe(x, words, scale_t, constants, fmt_name: str, in_features: int, topk_ids, bias):
     """The CPU path (and the oracle of the GPU tests): per expert, ``tilemm.weight_only``'s reference
     (fp32 products and sums, one rounding); NaN rows for ids outside [0, E)."""
-    from .weight_only import reference_weight_only
-
     tokens, top_k = topk_ids.shape
     num_experts, n = words.shape[0], words.shape[1]
     flat = topk_ids.reshape(-1).to(torch.int64)
@@ -71,9 +74,6 @@ def run_moe(x, words, scale_t, constants, fmt_name: str, in_features: int, topk_
     its tokens. Elsewhere ``reference_moe``."""
     if x.device.type != "cuda":
         return reference_moe(x, words, scale_t, constants, fmt_name, in_features, topk_ids, bias)
-    from ._arch import family
-    from .kernels import moe_kernels
-
     family(x.device)  # raises UnsupportedGPUError below sm_90
     return _MoELinearLaunch(x, words, scale_t, fmt_name, topk_ids)(x, words, scale_t, constants, topk_ids, bias)
 
@@ -87,8 +87,6 @@ class _MoELinearLaunch:
     __slots__ = ("pairs", "layout", "tokens", "top_k", "n", "dtype", "device")
 
     def __init__(self, x, words, scale_t, fmt_name: str, topk_ids):
-        from .kernels import moe_kernels
-
         self.tokens, self.top_k = topk_ids.shape
         num_experts, self.n = words.shape[0], words.shape[1]
         self.dtype, self.device = x.dtype, x.device
@@ -97,8 +95,6 @@ class _MoELinearLaunch:
                                            moe_kernels.expert_bytes(words, scale_t))
 
     def __call__(self, x, words, scale_t, constants, topk_ids, bias):
-        from .kernels import moe_kernels
-
         tokens, top_k = self.tokens, self.top_k
         out = torch.empty((tokens * top_k, self.n), dtype=self.dtype, device=self.device)
         if out.numel() and self.pairs:
@@ -213,8 +209,6 @@ def moe_linear(x: torch.Tensor, w: PackedWeight, topk_ids: torch.Tensor, bias: t
     _check(fn, x, w, topk_ids, bias, check_ids)
     bias32 = None if bias is None else bias.to(torch.float32).contiguous()
     if key is not None:  # an eager CUDA call: the operator's implementation, without the dispatcher
-        from ._arch import family
-
         family(x.device)  # raises UnsupportedGPUError below sm_90
         launch = _kernels.remember(key, _MoELinearLaunch(x, w.words, w.scale_t, w.fmt.name, topk_ids))
         return launch(x, w.words, w.scale_t, w.constants, topk_ids, bias32)
@@ -308,8 +302,6 @@ def run_experts(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format: 
         h = _glu(gate_up, activation, alpha, limit).reshape(tokens * top_k, inter)
         y = reference_moe(h, d_words, d_scale_t, d_constants, d_format, inter, ids.reshape(-1, 1), d_bias)
         return _weighted_sum(y.reshape(tokens, top_k, hidden), weights)
-    from ._arch import family
-
     family(x.device)
     return _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format, gu_bias, d_words,
                              d_scale_t, d_constants, d_format, d_bias, alpha, limit, activation=activation)
@@ -329,50 +321,49 @@ def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_fo
     SwiGLU with gpt-oss's alpha and limit (``act=1``), SiLU (``activation`` "silu", ``act=2``). A
     SwiGLU of another alpha / limit runs gate_up unfused, then ``gpt_oss_glu`` in PyTorch (fp32,
     rounded once: what the CPU path computes from the same rounded gate_up)."""
-    from .kernels import moe_kernels as mk
-
     tokens, top_k = ids.shape
     num_experts, inter, hidden = gu_words.shape[0], gu_words.shape[1] // 2, d_words.shape[1]
     act = _fused_act(activation, alpha, limit)
-    fused = act != mk.ACT_NONE
+    fused = act != moe_kernels.ACT_NONE
     if design is None:
         design = experts_design(tokens, top_k, gu_words, gu_scale_t, d_words, d_scale_t, x.device)
     if design.startswith("pairs"):
         flat = ids.reshape(-1)
         h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # pair order
         if fused:
-            mk.launch_pairs(x.contiguous(), gu_words, gu_scale_t, gu_constants, gu_bias, flat, h,
-                            layout_of(FORMATS[gu_format]), act=act)
+            moe_kernels.launch_pairs(x.contiguous(), gu_words, gu_scale_t, gu_constants, gu_bias, flat, h,
+                                     layout_of(FORMATS[gu_format]), act=act)
         else:
             gate_up = torch.empty((tokens * top_k, 2 * inter), dtype=x.dtype, device=x.device)
-            mk.launch_pairs(x.contiguous(), gu_words, gu_scale_t, gu_constants, gu_bias, flat, gate_up,
-                            layout_of(FORMATS[gu_format]))
+            moe_kernels.launch_pairs(x.contiguous(), gu_words, gu_scale_t, gu_constants, gu_bias, flat,
+                                     gate_up, layout_of(FORMATS[gu_format]))
             h = _glu(gate_up, activation, alpha, limit)
         if design == "pairs":
-            from .kernels._common import num_sms
-
-            design = "pairs_combine" if mk.combine_pays(tokens, hidden, num_sms(x.device)) else "pairs_bmm"
+            combine = moe_kernels.combine_pays(tokens, hidden, num_sms(x.device))
+            design = "pairs_combine" if combine else "pairs_bmm"
         if design == "pairs_combine":
             out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
-            mk.launch_pairs(h, d_words, d_scale_t, d_constants, d_bias, flat, out, layout_of(FORMATS[d_format]),
-                            weights=weights.contiguous())
+            moe_kernels.launch_pairs(h, d_words, d_scale_t, d_constants, d_bias, flat, out,
+                                     layout_of(FORMATS[d_format]), weights=weights.contiguous())
             return out
         y = torch.empty((tokens * top_k, hidden), dtype=x.dtype, device=x.device)  # pair order
-        mk.launch_pairs(h, d_words, d_scale_t, d_constants, d_bias, flat, y, layout_of(FORMATS[d_format]))
+        moe_kernels.launch_pairs(h, d_words, d_scale_t, d_constants, d_bias, flat, y,
+                                 layout_of(FORMATS[d_format]))
         return _weighted_sum(y.reshape(tokens, top_k, hidden), weights)
-    routed = mk.route(ids, num_experts)
-    xs = mk.sort_rows(x.contiguous(), routed, top_k)  # x's rows in expert order
+    routed = moe_kernels.route(ids, num_experts)
+    xs = moe_kernels.sort_rows(x.contiguous(), routed, top_k)  # x's rows in expert order
     h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # sorted rows too
     if fused:
-        mk.launch(xs, gu_words, gu_scale_t, gu_constants, gu_bias, routed, tokens, h,
-                  layout_of(FORMATS[gu_format]), act=act)
+        moe_kernels.launch(xs, gu_words, gu_scale_t, gu_constants, gu_bias, routed, tokens, h,
+                           layout_of(FORMATS[gu_format]), act=act)
     else:
         gate_up = torch.empty((tokens * top_k, 2 * inter), dtype=x.dtype, device=x.device)
-        mk.launch(xs, gu_words, gu_scale_t, gu_constants, gu_bias, routed, tokens, gate_up,
-                  layout_of(FORMATS[gu_format]), sorted_out=1)
+        moe_kernels.launch(xs, gu_words, gu_scale_t, gu_constants, gu_bias, routed, tokens, gate_up,
+                           layout_of(FORMATS[gu_format]), sorted_out=1)
         h = _glu(gate_up, activation, alpha, limit)
     y = torch.empty((tokens * top_k, hidden), dtype=x.dtype, device=x.device)  # (token, slot) rows
-    mk.launch(h, d_words, d_scale_t, d_constants, d_bias, routed, tokens, y, layout_of(FORMATS[d_format]))
+    moe_kernels.launch(h, d_words, d_scale_t, d_constants, d_bias, routed, tokens, y,
+                       layout_of(FORMATS[d_format]))
     return _weighted_sum(y.reshape(tokens, top_k, hidden), weights)
 
 
@@ -380,12 +371,11 @@ def experts_design(tokens: int, top_k: int, gu_words, gu_scale_t, d_words, d_sca
     """``_experts_launches``' design for T = ``tokens`` tokens of k = ``top_k`` experts: "sorted",
     or per pair with the weighted sum in the down launch ("pairs_combine") or as a batched GEMM
     ("pairs_bmm")."""
-    from .kernels import moe_kernels as mk
-    from .kernels._common import num_sms
-
-    if not mk.pairs_pay(tokens, top_k, gu_words.shape[0], mk.expert_bytes(gu_words, gu_scale_t, d_words, d_scale_t)):
+    expert_bytes = moe_kernels.expert_bytes(gu_words, gu_scale_t, d_words, d_scale_t)
+    if not moe_kernels.pairs_pay(tokens, top_k, gu_words.shape[0], expert_bytes):
         return "sorted"
-    return "pairs_combine" if mk.combine_pays(tokens, d_words.shape[1], num_sms(device)) else "pairs_bmm"
+    combine = moe_kernels.combine_pays(tokens, d_words.shape[1], num_sms(device))
+    return "pairs_combine" if combine else "pairs_bmm"
 
 
 class _MoEExpertsLaunch:
@@ -408,8 +398,6 @@ class _MoEExpertsLaunch:
                "down_scale_t", "down_constants", "down_bias")
 
     def __init__(self, module, x, ids):
-        from .kernels import moe_kernels as mk
-
         self.tokens = x.shape[0]
         self.shape = ids.shape
         self.design = experts_design(x.shape[0], ids.shape[1], module.gate_up_words, module.gate_up_scale_t,
@@ -417,15 +405,15 @@ class _MoEExpertsLaunch:
         self.held = held = tuple(module._buffers.get(name) for name in self.BUFFERS)
         self.gate_up = self.down = None
         act = _fused_act(module.activation, module.alpha, module.limit)
-        if self.design.startswith("pairs") and act != mk.ACT_NONE:
+        if self.design.startswith("pairs") and act != moe_kernels.ACT_NONE:
             gu_words, gu_scale_t, gu_constants, gu_bias, d_words, d_scale_t, d_constants, d_bias = held
             pairs = self.tokens * ids.shape[1]
             combine = self.design == "pairs_combine"
-            self.gate_up = mk.PreparedPairs(module.hidden_size, gu_words, gu_scale_t, gu_constants, gu_bias,
-                                            layout_of(FORMATS[module.formats[0]]), pairs, act)
-            self.down = mk.PreparedPairs(module.intermediate_size, d_words, d_scale_t, d_constants, d_bias,
-                                         layout_of(FORMATS[module.formats[1]]), self.tokens if combine else pairs,
-                                         combine=int(combine))
+            self.gate_up = moe_kernels.PreparedPairs(module.hidden_size, gu_words, gu_scale_t, gu_constants,
+                                                     gu_bias, layout_of(FORMATS[module.formats[0]]), pairs, act)
+            self.down = moe_kernels.PreparedPairs(module.intermediate_size, d_words, d_scale_t, d_constants, d_bias,
+                                                  layout_of(FORMATS[module.formats[1]]),
+                                                  self.tokens if combine else pairs, combine=int(combine))
 
     def __call__(self, m, hidden_states, router_indices, routing_weights):
         buffers = m._buffers
@@ -462,13 +450,11 @@ class _MoEExpertsLaunch:
 def _fused_act(activation: str, alpha: float, limit: float) -> int:
     """The gate_up epilogue's gating code (``moe_kernels.ACT_*``): SiLU, gpt-oss's SwiGLU with its own
     alpha and limit, else none (the gating then runs in PyTorch)."""
-    from .kernels import moe_kernels as mk
-
     if activation == "silu":
-        return mk.ACT_SILU
-    if alpha == mk.SWIGLU_ALPHA and limit == mk.SWIGLU_LIMIT:
-        return mk.ACT_GPT_OSS
-    return mk.ACT_NONE
+        return moe_kernels.ACT_SILU
+    if alpha == moe_kernels.SWIGLU_ALPHA and limit == moe_kernels.SWIGLU_LIMIT:
+        return moe_kernels.ACT_GPT_OSS
+    return moe_kernels.ACT_NONE
 
 
 @torch.library.custom_op("tilemm::gpt_oss_experts", mutates_args=())
@@ -680,9 +666,8 @@ class MoEExperts(torch.nn.Module):
 
     @staticmethod
     def _quantizer(fn: str, format: str, quantizer):
-        from . import quantize as q
-
-        quantizers = {"mxfp4": q.quantize_mxfp4, "nvfp4": q.quantize_nvfp4, "mxfp8": q.quantize_mxfp8}
+        quantizers = {"mxfp4": _quantize.quantize_mxfp4, "nvfp4": _quantize.quantize_nvfp4,
+                      "mxfp8": _quantize.quantize_mxfp8}
         if format not in quantizers:
             raise ValueError(f"{fn}: format must be one of {', '.join(map(repr, quantizers))}, got {format!r}")
         return quantizer or quantizers[format]
@@ -698,8 +683,6 @@ class MoEExperts(torch.nn.Module):
         one per-tensor scale per expert projection, gate and up together), prepacked, and its
         gate_up rows interleaved (``interleave_gate_up``). ``quantizer`` as for ``from_gpt_oss``. Another activation or a bias raises ValueError (the module would compute
         something else)."""
-        from .packed import prepack
-
         fn = "tilemm.moe.MoEExperts.from_silu_experts"
         quantizer = cls._quantizer(fn, format, quantizer)
         check_silu_experts(fn, experts)
@@ -715,8 +698,6 @@ class MoEExperts(torch.nn.Module):
         biases) along K per expert to ``format`` ("mxfp4", "nvfp4" or "mxfp8") and prepack it.
         ``quantizer`` (an (N, K) tensor -> a quantized weight of ``format``) replaces the default
         ``tilemm.quantize_<format>`` (``quantize_model`` passes its element dtype and rounding)."""
-        from .packed import prepack
-
         quantizer = cls._quantizer("tilemm.moe.MoEExperts.from_gpt_oss", format, quantizer)
         with torch.no_grad():
             # transformers stores (E, K, N) (x @ W); tilemm quantizes (E, N, K) rows along K, per expert.
@@ -773,8 +754,6 @@ class MoEExperts(torch.nn.Module):
             raise TypeError(f"{fn}: routing_weights must be a float tensor, got {routing_weights.dtype}")
         weights = routing_weights.reshape(ids.shape)
         if key is not None and x.shape[0]:  # an eager CUDA call: the operator's implementation, no dispatcher
-            from ._arch import family
-
             family(x.device)  # raises UnsupportedGPUError below sm_90
             if len(launches) >= self.MAX_LAUNCHES:
                 launches.clear()

@@ -35,7 +35,7 @@ import torch
 import cuda.tile.compilation as cc
 
 from ._aot import AotVariant, array
-from ._common import hinted, sm90_hints, stream_handle
+from ._common import hinted, num_sms, sm90_hints, stream_handle
 from .weight_only_kernels import LAYOUTS, Layout, _X_PARTS, _f32_halves, _k_tile, _multipliers, _scaled_plane
 
 __all__ = ["MoEConfig", "plan", "route", "launch", "sort_rows", "launch_pairs", "PreparedPairs", "pairs_plan",
@@ -485,8 +485,6 @@ def grid_blocks(items: int, cfg: MoEConfig, device) -> int:
     that do nothing."""
     if device.type != "cuda":
         return items
-    from ._common import num_sms
-
     return min(items, num_sms(device) * (cfg.occupancy or 2))
 
 

@@ -3,12 +3,16 @@
 A results file is named ``<benchmark>[-<variant>]-<gpu>[-x<N>].<ext>``:
 
 * ``<benchmark>``: the name ``python -m benchmarks`` knows it by (``bench_layer_stream.py`` ->
-  ``layer-stream``); ``<variant>``: what a run chose that changes what it measured (``decode-b1``,
-  ``moe-quick``), if anything;
+  ``layer-stream``); for a script it does not list (``investigations/*.py``, ``tp_suite.sh``), the
+  script's file name without its extension, underscores as hyphens (``investigations/moe_pairs_tune.py``
+  -> ``moe-pairs-tune``); notes that gather one script's runs take that script's name too
+  (``matmul-hopper-design``); ``<variant>``: what a run chose that changes what it measured
+  (``decode-b1``, ``moe-quick``, ``moe-pairs-tune-sorted``), if anything;
 * ``<gpu>``: ``torch.cuda.get_device_name()`` in lower case with hyphens for spaces
   (``nvidia-h100-80gb-hbm3``), ``cpu`` for a ``--cpu-smoke`` run, the compile target (``sm90``) for
   counts made without a GPU (``decode-cost``); ``-x<N>`` for a run on N GPUs;
-* ``<ext>``: ``json`` (every record), ``md`` (tables), ``txt`` (what the benchmark printed), ``png``.
+* ``<ext>``: ``json`` (every record), ``md`` (tables), ``txt`` (what the benchmark printed), ``png``,
+  ``log`` (a run of several steps: ``tp_suite.sh``).
 
 The directory is ``--out-dir`` when given, else ``$OUT`` when set (a run on a GPU machine), else
 ``benchmarks/results``. ``--cpu-smoke`` runs a benchmark's code paths on the CPU at tiny sizes in

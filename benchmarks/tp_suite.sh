@@ -21,7 +21,7 @@
 #                                             last, after the benchmarks have compiled what they share;
 #                                             rank 0 prints each case, a hang prints every rank's stack
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
-# Writes to $OUT (else benchmarks/results/tp-suite-xN/), 8 files at most: tp-suite-xN.log (machine,
+# Writes to $OUT (else benchmarks/results/tp-suite-xN/), 8 files at most: tp-suite-<gpu>-xN.log (machine,
 # probe and NCCL transport lines, steps, exit codes), tp-tests-xN.log, tp-mlp-xN.log, tp-decode-xN.log,
 # tp-host-xN.log, and the benchmarks' own tp-mlp-<gpu>-xN.{json,md}, tp-decode-<gpu>-xN.{json,md} and
 # tp-host-<gpu>-xN.txt (more than 8 with every step: pick steps with TP_STEPS). Exits 1 if any step
@@ -35,7 +35,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 if [ -z "${OUT:-}" ]; then export OUT="benchmarks/results/tp-suite-x$N"; fi
 mkdir -p "$OUT"
-SUITE="$OUT/tp-suite-x$N.log"
+# The suite's log is named as benchmarks/_results.py names results files (<gpu> as torch names it, slugged).
+GPU_SLUG="$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 2>/dev/null | tr -s ' ' | tr '[:upper:] ' '[:lower:]-')"
+SUITE="$OUT/tp-suite-${GPU_SLUG:-gpu}-x$N.log"
 : > "$SUITE"
 say() { echo "$*" | tee -a "$SUITE"; }
 

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -118,14 +119,30 @@ def test_results_names(tmp_path):
         _results.results_path(tmp_path, "matmul", "cpu", "csv")
 
 
+def _results_prefixes() -> list[str]:
+    """What a results file's name may start with (``benchmarks/_results.py``): a benchmark's name as
+    ``python -m benchmarks`` knows it, else the script's file name (an investigation, ``tp_suite.sh``)
+    without its extension, underscores as hyphens; longest first."""
+    scripts = [*(ROOT / "benchmarks" / "investigations").glob("*.py"), *(ROOT / "benchmarks").glob("*.sh")]
+    names = set(ENTRY.BENCHMARKS) | {p.stem.replace("_", "-") for p in scripts}
+    return sorted(names, key=len, reverse=True)
+
+
 def test_committed_results_follow_the_naming_scheme():
-    """``<benchmark>[-<variant>]-<gpu>[-x<N>].<ext>``: every committed results file names a GPU slug, the
-    compile target for counts made without a GPU (``decode-cost-sm90``), or ``cpu`` for numerics
-    measured on the CPU (no timings: ``moe-drift-cpu``)."""
+    """``<benchmark>[-<variant>]-<gpu>[-x<N>].<ext>``: every committed results file starts with the name
+    of the benchmark or script that made it, has an allowed extension, and names a GPU slug, the compile
+    target for counts made without a GPU (``decode-cost-sm90``), or ``cpu`` for numerics measured on the
+    CPU (no timings: ``moe-drift-cpu``)."""
+    prefixes = _results_prefixes()
+    pattern = re.compile(r"(?P<stem>[a-z0-9-]+?)-(?:nvidia(?:-[a-z0-9]+)+?|sm\d+|cpu)(?:-x\d+)?")
     for path in sorted((ROOT / "benchmarks" / "results").iterdir()):
+        assert path.is_file(), f"{path.name}: a directory in benchmarks/results"
         assert path.suffix in (".json", ".md", ".txt", ".png", ".log"), path.name
-        assert path.name == path.name.lower() and "_" not in path.name, path.name
-        assert any(f"-{gpu}" in path.stem for gpu in ("nvidia-h100", "nvidia-h200", "sm90", "sm100", "sm120", "cpu")), path.name
+        match = pattern.fullmatch(path.stem)
+        assert match, f"{path.name}: not <benchmark>[-<variant>]-<gpu>[-x<N>] (<gpu>: nvidia-..., sm<N> or cpu)"
+        stem = match["stem"]
+        assert any(stem == p or stem.startswith(p + "-") for p in prefixes), (
+            f"{path.name}: starts with no benchmark or script name ({', '.join(sorted(prefixes))})")
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=[str(p.relative_to(ROOT / "benchmarks")) for p in SCRIPTS])

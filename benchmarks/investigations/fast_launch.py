@@ -593,7 +593,8 @@ def main(argv=None) -> int:
     from _results import Transcript, command, results_path
     import torch
     gpu = torch.cuda.get_device_name()
-    say = Transcript(command("investigations/fast_launch.py", argv), gpu)
+    cmd = command("investigations/fast_launch.py", argv)
+    say = Transcript(cmd, gpu)
     try:
         record = gpu_run(args, say)
     except Exception:
@@ -602,6 +603,7 @@ def main(argv=None) -> int:
     if args.out_dir or os.environ.get("OUT"):
         say.write(results_path(args.out_dir, "fast-launch", gpu, "txt"))
         if record is not None:
+            record = {"gpu": record.pop("gpu"), "command": cmd, **record}
             results_path(args.out_dir, "fast-launch", gpu, "json").write_text(json.dumps(record, indent=1) + "\n")
     if record is None:
         return 1

@@ -8,8 +8,9 @@ Each plan is a function (K, layout) -> PairsConfig that replaces ``moe_kernels.p
 for the whole layer (gate_up and down). Every plan's output is compared bit for bit with the
 committed plan's (each output row is the same fp32 sums in the same order whatever the block shape),
 then the layer is timed as ``bench_moe.py`` times it (CUDA-graph replays, L2 flushed, median). The
-SASS counts that chose the candidates: ``benchmarks/results/moe-pairs-sass-sm90.txt``; the H100 run:
-``moe-pairs-tune-nvidia-h100-80gb-hbm3.txt`` (the committed plan was fastest everywhere).
+SASS counts that chose the candidates: ``benchmarks/results/decode-cost-moe-pairs-sm90.txt``; the H100 run:
+``moe-pairs-tune-nvidia-h100-80gb-hbm3.txt`` (the committed plan was fastest everywhere); with ``--sorted``:
+``moe-pairs-tune-sorted-nvidia-h100-80gb-hbm3.txt``.
 """
 
 from __future__ import annotations
@@ -125,8 +126,8 @@ def main(argv=None) -> int:
                     finally:
                         setattr(mk, attribute, committed)
                 say(f"{name:12s} {fmt} {kind:7s} T={t:<3d} " + " | ".join(cells))
-    name = "moe-sorted-tune" if args.sorted else "moe-pairs-tune"
-    path = results_path(args.out_dir, name, device_name(device), "txt")
+    path = results_path(args.out_dir, "moe-pairs-tune", device_name(device), "txt",
+                        variant="sorted" if args.sorted else None)
     say.write(path)
     return 1 if failed else 0
 

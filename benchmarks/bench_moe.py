@@ -706,10 +706,22 @@ E2E_START = 32
 E2E_EAGER_STEPS = 3
 
 
+def _loop_ms(fn, calls: int, device, before=None) -> float:
+    """ms per call of ``calls`` calls of ``fn`` back to back, as a decode loop makes them: one interval
+    of the shared timer (CUDA events around the whole loop, no L2 flush: each step advances the state,
+    so steps are not replayed alike), after one such loop as warm-up; ``before`` runs before the timed
+    loop, outside its interval."""
+    from _timing import Timer
+
+    ms, _ = Timer(1, device, flush_l2=False, warmup=0, before_each=before)(
+        lambda: [fn() for _ in range(calls)], capture=False)
+    return ms / calls
+
+
 def time_decode(model: DecodeModel, steps: int, device, t0, label: str) -> dict:
     """Tokens/s of ``model`` (its batch) over ``steps`` decode steps: eager steps, then one step
-    captured in a CUDA graph and replayed ``steps`` times between CUDA events (the graph's own
-    position and tokens advance each replay). On the CPU: one eager step, no timing."""
+    captured in a CUDA graph and replayed ``steps`` times back to back (the graph's own position and
+    tokens advance each replay; ``_loop_ms``). On the CPU: one eager step, no timing."""
     batch = model.ids.shape[0]
     start_state(model, device, SEED + batch)
     rec = {"batch": batch}
@@ -724,13 +736,7 @@ def time_decode(model: DecodeModel, steps: int, device, t0, label: str) -> dict:
             model.step()
     torch.cuda.current_stream(device).wait_stream(side)
     torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(E2E_EAGER_STEPS):
-        model.step()
-    end.record()
-    torch.cuda.synchronize(device)
-    rec["eager_ms_per_token"] = start.elapsed_time(end) / E2E_EAGER_STEPS
+    rec["eager_ms_per_token"] = _loop_ms(model.step, E2E_EAGER_STEPS, device)
     model.pos.fill_(E2E_START)
     try:
         graph = torch.cuda.CUDAGraph()
@@ -742,15 +748,8 @@ def time_decode(model: DecodeModel, steps: int, device, t0, label: str) -> dict:
                    tokens_per_s=batch / rec["eager_ms_per_token"] * 1e3)
         log(f"  {label} batch {batch}: graph capture failed ({rec['graph_error']})", t0)
         return rec
-    model.pos.fill_(E2E_START)
-    graph.replay()
-    torch.cuda.synchronize(device)
-    start.record()
-    for _ in range(steps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize(device)
-    ms = start.elapsed_time(end) / steps
+    model.pos.fill_(E2E_START)  # the warm-up loop and the timed one each start here
+    ms = _loop_ms(graph.replay, steps, device, before=lambda: model.pos.fill_(E2E_START))
     rec.update(how="graph", ms_per_token=ms, tokens_per_s=batch / ms * 1e3,
                finite=bool(model.logits.isfinite().all()))
     log(f"  {label} batch {batch}: {rec['tokens_per_s']:.1f} tokens/s ({ms:.3f} ms per step in a CUDA graph; "

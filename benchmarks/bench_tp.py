@@ -72,7 +72,7 @@ sys.path.insert(0, __import__("os").path.dirname(__file__))
 
 import tilemm  # noqa: E402
 from _results import add_options, results_path  # noqa: E402
-from _timing import Timer, host_ms, loop_seconds  # noqa: E402
+from _timing import Timer, host_ms  # noqa: E402
 from _tp import MLP, PlainShard, gpu_names, gpus_label, slowest, start  # noqa: E402
 from tilemm.nn import Linear  # noqa: E402
 
@@ -195,33 +195,22 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def loop_ms(fn, reps: int, barrier: bool) -> float:
-    """Eager calls back to back, as a decode loop makes them: ``reps`` calls between two CUDA events,
-    not waited for one by one, no flush; ms per call (the larger of the host's and the GPU's time per
-    call). Sharded: the ranks lined up by a barrier once, before the first call."""
-    if not torch.cuda.is_available():  # --cpu-smoke: wall time
-        if barrier:
-            dist.barrier()
-        return loop_seconds(fn, reps) * 1e3 / reps
-    fn()
-    torch.cuda.synchronize()
-    if barrier:
-        dist.barrier()
-    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start_ev.record()
-    for _ in range(reps):
-        fn()
-    end_ev.record()
-    end_ev.synchronize()
-    return start_ev.elapsed_time(end_ev) / reps
+def loop_ms(fn, reps: int, barrier: bool, device) -> float:
+    """Eager calls back to back, as a decode loop makes them: ``reps`` calls in one interval of the
+    shared timer (CUDA events around the loop; wall time on the CPU), not waited for one by one, no
+    flush, after one such loop as warm-up; ms per call (the larger of the host's and the GPU's time per
+    call). Sharded: the ranks lined up by a barrier before the timed loop, outside its interval."""
+    timer = Timer(1, device, flush_l2=False, warmup=0, before_each=dist.barrier if barrier else None)
+    ms, _ = timer(lambda: [fn() for _ in range(reps)], capture=False)
+    return ms / reps
 
 
-def time_all(fn, timer_graph: Timer, timer_eager: Timer, reps: int, barrier: bool) -> dict:
+def time_all(fn, timer_graph: Timer, timer_eager: Timer, reps: int, barrier: bool, device) -> dict:
     graph_ms, how = timer_graph(fn)
     eager_ms, _ = timer_eager(fn, capture=False)
     return dict(graph_ms=graph_ms if how == "graph" else None, eager_ms=eager_ms,
                 host_ms=host_ms(fn, reps, before_each=dist.barrier if barrier else None),
-                loop_ms=loop_ms(fn, reps, barrier), graph_error=None if how == "graph" else "did not capture")
+                loop_ms=loop_ms(fn, reps, barrier, device), graph_error=None if how == "graph" else "did not capture")
 
 
 def bench(args, rank, world, device) -> int:
@@ -271,7 +260,7 @@ def bench(args, rank, world, device) -> int:
                     want = full(x)
                     dist.barrier()
                     if rank == 0:
-                        unsharded = time_all(lambda: full(x), timer_graph, timer_eager, args.reps, False)
+                        unsharded = time_all(lambda: full(x), timer_graph, timer_eager, args.reps, False, device)
                     else:
                         unsharded = dict(graph_ms=0.0, eager_ms=0.0, host_ms=0.0, loop_ms=0.0, graph_error=None)
                     dist.barrier()
@@ -348,7 +337,7 @@ def measure(model, variant, x, want, timer_graph, timer_eager, reps, device) -> 
         out["rel_err_vs_unsharded"] = err = rel_err(fn(), want)
         out["correct"] = err <= TOLERANCE
         dist.barrier()
-        t = time_all(fn, timer_graph, timer_eager, reps, True)
+        t = time_all(fn, timer_graph, timer_eager, reps, True, device)
         if t["graph_error"]:
             out["graph_error"] = "did not capture in a CUDA graph"
     except Exception as e:  # noqa: BLE001 (every rank fails alike: same code, same shapes)

@@ -14,7 +14,8 @@ CUDA caching allocator's. ``--profile ENTRY`` prints cProfile's top functions fo
 printed). tests/test_launch_count.py uses ``cuda_route`` to check what the route launches.
 
 Each figure: best of seven timings of ``--number`` calls back to back, in microseconds per call,
-after warm-up calls that fill the plan table. Launches per call are counted on one call.
+after warm-up calls that fill the plan table. Launches per call are counted on one call. Timed with
+``timeit``, not ``benchmarks/_timing.py``: what it times is host time on the CPU, with no GPU work.
 """
 
 from __future__ import annotations

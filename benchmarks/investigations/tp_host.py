@@ -28,7 +28,9 @@ then rank 0's ``cProfile`` of ``--profile-calls`` sharded calls (top functions b
 CPU every step includes its compute (gloo and the reference kernels are synchronous): use small
 ``--dims`` and read the profile for the Python overhead around them.
 
-Writes ``tp-host-<device>-x<N>.txt`` to ``$OUT`` when it is set, else prints only.
+Writes ``tp-host-<device>-x<N>.txt`` to ``$OUT`` when it is set, else prints only. Its own
+``perf_counter`` timing, not ``benchmarks/_timing.py``'s: what it times is host time, step by step,
+with the ranks lined up by a barrier before each call and the GPU idle or busy on purpose.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ bf16 activations, sharded column-then-row by ``tilemm.parallel`` (``ColwiseParal
 * the whole MLP unsharded and sharded.
 
 Each figure: best of seven timings of ``--number`` calls back to back, us per call, after warm-up
-calls. ``--profile STEP`` prints cProfile's top functions for that step (a name as printed), per format.
+calls (``host_path.measure``: host time on the CPU, with no GPU work, so not ``benchmarks/_timing.py``). ``--profile STEP`` prints cProfile's top functions for that step (a name as printed), per format.
 """
 
 from __future__ import annotations

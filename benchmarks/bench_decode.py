@@ -2,58 +2,26 @@
 
     python benchmarks/bench_decode.py                     # 32 layers, batch 1/4/16, 512 + 128 tokens
     python benchmarks/bench_decode.py --layers 16 --tokens 64   # a shorter run (says "first 16 of 32")
-    python benchmarks/bench_decode.py --tiny --no-graphs  # tiny config, a CPU smoke test
     python benchmarks/bench_decode.py --compile           # torch.compile(mode="reduce-overhead") + tinygemm
 
-The model is transformers' ``LlamaForCausalLM`` built from a Llama-3-8B config (hidden 4096,
-intermediate 14336, 32 heads, 8 KV heads, vocab 128256, rope theta 500000, untied ``lm_head``) with
-random weights (seed 0, nothing is downloaded), in bf16, SDPA attention. ``--layers N`` keeps the
-first N decoder layers (the embeddings, final norm and ``lm_head`` stay full size). The bf16 model is
-built once; each variant is a deep copy with every ``nn.Linear`` but ``lm_head`` quantized by
-``tilemm.quantize_model(model, format, skip=["lm_head"], weight_only=...)``, per format (mxfp4,
-nvfp4, mxfp8) and mode (``weight_only``: bf16 activations, the fused weight-only kernel;
-``both_sides``: activations quantized too). Each copy is freed before the next one is built. The
-variants run in the order bf16, weight-only mxfp4, nvfp4, mxfp8, then both sides; none is started
-after ``--max-seconds`` (default 420), and the results list the ones skipped.
+The model is transformers' ``LlamaForCausalLM`` from a Llama-3-8B config with random weights (nothing
+is downloaded), bf16, SDPA attention; each variant is a copy with every ``nn.Linear`` but ``lm_head``
+quantized (mxfp4, nvfp4, mxfp8; ``weight_only`` or ``both_sides``), built after the previous one is
+freed. Per variant and batch size, one random 512-token prompt is prefilled into a static KV cache,
+then tokens are decoded greedily by a hand-written loop, eagerly and as one CUDA graph per step
+(forward, argmax and input update; a failed capture is recorded), from the same state after untimed
+warm-up steps. Measured: time per token (decode-loop wall time / tokens, prefill excluded), tokens/s
+and its speed-up over bf16 at the same batch and execution mode in the same run, the model's bytes,
+the variant's peak GPU memory, and the first decoded token's logits against bf16's (max and mean
+absolute difference, greedy agreement). ``--compile`` times the step under ``torch.compile(mode=
+"reduce-overhead", fullgraph=True)`` instead, as torchao and gpt-fast do, with torch's int4 weight-only
+kernel (``torch._weight_int4pack_mm``, groups of 32) as a peer, the prefill as the best of 3, and the
+first tokens compared with an eager run (``tokens_match_eager``). Targets: ``TARGETS``. Decode loops
+and prefills are wall times synchronized at both ends (``_timing.loop_seconds`` / ``wall_call``).
 
-For each variant and batch size (1, 4, 16), a random prompt of 512 tokens (the same for every
-variant) is prefilled into a static KV cache (transformers' ``StaticCache``), then 128 tokens are
-decoded greedily by a hand-written loop (no ``model.generate``): one forward of the last token per
-step, argmax, next token fed back. Each step runs
-
-* eagerly (Python launches every kernel), and
-* as one CUDA graph (forward + argmax + input update captured once, replayed per token), unless
-  ``--no-graphs`` or the capture fails (the error is recorded and the run goes on).
-
-Both loops start from the same post-prefill state after a few untimed warm-up steps. Measured:
-time per token (decode-loop wall time / tokens, synchronized before and after, prefill excluded),
-tokens/s (batch * tokens / decode seconds), the speed-up over the bf16 model at the same batch size
-and execution mode in the same run, the model's parameter + buffer bytes, and (on a GPU) the peak memory
-of the variant (``torch.cuda.max_memory_allocated`` over prefill + decode, less what was allocated
-before the variant was built: its weights, KV cache, activations and graph pool). Accuracy: the
-logits of the first decoded token (the prefill's last position, same prompt) against bf16's: max
-and mean absolute difference in float32, and how often the greedy token agrees.
-
-``--compile`` measures the decode step the way torchao and gpt-fast do instead: the model's forward
-and the argmax of one step under ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (inductor
-with CUDA graphs), for bf16 and every variant alike, with torch's int4 weight-only kernel
-(``torch._weight_int4pack_mm``, "int4-tinygemm": every linear but ``lm_head`` quantized to int4 with
-groups of 32) as a peer in the same run. Its defaults: mxfp4 weight-only, batches 1 and 16, 64
-tokens; the eager and CUDA-graph loops are not run, and the prefill is timed eagerly as the best of 3
-after a warm-up prefill (the first one compiles kernels). Its first decoded tokens are compared with an
-eager run of the same model (``tokens_match_eager``; bf16 roundings of inductor's fusions can make
-them differ without an error).
-
-Targets on the H100 (checked in the summary): with CUDA graphs, 4-bit weight-only (mxfp4, nvfp4)
-at least 2x bf16's tokens/s at batch 1; eagerly, no slower than bf16 at batch 1; compiled, 1.7x at
-batch 1 and 1.4x at batch 16, and the 512-token prefill no slower than bf16's.
-
-Writes ``decode-<gpu>.json`` (``decode-compiled-<gpu>`` with ``--compile``), ``.md`` and ``.png``
-(tokens/s speed-up over bf16 against the batch size per variant, eager and CUDA-graph panels) to
-``--out-dir`` (``benchmarks/_results.py``); the JSON and Markdown are rewritten after every variant, so
-an interrupted run keeps what it measured. ``--cpu-smoke``: ``--tiny --no-graphs`` on the CPU, one layer, two
-tokens, NVFP4 (unless the options say otherwise). Decode
-loops and prefills are wall times synchronized at both ends (``_timing.loop_seconds`` / ``wall_call``).
+Writes ``decode[-compiled]-<gpu>.json``, ``.md`` and ``.png`` (the speed-up over bf16 against the batch
+size) to ``--out-dir``, else ``$OUT``, else ``benchmarks/results/`` (``benchmarks/_results.py``),
+rewritten after every variant so that an interrupted run keeps what it measured.
 """
 
 from __future__ import annotations

@@ -1,61 +1,29 @@
 """Mixture-of-experts layers and models with MXFP4 / NVFP4 experts (``tilemm.moe``) against bf16.
 
-    python benchmarks/bench_moe.py --quick        # layers: gpt-oss shapes at every T, both routings, the
-                                                  # anchor at T = 1, 2, 4 (alternative designs: full_grid only)
+    python benchmarks/bench_moe.py --quick        # the layers: gpt-oss shapes at every T, anchor at T = 1, 2, 4
     python benchmarks/bench_moe.py --layers-only  # every layer shape at every T, both routings, the designs
     python benchmarks/bench_moe.py --e2e          # gpt-oss-20b (bf16 vs MXFP4 experts) and -120b decode steps
-    python benchmarks/bench_moe.py --cpu-smoke    # tiny shapes on the CPU: the code paths, no timing
-    python benchmarks/bench_moe.py --profile      # per-kernel GPU time of the layers at T = 1 and 16 (120b:
-                                                  # uniform and skewed routing)
+    python benchmarks/bench_moe.py --profile      # per-kernel GPU time of the layers at T = 1 and 16
 
-Layers (one MoE block: gate_up projection, the gating, down projection, the router's weights
-applied and the k slots summed; the routing is given):
+Layers: one MoE block (gate_up, gating, down, the router's weights applied) at T = 1 .. 1024 tokens,
+routing "uniform" or "skewed" (expert e with probability ~ 1 / (e + 1)^1.2): gpt-oss-20b (hidden and
+intermediate 2880, 32 experts, top-4, MXFP4, biases, clamped SwiGLU), gpt-oss-120b (128 experts), and
+the anchor (Qwen3-MoE-style: hidden 2048, intermediate 512, 256 experts, top-8, NVFP4 and MXFP4, SiLU,
+no biases) at the published figures' T = 1, 2, 4. Random packed expert weights are made on the GPU;
+the bf16 baselines get them exactly dequantized: ``hf``, transformers' module (``GptOssExperts``,
+``Qwen3MoeExperts``) as a model from the config selects it, and ``grouped``, ``torch._grouped_mm`` over
+tokens sorted by expert. Each variant is checked against the fp32 layer on the same weights (tilemm,
+which rounds to bf16 after gate_up, the gating and down, within 1e-2 relative; the baselines' errors
+recorded), then timed by ``benchmarks/_timing.py``'s timer: CUDA-graph replays (eager where none
+captures, as the results say), L2 flushed, median.
 
-* gpt-oss-20b: hidden 2880, expert intermediate 2880, 32 experts, top-4, MXFP4; gate_up and down
-  with biases, gpt-oss's clamped SwiGLU (``MoEExperts(activation="gpt-oss")``);
-* gpt-oss-120b: the same with 128 experts;
-* the anchor shape (a Qwen3-MoE-style layer: hidden 2048, intermediate 512, 256 experts, top-8),
-  NVFP4 and MXFP4: SiLU-gated, no biases (``MoEExperts(activation="silu")``, as the anchor's SwiGLU
-  layer; its bf16 baseline from transformers is ``Qwen3MoeExperts``).
+End to end: gpt-oss's decoder (``DecodeModel``, random weights, bf16 attention, router and unembedding),
+one decode step in a CUDA graph replayed ``--tokens`` times back to back; tokens/s = batch / step time.
+gpt-oss-20b-shaped at batch 1, MXFP4 experts against the same experts in bf16; gpt-oss-120b-shaped,
+MXFP4 experts only (bf16 ones would take about 234 GB), batch 1 and 8, with the peak GPU memory.
 
-T (tokens) in 1, 4, 16, 64, 256, 1024 for the gpt-oss shapes, 1, 2, 4 for the anchor (the published
-figures' T; with ``--layers-only`` also 16 .. 1024); routing "uniform" (each token k distinct experts, uniformly)
-or "skewed" (expert e drawn with probability proportional to 1 / (e + 1)^1.2, without replacement).
-The packed expert weights are random words and scale bytes made directly on the GPU (no bf16 expert
-is ever quantized); the bf16 baselines get the same weights dequantized exactly:
-
-* ``hf``: transformers' own experts module (``GptOssExperts``; ``Qwen3MoeExperts`` for the SiLU
-  anchor, its gate / up halves being our interleaved rows put back) with the experts implementation a
-  model built from the config selects (``hf_experts_implementation``: ``grouped_mm`` where
-  registered), same routing;
-* ``grouped``: tokens sorted by expert and ``torch._grouped_mm`` (where the installed PyTorch has it;
-  else the chosen experts' weights gathered and multiplied with ``torch.bmm`` up to T * k = 64, else
-  skipped), the same activation and weighted sum.
-
-Correctness first: every variant against the layer in fp32 on the same (exactly dequantized) weights,
-expert by expert; tilemm's relative Frobenius error must stay below 1e-2 (it rounds the gate_up
-products, the activation and the down products to bf16 once each); the bf16 baselines' errors are
-recorded too (they round after every operation). Then every variant is timed with
-``benchmarks/_timing.py``'s timer: CUDA-graph replays (eager calls where a graph cannot be captured,
-e.g. transformers' eager experts loop, which reads the routing back to the host; the results say
-which), L2 flushed before each, median of the replays.
-
-End to end (``--e2e``): ``DecodeModel``, gpt-oss's decoder built from a transformers ``GptOssConfig``
-with random weights made on the GPU (nothing is downloaded), one decode step (attention over a static
-KV cache, router, experts block, greedy next token) captured in a CUDA graph and replayed
-``--tokens`` times; tokens/s = batch / step time. Its attention, router and unembedding are bf16, as
-gpt-oss ships them:
-
-* gpt-oss-20b-shaped (24 layers, 32 experts), batch 1: experts MXFP4 (``MoEExperts`` of random packed
-  weights) against the same experts exactly dequantized to bf16 on the grouped module (``torch.
-  _grouped_mm``, capturable), the rest the very same tensors, in the same run; the logits of one step
-  of each are compared;
-* gpt-oss-120b-shaped (36 layers, 128 experts): experts MXFP4 only, made layer by layer in packed
-  form (about 61 GB; never a bf16 expert: bf16 would need about 234 GB for the experts alone),
-  batch 1 and 8, and the peak GPU memory.
-
-Results: ``moe[-<mode>]-<gpu>.json`` and ``.md`` (``moe-profile-<gpu>.json`` with ``--profile``) in
-``--out-dir`` (``--out``), else ``$OUT``, else ``benchmarks/results/`` (``benchmarks/_results.py``).
+Results: ``moe[-<mode>]-<gpu>.json`` and ``.md`` in ``--out-dir``, else ``$OUT``, else
+``benchmarks/results/`` (``benchmarks/_results.py``).
 """
 
 from __future__ import annotations
@@ -925,12 +893,14 @@ def markdown(meta, layers, e2e) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="bench_moe.py", description=__doc__.split("\n\n")[0])
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="the layers: gpt-oss shapes at every T, the anchor "
-                      "at T = 1, 2, 4; no end to end")
+    mode.add_argument("--quick", action="store_true", help="the layers: gpt-oss shapes at every T, both "
+                      "routings, the anchor at T = 1, 2, 4 (alternative designs: full_grid only); no end to end")
     mode.add_argument("--layers-only", action="store_true", help="the layer benchmark only")
-    mode.add_argument("--e2e", action="store_true", help="the end-to-end decodes only")
+    mode.add_argument("--e2e", action="store_true", help="the end-to-end decodes only: gpt-oss-20b-shaped (24 "
+                      "layers, batch 1, MXFP4 and bf16 experts), gpt-oss-120b-shaped (36 layers, batch 1 and 8)")
     mode.add_argument("--profile", action="store_true",
-                      help="per-kernel GPU time of one layer (gpt-oss-20b and -120b MXFP4, anchor NVFP4) at T = 1, 16")
+                      help="per-kernel GPU time of one layer (gpt-oss-20b and -120b MXFP4, anchor NVFP4) at T = 1, 16 "
+                           "(120b: uniform and skewed routing)")
     ap.add_argument("--tokens", type=int, default=64, help="timed decode steps per end-to-end run (default 64)")
     ap.add_argument("--ts", type=lambda v: tuple(int(t) for t in v.split(",")), default=None,
                     help="the layers' T, comma-separated (default: TOKENS, the anchor's ANCHOR_TOKENS)")

@@ -3,33 +3,26 @@
     python benchmarks/bench_quantize.py               # 64 MiB and 256 MiB bf16 inputs
     python benchmarks/bench_quantize.py --warm-only   # compile every kernel the run needs, time nothing
 
-For each input size (bf16 (M, K) with 64 MiB and 256 MiB) it first checks every quantizer's GPU
-result against the eager PyTorch reference run on the same GPU (bit for bit), then times, with CUDA
-events after warm-up (CUDA-graph replays, each queued behind a GPU sleep: ``GPU_BUSY_CYCLES``), the
-median of ``--reps`` (>= 20) runs of the copy and all quantizers back to back (the references, which
-run for milliseconds each, come after, so that they do not sit between the kernels being compared),
-then the eager calls and references:
-
-* the quantizer (``tilemm.quantize_*`` on a CUDA tensor: the cuTile kernels, including NVFP4's and
-  per-tensor FP8's amax pass);
-* the eager reference (``tilemm.quantize._quantize_*_reference`` on the same CUDA tensor);
-* a device-to-device copy of the input (``dst.copy_(x)``), the memory-bound ceiling.
+For each input size (bf16 (M, K), 64 MiB and 256 MiB) it first checks every quantizer's GPU result bit
+for bit against the eager PyTorch reference on the same GPU, then times the copy and all quantizers
+back to back (``benchmarks/_timing.py``: CUDA-graph replays, each queued behind a GPU sleep of
+``GPU_BUSY_CYCLES``, median of ``--reps``), then the eager calls and references (milliseconds each,
+so they do not sit between the kernels compared): the quantizer (``tilemm.quantize_*``: the cuTile
+kernels, NVFP4's and per-tensor FP8's amax pass included), the eager reference
+(``tilemm.quantize._quantize_*_reference``), and a device-to-device copy (``dst.copy_(x)``), the
+memory-bound ceiling.
 
 GB/s counts the bytes a quantizer must move once: the input read plus data and scales written (an
-amax pass re-reads the input but is not credited). The copy moves the input's bytes twice (read +
-write). ``% copy`` is the quantizer's GB/s over the copy's. Rows marked "kernel only" call the
-kernel launcher of ``tilemm.kernels.quantize_kernels`` with the global scale / amax already known
-(what the quantizer runs after its amax pass; NVFP4 "given scale" is the same kernel behind the
-public function's checks, which a CUDA graph does not replay); "amax pass alone" is
-``tensor_amax``, which only reads the input (at the copy's speed it would show 100 %). A quantizer
-with an amax pass (NVFP4 without a global scale, FP8 per tensor, FP8 per row along axis=-2) moves
-2/5 more bytes than it is credited (bf16 -> fp8: 2 bytes read twice, 1 written), so read twice from
-DRAM it tops out near 60 % of the copy (the amax pass ends where the quantize pass begins, so part of
-the second read comes from L2).
+amax pass re-reads the input, uncredited); the copy moves the input's bytes twice; ``% copy`` is the
+ratio. "kernel only" rows call ``tilemm.kernels.quantize_kernels``' launcher with the scale / amax
+known (what the quantizer runs after its amax pass; NVFP4 "given scale" is that kernel behind the public
+function's checks, which a CUDA graph does not replay); "amax pass alone" is ``tensor_amax``, a read.
+A quantizer with an amax pass (NVFP4 without a global scale, FP8 per tensor, FP8 per row along
+axis=-2) moves 2/5 more bytes than credited, so it tops out near 60 % of the copy.
 
-Writes ``quantize-<gpu>.json`` to ``--out-dir`` (``benchmarks/_results.py``) and prints a markdown table.
-``--cpu-smoke``: one 128x128 input on the CPU, the public quantizers only (the kernel-only cases need a
-GPU), wall times.
+Writes ``quantize-<gpu>.json`` to ``--out-dir``, else ``$OUT``, else ``benchmarks/results/``
+(``benchmarks/_results.py``), and prints a markdown table. ``--cpu-smoke``: one 128x128 input on the
+CPU, the public quantizers only, wall times.
 """
 
 from __future__ import annotations

@@ -1,57 +1,32 @@
 """A tensor-parallel tilemm MLP on N GPUs (NCCL) against the same MLP unsharded on one GPU, same run.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_tp.py                 # every format, M = 1, 16, 1024, 4096
+    python -m benchmarks tp --nproc-per-node 2                           # every format, M = 1, 16, 1024, 4096
     torchrun --nproc-per-node 4 benchmarks/bench_tp.py --formats bf16,nvfp4-wo --rows 1,4096
 
-The MLP is a transformer feed-forward block without gating, fc2(relu(fc1(x))), with Llama-3-8B's
-sizes: d_model 4096, hidden 14336, bf16 activations. Each tilemm format (mxfp8, mxfp4, nvfp4, fp8 per
-row; both sides quantized, or ``-wo`` weight-only) is sharded with ``parallelize_module(mlp, mesh,
-{"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})`` from ``tilemm.parallel``; ``bf16`` is the
-torch MLP sharded the same way on plain tensors (``benchmarks/_tp.PlainShard``). One all-reduce of
-the (M, 4096) output per call (NVFP4 / FP8 per row both-sides: one more, of the activation amax).
+The MLP is fc2(relu(fc1(x))) with Llama-3-8B's sizes (4096 -> 14336 -> 4096, bf16 activations), each
+tilemm format (``FORMATS``: both sides quantized, or ``-wo`` weight-only) sharded column then row by
+``tilemm.parallel`` (``bf16``: the torch MLP sharded the same way, ``_tp.PlainShard``); one all-reduce
+per call (NVFP4 / FP8 per row both sides: one more, of the activation amax). Each way of
+running the row-wise all-reduce (``--variants``, each only where it applies: ``VARIANTS`` says what
+each is; ``end``, one all-reduce at the end, is the default plan) is checked against the unsharded
+output (relative Frobenius error within ``TOLERANCE``: only the order of the sums and the bf16 partial
+sums differ), then timed with ``benchmarks/_timing.py``:
 
-Correctness first, per case: the sharded output against the unsharded one (relative Frobenius
-error; every rank quantizes the same bytes as the unsharded layer, so only the order of the sums
-and the bf16 rounding of the partial sums differ: at most ``TOLERANCE``).
+* ``graph``: CUDA-graph replays (NCCL included), L2 flushed, median: the GPU time of one call;
+* ``eager``: eager calls, each waited for (sharded: the ranks lined up by a barrier first, outside the
+  interval), L2 flushed, median: what one call costs a caller, Python dispatch included where it
+  outlasts the flush before it (about 0.1 ms);
+* ``loop``: eager calls back to back in one interval, as a decode loop makes them;
+* ``host``: the Python call alone (``host_ms``), with the GPU idle at its start.
 
-How the row-wise all-reduce runs (``--variants``, each only where it applies): ``end``, one
-all-reduce of the whole output after fc2 (the default plan); ``row2`` / ``row4``, fc2 in row pieces
-with piece i's all-reduce during piece i+1's matmul (``RowwiseParallel(chunks=N)``, M >= 1024);
-``mlp2`` / ``mlp4``, the whole MLP in row pieces, piece i's all-reduce during piece i+1's fc1 and fc2
-(``tilemm.parallel.overlapped``, M >= 1024); ``oneshot``, torch's symmetric-memory one-shot
-all-reduce for the small outputs (``RowwiseParallel(one_shot_max_bytes=...)``, M <= 16; NVFP4 / FP8
-per tensor both sides also exchange the amax through it); ``ce``, the all-reduce by the copy engines
-(``RowwiseParallel(copy_min_bytes=...)``: peer-to-peer copies into symmetric memory and one sum
-kernel, no NCCL kernel), ``ce4`` / ``ce8`` / ``ce16`` the same with fc2 in 4 / 8 / 16 row pieces
-(``ce6t``: 6 pieces halving toward the end), each piece's
-copies on a side stream during the next piece's matmul, ``mlpce4`` the whole MLP in 4 pieces
-(overlapped) with the copies (M >= 1024). Each is
-checked against the unsharded output and timed; "best" is the fastest correct one in a CUDA graph,
-the one a plan would pick, and the targets are checked on it.
+The unsharded MLP runs on rank 0 while the others wait; sharded figures are the slowest rank's.
+"best" is the fastest correct variant in a CUDA graph (what a plan would pick); ``TARGETS`` are
+checked on it. ``all-reduce``: one (M, 4096) bf16 all-reduce alone in a CUDA graph, the floor the
+row-wise layer adds (also through the one-shot all-reduce and the copy engines where they apply).
 
-Timing, per case, with ``benchmarks/_timing.py``'s timer (the L2 flushed by a 256 MB read before each
-call, median of ``--reps``):
-
-* ``graph``: the MLP captured in a CUDA graph (NCCL all-reduce included), replays between CUDA
-  events; the GPU time of one call;
-* ``eager``: eager calls between CUDA events, each waited for before the next
-  (``sync_each``; sharded: the ranks lined up by a barrier before each call, outside the interval):
-  what one call costs a caller, Python dispatch included wherever it is longer than the flush that
-  precedes it (about 0.1 ms);
-* ``host``: the Python call alone (``_timing.host_ms``: wall time around it, GPU idle at the start,
-  not waited for): the host cost of dispatch and launches, which eager calls pay where it exceeds the
-  GPU time.
-
-The unsharded MLP runs on rank 0 while the other ranks wait; the sharded one on all ranks at once
-(the slowest rank's median is reported). ``all-reduce`` is one (M, 4096) bf16 all-reduce alone, in
-a CUDA graph: the floor the row-wise layer adds (``one-shot``: the same through the one-shot
-all-reduce, M <= 16; ``copy-engine``: through the copy engines, M >= 1024).
-
-Writes ``tp-mlp-<gpu>-x<N>.json`` and ``.md`` to ``--out-dir``, else ``$OUT``, else
-``benchmarks/results/`` (``benchmarks/_results.py``), naming the GPUs (``torch.cuda.get_device_name`` of
-every rank). ``--cpu-smoke``: gloo on the CPU (``torchrun --nproc-per-node 1|2 ... --cpu-smoke``), a
-128 -> 256 -> 128 MLP, M = 1, bf16 / nvfp4 / mxfp4-wo, the "end" variant (unless the options say
-otherwise), wall times.
+Writes ``tp-mlp-<gpu>-x<N>.json`` and ``.md`` (naming every rank's GPU) to ``--out-dir``, else ``$OUT``,
+else ``benchmarks/results/`` (``benchmarks/_results.py``). ``--cpu-smoke``: gloo on the CPU, a
+128 -> 256 -> 128 MLP, wall times.
 """
 
 from __future__ import annotations

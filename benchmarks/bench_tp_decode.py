@@ -1,45 +1,28 @@
 """Decode with a Llama-3-8B-shaped model sharded over GPUs by ``tilemm.parallel``, against 1 GPU.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_tp_decode.py                  # sizes 1, 2
+    python -m benchmarks tp-decode --nproc-per-node 2                       # sizes 1, 2
     torchrun --nproc-per-node 4 benchmarks/bench_tp_decode.py --sizes 1,2,4 --layers 16 --tokens 64
 
-The model is ``bench_decode.build_model``'s: transformers' ``LlamaForCausalLM`` from a Llama-3-8B
-config (hidden 4096, intermediate 14336, 32 heads, 8 KV heads, vocab 128256) with random weights
-(seed 0, then rank 0's broadcast to every rank), bf16, SDPA attention; ``--layers N`` keeps the
-first N of its 32 decoder layers. Variants (``--variants``): ``bf16``; ``mxfp4-wo`` / ``nvfp4-wo``
-(every linear but ``lm_head`` quantized by ``tilemm.quantize_model(..., weight_only=True)``);
-``nvfp4`` / ``mxfp8`` (both sides quantized).
+The model is ``bench_decode.build_model``'s (transformers' ``LlamaForCausalLM``, Llama-3-8B config,
+random weights broadcast from rank 0, bf16, SDPA), in each variant (``--variants``: bf16, weight-only
+or both sides quantized) on 1 GPU (rank 0; the others wait) and sharded over each of ``--sizes`` GPUs
+as Megatron-LM shards a decoder layer: q/k/v column-wise (each rank its heads and its slice of the KV
+cache) and o_proj row-wise, the MLP's gate/up column-wise and down row-wise (two all-reduces per
+layer), ``lm_head`` split over the vocabulary and its logits all-gathered; tilemm layers through
+``parallelize_module``, bf16 ones on plain tensors (``benchmarks/_tp.PlainShard``).
 
-Each variant runs on 1 GPU (rank 0; the others wait) and sharded over each of ``--sizes`` GPUs (ranks
-0 .. size - 1), the way Megatron-LM shards a decoder layer: attention's q/k/v projections column-wise
-(each rank keeps its heads: 32 / size query and 8 / size KV heads, its own slice of the KV cache) and
-o_proj row-wise; the MLP's gate/up column-wise and down row-wise; so a layer costs two all-reduces.
-tilemm layers are sharded with ``parallelize_module`` and ``tilemm.parallel.ColwiseParallel`` /
-``RowwiseParallel``; bf16 layers the same way on plain tensors (``benchmarks/_tp.PlainShard``). The
-bf16 ``lm_head`` is split over the vocabulary and its logits all-gathered (one more collective per
-step); embeddings and norms are replicated.
+Per variant, size and batch, ``bench_decode.run_batch`` prefills a random prompt into a static KV
+cache and decodes ``--tokens`` tokens greedily, eagerly and as one CUDA graph per step (collectives
+captured). Measured: tokens/s, and the speed-up over the same variant on 1 GPU and over bf16 at the
+same size, batch and execution mode. Accuracy: the first decoded token's logits against the same
+variant on 1 GPU, relative to their scale (sharding changes only the order of sums and rounds each
+rank's partial sums to bf16), beside bf16 on 1 GPU against the same weights in fp32
+(``logits_vs_fp32``); the CUDA-graph decode against the eager one (``bench_decode.graph_vs_eager``).
+``+1shot`` variants send the row-wise all-reduces through torch's one-shot all-reduce.
 
-Per variant, size and batch (``--batches``, default 1 and 16), ``bench_decode.run_batch`` runs: a
-random prompt prefilled into a static KV cache, then greedy decoding of ``--tokens`` tokens, eagerly
-and as one CUDA graph per step (forward, argmax, input update; the collectives captured). Measured:
-tokens/s, and the speed-up over the same variant on 1 GPU and over bf16 at the same size, batch and
-execution mode (same run). Accuracy: the first decoded token's logits against the same variant on 1
-GPU, relative to their scale (RMS difference over RMS logit; max difference next to the max logit):
-sharding changes only the order of sums, each rank's partial sums rounded to bf16 before they are
-added, so the difference is bf16 rounding grown over the layers. Its yardstick, in the same run:
-bf16 on 1 GPU against the same weights in fp32 (``logits_vs_fp32``). The CUDA-graph decode is checked
-against the eager one (``bench_decode.graph_vs_eager``).
-
-A variant named with ``+1shot`` (``bf16+1shot``, ``nvfp4-wo+1shot``) is the same model with the
-row-wise all-reduces (each (batch, 4096) bf16) sent through torch's symmetric-memory one-shot
-all-reduce (``RowwiseParallel(one_shot_max_bytes=...)``; NCCL where that is unavailable), sharded
-sizes only, compared with the base variant's 1-GPU run.
-
-Writes ``tp-decode-<gpu>-x<N>.json`` and ``.md`` to ``--out-dir``, else ``$OUT``, else
-``benchmarks/results/`` (``benchmarks/_results.py``), naming the GPUs; rewritten after every run, so an
-interrupted one keeps what it measured. No variant is started after ``--max-seconds``. ``--cpu-smoke``:
-``--tiny`` with one layer, batch 1, an 8-token prompt, 2 tokens, bf16 and nvfp4-wo (unless the options
-say otherwise).
+Writes ``tp-decode-<gpu>-x<N>.json`` and ``.md`` (naming the GPUs) to ``--out-dir``, else ``$OUT``,
+else ``benchmarks/results/`` (``benchmarks/_results.py``), rewritten after every run so that an
+interrupted one keeps what it measured. ``--cpu-smoke``: ``--tiny``, one layer, batch 1, 2 tokens.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from . import quantize as _quantize
 from ._arch import family
 from .formats import FORMATS
 from .kernels import moe_kernels
-from .kernels._common import num_sms
+from .kernels import _common as _kernels_common  # num_sms looked up per call: host_path.py substitutes it
 from .packed import PackedWeight, layout_of, prepack, relayout_words
 from .weight_only import reference_weight_only
 
@@ -339,7 +339,7 @@ def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_fo
                                      gate_up, layout_of(FORMATS[gu_format]))
             h = _glu(gate_up, activation, alpha, limit)
         if design == "pairs":
-            combine = moe_kernels.combine_pays(tokens, hidden, num_sms(x.device))
+            combine = moe_kernels.combine_pays(tokens, hidden, _kernels_common.num_sms(x.device))
             design = "pairs_combine" if combine else "pairs_bmm"
         if design == "pairs_combine":
             out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
@@ -374,7 +374,7 @@ def experts_design(tokens: int, top_k: int, gu_words, gu_scale_t, d_words, d_sca
     expert_bytes = moe_kernels.expert_bytes(gu_words, gu_scale_t, d_words, d_scale_t)
     if not moe_kernels.pairs_pay(tokens, top_k, gu_words.shape[0], expert_bytes):
         return "sorted"
-    combine = moe_kernels.combine_pays(tokens, d_words.shape[1], num_sms(device))
+    combine = moe_kernels.combine_pays(tokens, d_words.shape[1], _kernels_common.num_sms(device))
     return "pairs_combine" if combine else "pairs_bmm"
 
 

@@ -34,6 +34,7 @@ import torch
 from swizzle import swizzle_32_4_4, swizzled_shape, unswizzle_32_4_4
 
 from .formats import MXFP4, NVFP4
+from .numerics import ceil_div
 from .quantize import FP8_BLOCK, FP8Tensor, MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
 
 __all__ = [
@@ -287,7 +288,7 @@ def from_compressed_tensors(tensors: Mapping[str, torch.Tensor], format: str, *,
                                                                          data.shape[-1] // 32)))
     n, k = data.shape[-2], data.shape[-1]
     lead = tuple(data.shape[:-2])
-    channel, blocks = (*lead, n, 1), (*lead, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+    channel, blocks = (*lead, n, 1), (*lead, ceil_div(n, FP8_BLOCK), ceil_div(k, FP8_BLOCK))
     per_tensor = ((), (1,))
     strategy = (weights or {}).get("strategy")
     allowed = {"channel": (channel,), "tensor": per_tensor, "block": (blocks,),
@@ -337,7 +338,7 @@ def to_compressed_tensors(q) -> tuple[dict[str, torch.Tensor], str, dict]:
         tensors, args = {"weight": q.data, "weight_scale": q.scale.reshape(1)}, dict(base, strategy="tensor")
     elif tuple(q.scale.shape[-2:]) == (n, 1):
         tensors, args = {"weight": q.data, "weight_scale": q.scale}, dict(base, strategy="channel")
-    elif tuple(q.scale.shape[-2:]) == (-(-n // FP8_BLOCK), k // FP8_BLOCK) and k % FP8_BLOCK == 0:
+    elif tuple(q.scale.shape[-2:]) == (ceil_div(n, FP8_BLOCK), k // FP8_BLOCK) and k % FP8_BLOCK == 0:
         tensors = {"weight": q.data, "weight_scale": q.scale}
         args = dict(base, strategy="block", block_structure=[FP8_BLOCK, FP8_BLOCK])
     else:
@@ -625,11 +626,11 @@ def linear_options(q) -> tuple[str, dict]:
         return "fp8", {"granularity": "tensor", "elem_dtype": q.data.dtype}
     if tuple(q.scale.shape) == (n, 1):
         return "fp8", {"granularity": "row", "elem_dtype": q.data.dtype}
-    if tuple(q.scale.shape) == (-(-n // FP8_BLOCK), k // FP8_BLOCK) and k % FP8_BLOCK == 0:
+    if tuple(q.scale.shape) == (ceil_div(n, FP8_BLOCK), k // FP8_BLOCK) and k % FP8_BLOCK == 0:
         return "fp8", {"granularity": (FP8_BLOCK, FP8_BLOCK), "elem_dtype": q.data.dtype}
     raise ValueError(f"{fn}: FP8 weight scale of shape {tuple(q.scale.shape)} for data {(n, k)} is not a "
                      f"tilemm.nn.Linear layout: accepted 0-d (tensor), ({n}, 1) (row) or "
-                     f"({-(-n // FP8_BLOCK)}, {k // FP8_BLOCK}) (128x128 blocks)")
+                     f"({ceil_div(n, FP8_BLOCK)}, {k // FP8_BLOCK}) (128x128 blocks)")
 
 
 def scale_for_layout(q, swizzle: bool) -> torch.Tensor:

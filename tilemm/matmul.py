@@ -899,9 +899,9 @@ def _fp8_granularities_of(t) -> list[str]:
         return ["'tensor'"]
     rows, k = d.shape[-2], d.shape[-1]
     kinds = []
-    if s.shape[-2:] == (rows, -(-k // 128)):
+    if s.shape[-2:] == (rows, ceil_div(k, FP8_BLOCK)):
         kinds.append("(1, 128)")
-    if s.shape[-2:] == (-(-rows // 128), -(-k // 128)):
+    if s.shape[-2:] == (ceil_div(rows, FP8_BLOCK), ceil_div(k, FP8_BLOCK)):
         kinds.append("(128, 128)")
     if s.shape[-2:] == (rows, 1):
         kinds.append("'row'")

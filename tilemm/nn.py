@@ -44,6 +44,7 @@ from . import weight_only as _weight_only
 from .kernels import _common as _kernels_common
 from .kernels import quantize_kernels as _quantize_kernels
 from .formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
+from .numerics import ceil_div
 from .moe import MoEExperts, check_silu_experts, experts_activation
 
 __all__ = ["Linear", "quantize_model", "FORMATS"]
@@ -228,7 +229,7 @@ class Linear(torch.nn.Module):
             # Weight-only: the weight lives only in the prepacked layout (non-persistent buffers);
             # state_dict shows the interchange form (see _packed_state_dict / _load_from_state_dict).
             layout = _packed.layout_of(_FORMAT_OF[(format, self._options.elem_dtype)])
-            words = -(-in_features // layout.tile_k) * layout.words_per_tile
+            words = ceil_div(in_features, layout.tile_k) * layout.words_per_tile
             self.register_buffer("weight_packed", torch.zeros(out_features, words, dtype=torch.int32,
                                                               device=device), persistent=False)
             self.register_buffer("weight_scale_packed", torch.zeros(in_features // layout.block,
@@ -695,12 +696,12 @@ class _FP8Call:
         self.bound = None  # (scratch buffer, quantize arguments, the matmul's views): per scratch buffer
         if self.fused is not None:
             (data_shape, data_dtype), (scale_shape, scale_dtype) = self.fused[4]
-            self.scratch_elements = -(-(self._scale_offset() + _numel(scale_shape) * scale_dtype.itemsize) // 2)
+            self.scratch_elements = ceil_div(self._scale_offset() + _numel(scale_shape) * scale_dtype.itemsize, 2)
 
     def _scale_offset(self) -> int:
         """Where the scale starts in the scratch bytes: after the data, 16-byte aligned."""
         data_shape, data_dtype = self.fused[4][0]
-        return -(-_numel(data_shape) * data_dtype.itemsize // 16) * 16
+        return ceil_div(_numel(data_shape) * data_dtype.itemsize, 16) * 16
 
     def _carve(self, values: torch.Tensor) -> tuple:
         """(data, scale) as the quantize allocates them, in the scratch ``values`` (bf16, flat)."""

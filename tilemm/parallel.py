@@ -40,6 +40,7 @@ from swizzle import swizzle_32_4_4, unswizzle_32_4_4
 from . import matmul as _matmul
 from . import quantize as _quantize
 from .formats import FP8_BLOCK
+from .numerics import ceil_div
 from .kernels import quantize_kernels as _quantize_kernels
 from .kernels._common import stream_handle
 from .nn import _ACTIVATION_DTYPES
@@ -73,7 +74,7 @@ class ShardInfo:
 
 def _chunk(size: int, rank: int, world_size: int) -> tuple[int, int]:
     """(offset, length) of rank's piece of ``size`` under ``torch.chunk`` (DTensor ``Shard``)."""
-    step = -(-size // world_size)
+    step = ceil_div(size, world_size)
     offset = min(rank * step, size)
     return offset, min(step, size - offset)
 
@@ -103,12 +104,12 @@ def _shard_of(fn: str, layer: Linear, style: str, rank: int, world_size: int) ->
     options = layer._options
     what = "out_features" if style == "colwise" else "in_features"
     size = layer.out_features if style == "colwise" else layer.in_features
-    step = -(-size // world_size)
+    step = ceil_div(size, world_size)
     offset, length = _chunk(size, rank, world_size)
     if length <= 0:
         raise ValueError(f"{fn}: {what}={size} split over world_size={world_size} ranks as torch.chunk "
                          f"does ({step} per rank) leaves rank {rank} without features; every rank needs "
-                         f"at least one (use at most {-(-size // step)} ranks)")
+                         f"at least one (use at most {ceil_div(size, step)} ranks)")
     if style == "rowwise":
         multiple = options.k_multiple  # a scale block may not straddle two ranks
     elif options.format == "fp8" and options.granularity == (FP8_BLOCK, FP8_BLOCK):
@@ -146,7 +147,7 @@ def _shard_tensors(layer: Linear, shard: ShardInfo) -> dict[str, torch.Tensor]:
             scale = scale[lo:hi] if col else scale
         else:  # (128, 128) blocks: (ceil(N / 128), K / 128); boundaries checked to fall on blocks
             b = FP8_BLOCK
-            scale = scale[lo // b: -(-hi // b)] if col else scale[:, lo // b: hi // b]
+            scale = scale[lo // b: ceil_div(hi, b)] if col else scale[:, lo // b: hi // b]
     else:
         block = options.k_multiple
         logical = unswizzle_32_4_4(scale, n, k // block) if options.swizzle else scale
@@ -473,7 +474,7 @@ class _OneShot:
         if self.amax_error is not None or self.error is not None or torch.cuda.is_current_stream_capturing():
             return None
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        n = max(-(-world // self.AMAX_SLOTS_MIN) * self.AMAX_SLOTS_MIN, self.AMAX_SLOTS_MIN)
+        n = max(ceil_div(world, self.AMAX_SLOTS_MIN) * self.AMAX_SLOTS_MIN, self.AMAX_SLOTS_MIN)
         slots = torch.zeros(n, dtype=torch.int32, device=device)
         buf = self.buffers.get(torch.float32)
         if buf is None and torch.float32 not in self.buffers:
@@ -634,7 +635,7 @@ class _CopyState:
         if enable is not None:
             enable(group_name)
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.slot = -(-(-(-capacity // self.world)) // align) * align
+        self.slot = ceil_div(ceil_div(capacity, self.world), align) * align
         rows = self.world + 1
         self.buffer = symm_mem.empty(rows * self.slot, dtype=dtype, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group_name)
@@ -1011,7 +1012,7 @@ def _shard_in_place(fn: str, module: Linear, mesh: DeviceMesh, style: str, *, sr
                            shard.out_features, chunks=chunks, chunk_min_rows=chunk_min_rows,
                            one_shot_max_bytes=one_shot_max_bytes if world_size > 1 else 0,
                            tensor_scale=tensor_scale, copy_min_bytes=copy_min_bytes if world_size > 1 else 0,
-                           taper=taper, widest_k=-(-shard.in_features // world_size))
+                           taper=taper, widest_k=ceil_div(shard.in_features, world_size))
     module.__class__ = ShardedLinear
     return module
 

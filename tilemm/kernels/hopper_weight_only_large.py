@@ -33,6 +33,7 @@ import cuda.tile as ct
 import torch
 from cuda.tile import compilation as cc
 
+from ..numerics import ceil_div
 from ._aot import AotVariant, array
 from ._common import hinted, sm90_hints, tile_coords_at
 from . import weight_only_kernels as _wo
@@ -225,14 +226,14 @@ class FamilyRule:
 
 
 def output_tiles(cfg: LargeConfig, m: int, n: int) -> int:
-    return -(-m // cfg.tile_m) * -(-n // cfg.tile_n)
+    return ceil_div(m, cfg.tile_m) * ceil_div(n, cfg.tile_n)
 
 
 def wave_fill(cfg: LargeConfig, m: int, n: int, sms: int) -> float:
     """The output tiles over the block slots of the waves they take (``occupancy`` blocks per SM):
     1.0 when the last wave is full."""
     tiles, slots = output_tiles(cfg, m, n), sms * cfg.occupancy
-    return tiles / (-(-tiles // slots) * slots)
+    return tiles / (ceil_div(tiles, slots) * slots)
 
 
 #: Largest K split ``with_split`` gives, and the fewest K tiles a split's range may hold (each item
@@ -248,7 +249,7 @@ def with_split(cfg: LargeConfig, m: int, n: int, k: int, layout: _wo.Layout, sms
     ``MAX_SPLIT`` and at least ``MIN_SPLIT_K_TILES`` K tiles per range; 1 where the output tiles
     alone fill half the slots."""
     tiles, slots = output_tiles(cfg, m, n), sms * cfg.occupancy // cfg.num_ctas
-    k_tiles = -(-k // layout.tile_k)
+    k_tiles = ceil_div(k, layout.tile_k)
     split = 1
     while (tiles * split * 2 <= slots and split * 2 <= MAX_SPLIT
            and k_tiles >= split * 2 * MIN_SPLIT_K_TILES):
@@ -376,7 +377,7 @@ def _decode_rows(words, scale_t, mult, layout: _wo.Layout, out16: torch.Tensor, 
     """out16 (rows, Kp) bf16 = the prepacked rows ``words`` (rows, k_tiles * WORDS) decoded, times 2^-E."""
     rows = words.shape[0]
     k_tiles = words.shape[1] // layout.words_per_tile
-    ct.launch(stream, (-(-rows // _wo.DEQUANT_TN) * k_tiles, 1, 1), _wo._dequantize_kernel,
+    ct.launch(stream, (ceil_div(rows, _wo.DEQUANT_TN) * k_tiles, 1, 1), _wo._dequantize_kernel,
               (words, scale_t, out16, mult, layout.element, int(layout.scale == "e8m0"), layout.block,
                layout.planes, layout.group, _wo.DEQUANT_TN))
 
@@ -484,7 +485,7 @@ def overlap_gemm(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, co
     capture at the fork). On the CPU (the emulator) the same steps run in order, without streams."""
     n = words.shape[0]
     rows = min(chunk, n)
-    chunks = -(-n // rows)
+    chunks = ceil_div(n, rows)
     k_tiles = words.shape[1] // layout.words_per_tile
     kp = k_tiles * layout.tile_k
     mult = constants[1:2]

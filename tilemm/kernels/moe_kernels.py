@@ -34,6 +34,7 @@ import torch
 
 import cuda.tile.compilation as cc
 
+from ..numerics import ceil_div
 from ._aot import AotVariant, array
 from ._common import hinted, num_sms, sm90_hints, stream_handle
 from .weight_only_kernels import LAYOUTS, Layout, _X_PARTS, _f32_halves, _k_tile, _multipliers, _scaled_plane
@@ -412,7 +413,7 @@ def plan(tokens: int, top_k: int, num_experts: int, layout: Layout) -> MoEConfig
     (``benchmarks/results/moe-sorted-tune-*``). Not taken, worth measuring: a K split for few active
     experts; vLLM-style padded TM-row tiles (``moe_align_block_size``)."""
     pairs = tokens * top_k
-    mean = -(-pairs // max(1, min(pairs, num_experts)))
+    mean = ceil_div(pairs, max(1, min(pairs, num_experts)))
     if mean > 128:
         return _config(128, layout)
     return _config(next((t for t in _TILE_M[:-1] if t >= mean), 64), layout)
@@ -427,7 +428,7 @@ def chunk_groups(tokens: int, tile_m: int) -> int:
     every one of the T = ``tokens`` tokens runs at most ceil(T / (TM * G)) chunks in a row, at most
     ``MAX_CHUNK_GROUPS``; 1 while T <= TM. Fixed by the shapes; the kernel takes G = the smaller of
     this and the busiest expert's chunks, read on the device."""
-    return max(1, min(MAX_CHUNK_GROUPS, -(-tokens // tile_m)))
+    return max(1, min(MAX_CHUNK_GROUPS, ceil_div(tokens, tile_m)))
 
 
 _ZERO_BIAS: dict = {}
@@ -467,7 +468,7 @@ def launch(xs: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constan
     if bias is None:
         bias = zero_bias(num_experts, n, xs.device)
     groups = chunk_groups(tokens, cfg.tile_m)
-    items = slot_expert.shape[0] * groups * -(-n // cfg.tile_n)
+    items = slot_expert.shape[0] * groups * ceil_div(n, cfg.tile_n)
     if blocks is None:
         blocks = grid_blocks(items, cfg, out.device)
     stream = stream_handle(out.device)
@@ -535,7 +536,7 @@ def combine_pays(tokens: int, n: int, sms: int) -> bool:
     (token, N tile), each running the token's k experts one after another): only while those blocks
     alone give at least 1.5 per SM; with fewer, the per-pair blocks (k times as many) and a batched
     GEMM for the sum keep more weight loads in flight (``benchmarks/results/moe-layers-*``)."""
-    return 2 * tokens * -(-n // PairsConfig(1).tile_n) >= 3 * sms
+    return 2 * tokens * ceil_div(n, PairsConfig(1).tile_n) >= 3 * sms
 
 
 @functools.lru_cache(maxsize=256)  # one config object per (K, layout): its kernel is looked up once
@@ -543,9 +544,9 @@ def pairs_plan(k: int, layout: Layout) -> PairsConfig:
     """K tiles per load: the most of 8, 4, 2 (8: 16 KB of a 16-row block's weight in flight) whose last
     load wastes at most an eighth of the K tiles on zero padding (this kernel is bound by its decode
     instructions at one token, so padded tiles cost: gpt-oss's K = 2880, 12 K tiles, takes 4), else 2."""
-    k_tiles = -(-k // layout.tile_k)
+    k_tiles = ceil_div(k, layout.tile_k)
     for unroll in (8, 4, 2):
-        if unroll <= k_tiles and 8 * (-(-k_tiles // unroll) * unroll - k_tiles) <= k_tiles:
+        if unroll <= k_tiles and 8 * (ceil_div(k_tiles, unroll) * unroll - k_tiles) <= k_tiles:
             return PairsConfig(unroll)
     return PairsConfig(2)
 
@@ -576,7 +577,7 @@ class PreparedPairs:
         if bias is None:
             bias = zero_bias(num_experts, n, words.device)
         self.kernel = cfg.kernel
-        self.grid = (rows * -(-n // cfg.tile_n), 1, 1)
+        self.grid = (rows * ceil_div(n, cfg.tile_n), 1, 1)
         self.words, self.scale_t = words, scale_t
         self.rest = (constants, constants[0, 1:2], bias)
         self.consts = _pairs_constants(layout, cfg, act, combine)

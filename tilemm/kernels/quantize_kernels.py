@@ -38,6 +38,7 @@ from swizzle import swizzled_shape
 
 from .._arch import capability, gpu_code, has_kernels
 from ..formats import E2M1, E4M3, E5M2, ELEMENT_CODES, FP8_BLOCK, FP8_E4M3, NVFP4, Format
+from ..numerics import ceil_div
 from . import _large
 from ._aot import TARGETS, AotVariant, array
 from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, Described, e2m1_to_fp32, e8m0_to_fp32, hinted, num_sms,
@@ -1027,8 +1028,8 @@ def _rows_flattened(op: _Operand) -> _Operand:
 def _grid(batch: int, rows: int, k: int, cfg: QuantizeConfig, swizzle: bool = False) -> tuple[int, int, int]:
     """One block per tile; swizzled scales also need the tiles of the rows padding R to 128."""
     if swizzle:
-        rows = -(-rows // SWIZZLE_ROWS) * SWIZZLE_ROWS
-    return (batch * -(-rows // cfg.tile_r) * -(-k // cfg.tile_k), 1, 1)
+        rows = ceil_div(rows, SWIZZLE_ROWS) * SWIZZLE_ROWS
+    return (batch * ceil_div(rows, cfg.tile_r) * ceil_div(k, cfg.tile_k), 1, 1)
 
 
 _RECORDS = threading.local()
@@ -1181,7 +1182,7 @@ def tensor_amax(x: torch.Tensor, propagate_nan: bool) -> torch.Tensor:
     storage = _Operand(view, view.shape[0], view.shape[1], view.shape[2], False, op.lead)
     views = [v for v, in _pieces("tensor amax", storage, cfg.tile_r, cfg.tile_k, (("x", view, _BRK),))]
     share = AMAX_PARTIALS // len(views)
-    blocks = [min(v.shape[0] * -(-v.shape[1] // cfg.tile_r) * -(-v.shape[2] // cfg.tile_k),
+    blocks = [min(v.shape[0] * ceil_div(v.shape[1], cfg.tile_r) * ceil_div(v.shape[2], cfg.tile_k),
                   num_sms(x.device) * AMAX_BLOCKS_PER_SM, share) for v in views]
     partial = _buffer((sum(blocks),), torch.int32, x.device)
     start = 0
@@ -1195,7 +1196,7 @@ def tensor_amax(x: torch.Tensor, propagate_nan: bool) -> torch.Tensor:
 def amax_slots(rows: int, k: int) -> int:
     """The tiles of ``AMAX_CONFIG`` over a (rows, k) activation: the fewest slots (blocks) that
     ``tile_amax`` may fill for it."""
-    return -(-rows // AMAX_CONFIG.tile_r) * -(-k // AMAX_CONFIG.tile_k)
+    return ceil_div(rows, AMAX_CONFIG.tile_r) * ceil_div(k, AMAX_CONFIG.tile_k)
 
 
 def tile_amax(x: torch.Tensor, slots: int, stream) -> torch.Tensor:
@@ -1350,7 +1351,7 @@ class FakeQuant:
         m, k = x.shape
         cfg = self.config
         out, alpha_out = self._outputs(x, stream)
-        blocks = -(-m // cfg.tile_r) * -(-k // cfg.tile_k)
+        blocks = ceil_div(m, cfg.tile_r) * ceil_div(k, cfg.tile_k)
         grid_amax = self.nv and blocks <= self._sms and amax is None
         if not self.nv:
             amax = self._stub_i32
@@ -1410,9 +1411,9 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
                             (("x", op.view, _BKR), ("data", data, _BRK), ("scale", scale, row_scale),
                              ("amax", amax, ((0, 0, 1), (1, 1, 1)))))
             for view, _, _, a in views:
-                k_tiles = -(-view.shape[1] // acfg.tile_k)
-                chunks = -(-k_tiles // ROW_AMAX_CHUNK)
-                _launch_kernel(x.device, (view.shape[0] * -(-view.shape[2] // acfg.tile_r) * chunks, 1, 1),
+                k_tiles = ceil_div(view.shape[1], acfg.tile_k)
+                chunks = ceil_div(k_tiles, ROW_AMAX_CHUNK)
+                _launch_kernel(x.device, (view.shape[0] * ceil_div(view.shape[2], acfg.tile_r) * chunks, 1, 1),
                                _kernel(_column_amax_kernel, acfg),
                                (view, a, ROW_AMAX_CHUNK, acfg.tile_r, acfg.tile_k))
             for view, d, s, a in views:
@@ -1423,7 +1424,7 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
             tma = _row_tma_store(cfg, _target(x.device))
             for view, d, s in _pieces("quantize_fp8", op, cfg.tile_r, op.k,
                                       (("x", op.view, _BRK), ("data", data, _BRK), ("scale", scale, row_scale))):
-                _launch_kernel(x.device, (view.shape[0] * -(-view.shape[1] // cfg.tile_r), 1, 1),
+                _launch_kernel(x.device, (view.shape[0] * ceil_div(view.shape[1], cfg.tile_r), 1, 1),
                                _kernel(_fp8_row_kernel, cfg),
                                (view, d, s, element, tma, cfg.tile_r, cfg.tile_k))
         return _shaped(full, x, data, scale, False)
@@ -1439,7 +1440,7 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
         scale_dims = amax_dims = ((0, 0, 1), (1, 1, 1), (2, 2, FP8_BLOCK))
     else:
         op = full
-        scale = torch.empty(op.batch, -(-op.rows // FP8_BLOCK), op.k // FP8_BLOCK, dtype=torch.float32,
+        scale = torch.empty(op.batch, ceil_div(op.rows, FP8_BLOCK), op.k // FP8_BLOCK, dtype=torch.float32,
                             device=x.device)
         amax = scale
         gran = _FP8_128X128

@@ -33,6 +33,7 @@ import cuda.tile as ct
 import torch
 
 from ..formats import E2M1, E4M3, E5M2
+from ..numerics import ceil_div
 from ._aot import AotVariant, array
 from ._common import Described, hinted, sm90_hints
 
@@ -442,7 +443,7 @@ def dequantize(words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tens
     n = words.shape[0]
     k_tiles = words.shape[1] // layout.words_per_tile
     out = torch.empty((n, k_tiles * layout.tile_k), dtype=torch.bfloat16, device=words.device)
-    ct.launch(torch.cuda.current_stream(words.device), (-(-n // DEQUANT_TN) * k_tiles, 1, 1),
+    ct.launch(torch.cuda.current_stream(words.device), (ceil_div(n, DEQUANT_TN) * k_tiles, 1, 1),
               _dequantize_kernel, (words, scale_t, out, constants[1:2], layout.element,
                                    int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
                                    DEQUANT_TN))
@@ -533,10 +534,10 @@ def _gemv(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig:
     """The FMA kernel's config: 16-row blocks, a K split only while the output tiles alone give fewer
     blocks than SMs (each split at least one load)."""
     tile_n, warps, occupancy = _GEMV_SHAPE
-    k_tiles = -(-k // layout.tile_k)
+    k_tiles = ceil_div(k, layout.tile_k)
     unroll = next(u for u in _GEMV_UNROLL if u <= k_tiles or u == _GEMV_UNROLL[-1])
-    groups = -(-k_tiles // unroll)
-    tiles = -(-n // tile_n)
+    groups = ceil_div(k_tiles, unroll)
+    tiles = ceil_div(n, tile_n)
     split = 1
     while tiles * split < sms and split * 2 <= _SPLITS[-1] and groups >= split * 2:
         split *= 2
@@ -563,10 +564,10 @@ def _stacked(m: int, n: int, layout: Layout, sms: int) -> WeightOnlyConfig | Non
         return None
     tile_m = 8 if m <= 8 else 16
     wide, narrow = _STACKED[tile_m]
-    tiles = -(-n // 32)
+    tiles = ceil_div(n, 32)
     if tiles < sms:
         tile_n, stack, warps, occupancy = narrow
-        if 10 * -(-n // tile_n) < 9 * sms or (tile_m == 16 and layout.scale == "e4m3"):
+        if 10 * ceil_div(n, tile_n) < 9 * sms or (tile_m == 16 and layout.scale == "e4m3"):
             return None
     elif tiles <= wide[3] * sms or (tile_m == 8 and tiles >= 2 * wide[3] * sms):
         tile_n, stack, warps, occupancy = wide
@@ -590,9 +591,9 @@ def _one_row_mma(n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig:
     the wide ones (32 weight rows as 64 MMA rows) where they give a block per SM, else the narrow ones
     (16 rows), and a K split while the blocks are fewer than the SMs (each split at least 2 stacks)."""
     wide, narrow = _STACKED[8]
-    tile_n, stack, warps, occupancy = wide if -(-n // wide[0]) >= sms else narrow
-    stacks = -(-(-(-k // layout.tile_k)) // stack)
-    tiles = -(-n // tile_n)
+    tile_n, stack, warps, occupancy = wide if ceil_div(n, wide[0]) >= sms else narrow
+    stacks = ceil_div(ceil_div(k, layout.tile_k), stack)
+    tiles = ceil_div(n, tile_n)
     split = 1
     while tiles * split < sms and split * 2 <= _SPLITS[-1] and stacks >= split * 2 * 2:
         split *= 2
@@ -622,8 +623,8 @@ def plan(m: int, n: int, k: int, layout: Layout, sms: int = 132, m1_kernel: str 
         return stacked
     tile_m = next((t for t in _TILE_M if t >= m), _TILE_M[-1])
     tile_n, warps, occupancy = _SHAPE[tile_m]
-    tiles = -(-m // tile_m) * -(-n // tile_n)
-    k_tiles = -(-k // layout.tile_k)
+    tiles = ceil_div(m, tile_m) * ceil_div(n, tile_n)
+    k_tiles = ceil_div(k, layout.tile_k)
     if 2 * tiles >= 3 * sms or (tile_m == 64 and 10 * tiles >= 9 * sms):
         return _unsplit(tile_m, layout)
     split = 1
@@ -659,7 +660,7 @@ class Prepared:
                  n: int | None = None):
         self.m, self.n = m, words.shape[0] if n is None else n
         self.split = cfg.split_k
-        self.tiles = -(-m // cfg.tile_m) * -(-self.n // cfg.tile_n)
+        self.tiles = ceil_div(m, cfg.tile_m) * ceil_div(self.n, cfg.tile_n)
         self.grid = (cfg.split_k * self.tiles, 1, 1)
         self.kernel = cfg.kernel
         wrap = Described if keep_workspace and words.is_cuda else (lambda t: t)

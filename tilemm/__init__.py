@@ -30,7 +30,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # tilemm.parallel imports torch.distributed.tensor (about 0.4 s), so it loads on first use.
+    # tilemm.parallel imports torch.distributed.tensor, slow to import and unused by single-GPU code,
+    # so it loads on first use.
     if name in ("parallel", "shard_linear"):
         import importlib
 

@@ -20,7 +20,7 @@ its row or column NaN. A shared weight (Bb == 1) folds the batch into M where th
 
 Configs (``_CONFIGS``, a table per compute capability: ``_arch.table_for_capability``; ``plan`` picks one)
 were chosen without a Blackwell GPU; ``Prepared`` plans a signature once, ``launch`` is one prepared call. Design notes:
-benchmarks/results/hopper-design-nvidia-h100-80gb-hbm3.md ("blackwell_block_scaled").
+benchmarks/results/matmul-hopper-design-nvidia-h100-80gb-hbm3.md ("blackwell_block_scaled").
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Blackwell's tensor cores accumulate FP8 products in full fp32, so ``use_fast_acc
 changes nothing here. Scales are applied in fp32 after the products are summed: the result differs
 from "dequantize, then multiply" by fp32 rounding only. Configs (``_CONFIGS``: 128x128x128, and on
 sm_100 256x256x128 on a 2-CTA cluster for large problems; sm_120 with 8 worker warps) were chosen
-without a Blackwell GPU; the reasons are in benchmarks/results/hopper-design-nvidia-h100-80gb-hbm3.md.
+without a Blackwell GPU; the reasons are in benchmarks/results/matmul-hopper-design-nvidia-h100-80gb-hbm3.md.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ K padding loads as zero data with finite scales and adds exactly 0; scale byte 2
 makes its row or column NaN; scale rows past M / N reach only accumulators that are never stored.
 MXFP8 elements below 2^-133 are lost (bf16's range), where the fp32 reference keeps them.
 ``Prepared`` plans a signature once and launches it; ``launch`` is one prepared call. Design notes
-and measurements: benchmarks/results/hopper-design-nvidia-h100-80gb-hbm3.md.
+and measurements: benchmarks/results/matmul-hopper-design-nvidia-h100-80gb-hbm3.md.
 """
 
 from __future__ import annotations

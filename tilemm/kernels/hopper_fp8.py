@@ -18,7 +18,7 @@ Accumulation: ``use_fast_acc=False`` by default keeps a second fp32 accumulator 
 core's (as ``torch._scaled_mm``'s default); ``use_fast_accum=True`` skips it. Either way Hopper's FP8
 tensor cores add each k-step's products with reduced precision before the fp32 accumulator, so this
 path does not meet docs/numerics.md's fp32-output bound (the one documented exception there); the
-measured errors are in benchmarks/results/hopper-design-nvidia-h100-80gb-hbm3.md.
+measured errors are in benchmarks/results/matmul-hopper-design-nvidia-h100-80gb-hbm3.md.
 """
 
 from __future__ import annotations
@@ -111,8 +111,10 @@ def _kind(granularity: str) -> str:
 
 
 #: Below this share of SMs busy over all waves, the large tile gives way to the small one (if that
-#: fills the waves better): at 1024 x 14336 x 4096 the 128x128 tile (97 % of 7 waves busy) beat the
-#: 128x256 one (85 % of 3.4 waves); the other benchmark shapes keep the large tile.
+#: fills the waves better): with few tiles, the large tile's partial last wave leaves SMs idle. Of the
+#: benchmark shapes only 1024 x 14336 x 4096 falls below it, and there the 128x128 tile beat the
+#: 128x256 one (``benchmarks/results/matmul-hopper-design-nvidia-h100-80gb-hbm3.md``, "hopper_fp8:
+#: wave fill").
 _MIN_WAVE_FILL = 0.9
 
 

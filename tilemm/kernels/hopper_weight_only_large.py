@@ -21,7 +21,7 @@ sweep, which also times ``VARIANTS``. What sm_90
 compiles of the fused kernel show (tileiras 13.4): every ``ct.mma`` ends in a wait for all its wgmmas,
 so a warpgroup's decode never overlaps its own MMA, only other warpgroups'; instructions per weight
 element per config: ``benchmarks/decode_cost.py --large``; the findings and figures:
-``benchmarks/results/weight-only-large-sass-nvidia-h100-80gb-hbm3.md``.
+``benchmarks/results/decode-cost-large-sm90.md``.
 """
 
 from __future__ import annotations
@@ -264,40 +264,30 @@ _MID_8 = LargeConfig("fused", 128, 128, cat=1)
 _WIDE_8 = LargeConfig("fused", 256, 128)
 
 #: The plan's rules per weight family ("4bit": MXFP4 / NVFP4, "8bit": MXFP8), fitted to the H100
-#: sweep (``benchmarks/results/tune-weight-only-large-*.txt``, every per-shape figure), whose
-#: per-shape winners they reproduce from M, K and tile counts instead of a table of shapes:
+#: sweep (``benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt``, every per-shape
+#: figure), whose per-shape winners they reproduce from M, K and tile counts instead of a table of shapes:
 #:
-#: * The decode design wins from M = 2048 on everywhere (0.84-0.96x bf16, the fused kernels 0.54-0.86),
-#:   and at every M on the GQA k / v projection (1024x4096: 8 MiB of bf16 weight, L2-resident between
-#:   the two passes; 0.70-0.92 against at most 0.65 for any kernel reading the packed weight).
-#: * M = 64: the small-M plan (4-bit 1.05-1.75, 8-bit 0.67-1.34) except where it splits K into
-#:   pieces under 3072 elements (6144x4096: two of 2048; 4-bit 0.78 against 0.88 for 64x128 tiles at
-#:   two blocks per SM, 8-bit 0.54 against 0.65 for 128x128 cat; 4096x14336 keeps it with four
-#:   pieces of 3584: 1.05 against 0.65).
-#: * 4-bit, 128 <= M < 2048: 128x128 tiles from 0.7 tiles per SM (0.63-1.40), else 64x128 tiles at
-#:   two per SM from 0.7 per SM (0.70-1.11 where 128x128 tiles fill half the SMs: 0.56-0.91), else the
-#:   small-M plan with its K split (4096x14336, M = 128: 0.74).
+#: * The decode design wins from M = 2048 on everywhere, and at every M on the GQA k / v projection
+#:   (1024x4096: 8 MiB of bf16 weight, L2-resident between the two passes), ahead of every kernel that
+#:   reads the packed weight.
+#: * M = 64: the small-M plan, except where it splits K into pieces under 3072 elements (6144x4096: two
+#:   of 2048, where 64x128 tiles at two blocks per SM (4-bit) or 128x128 cat (8-bit) beat it; 4096x14336
+#:   keeps it with four pieces of 3584).
+#: * 4-bit, 128 <= M < 2048: 128x128 tiles from 0.7 tiles per SM, else 64x128 tiles at two per SM
+#:   from 0.7 per SM (where 128x128 tiles fill only half the SMs), else the small-M plan with its K
+#:   split (4096x14336, M = 128).
 #: * 8-bit: one MMA per K tile (cat) for 128x128 tiles from 0.25 per SM (the small-M plan at M >= 128
-#:   has no cat: 0.45-0.50 where cat reaches 0.51-0.66); 256 rows of x from 0.7 tiles per SM at
-#:   M >= 256 (0.70-0.91, cat 0.60-0.86), unless cat's 128-row tiles fill their last wave better by
-#:   more than 0.15 (6144x4096, M = 1024: 192 tiles of 256 rows fill 0.73 of two waves, 384 of 128
-#:   rows 0.97 of three; cat 0.74 against 0.66).
+#:   has no cat, and loses to it); 256 rows of x from 0.7 tiles per SM at M >= 256, unless cat's
+#:   128-row tiles fill their last wave better by more than 0.15 (6144x4096, M = 1024: 192 tiles of 256
+#:   rows fill 0.73 of two waves, 384 of 128 rows 0.97 of three, and cat wins).
 #:
-#: What the rules reach on that sweep (``python benchmarks/investigations/plan_rule_check.py
-#: benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt``): geomean over the five
-#: shapes of the picked candidate's measured speed-up over bf16, against the per-shape best
-#: candidate, one candidate per (family, M) chosen by geomean (the table the sweep printed before
-#: these rules), and the plan the sweep timed (decode + cuBLAS from M = 512):
-#:
-#:   M                      64    128   256   512   1024  2048  4096
-#:   4-bit rules           1.09  0.93  0.81  0.75  0.79  0.86  0.94
-#:   4-bit per-shape best  1.09  0.94  0.81  0.75  0.79  0.87  0.95
-#:   4-bit per (family, M) 1.05  0.81  0.69  0.69  0.76  0.86  0.94
-#:   4-bit plan before     1.05  0.71  0.68  0.63  0.76  0.86  0.94
-#:   8-bit rules           0.84  0.75  0.75  0.77  0.80  0.84  0.92
-#:   8-bit per-shape best  0.84  0.75  0.76  0.77  0.81  0.85  0.92
-#:   8-bit per (family, M) 0.76  0.65  0.65  0.64  0.74  0.84  0.92
-#:   8-bit plan before     0.77  0.58  0.61  0.60  0.74  0.84  0.92
+#: What the rules reach on that sweep, per family and M (geomean over the five shapes of the picked
+#: candidate's speed-up over bf16, against the per-shape best candidate, one candidate per (family, M)
+#: chosen by geomean (the table the sweep printed before these rules), and the plan the sweep timed:
+#: decode + cuBLAS from M = 512), is what ``python benchmarks/investigations/plan_rule_check.py
+#: benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt`` prints: close to the per-shape
+#: best at every M, and never below either of the other two. The sweep rerun with the rules wired:
+#: ``benchmarks/results/tune-weight-only-large-rules-nvidia-h100-80gb-hbm3.txt``.
 #:
 #: ``tests/test_weight_only_large.py`` checks the picks on those shapes.
 RULES = {
@@ -565,16 +555,16 @@ def _configs(layout_name: str | None = None) -> list[LargeConfig]:
 
 #: Fused configs the sweep times (besides the decode designs); every one compiles ahead of time
 #: under ``aot_full``.
-#: What sm_90 compiles say (tileiras 13.4, MXFP4; registers, spill stack, shared memory, main-loop
-#: SASS per weight element; ``benchmarks/results/weight-only-designs-*.md``): 128x128 with one MMA per
-#: K tile (cat) 168 / 0 / 164 KB / 3.22 (NVFP4 3.85, MXFP8 4.30); one MMA per plane 3.64; 256 rows of
-#: x 250 / 0 / 146 KB / 4.41 (per element it decodes, which then feeds twice the columns; with cat it
-#: spills); 256 weight rows spill, so no candidate has them; 64 rows of x at occupancy 2: 80 / 0 /
-#: 100 KB / 4.20. The latency hints change nothing for 4-bit weights and remove MXFP8's small spill
-#: without cat. On the H100 (``benchmarks/results/tune-weight-only-large-*.txt``) the latency hints
-#: (4 / 2) and GROUP_SIZE_M 16 for 256 rows of x measured within 0.01 of the same configs without
-#: them on every shape, so the sweep no longer times them; which family times which config:
-#: ``SWEEP``.
+#: What sm_90 compiles say (tileiras 13.4; registers, spill stack, shared memory and main-loop SASS
+#: per weight element of each config and format, in the compile table of
+#: ``benchmarks/results/tune-weight-only-designs-nvidia-h100-80gb-hbm3.md``): of the 128x128 configs,
+#: one MMA per K tile (cat) issues the fewest instructions per element; 256 rows of x issue more per
+#: element decoded, which then feeds twice the columns (with cat they spill); 256 weight rows spill,
+#: so no candidate has them; 64 rows of x fit two blocks per SM. The latency hints change nothing for
+#: 4-bit weights and remove MXFP8's small spill without cat. On the H100
+#: (``benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt``) the latency hints (4 / 2)
+#: and GROUP_SIZE_M 16 for 256 rows of x gained nothing over the same configs without them on any
+#: shape, so the sweep no longer times them; which family times which config: ``SWEEP``.
 CANDIDATES = (
     LargeConfig("fused", 128, 128, cat=1),
     LargeConfig("fused", 128, 128),
@@ -584,9 +574,10 @@ CANDIDATES = (
 
 #: The designs ``benchmarks/investigations/tune_weight_only_large.py`` times per weight family besides the small-M
 #: plan and the old two-pass path: the fused configs the family's rules can pick (on the first H100
-#: sweep 4-bit weights lost 0.1-0.5x bf16 with cat or 256 rows of x, 8-bit weights never won with
-#: 128x128 tiles without cat or 64 rows of x), the whole weight decoded for cuBLAS, and the
-#: overlapped design in chunks of 1024 and 2048 weight rows (timed from M = 256).
+#: sweep, ``benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt``, 4-bit weights ran
+#: slower with cat or 256 rows of x than without, and 8-bit weights never won with 128x128 tiles without cat or 64
+#: rows of x), the whole weight decoded for cuBLAS, and the overlapped design in chunks of 1024 and
+#: 2048 weight rows (timed from M = 256).
 SWEEP = {
     "4bit": (CANDIDATES[1], CANDIDATES[3], LargeConfig("decode", chunk=0), LargeConfig("overlap", chunk=1024),
              LargeConfig("overlap", chunk=2048)),
@@ -605,7 +596,7 @@ SWEEP = {
 #: tile by TMA multicast (half the x bytes from L2 per weight byte; at M >= 128 x's bytes exceed the
 #: 4-bit weight's); one MMA per K tile (``cat``) for 4-bit weights. (The K split of 64 rows of x at two
 #: blocks per SM did not finish compiling for sm_90 in 10 minutes: not here.) Instructions per
-#: element of each: ``benchmarks/results/weight-only-large-sass-nvidia-h100-80gb-hbm3.md``.
+#: element of each: ``benchmarks/results/decode-cost-large-sm90.md``.
 VARIANTS = {
     "4bit": ((LargeConfig("fused", 128, 128), True, 64, 256),
              (LargeConfig("fused", 128, 128, cat=1), True, 64, 256),

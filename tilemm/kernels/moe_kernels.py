@@ -410,7 +410,7 @@ def plan(tokens: int, top_k: int, num_experts: int, layout: Layout) -> MoEConfig
     tokens per active expert, T * k / min(T * k, E) (a balanced routing then takes one chunk per
     expert), and 128 only above a mean of 128: at a mean of 128 (gpt-oss-20b, T = 1024) two 64-row
     chunks per expert ran faster than one 128-row chunk, under uniform and skewed routing
-    (``benchmarks/results/moe-sorted-tune-*``). Not taken, worth measuring: a K split for few active
+    (``benchmarks/results/moe-pairs-tune-sorted-*``). Not taken, worth measuring: a K split for few active
     experts; vLLM-style padded TM-row tiles (``moe_align_block_size``)."""
     pairs = tokens * top_k
     mean = ceil_div(pairs, max(1, min(pairs, num_experts)))

@@ -559,7 +559,7 @@ def _stacked(m: int, n: int, layout: Layout, sms: int) -> WeightOnlyConfig | Non
     least two; in between (N = 14336 at 132 SMs), the 64-row blocks without a split lose less to the
     last partial wave. Below 32 rows per SM the narrow blocks take over while they still give about
     one block per SM, except NVFP4 at tile_m 16, whose narrow blocks ran slower than the K split
-    (``benchmarks/results/weight-only-designs-*.md``)."""
+    (``benchmarks/results/tune-weight-only-designs-*.md``)."""
     if not 1 < m <= _SMALL_M:
         return None
     tile_m = 8 if m <= 8 else 16
@@ -608,7 +608,7 @@ def plan(m: int, n: int, k: int, layout: Layout, sms: int = 132, m1_kernel: str 
     else the largest power of two (each split at least 2 K tiles) that keeps the grid within the
     blocks the GPU holds at once, loading two K tiles at a time at small M.
     ``benchmarks/investigations/tune_weight_only.py`` measures the alternatives (results:
-    ``benchmarks/results/weight-only-designs-nvidia-h100-80gb-hbm3.md``). Up to ``GEMV_M`` rows: the
+    ``benchmarks/results/tune-weight-only-designs-nvidia-h100-80gb-hbm3.md``). Up to ``GEMV_M`` rows: the
     FMA kernel (``_gemv``), or with ``m1_kernel`` "mma" (default ``M1_KERNEL``) and one row, the MMA
     kernel (``_one_row_mma``); from 2 to 16 rows, where they pay, stacked K tiles (``_stacked``)."""
     m1_kernel = M1_KERNEL if m1_kernel is None else m1_kernel

@@ -17,19 +17,6 @@ def test_sources_found():
     assert {"quantize.py", "README.md", "numerics.md", "01_formats.ipynb"} <= names
 
 
-# Results files renamed into benchmarks/_results.py's naming scheme, old name -> new (in benchmarks/results/).
-# A source that still cites an old name is a known failure naming both until its citation is updated (the
-# new file must exist); any other missing file still fails.
-RENAMED = {
-    "hopper-design-nvidia-h100-80gb-hbm3.md": "matmul-hopper-design-nvidia-h100-80gb-hbm3.md",
-    "weight-only-designs-nvidia-h100-80gb-hbm3.md": "tune-weight-only-designs-nvidia-h100-80gb-hbm3.md",
-    "weight-only-large-sass-nvidia-h100-80gb-hbm3.md": "decode-cost-large-sm90.md",
-    "moe-pairs-sass-sm90.txt": "decode-cost-moe-pairs-sm90.txt",
-    "moe-sorted-tune-nvidia-h100-80gb-hbm3.txt": "moe-pairs-tune-sorted-nvidia-h100-80gb-hbm3.txt",
-}
-RENAMED_PATTERNS = {"weight-only-designs-": "tune-weight-only-designs-", "moe-sorted-tune-": "moe-pairs-tune-sorted-"}
-
-
 def _source_param(path):
     return pytest.param(path, id=str(path.relative_to(ROOT)))
 
@@ -42,18 +29,8 @@ def test_cited_documents_exist(path):
     for cited in set(re.findall(r"\bdocs/[\w./-]+\.md\b", text)):
         assert (ROOT / cited).is_file(), f"{path.name} cites {cited}, which does not exist"
     # A benchmark script or results file named by its path (patterns such as ``<gpu>`` or ``*`` aside).
-    stale = []
     for cited in sorted(set(re.findall(r"\bbenchmarks/[\w./-]+\.(?:py|sh|md|json|txt|png|log)\b", text))):
-        old = cited.removeprefix("benchmarks/results/")
-        if old in RENAMED:
-            assert (ROOT / "benchmarks" / "results" / RENAMED[old]).is_file(), RENAMED[old]
-            stale.append(f"{old} -> {RENAMED[old]}")
-            continue
         assert (ROOT / cited).is_file(), f"{path.name} cites {cited}, which does not exist"
-    stale += [f"{old}* -> {new}*" for old, new in RENAMED_PATTERNS.items()
-              if re.search(r"\bbenchmarks/results/" + re.escape(old) + r"\*", text)]
-    if stale:
-        pytest.xfail(f"{path.relative_to(ROOT)} cites renamed results files in benchmarks/results/: " + "; ".join(stale))
 
 
 def _readme_python_blocks():

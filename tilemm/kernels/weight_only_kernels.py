@@ -298,7 +298,7 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
         # From tile_m 64 on (unstacked), the first K tile outside the loop: a loop that starts from
         # zeros makes tileiras 13.4 select between the accumulator and a copy of it on every iteration
         # (FSEL + IMAD.MOV per accumulator register; the SASS counts are in
-        # ``benchmarks/results/weight-only-designs-nvidia-h100-80gb-hbm3.md``). The peeled loads
+        # ``benchmarks/results/tune-weight-only-designs-nvidia-h100-80gb-hbm3.md``). The peeled loads
         # take shared memory of their own, which the smaller blocks (3-4 per SM) cannot spare.
         acc = ct.zeros((TN * STACK, TM * STACK), ct.float32)
         first = k_begin

@@ -265,17 +265,6 @@ GRAPH_CHECK_KEYS = ("tokens_match_eager", "graph_matches_eager", "first_step_log
                     "logits_max_diff_at_first_difference")
 
 
-def _snapshot(dec: Decoder) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(tensor, copy) for the decoder's step state: input ids, position, and the cache's counters."""
-    live = [dec.ids, dec.pos] + [getattr(holder, name) for holder, name, _ in dec.counters]
-    return [(t, t.clone()) for t in live]
-
-
-def _restore(saved) -> None:
-    for t, copy in saved:
-        t.copy_(copy)
-
-
 def graph_vs_eager(dec: Decoder, graph, graph_logits: torch.Tensor, graph_tokens: torch.Tensor,
                    eager_tokens: torch.Tensor) -> dict:
     """Whether the CUDA graph decodes what the eager loop decodes, up to near-ties (untimed).
@@ -285,12 +274,13 @@ def graph_vs_eager(dec: Decoder, graph, graph_logits: torch.Tensor, graph_tokens
     may run other kernels than the eager calls (another summation order), so its logits differ from
     the eager ones by rounding, and with random weights the top two logits are often nearly tied (bf16
     logits of 4 to 8 are multiples of 2^-5): such a token may flip, and the two sequences diverge from
-    there. So the eager loop is rerun up to the first step where the tokens differ; at that step, from
-    the same state (the eager history), one eager step and one graph replay give ``noise``, the
-    largest difference of their logits, and the flip counts as a near-tie only if the eager top-two
-    margin there is at most 4x ``noise``. ``first_step_logits_max_diff`` is the same difference at the
-    first step. ``graph_matches_eager`` is False for a flip at a decisive step, or for logits that
-    differ by more than 5 % of their range."""
+    there. Equal tokens do not make equal states: each loop's KV cache holds its own rounding, so the
+    two trajectories' logits drift apart step by step. So both loops are rerun up to the first step
+    where the tokens differ; there the largest difference of their logits (each from its own history)
+    is ``noise``, and the flip counts as a near-tie only if the eager top-two margin there is at most
+    4x ``noise``. ``first_step_logits_max_diff`` is the same difference at the first step.
+    ``graph_matches_eager`` is False for a flip at a decisive step, or for logits that differ by more
+    than 5 % of their range."""
     dec.reset()
     dec.step()
     eager0 = dec.last[:, -1].float().clone()
@@ -306,13 +296,12 @@ def graph_vs_eager(dec: Decoder, graph, graph_logits: torch.Tensor, graph_tokens
     ok = noise0 <= 0.05 * max(scale, 1e-30)
     if first is not None:
         dec.reset()
-        for _ in range(first):
+        for _ in range(first + 1):  # the eager trajectory up to the flip
             dec.step()
-        saved = _snapshot(dec)
-        dec.step()
         eager_logits = dec.last[:, -1].float().clone()
-        _restore(saved)  # the step's cache slot is written again before it is read
-        graph.replay()
+        dec.reset()
+        for _ in range(first + 1):  # the graph's own trajectory up to the flip
+            graph.replay()
         noise = (graph_logits[:, -1].float() - eager_logits).abs().max().item()
         top2 = eager_logits.topk(2, dim=-1).values
         rows = (graph_tokens[:, first] != eager_tokens[:, first])

@@ -337,6 +337,19 @@ def test_one_row_on_the_mma_kernel_matches_reference(emulated, fmt):
         assert_matches(out.float(), _reference(x, w_q, bias), torch.bfloat16)
 
 
+def test_layouts_read_their_format():
+    # The element code, scale block and scale encoding of each layout are its Format's; the decode's
+    # offset is bf16's exponent bias less the element's (e2m1 1, e4m3 7, e5m2 15).
+    fmts = (MXFP4, NVFP4, MXFP8_E4M3, MXFP8_E5M2)
+    assert list(wo.LAYOUTS) == [f.name for f in fmts]
+    for fmt, layout in zip(fmts, wo.LAYOUTS.values()):
+        assert layout.format is fmt and layout_of(fmt) is layout
+        assert (layout.element, layout.block, layout.scale_e8m0) == (fmt.element_code, fmt.block, int(fmt.is_mx))
+    assert [layout.offset for layout in wo.LAYOUTS.values()] == [126, 126, 120, 112]
+    with pytest.raises(TypeError, match="weight-only layouts exist for MXFP4, NVFP4 and MXFP8"):
+        layout_of(tilemm.formats.FP8_E4M3)
+
+
 def test_plan_one_row_mma():
     """m1_kernel "mma": one row of x on the MMA kernel, tile_m 8, 32-row blocks (stacks of 2) while
     they give a block per SM, else 16-row blocks (stacks of 4), a K split below one block per SM; the

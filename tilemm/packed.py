@@ -30,7 +30,7 @@ import torch
 
 import swizzle as _swizzle
 
-from .formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
+from .formats import Format
 from .kernels.weight_only_kernels import E2M1_FIELDS, LAYOUTS, Layout
 from .numerics import as_uint8, e2m1_decode, unpack_e2m1, pack_e2m1
 from .quantize import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
@@ -48,10 +48,10 @@ LAYOUT_VERSION = 2
 
 def layout_of(fmt: Format) -> Layout:
     """The prepacked layout for a weight format (MXFP4, NVFP4, MXFP8 e4m3 / e5m2)."""
-    key = {MXFP4: "mxfp4", NVFP4: "nvfp4", MXFP8_E4M3: "mxfp8_e4m3", MXFP8_E5M2: "mxfp8_e5m2"}.get(fmt)
-    if key is None:
+    layout = LAYOUTS.get(getattr(fmt, "name", None))
+    if layout is None or layout.format != fmt:
         raise TypeError(f"prepack: weight-only layouts exist for MXFP4, NVFP4 and MXFP8 weights, got {fmt}")
-    return LAYOUTS[key]
+    return layout
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -325,7 +325,7 @@ def plan(m: int, n: int, k: int, layout: _wo.Layout, rules: dict | None = None, 
 
 
 def _constants(layout: _wo.Layout, cfg: LargeConfig, x_parts: int) -> tuple:
-    return (layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
+    return (layout.element, layout.scale_e8m0, layout.block, layout.planes, layout.group,
             cfg.tile_m, cfg.tile_n, cfg.group_size_m, cfg.latency_w, cfg.latency_x, x_parts, cfg.cat,
             int(cfg.split_k > 1))
 
@@ -368,7 +368,7 @@ def _decode_rows(words, scale_t, mult, layout: _wo.Layout, out16: torch.Tensor, 
     rows = words.shape[0]
     k_tiles = words.shape[1] // layout.words_per_tile
     ct.launch(stream, (ceil_div(rows, _wo.DEQUANT_TN) * k_tiles, 1, 1), _wo._dequantize_kernel,
-              (words, scale_t, out16, mult, layout.element, int(layout.scale == "e8m0"), layout.block,
+              (words, scale_t, out16, mult, layout.element, layout.scale_e8m0, layout.block,
                layout.planes, layout.group, _wo.DEQUANT_TN))
 
 

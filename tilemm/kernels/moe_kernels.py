@@ -589,12 +589,12 @@ class PreparedPairs:
 
 
 def _pairs_constants(layout: Layout, cfg: PairsConfig, act: int, combine: int) -> tuple:
-    return (layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
+    return (layout.element, layout.scale_e8m0, layout.block, layout.planes, layout.group,
             cfg.tile_n, cfg.unroll, act, combine)
 
 
 def _constants(layout: Layout, cfg: MoEConfig, x_parts: int, act: int, sorted_out: int) -> tuple:
-    return (layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
+    return (layout.element, layout.scale_e8m0, layout.block, layout.planes, layout.group,
             cfg.tile_m, cfg.tile_n, x_parts, cfg.cat, act, sorted_out, cfg.unroll)
 
 

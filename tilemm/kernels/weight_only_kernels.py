@@ -32,7 +32,7 @@ import threading
 import cuda.tile as ct
 import torch
 
-from ..formats import E2M1, E4M3, E5M2
+from ..formats import E2M1, E4M3, E5M2, MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
 from ..numerics import ceil_div
 from ._aot import AotVariant, array
 from ._common import Described, hinted, sm90_hints
@@ -49,19 +49,40 @@ _ZERO = ct.PaddingMode.ZERO
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A prepacked weight layout: element code, scale block B, planes per K tile and blocks per plane G.
+    """A prepacked weight layout: the weight's ``format`` (which owns the element code, the scale block
+    B and the scale encoding) and the layout's own choices, planes per K tile and blocks per plane G.
 
     ``tile_k = planes * group * block`` elements make one K tile; a row of a tile is
     ``group * block / 2`` 32-bit words. ``offset`` is the power of two the element decode divides by.
-    ``scale`` is "e8m0" or "e4m3".
     """
 
-    element: int
-    block: int
+    format: Format
     planes: int
     group: int
-    offset: int
-    scale: str
+
+    @property
+    def element(self) -> int:
+        """The element code (the kernels' ELEMENT constant)."""
+        return self.format.element_code
+
+    @property
+    def block(self) -> int:
+        """Elements per scale along K."""
+        return self.format.block
+
+    @property
+    def scale_e8m0(self) -> int:
+        """1 for e8m0 (MX) scale bytes, 0 for NVFP4's e4m3 ones (the kernels' SCALE_E8M0 constant)."""
+        return int(self.format.is_mx)
+
+    @property
+    def offset(self) -> int:
+        """``_decode_plane`` moves an eXmY element's exponent and mantissa fields into bf16's, so it
+        reads them with bf16's exponent bias 127 instead of the element's 2^(X-1) - 1: the decoded
+        value is the element times 2^-offset, offset = 127 - (2^(X-1) - 1) (126 for e2m1, 120 for
+        e4m3, 112 for e5m2)."""
+        exponent_bits = int(self.format.element[1:].split("m")[0])
+        return 127 - (2 ** (exponent_bits - 1) - 1)
 
     @property
     def tile_k(self) -> int:
@@ -76,14 +97,14 @@ class Layout:
         return 2 * self.planes
 
 
-#: One layout per weight family. tile_k = 256 (4-bit) / 128 (8-bit): 128 bytes of a weight row per
-#: K tile, one 128-byte line.
-LAYOUTS = {
-    "mxfp4": Layout(E2M1, 32, 4, 2, 126, "e8m0"),
-    "nvfp4": Layout(E2M1, 16, 4, 4, 126, "e4m3"),
-    "mxfp8_e4m3": Layout(E4M3, 32, 2, 2, 120, "e8m0"),
-    "mxfp8_e5m2": Layout(E5M2, 32, 2, 2, 112, "e8m0"),
-}
+#: One layout per weight format, by the format's name. tile_k = 256 (4-bit) / 128 (8-bit): 128 bytes
+#: of a weight row per K tile, one 128-byte line.
+LAYOUTS = {layout.format.name: layout for layout in (
+    Layout(MXFP4, planes=4, group=2),
+    Layout(NVFP4, planes=4, group=4),
+    Layout(MXFP8_E4M3, planes=2, group=2),
+    Layout(MXFP8_E5M2, planes=2, group=2),
+)}
 
 
 #: e2m1 fields within each 16-bit lane, per plane p: (lowest of the 3 magnitude bits, sign bit). Planes
@@ -445,7 +466,7 @@ def dequantize(words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tens
     out = torch.empty((n, k_tiles * layout.tile_k), dtype=torch.bfloat16, device=words.device)
     ct.launch(torch.cuda.current_stream(words.device), (ceil_div(n, DEQUANT_TN) * k_tiles, 1, 1),
               _dequantize_kernel, (words, scale_t, out, constants[1:2], layout.element,
-                                   int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
+                                   layout.scale_e8m0, layout.block, layout.planes, layout.group,
                                    DEQUANT_TN))
     return out[:, :k]
 
@@ -567,7 +588,7 @@ def _stacked(m: int, n: int, layout: Layout, sms: int) -> WeightOnlyConfig | Non
     tiles = ceil_div(n, 32)
     if tiles < sms:
         tile_n, stack, warps, occupancy = narrow
-        if 10 * ceil_div(n, tile_n) < 9 * sms or (tile_m == 16 and layout.scale == "e4m3"):
+        if 10 * ceil_div(n, tile_n) < 9 * sms or (tile_m == 16 and not layout.scale_e8m0):
             return None
     elif tiles <= wide[3] * sms or (tile_m == 8 and tiles >= 2 * wide[3] * sms):
         tile_n, stack, warps, occupancy = wide
@@ -637,7 +658,7 @@ def plan(m: int, n: int, k: int, layout: Layout, sms: int = 132, m1_kernel: str 
 
 
 def _constants(layout: Layout, cfg: WeightOnlyConfig, x_parts: int) -> tuple:
-    common = (layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
+    common = (layout.element, layout.scale_e8m0, layout.block, layout.planes, layout.group,
               cfg.tile_m, cfg.tile_n, cfg.split_k)
     if cfg.gemv:
         return common + (cfg.unroll,)
@@ -895,7 +916,7 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                                                cfg.kernel, params))
     for name, layout in LAYOUTS.items():
         params = [array(ct.int32, 2), array(ct.uint8, 2), array(ct.bfloat16, 2), array(ct.float32, 1),
-                  layout.element, int(layout.scale == "e8m0"), layout.block, layout.planes, layout.group,
+                  layout.element, layout.scale_e8m0, layout.block, layout.planes, layout.group,
                   DEQUANT_TN]
         variants.append(AotVariant(f"weight_only_dequantize_{name}", _dequantize_kernel, params))
     return variants

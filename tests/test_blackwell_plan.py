@@ -23,7 +23,7 @@ import torch
 
 import cuda.tile as ct
 import swizzle
-from tilemm.formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, FP8_E4M3, FP8_E5M2
+from tilemm.formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, FP8_E4M3, FP8_E5M2, Granularity
 from tilemm.kernels import blackwell_block_scaled as bbs
 from tilemm.kernels import blackwell_fp8 as bfp8
 from tilemm.kernels.blackwell_block_scaled import _load_scale_bytes
@@ -155,16 +155,17 @@ def test_block_scaled_config_errors(fmt, cfg, match):
 
 
 def test_fp8_config_choice_and_errors():
-    assert bfp8.plan("sm_100", "row", 1, 4096, 4096, 148).num_ctas == 2
-    assert bfp8.plan("sm_100", "tensor", 1, 256, 256, 148).num_ctas == 1
-    assert bfp8.plan("sm_100", "block", 1, 8192, 8192, 148).tile_n == 128
-    assert bfp8.plan("sm_120", "row", 1, 8192, 8192, 188).num_ctas == 1
-    with pytest.raises(ValueError, match="granularity must be 'tensor', 'row' or 'block', got 'colwise'"):
-        bfp8.plan("sm_100", "colwise", 1, 1, 1)
+    row, block = Granularity.ROW, Granularity.BLOCK_1X128
+    assert bfp8.plan("sm_100", row, 1, 4096, 4096, 148).num_ctas == 2
+    assert bfp8.plan("sm_100", Granularity.TENSOR, 1, 256, 256, 148).num_ctas == 1
+    assert bfp8.plan("sm_100", block, 1, 8192, 8192, 148).tile_n == 128
+    assert bfp8.plan("sm_120", row, 1, 8192, 8192, 188).num_ctas == 1
+    with pytest.raises(TypeError, match="granularity must be a tilemm.formats.Granularity, got 'row'"):
+        bfp8.plan("sm_100", "row", 1, 1, 1)
     with pytest.raises(ValueError, match="blockwise configs need tile_n = tile_k = 128"):
-        bfp8.check_config("block", bfp8.FP8Config(128, 256))
+        bfp8.check_config(block, bfp8.FP8Config(128, 256))
     with pytest.raises(ValueError, match="num_ctas must be 1, or 2 with tile_m = 256"):
-        bfp8.check_config("row", bfp8.FP8Config(128, 256, num_ctas=2))
+        bfp8.check_config(row, bfp8.FP8Config(128, 256, num_ctas=2))
 
 
 def test_plan_rejects_inconsistent_problems():
@@ -393,7 +394,8 @@ def fp8_case(granularity, m, n, k, *, ba=1, bb=1, dtype=torch.float8_e4m3fn, out
     ref = fp8_matmul_reference(a, xs.expand(ba, m, k), b.transpose(-1, -2), ys.expand(bb, n, k).transpose(-1, -2),
                                out_dtype=torch.float32, alpha=alpha_t, bias=bias_t).expand(batch, m, n)
     fmt = FP8_E4M3 if dtype == torch.float8_e4m3fn else FP8_E5M2
-    problem = FP8Problem(fmt=fmt, a=a, a_scale=sa, b=b, b_scale=sb, granularity=granularity,
+    gran = {"tensor": Granularity.TENSOR, "row": Granularity.ROW, "block": Granularity.BLOCK_1X128}[granularity]
+    problem = FP8Problem(fmt=fmt, a=a, a_scale=sa, b=b, b_scale=sb, granularity=gran,
                          out=torch.full((batch, m, n), float("nan"), dtype=out_dtype), bias=bias_t,
                          alpha=alpha_t)
     return problem, ref

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import swizzle
-from tilemm.formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
+from tilemm.formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Granularity
 from tilemm.kernels import hopper_block_scaled as hbs
 from tilemm.kernels import hopper_fp8 as hfp8
 from tilemm.kernels import hopper_gemm as hgemm
@@ -259,7 +259,7 @@ def test_fp8_rowwise_emulated(emulated, cfg):
     bias = torch.randn(n, generator=gen)
     ref = fp8_matmul_reference(a, sa[..., None], b.transpose(-1, -2), sb[:, None, :], out_dtype=torch.float64,
                                alpha=None, bias=bias)
-    problem = FP8Problem(fmt=None, a=a, a_scale=sa, b=b, b_scale=sb, granularity="row",
+    problem = FP8Problem(fmt=None, a=a, a_scale=sa, b=b, b_scale=sb, granularity=Granularity.ROW,
                          out=torch.full((2, m, n), float("nan")), bias=bias, alpha=None)
     hfp8.launch(problem, cfg)
     assert_matches(problem.out, ref, torch.float32)
@@ -280,7 +280,7 @@ def test_fp8_per_tensor_scales_emulated(emulated, scales):
     alpha = torch.tensor([0.75])
     outs = []
     for x_scale, y_scale in ((sa, sb), (sa.contiguous(), sb.contiguous())):
-        problem = FP8Problem(fmt=None, a=a, a_scale=x_scale, b=b, b_scale=y_scale, granularity="row",
+        problem = FP8Problem(fmt=None, a=a, a_scale=x_scale, b=b, b_scale=y_scale, granularity=Granularity.ROW,
                              out=torch.full((2, m, n), float("nan")), bias=bias, alpha=alpha)
         prepared = hfp8.Prepared(problem)
         one = x_scale.stride() == (0, 0), y_scale.stride() == (0, 0)

@@ -1,30 +1,30 @@
 """Config choice of the Hopper kernels (CPU only: plain arithmetic on shapes)."""
 
-from tilemm.formats import MXFP4, MXFP8_E4M3, NVFP4
+from tilemm.formats import MXFP4, MXFP8_E4M3, NVFP4, Granularity
 from tilemm.kernels import hopper_block_scaled as hbs
 from tilemm.kernels import hopper_fp8 as hfp8
 
 
 def test_fp8_fast_takes_the_large_tile_when_its_waves_are_full():
     # 64 x 56 = 3584 tiles of 128x256: 27.2 waves on 132 SMs (99 % busy)
-    assert hfp8.plan("tensor", 1, 8192, 14336, fast_accum=True).tile_n == 256
+    assert hfp8.plan(Granularity.TENSOR, 1, 8192, 14336, fast_accum=True).tile_n == 256
     # 8 x 32 = 256 tiles: 1.94 waves (97 %)
-    assert hfp8.plan("row", 1, 1024, 8192, fast_accum=True).tile_n == 256
+    assert hfp8.plan(Granularity.ROW, 1, 1024, 8192, fast_accum=True).tile_n == 256
 
 
 def test_fp8_fast_takes_the_small_tile_for_a_mostly_empty_last_wave():
     # 8 x 56 = 448 tiles of 128x256: 3.4 waves (85 %); 896 of 128x128: 6.8 waves (97 %)
-    cfg = hfp8.plan("tensor", 1, 1024, 14336, fast_accum=True)
+    cfg = hfp8.plan(Granularity.TENSOR, 1, 1024, 14336, fast_accum=True)
     assert (cfg.tile_m, cfg.tile_n) == (128, 128)
     # fewer large tiles than SMs
-    assert hfp8.plan("tensor", 1, 128, 14336, fast_accum=True).tile_n == 128
+    assert hfp8.plan(Granularity.TENSOR, 1, 128, 14336, fast_accum=True).tile_n == 128
     # the SM count enters: on 112 SMs, 448 tiles are exactly 4 waves
-    assert hfp8.plan("tensor", 1, 1024, 14336, fast_accum=True, sms=112).tile_n == 256
+    assert hfp8.plan(Granularity.TENSOR, 1, 1024, 14336, fast_accum=True, sms=112).tile_n == 256
 
 
 def test_fp8_precise_keeps_one_tile():
     for m, n in ((1024, 14336), (8192, 8192), (16, 4096)):
-        cfg = hfp8.plan("row", 1, m, n, fast_accum=False)
+        cfg = hfp8.plan(Granularity.ROW, 1, m, n, fast_accum=False)
         assert (cfg.tile_m, cfg.tile_n) == (128, 128)
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tilemm import quantize as tq
-from tilemm.formats import FP8_E4M3, MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
+from tilemm.formats import FP8_E4M3, MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Granularity
 from tilemm.kernels import _large
 from tilemm.kernels import blackwell_block_scaled as bbs
 from tilemm.kernels import blackwell_fp8 as bfp8
@@ -358,7 +358,8 @@ def test_hopper_fp8_pieces_are_exact(monkeypatch, emulated, granularity):
             sb = torch.rand(1, -(-n // 128), k // 128, generator=g) + 0.5
         else:
             sa, sb = torch.rand(2, m, generator=g) + 0.5, torch.rand(1, n, generator=g) + 0.5
-        return FP8Problem(fmt=None, a=a, a_scale=sa, b=b, b_scale=sb, granularity=granularity,
+        gran = Granularity.BLOCK_1X128 if granularity == "block" else Granularity.ROW
+        return FP8Problem(fmt=None, a=a, a_scale=sa, b=b, b_scale=sb, granularity=gran,
                           out=torch.full((2, m, n), float("nan")), bias=torch.randn(n, generator=g), alpha=None)
 
     cfg = hgemm.GemmConfig(128, 128, 128)
@@ -391,7 +392,8 @@ def test_blackwell_fp8_pieces_are_exact(monkeypatch):
         a = (torch.randn(1, m, k, generator=g) * 4).to(torch.float8_e4m3fn)
         b = (torch.randn(1, n, k, generator=g) * 4).to(torch.float8_e4m3fn)
         problem = FP8Problem(fmt=None, a=a, a_scale=torch.rand(1, m, k // 128, generator=g) + 0.5, b=b,
-                             b_scale=torch.rand(1, 3, k // 128, generator=g) + 0.5, granularity="block",
+                             b_scale=torch.rand(1, 3, k // 128, generator=g) + 0.5,
+                             granularity=Granularity.BLOCK_1X128,
                              out=torch.full((1, m, n), float("nan")), bias=None, alpha=None)
         plan = bfp8.Prepared(problem, table="sm_100")
         emu = TileEmulator()

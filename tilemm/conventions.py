@@ -33,7 +33,7 @@ import torch
 
 from swizzle import swizzle_32_4_4, swizzled_shape, unswizzle_32_4_4
 
-from .formats import MXFP4, NVFP4
+from .formats import MXFP4, NVFP4, Granularity
 from .numerics import ceil_div
 from .quantize import FP8_BLOCK, FP8Tensor, MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
 
@@ -623,11 +623,11 @@ def linear_options(q) -> tuple[str, dict]:
         return "nvfp4", {}
     n, k = q.data.shape
     if q.scale.ndim == 0:
-        return "fp8", {"granularity": "tensor", "elem_dtype": q.data.dtype}
+        return "fp8", {"granularity": Granularity.TENSOR.argument, "elem_dtype": q.data.dtype}
     if tuple(q.scale.shape) == (n, 1):
-        return "fp8", {"granularity": "row", "elem_dtype": q.data.dtype}
+        return "fp8", {"granularity": Granularity.ROW.argument, "elem_dtype": q.data.dtype}
     if tuple(q.scale.shape) == (ceil_div(n, FP8_BLOCK), k // FP8_BLOCK) and k % FP8_BLOCK == 0:
-        return "fp8", {"granularity": (FP8_BLOCK, FP8_BLOCK), "elem_dtype": q.data.dtype}
+        return "fp8", {"granularity": Granularity.BLOCK_128X128.argument, "elem_dtype": q.data.dtype}
     raise ValueError(f"{fn}: FP8 weight scale of shape {tuple(q.scale.shape)} for data {(n, k)} is not a "
                      f"tilemm.nn.Linear layout: accepted 0-d (tensor), ({n}, 1) (row) or "
                      f"({ceil_div(n, FP8_BLOCK)}, {k // FP8_BLOCK}) (128x128 blocks)")

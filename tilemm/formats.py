@@ -16,6 +16,7 @@ descriptors; nothing re-derives them from tensor dtypes. See docs/numerics.md fo
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import torch
 
@@ -31,6 +32,7 @@ __all__ = [
     "E2M1_VALUES",
     "FP8_BLOCK",
     "FP8_GRANULARITIES",
+    "Granularity",
     "mxfp8_format",
     "fp8_format",
     "E4M3",
@@ -39,13 +41,87 @@ __all__ = [
     "ELEMENT_CODES",
 ]
 
-#: FP8 scale granularities, tilemm's one spelling: one scale per tensor, per row (x's rows, the weight's
-#: output channels), or per 128-element block (1x128 for x, 128x128 for a weight). ``quantize_fp8``'s
-#: ``(1, 128)`` / ``(128, 128)`` and the operators' "1x128" / "128x128" name the block shapes.
-FP8_GRANULARITIES = ("tensor", "row", "block")
-
 #: The edge of DeepSeek-style FP8 blocks: 1x128 for activations, 128x128 for weights (e4m3 only).
 FP8_BLOCK = 128
+
+
+class Granularity(enum.Enum):
+    """An FP8 scale granularity, tilemm's one name for it: one scale per tensor, per row (x's rows, the
+    weight's output channels), or per 128-element block: 1x128 (x's blocks) or 128x128 (a weight's).
+
+    Each value is the name ``torch.ops.tilemm.quantize_fp8`` takes (``Granularity("1x128")``);
+    :meth:`parse` reads the spellings :func:`tilemm.quantize_fp8` takes (``"tensor"``, ``"row"``,
+    ``(1, 128)``, ``(128, 128)``). An FP8 matmul pairs 1x128 x-scales with 128x128 weight scales only;
+    its ``FP8Problem.granularity`` names the pairing by x's side (``BLOCK_1X128``).
+    """
+
+    TENSOR = "tensor"
+    ROW = "row"
+    BLOCK_1X128 = "1x128"
+    BLOCK_128X128 = "128x128"
+
+    @classmethod
+    def parse(cls, value, fn: str) -> "Granularity":
+        """The granularity that ``value`` spells: a member, ``"tensor"``, ``"row"``, ``(1, 128)`` or
+        ``(128, 128)`` (a tuple or a list). ValueError naming ``fn`` for anything else."""
+        if isinstance(value, cls):
+            return value
+        key = value if isinstance(value, str) else tuple(value) if isinstance(value, (tuple, list)) else None
+        try:
+            gran = _SPELLINGS.get(key)
+        except TypeError:  # an unhashable entry in a list
+            gran = None
+        if gran is None:
+            raise ValueError(f"{fn}: granularity must be 'tensor', 'row', (1, 128) or (128, 128), "
+                             f"got {value!r}")
+        return gran
+
+    @property
+    def block_shape(self) -> tuple[int, int] | None:
+        """(rows, columns) of one scale's block, or None for per tensor and per row."""
+        return _BLOCK_SHAPES.get(self)
+
+    @property
+    def is_block(self) -> bool:
+        return self in _BLOCK_SHAPES
+
+    @property
+    def argument(self):
+        """The ``granularity`` argument of :func:`tilemm.quantize_fp8` for it: ``"tensor"``, ``"row"``,
+        ``(1, 128)`` or ``(128, 128)``."""
+        return self.block_shape or self.value
+
+    @property
+    def spelling(self) -> str:
+        """``argument`` as messages write it: ``'tensor'``, ``'row'``, ``(1, 128)``, ``(128, 128)``."""
+        return repr(self.argument)
+
+    @property
+    def code(self) -> int:
+        """Its code in tile code: the ``GRANULARITY`` constant of the FP8 quantize kernel (per row has a
+        kernel of its own and never reaches it)."""
+        return _CODES[self]
+
+    @property
+    def quantize_kernel(self) -> str:
+        """The FP8 quantize kernel's name in ``quantize_kernels.plan`` and the AOT variants:
+        ``"fp8_tensor"``, ``"fp8_row"``, ``"fp8_1x128"`` or ``"fp8_128x128"``."""
+        return f"fp8_{self.value}"
+
+    @property
+    def matmul_kernel(self) -> str:
+        """The FP8 matmul kernel that serves it: ``"scaled"`` (per tensor or per row: one kernel, the
+        scales in the epilogue) or ``"blockwise"`` (128-element blocks, scaled per K step)."""
+        return "blockwise" if self.is_block else "scaled"
+
+
+_BLOCK_SHAPES = {Granularity.BLOCK_1X128: (1, FP8_BLOCK), Granularity.BLOCK_128X128: (FP8_BLOCK, FP8_BLOCK)}
+_SPELLINGS = {"tensor": Granularity.TENSOR, "row": Granularity.ROW,
+              **{shape: gran for gran, shape in _BLOCK_SHAPES.items()}}
+_CODES = {Granularity.TENSOR: 0, Granularity.BLOCK_1X128: 1, Granularity.BLOCK_128X128: 2, Granularity.ROW: 3}
+
+#: Every FP8 granularity (``tuple(Granularity)``).
+FP8_GRANULARITIES = tuple(Granularity)
 
 #: Element codes, as every tile kernel receives them (its ``ELEMENT`` constant); ``Format.element_code``.
 E4M3, E5M2, E2M1 = 0, 1, 2

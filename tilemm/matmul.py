@@ -38,7 +38,7 @@ import swizzle as _swizzle
 from . import _interop, kernels
 from ._validate import (as_fp32_scalar, check_bias, check_dtype, check_out_dtype, check_same_device,
                         check_tensor)
-from .formats import FP8_BLOCK, MXFP4, NVFP4, Format, fp8_format, mxfp8_format
+from .formats import FP8_BLOCK, MXFP4, NVFP4, Format, Granularity, fp8_format, mxfp8_format
 from .kernels import as_view, view_spec
 from .kernels._common import Described, ones_scalar, stream_handle, zeros_vector
 from .kernels._large import check_matmul_k
@@ -100,10 +100,10 @@ class FP8Problem:
     """A validated FP8 matmul, normalised for the kernels.
 
     a: (Ba, M, K), b: (Bb, N, K), both stride(-1) == 1.
-    granularity (``tilemm.formats.FP8_GRANULARITIES``): "tensor" (a_scale, b_scale each (Ba, M) / (Bb, N)
-    broadcast views of one value), "row" (a_scale (Ba, M), b_scale (Bb, N): per row, or a per-tensor
-    scale on one side), or "block" (a_scale (Ba, M, K/128) for 1x128
-    blocks, b_scale (Bb, ceil(N/128), K/128) for 128x128 blocks). Scales are fp32.
+    granularity (``tilemm.formats.Granularity``): TENSOR (a_scale, b_scale each (Ba, M) / (Bb, N)
+    broadcast views of one value), ROW (a_scale (Ba, M), b_scale (Bb, N): per row, or a per-tensor
+    scale on one side), or BLOCK_1X128 (a_scale (Ba, M, K/128) for 1x128 blocks, with b_scale
+    (Bb, ceil(N/128), K/128) for 128x128 blocks: the one block pairing). Scales are fp32.
     use_fast_accum: let the kernel skip the extra fp32 accumulation of Hopper's FP8 tensor cores
     (kernels without such a mode ignore it).
     """
@@ -113,7 +113,7 @@ class FP8Problem:
     a_scale: torch.Tensor
     b: torch.Tensor
     b_scale: torch.Tensor
-    granularity: str
+    granularity: Granularity
     out: torch.Tensor
     bias: torch.Tensor | None
     alpha: torch.Tensor | None
@@ -508,8 +508,8 @@ def nvfp4_alpha(fn, global_scale_x, global_scale_y, alpha, device) -> torch.Tens
 
 
 def _fp8_granularity(fn: str, x, sx, y, sy):
-    """Classify the FP8 scales by shape, as ``torch._scaled_mm`` does. Returns the kernel granularity
-    and the scales normalised to FP8Problem's forms (before 3-D collapsing)."""
+    """Classify the FP8 scales by shape, as ``torch._scaled_mm`` does: x's and y's ``Granularity``
+    (TENSOR, ROW, or BLOCK_1X128 for x with BLOCK_128X128 for y)."""
     m, k, n = x.shape[-2], x.shape[-1], y.shape[-1]
     xb, yb = x.shape[:-2], y.shape[:-2]
     for name, s in (("x_scale", sx), ("y_scale", sy)):
@@ -519,35 +519,36 @@ def _fp8_granularity(fn: str, x, sx, y, sy):
 
     def kind_x():
         if sx.ndim == 0:
-            return "tensor"
+            return Granularity.TENSOR
         if tuple(sx.shape) == (*xb, m, 1):
-            return "row"
+            return Granularity.ROW
         if k % FP8_BLOCK == 0 and tuple(sx.shape) == (*xb, m, k // FP8_BLOCK):
-            return "block"
+            return Granularity.BLOCK_1X128
         raise ValueError(f"{fn}: x_scale must be 0-d (per tensor), {(*xb, m, 1)} (per row) or "
                          f"{(*xb, m, ceil_div(k, FP8_BLOCK))} (1x128 blocks, K a multiple of 128), got "
                          f"{tuple(sx.shape)}")
 
     def kind_y():
         if sy.ndim == 0:
-            return "tensor"
+            return Granularity.TENSOR
         if tuple(sy.shape) == (*yb, 1, n):
-            return "row"
+            return Granularity.ROW
         if k % FP8_BLOCK == 0 and tuple(sy.shape) == (*yb, k // FP8_BLOCK, ceil_div(n, FP8_BLOCK)):
-            return "block"
+            return Granularity.BLOCK_128X128
         raise ValueError(f"{fn}: y_scale must be 0-d (per tensor), {(*yb, 1, n)} (per column) or "
                          f"{(*yb, ceil_div(k, FP8_BLOCK), ceil_div(n, FP8_BLOCK))} (128x128 blocks, the "
                          f"transpose of quantize_fp8's weight scale), got {tuple(sy.shape)}")
 
     kx, ky = kind_x(), kind_y()
     # With K == 128 an (M, 1) scale is both per-row and 1x128; read it as the partner's granularity.
-    if kx == "row" and ky == "block" and k == FP8_BLOCK:
-        kx = "block"
-    if ky == "row" and kx == "block" and k == FP8_BLOCK and n == 1:
-        ky = "block"
-    if (kx == "block") != (ky == "block"):
+    if kx is Granularity.ROW and ky is Granularity.BLOCK_128X128 and k == FP8_BLOCK:
+        kx = Granularity.BLOCK_1X128
+    if ky is Granularity.ROW and kx is Granularity.BLOCK_1X128 and k == FP8_BLOCK and n == 1:
+        ky = Granularity.BLOCK_128X128
+    if kx.is_block != ky.is_block:
         raise ValueError(f"{fn}: 1x128 x-scales pair only with 128x128 y-scales (DeepSeek-style blocks); "
-                         f"got x_scale {tuple(sx.shape)} ({kx}) with y_scale {tuple(sy.shape)} ({ky})")
+                         f"got x_scale {tuple(sx.shape)} ({kx.value}) with y_scale {tuple(sy.shape)} "
+                         f"({ky.value})")
     return kx, ky
 
 
@@ -560,7 +561,7 @@ def fp8_matmul_checked(x, x_scale, y, y_scale, *, out_dtype, bias, alpha, use_fa
     if not isinstance(use_fast_accum, bool):
         raise TypeError(f"{fn}: use_fast_accum must be a bool, got {type(use_fast_accum).__name__}")
     kx, ky = _fp8_granularity(fn, x, x_scale, y, y_scale)
-    if "block" in (kx, ky) and fmt.element != "e4m3":
+    if kx.is_block and fmt.element != "e4m3":
         raise TypeError(f"{fn}: 128-element block scales are defined for float8_e4m3fn, got {x.dtype}")
     device = check_same_device(fn, x=x, y=y, x_scale=x_scale, y_scale=y_scale)
     bias32 = check_bias(fn, bias, y.shape[-1], device)
@@ -587,8 +588,9 @@ class _FP8Call:
         self.out_shape = (*x.shape[:-2], self.m, self.n)
         self.out_dtype, self.device, self.use_fast_accum = out_dtype, device, use_fast_accum
         self.empty = x.numel() == 0 or y.numel() == 0 or self.m == 0 or self.n == 0
-        self.granularity = "block" if kx == "block" else ("tensor" if kx == ky == "tensor" else "row")
-        self.tail = 2 if kx == "block" else 1
+        self.granularity = kx if kx.is_block else (
+            Granularity.TENSOR if kx is ky is Granularity.TENSOR else Granularity.ROW)
+        self.tail = 2 if kx.is_block else 1
         self.gpu = _on_gpu(device)
         self.prepared = None
 
@@ -598,14 +600,15 @@ class _FP8Call:
         if self.empty:
             return _empty_result(self.out_shape, self.k, bias32, self.out_dtype, self.device)
         # Scales as (..., M) rows and (..., N) columns, or block grids.
-        if kx == "block":
+        if kx.is_block:
             a_scale = x_scale
             b_scale = y_scale.transpose(-1, -2)  # (..., ceil(N/128), K/128)
         else:
-            a_scale = x_scale.reshape(()).expand(*x.shape[:-2], m) if kx == "tensor" else x_scale[..., 0]
-            b_scale = y_scale.reshape(()).expand(*y.shape[:-2], n) if ky == "tensor" else y_scale[..., 0, :]
+            tensor = Granularity.TENSOR
+            a_scale = x_scale.reshape(()).expand(*x.shape[:-2], m) if kx is tensor else x_scale[..., 0]
+            b_scale = y_scale.reshape(()).expand(*y.shape[:-2], n) if ky is tensor else y_scale[..., 0, :]
         if not self.gpu:
-            if kx == "block":
+            if kx.is_block:
                 xs = a_scale.repeat_interleave(FP8_BLOCK, dim=-1)
                 ys = b_scale.repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :].repeat_interleave(FP8_BLOCK, dim=-1)
                 ys = ys.transpose(-1, -2)
@@ -891,32 +894,33 @@ def fp8_matmul(x, x_scale, y, y_scale, *, out_dtype=torch.bfloat16, bias=None, a
 _QUANTIZED = (MXFP8Tensor, MXFP4Tensor, NVFP4Tensor, FP8Tensor)
 
 
-def _fp8_granularities_of(t) -> list[str]:
+def _fp8_granularities_of(t) -> list[Granularity]:
     """The ``quantize_fp8`` granularities an FP8Tensor's scale shape can stand for, the block one first
     (with K <= 128 a row scale and a 1x128 block scale have the same shape)."""
     s, d = t.scale, t.data
     if s.ndim == 0:
-        return ["'tensor'"]
+        return [Granularity.TENSOR]
     rows, k = d.shape[-2], d.shape[-1]
     kinds = []
     if s.shape[-2:] == (rows, ceil_div(k, FP8_BLOCK)):
-        kinds.append("(1, 128)")
+        kinds.append(Granularity.BLOCK_1X128)
     if s.shape[-2:] == (ceil_div(rows, FP8_BLOCK), ceil_div(k, FP8_BLOCK)):
-        kinds.append("(128, 128)")
+        kinds.append(Granularity.BLOCK_128X128)
     if s.shape[-2:] == (rows, 1):
-        kinds.append("'row'")
-    return kinds or ["(128, 128)"]
+        kinds.append(Granularity.ROW)
+    return kinds or [Granularity.BLOCK_128X128]
 
 
 def _check_fp8_block_pair(fn: str, x_q, w_q) -> None:
     """FP8 blocks pair one way: activations x_q in 1x128 blocks with weights w_q in 128x128 blocks."""
     gran_x, gran_w = _fp8_granularities_of(x_q), _fp8_granularities_of(w_q)
-    if any("128" not in a + b or (a, b) == ("(1, 128)", "(128, 128)") for a in gran_x for b in gran_w):
+    pair = (Granularity.BLOCK_1X128, Granularity.BLOCK_128X128)
+    if any(not (a.is_block or b.is_block) or (a, b) == pair for a in gran_x for b in gran_w):
         return
     raise ValueError(f"{fn}: FP8 blocks pair activations quantized with granularity=(1, 128) (x_q) "
                      f"with weights quantized with granularity=(128, 128) (w_q); got x_q with "
-                     f"granularity={gran_x[0]} and w_q with granularity={gran_w[0]}. Quantize x with "
-                     f"tilemm.quantize_fp8(x, granularity=(1, 128)) and w with "
+                     f"granularity={gran_x[0].spelling} and w_q with granularity={gran_w[0].spelling}. "
+                     f"Quantize x with tilemm.quantize_fp8(x, granularity=(1, 128)) and w with "
                      f"tilemm.quantize_fp8(w, granularity=(128, 128))")
 
 

@@ -43,14 +43,15 @@ from . import kernels as _kernels
 from . import weight_only as _weight_only
 from .kernels import _common as _kernels_common
 from .kernels import quantize_kernels as _quantize_kernels
-from .formats import MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4
+from .formats import FP8_BLOCK, MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Granularity
 from .numerics import ceil_div
 from .moe import MoEExperts, check_silu_experts, experts_activation
 
 __all__ = ["Linear", "quantize_model", "FORMATS"]
 
 FORMATS = ("mxfp8", "mxfp4", "nvfp4", "fp8")
-FP8_GRANULARITIES = ("row", "tensor", (128, 128))
+#: The granularities of an fp8 layer's weight (activations: ``_Options.activation_granularity``).
+_WEIGHT_GRANULARITIES = (Granularity.ROW, Granularity.TENSOR, Granularity.BLOCK_128X128)
 _BLOCK = {"mxfp8": 32, "mxfp4": 32, "nvfp4": 16}  # elements per scale along K (in_features)
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _QUANTIZED_BUFFERS = ("weight", "weight_scale", "weight_global_scale")
@@ -85,15 +86,18 @@ class _Options:
         elif swizzle and is_fp8:
             raise ValueError(f"{fn}: swizzle=True applies to the block-scaled formats (mxfp8, mxfp4, "
                              f"nvfp4); fp8's scales have no swizzled layout")
+        fp8_granularity = None
         if granularity is None:
-            granularity = "row" if is_fp8 else None
+            fp8_granularity = Granularity.ROW if is_fp8 else None
         elif not is_fp8:
             raise ValueError(f"{fn}: granularity applies to format 'fp8' only, got granularity="
                              f"{granularity!r} with format {format!r}")
         else:
-            if isinstance(granularity, list):
-                granularity = tuple(granularity)
-            if granularity not in FP8_GRANULARITIES:
+            try:
+                fp8_granularity = Granularity.parse(granularity, fn)
+            except ValueError:
+                fp8_granularity = None
+            if fp8_granularity not in _WEIGHT_GRANULARITIES:
                 raise ValueError(f"{fn}: fp8 weight granularity must be 'row', 'tensor' or (128, 128), "
                                  f"got {granularity!r}")
         if elem_dtype is None:
@@ -104,7 +108,7 @@ class _Options:
         elif elem_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise TypeError(f"{fn}: elem_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
                             f"got {elem_dtype!r}")
-        elif elem_dtype == torch.float8_e5m2 and granularity == (128, 128):
+        elif elem_dtype == torch.float8_e5m2 and fp8_granularity is Granularity.BLOCK_128X128:
             raise ValueError(f"{fn}: fp8 (128, 128) blocks are defined for float8_e4m3fn, got "
                              f"elem_dtype=torch.float8_e5m2")
         if rounding is None:
@@ -115,7 +119,10 @@ class _Options:
         elif rounding not in _quantize.ROUNDING_MODES:
             raise ValueError(f"{fn}: rounding must be 'rceil' or 'floor', got {rounding!r}")
         self.format, self.swizzle, self.weight_only = format, swizzle, weight_only
-        self.granularity, self.elem_dtype, self.rounding = granularity, elem_dtype, rounding
+        self.elem_dtype, self.rounding = elem_dtype, rounding
+        # fp8: the weight's granularity, and the keyword that spells it (messages, as_kwargs)
+        self.fp8_granularity = fp8_granularity
+        self.granularity = None if fp8_granularity is None else fp8_granularity.argument
 
     @property
     def packed(self) -> bool:
@@ -126,7 +133,7 @@ class _Options:
     def k_multiple(self) -> int:
         """in_features must be a multiple of this: the block size along K."""
         if self.format == "fp8":
-            return 128 if self.granularity == (128, 128) else 1
+            return FP8_BLOCK if self.fp8_granularity.is_block else 1
         return _BLOCK[self.format]
 
     def describe(self) -> str:
@@ -168,7 +175,9 @@ class _Options:
         """fp8: how activations are quantized. Per-row weights pair with per-row activations,
         per-tensor with per-tensor, and 128x128 weight blocks with 1x128 activation blocks (DeepSeek
         style)."""
-        return (1, 128) if self.granularity == (128, 128) else self.granularity
+        if self.fp8_granularity is Granularity.BLOCK_128X128:
+            return Granularity.BLOCK_1X128.argument
+        return self.granularity
 
 
 _QUANTIZED_KIND = {"mxfp8": _quantize.MXFP8Tensor, "mxfp4": _quantize.MXFP4Tensor, "fp8": _quantize.FP8Tensor}

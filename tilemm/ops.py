@@ -39,7 +39,7 @@ from torch import Tensor
 import swizzle as _swizzle
 
 from . import quantize as _quantize
-from .formats import MXFP4, NVFP4
+from .formats import MXFP4, NVFP4, Granularity
 from .numerics import ceil_div
 
 __all__ = ["quantize_mxfp8", "quantize_mxfp4", "quantize_nvfp4", "quantize_fp8",
@@ -112,11 +112,11 @@ def _(x, granularity="tensor", elem_dtype=None, pow2_scale=False):
     gran = _quantize.fp8_granularity_from_name(granularity)
     fmt, gran = _quantize.check_quantize_fp8(x, gran, elem_dtype or _E4M3, pow2_scale)
     block = _quantize.FP8_BLOCK
-    if gran == "tensor":
+    if gran is Granularity.TENSOR:
         scale_shape = ()
-    elif gran == "row":
+    elif gran is Granularity.ROW:
         scale_shape = (*x.shape[:-1], 1)
-    elif gran == (1, block):
+    elif gran is Granularity.BLOCK_1X128:
         scale_shape = (*x.shape[:-1], x.shape[-1] // block)
     else:
         scale_shape = (*x.shape[:-2], ceil_div(x.shape[-2], block), x.shape[-1] // block)

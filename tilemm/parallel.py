@@ -39,7 +39,7 @@ from swizzle import swizzle_32_4_4, unswizzle_32_4_4
 
 from . import matmul as _matmul
 from . import quantize as _quantize
-from .formats import FP8_BLOCK
+from .formats import FP8_BLOCK, Granularity
 from .numerics import ceil_div
 from .kernels import quantize_kernels as _quantize_kernels
 from .kernels._common import stream_handle
@@ -112,7 +112,7 @@ def _shard_of(fn: str, layer: Linear, style: str, rank: int, world_size: int) ->
                          f"at least one (use at most {ceil_div(size, step)} ranks)")
     if style == "rowwise":
         multiple = options.k_multiple  # a scale block may not straddle two ranks
-    elif options.format == "fp8" and options.granularity == (FP8_BLOCK, FP8_BLOCK):
+    elif options.format == "fp8" and options.fp8_granularity.is_block:
         multiple = FP8_BLOCK
     else:
         multiple = 1
@@ -143,7 +143,7 @@ def _shard_tensors(layer: Linear, shard: ShardInfo) -> dict[str, torch.Tensor]:
     if options.format == "fp8":
         if scale.ndim == 0:  # per tensor
             pass
-        elif options.granularity == "row":  # (N, 1)
+        elif options.fp8_granularity is Granularity.ROW:  # (N, 1)
             scale = scale[lo:hi] if col else scale
         else:  # (128, 128) blocks: (ceil(N / 128), K / 128); boundaries checked to fall on blocks
             b = FP8_BLOCK
@@ -286,17 +286,17 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
 
 
 def _global_activation_scale(layer: Linear):
-    """The activation amax a row-wise rank must share: ``"tensor"`` (NVFP4's decode scale, FP8 per
-    tensor) or ``"row"`` (FP8 per row), or None where the activation scales are local along K
+    """The activation amax a row-wise rank must share: ``Granularity.TENSOR`` (NVFP4's decode scale, FP8
+    per tensor) or ``Granularity.ROW`` (FP8 per row), or None where the activation scales are local along K
     (weight-only; MXFP8, MXFP4: 32-blocks; FP8 (128, 128): 1x128 activation blocks), so that a rank's
     K-slice quantizes to the unsharded layer's bytes with nothing shared."""
     options = layer._options
     if options.weight_only:
         return None
     if options.format == "nvfp4":
-        return "tensor"
-    if options.format == "fp8" and options.granularity in ("row", "tensor"):
-        return options.granularity
+        return Granularity.TENSOR
+    if options.format == "fp8" and not options.fp8_granularity.is_block:
+        return options.fp8_granularity
     return None
 
 
@@ -899,7 +899,8 @@ class ShardedLinear(Linear):
         # The symmetric-memory exchange (one one-shot kernel) where the layer has a one-shot
         # all-reduce and one amax for the whole tensor; else NCCL's MAX all-reduce.
         one_shot = tp.one_shot
-        exchange = (one_shot.amax_slot(x.device) if one_shot is not None and tp.amax == "tensor" and x.is_cuda
+        exchange = (one_shot.amax_slot(x.device)
+                    if one_shot is not None and tp.amax is Granularity.TENSOR and x.is_cuda
                     and not on_nccl_stream else None)
         runner, amax = None, None
         if kernels is not None and rows.shape[0] <= _SMALL_BATCH_ROWS and not torch.compiler.is_compiling():
@@ -1007,7 +1008,7 @@ def _shard_in_place(fn: str, module: Linear, mesh: DeviceMesh, style: str, *, sr
         _broadcast_layer(module, mesh, src_data_rank)
     _adopt(module, _build_local(module, shard, device))
     amax = _global_activation_scale(module) if style == "rowwise" and world_size > 1 else None
-    tensor_scale = _global_activation_scale(module) == "tensor"
+    tensor_scale = _global_activation_scale(module) is Granularity.TENSOR
     module._tp = _TPConfig(style, mesh, input_layouts, output_layouts, use_local_output, amax,
                            shard.out_features, chunks=chunks, chunk_min_rows=chunk_min_rows,
                            one_shot_max_bytes=one_shot_max_bytes if world_size > 1 else 0,

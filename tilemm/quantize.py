@@ -26,7 +26,7 @@ from . import kernels as _kernels
 from ._arch import has_kernels
 from .kernels import as_view, quantize_kernels, view_spec
 from .kernels._common import stream_handle
-from .formats import FP8_BLOCK, FP8_E4M3, MXFP4, NVFP4, Format, fp8_format, mxfp8_format
+from .formats import FP8_BLOCK, FP8_E4M3, MXFP4, NVFP4, Format, Granularity, fp8_format, mxfp8_format
 from .numerics import as_uint8, ceil_div, pack_e2m1
 from .reference import dequantize_blocks
 
@@ -275,19 +275,6 @@ def _global_decode_scale(fn: str, global_scale, device: torch.device,
     return global_scale32
 
 
-def _parse_granularity(fn: str, granularity):
-    if isinstance(granularity, str):
-        if granularity in ("tensor", "row"):
-            return granularity
-    elif isinstance(granularity, (tuple, list)):
-        if tuple(granularity) == (1, FP8_BLOCK):
-            return (1, FP8_BLOCK)
-        if tuple(granularity) == (FP8_BLOCK, FP8_BLOCK):
-            return (FP8_BLOCK, FP8_BLOCK)
-    raise ValueError(f"{fn}: granularity must be 'tensor', 'row', (1, 128) or (128, 128), "
-                     f"got {granularity!r}")
-
-
 # ----------------------------------------------------------------------------------------------
 # Numerics building blocks (all fp32 / int32 tensor ops, any device)
 # ----------------------------------------------------------------------------------------------
@@ -462,12 +449,14 @@ def _round_up_pow2(s: torch.Tensor) -> torch.Tensor:
 
 def _quantize_fp8_reference(x: torch.Tensor, fmt: Format, granularity,
                             pow2_scale: bool) -> FP8Tensor:
+    """``granularity``: a ``Granularity`` or any spelling ``Granularity.parse`` reads."""
+    granularity = Granularity.parse(granularity, "_quantize_fp8_reference")
     xf = x.detach().to(torch.float32)
     dev = xf.device
     qmax = _f32(fmt.qmax, dev)
     a = xf.abs()
-    if granularity in ("tensor", "row"):
-        if granularity == "tensor":
+    if not granularity.is_block:
+        if granularity is Granularity.TENSOR:
             amax = a.amax() if a.numel() else _f32(0.0, dev)
         else:
             amax = a.amax(dim=-1, keepdim=True) if a.numel() else a.new_zeros(*a.shape[:-1], 1)
@@ -477,7 +466,7 @@ def _quantize_fp8_reference(x: torch.Tensor, fmt: Format, granularity,
         return FP8Tensor(_cast_fp8_rne_satfinite(xf / s, fmt).view(fmt.data_dtype), s)
 
     k_blocks = xf.shape[-1] // FP8_BLOCK
-    if granularity == (1, FP8_BLOCK):
+    if granularity is Granularity.BLOCK_1X128:
         amax = _blocks(a, FP8_BLOCK).amax(dim=-1)  # (..., M, K/128)
     else:
         m = xf.shape[-2]
@@ -492,7 +481,7 @@ def _quantize_fp8_reference(x: torch.Tensor, fmt: Format, granularity,
         s = _round_up_pow2(s)
     s = _nonfinite_to_nan(s, amax)
     s_full = s.repeat_interleave(FP8_BLOCK, dim=-1)
-    if granularity == (FP8_BLOCK, FP8_BLOCK):
+    if granularity is Granularity.BLOCK_128X128:
         s_full = s_full.repeat_interleave(FP8_BLOCK, dim=-2)[..., : xf.shape[-2], :]
     return FP8Tensor(_cast_fp8_rne_satfinite(xf / s_full, fmt).view(fmt.data_dtype), s)
 
@@ -507,15 +496,6 @@ def _quantize_fp8_reference(x: torch.Tensor, fmt: Format, granularity,
 # on sm_90 or newer (bit-identical to the reference), the reference everywhere else. The public
 # functions below check first too, for the arguments the operator schema cannot carry, then call the
 # operator, which torch.compile sees as one opaque op.
-
-FP8_GRANULARITY_NAMES = {"tensor": "tensor", "row": "row", "1x128": (1, FP8_BLOCK),
-                         "128x128": (FP8_BLOCK, FP8_BLOCK)}
-
-
-def fp8_granularity_name(granularity) -> str:
-    """The operator's name for a parsed granularity: 'tensor', 'row', '1x128' or '128x128'."""
-    return granularity if isinstance(granularity, str) else f"{granularity[0]}x{granularity[1]}"
-
 
 def check_quantize_mxfp8(x, elem_dtype, rounding, swizzle) -> Format:
     fn = "quantize_mxfp8"
@@ -544,22 +524,22 @@ def check_quantize_nvfp4(x, global_scale, swizzle, check_value: bool = True):
     return _global_decode_scale(fn, global_scale, x.device, check_value)
 
 
-def check_quantize_fp8(x, granularity, elem_dtype, pow2_scale):
-    """Returns the format and the parsed granularity ('tensor', 'row', (1, 128) or (128, 128))."""
+def check_quantize_fp8(x, granularity, elem_dtype, pow2_scale) -> tuple[Format, Granularity]:
+    """Returns the format and the granularity (``Granularity.parse``)."""
     fn = "quantize_fp8"
     fmt = _fp8_format_or_raise(fn, elem_dtype)
-    gran = _parse_granularity(fn, granularity)
+    gran = Granularity.parse(granularity, fn)
     _check_bool(fn, "pow2_scale", pow2_scale)
-    if gran in ("tensor", "row"):
+    if not gran.is_block:
         if pow2_scale:
             raise ValueError(f"{fn}: pow2_scale=True needs a block granularity (1, 128) or "
                              f"(128, 128), got granularity={granularity!r}")
         _check_input(fn, x, block=None)
     else:
         if fmt is not FP8_E4M3:
-            raise ValueError(f"{fn}: granularity {gran} needs elem_dtype=torch.float8_e4m3fn, "
+            raise ValueError(f"{fn}: granularity {gran.spelling} needs elem_dtype=torch.float8_e4m3fn, "
                              f"got {elem_dtype}")
-        _check_input(fn, x, block=FP8_BLOCK, min_ndim=2 if gran == (FP8_BLOCK, FP8_BLOCK) else 1,
+        _check_input(fn, x, block=FP8_BLOCK, min_ndim=2 if gran is Granularity.BLOCK_128X128 else 1,
                      why=" for granularity=(128, 128) (blocks of 128 rows)")
     return fmt, gran
 
@@ -765,10 +745,11 @@ def _quantize_nvfp4_checked(x, global_scale, swizzle):
     return data, scale, decode if global_scale is None else decode.clone()
 
 
-def fp8_granularity_from_name(granularity: str):
+def fp8_granularity_from_name(granularity: str) -> Granularity:
+    """The granularity of the operator's name for it (its value): 'tensor', 'row', '1x128' or '128x128'."""
     try:
-        return FP8_GRANULARITY_NAMES[granularity]
-    except KeyError:
+        return Granularity(granularity)
+    except ValueError:
         raise ValueError(f"tilemm::quantize_fp8: granularity must be 'tensor', 'row', '1x128' or "
                          f"'128x128', got {granularity!r}") from None
 
@@ -932,7 +913,7 @@ def quantize_fp8(x: torch.Tensor, *, granularity="tensor",
     if _eager_gpu(x):
         return FP8Tensor(*_run_recorded(key, source, lambda: _quantize_fp8_checked(x.detach(), fmt, gran,
                                                                                   pow2_scale)))
-    return FP8Tensor(*torch.ops.tilemm.quantize_fp8(x.detach(), fp8_granularity_name(gran),
+    return FP8Tensor(*torch.ops.tilemm.quantize_fp8(x.detach(), gran.value,
                                                     fmt.data_dtype, pow2_scale))
 
 
@@ -969,15 +950,20 @@ def amax_bits(x: torch.Tensor, granularity: str, *, propagate_nan: bool) -> torc
     taken in x's own dtype (exact; its conversion to fp32 is too), so only the result is converted.
     Plain tensor ops: CUDA-graph safe.
     """
-    if granularity not in ("tensor", "row"):
+    try:
+        gran = Granularity.parse(granularity, "amax_bits")
+    except ValueError:
+        gran = None
+    if gran is None or gran.is_block:
         raise ValueError(f"amax_bits: granularity must be 'tensor' or 'row', got {granularity!r}")
+    per_tensor = gran is Granularity.TENSOR
     a = x.detach().abs()
     if not propagate_nan:
         a = a.nan_to_num(nan=0.0, posinf=0.0)  # |x| has no -Inf
     if not a.numel():
-        shape = (1,) if granularity == "tensor" else (*a.shape[:-1], 1)
+        shape = (1,) if per_tensor else (*a.shape[:-1], 1)
         return torch.zeros(shape, dtype=torch.int32, device=a.device)
-    m = a.amax().reshape(1) if granularity == "tensor" else a.amax(dim=-1, keepdim=True)
+    m = a.amax().reshape(1) if per_tensor else a.amax(dim=-1, keepdim=True)
     return m.to(torch.float32).view(torch.int32)
 
 
@@ -1006,20 +992,20 @@ def quantize_fp8_with_amax(x: torch.Tensor, amax: torch.Tensor, *, granularity: 
     divisions: the same bits as from x's own amax. Per tensor on the GPU runs the quantize kernel;
     per row the reference's tensor ops (CUDA-graph safe: the constants are made by kernels)."""
     fmt, gran = check_quantize_fp8(x, granularity, elem_dtype, False)
-    shape = (1,) if gran == "tensor" else (*x.shape[:-1], 1)
-    if gran not in ("tensor", "row") or amax.dtype != torch.int32 or tuple(amax.shape) != shape:
+    shape = (1,) if gran is Granularity.TENSOR else (*x.shape[:-1], 1)
+    if gran.is_block or amax.dtype != torch.int32 or tuple(amax.shape) != shape:
         raise ValueError(f"quantize_fp8_with_amax: needs granularity 'tensor' or 'row' and amax an int32 "
                          f"tensor of shape {shape}, got {granularity!r} and {amax.dtype} {tuple(amax.shape)}")
     kernels = _quantize_kernels(x)
-    if kernels is not None and gran == "tensor":
-        data, scale = kernels.quantize_fp8(x, fmt, "tensor", False, amax=amax.view(torch.float32))
+    if kernels is not None and gran is Granularity.TENSOR:
+        data, scale = kernels.quantize_fp8(x, fmt, gran, False, amax=amax.view(torch.float32))
         return FP8Tensor(data, scale)
     a = amax.view(torch.float32)
     s = a / torch.full((), fmt.qmax, dtype=torch.float32, device=x.device)  # a true division
     s = torch.where(s == 0, torch.ones_like(s), s)
     s = torch.where(torch.isfinite(a), s, torch.full_like(s, float("nan")))
     data = _cast_fp8_rne_satfinite(x.detach().to(torch.float32) / s, fmt).view(fmt.data_dtype)
-    return FP8Tensor(data, s.reshape(()) if gran == "tensor" else s)
+    return FP8Tensor(data, s.reshape(()) if gran is Granularity.TENSOR else s)
 
 # ----------------------------------------------------------------------------------------------
 # Dequantizers

@@ -25,6 +25,7 @@ import torch
 
 import swizzle as _swizzle
 
+from ..formats import Granularity
 from ..numerics import ceil_div
 
 __all__ = ["launch_all_on", "tile_coords", "tile_coords_at", "e8m0_bits_bf16", "e8m0_to_bf16", "e8m0_to_fp32",
@@ -169,16 +170,13 @@ def zeros_vector(device: torch.device, n: int) -> torch.Tensor:
     return t[:n]
 
 
-def fp8_kind(granularity: str, where: str) -> str:
-    """The FP8 kernel for a ``tilemm.matmul.FP8Problem`` granularity (``tilemm.formats.FP8_GRANULARITIES``):
+def fp8_kind(granularity: Granularity, where: str) -> str:
+    """The FP8 kernel for a ``tilemm.matmul.FP8Problem`` granularity (``Granularity.matmul_kernel``):
     "scaled" (per tensor or per row: one kernel, scales in the epilogue) or "blockwise" (128-element
     blocks); ``where`` names the caller in errors."""
-    if granularity in ("tensor", "row"):
-        return "scaled"
-    if granularity == "block":
-        return "blockwise"
-    raise ValueError(f"{where}: granularity must be 'tensor', 'row' or 'block', got "
-                     f"{granularity!r}")
+    if not isinstance(granularity, Granularity):
+        raise TypeError(f"{where}: granularity must be a tilemm.formats.Granularity, got {granularity!r}")
+    return granularity.matmul_kernel
 
 
 def swizzled_scale_view(scale: torch.Tensor, cols_per_tile: int) -> torch.Tensor:

@@ -6,9 +6,10 @@ dtype, for e4m3 / e5m2 ``a`` (Ba, M, K) and ``b`` (Bb, N, K), both K-contiguous 
 transposed in registers). One output tile per block, a 1-D GROUP_SIZE_M-ordered grid over B * tiles;
 Ba or Bb of 1 broadcasts through ``batch % Ba``.
 
-* ``_fp8_scaled_kernel`` (granularity "tensor" and "row"): FP8 ``ct.mma`` over all of K into one fp32
-  accumulator; the epilogue multiplies row r / column c by ``sa[r] * sb[c]``. Loads past K are zero.
-* ``_fp8_blockwise_kernel`` ("block", e4m3, K a multiple of 128): sa (Ba, M, K/128), sb
+* ``_fp8_scaled_kernel`` (granularity TENSOR and ROW, ``tilemm.formats.Granularity``): FP8 ``ct.mma``
+  over all of K into one fp32 accumulator; the epilogue multiplies row r / column c by
+  ``sa[r] * sb[c]``. Loads past K are zero.
+* ``_fp8_blockwise_kernel`` (BLOCK_1X128, e4m3, K a multiple of 128): sa (Ba, M, K/128), sb
   (Bb, cdiv(N, 128), K/128); TK = TN = 128, so each K step is one scale column and one N block:
   ``acc += mma(a_k, b_k, 0) * sa[:, k] * sb[n, k]``.
 
@@ -27,7 +28,7 @@ import math
 import cuda.tile as ct
 import torch
 
-from ..formats import FP8_BLOCK
+from ..formats import FP8_BLOCK, Granularity
 from . import _large
 from ._aot import AotVariant
 from .._arch import capability, table_for_capability
@@ -132,11 +133,12 @@ _CONFIGS: dict[str, dict[str, dict[str, FP8Config]]] = {
 }
 
 
-def _kind(granularity: str) -> str:
+def _kind(granularity: Granularity) -> str:
     return fp8_kind(granularity, "blackwell_fp8")
 
 
-def plan(table: str, granularity: str, batch: int, m: int, n: int, sms: int = DEFAULT_SM_COUNT) -> FP8Config:
+def plan(table: str, granularity: Granularity, batch: int, m: int, n: int,
+         sms: int = DEFAULT_SM_COUNT) -> FP8Config:
     """The config of config table ``table`` (``table_for_capability``) for ``batch`` x (m, n) outputs:
     the large tile once every SM (pair) still gets a tile, else the small one."""
     configs = _CONFIGS[table][_kind(granularity)]
@@ -146,7 +148,7 @@ def plan(table: str, granularity: str, batch: int, m: int, n: int, sms: int = DE
     return configs["small"]
 
 
-def check_config(granularity: str, cfg: FP8Config) -> None:
+def check_config(granularity: Granularity, cfg: FP8Config) -> None:
     """Raise ValueError unless ``cfg`` suits the kernel of ``granularity``."""
     for what, v in (("tile_m", cfg.tile_m), ("tile_n", cfg.tile_n), ("tile_k", cfg.tile_k)):
         if v < 16 or v & (v - 1):

@@ -5,12 +5,12 @@ dtype, for e4m3 / e5m2 ``a`` (Ba, M, K) and ``b`` (Bb, N, K), both K-contiguous 
 
 Kernels (1-D GROUP_SIZE_M-swizzled tile order, num_worker_warps = 8: two MMA warpgroups):
 
-* granularity "tensor" and "row": ``hopper_gemm``'s kernel with ``SCALED``: FP8
-  ``ct.mma`` over all of K into one fp32 accumulator; the epilogue multiplies row r / column c by
+* granularity TENSOR and ROW (``tilemm.formats.Granularity``): ``hopper_gemm``'s kernel with
+  ``SCALED``: FP8 ``ct.mma`` over all of K into one fp32 accumulator; the epilogue multiplies row r / column c by
   ``sa[r] * sb[c]``. A per-tensor scale (a broadcast view of one value) reaches the kernel as that
   one (1,) value (``A_TENSOR`` / ``B_TENSOR``), which multiplies every row / column: the same
   products, and no vector to copy, so a repeated call is one launch.
-* "block" (``_fp8_blockwise_kernel``, e4m3, K a multiple of 128): a (Ba, M, K/128) scale per 1x128
+* BLOCK_1X128 (``_fp8_blockwise_kernel``, e4m3, K a multiple of 128): a (Ba, M, K/128) scale per 1x128
   block of a and a (Bb, cdiv(N, 128), K/128) scale per 128x128 block of b; TK = 128 and TN divides 128,
   so each K step is one scale column: ``acc += mma(a_k, b_k, 0) * sa[:, k] * sb[n, k]``.
 
@@ -28,7 +28,7 @@ import math
 import cuda.tile as ct
 import torch
 
-from ..formats import FP8_BLOCK
+from ..formats import FP8_BLOCK, Granularity
 from . import _large
 from ._aot import AotVariant, array
 from ._common import ceil_div, epilogue, fp8_kind, hinted, ones_scalar, stream_handle, tile_coords, zeros_vector
@@ -106,7 +106,7 @@ _CONFIGS: dict[tuple[str, bool], dict[str, FP8Config]] = {
 }
 
 
-def _kind(granularity: str) -> str:
+def _kind(granularity: Granularity) -> str:
     return fp8_kind(granularity, "hopper_fp8")
 
 
@@ -123,7 +123,8 @@ def _wave_fill(tiles: int, sms: int) -> float:
     return tiles / (ceil_div(tiles, sms) * sms)
 
 
-def plan(granularity: str, batch: int, m: int, n: int, fast_accum: bool = False, sms: int = 132) -> FP8Config:
+def plan(granularity: Granularity, batch: int, m: int, n: int, fast_accum: bool = False,
+         sms: int = 132) -> FP8Config:
     """The config for ``batch`` x (m, n) outputs: the large tile when there are at least
     ``_LARGE_TILES`` of it and its last wave is not mostly empty, else the small one."""
     table = _CONFIGS[_kind(granularity), fast_accum]
@@ -248,7 +249,7 @@ def aot_variants() -> list[AotVariant]:
     ``launch`` can pick. The per-tensor scale modes (x's, y's or both) take the scaled kernel's other
     paths; they are listed with bf16 outputs only (the output dtype is a precision, not a path)."""
     variants = []
-    for kind in ("scaled", "blockwise"):
+    for kind in dict.fromkeys(kind for kind, _ in _CONFIGS):  # "scaled", "blockwise"
         sdim = 3 if kind == "blockwise" else 2
         elements = ("e4m3",) if kind == "blockwise" else ("e4m3", "e5m2")
         modes = ((False, False), (True, True), (False, True), (True, False)) if kind == "scaled" else ((False, False),)

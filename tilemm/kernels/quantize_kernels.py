@@ -37,7 +37,7 @@ from cuda.tile import compilation as cc
 from swizzle import swizzled_shape
 
 from .._arch import capability, gpu_code, has_kernels
-from ..formats import E2M1, E4M3, E5M2, ELEMENT_CODES, FP8_BLOCK, FP8_E4M3, NVFP4, Format
+from ..formats import E2M1, E4M3, E5M2, ELEMENT_CODES, FP8_BLOCK, FP8_E4M3, NVFP4, Format, Granularity
 from ..numerics import ceil_div
 from . import _large
 from ._aot import TARGETS, AotVariant, array
@@ -80,10 +80,12 @@ _INV_QMAX_E2M1 = _f32(1.0 / 6.0)
 # and ``Format.element_code``. These names exist only because the tile code compares ELEMENT with them.
 _E4M3, _E5M2, _E2M1 = E4M3, E5M2, E2M1
 
-# FP8 granularities of ``_fp8_quantize_kernel`` (GRANULARITY); per row has its own kernel.
-_FP8_TENSOR = 0
-_FP8_1X128 = 1
-_FP8_128X128 = 2
+# The granularity codes (the GRANULARITY constant of ``_fp8_quantize_kernel``; per row has its own kernel)
+# are ``tilemm.formats.Granularity.code``; host code uses the members. These names exist only because the
+# tile code compares GRANULARITY with them.
+_FP8_TENSOR = Granularity.TENSOR.code
+_FP8_1X128 = Granularity.BLOCK_1X128.code
+_FP8_128X128 = Granularity.BLOCK_128X128.code
 FP8_STRIP = 32  # rows of a 128x128 block quantized at a time (``_fp8_square_tile``)
 
 _NAN_BYTE = 0x7F  # positive NaN in e4m3fn and e5m2
@@ -879,8 +881,8 @@ FP8_BLOCK_CONFIGS = {
 #: (``_fp8_tensor_tile_transposed``; tile_r input columns by tile_k of K), 1x128 loaded through
 #: ``order``; both the fastest of the forms measured.
 FP8_TRANSPOSED_CONFIGS = {
-    _FP8_TENSOR: QuantizeConfig(32, 256),
-    _FP8_1X128: QuantizeConfig(64, 128),
+    Granularity.TENSOR: QuantizeConfig(32, 256),
+    Granularity.BLOCK_1X128: QuantizeConfig(64, 128),
 }
 
 
@@ -915,9 +917,8 @@ ROW_AMAX_CHUNK = 16
 ROW_TRANSPOSED_CONFIG = QuantizeConfig(32, 256)
 
 
-#: The granularity codes of ``_fp8_quantize_kernel`` by ``plan``'s kernel names.
-_FP8_GRANULARITY = {"fp8_tensor": _FP8_TENSOR, "fp8_1x128": _FP8_1X128, "fp8_128x128": _FP8_128X128}
-_FP8_KERNEL = {code: name for name, code in _FP8_GRANULARITY.items()}
+#: FP8 granularities by ``plan``'s kernel names (``Granularity.quantize_kernel``).
+_FP8_GRANULARITY = {gran.quantize_kernel: gran for gran in Granularity}
 
 
 def plan(kernel: str, *, swizzled: bool = False, transposed: bool = False, itemsize: int = 2,
@@ -933,13 +934,13 @@ def plan(kernel: str, *, swizzled: bool = False, transposed: bool = False, items
     if kernel in ("mxfp8", "mxfp4", "nvfp4"):
         return BLOCK_CONFIGS[kernel, swizzled, transposed]
     gran = _FP8_GRANULARITY.get(kernel)
-    if gran == _FP8_128X128:
+    if gran is Granularity.BLOCK_128X128:
         return FP8_BLOCK_CONFIGS[transposed, itemsize]
-    if gran is not None:
+    if gran in (Granularity.TENSOR, Granularity.BLOCK_1X128):
         if transposed:
             return FP8_TRANSPOSED_CONFIGS[gran]
-        return FP8_CONFIG if gran == _FP8_TENSOR else FP8_1X128_CONFIG
-    if kernel == "fp8_row":
+        return FP8_CONFIG if gran is Granularity.TENSOR else FP8_1X128_CONFIG
+    if gran is Granularity.ROW:
         if transposed:
             return ROW_TRANSPOSED_CONFIG
         tile_k = min(ROW_MAX_K, max(ROW_MIN_K, 1 << max(0, k - 1).bit_length()))
@@ -958,14 +959,14 @@ def _row_tma_store(cfg: QuantizeConfig, target: str) -> bool:
     return cfg.tile_k > ROW_PLAIN_STORE_K or target not in PLAIN_STORE_TARGETS
 
 
-def fp8_tma_store(gran: int, target: str) -> bool:
+def fp8_tma_store(gran: Granularity, target: str) -> bool:
     """Whether ``_fp8_quantize_kernel`` stores its fp8 tile through TMA on ``target``.
 
     Plain stores were faster on the H100. Per tensor stores plainly on every target (no spills either
     way); 1x128 only on sm_90 (``PLAIN_STORE_TARGETS``), since with plain stores it spills and
     Blackwell was never timed. A transposed per-tensor tile is stored through TMA regardless
     (``_fp8_tensor_tile_transposed``)."""
-    return gran == _FP8_1X128 and target not in PLAIN_STORE_TARGETS
+    return gran is Granularity.BLOCK_1X128 and target not in PLAIN_STORE_TARGETS
 
 
 def _row_tiles_k() -> list[int]:
@@ -1390,21 +1391,22 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
                  amax: torch.Tensor | None = None):
     """FP8 of x on the GPU: (data of fmt.data_dtype in x's shape, fp32 scale in the reference's shape).
 
-    granularity: "tensor" (scale 0-d; the NaN-propagating tensor amax taken inside the launch
-    (``_grid_amax``: one launch) when its grid fits one block per SM, else by ``tensor_amax`` first;
-    ``amax``, a (1,) fp32 tensor holding max |x|, replaces it: the benchmark times the kernel alone
-    that way), "row"
-    (..., M, 1), (1, 128) (..., M, K/128) or (128, 128) (..., cdiv(M, 128), K/128)."""
+    granularity: a ``Granularity`` (or a spelling ``Granularity.parse`` reads): TENSOR (scale 0-d; the
+    NaN-propagating tensor amax taken inside the launch (``_grid_amax``: one launch) when its grid fits
+    one block per SM, else by ``tensor_amax`` first; ``amax``, a (1,) fp32 tensor holding max |x|,
+    replaces it: the benchmark times the kernel alone that way), ROW (..., M, 1), BLOCK_1X128
+    (..., M, K/128) or BLOCK_128X128 (..., cdiv(M, 128), K/128)."""
+    gran = Granularity.parse(granularity, "quantize_kernels.quantize_fp8")
     element = fmt.element_code
     full = _operand(x)
-    if granularity == "row":
+    if gran is Granularity.ROW:
         op = _rows_flattened(full)
         data = torch.empty(op.batch, op.rows, op.k, dtype=fmt.data_dtype, device=x.device)
         scale = torch.empty(op.batch, op.rows, 1, dtype=torch.float32, device=x.device)
         row_scale = ((0, 0, 1), (1, 1, 1))  # (B, R, 1): its last dimension follows no axis
         if op.transposed:
             amax = _buffer((op.batch, op.rows), torch.int32, x.device, zeroed=True)
-            acfg, cfg = plan("fp8_row_amax"), plan("fp8_row", transposed=True)
+            acfg, cfg = plan("fp8_row_amax"), plan(gran.quantize_kernel, transposed=True)
             # Every piece's column maxima (atomic, into the rows of Amax it covers) before any piece
             # is quantized: pieces cut along K share their rows' maxima.
             views = _pieces("quantize_fp8", op, max(acfg.tile_r, cfg.tile_r), max(acfg.tile_k, cfg.tile_k),
@@ -1420,7 +1422,7 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
                 _launch_kernel(x.device, _view_grid(view, True, cfg), _kernel(_fp8_columns_kernel, cfg),
                                (view, d, s, a, element, cfg.tile_r, cfg.tile_k))
         else:
-            cfg = plan("fp8_row", k=op.k)
+            cfg = plan(gran.quantize_kernel, k=op.k)
             tma = _row_tma_store(cfg, _target(x.device))
             for view, d, s in _pieces("quantize_fp8", op, cfg.tile_r, op.k,
                                       (("x", op.view, _BRK), ("data", data, _BRK), ("scale", scale, row_scale))):
@@ -1428,30 +1430,27 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
                                _kernel(_fp8_row_kernel, cfg),
                                (view, d, s, element, tma, cfg.tile_r, cfg.tile_k))
         return _shaped(full, x, data, scale, False)
-    if granularity == "tensor":
+    if gran is Granularity.TENSOR:
         op = _rows_flattened(full)
         scale = torch.empty(1, dtype=torch.float32, device=x.device)
-        gran = _FP8_TENSOR
         scale_dims = ()
-    elif granularity == (1, FP8_BLOCK):
+    elif gran is Granularity.BLOCK_1X128:
         op = _rows_flattened(full)
         amax = scale = _block_scale_buffer(op, op.k // FP8_BLOCK, False, torch.float32)
-        gran = _FP8_1X128
         scale_dims = amax_dims = ((0, 0, 1), (1, 1, 1), (2, 2, FP8_BLOCK))
     else:
         op = full
         scale = torch.empty(op.batch, ceil_div(op.rows, FP8_BLOCK), op.k // FP8_BLOCK, dtype=torch.float32,
                             device=x.device)
         amax = scale
-        gran = _FP8_128X128
         scale_dims = amax_dims = ((0, 0, 1), (1, 1, FP8_BLOCK), (2, 2, FP8_BLOCK))
     data = torch.empty(op.batch, op.rows, op.k, dtype=fmt.data_dtype, device=x.device)
-    cfg = plan(_FP8_KERNEL[gran], transposed=op.transposed, itemsize=x.element_size())
+    cfg = plan(gran.quantize_kernel, transposed=op.transposed, itemsize=x.element_size())
     kernel = _kernel(_fp8_quantize_kernel, cfg)
     tma = fp8_tma_store(gran, _target(x.device))
     operands = [("x", op.view, _input_dims(op)), ("data", data, _BRK), ("scale", scale, scale_dims)]
     grid_amax = False
-    if gran == _FP8_TENSOR:  # every piece reads the one amax: taken in the launch, or first
+    if gran is Granularity.TENSOR:  # every piece reads the one amax: taken in the launch, or first
         pieces = _pieces("quantize_fp8", op, cfg.tile_r, cfg.tile_k, operands)
         grid_amax = (amax is None and len(pieces) == 1
                      and _view_grid(pieces[0][0], op.transposed, cfg)[0] <= num_sms(x.device))
@@ -1466,13 +1465,13 @@ def quantize_fp8(x: torch.Tensor, fmt: Format, granularity, pow2_scale: bool,
         pieces = _pieces("quantize_fp8", op, cfg.tile_r, cfg.tile_k, [*operands, ("amax", amax, amax_dims)])
     for view, d, s, a in pieces:
         _launch_kernel(x.device, _view_grid(view, op.transposed, cfg), kernel,
-                       (view, d, s, a, 1 if pow2_scale else 0, element, gran, op.transposed, grid_amax, tma,
+                       (view, d, s, a, 1 if pow2_scale else 0, element, gran.code, op.transposed, grid_amax, tma,
                         cfg.tile_r, cfg.tile_k))
     head = (*full.lead, full.rows) if x.ndim >= 2 else ()
     data = data.reshape(*head, op.k)
-    if gran == _FP8_TENSOR:
+    if gran is Granularity.TENSOR:
         return data, scale.reshape(())
-    if gran == _FP8_1X128:
+    if gran is Granularity.BLOCK_1X128:
         return data, scale.reshape(*head, scale.shape[-1])
     return data, scale.reshape(*full.lead, *scale.shape[1:])
 
@@ -1495,6 +1494,7 @@ def aot_variants() -> list[AotVariant]:
     u8 = array(ct.uint8, 3)
     f32_1 = array(ct.float32, 1)
     i32_1 = array(ct.int32, 1)
+    row = Granularity.ROW
 
     def add(name, kernel, cfg, params, targets=TARGETS):
         variants.append(AotVariant(name, _kernel(kernel, cfg), [*params, cfg.tile_r, cfg.tile_k], targets))
@@ -1519,31 +1519,33 @@ def aot_variants() -> list[AotVariant]:
             for element in ("e4m3", "e5m2"):
                 code = ELEMENT_CODES[element]
                 if transposed:
-                    add(f"quantize_fp8_rowcols_{element}_{in_name}", _fp8_columns_kernel,
-                        plan("fp8_row", transposed=True),
+                    add(f"quantize_fp8_{row.value}cols_{element}_{in_name}", _fp8_columns_kernel,
+                        plan(row.quantize_kernel, transposed=True),
                         [x, _data_array(element), array(ct.float32, 3), array(ct.int32, 2), code])
                 for tile_k in [] if transposed else _row_tiles_k():
-                    cfg = plan("fp8_row", k=tile_k)
+                    cfg = plan(row.quantize_kernel, k=tile_k)
                     for tma in (True, False):
                         targets = tuple(tg for tg in TARGETS if _row_tma_store(cfg, tg) == tma)
                         if targets:
-                            add(f"quantize_fp8_row{cfg.tile_k}_{element}_{in_name}{'' if tma else '_plain'}",
+                            add(f"quantize_fp8_{row.value}{cfg.tile_k}_{element}_{in_name}"
+                                f"{'' if tma else '_plain'}",
                                 _fp8_row_kernel, cfg,
                                 [x, _data_array(element), array(ct.float32, 3), code, tma], targets)
-                grans = {"tensor": _FP8_TENSOR}
+                grans = [Granularity.TENSOR]
                 if element == "e4m3":
-                    grans.update({"1x128": _FP8_1X128, "128x128": _FP8_128X128})
-                for gname, gran in grans.items():
-                    cfg = plan(_FP8_KERNEL[gran], transposed=transposed, itemsize=in_dtype.bitwidth // 8)
-                    scale = f32_1 if gran == _FP8_TENSOR else array(ct.float32, 3)
-                    amax = i32_1 if gran == _FP8_TENSOR else array(ct.float32, 3)
-                    for grid_amax in (False, True) if gran == _FP8_TENSOR else (False,):
+                    grans += [Granularity.BLOCK_1X128, Granularity.BLOCK_128X128]
+                for gran in grans:
+                    cfg = plan(gran.quantize_kernel, transposed=transposed, itemsize=in_dtype.bitwidth // 8)
+                    per_tensor = gran is Granularity.TENSOR
+                    scale = f32_1 if per_tensor else array(ct.float32, 3)
+                    amax = i32_1 if per_tensor else array(ct.float32, 3)
+                    for grid_amax in (False, True) if per_tensor else (False,):
                         for tma in (False, True):
                             targets = tuple(tg for tg in TARGETS if fp8_tma_store(gran, tg) == tma)
                             if targets:
-                                add(f"quantize_fp8_{gname}{'_grid_amax' if grid_amax else ''}_{element}_{in_name}"
-                                    f"{t}{'_tma' if tma else ''}", _fp8_quantize_kernel, cfg,
-                                    [x, _data_array(element), scale, amax, _INT32, code, gran, transposed,
+                                add(f"quantize_fp8_{gran.value}{'_grid_amax' if grid_amax else ''}_{element}_"
+                                    f"{in_name}{t}{'_tma' if tma else ''}", _fp8_quantize_kernel, cfg,
+                                    [x, _data_array(element), scale, amax, _INT32, code, gran.code, transposed,
                                      grid_amax, tma], targets)
         for element, code in ELEMENT_CODES.items():
             for nv, grid_amax in ((False, False),) if element != "e2m1" else ((False, False), (True, False),

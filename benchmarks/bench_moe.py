@@ -272,7 +272,7 @@ def hf_experts(config_kw: dict, gate_up, gate_up_bias, down, down_bias, activati
 #: Structurally different launches of the same layer, timed next to the chosen one at T <= 16:
 #: "pairs_combine" / "pairs_bmm": no routing, one block per ((token, slot) pair, N tile) on the FMA
 #: pipes, the weighted sum in the down launch (a block per (token, N tile) running the token's k
-#: experts in turn) or as a batched GEMM (the default at T = 1 picks one by ``combine_pays``; at
+#: experts in turn) or as a batched GEMM (the default at T = 1 picks one: ``moe_kernels.plan``; at
 #: larger T an expert shared by several tokens is read once per token); "sorted": the routing, x's
 #: rows sorted by expert, one block per (active expert, N tile) on the tensor cores (the default
 #: from T = 2); "all_experts": the sorted design with a block per (expert, N tile) for every expert
@@ -287,7 +287,7 @@ DESIGN_MAX_T = 16
 
 def designs_for(t: int, pairs_default: bool, quick: bool = False) -> tuple:
     """The DESIGNS to time at T = ``t``, where the default is the per-pair design or not
-    (``pairs_default``, ``moe_kernels.pairs_pay``): the sorted one only where it is not the default,
+    (``pairs_default``, ``moe_kernels.plan``): the sorted one only where it is not the default,
     full_grid where it is; the others only at T <= DESIGN_MAX_T and not with ``quick``."""
     out = []
     for d in DESIGNS:
@@ -304,7 +304,8 @@ def pairs_default(t: int, k: int, experts) -> bool:
     from tilemm.kernels import moe_kernels as mk
 
     gu, dn = experts.packed("gate_up"), experts.packed("down")
-    return mk.pairs_pay(t, k, gu.words.shape[0], mk.expert_bytes(gu.words, gu.scale_t, dn.words, dn.scale_t))
+    expert_bytes = mk.expert_bytes(gu.words, gu.scale_t, dn.words, dn.scale_t)
+    return mk.plan(t, k, gu.words.shape[0], gu.shape[1], gu.shape[2], gu.layout, expert_bytes).design == "pairs"
 
 
 def designed(ours: MoEExperts, design: str):

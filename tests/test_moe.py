@@ -289,8 +289,9 @@ def _run_kernel(x, packed, ids, bias, cfg, act=0, sorted_out=None, blocks=None):
     out = torch.full((t * k, n_out), 12345.0, dtype=x.dtype)  # poison: every row must be written
     b = None if bias is None else bias.float()
     routed = mk.route(ids, e)
+    moe_plan = mk.plan(t, k, e, n, x.shape[1], packed.layout, design="sorted", config=cfg)
     mk.launch(mk.sort_rows(x, routed, k), packed.words, packed.scale_t, packed.constants, b, routed, t, out,
-              packed.layout, act=act, cfg=cfg, sorted_out=sorted_out, blocks=blocks)
+              packed.layout, act=act, moe_plan=moe_plan, sorted_out=sorted_out, blocks=blocks)
     if (act if sorted_out is None else sorted_out):
         unsorted = torch.empty_like(out)
         unsorted[routed[0]] = out
@@ -353,9 +354,9 @@ def test_kernel_after_route_kernel(emulated):
     routed = mk.route(ids, e, kernel=True)
     assert routed[2].tolist() == [1, 3, 4, 7, -1, -1]
     out = torch.full((6, n), 12345.0, dtype=torch.bfloat16)
-    cfg = mk.MoEConfig(16, 16, 4, None, cat=1)
+    moe_plan = mk.plan(3, 2, e, n, k, packed.layout, design="sorted", config=mk.MoEConfig(16, 16, 4, None, cat=1))
     mk.launch(mk.sort_rows(x, routed, 2), packed.words, packed.scale_t, packed.constants, None, routed, 3, out,
-              packed.layout, cfg=cfg, blocks=2)
+              packed.layout, moe_plan=moe_plan, blocks=2)
     out = out.reshape(3, 2, n)
     ok = ids < e
     assert out[~ok].isnan().all()
@@ -395,7 +396,7 @@ def test_kernel_single_token_top4(emulated):
     w_q, packed = stacked("mxfp4", 8, 64, 256, seed=7)
     x = torch.randn(1, 256).to(torch.bfloat16)
     ids = torch.tensor([[6, 1, 3, 0]])
-    cfg = mk.plan(1, 4, 8, packed.layout)
+    cfg = mk.plan(1, 4, 8, 64, 256, packed.layout, design="sorted").config
     assert cfg.tile_m == 16 and cfg.cat == 1
     out = _run_kernel(x, packed, ids, None, cfg)
     assert_matches(out.float(), reference64(x, w_q, ids), torch.bfloat16)
@@ -466,10 +467,10 @@ def test_pairs_kernel_matches_reference(emulated, fmt):
     for t, ids in ((1, torch.tensor([[3, 0, 5, 1]])), (2, torch.tensor([[4, 2], [2, -1]]))):
         x = (torch.randn(t, k, generator=gen) * 2).to(torch.bfloat16)
         out = torch.full((ids.numel(), n), 12345.0, dtype=torch.bfloat16)
-        cfg = mk.pairs_plan(k, packed.layout)
-        assert cfg.unroll == 2
+        moe_plan = mk.plan(t, ids.shape[1], e, n, k, packed.layout, design="pairs")
+        assert moe_plan.config.unroll == 2 and not moe_plan.combine
         mk.launch_pairs(x, packed.words, packed.scale_t, packed.constants, bias, ids.reshape(-1), out,
-                        packed.layout, cfg=cfg)
+                        packed.layout, moe_plan=moe_plan)
         out = out.reshape(*ids.shape, n)
         ok = (ids >= 0) & (ids < e)
         assert out[~ok].isnan().all()
@@ -511,31 +512,59 @@ def test_pairs_kernel_swiglu_and_combine(emulated):
 
 def test_pairs_plan_unroll_wastes_little():
     layout = tilemm.packed.layout_of(MXFP4)
-    assert [mk.pairs_plan(k, layout).unroll for k in (2880, 2048, 512, 256, 8192)] == [4, 8, 2, 2, 8]
+    plans = [mk.plan(1, 4, 32, 2880, k, layout, design="pairs") for k in (2880, 2048, 512, 256, 8192)]
+    assert [p.config.unroll for p in plans] == [4, 8, 2, 2, 8]
+
+
+def _combines(tokens: int, n: int, sms: int) -> bool:
+    """Whether the plan of an experts block's down projection (per pair, N = ``n``) combines."""
+    return mk.plan(tokens, 4, 32, n, 2880, tilemm.packed.layout_of(MXFP4), sms=sms, design="pairs",
+                   combine=None).combine
 
 
 def test_combine_only_with_one_and_a_half_blocks_per_sm():
     # gpt-oss-20b's down projection at T = 1: 180 blocks of (token, 16 rows) on 132 SMs -> no;
     # the 2048-wide anchor layer at T = 2: 256 blocks -> yes
-    assert not mk.combine_pays(1, 2880, 132) and not mk.combine_pays(1, 2048, 132)
-    assert mk.combine_pays(1, 7168, 132) and mk.combine_pays(2, 2880, 132) and mk.combine_pays(2, 2048, 132)
+    assert not _combines(1, 2880, 132) and not _combines(1, 2048, 132)
+    assert _combines(1, 7168, 132) and _combines(2, 2880, 132) and _combines(2, 2048, 132)
+    # choosing needs the SM count; the sorted design never combines
+    layout = tilemm.packed.layout_of(MXFP4)
+    with pytest.raises(ValueError, match="combine=None.*needs sms"):
+        mk.plan(1, 4, 32, 2880, 2880, layout, design="pairs", combine=None)
+    with pytest.raises(ValueError, match="combine=True needs the per-pair design"):
+        mk.plan(64, 4, 32, 2880, 2880, layout, design="sorted", combine=True)
+    assert not mk.plan(64, 4, 32, 2880, 2880, layout, design="sorted", combine=None).combine
+
+
+def _design(tokens: int, top_k: int, num_experts: int, expert_bytes: float) -> str:
+    return mk.plan(tokens, top_k, num_experts, 2880, 2880, tilemm.packed.layout_of(MXFP4), expert_bytes).design
 
 
 def test_pairs_for_a_few_tokens():
     # one token always; then while the pairs are at most half the experts and read <= 256 MiB
     gpt_oss, anchor = 13 * 2 ** 20, 1.6 * 2 ** 20  # one expert's gate_up + down bytes in MXFP4
-    assert [t for t in (1, 2, 4, 8, 16, 32) if mk.pairs_pay(t, 4, 32, gpt_oss)] == [1, 2, 4]
-    assert [t for t in (1, 2, 4, 8, 16, 32) if mk.pairs_pay(t, 4, 128, gpt_oss)] == [1, 2, 4]
-    assert [t for t in (1, 2, 4, 8, 16, 32) if mk.pairs_pay(t, 8, 256, anchor)] == [1, 2, 4, 8, 16]
-    assert mk.pairs_pay(1, 8, 8, 10 ** 12) and not mk.pairs_pay(2, 2, 6, 1)
+    assert [t for t in (1, 2, 4, 8, 16, 32) if _design(t, 4, 32, gpt_oss) == "pairs"] == [1, 2, 4]
+    assert [t for t in (1, 2, 4, 8, 16, 32) if _design(t, 4, 128, gpt_oss) == "pairs"] == [1, 2, 4]
+    assert [t for t in (1, 2, 4, 8, 16, 32) if _design(t, 8, 256, anchor) == "pairs"] == [1, 2, 4, 8, 16]
+    assert _design(1, 8, 8, 10 ** 12) == "pairs" and _design(2, 2, 6, 1) == "sorted"
+    with pytest.raises(ValueError, match="design=None.*needs expert_bytes"):
+        mk.plan(1, 4, 32, 2880, 2880, tilemm.packed.layout_of(MXFP4))
+    with pytest.raises(ValueError, match="design must be one of"):
+        mk.plan(1, 4, 32, 2880, 2880, tilemm.packed.layout_of(MXFP4), design="grouped")
     w = torch.zeros(4, 10, 3, dtype=torch.int32)
     assert mk.expert_bytes(w, torch.zeros(4, 5, dtype=torch.uint8)) == 10 * 3 * 4 + 5
+
+
+def _chunk_groups(tokens: int) -> int:
+    """The chunk groups of the sorted design's plan at tile_m 16 for T = ``tokens``."""
+    return mk.plan(tokens, 2, 3, 16, 256, tilemm.packed.layout_of(MXFP4), design="sorted",
+                   config=mk.MoEConfig(16, 16, 4, None, cat=1)).groups
 
 
 def test_chunk_groups_spread_a_popular_expert(emulated):
     """Every token picks expert 2 (skewed routing at large T): its chunks spread over G blocks; the
     result is the same whatever G."""
-    assert mk.chunk_groups(1, 16) == 1 and mk.chunk_groups(40, 16) == 3 and mk.chunk_groups(10 ** 4, 16) == 8
+    assert [_chunk_groups(t) for t in (1, 40, 10 ** 4)] == [1, 3, 8]
     w_q, packed = stacked("mxfp4", 3, 16, 256, seed=11)
     x = torch.randn(40, 256).to(torch.bfloat16)
     ids = torch.stack([torch.full((40,), 2), torch.arange(40) % 2], dim=1)
@@ -571,7 +600,7 @@ def test_persistent_grid_runs_every_item(emulated):
     w_q, packed = stacked("mxfp4", 3, 16, 256, seed=23)
     ids3 = (torch.arange(40) % 3).reshape(40, 1)
     out = _run_kernel(x40, packed, ids3, None, cfg, blocks=4)
-    assert mk.chunk_groups(40, 16) == 3
+    assert _chunk_groups(40) == 3
     assert_matches(out.float(), reference64(x40, w_q, ids3), torch.bfloat16)
     # E + 2 = 72 offsets (two loads of 64 when the kernel looks for the longest run): the busiest
     # expert, 69, in the second
@@ -584,14 +613,19 @@ def test_persistent_grid_runs_every_item(emulated):
 
 
 def test_plan_tile_m_follows_tokens_per_expert():
-    layout = tilemm.packed.layout_of(MXFP4)
-    assert mk.plan(1, 4, 32, layout).tile_m == 16
-    assert mk.plan(64, 4, 32, layout).tile_m == 16        # 8 per expert
-    assert mk.plan(256, 4, 32, layout).tile_m == 32       # 32 per expert
-    assert mk.plan(1024, 4, 32, layout).tile_m == 64       # 128 per expert: two 64-row chunks
-    assert mk.plan(2048, 4, 32, layout).tile_m == 128      # 256 per expert
-    assert mk.plan(1024, 8, 256, layout).tile_m == 32
-    assert mk.plan(16, 4, 32, tilemm.packed.layout_of(MXFP8_E4M3)).occupancy == 2
+    def tile(tokens, top_k, num_experts, fmt=MXFP4):
+        return mk.plan(tokens, top_k, num_experts, 2880, 2880, tilemm.packed.layout_of(fmt), design="sorted").config
+
+    assert tile(1, 4, 32).tile_m == 16
+    assert tile(64, 4, 32).tile_m == 16        # 8 per expert
+    assert tile(256, 4, 32).tile_m == 32       # 32 per expert
+    assert tile(1024, 4, 32).tile_m == 64       # 128 per expert: two 64-row chunks
+    assert tile(2048, 4, 32).tile_m == 128      # 256 per expert
+    assert tile(1024, 8, 256).tile_m == 32
+    assert tile(16, 4, 32, MXFP8_E4M3).occupancy == 2
+    # the design chosen: sorted past a few tokens, its chunk groups with it
+    chosen = mk.plan(1024, 4, 32, 2880, 2880, tilemm.packed.layout_of(MXFP4), 13 * 2 ** 20)
+    assert chosen == mk.MoEPlan("sorted", tile(1024, 4, 32), groups=8)
 
 
 # --------------------------------------------------------------------------------------------------

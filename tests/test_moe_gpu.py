@@ -76,7 +76,7 @@ def test_moe_linear_matches_reference(fmt, x_dtype, shape, routing):
 
 def test_one_token_launches_no_routing():
     """One token through gpt-oss's experts: the per-pair kernel twice (gate_up with the SwiGLU, down)
-    and the weighted sum (a batched GEMM at this hidden size: ``combine_pays``), no routing."""
+    and the weighted sum (a batched GEMM at this hidden size: ``moe_kernels.plan``), no routing."""
     gen = torch.Generator().manual_seed(1)
     gate_up = tilemm.prepack(tilemm.quantize_mxfp4(torch.randn(8, 512, 256, generator=gen))).to(DEV)
     down = tilemm.prepack(tilemm.quantize_mxfp4(torch.randn(8, 256, 256, generator=gen))).to(DEV)
@@ -134,7 +134,7 @@ def test_persistent_grid_equals_full_grid(fmt):
     ids[::3] = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(ids[::3].shape[0])])
     ids = ids.to(DEV)
     layout = tilemm.packed.layout_of(packed.fmt)
-    cfg = mk.plan(t, k, e, layout)
+    cfg = mk.plan(t, k, e, n, kdim, layout, design="sorted").config
     assert mk.grid_blocks(10 ** 6, cfg, DEV) < 10 ** 6
     outs = []
     for kernel in (True, False):

@@ -495,7 +495,8 @@ def test_fused_silu_epilogue_sorted_kernel(emulated, fmt):
     expected = silu_glu(ref, interleaved=True)
     gates = ref[..., 0::2][ok].float()
     assert (gates < -88).any() and (gates > 88).any()  # exp(-gate) overflows, and underflows to 0
-    for cfg in (mk.MoEConfig(16, 16, 4, None, cat=1), mk.plan(6, 2, E, packed.layout)):
+    planned = mk.plan(6, 2, E, packed.out_features, packed.in_features, packed.layout, design="sorted").config
+    for cfg in (mk.MoEConfig(16, 16, 4, None, cat=1), planned):
         plain = _run_kernel(x, packed, ids, None, cfg)
         for sorted_out in (1, 0):
             fused = _run_kernel(x, packed, ids, None, cfg, act=mk.ACT_SILU, sorted_out=sorted_out)

@@ -6,7 +6,7 @@ and rounded once to x's dtype. ``w`` is a stacked expert weight, ``tilemm.prepac
 quantized tensor (or of a list of E (N, K) ones). It is the custom operator
 ``torch.ops.tilemm.moe_linear``, which ``torch.compile(fullgraph=True)`` traces as one op.
 
-* On CUDA (Hopper, Blackwell): for a few tokens (``moe_kernels.pairs_pay``) one launch of the
+* On CUDA (Hopper, Blackwell): for a few tokens (``moe_kernels.plan`` chooses) one launch of the
   per-pair kernel, else one routing step, x's rows gathered into expert order and one grouped launch
   (``run_moe``; ``moe_kernels`` describes both). No host synchronisation and no allocation whose
   size depends on the routing, so a call can be captured in a CUDA graph.
@@ -67,9 +67,9 @@ def reference_moe(x, words, scale_t, constants, fmt_name: str, in_features: int,
 
 
 def run_moe(x, words, scale_t, constants, fmt_name: str, in_features: int, topk_ids, bias):
-    """What ``torch.ops.tilemm.moe_linear`` runs on checked tensors. On CUDA, one token: one cuTile
-    launch of the per-pair kernel, no routing, for a few tokens (one always; ``pairs_pay``). Else: one routing step (one small cuTile
-    launch for decode-sized batches, else fixed-size PyTorch operations), x's rows gathered into
+    """What ``torch.ops.tilemm.moe_linear`` runs on checked tensors. On CUDA: one cuTile launch of
+    the per-pair kernel, no routing, for a few tokens (one always; ``moe_kernels.plan``). Else: one
+    routing step (one small cuTile launch for decode-sized batches, else fixed-size PyTorch operations), x's rows gathered into
     expert order, and one cuTile launch, in which each expert's weight tile is read once per chunk of
     its tokens. Elsewhere ``reference_moe``."""
     if x.device.type != "cuda":
@@ -79,31 +79,31 @@ def run_moe(x, words, scale_t, constants, fmt_name: str, in_features: int, topk_
 
 
 class _MoELinearLaunch:
-    """``run_moe``'s GPU path for one signature, planned once: the design (``moe_kernels.pairs_pay``),
-    the weight layout and the output's shape. ``__call__`` allocates the output and launches; it is
+    """``run_moe``'s GPU path for one signature, planned once: the ``moe_kernels.plan`` (design and
+    its block or tile), the weight layout and the output's shape. ``__call__`` allocates the output and launches; it is
     what a repeated eager ``moe_linear`` call runs (``tilemm.kernels.PLANS``), without the checks and
     the operator's dispatcher."""
 
-    __slots__ = ("pairs", "layout", "tokens", "top_k", "n", "dtype", "device")
+    __slots__ = ("plan", "layout", "tokens", "top_k", "n", "dtype", "device")
 
     def __init__(self, x, words, scale_t, fmt_name: str, topk_ids):
         self.tokens, self.top_k = topk_ids.shape
         num_experts, self.n = words.shape[0], words.shape[1]
         self.dtype, self.device = x.dtype, x.device
         self.layout = layout_of(FORMATS[fmt_name])
-        self.pairs = moe_kernels.pairs_pay(self.tokens, self.top_k, num_experts,
-                                           moe_kernels.expert_bytes(words, scale_t))
+        self.plan = moe_kernels.plan(self.tokens, self.top_k, num_experts, self.n, x.shape[1], self.layout,
+                                     moe_kernels.expert_bytes(words, scale_t))
 
     def __call__(self, x, words, scale_t, constants, topk_ids, bias):
         tokens, top_k = self.tokens, self.top_k
         out = torch.empty((tokens * top_k, self.n), dtype=self.dtype, device=self.device)
-        if out.numel() and self.pairs:
+        if out.numel() and self.plan.design == "pairs":
             moe_kernels.launch_pairs(x.contiguous(), words, scale_t, constants, bias, topk_ids.reshape(-1), out,
-                                     self.layout)
+                                     self.layout, moe_plan=self.plan)
         elif out.numel():
             routed = moe_kernels.route(topk_ids, words.shape[0])
             moe_kernels.launch(moe_kernels.sort_rows(x.contiguous(), routed, top_k), words, scale_t, constants,
-                               bias, routed, tokens, out, self.layout)
+                               bias, routed, tokens, out, self.layout, moe_plan=self.plan)
         return out.reshape(tokens, top_k, self.n)
 
 
@@ -309,13 +309,13 @@ def run_experts(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format: 
 
 def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_format: str, gu_bias, d_words,
                       d_scale_t, d_constants, d_format: str, d_bias, alpha: float, limit: float,
-                      design: str | None = None, activation: str = "gpt-oss"):
-    """The GPU path of ``run_experts``. ``design`` "pairs" (the default for a few tokens:
-    ``moe_kernels.pairs_pay``): no routing, the per-pair kernel for gate_up and for down, with the
-    weighted sum in the down launch's epilogue where that pays (``moe_kernels.combine_pays``: two
-    launches), else as a batched GEMM ("pairs_combine" / "pairs_bmm" force either). "sorted" (the
-    default above): the routing, x's rows sorted by expert once, gate_up writing its rows in that
-    order, down reading them and writing (token, slot) rows, the weighted sum as a batched GEMM.
+                      design: str | None = None, activation: str = "gpt-oss", plans: tuple | None = None):
+    """The GPU path of ``run_experts``, on ``plans`` (default ``experts_plans``' for ``design``).
+    Per pair (the default for a few tokens): no routing, the per-pair kernel for gate_up and for
+    down, with the weighted sum in the down launch's epilogue where that pays (two launches), else
+    as a batched GEMM. Sorted (the default above): the routing, x's rows sorted by expert once,
+    gate_up writing its rows in that order, down reading them and writing (token, slot) rows, the
+    weighted sum as a batched GEMM. ``design`` (see ``EXPERTS_DESIGNS``) forces one.
 
     The gating, on interleaved gate / up rows, is fused into the gate_up launch's epilogue: gpt-oss's
     SwiGLU with gpt-oss's alpha and limit (``act=1``), SiLU (``activation`` "silu", ``act=2``). A
@@ -325,62 +325,74 @@ def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_fo
     num_experts, inter, hidden = gu_words.shape[0], gu_words.shape[1] // 2, d_words.shape[1]
     act = _fused_act(activation, alpha, limit)
     fused = act != moe_kernels.ACT_NONE
-    if design is None:
-        design = experts_design(tokens, top_k, gu_words, gu_scale_t, d_words, d_scale_t, x.device)
-    if design.startswith("pairs"):
+    if plans is None:
+        plans = experts_plans(tokens, top_k, gu_words, gu_scale_t, gu_format, d_words, d_scale_t, d_format, x.device,
+                              design)
+    gate_up_plan, down_plan = plans
+    gu_layout, d_layout = layout_of(FORMATS[gu_format]), layout_of(FORMATS[d_format])
+    if gate_up_plan.design == "pairs":
         flat = ids.reshape(-1)
         h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # pair order
         if fused:
             moe_kernels.launch_pairs(x.contiguous(), gu_words, gu_scale_t, gu_constants, gu_bias, flat, h,
-                                     layout_of(FORMATS[gu_format]), act=act)
+                                     gu_layout, act=act, moe_plan=gate_up_plan)
         else:
             gate_up = torch.empty((tokens * top_k, 2 * inter), dtype=x.dtype, device=x.device)
             moe_kernels.launch_pairs(x.contiguous(), gu_words, gu_scale_t, gu_constants, gu_bias, flat,
-                                     gate_up, layout_of(FORMATS[gu_format]))
+                                     gate_up, gu_layout, moe_plan=gate_up_plan)
             h = _glu(gate_up, activation, alpha, limit)
-        if design == "pairs":
-            combine = moe_kernels.combine_pays(tokens, hidden, _kernels_common.num_sms(x.device))
-            design = "pairs_combine" if combine else "pairs_bmm"
-        if design == "pairs_combine":
+        if down_plan.combine:
             out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
-            moe_kernels.launch_pairs(h, d_words, d_scale_t, d_constants, d_bias, flat, out,
-                                     layout_of(FORMATS[d_format]), weights=weights.contiguous())
+            moe_kernels.launch_pairs(h, d_words, d_scale_t, d_constants, d_bias, flat, out, d_layout,
+                                     weights=weights.contiguous(), moe_plan=down_plan)
             return out
         y = torch.empty((tokens * top_k, hidden), dtype=x.dtype, device=x.device)  # pair order
-        moe_kernels.launch_pairs(h, d_words, d_scale_t, d_constants, d_bias, flat, y,
-                                 layout_of(FORMATS[d_format]))
+        moe_kernels.launch_pairs(h, d_words, d_scale_t, d_constants, d_bias, flat, y, d_layout, moe_plan=down_plan)
         return _weighted_sum(y.reshape(tokens, top_k, hidden), weights)
     routed = moe_kernels.route(ids, num_experts)
     xs = moe_kernels.sort_rows(x.contiguous(), routed, top_k)  # x's rows in expert order
     h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # sorted rows too
     if fused:
-        moe_kernels.launch(xs, gu_words, gu_scale_t, gu_constants, gu_bias, routed, tokens, h,
-                           layout_of(FORMATS[gu_format]), act=act)
+        moe_kernels.launch(xs, gu_words, gu_scale_t, gu_constants, gu_bias, routed, tokens, h, gu_layout, act=act,
+                           moe_plan=gate_up_plan)
     else:
         gate_up = torch.empty((tokens * top_k, 2 * inter), dtype=x.dtype, device=x.device)
-        moe_kernels.launch(xs, gu_words, gu_scale_t, gu_constants, gu_bias, routed, tokens, gate_up,
-                           layout_of(FORMATS[gu_format]), sorted_out=1)
+        moe_kernels.launch(xs, gu_words, gu_scale_t, gu_constants, gu_bias, routed, tokens, gate_up, gu_layout,
+                           moe_plan=gate_up_plan, sorted_out=1)
         h = _glu(gate_up, activation, alpha, limit)
     y = torch.empty((tokens * top_k, hidden), dtype=x.dtype, device=x.device)  # (token, slot) rows
-    moe_kernels.launch(h, d_words, d_scale_t, d_constants, d_bias, routed, tokens, y,
-                       layout_of(FORMATS[d_format]))
+    moe_kernels.launch(h, d_words, d_scale_t, d_constants, d_bias, routed, tokens, y, d_layout, moe_plan=down_plan)
     return _weighted_sum(y.reshape(tokens, top_k, hidden), weights)
 
 
-def experts_design(tokens: int, top_k: int, gu_words, gu_scale_t, d_words, d_scale_t, device) -> str:
-    """``_experts_launches``' design for T = ``tokens`` tokens of k = ``top_k`` experts: "sorted",
-    or per pair with the weighted sum in the down launch ("pairs_combine") or as a batched GEMM
-    ("pairs_bmm")."""
+#: The designs ``_experts_launches`` can be forced to (benchmarks, tests): per pair with the weighted
+#: sum in the down launch ("pairs_combine") or as a batched GEMM ("pairs_bmm") or either where it pays
+#: ("pairs"), or "sorted"; as ``moe_kernels.plan``'s (design, down projection's combine).
+EXPERTS_DESIGNS = {"pairs": ("pairs", None), "pairs_combine": ("pairs", True), "pairs_bmm": ("pairs", False),
+                   "sorted": ("sorted", False)}
+
+
+def experts_plans(tokens: int, top_k: int, gu_words, gu_scale_t, gu_format: str, d_words, d_scale_t, d_format: str,
+                  device, design: str | None = None) -> tuple:
+    """(gate_up's, down's) ``moe_kernels.plan`` for an experts block's call of T = ``tokens`` tokens
+    of k = ``top_k`` experts: one design for both projections, chosen on the bytes of one expert of
+    both (or ``design``, see ``EXPERTS_DESIGNS``); per pair, down's weighted sum in its epilogue
+    where that pays on ``device``'s SMs."""
+    forced, combine = EXPERTS_DESIGNS[design] if design is not None else (None, None)
+    num_experts, inter, hidden = gu_words.shape[0], gu_words.shape[1] // 2, d_words.shape[1]
     expert_bytes = moe_kernels.expert_bytes(gu_words, gu_scale_t, d_words, d_scale_t)
-    if not moe_kernels.pairs_pay(tokens, top_k, gu_words.shape[0], expert_bytes):
-        return "sorted"
-    combine = moe_kernels.combine_pays(tokens, d_words.shape[1], _kernels_common.num_sms(device))
-    return "pairs_combine" if combine else "pairs_bmm"
+    gate_up = moe_kernels.plan(tokens, top_k, num_experts, 2 * inter, hidden, layout_of(FORMATS[gu_format]),
+                               expert_bytes, design=forced)
+    # the SM count only where combine is chosen (a forced design may run on the CPU emulator)
+    sms = _kernels_common.num_sms(device) if gate_up.design == "pairs" and combine is None else None
+    down = moe_kernels.plan(tokens, top_k, num_experts, hidden, inter, layout_of(FORMATS[d_format]), expert_bytes,
+                            sms, design=gate_up.design, combine=combine)
+    return gate_up, down
 
 
 class _MoEExpertsLaunch:
-    """A checked ``MoEExperts.forward`` signature on CUDA with its design planned
-    (``experts_design``): ``__call__(module, hidden_states, router_indices, routing_weights)`` runs
+    """A checked ``MoEExperts.forward`` signature on CUDA with its two projections planned
+    (``experts_plans``): ``__call__(module, hidden_states, router_indices, routing_weights)`` runs
     ``_experts_launches`` on the module's buffers, without the checks and the operator's dispatcher.
 
     Kept in the module's own table (``MoEExperts._launches``, keyed by the inputs' signatures and
@@ -391,7 +403,7 @@ class _MoEExpertsLaunch:
     for gate_up and down): the output allocations and the two launches (and, without the combine
     epilogue, the weighted sum); the other designs go through ``_experts_launches``."""
 
-    __slots__ = ("design", "shape", "tokens", "held", "gate_up", "down")
+    __slots__ = ("plans", "shape", "tokens", "held", "gate_up", "down")
 
     #: The buffers a bound call reads, by name in ``MoEExperts._buffers``.
     BUFFERS = ("gate_up_words", "gate_up_scale_t", "gate_up_constants", "gate_up_bias", "down_words",
@@ -400,20 +412,22 @@ class _MoEExpertsLaunch:
     def __init__(self, module, x, ids):
         self.tokens = x.shape[0]
         self.shape = ids.shape
-        self.design = experts_design(x.shape[0], ids.shape[1], module.gate_up_words, module.gate_up_scale_t,
-                                     module.down_words, module.down_scale_t, x.device)
+        self.plans = experts_plans(x.shape[0], ids.shape[1], module.gate_up_words, module.gate_up_scale_t,
+                                   module.formats[0], module.down_words, module.down_scale_t, module.formats[1],
+                                   x.device)
         self.held = held = tuple(module._buffers.get(name) for name in self.BUFFERS)
         self.gate_up = self.down = None
         act = _fused_act(module.activation, module.alpha, module.limit)
-        if self.design.startswith("pairs") and act != moe_kernels.ACT_NONE:
+        gate_up_plan, down_plan = self.plans
+        if gate_up_plan.design == "pairs" and act != moe_kernels.ACT_NONE:
             gu_words, gu_scale_t, gu_constants, gu_bias, d_words, d_scale_t, d_constants, d_bias = held
             pairs = self.tokens * ids.shape[1]
-            combine = self.design == "pairs_combine"
             self.gate_up = moe_kernels.PreparedPairs(module.hidden_size, gu_words, gu_scale_t, gu_constants,
-                                                     gu_bias, layout_of(FORMATS[module.formats[0]]), pairs, act)
+                                                     gu_bias, layout_of(FORMATS[module.formats[0]]), pairs, act,
+                                                     gate_up_plan)
             self.down = moe_kernels.PreparedPairs(module.intermediate_size, d_words, d_scale_t, d_constants, d_bias,
                                                   layout_of(FORMATS[module.formats[1]]),
-                                                  self.tokens if combine else pairs, combine=int(combine))
+                                                  self.tokens if down_plan.combine else pairs, moe_plan=down_plan)
 
     def __call__(self, m, hidden_states, router_indices, routing_weights):
         buffers = m._buffers
@@ -424,8 +438,8 @@ class _MoEExpertsLaunch:
         out = _experts_launches(hidden_states.reshape(self.tokens, m.hidden_size), router_indices.reshape(self.shape),
                                 routing_weights.reshape(self.shape), m.gate_up_words, m.gate_up_scale_t,
                                 m.gate_up_constants, m.formats[0], m.gate_up_bias, m.down_words, m.down_scale_t,
-                                m.down_constants, m.formats[1], m.down_bias, m.alpha, m.limit, self.design,
-                                m.activation)
+                                m.down_constants, m.formats[1], m.down_bias, m.alpha, m.limit,
+                                activation=m.activation, plans=self.plans)
         return out.reshape(hidden_states.shape)
 
     def _bound(self, m, hidden_states, router_indices, routing_weights):
@@ -437,7 +451,7 @@ class _MoEExpertsLaunch:
         h = torch.empty((tokens * top_k, m.intermediate_size), dtype=x.dtype, device=x.device)  # pair order
         self.gate_up.run(x, flat, h)
         weights = routing_weights.reshape(self.shape)
-        if self.design == "pairs_combine":
+        if self.plans[1].combine:
             out = torch.empty((tokens, m.hidden_size), dtype=x.dtype, device=x.device)
             self.down.run(h, flat, out, weights if weights.is_contiguous() else weights.contiguous())
         else:

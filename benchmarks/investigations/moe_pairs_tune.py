@@ -4,9 +4,9 @@ T = 1, 2, 4 and the Qwen-shaped anchor (NVFP4, MXFP4) at T = 1, 2, 4, uniform an
 
     python benchmarks/investigations/moe_pairs_tune.py [--reps 20] [--plans base,rows32]
 
-Each plan is a function (K, layout) -> PairsConfig that replaces ``moe_kernels.pairs_plan``
-for the whole layer (gate_up and down). Every plan's output is compared bit for bit with the
-committed plan's (each output row is the same fp32 sums in the same order whatever the block shape),
+Each plan is a function (K, layout) -> PairsConfig that replaces ``moe_kernels._pairs_config`` (the
+block ``moe_kernels.plan`` takes) for the whole layer (gate_up and down). Every plan's output is
+compared bit for bit with the committed plan's (each output row is the same fp32 sums in the same order whatever the block shape),
 then the layer is timed as ``bench_moe.py`` times it (CUDA-graph replays, L2 flushed, median). The
 SASS counts that chose the candidates: ``benchmarks/results/decode-cost-moe-pairs-sm90.txt``; the H100 run:
 ``moe-pairs-tune-nvidia-h100-80gb-hbm3.txt`` (the committed plan was fastest everywhere); with ``--sorted``:
@@ -36,7 +36,7 @@ LAYERS = [("gpt-oss-20b", 2880, 2880, 32, 4, "mxfp4", "gpt-oss", (1, 2, 4)),
 SMOKE_LAYERS = [("tiny", 512, 256, 8, 2, "mxfp4", "gpt-oss", (1, 2)),
                 ("tiny-silu", 512, 256, 8, 2, "nvfp4", "silu", (1, 2))]
 
-_COMMITTED = mk.pairs_plan.__wrapped__
+_COMMITTED = mk._pairs_config.__wrapped__
 
 
 def _rows(tile_n: int, occupancy_for_unroll: dict):
@@ -57,9 +57,9 @@ PLANS = {
 }
 
 
-_COMMITTED_SORTED = mk.plan
+_COMMITTED_SORTED = mk._sorted_config
 
-#: The sorted design's configs for many tokens (``--sorted``): replacements of ``moe_kernels.plan``.
+#: The sorted design's configs for many tokens (``--sorted``): replacements of ``moe_kernels._sorted_config``.
 SORTED_PLANS = {
     "base": _COMMITTED_SORTED,
     "m64": lambda tokens, top_k, num_experts, layout: mk._config(64, layout),
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         timer = Timer(args.reps, device)
     table = SORTED_PLANS if args.sorted else PLANS
     plans = {name: table[name] for name in (args.plans.split(",") if args.plans else table)}
-    attribute = "plan" if args.sorted else "pairs_plan"
+    attribute = "_sorted_config" if args.sorted else "_pairs_config"
     committed = getattr(mk, attribute)
     failed = False
     if args.sorted:

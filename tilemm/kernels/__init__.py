@@ -6,7 +6,7 @@
 | BLACKWELL  | sm_100, sm_120  | ``blackwell_block_scaled``: ``ct.mma_scaled``    | ``blackwell_fp8``         |
 
 Every kernel module speaks one vocabulary: its config record (``BlockScaledConfig``,
-``FP8Config``, ``QuantizeConfig``, ``WeightOnlyConfig``, ``LargeConfig``, ``MoEConfig``), ``plan(...)``
+``FP8Config``, ``QuantizeConfig``, ``WeightOnlyConfig``, ``LargeConfig``, ``MoEPlan``), ``plan(...)``
 choosing one from the problem's sizes, and ``aot_variants()`` listing every specialisation it can
 launch, for ahead-of-time compile tests. The matmul modules add ``Prepared(problem, config=None)`` (a
 signature planned once; ``.run(problem, stream)`` launches any problem of that signature) and

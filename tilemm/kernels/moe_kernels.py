@@ -3,11 +3,14 @@
 rounding), on stacked prepacked MXFP4 / NVFP4 / MXFP8 weights (E, N, K), decoded with the weight-only
 kernel's helpers (``weight_only_kernels``: same layout, same exact decode); sm_90 / sm_100 / sm_120.
 
-Two designs (``tilemm.moe`` picks by T; ``benchmarks/bench_moe.py`` times both):
+Two designs (``benchmarks/bench_moe.py`` times both).
 
-* per pair (``_moe_gemv_kernel``, a few tokens: ``pairs_pay``): no routing; block ((token, slot),
+``plan`` chooses for a call: the design, its block or tile, and whether the down projection sums the
+slots in its epilogue (``MoEPlan``).
+
+* per pair (``_moe_gemv_kernel``, a few tokens: ``_pairs_pay``): no routing; block ((token, slot),
   16 weight rows) multiplies on the FMA pipes; one token's k experts are distinct, so each weight
-  is read once per token. The down projection may sum the k slots in its epilogue (``combine_pays``).
+  is read once per token. The down projection may sum the k slots in its epilogue (``_combine_pays``).
 * sorted (``_moe_kernel``): ``route`` gives the (token, slot) rows sorted by expert (``order``),
   each expert's run (``offsets``, E + 2; ids outside [0, E) are the extra expert E) and the slots
   (``slot_expert``: every expert with rows, busiest first); x's rows are gathered once into that
@@ -39,10 +42,8 @@ from ._aot import AotVariant, array
 from ._common import hinted, num_sms, sm90_hints, stream_handle
 from .weight_only_kernels import LAYOUTS, Layout, _X_PARTS, _f32_halves, _k_tile, _multipliers, _scaled_plane
 
-__all__ = ["MoEConfig", "plan", "route", "launch", "sort_rows", "launch_pairs", "PreparedPairs", "pairs_plan",
-           "PairsConfig",
-           "combine_pays", "grid_blocks", "route_kernel_fits", "pairs_pay", "expert_bytes", "PAIRS_MAX_BYTES",
-           "zero_bias", "chunk_groups",
+__all__ = ["MoEPlan", "plan", "MoEConfig", "PairsConfig", "route", "launch", "sort_rows", "launch_pairs",
+           "PreparedPairs", "grid_blocks", "route_kernel_fits", "expert_bytes", "PAIRS_MAX_BYTES", "zero_bias",
            "aot_variants", "SWIGLU_ALPHA", "SWIGLU_LIMIT", "ACT_NONE", "ACT_GPT_OSS", "ACT_SILU"]
 
 ConstInt = ct.Constant[int]
@@ -405,10 +406,10 @@ def _config(tile_m: int, layout: Layout) -> MoEConfig:
     return MoEConfig(128, 128, 8, None)
 
 
-def plan(tokens: int, top_k: int, num_experts: int, layout: Layout) -> MoEConfig:
-    """The config for T = ``tokens``: tile_m the smallest of 16, 32, 64 that covers the mean number of
-    tokens per active expert, T * k / min(T * k, E) (a balanced routing then takes one chunk per
-    expert), and 128 only above a mean of 128: at a mean of 128 (gpt-oss-20b, T = 1024) two 64-row
+def _sorted_config(tokens: int, top_k: int, num_experts: int, layout: Layout) -> MoEConfig:
+    """The sorted design's tile for T = ``tokens``: tile_m the smallest of 16, 32, 64 that covers the
+    mean number of tokens per active expert, T * k / min(T * k, E) (a balanced routing then takes one
+    chunk per expert), and 128 only above a mean of 128: at a mean of 128 (gpt-oss-20b, T = 1024) two 64-row
     chunks per expert ran faster than one 128-row chunk, under uniform and skewed routing
     (``benchmarks/results/moe-pairs-tune-sorted-*``). Not taken, worth measuring: a K split for few active
     experts; vLLM-style padded TM-row tiles (``moe_align_block_size``)."""
@@ -423,7 +424,7 @@ def plan(tokens: int, top_k: int, num_experts: int, layout: Layout) -> MoEConfig
 MAX_CHUNK_GROUPS = 8
 
 
-def chunk_groups(tokens: int, tile_m: int) -> int:
+def _chunk_groups(tokens: int, tile_m: int) -> int:
     """The most chunk groups (work items per (expert, N tile)): enough that an expert chosen by
     every one of the T = ``tokens`` tokens runs at most ceil(T / (TM * G)) chunks in a row, at most
     ``MAX_CHUNK_GROUPS``; 1 while T <= TM. Fixed by the shapes; the kernel takes G = the smaller of
@@ -452,22 +453,26 @@ def sort_rows(x: torch.Tensor, routed: tuple, top_k: int) -> torch.Tensor:
 
 def launch(xs: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
            bias: torch.Tensor | None, routed: tuple, tokens: int, out: torch.Tensor, layout: Layout,
-           act: int = 0, cfg: MoEConfig | None = None, sorted_out: int | None = None,
+           act: int = 0, moe_plan: MoEPlan | None = None, sorted_out: int | None = None,
            blocks: int | None = None) -> None:
     """out = the expert products of the rows ``xs`` (T * k, K), sorted as ``routed`` (``route``'s
     result for (T, k) ids, T = ``tokens``) sorts the (token, slot) rows (``sort_rows``, or a previous
     launch's sorted output): (T * k, N), or (T * k, N / 2) with ``act`` = 1 (gpt-oss's SwiGLU on
     interleaved gate / up rows). ``sorted_out`` (default ``act``): 1 writes out's rows in the sorted
     order too (what the next projection reads), 0 scatters them to the (token, slot) rows. ``bias``
-    (E, N) fp32 or None; ``constants`` the stacked PackedWeight's (E, 2). ``blocks``: the grid
-    (default ``grid_blocks``). One ``ct.launch``."""
+    (E, N) fp32 or None; ``constants`` the stacked PackedWeight's (E, 2). ``moe_plan``: a sorted
+    ``MoEPlan`` (default ``plan``'s for the sorted design). ``blocks``: the grid (default
+    ``grid_blocks``). One ``ct.launch``."""
     order, offsets, slot_expert, longest = routed
     num_experts, n = words.shape[0], words.shape[1]
     top_k = xs.shape[0] // tokens
-    cfg = cfg or plan(tokens, top_k, num_experts, layout)
+    if moe_plan is None:
+        moe_plan = plan(tokens, top_k, num_experts, n, xs.shape[1], layout, design="sorted")
+    elif moe_plan.design != "sorted":
+        raise ValueError(f"launch: moe_plan must be a plan of the sorted design, got {moe_plan.design!r}")
+    cfg, groups = moe_plan.config, moe_plan.groups
     if bias is None:
         bias = zero_bias(num_experts, n, xs.device)
-    groups = chunk_groups(tokens, cfg.tile_m)
     items = slot_expert.shape[0] * groups * ceil_div(n, cfg.tile_n)
     if blocks is None:
         blocks = grid_blocks(items, cfg, out.device)
@@ -495,7 +500,7 @@ def grid_blocks(items: int, cfg: MoEConfig, device) -> int:
 PAIRS_MAX_BYTES = 256 * 2 ** 20
 
 
-def pairs_pay(tokens: int, top_k: int, num_experts: int, expert_bytes: int) -> bool:
+def _pairs_pay(tokens: int, top_k: int, num_experts: int, expert_bytes: int) -> bool:
     """Whether a call takes the per-pair design (no routing) rather than the sorted one. One token
     always does: its k experts are distinct, so every weight is read once either way. From two tokens,
     pairs that share an expert read it once each; the per-pair design keeps paying while the pairs
@@ -515,7 +520,7 @@ def expert_bytes(*words_and_scales: torch.Tensor) -> int:
 class PairsConfig:
     """The per-pair kernel's block: tile_n weight rows (16: a decode's N gives thousands of blocks
     with no K split), 4 worker warps, 4 blocks per SM, ``unroll`` K tiles per load (the weight-only
-    FMA kernel's choices, ``weight_only_kernels._gemv``, but for ``pairs_plan``'s unroll)."""
+    FMA kernel's choices, ``weight_only_kernels._gemv``, but for ``_pairs_config``'s unroll)."""
 
     unroll: int
     tile_n: int = 16
@@ -531,7 +536,7 @@ class PairsConfig:
         return f"moe_pairs_{self.tile_n}_u{self.unroll}_w{self.num_worker_warps}_occ{self.occupancy}"
 
 
-def combine_pays(tokens: int, n: int, sms: int) -> bool:
+def _combine_pays(tokens: int, n: int, sms: int) -> bool:
     """Whether the down projection should apply the router's weights in its epilogue (one block per
     (token, N tile), each running the token's k experts one after another): only while those blocks
     alone give at least 1.5 per SM; with fewer, the per-pair blocks (k times as many) and a batched
@@ -540,10 +545,11 @@ def combine_pays(tokens: int, n: int, sms: int) -> bool:
 
 
 @functools.lru_cache(maxsize=256)  # one config object per (K, layout): its kernel is looked up once
-def pairs_plan(k: int, layout: Layout) -> PairsConfig:
-    """K tiles per load: the most of 8, 4, 2 (8: 16 KB of a 16-row block's weight in flight) whose last
-    load wastes at most an eighth of the K tiles on zero padding (this kernel is bound by its decode
-    instructions at one token, so padded tiles cost: gpt-oss's K = 2880, 12 K tiles, takes 4), else 2."""
+def _pairs_config(k: int, layout: Layout) -> PairsConfig:
+    """The per-pair design's block for K = ``k``, by its K tiles per load: the most of 8, 4, 2 (8:
+    16 KB of a 16-row block's weight in flight) whose last load wastes at most an eighth of the K
+    tiles on zero padding (this kernel is bound by its decode instructions at one token, so padded
+    tiles cost: gpt-oss's K = 2880, 12 K tiles, takes 4), else 2."""
     k_tiles = ceil_div(k, layout.tile_k)
     for unroll in (8, 4, 2):
         if unroll <= k_tiles and 8 * (ceil_div(k_tiles, unroll) * unroll - k_tiles) <= k_tiles:
@@ -551,36 +557,101 @@ def pairs_plan(k: int, layout: Layout) -> PairsConfig:
     return PairsConfig(2)
 
 
+@dataclasses.dataclass(frozen=True)
+class MoEPlan:
+    """``plan``'s choice for one projection of one call. ``design`` "pairs": no routing, ``config``
+    the per-pair kernel's block (a ``PairsConfig``), ``combine`` whether the launch sums each token's
+    k slots with the router's weights in its epilogue. "sorted": the routing, ``config`` the grouped
+    kernel's tile (a ``MoEConfig``), ``groups`` the chunk groups (work items per (expert, N tile))."""
+
+    design: str
+    config: PairsConfig | MoEConfig
+    combine: bool = False
+    groups: int = 1
+
+
+#: The designs ``plan`` chooses from (module docstring).
+DESIGNS = ("pairs", "sorted")
+
+
+def plan(tokens: int, top_k: int, num_experts: int, n: int, k: int, layout: Layout,
+         expert_bytes: int | None = None, sms: int | None = None, *, design: str | None = None,
+         combine: bool | None = False, config: PairsConfig | MoEConfig | None = None) -> MoEPlan:
+    """The MoE kernels' choice for one (N, K) = (``n``, ``k``) projection of stacked ``layout`` weights
+    at T = ``tokens`` tokens of ``top_k`` of ``num_experts`` experts:
+
+    * the design, unless ``design`` names one: per pair while it pays (``_pairs_pay`` on
+      ``expert_bytes``, the weight bytes of one expert that a pair reads: an experts block passes
+      both projections' for both, so that they take one design), else sorted;
+    * per pair: the block (``_pairs_config``) and ``combine``: False (one output row per (token,
+      slot)), True, or None to choose it by the blocks it gives on ``sms`` SMs (``_combine_pays``: an
+      experts block's down projection);
+    * sorted: the tile (``_sorted_config``) and its chunk groups (``_chunk_groups``); never combined.
+
+    ``config`` replaces the chosen block or tile (tests, tuning)."""
+    if design is None:
+        if expert_bytes is None:
+            raise ValueError("plan: choosing the design (design=None) needs expert_bytes")
+        design = "pairs" if _pairs_pay(tokens, top_k, num_experts, expert_bytes) else "sorted"
+    if design == "pairs":
+        if combine is None:
+            if sms is None:
+                raise ValueError("plan: choosing combine (combine=None) needs sms, the GPU's SM count")
+            combine = _combine_pays(tokens, n, sms)
+        return MoEPlan("pairs", config or _pairs_config(k, layout), bool(combine))
+    if design != "sorted":
+        raise ValueError(f"plan: design must be one of {DESIGNS} or None, got {design!r}")
+    if combine:
+        raise ValueError("plan: combine=True needs the per-pair design; the sorted design's slots are summed "
+                         "after the launch")
+    config = config or _sorted_config(tokens, top_k, num_experts, layout)
+    return MoEPlan("sorted", config, groups=_chunk_groups(tokens, config.tile_m))
+
+
 def launch_pairs(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
                  bias: torch.Tensor | None, ids: torch.Tensor, out: torch.Tensor, layout: Layout, act: int = 0,
-                 weights: torch.Tensor | None = None, cfg: PairsConfig | None = None) -> None:
+                 weights: torch.Tensor | None = None, moe_plan: MoEPlan | None = None) -> None:
     """The per-pair design, no routing: ``ids`` (T * k,) the flattened router choice. Without
     ``weights``: out (T * k, N) (N / 2 with ``act`` 1 or 2, the gating of ``launch``) = each pair's product with its expert, pair order,
     x (T, K) or one row per pair. With ``weights`` (T, k): out (T, N) = the weighted sum over each
-    token's k slots (see ``_moe_gemv_kernel``). One ``ct.launch``."""
-    PreparedPairs(x.shape[1], words, scale_t, constants, bias, layout, out.shape[0], act, int(weights is not None),
-                  cfg).run(x, ids, out, weights)
+    token's k slots (see ``_moe_gemv_kernel``). ``moe_plan``: a per-pair ``MoEPlan`` whose ``combine``
+    says whether ``weights`` is given (default ``plan``'s for the per-pair design). One ``ct.launch``."""
+    combine = weights is not None
+    if moe_plan is None:
+        # the block depends on K and the layout only: each pair counts as a token of one expert
+        moe_plan = plan(ids.numel(), 1, words.shape[0], words.shape[1], x.shape[1], layout, design="pairs",
+                        combine=combine)
+    elif moe_plan.combine != combine:
+        raise ValueError(f"launch_pairs: moe_plan.combine is {moe_plan.combine} but weights is "
+                         f"{'given' if combine else 'None'}; a combining plan takes the router's weights")
+    PreparedPairs(x.shape[1], words, scale_t, constants, bias, layout, out.shape[0], act, moe_plan).run(
+        x, ids, out, weights)
 
 
 class PreparedPairs:
     """One per-pair launch (``launch_pairs``) of a projection with ``rows`` output rows, with
     everything but x, the ids, the output and the router's weights worked out: the kernel, the grid,
-    and the weight's arguments (the tensors held)."""
+    and the weight's arguments (the tensors held). ``moe_plan``: a per-pair ``MoEPlan`` (default
+    ``plan``'s, without combine); with ``combine`` ``run`` takes the router's weights."""
 
     __slots__ = ("kernel", "grid", "words", "scale_t", "rest", "consts")
 
     def __init__(self, k: int, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
-                 bias: torch.Tensor | None, layout: Layout, rows: int, act: int = 0, combine: int = 0,
-                 cfg: PairsConfig | None = None):
+                 bias: torch.Tensor | None, layout: Layout, rows: int, act: int = 0,
+                 moe_plan: MoEPlan | None = None):
         num_experts, n = words.shape[0], words.shape[1]
-        cfg = cfg or pairs_plan(k, layout)
+        if moe_plan is None:
+            moe_plan = plan(rows, 1, num_experts, n, k, layout, design="pairs")
+        elif moe_plan.design != "pairs":
+            raise ValueError(f"PreparedPairs: moe_plan must be a plan of the per-pair design, got {moe_plan.design!r}")
+        cfg = moe_plan.config
         if bias is None:
             bias = zero_bias(num_experts, n, words.device)
         self.kernel = cfg.kernel
         self.grid = (rows * ceil_div(n, cfg.tile_n), 1, 1)
         self.words, self.scale_t = words, scale_t
         self.rest = (constants, constants[0, 1:2], bias)
-        self.consts = _pairs_constants(layout, cfg, act, combine)
+        self.consts = _pairs_constants(layout, cfg, act, int(moe_plan.combine))
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None = None) -> None:
         ct.launch(stream_handle(out.device), self.grid, self.kernel,

@@ -110,6 +110,7 @@ def main(argv=None) -> int:
                 cells, want = [], None
                 for pname, plan in plans.items():
                     setattr(mk, attribute, plan)
+                    ours._launches.clear()  # the module keeps its prepared launches: plan them anew
                     try:
                         got = ours(x, ids, weights)
                         if want is None:
@@ -125,6 +126,7 @@ def main(argv=None) -> int:
                         cells.append(f"{pname} {ms * 1e3:7.1f} us")
                     finally:
                         setattr(mk, attribute, committed)
+                        ours._launches.clear()
                 say(f"{name:12s} {fmt} {kind:7s} T={t:<3d} " + " | ".join(cells))
     path = results_path(args.out_dir, "moe-pairs-tune", device_name(device), "txt",
                         variant="sorted" if args.sorted else None)

@@ -137,8 +137,8 @@ class FP8Problem:
 # --------------------------------------------------------------------------------------------------
 
 def _check_operands(fn: str, x: torch.Tensor, y: torch.Tensor, data_dtypes, k_per_byte: int):
-    check_tensor(fn, "x", x)
-    check_tensor(fn, "y", y)
+    # x, y and the scales are tensors: the public functions checked (``_check_op_args``), and the
+    # operators' schemas take nothing else.
     check_dtype(fn, "x", x, data_dtypes)
     check_dtype(fn, "y", y, data_dtypes)
     if x.dtype != y.dtype:
@@ -177,12 +177,10 @@ def _scale_layout(fn: str, name: str, scale: torch.Tensor, operand: torch.Tensor
 
 def _block_scaled(fn: str, fmt: Format, x, x_scale, y, y_scale, *, out_dtype, bias, alpha):
     _check_operands(fn, x, y, (fmt.data_dtype,), fmt.elements_per_byte)
-    check_tensor(fn, "x_scale", x_scale)
-    check_tensor(fn, "y_scale", y_scale)
     scale_dtypes = (fmt.scale_dtype, torch.uint8) if fmt.is_mx else (fmt.scale_dtype,)
     check_dtype(fn, "x_scale", x_scale, scale_dtypes)
     check_dtype(fn, "y_scale", y_scale, scale_dtypes)
-    check_out_dtype(fn, out_dtype)
+    check_out_dtype(fn, out_dtype)  # the operators' schema takes any dtype: a direct call needs this
     device = check_same_device(fn, x=x, y=y, x_scale=x_scale, y_scale=y_scale)
 
     k = fmt.logical_k(x.shape[-1])
@@ -513,7 +511,6 @@ def _fp8_granularity(fn: str, x, sx, y, sy):
     m, k, n = x.shape[-2], x.shape[-1], y.shape[-1]
     xb, yb = x.shape[:-2], y.shape[:-2]
     for name, s in (("x_scale", sx), ("y_scale", sy)):
-        check_tensor(fn, name, s)
         if s.dtype != torch.float32:
             raise TypeError(f"{fn}: {name} must be float32, got {s.dtype}")
 
@@ -557,9 +554,7 @@ def fp8_matmul_checked(x, x_scale, y, y_scale, *, out_dtype, bias, alpha, use_fa
     fn = "fp8_matmul"
     _check_operands(fn, x, y, FP8_DTYPES, 1)
     fmt = fp8_format(x.dtype, "x.dtype")
-    check_out_dtype(fn, out_dtype)
-    if not isinstance(use_fast_accum, bool):
-        raise TypeError(f"{fn}: use_fast_accum must be a bool, got {type(use_fast_accum).__name__}")
+    check_out_dtype(fn, out_dtype)  # the operators' schema takes any dtype (and makes use_fast_accum a bool)
     kx, ky = _fp8_granularity(fn, x, x_scale, y, y_scale)
     if kx.is_block and fmt.element != "e4m3":
         raise TypeError(f"{fn}: 128-element block scales are defined for float8_e4m3fn, got {x.dtype}")

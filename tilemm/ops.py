@@ -2,9 +2,11 @@
 
 The quantizer operators are registered here, the matmul operators next to their public functions
 (``tilemm.matmul``, ``tilemm.weight_only``, ``tilemm.moe``). ``torch.compile`` sees each as one opaque
-op (``fullgraph=True`` too); the public functions call them for CPU tensors and under torch.compile,
-and run their implementation directly for eager CUDA calls. Fake (meta) implementations run the checks,
-which read only shapes, dtypes and devices, and return empty outputs of the exact shapes and dtypes::
+op (``fullgraph=True`` too); the public functions call them under torch.compile (the matmuls for CPU
+tensors too) and run their implementation directly for eager CUDA calls (the quantizers for eager CPU
+calls too), after checking once. Called directly, an operator has no public function before it, so each
+checks its arguments, and its fake (meta) implementation runs the same checks, which read only shapes,
+dtypes and devices, and returns empty outputs of the exact shapes and dtypes::
 
     quantize_mxfp8(Tensor x, ScalarType? elem_dtype=None, str rounding="rceil", bool swizzle=False)
         -> (Tensor data, Tensor scale)

@@ -1,11 +1,11 @@
 """Quantizers and dequantizers for FP8, MXFP8, MXFP4 and NVFP4, in pure PyTorch.
 
-Each public ``quantize_<fmt>`` validates its input and calls the custom operator
-``torch.ops.tilemm.quantize_<fmt>`` (``tilemm.ops``), which runs the cuTile kernels of
+Each public ``quantize_<fmt>`` validates its input, then runs what the custom operator
+``torch.ops.tilemm.quantize_<fmt>`` (``tilemm.ops``) runs: the cuTile kernels of
 ``tilemm.kernels.quantize_kernels`` for CUDA tensors on sm_90 or newer and
-``_quantize_<fmt>_reference`` everywhere else; both give the same bits. An eager CUDA call runs the
-kernels directly, and keeps its launches per signature (``_QuantizeLaunch``): a repeated call
-allocates its outputs and launches. Blocks run along the last dimension K; leading dimensions are batch (and, for 2-D blocks, M).
+``_quantize_<fmt>_reference`` everywhere else; both give the same bits. An eager call runs them
+itself (torch.compile sees the operator); an eager CUDA call keeps its launches per signature
+(``_QuantizeLaunch``): a repeated call allocates its outputs and launches. Blocks run along the last dimension K; leading dimensions are batch (and, for 2-D blocks, M).
 float32, bfloat16 and float16 inputs are converted to fp32 first (exact), and every step is an fp32
 tensor operation in the order that docs/numerics.md gives, so the bits are defined. That page states
 every formula and every special case (zero, NaN and Inf blocks, the e2m1 sign of values that round
@@ -492,10 +492,13 @@ def _quantize_fp8_reference(x: torch.Tensor, fmt: Format, granularity,
 
 
 # What the custom operators torch.ops.tilemm.quantize_* run (registered in tilemm.ops): every check,
-# then the quantizer: the cuTile kernels of tilemm.kernels.quantize_kernels for non-empty CUDA tensors
-# on sm_90 or newer (bit-identical to the reference), the reference everywhere else. The public
-# functions below check first too, for the arguments the operator schema cannot carry, then call the
-# operator, which torch.compile sees as one opaque op.
+# then the quantizer (``_quantize_<fmt>_checked``): the cuTile kernels of tilemm.kernels.quantize_kernels
+# for non-empty CUDA tensors on sm_90 or newer (bit-identical to the reference), the reference
+# everywhere else. The operators are public too (called directly, eagerly or in a compiled function,
+# nothing has checked their arguments), so they and their fakes keep every check. The public functions
+# below check once, then run ``_quantize_<fmt>_checked`` themselves for an eager CPU or CUDA tensor, and
+# call the operator only under torch.compile (checked at trace time; the fake checks again there) and
+# for other tensors.
 
 def check_quantize_mxfp8(x, elem_dtype, rounding, swizzle) -> Format:
     fn = "quantize_mxfp8"
@@ -552,10 +555,14 @@ def _quantize_kernels(x: torch.Tensor):
     return quantize_kernels
 
 
-def _eager_gpu(x) -> bool:
-    """Whether a checked call may skip the operator dispatcher: an eager call on a plain CUDA tensor
-    (torch.compile, tensor subclasses and CPU tensors go through ``torch.ops.tilemm.*``)."""
-    return type(x) is torch.Tensor and x.is_cuda and not torch.compiler.is_compiling()
+def _eager(x) -> bool:
+    """Whether a call the public function has checked runs the operator's implementation itself, without
+    the dispatcher and without the operator's checks (which a direct call of the operator needs): an
+    eager call on a plain CUDA or CPU tensor. torch.compile (which sees the operator; the public
+    function checked at trace time), tensor subclasses and other devices (meta: the operator's fake)
+    go through ``torch.ops.tilemm.*``."""
+    return (type(x) is torch.Tensor and (x.is_cuda or x.device.type == "cpu")
+            and not torch.compiler.is_compiling())
 
 
 # An eager CUDA quantize is prepared on the first call of its signature (x's shape, strides, dtype and
@@ -656,8 +663,8 @@ class _QuantizeLaunch:
 
 
 def _run_recorded(key, source, run):
-    """``run()``, an eager CUDA quantize of ``source``; its launches are kept under ``key`` when
-    ``_QuantizeLaunch.build`` can prepare them."""
+    """``run()``, an eager quantize of ``source``; its launches (a CUDA tensor's) are kept under ``key``
+    when ``_QuantizeLaunch.build`` can prepare them."""
     if key is None:
         return run()
     with quantize_kernels.recording() as (launches, buffers):
@@ -810,7 +817,7 @@ def quantize_mxfp8(x: torch.Tensor, *, elem_dtype: torch.dtype = torch.float8_e4
     source = x
     x = _along("quantize_mxfp8", x, axis)
     fmt = check_quantize_mxfp8(x, elem_dtype, rounding, swizzle)
-    if _eager_gpu(x):  # the operator's own implementation, without the dispatcher's cost
+    if _eager(x):  # the operator's own implementation, without the dispatcher's cost
         return MXFP8Tensor(*_run_recorded(key, source, lambda: _quantize_mxfp8_checked(x.detach(), fmt, rounding,
                                                                                       swizzle)))
     return MXFP8Tensor(*torch.ops.tilemm.quantize_mxfp8(x.detach(), fmt.data_dtype, rounding, swizzle))
@@ -839,7 +846,7 @@ def quantize_mxfp4(x: torch.Tensor, *, rounding: str = "rceil",
     source = x
     x = _along("quantize_mxfp4", x, axis)
     check_quantize_mxfp4(x, rounding, swizzle)
-    if _eager_gpu(x):
+    if _eager(x):
         return MXFP4Tensor(*_run_recorded(key, source, lambda: _quantize_mxfp4_checked(x.detach(), rounding,
                                                                                       swizzle)))
     return MXFP4Tensor(*torch.ops.tilemm.quantize_mxfp4(x.detach(), rounding, swizzle))
@@ -874,11 +881,15 @@ def quantize_nvfp4(x: torch.Tensor, *, global_scale=None, swizzle: bool = False,
         return NVFP4Tensor(*result)
     source = x
     x = _along("quantize_nvfp4", x, axis)
-    # The value of a given global_scale is checked by the operator (reading it back syncs a GPU).
-    if _eager_gpu(x) and global_scale is None:
+    if _eager(x) and global_scale is None:
         check_quantize_nvfp4(x, None, swizzle)
         return NVFP4Tensor(*_run_recorded(key, source, lambda: _quantize_nvfp4_checked(x.detach(), None, swizzle)))
     global_scale = check_quantize_nvfp4(x, global_scale, swizzle, check_value=False)
+    if _eager(x):  # a given decode scale's value checked as the operator does: where the host holds it
+        global_scale = _global_decode_scale("quantize_nvfp4", global_scale, x.device)
+        check_nvfp4_global_scale_fits(x, global_scale)
+        return NVFP4Tensor(*_quantize_nvfp4_checked(x.detach(), global_scale, swizzle))
+    # torch.compile: the operator checks the value when it runs (reading it back at trace time cannot).
     return NVFP4Tensor(*torch.ops.tilemm.quantize_nvfp4(x.detach(), global_scale, swizzle))
 
 
@@ -910,7 +921,7 @@ def quantize_fp8(x: torch.Tensor, *, granularity="tensor",
     source = x
     x = _along("quantize_fp8", x, axis)
     fmt, gran = check_quantize_fp8(x, granularity, elem_dtype, pow2_scale)
-    if _eager_gpu(x):
+    if _eager(x):
         return FP8Tensor(*_run_recorded(key, source, lambda: _quantize_fp8_checked(x.detach(), fmt, gran,
                                                                                   pow2_scale)))
     return FP8Tensor(*torch.ops.tilemm.quantize_fp8(x.detach(), gran.value,

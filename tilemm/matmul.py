@@ -410,35 +410,6 @@ class _BlockScaledCall:
                                   _to3d(b_scale, tail), self.swizzled, out.view(-1, self.m, self.n), bias32,
                                   alpha32, global_scales)
 
-    def run(self, x, x_scale, y, y_scale, bias32, alpha32, global_scales=None, fast_key=None, sources=None,
-            bias=None):
-        """The product for checked operands of this signature; bias32 (N,) fp32 contiguous or None,
-        alpha32 a one-element fp32 tensor on the device or None; global_scales NVFP4's (global_scale_x,
-        global_scale_y), 0-d fp32 on the device, or None. ``fast_key``: the eager call's ``launch_key``,
-        under which its prepared launch is kept; ``sources``: the caller's tensors the operands are
-        views of (x, x_scale, y, y_scale by default); ``bias``: the caller's bias."""
-        if self.empty or not self.gpu:
-            if global_scales is not None:  # fp32(global_scale_x * global_scale_y) (* alpha), as the kernels do
-                global_scale_x, global_scale_y = global_scales
-                scales = global_scale_x * global_scale_y
-                alpha32 = scales if alpha32 is None else scales * alpha32
-        if self.empty:
-            return _empty_result(self.out_shape, self.k, bias32, self.out_dtype, self.device)
-        if not self.gpu:
-            if self.swizzled:
-                x_scale, y_scale = _logical_scales(x_scale, y_scale, self.m, self.n, self.k // self.fmt.block)
-            return block_scaled_matmul_reference(self.fmt, x, x_scale, y, y_scale, out_dtype=self.out_dtype,
-                                                 alpha=alpha32, bias=bias32)
-        out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
-        problem = self.problem(x, x_scale, y, y_scale, out, bias32, alpha32, global_scales)
-        prepared = self.prepared
-        if prepared is None:
-            prepared = self.prepared = kernels.prepare_block_scaled(problem)
-        _remember_launch(fast_key, prepared, problem, sources or (x, x_scale, y, y_scale), self.out_shape,
-                         self.out_dtype, self.device, bias, True)
-        prepared.run(problem, stream_handle(self.device))
-        return out
-
 
 def block_scaled_call(fn, fmt, x, x_scale, y, y_scale, out_dtype, bias, alpha) -> _BlockScaledCall:
     """The planned call for this signature; its first call runs every check (``_block_scaled``)."""
@@ -461,12 +432,36 @@ def _alpha32(alpha, device):
 
 def run_block_scaled(fn, fmt, x, x_scale, y, y_scale, *, out_dtype, bias, alpha, global_scales=None,
                      fast_key=None, sources=None):
-    """What torch.ops.tilemm.{mxfp8,mxfp4,nvfp4}_matmul run: the planned call of this signature.
+    """What torch.ops.tilemm.{mxfp8,mxfp4,nvfp4}_matmul run: the product for operands whose signature's
+    first call was checked (``block_scaled_call``), by the kept prepared launch of the kernel family.
+
     ``global_scales``: NVFP4's decode scales (global_scale_x, global_scale_y) as 0-d fp32 tensors on the
-    device, or None. ``fast_key`` / ``sources``: see ``_BlockScaledCall.run``."""
+    device, or None. ``fast_key``: the eager call's ``launch_key``, under which its prepared launch is
+    kept (``_remember_launch``); ``sources``: the caller's tensors the operands are views of (x, x_scale,
+    y, y_scale by default)."""
     call = block_scaled_call(fn, fmt, x, x_scale, y, y_scale, out_dtype, bias, alpha)
-    return call.run(x, x_scale, y, y_scale, _bias32(bias), _alpha32(alpha, call.device), global_scales,
-                    fast_key, sources, bias)
+    bias32, alpha32 = _bias32(bias), _alpha32(alpha, call.device)
+    if call.empty or not call.gpu:
+        if global_scales is not None:  # fp32(global_scale_x * global_scale_y) (* alpha), as the kernels do
+            global_scale_x, global_scale_y = global_scales
+            scales = global_scale_x * global_scale_y
+            alpha32 = scales if alpha32 is None else scales * alpha32
+    if call.empty:
+        return _empty_result(call.out_shape, call.k, bias32, call.out_dtype, call.device)
+    if not call.gpu:
+        if call.swizzled:
+            x_scale, y_scale = _logical_scales(x_scale, y_scale, call.m, call.n, call.k // call.fmt.block)
+        return block_scaled_matmul_reference(call.fmt, x, x_scale, y, y_scale, out_dtype=call.out_dtype,
+                                             alpha=alpha32, bias=bias32)
+    out = torch.empty(call.out_shape, dtype=call.out_dtype, device=call.device)
+    problem = call.problem(x, x_scale, y, y_scale, out, bias32, alpha32, global_scales)
+    prepared = call.prepared
+    if prepared is None:
+        prepared = call.prepared = kernels.prepare_block_scaled(problem)
+    _remember_launch(fast_key, prepared, problem, sources or (x, x_scale, y, y_scale), call.out_shape,
+                     call.out_dtype, call.device, bias, True)
+    prepared.run(problem, stream_handle(call.device))
+    return out
 
 
 def _empty_result(shape, k, bias32, out_dtype, device):
@@ -589,40 +584,6 @@ class _FP8Call:
         self.gpu = _on_gpu(device)
         self.prepared = None
 
-    def run(self, x, x_scale, y, y_scale, bias32, alpha32, fast_key=None, sources=None, bias=None):
-        """As ``_BlockScaledCall.run``, without decode scales."""
-        m, n, kx, ky = self.m, self.n, self.kx, self.ky
-        if self.empty:
-            return _empty_result(self.out_shape, self.k, bias32, self.out_dtype, self.device)
-        # Scales as (..., M) rows and (..., N) columns, or block grids.
-        if kx.is_block:
-            a_scale = x_scale
-            b_scale = y_scale.transpose(-1, -2)  # (..., ceil(N/128), K/128)
-        else:
-            tensor = Granularity.TENSOR
-            a_scale = x_scale.reshape(()).expand(*x.shape[:-2], m) if kx is tensor else x_scale[..., 0]
-            b_scale = y_scale.reshape(()).expand(*y.shape[:-2], n) if ky is tensor else y_scale[..., 0, :]
-        if not self.gpu:
-            if kx.is_block:
-                xs = a_scale.repeat_interleave(FP8_BLOCK, dim=-1)
-                ys = b_scale.repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :].repeat_interleave(FP8_BLOCK, dim=-1)
-                ys = ys.transpose(-1, -2)
-            else:
-                xs, ys = a_scale[..., :, None], b_scale[..., None, :]
-            return fp8_matmul_reference(x, xs, y, ys, out_dtype=self.out_dtype, alpha=alpha32, bias=bias32)
-        out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
-        tail = self.tail
-        problem = FP8Problem(self.fmt, _to3d(x, 2), _to3d(a_scale, tail), _to3d(y.transpose(-1, -2), 2),
-                             _to3d(b_scale, tail), self.granularity, out.view(-1, m, n), bias32, alpha32,
-                             self.use_fast_accum)
-        prepared = self.prepared
-        if prepared is None:
-            prepared = self.prepared = kernels.prepare_fp8(problem)
-        _remember_launch(fast_key, prepared, problem, sources or (x, x_scale, y, y_scale), self.out_shape,
-                         self.out_dtype, self.device, bias, False)
-        prepared.run(problem, stream_handle(self.device))
-        return out
-
 
 def fp8_call(x, x_scale, y, y_scale, out_dtype, bias, alpha, use_fast_accum) -> _FP8Call:
     """The planned FP8 call for this signature; its first call runs every check."""
@@ -638,10 +599,40 @@ def fp8_call(x, x_scale, y, y_scale, out_dtype, bias, alpha, use_fast_accum) -> 
 
 def run_fp8_matmul(x, x_scale, y, y_scale, *, out_dtype, bias, alpha, use_fast_accum, fast_key=None,
                    sources=None):
-    """What torch.ops.tilemm.fp8_matmul runs: the planned call of this signature."""
+    """What torch.ops.tilemm.fp8_matmul runs: as ``run_block_scaled``, without decode scales."""
     call = fp8_call(x, x_scale, y, y_scale, out_dtype, bias, alpha, use_fast_accum)
-    return call.run(x, x_scale, y, y_scale, _bias32(bias), _alpha32(alpha, call.device), fast_key, sources,
-                    bias)
+    bias32, alpha32 = _bias32(bias), _alpha32(alpha, call.device)
+    m, n, kx, ky = call.m, call.n, call.kx, call.ky
+    if call.empty:
+        return _empty_result(call.out_shape, call.k, bias32, call.out_dtype, call.device)
+    # Scales as (..., M) rows and (..., N) columns, or block grids.
+    if kx.is_block:
+        a_scale = x_scale
+        b_scale = y_scale.transpose(-1, -2)  # (..., ceil(N/128), K/128)
+    else:
+        tensor = Granularity.TENSOR
+        a_scale = x_scale.reshape(()).expand(*x.shape[:-2], m) if kx is tensor else x_scale[..., 0]
+        b_scale = y_scale.reshape(()).expand(*y.shape[:-2], n) if ky is tensor else y_scale[..., 0, :]
+    if not call.gpu:
+        if kx.is_block:
+            xs = a_scale.repeat_interleave(FP8_BLOCK, dim=-1)
+            ys = b_scale.repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :].repeat_interleave(FP8_BLOCK, dim=-1)
+            ys = ys.transpose(-1, -2)
+        else:
+            xs, ys = a_scale[..., :, None], b_scale[..., None, :]
+        return fp8_matmul_reference(x, xs, y, ys, out_dtype=call.out_dtype, alpha=alpha32, bias=bias32)
+    out = torch.empty(call.out_shape, dtype=call.out_dtype, device=call.device)
+    tail = call.tail
+    problem = FP8Problem(call.fmt, _to3d(x, 2), _to3d(a_scale, tail), _to3d(y.transpose(-1, -2), 2),
+                         _to3d(b_scale, tail), call.granularity, out.view(-1, m, n), bias32, alpha32,
+                         call.use_fast_accum)
+    prepared = call.prepared
+    if prepared is None:
+        prepared = call.prepared = kernels.prepare_fp8(problem)
+    _remember_launch(fast_key, prepared, problem, sources or (x, x_scale, y, y_scale), call.out_shape,
+                     call.out_dtype, call.device, bias, False)
+    prepared.run(problem, stream_handle(call.device))
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -4,31 +4,18 @@ The quantizer operators are registered here, the matmul operators next to their 
 (``tilemm.matmul``, ``tilemm.weight_only``, ``tilemm.moe``). ``torch.compile`` sees each as one opaque
 op (``fullgraph=True`` too); the public functions call them under torch.compile (the matmuls for CPU
 tensors too) and run their implementation directly for eager CUDA calls (the quantizers for eager CPU
-calls too), after checking once. Called directly, an operator has no public function before it, so each
-checks its arguments, and its fake (meta) implementation runs the same checks, which read only shapes,
-dtypes and devices, and returns empty outputs of the exact shapes and dtypes::
+calls too), after checking once.
 
-    quantize_mxfp8(Tensor x, ScalarType? elem_dtype=None, str rounding="rceil", bool swizzle=False)
-        -> (Tensor data, Tensor scale)
-    quantize_mxfp4(Tensor x, str rounding="rceil", bool swizzle=False) -> (Tensor data, Tensor scale)
-    quantize_nvfp4(Tensor x, Tensor? global_scale=None, bool swizzle=False)
-        -> (Tensor data, Tensor scale, Tensor global_scale)
-    quantize_fp8(Tensor x, str granularity="tensor", ScalarType? elem_dtype=None, bool pow2_scale=False)
-        -> (Tensor data, Tensor scale)          # granularity: 'tensor', 'row', '1x128' or '128x128'
-    mxfp8_matmul(Tensor x, Tensor x_scale, Tensor y, Tensor y_scale, ScalarType out_dtype=bfloat16,
-                 Tensor? bias=None, Tensor? alpha=None) -> Tensor       # and mxfp4_matmul alike
-    nvfp4_matmul(Tensor x, Tensor x_scale, Tensor y, Tensor y_scale, Tensor global_scale_x,
-                 Tensor global_scale_y, ScalarType out_dtype=bfloat16, Tensor? bias=None,
-                 Tensor? alpha=None) -> Tensor
-    fp8_matmul(Tensor x, Tensor x_scale, Tensor y, Tensor y_scale, ScalarType out_dtype=bfloat16,
-               Tensor? bias=None, Tensor? alpha=None, bool use_fast_accum=False) -> Tensor
-    weight_only_linear(Tensor x, Tensor words, Tensor scale_t, Tensor constants, str format,
-                       int in_features, Tensor? bias=None, Tensor? alpha=None,
-                       float alpha_host=1.0) -> Tensor
-                       # x (M, K) float; the other tensors are a tilemm.PackedWeight's
-
-Arguments and results mean what they mean for the public function of the same name (``elem_dtype=None``:
-``torch.float8_e4m3fn``). Inference only: no autograd formula is registered, so a backward pass raises.
+Called directly, an operator has no public function before it, so each checks its arguments, and its
+fake (meta) implementation runs the same checks, which read only shapes, dtypes and devices, and
+returns empty outputs of the exact shapes and dtypes. The operators are ``quantize_mxfp8``,
+``quantize_mxfp4``, ``quantize_nvfp4``, ``quantize_fp8``, ``mxfp8_matmul``, ``mxfp4_matmul``,
+``nvfp4_matmul``, ``fp8_matmul``, ``weight_only_linear`` and ``moe_linear``; each one's signature is
+``torch.ops.tilemm.<name>.default._schema``. Arguments and results mean what they mean for the public
+function of the same name (tensors where the function also takes Python numbers; NVFP4's decode scales
+are 0-d fp32 tensors; ``weight_only_linear`` and ``moe_linear`` take a ``tilemm.PackedWeight``'s
+tensors, its format's name and K). Inference only: no autograd formula is registered, so a backward
+pass raises.
 """
 
 from __future__ import annotations

@@ -5,10 +5,11 @@ Tile-code helpers (called from inside ``@ct.kernel`` functions, inlined by cuTil
 * ``tile_coords`` / ``tile_coords_at``: the batch index and the (M-tile, N-tile) of a block of a 1-D
   grid (or of tile number t of a persistent block), visiting tiles in GROUP_SIZE_M-row groups so that
   neighbouring blocks share operand tiles in L2.
-* The one e8m0 and e2m1 decode every kernel uses. ``e8m0_to_bf16`` / ``e8m0_to_fp32`` (the bits:
-  ``e8m0_bits_bf16``): e8m0 scale bytes -> their exact values (2^(s-127); 0 -> 2^-127; 255 -> NaN).
-  ``e2m1_lo_bits_*`` / ``e2m1_hi_bits_*``: the low / high nibble of packed e2m1 bytes as 16-bit float
-  bit patterns (fp16 or bf16), with a known power-of-two offset; ``e2m1_to_fp32``: codes -> fp32 values.
+* The one e8m0 and e2m1 decode every Hopper kernel uses. ``e8m0_to_bf16`` / ``e8m0_to_fp32`` (the
+  bits: ``e8m0_bits_bf16``): e8m0 scale bytes -> their exact values (2^(s-127); 0 -> 2^-127; 255 ->
+  NaN). ``e2m1_bits``: an e2m1 field, wherever it sits in a 16-bit lane (a nibble of a packed byte,
+  a plane of the weight-only layout), as the bits of a 16-bit float with a known power-of-two offset,
+  two lanes per 32-bit word; ``e2m1_to_fp32``: codes -> fp32 values.
 * ``unswizzle_scale_tile``: a tile of the 32x4x4 ("swizzled") scale layout back to (rows, columns).
 * ``epilogue``: ``acc * alpha + bias``, cast once to the output dtype, stored (partial tiles masked).
 
@@ -29,7 +30,7 @@ from ..formats import Granularity
 from ..numerics import ceil_div
 
 __all__ = ["launch_all_on", "tile_coords", "tile_coords_at", "e8m0_bits_bf16", "e8m0_to_bf16", "e8m0_to_fp32",
-           "e2m1_lo_bits_fp16", "e2m1_hi_bits_fp16", "e2m1_lo_bits_bf16", "e2m1_hi_bits_bf16", "e2m1_to_fp32", "unswizzle_scale_tile",
+           "e2m1_bits", "e2m1_to_fp32", "unswizzle_scale_tile",
            "epilogue", "ones_scalar", "zeros_vector", "swizzled_scale_view", "hinted", "num_sms", "stream_handle",
            "ceil_div", "folded_alpha", "SWIZZLE_ROWS", "SWIZZLE_COLS"]
 
@@ -66,60 +67,82 @@ def tile_coords_at(t, M, N, TM, TN, GROUP_SIZE_M):
     return batch, bm, bn
 
 
-def e8m0_bits_bf16(s, dtype):
-    """e8m0 scale bytes s (0..255 in an integer tile) -> the bf16 bit patterns of exactly 2^(s-127),
-    as a tile of integer ``dtype`` (``ct.uint16`` to bit-cast to bf16, ``ct.int32`` for fp32's upper half).
+def e8m0_bits_bf16(s, dtype, base, SHIFTED):
+    """The e8m0 decode: scale bytes s (0..255 in an integer tile) -> the bf16 bit patterns of exactly
+    2^(s-127) * 2^(base / 128), as a tile of integer ``dtype`` (``ct.uint16`` to bit-cast to bf16,
+    ``ct.int32`` for fp32's upper half).
 
-    bf16 has fp32's 8-bit exponent, so byte s goes straight into the exponent field (s << 7) for
-    s = 1..254. s = 0 is 2^-127, the bf16 subnormal 0x0040; s = 255 becomes 0x7FC0, a quiet NaN (s << 7
-    alone would be +inf, and inf would survive as inf instead of NaN). Both specials set bit 6.
-    """
-    s = s.astype(dtype)
-    special = ((s + 1) & 0xFF) < 2  # s == 255 or s == 0
-    return (s << 7) | ct.where(special, ct.full(s.shape, 0x40, dtype), ct.full(s.shape, 0, dtype))
+    bf16 has fp32's 8-bit exponent, so byte s goes straight into the exponent field: the bits are
+    s * 128 + base. SHIFTED = 0 (base 0, the plain decode): s = 0 is 2^-127, the bf16 subnormal 0x0040,
+    and s = 255 becomes 0x7FC0, a quiet NaN (s << 7 alone would be +inf, and inf would survive as inf
+    instead of NaN); both specials set bit 6. SHIFTED = 1: base (an int32 tile or int) is a positive
+    multiple of 128 that the caller keeps small enough for every finite byte's product to stay below
+    2^128 (``weight_only_kernels._multipliers``): then no byte is subnormal, finite bytes give at most
+    0x7F00 and s = 255 at least 0x8000, so ``min(bits, 0x7FC0)`` turns exactly the NaN byte into NaN,
+    with no compare: one multiply-add and one min."""
+    if SHIFTED:
+        return ct.minimum(s.astype(ct.int32) * 128 + base, 0x7FC0).astype(dtype)
+    b = s.astype(dtype)
+    special = ((b + 1) & 0xFF) < 2  # s == 255 or s == 0
+    return (b << 7) | ct.where(special, ct.full(b.shape, 0x40, dtype), ct.full(b.shape, 0, dtype))
 
 
 def e8m0_to_bf16(s):
     """e8m0 scale bytes (an integer tile, e.g. uint8) -> bf16 tile of exactly 2^(s-127) (``e8m0_bits_bf16``)."""
-    return ct.bitcast(e8m0_bits_bf16(s, ct.uint16), ct.bfloat16)
+    return ct.bitcast(e8m0_bits_bf16(s, ct.uint16, 0, 0), ct.bfloat16)
 
 
 def e8m0_to_fp32(s):
     """e8m0 scale bytes (an integer tile) -> fp32 tile of exactly 2^(s-127): ``e8m0_bits_bf16``'s
     pattern in the upper half of the word (fp32 is bf16 with 16 more mantissa bits), so byte 0 is the
     subnormal 2^-127 (0x00400000) and byte 255 the quiet NaN 0x7FC00000."""
-    return ct.bitcast(e8m0_bits_bf16(s, ct.int32) << 16, ct.float32)
+    return ct.bitcast(e8m0_bits_bf16(s, ct.int32, 0, 0) << 16, ct.float32)
 
 
-# e2m1 nibble n (bit 3 sign, bits 2-0 = 2 exponent bits + 1 mantissa bit) placed so that its exponent
-# bits land in the lowest exponent bits of a 16-bit float: the result is a (sub)normal float equal to
-# e2m1(n) * 2^-14 (fp16, exponent bias 15) or e2m1(n) * 2^-126 (bf16, bias 127). Code 1 (0.5) lands on
-# the subnormal encoding, which is what makes the mapping exact for every code.
-
-def e2m1_lo_bits_fp16(p):
-    """Low nibbles of a uint16 tile of packed bytes as fp16 bit patterns of e2m1 * 2^-14."""
-    return ((p & 0x8) << 12) | ((p & 0x7) << 9)
-
-
-def e2m1_hi_bits_fp16(p):
-    """High nibbles of a uint16 tile of packed bytes as fp16 bit patterns of e2m1 * 2^-14."""
-    return ((p & 0x80) << 8) | ((p & 0x70) << 5)
+def _shifted(w, n):
+    """w << n for n > 0, w >> -n for n < 0 (n a compile-time constant)."""
+    if n > 0:
+        return w << n
+    if n < 0:
+        return w >> (0 - n)
+    return w
 
 
-def e2m1_lo_bits_bf16(p):
-    """Low nibbles of a uint16 tile of packed bytes as bf16 bit patterns of e2m1 * 2^-126."""
-    return ((p & 0x8) << 12) | ((p & 0x7) << 6)
+def e2m1_bits(w, MAG_AT, SIGN_AT, FP16, LANES):
+    """The e2m1 decode: an e2m1 field of each 16-bit lane of w -> that lane as a 16-bit float's bits.
 
+    The field's magnitude (2 exponent bits, 1 mantissa bit: e1 e0 m) sits at bits MAG_AT..MAG_AT + 2
+    of the lane, its sign at bit SIGN_AT. The magnitude moves to the lowest exponent bits and the
+    mantissa's top bit of a 16-bit float, bits 6..8 of bf16 (FP16 = 0) or 9..11 of fp16 (FP16 = 1), and
+    the sign to bit 15: the result is the (sub)normal float e2m1 * 2^-126 (bf16, bias 127) or e2m1 *
+    2^-14 (fp16, bias 15), exact for every code (code 1, 0.5, lands on the subnormal encoding). w is a
+    uint16 tile (LANES = 1) or a uint32 tile of two lanes decoded at once (LANES = 2); bits moved across
+    a lane boundary fall outside the masks. When the sign sits as far above the magnitude as in the
+    float (SIGN_AT - MAG_AT = 15 - target), one shift and one mask move both; words shift, then mask,
+    and a one-lane tile masks, then shifts (the forms tileiras compiles to the fewest instructions).
 
-def e2m1_hi_bits_bf16(p):
-    """High nibbles of a uint16 tile of packed bytes as bf16 bit patterns of e2m1 * 2^-126."""
-    return ((p & 0x80) << 8) | ((p & 0x70) << 2)
+    Packed bytes (element 2j in the low nibble of byte j) are fields (0, 3) and (4, 7) of a uint16 tile
+    of the bytes; the weight-only layout's planes are ``weight_only_kernels.E2M1_FIELDS``."""
+    if FP16:
+        to = 9
+    else:
+        to = 6
+    mag = 0x7 << to
+    sign = 0x8000
+    if LANES == 2:
+        mag = mag * 0x10001
+        sign = 0x80008000
+    if SIGN_AT - MAG_AT == 15 - to:
+        return _shifted(w, to - MAG_AT) & (mag | sign)
+    if LANES == 2:
+        return (_shifted(w, to - MAG_AT) & mag) | (_shifted(w, 15 - SIGN_AT) & sign)
+    return _shifted(w & (0x7 << MAG_AT), to - MAG_AT) | _shifted(w & (1 << SIGN_AT), 15 - SIGN_AT)
 
 
 def e2m1_to_fp32(codes):
     """e2m1 codes (an int32 tile of 0..15, sign in bit 3) -> their fp32 values, exactly:
-    ``e2m1_lo_bits_bf16``'s e2m1 * 2^-126 in the upper half of the word, times 2^126."""
-    return ct.bitcast(e2m1_lo_bits_bf16(codes) << 16, ct.float32) * (2.0 ** 126)
+    ``e2m1_bits``' e2m1 * 2^-126 in the upper half of the word, times 2^126."""
+    return ct.bitcast(e2m1_bits(codes, 0, 3, 0, 1) << 16, ct.float32) * (2.0 ** 126)
 
 
 def unswizzle_scale_tile(t, ROWS, COLS):

@@ -35,9 +35,8 @@ import torch
 from ..formats import E2M1, MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
 from . import _large
 from ._aot import AotVariant, array
-from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, Described, ceil_div, e2m1_hi_bits_bf16, e2m1_hi_bits_fp16,
-                      e2m1_lo_bits_bf16, e2m1_lo_bits_fp16, e8m0_to_bf16, folded_alpha, hinted, ones_scalar,
-                      sm90_hints, stream_handle, zeros_vector)
+from ._common import (SWIZZLE_COLS, SWIZZLE_ROWS, Described, ceil_div, e2m1_bits, e8m0_to_bf16, folded_alpha,
+                      hinted, ones_scalar, sm90_hints, stream_handle, zeros_vector)
 from .hopper_gemm import GemmConfig, gemm_constants, gemm_kernel, launch_gemm, load_k_tile, num_sms
 from .weight_only_kernels import _capturing, _stream_key, workspace
 
@@ -105,16 +104,16 @@ def _decode(raw, s_raw, ROWS, TK, SC, ELEMENT, SCALE_E8M0, FOLD_NVFP4):
     p = raw.astype(ct.uint16)
     if SCALE_E8M0:  # MXFP4
         s = e8m0_to_bf16(s_raw)
-        lo = ct.bitcast(e2m1_lo_bits_bf16(p), ct.bfloat16) * ct.bfloat16(2.0 ** 126)
-        hi = ct.bitcast(e2m1_hi_bits_bf16(p), ct.bfloat16) * ct.bfloat16(2.0 ** 126)
+        lo = ct.bitcast(e2m1_bits(p, 0, 3, 0, 1), ct.bfloat16) * ct.bfloat16(2.0 ** 126)  # low nibbles
+        hi = ct.bitcast(e2m1_bits(p, 4, 7, 0, 1), ct.bfloat16) * ct.bfloat16(2.0 ** 126)  # high nibbles
     elif FOLD_NVFP4:
         s = ct.bitcast(s_raw, ct.float8_e4m3fn).astype(ct.float16) * ct.float16(_NVFP4_FOLD)
-        lo = ct.bitcast(e2m1_lo_bits_fp16(p), ct.float16)
-        hi = ct.bitcast(e2m1_hi_bits_fp16(p), ct.float16)
+        lo = ct.bitcast(e2m1_bits(p, 0, 3, 1, 1), ct.float16)
+        hi = ct.bitcast(e2m1_bits(p, 4, 7, 1, 1), ct.float16)
     else:
         s = ct.bitcast(s_raw, ct.float8_e4m3fn).astype(ct.float16)
-        lo = ct.bitcast(e2m1_lo_bits_fp16(p), ct.float16) * ct.float16(2.0 ** 14)
-        hi = ct.bitcast(e2m1_hi_bits_fp16(p), ct.float16) * ct.float16(2.0 ** 14)
+        lo = ct.bitcast(e2m1_bits(p, 0, 3, 1, 1), ct.float16) * ct.float16(2.0 ** 14)
+        hi = ct.bitcast(e2m1_bits(p, 4, 7, 1, 1), ct.float16) * ct.float16(2.0 ** 14)
     # Element 2j of the tile is the low nibble of byte j, element 2j + 1 its high nibble; both sit in
     # block (2j) // B = j // (B / 2), so each half tile takes the scales with half the block width.
     lo = _scale_blocks(lo, s, ROWS, TK // 2, SC)

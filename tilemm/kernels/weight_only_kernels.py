@@ -35,7 +35,7 @@ import torch
 from ..formats import E2M1, E4M3, E5M2, MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Format
 from ..numerics import ceil_div
 from ._aot import AotVariant, array
-from ._common import Described, hinted, sm90_hints
+from ._common import Described, e2m1_bits, e8m0_bits_bf16, hinted, sm90_hints
 
 
 __all__ = ["WeightOnlyConfig", "plan", "M1_KERNELS", "launch", "Prepared", "aot_variants", "LAYOUTS", "Layout"]
@@ -128,14 +128,14 @@ def _decode_plane(w, P, ELEMENT):
     bits shifted across the lane boundary fall outside the masks. The e2m1 fields are placed so that
     planes 0 and 1 need one shift for magnitude and sign together and plane 2's magnitude none; the
     8-bit lanes are already minimal."""
-    if ELEMENT == E2M1:  # the fields of E2M1_FIELDS, moved to bf16 bits 6..8 (magnitude) and 15 (sign)
+    if ELEMENT == E2M1:  # the fields of E2M1_FIELDS, both lanes at once
         if P == 0:
-            return (w << 6) & 0x81C081C0
+            return e2m1_bits(w, 0, 9, 0, 2)
         if P == 1:
-            return (w << 3) & 0x81C081C0
+            return e2m1_bits(w, 3, 12, 0, 2)
         if P == 2:
-            return (w & 0x01C001C0) | ((w << 5) & 0x80008000)
-        return ((w >> 7) & 0x01C001C0) | ((w << 4) & 0x80008000)
+            return e2m1_bits(w, 6, 10, 0, 2)
+        return e2m1_bits(w, 13, 11, 0, 2)
     if ELEMENT == E4M3:
         if P == 0:
             return ((w << 4) & 0x07F007F0) | ((w << 8) & 0x80008000)
@@ -155,18 +155,15 @@ def _as_bf16_pairs(bits, ROWS, WORDS):
 def _multipliers(s_raw, Mult, SCALE_E8M0):
     """Scale bytes (TN, SC) -> bf16 ``scale * 2^(OFFSET - E)`` (Mult holds 2^(OFFSET - E)), exactly.
 
-    e8m0: the product is 2^(s - 127 + OFFSET - E), whose bf16 bits are (s + OFFSET - E) << 7 = s * 128
-    + base, base = (Mult's fp32 exponent field - 127) << 7: one integer multiply-add. ``prepack`` keeps
-    1 <= OFFSET - E and every finite field s + OFFSET - E <= 254 (s = 0 included, the zero padding past
-    K too), so finite bytes give at most 0x7F00 and s = 255 at least 0x8000: ``min(bits, 0x7FC0)``
-    turns exactly the NaN byte into bf16's NaN, with no compare. e4m3 (NVFP4): the byte as bf16 (exact,
-    subnormals and NaN included) times 2^(OFFSET - E) in bf16, exact below 2^128, which ``prepack``'s E
-    guarantees."""
+    e8m0: ``e8m0_bits_bf16`` with base = (OFFSET - E) * 128, read off Mult's fp32 exponent field: one
+    integer multiply-add and a min per byte. ``prepack`` keeps 1 <= OFFSET - E and every finite field
+    s + OFFSET - E <= 254 (s = 0 included, the zero padding past K too), which that form needs.
+    e4m3 (NVFP4): the byte as bf16 (exact, subnormals and NaN included) times 2^(OFFSET - E) in bf16,
+    exact below 2^128, which ``prepack``'s E guarantees."""
     mult = ct.load(Mult, (0,), (1,)).reshape((1, 1))
     if SCALE_E8M0:
         base = ((ct.bitcast(mult, ct.int32) >> 16) & 0x7F80) - 0x3F80
-        bits = ct.minimum(s_raw.astype(ct.int32) * 128 + base, 0x7FC0).astype(ct.uint16)
-        return ct.bitcast(bits, ct.bfloat16)
+        return ct.bitcast(e8m0_bits_bf16(s_raw, ct.uint16, base, 1), ct.bfloat16)
     return ct.bitcast(s_raw, ct.float8_e4m3fn).astype(ct.bfloat16) * mult.astype(ct.bfloat16)
 
 

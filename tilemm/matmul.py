@@ -387,6 +387,17 @@ def _remember_launch(fast_key, prepared, problem, sources, out_shape, out_dtype,
                                 scaled))
 
 
+def _prepared(call, problem, prepare, fast_key, sources, bias, scaled):
+    """The checked signature ``call``'s prepared launch, planned by ``prepare`` on its first problem,
+    and kept under ``fast_key`` for the eager fast path (``_remember_launch``)."""
+    prepared = call.prepared
+    if prepared is None:
+        prepared = call.prepared = prepare(problem)
+    _remember_launch(fast_key, prepared, problem, sources, call.out_shape, call.out_dtype, call.device, bias,
+                     scaled)
+    return prepared
+
+
 class _BlockScaledCall:
     """A checked block-scaled matmul signature: the output's shape and how the operands are viewed
     for the kernels, and, on a GPU, the launcher's prepared launch (``tilemm.kernels``)."""
@@ -455,12 +466,8 @@ def run_block_scaled(fn, fmt, x, x_scale, y, y_scale, *, out_dtype, bias, alpha,
                                              alpha=alpha32, bias=bias32)
     out = torch.empty(call.out_shape, dtype=call.out_dtype, device=call.device)
     problem = call.problem(x, x_scale, y, y_scale, out, bias32, alpha32, global_scales)
-    prepared = call.prepared
-    if prepared is None:
-        prepared = call.prepared = kernels.prepare_block_scaled(problem)
-    _remember_launch(fast_key, prepared, problem, sources or (x, x_scale, y, y_scale), call.out_shape,
-                     call.out_dtype, call.device, bias, True)
-    prepared.run(problem, stream_handle(call.device))
+    _prepared(call, problem, kernels.prepare_block_scaled, fast_key, sources or (x, x_scale, y, y_scale), bias,
+              True).run(problem, stream_handle(call.device))
     return out
 
 
@@ -626,12 +633,8 @@ def run_fp8_matmul(x, x_scale, y, y_scale, *, out_dtype, bias, alpha, use_fast_a
     problem = FP8Problem(call.fmt, _to3d(x, 2), _to3d(a_scale, tail), _to3d(y.transpose(-1, -2), 2),
                          _to3d(b_scale, tail), call.granularity, out.view(-1, m, n), bias32, alpha32,
                          call.use_fast_accum)
-    prepared = call.prepared
-    if prepared is None:
-        prepared = call.prepared = kernels.prepare_fp8(problem)
-    _remember_launch(fast_key, prepared, problem, sources or (x, x_scale, y, y_scale), call.out_shape,
-                     call.out_dtype, call.device, bias, False)
-    prepared.run(problem, stream_handle(call.device))
+    _prepared(call, problem, kernels.prepare_fp8, fast_key, sources or (x, x_scale, y, y_scale), bias,
+              False).run(problem, stream_handle(call.device))
     return out
 
 

@@ -278,14 +278,10 @@ def hf_experts(config_kw: dict, gate_up, gate_up_bias, down, down_bias, activati
 #: from T = 2); "all_experts": the sorted design with a block per (expert, N tile) for every expert
 #: (the empty ones exit at once) instead of the active experts first; "unfused": the sorted design
 #: with the gate_up products written out and gpt-oss's SwiGLU as PyTorch operations, instead of the
-#: fused epilogue; "grouped_combine" / "grouped_bmm": the routing, then one block per (active expert,
-#: N tile) on the FMA pipes multiplying all of that expert's rows (each weight decoded once), down
-#: per pair with the weighted sum in its epilogue, or grouped too with a batched GEMM for the sum;
-#: "full_grid": the sorted design with one block per work item (as many chunk
+#: fused epilogue; "full_grid": the sorted design with one block per work item (as many chunk
 #: groups as the shapes allow, those past the busiest expert's chunks exiting at once) instead of the
 #: persistent grid (``moe_kernels.grid_blocks``), timed at every T >= 2 (``--quick`` included).
-DESIGNS = ("pairs_combine", "pairs_bmm", "grouped_combine", "grouped_bmm", "sorted", "all_experts", "unfused",
-           "full_grid")
+DESIGNS = ("pairs_combine", "pairs_bmm", "sorted", "all_experts", "unfused", "full_grid")
 DESIGN_MAX_T = 16
 
 
@@ -321,7 +317,7 @@ def designed(ours: MoEExperts, design: str):
 
     gu, dn = ours.packed("gate_up"), ours.packed("down")
     every = torch.arange(ours.num_experts + 1, device=gu.device)
-    if design.startswith(("pairs", "grouped")) or design == "sorted":
+    if design.startswith("pairs") or design == "sorted":
         def launches(x, ids, weights):
             return _experts_launches(x, ids, weights, gu.words, gu.scale_t, gu.constants, gu.fmt.name,
                                      ours.gate_up_bias, dn.words, dn.scale_t, dn.constants, dn.fmt.name,
@@ -416,9 +412,7 @@ def bench_layers(args, device, timer, t0) -> list[dict]:
                         if can_group:
                             variants["grouped"] = lambda: grouped(x, ids, weights)
                         # the alternative designs (--quick: full_grid only; --profile times the others)
-                        chosen = args.designs if args.designs is not None else designs_for(
-                            t, pairs_default(t, k, ours), args.quick)
-                        for design in chosen:
+                        for design in designs_for(t, pairs_default(t, k, ours), args.quick):
                             try:  # a design that fails or is wrong is recorded, not timed
                                 fwd = designed(ours, design)
                                 rec[f"{design}_rel_err"] = d_err = rel_err(fwd(x, ids, weights), ref)
@@ -459,7 +453,7 @@ PROFILE_TOKENS = (1, 16)
 PROFILE_CALLS = 5
 #: The designs profiled next to the default (the structurally different ones; each is a few more JIT
 #: compiles).
-PROFILE_DESIGNS = ("pairs_combine", "pairs_bmm", "grouped_combine", "grouped_bmm", "sorted", "full_grid")
+PROFILE_DESIGNS = ("pairs_combine", "pairs_bmm", "sorted", "full_grid")
 
 
 def kernel_table(fn, calls: int, device) -> list[tuple[str, float, float]]:
@@ -911,9 +905,6 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="timed decode steps per end-to-end run (default 64)")
     ap.add_argument("--ts", type=lambda v: tuple(int(t) for t in v.split(",")), default=None,
                     help="the layers' T, comma-separated (default: TOKENS, the anchor's ANCHOR_TOKENS)")
-    ap.add_argument("--designs", type=lambda v: tuple(d for d in v.split(",") if d), default=None,
-                    help="the alternative designs to time at every T, comma-separated, from DESIGNS (default: "
-                         "designs_for's choice; empty: none)")
     ap.add_argument("--reps", type=int, default=30, help="timed replays per layer variant (default 30)")
     add_options(ap, out_dir_aliases=("--out",))  # --cpu-smoke: tiny shapes on the CPU, no timing
     args = ap.parse_args(argv)

@@ -330,24 +330,16 @@ def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_fo
                               design)
     gate_up_plan, down_plan = plans
     gu_layout, d_layout = layout_of(FORMATS[gu_format]), layout_of(FORMATS[d_format])
-    if gate_up_plan.design in ("pairs", "grouped"):
+    if gate_up_plan.design == "pairs":
         flat = ids.reshape(-1)
-        routed = moe_kernels.route(ids, num_experts) if "grouped" in (gate_up_plan.design, down_plan.design) else None
-
-        def project(design_plan, inputs, words, scale_t, constants, bias, out, layout, act=0):
-            if design_plan.design == "grouped":
-                moe_kernels.launch_grouped(inputs, words, scale_t, constants, bias, routed, out, layout, act=act,
-                                           moe_plan=design_plan)
-            else:
-                moe_kernels.launch_pairs(inputs, words, scale_t, constants, bias, flat, out, layout, act=act,
-                                         moe_plan=design_plan)
-
         h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # pair order
         if fused:
-            project(gate_up_plan, x.contiguous(), gu_words, gu_scale_t, gu_constants, gu_bias, h, gu_layout, act)
+            moe_kernels.launch_pairs(x.contiguous(), gu_words, gu_scale_t, gu_constants, gu_bias, flat, h,
+                                     gu_layout, act=act, moe_plan=gate_up_plan)
         else:
             gate_up = torch.empty((tokens * top_k, 2 * inter), dtype=x.dtype, device=x.device)
-            project(gate_up_plan, x.contiguous(), gu_words, gu_scale_t, gu_constants, gu_bias, gate_up, gu_layout)
+            moe_kernels.launch_pairs(x.contiguous(), gu_words, gu_scale_t, gu_constants, gu_bias, flat,
+                                     gate_up, gu_layout, moe_plan=gate_up_plan)
             h = _glu(gate_up, activation, alpha, limit)
         if down_plan.combine:
             out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
@@ -355,7 +347,7 @@ def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_fo
                                      weights=weights.contiguous(), moe_plan=down_plan)
             return out
         y = torch.empty((tokens * top_k, hidden), dtype=x.dtype, device=x.device)  # pair order
-        project(down_plan, h, d_words, d_scale_t, d_constants, d_bias, y, d_layout)
+        moe_kernels.launch_pairs(h, d_words, d_scale_t, d_constants, d_bias, flat, y, d_layout, moe_plan=down_plan)
         return _weighted_sum(y.reshape(tokens, top_k, hidden), weights)
     routed = moe_kernels.route(ids, num_experts)
     xs = moe_kernels.sort_rows(x.contiguous(), routed, top_k)  # x's rows in expert order
@@ -377,7 +369,6 @@ def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_fo
 #: sum in the down launch ("pairs_combine") or as a batched GEMM ("pairs_bmm") or either where it pays
 #: ("pairs"), or "sorted"; as ``moe_kernels.plan``'s (design, down projection's combine).
 EXPERTS_DESIGNS = {"pairs": ("pairs", None), "pairs_combine": ("pairs", True), "pairs_bmm": ("pairs", False),
-                   "grouped": ("grouped", None), "grouped_combine": ("grouped", True), "grouped_bmm": ("grouped", False),
                    "sorted": ("sorted", False)}
 
 
@@ -394,10 +385,8 @@ def experts_plans(tokens: int, top_k: int, gu_words, gu_scale_t, gu_format: str,
                                expert_bytes, design=forced)
     # the SM count only where combine is chosen (a forced design may run on the CPU emulator)
     sms = _kernels_common.num_sms(device) if gate_up.design == "pairs" and combine is None else None
-    # grouped: down grouped as well, or per pair with the weighted sum in its epilogue (combine=True)
-    down_design = "pairs" if gate_up.design == "grouped" and combine else gate_up.design
     down = moe_kernels.plan(tokens, top_k, num_experts, hidden, inter, layout_of(FORMATS[d_format]), expert_bytes,
-                            sms, design=down_design, combine=combine if down_design != "grouped" else False)
+                            sms, design=gate_up.design, combine=combine)
     return gate_up, down
 
 

@@ -43,7 +43,7 @@ from ._common import hinted, num_sms, sm90_hints, stream_handle
 from .weight_only_kernels import LAYOUTS, Layout, _X_PARTS, _f32_halves, _k_tile, _multipliers, _scaled_plane
 
 __all__ = ["MoEPlan", "plan", "MoEConfig", "PairsConfig", "route", "launch", "sort_rows", "launch_pairs",
-           "PreparedPairs", "launch_grouped", "GroupedConfig", "grid_blocks", "route_kernel_fits", "expert_bytes", "PAIRS_MAX_BYTES", "zero_bias",
+           "PreparedPairs", "grid_blocks", "route_kernel_fits", "expert_bytes", "PAIRS_MAX_BYTES", "zero_bias",
            "aot_variants", "SWIGLU_ALPHA", "SWIGLU_LIMIT", "ACT_NONE", "ACT_GPT_OSS", "ACT_SILU"]
 
 ConstInt = ct.Constant[int]
@@ -263,124 +263,6 @@ def _moe_gemv_kernel(X, W, S, Out, Consts, Mult, Bias, Ids, Weights,
     else:
         ct.store(Out, (row, bn), _pair_row(X, W, S, Consts, Mult, Bias, Ids, row, bn, Out.dtype, ELEMENT,
                                            SCALE_E8M0, BLOCK, PLANES, GROUP, TN, UNROLL, ACT))
-
-
-def _row_products(acc_lo, acc_hi, w_lo, w_hi, xs, col, TP, BF16):
-    """acc_lo / acc_hi (1, TN, TP / 2) += the decoded plane's fp32 halves times x's (``_pair_row``'s
-    form), x the (1, TP) plane at column ``col`` of the row's loaded group ``xs``."""
-    x_lo, x_hi = _f32_halves(ct.extract(xs, (0, col), (1, TP)), 1, TP, BF16)
-    acc_lo = acc_lo + w_lo * x_lo.reshape((1, 1, TP // 2))
-    acc_hi = acc_hi + w_hi * x_hi.reshape((1, 1, TP // 2))
-    return acc_lo, acc_hi
-
-
-def _row_out(acc_lo, acc_hi, Out, Order, Bias, alpha, e, pos, bn, TN, ACT):
-    """The row of sorted position ``pos``: alpha, bias, rounding, the gating (ACT), stored to its
-    (token, slot) row Order[pos]."""
-    TO = TN // 2 if ACT != 0 else TN
-    bias = ct.load(Bias, (e, bn), (1, TN), padding_mode=_ZERO)
-    y = (ct.sum(acc_lo + acc_hi, axis=2) * alpha + bias).astype(Out.dtype)
-    if ACT != 0:
-        y = _glu_pairs(y, 1, TO, Out.dtype, ACT)
-    ct.store(Out, (ct.load(Order, (pos,), ()), bn), y)
-
-
-def _rows_chunk(X, W, S, Out, Consts, Mult, Bias, Order, e, first, bn, ELEMENT, SCALE_E8M0, BLOCK, PLANES,
-                GROUP, TN, UNROLL, ACT, R):
-    """Sorted positions first .. first + R - 1 (R = 1, 2 or 4 rows, all of expert e) times weight rows
-    bn * TN .. of expert e on the FMA pipes: each decoded plane (``_pair_row``'s exact fp32 halves)
-    meets each of the R rows' x, one pair of accumulators per row, so the expert's weight tile is
-    decoded once for its R rows; then per row alpha, bias, rounding, the gating (ACT), and a store to
-    its (token, slot) row Order[pos]. (One (R, TN, TP / 2) accumulator with x broadcast over the
-    weight rows costs tileiras shared-memory round trips per plane; separate rows do not.)"""
-    WORDS = GROUP * BLOCK // 2
-    TP = GROUP * BLOCK
-    TK = PLANES * TP
-    SC = PLANES * GROUP
-    BF16 = X.dtype == ct.bfloat16
-    per_row = Order.shape[0] // X.shape[0]  # pairs per X row: k for (T, K) tokens, 1 for pair rows
-    groups = ct.cdiv(ct.cdiv(X.shape[1], TK), UNROLL)
-    r0 = ct.load(Order, (first,), ()) // per_row
-    r1 = ct.load(Order, (first + min(1, R - 1),), ()) // per_row
-    r2 = ct.load(Order, (first + min(2, R - 1),), ()) // per_row
-    r3 = ct.load(Order, (first + min(3, R - 1),), ()) // per_row
-    a0l = ct.zeros((1, TN, TP // 2), ct.float32)
-    a0h = ct.zeros((1, TN, TP // 2), ct.float32)
-    a1l = ct.zeros((1, TN, TP // 2), ct.float32)
-    a1h = ct.zeros((1, TN, TP // 2), ct.float32)
-    a2l = ct.zeros((1, TN, TP // 2), ct.float32)
-    a2h = ct.zeros((1, TN, TP // 2), ct.float32)
-    a3l = ct.zeros((1, TN, TP // 2), ct.float32)
-    a3h = ct.zeros((1, TN, TP // 2), ct.float32)
-    for g in range(groups):
-        ws = ct.bitcast(ct.load(W, (e, bn, g), (1, TN, UNROLL * WORDS), padding_mode=_ZERO), ct.uint32)
-        ws = ws.reshape((TN, UNROLL * WORDS))
-        ss = ct.load(S, (e, g, bn), (1, UNROLL * SC, TN), padding_mode=_ZERO).reshape((UNROLL * SC, TN))
-        x0 = ct.load(X, (r0, g), (1, UNROLL * TK), padding_mode=_ZERO)
-        x1 = ct.load(X, (r1, g), (1, UNROLL * TK), padding_mode=_ZERO) if R >= 2 else x0
-        x2 = ct.load(X, (r2, g), (1, UNROLL * TK), padding_mode=_ZERO) if R == 4 else x0
-        x3 = ct.load(X, (r3, g), (1, UNROLL * TK), padding_mode=_ZERO) if R == 4 else x0
-        for u in ct.static_iter(range(UNROLL)):
-            w = ct.extract(ws, (0, u), (TN, WORDS))
-            mult = _multipliers(ct.extract(ss, (u, 0), (SC, TN)).transpose(), Mult, SCALE_E8M0)
-            mult = mult.reshape((TN, PLANES, GROUP, 1))
-            for q in ct.static_iter(range(PLANES)):
-                w_lo, w_hi = _f32_halves(_scaled_plane(w, mult, q, ELEMENT, BLOCK, GROUP, TN), TN, TP, True)
-                w_lo = w_lo.reshape((1, TN, TP // 2))
-                w_hi = w_hi.reshape((1, TN, TP // 2))
-                a0l, a0h = _row_products(a0l, a0h, w_lo, w_hi, x0, u * PLANES + q, TP, BF16)
-                if R >= 2:
-                    a1l, a1h = _row_products(a1l, a1h, w_lo, w_hi, x1, u * PLANES + q, TP, BF16)
-                if R == 4:
-                    a2l, a2h = _row_products(a2l, a2h, w_lo, w_hi, x2, u * PLANES + q, TP, BF16)
-                    a3l, a3h = _row_products(a3l, a3h, w_lo, w_hi, x3, u * PLANES + q, TP, BF16)
-    alpha = ct.load(Consts, (e, 0), (1, 1))
-    _row_out(a0l, a0h, Out, Order, Bias, alpha, e, first, bn, TN, ACT)
-    if R >= 2:
-        _row_out(a1l, a1h, Out, Order, Bias, alpha, e, first + 1, bn, TN, ACT)
-    if R == 4:
-        _row_out(a2l, a2h, Out, Order, Bias, alpha, e, first + 2, bn, TN, ACT)
-        _row_out(a3l, a3h, Out, Order, Bias, alpha, e, first + 3, bn, TN, ACT)
-
-
-@ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
-def _moe_rows_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert,
-                     ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
-                     GROUP: ConstInt, TN: ConstInt, UNROLL: ConstInt, ACT: ConstInt):
-    """The grouped FMA design: block (slot, bn), N tiles fastest, multiplies every row of expert
-    e = SlotExpert[slot] (sorted positions Offsets[e] .. Offsets[e + 1] of ``route``'s order) with
-    the expert's weight rows bn * TN .., on the FMA pipes, four rows at a time, then two, then one
-    (``_rows_chunk``): the weight tile is read and decoded once per block however many tokens chose
-    the expert, and no multiply is spent on padding rows. Out (T * k, N) (N / 2 with ACT = 1 or 2),
-    (token, slot) rows; X (T, K) tokens or (T * k, I) pair rows, Order (T * k,) int64; the weights
-    and the epilogue as in ``_moe_kernel``. Ids outside [0, E) (the extra expert E): NaN rows, no
-    weight read. Slots of -1 (``_route_kernel``'s unused ones) do nothing."""
-    num_n = ct.cdiv(W.shape[1], TN)
-    TO = TN // 2 if ACT != 0 else TN
-    pid = ct.bid(0)
-    bn = pid % num_n
-    e = ct.load(SlotExpert, (pid // num_n,), ())
-    if e >= 0:
-        start = ct.load(Offsets, (e,), ())
-        end = ct.load(Offsets, (e + 1,), ())
-        if e < W.shape[0]:
-            fours = (end - start) // 4
-            for c in range(fours):
-                _rows_chunk(X, W, S, Out, Consts, Mult, Bias, Order, e, start + 4 * c, bn, ELEMENT, SCALE_E8M0,
-                            BLOCK, PLANES, GROUP, TN, UNROLL, ACT, 4)
-            rest = end - start - 4 * fours
-            if rest >= 2:
-                _rows_chunk(X, W, S, Out, Consts, Mult, Bias, Order, e, start + 4 * fours, bn, ELEMENT,
-                            SCALE_E8M0, BLOCK, PLANES, GROUP, TN, UNROLL, ACT, 2)
-            if rest % 2 == 1:
-                _rows_chunk(X, W, S, Out, Consts, Mult, Bias, Order, e, end - 1, bn, ELEMENT, SCALE_E8M0, BLOCK,
-                            PLANES, GROUP, TN, UNROLL, ACT, 1)
-        else:
-            nan = ct.full((1, TO), float("nan"), Out.dtype)
-            cols = (bn * TO + ct.arange(TO, dtype=ct.int32)).reshape((1, TO))
-            for pos in range(start, end):
-                row = ct.gather(Order, ct.full((1, 1), pos, ct.int64))
-                ct.scatter(Out, (row, cols), nan)
 
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
@@ -662,20 +544,6 @@ def _combine_pays(tokens: int, n: int, sms: int) -> bool:
     return 2 * tokens * ceil_div(n, PairsConfig(1).tile_n) >= 3 * sms
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupedConfig(PairsConfig):
-    """The grouped FMA kernel's block (``_moe_rows_kernel``): the per-pair block's shape and hints
-    (``_pairs_config``'s unroll for K)."""
-
-    @functools.cached_property
-    def kernel(self):
-        return hinted(_moe_rows_kernel, **sm90_hints(self.num_worker_warps, self.occupancy))
-
-    @property
-    def name(self) -> str:
-        return f"moe_grouped_{self.tile_n}_u{self.unroll}_w{self.num_worker_warps}_occ{self.occupancy}"
-
-
 @functools.lru_cache(maxsize=256)  # one config object per (K, layout): its kernel is looked up once
 def _pairs_config(k: int, layout: Layout) -> PairsConfig:
     """The per-pair design's block for K = ``k``, by its K tiles per load: the most of 8, 4, 2 (8:
@@ -703,7 +571,7 @@ class MoEPlan:
 
 
 #: The designs ``plan`` chooses from (module docstring).
-DESIGNS = ("pairs", "grouped", "sorted")
+DESIGNS = ("pairs", "sorted")
 
 
 def plan(tokens: int, top_k: int, num_experts: int, n: int, k: int, layout: Layout,
@@ -725,11 +593,6 @@ def plan(tokens: int, top_k: int, num_experts: int, n: int, k: int, layout: Layo
         if expert_bytes is None:
             raise ValueError("plan: choosing the design (design=None) needs expert_bytes")
         design = "pairs" if _pairs_pay(tokens, top_k, num_experts, expert_bytes) else "sorted"
-    if design == "grouped":
-        if combine:
-            raise ValueError("plan: combine=True needs the per-pair design; the grouped design writes (token, slot) "
-                             "rows")
-        return MoEPlan("grouped", config or GroupedConfig(_pairs_config(k, layout).unroll))
     if design == "pairs":
         if combine is None:
             if sms is None:
@@ -763,28 +626,6 @@ def launch_pairs(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, co
                          f"{'given' if combine else 'None'}; a combining plan takes the router's weights")
     PreparedPairs(x.shape[1], words, scale_t, constants, bias, layout, out.shape[0], act, moe_plan).run(
         x, ids, out, weights)
-
-
-def launch_grouped(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
-                   bias: torch.Tensor | None, routed: tuple, out: torch.Tensor, layout: Layout, act: int = 0,
-                   moe_plan: MoEPlan | None = None) -> None:
-    """The grouped FMA design: out (T * k, N) (N / 2 with ``act`` 1 or 2) = each (token, slot) row's
-    product with its expert, (token, slot) order, as ``launch_pairs`` without ``weights``, but each
-    expert's weight tile read and decoded once for all of its rows. ``routed``: ``route``'s result for
-    the call's ids; x (T, K) tokens or (T * k, I), one row per (token, slot) in that order.
-    ``moe_plan``: a grouped ``MoEPlan`` (default ``plan``'s). One ``ct.launch``."""
-    order, offsets, slot_expert, _ = routed
-    num_experts, n = words.shape[0], words.shape[1]
-    if moe_plan is None:
-        moe_plan = plan(order.shape[0], 1, num_experts, n, x.shape[1], layout, design="grouped")
-    elif moe_plan.design != "grouped":
-        raise ValueError(f"launch_grouped: moe_plan must be a plan of the grouped design, got {moe_plan.design!r}")
-    cfg = moe_plan.config
-    if bias is None:
-        bias = zero_bias(num_experts, n, x.device)
-    ct.launch(stream_handle(out.device), (slot_expert.shape[0] * ceil_div(n, cfg.tile_n), 1, 1), cfg.kernel,
-              (x, words, scale_t, out, constants, constants[0, 1:2], bias, order, offsets, slot_expert,
-               *_grouped_constants(layout, cfg, act)))
 
 
 class PreparedPairs:
@@ -821,11 +662,6 @@ class PreparedPairs:
 def _pairs_constants(layout: Layout, cfg: PairsConfig, act: int, combine: int) -> tuple:
     return (layout.element, layout.scale_e8m0, layout.block, layout.planes, layout.group,
             cfg.tile_n, cfg.unroll, act, combine)
-
-
-def _grouped_constants(layout: Layout, cfg: GroupedConfig, act: int) -> tuple:
-    return (layout.element, layout.scale_e8m0, layout.block, layout.planes, layout.group, cfg.tile_n, cfg.unroll,
-            act)
 
 
 def _constants(layout: Layout, cfg: MoEConfig, x_parts: int, act: int, sorted_out: int) -> tuple:

@@ -88,8 +88,9 @@ class PlainShard(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear, style: str, group, gather: bool = False,
                  one_shot_max_bytes: int = 0, copy_min_bytes: int = 0, chunks: int = 1, chunk_min_rows: int = 1024,
-                 taper: bool = False):
+                 taper: bool = False, direct_nccl: bool = True):
         super().__init__()
+        self.direct_nccl = direct_nccl  # tilemm.parallel.all_reduce_sum's direct NCCL call (eager)
         # Row-wise: outputs of at most this many bytes are summed by the one-shot all-reduce, of at
         # least copy_min_bytes by the copy engines, and inputs of at least chunk_min_rows rows are
         # multiplied in ``chunks`` pieces (``taper``: halving toward the end) whose copy all-reduces
@@ -126,7 +127,7 @@ class PlainShard(torch.nn.Module):
                 if reduced is not None:
                     return reduced
             # Overlaps inside tilemm.parallel.overlapped.
-            tilemm.parallel.all_reduce_sum(out, self.group, copy=self.copy)
+            tilemm.parallel.all_reduce_sum(out, self.group, copy=self.copy, direct_nccl=self.direct_nccl)
         elif self.gather:
             local = out.reshape(-1, out.shape[-1]).contiguous()
             rows, cols = local.shape

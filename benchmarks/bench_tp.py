@@ -74,7 +74,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 VARIANTS = {  # how the sharded MLP's all-reduce runs: name -> (description, applies to M)
-    "end": ("one all-reduce of the whole output at the end (RowwiseParallel())", lambda m: True),
+    "end": ("one all-reduce of the whole output at the end (RowwiseParallel()): eager calls on NCCL call it "
+            "directly (tilemm.parallel._DirectNccl)", lambda m: True),
+    "pg": ("the same through torch's ProcessGroup (RowwiseParallel(direct_nccl=False))", lambda m: m <= 16),
     "row2": ("fc2 in 2 row pieces, piece i's all-reduce during piece i+1's matmul "
              "(RowwiseParallel(chunks=2))", lambda m: m >= CHUNK_MIN_ROWS),
     "row4": ("the same in 4 pieces (RowwiseParallel(chunks=4))", lambda m: m >= CHUNK_MIN_ROWS),
@@ -113,11 +115,12 @@ def shard(full: MLP, mesh, bf16: bool, variant: str = "end") -> MLP:
             return None  # PlainShard has one all-reduce (overlapped() pipelines it: mlp2 / mlp4)
         group = mesh.get_group()
         kw = (dict(copy_min_bytes=COPY_MIN_BYTES, chunks=COPY_CHUNKS[variant][0], taper=COPY_CHUNKS[variant][1],
-                   chunk_min_rows=CHUNK_MIN_ROWS) if variant in COPY_CHUNKS else {})
+                   chunk_min_rows=CHUNK_MIN_ROWS) if variant in COPY_CHUNKS
+              else dict(direct_nccl=False) if variant == "pg" else {})
         return MLP(PlainShard(full.fc1, "colwise", group), PlainShard(full.fc2, "rowwise", group, **kw))
     from torch.distributed.tensor.parallel import parallelize_module
 
-    row = dict(end={}, mlp2={}, mlp4={}, row2=dict(chunks=2, chunk_min_rows=CHUNK_MIN_ROWS),
+    row = dict(end={}, pg=dict(direct_nccl=False), mlp2={}, mlp4={}, row2=dict(chunks=2, chunk_min_rows=CHUNK_MIN_ROWS),
                row4=dict(chunks=4, chunk_min_rows=CHUNK_MIN_ROWS), oneshot=dict(one_shot_max_bytes=ONE_SHOT_BYTES),
                **{v: dict(chunks=c, taper=taper, chunk_min_rows=CHUNK_MIN_ROWS, copy_min_bytes=COPY_MIN_BYTES)
                   for v, (c, taper) in COPY_CHUNKS.items()})
@@ -154,6 +157,8 @@ def fallback_of(model, variant: str) -> str | None:
         errors.append(f"one-shot: {one_shot.error or one_shot.amax_error}")
     if ce is not None and ce.error:
         errors.append(f"copy engines: {ce.error}")
+    if variant != "pg":
+        errors += [f"direct NCCL: {d.error}" for d in tilemm.parallel._DirectNccl._FOR.values() if d.error]
     return "; ".join(errors) or None
 
 

@@ -138,6 +138,14 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
     model.fc1.register_forward_hook(keep_first_hidden)
     with torch.no_grad():
         out = model(x)
+    # The same MLP with every all-reduce through the ProcessGroup (on NCCL the default calls NCCL
+    # directly, ``_DirectNccl``): the same sums, so the same bits.
+    pg_plan = {"fc1": tilemm.parallel.ColwiseParallel(), "fc2": tilemm.parallel.RowwiseParallel(direct_nccl=False)}
+    with torch.no_grad():
+        out_pg = parallelize_module(copy.deepcopy(mlp), mesh, pg_plan)(x)
+    direct = tilemm.parallel._DirectNccl._FOR.get((id(mesh.get_group()), device.index))
+    direct_setup = dict(used=direct is not None and direct.comm is not None,
+                        error=None if direct is None else direct.error)
 
     # The all-reduce overlapped with compute: the row-wise layer in 2 pieces (RowwiseParallel(chunks=2)),
     # and the whole MLP in 2 pieces (overlapped); rows are independent, so each row is summed as in
@@ -235,7 +243,7 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
             del graph
 
     cpu = lambda t: t.detach().cpu()  # noqa: E731
-    return dict(out=cpu(out), graph_equal=graph_equal, sharded_class=type(model.fc2).__name__,
+    return dict(out=cpu(out), out_pg=cpu(out_pg), direct_setup=direct_setup, graph_equal=graph_equal, sharded_class=type(model.fc2).__name__,
                 out_chunked=cpu(out_chunked).reshape(out.shape), out_fast=cpu(out_fast).reshape(out.shape),
                 graph_fast_equal=graph_fast_equal, fast_setup=fast_setup,
                 out_overlapped=(out_overlapped if isinstance(out_overlapped, str)

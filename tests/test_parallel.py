@@ -200,6 +200,8 @@ def test_overlap_options_are_checked():
         tilemm.parallel.RowwiseParallel(copy_min_bytes=1.5)
     with pytest.raises(TypeError, match=r"taper must be True or False, got 1"):
         tilemm.parallel.RowwiseParallel(taper=1)
+    with pytest.raises(TypeError, match=r"direct_nccl must be True or False, got 'yes'"):
+        tilemm.parallel.RowwiseParallel(direct_nccl="yes")
 
 
 @pytest.mark.parametrize("rows, pieces, sizes", [
@@ -562,6 +564,12 @@ def test_gpus_nccl(tmp_path_factory, world_size):
                 if not setup[used]:
                     failures.append(f"{case_id}: rank {rank}: the {what} path did not run "
                                     f"({setup[error] or 'not set up'}): NCCL did the sums")
+            # The direct NCCL all-reduce (the eager default on NCCL) ran, and gave the ProcessGroup's bits.
+            if not r[case_id]["direct_setup"]["used"]:
+                failures.append(f"{case_id}: rank {rank}: the direct NCCL all-reduce did not run "
+                                f"({r[case_id]['direct_setup']['error'] or 'not set up'})")
+            if not torch.equal(r[case_id]["out"], r[case_id]["out_pg"]):
+                failures.append(f"{case_id}: rank {rank}: the direct NCCL all-reduce differs from the ProcessGroup's")
             if r[case_id]["graph_fast_equal"] is not True:
                 failures.append(f"{case_id}: rank {rank}: the copy / one-shot MLP in a CUDA graph: "
                                 f"{r[case_id]['graph_fast_equal']}")

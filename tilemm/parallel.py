@@ -26,6 +26,7 @@ place; its ``state_dict()`` is this rank's shard.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 
 import torch
@@ -306,12 +307,13 @@ class _TPConfig:
     __slots__ = ("style", "mesh", "group", "input_layouts", "output_layouts", "use_local_output",
                  "desired_input", "local_output", "plain_input", "plain_output", "amax", "full_out",
                  "sum_opts", "sum_async_opts", "max_opts", "max_async_opts", "chunks", "chunk_min_rows",
-                 "one_shot", "copy", "tensor_scale", "taper", "widest_k")
+                 "one_shot", "copy", "tensor_scale", "taper", "widest_k", "direct_nccl")
 
     def __init__(self, style, mesh, input_layouts, output_layouts, use_local_output, amax, full_out,
                  chunks=1, chunk_min_rows=1024, one_shot_max_bytes=0, tensor_scale=False, copy_min_bytes=0,
-                 taper=False, widest_k=0):
+                 taper=False, widest_k=0, direct_nccl=True):
         self.style, self.mesh, self.group = style, mesh, mesh.get_group()
+        self.direct_nccl = direct_nccl  # eager all-reduces through ``_DirectNccl`` where it sets up
         # Row-wise: the longest K-slice of any rank (rank 0's, torch.chunk's step), which fixes how
         # many amax slots every rank exchanges (``ShardedLinear._small_batch_nvfp4``).
         self.widest_k = widest_k
@@ -355,10 +357,25 @@ class _TPConfig:
             if waiter is not None:
                 waiter.wait()
                 return t
+        direct = _direct_nccl(self.group, t, self.direct_nccl)
+        if direct is not None:
+            return direct.all_reduce(t, _DirectNccl.SUM)
         work = self.group.allreduce([t], self.sum_opts)
         if work is not None:
             work.wait()
         return t
+
+    def all_reduce_max(self, t: torch.Tensor, on_nccl_stream: bool = False) -> None:
+        """MAX of ``t`` over the ranks, in place: on NCCL's own stream for a caller inside
+        ``overlapped`` (``on_nccl_stream``), else waited for by the current stream (the direct
+        communicator where it applies)."""
+        direct = None if on_nccl_stream else _direct_nccl(self.group, t, self.direct_nccl)
+        if direct is not None:
+            direct.all_reduce(t, _DirectNccl.MAX)
+            return
+        work = self.group.allreduce([t], self.max_async_opts if on_nccl_stream else self.max_opts)
+        if work is not None:
+            work.wait()
 
     def start_all_reduce(self, t: torch.Tensor, out: torch.Tensor | None = None):
         """The SUM of ``t`` started, not waited for: the copy-engine all-reduce on its side stream
@@ -371,6 +388,121 @@ class _TPConfig:
             if waiter is not None:
                 return waiter, out is not None
         return self.group.allreduce([t], self.sum_async_opts), False
+
+
+class _DirectNccl:
+    """NCCL all-reduces called through ctypes, on the library PyTorch itself loads: an eager call costs
+    the host one library call, where ``ProcessGroup.allreduce`` also builds a work object, records
+    events and queues them for its watchdog (about 30 us of host time per call on the hosts measured,
+    ``benchmarks/results/tp-host-*``: as much as an eager decode step's whole budget for the
+    collective). Same NCCL kernels and protocol, so the same sums.
+
+    One communicator per (group, device), shared by every layer of the group, made on the first eager
+    all-reduce that asks for it: a collective step (the ranks agree that each found the library, rank
+    0's unique id goes to the others through the group, every rank joins the communicator, one
+    all-reduce of known values is checked, and the ranks agree on the result); where any of it fails
+    on any rank, ``error`` says why and the group's ``ProcessGroup`` path stays. Each call runs on the
+    current stream, in place. Not used during CUDA-graph capture or torch.compile tracing (those take
+    the ``ProcessGroup`` path, whose capture is what the graph tests pin)."""
+
+    _LIB = None
+    _FOR: dict = {}  # (group id, device index) -> _DirectNccl
+    # ncclDataType_t and ncclRedOp_t (nccl.h)
+    DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6, torch.float32: 7,
+              torch.float64: 8, torch.bfloat16: 9}
+    SUM, MAX = 0, 2
+
+    class _UniqueId(ctypes.Structure):
+        _fields_ = [("internal", ctypes.c_byte * 128)]
+
+    def __init__(self):
+        self.comm = None
+        self.error: str | None = None
+        self._call = None
+
+    @classmethod
+    def for_group(cls, group, device: torch.device) -> "_DirectNccl | None":
+        """The group's communicator on ``device``, set up (collectively) on first use; None where it
+        is unavailable (then ``ProcessGroup.allreduce``)."""
+        key = (id(group), device.index)
+        found = cls._FOR.get(key)
+        if found is None:
+            found = cls._FOR[key] = cls()
+            found._setup(group, device)
+        return found if found.comm is not None else None
+
+    @classmethod
+    def _library(cls):
+        if cls._LIB is None:
+            lib = ctypes.CDLL("libnccl.so.2")  # the copy libtorch_cuda already loaded
+            lib.ncclGetUniqueId.argtypes = [ctypes.POINTER(cls._UniqueId)]
+            lib.ncclCommInitRank.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, cls._UniqueId,
+                                             ctypes.c_int]
+            lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                          ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+            lib.ncclGetErrorString.restype = ctypes.c_char_p
+            cls._LIB = lib
+        return cls._LIB
+
+    def _setup(self, group, device: torch.device) -> None:
+        error, lib = None, None
+        try:
+            if dist.get_backend(group) != "nccl":
+                raise RuntimeError(f"the group's backend is {dist.get_backend(group)!r}, not 'nccl'")
+            lib = self._library()
+        except Exception as err:  # noqa: BLE001 (reported in self.error; the ProcessGroup path stays)
+            error = f"{type(err).__name__}: {err}"[:300]
+        if not self._agree(group, device, error is None):
+            self.error = error or "another rank could not load NCCL"
+            return
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        uid = self._UniqueId()
+        if rank == 0:
+            self._check(lib.ncclGetUniqueId(ctypes.byref(uid)))
+        raw = torch.tensor(list(bytes(uid.internal)), dtype=torch.uint8, device=device)
+        dist.broadcast(raw, src=dist.get_global_rank(group, 0), group=group)
+        ctypes.memmove(uid.internal, bytes(raw.cpu().tolist()), 128)
+        comm = ctypes.c_void_p()
+        with torch.cuda.device(device):
+            self._check(lib.ncclCommInitRank(ctypes.byref(comm), world, uid, rank))
+        self.comm, self._call = comm, lib.ncclAllReduce
+        try:
+            probe = torch.full((8,), rank + 1.0, dtype=torch.float32, device=device)
+            self.all_reduce(probe, self.SUM)
+            if not torch.equal(probe, torch.full_like(probe, world * (world + 1) / 2)):
+                raise RuntimeError(f"the all-reduce of 1 .. {world} gave {probe.tolist()}")
+        except Exception as err:  # noqa: BLE001
+            error = f"{type(err).__name__}: {err}"[:300]
+        if not self._agree(group, device, error is None):
+            self.error = error or "another rank's check of the direct NCCL all-reduce failed"
+            self.comm = None  # (the communicator is left to the process's exit)
+
+    @staticmethod
+    def _agree(group, device, ok: bool) -> bool:
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        return flag.item() == 1
+
+    def _check(self, result: int) -> None:
+        if result != 0:
+            raise RuntimeError(f"NCCL error {result}: {self._library().ncclGetErrorString(result).decode()}")
+
+    def all_reduce(self, t: torch.Tensor, op: int) -> torch.Tensor:
+        """``op`` (SUM or MAX) of contiguous ``t`` over the ranks, in place, on the current stream."""
+        result = self._call(t.data_ptr(), t.data_ptr(), t.numel(), self.DTYPES[t.dtype], op, self.comm,
+                            stream_handle(t.device))
+        if result != 0:
+            self._check(result)
+        return t
+
+
+def _direct_nccl(group, t: torch.Tensor, enabled: bool = True) -> "_DirectNccl | None":
+    """The group's direct NCCL communicator for an eager all-reduce of ``t`` (contiguous, CUDA, a dtype
+    NCCL reduces), or None: the ``ProcessGroup`` path (capture, tracing, or none available)."""
+    if (not enabled or not t.is_cuda or t.dtype not in _DirectNccl.DTYPES or not t.is_contiguous()
+            or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()):
+        return None
+    return _DirectNccl.for_group(group, t.device)
 
 
 def _reduce_opts(op, async_op: bool):
@@ -706,12 +838,14 @@ class _CopyState:
 _PENDING: list | None = None  # the all-reduces that overlapped() waits for, while it runs
 
 
-def all_reduce_sum(t: torch.Tensor, group, copy: "_CopyAllReduce | None" = None) -> torch.Tensor:
+def all_reduce_sum(t: torch.Tensor, group, copy: "_CopyAllReduce | None" = None,
+                   direct_nccl: bool = True) -> torch.Tensor:
     """SUM of ``t`` over ``group``, in place, as a row-wise layer reduces its partial sums: waited for
-    by the current stream, or, inside :func:`overlapped`, started on NCCL's stream (``copy``, a
-    ``_CopyAllReduce`` of the group, where it applies: on its side stream, by the copy engines) and
-    waited for at its end. For layers outside tilemm (a bf16 ``torch.nn.Linear`` sharded by hand)
-    that should overlap like tilemm's. Returns ``t``."""
+    by the current stream (an eager call on NCCL through the group's direct communicator,
+    ``_DirectNccl``, unless ``direct_nccl`` is False), or, inside :func:`overlapped`, started on
+    NCCL's stream (``copy``, a ``_CopyAllReduce`` of the group, where it applies: on its side stream,
+    by the copy engines) and waited for at its end. For layers outside tilemm (a bf16
+    ``torch.nn.Linear`` sharded by hand) that should overlap like tilemm's. Returns ``t``."""
     if group is None:
         group = dist.group.WORLD
     waiter = copy.start(t) if copy is not None else None
@@ -721,6 +855,9 @@ def all_reduce_sum(t: torch.Tensor, group, copy: "_CopyAllReduce | None" = None)
     if waiter is not None:
         waiter.wait()
         return t
+    direct = _direct_nccl(group, t, direct_nccl)
+    if direct is not None:
+        return direct.all_reduce(t, _DirectNccl.SUM)
     work = group.allreduce([t], _SUM)
     if work is not None:
         work.wait()
@@ -913,9 +1050,7 @@ class ShardedLinear(Linear):
                 # runner (prepack may refuse one rank's slice): collectives of one length on all ranks.
                 rows = rows if rows.is_contiguous() else rows.contiguous()
                 amax = kernels.tile_amax(rows, slots, stream_handle(x.device))
-                work = tp.group.allreduce([amax], tp.max_async_opts if on_nccl_stream else tp.max_opts)
-                if work is not None:
-                    work.wait()
+                tp.all_reduce_max(amax, on_nccl_stream)
                 amax = amax.amax().reshape(1)
         exchanged = amax is not None  # the per-tile maxima, exchanged above
         if exchanged:
@@ -934,9 +1069,7 @@ class ShardedLinear(Linear):
         if exchange is not None:
             amax = one_shot.amax_max(exchange[0])
         elif not exchanged:
-            work = tp.group.allreduce([amax], tp.max_async_opts if on_nccl_stream else tp.max_opts)
-            if work is not None:
-                work.wait()
+            tp.all_reduce_max(amax, on_nccl_stream)
         if options.format == "nvfp4":
             if runner is not None:
                 rows = rows if rows.is_contiguous() else rows.contiguous()
@@ -962,9 +1095,7 @@ class ShardedLinear(Linear):
         rows = rows if rows.is_contiguous() else rows.contiguous()
         stream = stream_handle(x.device)
         amax = _quantize_kernels.tile_amax(rows, slots, stream)
-        work = tp.group.allreduce([amax], tp.max_async_opts if on_nccl_stream else tp.max_opts)
-        if work is not None:
-            work.wait()
+        tp.all_reduce_max(amax, on_nccl_stream)
         xq, alpha = runner.fake_quant.run(rows, stream, amax=amax)
         out = runner.inner(xq, alpha, out_dtype=x.dtype)
         return out if x.ndim == 2 else out.reshape(*x.shape[:-1], self.out_features)
@@ -984,7 +1115,8 @@ class ShardedLinear(Linear):
 def _shard_in_place(fn: str, module: Linear, mesh: DeviceMesh, style: str, *, src_data_rank,
                     input_layouts: tuple[Placement, ...], output_layouts: tuple[Placement, ...],
                     use_local_output: bool, chunks: int = 1, chunk_min_rows: int = 1024,
-                    one_shot_max_bytes: int = 0, copy_min_bytes: int = 0, taper: bool = False) -> Linear:
+                    one_shot_max_bytes: int = 0, copy_min_bytes: int = 0, taper: bool = False,
+                    direct_nccl: bool = True) -> Linear:
     """Shard ``module`` in place: the same :class:`tilemm.nn.Linear` object, rebuilt for its shard through
     the public constructor and ``load_state_dict`` (so state derived from the buffers follows the shard),
     its class switched to :class:`ShardedLinear` (a subclass: only ``forward`` differs)."""
@@ -1013,7 +1145,7 @@ def _shard_in_place(fn: str, module: Linear, mesh: DeviceMesh, style: str, *, sr
                            shard.out_features, chunks=chunks, chunk_min_rows=chunk_min_rows,
                            one_shot_max_bytes=one_shot_max_bytes if world_size > 1 else 0,
                            tensor_scale=tensor_scale, copy_min_bytes=copy_min_bytes if world_size > 1 else 0,
-                           taper=taper, widest_k=ceil_div(shard.in_features, world_size))
+                           taper=taper, widest_k=ceil_div(shard.in_features, world_size), direct_nccl=direct_nccl)
     module.__class__ = ShardedLinear
     return module
 
@@ -1062,14 +1194,19 @@ class RowwiseParallel(_torch_tp.RowwiseParallel):
     - ``taper`` (default False: equal pieces): with ``chunks``, pieces that halve toward the end
       (``_tapered``: 4096 rows in 6 -> 2048, 1024, 512, 256, 128, 128), so that the one all-reduce
       left exposed, the last piece's, is short.
+    - ``direct_nccl`` (default True): eager all-reduces (the sum and the activation amax's MAX) call
+      NCCL directly on a communicator of the group's ranks (``_DirectNccl``: one library call of host
+      time instead of ``ProcessGroup.allreduce``'s bookkeeping; the same NCCL reduction); CUDA-graph
+      capture and torch.compile keep the ``ProcessGroup``. False: always the ``ProcessGroup``.
     """
 
     def __init__(self, *, chunks: int = 1, chunk_min_rows: int = 1024, one_shot_max_bytes: int = 0,
-                 copy_min_bytes: int = 0, taper: bool = False, **kwargs):
+                 copy_min_bytes: int = 0, taper: bool = False, direct_nccl: bool = True, **kwargs):
         super().__init__(**kwargs)
-        if not isinstance(taper, bool):
-            raise TypeError(f"tilemm.parallel.RowwiseParallel: taper must be True or False, got {taper!r}")
-        self.taper = taper
+        for name, flag in (("taper", taper), ("direct_nccl", direct_nccl)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"tilemm.parallel.RowwiseParallel: {name} must be True or False, got {flag!r}")
+        self.taper, self.direct_nccl = taper, direct_nccl
         for name, value, low in (("chunks", chunks, 1), ("chunk_min_rows", chunk_min_rows, 1),
                                  ("one_shot_max_bytes", one_shot_max_bytes, 0), ("copy_min_bytes", copy_min_bytes, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -1086,7 +1223,7 @@ class RowwiseParallel(_torch_tp.RowwiseParallel):
                                output_layouts=self.output_layouts, use_local_output=self.use_local_output,
                                chunks=self.chunks, chunk_min_rows=self.chunk_min_rows,
                                one_shot_max_bytes=self.one_shot_max_bytes, copy_min_bytes=self.copy_min_bytes,
-                               taper=self.taper)
+                               taper=self.taper, direct_nccl=self.direct_nccl)
 
 
 def shard_linear(layer: Linear, device_mesh: DeviceMesh, style: str, *, src_data_rank: int | None = 0,

@@ -14,7 +14,8 @@ call alone, not waited for) of:
   amax all-reduce included), and the all-reduce of fc2's partial sums by each way of calling it:
   ``ProcessGroup.allreduce`` with prebuilt options (what ``ShardedLinear`` does) split into the call
   and ``Work.wait``, ``dist.all_reduce``, the functional ``torch.ops._c10d_functional.all_reduce_`` +
-  ``wait_tensor``, the symmetric-memory one-shot all-reduce, the copy-engine all-reduce; and the amax
+  ``wait_tensor``, the direct NCCL call (``tilemm.parallel._DirectNccl``, alone and through
+  ``all_reduce_sum``), the symmetric-memory one-shot all-reduce, the copy-engine all-reduce; and the amax
   exchange alone (NCCL MAX of the layer's per-tile amax slots, ``quantize_kernels.amax_slots`` of the
   widest K-slice, against the one-shot exchange of one int32);
 * with the GPU idle when the call starts (synchronized, ranks lined up by a barrier; "idle", and
@@ -192,6 +193,12 @@ def main() -> int:
                 steps.append(("  all-reduce: _c10d_functional.all_reduce_ + wait_tensor",
                               lambda: torch.ops._c10d_functional.wait_tensor(fn(part, "sum", gname))))
             if device.type == "cuda":
+                direct = tilemm.parallel._DirectNccl.for_group(group, part.device)  # set up (collective)
+                if direct is not None:
+                    steps.append(("  all-reduce: direct NCCL (ctypes ncclAllReduce)",
+                                  lambda: direct.all_reduce(part, direct.SUM)))
+                    steps.append(("  all-reduce: direct NCCL, the call's checks included",
+                                  lambda: tilemm.parallel.all_reduce_sum(part, group)))
                 if one_shot(part) is not None:  # set up (collective)
                     steps.append(("  all-reduce: symmetric-memory one-shot", lambda: one_shot(part)))
                 if copy_ar.start(part) is not None:

@@ -54,7 +54,22 @@ PLANS = {
     "rows32": _rows(32, {2: 4, 4: 2, 8: 2}),
     "rows32_occ3": _rows(32, {2: 3, 4: 3, 8: 2}),
     "rows16_occ2": _rows(16, {2: 2, 4: 2, 8: 2}),
+    # More blocks in flight per SM (the launches at a few tokens wait on each block's loads): the
+    # compiler's register budget for 6 or 8 blocks of 4 warps; and 8-row blocks, twice as many.
+    "occ6": _rows(16, {2: 6, 4: 6, 8: 6}),
+    "occ8": _rows(16, {2: 8, 4: 8, 8: 8}),
+    "rows8_occ8": _rows(8, {2: 8, 4: 8, 8: 8}),
 }
+
+
+def _half_unroll(k, layout):
+    """Half the committed K tiles per load (at least 2): a block's K loop of two or more loads, so
+    that its next load is in flight while the current one is decoded."""
+    unroll = _COMMITTED(k, layout).unroll
+    return mk.PairsConfig(max(2, unroll // 2))
+
+
+PLANS["half_unroll"] = functools.lru_cache(maxsize=None)(_half_unroll)
 
 
 _COMMITTED_SORTED = mk._sorted_config
@@ -75,6 +90,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="moe_pairs_tune.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--plans", default=None, help="comma-separated (default: all of the mode's)")
+    ap.add_argument("--layers", default=None, help="comma-separated name:format, e.g. anchor:nvfp4 (default: all)")
+    ap.add_argument("--ts", default=None, help="comma-separated T (default: each layer's)")
     ap.add_argument("--sorted", action="store_true",
                     help="the sorted design's tile configs at T = 256 / 1024 instead (plans: "
                     + ", ".join(SORTED_PLANS) + ")")
@@ -96,7 +113,11 @@ def main(argv=None) -> int:
         layers = SMOKE_SORTED_LAYERS if args.cpu_smoke else SORTED_LAYERS
     else:
         layers = SMOKE_LAYERS if args.cpu_smoke else LAYERS
+    if args.layers:
+        layers = [lay for lay in layers if f"{lay[0]}:{lay[5]}" in args.layers.split(",")]
     for name, hidden, inter, e, k, fmt, activation, tokens in layers:
+        if args.ts:
+            tokens = tuple(int(t) for t in args.ts.split(","))
         gen = torch.Generator().manual_seed(0)
         biases = activation == "gpt-oss"
         gub = torch.randn(e, 2 * inter, generator=gen).to(device) * 0.1 if biases else None

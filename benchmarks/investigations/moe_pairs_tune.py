@@ -70,6 +70,8 @@ def _half_unroll(k, layout):
 
 
 PLANS["half_unroll"] = functools.lru_cache(maxsize=None)(_half_unroll)
+PLANS["occ8_half"] = functools.lru_cache(maxsize=None)(
+    lambda k, layout: mk.PairsConfig(max(2, _COMMITTED(k, layout).unroll // 2), occupancy=8))
 
 
 _COMMITTED_SORTED = mk._sorted_config

@@ -13,6 +13,7 @@ kernel and the MMA kernel with stacked K tiles), and the MMA kernel's other stac
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -29,6 +30,11 @@ from tilemm.kernels import weight_only_kernels as wo  # noqa: E402
 NK = [(14336, 4096), (4096, 14336), (8192, 8192)]
 # (tile_n, num_worker_warps, occupancy, blocks per SM the K split aims at)
 CANDIDATES = [(128, 8, None, 1), (128, 8, 2, 2), (64, 4, 3, 3), (64, 4, 4, 4), (128, 8, 2, 4), (256, 8, None, 1)]
+
+
+#: ``--gemv``: the FMA kernel's plan, and the plan with these fields replaced.
+GEMV_VARIANTS = [("plan", {}), ("occ8", dict(occupancy=8)), ("u4", dict(unroll=4)),
+                 ("occ8_u4", dict(occupancy=8, unroll=4))]
 
 
 def split_for(tiles: int, k_tiles: int, per_sm: int, sms: int) -> int:
@@ -71,6 +77,9 @@ def main(argv=None) -> int:
                     help="force this tile_m (default: the smallest of 16, 32, 64, 128 that covers M)")
     ap.add_argument("--plans", action="store_true",
                     help="time the configs plan can give (default, m1_kernel choices, stacked shapes)")
+    ap.add_argument("--gemv", action="store_true",
+                    help="time the FMA kernel's plan against more blocks per SM and fewer K tiles per load "
+                         "(GEMV_VARIANTS; outputs checked bit for bit against the plan's)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -94,6 +103,24 @@ def main(argv=None) -> int:
                     return timer(lambda: wo.launch(x, packed.words, packed.scale_t, packed.constants, bias, out,
                                                    packed.layout, cfg))[0]
 
+                if args.gemv:
+                    base = wo.plan(m, n, k, packed.layout, sms)
+                    if not base.gemv:
+                        continue
+                    wo.launch(x, packed.words, packed.scale_t, packed.constants, bias, out, packed.layout, base)
+                    want = out.clone()
+                    for label, changes in GEMV_VARIANTS:
+                        cfg = dataclasses.replace(base, **changes) if changes else base
+                        out.fill_(float("nan"))
+                        wo.launch(x, packed.words, packed.scale_t, packed.constants, bias, out, packed.layout, cfg)
+                        same = torch.equal(out, want)
+                        t = time_cfg(cfg)
+                        rows.append({"fmt": fmt, "n": n, "k": k, "m": m, "cfg": cfg.name, "label": label,
+                                     "us": t * 1e3, "vs_bf16": t_bf16 / t, "same_bits": same})
+                        line.append(f"{label} {cfg.name}: {t * 1e3:.1f} us {t_bf16 / t:.2f}x"
+                                    + ("" if same else " DIFFERENT BITS"))
+                    print(f"{fmt} N={n} K={k} M={m} bf16 {t_bf16 * 1e3:.1f} us | " + " | ".join(line), flush=True)
+                    continue
                 if args.plans:
                     for label, cfg in plan_variants(m, n, k, packed.layout, sms):
                         t = time_cfg(cfg)

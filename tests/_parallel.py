@@ -143,7 +143,8 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
     pg_plan = {"fc1": tilemm.parallel.ColwiseParallel(), "fc2": tilemm.parallel.RowwiseParallel(direct_nccl=False)}
     with torch.no_grad():
         out_pg = parallelize_module(copy.deepcopy(mlp), mesh, pg_plan)(x)
-    direct = tilemm.parallel._DirectNccl._FOR.get((id(mesh.get_group()), device.index))
+    group = mesh.get_group()
+    direct = tilemm.parallel._DirectNccl._FOR.get((getattr(group, "group_name", None) or id(group), device.index))
     direct_setup = dict(used=direct is not None and direct.comm is not None,
                         error=None if direct is None else direct.error)
 

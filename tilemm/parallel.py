@@ -406,7 +406,7 @@ class _DirectNccl:
     the ``ProcessGroup`` path, whose capture is what the graph tests pin)."""
 
     _LIB = None
-    _FOR: dict = {}  # (group id, device index) -> _DirectNccl
+    _FOR: dict = {}  # (group name, device index) -> _DirectNccl
     # ncclDataType_t and ncclRedOp_t (nccl.h)
     DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6, torch.float32: 7,
               torch.float64: 8, torch.bfloat16: 9}
@@ -424,7 +424,7 @@ class _DirectNccl:
     def for_group(cls, group, device: torch.device) -> "_DirectNccl | None":
         """The group's communicator on ``device``, set up (collectively) on first use; None where it
         is unavailable (then ``ProcessGroup.allreduce``)."""
-        key = (id(group), device.index)
+        key = (getattr(group, "group_name", None) or id(group), device.index)  # names are never reused
         found = cls._FOR.get(key)
         if found is None:
             found = cls._FOR[key] = cls()
@@ -445,10 +445,15 @@ class _DirectNccl:
         return cls._LIB
 
     def _setup(self, group, device: torch.device) -> None:
+        try:  # the same on every rank of the group: no need to agree (and nothing to agree over)
+            backend = dist.get_backend(group)
+        except Exception as err:  # noqa: BLE001
+            backend = f"unknown ({type(err).__name__}: {err})"
+        if backend != "nccl":
+            self.error = f"the group's backend is {backend!r}, not 'nccl'"[:300]
+            return
         error, lib = None, None
         try:
-            if dist.get_backend(group) != "nccl":
-                raise RuntimeError(f"the group's backend is {dist.get_backend(group)!r}, not 'nccl'")
             lib = self._library()
         except Exception as err:  # noqa: BLE001 (reported in self.error; the ProcessGroup path stays)
             error = f"{type(err).__name__}: {err}"[:300]

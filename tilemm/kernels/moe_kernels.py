@@ -519,13 +519,14 @@ def expert_bytes(*words_and_scales: torch.Tensor) -> int:
 @dataclasses.dataclass(frozen=True)
 class PairsConfig:
     """The per-pair kernel's block: tile_n weight rows (16: a decode's N gives thousands of blocks
-    with no K split), 4 worker warps, 4 blocks per SM, ``unroll`` K tiles per load (the weight-only
-    FMA kernel's choices, ``weight_only_kernels._gemv``, but for ``_pairs_config``'s unroll)."""
+    with no K split), 4 worker warps, 8 blocks per SM (these launches wait on each block's loads: 8
+    ran 3-9 % faster than 4 on every gpt-oss and anchor layer timed at T = 1 and 4,
+    ``benchmarks/results/moe-pairs-tune-*``), ``unroll`` K tiles per load (``_pairs_config``)."""
 
     unroll: int
     tile_n: int = 16
     num_worker_warps: int = 4
-    occupancy: int | None = 4
+    occupancy: int | None = 8
 
     @functools.cached_property
     def kernel(self):
@@ -546,12 +547,13 @@ def _combine_pays(tokens: int, n: int, sms: int) -> bool:
 
 @functools.lru_cache(maxsize=256)  # one config object per (K, layout): its kernel is looked up once
 def _pairs_config(k: int, layout: Layout) -> PairsConfig:
-    """The per-pair design's block for K = ``k``, by its K tiles per load: the most of 8, 4, 2 (8:
-    16 KB of a 16-row block's weight in flight) whose last load wastes at most an eighth of the K
-    tiles on zero padding (this kernel is bound by its decode instructions at one token, so padded
-    tiles cost: gpt-oss's K = 2880, 12 K tiles, takes 4), else 2."""
+    """The per-pair design's block for K = ``k``, by its K tiles per load: the most of 4, 2 whose last
+    load wastes at most an eighth of the K tiles on zero padding (padded tiles cost decode
+    instructions: gpt-oss's K = 2880, 12 K tiles, takes 4), else 2. Not 8: at 8 blocks per SM, the
+    anchor's K = 2048 (8 K tiles) ran faster as two loads of 4 than as one of 8 (the loop's next load
+    in flight while one is decoded; ``benchmarks/results/moe-pairs-tune-*``)."""
     k_tiles = ceil_div(k, layout.tile_k)
-    for unroll in (8, 4, 2):
+    for unroll in (4, 2):
         if unroll <= k_tiles and 8 * (ceil_div(k_tiles, unroll) * unroll - k_tiles) <= k_tiles:
             return PairsConfig(unroll)
     return PairsConfig(2)
@@ -699,11 +701,11 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                     suffix = _ACT_SUFFIX[act]
                     variants.append(AotVariant(f"moe_{name}_{x_ct.name}_{cfg.name}{suffix}", cfg.kernel, params))
         # The per-pair kernel, bf16 activations (fp16 is the same code path): each projection of a
-        # decode step (plain, SwiGLU or SiLU for 4-bit gate_up, the weighted sum for down) with 8 K tiles per
-        # load; gpt-oss's MXFP4 projections (K = 2880) with 4, the anchor's down projection (K = 512)
-        # with 2.
-        cases = [(8, 0, 0), (8, 0, 1)] + ([(8, 1, 0), (8, 2, 0)] if layout.planes == 4 else [])
-        cases += {"mxfp4": [(4, 1, 0), (4, 0, 0), (2, 0, 0)], "nvfp4": [(2, 0, 0)]}.get(name, [])
+        # decode step (plain, SwiGLU or SiLU for 4-bit gate_up, the weighted sum for down) with 4 K tiles per
+        # load (gpt-oss's K = 2880, the anchor's K = 2048); the anchor's down projection (K = 512)
+        # with 2, with and without the weighted sum.
+        cases = [(4, 0, 0), (4, 0, 1)] + ([(4, 1, 0), (4, 2, 0)] if layout.planes == 4 else [])
+        cases += {"mxfp4": [(2, 0, 0), (2, 0, 1)], "nvfp4": [(2, 0, 0), (2, 0, 1)]}.get(name, [])
         for unroll, act, combine in cases:
             cfg = PairsConfig(unroll)
             params = [array(ct.bfloat16, 2), array(ct.int32, 3), array(ct.uint8, 3), array(ct.bfloat16, 2),

@@ -5,7 +5,8 @@ T = 1, 2, 4 and the Qwen-shaped anchor (NVFP4, MXFP4) at T = 1, 2, 4, uniform an
     python benchmarks/investigations/moe_pairs_tune.py [--reps 20] [--plans base,rows32]
 
 Each plan is a function (K, layout) -> PairsConfig that replaces ``moe_kernels._pairs_config`` (the
-block ``moe_kernels.plan`` takes) for the whole layer (gate_up and down). Every plan's output is
+block ``moe_kernels.plan`` takes) for the whole layer (gate_up and down); ``combine`` / ``no_combine``
+keep the block and force the down projection's weighted sum into its epilogue or out of it. Every plan's output is
 compared bit for bit with the committed plan's (each output row is the same fp32 sums in the same order whatever the block shape),
 then the layer is timed as ``bench_moe.py`` times it (CUDA-graph replays, L2 flushed, median). The
 SASS counts that chose the candidates: ``benchmarks/results/decode-cost-moe-pairs-sm90.txt``; the H100 run:
@@ -70,6 +71,10 @@ def _half_unroll(k, layout):
 
 
 PLANS["half_unroll"] = functools.lru_cache(maxsize=None)(_half_unroll)
+#: Plans that keep the block and force the down projection's weighted sum in its epilogue on or off
+#: (``moe_kernels._combine_pays``) instead.
+COMBINE_PLANS = {"combine": True, "no_combine": False}
+PLANS.update({name: _COMMITTED for name in COMBINE_PLANS})
 PLANS["occ8_half"] = functools.lru_cache(maxsize=None)(
     lambda k, layout: mk.PairsConfig(max(2, _COMMITTED(k, layout).unroll // 2), occupancy=8))
 
@@ -110,6 +115,7 @@ def main(argv=None) -> int:
     plans = {name: table[name] for name in (args.plans.split(",") if args.plans else table)}
     attribute = "_sorted_config" if args.sorted else "_pairs_config"
     committed = getattr(mk, attribute)
+    combine_pays = mk._combine_pays
     failed = False
     if args.sorted:
         layers = SMOKE_SORTED_LAYERS if args.cpu_smoke else SORTED_LAYERS
@@ -133,6 +139,8 @@ def main(argv=None) -> int:
                 cells, want = [], None
                 for pname, plan in plans.items():
                     setattr(mk, attribute, plan)
+                    if pname in COMBINE_PLANS and not args.sorted:
+                        mk._combine_pays = (lambda v: lambda *a, **k: v)(COMBINE_PLANS[pname])
                     ours._launches.clear()  # the module keeps its prepared launches: plan them anew
                     try:
                         got = ours(x, ids, weights)
@@ -149,6 +157,7 @@ def main(argv=None) -> int:
                         cells.append(f"{pname} {ms * 1e3:7.1f} us")
                     finally:
                         setattr(mk, attribute, committed)
+                        mk._combine_pays = combine_pays
                         ours._launches.clear()
                 say(f"{name:12s} {fmt} {kind:7s} T={t:<3d} " + " | ".join(cells))
     path = results_path(args.out_dir, "moe-pairs-tune", device_name(device), "txt",

@@ -581,3 +581,111 @@ def test_gpus_nccl(tmp_path_factory, world_size):
                                 if r[case_id]["graph_equal"] is False else f"{case_id}: rank {rank}: "
                                 f"{r[case_id]['graph_equal']}")
     assert not failures, "\n".join(failures)
+
+
+# --------------------------------------------------------------------------------------------------
+# The direct NCCL all-reduce's set-up, on the CPU: a fake NCCL library and fake collectives
+# --------------------------------------------------------------------------------------------------
+
+class _FakeNccl:
+    """ncclGetUniqueId / ncclCommInitRank / ncclAllReduce / ncclGetErrorString as ctypes would call
+    them: ``uid_result`` / ``init_result`` are the codes returned, ``sums_to`` what the all-reduce
+    writes into a float32 tensor (the peers' sum), ``calls`` what ncclAllReduce received."""
+
+    def __init__(self, uid_result=0, init_result=0, sums_to=3.0):
+        self.uid_result, self.init_result, self.sums_to, self.calls = uid_result, init_result, sums_to, []
+
+    def ncclGetUniqueId(self, uid):
+        return self.uid_result
+
+    def ncclCommInitRank(self, comm, world, uid, rank):
+        return self.init_result
+
+    def ncclAllReduce(self, send, recv, count, dtype, op, comm, stream):
+        self.calls.append((count, dtype, op))
+        if dtype == 7:  # float32: the set-up's probe
+            import ctypes
+            ctypes.memmove(recv, torch.full((count,), self.sums_to).numpy().tobytes(), 4 * count)
+        return 0
+
+    def ncclGetErrorString(self, code):
+        return b"fake failure"
+
+
+@pytest.fixture
+def fake_collectives(monkeypatch):
+    """A group of 2 ranks seen from rank 0: ``log`` records the collectives; ``others_ok`` is what the
+    other rank brings to each agreement."""
+    import contextlib
+
+    from tilemm import parallel as par
+
+    state = {"log": [], "others_ok": True, "backend": "nccl"}
+
+    def all_reduce(t, op=None, group=None):
+        state["log"].append("agree")
+        if not state["others_ok"]:
+            t.fill_(0)
+
+    monkeypatch.setattr(par.dist, "get_backend", lambda group: state["backend"])
+    monkeypatch.setattr(par.dist, "get_rank", lambda group: 0)
+    monkeypatch.setattr(par.dist, "get_world_size", lambda group: 2)
+    monkeypatch.setattr(par.dist, "get_global_rank", lambda group, r: r)
+    monkeypatch.setattr(par.dist, "broadcast", lambda t, src, group: state["log"].append("broadcast"))
+    monkeypatch.setattr(par.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(par.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(par, "stream_handle", lambda device: 0)
+    monkeypatch.setattr(par._DirectNccl, "_FOR", {})
+    return state
+
+
+def _direct_with(monkeypatch, lib):
+    from tilemm import parallel as par
+
+    monkeypatch.setattr(par._DirectNccl, "_library", classmethod(lambda cls: lib))
+    d = par._DirectNccl()
+    d._setup(object(), torch.device("cpu"))
+    return d
+
+
+def test_direct_nccl_sets_up_checks_and_calls(monkeypatch, fake_collectives):
+    lib = _FakeNccl()  # the probe of ranks 1 and 2 sums to 3
+    d = _direct_with(monkeypatch, lib)
+    assert d.error is None and d.comm is not None
+    assert fake_collectives["log"] == ["agree", "broadcast", "agree", "agree"]
+    t = torch.zeros(5, dtype=torch.bfloat16)
+    assert d.all_reduce(t, d.SUM) is t and lib.calls[-1] == (5, 9, 0)  # ncclBfloat16, ncclSum
+    d.all_reduce(torch.zeros(3, dtype=torch.int32), d.MAX)
+    assert lib.calls[-1] == (3, 2, 2)  # ncclInt32, ncclMax
+
+
+@pytest.mark.parametrize("case", ["not nccl", "library missing", "no unique id", "init fails", "wrong sum",
+                                  "another rank fails"])
+def test_direct_nccl_falls_back_without_hanging(monkeypatch, fake_collectives, case):
+    """Every failure leaves no communicator and says why; every rank takes part in the same
+    collectives up to the point all of them agree on (none for a group that is not NCCL's)."""
+    lib = _FakeNccl(uid_result=5 if case == "no unique id" else 0, init_result=5 if case == "init fails" else 0,
+                    sums_to=4.0 if case == "wrong sum" else 3.0)
+    if case == "not nccl":
+        fake_collectives["backend"] = "gloo"
+    if case == "another rank fails":
+        fake_collectives["others_ok"] = False
+    if case == "library missing":
+        from tilemm import parallel as par
+
+        def missing(cls):
+            raise OSError("libnccl.so.2: cannot open shared object file")
+
+        monkeypatch.setattr(par._DirectNccl, "_library", classmethod(missing))
+        d = par._DirectNccl()
+        d._setup(object(), torch.device("cpu"))
+    else:
+        d = _direct_with(monkeypatch, lib)
+    assert d.comm is None and d.error
+    log = fake_collectives["log"]
+    expected = {"not nccl": ([], "not 'nccl'"), "library missing": (["agree"], "cannot open"),
+                "no unique id": (["agree", "broadcast", "agree"], "fake failure"),
+                "init fails": (["agree", "broadcast", "agree", "agree"], "fake failure"),
+                "wrong sum": (["agree", "broadcast", "agree", "agree"], "gave [4.0"),
+                "another rank fails": (["agree"], "another rank")}[case]
+    assert log == expected[0] and expected[1] in d.error, (log, d.error)

@@ -463,15 +463,22 @@ class _DirectNccl:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         uid = self._UniqueId()
         if rank == 0:
-            self._check(lib.ncclGetUniqueId(ctypes.byref(uid)))
+            try:
+                self._check(lib.ncclGetUniqueId(ctypes.byref(uid)))
+            except Exception as err:  # noqa: BLE001
+                error = f"{type(err).__name__}: {err}"[:300]
+        # Every rank takes part in the broadcast whatever rank 0 got, then they agree on it.
         raw = torch.tensor(list(bytes(uid.internal)), dtype=torch.uint8, device=device)
         dist.broadcast(raw, src=dist.get_global_rank(group, 0), group=group)
+        if not self._agree(group, device, error is None):
+            self.error = error or "rank 0 could not make an NCCL unique id"
+            return
         ctypes.memmove(uid.internal, bytes(raw.cpu().tolist()), 128)
         comm = ctypes.c_void_p()
-        with torch.cuda.device(device):
-            self._check(lib.ncclCommInitRank(ctypes.byref(comm), world, uid, rank))
-        self.comm, self._call = comm, lib.ncclAllReduce
         try:
+            with torch.cuda.device(device):
+                self._check(lib.ncclCommInitRank(ctypes.byref(comm), world, uid, rank))
+            self.comm, self._call = comm, lib.ncclAllReduce
             probe = torch.full((8,), rank + 1.0, dtype=torch.float32, device=device)
             self.all_reduce(probe, self.SUM)
             if not torch.equal(probe, torch.full_like(probe, world * (world + 1) / 2)):

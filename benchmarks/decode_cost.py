@@ -63,8 +63,8 @@ def main_loop(cubin: bytes, unroll: int = 1, marker: str = "HGMMA") -> collectio
     time (and has a one-tile loop for the remainder), the smallest loop with ``unroll`` times that
     loop's markers. A backward branch whose span contains an unpredicated EXIT is not a loop: ptxas
     puts a barrier wait's retry path after the kernel's EXIT, and its branch back into the body would
-    span the body, what follows the loop and the EXIT (counting such a span, the FMA kernel at M = 1
-    read 7.28 instructions per element where its K loop has 5.55)."""
+    span the body, what follows the loop and the EXIT (such a span, one FFMA longer than the FMA
+    kernel's K loop, was once counted as that loop: ``benchmarks/results/decode-cost-sm90.txt``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()

@@ -143,8 +143,7 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
     pg_plan = {"fc1": tilemm.parallel.ColwiseParallel(), "fc2": tilemm.parallel.RowwiseParallel(direct_nccl=False)}
     with torch.no_grad():
         out_pg = parallelize_module(copy.deepcopy(mlp), mesh, pg_plan)(x)
-    group = mesh.get_group()
-    direct = tilemm.parallel._DirectNccl._FOR.get((getattr(group, "group_name", None) or id(group), device.index))
+    direct = tilemm.parallel._DirectNccl._FOR.get(tilemm.parallel._DirectNccl.key(mesh.get_group(), device))
     direct_setup = dict(used=direct is not None and direct.comm is not None,
                         error=None if direct is None else direct.error)
 
@@ -244,7 +243,8 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
             del graph
 
     cpu = lambda t: t.detach().cpu()  # noqa: E731
-    return dict(out=cpu(out), out_pg=cpu(out_pg), direct_setup=direct_setup, graph_equal=graph_equal, sharded_class=type(model.fc2).__name__,
+    return dict(out=cpu(out), out_pg=cpu(out_pg), direct_setup=direct_setup, graph_equal=graph_equal,
+                sharded_class=type(model.fc2).__name__,
                 out_chunked=cpu(out_chunked).reshape(out.shape), out_fast=cpu(out_fast).reshape(out.shape),
                 graph_fast_equal=graph_fast_equal, fast_setup=fast_setup,
                 out_overlapped=(out_overlapped if isinstance(out_overlapped, str)

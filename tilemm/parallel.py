@@ -393,9 +393,8 @@ class _TPConfig:
 class _DirectNccl:
     """NCCL all-reduces called through ctypes, on the library PyTorch itself loads: an eager call costs
     the host one library call, where ``ProcessGroup.allreduce`` also builds a work object, records
-    events and queues them for its watchdog (about 30 us of host time per call on the hosts measured,
-    ``benchmarks/results/tp-host-*``: as much as an eager decode step's whole budget for the
-    collective). Same NCCL kernels and protocol, so the same sums.
+    events and queues them for its watchdog (the host time of each, ``benchmarks/results/tp-host-*``).
+    Same NCCL kernels and protocol, so the same sums.
 
     One communicator per (group, device), shared by every layer of the group, made on the first eager
     all-reduce that asks for it: a collective step (the ranks agree that each found the library, rank
@@ -420,11 +419,16 @@ class _DirectNccl:
         self.error: str | None = None
         self._call = None
 
+    @staticmethod
+    def key(group, device: torch.device) -> tuple:
+        """``_FOR``'s key: the group's name (never reused, unlike an object's id) and the device."""
+        return getattr(group, "group_name", None) or id(group), device.index
+
     @classmethod
     def for_group(cls, group, device: torch.device) -> "_DirectNccl | None":
         """The group's communicator on ``device``, set up (collectively) on first use; None where it
         is unavailable (then ``ProcessGroup.allreduce``)."""
-        key = (getattr(group, "group_name", None) or id(group), device.index)  # names are never reused
+        key = cls.key(group, device)
         found = cls._FOR.get(key)
         if found is None:
             found = cls._FOR[key] = cls()
@@ -457,7 +461,7 @@ class _DirectNccl:
             lib = self._library()
         except Exception as err:  # noqa: BLE001 (reported in self.error; the ProcessGroup path stays)
             error = f"{type(err).__name__}: {err}"[:300]
-        if not self._agree(group, device, error is None):
+        if not _ranks_agree(group, device, error is None):
             self.error = error or "another rank could not load NCCL"
             return
         rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -470,7 +474,7 @@ class _DirectNccl:
         # Every rank takes part in the broadcast whatever rank 0 got, then they agree on it.
         raw = torch.tensor(list(bytes(uid.internal)), dtype=torch.uint8, device=device)
         dist.broadcast(raw, src=dist.get_global_rank(group, 0), group=group)
-        if not self._agree(group, device, error is None):
+        if not _ranks_agree(group, device, error is None):
             self.error = error or "rank 0 could not make an NCCL unique id"
             return
         ctypes.memmove(uid.internal, bytes(raw.cpu().tolist()), 128)
@@ -485,15 +489,9 @@ class _DirectNccl:
                 raise RuntimeError(f"the all-reduce of 1 .. {world} gave {probe.tolist()}")
         except Exception as err:  # noqa: BLE001
             error = f"{type(err).__name__}: {err}"[:300]
-        if not self._agree(group, device, error is None):
+        if not _ranks_agree(group, device, error is None):
             self.error = error or "another rank's check of the direct NCCL all-reduce failed"
             self.comm = None  # (the communicator is left to the process's exit)
-
-    @staticmethod
-    def _agree(group, device, ok: bool) -> bool:
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        return flag.item() == 1
 
     def _check(self, result: int) -> None:
         if result != 0:
@@ -506,6 +504,14 @@ class _DirectNccl:
         if result != 0:
             self._check(result)
         return t
+
+
+def _ranks_agree(group, device, ok: bool) -> bool:
+    """Whether every rank of ``group`` passed ``ok`` True (a MIN all-reduce through the process group,
+    read back: a set-up step's collective agreement, so that all ranks take the same path)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return flag.item() == 1
 
 
 def _direct_nccl(group, t: torch.Tensor, enabled: bool = True) -> "_DirectNccl | None":
@@ -590,9 +596,7 @@ class _OneShot:
                 raise RuntimeError(f"one_shot_all_reduce_copy of ones gave {got.tolist()}")
         except Exception as err:  # noqa: BLE001 (reported in self.error; NCCL stays)
             error = f"{type(err).__name__}: {err}"[:300]
-        ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=t.device)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
-        if error is None and ok.item() != 1:
+        if not _ranks_agree(self.group, t.device, error is None) and error is None:
             error = "another rank could not set up the one-shot all-reduce"
         if error is not None:
             self.error = error
@@ -637,9 +641,7 @@ class _OneShot:
                     error = f"the one-shot sum of one-hot fp32 bits gave {got.tolist()}, not {want.tolist()}"
             except Exception as err:  # noqa: BLE001 (reported in amax_error; NCCL stays)
                 error = f"{type(err).__name__}: {err}"[:300]
-        ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=device)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
-        if error is None and ok.item() != 1:
+        if not _ranks_agree(self.group, device, error is None) and error is None:
             error = "another rank could not set up the one-shot amax exchange"
         if error is not None:
             self.amax_error = error
@@ -754,9 +756,7 @@ class _CopyAllReduce:
                 raise RuntimeError(f"the copy all-reduce of a known tensor differs at elements {bad}")
         except Exception as err:  # noqa: BLE001 (reported in self.error; NCCL stays)
             error = f"{type(err).__name__}: {err}"[:300]
-        ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=t.device)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
-        if error is None and ok.item() != 1:
+        if not _ranks_agree(self.group, t.device, error is None) and error is None:
             error = "another rank could not set up the copy all-reduce"
         if error is not None:
             self.error = error

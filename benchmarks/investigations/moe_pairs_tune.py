@@ -7,10 +7,12 @@ T = 1, 2, 4 and the Qwen-shaped anchor (NVFP4, MXFP4) at T = 1, 2, 4, uniform an
 Each plan is a function (K, layout) -> PairsConfig that replaces ``moe_kernels._pairs_config`` (the
 block ``moe_kernels.plan`` takes) for the whole layer (gate_up and down); ``combine`` / ``no_combine``
 keep the block and force the down projection's weighted sum into its epilogue or out of it. Every plan's output is
-compared bit for bit with the committed plan's (each output row is the same fp32 sums in the same order whatever the block shape),
-then the layer is timed as ``bench_moe.py`` times it (CUDA-graph replays, L2 flushed, median). The
-SASS counts that chose the candidates: ``benchmarks/results/decode-cost-moe-pairs-sm90.txt``; the H100 run:
-``moe-pairs-tune-nvidia-h100-80gb-hbm3.txt`` (the committed plan was fastest everywhere); with ``--sorted``:
+compared bit for bit with the committed plan's (the same fp32 sums; a block shape whose reduction over
+K runs in another order shows as DIFFERENT BITS, as 8-row blocks did on an H100), then the layer is
+timed as ``bench_moe.py`` times it (CUDA-graph replays, L2 flushed, median). The SASS counts:
+``benchmarks/results/decode-cost-moe-pairs-sm90.txt``; the H100 runs, in order (the first with 4
+blocks per SM and up to 8 K tiles per load as the committed plan, the last one after it became 8
+blocks per SM and at most 4): ``moe-pairs-tune-nvidia-h100-80gb-hbm3.txt``; with ``--sorted``:
 ``moe-pairs-tune-sorted-nvidia-h100-80gb-hbm3.txt``.
 """
 
@@ -75,6 +77,8 @@ PLANS["half_unroll"] = functools.lru_cache(maxsize=None)(_half_unroll)
 #: (``moe_kernels._combine_pays``) instead.
 COMBINE_PLANS = {"combine": True, "no_combine": False}
 PLANS.update({name: _COMMITTED for name in COMBINE_PLANS})
+# (Since the committed plan took 8 blocks per SM and at most 4 K tiles per load, occ8 is the committed
+# plan and occ8_half is half_unroll; kept by name for the recorded runs.)
 PLANS["occ8_half"] = functools.lru_cache(maxsize=None)(
     lambda k, layout: mk.PairsConfig(max(2, _COMMITTED(k, layout).unroll // 2), occupancy=8))
 

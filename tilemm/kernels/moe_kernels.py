@@ -520,7 +520,7 @@ def expert_bytes(*words_and_scales: torch.Tensor) -> int:
 class PairsConfig:
     """The per-pair kernel's block: tile_n weight rows (16: a decode's N gives thousands of blocks
     with no K split), 4 worker warps, 8 blocks per SM (these launches wait on each block's loads: 8
-    ran 2-9 % faster than 4 on every gpt-oss and anchor layer timed at T = 1 and 4,
+    ran faster than 4 on every gpt-oss and anchor layer timed at T = 1 and 4,
     ``benchmarks/results/moe-pairs-tune-*``), ``unroll`` K tiles per load (``_pairs_config``)."""
 
     unroll: int

@@ -488,7 +488,7 @@ def profile_layers(args, device, timer, t0) -> list[dict]:
     out = []
     layers = {(n, f): (n, h, i, e, k, a) for n, h, i, e, k, fs, a in LAYERS for f in fs}
     todo = [(layers[(n, f)], f, r) for n, f, r in PROFILE_LAYERS]
-    tokens = PROFILE_TOKENS
+    tokens = args.ts or PROFILE_TOKENS
     if args.cpu_smoke:
         todo, tokens = [((n, h, i, e, k, a), fs[0], ("uniform",)) for n, h, i, e, k, fs, a in SMOKE_LAYERS], (1,)
     for (name, hidden, inter, e, k, activation), fmt, routings in todo:
@@ -901,7 +901,7 @@ def main(argv=None) -> int:
                       "layers, batch 1, MXFP4 and bf16 experts), gpt-oss-120b-shaped (36 layers, batch 1 and 8)")
     mode.add_argument("--profile", action="store_true",
                       help="per-kernel GPU time of one layer (gpt-oss-20b and -120b MXFP4, anchor NVFP4) at T = 1, 16 "
-                           "(120b: uniform and skewed routing)")
+                           "(--ts to choose; 120b: uniform and skewed routing)")
     ap.add_argument("--tokens", type=int, default=64, help="timed decode steps per end-to-end run (default 64)")
     ap.add_argument("--ts", type=lambda v: tuple(int(t) for t in v.split(",")), default=None,
                     help="the layers' T, comma-separated (default: TOKENS, the anchor's ANCHOR_TOKENS)")

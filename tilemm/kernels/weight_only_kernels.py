@@ -546,16 +546,27 @@ _GEMV_SHAPE = (16, 4, 4)
 #: K tiles per load of the FMA kernel: 8 (2048 4-bit elements of a row, 16 KB of weight per block)
 #: where K has that many, else 2 (a load past K is zero-filled, and its decode wasted).
 _GEMV_UNROLL = (8, 2)
+#: 4-bit weights where the 16-row blocks without a K split are more than one wave at four per SM:
+#: eight blocks per SM, at most 4 K tiles per load (the registers of eight blocks). One wave of eight
+#: instead of two of four: 28672 x 4096 and 14336 x 4096 ran faster this way, 4096 x 4096,
+#: 6144 x 4096 and 4096 x 14336 (one wave either way) slower (``benchmarks/results/tune-weight-only-gemv-*``;
+#: 8-bit weights not timed so).
+_GEMV_WIDE = (8, (4, 2))
 
 
 def _gemv(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig:
     """The FMA kernel's config: 16-row blocks, a K split only while the output tiles alone give fewer
-    blocks than SMs (each split at least one load)."""
+    blocks than SMs (each split at least one load); for 4-bit weights, eight blocks per SM
+    (``_GEMV_WIDE``) where the tiles alone are more than one wave of four per SM."""
     tile_n, warps, occupancy = _GEMV_SHAPE
     k_tiles = ceil_div(k, layout.tile_k)
+    tiles = ceil_div(n, tile_n)
+    if layout.planes == 4 and tiles > occupancy * sms:
+        occupancy, unrolls = _GEMV_WIDE
+        unroll = next(u for u in unrolls if u <= k_tiles or u == unrolls[-1])
+        return WeightOnlyConfig(m, tile_n, 1, warps, occupancy, unroll=unroll, gemv=1)
     unroll = next(u for u in _GEMV_UNROLL if u <= k_tiles or u == _GEMV_UNROLL[-1])
     groups = ceil_div(k_tiles, unroll)
-    tiles = ceil_div(n, tile_n)
     split = 1
     while tiles * split < sms and split * 2 <= _SPLITS[-1] and groups >= split * 2:
         split *= 2
@@ -874,6 +885,9 @@ def _configs(layout: Layout) -> list[WeightOnlyConfig]:
     tile_n, warps, occupancy = _GEMV_SHAPE
     out += [WeightOnlyConfig(m, tile_n, split, warps, occupancy, unroll=unroll, gemv=1)
             for m in range(1, GEMV_M + 1) for unroll in _GEMV_UNROLL for split in _SPLITS]
+    occupancy, unrolls = _GEMV_WIDE
+    out += [WeightOnlyConfig(m, tile_n, 1, warps, occupancy, unroll=unroll, gemv=1)
+            for m in range(1, GEMV_M + 1) for unroll in unrolls]
     return out
 
 

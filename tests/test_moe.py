@@ -9,6 +9,7 @@ product of the dequantized weights.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -502,12 +503,15 @@ def test_pairs_kernel_swiglu_and_combine(emulated):
     rows = (torch.randn(3, k, generator=gen)).to(torch.bfloat16)
     weights = torch.softmax(torch.randn(1, 3, generator=gen), -1).to(torch.bfloat16)
     per_pair = torch.empty(3, n, dtype=torch.bfloat16)
-    combined = torch.empty(1, n, dtype=torch.bfloat16)
     mk.launch_pairs(rows, packed.words, packed.scale_t, packed.constants, bias, ids.reshape(-1), per_pair,
                     packed.layout)
-    mk.launch_pairs(rows, packed.words, packed.scale_t, packed.constants, bias, ids.reshape(-1), combined,
-                    packed.layout, weights=weights)
-    assert torch.equal(combined, _weighted_sum(per_pair.reshape(1, 3, n), weights))
+    # one pair per step, or two (3 slots: one step of two, then the last alone)
+    for slots in (1, 2):
+        cfg = dataclasses.replace(mk._pairs_config(k, packed.layout), slots=slots)
+        combined = torch.empty(1, n, dtype=torch.bfloat16)
+        mk.launch_pairs(rows, packed.words, packed.scale_t, packed.constants, bias, ids.reshape(-1), combined,
+                        packed.layout, weights=weights, moe_plan=mk.MoEPlan("pairs", cfg, True))
+        assert torch.equal(combined, _weighted_sum(per_pair.reshape(1, 3, n), weights)), slots
 
 
 def test_pairs_plan_unroll_wastes_little():

@@ -19,6 +19,7 @@ blocks per SM and at most 4): ``moe-pairs-tune-nvidia-h100-80gb-hbm3.txt``; with
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import pathlib
 import sys
@@ -82,6 +83,21 @@ PLANS.update({name: _COMMITTED for name in COMBINE_PLANS})
 PLANS["occ8_half"] = functools.lru_cache(maxsize=None)(
     lambda k, layout: mk.PairsConfig(max(2, _COMMITTED(k, layout).unroll // 2), occupancy=8))
 
+
+
+def _slots(slots: int, occupancy: int):
+    """The committed block, with a combining launch running ``slots`` pairs per step at
+    ``occupancy`` blocks per SM (``PairsConfig.slots`` / ``combine_occupancy``)."""
+    @functools.lru_cache(maxsize=None)
+    def plan(k, layout):
+        return dataclasses.replace(_COMMITTED(k, layout), slots=slots, combine_occupancy=occupancy)
+    return plan
+
+
+#: The combining launch: one pair per step at 8 blocks per SM (the design before two pairs per step),
+#: two per step at 8 (spills) or 6, one per step at 6.
+PLANS.update({"slots1_occ8": _slots(1, 8), "slots2_occ8": _slots(2, 8), "slots2_occ6": _slots(2, 6),
+              "slots1_occ6": _slots(1, 6)})
 
 _COMMITTED_SORTED = mk._sorted_config
 

@@ -188,14 +188,51 @@ def _glu_pairs(out, TM, TO, dtype, ACT):
     return h.astype(dtype)
 
 
+def _pair_step(ws, ss, xs, Mult, acc_lo, acc_hi, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN, UNROLL):
+    """One load of a pair's product (``_gemv_kernel``'s scheme): the decoded planes of ws (TN, UNROLL *
+    WORDS) as fp32 halves times x's (xs (1, UNROLL * TK)), into the two fp32 accumulators."""
+    WORDS = GROUP * BLOCK // 2
+    TP = GROUP * BLOCK
+    SC = PLANES * GROUP
+    for u in ct.static_iter(range(UNROLL)):
+        w = ct.extract(ws, (0, u), (TN, WORDS))
+        mult = _multipliers(ct.extract(ss, (u, 0), (SC, TN)).transpose(), Mult, SCALE_E8M0)
+        mult = mult.reshape((TN, PLANES, GROUP, 1))
+        for q in ct.static_iter(range(PLANES)):
+            w_lo, w_hi = _f32_halves(_scaled_plane(w, mult, q, ELEMENT, BLOCK, GROUP, TN), TN, TP, True)
+            x_lo, x_hi = _f32_halves(ct.extract(xs, (0, u * PLANES + q), (1, TP)), 1, TP, xs.dtype == ct.bfloat16)
+            acc_lo = acc_lo + w_lo.reshape((1, TN, TP // 2)) * x_lo.reshape((1, 1, TP // 2))
+            acc_hi = acc_hi + w_hi.reshape((1, TN, TP // 2)) * x_hi.reshape((1, 1, TP // 2))
+    return acc_lo, acc_hi
+
+
+def _pair_load(X, W, S, e, x_row, bn, g, TN, UNROLL, WORDS, SC, TK):
+    """Load g of a pair: expert e's weight words (TN, UNROLL * WORDS) and scale bytes (UNROLL * SC,
+    TN) for weight rows bn * TN .., and x row x_row (1, UNROLL * TK)."""
+    ws = ct.bitcast(ct.load(W, (e, bn, g), (1, TN, UNROLL * WORDS), padding_mode=_ZERO), ct.uint32)
+    ss = ct.load(S, (e, g, bn), (1, UNROLL * SC, TN), padding_mode=_ZERO).reshape((UNROLL * SC, TN))
+    xs = ct.load(X, (x_row, g), (1, UNROLL * TK), padding_mode=_ZERO)
+    return ws.reshape((TN, UNROLL * WORDS)), ss, xs
+
+
+def _pair_out(acc_lo, acc_hi, Consts, Bias, e, bn, dtype, TN, ACT):
+    """A pair's (1, TO) output: the accumulators reduced over K, times alpha, plus bias, rounded, and
+    with ACT = 1 or 2 gated (``_glu_pairs``)."""
+    TO = TN // 2 if ACT != 0 else TN
+    alpha = ct.load(Consts, (e, 0), (1, 1))
+    bias = ct.load(Bias, (e, bn), (1, TN), padding_mode=_ZERO)
+    y = (ct.sum(acc_lo + acc_hi, axis=2) * alpha + bias).astype(dtype)
+    return _glu_pairs(y, 1, TO, dtype, ACT) if ACT != 0 else y
+
+
 def _pair_row(X, W, S, Consts, Mult, Bias, Ids, p, bn, dtype, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN,
               UNROLL, ACT):
     """(1, TO) in ``dtype``: (token, slot) pair p's product with weight rows bn * TN .. of its expert
     Ids[p], on the FMA pipes (``_gemv_kernel``'s scheme: decoded planes as fp32 halves times x's, two
     fp32 accumulators, one reduction over K at the end), then alpha, bias, rounding, and with ACT = 1
-    or 2 the gating of interleaved (gate, up) rows (``_glu_pairs``); NaN for an id outside [0, E) (no weight read). Its x row: X row p // (pairs / X rows)
-    (the token for the gate_up projection's (T, K) x, the pair itself for the down projection's
-    (T * k, I) input)."""
+    or 2 the gating of interleaved (gate, up) rows (``_glu_pairs``); NaN for an id outside [0, E) (no
+    weight read). Its x row: X row p // (pairs / X rows) (the token for the gate_up projection's (T, K)
+    x, the pair itself for the down projection's (T * k, I) input)."""
     WORDS = GROUP * BLOCK // 2
     TP = GROUP * BLOCK
     TK = PLANES * TP
@@ -210,25 +247,46 @@ def _pair_row(X, W, S, Consts, Mult, Bias, Ids, p, bn, dtype, ELEMENT, SCALE_E8M
             acc_lo = ct.zeros((1, TN, TP // 2), ct.float32)
             acc_hi = ct.zeros((1, TN, TP // 2), ct.float32)
             for g in range(groups):
-                ws = ct.bitcast(ct.load(W, (e, bn, g), (1, TN, UNROLL * WORDS), padding_mode=_ZERO), ct.uint32)
-                ws = ws.reshape((TN, UNROLL * WORDS))
-                ss = ct.load(S, (e, g, bn), (1, UNROLL * SC, TN), padding_mode=_ZERO).reshape((UNROLL * SC, TN))
-                xs = ct.load(X, (x_row, g), (1, UNROLL * TK), padding_mode=_ZERO)
-                for u in ct.static_iter(range(UNROLL)):
-                    w = ct.extract(ws, (0, u), (TN, WORDS))
-                    mult = _multipliers(ct.extract(ss, (u, 0), (SC, TN)).transpose(), Mult, SCALE_E8M0)
-                    mult = mult.reshape((TN, PLANES, GROUP, 1))
-                    for q in ct.static_iter(range(PLANES)):
-                        w_lo, w_hi = _f32_halves(_scaled_plane(w, mult, q, ELEMENT, BLOCK, GROUP, TN), TN, TP, True)
-                        x_lo, x_hi = _f32_halves(ct.extract(xs, (0, u * PLANES + q), (1, TP)), 1, TP,
-                                                 X.dtype == ct.bfloat16)
-                        acc_lo = acc_lo + w_lo.reshape((1, TN, TP // 2)) * x_lo.reshape((1, 1, TP // 2))
-                        acc_hi = acc_hi + w_hi.reshape((1, TN, TP // 2)) * x_hi.reshape((1, 1, TP // 2))
-            alpha = ct.load(Consts, (e, 0), (1, 1))
-            bias = ct.load(Bias, (e, bn), (1, TN), padding_mode=_ZERO)
-            y = (ct.sum(acc_lo + acc_hi, axis=2) * alpha + bias).astype(dtype)
-            out = _glu_pairs(y, 1, TO, dtype, ACT) if ACT != 0 else y
+                ws, ss, xs = _pair_load(X, W, S, e, x_row, bn, g, TN, UNROLL, WORDS, SC, TK)
+                acc_lo, acc_hi = _pair_step(ws, ss, xs, Mult, acc_lo, acc_hi, ELEMENT, SCALE_E8M0, BLOCK, PLANES,
+                                            GROUP, TN, UNROLL)
+            out = _pair_out(acc_lo, acc_hi, Consts, Bias, e, bn, dtype, TN, ACT)
     return out
+
+
+def _pair_rows2(X, W, S, Consts, Mult, Bias, Ids, p, bn, dtype, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN,
+                UNROLL, ACT):
+    """Pairs p and p + 1 as ``_pair_row`` computes each, with both pairs' loads issued together (one
+    wait for two experts' weights instead of two in a row: the combining block's chain of loads is
+    half as long). An id outside [0, E) loads expert 0's tiles (clamped, in bounds) and its row is
+    NaN, as ``_pair_row``'s."""
+    WORDS = GROUP * BLOCK // 2
+    TP = GROUP * BLOCK
+    TK = PLANES * TP
+    SC = PLANES * GROUP
+    TO = TN // 2 if ACT != 0 else TN
+    num_e = W.shape[0]
+    per_x = Ids.shape[0] // X.shape[0]
+    ea = ct.load(Ids, (p,), ())
+    eb = ct.load(Ids, (p + 1,), ())
+    ok_a = ct.where(ea >= 0, ct.where(ea < num_e, 1, 0), 0)
+    ok_b = ct.where(eb >= 0, ct.where(eb < num_e, 1, 0), 0)
+    ca = ct.where(ok_a == 1, ea, 0)
+    cb = ct.where(ok_b == 1, eb, 0)
+    groups = ct.cdiv(ct.cdiv(X.shape[1], TK), UNROLL)
+    a_lo = ct.zeros((1, TN, TP // 2), ct.float32)
+    a_hi = ct.zeros((1, TN, TP // 2), ct.float32)
+    b_lo = ct.zeros((1, TN, TP // 2), ct.float32)
+    b_hi = ct.zeros((1, TN, TP // 2), ct.float32)
+    for g in range(groups):
+        wa, sa, xa = _pair_load(X, W, S, ca, p // per_x, bn, g, TN, UNROLL, WORDS, SC, TK)
+        wb, sb, xb = _pair_load(X, W, S, cb, (p + 1) // per_x, bn, g, TN, UNROLL, WORDS, SC, TK)
+        a_lo, a_hi = _pair_step(wa, sa, xa, Mult, a_lo, a_hi, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN, UNROLL)
+        b_lo, b_hi = _pair_step(wb, sb, xb, Mult, b_lo, b_hi, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN, UNROLL)
+    nan = ct.full((1, TO), float("nan"), dtype)
+    ya = ct.where(ok_a == 1, _pair_out(a_lo, a_hi, Consts, Bias, ca, bn, dtype, TN, ACT), nan)
+    yb = ct.where(ok_b == 1, _pair_out(b_lo, b_hi, Consts, Bias, cb, bn, dtype, TN, ACT), nan)
+    return ya, yb
 
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
@@ -241,10 +299,11 @@ def _moe_gemv_kernel(X, W, S, Out, Consts, Mult, Bias, Ids, Weights,
     Ids (T * k,) the flattened router choice (int32 / int64); X (T, K) (the gate_up projection) or
     (T * k, I) (the down projection, one row per pair); the weights as in ``_moe_kernel``. Grid:
     rows * cdiv(N, TN), N tiles fastest. COMBINE = 0: block (pair p, bn) writes Out (T * k, N) (N / 2
-    with ACT = 1 or 2) row p, pair order. COMBINE = 1 (the down projection with the router's weights
-    applied): block (token t, bn) runs the k pairs of token t one after another and writes Out (T, N)
-    row t = sum_j Weights[t, j] * y_j, each y_j rounded to Out's dtype first, the products and sum in
-    fp32 in slot order, rounded once (what ``tilemm.moe``'s weighted sum computes); no atomics."""
+    with ACT = 1 or 2) row p, pair order. COMBINE = 1 or 2 (the down projection with the router's
+    weights applied): block (token t, bn) runs the k pairs of token t, COMBINE at a time (2: both
+    pairs' loads issued together, ``_pair_rows2``), and writes Out (T, N) row t = sum_j Weights[t, j]
+    * y_j, each y_j rounded to Out's dtype first, the products and sum in fp32 in slot order, rounded
+    once (what ``tilemm.moe``'s weighted sum computes); no atomics."""
     N = W.shape[1]
     TO = TN // 2 if ACT != 0 else TN
     num_n = ct.cdiv(N, TN)
@@ -257,8 +316,21 @@ def _moe_gemv_kernel(X, W, S, Out, Consts, Mult, Bias, Ids, Weights,
         for j in range(top_k):
             y = _pair_row(X, W, S, Consts, Mult, Bias, Ids, row * top_k + j, bn, Out.dtype, ELEMENT, SCALE_E8M0,
                           BLOCK, PLANES, GROUP, TN, UNROLL, ACT)
-            weight = ct.load(Weights, (row, j), (1, 1)).astype(ct.float32)
-            total = total + y.astype(ct.float32) * weight
+            total = total + y.astype(ct.float32) * ct.load(Weights, (row, j), (1, 1)).astype(ct.float32)
+        ct.store(Out, (row, bn), total.astype(Out.dtype))
+    elif COMBINE == 2:
+        top_k = Ids.shape[0] // Out.shape[0]
+        total = ct.zeros((1, TO), ct.float32)
+        for h in range(top_k // 2):  # two slots per step, their loads together (``_pair_rows2``)
+            j = 2 * h
+            ya, yb = _pair_rows2(X, W, S, Consts, Mult, Bias, Ids, row * top_k + j, bn, Out.dtype, ELEMENT,
+                                 SCALE_E8M0, BLOCK, PLANES, GROUP, TN, UNROLL, ACT)
+            total = total + ya.astype(ct.float32) * ct.load(Weights, (row, j), (1, 1)).astype(ct.float32)
+            total = total + yb.astype(ct.float32) * ct.load(Weights, (row, j + 1), (1, 1)).astype(ct.float32)
+        if top_k % 2 == 1:
+            y = _pair_row(X, W, S, Consts, Mult, Bias, Ids, row * top_k + top_k - 1, bn, Out.dtype, ELEMENT,
+                          SCALE_E8M0, BLOCK, PLANES, GROUP, TN, UNROLL, ACT)
+            total = total + y.astype(ct.float32) * ct.load(Weights, (row, top_k - 1), (1, 1)).astype(ct.float32)
         ct.store(Out, (row, bn), total.astype(Out.dtype))
     else:
         ct.store(Out, (row, bn), _pair_row(X, W, S, Consts, Mult, Bias, Ids, row, bn, Out.dtype, ELEMENT,
@@ -527,14 +599,27 @@ class PairsConfig:
     tile_n: int = 16
     num_worker_warps: int = 4
     occupancy: int | None = 8
+    #: A combining block (the down projection's weighted sum in its epilogue): pairs per step, and
+    #: blocks per SM (two pairs' accumulators and tiles at once spill at 8 blocks per SM, not at 6).
+    slots: int = 2
+    combine_occupancy: int | None = 6
 
-    @functools.cached_property
+    def kernel_for(self, combine: bool):
+        occupancy = self.combine_occupancy if combine else self.occupancy
+        return hinted(_moe_gemv_kernel, **sm90_hints(self.num_worker_warps, occupancy))
+
+    @property
     def kernel(self):
-        return hinted(_moe_gemv_kernel, **sm90_hints(self.num_worker_warps, self.occupancy))
+        return self.kernel_for(False)
+
+    def name_for(self, combine: bool) -> str:
+        if combine:
+            return f"moe_pairs_{self.tile_n}_u{self.unroll}_w{self.num_worker_warps}_occ{self.combine_occupancy}_s{self.slots}"
+        return f"moe_pairs_{self.tile_n}_u{self.unroll}_w{self.num_worker_warps}_occ{self.occupancy}"
 
     @property
     def name(self) -> str:
-        return f"moe_pairs_{self.tile_n}_u{self.unroll}_w{self.num_worker_warps}_occ{self.occupancy}"
+        return self.name_for(False)
 
 
 def _combine_pays(tokens: int, n: int, sms: int) -> bool:
@@ -649,7 +734,7 @@ class PreparedPairs:
         cfg = moe_plan.config
         if bias is None:
             bias = zero_bias(num_experts, n, words.device)
-        self.kernel = cfg.kernel
+        self.kernel = cfg.kernel_for(moe_plan.combine)
         self.grid = (rows * ceil_div(n, cfg.tile_n), 1, 1)
         self.words, self.scale_t = words, scale_t
         self.rest = (constants, constants[0, 1:2], bias)
@@ -663,7 +748,7 @@ class PreparedPairs:
 
 def _pairs_constants(layout: Layout, cfg: PairsConfig, act: int, combine: int) -> tuple:
     return (layout.element, layout.scale_e8m0, layout.block, layout.planes, layout.group,
-            cfg.tile_n, cfg.unroll, act, combine)
+            cfg.tile_n, cfg.unroll, act, cfg.slots if combine else 0)
 
 
 def _constants(layout: Layout, cfg: MoEConfig, x_parts: int, act: int, sorted_out: int) -> tuple:
@@ -713,5 +798,6 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                       array(ct.float32, 2), array(ct.int64, 1), array(ct.bfloat16, 2),
                       *_pairs_constants(layout, cfg, act, combine)]
             suffix = _ACT_SUFFIX[act] + ("_combine" if combine else "")
-            variants.append(AotVariant(f"moe_{name}_bfloat16_{cfg.name}{suffix}", cfg.kernel, params))
+            variants.append(AotVariant(f"moe_{name}_bfloat16_{cfg.name_for(bool(combine))}{suffix}",
+                                       cfg.kernel_for(bool(combine)), params))
     return variants

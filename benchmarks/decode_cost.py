@@ -6,6 +6,7 @@
     python benchmarks/decode_cost.py --json out.json
     python benchmarks/decode_cost.py --cpu-smoke --out-dir /tmp/smoke   # the first variant only
     python benchmarks/decode_cost.py --large      # instead: every fused config of the large-M kernel
+    python benchmarks/decode_cost.py --moe-pairs  # instead: the per-pair MoE kernel (4-bit weights)
 
 Writes ``decode-cost-sm90.json`` and what it prints to ``decode-cost-sm90.txt`` (``--out-dir``,
 ``benchmarks/_results.py``).
@@ -36,6 +37,7 @@ from _results import Transcript, add_options, command, results_path  # noqa: E40
 
 from tilemm.kernels import hopper_block_scaled as hbs  # noqa: E402
 from tilemm.kernels import hopper_weight_only_large as wol  # noqa: E402
+from tilemm.kernels import moe_kernels  # noqa: E402
 from tilemm.kernels import weight_only_kernels as wo  # noqa: E402
 from tilemm.kernels._aot import AotVariant, compile_variant  # noqa: E402
 from tilemm.formats import MXFP4, MXFP8_E4M3, NVFP4  # noqa: E402
@@ -142,7 +144,7 @@ TARGET = "sm90"
 
 
 def report(variant: AotVariant, elements: float, unroll: int = 1) -> dict:
-    marker = "FFMA" if "_wo_gemv" in variant.name else "HGMMA"
+    marker = "FFMA" if "_wo_gemv" in variant.name or "_moe_pairs_" in variant.name else "HGMMA"
     counts = main_loop(compile_variant(variant, "sm_90"), unroll, marker)
     total = sum(counts.values())
     return {"variant": variant.name, "loop_instructions": total, "elements_per_thread": elements,
@@ -170,6 +172,22 @@ def default_variants():
     return out
 
 
+def moe_pairs_variants():
+    """The per-pair MoE kernel's variants (``moe_kernels.aot_variants``, 4-bit weights): each 16-row
+    block's K loop takes unroll K tiles per load, for one pair, or for two in a combining block of
+    two pairs per step (``PairsConfig.slots``), whose loop over the steps then holds both pairs' loads
+    (and, at one load per pair, their epilogues)."""
+    out = []
+    for v in moe_kernels.aot_variants(full=True):
+        name = v.name
+        if "_moe_pairs_" not in name or not name.startswith(("moe_mxfp4_", "moe_nvfp4_")):
+            continue
+        unroll = int(name.split("_moe_pairs_")[1].split("_u")[1].split("_")[0])
+        pairs = 2 if "_s2_combine" in name else 1
+        out.append((v, 16 * wo.LAYOUTS[name.split("_")[1]].tile_k * unroll * pairs / 128, 1))
+    return out
+
+
 def large_variants():
     """Every fused config of the large-M kernel (``hopper_weight_only_large``: the rules' configs, the
     sweep's candidates and its structural variants) for MXFP4, NVFP4 and MXFP8 (e4m3)."""
@@ -181,18 +199,21 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--large", action="store_true",
                     help="instead: every fused config of the large-M kernel (about 35 compiles)")
+    ap.add_argument("--moe-pairs", action="store_true",
+                    help="instead: the per-pair MoE kernel's variants, 4-bit weights (about 24 compiles)")
     add_options(ap)  # no GPU either way; --cpu-smoke: the first variant only
     args = ap.parse_args(argv)
     rows = []
     say = Transcript(command("decode_cost.py", argv), "sm_90 SASS, nvdisasm")
-    for variant, elements, unroll in (large_variants() if args.large else default_variants())[
-            :1 if args.cpu_smoke else None]:
+    variants = large_variants() if args.large else moe_pairs_variants() if args.moe_pairs else default_variants()
+    for variant, elements, unroll in variants[:1 if args.cpu_smoke else None]:
         row = report(variant, elements, unroll)
         rows.append(row)
         top = " ".join(f"{k}:{v}" for k, v in row["top"].items())
         say(f"{row['variant']:60s} {row['per_element']:5.2f} instr/element "
             f"({row['loop_instructions']} per loop, {elements:.0f} elements/thread)  {top}")
-    path = results_path(args.out_dir, "decode-cost", TARGET, "json", variant="large" if args.large else None)
+    path = results_path(args.out_dir, "decode-cost", TARGET, "json",
+                        variant="large" if args.large else "moe-pairs" if args.moe_pairs else None)
     path.write_text(json.dumps(rows, indent=1))
     say.write(path.with_suffix(".txt"))
     if args.json:

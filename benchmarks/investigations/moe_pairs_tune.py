@@ -98,6 +98,10 @@ def _slots(slots: int, occupancy: int):
 #: two per step at 8 (spills) or 6, one per step at 6.
 PLANS.update({"slots1_occ8": _slots(1, 8), "slots2_occ8": _slots(2, 8), "slots2_occ6": _slots(2, 6),
               "slots1_occ6": _slots(1, 6)})
+#: The committed block with ``moe_kernels.PAIRS_H32`` on: gate_up hands h to down as fp32 (the same
+#: values), so the down launch's K loop converts no x.
+H32_PLANS = {"h32"}
+PLANS["h32"] = _COMMITTED
 
 _COMMITTED_SORTED = mk._sorted_config
 
@@ -136,6 +140,7 @@ def main(argv=None) -> int:
     attribute = "_sorted_config" if args.sorted else "_pairs_config"
     committed = getattr(mk, attribute)
     combine_pays = mk._combine_pays
+    h32 = mk.PAIRS_H32
     failed = False
     if args.sorted:
         layers = SMOKE_SORTED_LAYERS if args.cpu_smoke else SORTED_LAYERS
@@ -161,6 +166,7 @@ def main(argv=None) -> int:
                     setattr(mk, attribute, plan)
                     if pname in COMBINE_PLANS and not args.sorted:
                         mk._combine_pays = (lambda v: lambda *a, **k: v)(COMBINE_PLANS[pname])
+                    mk.PAIRS_H32 = pname in H32_PLANS or h32
                     ours._launches.clear()  # the module keeps its prepared launches: plan them anew
                     try:
                         got = ours(x, ids, weights)
@@ -178,6 +184,7 @@ def main(argv=None) -> int:
                     finally:
                         setattr(mk, attribute, committed)
                         mk._combine_pays = combine_pays
+                        mk.PAIRS_H32 = h32
                         ours._launches.clear()
                 say(f"{name:12s} {fmt} {kind:7s} T={t:<3d} " + " | ".join(cells))
     path = results_path(args.out_dir, "moe-pairs-tune", device_name(device), "txt",

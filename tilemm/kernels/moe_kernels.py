@@ -292,7 +292,8 @@ def _pair_rows2(X, W, S, Consts, Mult, Bias, Ids, p, bn, dtype, ELEMENT, SCALE_E
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
 def _moe_gemv_kernel(X, W, S, Out, Consts, Mult, Bias, Ids, Weights,
                      ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
-                     GROUP: ConstInt, TN: ConstInt, UNROLL: ConstInt, ACT: ConstInt, COMBINE: ConstInt):
+                     GROUP: ConstInt, TN: ConstInt, UNROLL: ConstInt, ACT: ConstInt, COMBINE: ConstInt,
+                     H32: ConstInt):
     """One (token, slot) pair per block row, no routing: the design for a decode step of one token,
     whose k experts are distinct (each expert's weight tile then read once).
 
@@ -303,7 +304,10 @@ def _moe_gemv_kernel(X, W, S, Out, Consts, Mult, Bias, Ids, Weights,
     weights applied): block (token t, bn) runs the k pairs of token t, COMBINE at a time (2: both
     pairs' loads issued together, ``_pair_rows2``), and writes Out (T, N) row t = sum_j Weights[t, j]
     * y_j, each y_j rounded to Out's dtype first, the products and sum in fp32 in slot order, rounded
-    once (what ``tilemm.moe``'s weighted sum computes); no atomics."""
+    once (what ``tilemm.moe``'s weighted sum computes); no atomics. H32 = 1 (COMBINE = 0): Out is fp32
+    and each value is rounded to X's dtype first, so that a gate_up launch hands the down launch an
+    fp32 h holding exactly the bf16 / fp16 values (the down launch then reads x without converting
+    it, ``PAIRS_H32``)."""
     N = W.shape[1]
     TO = TN // 2 if ACT != 0 else TN
     num_n = ct.cdiv(N, TN)
@@ -332,6 +336,10 @@ def _moe_gemv_kernel(X, W, S, Out, Consts, Mult, Bias, Ids, Weights,
                           SCALE_E8M0, BLOCK, PLANES, GROUP, TN, UNROLL, ACT)
             total = total + y.astype(ct.float32) * ct.load(Weights, (row, top_k - 1), (1, 1)).astype(ct.float32)
         ct.store(Out, (row, bn), total.astype(Out.dtype))
+    elif H32 == 1:
+        y = _pair_row(X, W, S, Consts, Mult, Bias, Ids, row, bn, X.dtype, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP,
+                      TN, UNROLL, ACT)
+        ct.store(Out, (row, bn), y.astype(ct.float32))
     else:
         ct.store(Out, (row, bn), _pair_row(X, W, S, Consts, Mult, Bias, Ids, row, bn, Out.dtype, ELEMENT,
                                            SCALE_E8M0, BLOCK, PLANES, GROUP, TN, UNROLL, ACT))
@@ -622,6 +630,14 @@ class PairsConfig:
         return self.name_for(False)
 
 
+#: Whether a per-pair gate_up launch with the gating fused writes h as fp32 (each value rounded to
+#: x's dtype first: the same numbers) for the down launch, whose x then needs no conversion in its K
+#: loop (bf16 x costs a shift and a mask per element there: MXFP4 5.66 -> 4.79 SASS instructions per
+#: weight element, ``benchmarks/results/decode-cost-moe-pairs-sm90.txt``). Off until timed on a GPU
+#: (``benchmarks/investigations/moe_pairs_tune.py``, plan ``h32``).
+PAIRS_H32 = False
+
+
 def _combine_pays(tokens: int, n: int, sms: int) -> bool:
     """Whether the down projection should apply the router's weights in its epilogue (one block per
     (token, N tile), each running the token's k experts one after another): only while those blocks
@@ -697,13 +713,16 @@ def plan(tokens: int, top_k: int, num_experts: int, n: int, k: int, layout: Layo
 
 def launch_pairs(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
                  bias: torch.Tensor | None, ids: torch.Tensor, out: torch.Tensor, layout: Layout, act: int = 0,
-                 weights: torch.Tensor | None = None, moe_plan: MoEPlan | None = None) -> None:
+                 weights: torch.Tensor | None = None, moe_plan: MoEPlan | None = None, h32: bool = False) -> None:
     """The per-pair design, no routing: ``ids`` (T * k,) the flattened router choice. Without
     ``weights``: out (T * k, N) (N / 2 with ``act`` 1 or 2, the gating of ``launch``) = each pair's product with its expert, pair order,
-    x (T, K) or one row per pair. With ``weights`` (T, k): out (T, N) = the weighted sum over each
+    x (T, K) or one row per pair; with ``h32``, out is fp32 holding values rounded to x's dtype
+    (``PAIRS_H32``). With ``weights`` (T, k): out (T, N) = the weighted sum over each
     token's k slots (see ``_moe_gemv_kernel``). ``moe_plan``: a per-pair ``MoEPlan`` whose ``combine``
     says whether ``weights`` is given (default ``plan``'s for the per-pair design). One ``ct.launch``."""
     combine = weights is not None
+    if h32 and (combine or out.dtype != torch.float32):
+        raise ValueError(f"launch_pairs: h32 needs an fp32 out (got {out.dtype}) and no weights")
     if moe_plan is None:
         # the block depends on K and the layout only: each pair counts as a token of one expert
         moe_plan = plan(ids.numel(), 1, words.shape[0], words.shape[1], x.shape[1], layout, design="pairs",
@@ -711,7 +730,7 @@ def launch_pairs(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, co
     elif moe_plan.combine != combine:
         raise ValueError(f"launch_pairs: moe_plan.combine is {moe_plan.combine} but weights is "
                          f"{'given' if combine else 'None'}; a combining plan takes the router's weights")
-    PreparedPairs(x.shape[1], words, scale_t, constants, bias, layout, out.shape[0], act, moe_plan).run(
+    PreparedPairs(x.shape[1], words, scale_t, constants, bias, layout, out.shape[0], act, moe_plan, h32).run(
         x, ids, out, weights)
 
 
@@ -719,13 +738,14 @@ class PreparedPairs:
     """One per-pair launch (``launch_pairs``) of a projection with ``rows`` output rows, with
     everything but x, the ids, the output and the router's weights worked out: the kernel, the grid,
     and the weight's arguments (the tensors held). ``moe_plan``: a per-pair ``MoEPlan`` (default
-    ``plan``'s, without combine); with ``combine`` ``run`` takes the router's weights."""
+    ``plan``'s, without combine); with ``combine`` ``run`` takes the router's weights; with ``h32`` its
+    output is an fp32 tensor of values rounded to x's dtype (``PAIRS_H32``)."""
 
     __slots__ = ("kernel", "grid", "words", "scale_t", "rest", "consts")
 
     def __init__(self, k: int, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
                  bias: torch.Tensor | None, layout: Layout, rows: int, act: int = 0,
-                 moe_plan: MoEPlan | None = None):
+                 moe_plan: MoEPlan | None = None, h32: bool = False):
         num_experts, n = words.shape[0], words.shape[1]
         if moe_plan is None:
             moe_plan = plan(rows, 1, num_experts, n, k, layout, design="pairs")
@@ -738,7 +758,7 @@ class PreparedPairs:
         self.grid = (rows * ceil_div(n, cfg.tile_n), 1, 1)
         self.words, self.scale_t = words, scale_t
         self.rest = (constants, constants[0, 1:2], bias)
-        self.consts = _pairs_constants(layout, cfg, act, int(moe_plan.combine))
+        self.consts = _pairs_constants(layout, cfg, act, int(moe_plan.combine), h32)
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None = None) -> None:
         ct.launch(stream_handle(out.device), self.grid, self.kernel,
@@ -746,9 +766,9 @@ class PreparedPairs:
                    *self.consts))
 
 
-def _pairs_constants(layout: Layout, cfg: PairsConfig, act: int, combine: int) -> tuple:
+def _pairs_constants(layout: Layout, cfg: PairsConfig, act: int, combine: int, h32: bool = False) -> tuple:
     return (layout.element, layout.scale_e8m0, layout.block, layout.planes, layout.group,
-            cfg.tile_n, cfg.unroll, act, cfg.slots if combine else 0)
+            cfg.tile_n, cfg.unroll, act, cfg.slots if combine else 0, int(h32))
 
 
 def _constants(layout: Layout, cfg: MoEConfig, x_parts: int, act: int, sorted_out: int) -> tuple:
@@ -788,16 +808,21 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
         # The per-pair kernel, bf16 activations (fp16 is the same code path): each projection of a
         # decode step (plain, SwiGLU or SiLU for 4-bit gate_up, the weighted sum for down) with 4 K tiles per
         # load (gpt-oss's K = 2880, the anchor's K = 2048); the anchor's down projection (K = 512)
-        # with 2, with and without the weighted sum.
-        cases = [(4, 0, 0), (4, 0, 1)] + ([(4, 1, 0), (4, 2, 0)] if layout.planes == 4 else [])
-        cases += {"mxfp4": [(2, 0, 0), (2, 0, 1)], "nvfp4": [(2, 0, 0), (2, 0, 1)]}.get(name, [])
-        for unroll, act, combine in cases:
+        # with 2, with and without the weighted sum. 4-bit weights also with PAIRS_H32's fp32 h: the
+        # gated gate_up writing it, the down projection reading it. (unroll, act, combine, h32, fp32 x)
+        cases = [(4, 0, 0, 0, 0), (4, 0, 1, 0, 0)]
+        if layout.planes == 4:
+            cases += [(4, 1, 0, 0, 0), (4, 2, 0, 0, 0), (4, 1, 0, 1, 0), (4, 2, 0, 1, 0), (4, 0, 0, 0, 1),
+                      (4, 0, 1, 0, 1), (2, 0, 0, 0, 0), (2, 0, 1, 0, 0), (2, 0, 0, 0, 1), (2, 0, 1, 0, 1)]
+        for unroll, act, combine, h32, x32 in cases:
             cfg = PairsConfig(unroll)
-            params = [array(ct.bfloat16, 2), array(ct.int32, 3), array(ct.uint8, 3), array(ct.bfloat16, 2),
+            x_ct = ct.float32 if x32 else ct.bfloat16
+            params = [array(x_ct, 2), array(ct.int32, 3), array(ct.uint8, 3),
+                      array(ct.float32 if h32 else ct.bfloat16, 2),
                       array(ct.float32, 2, aligned=False), array(ct.float32, 1, aligned=False),
-                      array(ct.float32, 2), array(ct.int64, 1), array(ct.bfloat16, 2),
-                      *_pairs_constants(layout, cfg, act, combine)]
-            suffix = _ACT_SUFFIX[act] + ("_combine" if combine else "")
-            variants.append(AotVariant(f"moe_{name}_bfloat16_{cfg.name_for(bool(combine))}{suffix}",
+                      array(ct.float32, 2), array(ct.int64, 1), array(ct.float32 if h32 else ct.bfloat16, 2),
+                      *_pairs_constants(layout, cfg, act, combine, h32)]
+            suffix = _ACT_SUFFIX[act] + ("_combine" if combine else "") + ("_h32" if h32 else "")
+            variants.append(AotVariant(f"moe_{name}_{x_ct.name}_{cfg.name_for(bool(combine))}{suffix}",
                                        cfg.kernel_for(bool(combine)), params))
     return variants

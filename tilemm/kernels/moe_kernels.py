@@ -10,7 +10,9 @@ slots in its epilogue (``MoEPlan``).
 
 * per pair (``_moe_gemv_kernel``, a few tokens: ``_pairs_pay``): no routing; block ((token, slot),
   16 weight rows) multiplies on the FMA pipes; one token's k experts are distinct, so each weight
-  is read once per token. The down projection may sum the k slots in its epilogue (``_combine_pays``).
+  is read once per token. The down projection may sum the k slots in its epilogue (``_combine_pays``),
+  a block then running its token's pairs two at a time, both pairs' loads together
+  (``PairsConfig.slots``). With ``PAIRS_H32`` the gated gate_up hands h over as fp32.
 * sorted (``_moe_kernel``): ``route`` gives the (token, slot) rows sorted by expert (``order``),
   each expert's run (``offsets``, E + 2; ids outside [0, E) are the extra expert E) and the slots
   (``slot_expert``: every expert with rows, busiest first); x's rows are gathered once into that
@@ -21,7 +23,8 @@ slots in its epilogue (``MoEPlan``).
   weight tile is read once per chunk.
 
 No host synchronisation and no allocation whose size depends on the routing: a call can be captured
-in a CUDA graph. Rows of ids outside [0, E) come out NaN, no weight read for them. ACT = 1 fuses
+in a CUDA graph. Rows of ids outside [0, E) come out NaN, no weight read for them (a combining block
+of two pairs per step loads expert 0's tiles in their place and discards the product). ACT = 1 fuses
 gpt-oss's clamped SwiGLU of interleaved (gate, up) rows into gate_up's epilogue, ACT = 2 the SiLU
 gating ``silu(gate) * up`` of Qwen-MoE / Mixtral experts stored the same way (``tilemm.moe``
 interleaves their gate / up halves once when it builds or loads them).

@@ -480,11 +480,14 @@ def test_pairs_kernel_matches_reference(emulated, fmt):
         assert_matches(out[ok].float(), reference64(x, w_q, ids, bias)[ok], torch.bfloat16)
 
 
+@pytest.mark.parametrize("wide", [(True, False), (False, True), (True, True)], ids=["h32", "x32", "h32_x32"])
 @pytest.mark.parametrize("design", ["pairs_combine", "pairs_bmm"])
-def test_fp32_h_gives_the_same_bits(emulated, monkeypatch, design):
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fp32_h_and_x_give_the_same_bits(emulated, monkeypatch, design, wide, x_dtype):
     """``PAIRS_H32``: the gated gate_up launch writes h as fp32 holding the values rounded to x's dtype,
-    the down launch reads it without converting: the layer's output is the bf16 h path's, bit for bit
-    (an id out of range included); h32 needs an fp32 output and no router weights."""
+    the down launch reads it without converting; ``PAIRS_X32``: gate_up reads an fp32 copy of x. The
+    layer's output is the bf16 path's, bit for bit (an id out of range included); ``round_to`` needs
+    an fp32 output and no router weights."""
     from tilemm.moe import _experts_launches
 
     e, hidden, inter = 4, 64, 32
@@ -492,19 +495,21 @@ def test_fp32_h_gives_the_same_bits(emulated, monkeypatch, design):
     _, gu = stacked("mxfp4", e, 2 * inter, hidden, seed=22)
     _, dn = stacked("mxfp4", e, hidden, inter, seed=23)
     gub, db = torch.randn(e, 2 * inter, generator=gen), torch.randn(e, hidden, generator=gen)
-    x = torch.randn(3, hidden, generator=gen).to(torch.bfloat16)
+    x = torch.randn(3, hidden, generator=gen).to(x_dtype)
     ids = torch.tensor([[1, 3], [0, 1], [2, e]])
-    weights = torch.softmax(torch.randn(3, 2, generator=gen), -1).to(torch.bfloat16)
+    weights = torch.softmax(torch.randn(3, 2, generator=gen), -1).to(x_dtype)
     args = (x, ids, weights, gu.words, gu.scale_t, gu.constants, "mxfp4", gub, dn.words, dn.scale_t,
             dn.constants, "mxfp4", db, mk.SWIGLU_ALPHA, mk.SWIGLU_LIMIT)
     plain = _experts_launches(*args, design=design)
-    monkeypatch.setattr(mk, "PAIRS_H32", True)
-    wide = _experts_launches(*args, design=design)
+    monkeypatch.setattr(mk, "PAIRS_H32", wide[0])
+    monkeypatch.setattr(mk, "PAIRS_X32", wide[1])
+    out = _experts_launches(*args, design=design)
     assert plain[2].isnan().all() and not plain[:2].isnan().any()
-    assert torch.equal(wide[:2], plain[:2]) and wide[2].isnan().all()
-    h = torch.empty(6, inter, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="h32 needs an fp32 out"):
-        mk.launch_pairs(x, gu.words, gu.scale_t, gu.constants, gub, ids.reshape(-1), h, gu.layout, act=1, h32=True)
+    assert torch.equal(out[:2], plain[:2]) and out[2].isnan().all()
+    h = torch.empty(6, inter, dtype=x_dtype)
+    with pytest.raises(ValueError, match="round_to must be"):
+        mk.launch_pairs(x, gu.words, gu.scale_t, gu.constants, gub, ids.reshape(-1), h, gu.layout, act=1,
+                        round_to=torch.bfloat16)
 
 
 def test_pairs_kernel_swiglu_and_combine(emulated):

@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     ap.add_argument("--large", action="store_true",
                     help="instead: every fused config of the large-M kernel (about 35 compiles)")
     ap.add_argument("--moe-pairs", action="store_true",
-                    help="instead: the per-pair MoE kernel's variants, 4-bit weights (about 24 compiles)")
+                    help="instead: the per-pair MoE kernel's variants, 4-bit weights (about 32 compiles)")
     add_options(ap)  # no GPU either way; --cpu-smoke: the first variant only
     args = ap.parse_args(argv)
     rows = []

@@ -503,7 +503,18 @@ def test_fp32_h_and_x_give_the_same_bits(emulated, monkeypatch, design, wide, x_
     plain = _experts_launches(*args, design=design)
     monkeypatch.setattr(mk, "PAIRS_H32", wide[0])
     monkeypatch.setattr(mk, "PAIRS_X32", wide[1])
+    seen, launch = [], mk.launch_pairs
+
+    def spy(x, *rest, **kw):
+        seen.append((x.dtype, rest[5].dtype, kw.get("round_to")))  # (x, out, round_to)
+        return launch(x, *rest, **kw)
+
+    monkeypatch.setattr(mk, "launch_pairs", spy)
     out = _experts_launches(*args, design=design)
+    # gate_up: x (fp32 with x32), h (fp32 with h32, rounded to x's dtype); down reads h
+    h_dtype = torch.float32 if wide[0] else x_dtype
+    assert seen[0] == (torch.float32 if wide[1] else x_dtype, h_dtype, x_dtype if wide[0] else None)
+    assert seen[1][0] == h_dtype
     assert plain[2].isnan().all() and not plain[:2].isnan().any()
     assert torch.equal(out[:2], plain[:2]) and out[2].isnan().all()
     h = torch.empty(6, inter, dtype=x_dtype)
@@ -544,6 +555,42 @@ def test_pairs_kernel_swiglu_and_combine(emulated):
         mk.launch_pairs(rows, packed.words, packed.scale_t, packed.constants, bias, ids.reshape(-1), combined,
                         packed.layout, weights=weights, moe_plan=mk.MoEPlan("pairs", cfg, True))
         assert torch.equal(combined, _weighted_sum(per_pair.reshape(1, 3, n), weights)), slots
+
+
+def test_combining_two_pairs_per_step_matches_one(emulated):
+    """The combining block's two pairs per step (``_pair_rows2``) against one per step and against
+    the per-pair rows summed: int32 ids, an odd top_k (two steps and a tail); an id out of range in
+    the first or second pair of a step or in the tail (negative or >= E) makes that token's row NaN,
+    never another expert's product."""
+    from tilemm.moe import _weighted_sum
+
+    e, n, k = 6, 32, 512
+    _, packed = stacked("nvfp4", e, n, k, seed=31)
+    gen = torch.Generator().manual_seed(32)
+    bias = torch.randn(e, n, generator=gen)
+    ids = torch.tensor([[5, 2, 0, 3, 1], [-1, 4, 2, 2, 0], [1, 9, 3, 0, 5], [0, 1, 2, 3, -7]], dtype=torch.int32)
+    t, top_k = ids.shape
+    rows = torch.randn(t * top_k, k, generator=gen).to(torch.bfloat16)
+    weights = torch.softmax(torch.randn(t, top_k, generator=gen), -1).to(torch.bfloat16)
+    per_pair = torch.empty(t * top_k, n, dtype=torch.bfloat16)
+    mk.launch_pairs(rows, packed.words, packed.scale_t, packed.constants, bias, ids.reshape(-1), per_pair,
+                    packed.layout)
+    outs = []
+    for slots in (1, 2):
+        cfg = dataclasses.replace(mk._pairs_config(k, packed.layout), slots=slots)
+        combined = torch.empty(t, n, dtype=torch.bfloat16)
+        mk.launch_pairs(rows, packed.words, packed.scale_t, packed.constants, bias, ids.reshape(-1), combined,
+                        packed.layout, weights=weights, moe_plan=mk.MoEPlan("pairs", cfg, True))
+        outs.append(combined)
+    assert torch.equal(outs[0][0], _weighted_sum(per_pair.reshape(t, top_k, n), weights)[0])
+    assert torch.equal(outs[1][0], outs[0][0])
+    for out in outs:
+        assert out[1:].isnan().all()
+
+
+def test_pairs_config_slots_are_one_or_two():
+    with pytest.raises(ValueError, match="slots must be 1 or 2"):
+        mk.PairsConfig(2, slots=3)
 
 
 def test_pairs_plan_unroll_wastes_little():

@@ -376,7 +376,7 @@ def test_stacking_needs_the_plain_loads():
 
 
 @pytest.mark.parametrize("fmt", [MXFP4, NVFP4, MXFP8_E4M3], ids=["mxfp4", "nvfp4", "mxfp8_e4m3"])
-@pytest.mark.parametrize("unroll", [2, 8])
+@pytest.mark.parametrize("unroll", [2, 4, 8])
 def test_fma_kernel_loads_match_reference(emulated, fmt, unroll):
     # K = 1344 as above: with 8 K tiles per load the last (or only) load reaches past K, and splits of
     # 2 and 4 leave some blocks no load at all; M = 1 as in a decode step, N = 40 (a partial block).

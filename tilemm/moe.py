@@ -336,7 +336,7 @@ def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_fo
             h32 = _h32(x.dtype)
             h = torch.empty((tokens * top_k, inter), dtype=torch.float32 if h32 else x.dtype,
                             device=x.device)  # pair order
-            moe_kernels.launch_pairs(x.float() if _x32(x.dtype) else x.contiguous(), gu_words, gu_scale_t,
+            moe_kernels.launch_pairs(x.contiguous().float() if _x32(x.dtype) else x.contiguous(), gu_words, gu_scale_t,
                                      gu_constants, gu_bias, flat, h, gu_layout, act=act, moe_plan=gate_up_plan,
                                      round_to=x.dtype if h32 else None)
         else:

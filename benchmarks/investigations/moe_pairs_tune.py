@@ -51,6 +51,9 @@ def _rows(tile_n: int, occupancy_for_unroll: dict):
     return plan
 
 
+# Every plan's combining launch (the down projection's weighted sum, T >= 2) takes PairsConfig's
+# defaults for it (two pairs per step, 6 blocks per SM, since they were adopted); the runs recorded
+# before that ran one pair per step at the plan's own occupancy.
 PLANS = {
     "base": _COMMITTED,
     # 32 weight rows per block: fewer address and loop instructions per weight element; blocks per
@@ -82,7 +85,6 @@ PLANS.update({name: _COMMITTED for name in COMBINE_PLANS})
 # plan and occ8_half is half_unroll; kept by name for the recorded runs.)
 PLANS["occ8_half"] = functools.lru_cache(maxsize=None)(
     lambda k, layout: mk.PairsConfig(max(2, _COMMITTED(k, layout).unroll // 2), occupancy=8))
-
 
 
 def _slots(slots: int, occupancy: int):

@@ -608,7 +608,9 @@ class PairsConfig:
     """The per-pair kernel's block: tile_n weight rows (16: a decode's N gives thousands of blocks
     with no K split), 4 worker warps, 8 blocks per SM (these launches wait on each block's loads: 8
     ran faster than 4 on every gpt-oss and anchor layer timed at T = 1 and 4,
-    ``benchmarks/results/moe-pairs-tune-*``), ``unroll`` K tiles per load (``_pairs_config``)."""
+    ``benchmarks/results/moe-pairs-tune-*``), ``unroll`` K tiles per load (``_pairs_config``). A
+    combining launch runs ``slots`` (1 or 2) pairs per step at ``combine_occupancy`` blocks per SM
+    (2 at 6 ran faster than 1 at 8 on the same layers at T = 2 and 4)."""
 
     unroll: int
     tile_n: int = 16
@@ -618,6 +620,10 @@ class PairsConfig:
     #: blocks per SM (two pairs' accumulators and tiles at once spill at 8 blocks per SM, not at 6).
     slots: int = 2
     combine_occupancy: int | None = 6
+
+    def __post_init__(self):
+        if self.slots not in (1, 2):
+            raise ValueError(f"PairsConfig: slots must be 1 or 2 (pairs per step of a combining block), got {self.slots}")
 
     def kernel_for(self, combine: bool):
         occupancy = self.combine_occupancy if combine else self.occupancy
@@ -641,11 +647,12 @@ class PairsConfig:
 #: x's dtype first: the same numbers) for the down launch, whose x then needs no conversion in its K
 #: loop (bf16 x costs a shift and a mask per element there: MXFP4 5.66 -> 4.79 SASS instructions per
 #: weight element, ``benchmarks/results/decode-cost-moe-pairs-sm90.txt``). Off until timed on a GPU
-#: (``benchmarks/investigations/moe_pairs_tune.py``, plans ``h32`` and ``h32_x32``).
+#: (``benchmarks/investigations/moe_pairs_tune.py``, plans ``h32`` and ``h32_x32``). Read when an
+#: experts module plans a signature's launches: after changing it, clear the module's ``_launches``.
 PAIRS_H32 = False
 #: Whether the per-pair gate_up launch reads x as an fp32 copy (one conversion of the T x K
 #: activation before it, one more launch) instead of converting x in its K loop; the same numbers.
-#: Off until timed (plans ``x32``, ``h32_x32``).
+#: Off until timed (plans ``x32``, ``h32_x32``); read as ``PAIRS_H32`` is.
 PAIRS_X32 = False
 #: ``ROUND`` codes of ``_moe_gemv_kernel``: rounding to the activation dtype, stored as fp32.
 _ROUND_CODES = {torch.bfloat16: 1, torch.float16: 2}
@@ -653,7 +660,7 @@ _ROUND_CODES = {torch.bfloat16: 1, torch.float16: 2}
 
 def _combine_pays(tokens: int, n: int, sms: int) -> bool:
     """Whether the down projection should apply the router's weights in its epilogue (one block per
-    (token, N tile), each running the token's k experts one after another): only while those blocks
+    (token, N tile), each running the token's k experts, ``PairsConfig.slots`` at a time): only while those blocks
     alone give at least 1.5 per SM; with fewer, the per-pair blocks (k times as many) and a batched
     GEMM for the sum keep more weight loads in flight (``benchmarks/results/moe-layers-*``)."""
     return 2 * tokens * ceil_div(n, PairsConfig(1).tile_n) >= 3 * sms
@@ -820,7 +827,8 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                               array(ct.int64, 1), _INT32, *_constants(layout, cfg, _X_PARTS[x_dtype], act, act)]
                     suffix = _ACT_SUFFIX[act]
                     variants.append(AotVariant(f"moe_{name}_{x_ct.name}_{cfg.name}{suffix}", cfg.kernel, params))
-        # The per-pair kernel, bf16 activations (fp16 is the same code path): each projection of a
+        # The per-pair kernel, bf16 activations (fp16 is the same code path, except PAIRS_H32's
+        # rounding to fp16, ROUND = 2, not listed): each projection of a
         # decode step (plain, SwiGLU or SiLU for 4-bit gate_up, the weighted sum for down) with 4 K tiles per
         # load (gpt-oss's K = 2880, the anchor's K = 2048); the anchor's down projection (K = 512)
         # with 2, with and without the weighted sum. 4-bit weights also with PAIRS_H32's fp32 h (the

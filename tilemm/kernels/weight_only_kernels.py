@@ -547,10 +547,10 @@ _GEMV_SHAPE = (16, 4, 4)
 #: where K has that many, else 2 (a load past K is zero-filled, and its decode wasted).
 _GEMV_UNROLL = (8, 2)
 #: 4-bit weights where the 16-row blocks without a K split are more than one wave at four per SM:
-#: eight blocks per SM, at most 4 K tiles per load (the registers of eight blocks). One wave of eight
-#: instead of two of four: 28672 x 4096 and 14336 x 4096 ran faster this way, 4096 x 4096,
-#: 6144 x 4096 and 4096 x 14336 (one wave either way) slower (``benchmarks/results/tune-weight-only-gemv-*``;
-#: 8-bit weights not timed so).
+#: eight blocks per SM, at most 4 K tiles per load (the registers of eight blocks), so half as many
+#: waves: 28672 x 4096 and 14336 x 4096 ran faster this way, 4096 x 4096, 6144 x 4096 and
+#: 4096 x 14336 (one wave either way) slower (``benchmarks/results/tune-weight-only-gemv-*``; 8-bit
+#: weights not timed so).
 _GEMV_WIDE = (8, (4, 2))
 
 
@@ -885,9 +885,10 @@ def _configs(layout: Layout) -> list[WeightOnlyConfig]:
     tile_n, warps, occupancy = _GEMV_SHAPE
     out += [WeightOnlyConfig(m, tile_n, split, warps, occupancy, unroll=unroll, gemv=1)
             for m in range(1, GEMV_M + 1) for unroll in _GEMV_UNROLL for split in _SPLITS]
-    occupancy, unrolls = _GEMV_WIDE
-    out += [WeightOnlyConfig(m, tile_n, 1, warps, occupancy, unroll=unroll, gemv=1)
-            for m in range(1, GEMV_M + 1) for unroll in unrolls]
+    if layout.planes == 4:
+        occupancy, unrolls = _GEMV_WIDE
+        out += [WeightOnlyConfig(m, tile_n, 1, warps, occupancy, unroll=unroll, gemv=1)
+                for m in range(1, GEMV_M + 1) for unroll in unrolls]
     return out
 
 

@@ -471,13 +471,13 @@ def _h32(x_dtype: torch.dtype) -> bool:
     """Whether the per-pair gate_up launch (gating fused) hands h to the down launch as fp32 holding
     values rounded to x's dtype (``moe_kernels.PAIRS_H32``; the same numbers, no conversion of x in the
     down launch's K loop)."""
-    return moe_kernels.PAIRS_H32 and x_dtype in (torch.bfloat16, torch.float16)
+    return moe_kernels.PAIRS_H32 and x_dtype in moe_kernels._ROUND_CODES  # bf16, fp16
 
 
 def _x32(x_dtype: torch.dtype) -> bool:
     """Whether the per-pair gate_up launch (gating fused) reads an fp32 copy of x
     (``moe_kernels.PAIRS_X32``; the same numbers, no conversion of x in its K loop)."""
-    return moe_kernels.PAIRS_X32 and x_dtype in (torch.bfloat16, torch.float16)
+    return moe_kernels.PAIRS_X32 and x_dtype in moe_kernels._ROUND_CODES  # bf16, fp16
 
 
 def _fused_act(activation: str, alpha: float, limit: float) -> int:

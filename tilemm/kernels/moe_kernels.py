@@ -645,8 +645,8 @@ class PairsConfig:
 
 #: Whether a per-pair gate_up launch with the gating fused writes h as fp32 (each value rounded to
 #: x's dtype first: the same numbers) for the down launch, whose x then needs no conversion in its K
-#: loop (bf16 x costs a shift and a mask per element there: MXFP4 5.66 -> 4.79 SASS instructions per
-#: weight element, ``benchmarks/results/decode-cost-moe-pairs-sm90.txt``). Off until timed on a GPU
+#: loop (bf16 x costs a shift and a mask per weight element there; the SASS counts:
+#: ``benchmarks/results/decode-cost-moe-pairs-sm90.txt``). Off until timed on a GPU
 #: (``benchmarks/investigations/moe_pairs_tune.py``, plans ``h32`` and ``h32_x32``). Read when an
 #: experts module plans a signature's launches: after changing it, clear the module's ``_launches``.
 PAIRS_H32 = False

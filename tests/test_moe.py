@@ -480,49 +480,6 @@ def test_pairs_kernel_matches_reference(emulated, fmt):
         assert_matches(out[ok].float(), reference64(x, w_q, ids, bias)[ok], torch.bfloat16)
 
 
-@pytest.mark.parametrize("wide", [(True, False), (False, True), (True, True)], ids=["h32", "x32", "h32_x32"])
-@pytest.mark.parametrize("design", ["pairs_combine", "pairs_bmm"])
-@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_fp32_h_and_x_give_the_same_bits(emulated, monkeypatch, design, wide, x_dtype):
-    """``PAIRS_H32``: the gated gate_up launch writes h as fp32 holding the values rounded to x's dtype,
-    the down launch reads it without converting; ``PAIRS_X32``: gate_up reads an fp32 copy of x. The
-    layer's output is the bf16 path's, bit for bit (an id out of range included); ``round_to`` needs
-    an fp32 output and no router weights."""
-    from tilemm.moe import _experts_launches
-
-    e, hidden, inter = 4, 64, 32
-    gen = torch.Generator().manual_seed(21)
-    _, gu = stacked("mxfp4", e, 2 * inter, hidden, seed=22)
-    _, dn = stacked("mxfp4", e, hidden, inter, seed=23)
-    gub, db = torch.randn(e, 2 * inter, generator=gen), torch.randn(e, hidden, generator=gen)
-    x = torch.randn(3, hidden, generator=gen).to(x_dtype)
-    ids = torch.tensor([[1, 3], [0, 1], [2, e]])
-    weights = torch.softmax(torch.randn(3, 2, generator=gen), -1).to(x_dtype)
-    args = (x, ids, weights, gu.words, gu.scale_t, gu.constants, "mxfp4", gub, dn.words, dn.scale_t,
-            dn.constants, "mxfp4", db, mk.SWIGLU_ALPHA, mk.SWIGLU_LIMIT)
-    plain = _experts_launches(*args, design=design)
-    monkeypatch.setattr(mk, "PAIRS_H32", wide[0])
-    monkeypatch.setattr(mk, "PAIRS_X32", wide[1])
-    seen, launch = [], mk.launch_pairs
-
-    def spy(x, *rest, **kw):
-        seen.append((x.dtype, rest[5].dtype, kw.get("round_to")))  # (x, out, round_to)
-        return launch(x, *rest, **kw)
-
-    monkeypatch.setattr(mk, "launch_pairs", spy)
-    out = _experts_launches(*args, design=design)
-    # gate_up: x (fp32 with x32), h (fp32 with h32, rounded to x's dtype); down reads h
-    h_dtype = torch.float32 if wide[0] else x_dtype
-    assert seen[0] == (torch.float32 if wide[1] else x_dtype, h_dtype, x_dtype if wide[0] else None)
-    assert seen[1][0] == h_dtype
-    assert plain[2].isnan().all() and not plain[:2].isnan().any()
-    assert torch.equal(out[:2], plain[:2]) and out[2].isnan().all()
-    h = torch.empty(6, inter, dtype=x_dtype)
-    with pytest.raises(ValueError, match="round_to must be"):
-        mk.launch_pairs(x, gu.words, gu.scale_t, gu.constants, gub, ids.reshape(-1), h, gu.layout, act=1,
-                        round_to=torch.bfloat16)
-
-
 def test_pairs_kernel_swiglu_and_combine(emulated):
     """The per-pair kernel's fused SwiGLU (as the sorted kernel's) and its weighted sum over a token's
     slots (COMBINE: the down projection writes the layer's output)."""
@@ -575,15 +532,22 @@ def test_combining_two_pairs_per_step_matches_one(emulated):
     per_pair = torch.empty(t * top_k, n, dtype=torch.bfloat16)
     mk.launch_pairs(rows, packed.words, packed.scale_t, packed.constants, bias, ids.reshape(-1), per_pair,
                     packed.layout)
+    # blocks in rows-first order (two N tiles here): the same rows, the same bits
+    rows_first = dataclasses.replace(mk._pairs_config(k, packed.layout), rows_first=True)
+    per_pair_rf = torch.empty(t * top_k, n, dtype=torch.bfloat16)
+    mk.launch_pairs(rows, packed.words, packed.scale_t, packed.constants, bias, ids.reshape(-1), per_pair_rf,
+                    packed.layout, moe_plan=mk.MoEPlan("pairs", rows_first))
+    assert torch.equal(per_pair_rf.isnan(), per_pair.isnan()) and per_pair.isnan().any()
+    assert torch.equal(per_pair_rf.nan_to_num(), per_pair.nan_to_num())
     outs = []
-    for slots in (1, 2):
-        cfg = dataclasses.replace(mk._pairs_config(k, packed.layout), slots=slots)
+    for slots, first in ((1, False), (2, False), (2, True)):
+        cfg = dataclasses.replace(mk._pairs_config(k, packed.layout), slots=slots, rows_first=first)
         combined = torch.empty(t, n, dtype=torch.bfloat16)
         mk.launch_pairs(rows, packed.words, packed.scale_t, packed.constants, bias, ids.reshape(-1), combined,
                         packed.layout, weights=weights, moe_plan=mk.MoEPlan("pairs", cfg, True))
         outs.append(combined)
     assert torch.equal(outs[0][0], _weighted_sum(per_pair.reshape(t, top_k, n), weights)[0])
-    assert torch.equal(outs[1][0], outs[0][0])
+    assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[2][0], outs[0][0])
     for out in outs:
         assert out[1:].isnan().all()
 

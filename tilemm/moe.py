@@ -332,13 +332,10 @@ def _experts_launches(x, ids, weights, gu_words, gu_scale_t, gu_constants, gu_fo
     gu_layout, d_layout = layout_of(FORMATS[gu_format]), layout_of(FORMATS[d_format])
     if gate_up_plan.design == "pairs":
         flat = ids.reshape(-1)
+        h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)  # pair order
         if fused:
-            h32 = _h32(x.dtype)
-            h = torch.empty((tokens * top_k, inter), dtype=torch.float32 if h32 else x.dtype,
-                            device=x.device)  # pair order
-            moe_kernels.launch_pairs(x.contiguous().float() if _x32(x.dtype) else x.contiguous(), gu_words, gu_scale_t,
-                                     gu_constants, gu_bias, flat, h, gu_layout, act=act, moe_plan=gate_up_plan,
-                                     round_to=x.dtype if h32 else None)
+            moe_kernels.launch_pairs(x.contiguous(), gu_words, gu_scale_t, gu_constants, gu_bias, flat, h,
+                                     gu_layout, act=act, moe_plan=gate_up_plan)
         else:
             gate_up = torch.empty((tokens * top_k, 2 * inter), dtype=x.dtype, device=x.device)
             moe_kernels.launch_pairs(x.contiguous(), gu_words, gu_scale_t, gu_constants, gu_bias, flat,
@@ -406,7 +403,7 @@ class _MoEExpertsLaunch:
     for gate_up and down): the output allocations and the two launches (and, without the combine
     epilogue, the weighted sum); the other designs go through ``_experts_launches``."""
 
-    __slots__ = ("plans", "shape", "tokens", "held", "gate_up", "down", "h32", "x32")
+    __slots__ = ("plans", "shape", "tokens", "held", "gate_up", "down")
 
     #: The buffers a bound call reads, by name in ``MoEExperts._buffers``.
     BUFFERS = ("gate_up_words", "gate_up_scale_t", "gate_up_constants", "gate_up_bias", "down_words",
@@ -420,16 +417,14 @@ class _MoEExpertsLaunch:
                                    x.device)
         self.held = held = tuple(module._buffers.get(name) for name in self.BUFFERS)
         self.gate_up = self.down = None
-        self.h32 = self.x32 = False
         act = _fused_act(module.activation, module.alpha, module.limit)
         gate_up_plan, down_plan = self.plans
         if gate_up_plan.design == "pairs" and act != moe_kernels.ACT_NONE:
             gu_words, gu_scale_t, gu_constants, gu_bias, d_words, d_scale_t, d_constants, d_bias = held
             pairs = self.tokens * ids.shape[1]
-            self.h32, self.x32 = _h32(x.dtype), _x32(x.dtype)
             self.gate_up = moe_kernels.PreparedPairs(module.hidden_size, gu_words, gu_scale_t, gu_constants,
                                                      gu_bias, layout_of(FORMATS[module.formats[0]]), pairs, act,
-                                                     gate_up_plan, x.dtype if self.h32 else None)
+                                                     gate_up_plan)
             self.down = moe_kernels.PreparedPairs(module.intermediate_size, d_words, d_scale_t, d_constants, d_bias,
                                                   layout_of(FORMATS[module.formats[1]]),
                                                   self.tokens if down_plan.combine else pairs, moe_plan=down_plan)
@@ -453,9 +448,8 @@ class _MoEExpertsLaunch:
         x = hidden_states.reshape(tokens, m.hidden_size)
         x = x if x.is_contiguous() else x.contiguous()
         flat = router_indices.reshape(-1)
-        h = torch.empty((tokens * top_k, m.intermediate_size), dtype=torch.float32 if self.h32 else x.dtype,
-                        device=x.device)  # pair order
-        self.gate_up.run(x.float() if self.x32 else x, flat, h)
+        h = torch.empty((tokens * top_k, m.intermediate_size), dtype=x.dtype, device=x.device)  # pair order
+        self.gate_up.run(x, flat, h)
         weights = routing_weights.reshape(self.shape)
         if self.plans[1].combine:
             out = torch.empty((tokens, m.hidden_size), dtype=x.dtype, device=x.device)
@@ -465,19 +459,6 @@ class _MoEExpertsLaunch:
             self.down.run(h, flat, y)
             out = _weighted_sum(y.reshape(tokens, top_k, m.hidden_size), weights)
         return out.reshape(hidden_states.shape)
-
-
-def _h32(x_dtype: torch.dtype) -> bool:
-    """Whether the per-pair gate_up launch (gating fused) hands h to the down launch as fp32 holding
-    values rounded to x's dtype (``moe_kernels.PAIRS_H32``; the same numbers, no conversion of x in the
-    down launch's K loop)."""
-    return moe_kernels.PAIRS_H32 and x_dtype in moe_kernels._ROUND_CODES  # bf16, fp16
-
-
-def _x32(x_dtype: torch.dtype) -> bool:
-    """Whether the per-pair gate_up launch (gating fused) reads an fp32 copy of x
-    (``moe_kernels.PAIRS_X32``; the same numbers, no conversion of x in its K loop)."""
-    return moe_kernels.PAIRS_X32 and x_dtype in moe_kernels._ROUND_CODES  # bf16, fp16
 
 
 def _fused_act(activation: str, alpha: float, limit: float) -> int:

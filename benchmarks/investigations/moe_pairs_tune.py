@@ -100,11 +100,10 @@ def _slots(slots: int, occupancy: int):
 #: two per step at 8 (spills) or 6, one per step at 6.
 PLANS.update({"slots1_occ8": _slots(1, 8), "slots2_occ8": _slots(2, 8), "slots2_occ6": _slots(2, 6),
               "slots1_occ6": _slots(1, 6)})
-#: The committed block with ``moe_kernels.PAIRS_H32`` (gate_up hands h to down as fp32, the same
-#: values: the down launch's K loop converts no x) and / or ``PAIRS_X32`` (gate_up reads an fp32 copy
-#: of x) on.
-WIDE_PLANS = {"h32": (True, False), "x32": (False, True), "h32_x32": (True, True)}
-PLANS.update({name: _COMMITTED for name in WIDE_PLANS})
+#: The committed block with the blocks in (token, slot) rows-first order (``PairsConfig.rows_first``):
+#: pairs that share an expert read its N tile at about the same time.
+PLANS["rows_first"] = functools.lru_cache(maxsize=None)(
+    lambda k, layout: dataclasses.replace(_COMMITTED(k, layout), rows_first=True))
 
 _COMMITTED_SORTED = mk._sorted_config
 
@@ -143,7 +142,6 @@ def main(argv=None) -> int:
     attribute = "_sorted_config" if args.sorted else "_pairs_config"
     committed = getattr(mk, attribute)
     combine_pays = mk._combine_pays
-    wide = (mk.PAIRS_H32, mk.PAIRS_X32)
     failed = False
     if args.sorted:
         layers = SMOKE_SORTED_LAYERS if args.cpu_smoke else SORTED_LAYERS
@@ -169,7 +167,6 @@ def main(argv=None) -> int:
                     setattr(mk, attribute, plan)
                     if pname in COMBINE_PLANS and not args.sorted:
                         mk._combine_pays = (lambda v: lambda *a, **k: v)(COMBINE_PLANS[pname])
-                    mk.PAIRS_H32, mk.PAIRS_X32 = WIDE_PLANS.get(pname, wide)
                     ours._launches.clear()  # the module keeps its prepared launches: plan them anew
                     try:
                         got = ours(x, ids, weights)
@@ -187,7 +184,6 @@ def main(argv=None) -> int:
                     finally:
                         setattr(mk, attribute, committed)
                         mk._combine_pays = combine_pays
-                        mk.PAIRS_H32, mk.PAIRS_X32 = wide
                         ours._launches.clear()
                 say(f"{name:12s} {fmt} {kind:7s} T={t:<3d} " + " | ".join(cells))
     path = results_path(args.out_dir, "moe-pairs-tune", device_name(device), "txt",

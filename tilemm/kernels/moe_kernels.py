@@ -12,7 +12,7 @@ slots in its epilogue (``MoEPlan``).
   16 weight rows) multiplies on the FMA pipes; one token's k experts are distinct, so each weight
   is read once per token. The down projection may sum the k slots in its epilogue (``_combine_pays``),
   a block then running its token's pairs two at a time, both pairs' loads together
-  (``PairsConfig.slots``). With ``PAIRS_H32`` the gated gate_up hands h over as fp32.
+  (``PairsConfig.slots``).
 * sorted (``_moe_kernel``): ``route`` gives the (token, slot) rows sorted by expert (``order``),
   each expert's run (``offsets``, E + 2; ids outside [0, E) are the extra expert E) and the slots
   (``slot_expert``: every expert with rows, busiest first); x's rows are gathered once into that
@@ -296,27 +296,31 @@ def _pair_rows2(X, W, S, Consts, Mult, Bias, Ids, p, bn, dtype, ELEMENT, SCALE_E
 def _moe_gemv_kernel(X, W, S, Out, Consts, Mult, Bias, Ids, Weights,
                      ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                      GROUP: ConstInt, TN: ConstInt, UNROLL: ConstInt, ACT: ConstInt, COMBINE: ConstInt,
-                     ROUND: ConstInt):
+                     ROWS_FIRST: ConstInt):
     """One (token, slot) pair per block row, no routing: the design for a decode step of one token,
     whose k experts are distinct (each expert's weight tile then read once).
 
     Ids (T * k,) the flattened router choice (int32 / int64); X (T, K) (the gate_up projection) or
     (T * k, I) (the down projection, one row per pair); the weights as in ``_moe_kernel``. Grid:
-    rows * cdiv(N, TN), N tiles fastest. COMBINE = 0: block (pair p, bn) writes Out (T * k, N) (N / 2
+    rows * cdiv(N, TN), N tiles fastest, or rows fastest with ROWS_FIRST = 1 (the blocks of one N tile
+    of every pair then run together: pairs that share an expert read its tile at about the same time,
+    the later reads served from L2). COMBINE = 0: block (pair p, bn) writes Out (T * k, N) (N / 2
     with ACT = 1 or 2) row p, pair order. COMBINE = 1 or 2 (the down projection with the router's
     weights applied): block (token t, bn) runs the k pairs of token t, COMBINE at a time (2: both
     pairs' loads issued together, ``_pair_rows2``), and writes Out (T, N) row t = sum_j Weights[t, j]
     * y_j, each y_j rounded to Out's dtype first, the products and sum in fp32 in slot order, rounded
-    once (what ``tilemm.moe``'s weighted sum computes); no atomics. ROUND (COMBINE = 0): 0 rounds each
-    value to Out's dtype; 1 / 2 round it to bf16 / fp16 and store it in Out's dtype (fp32), so that a
-    gate_up launch hands the down launch an fp32 h holding exactly the activation dtype's values (the
-    down launch then reads x without converting it, ``PAIRS_H32``)."""
+    once (what ``tilemm.moe``'s weighted sum computes); no atomics."""
     N = W.shape[1]
     TO = TN // 2 if ACT != 0 else TN
     num_n = ct.cdiv(N, TN)
     pid = ct.bid(0)
-    bn = pid % num_n
-    row = pid // num_n
+    if ROWS_FIRST == 1:
+        rows = ct.num_blocks(0) // num_n
+        row = pid % rows
+        bn = pid // rows
+    else:
+        bn = pid % num_n
+        row = pid // num_n
     if COMBINE == 1:
         top_k = Ids.shape[0] // Out.shape[0]
         total = ct.zeros((1, TO), ct.float32)
@@ -339,14 +343,6 @@ def _moe_gemv_kernel(X, W, S, Out, Consts, Mult, Bias, Ids, Weights,
                           SCALE_E8M0, BLOCK, PLANES, GROUP, TN, UNROLL, ACT)
             total = total + y.astype(ct.float32) * ct.load(Weights, (row, top_k - 1), (1, 1)).astype(ct.float32)
         ct.store(Out, (row, bn), total.astype(Out.dtype))
-    elif ROUND == 1:
-        y = _pair_row(X, W, S, Consts, Mult, Bias, Ids, row, bn, ct.bfloat16, ELEMENT, SCALE_E8M0, BLOCK, PLANES,
-                      GROUP, TN, UNROLL, ACT)
-        ct.store(Out, (row, bn), y.astype(Out.dtype))
-    elif ROUND == 2:
-        y = _pair_row(X, W, S, Consts, Mult, Bias, Ids, row, bn, ct.float16, ELEMENT, SCALE_E8M0, BLOCK, PLANES,
-                      GROUP, TN, UNROLL, ACT)
-        ct.store(Out, (row, bn), y.astype(Out.dtype))
     else:
         ct.store(Out, (row, bn), _pair_row(X, W, S, Consts, Mult, Bias, Ids, row, bn, Out.dtype, ELEMENT,
                                            SCALE_E8M0, BLOCK, PLANES, GROUP, TN, UNROLL, ACT))
@@ -620,6 +616,8 @@ class PairsConfig:
     #: blocks per SM (two pairs' accumulators and tiles at once spill at 8 blocks per SM, not at 6).
     slots: int = 2
     combine_occupancy: int | None = 6
+    #: Block order: N tiles fastest (False) or (token, slot) rows fastest (``_moe_gemv_kernel``'s ROWS_FIRST).
+    rows_first: bool = False
 
     def __post_init__(self):
         if self.slots not in (1, 2):
@@ -634,28 +632,15 @@ class PairsConfig:
         return self.kernel_for(False)
 
     def name_for(self, combine: bool) -> str:
+        order = "_rf" if self.rows_first else ""
         if combine:
-            return f"moe_pairs_{self.tile_n}_u{self.unroll}_w{self.num_worker_warps}_occ{self.combine_occupancy}_s{self.slots}"
-        return f"moe_pairs_{self.tile_n}_u{self.unroll}_w{self.num_worker_warps}_occ{self.occupancy}"
+            return (f"moe_pairs_{self.tile_n}_u{self.unroll}_w{self.num_worker_warps}_occ{self.combine_occupancy}"
+                    f"_s{self.slots}{order}")
+        return f"moe_pairs_{self.tile_n}_u{self.unroll}_w{self.num_worker_warps}_occ{self.occupancy}{order}"
 
     @property
     def name(self) -> str:
         return self.name_for(False)
-
-
-#: Whether a per-pair gate_up launch with the gating fused writes h as fp32 (each value rounded to
-#: x's dtype first: the same numbers) for the down launch, whose x then needs no conversion in its K
-#: loop (bf16 x costs a shift and a mask per weight element there; the SASS counts:
-#: ``benchmarks/results/decode-cost-moe-pairs-sm90.txt``). Off until timed on a GPU
-#: (``benchmarks/investigations/moe_pairs_tune.py``, plans ``h32`` and ``h32_x32``). Read when an
-#: experts module plans a signature's launches: after changing it, clear the module's ``_launches``.
-PAIRS_H32 = False
-#: Whether the per-pair gate_up launch reads x as an fp32 copy (one conversion of the T x K
-#: activation before it, one more launch) instead of converting x in its K loop; the same numbers.
-#: Off until timed (plans ``x32``, ``h32_x32``); read as ``PAIRS_H32`` is.
-PAIRS_X32 = False
-#: ``ROUND`` codes of ``_moe_gemv_kernel``: rounding to the activation dtype, stored as fp32.
-_ROUND_CODES = {torch.bfloat16: 1, torch.float16: 2}
 
 
 def _combine_pays(tokens: int, n: int, sms: int) -> bool:
@@ -733,18 +718,13 @@ def plan(tokens: int, top_k: int, num_experts: int, n: int, k: int, layout: Layo
 
 def launch_pairs(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
                  bias: torch.Tensor | None, ids: torch.Tensor, out: torch.Tensor, layout: Layout, act: int = 0,
-                 weights: torch.Tensor | None = None, moe_plan: MoEPlan | None = None,
-                 round_to: torch.dtype | None = None) -> None:
+                 weights: torch.Tensor | None = None, moe_plan: MoEPlan | None = None) -> None:
     """The per-pair design, no routing: ``ids`` (T * k,) the flattened router choice. Without
     ``weights``: out (T * k, N) (N / 2 with ``act`` 1 or 2, the gating of ``launch``) = each pair's product with its expert, pair order,
-    x (T, K) or one row per pair; with ``round_to`` (bf16 or fp16), out is fp32 holding values rounded
-    to that dtype (``PAIRS_H32``). With ``weights`` (T, k): out (T, N) = the weighted sum over each
+    x (T, K) or one row per pair. With ``weights`` (T, k): out (T, N) = the weighted sum over each
     token's k slots (see ``_moe_gemv_kernel``). ``moe_plan``: a per-pair ``MoEPlan`` whose ``combine``
     says whether ``weights`` is given (default ``plan``'s for the per-pair design). One ``ct.launch``."""
     combine = weights is not None
-    if round_to is not None and (combine or out.dtype != torch.float32 or round_to not in _ROUND_CODES):
-        raise ValueError(f"launch_pairs: round_to must be torch.bfloat16 or torch.float16 (got {round_to}), with "
-                         f"an fp32 out (got {out.dtype}) and no weights")
     if moe_plan is None:
         # the block depends on K and the layout only: each pair counts as a token of one expert
         moe_plan = plan(ids.numel(), 1, words.shape[0], words.shape[1], x.shape[1], layout, design="pairs",
@@ -752,7 +732,7 @@ def launch_pairs(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, co
     elif moe_plan.combine != combine:
         raise ValueError(f"launch_pairs: moe_plan.combine is {moe_plan.combine} but weights is "
                          f"{'given' if combine else 'None'}; a combining plan takes the router's weights")
-    PreparedPairs(x.shape[1], words, scale_t, constants, bias, layout, out.shape[0], act, moe_plan, round_to).run(
+    PreparedPairs(x.shape[1], words, scale_t, constants, bias, layout, out.shape[0], act, moe_plan).run(
         x, ids, out, weights)
 
 
@@ -760,14 +740,13 @@ class PreparedPairs:
     """One per-pair launch (``launch_pairs``) of a projection with ``rows`` output rows, with
     everything but x, the ids, the output and the router's weights worked out: the kernel, the grid,
     and the weight's arguments (the tensors held). ``moe_plan``: a per-pair ``MoEPlan`` (default
-    ``plan``'s, without combine); with ``combine`` ``run`` takes the router's weights; with
-    ``round_to`` its output is an fp32 tensor of values rounded to that dtype (``PAIRS_H32``)."""
+    ``plan``'s, without combine); with ``combine`` ``run`` takes the router's weights."""
 
     __slots__ = ("kernel", "grid", "words", "scale_t", "rest", "consts")
 
     def __init__(self, k: int, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
                  bias: torch.Tensor | None, layout: Layout, rows: int, act: int = 0,
-                 moe_plan: MoEPlan | None = None, round_to: torch.dtype | None = None):
+                 moe_plan: MoEPlan | None = None):
         num_experts, n = words.shape[0], words.shape[1]
         if moe_plan is None:
             moe_plan = plan(rows, 1, num_experts, n, k, layout, design="pairs")
@@ -780,7 +759,7 @@ class PreparedPairs:
         self.grid = (rows * ceil_div(n, cfg.tile_n), 1, 1)
         self.words, self.scale_t = words, scale_t
         self.rest = (constants, constants[0, 1:2], bias)
-        self.consts = _pairs_constants(layout, cfg, act, int(moe_plan.combine), _ROUND_CODES.get(round_to, 0))
+        self.consts = _pairs_constants(layout, cfg, act, int(moe_plan.combine))
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None = None) -> None:
         ct.launch(stream_handle(out.device), self.grid, self.kernel,
@@ -788,9 +767,9 @@ class PreparedPairs:
                    *self.consts))
 
 
-def _pairs_constants(layout: Layout, cfg: PairsConfig, act: int, combine: int, round_code: int = 0) -> tuple:
+def _pairs_constants(layout: Layout, cfg: PairsConfig, act: int, combine: int) -> tuple:
     return (layout.element, layout.scale_e8m0, layout.block, layout.planes, layout.group,
-            cfg.tile_n, cfg.unroll, act, cfg.slots if combine else 0, round_code)
+            cfg.tile_n, cfg.unroll, act, cfg.slots if combine else 0, int(cfg.rows_first))
 
 
 def _constants(layout: Layout, cfg: MoEConfig, x_parts: int, act: int, sorted_out: int) -> tuple:
@@ -827,27 +806,19 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                               array(ct.int64, 1), _INT32, *_constants(layout, cfg, _X_PARTS[x_dtype], act, act)]
                     suffix = _ACT_SUFFIX[act]
                     variants.append(AotVariant(f"moe_{name}_{x_ct.name}_{cfg.name}{suffix}", cfg.kernel, params))
-        # The per-pair kernel, bf16 activations (fp16 is the same code path, except PAIRS_H32's
-        # rounding to fp16, ROUND = 2, not listed): each projection of a
+        # The per-pair kernel, bf16 activations (fp16 is the same code path): each projection of a
         # decode step (plain, SwiGLU or SiLU for 4-bit gate_up, the weighted sum for down) with 4 K tiles per
         # load (gpt-oss's K = 2880, the anchor's K = 2048); the anchor's down projection (K = 512)
-        # with 2, with and without the weighted sum. 4-bit weights also with PAIRS_H32's fp32 h (the
-        # gated gate_up writing it, the down projection reading it) and PAIRS_X32's fp32 x (the gated
-        # gate_up reading it). (unroll, act, combine, h32, fp32 x)
-        cases = [(4, 0, 0, 0, 0), (4, 0, 1, 0, 0)]
-        if layout.planes == 4:
-            cases += [(4, act, 0, h32, x32) for act in (1, 2) for h32 in (0, 1) for x32 in (0, 1)]
-            cases += [(4, 0, 0, 0, 1), (4, 0, 1, 0, 1), (2, 0, 0, 0, 0), (2, 0, 1, 0, 0), (2, 0, 0, 0, 1),
-                      (2, 0, 1, 0, 1)]
-        for unroll, act, combine, h32, x32 in cases:
+        # with 2, with and without the weighted sum.
+        cases = [(4, 0, 0), (4, 0, 1)] + ([(4, 1, 0), (4, 2, 0)] if layout.planes == 4 else [])
+        cases += {"mxfp4": [(2, 0, 0), (2, 0, 1)], "nvfp4": [(2, 0, 0), (2, 0, 1)]}.get(name, [])
+        for unroll, act, combine in cases:
             cfg = PairsConfig(unroll)
-            x_ct = ct.float32 if x32 else ct.bfloat16
-            params = [array(x_ct, 2), array(ct.int32, 3), array(ct.uint8, 3),
-                      array(ct.float32 if h32 else ct.bfloat16, 2),
+            params = [array(ct.bfloat16, 2), array(ct.int32, 3), array(ct.uint8, 3), array(ct.bfloat16, 2),
                       array(ct.float32, 2, aligned=False), array(ct.float32, 1, aligned=False),
-                      array(ct.float32, 2), array(ct.int64, 1), array(ct.float32 if h32 else ct.bfloat16, 2),
-                      *_pairs_constants(layout, cfg, act, combine, h32)]  # (h32: bf16's ROUND code, 1)
-            suffix = _ACT_SUFFIX[act] + ("_combine" if combine else "") + ("_h32" if h32 else "")
-            variants.append(AotVariant(f"moe_{name}_{x_ct.name}_{cfg.name_for(bool(combine))}{suffix}",
+                      array(ct.float32, 2), array(ct.int64, 1), array(ct.bfloat16, 2),
+                      *_pairs_constants(layout, cfg, act, combine)]
+            suffix = _ACT_SUFFIX[act] + ("_combine" if combine else "")
+            variants.append(AotVariant(f"moe_{name}_bfloat16_{cfg.name_for(bool(combine))}{suffix}",
                                        cfg.kernel_for(bool(combine)), params))
     return variants

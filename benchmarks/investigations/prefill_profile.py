@@ -89,23 +89,49 @@ def profile(say, model, cache_fn, prompt) -> None:
         say(f"    {us / 1e3:7.2f} ms  x{counts[name]:<4d} {name}")
 
 
+def host_profile(say, fn, calls: int = 50) -> None:
+    """The Python functions of ``calls`` eager calls by cumulative host time (cProfile)."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    host = (time.perf_counter() - t) / calls * 1e6
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(18)
+    say(f"  host {host:.1f} us per call under cProfile; by cumulative time:")
+    for line in text.getvalue().splitlines():
+        if line.strip() and ("{" in line or "/" in line or "ncalls" in line):
+            say("    " + line.strip()[:150])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="prefill_profile.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--format", default="mxfp4")
     ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--host-profile", action="store_true", help="cProfile each shape's eager calls")
+    ap.add_argument("--no-model", action="store_true", help="the linear shapes only")
     add_options(ap)
     args = ap.parse_args(argv)
     device = torch.device("cuda")
     say = Transcript(command("investigations/prefill_profile.py", argv), device_name(device))
     prompt = torch.randint(LLAMA3_8B["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(device)
-    model = build_model(LLAMA3_8B, args.layers, device)
+    model = None if args.no_model else build_model(LLAMA3_8B, args.layers, device)
 
     def cache():
         return make_cache(model, 1, args.prompt + 8, device)
 
-    for name in ("bf16", f"{args.format}-weight-only"):
+    for name in () if args.no_model else ("bf16", f"{args.format}-weight-only"):
         if name != "bf16":
             tilemm.quantize_model(model, args.format, skip=["lm_head"], weight_only=True)
         prefill(model, cache(), prompt)  # warm-up (compiles)
@@ -123,6 +149,8 @@ def main(argv=None) -> int:
         for tag, fn in (("F.linear", lambda: F.linear(x, lin.weight)), (args.format, lambda: q(x))):
             row.append(f"{tag} eager {loop_us(fn):7.1f} us/call, GPU {graph_us(fn):7.1f} us")
         say(" | ".join(row))
+        if args.host_profile:
+            host_profile(say, lambda: q(x))
     say.write(results_path(args.out_dir, "prefill-profile", device_name(device), "txt"))
     return 0
 

@@ -89,8 +89,8 @@ def profile(say, model, cache_fn, prompt) -> None:
         say(f"    {us / 1e3:7.2f} ms  x{counts[name]:<4d} {name}")
 
 
-def host_profile(say, fn, calls: int = 50) -> None:
-    """The Python functions of ``calls`` eager calls by cumulative host time (cProfile)."""
+def host_profile(say, fn, calls: int = 50, sort: str = "cumulative", lines: int = 18) -> None:
+    """The Python functions of ``calls`` eager calls by host time (cProfile, sorted by ``sort``)."""
     import cProfile
     import io
     import pstats
@@ -106,11 +106,11 @@ def host_profile(say, fn, calls: int = 50) -> None:
     host = (time.perf_counter() - t) / calls * 1e6
     torch.cuda.synchronize()
     text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(18)
-    say(f"  host {host:.1f} us per call under cProfile; by cumulative time:")
+    pstats.Stats(prof, stream=text).sort_stats(sort).print_stats(lines)
+    say(f"  host {host:.1f} us per call under cProfile; by {sort}:")
     for line in text.getvalue().splitlines():
         if line.strip() and ("{" in line or "/" in line or "ncalls" in line):
-            say("    " + line.strip()[:150])
+            say("    " + line.strip()[:170])
 
 
 def main(argv=None) -> int:
@@ -138,6 +138,8 @@ def main(argv=None) -> int:
         seconds = wall(lambda: prefill(model, cache(), prompt), 5)
         say(f"{name}: {args.layers} layers, prefill of {args.prompt} tokens {seconds * 1e3:.2f} ms (wall, best of 5)")
         profile(say, model, cache, prompt)
+        if args.host_profile:
+            host_profile(say, lambda: prefill(model, cache(), prompt), calls=3, sort="tottime", lines=30)
 
     m = args.prompt
     gen = torch.Generator().manual_seed(1)

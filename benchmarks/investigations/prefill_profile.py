@@ -74,7 +74,8 @@ def graph_us(fn, reps: int = 20) -> float:
 
 
 def profile(say, model, cache_fn, prompt) -> None:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    acts = [torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=acts) as prof:
         prefill(model, cache_fn(), prompt)
         torch.cuda.synchronize()
     kernels = collections.Counter()
@@ -83,6 +84,14 @@ def profile(say, model, cache_fn, prompt) -> None:
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             kernels[ev.name[:70]] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
             counts[ev.name[:70]] += 1
+    api = collections.Counter()
+    api_n = collections.Counter()
+    for ev in prof.events():  # CUDA runtime / driver calls (synchronizations, copies, launches)
+        if ev.device_type == torch.autograd.DeviceType.CPU and ev.name.startswith(("cuda", "cu")):
+            api[ev.name] += ev.cpu_time_total
+            api_n[ev.name] += 1
+    say("  CUDA API calls by host time: " + ", ".join(
+        f"{name} {us / 1e3:.2f} ms x{api_n[name]}" for name, us in api.most_common(8)))
     total = sum(kernels.values())
     say(f"  GPU kernel time {total / 1e3:.2f} ms in {sum(counts.values())} kernels")
     for name, us in kernels.most_common(10):

@@ -100,11 +100,6 @@ def _slots(slots: int, occupancy: int):
 #: two per step at 8 (spills) or 6, one per step at 6.
 PLANS.update({"slots1_occ8": _slots(1, 8), "slots2_occ8": _slots(2, 8), "slots2_occ6": _slots(2, 6),
               "slots1_occ6": _slots(1, 6)})
-#: The committed block with the blocks in (token, slot) rows-first order (``PairsConfig.rows_first``):
-#: pairs that share an expert read its N tile at about the same time.
-PLANS["rows_first"] = functools.lru_cache(maxsize=None)(
-    lambda k, layout: dataclasses.replace(_COMMITTED(k, layout), rows_first=True))
-
 _COMMITTED_SORTED = mk._sorted_config
 
 #: The sorted design's configs for many tokens (``--sorted``): replacements of ``moe_kernels._sorted_config``.

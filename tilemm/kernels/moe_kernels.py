@@ -295,17 +295,15 @@ def _pair_rows2(X, W, S, Consts, Mult, Bias, Ids, p, bn, dtype, ELEMENT, SCALE_E
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
 def _moe_gemv_kernel(X, W, S, Out, Consts, Mult, Bias, Ids, Weights,
                      ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
-                     GROUP: ConstInt, TN: ConstInt, UNROLL: ConstInt, ACT: ConstInt, COMBINE: ConstInt,
-                     ROWS_FIRST: ConstInt):
+                     GROUP: ConstInt, TN: ConstInt, UNROLL: ConstInt, ACT: ConstInt, COMBINE: ConstInt):
     """One (token, slot) pair per block row, no routing: the design for a decode step of one token,
     whose k experts are distinct (each expert's weight tile then read once).
 
     Ids (T * k,) the flattened router choice (int32 / int64); X (T, K) (the gate_up projection) or
     (T * k, I) (the down projection, one row per pair); the weights as in ``_moe_kernel``. Grid:
-    rows * cdiv(N, TN), N tiles fastest, or rows fastest with ROWS_FIRST = 1 (the blocks of one N tile
-    of every pair then run together: pairs that share an expert read its tile at about the same time,
-    the later reads served from L2). COMBINE = 0: block (pair p, bn) writes Out (T * k, N) (N / 2
-    with ACT = 1 or 2) row p, pair order. COMBINE = 1 or 2 (the down projection with the router's
+    rows * cdiv(N, TN), N tiles fastest (rows fastest, so that pairs sharing an expert read its tile
+    together, timed no faster: ``benchmarks/results/moe-pairs-tune-*``). COMBINE = 0: block (pair p,
+    bn) writes Out (T * k, N) (N / 2 with ACT = 1 or 2) row p, pair order. COMBINE = 1 or 2 (the down projection with the router's
     weights applied): block (token t, bn) runs the k pairs of token t, COMBINE at a time (2: both
     pairs' loads issued together, ``_pair_rows2``), and writes Out (T, N) row t = sum_j Weights[t, j]
     * y_j, each y_j rounded to Out's dtype first, the products and sum in fp32 in slot order, rounded
@@ -314,13 +312,8 @@ def _moe_gemv_kernel(X, W, S, Out, Consts, Mult, Bias, Ids, Weights,
     TO = TN // 2 if ACT != 0 else TN
     num_n = ct.cdiv(N, TN)
     pid = ct.bid(0)
-    if ROWS_FIRST == 1:
-        rows = ct.num_blocks(0) // num_n
-        row = pid % rows
-        bn = pid // rows
-    else:
-        bn = pid % num_n
-        row = pid // num_n
+    bn = pid % num_n
+    row = pid // num_n
     if COMBINE == 1:
         top_k = Ids.shape[0] // Out.shape[0]
         total = ct.zeros((1, TO), ct.float32)
@@ -616,8 +609,6 @@ class PairsConfig:
     #: blocks per SM (two pairs' accumulators and tiles at once spill at 8 blocks per SM, not at 6).
     slots: int = 2
     combine_occupancy: int | None = 6
-    #: Block order: N tiles fastest (False) or (token, slot) rows fastest (``_moe_gemv_kernel``'s ROWS_FIRST).
-    rows_first: bool = False
 
     def __post_init__(self):
         if self.slots not in (1, 2):
@@ -632,11 +623,9 @@ class PairsConfig:
         return self.kernel_for(False)
 
     def name_for(self, combine: bool) -> str:
-        order = "_rf" if self.rows_first else ""
         if combine:
-            return (f"moe_pairs_{self.tile_n}_u{self.unroll}_w{self.num_worker_warps}_occ{self.combine_occupancy}"
-                    f"_s{self.slots}{order}")
-        return f"moe_pairs_{self.tile_n}_u{self.unroll}_w{self.num_worker_warps}_occ{self.occupancy}{order}"
+            return f"moe_pairs_{self.tile_n}_u{self.unroll}_w{self.num_worker_warps}_occ{self.combine_occupancy}_s{self.slots}"
+        return f"moe_pairs_{self.tile_n}_u{self.unroll}_w{self.num_worker_warps}_occ{self.occupancy}"
 
     @property
     def name(self) -> str:
@@ -769,7 +758,7 @@ class PreparedPairs:
 
 def _pairs_constants(layout: Layout, cfg: PairsConfig, act: int, combine: int) -> tuple:
     return (layout.element, layout.scale_e8m0, layout.block, layout.planes, layout.group,
-            cfg.tile_n, cfg.unroll, act, cfg.slots if combine else 0, int(cfg.rows_first))
+            cfg.tile_n, cfg.unroll, act, cfg.slots if combine else 0)
 
 
 def _constants(layout: Layout, cfg: MoEConfig, x_parts: int, act: int, sorted_out: int) -> tuple:

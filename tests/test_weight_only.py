@@ -392,9 +392,9 @@ def test_fma_kernel_loads_match_reference(emulated, fmt, unroll):
 
 def test_plan_schemes():
     """One row of x: the FMA kernel, 8 K tiles per load where K has them, a K split only below one
-    block per SM; 4-bit weights with more than one wave of blocks at four per SM: eight per SM. Up to 16 rows, where the output tiles alone fill the GPU: one MMA per K tile (4-bit
-    weights: two K tiles per load); otherwise a K split loading two K tiles at a time; from tile_m 32
-    on, neither."""
+    block per SM; 4-bit weights with more than one wave of blocks at four per SM: eight per SM. Up
+    to 16 rows, where the output tiles alone fill the GPU: one MMA per K tile (4-bit weights: two K
+    tiles per load); otherwise a K split loading two K tiles at a time; from tile_m 32 on, neither."""
     mx4, mx8 = wo.LAYOUTS["mxfp4"], wo.LAYOUTS["mxfp8_e4m3"]
     cfg = wo.plan(1, 8192, 8192, mx4)  # 512 blocks: one wave at four per SM
     assert (cfg.gemv, cfg.tile_m, cfg.split_k, cfg.unroll, cfg.occupancy) == (1, 1, 1, 8, 4)

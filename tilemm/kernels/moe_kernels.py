@@ -303,11 +303,11 @@ def _moe_gemv_kernel(X, W, S, Out, Consts, Mult, Bias, Ids, Weights,
     (T * k, I) (the down projection, one row per pair); the weights as in ``_moe_kernel``. Grid:
     rows * cdiv(N, TN), N tiles fastest (rows fastest, so that pairs sharing an expert read its tile
     together, timed no faster: ``benchmarks/results/moe-pairs-tune-*``). COMBINE = 0: block (pair p,
-    bn) writes Out (T * k, N) (N / 2 with ACT = 1 or 2) row p, pair order. COMBINE = 1 or 2 (the down projection with the router's
-    weights applied): block (token t, bn) runs the k pairs of token t, COMBINE at a time (2: both
-    pairs' loads issued together, ``_pair_rows2``), and writes Out (T, N) row t = sum_j Weights[t, j]
-    * y_j, each y_j rounded to Out's dtype first, the products and sum in fp32 in slot order, rounded
-    once (what ``tilemm.moe``'s weighted sum computes); no atomics."""
+    bn) writes Out (T * k, N) (N / 2 with ACT = 1 or 2) row p, pair order. COMBINE = 1 or 2 (the down
+    projection with the router's weights applied): block (token t, bn) runs the k pairs of token t,
+    COMBINE at a time (2: both pairs' loads issued together, ``_pair_rows2``), and writes Out (T, N)
+    row t = sum_j Weights[t, j] * y_j, each y_j rounded to Out's dtype first, the products and sum in
+    fp32 in slot order, rounded once (what ``tilemm.moe``'s weighted sum computes); no atomics."""
     N = W.shape[1]
     TO = TN // 2 if ACT != 0 else TN
     num_n = ct.cdiv(N, TN)

@@ -1,0 +1,108 @@
+"""Why does the fused large-M kernel's K split cost so much? Times, per shape and M, the fused kernel
+(``hopper_weight_only_large._large_kernel``) of one tile config through its unsplit code path and
+through its split code path with 1, 2 and 4 K ranges, against cuBLAS bf16, CUDA-graph replays with the
+L2 flushed (``benchmarks/_timing.py``):
+
+    python benchmarks/investigations/split_probe.py --formats mxfp4 --ms 64,128,256
+
+``s1p`` is the split code path with one K range: the unsplit work plus the partial tile's store, the
+arrival counter and the last arrival's sum; the difference to ``s0`` is the split path's fixed cost.
+Each output is checked against an fp32 product first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import sys
+
+import cuda.tile as ct
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _timing
+from _timing import Timer  # noqa: E402
+
+import tilemm  # noqa: E402
+from tilemm.kernels import weight_only_kernels as wo  # noqa: E402
+from tilemm.kernels import hopper_weight_only_large as wl  # noqa: E402
+
+
+def _launch(packed, x, out, zero, cfg, splits, sms, grid_blocks=None):
+    """The fused kernel with the split code path forced (``splits`` K ranges, 1 included) or, for
+    ``splits == 0``, the unsplit path."""
+    layout = packed.layout
+    m, n = out.shape
+    dev = x.device
+    split_cfg = dataclasses.replace(cfg, split_k=max(2, splits)) if splits else cfg
+    consts = wl._constants(layout, split_cfg, 1)
+    tiles = wl.output_tiles(cfg, m, n)
+    items = tiles * max(1, splits)
+    grid = (grid_blocks or max(1, min(items, sms * cfg.occupancy // cfg.num_ctas)), 1, 1)
+    alpha = packed.constants[0:1]
+
+    def run():
+        stream = torch._C._cuda_getCurrentRawStream(dev.index)
+        if splits:
+            partial, counter = wo.workspace(dev, stream, max(1, splits), m, n, tiles)
+        else:
+            partial, counter = out, alpha
+        ct.launch(stream, grid, split_cfg.kernel,
+                  (x, packed.words, packed.scale_t, out, alpha, packed.constants[1:2], zero, partial, counter,
+                   max(1, splits), *consts))
+    return run
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="split_probe.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--formats", default="mxfp4")
+    ap.add_argument("--ms", default="64,128,256")
+    ap.add_argument("--shapes", default="14336x4096,8192x8192,4096x14336")
+    ap.add_argument("--configs", default="128x128,128x128cat",
+                    help="weight rows x rows of x, 'cat' for one MMA per K tile")
+    ap.add_argument("--splits", default="0,1,2,4")
+    ap.add_argument("--reps", type=int, default=15)
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    timer = Timer(args.reps, dev)
+    print(f"# {torch.cuda.get_device_name(dev)}, {sms} SMs; us per replay (ratio to cuBLAS bf16)", flush=True)
+    cfgs = []
+    for c in args.configs.split(","):
+        cat = c.endswith("cat")
+        tn, tm = map(int, c.removesuffix("cat").split("x"))
+        cfgs.append((c, wl.LargeConfig("fused", tm, tn, cat=int(cat))))
+    for fmt in args.formats.split(","):
+        for shape in args.shapes.split(","):
+            n, k = map(int, shape.split("x"))
+            lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
+            packed = tilemm.nn.Linear.from_float(lin, fmt, weight_only=True).packed_weight()
+            w = lin.weight.detach()
+            w_deq = tilemm.unpack(packed).dequantize().float()
+            zero = wo.zero_bias(dev, n)
+            for m in map(int, args.ms.split(",")):
+                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                ref = x.float() @ w_deq.T
+                out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+                t_bf16 = timer(lambda: F.linear(x, w))[0]
+                line = []
+                for cname, cfg in cfgs:
+                    for s in map(int, args.splits.split(",")):
+                        fn = _launch(packed, x, out, zero, cfg, s, sms)
+                        out.fill_(float("nan"))
+                        fn()
+                        torch.cuda.synchronize()
+                        err = ((out.float() - ref).norm() / ref.norm()).item()
+                        if not err < 1e-2:
+                            line.append(f"{cname}_s{s}{'p' if s == 1 else ''} WRONG ({err:.1e})")
+                            continue
+                        t = timer(fn)[0]
+                        line.append(f"{cname}_s{s}{'p' if s == 1 else ''} {t * 1e3:.1f} ({t_bf16 / t:.2f})")
+                print(f"{fmt} {n}x{k} M={m} bf16 {t_bf16 * 1e3:.1f} | " + " | ".join(line), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import pathlib
 import sys
+import time
 
 import cuda.tile as ct
 import torch
@@ -27,6 +28,8 @@ from _timing import Timer  # noqa: E402
 import tilemm  # noqa: E402
 from tilemm.kernels import weight_only_kernels as wo  # noqa: E402
 from tilemm.kernels import hopper_weight_only_large as wl  # noqa: E402
+
+COMPILE_TIMEOUT = 120  # seconds per kernel compile
 
 
 def _launch(packed, x, out, zero, cfg, splits, sms, grid_blocks=None):
@@ -63,6 +66,7 @@ def main(argv=None) -> int:
                     help="weight rows x rows of x, 'cat' for one MMA per K tile")
     ap.add_argument("--splits", default="0,1,2,4")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--verbose", action="store_true", help="print each candidate's first-call time")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -92,8 +96,12 @@ def main(argv=None) -> int:
                     for s in map(int, args.splits.split(",")):
                         fn = _launch(packed, x, out, zero, cfg, s, sms)
                         out.fill_(float("nan"))
-                        fn()
+                        began = time.time()
+                        with ct.compiler_timeout(COMPILE_TIMEOUT):
+                            fn()
                         torch.cuda.synchronize()
+                        if args.verbose:
+                            print(f"#   {cname} s{s}: first call {time.time() - began:.1f} s", flush=True)
                         err = ((out.float() - ref).norm() / ref.norm()).item()
                         if not err < 1e-2:
                             line.append(f"{cname}_s{s}{'p' if s == 1 else ''} WRONG ({err:.1e})")

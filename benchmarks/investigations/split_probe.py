@@ -28,18 +28,62 @@ from _timing import Timer  # noqa: E402
 import tilemm  # noqa: E402
 from tilemm.kernels import weight_only_kernels as wo  # noqa: E402
 from tilemm.kernels import hopper_weight_only_large as wl  # noqa: E402
+from tilemm.kernels._common import hinted, tile_coords_at  # noqa: E402
+from tilemm.kernels.weight_only_kernels import _split_k_finish  # noqa: E402
 
 COMPILE_TIMEOUT = 120  # seconds per kernel compile
+ConstInt = ct.Constant[int]
 
 
-def _launch(packed, x, out, zero, cfg, splits, sms, grid_blocks=None):
+@ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
+def _diag_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter, Splits,
+                 ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
+                 GROUP: ConstInt, TM: ConstInt, TN: ConstInt, GROUP_SIZE_M: ConstInt,
+                 LATENCY_W: ConstInt, LATENCY_X: ConstInt, X_PARTS: ConstInt, CAT: ConstInt,
+                 SPLIT: ConstInt):
+    """Diagnostic copies of the fused kernel's split path (``SPLIT``): 2 = K range loop as in the
+    kernel, but each block only stores its partial tile (no counter, no sum: wrong output, a timing
+    of the loop alone); 3 = the loop from zeros (no peeled first K tile), full finish."""
+    M = X.shape[0]
+    N = C.shape[1]
+    TK = PLANES * GROUP * BLOCK
+    k_tiles = ct.cdiv(X.shape[1], TK)
+    num_m = ct.cdiv(M, TM)
+    tiles = num_m * ct.cdiv(N, TN)
+    per_split = ct.cdiv(k_tiles, Splits)
+    for item in range(ct.bid(0), tiles * Splits, ct.num_blocks(0)):
+        _, bm, bn = tile_coords_at(item % tiles, M, N, TM, TN, GROUP_SIZE_M)
+        split = item // tiles
+        k_begin = split * per_split
+        k_end = max(min(k_begin + per_split, k_tiles), k_begin)
+        if SPLIT == 2:
+            acc = wl._step(X, W, S, Mult, ct.zeros((TN, TM), ct.float32), bm, bn, k_begin, ELEMENT, SCALE_E8M0,
+                           BLOCK, PLANES, GROUP, TM, TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
+            for kt in range(k_begin + 1, k_end):
+                acc = wl._step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
+                               LATENCY_W, LATENCY_X, X_PARTS, CAT)
+            ct.store(Partial, (split, bm, bn), acc.transpose().reshape((1, TM, TN)))
+        else:
+            acc = ct.zeros((TN, TM), ct.float32)
+            for kt in range(k_begin, k_end):
+                acc = wl._step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
+                               LATENCY_W, LATENCY_X, X_PARTS, CAT)
+            _split_k_finish(acc.transpose(), C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m, Splits,
+                            TM, TN)
+
+
+def _launch(packed, x, out, zero, cfg, splits, sms, grid_blocks=None, diag=0):
     """The fused kernel with the split code path forced (``splits`` K ranges, 1 included) or, for
-    ``splits == 0``, the unsplit path."""
+    ``splits == 0``, the unsplit path; ``diag``: ``_diag_kernel`` with SPLIT = diag instead."""
     layout = packed.layout
     m, n = out.shape
     dev = x.device
     split_cfg = dataclasses.replace(cfg, split_k=max(2, splits)) if splits else cfg
     consts = wl._constants(layout, split_cfg, 1)
+    kernel = split_cfg.kernel
+    if diag:
+        consts = consts[:-1] + (diag,)
+        kernel = hinted(_diag_kernel, num_worker_warps=ct.ByTarget(sm_90=cfg.warps))
     tiles = wl.output_tiles(cfg, m, n)
     items = tiles * max(1, splits)
     grid = (grid_blocks or max(1, min(items, sms * cfg.occupancy // cfg.num_ctas)), 1, 1)
@@ -51,7 +95,7 @@ def _launch(packed, x, out, zero, cfg, splits, sms, grid_blocks=None):
             partial, counter = wo.workspace(dev, stream, max(1, splits), m, n, tiles)
         else:
             partial, counter = out, alpha
-        ct.launch(stream, grid, split_cfg.kernel,
+        ct.launch(stream, grid, kernel,
                   (x, packed.words, packed.scale_t, out, alpha, packed.constants[1:2], zero, partial, counter,
                    max(1, splits), *consts))
     return run
@@ -65,6 +109,7 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="128x128,128x128cat",
                     help="weight rows x rows of x, 'cat' for one MMA per K tile")
     ap.add_argument("--splits", default="0,1,2,4")
+    ap.add_argument("--diag", default="", help="also these _diag_kernel modes (2: no finish, 3: no peel) at --splits > 0")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--verbose", action="store_true", help="print each candidate's first-call time")
     args = ap.parse_args(argv)
@@ -93,8 +138,10 @@ def main(argv=None) -> int:
                 t_bf16 = timer(lambda: F.linear(x, w))[0]
                 line = []
                 for cname, cfg in cfgs:
-                    for s in map(int, args.splits.split(",")):
-                        fn = _launch(packed, x, out, zero, cfg, s, sms)
+                    runs = [(s, 0) for s in map(int, args.splits.split(","))]
+                    runs += [(s, d) for d in map(int, filter(None, args.diag.split(","))) for s, _ in runs if s]
+                    for s, d in runs:
+                        fn = _launch(packed, x, out, zero, cfg, s, sms, diag=d)
                         out.fill_(float("nan"))
                         began = time.time()
                         with ct.compiler_timeout(COMPILE_TIMEOUT):
@@ -103,11 +150,12 @@ def main(argv=None) -> int:
                         if args.verbose:
                             print(f"#   {cname} s{s}: first call {time.time() - began:.1f} s", flush=True)
                         err = ((out.float() - ref).norm() / ref.norm()).item()
-                        if not err < 1e-2:
-                            line.append(f"{cname}_s{s}{'p' if s == 1 else ''} WRONG ({err:.1e})")
+                        label = f"{cname}_s{s}{'p' if s == 1 else ''}{f'_d{d}' if d else ''}"
+                        if not err < 1e-2 and d != 2:  # diag 2 writes no output
+                            line.append(f"{label} WRONG ({err:.1e})")
                             continue
                         t = timer(fn)[0]
-                        line.append(f"{cname}_s{s}{'p' if s == 1 else ''} {t * 1e3:.1f} ({t_bf16 / t:.2f})")
+                        line.append(f"{label} {t * 1e3:.1f} ({t_bf16 / t:.2f})")
                 print(f"{fmt} {n}x{k} M={m} bf16 {t_bf16 * 1e3:.1f} | " + " | ".join(line), flush=True)
     return 0
 

@@ -127,10 +127,8 @@ def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter, Splits,
             k_begin = split * per_split
             k_end = max(min(k_begin + per_split, k_tiles), k_begin)
             # The first K tile peeled, as above (the small-M kernel's split does the same).
-            acc = ct.zeros((TN, TM), ct.float32)
-            if k_begin < k_end:
-                acc = _step(X, W, S, Mult, acc, bm, bn, k_begin, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM,
-                            TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
+            acc = _step(X, W, S, Mult, ct.zeros((TN, TM), ct.float32), bm, bn, k_begin, ELEMENT, SCALE_E8M0,
+                        BLOCK, PLANES, GROUP, TM, TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
             for kt in range(k_begin + 1, k_end):
                 acc = _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
                             LATENCY_W, LATENCY_X, X_PARTS, CAT)

@@ -29,10 +29,40 @@ import tilemm  # noqa: E402
 from tilemm.kernels import weight_only_kernels as wo  # noqa: E402
 from tilemm.kernels import hopper_weight_only_large as wl  # noqa: E402
 from tilemm.kernels._common import hinted, tile_coords_at  # noqa: E402
-from tilemm.kernels.weight_only_kernels import _split_k_finish  # noqa: E402
+from tilemm.kernels.weight_only_kernels import _epilogue, _split_k_finish  # noqa: E402
 
 COMPILE_TIMEOUT = 120  # seconds per kernel compile
 ConstInt = ct.Constant[int]
+
+
+def _finish_no_tma(out, C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m, SPLIT_K, TM, TN, STORE_TMA):
+    """``_split_k_finish`` with the partial tiles read (and, unless STORE_TMA, written) without TMA."""
+    if STORE_TMA:
+        ct.store(Partial, (split, bm, bn), out.reshape((1, TM, TN)))
+    else:
+        ct.store(Partial, (split, bm, bn), out.reshape((1, TM, TN)), allow_tma=False)
+    tile = bn * num_m + bm
+    arrived = ct.atomic_add(Counter, tile, 1)
+    if arrived == SPLIT_K - 1:
+        total = ct.zeros((TM, TN), ct.float32)
+        for s in range(SPLIT_K):
+            total = total + ct.load(Partial, (s, bm, bn), (1, TM, TN), padding_mode=ct.PaddingMode.ZERO,
+                                    allow_tma=False).reshape((TM, TN))
+        _epilogue(total, C, Alpha, Bias, bm, bn, TM, TN)
+        ct.atomic_xchg(Counter, tile, 0)
+
+
+@ct.kernel
+def _reduce_kernel(Partial, C, Alpha, Bias, Splits, TM: ConstInt, TN: ConstInt):
+    """C tile = (sum over the Splits partial tiles in split order) * alpha + bias (one tile per block,
+    M tiles fastest): the second launch of the two-launch split."""
+    num_m = ct.cdiv(C.shape[0], TM)
+    bm = ct.bid(0) % num_m
+    bn = ct.bid(0) // num_m
+    total = ct.zeros((TM, TN), ct.float32)
+    for s in range(Splits):
+        total = total + ct.load(Partial, (s, bm, bn), (1, TM, TN), padding_mode=ct.PaddingMode.ZERO).reshape((TM, TN))
+    _epilogue(total, C, Alpha, Bias, bm, bn, TM, TN)
 
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
@@ -43,7 +73,9 @@ def _diag_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter, Splits,
                  SPLIT: ConstInt):
     """Diagnostic copies of the fused kernel's split path (``SPLIT``): 2 = K range loop as in the
     kernel, but each block only stores its partial tile (no counter, no sum: wrong output, a timing
-    of the loop alone); 3 = the loop from zeros (no peeled first K tile), full finish."""
+    of the loop alone); 3 = the loop from zeros (no peeled first K tile), full finish; 4 / 5 = as the
+    kernel, the finish's partial tiles read without TMA / read and written without TMA; 6 (launched as
+    2, then ``_reduce_kernel``): two launches."""
     M = X.shape[0]
     N = C.shape[1]
     TK = PLANES * GROUP * BLOCK
@@ -63,6 +95,14 @@ def _diag_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter, Splits,
                 acc = wl._step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
                                LATENCY_W, LATENCY_X, X_PARTS, CAT)
             ct.store(Partial, (split, bm, bn), acc.transpose().reshape((1, TM, TN)))
+        elif SPLIT >= 4:
+            acc = wl._step(X, W, S, Mult, ct.zeros((TN, TM), ct.float32), bm, bn, k_begin, ELEMENT, SCALE_E8M0,
+                           BLOCK, PLANES, GROUP, TM, TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
+            for kt in range(k_begin + 1, k_end):
+                acc = wl._step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
+                               LATENCY_W, LATENCY_X, X_PARTS, CAT)
+            _finish_no_tma(acc.transpose(), C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m, Splits, TM, TN,
+                           SPLIT == 4)
         else:
             acc = ct.zeros((TN, TM), ct.float32)
             for kt in range(k_begin, k_end):
@@ -82,7 +122,7 @@ def _launch(packed, x, out, zero, cfg, splits, sms, grid_blocks=None, diag=0):
     consts = wl._constants(layout, split_cfg, 1)
     kernel = split_cfg.kernel
     if diag:
-        consts = consts[:-1] + (diag,)
+        consts = consts[:-1] + (2 if diag == 6 else diag,)
         kernel = hinted(_diag_kernel, num_worker_warps=ct.ByTarget(sm_90=cfg.warps))
     tiles = wl.output_tiles(cfg, m, n)
     items = tiles * max(1, splits)
@@ -98,6 +138,9 @@ def _launch(packed, x, out, zero, cfg, splits, sms, grid_blocks=None, diag=0):
         ct.launch(stream, grid, kernel,
                   (x, packed.words, packed.scale_t, out, alpha, packed.constants[1:2], zero, partial, counter,
                    max(1, splits), *consts))
+        if diag == 6:  # two launches: the partial tiles, then their sum and the epilogue
+            ct.launch(stream, (tiles, 1, 1), _reduce_kernel, (partial, out, alpha, zero, max(1, splits),
+                                                              cfg.tile_m, cfg.tile_n))
     return run
 
 

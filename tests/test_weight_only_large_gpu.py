@@ -61,8 +61,8 @@ _VARIANT_CASES = ([(f, v) for f in (MXFP4, MXFP8_E4M3) for v in wl.VARIANTS[wl.f
                          ids=[f"{f.name}-{v[0].name}{'_sauto' if v[1] else ''}" for f, v in _VARIANT_CASES])
 def test_fused_variants_match_the_oracle(fmt, variant):
     """M = 100 with N = 200 (a partial x tile and weight tile; with the K split: 4 ranges of K = 4128,
-    its last partial K tile in the last range), with a bias, launched twice (the split's counters
-    must be back at zero for the second launch); M = 300 without a split, on 3 blocks and on every SM."""
+    its last partial K tile in the last range), with a bias, launched twice (the second launch reuses
+    the split's partial workspace); M = 300 without a split, on 3 blocks and on every SM."""
     cfg, split, _, _ = variant
     m, n, k = (100, 200, 4128) if split else (300, 200, 4128)
     w_q = _weight(fmt, n, k, seed=7)

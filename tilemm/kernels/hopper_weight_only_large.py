@@ -37,7 +37,7 @@ from ..numerics import ceil_div
 from ._aot import AotVariant, array
 from ._common import hinted, sm90_hints, tile_coords_at
 from . import weight_only_kernels as _wo
-from .weight_only_kernels import _epilogue, _k_tile, _split_k_finish
+from .weight_only_kernels import _epilogue, _k_tile
 
 __all__ = ["LargeConfig", "FamilyRule", "RULES", "CANDIDATES", "plan", "first_m", "family", "output_tiles",
            "wave_fill", "with_split", "SWEEP", "VARIANTS", "grid", "launch", "decode_gemm", "overlap_gemm", "pingpong",
@@ -77,7 +77,7 @@ def _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GR
 
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
-def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter, Splits,
+def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Splits,
                   ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                   GROUP: ConstInt, TM: ConstInt, TN: ConstInt, GROUP_SIZE_M: ConstInt,
                   LATENCY_W: ConstInt, LATENCY_X: ConstInt, X_PARTS: ConstInt, CAT: ConstInt,
@@ -94,12 +94,14 @@ def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter, Splits,
     of one per plane; all planes' registers live at once).
 
     SPLIT = 1 (few output tiles: M <= 256 and N of a few thousand): K is split into Splits ranges (a
-    run-time count, so that one compiled kernel serves every split), each item covers
-    cdiv(k_tiles, Splits) K tiles and ends as the small-M kernel's split does
-    (``weight_only_kernels._split_k_finish``: fp32 partial tiles in Partial (Splits, M, N), one
-    counter per output tile in Counter, zero between launches; the last arrival adds the partials in
-    split order, so the result does not depend on which block finishes last). SPLIT = 0 leaves
-    Partial, Counter and Splits unread.
+    run-time count, 1 <= Splits <= k_tiles, so that one compiled kernel serves every split), range s
+    being K tiles [s * k_tiles // Splits, (s + 1) * k_tiles // Splits), never empty; each item stores
+    its fp32 partial tile in Partial (Splits, M, N), and ``_partial_sum_kernel``, launched next, adds
+    the partials in split order and runs the epilogue (C, Alpha and Bias are not read here). The sum
+    is a launch of its own because finishing in this kernel (an arrival counter per output tile, the
+    last arrival adding the partials) made tileiras 13.4 build a slower main loop: 8192x8192 at M =
+    128, split 2, ran 59.8 us with the in-kernel finish against 41.9 us for both launches (H100,
+    ``benchmarks/investigations/split_probe.py``). SPLIT = 0 leaves Partial and Splits unread.
     """
     M = X.shape[0]
     N = C.shape[1]
@@ -120,20 +122,36 @@ def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter, Splits,
                             LATENCY_W, LATENCY_X, X_PARTS, CAT)
             _epilogue(acc.transpose(), C, Alpha, Bias, bm, bn, TM, TN)
     else:
-        per_split = ct.cdiv(k_tiles, Splits)
         for item in range(ct.bid(0), tiles * Splits, ct.num_blocks(0)):
             _, bm, bn = tile_coords_at(item % tiles, M, N, TM, TN, GROUP_SIZE_M)
             split = item // tiles
-            k_begin = split * per_split
-            k_end = max(min(k_begin + per_split, k_tiles), k_begin)
-            # The first K tile peeled, as above (the small-M kernel's split does the same).
+            k_begin = split * k_tiles // Splits
+            k_end = (split + 1) * k_tiles // Splits
+            # The first K tile peeled, as above (the range is never empty).
             acc = _step(X, W, S, Mult, ct.zeros((TN, TM), ct.float32), bm, bn, k_begin, ELEMENT, SCALE_E8M0,
                         BLOCK, PLANES, GROUP, TM, TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
             for kt in range(k_begin + 1, k_end):
                 acc = _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
                             LATENCY_W, LATENCY_X, X_PARTS, CAT)
-            _split_k_finish(acc.transpose(), C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m, Splits,
-                            TM, TN)
+            ct.store(Partial, (split, bm, bn), acc.transpose().reshape((1, TM, TN)))
+
+
+#: The output tile of ``_partial_sum_kernel`` (rows of x, weight rows).
+SUM_TILE = (64, 128)
+
+
+@ct.kernel
+def _partial_sum_kernel(Partial, C, Alpha, Bias, Splits, TM: ConstInt, TN: ConstInt):
+    """C (M, N) tile = (the Splits fp32 partial tiles of Partial (Splits, M, N), added in split order
+    from zero) * alpha + bias, rounded once to C's dtype: the second launch of ``_large_kernel``'s K
+    split. One block per (TM, TN) output tile, M tiles fastest."""
+    num_m = ct.cdiv(C.shape[0], TM)
+    bm = ct.bid(0) % num_m
+    bn = ct.bid(0) // num_m
+    total = ct.zeros((TM, TN), ct.float32)
+    for s in range(Splits):
+        total = total + ct.load(Partial, (s, bm, bn), (1, TM, TN), padding_mode=_ZERO).reshape((TM, TN))
+    _epilogue(total, C, Alpha, Bias, bm, bn, TM, TN)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -339,16 +357,22 @@ def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constant
            bias: torch.Tensor, out: torch.Tensor, layout: _wo.Layout, cfg: LargeConfig, sms: int,
            stream, alpha: torch.Tensor | None = None) -> None:
     """out (M, N) = (x @ W.T) * alpha + bias with the fused kernel; arguments as
-    ``weight_only_kernels.launch`` (``alpha`` replaces constants[0] when given), on ``stream``."""
+    ``weight_only_kernels.launch`` (``alpha`` replaces constants[0] when given), on ``stream``. A K
+    split (``cfg.split_k``, at most one range per K tile) is two launches: the partial tiles, in the
+    persistent split-K workspace, then their sum."""
     m, n = out.shape
     alpha = constants[0:1] if alpha is None else alpha
     launch_grid, kernel, consts = _prepared(cfg, layout, m, n, sms, _wo._X_PARTS[x.dtype])
-    if cfg.split_k > 1:  # the persistent split-K workspace (counters left at zero by every launch)
-        partial, counter = _wo.workspace(out.device, stream, cfg.split_k, m, n, output_tiles(cfg, m, n))
-    else:  # stand-ins the kernel never reads
-        partial, counter = out, alpha
-    ct.launch(stream, launch_grid, kernel,
-              (x, words, scale_t, out, alpha, constants[1:2], bias, partial, counter, cfg.split_k, *consts))
+    if cfg.split_k > 1:
+        splits = min(cfg.split_k, ceil_div(x.shape[1], layout.tile_k))
+        partial, _ = _wo.workspace(out.device, stream, splits, m, n, 0)
+        ct.launch(stream, launch_grid, kernel,
+                  (x, words, scale_t, out, alpha, constants[1:2], bias, partial, splits, *consts))
+        ct.launch(stream, (ceil_div(m, SUM_TILE[0]) * ceil_div(n, SUM_TILE[1]), 1, 1), _partial_sum_kernel,
+                  (partial, out, alpha, bias, splits, *SUM_TILE))
+    else:  # a stand-in the kernel never reads
+        ct.launch(stream, launch_grid, kernel,
+                  (x, words, scale_t, out, alpha, constants[1:2], bias, alpha, 1, *consts))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -615,11 +639,14 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
     variants = []
     for name, layout in _wo.LAYOUTS.items():
         for cfg in _configs(name):
-            stand_ins = ((array(ct.float32, 3), array(ct.int32, 1)) if cfg.split_k > 1
-                         else (array(ct.bfloat16, 2), array(ct.float32, 1)))
+            partial = array(ct.float32, 3) if cfg.split_k > 1 else array(ct.float32, 1)  # or a stand-in
             params = [array(ct.bfloat16, 2), array(ct.int32, 2), array(ct.uint8, 2), array(ct.bfloat16, 2),
-                      array(ct.float32, 1), array(ct.float32, 1), array(ct.float32, 1), *stand_ins,
+                      array(ct.float32, 1), array(ct.float32, 1), array(ct.float32, 1), partial,
                       cc.ScalarConstraint(ct.int32), *_constants(layout, cfg, 1)]
             variants.append(AotVariant(f"weight_only_large_{name}_{cfg.name}", cfg.kernel, params,
                                        targets=("sm_90",)))
+    variants.append(AotVariant("weight_only_large_partial_sum_bfloat16", _partial_sum_kernel,
+                               [array(ct.float32, 3), array(ct.bfloat16, 2), array(ct.float32, 1),
+                                array(ct.float32, 1), cc.ScalarConstraint(ct.int32), *SUM_TILE],
+                               targets=("sm_90",)))
     return variants

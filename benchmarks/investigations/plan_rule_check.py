@@ -18,6 +18,7 @@ out of the ``rule`` geomean of its (family, M), which is then marked ``*``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -38,9 +39,17 @@ def layout_of_format(fmt: str):
     return wo.LAYOUTS.get(fmt) or wo.LAYOUTS[f"{fmt}_e4m3"]
 
 
-def candidate_name(cfg) -> str:
-    """The sweep's name for a plan entry (None: the small-M plan)."""
-    return "small" if cfg is None else cfg.name
+def candidate_name(cfg, measured=()) -> str:
+    """The sweep's name for a plan entry (None: the small-M plan). A fused config with a K split is
+    the sweep's ``<config>_sauto`` column (``with_split``'s split), as is an unsplit fused config that
+    the sweep timed only there (``with_split`` gave it no split on that shape)."""
+    if cfg is None:
+        return "small"
+    if cfg.kind == "fused":
+        sauto = dataclasses.replace(cfg, split_k=1).name + "_sauto"
+        if cfg.split_k > 1 or (cfg.name not in measured and sauto in measured):
+            return sauto
+    return cfg.name
 
 
 def geomean(values) -> float:
@@ -65,8 +74,8 @@ def check(rows: list, sms: int, rules: dict | None = None, out=print) -> dict:
         rule_vals, best_vals, fam_vals, wired_vals, missing = [], [], [], [], False
         for key in sorted(keys):
             fmt, _, n, k, _ = key
-            pick = candidate_name(wl.plan(m, n, k, layout_of_format(fmt), rules, sms))
             cands = {c: v for c, v in per[key].items() if c not in NOT_OPTIONS}
+            pick = candidate_name(wl.plan(m, n, k, layout_of_format(fmt), rules, sms), cands)
             best = max(cands, key=cands.get)
             best_vals.append(cands[best])
             if fam_best is not None:

@@ -223,12 +223,15 @@ class FamilyRule:
     * ``large`` from ``large_m`` rows of x on, and for a weight whose bf16 copy takes at most
       ``l2_bytes`` (it then stays in L2 between the decode and the GEMM, and the fused kernels have
       too few output tiles to fill the GPU).
-    * Up to 64 rows: the small-M plan (its 64-row tiles cover M exactly) unless it splits K into
-      pieces of fewer than ``small_k`` elements (each block's fixed costs and the fp32 partial sums
-      then weigh more than the blocks it adds); then ``narrow``.
+    * Up to 64 rows, with ``split`` entries: the first entry's config (``last_m`` >= M) with the K
+      split ``with_split`` gives it, where that splits, else the small-M plan (its 64-row tiles cover
+      M exactly). Without: the small-M plan unless it splits K into pieces of fewer than ``small_k``
+      elements (each block's fixed costs and the fp32 partial sums then weigh more than the blocks it
+      adds); then ``narrow``.
     * Above 64 rows: of the ``fused`` (config, tiles per SM) whose tile_m M reaches and whose output
       tiles reach that many per SM, the first, unless a later one fills its last wave of blocks
-      better by more than ``wave_margin`` (``wave_fill``); none: the small-M plan.
+      better by more than ``wave_margin`` (``wave_fill``); none: the first ``split`` entry whose
+      ``last_m`` reaches M, with ``with_split``'s K split; none either: the small-M plan.
     """
 
     first_m: int
@@ -238,6 +241,7 @@ class FamilyRule:
     small_k: int
     narrow: LargeConfig | None
     fused: tuple
+    split: tuple = ()
     wave_margin: float = 0.15
 
 
@@ -275,7 +279,7 @@ def with_split(cfg: LargeConfig, m: int, n: int, k: int, layout: _wo.Layout, sms
 
 _DECODE = LargeConfig("decode", chunk=0)
 _MID_4 = LargeConfig("fused", 128, 128)
-_NARROW_4 = LargeConfig("fused", 64, 128, occupancy=2)
+_SPLIT_4 = LargeConfig("fused", 64, 64, warps=4, occupancy=2)
 _MID_8 = LargeConfig("fused", 128, 128, cat=1)
 _WIDE_8 = LargeConfig("fused", 256, 128)
 
@@ -286,12 +290,15 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #: * The decode design wins from M = 2048 on everywhere, and at every M on the GQA k / v projection
 #:   (1024x4096: 8 MiB of bf16 weight, L2-resident between the two passes), ahead of every kernel that
 #:   reads the packed weight.
-#: * M = 64: the small-M plan, except where it splits K into pieces under 3072 elements (6144x4096: two
-#:   of 2048, where 64x128 tiles at two blocks per SM (4-bit) or 128x128 cat (8-bit) beat it; 4096x14336
-#:   keeps it with four pieces of 3584).
-#: * 4-bit, 128 <= M < 2048: 128x128 tiles from 0.7 tiles per SM, else 64x128 tiles at two per SM
-#:   from 0.7 per SM (where 128x128 tiles fill only half the SMs), else the small-M plan with its K
-#:   split (4096x14336, M = 128).
+#: * 4-bit, M = 64: 64 weight rows x 64 rows of x on one warpgroup, two blocks per SM, with the K split
+#:   that fills the block slots (4096x14336, 8192x8192, 6144x4096), where it splits; else (14336x4096)
+#:   the small-M plan, within a few percent of it there.
+#: * 4-bit, 128 <= M < 2048: 128x128 tiles from 0.7 tiles per SM; with fewer, the K split of the
+#:   same one-warpgroup blocks up to M = 128, and of 128x128 tiles beyond (two launches: the
+#:   partial tiles, then their sum).
+#: * 8-bit, M = 64: the small-M plan, except where it splits K into pieces under 3072 elements
+#:   (6144x4096: two of 2048, where 128x128 cat beats it; 4096x14336 keeps it with four pieces of
+#:   3584).
 #: * 8-bit: one MMA per K tile (cat) for 128x128 tiles from 0.25 per SM (the small-M plan at M >= 128
 #:   has no cat, and loses to it); 256 rows of x from 0.7 tiles per SM at M >= 256, unless cat's
 #:   128-row tiles fill their last wave better by more than 0.15 (6144x4096, M = 1024: 192 tiles of 256
@@ -299,16 +306,14 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #:
 #: What the rules reach on that sweep, per family and M (geomean over the five shapes of the picked
 #: candidate's speed-up over bf16, against the per-shape best candidate, one candidate per (family, M)
-#: chosen by geomean (the table the sweep printed before these rules), and the plan the sweep timed:
-#: decode + cuBLAS from M = 512), is what ``python benchmarks/investigations/plan_rule_check.py
-#: benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt`` prints: close to the per-shape
-#: best at every M, and never below either of the other two. The sweep rerun with the rules wired:
-#: ``benchmarks/results/tune-weight-only-large-rules-nvidia-h100-80gb-hbm3.txt``.
+#: chosen by geomean, and the plan the sweep timed), is what ``python
+#: benchmarks/investigations/plan_rule_check.py
+#: benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt`` prints.
 #:
 #: ``tests/test_weight_only_large.py`` checks the picks on those shapes.
 RULES = {
     "4bit": FamilyRule(first_m=64, large_m=2048, large=_DECODE, l2_bytes=16 << 20, small_k=3072,
-                       narrow=_NARROW_4, fused=((_MID_4, 0.7), (_NARROW_4, 0.7))),
+                       narrow=None, fused=((_MID_4, 0.7),), split=((_SPLIT_4, 128), (_MID_4, 1 << 30))),
     "8bit": FamilyRule(first_m=64, large_m=2048, large=_DECODE, l2_bytes=16 << 20, small_k=3072,
                        narrow=_MID_8, fused=((_WIDE_8, 0.7), (_MID_8, 0.25))),
 }
@@ -328,12 +333,16 @@ def plan(m: int, n: int, k: int, layout: _wo.Layout, rules: dict | None = None, 
         return None
     if m >= rule.large_m or n * k * 2 <= rule.l2_bytes:
         return rule.large
+    splits = [cfg for cfg, last_m in rule.split if m <= last_m]
     if m <= 64:
+        if rule.split:
+            cfg = with_split(splits[0], m, n, k, layout, sms) if splits else None
+            return cfg if cfg is not None and cfg.split_k > 1 else None
         split = _wo.plan(m, n, k, layout, sms).split_k
         return rule.narrow if split > 1 and k < split * rule.small_k else None
     eligible = [cfg for cfg, fill in rule.fused if m >= cfg.tile_m and output_tiles(cfg, m, n) >= fill * sms]
     if not eligible:
-        return None
+        return with_split(splits[0], m, n, k, layout, sms) if splits else None
     first = eligible[0]
     bar = wave_fill(first, m, n, sms) + rule.wave_margin
     later = [cfg for cfg in eligible[1:] if wave_fill(cfg, m, n, sms) > bar]
@@ -620,10 +629,10 @@ SWEEP = {
 #: blocks per SM did not finish compiling for sm_90 in 10 minutes: not here.) Instructions per
 #: element of each: ``benchmarks/results/decode-cost-large-sm90.md``.
 VARIANTS = {
-    "4bit": ((LargeConfig("fused", 128, 128), True, 64, 256),
+    "4bit": ((LargeConfig("fused", 128, 128), True, 64, 512),
              (LargeConfig("fused", 128, 128, cat=1), True, 64, 256),
              (LargeConfig("fused", 64, 128), True, 64, 64),
-             (LargeConfig("fused", 64, 64, warps=4, occupancy=2), True, 64, 128),
+             (LargeConfig("fused", 64, 64, warps=4, occupancy=2), True, 64, 256),
              (LargeConfig("fused", 64, 256, num_ctas=2), True, 64, 256),
              (LargeConfig("fused", 128, 256, num_ctas=2), False, 128, 1024),
              (LargeConfig("fused", 128, 128, cat=1), False, 128, 1024)),

@@ -171,10 +171,13 @@ _MEASURED_PICKS = {
     ("4bit", 1024): {(14336, 4096): "fused_128x128_g8", (4096, 14336): "fused_128x128_g8",
                      (1024, 4096): "decode_c0"},
     ("4bit", 2048): {(14336, 4096): "decode_c0", (8192, 8192): "decode_c0"},
-    ("8bit", 64): {(8192, 8192): None, (6144, 4096): "fused_128x128_g8_cat", (4096, 14336): None},
-    ("8bit", 128): {(6144, 4096): "fused_128x128_g8_cat", (14336, 4096): "fused_128x128_g8_cat",
+    ("8bit", 64): {(8192, 8192): "fused_128x128_g8_s2_cat", (6144, 4096): "fused_128x128_g8_s2_cat",
+                   (4096, 14336): "fused_128x128_g8_s4_cat", (14336, 4096): None},
+    ("8bit", 128): {(6144, 4096): "fused_128x128_g8_s2_cat", (14336, 4096): "fused_128x128_g8_cat",
+                    (4096, 14336): "fused_128x128_g8_s4_cat", (8192, 8192): "fused_128x128_g8_s2_cat",
                     (1024, 4096): "decode_c0"},
-    ("8bit", 256): {(14336, 4096): "fused_128x256_g8", (8192, 8192): "fused_128x128_g8_cat"},
+    ("8bit", 256): {(14336, 4096): "fused_128x256_g8", (8192, 8192): "fused_128x128_g8_cat",
+                    (4096, 14336): "fused_128x128_g8_s2_cat"},
     ("8bit", 512): {(6144, 4096): "fused_128x256_g8", (4096, 14336): "fused_128x128_g8_cat"},
     ("8bit", 1024): {(8192, 8192): "fused_128x256_g8", (6144, 4096): "fused_128x128_g8_cat",
                      (14336, 4096): "fused_128x256_g8"},
@@ -189,6 +192,16 @@ def test_plan_rules_pick_the_measured_winners(key):
     for (n, k), want in _MEASURED_PICKS[key].items():
         got = wl.plan(m, n, k, layout, sms=132)
         assert (None if got is None else got.name) == want, (n, k)
+
+
+def test_nvfp4_takes_the_decode_design_from_512_rows():
+    # NVFP4's fused kernel lost to the decode design from M = 512 on in the sweep; below, the 4-bit rule.
+    nv, mx = wo.LAYOUTS["nvfp4"], wo.LAYOUTS["mxfp4"]
+    for m in (512, 1024):
+        assert wl.plan(m, 8192, 8192, nv).name == "decode_c0" and wl.plan(m, 8192, 8192, mx).name == "fused_128x128_g8"
+    for m, n, k in ((64, 4096, 14336), (128, 14336, 4096), (256, 4096, 14336)):
+        assert wl.plan(m, n, k, nv) == wl.plan(m, n, k, mx)
+    assert wl.first_m(nv) == wl.first_m(mx) == 64
 
 
 def test_plan_rules():

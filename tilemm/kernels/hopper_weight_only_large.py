@@ -290,19 +290,20 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #: * The decode design wins from M = 2048 on everywhere, and at every M on the GQA k / v projection
 #:   (1024x4096: 8 MiB of bf16 weight, L2-resident between the two passes), ahead of every kernel that
 #:   reads the packed weight.
+#: * NVFP4 as the other 4-bit weights, but the decode design from M = 512 on (its e4m3 block scales
+#:   cost the fused kernel more instructions per element than e8m0 ones: 0.57-0.58x bf16 against
+#:   0.59-0.74x for the decode design at M = 512-1024, where MXFP4's fused kernel reaches 0.79-0.84x).
 #: * 4-bit, M = 64: 64 weight rows x 64 rows of x on one warpgroup, two blocks per SM, with the K split
 #:   that fills the block slots (4096x14336, 8192x8192, 6144x4096), where it splits; else (14336x4096)
 #:   the small-M plan, within a few percent of it there.
 #: * 4-bit, 128 <= M < 2048: 128x128 tiles from 0.7 tiles per SM; with fewer, the K split of the
 #:   same one-warpgroup blocks up to M = 128, and of 128x128 tiles beyond (two launches: the
 #:   partial tiles, then their sum).
-#: * 8-bit, M = 64: the small-M plan, except where it splits K into pieces under 3072 elements
-#:   (6144x4096: two of 2048, where 128x128 cat beats it; 4096x14336 keeps it with four pieces of
-#:   3584).
-#: * 8-bit: one MMA per K tile (cat) for 128x128 tiles from 0.25 per SM (the small-M plan at M >= 128
-#:   has no cat, and loses to it); 256 rows of x from 0.7 tiles per SM at M >= 256, unless cat's
-#:   128-row tiles fill their last wave better by more than 0.15 (6144x4096, M = 1024: 192 tiles of 256
-#:   rows fill 0.73 of two waves, 384 of 128 rows 0.97 of three, and cat wins).
+#: * 8-bit: 128x128 tiles with one MMA per K tile (cat) from 0.7 tiles per SM, 256 rows of x from 0.7
+#:   tiles per SM at M >= 256, unless cat's 128-row tiles fill their last wave better by more than
+#:   0.15 (6144x4096, M = 1024: 192 tiles of 256 rows fill 0.73 of two waves, 384 of 128 rows 0.97
+#:   of three, and cat wins); with fewer tiles, and at M = 64 where it splits, cat's 128x128 tiles
+#:   with the K split.
 #:
 #: What the rules reach on that sweep, per family and M (geomean over the five shapes of the picked
 #: candidate's speed-up over bf16, against the per-shape best candidate, one candidate per (family, M)
@@ -315,20 +316,30 @@ RULES = {
     "4bit": FamilyRule(first_m=64, large_m=2048, large=_DECODE, l2_bytes=16 << 20, small_k=3072,
                        narrow=None, fused=((_MID_4, 0.7),), split=((_SPLIT_4, 128), (_MID_4, 1 << 30))),
     "8bit": FamilyRule(first_m=64, large_m=2048, large=_DECODE, l2_bytes=16 << 20, small_k=3072,
-                       narrow=_MID_8, fused=((_WIDE_8, 0.7), (_MID_8, 0.25))),
+                       narrow=None, fused=((_WIDE_8, 0.7), (_MID_8, 0.7)), split=((_MID_8, 1 << 30),)),
 }
+RULES["nvfp4"] = dataclasses.replace(RULES["4bit"], large_m=512)
+
+
+def _rule(layout: _wo.Layout, rules: dict | None) -> FamilyRule:
+    """The layout's rule: its family's, or for 4-bit elements with e4m3 scales (NVFP4) the "nvfp4"
+    entry where the rules have one."""
+    rules = rules or RULES
+    if family(layout) == "4bit" and not layout.scale_e8m0 and "nvfp4" in rules:
+        return rules["nvfp4"]
+    return rules[family(layout)]
 
 
 def first_m(layout: _wo.Layout, rules: dict | None = None) -> int:
     """The smallest M for which the large-M plan may name a design."""
-    return (rules or RULES)[family(layout)].first_m
+    return _rule(layout, rules).first_m
 
 
 def plan(m: int, n: int, k: int, layout: _wo.Layout, rules: dict | None = None, sms: int = 132
          ) -> LargeConfig | None:
     """The large-M config for an (M, K) x (N, K) problem, or None where the small-M plan applies
     (``FamilyRule`` says how)."""
-    rule = (rules or RULES)[family(layout)]
+    rule = _rule(layout, rules)
     if m < rule.first_m:
         return None
     if m >= rule.large_m or n * k * 2 <= rule.l2_bytes:
@@ -568,7 +579,8 @@ def _configs(layout_name: str | None = None) -> list[LargeConfig]:
     split_k 2: the count is a run-time argument)."""
     seen = []
     for rule in RULES.values():
-        for cfg in (rule.large, rule.narrow, *(c for c, _ in rule.fused)):
+        splits = (dataclasses.replace(c, split_k=2) for c, _ in rule.split)  # any split: one code path
+        for cfg in (rule.large, rule.narrow, *(c for c, _ in rule.fused), *splits):
             if cfg is not None and cfg.kind == "fused" and cfg not in seen:
                 seen.append(cfg)
     for cfg in CANDIDATES:

@@ -1,13 +1,20 @@
-"""Why does the fused large-M kernel's K split cost so much? Times, per shape and M, the fused kernel
-(``hopper_weight_only_large._large_kernel``) of one tile config through its unsplit code path and
-through its split code path with 1, 2 and 4 K ranges, against cuBLAS bf16, CUDA-graph replays with the
-L2 flushed (``benchmarks/_timing.py``):
+"""Why did the fused large-M kernel's K split cost so much? Times, per shape and M, the fused kernel
+(``hopper_weight_only_large``) of one tile config unsplit and with its K split (two launches: the
+partial tiles, then their sum), and diagnostic copies of its split path (``_diag_kernel``), against
+cuBLAS bf16, CUDA-graph replays with the L2 flushed (``benchmarks/_timing.py``):
 
-    python benchmarks/investigations/split_probe.py --formats mxfp4 --ms 64,128,256
+    python benchmarks/investigations/split_probe.py --ms 128 --shapes 8192x8192,14336x4096 --splits 0,1,2 --diag 1,2,3
+    python benchmarks/investigations/split_probe.py --ms 128 --shapes 4096x14336 --splits 0,2,4 --diag 1,4,5,6
 
-``s1p`` is the split code path with one K range: the unsplit work plus the partial tile's store, the
-arrival counter and the last arrival's sum; the difference to ``s0`` is the split path's fixed cost.
-Each output is checked against an fp32 product first.
+Diagnostic modes (``--diag``, each at every ``--splits`` above 0, 1 included): 1 = the split path as
+the kernel had it before the two launches (each item stores its partial tile, counts its arrival per
+output tile, and the last arrival adds the partials and runs the epilogue); 2 = the K loop and the
+partial tile's store only (no counter, no sum: no output, a timing of the loop alone); 3 = as 1 with
+the loop from zeros (no peeled first K tile); 4 / 5 = as 1 with the partial tiles read / read and
+written without TMA; 6 = 2, then ``_reduce_kernel`` (the two launches, as the kernel now does).
+Each output is checked against an fp32 product first. The modes with an arrival counter hang when a
+block takes more than one work item (more items than blocks: keep splits x output tiles within the
+SMs).
 """
 
 from __future__ import annotations
@@ -71,11 +78,8 @@ def _diag_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter, Splits,
                  GROUP: ConstInt, TM: ConstInt, TN: ConstInt, GROUP_SIZE_M: ConstInt,
                  LATENCY_W: ConstInt, LATENCY_X: ConstInt, X_PARTS: ConstInt, CAT: ConstInt,
                  SPLIT: ConstInt):
-    """Diagnostic copies of the fused kernel's split path (``SPLIT``): 2 = K range loop as in the
-    kernel, but each block only stores its partial tile (no counter, no sum: wrong output, a timing
-    of the loop alone); 3 = the loop from zeros (no peeled first K tile), full finish; 4 / 5 = as the
-    kernel, the finish's partial tiles read without TMA / read and written without TMA; 6 (launched as
-    2, then ``_reduce_kernel``): two launches."""
+    """Diagnostic copies of the fused kernel's split path, mode ``SPLIT`` as the module docstring
+    lists them (Counter: one int32 per output tile, zero between launches)."""
     M = X.shape[0]
     N = C.shape[1]
     TK = PLANES * GROUP * BLOCK
@@ -88,7 +92,15 @@ def _diag_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter, Splits,
         split = item // tiles
         k_begin = split * per_split
         k_end = max(min(k_begin + per_split, k_tiles), k_begin)
-        if SPLIT == 2:
+        if SPLIT == 1:
+            acc = wl._step(X, W, S, Mult, ct.zeros((TN, TM), ct.float32), bm, bn, k_begin, ELEMENT, SCALE_E8M0,
+                           BLOCK, PLANES, GROUP, TM, TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
+            for kt in range(k_begin + 1, k_end):
+                acc = wl._step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
+                               LATENCY_W, LATENCY_X, X_PARTS, CAT)
+            _split_k_finish(acc.transpose(), C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m, Splits,
+                            TM, TN)
+        elif SPLIT == 2:
             acc = wl._step(X, W, S, Mult, ct.zeros((TN, TM), ct.float32), bm, bn, k_begin, ELEMENT, SCALE_E8M0,
                            BLOCK, PLANES, GROUP, TM, TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
             for kt in range(k_begin + 1, k_end):
@@ -112,35 +124,31 @@ def _diag_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter, Splits,
                             TM, TN)
 
 
-def _launch(packed, x, out, zero, cfg, splits, sms, grid_blocks=None, diag=0):
-    """The fused kernel with the split code path forced (``splits`` K ranges, 1 included) or, for
-    ``splits == 0``, the unsplit path; ``diag``: ``_diag_kernel`` with SPLIT = diag instead."""
-    layout = packed.layout
+def _launch(packed, x, out, zero, cfg, splits, sms, diag=0):
+    """Without ``diag``: the fused kernel as ``hopper_weight_only_large.launch`` runs it, unsplit
+    (``splits`` 0 or 1) or with ``splits`` K ranges (two launches). With ``diag``: ``_diag_kernel``
+    in that mode with ``splits`` K ranges (1 included), and for mode 6 ``_reduce_kernel`` after it."""
     m, n = out.shape
     dev = x.device
-    split_cfg = dataclasses.replace(cfg, split_k=max(2, splits)) if splits else cfg
-    consts = wl._constants(layout, split_cfg, 1)
-    kernel = split_cfg.kernel
-    if diag:
-        consts = consts[:-1] + (2 if diag == 6 else diag,)
-        kernel = hinted(_diag_kernel, num_worker_warps=ct.ByTarget(sm_90=cfg.warps))
+    if not diag:
+        run_cfg = dataclasses.replace(cfg, split_k=splits) if splits > 1 else cfg
+        return lambda: wl.launch(x, packed.words, packed.scale_t, packed.constants, zero, out, packed.layout,
+                                 run_cfg, sms, torch._C._cuda_getCurrentRawStream(dev.index))
+    consts = wl._constants(packed.layout, dataclasses.replace(cfg, split_k=2), 1)[:-1] + (2 if diag == 6 else diag,)
+    kernel = hinted(_diag_kernel, num_worker_warps=ct.ByTarget(sm_90=cfg.warps))
     tiles = wl.output_tiles(cfg, m, n)
-    items = tiles * max(1, splits)
-    grid = (grid_blocks or max(1, min(items, sms * cfg.occupancy // cfg.num_ctas)), 1, 1)
+    grid = (max(1, min(tiles * splits, sms * cfg.occupancy // cfg.num_ctas)), 1, 1)
     alpha = packed.constants[0:1]
 
     def run():
         stream = torch._C._cuda_getCurrentRawStream(dev.index)
-        if splits:
-            partial, counter = wo.workspace(dev, stream, max(1, splits), m, n, tiles)
-        else:
-            partial, counter = out, alpha
+        partial, counter = wo.workspace(dev, stream, splits, m, n, tiles)
         ct.launch(stream, grid, kernel,
                   (x, packed.words, packed.scale_t, out, alpha, packed.constants[1:2], zero, partial, counter,
-                   max(1, splits), *consts))
+                   splits, *consts))
         if diag == 6:  # two launches: the partial tiles, then their sum and the epilogue
-            ct.launch(stream, (tiles, 1, 1), _reduce_kernel, (partial, out, alpha, zero, max(1, splits),
-                                                              cfg.tile_m, cfg.tile_n))
+            ct.launch(stream, (tiles, 1, 1), _reduce_kernel, (partial, out, alpha, zero, splits, cfg.tile_m,
+                                                              cfg.tile_n))
     return run
 
 
@@ -152,7 +160,7 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="128x128,128x128cat",
                     help="weight rows x rows of x, 'cat' for one MMA per K tile")
     ap.add_argument("--splits", default="0,1,2,4")
-    ap.add_argument("--diag", default="", help="also these _diag_kernel modes (2: no finish, 3: no peel) at --splits > 0")
+    ap.add_argument("--diag", default="", help="also these _diag_kernel modes (module docstring) at --splits > 0")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--verbose", action="store_true", help="print each candidate's first-call time")
     args = ap.parse_args(argv)
@@ -181,8 +189,9 @@ def main(argv=None) -> int:
                 t_bf16 = timer(lambda: F.linear(x, w))[0]
                 line = []
                 for cname, cfg in cfgs:
-                    runs = [(s, 0) for s in map(int, args.splits.split(","))]
-                    runs += [(s, d) for d in map(int, filter(None, args.diag.split(","))) for s, _ in runs if s]
+                    runs = [(s, 0) for s in map(int, args.splits.split(",")) if s != 1]
+                    runs += [(s, d) for d in map(int, filter(None, args.diag.split(",")))
+                             for s in map(int, args.splits.split(",")) if s]
                     for s, d in runs:
                         fn = _launch(packed, x, out, zero, cfg, s, sms, diag=d)
                         out.fill_(float("nan"))
@@ -193,7 +202,7 @@ def main(argv=None) -> int:
                         if args.verbose:
                             print(f"#   {cname} s{s}: first call {time.time() - began:.1f} s", flush=True)
                         err = ((out.float() - ref).norm() / ref.norm()).item()
-                        label = f"{cname}_s{s}{'p' if s == 1 else ''}{f'_d{d}' if d else ''}"
+                        label = f"{cname}_s{s}{f'_d{d}' if d else ''}"
                         if not err < 1e-2 and d != 2:  # diag 2 writes no output
                             line.append(f"{label} WRONG ({err:.1e})")
                             continue

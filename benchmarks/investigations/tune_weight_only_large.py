@@ -15,7 +15,7 @@ reported and left out), then times CUDA-graph replays (L2 flushed before each, m
   others; the faster time counts);
 * ``small``: the small-M kernels as ``weight_only_kernels.plan`` configures them;
 * ``plan``: ``tilemm.nn.Linear(weight_only=True)``'s runner as the committed plan dispatches it;
-* from M = 64 on (``LARGE_M``): ``old2pass``, the weight decoded to bf16, cuBLAS with an fp32 output,
+* from M = 32 on (``LARGE_M``): ``old2pass``, the weight decoded to bf16, cuBLAS with an fp32 output,
   then a cast (the large-M path before ``hopper_weight_only_large``, the reference point), and the
   family's designs of ``hopper_weight_only_large.SWEEP``: fused configs (``fused_...``), the whole
   weight decoded for cuBLAS writing bf16 itself (``decode_c0``) and, from M = 256, the overlapped
@@ -57,7 +57,7 @@ from plan_rule_check import check, geomean  # noqa: E402
 
 NK = [(14336, 4096), (4096, 14336), (8192, 8192), (1024, 4096), (6144, 4096)]
 MS = [1, 16, 64, 128, 256, 512, 1024, 2048, 4096]
-LARGE_M = 64
+LARGE_M = 32
 OVERLAP_M = 256
 #: The issue's targets (speed-up over cuBLAS bf16, geomean over shapes, H100) per family: (M, target)
 #: rows, each for the Ms up to the next row.

@@ -644,7 +644,7 @@ VARIANTS = {
     "4bit": ((LargeConfig("fused", 128, 128), True, 64, 512),
              (LargeConfig("fused", 128, 128, cat=1), True, 64, 256),
              (LargeConfig("fused", 64, 128), True, 64, 64),
-             (LargeConfig("fused", 64, 64, warps=4, occupancy=2), True, 64, 256),
+             (LargeConfig("fused", 64, 64, warps=4, occupancy=2), True, 32, 256),
              (LargeConfig("fused", 64, 256, num_ctas=2), True, 64, 256),
              (LargeConfig("fused", 128, 256, num_ctas=2), False, 128, 1024),
              (LargeConfig("fused", 128, 128, cat=1), False, 128, 1024)),

@@ -293,9 +293,11 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #: * NVFP4 as the other 4-bit weights, but the decode design from M = 512 on (its e4m3 block scales
 #:   cost the fused kernel more instructions per element than e8m0 ones: 0.57-0.58x bf16 against
 #:   0.59-0.74x for the decode design at M = 512-1024, where MXFP4's fused kernel reaches 0.79-0.84x).
-#: * 4-bit, M = 64: 64 weight rows x 64 rows of x on one warpgroup, two blocks per SM, with the K split
-#:   that fills the block slots (4096x14336, 8192x8192, 6144x4096), where it splits; else (14336x4096)
-#:   the small-M plan, within a few percent of it there.
+#: * 4-bit, M = 33-64: 64 weight rows x 64 rows of x on one warpgroup, two blocks per SM, with the K
+#:   split that fills the block slots (4096x14336, 8192x8192, 6144x4096), where it splits; else
+#:   (14336x4096) the small-M plan, within a few percent of it there. At M = 32 the small-M plan's
+#:   32-row x tiles beat the half-empty 64-row ones on three of the four shapes
+#:   (``benchmarks/results/tune-weight-only-large-m32-nvidia-h100-80gb-hbm3.txt``).
 #: * 4-bit, 128 <= M < 2048: 128x128 tiles from 0.7 tiles per SM; with fewer, the K split of the
 #:   same one-warpgroup blocks up to M = 128, and of 128x128 tiles beyond (two launches: the
 #:   partial tiles, then their sum).
@@ -313,7 +315,7 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #:
 #: ``tests/test_weight_only_large.py`` checks the picks on those shapes.
 RULES = {
-    "4bit": FamilyRule(first_m=64, large_m=2048, large=_DECODE, l2_bytes=16 << 20, small_k=3072,
+    "4bit": FamilyRule(first_m=33, large_m=2048, large=_DECODE, l2_bytes=16 << 20, small_k=3072,
                        narrow=None, fused=((_MID_4, 0.7),), split=((_SPLIT_4, 128), (_MID_4, 1 << 30))),
     "8bit": FamilyRule(first_m=64, large_m=2048, large=_DECODE, l2_bytes=16 << 20, small_k=3072,
                        narrow=None, fused=((_WIDE_8, 0.7), (_MID_8, 0.7)), split=((_MID_8, 1 << 30),)),

@@ -7,7 +7,8 @@ as ``weight_only_kernels`` documents it (the decoded weight is ``dequantize(w) *
   as the left operand (registers) against the x tile that TMA brings to shared memory, ``acc (TN, TM)
   += decode(W) @ x.T``: M is the MMA's N dimension, and no bf16 copy of the weight exists. Work items
   are output tiles in grouped order, or (``split_k``) output tiles times K ranges where the output has
-  too few tiles for the GPU. Two warpgroups per block, or one (``warps``); a 2-CTA cluster can share
+  too few tiles for the GPU, the fp32 partial tiles then added by a second launch
+  (``_partial_sum_kernel``). Two warpgroups per block, or one (``warps``); a 2-CTA cluster can share
   one x tile by TMA multicast (``num_ctas``).
 * ``decode_gemm``: the weight decoded to bf16 (``_dequantize_kernel``), whole or ``chunk`` rows at a
   time into a buffer that stays in L2, each chunk multiplied by cuBLAS's bf16 GEMM into its output

@@ -21,7 +21,7 @@ reported and left out), then times CUDA-graph replays (L2 flushed before each, m
   weight decoded for cuBLAS writing bf16 itself (``decode_c0``) and, from M = 256, the overlapped
   decode + GEMM in chunks of weight rows (``overlap_cN``);
 * the fused kernel's structural variants (``hopper_weight_only_large.VARIANTS``, each in its range
-  of M; ``--no-variants`` leaves them out): the K split that fills the GPU (``_sauto``,
+  of M, below ``LARGE_M`` too; ``--no-variants`` leaves them out): the K split that fills the GPU (``_sauto``,
   ``with_split``), one-warpgroup blocks (``_w4``), 2-CTA clusters sharing the x tile (``_2cta``).
   A candidate that fails (a wrong result, or a compile over ``COMPILE_TIMEOUT``) is reported once
   and not tried again in the run.
@@ -110,18 +110,16 @@ def candidates(packed, x, out, sms, variants=True):
     small = wo.Prepared(packed.words, packed.scale_t, packed.constants, zero, layout, wo.plan(m, n, k, layout, sms),
                         m, x.dtype)
     cands["small"] = lambda: small.run(x, out, _stream(dev))
-    if m < LARGE_M:
-        return cands
+    if m >= LARGE_M:
+        def old2pass():
+            w16 = wo.dequantize(packed.words, packed.scale_t, packed.constants, layout, k)
+            out.copy_(torch.addmm(zero, x, w16.t(), out_dtype=torch.float32, alpha=packed.alpha_host))
 
-    def old2pass():
-        w16 = wo.dequantize(packed.words, packed.scale_t, packed.constants, layout, k)
-        out.copy_(torch.addmm(zero, x, w16.t(), out_dtype=torch.float32, alpha=packed.alpha_host))
-
-    cands["old2pass"] = old2pass
-    for cfg in wl.SWEEP[wl.family(layout)]:
-        if cfg.kind == "overlap" and m < OVERLAP_M:
-            continue
-        cands[cfg.name] = _run(cfg, packed, x, out, zero, sms)
+        cands["old2pass"] = old2pass
+        for cfg in wl.SWEEP[wl.family(layout)]:
+            if cfg.kind == "overlap" and m < OVERLAP_M:
+                continue
+            cands[cfg.name] = _run(cfg, packed, x, out, zero, sms)
     if variants:
         for cfg, split, first, last in wl.VARIANTS[wl.family(layout)]:
             if first <= m <= last:

@@ -640,14 +640,20 @@ SWEEP = {
 #: independent warpgroups per SM to overlap one's decode with another's MMA: within a warpgroup every
 #: MMA is waited for before the next decode); 2-CTA clusters of 128 weight rows each sharing one x
 #: tile by TMA multicast (half the x bytes from L2 per weight byte; at M >= 128 x's bytes exceed the
-#: 4-bit weight's); one MMA per K tile (``cat``) for 4-bit weights. (The K split of 64 rows of x at two
-#: blocks per SM did not finish compiling for sm_90 in 10 minutes: not here.) Instructions per
-#: element of each: ``benchmarks/results/decode-cost-large-sm90.md``.
+#: 4-bit weight's); one MMA per K tile (``cat``) for 4-bit weights; one-warpgroup blocks of 64 weight
+#: rows with 32 or 16 rows of x and the K split, for the M = 2-64 that the small-M kernels take (their
+#: split still ends in the kernel, as the fused kernel's did when that cost it 1.8x; sm_90 compiles,
+#: MXFP4: 3.02 and 2.98 main-loop instructions per weight element, 52 and 35 KB of shared memory, no
+#: spills; not yet timed). (The K split of 64 rows of x at two blocks per SM did not finish compiling
+#: for sm_90 in 10 minutes: not here.) Instructions per element of each:
+#: ``benchmarks/results/decode-cost-large-sm90.md``.
 VARIANTS = {
     "4bit": ((LargeConfig("fused", 128, 128), True, 64, 512),
              (LargeConfig("fused", 128, 128, cat=1), True, 64, 256),
              (LargeConfig("fused", 64, 128), True, 64, 64),
              (LargeConfig("fused", 64, 64, warps=4, occupancy=2), True, 32, 256),
+             (LargeConfig("fused", 32, 64, warps=4, occupancy=2), True, 16, 64),
+             (LargeConfig("fused", 16, 64, warps=4, occupancy=3), True, 2, 16),
              (LargeConfig("fused", 64, 256, num_ctas=2), True, 64, 256),
              (LargeConfig("fused", 128, 256, num_ctas=2), False, 128, 1024),
              (LargeConfig("fused", 128, 128, cat=1), False, 128, 1024)),

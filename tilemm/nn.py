@@ -6,7 +6,7 @@
 x's dtype (float32, bfloat16 or float16), for x of any leading dimensions. ``weight_only=True`` keeps
 x in its own precision: mxfp8, mxfp4 and nvfp4 weights are stored prepacked (``tilemm.prepack``) for
 the fused weight-only kernel (``y = x @ dequantize(W).T + b``, fp32 accumulation, one launch per
-eager call); fp8 weights are dequantized on every call and multiplied with ``F.linear``.
+eager call below the large-M plan's K split and decode designs); fp8 weights are dequantized on every call and multiplied with ``F.linear``.
 
 The quantized weight, its scales, NVFP4's ``global_scale`` and the bias are buffers: ``state_dict`` /
 ``load_state_dict`` round-trip them bit for bit (a weight-only layer holds only the prepacked form,

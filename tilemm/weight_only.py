@@ -4,7 +4,7 @@ MXFP4, NVFP4 or MXFP8 weight (``tilemm.prepack``).
 ``weight_only_linear(x, packed, bias=None, alpha=None)`` is what ``tilemm.linear(x, w)`` runs when x is
 a plain float tensor; ``WeightOnlyRunner`` is the same call with everything that does not depend on x
 worked out once (``tilemm.nn.Linear`` holds one per layer), so an eager call costs one kernel launch
-and little else. Both run:
+(two where the large-M plan splits K or decodes the weight for cuBLAS) and little else. Both run:
 
 * on CUDA (Hopper and Blackwell): the fused kernels of ``tilemm.kernels.weight_only_kernels`` (bf16
   ``ct.mma`` on the decoded weight, or fp32 FMAs for a single row of x: the same kernels compile for
@@ -252,9 +252,9 @@ def run_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: 
     packed = PackedWeight(fmt=fmt, words=words, scale_t=scale_t, constants=constants, exponent=0,
                           in_features=in_features, alpha_host=alpha_host)
     # A runner per call that keeps nothing of its own: under torch.compile's CUDA graphs
-    # (mode="reduce-overhead") the call allocates only its output, and launches one kernel (a missing
-    # bias and a K split's workspace are persistent buffers shared per device / stream,
-    # ``weight_only_kernels.zero_bias`` / ``workspace``).
+    # (mode="reduce-overhead") the call allocates only its output, and below the large-M plan launches
+    # one kernel (a missing bias and a K split's workspace are persistent buffers shared per device /
+    # stream, ``weight_only_kernels.zero_bias`` / ``workspace``).
     runner = WeightOnlyRunner(packed, bias, keep_workspace=False)
     return runner(x2d.contiguous(), None if alpha is None else alpha.reshape(1), out_dtype=out_dtype)
 

@@ -294,3 +294,8 @@ def test_rules_on_the_committed_h100_sweep():
     for key, g in result.items():
         assert not g["missing"], key
         assert g["rule"] >= g["best"] - 0.02 and g["rule"] >= g["family"] - 1e-9, (key, g)
+    # From 33 rows the 4-bit rules take the fused kernel: at M = 48 of the sweep that timed it below 64.
+    rows, sms = plan_rule_check.read_rows(
+        str(root / "benchmarks/results/tune-weight-only-large-m32-nvidia-h100-80gb-hbm3.txt"))
+    g = plan_rule_check.check([r for r in rows if r["m"] == 48], sms, out=lambda *a: None)[("4bit", 48)]
+    assert not g["missing"] and g["rule"] >= g["best"] - 0.02 and g["rule"] >= g["wired"] + 0.15, g

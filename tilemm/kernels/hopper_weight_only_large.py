@@ -94,15 +94,15 @@ def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Splits,
     decoded planes concatenated into one MMA operand (one wait for the tensor cores per K tile instead
     of one per plane; all planes' registers live at once).
 
-    SPLIT = 1 (few output tiles: M <= 256 and N of a few thousand): K is split into Splits ranges (a
+    SPLIT = 1 (few output tiles: N of a few thousand below M = 2048): K is split into Splits ranges (a
     run-time count, 1 <= Splits <= k_tiles, so that one compiled kernel serves every split), range s
     being K tiles [s * k_tiles // Splits, (s + 1) * k_tiles // Splits), never empty; each item stores
     its fp32 partial tile in Partial (Splits, M, N), and ``_partial_sum_kernel``, launched next, adds
     the partials in split order and runs the epilogue (C, Alpha and Bias are not read here). The sum
     is a launch of its own because finishing in this kernel (an arrival counter per output tile, the
-    last arrival adding the partials) made tileiras 13.4 build a slower main loop: 8192x8192 at M =
-    128, split 2, ran 59.8 us with the in-kernel finish against 41.9 us for both launches (H100,
-    ``benchmarks/investigations/split_probe.py``). SPLIT = 0 leaves Partial and Splits unread.
+    last arrival adding the partials) made tileiras 13.4 build a much slower main loop, slower than
+    both launches together (``benchmarks/results/split-probe-nvidia-h100-80gb-hbm3.txt``). SPLIT = 0
+    leaves Partial and Splits unread.
     """
     M = X.shape[0]
     N = C.shape[1]
@@ -291,9 +291,9 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #: * The decode design wins from M = 2048 on everywhere, and at every M on the GQA k / v projection
 #:   (1024x4096: 8 MiB of bf16 weight, L2-resident between the two passes), ahead of every kernel that
 #:   reads the packed weight.
-#: * NVFP4 as the other 4-bit weights, but the decode design from M = 512 on (its e4m3 block scales
-#:   cost the fused kernel more instructions per element than e8m0 ones: 0.57-0.58x bf16 against
-#:   0.59-0.74x for the decode design at M = 512-1024, where MXFP4's fused kernel reaches 0.79-0.84x).
+#: * NVFP4 as the other 4-bit weights, but the decode design from M = 512 on, where it beat NVFP4's
+#:   fused kernel on every shape (its e4m3 block scales cost the fused kernel more instructions per
+#:   element than e8m0 ones; MXFP4's fused kernel stays ahead of the decode design up to M = 1024).
 #: * 4-bit, M = 33-64: 64 weight rows x 64 rows of x on one warpgroup, two blocks per SM, with the K
 #:   split that fills the block slots (4096x14336, 8192x8192, 6144x4096), where it splits; else
 #:   (14336x4096) the small-M plan, within a few percent of it there. At M = 32 the small-M plan's
@@ -642,11 +642,9 @@ SWEEP = {
 #: tile by TMA multicast (half the x bytes from L2 per weight byte; at M >= 128 x's bytes exceed the
 #: 4-bit weight's); one MMA per K tile (``cat``) for 4-bit weights; one-warpgroup blocks of 64 weight
 #: rows with 32 or 16 rows of x and the K split, for the M = 2-64 that the small-M kernels take (their
-#: split still ends in the kernel, as the fused kernel's did when that cost it 1.8x; sm_90 compiles,
-#: MXFP4: 3.02 and 2.98 main-loop instructions per weight element, 52 and 35 KB of shared memory, no
-#: spills; not yet timed). (The K split of 64 rows of x at two blocks per SM did not finish compiling
-#: for sm_90 in 10 minutes: not here.) Instructions per element of each:
-#: ``benchmarks/results/decode-cost-large-sm90.md``.
+#: split still ends in the kernel, as the fused kernel's did when that made it slow; not yet timed).
+#: (The K split of 64 rows of x at two blocks per SM did not finish compiling for sm_90 in 10 minutes:
+#: not here.) Instructions per element of each: ``benchmarks/results/decode-cost-large-sm90.md``.
 VARIANTS = {
     "4bit": ((LargeConfig("fused", 128, 128), True, 64, 512),
              (LargeConfig("fused", 128, 128, cat=1), True, 64, 256),

@@ -291,9 +291,9 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #: * The decode design wins from M = 2048 on everywhere, and at every M on the GQA k / v projection
 #:   (1024x4096: 8 MiB of bf16 weight, L2-resident between the two passes), ahead of every kernel that
 #:   reads the packed weight.
-#: * NVFP4 as the other 4-bit weights, but the decode design from M = 512 on, where it beat NVFP4's
-#:   fused kernel on every shape (its e4m3 block scales cost the fused kernel more instructions per
-#:   element than e8m0 ones; MXFP4's fused kernel stays ahead of the decode design up to M = 1024).
+#: * NVFP4 as the other 4-bit weights, but the decode design from M = 512 on, where it was level with
+#:   or ahead of NVFP4's fused kernel on every shape (its e4m3 block scales cost the fused kernel more
+#:   instructions per element than e8m0 ones; MXFP4's fused kernel stays ahead up to M = 1024).
 #: * 4-bit, M = 33-64: 64 weight rows x 64 rows of x on one warpgroup, two blocks per SM, with the K
 #:   split that fills the block slots (4096x14336, 8192x8192, 6144x4096), where it splits; else
 #:   (14336x4096) the small-M plan, within a few percent of it there. At M = 32 the small-M plan's

@@ -214,13 +214,12 @@ def test_plan_rules():
     assert wl.plan(1 << 20, 4096, 4096, mx8) == wl.RULES["8bit"].large
     a, b = wl.LargeConfig("fused", 64, 64), wl.LargeConfig("fused", 128, 128)
     dec = wl.LargeConfig("decode", chunk=0)
-    rules = {"4bit": wl.FamilyRule(first_m=32, large_m=1000, large=dec, l2_bytes=100, small_k=1 << 30,
-                                   narrow=a, fused=((b, 1.0), (a, 0.5))), "8bit": None}
+    rules = {"4bit": wl.FamilyRule(first_m=32, large_m=1000, large=dec, l2_bytes=100,
+                                   fused=((b, 1.0), (a, 0.5))), "8bit": None}
     assert wl.first_m(mx4, rules) == 32 and wl.plan(31, 4096, 4096, mx4, rules) is None
     assert wl.plan(1000, 4096, 4096, mx4, rules) is dec  # from large_m
     assert wl.plan(100, 10, 5, mx4, rules) is dec  # a weight whose bf16 copy fits l2_bytes
-    assert wl.plan(64, 4096, 4096, mx4, rules) is a  # M <= 64, the small-M plan's K pieces too short
-    assert wo.plan(64, 14336, 2048, mx4).split_k == 1 and wl.plan(64, 14336, 2048, mx4, rules) is None  # no split
+    assert wl.plan(64, 4096, 4096, mx4, rules) is None  # M <= 64 without split entries: the small-M plan
     # b from one tile per SM (128 x 128 tiles: 8 x 4 at M = 1000, N = 512 on 32 SMs), else a from half
     assert wl.plan(999, 512, 4096, mx4, rules, sms=32) is b
     assert wl.plan(999, 512, 4096, mx4, rules, sms=33) is a
@@ -231,8 +230,8 @@ def test_plan_rules():
     # split entries: at M <= 64 the first entry with the K split that fills the slots, where it splits;
     # above, where no fused config fills enough, the first entry whose last M reaches M, split
     c = wl.LargeConfig("fused", 64, 64, warps=4, occupancy=2)
-    rules = {"4bit": wl.FamilyRule(first_m=64, large_m=1 << 20, large=dec, l2_bytes=0, small_k=0, narrow=None,
-                                   fused=((b, 0.7),), split=((c, 128), (b, 1 << 30))), "8bit": None}
+    rules = {"4bit": wl.FamilyRule(first_m=64, large_m=1 << 20, large=dec, l2_bytes=0, fused=((b, 0.7),),
+                                   split=((c, 128), (b, 1 << 30))), "8bit": None}
     assert wl.plan(64, 4096, 14336, mx4, rules, sms=132) == dataclasses.replace(c, split_k=4)  # 64 tiles
     assert wl.plan(64, 14336, 4096, mx4, rules, sms=132) is None  # 224 tiles: no split, the small-M plan
     assert wl.plan(128, 14336, 4096, mx4, rules, sms=132) is b  # 112 tiles of 128x128 >= 0.7 per SM
@@ -255,7 +254,7 @@ def test_runner_dispatches_through_the_table(emulated, monkeypatch, kind):
     import tilemm.weight_only as wol
 
     cfg = wl.LargeConfig("fused", 16, 16) if kind == "fused" else wl.LargeConfig(kind, chunk=32)
-    rule = wl.FamilyRule(first_m=16, large_m=16, large=cfg, l2_bytes=0, small_k=0, narrow=None, fused=())
+    rule = wl.FamilyRule(first_m=16, large_m=16, large=cfg, l2_bytes=0, fused=())
     monkeypatch.setattr(wl, "RULES", {"4bit": rule, "8bit": rule})
     monkeypatch.setattr(wol, "stream_handle", lambda device: 0)
     monkeypatch.setattr(wol, "family", lambda device: wol.Family.HOPPER)

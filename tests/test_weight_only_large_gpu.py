@@ -23,8 +23,8 @@ DEV = torch.device("cuda")
 FORMATS = [MXFP4, NVFP4, MXFP8_E4M3, MXFP8_E5M2]
 IDS = [f.name for f in FORMATS]
 # Every fused config of the sweep on MXFP4; the first (and the plan's fused configs) on every format.
-_PLAN_FUSED = [c for r in wl.RULES.values() for c in (r.large, r.narrow, *(f for f, _ in r.fused))
-               if c is not None and c.kind == "fused"]
+_PLAN_FUSED = [c for r in wl.RULES.values() for c in (r.large, *(f for f, _ in r.fused))
+               if c.kind == "fused"]
 _CASES = ([(MXFP4, c) for c in wl.CANDIDATES]
           + [(f, c) for f in FORMATS[1:] for c in dict.fromkeys([wl.CANDIDATES[0], *_PLAN_FUSED])])
 

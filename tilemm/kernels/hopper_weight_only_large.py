@@ -224,11 +224,8 @@ class FamilyRule:
     * ``large`` from ``large_m`` rows of x on, and for a weight whose bf16 copy takes at most
       ``l2_bytes`` (it then stays in L2 between the decode and the GEMM, and the fused kernels have
       too few output tiles to fill the GPU).
-    * Up to 64 rows, with ``split`` entries: the first entry's config (``last_m`` >= M) with the K
-      split ``with_split`` gives it, where that splits, else the small-M plan (its 64-row tiles cover
-      M exactly). Without: the small-M plan unless it splits K into pieces of fewer than ``small_k``
-      elements (each block's fixed costs and the fp32 partial sums then weigh more than the blocks it
-      adds); then ``narrow``.
+    * Up to 64 rows: the first ``split`` entry's config (``last_m`` >= M) with the K split
+      ``with_split`` gives it, where that splits; else the small-M plan.
     * Above 64 rows: of the ``fused`` (config, tiles per SM) whose tile_m M reaches and whose output
       tiles reach that many per SM, the first, unless a later one fills its last wave of blocks
       better by more than ``wave_margin`` (``wave_fill``); none: the first ``split`` entry whose
@@ -239,8 +236,6 @@ class FamilyRule:
     large_m: int
     large: LargeConfig
     l2_bytes: int
-    small_k: int
-    narrow: LargeConfig | None
     fused: tuple
     split: tuple = ()
     wave_margin: float = 0.15
@@ -316,10 +311,10 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #:
 #: ``tests/test_weight_only_large.py`` checks the picks on those shapes.
 RULES = {
-    "4bit": FamilyRule(first_m=33, large_m=2048, large=_DECODE, l2_bytes=16 << 20, small_k=3072,
-                       narrow=None, fused=((_MID_4, 0.7),), split=((_SPLIT_4, 128), (_MID_4, 1 << 30))),
-    "8bit": FamilyRule(first_m=64, large_m=2048, large=_DECODE, l2_bytes=16 << 20, small_k=3072,
-                       narrow=None, fused=((_WIDE_8, 0.7), (_MID_8, 0.7)), split=((_MID_8, 1 << 30),)),
+    "4bit": FamilyRule(first_m=33, large_m=2048, large=_DECODE, l2_bytes=16 << 20, fused=((_MID_4, 0.7),),
+                       split=((_SPLIT_4, 128), (_MID_4, 1 << 30))),
+    "8bit": FamilyRule(first_m=64, large_m=2048, large=_DECODE, l2_bytes=16 << 20,
+                       fused=((_WIDE_8, 0.7), (_MID_8, 0.7)), split=((_MID_8, 1 << 30),)),
 }
 RULES["nvfp4"] = dataclasses.replace(RULES["4bit"], large_m=512)
 
@@ -349,11 +344,8 @@ def plan(m: int, n: int, k: int, layout: _wo.Layout, rules: dict | None = None, 
         return rule.large
     splits = [cfg for cfg, last_m in rule.split if m <= last_m]
     if m <= 64:
-        if rule.split:
-            cfg = with_split(splits[0], m, n, k, layout, sms) if splits else None
-            return cfg if cfg is not None and cfg.split_k > 1 else None
-        split = _wo.plan(m, n, k, layout, sms).split_k
-        return rule.narrow if split > 1 and k < split * rule.small_k else None
+        cfg = with_split(splits[0], m, n, k, layout, sms) if splits else None
+        return cfg if cfg is not None and cfg.split_k > 1 else None
     eligible = [cfg for cfg, fill in rule.fused if m >= cfg.tile_m and output_tiles(cfg, m, n) >= fill * sms]
     if not eligible:
         return with_split(splits[0], m, n, k, layout, sms) if splits else None
@@ -583,7 +575,7 @@ def _configs(layout_name: str | None = None) -> list[LargeConfig]:
     seen = []
     for rule in RULES.values():
         splits = (dataclasses.replace(c, split_k=2) for c, _ in rule.split)  # any split: one code path
-        for cfg in (rule.large, rule.narrow, *(c for c, _ in rule.fused), *splits):
+        for cfg in (rule.large, *(c for c, _ in rule.fused), *splits):
             if cfg is not None and cfg.kind == "fused" and cfg not in seen:
                 seen.append(cfg)
     for cfg in CANDIDATES:

@@ -11,7 +11,8 @@ the kernel had it before the two launches (each item stores its partial tile, co
 output tile, and the last arrival adds the partials and runs the epilogue); 2 = the K loop and the
 partial tile's store only (no counter, no sum: no output, a timing of the loop alone); 3 = as 1 with
 the loop from zeros (no peeled first K tile); 4 / 5 = as 1 with the partial tiles read / read and
-written without TMA; 6 = 2, then ``_reduce_kernel`` (the two launches, as the kernel now does).
+written without TMA; 6 = 2, then the kernel's sum launch (``_partial_sum_kernel``: the two launches,
+as the kernel now does).
 Each output is checked against an fp32 product first. The modes with an arrival counter hang when a
 block takes more than one work item (more items than blocks: keep splits x output tiles within the
 SMs).
@@ -59,19 +60,6 @@ def _finish_no_tma(out, C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m, 
         ct.atomic_xchg(Counter, tile, 0)
 
 
-@ct.kernel
-def _reduce_kernel(Partial, C, Alpha, Bias, Splits, TM: ConstInt, TN: ConstInt):
-    """C tile = (sum over the Splits partial tiles in split order) * alpha + bias (one tile per block,
-    M tiles fastest): the second launch of the two-launch split."""
-    num_m = ct.cdiv(C.shape[0], TM)
-    bm = ct.bid(0) % num_m
-    bn = ct.bid(0) // num_m
-    total = ct.zeros((TM, TN), ct.float32)
-    for s in range(Splits):
-        total = total + ct.load(Partial, (s, bm, bn), (1, TM, TN), padding_mode=ct.PaddingMode.ZERO).reshape((TM, TN))
-    _epilogue(total, C, Alpha, Bias, bm, bn, TM, TN)
-
-
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
 def _diag_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter, Splits,
                  ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
@@ -92,42 +80,29 @@ def _diag_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter, Splits,
         split = item // tiles
         k_begin = split * per_split
         k_end = max(min(k_begin + per_split, k_tiles), k_begin)
-        if SPLIT == 1:
-            acc = wl._step(X, W, S, Mult, ct.zeros((TN, TM), ct.float32), bm, bn, k_begin, ELEMENT, SCALE_E8M0,
-                           BLOCK, PLANES, GROUP, TM, TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
-            for kt in range(k_begin + 1, k_end):
-                acc = wl._step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
-                               LATENCY_W, LATENCY_X, X_PARTS, CAT)
-            _split_k_finish(acc.transpose(), C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m, Splits,
-                            TM, TN)
-        elif SPLIT == 2:
-            acc = wl._step(X, W, S, Mult, ct.zeros((TN, TM), ct.float32), bm, bn, k_begin, ELEMENT, SCALE_E8M0,
-                           BLOCK, PLANES, GROUP, TM, TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
-            for kt in range(k_begin + 1, k_end):
-                acc = wl._step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
-                               LATENCY_W, LATENCY_X, X_PARTS, CAT)
-            ct.store(Partial, (split, bm, bn), acc.transpose().reshape((1, TM, TN)))
-        elif SPLIT >= 4:
-            acc = wl._step(X, W, S, Mult, ct.zeros((TN, TM), ct.float32), bm, bn, k_begin, ELEMENT, SCALE_E8M0,
-                           BLOCK, PLANES, GROUP, TM, TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
-            for kt in range(k_begin + 1, k_end):
-                acc = wl._step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
-                               LATENCY_W, LATENCY_X, X_PARTS, CAT)
-            _finish_no_tma(acc.transpose(), C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m, Splits, TM, TN,
-                           SPLIT == 4)
-        else:
+        if SPLIT == 3:  # from a zero accumulator, no peeled first K tile
             acc = ct.zeros((TN, TM), ct.float32)
-            for kt in range(k_begin, k_end):
-                acc = wl._step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
-                               LATENCY_W, LATENCY_X, X_PARTS, CAT)
-            _split_k_finish(acc.transpose(), C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m, Splits,
-                            TM, TN)
+            first = k_begin
+        else:  # the first K tile peeled, as the kernel does
+            acc = wl._step(X, W, S, Mult, ct.zeros((TN, TM), ct.float32), bm, bn, k_begin, ELEMENT, SCALE_E8M0,
+                           BLOCK, PLANES, GROUP, TM, TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
+            first = k_begin + 1
+        for kt in range(first, k_end):
+            acc = wl._step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
+                           LATENCY_W, LATENCY_X, X_PARTS, CAT)
+        out = acc.transpose()
+        if SPLIT == 2:
+            ct.store(Partial, (split, bm, bn), out.reshape((1, TM, TN)))
+        elif SPLIT >= 4:
+            _finish_no_tma(out, C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m, Splits, TM, TN, SPLIT == 4)
+        else:
+            _split_k_finish(out, C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m, Splits, TM, TN)
 
 
 def _launch(packed, x, out, zero, cfg, splits, sms, diag=0):
     """Without ``diag``: the fused kernel as ``hopper_weight_only_large.launch`` runs it, unsplit
     (``splits`` 0 or 1) or with ``splits`` K ranges (two launches). With ``diag``: ``_diag_kernel``
-    in that mode with ``splits`` K ranges (1 included), and for mode 6 ``_reduce_kernel`` after it."""
+    in that mode with ``splits`` K ranges (1 included), and for mode 6 the kernel's sum launch after it."""
     m, n = out.shape
     dev = x.device
     if not diag:
@@ -146,9 +121,9 @@ def _launch(packed, x, out, zero, cfg, splits, sms, diag=0):
         ct.launch(stream, grid, kernel,
                   (x, packed.words, packed.scale_t, out, alpha, packed.constants[1:2], zero, partial, counter,
                    splits, *consts))
-        if diag == 6:  # two launches: the partial tiles, then their sum and the epilogue
-            ct.launch(stream, (tiles, 1, 1), _reduce_kernel, (partial, out, alpha, zero, splits, cfg.tile_m,
-                                                              cfg.tile_n))
+        if diag == 6:  # two launches: the partial tiles, then their sum and the epilogue (the kernel's)
+            ct.launch(stream, (-(-m // wl.SUM_TILE[0]) * -(-n // wl.SUM_TILE[1]), 1, 1), wl._partial_sum_kernel,
+                      (partial, out, alpha, zero, splits, *wl.SUM_TILE))
     return run
 
 

@@ -125,7 +125,7 @@ class WeightOnlyRunner:
         return acc.to(out_dtype)
 
     def _large_route(self, m: int, x_dtype: torch.dtype, out_dtype: torch.dtype):
-        """(large-M config or None, whether the fused kernel serves it)."""
+        """(large-M config or None, the fused kernel's prepared launch where it serves the call, else None)."""
         if x_dtype != torch.bfloat16 or m < _large_kernel.first_m(self.layout):
             return None, None
         if self._sms is None:
@@ -135,8 +135,11 @@ class WeightOnlyRunner:
                                                              or out_dtype != torch.bfloat16):
             # The fused kernel is built for sm_90 and a bf16 output; otherwise decode + GEMM.
             large = _large_kernel.LargeConfig("decode", chunk=0)
-        fused = large is not None and large.kind == "fused" and m * max(self.k, self.n) < _large.LIMIT
-        return large, fused
+        if large is not None and large.kind == "fused" and m * max(self.k, self.n) < _large.LIMIT:
+            p = self.packed
+            return large, _large_kernel.Prepared(p.words, p.scale_t, p.constants, self.bias, self.layout, large, m,
+                                                 self._sms, x_dtype, keep_workspace=self.keep_workspace)
+        return large, None
 
     def __call__(self, x2d: torch.Tensor, alpha: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -155,10 +158,8 @@ class WeightOnlyRunner:
         if route is None:
             route = self._large[key] = self._large_route(m, x2d.dtype, out_dtype)
         large, fused = route
-        if fused:
-            p = self.packed
-            _large_kernel.launch(x2d, p.words, p.scale_t, p.constants, self.bias, out, self.layout, large,
-                                 self._sms, stream, alpha)
+        if fused is not None:
+            fused.run(x2d, out, stream, alpha)
             return out
         if large is not None and large.kind in ("decode", "overlap") and alpha is None:
             if not self.has_bias and out_dtype == torch.bfloat16:

@@ -36,12 +36,12 @@ from cuda.tile import compilation as cc
 
 from ..numerics import ceil_div
 from ._aot import AotVariant, array
-from ._common import hinted, sm90_hints, tile_coords_at
+from ._common import Described, hinted, sm90_hints, tile_coords_at
 from . import weight_only_kernels as _wo
 from .weight_only_kernels import _epilogue, _k_tile
 
 __all__ = ["LargeConfig", "FamilyRule", "RULES", "CANDIDATES", "plan", "first_m", "family", "output_tiles",
-           "wave_fill", "with_split", "SWEEP", "VARIANTS", "grid", "launch", "decode_gemm", "overlap_gemm", "pingpong",
+           "wave_fill", "with_split", "SWEEP", "VARIANTS", "grid", "launch", "Prepared", "decode_gemm", "overlap_gemm", "pingpong",
            "aot_variants"]
 
 ConstInt = ct.Constant[int]
@@ -221,11 +221,15 @@ class FamilyRule:
     design its measured neighbours got.
 
     * ``first_m``: below it, the small-M plan (``weight_only_kernels.plan``).
+    * Up to ``narrow_m`` rows: the first ``split`` entry's config (``last_m`` >= M) with the K split
+      ``with_split`` gives it, where N gives fewer than one 32-row block per SM (the small-M kernels
+      then split K or stack narrow blocks); else the small-M plan.
+    * Up to ``whole_m`` rows: that entry's config with its K split, split or not.
     * ``large`` from ``large_m`` rows of x on, and for a weight whose bf16 copy takes at most
       ``l2_bytes`` (it then stays in L2 between the decode and the GEMM, and the fused kernels have
       too few output tiles to fill the GPU).
-    * Up to 64 rows: the first ``split`` entry's config (``last_m`` >= M) with the K split
-      ``with_split`` gives it, where that splits; else the small-M plan.
+    * Up to 64 rows: the first ``split`` entry's config with its K split, where that splits; else the
+      small-M plan.
     * Above 64 rows: of the ``fused`` (config, tiles per SM) whose tile_m M reaches and whose output
       tiles reach that many per SM, the first, unless a later one fills its last wave of blocks
       better by more than ``wave_margin`` (``wave_fill``); none: the first ``split`` entry whose
@@ -239,6 +243,8 @@ class FamilyRule:
     fused: tuple
     split: tuple = ()
     wave_margin: float = 0.15
+    narrow_m: int = 0
+    whole_m: int = 0
 
 
 def output_tiles(cfg: LargeConfig, m: int, n: int) -> int:
@@ -273,9 +279,15 @@ def with_split(cfg: LargeConfig, m: int, n: int, k: int, layout: _wo.Layout, sms
     return dataclasses.replace(cfg, split_k=split)
 
 
+#: The weight rows of the small-M kernels' wide blocks (``weight_only_kernels._STACKED``): with fewer
+#: such blocks than SMs they split K or stack narrow blocks.
+_NARROW_ROWS = 32
+
 _DECODE = LargeConfig("decode", chunk=0)
 _MID_4 = LargeConfig("fused", 128, 128)
 _SPLIT_4 = LargeConfig("fused", 64, 64, warps=4, occupancy=2)
+_SPLIT_4_X32 = LargeConfig("fused", 32, 64, warps=4, occupancy=2)
+_SPLIT_4_X16 = LargeConfig("fused", 16, 64, warps=4, occupancy=3)
 _MID_8 = LargeConfig("fused", 128, 128, cat=1)
 _WIDE_8 = LargeConfig("fused", 256, 128)
 
@@ -283,12 +295,19 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #: sweep (``benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt``, every per-shape
 #: figure), whose per-shape winners they reproduce from M, K and tile counts instead of a table of shapes:
 #:
-#: * The decode design wins from M = 2048 on everywhere, and at every M on the GQA k / v projection
+#: * The decode design wins from M = 2048 on everywhere, and from M = 33 on the GQA k / v projection
 #:   (1024x4096: 8 MiB of bf16 weight, L2-resident between the two passes), ahead of every kernel that
 #:   reads the packed weight.
 #: * NVFP4 as the other 4-bit weights, but the decode design from M = 512 on, where it was level with
 #:   or ahead of NVFP4's fused kernel on every shape (its e4m3 block scales cost the fused kernel more
 #:   instructions per element than e8m0 ones; MXFP4's fused kernel stays ahead up to M = 1024).
+#: * 4-bit, M = 2-16: 64 weight rows x 16 rows of x on one warpgroup, three blocks per SM, with the K
+#:   split that fills the block slots, where N gives fewer than one 32-row block per SM (4096x14336,
+#:   1024x4096: there the small-M kernels stack narrow blocks or end a K split in the kernel); else
+#:   the small-M plan, which ran 5-20 % faster on 6144x4096, 8192x8192 and 14336x4096. M = 17-32: 64
+#:   weight rows x 32 rows of x, two blocks per SM, with the split where it fills the slots, on every
+#:   shape (level with the small-M plan on 14336x4096 and 1024x4096, 10-25 % ahead elsewhere;
+#:   ``benchmarks/results/tune-weight-only-large-m2-nvidia-h100-80gb-hbm3.txt``).
 #: * 4-bit, M = 33-64: 64 weight rows x 64 rows of x on one warpgroup, two blocks per SM, with the K
 #:   split that fills the block slots (4096x14336, 8192x8192, 6144x4096), where it splits; else
 #:   (14336x4096) the small-M plan, within a few percent of it there. At M = 32 the small-M plan's
@@ -311,8 +330,9 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #:
 #: ``tests/test_weight_only_large.py`` checks the picks on those shapes.
 RULES = {
-    "4bit": FamilyRule(first_m=33, large_m=2048, large=_DECODE, l2_bytes=16 << 20, fused=((_MID_4, 0.7),),
-                       split=((_SPLIT_4, 128), (_MID_4, 1 << 30))),
+    "4bit": FamilyRule(first_m=2, large_m=2048, large=_DECODE, l2_bytes=16 << 20, fused=((_MID_4, 0.7),),
+                       split=((_SPLIT_4_X16, 16), (_SPLIT_4_X32, 32), (_SPLIT_4, 128), (_MID_4, 1 << 30)),
+                       narrow_m=16, whole_m=32),
     "8bit": FamilyRule(first_m=64, large_m=2048, large=_DECODE, l2_bytes=16 << 20,
                        fused=((_WIDE_8, 0.7), (_MID_8, 0.7)), split=((_MID_8, 1 << 30),)),
 }
@@ -340,9 +360,13 @@ def plan(m: int, n: int, k: int, layout: _wo.Layout, rules: dict | None = None, 
     rule = _rule(layout, rules)
     if m < rule.first_m:
         return None
+    splits = [cfg for cfg, last_m in rule.split if m <= last_m]
+    if m <= max(rule.narrow_m, rule.whole_m):
+        if not splits or (m <= rule.narrow_m and ceil_div(n, _NARROW_ROWS) >= sms):
+            return None
+        return with_split(splits[0], m, n, k, layout, sms)
     if m >= rule.large_m or n * k * 2 <= rule.l2_bytes:
         return rule.large
-    splits = [cfg for cfg, last_m in rule.split if m <= last_m]
     if m <= 64:
         cfg = with_split(splits[0], m, n, k, layout, sms) if splits else None
         return cfg if cfg is not None and cfg.split_k > 1 else None
@@ -374,20 +398,58 @@ def launch(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constant
     """out (M, N) = (x @ W.T) * alpha + bias with the fused kernel; arguments as
     ``weight_only_kernels.launch`` (``alpha`` replaces constants[0] when given), on ``stream``. A K
     split (``cfg.split_k``, at most one range per K tile) is two launches: the partial tiles, in the
-    persistent split-K workspace, then their sum."""
-    m, n = out.shape
-    alpha = constants[0:1] if alpha is None else alpha
-    launch_grid, kernel, consts = _prepared(cfg, layout, m, n, sms, _wo._X_PARTS[x.dtype])
-    if cfg.split_k > 1:
-        splits = min(cfg.split_k, ceil_div(x.shape[1], layout.tile_k))
-        partial, _ = _wo.workspace(out.device, stream, splits, m, n, 0)
-        ct.launch(stream, launch_grid, kernel,
-                  (x, words, scale_t, out, alpha, constants[1:2], bias, partial, splits, *consts))
-        ct.launch(stream, (ceil_div(m, SUM_TILE[0]) * ceil_div(n, SUM_TILE[1]), 1, 1), _partial_sum_kernel,
-                  (partial, out, alpha, bias, splits, *SUM_TILE))
-    else:  # a stand-in the kernel never reads
-        ct.launch(stream, launch_grid, kernel,
-                  (x, words, scale_t, out, alpha, constants[1:2], bias, alpha, 1, *consts))
+    persistent split-K workspace, then their sum (``Prepared``: the same launches kept for many calls)."""
+    Prepared(words, scale_t, constants, bias, layout, cfg, out.shape[0], sms, x.dtype,
+             keep_workspace=False).run(x, out, stream, alpha)
+
+
+class Prepared:
+    """One fused launch (two with a K split) with everything but the activation and the output worked
+    out: grid, kernel, constants, the fixed tensors described once (``Described``) and, per stream,
+    the split workspace's view, as ``weight_only_kernels.Prepared`` keeps them for the small-M
+    kernels. ``run`` makes the launches ``launch`` makes, with no allocation and little host work:
+    the runner keeps one per (M, x dtype) for the eager calls of a model."""
+
+    __slots__ = ("m", "n", "splits", "grid", "kernel", "consts", "fixed", "alpha", "rest", "sum_grid", "_work")
+
+    def __init__(self, words, scale_t, constants, bias, layout: _wo.Layout, cfg: LargeConfig, m: int, sms: int,
+                 x_dtype: torch.dtype, keep_workspace: bool = True):
+        self.m, self.n = m, words.shape[0]
+        self.grid, self.kernel, self.consts = _prepared(cfg, layout, m, self.n, sms, _wo._X_PARTS[x_dtype])
+        k_tiles = words.shape[1] // layout.words_per_tile
+        # K ranges (at most one per K tile); 0 for an unsplit config (one launch, no workspace)
+        self.splits = min(cfg.split_k, k_tiles) if cfg.split_k > 1 else 0
+        self.sum_grid = (ceil_div(m, SUM_TILE[0]) * ceil_div(self.n, SUM_TILE[1]), 1, 1)
+        wrap = Described if keep_workspace and words.is_cuda else (lambda t: t)
+        self.fixed = (wrap(words), wrap(scale_t))
+        self.alpha = wrap(constants[0:1])
+        self.rest = (wrap(constants[1:2]), wrap(bias))
+        self._work = {} if keep_workspace else None
+
+    def _partial(self, out, stream):
+        """The (splits, M, N) fp32 view of the stream's split workspace (kept per stream, described;
+        inside a CUDA-graph capture looked up anew, as ``weight_only_kernels.Prepared`` does)."""
+        if self._work is None or not out.is_cuda or _wo._capturing(out.device):
+            return _wo.workspace(out.device, stream, self.splits, self.m, self.n, 0)[0]
+        key = _wo._stream_key(stream)
+        partial = self._work.get(key)
+        if partial is None:
+            partial = self._work[key] = Described(_wo.workspace(out.device, stream, self.splits, self.m, self.n,
+                                                                 0)[0])
+        return partial
+
+    def run(self, x: torch.Tensor, out: torch.Tensor, stream, alpha: torch.Tensor | None = None) -> None:
+        """out (M, N) = the product for x (M, K), on ``stream``; ``alpha`` (a (1,) fp32 tensor) replaces
+        the weight's epilogue factor when given."""
+        alpha = self.alpha if alpha is None else alpha
+        if self.splits:
+            partial = self._partial(out, stream)
+            ct.launch(stream, self.grid, self.kernel,
+                      (x, *self.fixed, out, alpha, *self.rest, partial, self.splits, *self.consts))
+            ct.launch(stream, self.sum_grid, _partial_sum_kernel,
+                      (partial, out, alpha, self.rest[1], self.splits, *SUM_TILE))
+        else:  # a stand-in the kernel never reads
+            ct.launch(stream, self.grid, self.kernel, (x, *self.fixed, out, alpha, *self.rest, alpha, 1, *self.consts))
 
 
 @functools.lru_cache(maxsize=4096)

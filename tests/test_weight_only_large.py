@@ -278,6 +278,26 @@ def test_runner_dispatches_through_the_table(emulated, monkeypatch, kind):
     assert calls == [{"fused": "run", "decode": "decode_gemm", "overlap": "overlap_gemm"}[kind]]
 
 
+@pytest.mark.parametrize("m", [16, 48])
+@pytest.mark.parametrize("why", ["fp32 output", "not Hopper"])
+def test_runner_where_the_fused_kernel_cannot_serve(monkeypatch, m, why):
+    """A fused pick that the fused kernel cannot serve (an fp32 output, a GPU other than Hopper) goes to
+    the decode design where the plan may name that on its own (48 rows), and to the small-M kernels
+    below (16 rows: a whole-weight decode there would cost many times the small-M kernel)."""
+    import tilemm.weight_only as wol
+
+    layout = wo.LAYOUTS["mxfp4"]
+    assert wl.plan(m, 4096, 14336, layout).kind == "fused"
+    gpu = wol.Family.HOPPER if why == "fp32 output" else wol.Family.BLACKWELL
+    monkeypatch.setattr(wol, "family", lambda device: gpu)
+    runner = wol.WeightOnlyRunner(prepack(_weight(MXFP4, 4096, 14336, seed=3)), None)
+    runner._sms = 132
+    large, fused = runner._large_route(m, torch.bfloat16, torch.float32 if why == "fp32 output" else torch.bfloat16)
+    assert fused is None
+    assert (large is None) if m == 16 else (large.kind == "decode")
+    assert wl.decode_fallback(48, layout) and not wl.decode_fallback(32, layout)
+
+
 def test_rules_on_the_committed_h100_sweep():
     """On every (family, M) of the committed H100 sweep, the rules' picks reach the per-shape best
     candidate's geomean within 0.02 and never fall below the best single candidate per (family, M)

@@ -41,6 +41,7 @@ from tilemm import weight_only as _weight_only  # noqa: E402
 from tilemm.kernels import _common  # noqa: E402
 from tilemm.kernels import hopper_block_scaled, hopper_fp8, hopper_gemm, quantize_kernels  # noqa: E402
 from tilemm.kernels import blackwell_block_scaled, blackwell_fp8, moe_kernels, weight_only_kernels  # noqa: E402
+from tilemm.kernels import hopper_weight_only_large  # noqa: E402
 
 #: (grid, kernel, args) of every launch made under ``cuda_route`` (cleared by its users).
 LAUNCHES = []
@@ -82,7 +83,7 @@ def cuda_route(target: str = "sm_90"):
             setattr(owner, name, value)
 
     kernel_modules = (hopper_block_scaled, hopper_fp8, hopper_gemm, quantize_kernels, weight_only_kernels, moe_kernels,
-                      blackwell_block_scaled, blackwell_fp8)
+                      blackwell_block_scaled, blackwell_fp8, hopper_weight_only_large)
     for module in kernel_modules:
         patch(module, "ct", _NoLaunch(module.ct))
         patch(module, "num_sms", lambda device: 132)

@@ -40,9 +40,9 @@ from ._common import Described, hinted, sm90_hints, tile_coords_at
 from . import weight_only_kernels as _wo
 from .weight_only_kernels import _epilogue, _k_tile
 
-__all__ = ["LargeConfig", "FamilyRule", "RULES", "CANDIDATES", "plan", "first_m", "family", "output_tiles",
-           "wave_fill", "with_split", "SWEEP", "VARIANTS", "grid", "launch", "Prepared", "decode_gemm", "overlap_gemm", "pingpong",
-           "aot_variants"]
+__all__ = ["LargeConfig", "FamilyRule", "RULES", "CANDIDATES", "plan", "first_m", "decode_fallback", "family",
+           "output_tiles", "wave_fill", "with_split", "SWEEP", "VARIANTS", "grid", "launch", "Prepared", "decode_gemm",
+           "overlap_gemm", "pingpong", "aot_variants"]
 
 ConstInt = ct.Constant[int]
 
@@ -351,6 +351,14 @@ def _rule(layout: _wo.Layout, rules: dict | None) -> FamilyRule:
 def first_m(layout: _wo.Layout, rules: dict | None = None) -> int:
     """The smallest M for which the large-M plan may name a design."""
     return _rule(layout, rules).first_m
+
+
+def decode_fallback(m: int, layout: _wo.Layout, rules: dict | None = None) -> bool:
+    """Whether the decode design stands in for a fused config that cannot serve a call (another GPU
+    than Hopper, an output other than bf16): from the rows where the plan may name it on its own (above
+    ``narrow_m`` / ``whole_m``); below, the small-M plan does."""
+    rule = _rule(layout, rules)
+    return m > max(rule.narrow_m, rule.whole_m)
 
 
 def plan(m: int, n: int, k: int, layout: _wo.Layout, rules: dict | None = None, sms: int = 132
@@ -710,6 +718,9 @@ VARIANTS = {
              (LargeConfig("fused", 128, 256, num_ctas=2), False, 128, 1024),
              (LargeConfig("fused", 128, 128, cat=1), False, 128, 1024)),
     "8bit": ((LargeConfig("fused", 128, 128, cat=1), True, 64, 256),
+             (LargeConfig("fused", 64, 64, warps=4, occupancy=2), True, 32, 128),
+             (LargeConfig("fused", 32, 64, warps=4, occupancy=2), True, 16, 64),
+             (LargeConfig("fused", 16, 64, warps=4, occupancy=3), True, 2, 16),
              (LargeConfig("fused", 128, 256, num_ctas=2), False, 128, 1024)),
 }
 

@@ -181,8 +181,11 @@ _MEASURED_PICKS = {
     ("4bit", 1024): {(14336, 4096): "fused_128x128_g8", (4096, 14336): "fused_128x128_g8",
                      (1024, 4096): "decode_c0"},
     ("4bit", 2048): {(14336, 4096): "decode_c0", (8192, 8192): "decode_c0"},
-    ("8bit", 64): {(8192, 8192): "fused_128x128_g8_s2_cat", (6144, 4096): "fused_128x128_g8_s2_cat",
-                   (4096, 14336): "fused_128x128_g8_s4_cat", (14336, 4096): None},
+    ("8bit", 32): {(14336, 4096): None, (4096, 14336): "fused_64x64_g8_occ2_w4_s4",
+                   (8192, 8192): "fused_64x64_g8_occ2_w4_s2", (6144, 4096): "fused_64x64_g8_occ2_w4_s2",
+                   (1024, 4096): "decode_c0"},
+    ("8bit", 64): {(8192, 8192): "fused_64x64_g8_occ2_w4_s2", (6144, 4096): "fused_64x64_g8_occ2_w4_s2",
+                   (4096, 14336): "fused_64x64_g8_occ2_w4_s4", (14336, 4096): None},
     ("8bit", 128): {(6144, 4096): "fused_128x128_g8_s2_cat", (14336, 4096): "fused_128x128_g8_cat",
                     (4096, 14336): "fused_128x128_g8_s4_cat", (8192, 8192): "fused_128x128_g8_s2_cat",
                     (1024, 4096): "decode_c0"},
@@ -278,12 +281,12 @@ def test_runner_dispatches_through_the_table(emulated, monkeypatch, kind):
     assert calls == [{"fused": "run", "decode": "decode_gemm", "overlap": "overlap_gemm"}[kind]]
 
 
-@pytest.mark.parametrize("m", [16, 48])
+@pytest.mark.parametrize("m", [16, 48, 600])
 @pytest.mark.parametrize("why", ["fp32 output", "not Hopper"])
 def test_runner_where_the_fused_kernel_cannot_serve(monkeypatch, m, why):
     """A fused pick that the fused kernel cannot serve (an fp32 output, a GPU other than Hopper) goes to
-    the decode design where the plan may name that on its own (48 rows), and to the small-M kernels
-    below (16 rows: a whole-weight decode there would cost many times the small-M kernel)."""
+    the decode design from 512 rows on, and to the small-M kernels below (which ran ahead of the decode
+    design up to 256 rows on the H100 sweep)."""
     import tilemm.weight_only as wol
 
     layout = wo.LAYOUTS["mxfp4"]
@@ -294,8 +297,7 @@ def test_runner_where_the_fused_kernel_cannot_serve(monkeypatch, m, why):
     runner._sms = 132
     large, fused = runner._large_route(m, torch.bfloat16, torch.float32 if why == "fp32 output" else torch.bfloat16)
     assert fused is None
-    assert (large is None) if m == 16 else (large.kind == "decode")
-    assert wl.decode_fallback(48, layout) and not wl.decode_fallback(32, layout)
+    assert (large is None) if m < 512 else (large.kind == "decode")
 
 
 def test_rules_on_the_committed_h100_sweep():
@@ -314,10 +316,11 @@ def test_rules_on_the_committed_h100_sweep():
     rows, sms = plan_rule_check.read_rows(
         str(root / "benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt"))
     assert sms == 132 and len(rows) > 500
-    # (below 33 rows the rules follow the M = 2-32 sweep, checked below; this one did not time those candidates)
-    large = [r for r in rows if r["m"] >= 33]
+    # (4-bit weights below 33 rows and 8-bit ones up to 64 follow the sweeps at few rows, checked below;
+    # this one did not time their candidates)
+    large = [r for r in rows if r["m"] >= (33 if r["family"] == "4bit" else 65)]
     result = plan_rule_check.check(large, sms, out=lambda *a: None)
-    assert len(result) >= 14
+    assert len(result) >= 13
     for key, g in result.items():
         assert not g["missing"], key
         assert g["rule"] >= g["best"] - 0.02 and g["rule"] >= g["family"] - 1e-9, (key, g)
@@ -337,3 +340,12 @@ def test_rules_on_the_committed_h100_sweep():
         assert not g["missing"] and g["rule"] >= g["best"] - 0.02 and g["rule"] >= g["wired"] - 0.01, (key, g)
     for m in (16, 24, 32):
         assert result[("4bit", m)]["rule"] >= result[("4bit", m)]["wired"] + 0.05
+    # 8-bit weights at M = 2-64: the one-warpgroup blocks with 64 rows of x and the K split from M = 32
+    rows, sms = plan_rule_check.read_rows(
+        str(root / "benchmarks/results/tune-weight-only-large-m8-nvidia-h100-80gb-hbm3.txt"))
+    result = plan_rule_check.check(rows, sms, out=lambda *a: None)
+    assert len(result) == 7
+    for key, g in result.items():
+        assert not g["missing"] and g["rule"] >= g["best"] - 0.03 and g["rule"] >= g["wired"] - 0.01, (key, g)
+    for m in (32, 48):
+        assert result[("8bit", m)]["rule"] >= result[("8bit", m)]["wired"] + 0.1

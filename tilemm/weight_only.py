@@ -133,10 +133,9 @@ class WeightOnlyRunner:
         large = _large_kernel.plan(m, self.n, self.k, self.layout, sms=self._sms)
         if large is not None and large.kind == "fused" and (family(self.device) is not Family.HOPPER
                                                              or out_dtype != torch.bfloat16):
-            # The fused kernel is built for sm_90 and a bf16 output; otherwise decode + GEMM, or at few
-            # rows the small-M kernels.
-            large = (_large_kernel.LargeConfig("decode", chunk=0) if _large_kernel.decode_fallback(m, self.layout)
-                     else None)
+            # The fused kernel is built for sm_90 and a bf16 output; otherwise decode + GEMM, or below
+            # a few hundred rows the small-M kernels.
+            large = _large_kernel.LargeConfig("decode", chunk=0) if _large_kernel.decode_fallback(m) else None
         if large is not None and large.kind == "fused" and m * max(self.k, self.n) < _large.LIMIT:
             p = self.packed
             return large, _large_kernel.Prepared(p.words, p.scale_t, p.constants, self.bias, self.layout, large, m,

@@ -289,6 +289,7 @@ _SPLIT_4 = LargeConfig("fused", 64, 64, warps=4, occupancy=2)
 _SPLIT_4_X32 = LargeConfig("fused", 32, 64, warps=4, occupancy=2)
 _SPLIT_4_X16 = LargeConfig("fused", 16, 64, warps=4, occupancy=3)
 _MID_8 = LargeConfig("fused", 128, 128, cat=1)
+_SPLIT_8 = LargeConfig("fused", 64, 64, warps=4, occupancy=2)
 _WIDE_8 = LargeConfig("fused", 256, 128)
 
 #: The plan's rules per weight family ("4bit": MXFP4 / NVFP4, "8bit": MXFP8), fitted to the H100
@@ -319,8 +320,12 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #: * 8-bit: 128x128 tiles with one MMA per K tile (cat) from 0.7 tiles per SM, 256 rows of x from 0.7
 #:   tiles per SM at M >= 256, unless cat's 128-row tiles fill their last wave better by more than
 #:   0.15 (6144x4096, M = 1024: 192 tiles of 256 rows fill 0.73 of two waves, 384 of 128 rows 0.97
-#:   of three, and cat wins); with fewer tiles, and at M = 64 where it splits, cat's 128x128 tiles
-#:   with the K split.
+#:   of three, and cat wins); with fewer tiles, cat's 128x128 tiles with the K split. At M = 32-64,
+#:   as for 4-bit weights, 64 weight rows x 64 rows of x on one warpgroup, two blocks per SM, with the
+#:   K split where it splits (4096x14336, 8192x8192, 6144x4096: 1.16-1.19x bf16 against 0.95-1.09x
+#:   for the small-M plan or cat's split tiles), else the small-M plan
+#:   (``benchmarks/results/tune-weight-only-large-m8-nvidia-h100-80gb-hbm3.txt``); below 32 rows
+#:   the one-warpgroup blocks with 16 or 32 rows of x ran slower than the small-M plan on every shape.
 #:
 #: What the rules reach on that sweep, per family and M (geomean over the five shapes of the picked
 #: candidate's speed-up over bf16, against the per-shape best candidate, one candidate per (family, M)
@@ -333,8 +338,8 @@ RULES = {
     "4bit": FamilyRule(first_m=2, large_m=2048, large=_DECODE, l2_bytes=16 << 20, fused=((_MID_4, 0.7),),
                        split=((_SPLIT_4_X16, 16), (_SPLIT_4_X32, 32), (_SPLIT_4, 128), (_MID_4, 1 << 30)),
                        narrow_m=16, whole_m=32),
-    "8bit": FamilyRule(first_m=64, large_m=2048, large=_DECODE, l2_bytes=16 << 20,
-                       fused=((_WIDE_8, 0.7), (_MID_8, 0.7)), split=((_MID_8, 1 << 30),)),
+    "8bit": FamilyRule(first_m=32, large_m=2048, large=_DECODE, l2_bytes=16 << 20,
+                       fused=((_WIDE_8, 0.7), (_MID_8, 0.7)), split=((_SPLIT_8, 64), (_MID_8, 1 << 30))),
 }
 RULES["nvfp4"] = dataclasses.replace(RULES["4bit"], large_m=512)
 
@@ -353,12 +358,18 @@ def first_m(layout: _wo.Layout, rules: dict | None = None) -> int:
     return _rule(layout, rules).first_m
 
 
-def decode_fallback(m: int, layout: _wo.Layout, rules: dict | None = None) -> bool:
+#: From this many rows of x the decode design stands in for a fused config that cannot serve a call;
+#: below, the small-M plan does: on the H100 sweep
+#: (``benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt``, geomean over its shapes)
+#: the small-M plan ran ahead of the decode design up to M = 256 (4-bit 1.05 / 0.69 / 0.62x bf16
+#: against 0.50 / 0.51 / 0.52x at M = 64 / 128 / 256; 8-bit likewise), level at 512, behind from 1024.
+DECODE_FALLBACK_M = 512
+
+
+def decode_fallback(m: int) -> bool:
     """Whether the decode design stands in for a fused config that cannot serve a call (another GPU
-    than Hopper, an output other than bf16): from the rows where the plan may name it on its own (above
-    ``narrow_m`` / ``whole_m``); below, the small-M plan does."""
-    rule = _rule(layout, rules)
-    return m > max(rule.narrow_m, rule.whole_m)
+    than Hopper, an output other than bf16), rather than the small-M plan (``DECODE_FALLBACK_M``)."""
+    return m >= DECODE_FALLBACK_M
 
 
 def plan(m: int, n: int, k: int, layout: _wo.Layout, rules: dict | None = None, sms: int = 132

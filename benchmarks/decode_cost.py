@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import pathlib
 import re
@@ -165,11 +166,21 @@ def default_variants():
     N = 4096, 16-row blocks of stacks of 4), the MMA kernel at M = 16 with a K split (N = 2048, K = 4096) and without (N = 14336),
     with stacked K tiles at M = 4 (N = 8192: 32-row blocks; N = 4096: 16-row blocks) and M = 16 (N =
     4096: 32 rows in 128 MMA rows); the block-scaled stream kernel at M = 16; and the large-M fused
-    kernel (its first candidate: 128 weight rows x 128 rows of x, one MMA per K tile)."""
+    kernel (its first candidate: 128 weight rows x 128 rows of x, one MMA per K tile) and its
+    one-warpgroup split blocks that the runner takes at few rows (``few_rows_fused``)."""
     out = [weight_only_variant(name, cfg) for name, layout in wo.LAYOUTS.items() for cfg in _planned(layout)]
     out += [stream_variant(fmt) for fmt in (MXFP4, NVFP4, MXFP8_E4M3)]
     out += [large_variant(name, wol.CANDIDATES[0]) for name in ("mxfp4", "nvfp4", "mxfp8_e4m3")]
+    out += [large_variant(name, cfg) for name in ("mxfp4", "nvfp4", "mxfp8_e4m3") for cfg in few_rows_fused(name)]
     return out
+
+
+def few_rows_fused(name: str) -> list:
+    """The fused kernel's configs that the weight-only runner takes at few rows of x (the large-M
+    plan's one-warpgroup split blocks: 4096 x 14336 at M = 16 / 32 for 4-bit weights, M = 32 for 8-bit
+    ones), each once, with split_k 2 (the count is a run-time argument: one code path)."""
+    cfgs = [wol.plan(m, 4096, 14336, wo.LAYOUTS[name]) for m in (16, 32)]
+    return list(dict.fromkeys(dataclasses.replace(c, split_k=2) for c in cfgs if c is not None and c.kind == "fused"))
 
 
 def moe_pairs_variants():

@@ -125,3 +125,23 @@ def test_large_m_kernel_main_loop_instructions_per_element():
     assert row["per_element"] <= LARGE_BOUND, (
         f"{variant.name}: {row['per_element']:.2f} SASS instructions per weight element in the main loop "
         f"(bound {LARGE_BOUND}): {row['top']}")
+
+
+#: The fused kernel's one-warpgroup split blocks that the weight-only runner takes at few rows of x
+#: (``decode_cost.few_rows_fused``: 64 weight rows by 16 / 32 rows of x for 4-bit weights, by 64 for
+#: 8-bit ones): 2.98 / 3.02 MXFP4, 3.62 / 3.59 NVFP4, 4.86 MXFP8 with tileiras 13.4.
+FEW_ROWS_BOUNDS = {"mxfp4": 3.2, "nvfp4": 3.9, "mxfp8_e4m3": 5.1}
+
+
+@pytest.mark.skipif(COMPILER_MISSING is not None, reason=COMPILER_MISSING or "")
+@pytest.mark.skipif(_nvdisasm_missing() is not None, reason=_nvdisasm_missing() or "")
+@pytest.mark.parametrize("layout", list(FEW_ROWS_BOUNDS))
+def test_few_rows_fused_main_loop_instructions_per_element(layout):
+    cfgs = decode_cost.few_rows_fused(layout)
+    assert cfgs and all(c.kind == "fused" and c.split_k == 2 for c in cfgs)
+    for cfg in cfgs:
+        variant, elements, unroll = decode_cost.large_variant(layout, cfg)
+        row = decode_cost.report(variant, elements, unroll)  # main_loop raises unless the loop holds HGMMA
+        assert row["per_element"] <= FEW_ROWS_BOUNDS[layout], (
+            f"{variant.name}: {row['per_element']:.2f} SASS instructions per weight element in the main loop "
+            f"(bound {FEW_ROWS_BOUNDS[layout]}): {row['top']}")

@@ -138,6 +138,8 @@ def entries(m: int, n: int, k: int):
         yield f"{fmt} linear(xq, wq)", lambda xq=xq, wq=wq: tilemm.linear(xq, wq)
         both = tilemm.nn.Linear.from_float(lin, fmt)
         yield f"{fmt} nn.Linear both sides", lambda both=both: both(x)
+        only = tilemm.nn.Linear.from_float(lin, fmt, weight_only=True)
+        yield f"{fmt} nn.Linear weight-only", lambda only=only: only(x)
         yield f"quantize_{fmt}(x, swizzle=True)", lambda q=q: q(x, swizzle=True)
     xq, wq = tilemm.quantize_fp8(x, granularity="row"), tilemm.quantize_fp8(lin.weight, granularity="row")
     yield "fp8_matmul (row scales)", lambda: tilemm.fp8_matmul(xq.data, xq.scale, wq.data.t(), wq.scale.t())

@@ -2,9 +2,11 @@
 
 ``benchmarks/decode_cost.py`` compiles the kernels as ``plan`` picks them -- the MMA kernel at M = 16
 (N = 2048, K = 4096: a K split, two K tiles per load) and with stacked K tiles at M = 4, the FMA
-kernel at M = 1, and the MMA kernel at M = 1 (``m1_kernel="mma"``: the same stacked configs) -- for
-sm_90, disassembles them (``nvdisasm``) and counts the main loop. At small M these kernels issue those instructions for every weight element they read, so a change that adds
-decode work shows here before any GPU run. The bounds sit a little above the counts of the committed
+kernel at M = 1, the MMA kernel at M = 1 (``m1_kernel="mma"``: the same stacked configs), and the
+large-M fused kernel's one-warpgroup split blocks that the runner takes at few rows -- for sm_90,
+disassembles them (``nvdisasm``) and counts the main loop. At small M these kernels issue those
+instructions for every weight element they read, so a change that adds decode work shows here
+before any GPU run. The bounds sit a little above the counts of the committed
 kernels (MMA: 3.50 MXFP4, 4.50 NVFP4, 4.18 MXFP8, with ``tileiras`` 13.4, well below the
 block-scaled stream kernel's 12.4-16.2; FMA and stacked: below).
 """

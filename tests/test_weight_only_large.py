@@ -271,7 +271,8 @@ def test_runner_dispatches_through_the_table(emulated, monkeypatch, kind):
     calls = []
     for owner, name in ((wl.Prepared, "run"), (wl, "decode_gemm"), (wl, "overlap_gemm")):
         original = getattr(owner, name)
-        monkeypatch.setattr(owner, name, (lambda f, nm: lambda *a, **k: (calls.append(nm), f(*a, **k))[1])(original, name))
+        counted = (lambda f, nm: lambda *a, **k: (calls.append(nm), f(*a, **k))[1])(original, name)
+        monkeypatch.setattr(owner, name, counted)
     w_q = _weight(MXFP4, 40, 512, seed=9)
     runner = wol.WeightOnlyRunner(prepack(w_q), None)
     runner._sms = 4

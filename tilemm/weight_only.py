@@ -255,8 +255,8 @@ def run_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: 
                           in_features=in_features, alpha_host=alpha_host)
     # A runner per call that keeps nothing of its own: under torch.compile's CUDA graphs
     # (mode="reduce-overhead") the call allocates only its output and launches one kernel (two where
-    # the large-M plan splits K in the fused kernel; a missing bias and a K split's workspace are persistent buffers shared per device /
-    # stream, ``weight_only_kernels.zero_bias`` / ``workspace``).
+    # the large-M plan splits K in the fused kernel; a missing bias and a K split's workspace are
+    # persistent buffers shared per device / stream, ``weight_only_kernels.zero_bias`` / ``workspace``).
     runner = WeightOnlyRunner(packed, bias, keep_workspace=False)
     return runner(x2d.contiguous(), None if alpha is None else alpha.reshape(1), out_dtype=out_dtype)
 

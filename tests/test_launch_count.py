@@ -851,3 +851,36 @@ def test_blackwell_fp8_layer_repeats_the_full_launch():
         layer(x)
         assert type(layer._runner).__name__ == "_PreparedFP8" and all(layer._runner.calls.values())
         HOST_PATH.LAUNCHES.clear()
+
+
+@pytest.mark.parametrize("m", [1, 16, 32])
+def test_weight_only_few_rows_launches(m):
+    # A 4-bit weight-only layer of 4096 x 4096 (fewer than one 32-row block per SM at 132 SMs): one
+    # launch at M = 1 (the FMA kernel); at M = 16 / 32 the fused kernel's K split, two launches (its
+    # partial tiles, then their sum). A repeated call makes the same launches on the same split
+    # workspace and the same described weight: nothing is allocated or described anew but the output.
+    from tilemm.kernels import hopper_weight_only_large as wl
+
+    gen = torch.Generator().manual_seed(m)
+    lin = torch.nn.Linear(4096, 4096, bias=False, dtype=torch.bfloat16)
+    layer = tilemm.nn.Linear.from_float(lin, "mxfp4", weight_only=True)
+    x = torch.randn(m, 4096, generator=gen).to(torch.bfloat16)
+    calls = []
+    with HOST_PATH.cuda_route():
+        for _ in range(2):
+            HOST_PATH.LAUNCHES.clear()
+            layer(x)
+            calls.append(list(HOST_PATH.LAUNCHES))
+        HOST_PATH.LAUNCHES.clear()
+    first, second = calls
+    assert len(first) == len(second) == (1 if m == 1 else 2)
+    assert [k for _, k, _ in first] == [k for _, k, _ in second]
+    (_, _, a1), (_, _, a2) = first[0], second[0]
+    assert a1[0] is x and a2[0] is x
+    assert a1[1] is a2[1] and a1[2] is a2[2]  # the weight's words and scales, described once
+    if m > 1:
+        (_, fused, args), (_, summed, sum_args) = second
+        assert summed is wl._partial_sum_kernel
+        partial = args[7]
+        assert sum_args[0] is partial and first[0][2][7] is partial  # the kept workspace view
+        assert args[8] == sum_args[4] > 1  # K ranges

@@ -121,6 +121,36 @@ def test_fused_kernel_with_alpha_and_fp16_x(emulated):
     assert_matches(out.float(), _reference(x, w_q) * 0.5, torch.float16)
 
 
+@pytest.mark.parametrize("fmt", [MXFP4, NVFP4], ids=["mxfp4", "nvfp4"])
+def test_runner_few_rows_takes_the_fused_split(emulated, monkeypatch, fmt):
+    """The runner with the committed rules at few rows: N = 100 gives fewer than one 32-row block per SM
+    on 8 SMs, so M = 5 takes 64 weight rows x 16 rows of x and M = 20 64 x 32, each with a K split of 2
+    (K = 1344: 6 K tiles, the last one part padding), a bias and, on the second call, an alpha, through
+    the prepared launch kept per M (the split workspace's partials poisoned with NaN before each call,
+    so that an unwritten or unread partial shows; ``test_launch_count`` checks that CUDA calls keep the
+    workspace view)."""
+    import tilemm.weight_only as wol
+
+    monkeypatch.setattr(wol, "stream_handle", lambda device: 0)
+    monkeypatch.setattr(wol, "family", lambda device: wol.Family.HOPPER)
+    n, k = 100, 1344
+    w_q = _weight(fmt, n, k, seed=21)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(22))
+    runner = wol.WeightOnlyRunner(prepack(w_q), bias)
+    runner._sms = 8
+    for m, tile_m in ((5, 16), (20, 32)):
+        cfg = wl.plan(m, n, k, runner.layout, sms=8)
+        assert (cfg.kind, cfg.tile_m, cfg.tile_n, cfg.split_k) == ("fused", tile_m, 64, 2)
+        x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 2).to(torch.bfloat16)
+        ref = _reference(x, w_q, bias)
+        for alpha in (None, runner.packed.constants[0:1] * 0.25):
+            wo.workspace(torch.device("cpu"), 0, 2, m, n, 0)[0].fill_(float("nan"))
+            out = runner(x, alpha)
+            want = ref if alpha is None else _reference(x, w_q) * 0.25 + bias
+            assert_matches(out.float(), want, torch.bfloat16)
+        assert runner._large[(m, torch.bfloat16, torch.bfloat16)][1] is not None
+
+
 @pytest.mark.parametrize("fmt", [MXFP4, NVFP4, MXFP8_E4M3], ids=["mxfp4", "nvfp4", "mxfp8_e4m3"])
 @pytest.mark.parametrize("chunk", [0, 32, 48])
 def test_decode_gemm_matches_reference(emulated, fmt, chunk):

@@ -279,17 +279,17 @@ def with_split(cfg: LargeConfig, m: int, n: int, k: int, layout: _wo.Layout, sms
     return dataclasses.replace(cfg, split_k=split)
 
 
-#: The weight rows of the small-M kernels' wide blocks (``weight_only_kernels._STACKED``): with fewer
-#: such blocks than SMs they split K or stack narrow blocks.
-_NARROW_ROWS = 32
+#: The weight rows of the small-M kernels' wide stacked blocks (``weight_only_kernels._STACKED``): with
+#: fewer such blocks than SMs they split K or stack narrow blocks.
+_NARROW_ROWS = _wo._STACKED[16][0][0]
 
 _DECODE = LargeConfig("decode", chunk=0)
 _MID_4 = LargeConfig("fused", 128, 128)
-_SPLIT_4 = LargeConfig("fused", 64, 64, warps=4, occupancy=2)
-_SPLIT_4_X32 = LargeConfig("fused", 32, 64, warps=4, occupancy=2)
-_SPLIT_4_X16 = LargeConfig("fused", 16, 64, warps=4, occupancy=3)
+# One-warpgroup blocks of 64 weight rows by 64 / 32 / 16 rows of x, for the K split at few rows.
+_SPLIT_X64 = LargeConfig("fused", 64, 64, warps=4, occupancy=2)
+_SPLIT_X32 = LargeConfig("fused", 32, 64, warps=4, occupancy=2)
+_SPLIT_X16 = LargeConfig("fused", 16, 64, warps=4, occupancy=3)
 _MID_8 = LargeConfig("fused", 128, 128, cat=1)
-_SPLIT_8 = LargeConfig("fused", 64, 64, warps=4, occupancy=2)
 _WIDE_8 = LargeConfig("fused", 256, 128)
 
 #: The plan's rules per weight family ("4bit": MXFP4 / NVFP4, "8bit": MXFP8), fitted to the H100
@@ -304,16 +304,16 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #:   instructions per element than e8m0 ones; MXFP4's fused kernel stays ahead up to M = 1024).
 #: * 4-bit, M = 2-16: 64 weight rows x 16 rows of x on one warpgroup, three blocks per SM, with the K
 #:   split that fills the block slots, where N gives fewer than one 32-row block per SM (4096x14336,
-#:   1024x4096: there the small-M kernels stack narrow blocks or end a K split in the kernel); else
-#:   the small-M plan, which ran 5-20 % faster on 6144x4096, 8192x8192 and 14336x4096. M = 17-32: 64
-#:   weight rows x 32 rows of x, two blocks per SM, with the split where it fills the slots, on every
-#:   shape (level with the small-M plan on 14336x4096 and 1024x4096, 10-25 % ahead elsewhere;
-#:   ``benchmarks/results/tune-weight-only-large-m2-nvidia-h100-80gb-hbm3.txt``).
+#:   1024x4096: there the small-M kernels stack narrow blocks or end a K split in the kernel, and ran
+#:   level or slower); else the small-M plan, faster on 6144x4096 and 8192x8192, level on 14336x4096.
+#:   M = 17-32: 64 weight rows x 32 rows of x, two blocks per SM, with the split where it fills the
+#:   slots, on every shape (level with the small-M plan or ahead of it;
+#:   ``benchmarks/results/tune-weight-only-large-m2-nvidia-h100-80gb-hbm3.txt``, MXFP4 and NVFP4).
 #: * 4-bit, M = 33-64: 64 weight rows x 64 rows of x on one warpgroup, two blocks per SM, with the K
 #:   split that fills the block slots (4096x14336, 8192x8192, 6144x4096), where it splits; else
-#:   (14336x4096) the small-M plan, within a few percent of it there. At M = 32 the small-M plan's
-#:   32-row x tiles beat the half-empty 64-row ones on three of the four shapes
-#:   (``benchmarks/results/tune-weight-only-large-m32-nvidia-h100-80gb-hbm3.txt``).
+#:   (14336x4096) the small-M plan, within a few percent of it there. (At M = 32 those 64-row x tiles,
+#:   half empty, lost to the small-M plan's 32-row ones on three of four shapes:
+#:   ``benchmarks/results/tune-weight-only-large-m32-nvidia-h100-80gb-hbm3.txt``.)
 #: * 4-bit, 128 <= M < 2048: 128x128 tiles from 0.7 tiles per SM; with fewer, the K split of the
 #:   same one-warpgroup blocks up to M = 128, and of 128x128 tiles beyond (two launches: the
 #:   partial tiles, then their sum).
@@ -322,8 +322,8 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #:   0.15 (6144x4096, M = 1024: 192 tiles of 256 rows fill 0.73 of two waves, 384 of 128 rows 0.97
 #:   of three, and cat wins); with fewer tiles, cat's 128x128 tiles with the K split. At M = 32-64,
 #:   as for 4-bit weights, 64 weight rows x 64 rows of x on one warpgroup, two blocks per SM, with the
-#:   K split where it splits (4096x14336, 8192x8192, 6144x4096: 1.16-1.19x bf16 against 0.95-1.09x
-#:   for the small-M plan or cat's split tiles), else the small-M plan
+#:   K split where it splits (4096x14336, 8192x8192, 6144x4096: ahead of the small-M kernels and of
+#:   cat's split tiles), else the small-M plan
 #:   (``benchmarks/results/tune-weight-only-large-m8-nvidia-h100-80gb-hbm3.txt``); below 32 rows
 #:   the one-warpgroup blocks with 16 or 32 rows of x ran slower than the small-M plan on every shape.
 #:
@@ -336,10 +336,10 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #: ``tests/test_weight_only_large.py`` checks the picks on those shapes.
 RULES = {
     "4bit": FamilyRule(first_m=2, large_m=2048, large=_DECODE, l2_bytes=16 << 20, fused=((_MID_4, 0.7),),
-                       split=((_SPLIT_4_X16, 16), (_SPLIT_4_X32, 32), (_SPLIT_4, 128), (_MID_4, 1 << 30)),
+                       split=((_SPLIT_X16, 16), (_SPLIT_X32, 32), (_SPLIT_X64, 128), (_MID_4, 1 << 30)),
                        narrow_m=16, whole_m=32),
     "8bit": FamilyRule(first_m=32, large_m=2048, large=_DECODE, l2_bytes=16 << 20,
-                       fused=((_WIDE_8, 0.7), (_MID_8, 0.7)), split=((_SPLIT_8, 64), (_MID_8, 1 << 30))),
+                       fused=((_WIDE_8, 0.7), (_MID_8, 0.7)), split=((_SPLIT_X64, 64), (_MID_8, 1 << 30))),
 }
 RULES["nvfp4"] = dataclasses.replace(RULES["4bit"], large_m=512)
 
@@ -360,9 +360,9 @@ def first_m(layout: _wo.Layout, rules: dict | None = None) -> int:
 
 #: From this many rows of x the decode design stands in for a fused config that cannot serve a call;
 #: below, the small-M plan does: on the H100 sweep
-#: (``benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt``, geomean over its shapes)
-#: the small-M plan ran ahead of the decode design up to M = 256 (4-bit 1.05 / 0.69 / 0.62x bf16
-#: against 0.50 / 0.51 / 0.52x at M = 64 / 128 / 256; 8-bit likewise), level at 512, behind from 1024.
+#: (``benchmarks/results/tune-weight-only-large-nvidia-h100-80gb-hbm3.txt``, geomean over its shapes,
+#: both families) the small-M plan ran ahead of the decode design up to M = 256, level at 512, behind
+#: from 1024.
 DECODE_FALLBACK_M = 512
 
 
@@ -445,24 +445,12 @@ class Prepared:
         self.rest = (wrap(constants[1:2]), wrap(bias))
         self._work = {} if keep_workspace else None
 
-    def _partial(self, out, stream):
-        """The (splits, M, N) fp32 view of the stream's split workspace (kept per stream, described;
-        inside a CUDA-graph capture looked up anew, as ``weight_only_kernels.Prepared`` does)."""
-        if self._work is None or not out.is_cuda or _wo._capturing(out.device):
-            return _wo.workspace(out.device, stream, self.splits, self.m, self.n, 0)[0]
-        key = _wo._stream_key(stream)
-        partial = self._work.get(key)
-        if partial is None:
-            partial = self._work[key] = Described(_wo.workspace(out.device, stream, self.splits, self.m, self.n,
-                                                                 0)[0])
-        return partial
-
     def run(self, x: torch.Tensor, out: torch.Tensor, stream, alpha: torch.Tensor | None = None) -> None:
         """out (M, N) = the product for x (M, K), on ``stream``; ``alpha`` (a (1,) fp32 tensor) replaces
         the weight's epilogue factor when given."""
         alpha = self.alpha if alpha is None else alpha
         if self.splits:
-            partial = self._partial(out, stream)
+            partial = _wo.kept_workspace(self._work, out, stream, self.splits, self.m, self.n, 0)[0]
             ct.launch(stream, self.grid, self.kernel,
                       (x, *self.fixed, out, alpha, *self.rest, partial, self.splits, *self.consts))
             ct.launch(stream, self.sum_grid, _partial_sum_kernel,

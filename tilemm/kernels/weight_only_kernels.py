@@ -705,16 +705,7 @@ class Prepared:
         kernel never reads."""
         if self.split == 1:
             return out, self.alpha
-        if self._work is None or _capturing(out.device):
-            # Inside a capture the workspace may be allocated in the graph's pool: never keep it.
-            return workspace(out.device, stream, self.split, self.m, self.n, self.tiles)
-        key = _stream_key(stream)
-        work = self._work.get(key)
-        if work is None:
-            views = workspace(out.device, stream, self.split, self.m, self.n, self.tiles)
-            wrap = Described if out.is_cuda else (lambda t: t)
-            work = self._work[key] = (wrap(views[0]), wrap(views[1]))
-        return work
+        return kept_workspace(self._work, out, stream, self.split, self.m, self.n, self.tiles)
 
     def run(self, x: torch.Tensor, out: torch.Tensor, stream, alpha: torch.Tensor | None = None) -> None:
         """out (M, N) = the product for x (M, K); ``stream`` is a torch.cuda.Stream or a raw stream
@@ -722,6 +713,21 @@ class Prepared:
         ct.launch(stream, self.grid, self.kernel,
                   (x, *self.fixed, out, self.alpha if alpha is None else alpha, *self.rest,
                    *self._workspace(out, stream), *self.consts))
+
+
+def kept_workspace(kept: dict | None, out: torch.Tensor, stream, split: int, m: int, n: int, tiles: int):
+    """``workspace``'s views for a prepared launch, kept in ``kept`` per stream (described, on CUDA),
+    so that repeated calls neither look them up nor describe them again; ``kept`` None: looked up
+    per call. Inside a CUDA-graph capture the workspace may be allocated in the graph's pool, so
+    views are then never kept."""
+    if kept is None or _capturing(out.device):
+        return workspace(out.device, stream, split, m, n, tiles)
+    key = _stream_key(stream)
+    views = kept.get(key)
+    if views is None:
+        wrap = Described if out.is_cuda else (lambda t: t)
+        views = kept[key] = tuple(wrap(v) for v in workspace(out.device, stream, split, m, n, tiles))
+    return views
 
 
 def _stream_key(stream):

@@ -7,10 +7,11 @@ module for one target and checks that a cubin (an ELF image) comes back.
 
 What the default run compiles: for each kernel function and target, the first variant its module
 lists (about 50 cubins), and each kernel function once more with no alignment facts; so a kernel that
-stops compiling anywhere fails the default run within a few minutes on 2 cores. The full sweep, every
-variant the launchers can pick, runs with ``--aot-all`` (``pytest -m aot --aot-all``) or
-``-m aot_full``; CI runs it after the default run, and there every code path and every setting is
-compiled. A variant's code path is its kernel function and, parameter by parameter,
+stops compiling anywhere fails the default run within a few minutes on 2 cores.
+
+The full sweep (``pytest -m aot --aot-all``, or ``-m aot_full``; CI runs it after the default run)
+compiles every code path on every target, and every tuning setting of every kernel function on every
+target. A variant's code path is its kernel function and, parameter by parameter,
 
 * for an array: its rank, and its dtype unless that is a 16/32-bit float (an input or output
   precision: fp32 / bf16 / fp16 take the same path), so that FP8 data, packed e2m1 bytes, e8m0 / e4m3
@@ -19,9 +20,12 @@ compiled. A variant's code path is its kernel function and, parameter by paramet
   TMA store or not, ...), except the tuning constants in ``TUNING`` (tile shapes, pipeline latencies,
   group sizes, chunk sizes), and ``SPLIT_K``, which counts only as split or not.
 
-Compiler hints (occupancy, CTAs per cluster) are tuning too. ``test_full_sweep_compiles_every_path_and_every_setting``
-checks that the sweep holds every code path per target and every value of every tuning constant,
-hint set and array dtype of every kernel.
+Its tuning settings are those constants, its compiler hints (occupancy, CTAs per cluster) and the
+dtype of each array. The modules list the cross product of all of these that their launchers can
+pick (about 2,900 cubins, about 90 minutes on 2 cores); the sweep takes, after the default selection,
+the listed variant that covers the most not yet covered (in the modules' order) until nothing is left
+uncovered: about a quarter of them. ``test_full_sweep_compiles_every_path_and_every_setting`` checks
+that cover; ``--aot-every`` (or ``-m aot_every``) compiles the rest of the cross product too.
 
 Each kernel is also compiled with no alignment facts (``test_unaligned_variant_compiles``), the
 specialisation the JIT builds for odd strides: by default once per kernel function, with
@@ -36,6 +40,7 @@ while this runs gives spurious failures.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import importlib
 import inspect
 import pkgutil
@@ -133,20 +138,53 @@ def _default_selection(cases):
     return chosen
 
 
+def _covered(case):
+    """What compiling one case shows: its code path on its target, and each of its tuning settings for
+    its kernel function on its target."""
+    _, variant, target = case
+    path, settings = _path_and_settings(variant)
+    fn = _kernel_function(variant).__qualname__
+    return {("path", path, target)} | {("setting", fn, target, s) for s in settings}
+
+
+def _sweep_selection(cases, default):
+    """The indices of ``cases`` that the full sweep compiles: the default selection, then, greedily in the
+    modules' order, the case that adds the most not yet covered, until every code path on every target and
+    every tuning setting of every kernel function on every target is covered."""
+    covers = [_covered(case) for case in cases]
+    chosen = set(default)
+    done = set().union(*(covers[i] for i in chosen))
+    # Lazy greedy: a case's gain only shrinks as more is covered, so a stale gain is an upper bound and
+    # a case whose fresh gain still heads the heap is the greedy choice (ties go to the first listed).
+    heap = [(-len(c - done), i) for i, c in enumerate(covers) if c - done]
+    heapq.heapify(heap)
+    while heap:
+        _, i = heapq.heappop(heap)
+        gain = len(covers[i] - done)
+        if gain and heap and (-gain, i) > heap[0]:
+            heapq.heappush(heap, (-gain, i))
+        elif gain:
+            chosen.add(i)
+            done |= covers[i]
+    return chosen
+
+
 ALL_CASES = list(_all_cases())
 DEFAULT = set(_default_selection(ALL_CASES))
+SWEEP = _sweep_selection(ALL_CASES, DEFAULT)
 
 
-def _param(name, variant, target, *, default: bool, suffix=""):
-    """A test case; one outside the default selection carries the ``aot_full`` marker."""
+def _param(name, variant, target, *, default: bool, sweep: bool = True, suffix=""):
+    """A test case: one outside the default selection carries the ``aot_full`` marker, one outside the
+    full sweep as well the ``aot_every`` marker."""
     short = variant.name.removeprefix(f"{name}_")
-    marks = [] if default else [pytest.mark.aot_full]
+    marks = [] if default else [pytest.mark.aot_full] if sweep else [pytest.mark.aot_full, pytest.mark.aot_every]
     return pytest.param(name, variant, target, id=f"{name}-{short}{suffix}-{target}", marks=marks)
 
 
 @needs_compiler
 @pytest.mark.parametrize("module_name,variant,target",
-                         [_param(*case, default=i in DEFAULT) for i, case in enumerate(ALL_CASES)])
+                         [_param(*case, default=i in DEFAULT, sweep=i in SWEEP) for i, case in enumerate(ALL_CASES)])
 def test_variant_compiles(module_name, variant, target):
     from tilemm.kernels._aot import compile_variant
 
@@ -181,12 +219,14 @@ def test_default_run_compiles_every_kernel_on_every_target():
 
 
 def test_full_sweep_compiles_every_path_and_every_setting():
-    """The full sweep (``--aot-all``: the default selection plus every aot_full case) holds every code
-    path on every target, and every tuning value, hint set and array dtype of every kernel."""
-    described = [(_path_and_settings(v), t) for _, v, t in ALL_CASES]
-    paths = {(p, t) for (p, _), t in described}
-    assert len(paths) > len(DEFAULT)  # the default run is a real reduction
-    marked = [p for p in (_param(*case, default=i in DEFAULT) for i, case in enumerate(ALL_CASES))]
+    """The full sweep (``--aot-all``: the cases without the aot_every marker) holds every code path on
+    every target, and every tuning value, hint set and array dtype of every kernel function on every
+    target; ``--aot-every`` adds the rest of the listed combinations."""
+    marked = [_param(*case, default=i in DEFAULT, sweep=i in SWEEP) for i, case in enumerate(ALL_CASES)]
+    swept = [case for case, p in zip(ALL_CASES, marked) if not any(m.name == "aot_every" for m in p.marks)]
+    assert set().union(*map(_covered, swept)) == set().union(*map(_covered, ALL_CASES))
+    paths = {(_path_and_settings(v)[0], t) for _, v, t in ALL_CASES}
+    assert len(DEFAULT) < len(paths) <= len(swept) < len(ALL_CASES)  # both selections are real reductions
     assert sum(1 for p in marked if p.marks) == len(ALL_CASES) - len(DEFAULT)
 
 

@@ -7,6 +7,7 @@
     python benchmarks/decode_cost.py --cpu-smoke --out-dir /tmp/smoke   # the first variant only
     python benchmarks/decode_cost.py --large      # instead: every fused config of the large-M kernel
     python benchmarks/decode_cost.py --moe-pairs  # instead: the per-pair MoE kernel (4-bit weights)
+    python benchmarks/decode_cost.py --gemv       # instead: the M = 1 FMA kernel with wider blocks
 
 Writes ``decode-cost-sm90.json`` and what it prints to ``decode-cost-sm90.txt`` (``--out-dir``,
 ``benchmarks/_results.py``).
@@ -34,13 +35,15 @@ import sys
 import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import cuda.tile as ct  # noqa: E402
 from _results import Transcript, add_options, command, results_path  # noqa: E402
 
 from tilemm.kernels import hopper_block_scaled as hbs  # noqa: E402
 from tilemm.kernels import hopper_weight_only_large as wol  # noqa: E402
 from tilemm.kernels import moe_kernels  # noqa: E402
 from tilemm.kernels import weight_only_kernels as wo  # noqa: E402
-from tilemm.kernels._aot import AotVariant, compile_variant  # noqa: E402
+from tilemm.kernels._aot import AotVariant, array, compile_variant  # noqa: E402
 from tilemm.formats import MXFP4, MXFP8_E4M3, NVFP4  # noqa: E402
 
 
@@ -149,7 +152,8 @@ def report(variant: AotVariant, elements: float, unroll: int = 1) -> dict:
     counts = main_loop(compile_variant(variant, "sm_90"), unroll, marker)
     total = sum(counts.values())
     return {"variant": variant.name, "loop_instructions": total, "elements_per_thread": elements,
-            "per_element": total / elements, "top": dict(counts.most_common(8))}
+            "per_element": total / elements, "top": dict(counts.most_common(8)),
+            "spills": counts["LDL"] + counts["STL"]}
 
 
 def _planned(layout) -> list:
@@ -199,6 +203,29 @@ def moe_pairs_variants():
     return out
 
 
+#: ``--gemv``: the FMA kernel's block shapes counted at M = 1 (tile_n, unroll, occupancy), 4 warps.
+GEMV_SHAPES = [(16, 8, 4), (16, 4, 8), (32, 4, 4), (32, 2, 8), (64, 4, 8), (64, 2, 4), (64, 4, 4), (128, 4, 4),
+               (128, 2, 4)]
+
+
+def gemv_variants():
+    """The FMA kernel (``_gemv_kernel``) at M = 1 with wider blocks than the plan's 16 rows, for MXFP4
+    and NVFP4 (``GEMV_SHAPES``): a thread holds one weight row per 16 rows of the block, so wider
+    blocks let one conversion of x to fp32 feed more FMAs; whether the registers still fit shows in
+    the count as LDL / STL (spills)."""
+    out = []
+    for name in ("mxfp4", "nvfp4"):
+        layout = wo.LAYOUTS[name]
+        for tile_n, unroll, occupancy in GEMV_SHAPES:
+            cfg = wo.WeightOnlyConfig(1, tile_n, 1, 4, occupancy, unroll=unroll, gemv=1)
+            params = [array(ct.bfloat16, 2), array(ct.int32, 2), array(ct.uint8, 2), array(ct.bfloat16, 2),
+                      array(ct.float32, 1), array(ct.float32, 1), array(ct.float32, 1), array(ct.bfloat16, 2),
+                      array(ct.float32, 1), *wo._constants(layout, cfg, 1)]
+            variant = AotVariant(f"weight_only_{name}_bfloat16_{cfg.name}", cfg.kernel, params, ("sm_90",))
+            out.append((variant, tile_n * layout.tile_k * unroll / (32 * cfg.num_worker_warps), 1))
+    return out
+
+
 def large_variants():
     """Every fused config of the large-M kernel (``hopper_weight_only_large``: the rules' configs, the
     sweep's candidates and its structural variants) for MXFP4, NVFP4 and MXFP8 (e4m3)."""
@@ -212,19 +239,24 @@ def main(argv=None) -> int:
                     help="instead: every fused config of the large-M kernel (about 35 compiles)")
     ap.add_argument("--moe-pairs", action="store_true",
                     help="instead: the per-pair MoE kernel's variants, 4-bit weights (about 32 compiles)")
+    ap.add_argument("--gemv", action="store_true",
+                    help="instead: the M = 1 FMA kernel with wider blocks (GEMV_SHAPES; 18 compiles)")
     add_options(ap)  # no GPU either way; --cpu-smoke: the first variant only
     args = ap.parse_args(argv)
     rows = []
     say = Transcript(command("decode_cost.py", argv), "sm_90 SASS, nvdisasm")
-    variants = large_variants() if args.large else moe_pairs_variants() if args.moe_pairs else default_variants()
+    variants = (large_variants() if args.large else moe_pairs_variants() if args.moe_pairs
+                else gemv_variants() if args.gemv else default_variants())
     for variant, elements, unroll in variants[:1 if args.cpu_smoke else None]:
         row = report(variant, elements, unroll)
         rows.append(row)
         top = " ".join(f"{k}:{v}" for k, v in row["top"].items())
         say(f"{row['variant']:60s} {row['per_element']:5.2f} instr/element "
-            f"({row['loop_instructions']} per loop, {elements:.0f} elements/thread)  {top}")
+            f"({row['loop_instructions']} per loop, {elements:.0f} elements/thread)  {top}"
+            + (f"  spills: {row['spills']} LDL / STL" if row["spills"] else ""))
     path = results_path(args.out_dir, "decode-cost", TARGET, "json",
-                        variant="large" if args.large else "moe-pairs" if args.moe_pairs else None)
+                        variant="large" if args.large else "moe-pairs" if args.moe_pairs
+                        else "gemv" if args.gemv else None)
     path.write_text(json.dumps(rows, indent=1))
     say.write(path.with_suffix(".txt"))
     if args.json:

@@ -390,6 +390,23 @@ def test_fma_kernel_loads_match_reference(emulated, fmt, unroll):
         assert_matches(out.float(), _reference(x, w_q, bias), torch.bfloat16)
 
 
+@pytest.mark.parametrize("fmt", [MXFP4, NVFP4], ids=["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("tile_n", [64, 128])
+def test_fma_kernel_wide_blocks_match_reference(emulated, fmt, tile_n):
+    """The FMA kernel's wider blocks that ``tune_weight_only.py --gemv`` times (each thread then holds
+    several weight rows): N = 200 leaves a partial block, K = 1344 a load reaching past K, and the
+    split of 2 a block with no load."""
+    m, n, k = 1, 200, 1344
+    w_q = quantized_weight(fmt, n, k, seed=5, scale_bytes=(105, 122) if fmt.is_mx else (1, 0x50))
+    packed = prepack(w_q)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(6)) * 3).to(torch.bfloat16)
+    bias = torch.randn(n)
+    for split in (1, 2):
+        cfg = wo.WeightOnlyConfig(1, tile_n, split, 4, 8 if tile_n == 64 else 4, unroll=4, gemv=1)
+        out = _run(x, packed, cfg, bias)
+        assert_matches(out.float(), _reference(x, w_q, bias), torch.bfloat16)
+
+
 def test_plan_schemes():
     """One row of x: the FMA kernel, 8 K tiles per load where K has them, a K split only below one
     block per SM; 4-bit weights with more than one wave of blocks at four per SM: eight per SM. Up

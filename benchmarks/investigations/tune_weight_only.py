@@ -32,9 +32,23 @@ NK = [(14336, 4096), (4096, 14336), (8192, 8192)]
 CANDIDATES = [(128, 8, None, 1), (128, 8, 2, 2), (64, 4, 3, 3), (64, 4, 4, 4), (128, 8, 2, 4), (256, 8, None, 1)]
 
 
-#: ``--gemv``: the FMA kernel's plan, and the plan with these fields replaced.
+#: ``--gemv``: the FMA kernel's plan, and the plan with these fields replaced (a new tile_n gets the K
+#: split ``gemv_split`` gives it). The 64- and 128-row blocks let one conversion of x feed 4 / 8 FMAs
+#: (``benchmarks/decode_cost.py --gemv``: fewer instructions per weight element, no spills).
 GEMV_VARIANTS = [("plan", {}), ("occ8", dict(occupancy=8)), ("u4", dict(unroll=4)),
-                 ("occ8_u4", dict(occupancy=8, unroll=4))]
+                 ("occ8_u4", dict(occupancy=8, unroll=4)), ("n64", dict(tile_n=64, occupancy=8, unroll=4)),
+                 ("n128", dict(tile_n=128, occupancy=4, unroll=4))]
+
+
+def gemv_split(cfg, n: int, k: int, layout, sms: int):
+    """``cfg`` with the K split of ``weight_only_kernels._gemv``'s rule for its own tile_n: doubled
+    while the blocks are fewer than the SMs and each split keeps at least one load."""
+    tiles = -(-n // cfg.tile_n)
+    groups = -(-(-(-k // layout.tile_k)) // cfg.unroll)
+    split = 1
+    while tiles * split < sms and split * 2 <= 16 and groups >= split * 2:
+        split *= 2
+    return dataclasses.replace(cfg, split_k=split)
 
 
 def split_for(tiles: int, k_tiles: int, per_sm: int, sms: int) -> int:
@@ -111,6 +125,8 @@ def main(argv=None) -> int:
                     want = out.clone()
                     for label, changes in GEMV_VARIANTS:
                         cfg = dataclasses.replace(base, **changes) if changes else base
+                        if "tile_n" in changes:
+                            cfg = gemv_split(cfg, n, k, packed.layout, sms)
                         out.fill_(float("nan"))
                         wo.launch(x, packed.words, packed.scale_t, packed.constants, bias, out, packed.layout, cfg)
                         same = torch.equal(out, want)

@@ -204,17 +204,17 @@ def moe_pairs_variants():
 
 
 #: ``--gemv``: the FMA kernel's block shapes counted at M = 1 (tile_n, unroll, occupancy), 4 warps.
-GEMV_SHAPES = [(16, 8, 4), (16, 4, 8), (32, 4, 4), (32, 2, 8), (64, 4, 8), (64, 2, 4), (64, 4, 4), (128, 4, 4),
-               (128, 2, 4)]
+GEMV_SHAPES = [(16, 8, 4), (16, 4, 8), (32, 4, 4), (32, 2, 8), (64, 4, 8), (64, 2, 4), (64, 4, 4), (64, 8, 4),
+               (128, 4, 4), (128, 2, 4)]
 
 
 def gemv_variants():
-    """The FMA kernel (``_gemv_kernel``) at M = 1 with wider blocks than the plan's 16 rows, for MXFP4
-    and NVFP4 (``GEMV_SHAPES``): a thread holds one weight row per 16 rows of the block, so wider
+    """The FMA kernel (``_gemv_kernel``) at M = 1 with wider blocks than the plan's 16 rows, for MXFP4,
+    NVFP4 and MXFP8 (``GEMV_SHAPES``): a thread holds one weight row per 16 rows of the block, so wider
     blocks let one conversion of x to fp32 feed more FMAs; whether the registers still fit shows in
     the count as LDL / STL (spills)."""
     out = []
-    for name in ("mxfp4", "nvfp4"):
+    for name in ("mxfp4", "nvfp4", "mxfp8_e4m3"):
         layout = wo.LAYOUTS[name]
         for tile_n, unroll, occupancy in GEMV_SHAPES:
             cfg = wo.WeightOnlyConfig(1, tile_n, 1, 4, occupancy, unroll=unroll, gemv=1)
@@ -240,7 +240,7 @@ def main(argv=None) -> int:
     ap.add_argument("--moe-pairs", action="store_true",
                     help="instead: the per-pair MoE kernel's variants, 4-bit weights (about 32 compiles)")
     ap.add_argument("--gemv", action="store_true",
-                    help="instead: the M = 1 FMA kernel with wider blocks (GEMV_SHAPES; 18 compiles)")
+                    help="instead: the M = 1 FMA kernel with wider blocks (GEMV_SHAPES; 30 compiles)")
     add_options(ap)  # no GPU either way; --cpu-smoke: the first variant only
     args = ap.parse_args(argv)
     rows = []

@@ -34,10 +34,11 @@ CANDIDATES = [(128, 8, None, 1), (128, 8, 2, 2), (64, 4, 3, 3), (64, 4, 4, 4), (
 
 #: ``--gemv``: the FMA kernel's plan, and the plan with these fields replaced (a new tile_n gets the K
 #: split ``gemv_split`` gives it). The 64- and 128-row blocks let one conversion of x feed 4 / 8 FMAs
-#: (``benchmarks/decode_cost.py --gemv``: fewer instructions per weight element, no spills).
+#: (``benchmarks/decode_cost.py --gemv``: fewer instructions per weight element, no spills; 64 rows with
+#: 8 K tiles per load for 8-bit weights).
 GEMV_VARIANTS = [("plan", {}), ("occ8", dict(occupancy=8)), ("u4", dict(unroll=4)),
                  ("occ8_u4", dict(occupancy=8, unroll=4)), ("n64", dict(tile_n=64, occupancy=8, unroll=4)),
-                 ("n128", dict(tile_n=128, occupancy=4, unroll=4))]
+                 ("n64_u8", dict(tile_n=64, occupancy=4, unroll=8)), ("n128", dict(tile_n=128, occupancy=4, unroll=4))]
 
 
 def gemv_split(cfg, n: int, k: int, layout, sms: int):

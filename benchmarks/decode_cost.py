@@ -200,6 +200,17 @@ def moe_pairs_variants():
         unroll = int(name.split("_moe_pairs_")[1].split("_u")[1].split("_")[0])
         pairs = 2 if "_s2_combine" in name else 1
         out.append((v, 16 * wo.LAYOUTS[name.split("_")[1]].tile_k * unroll * pairs / 128, 1))
+    # 64-row blocks (not planned; ``investigations/moe_pairs_tune.py --plans rows64`` times them): one
+    # conversion of x feeds four weight rows' FMAs, as in ``gemv_variants``.
+    for name in ("mxfp4", "nvfp4"):
+        layout = wo.LAYOUTS[name]
+        cfg = moe_kernels.PairsConfig(4, tile_n=64, occupancy=8)
+        params = [array(ct.bfloat16, 2), array(ct.int32, 3), array(ct.uint8, 3), array(ct.bfloat16, 2),
+                  array(ct.float32, 2, aligned=False), array(ct.float32, 1, aligned=False),
+                  array(ct.float32, 2), array(ct.int64, 1), array(ct.bfloat16, 2),
+                  *moe_kernels._pairs_constants(layout, cfg, 0, 0)]
+        v = AotVariant(f"moe_{name}_bfloat16_{cfg.name_for(False)}", cfg.kernel_for(False), params, ("sm_90",))
+        out.append((v, 64 * layout.tile_k * 4 / 128, 1))
     return out
 
 

@@ -480,6 +480,23 @@ def test_pairs_kernel_matches_reference(emulated, fmt):
         assert_matches(out[ok].float(), reference64(x, w_q, ids, bias)[ok], torch.bfloat16)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_pairs_kernel_wide_blocks_match_reference(emulated, fmt):
+    """The per-pair kernel with 64-row blocks (the shape ``moe_pairs_tune.py --plans rows64`` times):
+    N = 100 leaves a partial block, K = 1344 a second load of 4 K tiles reaching past K."""
+    e, n, k = 3, 100, 1344
+    w_q, packed = stacked(fmt, e, n, k, seed=19)
+    gen = torch.Generator().manual_seed(20)
+    bias = torch.randn(e, n, generator=gen)
+    x = (torch.randn(1, k, generator=gen) * 2).to(torch.bfloat16)
+    ids = torch.tensor([[2, 0]])
+    out = torch.empty(2, n, dtype=torch.bfloat16)
+    cfg = mk.PairsConfig(4, tile_n=64, occupancy=8)
+    mk.launch_pairs(x, packed.words, packed.scale_t, packed.constants, bias, ids.reshape(-1), out, packed.layout,
+                    moe_plan=mk.MoEPlan("pairs", cfg, False))
+    assert_matches(out.float(), reference64(x, w_q, ids, bias).reshape(2, n), torch.bfloat16)
+
+
 def test_pairs_kernel_swiglu_and_combine(emulated):
     """The per-pair kernel's fused SwiGLU (as the sorted kernel's) and its weighted sum over a token's
     slots (COMBINE: the down projection writes the layer's output)."""

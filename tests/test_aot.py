@@ -22,16 +22,18 @@ target. A variant's code path is its kernel function and, parameter by parameter
 
 Its tuning settings are those constants, its compiler hints (occupancy, CTAs per cluster) and the
 dtype of each array. The modules list the cross product of all of these that their launchers can
-pick (about 2,900 cubins, about 90 minutes on 2 cores); the sweep takes, after the default selection,
+pick (about 2,900 cases); the sweep takes, after the default selection,
 the listed variant that covers the most not yet covered (in the modules' order) until nothing is left
 uncovered: about a quarter of them. ``test_full_sweep_compiles_every_path_and_every_setting`` checks
-that cover; ``--aot-every`` (or ``-m aot_every``) compiles the rest of the cross product too.
+that cover; ``--aot-every`` compiles the whole cross product (``-m aot_every``: only the cases beyond
+the sweep).
 
 Each kernel is also compiled with no alignment facts (``test_unaligned_variant_compiles``), the
 specialisation the JIT builds for odd strides: by default once per kernel function, with
 ``--aot-all`` once per distinct hinted kernel and target.
 
-Cost: about 1 s of compiler time per cubin on a 2-core machine. cuTile keeps compiled cubins in
+Cost: about 5 s of compiler time per cubin on one core (the sweep: 38 minutes on 2 cores from an empty
+cache; the whole cross product about 3.5 times that). cuTile keeps compiled cubins in
 ~/.cache/cutile-python (``CUDA_TILE_CACHE_DIR`` moves it; ``off`` disables it), so a second run only
 compiles what changed. cuTile reads a kernel's source file when it compiles, so editing kernel sources
 while this runs gives spurious failures.
@@ -102,7 +104,7 @@ def _path_and_settings(variant):
 
     fn = _kernel_function(variant)
     names = list(inspect.signature(fn).parameters)
-    path, settings = [fn.__qualname__], {("hints", repr(getattr(variant.kernel, "_compiler_options", None)))}
+    path, settings = [f"{fn.__module__}.{fn.__qualname__}"], {("hints", repr(getattr(variant.kernel, "_compiler_options", None)))}
     for name, param in zip(names, variant.params):
         if isinstance(param, cc.ArrayConstraint):
             dtype = str(param.dtype)
@@ -143,7 +145,8 @@ def _covered(case):
     its kernel function on its target."""
     _, variant, target = case
     path, settings = _path_and_settings(variant)
-    fn = _kernel_function(variant).__qualname__
+    fn = _kernel_function(variant)
+    fn = f"{fn.__module__}.{fn.__qualname__}"  # two modules may name a kernel alike
     return {("path", path, target)} | {("setting", fn, target, s) for s in settings}
 
 
@@ -222,12 +225,15 @@ def test_full_sweep_compiles_every_path_and_every_setting():
     """The full sweep (``--aot-all``: the cases without the aot_every marker) holds every code path on
     every target, and every tuning value, hint set and array dtype of every kernel function on every
     target; ``--aot-every`` adds the rest of the listed combinations."""
-    marked = [_param(*case, default=i in DEFAULT, sweep=i in SWEEP) for i, case in enumerate(ALL_CASES)]
-    swept = [case for case, p in zip(ALL_CASES, marked) if not any(m.name == "aot_every" for m in p.marks)]
+    (parametrize,) = [m for m in test_variant_compiles.pytestmark if m.name == "parametrize"]
+    marked = [{m.name for m in p.marks} for p in parametrize.args[1]]  # the marks the tests carry
+    assert len(marked) == len(ALL_CASES)
+    assert all("aot_full" in names for names in marked if "aot_every" in names)  # the default run drops both
+    swept = [case for case, names in zip(ALL_CASES, marked) if "aot_every" not in names]
     assert set().union(*map(_covered, swept)) == set().union(*map(_covered, ALL_CASES))
     paths = {(_path_and_settings(v)[0], t) for _, v, t in ALL_CASES}
     assert len(DEFAULT) < len(paths) <= len(swept) < len(ALL_CASES)  # both selections are real reductions
-    assert sum(1 for p in marked if p.marks) == len(ALL_CASES) - len(DEFAULT)
+    assert sum(1 for names in marked if names) == len(ALL_CASES) - len(DEFAULT)
 
 
 def test_split_and_precision_are_paths_but_tile_shapes_are_not():

@@ -35,15 +35,13 @@ import sys
 import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
-import cuda.tile as ct  # noqa: E402
 from _results import Transcript, add_options, command, results_path  # noqa: E402
 
 from tilemm.kernels import hopper_block_scaled as hbs  # noqa: E402
 from tilemm.kernels import hopper_weight_only_large as wol  # noqa: E402
 from tilemm.kernels import moe_kernels  # noqa: E402
 from tilemm.kernels import weight_only_kernels as wo  # noqa: E402
-from tilemm.kernels._aot import AotVariant, array, compile_variant  # noqa: E402
+from tilemm.kernels._aot import AotVariant, compile_variant  # noqa: E402
 from tilemm.formats import MXFP4, MXFP8_E4M3, NVFP4  # noqa: E402
 
 
@@ -203,14 +201,8 @@ def moe_pairs_variants():
     # 64-row blocks (not planned; ``investigations/moe_pairs_tune.py --plans rows64`` times them): one
     # conversion of x feeds four weight rows' FMAs, as in ``gemv_variants``.
     for name in ("mxfp4", "nvfp4"):
-        layout = wo.LAYOUTS[name]
-        cfg = moe_kernels.PairsConfig(4, tile_n=64, occupancy=8)
-        params = [array(ct.bfloat16, 2), array(ct.int32, 3), array(ct.uint8, 3), array(ct.bfloat16, 2),
-                  array(ct.float32, 2, aligned=False), array(ct.float32, 1, aligned=False),
-                  array(ct.float32, 2), array(ct.int64, 1), array(ct.bfloat16, 2),
-                  *moe_kernels._pairs_constants(layout, cfg, 0, 0)]
-        v = AotVariant(f"moe_{name}_bfloat16_{cfg.name_for(False)}", cfg.kernel_for(False), params, ("sm_90",))
-        out.append((v, 64 * layout.tile_k * 4 / 128, 1))
+        v = moe_kernels.pairs_aot_variant(name, moe_kernels.PairsConfig(4, tile_n=64, occupancy=8))
+        out.append((v, 64 * wo.LAYOUTS[name].tile_k * 4 / 128, 1))
     return out
 
 
@@ -229,11 +221,7 @@ def gemv_variants():
         layout = wo.LAYOUTS[name]
         for tile_n, unroll, occupancy in GEMV_SHAPES:
             cfg = wo.WeightOnlyConfig(1, tile_n, 1, 4, occupancy, unroll=unroll, gemv=1)
-            params = [array(ct.bfloat16, 2), array(ct.int32, 2), array(ct.uint8, 2), array(ct.bfloat16, 2),
-                      array(ct.float32, 1), array(ct.float32, 1), array(ct.float32, 1), array(ct.bfloat16, 2),
-                      array(ct.float32, 1), *wo._constants(layout, cfg, 1)]
-            variant = AotVariant(f"weight_only_{name}_bfloat16_{cfg.name}", cfg.kernel, params, ("sm_90",))
-            out.append((variant, tile_n * layout.tile_k * unroll / (32 * cfg.num_worker_warps), 1))
+            out.append((wo.aot_variant(name, cfg), tile_n * layout.tile_k * unroll / (32 * cfg.num_worker_warps), 1))
     return out
 
 

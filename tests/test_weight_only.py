@@ -394,8 +394,8 @@ def test_fma_kernel_loads_match_reference(emulated, fmt, unroll):
 @pytest.mark.parametrize("tile_n", [64, 128])
 def test_fma_kernel_wide_blocks_match_reference(emulated, fmt, tile_n):
     """The FMA kernel's wider blocks that ``tune_weight_only.py --gemv`` times (each thread then holds
-    several weight rows): N = 200 leaves a partial block, K = 1344 a load reaching past K, and the
-    split of 2 a block with no load."""
+    several weight rows): N = 200 leaves a partial block, K = 1344 (6 K tiles) a second load of 4
+    reaching past K, and the split of 2 gives each block one of the two loads."""
     m, n, k = 1, 200, 1344
     w_q = quantized_weight(fmt, n, k, seed=5, scale_bytes=(105, 122) if fmt.is_mx else (1, 0x50))
     packed = prepack(w_q)

@@ -802,12 +802,17 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
         cases = [(4, 0, 0), (4, 0, 1)] + ([(4, 1, 0), (4, 2, 0)] if layout.planes == 4 else [])
         cases += {"mxfp4": [(2, 0, 0), (2, 0, 1)], "nvfp4": [(2, 0, 0), (2, 0, 1)]}.get(name, [])
         for unroll, act, combine in cases:
-            cfg = PairsConfig(unroll)
-            params = [array(ct.bfloat16, 2), array(ct.int32, 3), array(ct.uint8, 3), array(ct.bfloat16, 2),
-                      array(ct.float32, 2, aligned=False), array(ct.float32, 1, aligned=False),
-                      array(ct.float32, 2), array(ct.int64, 1), array(ct.bfloat16, 2),
-                      *_pairs_constants(layout, cfg, act, combine)]
-            suffix = _ACT_SUFFIX[act] + ("_combine" if combine else "")
-            variants.append(AotVariant(f"moe_{name}_bfloat16_{cfg.name_for(bool(combine))}{suffix}",
-                                       cfg.kernel_for(bool(combine)), params))
+            variants.append(pairs_aot_variant(name, PairsConfig(unroll), act, combine))
     return variants
+
+
+def pairs_aot_variant(name: str, cfg: PairsConfig, act: int = 0, combine: int = 0) -> AotVariant:
+    """The per-pair kernel of ``cfg`` for layout ``name``, bf16 activations, epilogue ``act`` and
+    ``combine``, as its launch specialises it."""
+    params = [array(ct.bfloat16, 2), array(ct.int32, 3), array(ct.uint8, 3), array(ct.bfloat16, 2),
+              array(ct.float32, 2, aligned=False), array(ct.float32, 1, aligned=False),
+              array(ct.float32, 2), array(ct.int64, 1), array(ct.bfloat16, 2),
+              *_pairs_constants(LAYOUTS[name], cfg, act, combine)]
+    suffix = _ACT_SUFFIX[act] + ("_combine" if combine else "")
+    return AotVariant(f"moe_{name}_bfloat16_{cfg.name_for(bool(combine))}{suffix}", cfg.kernel_for(bool(combine)),
+                      params)

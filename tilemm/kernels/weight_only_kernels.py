@@ -908,6 +908,21 @@ def _code_paths(every: list[WeightOnlyConfig]) -> list[WeightOnlyConfig]:
     return out
 
 
+def aot_variant(name: str, cfg: WeightOnlyConfig, x_dtype: torch.dtype = torch.bfloat16, out_ct=None
+                ) -> AotVariant:
+    """The kernel of ``cfg`` for layout ``name`` and an activation of ``x_dtype`` (output dtype
+    ``out_ct``, default x's), as its launch specialises it, for sm_90, sm_100 and sm_120."""
+    layout, x_ct = LAYOUTS[name], _CT_DTYPES[x_dtype]
+    c_ct = x_ct if out_ct is None else out_ct
+    params = [array(x_ct, 2), array(ct.int32, 2), array(ct.uint8, 2), array(c_ct, 2),
+              array(ct.float32, 1), array(ct.float32, 1), array(ct.float32, 1),
+              array(ct.float32, 3) if cfg.split_k > 1 else array(c_ct, 2),
+              array(ct.int32 if cfg.split_k > 1 else ct.float32, 1),
+              *_constants(layout, cfg, _X_PARTS[x_dtype])]
+    out = "" if c_ct is x_ct else f"_out_{c_ct.name}"
+    return AotVariant(f"weight_only_{name}_{x_ct.name}_{cfg.name}{out}", cfg.kernel, params)
+
+
 def aot_variants(full: bool = True) -> list[AotVariant]:
     """The weight-only kernel per (layout, activation dtype, config), for sm_90, sm_100 and sm_120 (the
     kernel uses bf16 ``ct.mma`` and integer operations only, so one kernel serves every architecture).
@@ -923,15 +938,7 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
             outs = [(x_ct, configs)] + ([(c, paths) for c in (ct.float16, ct.float32)]
                                         if x_dtype == torch.bfloat16 else [])
             for c_ct, c_configs in outs:
-                for cfg in c_configs:
-                    params = [array(x_ct, 2), array(ct.int32, 2), array(ct.uint8, 2), array(c_ct, 2),
-                              array(ct.float32, 1), array(ct.float32, 1), array(ct.float32, 1),
-                              array(ct.float32, 3) if cfg.split_k > 1 else array(c_ct, 2),
-                              array(ct.int32 if cfg.split_k > 1 else ct.float32, 1),
-                              *_constants(layout, cfg, _X_PARTS[x_dtype])]
-                    out = "" if c_ct is x_ct else f"_out_{c_ct.name}"
-                    variants.append(AotVariant(f"weight_only_{name}_{x_ct.name}_{cfg.name}{out}",
-                                               cfg.kernel, params))
+                variants += [aot_variant(name, cfg, x_dtype, c_ct) for cfg in c_configs]
     for name, layout in LAYOUTS.items():
         params = [array(ct.int32, 2), array(ct.uint8, 2), array(ct.bfloat16, 2), array(ct.float32, 1),
                   layout.element, layout.scale_e8m0, layout.block, layout.planes, layout.group,

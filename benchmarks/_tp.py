@@ -87,16 +87,17 @@ class PlainShard(torch.nn.Module):
     """
 
     def __init__(self, linear: torch.nn.Linear, style: str, group, gather: bool = False,
-                 one_shot_max_bytes: int = 0, copy_min_bytes: int = 0, chunks: int = 1, chunk_min_rows: int = 1024,
-                 taper: bool = False, direct_nccl: bool = True):
+                 one_shot_max_bytes: int = tilemm.parallel.ONE_SHOT_MAX_BYTES, copy_min_bytes: int = 0,
+                 chunks: int = 1, chunk_min_rows: int = 1024, taper: bool = False, direct_nccl: bool = True,
+                 one_shot_eager: bool = False):
         super().__init__()
         self.direct_nccl = direct_nccl  # tilemm.parallel.all_reduce_sum's direct NCCL call (eager)
-        # Row-wise: outputs of at most this many bytes are summed by the one-shot all-reduce, of at
-        # least copy_min_bytes by the copy engines, and inputs of at least chunk_min_rows rows are
-        # multiplied in ``chunks`` pieces (``taper``: halving toward the end) whose copy all-reduces
-        # overlap the next piece's matmul, as tilemm's RowwiseParallel(one_shot_max_bytes=...,
-        # copy_min_bytes=..., chunks=..., taper=...) does.
-        self.one_shot = (tilemm.parallel._OneShot(group, one_shot_max_bytes)
+        # Row-wise: outputs of at most this many bytes are summed by the one-shot all-reduce (inside
+        # CUDA graphs; eagerly too with one_shot_eager), of at least copy_min_bytes by the copy
+        # engines, and inputs of at least chunk_min_rows rows are multiplied in ``chunks`` pieces
+        # (``taper``: halving toward the end) whose copy all-reduces overlap the next piece's matmul, as tilemm's RowwiseParallel(one_shot_max_bytes=...,
+        # one_shot_eager=..., copy_min_bytes=..., chunks=..., taper=...) does.
+        self.one_shot = (tilemm.parallel._OneShot(group, one_shot_max_bytes, one_shot_eager)
                          if one_shot_max_bytes and style == "rowwise" else None)
         self.copy = (tilemm.parallel._CopyAllReduce(group, copy_min_bytes)
                      if copy_min_bytes and style == "rowwise" else None)

@@ -74,8 +74,11 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 VARIANTS = {  # how the sharded MLP's all-reduce runs: name -> (description, applies to M)
-    "end": ("one all-reduce of the whole output at the end (RowwiseParallel()): eager calls on NCCL call it "
-            "directly (tilemm.parallel._DirectNccl)", lambda m: True),
+    "end": ("one all-reduce of the whole output at the end (RowwiseParallel(), the default): eager calls on NCCL "
+            "call it directly (tilemm.parallel._DirectNccl), CUDA graphs take the one-shot all-reduce up to "
+            f"{256 * 1024 // 1024} KiB (and for the activation amax, NVFP4 / FP8 per tensor both sides)", lambda m: True),
+    "nccl": ("the same without the one-shot all-reduce in graphs: NCCL everywhere (RowwiseParallel(one_shot_max_bytes=0))",
+             lambda m: m <= 16),
     "pg": ("the same through torch's ProcessGroup (RowwiseParallel(direct_nccl=False))", lambda m: m <= 16),
     "row2": ("fc2 in 2 row pieces, piece i's all-reduce during piece i+1's matmul "
              "(RowwiseParallel(chunks=2))", lambda m: m >= CHUNK_MIN_ROWS),
@@ -83,9 +86,9 @@ VARIANTS = {  # how the sharded MLP's all-reduce runs: name -> (description, app
     "mlp2": ("the whole MLP in 2 row pieces, piece i's all-reduce during piece i+1's fc1 and fc2 "
              "(tilemm.parallel.overlapped(mlp, x, 2))", lambda m: m >= CHUNK_MIN_ROWS),
     "mlp4": ("the same in 4 pieces (overlapped(mlp, x, 4))", lambda m: m >= CHUNK_MIN_ROWS),
-    "oneshot": ("small all-reduces through torch's symmetric-memory one-shot all-reduce, and the "
+    "oneshot": ("small all-reduces through torch's symmetric-memory one-shot all-reduce in eager calls too, and the "
                 "activation amax (NVFP4 / FP8 per tensor both sides) exchanged through it "
-                f"(RowwiseParallel(one_shot_max_bytes={256 * 1024}))", lambda m: m <= 16),
+                "(RowwiseParallel(one_shot_eager=True))", lambda m: m <= 16),
     "ce": ("one all-reduce at the end by the copy engines: peer-to-peer copies into symmetric memory and "
            "one sum kernel (RowwiseParallel(copy_min_bytes=128 KiB))", lambda m: m >= CHUNK_MIN_ROWS),
     "ce4": ("fc2 in 4 row pieces, piece i's copy-engine all-reduce (side stream, no SMs but the sum's) during "
@@ -111,22 +114,24 @@ def shard(full: MLP, mesh, bf16: bool, variant: str = "end") -> MLP:
     """The MLP sharded over the mesh, fc2's all-reduce set up for ``variant`` (None: not for this
     format)."""
     if bf16:
-        if variant in ("row2", "row4", "oneshot"):
+        if variant in ("row2", "row4"):
             return None  # PlainShard has one all-reduce (overlapped() pipelines it: mlp2 / mlp4)
         group = mesh.get_group()
         kw = (dict(copy_min_bytes=COPY_MIN_BYTES, chunks=COPY_CHUNKS[variant][0], taper=COPY_CHUNKS[variant][1],
                    chunk_min_rows=CHUNK_MIN_ROWS) if variant in COPY_CHUNKS
-              else dict(direct_nccl=False) if variant == "pg" else {})
+              else dict(direct_nccl=False) if variant == "pg" else dict(one_shot_max_bytes=0) if variant == "nccl"
+              else dict(one_shot_eager=True) if variant == "oneshot" else {})
         return MLP(PlainShard(full.fc1, "colwise", group), PlainShard(full.fc2, "rowwise", group, **kw))
     from torch.distributed.tensor.parallel import parallelize_module
 
     row = dict(end={}, pg=dict(direct_nccl=False), mlp2={}, mlp4={}, row2=dict(chunks=2, chunk_min_rows=CHUNK_MIN_ROWS),
-               row4=dict(chunks=4, chunk_min_rows=CHUNK_MIN_ROWS), oneshot=dict(one_shot_max_bytes=ONE_SHOT_BYTES),
+               row4=dict(chunks=4, chunk_min_rows=CHUNK_MIN_ROWS), oneshot=dict(one_shot_eager=True),
+               nccl=dict(one_shot_max_bytes=0),
                **{v: dict(chunks=c, taper=taper, chunk_min_rows=CHUNK_MIN_ROWS, copy_min_bytes=COPY_MIN_BYTES)
                   for v, (c, taper) in COPY_CHUNKS.items()})
     plan = {"fc1": tilemm.parallel.ColwiseParallel(), "fc2": tilemm.parallel.RowwiseParallel(**row[variant])}
     sharded = parallelize_module(copy.deepcopy(full), mesh, plan)
-    if variant not in ("end", "oneshot", "ce") and sharded.fc2._tp.tensor_scale:
+    if variant not in ("end", "nccl", "oneshot", "ce") and sharded.fc2._tp.tensor_scale:
         return None  # one activation scale for the whole tensor: its rows are never split
     return sharded
 

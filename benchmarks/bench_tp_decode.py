@@ -18,7 +18,8 @@ same size, batch and execution mode. Accuracy: the first decoded token's logits 
 variant on 1 GPU, relative to their scale (sharding changes only the order of sums and rounds each
 rank's partial sums to bf16), beside bf16 on 1 GPU against the same weights in fp32
 (``logits_vs_fp32``); the CUDA-graph decode against the eager one (``bench_decode.graph_vs_eager``).
-``+1shot`` variants send the row-wise all-reduces through torch's one-shot all-reduce.
+``+1shot`` variants send the eager row-wise all-reduces through torch's one-shot all-reduce too (CUDA
+graphs take it by default).
 
 Writes ``tp-decode-<gpu>-x<N>.json`` and ``.md`` (naming the GPUs) to ``--out-dir``, else ``$OUT``,
 else ``benchmarks/results/`` (``benchmarks/_results.py``), rewritten after every run so that an
@@ -50,8 +51,7 @@ from _tp import PlainShard, gpu_names, gpus_label, slowest, start  # noqa: E402
 
 VARIANTS = {"bf16": None, "mxfp4-wo": ("mxfp4", True), "nvfp4-wo": ("nvfp4", True),
             "nvfp4": ("nvfp4", False), "mxfp8": ("mxfp8", False)}
-ONE_SHOT = "+1shot"  # a variant name's suffix: row-wise all-reduces through the one-shot all-reduce
-ONE_SHOT_BYTES = 256 * 1024  # batch 16 x 4096 bf16 = 128 KiB fits
+ONE_SHOT = "+1shot"  # a variant name's suffix: eager row-wise all-reduces through the one-shot all-reduce too
 
 
 def base_variant(name: str) -> str:
@@ -76,8 +76,8 @@ def make_mesh(size: int, world: int, device_type: str):
 
 def shard_model(model, mesh, group, size: int, one_shot: bool = False) -> None:
     """Shard every decoder layer (column then row, see the module docstring) and the lm_head, in place;
-    ``one_shot``: the row-wise layers' all-reduces through the one-shot all-reduce (NCCL where it is
-    unavailable)."""
+    The row-wise layers' small all-reduces take the one-shot all-reduce inside CUDA graphs (the
+    library's default, NCCL where it is unavailable); ``one_shot``: in eager calls too."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     for key in ("num_attention_heads", "num_key_value_heads"):  # before anything is sharded
@@ -90,11 +90,11 @@ def shard_model(model, mesh, group, size: int, one_shot: bool = False) -> None:
             style = "colwise" if name in COLWISE else "rowwise"
             if isinstance(sub, tilemm.nn.Linear):
                 plan[name] = (tilemm.parallel.ColwiseParallel() if style == "colwise" else
-                              tilemm.parallel.RowwiseParallel(one_shot_max_bytes=ONE_SHOT_BYTES if one_shot else 0))
+                              tilemm.parallel.RowwiseParallel(one_shot_eager=one_shot))
             else:  # bf16 torch.nn.Linear
                 parent, _, child = name.rpartition(".")
                 setattr(layer.get_submodule(parent), child,
-                        PlainShard(sub, style, group, one_shot_max_bytes=ONE_SHOT_BYTES if one_shot else 0))
+                        PlainShard(sub, style, group, one_shot_eager=one_shot))
         if plan:
             parallelize_module(layer, mesh, plan)
     model.lm_head = PlainShard(model.lm_head, "colwise", group, gather=True)
@@ -109,8 +109,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", default="bf16,nvfp4-wo,mxfp4-wo",
                     help=f"comma-separated, of {', '.join(VARIANTS)}; a name + '{ONE_SHOT}' (e.g. "
-                    f"nvfp4-wo{ONE_SHOT}) sends the row-wise all-reduces through torch's symmetric-memory "
-                    "one-shot all-reduce (sharded sizes only; list the base variant first)")
+                    f"nvfp4-wo{ONE_SHOT}) sends the eager row-wise all-reduces through torch's symmetric-memory "
+                    "one-shot all-reduce too, as graphs do by default (sharded sizes only; list the base variant first)")
     ap.add_argument("--sizes", default=None, help="comma-separated GPU counts to shard over (default 1 and all)")
     ap.add_argument("--layers", type=int, default=32, help="decoder layers, the first N of 32")
     ap.add_argument("--batches", default="1,16")

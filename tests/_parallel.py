@@ -180,7 +180,7 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
 
     # On a GPU: the sharded MLP (both collectives included) captured in a CUDA graph and replayed on a
     # new input gives the eager call's bits.
-    graph_equal = graph_overlapped_equal = graph_fast_equal = None
+    graph_equal = graph_overlapped_equal = graph_fast_equal = graph_one_shot = None
     ce, one_shot = fast.fc2._tp.copy, fast.fc2._tp.one_shot
     fast_setup = dict(copy_error=ce.error, copy_used=any(v is not None for v in ce.states.values()),
                       one_shot_error=one_shot.error,
@@ -207,10 +207,19 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
         if _all_ranks_ok(error is None, device):
             static_x.copy_(x2)
             graph.replay()
-            with torch.no_grad():
-                eager = model(x2)
+            # The graph's small all-reduce is the one-shot one (rank order); the eager call sums the
+            # same way for the comparison (NCCL's order of more than two ranks may differ).
+            default_one_shot = model.fc2._tp.one_shot
+            default_one_shot.eager = True
+            try:
+                with torch.no_grad():
+                    eager = model(x2)
+            finally:
+                default_one_shot.eager = False
             torch.cuda.synchronize()
             graph_equal = bool(torch.equal(static_out, eager))
+            graph_one_shot = dict(error=default_one_shot.error,
+                                  used=any(v is not None for v in default_one_shot.buffers.values()))
         else:
             graph_equal = error or "another rank's capture failed"
         del graph
@@ -244,6 +253,7 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
 
     cpu = lambda t: t.detach().cpu()  # noqa: E731
     return dict(out=cpu(out), out_pg=cpu(out_pg), direct_setup=direct_setup, graph_equal=graph_equal,
+                graph_one_shot=graph_one_shot,
                 sharded_class=type(model.fc2).__name__,
                 out_chunked=cpu(out_chunked).reshape(out.shape), out_fast=cpu(out_fast).reshape(out.shape),
                 graph_fast_equal=graph_fast_equal, fast_setup=fast_setup,

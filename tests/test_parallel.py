@@ -202,6 +202,22 @@ def test_overlap_options_are_checked():
         tilemm.parallel.RowwiseParallel(taper=1)
     with pytest.raises(TypeError, match=r"direct_nccl must be True or False, got 'yes'"):
         tilemm.parallel.RowwiseParallel(direct_nccl="yes")
+    with pytest.raises(TypeError, match=r"one_shot_eager must be True or False, got 1"):
+        tilemm.parallel.RowwiseParallel(one_shot_eager=1)
+
+
+def test_one_shot_defaults_to_graphs_only():
+    # The default row-wise style takes the one-shot all-reduce for small sums inside CUDA graphs only.
+    style = tilemm.parallel.RowwiseParallel()
+    assert style.one_shot_max_bytes == tilemm.parallel.ONE_SHOT_MAX_BYTES == 256 * 1024
+    assert style.one_shot_eager is False
+    graphs_only = tilemm.parallel._OneShot(None, 1024, eager=False)
+    everywhere = tilemm.parallel._OneShot(None, 1024, eager=True)
+    assert everywhere.live()
+    if torch.cuda.is_available():  # the capture query needs a CUDA build
+        assert not graphs_only.live()  # outside capture
+    cpu = torch.ones(4)
+    assert graphs_only(cpu) is None and everywhere(cpu) is None  # CPU tensors: the caller's collective
 
 
 @pytest.mark.parametrize("rows, pieces, sizes", [
@@ -576,6 +592,11 @@ def test_gpus_nccl(tmp_path_factory, world_size):
             if r[case_id]["graph_overlapped_equal"] not in (True, None):
                 failures.append(f"{case_id}: rank {rank}: overlapped() in a CUDA graph: "
                                 f"{r[case_id]['graph_overlapped_equal']}")
+            # The default plan's graph took the one-shot all-reduce (set up by the eager warm-up call).
+            graph_one_shot = r[case_id]["graph_one_shot"]
+            if graph_one_shot is not None and not graph_one_shot["used"]:
+                failures.append(f"{case_id}: rank {rank}: the default plan's CUDA graph did not take the one-shot "
+                                f"all-reduce ({graph_one_shot['error'] or 'not set up'})")
             if r[case_id]["graph_equal"] is not True:
                 failures.append(f"{case_id}: rank {rank}: the CUDA-graph replay differs from the eager call"
                                 if r[case_id]["graph_equal"] is False else f"{case_id}: rank {rank}: "

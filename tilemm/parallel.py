@@ -301,6 +301,12 @@ def _global_activation_scale(layer: Linear):
     return None
 
 
+# All-reduces up to this size take the one-shot all-reduce inside CUDA graphs by default
+# (RowwiseParallel's one_shot_max_bytes): on 2 and 4 H200s it beat NCCL there at M = 1 and 16
+# (benchmarks/results/tp-mlp-*).
+ONE_SHOT_MAX_BYTES = 256 * 1024
+
+
 class _TPConfig:
     """How one sharded layer talks to the others (``layer._tp``): immutable, shared by copies."""
 
@@ -311,7 +317,7 @@ class _TPConfig:
 
     def __init__(self, style, mesh, input_layouts, output_layouts, use_local_output, amax, full_out,
                  chunks=1, chunk_min_rows=1024, one_shot_max_bytes=0, tensor_scale=False, copy_min_bytes=0,
-                 taper=False, widest_k=0, direct_nccl=True):
+                 taper=False, widest_k=0, direct_nccl=True, one_shot_eager=False):
         self.style, self.mesh, self.group = style, mesh, mesh.get_group()
         self.direct_nccl = direct_nccl  # eager all-reduces through ``_DirectNccl`` where it sets up
         # Row-wise: the longest K-slice of any rank (rank 0's, torch.chunk's step), which fixes how
@@ -326,7 +332,8 @@ class _TPConfig:
         self.max_async_opts = _reduce_opts(dist.ReduceOp.MAX, True)
         self.chunks, self.chunk_min_rows, self.taper = chunks, chunk_min_rows, taper
         self.tensor_scale = tensor_scale  # one activation scale for the whole tensor: rows may not split
-        self.one_shot = _OneShot(self.group, one_shot_max_bytes) if one_shot_max_bytes > 0 else None
+        self.one_shot = (_OneShot(self.group, one_shot_max_bytes, one_shot_eager) if one_shot_max_bytes > 0
+                         else None)
         self.copy = _CopyAllReduce(self.group, copy_min_bytes) if copy_min_bytes > 0 else None
         if style == "colwise":
             self.desired_input, self.local_output = (Replicate(),), (Shard(-1),)
@@ -544,10 +551,15 @@ class _OneShot:
     order); where torch lacks it or it fails on any rank (the ranks agree through one NCCL
     all-reduce), the layer keeps NCCL and ``error`` says why. Never set up during CUDA-graph capture;
     until it is set up, calls go to NCCL.
+
+    ``eager`` False: only CUDA-graph capture takes it (eager calls set it up and return None, for the
+    caller's NCCL). In a graph its one kernel costs less than NCCL's; eagerly the host time of the
+    symmetric-memory op's call costs more than the direct NCCL call's
+    (``benchmarks/results/tp-mlp-*``, ``tp-host-*``). Never under torch.compile's tracing.
     """
 
-    def __init__(self, group, max_bytes: int):
-        self.group, self.max_bytes = group, max_bytes
+    def __init__(self, group, max_bytes: int, eager: bool = True):
+        self.group, self.max_bytes, self.eager = group, max_bytes, eager
         self.buffers: dict = {}  # dtype -> symmetric buffer (or None: failed)
         self.error: str | None = None
         self.group_name = getattr(group, "group_name", None)
@@ -558,17 +570,28 @@ class _OneShot:
     # ranks at its start and its end, so a buffer is free again when the kernel ends.
     _BUFFERS: dict = {}
 
+    def live(self) -> bool:
+        """Whether this call takes the one-shot path (where it is set up and the tensor fits): always
+        when ``eager``, else only during CUDA-graph capture; never while torch.compile traces."""
+        if torch.compiler.is_compiling():
+            return False
+        return self.eager or torch.cuda.is_current_stream_capturing()
+
     def __call__(self, t: torch.Tensor):
         if (not t.is_cuda or t.numel() * t.element_size() > self.max_bytes or self.error is not None
-                or t.data_ptr() % 16 or not t.is_contiguous()):  # the kernel's alignment and layout
+                or t.data_ptr() % 16 or not t.is_contiguous()  # the kernel's alignment and layout
+                or torch.compiler.is_compiling()):
             return None
+        capturing = torch.cuda.is_current_stream_capturing()
         buf = self.buffers.get(t.dtype)
         if buf is None:
-            if t.dtype in self.buffers or torch.cuda.is_current_stream_capturing():
+            if t.dtype in self.buffers or capturing:
                 return None
             buf = self._setup(t)
             if buf is None:
                 return None
+        if not (self.eager or capturing):
+            return None
         n = t.numel()
         out = torch.ops.symm_mem.one_shot_all_reduce_copy(buf[:n], t.reshape(-1), "sum", self.group_name)
         return out.view(t.shape)
@@ -1031,11 +1054,21 @@ class ShardedLinear(Linear):
         activation in its dtype, then one small reduction), the amax the unsharded layer's quantizer
         computes; at small batch on Hopper over NCCL the per-tile maxima themselves are exchanged
         (``_small_batch_nvfp4``); elsewhere ``quantize.amax_bits``."""
+        one_shot = tp.one_shot
+        if one_shot is not None and not on_nccl_stream and tp.amax is Granularity.TENSOR and x.is_cuda:
+            if one_shot.live():
+                exchange = one_shot.amax_slot(x.device)
+            else:  # eager, NCCL's MAX: the exchange set up (collective, once) for a later capture
+                exchange = None
+                if one_shot.amax_slots is None and not torch.compiler.is_compiling():
+                    one_shot.amax_slot(x.device)
+        else:
+            exchange = None
         small = self._runner
         if (small is not None and type(x) is torch.Tensor and x.ndim == 2 and x.is_cuda
                 and x.shape[0] <= _SMALL_BATCH_ROWS and x.shape[1] == self.in_features
                 and x.dtype in _ACTIVATION_DTYPES and self._options.format == "nvfp4" and small.runner is not None
-                and (tp.one_shot is None or on_nccl_stream) and small.source == self._small_batch_key(x.device)
+                and exchange is None and small.source == self._small_batch_key(x.device)
                 and not torch.compiler.is_compiling()):
             # The common eager call, checked as Linear.forward checks its own small-batch call.
             slots = _quantize_kernels.amax_slots(x.shape[0], tp.widest_k)
@@ -1045,12 +1078,8 @@ class ShardedLinear(Linear):
         rows = x.reshape(-1, self.in_features)
         options = self._options
         kernels = _quantize._quantize_kernels(rows) if options.format == "nvfp4" else None
-        # The symmetric-memory exchange (one one-shot kernel) where the layer has a one-shot
-        # all-reduce and one amax for the whole tensor; else NCCL's MAX all-reduce.
-        one_shot = tp.one_shot
-        exchange = (one_shot.amax_slot(x.device)
-                    if one_shot is not None and tp.amax is Granularity.TENSOR and x.is_cuda
-                    and not on_nccl_stream else None)
+        # ``exchange``: the symmetric-memory exchange (one one-shot kernel) where the layer's one-shot
+        # all-reduce is live for this call and there is one amax for the whole tensor; else NCCL's MAX.
         runner, amax = None, None
         if kernels is not None and rows.shape[0] <= _SMALL_BATCH_ROWS and not torch.compiler.is_compiling():
             runner = self._small_batch_runner(x.device)  # what Linear.forward runs at small batch on Hopper
@@ -1127,8 +1156,8 @@ class ShardedLinear(Linear):
 def _shard_in_place(fn: str, module: Linear, mesh: DeviceMesh, style: str, *, src_data_rank,
                     input_layouts: tuple[Placement, ...], output_layouts: tuple[Placement, ...],
                     use_local_output: bool, chunks: int = 1, chunk_min_rows: int = 1024,
-                    one_shot_max_bytes: int = 0, copy_min_bytes: int = 0, taper: bool = False,
-                    direct_nccl: bool = True) -> Linear:
+                    one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES, copy_min_bytes: int = 0, taper: bool = False,
+                    direct_nccl: bool = True, one_shot_eager: bool = False) -> Linear:
     """Shard ``module`` in place: the same :class:`tilemm.nn.Linear` object, rebuilt for its shard through
     the public constructor and ``load_state_dict`` (so state derived from the buffers follows the shard),
     its class switched to :class:`ShardedLinear` (a subclass: only ``forward`` differs)."""
@@ -1155,7 +1184,8 @@ def _shard_in_place(fn: str, module: Linear, mesh: DeviceMesh, style: str, *, sr
     tensor_scale = _global_activation_scale(module) is Granularity.TENSOR
     module._tp = _TPConfig(style, mesh, input_layouts, output_layouts, use_local_output, amax,
                            shard.out_features, chunks=chunks, chunk_min_rows=chunk_min_rows,
-                           one_shot_max_bytes=one_shot_max_bytes if world_size > 1 else 0,
+                           one_shot_max_bytes=one_shot_max_bytes if world_size > 1 and style == "rowwise" else 0,
+                           one_shot_eager=one_shot_eager,
                            tensor_scale=tensor_scale, copy_min_bytes=copy_min_bytes if world_size > 1 else 0,
                            taper=taper, widest_k=ceil_div(shard.in_features, world_size), direct_nccl=direct_nccl)
     module.__class__ = ShardedLinear
@@ -1194,10 +1224,17 @@ class RowwiseParallel(_torch_tp.RowwiseParallel):
       ``chunk_min_rows`` rows (default 1024), the rows are multiplied in ``chunks`` pieces and piece
       i's all-reduce runs on NCCL's stream while piece i + 1 is multiplied (not for layers with one
       activation scale for the whole tensor, whose pieces would be quantized differently).
-    - ``one_shot_max_bytes`` (default 0: off): all-reduces of at most this many bytes go through
-      torch's symmetric-memory one-shot all-reduce (``_OneShot``; NCCL where it is unavailable). With
-      both sides NVFP4 or FP8 per tensor, the activation amax is then exchanged through it too (one
-      one-shot kernel instead of NCCL's MAX all-reduce).
+    - ``one_shot_max_bytes`` (default ``ONE_SHOT_MAX_BYTES``, 256 KiB: a decode step's output up to
+      32 rows of 4096 bf16 features; 0: off): inside CUDA-graph capture, all-reduces of at most this
+      many bytes go through torch's symmetric-memory one-shot all-reduce (``_OneShot``: one kernel
+      that reads the peers' buffers over NVLink and sums in rank order; NCCL where it is
+      unavailable). With both sides NVFP4 or FP8 per tensor, the activation amax is then exchanged
+      through it too (one one-shot kernel instead of NCCL's MAX all-reduce). It is set up, a
+      collective step, on the first eager call that fits, so warm the layer up eagerly before
+      capturing, as CUDA graphs need anyway. With more than two ranks a graph's sum may then differ
+      from the eager call's in the last bits (NCCL's order of the ranks is not rank order).
+    - ``one_shot_eager`` (default False): eager calls take the one-shot all-reduce too (where it
+      fits). Off by default because eagerly its op's host time exceeds the direct NCCL call's.
     - ``copy_min_bytes`` (default 0: off): all-reduces of at least this many bytes (at most
       ``_CopyAllReduce.MAX_BYTES``) are done by the copy engines through symmetric memory
       (``_CopyAllReduce``: peer-to-peer copies, one sum kernel; NCCL where it is unavailable). With
@@ -1212,13 +1249,14 @@ class RowwiseParallel(_torch_tp.RowwiseParallel):
       capture and torch.compile keep the ``ProcessGroup``. False: always the ``ProcessGroup``.
     """
 
-    def __init__(self, *, chunks: int = 1, chunk_min_rows: int = 1024, one_shot_max_bytes: int = 0,
-                 copy_min_bytes: int = 0, taper: bool = False, direct_nccl: bool = True, **kwargs):
+    def __init__(self, *, chunks: int = 1, chunk_min_rows: int = 1024, one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES,
+                 copy_min_bytes: int = 0, taper: bool = False, direct_nccl: bool = True, one_shot_eager: bool = False,
+                 **kwargs):
         super().__init__(**kwargs)
-        for name, flag in (("taper", taper), ("direct_nccl", direct_nccl)):
+        for name, flag in (("taper", taper), ("direct_nccl", direct_nccl), ("one_shot_eager", one_shot_eager)):
             if not isinstance(flag, bool):
                 raise TypeError(f"tilemm.parallel.RowwiseParallel: {name} must be True or False, got {flag!r}")
-        self.taper, self.direct_nccl = taper, direct_nccl
+        self.taper, self.direct_nccl, self.one_shot_eager = taper, direct_nccl, one_shot_eager
         for name, value, low in (("chunks", chunks, 1), ("chunk_min_rows", chunk_min_rows, 1),
                                  ("one_shot_max_bytes", one_shot_max_bytes, 0), ("copy_min_bytes", copy_min_bytes, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -1235,7 +1273,7 @@ class RowwiseParallel(_torch_tp.RowwiseParallel):
                                output_layouts=self.output_layouts, use_local_output=self.use_local_output,
                                chunks=self.chunks, chunk_min_rows=self.chunk_min_rows,
                                one_shot_max_bytes=self.one_shot_max_bytes, copy_min_bytes=self.copy_min_bytes,
-                               taper=self.taper, direct_nccl=self.direct_nccl)
+                               taper=self.taper, direct_nccl=self.direct_nccl, one_shot_eager=self.one_shot_eager)
 
 
 def shard_linear(layer: Linear, device_mesh: DeviceMesh, style: str, *, src_data_rank: int | None = 0,

@@ -68,10 +68,10 @@ def main(argv=None) -> int:
             for m in map(int, args.ms.split(",")):
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-                t_bf16 = timer(lambda: F.linear(x, lin.weight))[0]
+                t_bf16 = timer(lambda: F.linear(x, lin.weight))[0]  # ms
                 large = wl.plan(m, n, k, layout, sms=sms)
                 if large is not None and large.kind != "fused":
-                    print(f"{fmt} N={n} K={k} M={m} bf16 {t_bf16:.1f} us | plan {large.name}: the decode design, "
+                    print(f"{fmt} N={n} K={k} M={m} bf16 {t_bf16 * 1e3:.1f} us | plan {large.name}: the decode design, "
                           "not timed", flush=True)
                     continue
                 if large is None:
@@ -86,9 +86,9 @@ def main(argv=None) -> int:
                     wide = wl.Prepared(packed.words, scale16, packed.constants, zero, bl, cfg, m, sms, x.dtype)
                 cells = []
                 for label, prepared in (("byte scales", byte), ("bf16 scales", wide)):
-                    us = timer(lambda: prepared.run(x, out, torch.cuda.current_stream(dev)))[0]
-                    cells.append(f"{label} {us:.1f} us {t_bf16 / us:.2f}x")
-                print(f"{fmt} N={n} K={k} M={m} bf16 {t_bf16:.1f} us | {name}: " + " | ".join(cells), flush=True)
+                    ms = timer(lambda: prepared.run(x, out, torch.cuda.current_stream(dev)))[0]
+                    cells.append(f"{label} {ms * 1e3:.1f} us {t_bf16 / ms:.2f}x")
+                print(f"{fmt} N={n} K={k} M={m} bf16 {t_bf16 * 1e3:.1f} us | {name}: " + " | ".join(cells), flush=True)
     return 0
 
 

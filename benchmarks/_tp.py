@@ -89,7 +89,7 @@ class PlainShard(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear, style: str, group, gather: bool = False,
                  one_shot_max_bytes: int = tilemm.parallel.ONE_SHOT_MAX_BYTES, copy_min_bytes: int = 0,
                  chunks: int = 1, chunk_min_rows: int = 1024, taper: bool = False, direct_nccl: bool = True,
-                 one_shot_eager: bool = False):
+                 one_shot_eager: bool = False, two_shot_min_bytes: int = 0):
         super().__init__()
         self.direct_nccl = direct_nccl  # tilemm.parallel.all_reduce_sum's direct NCCL call (eager)
         # Row-wise: outputs of at most this many bytes are summed by the one-shot all-reduce (inside
@@ -101,6 +101,8 @@ class PlainShard(torch.nn.Module):
                          if one_shot_max_bytes and style == "rowwise" else None)
         self.copy = (tilemm.parallel._CopyAllReduce(group, copy_min_bytes)
                      if copy_min_bytes and style == "rowwise" else None)
+        self.two_shot = (tilemm.parallel._TwoShot(group, two_shot_min_bytes)  # RowwiseParallel(two_shot_min_bytes=...)
+                         if two_shot_min_bytes and style == "rowwise" else None)
         self.chunks, self.chunk_min_rows, self.taper = chunks, chunk_min_rows, taper
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         self.style, self.group, self.world, self.gather = style, group, world, gather
@@ -128,7 +130,8 @@ class PlainShard(torch.nn.Module):
                 if reduced is not None:
                     return reduced
             # Overlaps inside tilemm.parallel.overlapped.
-            tilemm.parallel.all_reduce_sum(out, self.group, copy=self.copy, direct_nccl=self.direct_nccl)
+            tilemm.parallel.all_reduce_sum(out, self.group, copy=self.copy, direct_nccl=self.direct_nccl,
+                                           two_shot=self.two_shot)
         elif self.gather:
             local = out.reshape(-1, out.shape[-1]).contiguous()
             rows, cols = local.shape

@@ -89,6 +89,9 @@ VARIANTS = {  # how the sharded MLP's all-reduce runs: name -> (description, app
     "oneshot": ("small all-reduces through torch's symmetric-memory one-shot all-reduce in eager calls too, and the "
                 "activation amax (NVFP4 / FP8 per tensor both sides) exchanged through it "
                 "(RowwiseParallel(one_shot_eager=True))", lambda m: m <= 16),
+    "twoshot": ("one all-reduce at the end through torch's symmetric-memory two-shot all-reduce (a copy into a "
+                "symmetric buffer, then one kernel: each rank sums its slice over NVLink and writes it to every rank; "
+                "RowwiseParallel(two_shot_min_bytes=256 KiB))", lambda m: m >= CHUNK_MIN_ROWS),
     "ce": ("one all-reduce at the end by the copy engines: peer-to-peer copies into symmetric memory and "
            "one sum kernel (RowwiseParallel(copy_min_bytes=128 KiB))", lambda m: m >= CHUNK_MIN_ROWS),
     "ce4": ("fc2 in 4 row pieces, piece i's copy-engine all-reduce (side stream, no SMs but the sum's) during "
@@ -105,6 +108,7 @@ VARIANTS = {  # how the sharded MLP's all-reduce runs: name -> (description, app
 }
 CHUNK_MIN_ROWS = 1024
 ONE_SHOT_BYTES = 256 * 1024
+TWO_SHOT_MIN_BYTES = 256 * 1024
 COPY_MIN_BYTES = 128 << 10  # from 16 rows of 4096 bf16 up: the tapered pieces' tails go by copies too
 # The copy-engine variants of one layer: pieces of fc2, tapered or not.
 COPY_CHUNKS = {"ce": (1, False), "ce4": (4, False), "ce8": (8, False), "ce16": (16, False), "ce6t": (6, True)}
@@ -120,18 +124,19 @@ def shard(full: MLP, mesh, bf16: bool, variant: str = "end") -> MLP:
         kw = (dict(copy_min_bytes=COPY_MIN_BYTES, chunks=COPY_CHUNKS[variant][0], taper=COPY_CHUNKS[variant][1],
                    chunk_min_rows=CHUNK_MIN_ROWS) if variant in COPY_CHUNKS
               else dict(direct_nccl=False) if variant == "pg" else dict(one_shot_max_bytes=0) if variant == "nccl"
+              else dict(two_shot_min_bytes=TWO_SHOT_MIN_BYTES) if variant == "twoshot"
               else dict(one_shot_eager=True) if variant == "oneshot" else {})
         return MLP(PlainShard(full.fc1, "colwise", group), PlainShard(full.fc2, "rowwise", group, **kw))
     from torch.distributed.tensor.parallel import parallelize_module
 
     row = dict(end={}, pg=dict(direct_nccl=False), mlp2={}, mlp4={}, row2=dict(chunks=2, chunk_min_rows=CHUNK_MIN_ROWS),
                row4=dict(chunks=4, chunk_min_rows=CHUNK_MIN_ROWS), oneshot=dict(one_shot_eager=True),
-               nccl=dict(one_shot_max_bytes=0),
+               nccl=dict(one_shot_max_bytes=0), twoshot=dict(two_shot_min_bytes=TWO_SHOT_MIN_BYTES),
                **{v: dict(chunks=c, taper=taper, chunk_min_rows=CHUNK_MIN_ROWS, copy_min_bytes=COPY_MIN_BYTES)
                   for v, (c, taper) in COPY_CHUNKS.items()})
     plan = {"fc1": tilemm.parallel.ColwiseParallel(), "fc2": tilemm.parallel.RowwiseParallel(**row[variant])}
     sharded = parallelize_module(copy.deepcopy(full), mesh, plan)
-    if variant not in ("end", "nccl", "oneshot", "ce") and sharded.fc2._tp.tensor_scale:
+    if variant not in ("end", "nccl", "oneshot", "twoshot", "ce") and sharded.fc2._tp.tensor_scale:
         return None  # one activation scale for the whole tensor: its rows are never split
     return sharded
 
@@ -154,10 +159,12 @@ def fallback_of(model, variant: str) -> str | None:
     """Why a symmetric-memory variant ran NCCL instead (its set-up failed), or None."""
     fc2 = model.fc2
     if isinstance(fc2, PlainShard):
-        ce, one_shot = fc2.copy, fc2.one_shot
+        ce, one_shot, two_shot = fc2.copy, fc2.one_shot, fc2.two_shot
     else:
-        ce, one_shot = fc2._tp.copy, fc2._tp.one_shot
+        ce, one_shot, two_shot = fc2._tp.copy, fc2._tp.one_shot, fc2._tp.two_shot
     errors = []
+    if two_shot is not None and two_shot.error:
+        errors.append(f"two-shot: {two_shot.error}")
     if one_shot is not None and (one_shot.error or one_shot.amax_error):
         errors.append(f"one-shot: {one_shot.error or one_shot.amax_error}")
     if ce is not None and ce.error:
@@ -215,6 +222,7 @@ def bench(args, rank, world, device) -> int:
     for p in (*fc1.parameters(), *fc2.parameters()):  # every rank the same weights
         dist.broadcast(p.data, 0)
     one_shot = tilemm.parallel._OneShot(group, ONE_SHOT_BYTES) if "oneshot" in args.variants else None
+    two_shot = tilemm.parallel._TwoShot(group, TWO_SHOT_MIN_BYTES) if "twoshot" in args.variants else None
     copy_ar = (tilemm.parallel._CopyAllReduce(group, COPY_MIN_BYTES)
                if any(v in COPY_CHUNKS or v == "mlpce4" for v in args.variants) else None)
     records, failed, t0 = [], [], time.time()
@@ -276,6 +284,11 @@ def bench(args, rank, world, device) -> int:
                                                                device)
                         else:
                             rec["allreduce_copy_error"] = copy_ar.error or "not applicable"
+                    if two_shot is not None and m >= CHUNK_MIN_ROWS:
+                        if two_shot(out) is not None:  # sets up (collective) on the first call
+                            rec["allreduce_twoshot_ms"] = slowest(timer_graph(lambda: two_shot(out))[0], device)
+                        else:
+                            rec["allreduce_twoshot_error"] = two_shot.error or "not applicable"
                     if one_shot is not None and m <= 16:
                         one_shot(out)  # sets up (collective) on the first call
                         if one_shot.error is None:
@@ -402,12 +415,12 @@ def write(records, names, failed, skipped, args, seconds, final: bool) -> None:
              "| format | M | 1 GPU graph ms | sharded graph ms | speed-up | best variant | best speed-up "
              "| 1 GPU eager ms | sharded eager ms | speed-up | 1 GPU loop ms | sharded loop ms "
              "| 1 GPU host ms | sharded host ms | all-reduce ms "
-             "| one-shot all-reduce ms | copy-engine all-reduce ms | rel. err vs 1 GPU |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| one-shot all-reduce ms | two-shot all-reduce ms | copy-engine all-reduce ms | rel. err vs 1 GPU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if "error" in r:
             lines.append(f"| {r['format']} | {r['m']} | failed: {r['error'][:100].replace('|', '/')} "
-                         f"| | | | | | | | | | | | | | | |")
+                         f"| | | | | | | | | | | | | | | | |")
             continue
         lines.append(f"| {r['format']} | {r['m']} | {r['unsharded_graph_ms']:.4f} | {r['sharded_graph_ms']:.4f} | "
                      f"{r['speedup_graph']:.2f} | {r.get('best_variant', '-')} | "
@@ -416,6 +429,7 @@ def write(records, names, failed, skipped, args, seconds, final: bool) -> None:
                      f"{r['sharded_loop_ms']:.4f} | {r['unsharded_host_ms']:.4f} | "
                      f"{r['sharded_host_ms']:.4f} | {r['allreduce_ms']:.4f} | "
                      f"{r.get('allreduce_oneshot_ms', float('nan')):.4f} | "
+                     f"{r.get('allreduce_twoshot_ms', float('nan')):.4f} | "
                      f"{r.get('allreduce_copy_ms', float('nan')):.4f} | {r['rel_err_vs_unsharded']:.1e}"
                      f"{'' if r['correct'] else ' (WRONG)'} |")
     lines += ["", "Variants (graph / eager / loop / host ms, rel. err):", ""]
@@ -436,7 +450,8 @@ def write(records, names, failed, skipped, args, seconds, final: bool) -> None:
     errs = sorted({v["one_shot_error"] for r in records for v in r.get("variants", {}).values()
                    if v.get("one_shot_error")}
                   | {r["allreduce_oneshot_error"] for r in records if r.get("allreduce_oneshot_error")}
-                  | {f"copy engines: {r['allreduce_copy_error']}" for r in records if r.get("allreduce_copy_error")})
+                  | {f"copy engines: {r['allreduce_copy_error']}" for r in records if r.get("allreduce_copy_error")}
+                  | {f"two-shot: {r['allreduce_twoshot_error']}" for r in records if r.get("allreduce_twoshot_error")})
     if errs:
         lines += ["", "Symmetric-memory all-reduce unavailable: " + "; ".join(errs)]
     if checks:

@@ -143,6 +143,14 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
     pg_plan = {"fc1": tilemm.parallel.ColwiseParallel(), "fc2": tilemm.parallel.RowwiseParallel(direct_nccl=False)}
     with torch.no_grad():
         out_pg = parallelize_module(copy.deepcopy(mlp), mesh, pg_plan)(x)
+    # The two-shot all-reduce for every size (symmetric memory; NCCL where it is unavailable).
+    two_shot_plan = {"fc1": tilemm.parallel.ColwiseParallel(),
+                     "fc2": tilemm.parallel.RowwiseParallel(one_shot_max_bytes=0, two_shot_min_bytes=16)}
+    two_shot_model = parallelize_module(copy.deepcopy(mlp), mesh, two_shot_plan)
+    with torch.no_grad():
+        out_two_shot = two_shot_model(x)
+    two_shot = two_shot_model.fc2._tp.two_shot
+    two_shot_setup = dict(error=two_shot.error, used=any(v is not None for v in two_shot.buffers.values()))
     direct = tilemm.parallel._DirectNccl._FOR.get(tilemm.parallel._DirectNccl.key(mesh.get_group(), device))
     direct_setup = dict(used=direct is not None and direct.comm is not None,
                         error=None if direct is None else direct.error)
@@ -253,6 +261,7 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
 
     cpu = lambda t: t.detach().cpu()  # noqa: E731
     return dict(out=cpu(out), out_pg=cpu(out_pg), direct_setup=direct_setup, graph_equal=graph_equal,
+                out_two_shot=cpu(out_two_shot), two_shot_setup=two_shot_setup,
                 graph_one_shot=graph_one_shot,
                 sharded_class=type(model.fc2).__name__,
                 out_chunked=cpu(out_chunked).reshape(out.shape), out_fast=cpu(out_fast).reshape(out.shape),

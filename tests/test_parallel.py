@@ -206,6 +206,14 @@ def test_overlap_options_are_checked():
         tilemm.parallel.RowwiseParallel(one_shot_eager=1)
 
 
+def test_two_shot_is_opt_in():
+    assert tilemm.parallel.RowwiseParallel().two_shot_min_bytes == 0
+    with pytest.raises(ValueError, match=r"two_shot_min_bytes must be an int >= 0, got -1"):
+        tilemm.parallel.RowwiseParallel(two_shot_min_bytes=-1)
+    two_shot = tilemm.parallel._TwoShot(None, 16)
+    assert two_shot(torch.ones(64)) is None  # CPU tensors: the caller's collective
+
+
 def test_one_shot_defaults_to_graphs_only():
     # The default row-wise style takes the one-shot all-reduce for small sums inside CUDA graphs only.
     style = tilemm.parallel.RowwiseParallel()
@@ -586,6 +594,20 @@ def test_gpus_nccl(tmp_path_factory, world_size):
                                 f"({r[case_id]['direct_setup']['error'] or 'not set up'})")
             if not torch.equal(r[case_id]["out"], r[case_id]["out_pg"]):
                 failures.append(f"{case_id}: rank {rank}: the direct NCCL all-reduce differs from the ProcessGroup's")
+            # The two-shot all-reduce ran (on a CPU tensor it never applies) and summed as NCCL does: with
+            # two ranks each sum is one addition, so the same bits; with more, rank order may differ from
+            # NCCL's by the roundings of the world_size - 1 additions.
+            if not r[case_id]["two_shot_setup"]["used"]:
+                failures.append(f"{case_id}: rank {rank}: the two-shot all-reduce did not run "
+                                f"({r[case_id]['two_shot_setup']['error'] or 'not set up'})")
+            got, want = r[case_id]["out_two_shot"].float(), r[case_id]["out_pg"].float()
+            if world_size == 2 and not torch.equal(got, want):
+                failures.append(f"{case_id}: rank {rank}: the two-shot all-reduce differs from NCCL's")
+            elif world_size > 2:
+                eps = torch.finfo(r[case_id]["out_pg"].dtype).eps
+                if (got - want).abs().max() > 2 * (world_size - 1) * eps * want.abs().max():
+                    failures.append(f"{case_id}: rank {rank}: the two-shot all-reduce differs from NCCL's by more "
+                                    "than the order of its additions")
             if r[case_id]["graph_fast_equal"] is not True:
                 failures.append(f"{case_id}: rank {rank}: the copy / one-shot MLP in a CUDA graph: "
                                 f"{r[case_id]['graph_fast_equal']}")

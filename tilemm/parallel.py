@@ -313,11 +313,11 @@ class _TPConfig:
     __slots__ = ("style", "mesh", "group", "input_layouts", "output_layouts", "use_local_output",
                  "desired_input", "local_output", "plain_input", "plain_output", "amax", "full_out",
                  "sum_opts", "sum_async_opts", "max_opts", "max_async_opts", "chunks", "chunk_min_rows",
-                 "one_shot", "copy", "tensor_scale", "taper", "widest_k", "direct_nccl")
+                 "one_shot", "copy", "tensor_scale", "taper", "widest_k", "direct_nccl", "two_shot")
 
     def __init__(self, style, mesh, input_layouts, output_layouts, use_local_output, amax, full_out,
                  chunks=1, chunk_min_rows=1024, one_shot_max_bytes=0, tensor_scale=False, copy_min_bytes=0,
-                 taper=False, widest_k=0, direct_nccl=True, one_shot_eager=False):
+                 taper=False, widest_k=0, direct_nccl=True, one_shot_eager=False, two_shot_min_bytes=0):
         self.style, self.mesh, self.group = style, mesh, mesh.get_group()
         self.direct_nccl = direct_nccl  # eager all-reduces through ``_DirectNccl`` where it sets up
         # Row-wise: the longest K-slice of any rank (rank 0's, torch.chunk's step), which fixes how
@@ -335,6 +335,7 @@ class _TPConfig:
         self.one_shot = (_OneShot(self.group, one_shot_max_bytes, one_shot_eager) if one_shot_max_bytes > 0
                          else None)
         self.copy = _CopyAllReduce(self.group, copy_min_bytes) if copy_min_bytes > 0 else None
+        self.two_shot = _TwoShot(self.group, two_shot_min_bytes) if two_shot_min_bytes > 0 else None
         if style == "colwise":
             self.desired_input, self.local_output = (Replicate(),), (Shard(-1),)
         else:
@@ -350,14 +351,17 @@ class _TPConfig:
         return self
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """SUM of ``t`` over the ranks, in place (NCCL: on the current stream; the copy-engine
-        all-reduce for a large ``t`` where that is set up), or the one-shot all-reduce's new tensor for
-        a small ``t`` where that is set up; returns the result."""
+        """SUM of ``t`` over the ranks, in place (NCCL: on the current stream; the two-shot or the
+        copy-engine all-reduce for a large ``t`` where that is set up), or the one-shot all-reduce's
+        new tensor for a small ``t`` where that is set up; returns the result."""
         one_shot = self.one_shot
         if one_shot is not None:
             reduced = one_shot(t)
             if reduced is not None:
                 return reduced
+        two_shot = self.two_shot
+        if two_shot is not None and two_shot(t) is not None:
+            return t
         copy = self.copy
         if copy is not None:
             waiter = copy.start(t)
@@ -681,6 +685,82 @@ class _OneShot:
         return got.view(torch.int32).amax(0, keepdim=True)
 
 
+class _TwoShot:
+    """Large all-reduces through ``torch.distributed._symmetric_memory``'s two-shot all-reduce.
+
+    The tensor is copied into a symmetric-memory buffer; then each rank sums its 1 / world slice of
+    every rank's buffer (peer loads over NVLink, ranks in rank order) and writes that slice of the sum
+    into every rank's output (peer stores): a reduce-scatter and an all-gather in one kernel on all
+    SMs, no multicast. For tensors of at least ``min_bytes`` and at most ``MAX_BYTES`` (the buffer).
+    Set up as ``_OneShot`` is (first eager call that fits, collective, the ranks agree; never during
+    CUDA-graph capture or torch.compile tracing; NCCL until then and wherever it fails, ``error``
+    says why). With two ranks each sum is one addition, as NCCL's; with more, rank order.
+    """
+
+    MAX_BYTES = 64 << 20  # 4096 rows of 8192 bf16 features
+    _BUFFERS: dict = {}  # (group, dtype, device) -> buffer, shared by the group's layers
+
+    def __init__(self, group, min_bytes: int):
+        self.group, self.min_bytes = group, min_bytes
+        self.group_name = getattr(group, "group_name", None)
+        self.buffers: dict = {}  # dtype -> symmetric buffer (or None: failed)
+        self.error: str | None = None
+
+    def __call__(self, t: torch.Tensor):
+        size = t.numel() * t.element_size()
+        if (not t.is_cuda or not self.min_bytes <= size <= self.MAX_BYTES or size % 16 or t.data_ptr() % 16
+                or not t.is_contiguous() or self.error is not None or torch.compiler.is_compiling()):
+            return None
+        buf = self.buffers.get(t.dtype)
+        if buf is None:
+            if t.dtype in self.buffers or torch.cuda.is_current_stream_capturing():
+                return None
+            buf = self._setup(t)
+            if buf is None:
+                return None
+        flat, n = t.view(-1), t.numel()
+        buf[:n].copy_(flat)
+        torch.ops.symm_mem.two_shot_all_reduce_out(buf[:n], "sum", self.group_name, flat)
+        return t
+
+    def _setup(self, t: torch.Tensor):
+        key = (self.group_name, t.dtype, t.device)
+        shared = _TwoShot._BUFFERS.get(key)
+        if shared is not None:  # every rank set it up at the same call
+            self.buffers[t.dtype] = shared
+            return shared
+        buf, error = None, None
+        try:
+            from torch.distributed import _symmetric_memory as symm_mem
+
+            if self.group_name is None:
+                raise RuntimeError("the process group has no group_name")
+            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+            if enable is not None:
+                enable(self.group_name)
+            buf = symm_mem.empty(self.MAX_BYTES // t.element_size(), dtype=t.dtype, device=t.device)
+            symm_mem.rendezvous(buf, self.group_name)
+            world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+            # Small integers: every partial sum exact in any float dtype, whatever the order.
+            base = torch.arange(1024, device=t.device) % 16
+            got = (base + rank).to(t.dtype)
+            buf[:1024].copy_(got)
+            torch.ops.symm_mem.two_shot_all_reduce_out(buf[:1024], "sum", self.group_name, got)
+            want = (base * world + world * (world - 1) // 2).to(t.dtype)
+            if not torch.equal(got, want):
+                raise RuntimeError("two_shot_all_reduce_out of a probe gave a wrong sum")
+        except Exception as err:  # noqa: BLE001 (reported in self.error; NCCL stays)
+            error = f"{type(err).__name__}: {err}"[:300]
+        if not _ranks_agree(self.group, t.device, error is None) and error is None:
+            error = "another rank could not set up the two-shot all-reduce"
+        if error is not None:
+            self.error = error
+            self.buffers[t.dtype] = None
+            return None
+        self.buffers[t.dtype] = _TwoShot._BUFFERS[key] = buf
+        return buf
+
+
 class _Waiter:
     """What ``_CopyAllReduce.start`` returns: ``wait()`` makes the current stream wait for the side
     stream's work queued so far (no host sync; capturable)."""
@@ -874,15 +954,18 @@ _PENDING: list | None = None  # the all-reduces that overlapped() waits for, whi
 
 
 def all_reduce_sum(t: torch.Tensor, group, copy: "_CopyAllReduce | None" = None,
-                   direct_nccl: bool = True) -> torch.Tensor:
+                   direct_nccl: bool = True, two_shot: "_TwoShot | None" = None) -> torch.Tensor:
     """SUM of ``t`` over ``group``, in place, as a row-wise layer reduces its partial sums: waited for
     by the current stream (an eager call on NCCL through the group's direct communicator,
     ``_DirectNccl``, unless ``direct_nccl`` is False), or, inside :func:`overlapped`, started on
     NCCL's stream (``copy``, a ``_CopyAllReduce`` of the group, where it applies: on its side stream,
-    by the copy engines) and waited for at its end. For layers outside tilemm (a bf16
-    ``torch.nn.Linear`` sharded by hand) that should overlap like tilemm's. Returns ``t``."""
+    by the copy engines) and waited for at its end; ``two_shot`` (a ``_TwoShot`` of the group), where
+    it applies and not inside :func:`overlapped`: the two-shot all-reduce. For layers outside tilemm
+    (a bf16 ``torch.nn.Linear`` sharded by hand) that should overlap like tilemm's. Returns ``t``."""
     if group is None:
         group = dist.group.WORLD
+    if two_shot is not None and _PENDING is None and two_shot(t) is not None:
+        return t
     waiter = copy.start(t) if copy is not None else None
     if _PENDING is not None:
         _PENDING.append(waiter if waiter is not None else group.allreduce([t], _SUM_ASYNC))
@@ -1157,7 +1240,7 @@ def _shard_in_place(fn: str, module: Linear, mesh: DeviceMesh, style: str, *, sr
                     input_layouts: tuple[Placement, ...], output_layouts: tuple[Placement, ...],
                     use_local_output: bool, chunks: int = 1, chunk_min_rows: int = 1024,
                     one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES, copy_min_bytes: int = 0, taper: bool = False,
-                    direct_nccl: bool = True, one_shot_eager: bool = False) -> Linear:
+                    direct_nccl: bool = True, one_shot_eager: bool = False, two_shot_min_bytes: int = 0) -> Linear:
     """Shard ``module`` in place: the same :class:`tilemm.nn.Linear` object, rebuilt for its shard through
     the public constructor and ``load_state_dict`` (so state derived from the buffers follows the shard),
     its class switched to :class:`ShardedLinear` (a subclass: only ``forward`` differs)."""
@@ -1186,6 +1269,7 @@ def _shard_in_place(fn: str, module: Linear, mesh: DeviceMesh, style: str, *, sr
                            shard.out_features, chunks=chunks, chunk_min_rows=chunk_min_rows,
                            one_shot_max_bytes=one_shot_max_bytes if world_size > 1 and style == "rowwise" else 0,
                            one_shot_eager=one_shot_eager,
+                           two_shot_min_bytes=two_shot_min_bytes if world_size > 1 and style == "rowwise" else 0,
                            tensor_scale=tensor_scale, copy_min_bytes=copy_min_bytes if world_size > 1 else 0,
                            taper=taper, widest_k=ceil_div(shard.in_features, world_size), direct_nccl=direct_nccl)
     module.__class__ = ShardedLinear
@@ -1235,6 +1319,10 @@ class RowwiseParallel(_torch_tp.RowwiseParallel):
       from the eager call's in the last bits (NCCL's order of the ranks is not rank order).
     - ``one_shot_eager`` (default False): eager calls take the one-shot all-reduce too (where it
       fits). Off by default because eagerly its op's host time exceeds the direct NCCL call's.
+    - ``two_shot_min_bytes`` (default 0: off): all-reduces of at least this many bytes (at most
+      ``_TwoShot.MAX_BYTES``) go through torch's symmetric-memory two-shot all-reduce (``_TwoShot``:
+      a copy into a symmetric buffer, then one kernel on all SMs that sums a slice per rank over
+      NVLink and writes it to every rank; NCCL where it is unavailable), eagerly and in graphs.
     - ``copy_min_bytes`` (default 0: off): all-reduces of at least this many bytes (at most
       ``_CopyAllReduce.MAX_BYTES``) are done by the copy engines through symmetric memory
       (``_CopyAllReduce``: peer-to-peer copies, one sum kernel; NCCL where it is unavailable). With
@@ -1251,19 +1339,20 @@ class RowwiseParallel(_torch_tp.RowwiseParallel):
 
     def __init__(self, *, chunks: int = 1, chunk_min_rows: int = 1024, one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES,
                  copy_min_bytes: int = 0, taper: bool = False, direct_nccl: bool = True, one_shot_eager: bool = False,
-                 **kwargs):
+                 two_shot_min_bytes: int = 0, **kwargs):
         super().__init__(**kwargs)
         for name, flag in (("taper", taper), ("direct_nccl", direct_nccl), ("one_shot_eager", one_shot_eager)):
             if not isinstance(flag, bool):
                 raise TypeError(f"tilemm.parallel.RowwiseParallel: {name} must be True or False, got {flag!r}")
         self.taper, self.direct_nccl, self.one_shot_eager = taper, direct_nccl, one_shot_eager
         for name, value, low in (("chunks", chunks, 1), ("chunk_min_rows", chunk_min_rows, 1),
-                                 ("one_shot_max_bytes", one_shot_max_bytes, 0), ("copy_min_bytes", copy_min_bytes, 0)):
+                                 ("one_shot_max_bytes", one_shot_max_bytes, 0), ("copy_min_bytes", copy_min_bytes, 0),
+                                 ("two_shot_min_bytes", two_shot_min_bytes, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"tilemm.parallel.RowwiseParallel: {name} must be an int >= {low}, "
                                  f"got {value!r}")
         self.chunks, self.chunk_min_rows, self.one_shot_max_bytes = chunks, chunk_min_rows, one_shot_max_bytes
-        self.copy_min_bytes = copy_min_bytes
+        self.copy_min_bytes, self.two_shot_min_bytes = copy_min_bytes, two_shot_min_bytes
 
     def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
         if not isinstance(module, Linear):
@@ -1273,7 +1362,8 @@ class RowwiseParallel(_torch_tp.RowwiseParallel):
                                output_layouts=self.output_layouts, use_local_output=self.use_local_output,
                                chunks=self.chunks, chunk_min_rows=self.chunk_min_rows,
                                one_shot_max_bytes=self.one_shot_max_bytes, copy_min_bytes=self.copy_min_bytes,
-                               taper=self.taper, direct_nccl=self.direct_nccl, one_shot_eager=self.one_shot_eager)
+                               taper=self.taper, direct_nccl=self.direct_nccl, one_shot_eager=self.one_shot_eager,
+                               two_shot_min_bytes=self.two_shot_min_bytes)
 
 
 def shard_linear(layer: Linear, device_mesh: DeviceMesh, style: str, *, src_data_rank: int | None = 0,

@@ -582,6 +582,10 @@ class _OneShot:
         return self.eager or torch.cuda.is_current_stream_capturing()
 
     def __call__(self, t: torch.Tensor):
+        # The common eager call of a graphs-only all-reduce, once set up: straight to the caller's NCCL
+        # (a set-up dtype implies a CUDA build, where the capture query works).
+        if not self.eager and t.dtype in self.buffers and not torch.cuda.is_current_stream_capturing():
+            return None
         if (not t.is_cuda or t.numel() * t.element_size() > self.max_bytes or self.error is not None
                 or t.data_ptr() % 16 or not t.is_contiguous()  # the kernel's alignment and layout
                 or torch.compiler.is_compiling()):

@@ -10,8 +10,8 @@
 #   0. torchrun tp_probe.py                  (peer access, NCCL's transport with NCCL_DEBUG=INFO, the
 #                                             all-reduce by size, NCCL vs the one-shot all-reduce)
 #   1. torchrun bench_tp.py                  (the 4096 -> 14336 -> 4096 MLP, 1 GPU vs N, M = 1 .. 4096,
-#                                             the all-reduce variants: TP_VARIANTS, default end, oneshot,
-#                                             ce4, ce8, ce6t, mlpce4)
+#                                             the all-reduce variants: TP_VARIANTS, default end, nccl,
+#                                             oneshot, twoshot, ce4, mlpce4)
 #   2. torchrun bench_tp_decode.py           (Llama-3-8B-shaped decode, 1 GPU vs 2 (vs 4), batch 1 / 16,
 #                                             NCCL and one-shot all-reduces (+1shot);
 #                                             all 32 layers on 2 GPUs, 16 on 4)
@@ -97,10 +97,12 @@ step probe "$L_PROBE" "$PROBE_LOG" env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GR
 rm -f "$PROBE_LOG"
 fi
 
-# The all-reduce variants: NCCL at the end (end), the one-shot all-reduce and amax exchange
-# (oneshot, M <= 16), the copy engines overlapped with fc2's pieces (ce4, ce8; ce6t: 6 pieces
-# halving toward the end) or with the whole MLP's (mlpce4). (NCCL overlapped, row4 / mlp2 / mlp4, measured before: slower.)
-VARIANTS=${TP_VARIANTS:-end,oneshot,ce4,ce8,ce6t,mlpce4}
+# The all-reduce variants: one at the end (end, the default: NCCL eagerly, the one-shot all-reduce in
+# graphs up to 256 KiB), NCCL everywhere (nccl, M <= 16), the one-shot all-reduce and amax exchange eagerly
+# too (oneshot, M <= 16), the two-shot all-reduce (twoshot, M >= 1024), the copy engines overlapped with
+# fc2's pieces (ce4) or with the whole MLP's (mlpce4). (NCCL overlapped, row4 / mlp2 / mlp4, and the copy
+# engines in 8 or 6 tapered pieces, ce8 / ce6t, measured before: slower.)
+VARIANTS=${TP_VARIANTS:-end,nccl,oneshot,twoshot,ce4,mlpce4}
 want mlp && step mlp "$L_MLP" "$OUT/tp-mlp-x$N.log" \
     torchrun --nproc-per-node "$N" benchmarks/bench_tp.py --formats bf16,nvfp4-wo,mxfp4-wo,nvfp4,mxfp8 \
     --rows 1,16,1024,4096 --reps 20 --variants "$VARIANTS" --max-seconds $((L_MLP - 45))

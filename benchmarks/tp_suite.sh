@@ -13,7 +13,7 @@
 #                                             the all-reduce variants: TP_VARIANTS, default end, nccl,
 #                                             oneshot, twoshot, ce4, mlpce4)
 #   2. torchrun bench_tp_decode.py           (Llama-3-8B-shaped decode, 1 GPU vs 2 (vs 4), batch 1 / 16,
-#                                             NCCL and one-shot all-reduces (+1shot);
+#                                             the one-shot all-reduce in graphs, and eagerly too (+1shot);
 #                                             all 32 layers on 2 GPUs, 16 on 4)
 #   h. torchrun tp_host.py                   (step "host": the host time of one M = 1 call, step by step,
 #                                             and a cProfile)

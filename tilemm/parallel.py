@@ -49,7 +49,7 @@ from .nn import SMALL_BATCH_ROWS as _SMALL_BATCH_ROWS
 from .nn import Linear
 
 __all__ = ["STYLES", "ShardInfo", "ShardedLinear", "ColwiseParallel", "RowwiseParallel", "shard_linear",
-           "local_shard", "overlapped", "all_reduce_sum"]
+           "local_shard", "overlapped", "all_reduce_sum", "ONE_SHOT_MAX_BYTES"]
 
 STYLES = ("colwise", "rowwise")
 _PACKED = {"mxfp4", "nvfp4"}  # two e2m1 elements per byte along K

@@ -367,7 +367,8 @@ def line(r: dict) -> str:
 def targets(records, world) -> list[str]:
     """The issues' targets, checked on the CUDA-graph times of the fastest correct variant (what a
     plan would pick; the default "end" in brackets): M = 1 no slower than one GPU; from M on (TARGETS)
-    at least the speed-up."""
+    at least the speed-up, beside what the default would reach with its all-reduce wholly hidden
+    (its time less the bare all-reduce's: the ceiling of any overlap design)."""
     out = []
     speedup, from_m = TARGETS.get(world, (None, None))
     for r in records:
@@ -390,7 +391,10 @@ def targets(records, world) -> list[str]:
                                f"{r['unsharded_eager_ms']:.3f}) (within 30 us of 1 GPU: {'met' if ok else 'NOT met'})")
         if speedup and r["m"] >= from_m:
             ok = u / best >= speedup
-            out.append(f"{r['format']} M={r['m']} graph: x{u / best:.2f} ({tag}, x{r['speedup_graph']:.2f}) "
+            # The ceiling of any overlap: the default's time less one bare all-reduce (all of it hidden).
+            hidden = r["sharded_graph_ms"] - r["allreduce_ms"]
+            ceiling = f"; x{u / hidden:.2f} with the all-reduce hidden" if hidden > 0 else ""
+            out.append(f"{r['format']} M={r['m']} graph: x{u / best:.2f} ({tag}, x{r['speedup_graph']:.2f}{ceiling}) "
                        f"(>= {speedup}: {'met' if ok else 'NOT met'})")
     return out
 

@@ -582,13 +582,14 @@ class _OneShot:
         return self.eager or torch.cuda.is_current_stream_capturing()
 
     def __call__(self, t: torch.Tensor):
+        # Never while torch.compile traces (asked first: the checks below read the tensor's address).
         # The common eager call of a graphs-only all-reduce, once set up: straight to the caller's NCCL
         # (a set-up dtype implies a CUDA build, where the capture query works).
-        if not self.eager and t.dtype in self.buffers and not torch.cuda.is_current_stream_capturing():
+        if torch.compiler.is_compiling() or (not self.eager and t.dtype in self.buffers
+                                             and not torch.cuda.is_current_stream_capturing()):
             return None
         if (not t.is_cuda or t.numel() * t.element_size() > self.max_bytes or self.error is not None
-                or t.data_ptr() % 16 or not t.is_contiguous()  # the kernel's alignment and layout
-                or torch.compiler.is_compiling()):
+                or t.data_ptr() % 16 or not t.is_contiguous()):  # the kernel's alignment and layout
             return None
         capturing = torch.cuda.is_current_stream_capturing()
         buf = self.buffers.get(t.dtype)
@@ -711,9 +712,11 @@ class _TwoShot:
         self.error: str | None = None
 
     def __call__(self, t: torch.Tensor):
+        if torch.compiler.is_compiling():  # asked first: the checks below read the tensor's address
+            return None
         size = t.numel() * t.element_size()
         if (not t.is_cuda or not self.min_bytes <= size <= self.MAX_BYTES or size % 16 or t.data_ptr() % 16
-                or not t.is_contiguous() or self.error is not None or torch.compiler.is_compiling()):
+                or not t.is_contiguous() or self.error is not None):
             return None
         buf = self.buffers.get(t.dtype)
         if buf is None:

@@ -606,37 +606,14 @@ class _OneShot:
         return out.view(t.shape)
 
     def _setup(self, t: torch.Tensor):
-        key = (self.group_name, t.dtype, t.device, self.max_bytes)
-        shared = _OneShot._BUFFERS.get(key)
-        if shared is not None:  # every rank set it up at the same call
-            self.buffers[t.dtype] = shared
-            return shared
-        buf, error = None, None
-        try:
-            from torch.distributed import _symmetric_memory as symm_mem
-
-            if self.group_name is None:
-                raise RuntimeError("the process group has no group_name")
-            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-            if enable is not None:
-                enable(self.group_name)
-            buf = symm_mem.empty(self.max_bytes // t.element_size(), dtype=t.dtype, device=t.device)
-            symm_mem.rendezvous(buf, self.group_name)
-            probe = torch.ones(8, dtype=t.dtype, device=t.device)
-            got = torch.ops.symm_mem.one_shot_all_reduce_copy(buf[:8], probe, "sum", self.group_name)
-            if not torch.equal(got, probe * dist.get_world_size(self.group)):
+        def probe(buf):
+            ones = torch.ones(8, dtype=t.dtype, device=t.device)
+            got = torch.ops.symm_mem.one_shot_all_reduce_copy(buf[:8], ones, "sum", self.group_name)
+            if not torch.equal(got, ones * dist.get_world_size(self.group)):
                 raise RuntimeError(f"one_shot_all_reduce_copy of ones gave {got.tolist()}")
-        except Exception as err:  # noqa: BLE001 (reported in self.error; NCCL stays)
-            error = f"{type(err).__name__}: {err}"[:300]
-        if not _ranks_agree(self.group, t.device, error is None) and error is None:
-            error = "another rank could not set up the one-shot all-reduce"
-        if error is not None:
-            self.error = error
-            self.buffers[t.dtype] = None
-            return None
-        self.buffers[t.dtype] = _OneShot._BUFFERS[key] = buf
-        return buf
 
+        return _symmetric_setup(self, t, self.max_bytes // t.element_size(), _OneShot._BUFFERS,
+                                (self.group_name, t.dtype, t.device, self.max_bytes), probe, "one-shot")
 
     # The amax exchange: every rank's amax gathered by the one-shot SUM, then the maximum locally.
     # Rank r writes its amax (fp32 bits) into slot r of its own zero vector; the one-shot kernel sums
@@ -731,41 +708,51 @@ class _TwoShot:
         return t
 
     def _setup(self, t: torch.Tensor):
-        key = (self.group_name, t.dtype, t.device)
-        shared = _TwoShot._BUFFERS.get(key)
-        if shared is not None:  # every rank set it up at the same call
-            self.buffers[t.dtype] = shared
-            return shared
-        buf, error = None, None
-        try:
-            from torch.distributed import _symmetric_memory as symm_mem
-
-            if self.group_name is None:
-                raise RuntimeError("the process group has no group_name")
-            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-            if enable is not None:
-                enable(self.group_name)
-            buf = symm_mem.empty(self.MAX_BYTES // t.element_size(), dtype=t.dtype, device=t.device)
-            symm_mem.rendezvous(buf, self.group_name)
-            world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        def probe(buf):
             # Small integers: every partial sum exact in any float dtype, whatever the order.
+            world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
             base = torch.arange(1024, device=t.device) % 16
             got = (base + rank).to(t.dtype)
             buf[:1024].copy_(got)
             torch.ops.symm_mem.two_shot_all_reduce_out(buf[:1024], "sum", self.group_name, got)
-            want = (base * world + world * (world - 1) // 2).to(t.dtype)
-            if not torch.equal(got, want):
+            if not torch.equal(got, (base * world + world * (world - 1) // 2).to(t.dtype)):
                 raise RuntimeError("two_shot_all_reduce_out of a probe gave a wrong sum")
-        except Exception as err:  # noqa: BLE001 (reported in self.error; NCCL stays)
-            error = f"{type(err).__name__}: {err}"[:300]
-        if not _ranks_agree(self.group, t.device, error is None) and error is None:
-            error = "another rank could not set up the two-shot all-reduce"
-        if error is not None:
-            self.error = error
-            self.buffers[t.dtype] = None
-            return None
-        self.buffers[t.dtype] = _TwoShot._BUFFERS[key] = buf
+
+        return _symmetric_setup(self, t, self.MAX_BYTES // t.element_size(), _TwoShot._BUFFERS,
+                                (self.group_name, t.dtype, t.device), probe, "two-shot")
+
+
+def _symmetric_setup(owner, t: torch.Tensor, elements: int, shared: dict, key, probe, what: str):
+    """``owner``'s (a ``_OneShot`` or ``_TwoShot``) symmetric buffer of ``elements`` of t's dtype, made
+    and checked once per ``key`` in ``shared`` (every rank makes the same calls in the same order:
+    collective), or None where torch lacks it or it fails on any rank (the ranks agree through one
+    NCCL all-reduce; ``owner.error`` says why). ``probe(buf)`` raises if the all-reduce sums wrong."""
+    buf = shared.get(key)
+    if buf is not None:  # every rank set it up at the same call
+        owner.buffers[t.dtype] = buf
         return buf
+    error = None
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        if owner.group_name is None:
+            raise RuntimeError("the process group has no group_name")
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:
+            enable(owner.group_name)
+        buf = symm_mem.empty(elements, dtype=t.dtype, device=t.device)
+        symm_mem.rendezvous(buf, owner.group_name)
+        probe(buf)
+    except Exception as err:  # noqa: BLE001 (reported in owner.error; NCCL stays)
+        error = f"{type(err).__name__}: {err}"[:300]
+    if not _ranks_agree(owner.group, t.device, error is None) and error is None:
+        error = f"another rank could not set up the {what} all-reduce"
+    if error is not None:
+        owner.error = error
+        owner.buffers[t.dtype] = None
+        return None
+    owner.buffers[t.dtype] = shared[key] = buf
+    return buf
 
 
 class _Waiter:

@@ -188,7 +188,7 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
 
     # On a GPU: the sharded MLP (both collectives included) captured in a CUDA graph and replayed on a
     # new input gives the eager call's bits.
-    graph_equal = graph_overlapped_equal = graph_fast_equal = graph_one_shot = None
+    graph_equal = graph_overlapped_equal = graph_fast_equal = graph_one_shot = graph_nccl_equal = None
     ce, one_shot = fast.fc2._tp.copy, fast.fc2._tp.one_shot
     fast_setup = dict(copy_error=ce.error, copy_used=any(v is not None for v in ce.states.values()),
                       one_shot_error=one_shot.error,
@@ -224,8 +224,11 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
                     eager = model(x2)
             finally:
                 default_one_shot.eager = False
+            with torch.no_grad():
+                eager_nccl = model(x2)  # the default eager call: NCCL's sums and amax MAX
             torch.cuda.synchronize()
             graph_equal = bool(torch.equal(static_out, eager))
+            graph_nccl_equal = bool(torch.equal(static_out, eager_nccl))
             graph_one_shot = dict(error=default_one_shot.error,
                                   used=any(v is not None for v in default_one_shot.buffers.values()))
         else:
@@ -262,7 +265,7 @@ def _run_case(mlp: MLP, x: torch.Tensor, mesh, device) -> dict:
     cpu = lambda t: t.detach().cpu()  # noqa: E731
     return dict(out=cpu(out), out_pg=cpu(out_pg), direct_setup=direct_setup, graph_equal=graph_equal,
                 out_two_shot=cpu(out_two_shot), two_shot_setup=two_shot_setup,
-                graph_one_shot=graph_one_shot,
+                graph_one_shot=graph_one_shot, graph_nccl_equal=graph_nccl_equal,
                 sharded_class=type(model.fc2).__name__,
                 out_chunked=cpu(out_chunked).reshape(out.shape), out_fast=cpu(out_fast).reshape(out.shape),
                 graph_fast_equal=graph_fast_equal, fast_setup=fast_setup,

@@ -745,6 +745,51 @@ def test_sharded_nvfp4_rowwise_small_batch_launches(rank, m):
     assert set(ops.names) <= _VIEWS | _ALLOCATIONS, ops.names
 
 
+@pytest.mark.parametrize("runner", [True, False], ids=["runner", "no-runner"])
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("m", [1, 16])
+def test_sharded_nvfp4_rowwise_small_batch_one_shot_exchange(monkeypatch, rank, m, runner):
+    # Where the one-shot all-reduce is live (a CUDA-graph capture), a row-wise NVFP4 (both sides) shard
+    # at small batch writes its per-tile amax maxima straight into its region of the exchange vector
+    # (the other ranks' regions zero), gathers every rank's maxima side by side with one one-shot
+    # kernel, and the fake-quantize kernel reduces them: no reduction launch before or after the
+    # exchange, no NCCL MAX. A rank without a small-batch runner exchanges the same vector (one
+    # length on every rank) and reduces it to one word for the quantize kernel.
+    import torch.distributed as dist
+
+    from tilemm.parallel import ShardedLinear
+
+    if not runner:
+        monkeypatch.setattr(ShardedLinear, "_small_batch_runner", lambda self, device: None)
+    lin, gen = _seeded_linear(512, 256, seed=6, bias=False)
+    x = torch.randn(m, 256, generator=gen).to(torch.bfloat16)  # this rank's K-slice
+    slots = qk.amax_slots(m, 256)  # the widest K-slice: 512 / 2
+    with _rowwise_nvfp4_shard(rank, lin) as (layer, group):
+        layer(x)  # builds the small-batch runner; the one-shot set-up fails on the CPU
+        one_shot = layer._tp.one_shot
+        assert one_shot.amax_tiles(x.device, slots) is None  # no exchange set up: no vector
+        one_shot.amax_slots = (torch.zeros(4, dtype=torch.int32), None)  # as a GPU's set-up leaves it
+        monkeypatch.setattr(one_shot, "live", lambda: True)
+        gathered = torch.zeros(2 * slots, dtype=torch.int32)
+        exchanged = []
+        monkeypatch.setattr(one_shot, "amax_gather", lambda v: exchanged.append(("gather", v)) or gathered)
+        monkeypatch.setattr(one_shot, "amax_max", lambda v: exchanged.append(("max", v)) or gathered[:1])
+        HOST_PATH.LAUNCHES.clear()
+        group.calls.clear()
+        out = layer(x)
+        launches = list(HOST_PATH.LAUNCHES)
+        vector, mine = one_shot.amax_tiles(x.device, slots)
+    assert vector.shape == (2 * slots,) and mine.shape == (slots,)
+    assert mine.data_ptr() == vector.data_ptr() + rank * slots * 4
+    (grid, _, amax_args), (_, _, quant_args), *matmul = launches
+    assert grid == (slots, 1, 1) and amax_args[1] is mine and amax_args[0].shape == (1, m, 256)
+    assert [(what, v is vector) for what, v in exchanged] == [("gather" if runner else "max", True)]
+    if runner:
+        assert quant_args[3] is gathered and len(matmul) == 1
+    assert [op for _, op in group.calls] == [dist.ReduceOp.SUM]  # the partial sums only
+    assert group.calls[0][0][0].shape == out.shape
+
+
 def test_a_prepared_experts_call_follows_replaced_buffers():
     # MoEExperts' prepared call holds the buffers of its first call: a module given another one since
     # is served with it (checked and planned again), never by the launches bound to the old one.

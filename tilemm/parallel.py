@@ -569,6 +569,7 @@ class _OneShot:
         self.group_name = getattr(group, "group_name", None)
         self.amax_slots = None  # the amax exchange's (slots, this rank's slot), set up on first use
         self.amax_error: str | None = None
+        self.amax_tile_vectors: dict = {}  # (device, tiles per rank) -> (vector, this rank's region)
 
     # One buffer per (group, dtype, device, size), shared by every layer: the kernel synchronizes the
     # ranks at its start and its end, so a buffer is free again when the kernel ends.
@@ -657,6 +658,34 @@ class _OneShot:
             return None
         self.amax_slots = (slots, slots[rank:rank + 1])
         return self.amax_slots
+
+    def amax_tiles(self, device, per_rank: int):
+        """``(vector, mine)`` for exchanging ``per_rank`` per-tile amax maxima (``tile_amax``'s slots)
+        instead of one word: an int32 vector with a region of ``per_rank`` words per rank (rank r's at
+        ``r * per_rank``; the rest zero for good) and this rank's region, for ``tile_amax`` to write
+        into. Its one-shot sum (``amax_gather``) is every rank's maxima side by side, the one-hot sum
+        the set-up checked (``amax_slot``), which the small-batch fake-quantize kernel reduces
+        itself: no reduction launch before the exchange nor after it. None where the exchange is not
+        set up, the vector would exceed ``AMAX_PARTIALS`` words, or a capture asks for a vector no
+        eager call made (every rank makes the same calls, so every rank answers alike)."""
+        key = (device, per_rank)
+        got = self.amax_tile_vectors.get(key)
+        if got is not None or self.amax_slots is None or torch.cuda.is_current_stream_capturing():
+            return got
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        n = ceil_div(world * per_rank, self.AMAX_SLOTS_MIN) * self.AMAX_SLOTS_MIN
+        if n > _quantize_kernels.AMAX_PARTIALS or n > self.max_bytes // 4:
+            return None
+        vector = torch.zeros(n, dtype=torch.int32, device=device)
+        got = self.amax_tile_vectors[key] = (vector, vector[rank * per_rank:(rank + 1) * per_rank])
+        return got
+
+    def amax_gather(self, vector: torch.Tensor) -> torch.Tensor:
+        """Every rank's region of an ``amax_tiles`` vector, side by side: (n,) int32, one kernel."""
+        n = vector.numel()
+        got = torch.ops.symm_mem.one_shot_all_reduce_copy(self.buffers[torch.float32][:n], vector.view(torch.float32),
+                                                          "sum", self.group_name)
+        return got.view(torch.int32)
 
     def amax_max(self, slots: torch.Tensor) -> torch.Tensor:
         """The maximum over the ranks of the amax bits each wrote into its slot of ``slots``: (1,)
@@ -1129,28 +1158,33 @@ class ShardedLinear(Linear):
         (``tilemm.quantize.quantize_nvfp4_with_amax`` / ``quantize_fp8_with_amax``). NVFP4 on the GPU
         takes its slice's amax from the quantize kernels' own ``tensor_amax`` (one read of the
         activation in its dtype, then one small reduction), the amax the unsharded layer's quantizer
-        computes; at small batch on Hopper over NCCL the per-tile maxima themselves are exchanged
-        (``_small_batch_nvfp4``); elsewhere ``quantize.amax_bits``."""
+        computes; at small batch on Hopper the per-tile maxima themselves are exchanged
+        (``_small_batch_nvfp4``: by NCCL, or in a CUDA graph by the one-shot kernel, ``amax_tiles``);
+        elsewhere ``quantize.amax_bits``."""
         one_shot = tp.one_shot
         if one_shot is not None and not on_nccl_stream and tp.amax is Granularity.TENSOR and x.is_cuda:
             if one_shot.live():
                 exchange = one_shot.amax_slot(x.device)
             else:  # eager, NCCL's MAX: the exchange set up (collective, once) for a later capture
                 exchange = None
-                if one_shot.amax_slots is None and not torch.compiler.is_compiling():
-                    one_shot.amax_slot(x.device)
+                if not torch.compiler.is_compiling():
+                    if one_shot.amax_slots is None:
+                        one_shot.amax_slot(x.device)
+                    m = x.numel() // max(x.shape[-1], 1)
+                    if self._options.format == "nvfp4" and m <= _SMALL_BATCH_ROWS:  # the vector, for a capture
+                        one_shot.amax_tiles(x.device, _quantize_kernels.amax_slots(m, tp.widest_k))
         else:
             exchange = None
         small = self._runner
         if (small is not None and type(x) is torch.Tensor and x.ndim == 2 and x.is_cuda
                 and x.shape[0] <= _SMALL_BATCH_ROWS and x.shape[1] == self.in_features
                 and x.dtype in _ACTIVATION_DTYPES and self._options.format == "nvfp4" and small.runner is not None
-                and exchange is None and small.source == self._small_batch_key(x.device)
-                and not torch.compiler.is_compiling()):
-            # The common eager call, checked as Linear.forward checks its own small-batch call.
+                and small.source == self._small_batch_key(x.device) and not torch.compiler.is_compiling()):
+            # The common call, checked as Linear.forward checks its own small-batch call.
             slots = _quantize_kernels.amax_slots(x.shape[0], tp.widest_k)
-            if slots <= _quantize_kernels.AMAX_PARTIALS:
-                return self._small_batch_nvfp4(x, x, tp, small.runner, slots, on_nccl_stream)
+            tiles = None if exchange is None else one_shot.amax_tiles(x.device, slots)
+            if slots <= _quantize_kernels.AMAX_PARTIALS and (exchange is None or tiles is not None):
+                return self._small_batch_nvfp4(x, x, tp, small.runner, slots, on_nccl_stream, tiles)
         self._check_input(x)
         rows = x.reshape(-1, self.in_features)
         options = self._options
@@ -1161,33 +1195,35 @@ class ShardedLinear(Linear):
         if kernels is not None and rows.shape[0] <= _SMALL_BATCH_ROWS and not torch.compiler.is_compiling():
             runner = self._small_batch_runner(x.device)  # what Linear.forward runs at small batch on Hopper
             slots = kernels.amax_slots(rows.shape[0], tp.widest_k)
-            if exchange is None and slots <= kernels.AMAX_PARTIALS:
+            tiles = None if exchange is None else one_shot.amax_tiles(x.device, slots)
+            if slots <= kernels.AMAX_PARTIALS and (exchange is None or tiles is not None):
                 if runner is not None:
-                    return self._small_batch_nvfp4(x, rows, tp, runner, slots, on_nccl_stream)
+                    return self._small_batch_nvfp4(x, rows, tp, runner, slots, on_nccl_stream, tiles)
                 # Every rank exchanges the same ``slots`` words, whether or not its own slice has a
                 # runner (prepack may refuse one rank's slice): collectives of one length on all ranks.
                 rows = rows if rows.is_contiguous() else rows.contiguous()
-                amax = kernels.tile_amax(rows, slots, stream_handle(x.device))
-                tp.all_reduce_max(amax, on_nccl_stream)
-                amax = amax.amax().reshape(1)
-        exchanged = amax is not None  # the per-tile maxima, exchanged above
-        if exchanged:
-            pass
-        elif kernels is not None:
-            partial = kernels.tensor_amax(rows, propagate_nan=False)
-            if exchange is not None:
-                torch.amax(partial, 0, keepdim=True, out=exchange[1])
+                amax = kernels.tile_amax(rows, slots, stream_handle(x.device), out=None if tiles is None else tiles[1])
+                if tiles is None:
+                    tp.all_reduce_max(amax, on_nccl_stream)
+                    amax = amax.amax().reshape(1)
+                else:
+                    amax = one_shot.amax_max(tiles[0])
+        if amax is None:  # not the per-tile maxima, exchanged above: the slice's amax, then its exchange
+            if kernels is not None:
+                partial = kernels.tensor_amax(rows, propagate_nan=False)
+                if exchange is not None:
+                    torch.amax(partial, 0, keepdim=True, out=exchange[1])
+                else:
+                    amax = partial.amax().reshape(1)
             else:
-                amax = partial.amax().reshape(1)
-        else:
-            nan = options.format == "fp8"  # FP8's amax propagates NaN; NVFP4's is over the finite values
-            amax = _quantize.amax_bits(rows, tp.amax, propagate_nan=nan)
+                nan = options.format == "fp8"  # FP8's amax propagates NaN; NVFP4's is over the finite values
+                amax = _quantize.amax_bits(rows, tp.amax, propagate_nan=nan)
+                if exchange is not None:
+                    exchange[1].copy_(amax)
             if exchange is not None:
-                exchange[1].copy_(amax)
-        if exchange is not None:
-            amax = one_shot.amax_max(exchange[0])
-        elif not exchanged:
-            tp.all_reduce_max(amax, on_nccl_stream)
+                amax = one_shot.amax_max(exchange[0])
+            else:
+                tp.all_reduce_max(amax, on_nccl_stream)
         if options.format == "nvfp4":
             if runner is not None:
                 rows = rows if rows.is_contiguous() else rows.contiguous()
@@ -1202,18 +1238,24 @@ class ShardedLinear(Linear):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _small_batch_nvfp4(self, x: torch.Tensor, rows: torch.Tensor, tp: _TPConfig, runner, slots: int,
-                           on_nccl_stream: bool) -> torch.Tensor:
-        """``_partial_with_global_amax`` for NVFP4 at small batch on Hopper over NCCL, with nothing
-        worked out per call that the layer's shape fixes: the slice's per-tile amax maxima
+                           on_nccl_stream: bool, tiles=None) -> torch.Tensor:
+        """``_partial_with_global_amax`` for NVFP4 at small batch on Hopper, with nothing worked out
+        per call that the layer's shape fixes: the slice's per-tile amax maxima
         (``quantize_kernels.tile_amax``, ``slots`` of them, as many on every rank: the widest slice's
-        tiles), their elementwise MAX all-reduce, and the small-batch runner's two launches, which
-        reduce the maxima themselves. Four launches (amax, all-reduce, fake-quantize, matmul), one
-        fewer than reducing the maxima to one word before the all-reduce; the same amax bits, so the
-        same bytes."""
+        tiles), their exchange, and the small-batch runner's two launches, which reduce the maxima
+        themselves. Four launches (amax, exchange, fake-quantize, matmul), one fewer than reducing the
+        maxima to one word before the exchange; the same amax bits, so the same bytes. The exchange:
+        NCCL's elementwise MAX all-reduce, or with ``tiles`` (``_OneShot.amax_tiles``, inside a CUDA
+        graph) the one-shot kernel gathering every rank's maxima side by side."""
         rows = rows if rows.is_contiguous() else rows.contiguous()
         stream = stream_handle(x.device)
-        amax = _quantize_kernels.tile_amax(rows, slots, stream)
-        tp.all_reduce_max(amax, on_nccl_stream)
+        if tiles is not None:
+            vector, mine = tiles
+            _quantize_kernels.tile_amax(rows, slots, stream, out=mine)
+            amax = tp.one_shot.amax_gather(vector)
+        else:
+            amax = _quantize_kernels.tile_amax(rows, slots, stream)
+            tp.all_reduce_max(amax, on_nccl_stream)
         xq, alpha = runner.fake_quant.run(rows, stream, amax=amax)
         out = runner.inner(xq, alpha, out_dtype=x.dtype)
         return out if x.ndim == 2 else out.reshape(*x.shape[:-1], self.out_features)

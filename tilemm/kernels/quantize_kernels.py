@@ -1200,7 +1200,7 @@ def amax_slots(rows: int, k: int) -> int:
     return ceil_div(rows, AMAX_CONFIG.tile_r) * ceil_div(k, AMAX_CONFIG.tile_k)
 
 
-def tile_amax(x: torch.Tensor, slots: int, stream) -> torch.Tensor:
+def tile_amax(x: torch.Tensor, slots: int, stream, out: torch.Tensor | None = None) -> torch.Tensor:
     """``tensor_amax(x, propagate_nan=False)`` of a contiguous (M, K) x, as (slots,) int32 per-block
     maxima, launched with exactly ``slots`` blocks (``amax_slots(M, K) <= slots <= AMAX_PARTIALS``):
     the launch a row-wise tensor-parallel rank makes on the small-batch path, its arguments known
@@ -1211,10 +1211,18 @@ def tile_amax(x: torch.Tensor, slots: int, stream) -> torch.Tensor:
     leaves every maximum of the slots unchanged): ranks whose K-slices differ in length still fill the
     same number of slots, so their maxima can be combined slot by slot (an elementwise MAX all-reduce),
     and every quantize kernel that takes ``tensor_amax``'s maxima reduces them (``_tensor_amax``).
-    The maximum over the slots is the bits of ``tensor_amax``'s: the same tiles, the same maxima."""
+    The maximum over the slots is the bits of ``tensor_amax``'s: the same tiles, the same maxima.
+    ``out``: a contiguous (slots,) int32 view to write them into (a row-wise rank's region of the
+    one-shot amax exchange's vector), else a new tensor."""
     m, k = x.shape
     cfg = AMAX_CONFIG
-    partial = torch.empty(slots, dtype=torch.int32, device=x.device)
+    if out is None:
+        partial = torch.empty(slots, dtype=torch.int32, device=x.device)
+    elif out.shape != (slots,) or out.dtype != torch.int32 or not out.is_contiguous():
+        raise ValueError(f"tile_amax: out must be a contiguous ({slots},) int32 tensor, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    else:
+        partial = out
     ct.launch(stream, (slots, 1, 1), _kernel(_amax_kernel, cfg),
               (x.view(1, m, k), partial, False, False, cfg.tile_r, cfg.tile_k))
     return partial

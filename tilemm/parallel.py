@@ -681,7 +681,8 @@ class _OneShot:
         return got
 
     def amax_gather(self, vector: torch.Tensor) -> torch.Tensor:
-        """Every rank's region of an ``amax_tiles`` vector, side by side: (n,) int32, one kernel."""
+        """Every rank's region of an ``amax_tiles`` (or ``amax_slot``) vector, side by side: (n,) int32,
+        one kernel."""
         n = vector.numel()
         got = torch.ops.symm_mem.one_shot_all_reduce_copy(self.buffers[torch.float32][:n], vector.view(torch.float32),
                                                           "sum", self.group_name)
@@ -690,10 +691,7 @@ class _OneShot:
     def amax_max(self, slots: torch.Tensor) -> torch.Tensor:
         """The maximum over the ranks of the amax bits each wrote into its slot of ``slots``: (1,)
         int32 (the int32 order of non-negative fp32 bits is their numeric order, NaN above +Inf)."""
-        n = slots.numel()
-        got = torch.ops.symm_mem.one_shot_all_reduce_copy(self.buffers[torch.float32][:n], slots.view(torch.float32),
-                                                          "sum", self.group_name)
-        return got.view(torch.int32).amax(0, keepdim=True)
+        return self.amax_gather(slots).amax(0, keepdim=True)
 
 
 class _TwoShot:

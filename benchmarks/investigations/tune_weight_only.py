@@ -3,6 +3,12 @@ flushed), against cuBLAS bf16 in the same run; the winners set ``weight_only_ker
 
     python benchmarks/investigations/tune_weight_only.py [--formats mxfp4] [--ms 1,16]
     python benchmarks/investigations/tune_weight_only.py --plans [--formats mxfp4,nvfp4,mxfp8] [--ms 1,4,16]
+    python benchmarks/investigations/tune_weight_only.py --gemv-grid --warm-procs 24 --shapes 1024x4096,4096x4096
+
+``--gemv-grid`` times, at M = 1, the FMA kernel's plan against every (K split, K tiles per load, blocks per
+SM) of ``GEMV_GRID`` with the plan's 16-row blocks, each output checked bit for bit against the plan's;
+``--warm-procs P`` first compiles them in P processes at once (cuTile's disk cache then serves the
+timing process), since compiling, not timing, takes most of such a sweep.
 
 ``--plans`` times, instead of the tile-shape candidates, the configs ``plan`` can give: at each M the
 default plan; at M = 1 also ``plan(..., m1_kernel=...)`` for every kernel of ``M1_KERNELS`` (the FMA
@@ -39,6 +45,48 @@ CANDIDATES = [(128, 8, None, 1), (128, 8, 2, 2), (64, 4, 3, 3), (64, 4, 4, 4), (
 GEMV_VARIANTS = [("plan", {}), ("occ8", dict(occupancy=8)), ("u4", dict(unroll=4)),
                  ("occ8_u4", dict(occupancy=8, unroll=4)), ("n64", dict(tile_n=64, occupancy=8, unroll=4)),
                  ("n64_u8", dict(tile_n=64, occupancy=4, unroll=8)), ("n128", dict(tile_n=128, occupancy=4, unroll=4))]
+
+
+#: ``--gemv-grid``: (split_k, unroll, occupancy) of the FMA kernel's 16-row, 4-warp blocks; combinations
+#: whose K split would leave a split without a load group are skipped at each K.
+GEMV_GRID = [(s, u, o) for s in (1, 2, 4, 8, 16) for u in (1, 2, 4, 8) for o in (4, 8)]
+
+
+def gemv_grid(n: int, k: int, layout, sms: int) -> list:
+    """(label, config) pairs of ``--gemv-grid`` at one shape, the plan first (M = 1)."""
+    base = wo.plan(1, n, k, layout, sms)
+    out = [("plan", base)]
+    k_tiles = -(-k // layout.tile_k)
+    for split, unroll, occupancy in GEMV_GRID:
+        if -(-k_tiles // unroll) < split:
+            continue
+        cfg = dataclasses.replace(base, tile_n=16, num_worker_warps=4, split_k=split, unroll=unroll,
+                                  occupancy=occupancy)
+        if cfg != base:
+            out.append((f"s{split}u{unroll}o{occupancy}", cfg))
+    return out
+
+
+def _warm(args, part: str) -> int:
+    """Compile (by launching once) the ``--gemv-grid`` configs of slice ``part`` ("i/P") of the sweep."""
+    i, parts = map(int, part.split("/"))
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else NK
+    jobs = [(fmt, n, k, cfg) for fmt in args.formats.split(",") for n, k in shapes
+            for _, cfg in gemv_grid(n, k, wo.LAYOUTS[fmt], sms)]
+    packs = {}
+    for fmt, n, k, cfg in jobs[i::parts]:
+        if (fmt, n, k) not in packs:
+            lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
+            packs[fmt, n, k] = tilemm.nn.Linear.from_float(lin, fmt, weight_only=True).packed_weight()
+        packed = packs[fmt, n, k]
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        out = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
+        wo.launch(x, packed.words, packed.scale_t, packed.constants, torch.zeros(n, device=dev), out,
+                  packed.layout, cfg)
+    torch.cuda.synchronize()
+    return 0
 
 
 def gemv_split(cfg, n: int, k: int, layout, sms: int):
@@ -95,7 +143,23 @@ def main(argv=None) -> int:
     ap.add_argument("--gemv", action="store_true",
                     help="time the FMA kernel's plan against more blocks per SM and fewer K tiles per load "
                          "(GEMV_VARIANTS; outputs checked bit for bit against the plan's)")
+    ap.add_argument("--gemv-grid", action="store_true",
+                    help="M = 1: the FMA kernel's plan against every K split / K tiles per load / blocks per SM "
+                         "of GEMV_GRID (outputs checked bit for bit against the plan's)")
+    ap.add_argument("--warm-procs", type=int, default=0,
+                    help="--gemv-grid: compile the configs in this many processes first")
+    ap.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.warm_part:
+        return _warm(args, args.warm_part)
+    if args.gemv_grid and args.warm_procs > 1:
+        import subprocess
+        argv_now = sys.argv[1:] if argv is None else list(argv)
+        procs = [subprocess.Popen([sys.executable, __file__, *argv_now, "--warm-part", f"{i}/{args.warm_procs}"])
+                 for i in range(args.warm_procs)]
+        failed = [p.wait() for p in procs]
+        if any(failed):
+            print(f"warm-up: {sum(1 for f in failed if f)} of {len(procs)} processes failed", flush=True)
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     timer = Timer(20, dev)
@@ -118,6 +182,26 @@ def main(argv=None) -> int:
                     return timer(lambda: wo.launch(x, packed.words, packed.scale_t, packed.constants, bias, out,
                                                    packed.layout, cfg))[0]
 
+                if args.gemv_grid:
+                    if m != 1:
+                        continue
+                    variants = gemv_grid(n, k, packed.layout, sms)
+                    wo.launch(x, packed.words, packed.scale_t, packed.constants, bias, out, packed.layout,
+                              variants[0][1])
+                    want = out.clone()
+                    for label, cfg in variants:
+                        out.fill_(float("nan"))
+                        wo.launch(x, packed.words, packed.scale_t, packed.constants, bias, out, packed.layout, cfg)
+                        same = torch.equal(out, want)
+                        t = time_cfg(cfg)
+                        rows.append({"fmt": fmt, "n": n, "k": k, "m": m, "cfg": cfg.name, "label": label,
+                                     "us": t * 1e3, "vs_bf16": t_bf16 / t, "same_bits": same})
+                        line.append(f"{label} {t * 1e3:.1f}" + ("" if same else " DIFFERENT BITS"))
+                    best = min((r for r in rows if (r["fmt"], r["n"], r["k"]) == (fmt, n, k)), key=lambda r: r["us"])
+                    print(f"{fmt} N={n} K={k} M=1 bf16 {t_bf16 * 1e3:.1f} us | plan {variants[0][1].name} "
+                          f"{rows[-len(variants)]['vs_bf16']:.2f}x | best {best['label']} {best['cfg']} "
+                          f"{best['us']:.1f} us {best['vs_bf16']:.2f}x | us: " + " ".join(line), flush=True)
+                    continue
                 if args.gemv:
                     base = wo.plan(m, n, k, packed.layout, sms)
                     if not base.gemv:

@@ -408,8 +408,8 @@ def test_fma_kernel_wide_blocks_match_reference(emulated, fmt, tile_n):
 
 
 def test_plan_schemes():
-    """One row of x: the FMA kernel, 8 K tiles per load where K has them, a K split only below one
-    block per SM; 4-bit weights with more than one wave of blocks at four per SM: eight per SM. Up
+    """One row of x: the FMA kernel, 8 K tiles per load where K has them, a K split only for K above
+    8192 and below one block per SM; 4-bit weights with more than one wave of blocks at four per SM: eight per SM. Up
     to 16 rows, where the output tiles alone fill the GPU: one MMA per K tile (4-bit weights: two K
     tiles per load); otherwise a K split loading two K tiles at a time; from tile_m 32 on, neither."""
     mx4, mx8 = wo.LAYOUTS["mxfp4"], wo.LAYOUTS["mxfp8_e4m3"]
@@ -422,7 +422,10 @@ def test_plan_schemes():
     cfg = wo.plan(1, 4096, 14336, mx8)
     assert (cfg.gemv, cfg.split_k, cfg.unroll) == (1, 1, 8)
     cfg = wo.plan(1, 1024, 1024, mx4)  # 64 blocks of 16 rows, 4 K tiles
-    assert (cfg.gemv, cfg.split_k, cfg.unroll) == (1, 2, 2)
+    assert (cfg.gemv, cfg.split_k, cfg.unroll) == (1, 1, 2)
+    for n, k in ((1024, 4096), (256, 4096), (2048, 8192)):  # short K: no split, however few the blocks
+        assert wo.plan(1, n, k, mx4).split_k == wo.plan(1, n, k, mx8).split_k == 1
+    assert wo.plan(1, 512, 14336, mx4).split_k == 4 and wo.plan(1, 512, 14336, mx8).split_k == 8
     cfg = wo.plan(2, 14336, 4096, mx4)
     assert not cfg.gemv
     cfg = wo.plan(16, 14336, 4096, mx4)

@@ -73,13 +73,13 @@ def _warm(args, part: str) -> int:
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else NK
-    jobs = [(fmt, n, k, cfg) for fmt in args.formats.split(",") for n, k in shapes
-            for _, cfg in gemv_grid(n, k, wo.LAYOUTS[fmt], sms)]
     packs = {}
-    for fmt, n, k, cfg in jobs[i::parts]:
-        if (fmt, n, k) not in packs:
+    for fmt in args.formats.split(","):
+        for n, k in shapes:
             lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
             packs[fmt, n, k] = tilemm.nn.Linear.from_float(lin, fmt, weight_only=True).packed_weight()
+    jobs = [(key, cfg) for key, packed in packs.items() for _, cfg in gemv_grid(key[1], key[2], packed.layout, sms)]
+    for (fmt, n, k), cfg in jobs[i::parts]:
         packed = packs[fmt, n, k]
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
         out = torch.empty(1, n, device=dev, dtype=torch.bfloat16)

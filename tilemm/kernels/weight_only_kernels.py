@@ -554,10 +554,19 @@ _GEMV_UNROLL = (8, 2)
 _GEMV_WIDE = (8, (4, 2))
 
 
+#: The FMA kernel splits K only above this many elements: a split's finish (each block's partial tile,
+#: an arrival counter, the last block's sum) costs about 3 us on an H100, more than the blocks it adds
+#: save over K = 4096 at every N timed (256 to 2048 rows, 4-bit and 8-bit: 1.04-1.49x bf16 unsplit
+#: against 0.85-1.12x split); at K = 14336 with 512 rows the split ran 10-20 % faster
+#: (``benchmarks/results/tune-weight-only-gemv-split-nvidia-h100-80gb-hbm3.txt``).
+_GEMV_SPLIT_MIN_K = 8192
+
+
 def _gemv(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig:
-    """The FMA kernel's config: 16-row blocks, a K split only while the output tiles alone give fewer
-    blocks than SMs (each split at least one load); for 4-bit weights, eight blocks per SM
-    (``_GEMV_WIDE``) where the tiles alone are more than one wave of four per SM."""
+    """The FMA kernel's config: 16-row blocks, a K split only for K above ``_GEMV_SPLIT_MIN_K`` and
+    while the output tiles alone give fewer blocks than SMs (each split at least one load); for 4-bit
+    weights, eight blocks per SM (``_GEMV_WIDE``) where the tiles alone are more than one wave of four
+    per SM."""
     tile_n, warps, occupancy = _GEMV_SHAPE
     k_tiles = ceil_div(k, layout.tile_k)
     tiles = ceil_div(n, tile_n)
@@ -568,7 +577,8 @@ def _gemv(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig:
     unroll = next(u for u in _GEMV_UNROLL if u <= k_tiles or u == _GEMV_UNROLL[-1])
     groups = ceil_div(k_tiles, unroll)
     split = 1
-    while tiles * split < sms and split * 2 <= _SPLITS[-1] and groups >= split * 2:
+    while (k > _GEMV_SPLIT_MIN_K and tiles * split < sms and split * 2 <= _SPLITS[-1]
+           and groups >= split * 2):
         split *= 2
     return WeightOnlyConfig(m, tile_n, split, warps, occupancy, unroll=unroll, gemv=1)
 

@@ -1,0 +1,71 @@
+"""Few rows of x on weights with few rows: the FMA kernel (``_gemv_kernel``, all M rows per block)
+against the layer as planned, on one GPU.
+
+    python benchmarks/investigations/gemv_few_rows.py [--formats mxfp4,nvfp4] [--ms 2,4,8,16]
+                                                      [--shapes 256x4096,1024x4096,2048x4096]
+
+From 2 rows on, the plan takes the tensor-core kernels, whose blocks hold 64 weight rows (one wgmma):
+where N gives few such blocks (the k / v projections of grouped-query attention, 1024 x 4096), they
+split K, and a split's finish costs microseconds (``tune-weight-only-gemv-split-*``). The FMA kernel
+with 16-row blocks needs no split there, but spends M FMAs and M conversions of x per weight element.
+This times both, per shape and M: the layer as planned (``tilemm.nn.Linear(weight_only=True)``, what
+a user runs) and the FMA kernel with tile_m = M, 16 weight rows, 4 warps, 4 blocks per SM, 8 or 2 K
+tiles per load, no split, against cuBLAS bf16 in the same run (CUDA-graph replays, L2 flushed); each
+FMA output is checked against the layer's (the two differ in the order of the fp32 sums, then each
+rounds to bf16: "ERR" flags a relative difference of 1e-2 or more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _timing
+from _timing import Timer  # noqa: E402
+
+import tilemm  # noqa: E402
+from tilemm.kernels import weight_only_kernels as wo  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="gemv_few_rows.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--formats", default="mxfp4,nvfp4")
+    ap.add_argument("--ms", default="2,4,8,16")
+    ap.add_argument("--shapes", default="256x4096,1024x4096,2048x4096")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    timer = Timer(20, dev)
+    print(f"# {torch.cuda.get_device_name(dev)}; ratios: cuBLAS bf16 time / time (> 1 is faster)", flush=True)
+    for fmt in args.formats.split(","):
+        for n, k in (tuple(map(int, s.split("x"))) for s in args.shapes.split(",")):
+            lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
+            layer = tilemm.nn.Linear.from_float(lin, fmt, weight_only=True)
+            packed = layer.packed_weight()
+            w = lin.weight.detach()
+            zero = torch.zeros(n, device=dev)
+            for m in map(int, args.ms.split(",")):
+                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                t_bf16, _ = timer(lambda: F.linear(x, w))
+                t_layer, _ = timer(lambda: layer(x))
+                want = layer(x).float()
+                line = [f"{fmt} N={n} K={k} M={m} bf16 {t_bf16 * 1e3:.1f} us | layer {t_layer * 1e3:.1f} us "
+                        f"{t_bf16 / t_layer:.2f}x"]
+                for unroll in (8, 2):
+                    cfg = wo.WeightOnlyConfig(m, 16, 1, 4, 4, unroll=unroll, gemv=1)
+                    out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+                    run = lambda: wo.launch(x, packed.words, packed.scale_t, packed.constants, zero, out,  # noqa: E731
+                                            packed.layout, cfg)
+                    run()
+                    err = ((out.float() - want).norm() / want.norm()).item()
+                    t, _ = timer(run)
+                    line.append(f"fma u{unroll} {t * 1e3:.1f} us {t_bf16 / t:.2f}x" + ("" if err < 1e-2 else f" ERR {err:.1e}"))
+                print(" | ".join(line), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -8,7 +8,8 @@ From 2 rows on, the plan takes the tensor-core kernels, whose blocks hold 64 wei
 where N gives few such blocks (the k / v projections of grouped-query attention, 1024 x 4096), they
 split K, and a split's finish costs microseconds (``tune-weight-only-gemv-split-*``). The FMA kernel
 with 16-row blocks needs no split there, but spends M FMAs and M conversions of x per weight element.
-This times both, per shape and M: the layer as planned (``tilemm.nn.Linear(weight_only=True)``, what
+``--stacked`` times the MMA kernel's narrow stacked blocks (16 or 32 weight rows, K tiles stacked
+into the wgmma's rows) without a split instead of the FMA kernel. This times both, per shape and M: the layer as planned (``tilemm.nn.Linear(weight_only=True)``, what
 a user runs) and the FMA kernel with tile_m = M, 16 weight rows, 4 warps, 4 blocks per SM, 8 or 2 K
 tiles per load, no split, against cuBLAS bf16 in the same run (CUDA-graph replays, L2 flushed); each
 FMA output is checked against the layer's (the two differ in the order of the fp32 sums, then each
@@ -36,6 +37,9 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="mxfp4,nvfp4")
     ap.add_argument("--ms", default="2,4,8,16")
     ap.add_argument("--shapes", default="256x4096,1024x4096,2048x4096")
+    ap.add_argument("--stacked", action="store_true",
+                    help="instead of the FMA kernel: the MMA kernel's narrow stacked blocks without a K split "
+                         "(tile_m 8 up to 8 rows, 16 above; weight_only_kernels._STACKED)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     timer = Timer(20, dev)
@@ -54,15 +58,20 @@ def main(argv=None) -> int:
                 want = layer(x).float()
                 line = [f"{fmt} N={n} K={k} M={m} bf16 {t_bf16 * 1e3:.1f} us | layer {t_layer * 1e3:.1f} us "
                         f"{t_bf16 / t_layer:.2f}x"]
-                for unroll in (8, 2):
-                    cfg = wo.WeightOnlyConfig(m, 16, 1, 4, 4, unroll=unroll, gemv=1)
+                if args.stacked:
+                    tile_m = 8 if m <= 8 else 16
+                    tile_n, stack, warps, occupancy = wo._STACKED[tile_m][1]
+                    cfgs = [("stacked", wo.WeightOnlyConfig(tile_m, tile_n, 1, warps, occupancy, cat=1, stack=stack))]
+                else:
+                    cfgs = [(f"fma u{u}", wo.WeightOnlyConfig(m, 16, 1, 4, 4, unroll=u, gemv=1)) for u in (8, 2)]
+                for label, cfg in cfgs:
                     out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
                     run = lambda: wo.launch(x, packed.words, packed.scale_t, packed.constants, zero, out,  # noqa: E731
                                             packed.layout, cfg)
                     run()
                     err = ((out.float() - want).norm() / want.norm()).item()
                     t, _ = timer(run)
-                    line.append(f"fma u{unroll} {t * 1e3:.1f} us {t_bf16 / t:.2f}x" + ("" if err < 1e-2 else f" ERR {err:.1e}"))
+                    line.append(f"{label} {t * 1e3:.1f} us {t_bf16 / t:.2f}x" + ("" if err < 1e-2 else f" ERR {err:.1e}"))
                 print(" | ".join(line), flush=True)
     return 0
 

@@ -898,18 +898,40 @@ def test_blackwell_fp8_layer_repeats_the_full_launch():
         HOST_PATH.LAUNCHES.clear()
 
 
+@pytest.mark.parametrize("m", [2, 8, 16])
+def test_weight_only_few_rows_short_k_is_one_launch(m):
+    # The same layer with K = 4096 (Llama's k / v / o projections): up to 16 rows, one launch of the
+    # MMA kernel's narrow stacked blocks without a K split (``weight_only_kernels.short_k_stacked``).
+    from tilemm.kernels import weight_only_kernels as wo
+
+    lin = torch.nn.Linear(4096, 1024, bias=False, dtype=torch.bfloat16)
+    layer = tilemm.nn.Linear.from_float(lin, "mxfp4", weight_only=True)
+    x = torch.randn(m, 4096, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    with HOST_PATH.cuda_route():
+        HOST_PATH.LAUNCHES.clear()
+        layer(x)
+        launches = list(HOST_PATH.LAUNCHES)
+        HOST_PATH.LAUNCHES.clear()
+    assert len(launches) == 1
+    (grid, kernel, args), = launches
+    cfg = wo.plan(m, 1024, 4096, wo.LAYOUTS["mxfp4"])
+    assert cfg.stack == 4 and cfg.split_k == 1 and args[0] is x
+    assert grid[0] == -(-1024 // cfg.tile_n)
+
+
 @pytest.mark.parametrize("m", [1, 16, 32])
 def test_weight_only_few_rows_launches(m):
-    # A 4-bit weight-only layer of 4096 x 4096 (fewer than one 32-row block per SM at 132 SMs): one
-    # launch at M = 1 (the FMA kernel); at M = 16 / 32 the fused kernel's K split, two launches (its
-    # partial tiles, then their sum). A repeated call makes the same launches on the same split
-    # workspace and the same described weight: nothing is allocated or described anew but the output.
+    # A 4-bit weight-only layer of 4096 x 12288 (fewer than one 32-row block per SM at 132 SMs, K long
+    # enough to split): one launch at M = 1 (the FMA kernel); at M = 16 / 32 the fused kernel's K
+    # split, two launches (its partial tiles, then their sum). A repeated call makes the same launches
+    # on the same split workspace and the same described weight: nothing is allocated or described
+    # anew but the output.
     from tilemm.kernels import hopper_weight_only_large as wl
 
     gen = torch.Generator().manual_seed(m)
-    lin = torch.nn.Linear(4096, 4096, bias=False, dtype=torch.bfloat16)
+    lin = torch.nn.Linear(12288, 4096, bias=False, dtype=torch.bfloat16)
     layer = tilemm.nn.Linear.from_float(lin, "mxfp4", weight_only=True)
-    x = torch.randn(m, 4096, generator=gen).to(torch.bfloat16)
+    x = torch.randn(m, 12288, generator=gen).to(torch.bfloat16)
     calls = []
     with HOST_PATH.cuda_route():
         for _ in range(2):

@@ -244,8 +244,8 @@ def test_kernels_with_scale_bytes_0_and_large(emulated):
 
 def test_split_k_counters_return_to_zero(emulated):
     """The last block of each output tile resets its counter, so the next launch starts from zero."""
-    packed = prepack(quantized_weight(MXFP4, 40, 1024))
-    x = torch.randn(5, 1024)
+    packed = prepack(quantized_weight(MXFP4, 40, 8448))  # K above 8192: the 64-row blocks split K
+    x = torch.randn(5, 8448)
     prepared = wo.Prepared(packed.words, packed.scale_t, packed.constants, torch.zeros(40), packed.layout,
                            wo.WeightOnlyConfig(16, 16, 4), 5, x.dtype)  # keeps its workspace
     outs = []
@@ -443,9 +443,17 @@ def test_plan_schemes():
                            (16, 4096, 14336, (16, 32, 4))):
         cfg = wo.plan(m, n, k, mx4)
         assert (cfg.tile_m, cfg.tile_n, cfg.stack, cfg.split_k, cfg.cat) == (*shape, 1, 1)
-    # ... and the 64-row blocks where those leave a partial second wave, or need a split
-    for m, n in ((4, 14336), (16, 14336), (16, 28672), (16, 2048), (4, 1024)):
-        assert wo.plan(m, n, 4096, mx4).stack == 1
+    # ... and the 64-row blocks where those leave a partial second wave, or need a split (long K)
+    for m, n, k in ((4, 14336, 4096), (16, 14336, 4096), (16, 28672, 4096), (16, 2048, 14336), (4, 1024, 14336)):
+        assert wo.plan(m, n, k, mx4).stack == 1
+    # Short K, 4-bit: the narrow blocks without a split, however few (not 8-bit, nor NVFP4 at tile_m 16)
+    for m, n in ((2, 256), (4, 1024), (8, 2048), (16, 1024), (16, 2048)):
+        cfg = wo.plan(m, n, 4096, mx4)
+        assert (cfg.tile_n, cfg.stack, cfg.split_k) == ((16, 4, 1) if m <= 8 else (32, 4, 1))
+        assert wo.short_k_stacked(m, n, 4096, mx4, 132)
+    assert wo.plan(4, 1024, 4096, wo.LAYOUTS["nvfp4"]).stack == 4
+    assert wo.plan(16, 1024, 4096, wo.LAYOUTS["nvfp4"]).stack == 1
+    assert wo.plan(4, 1024, 4096, mx8).stack == 1 and not wo.short_k_stacked(4, 1024, 4096, mx8, 132)
     assert wo.plan(16, 4096, 14336, wo.LAYOUTS["nvfp4"]).stack == 1
     assert wo.plan(8, 4096, 14336, wo.LAYOUTS["nvfp4"]).stack == 4
     for layout in wo.LAYOUTS.values():
@@ -546,8 +554,8 @@ def test_a_call_is_one_launch_and_only_the_output_allocation(monkeypatch):
 
     monkeypatch.setattr(wo, "ct", Stub())
     monkeypatch.setattr(wol, "stream_handle", lambda device: 0)
-    packed = prepack(quantized_weight(MXFP4, 40, 1024))
-    x = torch.randn(5, 1024)
+    packed = prepack(quantized_weight(MXFP4, 40, 8448))  # K above 8192: the 64-row blocks split K
+    x = torch.randn(5, 8448)
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -573,7 +581,8 @@ def test_a_call_is_one_launch_and_only_the_output_allocation(monkeypatch):
     assert allocations == ["empty.memory_format"], ops.names
     assert set(ops.names) <= {"empty.memory_format", "slice.Tensor", "view.default", "alias.default"}, ops.names
     partial, counters = launches[0][7], launches[0][8]
-    assert partial.shape == (2, 5, 40) and counters.dtype == torch.int32
+    split = wo.plan(5, 40, 8448, packed.layout, 132).split_k
+    assert partial.shape == (split, 5, 40) and counters.dtype == torch.int32
     assert partial.untyped_storage().data_ptr() == wo._WORKSPACES[(x.device, 0)]["partial"].untyped_storage().data_ptr()
 
 

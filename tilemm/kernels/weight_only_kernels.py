@@ -590,14 +590,15 @@ def _gemv(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig:
 _STACKED = {8: ((32, 2, 4, 3), (16, 4, 4, 3)), 16: ((32, 2, 4, 2), (32, 4, 8, 1))}
 
 
-def _stacked(m: int, n: int, layout: Layout, sms: int) -> WeightOnlyConfig | None:
+def _stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig | None:
     """The stacked config for 2 .. 16 rows of x where it beats the 64-row blocks, or None.
 
     Blocks of 32 (or 16) weight rows give the GPU enough blocks without a K split where 64-row blocks
     split K. Wide blocks are used while they fit one wave of resident blocks, or (tile_m 8) fill at
     least two; in between (N = 14336 at 132 SMs), the 64-row blocks without a split lose less to the
     last partial wave. Below 32 rows per SM the narrow blocks take over while they still give about
-    one block per SM, except NVFP4 at tile_m 16, whose narrow blocks ran slower than the K split
+    one block per SM, and for 4-bit weights whatever their number where K is short (``short_k_stacked``),
+    except NVFP4 at tile_m 16, whose narrow blocks ran slower than the K split
     (``benchmarks/results/tune-weight-only-designs-*.md``)."""
     if not 1 < m <= _SMALL_M:
         return None
@@ -606,13 +607,27 @@ def _stacked(m: int, n: int, layout: Layout, sms: int) -> WeightOnlyConfig | Non
     tiles = ceil_div(n, 32)
     if tiles < sms:
         tile_n, stack, warps, occupancy = narrow
-        if 10 * ceil_div(n, tile_n) < 9 * sms or (tile_m == 16 and not layout.scale_e8m0):
+        if tile_m == 16 and not layout.scale_e8m0:
+            return None
+        if 10 * ceil_div(n, tile_n) < 9 * sms and not (layout.planes == 4 and k <= _GEMV_SPLIT_MIN_K):
             return None
     elif tiles <= wide[3] * sms or (tile_m == 8 and tiles >= 2 * wide[3] * sms):
         tile_n, stack, warps, occupancy = wide
     else:
         return None
     return WeightOnlyConfig(tile_m, tile_n, 1, warps, occupancy, cat=1, stack=stack)
+
+
+def short_k_stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> bool:
+    """Whether 2 .. 16 rows of x on a 4-bit weight with fewer than 32 rows per SM and K at most
+    ``_GEMV_SPLIT_MIN_K`` take the narrow stacked blocks without a K split (``_stacked``), which the
+    large-M plan then leaves to this one (``hopper_weight_only_large.plan``). There, the 64-row blocks'
+    K split cost more than it saved: with MXFP4 at K = 4096 the narrow blocks ran 1.00-1.46x cuBLAS
+    bf16 at 256 to 4096 rows and M = 2 / 8 against 0.75-1.28x for the fused kernel's split, at M = 16
+    0.76-1.33x against 0.72-1.20x; at K = 14336 they lost
+    (``benchmarks/results/gemv-few-rows-stacked-nvidia-h100-80gb-hbm3.txt``)."""
+    return (layout.planes == 4 and k <= _GEMV_SPLIT_MIN_K and ceil_div(n, 32) < sms
+            and _stacked(m, n, k, layout, sms) is not None)
 
 
 #: The kernels ``plan`` can give one row of x: "fma", the FMA kernel (``_gemv``), and "mma", the MMA
@@ -657,7 +672,7 @@ def plan(m: int, n: int, k: int, layout: Layout, sms: int = 132, m1_kernel: str 
         return _one_row_mma(n, k, layout, sms)
     if m <= GEMV_M:
         return _gemv(m, n, k, layout, sms)
-    stacked = _stacked(m, n, layout, sms)
+    stacked = _stacked(m, n, k, layout, sms)
     if stacked is not None:
         return stacked
     tile_m = next((t for t in _TILE_M if t >= m), _TILE_M[-1])

@@ -158,14 +158,16 @@ def _planned(layout) -> list:
     """The weight-only configs ``default_variants`` counts for one layout, each once, in order."""
     cfgs = [wo.plan(1, 14336, 4096, layout)]
     cfgs += [wo.plan(1, n, 4096, layout, m1_kernel="mma") for n in (14336, 4096)]
-    cfgs += [wo.plan(m, n, 4096, layout) for m, n in ((16, 2048), (16, 14336), (4, 8192), (4, 4096), (16, 4096))]
+    cfgs += [wo.plan(m, n, k, layout) for m, n, k in ((16, 2048, 14336), (16, 14336, 4096), (4, 8192, 4096),
+                                                       (4, 4096, 4096), (16, 4096, 4096))]
     return list(dict.fromkeys(cfgs))
 
 
 def default_variants():
     """The weight-only kernels as ``plan`` picks them, per layout: the FMA kernel at M = 1 (N = 14336,
     K = 4096), the MMA kernel at M = 1 (``m1_kernel="mma"``: N = 14336, 32-row blocks of stacks of 2;
-    N = 4096, 16-row blocks of stacks of 4), the MMA kernel at M = 16 with a K split (N = 2048, K = 4096) and without (N = 14336),
+    N = 4096, 16-row blocks of stacks of 4), the MMA kernel at M = 16 with a K split (N = 2048, K = 14336; at
+K = 4096 4-bit MX weights take stacked blocks there) and without (N = 14336, K = 4096),
     with stacked K tiles at M = 4 (N = 8192: 32-row blocks; N = 4096: 16-row blocks) and M = 16 (N =
     4096: 32 rows in 128 MMA rows); the block-scaled stream kernel at M = 16; and the large-M fused
     kernel (its first candidate: 128 weight rows x 128 rows of x, one MMA per K tile) and its

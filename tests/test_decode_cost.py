@@ -1,7 +1,7 @@
 """The weight-only kernels' decode cost, in SASS instructions per weight element, without a GPU.
 
 ``benchmarks/decode_cost.py`` compiles the kernels as ``plan`` picks them -- the MMA kernel at M = 16
-(N = 2048, K = 4096: a K split, two K tiles per load) and with stacked K tiles at M = 4, the FMA
+(N = 2048, K = 14336: a K split, two K tiles per load) and with stacked K tiles at M = 4, the FMA
 kernel at M = 1, the MMA kernel at M = 1 (``m1_kernel="mma"``: the same stacked configs), and the
 large-M fused kernel's one-warpgroup split blocks that the runner takes at few rows -- for sm_90,
 disassembles them (``nvdisasm``) and counts the main loop. At small M these kernels issue those
@@ -53,7 +53,7 @@ def _nvdisasm_missing():
 def test_weight_only_main_loop_instructions_per_element(layout):
     from tilemm.kernels import weight_only_kernels as wo
 
-    variant, elements, unroll = decode_cost.weight_only_variant(layout, wo.plan(16, 2048, 4096, wo.LAYOUTS[layout]))
+    variant, elements, unroll = decode_cost.weight_only_variant(layout, wo.plan(16, 2048, 14336, wo.LAYOUTS[layout]))
     row = decode_cost.report(variant, elements, unroll)  # main_loop raises unless the loop holds HGMMA
     assert row["per_element"] <= BOUNDS[layout], (
         f"{variant.name}: {row['per_element']:.2f} SASS instructions per weight element in the main loop "

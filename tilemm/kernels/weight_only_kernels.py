@@ -555,9 +555,9 @@ _GEMV_WIDE = (8, (4, 2))
 
 
 #: The FMA kernel splits K only above this many elements: a split's finish (each block's partial tile,
-#: an arrival counter, the last block's sum) costs about 3 us on an H100, more than the blocks it adds
-#: save over K = 4096 at every N timed (256 to 2048 rows, 4-bit and 8-bit: 1.04-1.49x bf16 unsplit
-#: against 0.85-1.12x split); at K = 14336 with 512 rows the split ran 10-20 % faster
+#: an arrival counter, the last block's sum) sits on the critical path of every output tile, and over
+#: a K of a few thousand it cost more than the extra blocks saved at every N timed (4-bit and 8-bit);
+#: over K = 14336 the split still paid
 #: (``benchmarks/results/tune-weight-only-gemv-split-nvidia-h100-80gb-hbm3.txt``).
 _GEMV_SPLIT_MIN_K = 8192
 
@@ -621,11 +621,10 @@ def _stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConf
 def short_k_stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> bool:
     """Whether 2 .. 16 rows of x on a 4-bit weight with fewer than 32 rows per SM and K at most
     ``_GEMV_SPLIT_MIN_K`` take the narrow stacked blocks without a K split (``_stacked``), which the
-    large-M plan then leaves to this one (``hopper_weight_only_large.plan``). There, the 64-row blocks'
-    K split cost more than it saved: with MXFP4 at K = 4096 the narrow blocks ran 1.00-1.46x cuBLAS
-    bf16 at 256 to 4096 rows and M = 2 / 8 against 0.75-1.28x for the fused kernel's split, at M = 16
-    0.76-1.33x against 0.72-1.20x; at K = 14336 they lost
-    (``benchmarks/results/gemv-few-rows-stacked-nvidia-h100-80gb-hbm3.txt``)."""
+    large-M plan then leaves to this one (``hopper_weight_only_large.plan``). There, the fused
+    kernel's 64-row blocks must split K to fill the GPU, and over a short K the split's second launch
+    and finish cost more than the narrow blocks lose by running fewer, longer blocks; over a long K
+    the split wins again (``benchmarks/results/gemv-few-rows-stacked-nvidia-h100-80gb-hbm3.txt``)."""
     return (layout.planes == 4 and k <= _GEMV_SPLIT_MIN_K and ceil_div(n, 32) < sms
             and _stacked(m, n, k, layout, sms) is not None)
 

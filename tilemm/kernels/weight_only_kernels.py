@@ -554,16 +554,21 @@ _GEMV_UNROLL = (8, 2)
 _GEMV_WIDE = (8, (4, 2))
 
 
-#: The FMA kernel splits K only above this many elements: a split's finish (each block's partial tile,
-#: an arrival counter, the last block's sum) sits on the critical path of every output tile, and over
-#: a K of a few thousand it cost more than the extra blocks saved at every N timed (4-bit and 8-bit);
-#: over K = 14336 the split still paid
-#: (``benchmarks/results/tune-weight-only-gemv-split-nvidia-h100-80gb-hbm3.txt``).
-_GEMV_SPLIT_MIN_K = 8192
+#: Up to this K the few-row kernels do not split K where their blocks are few: the FMA kernel at one row
+#: (``_gemv``) and, for 4-bit weights, 2 .. 16 rows (``_stacked``, ``short_k_stacked``). A split's finish
+#: (partial tiles, an arrival counter, the last block's sum; or a second launch) sits on the critical
+#: path of every output tile, and over a K of a few thousand it cost more than the extra blocks saved;
+#: over K = 14336 the split still paid (``benchmarks/results/tune-weight-only-gemv-split-*.txt``,
+#: ``benchmarks/results/gemv-few-rows-stacked-*.txt``).
+_SHORT_K = 8192
+
+
+def _short_k_4bit(k: int, layout: Layout) -> bool:
+    return layout.planes == 4 and k <= _SHORT_K
 
 
 def _gemv(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig:
-    """The FMA kernel's config: 16-row blocks, a K split only for K above ``_GEMV_SPLIT_MIN_K`` and
+    """The FMA kernel's config: 16-row blocks, a K split only for K above ``_SHORT_K`` and
     while the output tiles alone give fewer blocks than SMs (each split at least one load); for 4-bit
     weights, eight blocks per SM (``_GEMV_WIDE``) where the tiles alone are more than one wave of four
     per SM."""
@@ -577,7 +582,7 @@ def _gemv(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig:
     unroll = next(u for u in _GEMV_UNROLL if u <= k_tiles or u == _GEMV_UNROLL[-1])
     groups = ceil_div(k_tiles, unroll)
     split = 1
-    while (k > _GEMV_SPLIT_MIN_K and tiles * split < sms and split * 2 <= _SPLITS[-1]
+    while (k > _SHORT_K and tiles * split < sms and split * 2 <= _SPLITS[-1]
            and groups >= split * 2):
         split *= 2
     return WeightOnlyConfig(m, tile_n, split, warps, occupancy, unroll=unroll, gemv=1)
@@ -609,7 +614,7 @@ def _stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConf
         tile_n, stack, warps, occupancy = narrow
         if tile_m == 16 and not layout.scale_e8m0:
             return None
-        if 10 * ceil_div(n, tile_n) < 9 * sms and not (layout.planes == 4 and k <= _GEMV_SPLIT_MIN_K):
+        if 10 * ceil_div(n, tile_n) < 9 * sms and not _short_k_4bit(k, layout):
             return None
     elif tiles <= wide[3] * sms or (tile_m == 8 and tiles >= 2 * wide[3] * sms):
         tile_n, stack, warps, occupancy = wide
@@ -620,13 +625,12 @@ def _stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConf
 
 def short_k_stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> bool:
     """Whether 2 .. 16 rows of x on a 4-bit weight with fewer than 32 rows per SM and K at most
-    ``_GEMV_SPLIT_MIN_K`` take the narrow stacked blocks without a K split (``_stacked``), which the
+    ``_SHORT_K`` take the narrow stacked blocks without a K split (``_stacked``), which the
     large-M plan then leaves to this one (``hopper_weight_only_large.plan``). There, the fused
     kernel's 64-row blocks must split K to fill the GPU, and over a short K the split's second launch
     and finish cost more than the narrow blocks lose by running fewer, longer blocks; over a long K
     the split wins again (``benchmarks/results/gemv-few-rows-stacked-nvidia-h100-80gb-hbm3.txt``)."""
-    return (layout.planes == 4 and k <= _GEMV_SPLIT_MIN_K and ceil_div(n, 32) < sms
-            and _stacked(m, n, k, layout, sms) is not None)
+    return _short_k_4bit(k, layout) and ceil_div(n, 32) < sms and _stacked(m, n, k, layout, sms) is not None
 
 
 #: The kernels ``plan`` can give one row of x: "fma", the FMA kernel (``_gemv``), and "mma", the MMA

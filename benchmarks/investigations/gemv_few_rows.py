@@ -11,7 +11,7 @@ M this times the layer as planned (``tilemm.nn.Linear(weight_only=True)``, what 
 without a K split, either the FMA kernel with tile_m = M (16 weight rows, 4 warps, 4 blocks per SM,
 8 or 2 K tiles per load; it spends M FMAs and M conversions of x per weight element) or, with
 ``--stacked``, the MMA kernel's narrow stacked blocks (16 or 32 weight rows, K tiles stacked into the
-wgmma's rows), against cuBLAS bf16 in the same run (CUDA-graph replays, L2 flushed). Each output is
+wgmma's rows; ``--more-blocks`` adds, above 8 rows, two configs with more blocks), against cuBLAS bf16 in the same run (CUDA-graph replays, L2 flushed). Each output is
 checked against the layer's (the two differ in the order of the fp32 sums, then each rounds to bf16:
 "ERR" flags a relative difference of 1e-2 or more).
 """
@@ -32,6 +32,14 @@ import tilemm  # noqa: E402
 from tilemm.kernels import weight_only_kernels as wo  # noqa: E402
 
 
+def planned(layer, m: int) -> str:
+    """The name of the design the layer's plan gives M rows: the large-M plan's config where it names
+    one, else the small-M kernel's."""
+    runner = layer._make_runner(layer.weight_packed.device)
+    large, _ = runner._large_route(m, torch.bfloat16, torch.bfloat16)
+    return "large " + large.name if large is not None else runner.plan(m).name
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="gemv_few_rows.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--formats", default="mxfp4,nvfp4")
@@ -40,6 +48,10 @@ def main(argv=None) -> int:
     ap.add_argument("--stacked", action="store_true",
                     help="instead of the FMA kernel: the MMA kernel's narrow stacked blocks without a K split "
                          "(tile_m 8 up to 8 rows, 16 above; weight_only_kernels._STACKED)")
+    ap.add_argument("--more-blocks", action="store_true",
+                    help="with --stacked, above 8 rows also: tile_m 8's narrow blocks over two M tiles "
+                         "(twice the blocks, each weight tile read twice, the second time mostly from L2), "
+                         "and tile_m 16 on 16 weight rows (one warpgroup, three blocks per SM)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     timer = Timer(20, dev)
@@ -57,11 +69,15 @@ def main(argv=None) -> int:
                 t_layer, _ = timer(lambda: layer(x))
                 want = layer(x).float()
                 line = [f"{fmt} N={n} K={k} M={m} bf16 {t_bf16 * 1e3:.1f} us | layer {t_layer * 1e3:.1f} us "
-                        f"{t_bf16 / t_layer:.2f}x"]
+                        f"{t_bf16 / t_layer:.2f}x ({planned(layer, m)})"]
                 if args.stacked:
                     tile_m = 8 if m <= 8 else 16
                     tile_n, stack, warps, occupancy = wo._STACKED[tile_m][1]
                     cfgs = [("stacked", wo.WeightOnlyConfig(tile_m, tile_n, 1, warps, occupancy, cat=1, stack=stack))]
+                    if args.more_blocks and m > 8:
+                        tile_n, stack, warps, occupancy = wo._STACKED[8][1]
+                        cfgs += [("8-row tiles", wo.WeightOnlyConfig(8, tile_n, 1, warps, occupancy, cat=1, stack=stack)),
+                                 ("16x16", wo.WeightOnlyConfig(16, 16, 1, 4, 3, cat=1, stack=4))]
                 else:
                     cfgs = [(f"fma u{u}", wo.WeightOnlyConfig(m, 16, 1, 4, 4, unroll=u, gemv=1)) for u in (8, 2)]
                 for label, cfg in cfgs:

@@ -446,14 +446,22 @@ def test_plan_schemes():
     # ... and the 64-row blocks where those leave a partial second wave, or need a split (long K)
     for m, n, k in ((4, 14336, 4096), (16, 14336, 4096), (16, 28672, 4096), (16, 2048, 14336), (4, 1024, 14336)):
         assert wo.plan(m, n, k, mx4).stack == 1
-    # Short K, 4-bit: the narrow blocks without a split, however few (not 8-bit, nor NVFP4 at tile_m 16)
-    for m, n in ((2, 256), (4, 1024), (8, 2048), (16, 1024), (16, 2048)):
-        cfg = wo.plan(m, n, 4096, mx4)
-        assert (cfg.tile_n, cfg.stack, cfg.split_k) == ((16, 4, 1) if m <= 8 else (32, 4, 1))
-        assert wo.short_k_stacked(m, n, 4096, mx4, 132)
-    assert wo.plan(4, 1024, 4096, wo.LAYOUTS["nvfp4"]).stack == 4
-    assert wo.plan(16, 1024, 4096, wo.LAYOUTS["nvfp4"]).stack == 1
-    assert wo.plan(4, 1024, 4096, mx8).stack == 1 and not wo.short_k_stacked(4, 1024, 4096, mx8, 132)
+    # Short K: stacked blocks without a split, however few, for every format: 16 weight rows (one
+    # warpgroup) up to 16 rows per SM, above that at 9-16 rows of x the narrow 32-row blocks (not NVFP4)
+    nv4 = wo.LAYOUTS["nvfp4"]
+    for layout in (mx4, nv4, mx8):
+        for m, n in ((2, 256), (4, 1024), (8, 2048), (12, 256), (16, 1024), (16, 2048)):
+            cfg = wo.plan(m, n, 4096, layout)
+            assert (cfg.tile_m, cfg.tile_n, cfg.stack, cfg.split_k, cfg.num_worker_warps) == (
+                8 if m <= 8 else 16, 16, 4, 1, 4), (layout, m, n)
+            assert wo.short_k_stacked(m, n, 4096, layout, 132)
+    for layout in (mx4, mx8):
+        cfg = wo.plan(16, 4096, 4096, layout)
+        assert (cfg.tile_n, cfg.stack, cfg.split_k, cfg.num_worker_warps) == (32, 4, 1, 8)
+    assert wo.plan(16, 4096, 4096, nv4).stack == 1 and not wo.short_k_stacked(16, 4096, 4096, nv4, 132)
+    # ... but not over a long K, where the split wins
+    for layout in (mx4, nv4, mx8):
+        assert wo.plan(16, 1024, 14336, layout).stack == 1 and not wo.short_k_stacked(16, 1024, 14336, layout, 132)
     assert wo.plan(16, 4096, 14336, wo.LAYOUTS["nvfp4"]).stack == 1
     assert wo.plan(8, 4096, 14336, wo.LAYOUTS["nvfp4"]).stack == 4
     for layout in wo.LAYOUTS.values():

@@ -555,16 +555,12 @@ _GEMV_WIDE = (8, (4, 2))
 
 
 #: Up to this K the few-row kernels do not split K where their blocks are few: the FMA kernel at one row
-#: (``_gemv``) and, for 4-bit weights, 2 .. 16 rows (``_stacked``, ``short_k_stacked``). A split's finish
+#: (``_gemv``) and the stacked blocks at 2 .. 16 rows (``_stacked``, ``short_k_stacked``). A split's finish
 #: (partial tiles, an arrival counter, the last block's sum; or a second launch) sits on the critical
 #: path of every output tile, and over a K of a few thousand it cost more than the extra blocks saved;
 #: over K = 14336 the split still paid (``benchmarks/results/tune-weight-only-gemv-split-*.txt``,
 #: ``benchmarks/results/gemv-few-rows-stacked-*.txt``).
 _SHORT_K = 8192
-
-
-def _short_k_4bit(k: int, layout: Layout) -> bool:
-    return layout.planes == 4 and k <= _SHORT_K
 
 
 def _gemv(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig:
@@ -589,10 +585,12 @@ def _gemv(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig:
 
 
 #: Stacked configs of the MMA kernel (one MMA per K tile, no K split), per tile_m: (tile_n, stack,
-#: worker warps, blocks per SM) of the "wide" blocks (32 weight rows in 64 MMA rows) and of the
-#: "narrow" ones, for N below 32 rows per SM (tile_m 8: 16 rows in 64 MMA rows; tile_m 16: 32 rows in
-#: 128 MMA rows, two warpgroups). tile_m 8 covers up to 8 rows of x (the smallest MMA width), 16 up to 16.
-_STACKED = {8: ((32, 2, 4, 3), (16, 4, 4, 3)), 16: ((32, 2, 4, 2), (32, 4, 8, 1))}
+#: worker warps, blocks per SM) of the "wide" blocks (32 weight rows in 64 MMA rows), of the "narrow"
+#: ones, for N below 32 rows per SM (tile_m 8: 16 rows in 64 MMA rows; tile_m 16: 32 rows in 128 MMA
+#: rows, two warpgroups), and (tile_m 16) of the "few" ones, for N of at most 16 rows per SM over a short
+#: K (16 rows in 64 MMA rows, three blocks per SM: twice the narrow blocks' number, where those leave
+#: most SMs idle). tile_m 8 covers up to 8 rows of x (the smallest MMA width), 16 up to 16.
+_STACKED = {8: ((32, 2, 4, 3), (16, 4, 4, 3)), 16: ((32, 2, 4, 2), (32, 4, 8, 1), (16, 4, 4, 3))}
 
 
 def _stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig | None:
@@ -602,20 +600,27 @@ def _stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConf
     split K. Wide blocks are used while they fit one wave of resident blocks, or (tile_m 8) fill at
     least two; in between (N = 14336 at 132 SMs), the 64-row blocks without a split lose less to the
     last partial wave. Below 32 rows per SM the narrow blocks take over while they still give about
-    one block per SM, and for 4-bit weights whatever their number where K is short (``short_k_stacked``),
-    except NVFP4 at tile_m 16, whose narrow blocks ran slower than the K split
-    (``benchmarks/results/tune-weight-only-designs-*.md``)."""
+    one block per SM, and where K is short (``_SHORT_K``) whatever their number (``short_k_stacked``):
+    there, from 9 rows of x on, the "few" blocks of 16 weight rows while they are at most one per SM
+    (the k / v projections of grouped-query attention, 1024 x 4096), the narrow ones of 32 rows above
+    that. NVFP4 does not take tile_m 16's narrow blocks, which ran slower than the K split
+    (``benchmarks/results/tune-weight-only-designs-*.md``), but does take the few ones
+    (``benchmarks/results/gemv-few-rows-*.txt``)."""
     if not 1 < m <= _SMALL_M:
         return None
     tile_m = 8 if m <= 8 else 16
-    wide, narrow = _STACKED[tile_m]
+    wide, narrow = _STACKED[tile_m][:2]
     tiles = ceil_div(n, 32)
+    short_k = k <= _SHORT_K
     if tiles < sms:
-        tile_n, stack, warps, occupancy = narrow
-        if tile_m == 16 and not layout.scale_e8m0:
-            return None
-        if 10 * ceil_div(n, tile_n) < 9 * sms and not _short_k_4bit(k, layout):
-            return None
+        if tile_m == 16 and short_k and ceil_div(n, 16) <= sms:
+            tile_n, stack, warps, occupancy = _STACKED[16][2]
+        else:
+            tile_n, stack, warps, occupancy = narrow
+            if tile_m == 16 and not layout.scale_e8m0:
+                return None
+            if 10 * ceil_div(n, tile_n) < 9 * sms and not short_k:
+                return None
     elif tiles <= wide[3] * sms or (tile_m == 8 and tiles >= 2 * wide[3] * sms):
         tile_n, stack, warps, occupancy = wide
     else:
@@ -624,13 +629,13 @@ def _stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConf
 
 
 def short_k_stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> bool:
-    """Whether 2 .. 16 rows of x on a 4-bit weight with fewer than 32 rows per SM and K at most
-    ``_SHORT_K`` take the narrow stacked blocks without a K split (``_stacked``), which the
-    large-M plan then leaves to this one (``hopper_weight_only_large.plan``). There, the fused
-    kernel's 64-row blocks must split K to fill the GPU, and over a short K the split's second launch
-    and finish cost more than the narrow blocks lose by running fewer, longer blocks; over a long K
-    the split wins again (``benchmarks/results/gemv-few-rows-stacked-nvidia-h100-80gb-hbm3.txt``)."""
-    return _short_k_4bit(k, layout) and ceil_div(n, 32) < sms and _stacked(m, n, k, layout, sms) is not None
+    """Whether 2 .. 16 rows of x on a weight with fewer than 32 rows per SM and K at most ``_SHORT_K``
+    take stacked blocks without a K split (``_stacked``), which the large-M plan then leaves to this
+    one (``hopper_weight_only_large.plan``). There, the fused kernel's 64-row blocks must split K to
+    fill the GPU, and over a short K the split's second launch and finish cost more than the stacked
+    blocks lose by running fewer, longer blocks; over a long K the split wins again
+    (``benchmarks/results/gemv-few-rows-*.txt``)."""
+    return k <= _SHORT_K and ceil_div(n, 32) < sms and _stacked(m, n, k, layout, sms) is not None
 
 
 #: The kernels ``plan`` can give one row of x: "fma", the FMA kernel (``_gemv``), and "mma", the MMA

@@ -11,7 +11,8 @@ M this times the layer as planned (``tilemm.nn.Linear(weight_only=True)``, what 
 without a K split, either the FMA kernel with tile_m = M (16 weight rows, 4 warps, 4 blocks per SM,
 8 or 2 K tiles per load; it spends M FMAs and M conversions of x per weight element) or, with
 ``--stacked``, the MMA kernel's narrow stacked blocks (16 or 32 weight rows, K tiles stacked into the
-wgmma's rows; ``--more-blocks`` adds, above 8 rows, two configs with more blocks), against cuBLAS bf16 in the same run (CUDA-graph replays, L2 flushed). Each output is
+wgmma's rows; ``--more-blocks`` adds, above 8 rows, two configs with more blocks, ``--eight-rows``
+blocks of 8 weight rows), against cuBLAS bf16 in the same run (CUDA-graph replays, L2 flushed). Each output is
 checked against the layer's (the two differ in the order of the fp32 sums, then each rounds to bf16:
 "ERR" flags a relative difference of 1e-2 or more).
 """
@@ -52,6 +53,9 @@ def main(argv=None) -> int:
                     help="with --stacked, above 8 rows also: tile_m 8's narrow blocks over two M tiles "
                          "(twice the blocks, each weight tile read twice, the second time mostly from L2), "
                          "and tile_m 16 on 16 weight rows (one warpgroup, three blocks per SM)")
+    ap.add_argument("--eight-rows", action="store_true",
+                    help="with --stacked, also: blocks of 8 weight rows, 8 K tiles stacked (64 MMA rows, one "
+                         "warpgroup, three blocks per SM)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     timer = Timer(20, dev)
@@ -78,13 +82,19 @@ def main(argv=None) -> int:
                         tile_n, stack, warps, occupancy = wo._STACKED[8][1]
                         cfgs += [("8-row tiles", wo.WeightOnlyConfig(8, tile_n, 1, warps, occupancy, cat=1, stack=stack)),
                                  ("16x16", wo.WeightOnlyConfig(16, 16, 1, 4, 3, cat=1, stack=4))]
+                    if args.eight_rows:
+                        cfgs.append((f"{tile_m}x8 s8", wo.WeightOnlyConfig(tile_m, 8, 1, 4, 3, cat=1, stack=8)))
                 else:
                     cfgs = [(f"fma u{u}", wo.WeightOnlyConfig(m, 16, 1, 4, 4, unroll=u, gemv=1)) for u in (8, 2)]
                 for label, cfg in cfgs:
                     out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
                     run = lambda: wo.launch(x, packed.words, packed.scale_t, packed.constants, zero, out,  # noqa: E731
                                             packed.layout, cfg)
-                    run()
+                    try:
+                        run()
+                    except Exception as e:  # noqa: BLE001 (a config that does not compile: say so, go on)
+                        line.append(f"{label} failed: {type(e).__name__}: {str(e)[:80]}")
+                        continue
                     err = ((out.float() - want).norm() / want.norm()).item()
                     t, _ = timer(run)
                     line.append(f"{label} {t * 1e3:.1f} us {t_bf16 / t:.2f}x" + ("" if err < 1e-2 else f" ERR {err:.1e}"))

@@ -331,7 +331,7 @@ def test_one_row_on_the_mma_kernel_matches_reference(emulated, fmt):
     packed = prepack(w_q)
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(8)) * 3).to(torch.bfloat16)
     bias = torch.randn(n)
-    for (tile_n, stack, warps, occupancy), split in zip(wo._STACKED[8] * 2, (1, 2, 4, 1)):
+    for (tile_n, stack, warps, occupancy), split in zip(wo._STACKED[8][:2] * 2, (1, 2, 4, 1)):
         cfg = wo.WeightOnlyConfig(8, tile_n, split, warps, occupancy, cat=1, stack=stack)
         out = _run(x, packed, cfg, bias)
         assert_matches(out.float(), _reference(x, w_q, bias), torch.bfloat16)
@@ -446,14 +446,17 @@ def test_plan_schemes():
     # ... and the 64-row blocks where those leave a partial second wave, or need a split (long K)
     for m, n, k in ((4, 14336, 4096), (16, 14336, 4096), (16, 28672, 4096), (16, 2048, 14336), (4, 1024, 14336)):
         assert wo.plan(m, n, k, mx4).stack == 1
-    # Short K: stacked blocks without a split, however few, for every format: 16 weight rows (one
-    # warpgroup) up to 16 rows per SM, above that at 9-16 rows of x the narrow 32-row blocks (not NVFP4)
+    # Short K: stacked blocks without a split, however few, for every format: the "few" blocks of one
+    # warpgroup (8 weight rows, 8 K tiles up to 8 rows of x; 16 rows, 4 K tiles above) while they are at
+    # most one per SM, the narrow ones above that (at 9-16 rows of x not for NVFP4)
     nv4 = wo.LAYOUTS["nvfp4"]
     for layout in (mx4, nv4, mx8):
-        for m, n in ((2, 256), (4, 1024), (8, 2048), (12, 256), (16, 1024), (16, 2048)):
+        for m, n, want in ((2, 256, (8, 8, 8)), (4, 1024, (8, 8, 8)), (8, 1056, (8, 8, 8)), (8, 1064, (8, 16, 4)),
+                           (8, 2048, (8, 16, 4)), (12, 256, (16, 16, 4)), (16, 1024, (16, 16, 4)),
+                           (16, 2048, (16, 16, 4))):
             cfg = wo.plan(m, n, 4096, layout)
-            assert (cfg.tile_m, cfg.tile_n, cfg.stack, cfg.split_k, cfg.num_worker_warps) == (
-                8 if m <= 8 else 16, 16, 4, 1, 4), (layout, m, n)
+            assert (cfg.tile_m, cfg.tile_n, cfg.stack, cfg.split_k, cfg.num_worker_warps) == (*want, 1, 4), (
+                layout, m, n)
             assert wo.short_k_stacked(m, n, 4096, layout, 132)
     for layout in (mx4, mx8):
         cfg = wo.plan(16, 4096, 4096, layout)

@@ -119,8 +119,8 @@ def plan_variants(m: int, n: int, k: int, layout, sms: int) -> list:
             stacks = -(-(-(-k // layout.tile_k)) // stack)
             while -(-n // tile_n) * split < sms and split * 2 <= 16 and stacks >= split * 4:
                 split *= 2
-            out.append((f"stack{stack}", wo.WeightOnlyConfig(tile_m, tile_n, split, warps, occupancy, cat=1,
-                                                            stack=stack)))
+            out.append((f"stack{stack}x{tile_n}", wo.WeightOnlyConfig(tile_m, tile_n, split, warps, occupancy, cat=1,
+                                                                      stack=stack)))
     seen, unique = set(), []
     for label, cfg in out:
         if cfg not in seen:

@@ -587,10 +587,11 @@ def _gemv(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig:
 #: Stacked configs of the MMA kernel (one MMA per K tile, no K split), per tile_m: (tile_n, stack,
 #: worker warps, blocks per SM) of the "wide" blocks (32 weight rows in 64 MMA rows), of the "narrow"
 #: ones, for N below 32 rows per SM (tile_m 8: 16 rows in 64 MMA rows; tile_m 16: 32 rows in 128 MMA
-#: rows, two warpgroups), and (tile_m 16) of the "few" ones, for N of at most 16 rows per SM over a short
-#: K (16 rows in 64 MMA rows, three blocks per SM: twice the narrow blocks' number, where those leave
-#: most SMs idle). tile_m 8 covers up to 8 rows of x (the smallest MMA width), 16 up to 16.
-_STACKED = {8: ((32, 2, 4, 3), (16, 4, 4, 3)), 16: ((32, 2, 4, 2), (32, 4, 8, 1), (16, 4, 4, 3))}
+#: rows, two warpgroups), and of the "few" ones, for N of at most one such block per SM over a short K
+#: (tile_m 8: 8 rows, 8 K tiles stacked; tile_m 16: 16 rows, 4 K tiles; 64 MMA rows, one warpgroup,
+#: three blocks per SM: twice the narrow blocks' number, where those leave most SMs idle). tile_m 8
+#: covers up to 8 rows of x (the smallest MMA width), 16 up to 16.
+_STACKED = {8: ((32, 2, 4, 3), (16, 4, 4, 3), (8, 8, 4, 3)), 16: ((32, 2, 4, 2), (32, 4, 8, 1), (16, 4, 4, 3))}
 
 
 def _stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig | None:
@@ -601,9 +602,9 @@ def _stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConf
     least two; in between (N = 14336 at 132 SMs), the 64-row blocks without a split lose less to the
     last partial wave. Below 32 rows per SM the narrow blocks take over while they still give about
     one block per SM, and where K is short (``_SHORT_K``) whatever their number (``short_k_stacked``):
-    there, from 9 rows of x on, the "few" blocks of 16 weight rows while they are at most one per SM
-    (the k / v projections of grouped-query attention, 1024 x 4096), the narrow ones of 32 rows above
-    that. NVFP4 does not take tile_m 16's narrow blocks, which ran slower than the K split
+    there the "few" blocks (8 weight rows up to 8 rows of x, 16 above) while they are at most one per SM
+    (the k / v projections of grouped-query attention, 1024 x 4096), the narrow ones above that. NVFP4
+    does not take tile_m 16's narrow blocks, which ran slower than the K split
     (``benchmarks/results/tune-weight-only-designs-*.md``), but does take the few ones
     (``benchmarks/results/gemv-few-rows-*.txt``)."""
     if not 1 < m <= _SMALL_M:
@@ -612,9 +613,10 @@ def _stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConf
     wide, narrow = _STACKED[tile_m][:2]
     tiles = ceil_div(n, 32)
     short_k = k <= _SHORT_K
+    few = _STACKED[tile_m][2]
     if tiles < sms:
-        if tile_m == 16 and short_k and ceil_div(n, 16) <= sms:
-            tile_n, stack, warps, occupancy = _STACKED[16][2]
+        if short_k and ceil_div(n, few[0]) <= sms:
+            tile_n, stack, warps, occupancy = few
         else:
             tile_n, stack, warps, occupancy = narrow
             if tile_m == 16 and not layout.scale_e8m0:
@@ -652,7 +654,7 @@ def _one_row_mma(n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig:
     """The MMA kernel's config for one row of x: tile_m 8 with the stacked blocks of ``_STACKED[8]``,
     the wide ones (32 weight rows as 64 MMA rows) where they give a block per SM, else the narrow ones
     (16 rows), and a K split while the blocks are fewer than the SMs (each split at least 2 stacks)."""
-    wide, narrow = _STACKED[8]
+    wide, narrow = _STACKED[8][:2]
     tile_n, stack, warps, occupancy = wide if ceil_div(n, wide[0]) >= sms else narrow
     stacks = ceil_div(ceil_div(k, layout.tile_k), stack)
     tiles = ceil_div(n, tile_n)
@@ -920,7 +922,7 @@ def _configs(layout: Layout) -> list[WeightOnlyConfig]:
             for tile_m, shapes in _STACKED.items() for tile_n, stack, warps, occupancy in shapes]
     # One row of x on the MMA kernel (``_one_row_mma``): the tile_m 8 stacked blocks with a K split.
     out += [WeightOnlyConfig(8, tile_n, split, warps, occupancy, cat=1, stack=stack)
-            for tile_n, stack, warps, occupancy in _STACKED[8] for split in _SPLITS[1:]]
+            for tile_n, stack, warps, occupancy in _STACKED[8][:2] for split in _SPLITS[1:]]
     tile_n, warps, occupancy = _GEMV_SHAPE
     out += [WeightOnlyConfig(m, tile_n, split, warps, occupancy, unroll=unroll, gemv=1)
             for m in range(1, GEMV_M + 1) for unroll in _GEMV_UNROLL for split in _SPLITS]

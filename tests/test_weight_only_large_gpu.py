@@ -165,20 +165,22 @@ def _graph_kernels(fn, warm_on_capture_stream: bool) -> list[str]:
 @pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize("warm", ["capture_stream", "side_stream"])
 def test_custom_op_is_one_kernel_in_a_cuda_graph(m, warm):
-    """The custom op (what torch.compile runs) on the GQA k / v shape, which splits K: no memset or fill
-    per replay (the split-K workspace and the zero bias are persistent buffers): one kernel at M = 1
-    (the small-M kernel ends its split itself), and at M = 4, where the plan takes the fused kernel's
-    K split, its two launches (the partial tiles, then their sum)."""
-    w_q = _weight(MXFP4, 1024, 4096, seed=6)
+    """The custom op (what torch.compile runs) on a GQA k / v shape with a long K (1024 x 14336), which
+    splits K (over K = 4096 the few-row plans do not): no memset or fill per replay (the split-K
+    workspace and the zero bias are persistent buffers): one kernel at M = 1 (the small-M kernel ends
+    its split itself), and at M = 4, where the plan takes the fused kernel's K split, its two launches
+    (the partial tiles, then their sum)."""
+    n, k = 1024, 14336
+    w_q = _weight(MXFP4, n, k, seed=6)
     packed = tilemm.prepack(w_q).to(DEV)
-    x = torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16)
-    large = wl.plan(m, 1024, 4096, packed.layout)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    large = wl.plan(m, n, k, packed.layout)
     if m == 1:
-        assert large is None and wo.plan(m, 1024, 4096, packed.layout).split_k > 1
+        assert large is None and wo.plan(m, n, k, packed.layout).split_k > 1
     else:
         assert large.kind == "fused" and large.split_k > 1
     op = torch.ops.tilemm.weight_only_linear
-    call = lambda: op(x, packed.words, packed.scale_t, packed.constants, "mxfp4", 4096)  # noqa: E731
+    call = lambda: op(x, packed.words, packed.scale_t, packed.constants, "mxfp4", k)  # noqa: E731
     names = _graph_kernels(call, warm == "capture_stream")
     assert len(names) == (1 if m == 1 else 2), names
     assert m == 1 or "partial_sum" in names[1], names

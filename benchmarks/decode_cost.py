@@ -159,7 +159,8 @@ def _planned(layout) -> list:
     cfgs = [wo.plan(1, 14336, 4096, layout)]
     cfgs += [wo.plan(1, n, 4096, layout, m1_kernel="mma") for n in (14336, 4096)]
     cfgs += [wo.plan(m, n, k, layout) for m, n, k in ((16, 2048, 14336), (16, 14336, 4096), (4, 8192, 4096),
-                                                       (4, 4096, 4096), (16, 4096, 4096))]
+                                                       (4, 4096, 4096), (16, 4096, 4096), (4, 1024, 4096),
+                                                       (16, 1024, 4096))]
     return list(dict.fromkeys(cfgs))
 
 
@@ -168,8 +169,9 @@ def default_variants():
     K = 4096), the MMA kernel at M = 1 (``m1_kernel="mma"``: N = 14336, 32-row blocks of stacks of 2;
     N = 4096, 16-row blocks of stacks of 4), the MMA kernel at M = 16 with a K split (N = 2048, K = 14336; at
 K = 4096 4-bit MX weights take stacked blocks there) and without (N = 14336, K = 4096),
-    with stacked K tiles at M = 4 (N = 8192: 32-row blocks; N = 4096: 16-row blocks) and M = 16 (N =
-    4096: 32 rows in 128 MMA rows); the block-scaled stream kernel at M = 16; and the large-M fused
+    with stacked K tiles at M = 4 (N = 8192: 32-row blocks; N = 4096: 16-row blocks; N = 1024: the
+    "few" blocks of 8 rows) and M = 16 (N = 4096: 32 rows in 128 MMA rows; N = 1024: the few blocks of
+    16 rows); the block-scaled stream kernel at M = 16; and the large-M fused
     kernel (its first candidate: 128 weight rows x 128 rows of x, one MMA per K tile) and its
     one-warpgroup split blocks that the runner takes at few rows (``few_rows_fused``)."""
     out = [weight_only_variant(name, cfg) for name, layout in wo.LAYOUTS.items() for cfg in _planned(layout)]

@@ -37,6 +37,10 @@ FMA_BOUNDS = {"mxfp4": 5.7, "nvfp4": 5.95, "mxfp8_e4m3": 6.3, "mxfp8_e5m2": 6.3}
 # Stacked K tiles at M = 4 (N = 8192: 32-row blocks, N = 4096: 16-row blocks): 3.05 / 3.30 MXFP4,
 # 3.51 / 3.55 NVFP4, 3.47 / 3.47 MXFP8 with tileiras 13.4 (the same decode, fewer rows per block).
 STACKED_BOUNDS = {"mxfp4": 3.5, "nvfp4": 3.8, "mxfp8_e4m3": 3.7, "mxfp8_e5m2": 3.7}
+#: The "few" stacked blocks (8 weight rows, 8 K tiles; N of at most 8 rows per SM, where the kernel waits
+#: on latency, not on issue): 8-byte rows of scales cost NVFP4 byte permutes and 8-bit x tiles a pass
+#: through shared memory (2.73 / 4.25 / 5.02 per element, ``benchmarks/results/decode-cost-sm90.txt``).
+FEW_STACKED_BOUNDS = {"mxfp4": 2.9, "nvfp4": 4.5, "mxfp8_e4m3": 5.3, "mxfp8_e5m2": 5.3}
 
 
 def _nvdisasm_missing():
@@ -78,17 +82,18 @@ def test_fma_kernel_main_loop_instructions_per_element(layout):
 @pytest.mark.skipif(COMPILER_MISSING is not None, reason=COMPILER_MISSING or "")
 @pytest.mark.skipif(_nvdisasm_missing() is not None, reason=_nvdisasm_missing() or "")
 @pytest.mark.parametrize("layout", list(STACKED_BOUNDS))
-@pytest.mark.parametrize("n", [8192, 4096])
+@pytest.mark.parametrize("n", [8192, 4096, 1024])
 def test_stacked_main_loop_instructions_per_element(layout, n):
     from tilemm.kernels import weight_only_kernels as wo
 
     cfg = wo.plan(4, n, 4096, wo.LAYOUTS[layout])
     assert cfg.stack > 1
+    bound = (FEW_STACKED_BOUNDS if n == 1024 else STACKED_BOUNDS)[layout]
     variant, elements, unroll = decode_cost.weight_only_variant(layout, cfg)
     row = decode_cost.report(variant, elements, unroll)
-    assert row["per_element"] <= STACKED_BOUNDS[layout], (
+    assert row["per_element"] <= bound, (
         f"{variant.name}: {row['per_element']:.2f} SASS instructions per weight element in the main loop "
-        f"(bound {STACKED_BOUNDS[layout]}): {row['top']}")
+        f"(bound {bound}): {row['top']}")
 
 
 #: One row of x on the MMA kernel (``plan(..., m1_kernel="mma")``): the stacked configs above, at most

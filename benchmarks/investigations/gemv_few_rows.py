@@ -53,6 +53,9 @@ def main(argv=None) -> int:
                     help="with --stacked, above 8 rows also: tile_m 8's narrow blocks over two M tiles "
                          "(twice the blocks, each weight tile read twice, the second time mostly from L2), "
                          "and tile_m 16 on 16 weight rows (one warpgroup, three blocks per SM)")
+    ap.add_argument("--configs", default="",
+                    help="also these stacked configs of the MMA kernel, at every M: tile_m x tile_n x stack x "
+                         "split x warps x blocks per SM, comma-separated (e.g. 16x16x4x2x4x3)")
     ap.add_argument("--eight-rows", action="store_true",
                     help="with --stacked, also: blocks of 8 weight rows, 8 K tiles stacked (64 MMA rows, one "
                          "warpgroup, three blocks per SM)")
@@ -86,6 +89,9 @@ def main(argv=None) -> int:
                         cfgs.append((f"{tile_m}x8 s8", wo.WeightOnlyConfig(tile_m, 8, 1, 4, 3, cat=1, stack=8)))
                 else:
                     cfgs = [(f"fma u{u}", wo.WeightOnlyConfig(m, 16, 1, 4, 4, unroll=u, gemv=1)) for u in (8, 2)]
+                for spec in filter(None, args.configs.split(",")):
+                    tm, tn, stack, split, warps, occupancy = map(int, spec.split("x"))
+                    cfgs.append((spec, wo.WeightOnlyConfig(tm, tn, split, warps, occupancy, cat=1, stack=stack)))
                 for label, cfg in cfgs:
                     out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
                     run = lambda: wo.launch(x, packed.words, packed.scale_t, packed.constants, zero, out,  # noqa: E731

@@ -75,13 +75,14 @@ _STACKED = [wo.WeightOnlyConfig(tm, tn, 1, warps, occupancy, cat=1, stack=stack)
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("cfg", _STACKED, ids=[c.name for c in _STACKED])
 def test_stacked_configs_match_the_oracle(fmt, x_dtype, cfg):
-    """Every stacked config ``plan`` can pick, forced on a small problem: M = 3 (and 13 for tile_m 16)
-    of a partial tile, N = 200 over partial blocks, K = 4128 (a partial last stack)."""
+    """Every stacked config ``plan`` can pick, forced on a small problem: M = 3 (and 13 and 29 for
+    tile_m 16: a partial tile, then two M tiles, the second partial) of a partial tile, N = 200 over
+    partial blocks, K = 4128 (a partial last stack)."""
     n, k = 200, 4128
     w_q = quantized_weight(fmt, n, k, seed=6, scale_bytes=(112, 124) if fmt.is_mx else (1, 0x50))
     packed = tilemm.prepack(w_q).to(DEV)
     bias = torch.randn(n)
-    for m in (3, 13) if cfg.tile_m == 16 else (3,):
+    for m in (3, 13, 29) if cfg.tile_m == 16 else (3,):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(x_dtype)
         out = torch.empty(m, n, device=DEV, dtype=x_dtype)
         wo.launch(x.to(DEV), packed.words, packed.scale_t, packed.constants, bias.to(DEV), out,

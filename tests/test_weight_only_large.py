@@ -124,9 +124,9 @@ def test_fused_kernel_with_alpha_and_fp16_x(emulated):
 @pytest.mark.parametrize("fmt", [MXFP4, NVFP4], ids=["mxfp4", "nvfp4"])
 def test_runner_few_rows_takes_the_fused_split(emulated, monkeypatch, fmt):
     """The runner with the committed rules at few rows: N = 100 gives fewer than one 32-row block per SM
-    on 8 SMs, so M = 5 takes 64 weight rows x 16 rows of x where K is long (K = 8448: 33 K tiles, the
-    last one part padding, split 8 ways; with K = 1344, the small-M plan's stacked blocks instead) and
-    M = 20 64 x 32 (K = 1344: 6 K tiles, split 2 ways), each with a bias and, on the second call, an alpha, through
+    on 8 SMs, so where K is long (K = 8448: 33 K tiles, the last one part padding, split 8 ways) M = 5
+    takes 64 weight rows x 16 rows of x and M = 20 64 x 32 (with K = 1344, the small-M plan's stacked
+    blocks instead), each with a bias and, on the second call, an alpha, through
     the prepared launch kept per M (the split workspace's partials poisoned with NaN before each call,
     so that an unwritten or unread partial shows; ``test_launch_count`` checks that CUDA calls keep the
     workspace view)."""
@@ -135,9 +135,9 @@ def test_runner_few_rows_takes_the_fused_split(emulated, monkeypatch, fmt):
     monkeypatch.setattr(wol, "stream_handle", lambda device: 0)
     monkeypatch.setattr(wol, "family", lambda device: wol.Family.HOPPER)
     n = 100
-    if fmt is MXFP4:
-        assert wl.plan(5, n, 1344, wo.LAYOUTS["mxfp4"], sms=8) is None  # short K: the small-M plan
-    for m, tile_m, k, split in ((5, 16, 8448, 8), (20, 32, 1344, 2)):
+    for m in (5, 20):  # short K: the small-M plan
+        assert wl.plan(m, n, 1344, wo.LAYOUTS[fmt.name], sms=8) is None
+    for m, tile_m, k, split in ((5, 16, 8448, 8), (20, 32, 8448, 8)):
         w_q = _weight(fmt, n, k, seed=21)
         bias = torch.randn(n, generator=torch.Generator().manual_seed(22))
         runner = wol.WeightOnlyRunner(prepack(w_q), bias)
@@ -190,9 +190,9 @@ def test_overlap_gemm_matches_reference(emulated, fmt, chunk):
 #: Per (family, N, K, M) of the H100 sweeps (benchmarks/results/tune-weight-only-large-*.txt), the
 #: candidate the rules must pick (None: the small-M plan): the measured per-shape winner, or one within
 #: a few percent of it over the family's formats (``benchmarks/investigations/plan_rule_check.py``
-#: lists each pick against the winner). 132 SMs. At 2-16 rows, 1024 x 4096 goes to the small-M plan's
-#: narrow stacked blocks without a split, which the sweep did not time and which beat its winner there
-#: (``benchmarks/results/gemv-few-rows-stacked-*``, ``weight_only_kernels.short_k_stacked``).
+#: lists each pick against the winner). 132 SMs. At 2-32 rows, 1024 x 4096 goes to the small-M plan's
+#: stacked blocks without a split, which the sweep did not time and which beat its winner there
+#: (``benchmarks/results/gemv-few-rows-*``, ``weight_only_kernels.short_k_stacked``).
 _MEASURED_PICKS = {
     ("4bit", 4): {(14336, 4096): None, (4096, 14336): "fused_64x16_g8_occ3_w4_s4", (8192, 8192): None,
                   (6144, 4096): None, (1024, 4096): None},
@@ -200,7 +200,7 @@ _MEASURED_PICKS = {
                    (6144, 4096): None, (1024, 4096): None},
     ("4bit", 24): {(14336, 4096): "fused_64x32_g8_occ2_w4", (4096, 14336): "fused_64x32_g8_occ2_w4_s4",
                    (8192, 8192): "fused_64x32_g8_occ2_w4_s2", (6144, 4096): "fused_64x32_g8_occ2_w4_s2",
-                   (1024, 4096): "fused_64x32_g8_occ2_w4_s8"},
+                   (1024, 4096): None},
     ("4bit", 48): {(14336, 4096): None, (4096, 14336): "fused_64x64_g8_occ2_w4_s4",
                    (8192, 8192): "fused_64x64_g8_occ2_w4_s2", (6144, 4096): "fused_64x64_g8_occ2_w4_s2",
                    (1024, 4096): "decode_c0"},

@@ -225,7 +225,8 @@ class FamilyRule:
       ``with_split`` gives it, where N gives fewer than one 32-row block per SM (the small-M kernels
       then split K or stack narrow blocks), unless K is short enough for the small-M plan's narrow
       stacked blocks without a split (``weight_only_kernels.short_k_stacked``); else the small-M plan.
-    * Up to ``whole_m`` rows: that entry's config with its K split, split or not.
+    * Up to ``whole_m`` rows: that entry's config with its K split, split or not, unless the small-M
+      plan's stacked blocks take the problem without a split (``short_k_stacked``).
     * ``large`` from ``large_m`` rows of x on, and for a weight whose bf16 copy takes at most
       ``l2_bytes`` (it then stays in L2 between the decode and the GEMM, and the fused kernels have
       too few output tiles to fill the GPU).
@@ -382,8 +383,8 @@ def plan(m: int, n: int, k: int, layout: _wo.Layout, rules: dict | None = None, 
         return None
     splits = [cfg for cfg, last_m in rule.split if m <= last_m]
     if m <= max(rule.narrow_m, rule.whole_m):
-        if not splits or (m <= rule.narrow_m and (ceil_div(n, _NARROW_ROWS) >= sms
-                                                   or _wo.short_k_stacked(m, n, k, layout, sms))):
+        if (not splits or (m <= rule.narrow_m and ceil_div(n, _NARROW_ROWS) >= sms)
+                or _wo.short_k_stacked(m, n, k, layout, sms)):
             return None
         return with_split(splits[0], m, n, k, layout, sms)
     if m >= rule.large_m or n * k * 2 <= rule.l2_bytes:

@@ -594,8 +594,16 @@ def _gemv(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig:
 _STACKED = {8: ((32, 2, 4, 3), (16, 4, 4, 3), (8, 8, 4, 3)), 16: ((32, 2, 4, 2), (32, 4, 8, 1), (16, 4, 4, 3))}
 
 
+#: 4-bit weights: up to this many rows of x, over M tiles of 16, the "few" blocks of tile_m 16 where
+#: they are at most one per SM and K is short (the k / v projections of grouped-query attention at 17-32
+#: rows: one launch, where the fused kernel's 64-row blocks split K in two launches; from 33 rows on
+#: the large-M plan's decode design wins there; ``benchmarks/results/gemv-few-rows-more-blocks-*.txt``).
+_FEW_M = 32
+
+
 def _stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig | None:
-    """The stacked config for 2 .. 16 rows of x where it beats the 64-row blocks, or None.
+    """The stacked config for 2 .. 16 rows of x where it beats the 64-row blocks (for 4-bit weights
+    up to ``_FEW_M`` rows where the few blocks apply), or None.
 
     Blocks of 32 (or 16) weight rows give the GPU enough blocks without a K split where 64-row blocks
     split K. Wide blocks are used while they fit one wave of resident blocks, or (tile_m 8) fill at
@@ -607,6 +615,10 @@ def _stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConf
     does not take tile_m 16's narrow blocks, which ran slower than the K split
     (``benchmarks/results/tune-weight-only-designs-*.md``), but does take the few ones
     (``benchmarks/results/gemv-few-rows-*.txt``)."""
+    if _SMALL_M < m <= _FEW_M and layout.planes == 4 and k <= _SHORT_K:
+        tile_n, stack, warps, occupancy = _STACKED[16][2]
+        if ceil_div(n, tile_n) <= sms:
+            return WeightOnlyConfig(16, tile_n, 1, warps, occupancy, cat=1, stack=stack)
     if not 1 < m <= _SMALL_M:
         return None
     tile_m = 8 if m <= 8 else 16
@@ -631,7 +643,7 @@ def _stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConf
 
 
 def short_k_stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> bool:
-    """Whether 2 .. 16 rows of x on a weight with fewer than 32 rows per SM and K at most ``_SHORT_K``
+    """Whether 2 .. 16 rows of x (4-bit: .. ``_FEW_M``) on a weight with fewer than 32 rows per SM and K at most ``_SHORT_K``
     take stacked blocks without a K split (``_stacked``), which the large-M plan then leaves to this
     one (``hopper_weight_only_large.plan``). There, the fused kernel's 64-row blocks must split K to
     fill the GPU, and over a short K the split's second launch and finish cost more than the stacked

@@ -464,10 +464,11 @@ def test_plan_schemes():
     assert wo.plan(16, 4096, 4096, nv4).stack == 1 and not wo.short_k_stacked(16, 4096, 4096, nv4, 132)
     # 4-bit weights at 17-32 rows: the 16-row few blocks over two M tiles, one launch (not 8-bit)
     for layout in (mx4, nv4):
-        for m, n in ((17, 1024), (32, 1024), (24, 2048)):
+        for m, n in ((17, 1024), (32, 1024), (24, 1056)):
             cfg = wo.plan(m, n, 8192, layout)
             assert (cfg.tile_m, cfg.tile_n, cfg.stack, cfg.split_k) == (16, 16, 4, 1), (layout, m, n)
             assert wo.short_k_stacked(m, n, 8192, layout, 132)
+        assert not wo.short_k_stacked(24, 2048, 4096, layout, 132)  # two M tiles of 128 blocks: too many
         assert wo.plan(32, 4096, 4096, layout).stack == 1 and wo.plan(33, 1024, 4096, layout).stack == 1
     assert wo.plan(24, 1024, 4096, mx8).stack == 1 and not wo.short_k_stacked(24, 1024, 4096, mx8, 132)
     # ... but not over a long K, where the split wins

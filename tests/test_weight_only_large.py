@@ -125,8 +125,8 @@ def test_fused_kernel_with_alpha_and_fp16_x(emulated):
 def test_runner_few_rows_takes_the_fused_split(emulated, monkeypatch, fmt):
     """The runner with the committed rules at few rows: N = 100 gives fewer than one 32-row block per SM
     on 8 SMs, so where K is long (K = 8448: 33 K tiles, the last one part padding, split 8 ways) M = 5
-    takes 64 weight rows x 16 rows of x and M = 20 64 x 32 (with K = 1344, the small-M plan's stacked
-    blocks instead), each with a bias and, on the second call, an alpha, through
+    takes 64 weight rows x 16 rows of x (with K = 1344, the small-M plan's stacked blocks instead) and
+    M = 20 64 x 32, each with a bias and, on the second call, an alpha, through
     the prepared launch kept per M (the split workspace's partials poisoned with NaN before each call,
     so that an unwritten or unread partial shows; ``test_launch_count`` checks that CUDA calls keep the
     workspace view)."""
@@ -135,8 +135,7 @@ def test_runner_few_rows_takes_the_fused_split(emulated, monkeypatch, fmt):
     monkeypatch.setattr(wol, "stream_handle", lambda device: 0)
     monkeypatch.setattr(wol, "family", lambda device: wol.Family.HOPPER)
     n = 100
-    for m in (5, 20):  # short K: the small-M plan
-        assert wl.plan(m, n, 1344, wo.LAYOUTS[fmt.name], sms=8) is None
+    assert wl.plan(5, n, 1344, wo.LAYOUTS[fmt.name], sms=8) is None  # short K: the small-M plan
     for m, tile_m, k, split in ((5, 16, 8448, 8), (20, 32, 8448, 8)):
         w_q = _weight(fmt, n, k, seed=21)
         bias = torch.randn(n, generator=torch.Generator().manual_seed(22))

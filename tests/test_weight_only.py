@@ -468,7 +468,9 @@ def test_plan_schemes():
             cfg = wo.plan(m, n, 8192, layout)
             assert (cfg.tile_m, cfg.tile_n, cfg.stack, cfg.split_k) == (16, 16, 4, 1), (layout, m, n)
             assert wo.short_k_stacked(m, n, 8192, layout, 132)
-        assert not wo.short_k_stacked(24, 2048, 4096, layout, 132)  # two M tiles of 128 blocks: too many
+        cfg = wo.plan(24, 2048, 4096, layout)  # two M tiles of 128 16-row blocks: too many; 32-row ones
+        assert (cfg.tile_m, cfg.tile_n, cfg.stack, cfg.split_k) == (16, 32, 4, 1)
+        assert not wo.short_k_stacked(24, 4096, 4096, layout, 132)
         assert wo.plan(32, 4096, 4096, layout).stack == 1 and wo.plan(33, 1024, 4096, layout).stack == 1
     assert wo.plan(24, 1024, 4096, mx8).stack == 1 and not wo.short_k_stacked(24, 1024, 4096, mx8, 132)
     # ... but not over a long K, where the split wins

@@ -594,11 +594,11 @@ def _gemv(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig:
 _STACKED = {8: ((32, 2, 4, 3), (16, 4, 4, 3), (8, 8, 4, 3)), 16: ((32, 2, 4, 2), (32, 4, 8, 1), (16, 4, 4, 3))}
 
 
-#: 4-bit weights: up to this many rows of x, over M tiles of 16, the "few" blocks of tile_m 16 where
-#: they (all M tiles' together) are at most one per SM and K is short (the k / v projections of
-#: grouped-query attention at 17-32 rows: one launch, where the fused kernel's 64-row blocks split K in
-#: two launches; at 2048 rows, twice the blocks, they ran slower; from 33 rows on the large-M plan's
-#: decode design wins there; ``benchmarks/results/gemv-few-rows-more-blocks-*.txt``).
+#: 4-bit weights: up to this many rows of x, over M tiles of 16, where K is short, the "few" blocks of
+#: tile_m 16 where they (all M tiles' together) are at most one per SM, else the narrow ones where
+#: those are (the k / v projections of grouped-query attention at 17-32 rows, 1024 and 2048 x 4096:
+#: one launch, where the fused kernel's 64-row blocks split K in two launches; from 33 rows on the
+#: large-M plan's decode design wins there; ``benchmarks/results/gemv-few-rows-more-blocks-*.txt``).
 _FEW_M = 32
 
 
@@ -617,9 +617,9 @@ def _stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConf
     (``benchmarks/results/tune-weight-only-designs-*.md``), but does take the few ones
     (``benchmarks/results/gemv-few-rows-*.txt``)."""
     if _SMALL_M < m <= _FEW_M and layout.planes == 4 and k <= _SHORT_K:
-        tile_n, stack, warps, occupancy = _STACKED[16][2]
-        if ceil_div(n, tile_n) * ceil_div(m, 16) <= sms:
-            return WeightOnlyConfig(16, tile_n, 1, warps, occupancy, cat=1, stack=stack)
+        for tile_n, stack, warps, occupancy in (_STACKED[16][2], _STACKED[16][1]):  # few, then narrow
+            if ceil_div(n, tile_n) * ceil_div(m, 16) <= sms:
+                return WeightOnlyConfig(16, tile_n, 1, warps, occupancy, cat=1, stack=stack)
     if not 1 < m <= _SMALL_M:
         return None
     tile_m = 8 if m <= 8 else 16

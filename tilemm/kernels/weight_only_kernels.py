@@ -555,7 +555,8 @@ _GEMV_WIDE = (8, (4, 2))
 
 
 #: Up to this K the few-row kernels do not split K where their blocks are few: the FMA kernel at one row
-#: (``_gemv``) and the stacked blocks at 2 .. 16 rows (``_stacked``, ``short_k_stacked``). A split's finish
+#: (``_gemv``) and the stacked blocks at 2 .. 16 rows, 4-bit weights up to ``_FEW_M`` (``_stacked``,
+#: ``short_k_stacked``). A split's finish
 #: (partial tiles, an arrival counter, the last block's sum; or a second launch) sits on the critical
 #: path of every output tile, and over a K of a few thousand it cost more than the extra blocks saved;
 #: over K = 14336 the split still paid (``benchmarks/results/tune-weight-only-gemv-split-*.txt``,
@@ -603,8 +604,8 @@ _FEW_M = 32
 
 
 def _stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig | None:
-    """The stacked config for 2 .. 16 rows of x where it beats the 64-row blocks (for 4-bit weights
-    up to ``_FEW_M`` rows where the few blocks apply), or None.
+    """The stacked config for 2 .. 16 rows of x where it beats the 64-row blocks (4-bit weights: up to
+    ``_FEW_M`` rows, over M tiles of 16, where the few or narrow blocks fit one per SM), or None.
 
     Blocks of 32 (or 16) weight rows give the GPU enough blocks without a K split where 64-row blocks
     split K. Wide blocks are used while they fit one wave of resident blocks, or (tile_m 8) fill at
@@ -612,10 +613,10 @@ def _stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConf
     last partial wave. Below 32 rows per SM the narrow blocks take over while they still give about
     one block per SM, and where K is short (``_SHORT_K``) whatever their number (``short_k_stacked``):
     there the "few" blocks (8 weight rows up to 8 rows of x, 16 above) while they are at most one per SM
-    (the k / v projections of grouped-query attention, 1024 x 4096), the narrow ones above that. NVFP4
-    does not take tile_m 16's narrow blocks, which ran slower than the K split
-    (``benchmarks/results/tune-weight-only-designs-*.md``), but does take the few ones
-    (``benchmarks/results/gemv-few-rows-*.txt``)."""
+    (the k / v projections of grouped-query attention, 1024 x 4096), the narrow ones above that. At
+    9-16 rows NVFP4 does not take tile_m 16's narrow blocks, which ran slower than the K split
+    (``benchmarks/results/tune-weight-only-designs-*.md``), but does take the few ones, and above 16
+    rows both (``benchmarks/results/gemv-few-rows-*.txt``)."""
     if _SMALL_M < m <= _FEW_M and layout.planes == 4 and k <= _SHORT_K:
         for tile_n, stack, warps, occupancy in (_STACKED[16][2], _STACKED[16][1]):  # few, then narrow
             if ceil_div(n, tile_n) * ceil_div(m, 16) <= sms:
@@ -644,12 +645,12 @@ def _stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConf
 
 
 def short_k_stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> bool:
-    """Whether 2 .. 16 rows of x (4-bit: .. ``_FEW_M``) on a weight with fewer than 32 rows per SM and K at most ``_SHORT_K``
-    take stacked blocks without a K split (``_stacked``), which the large-M plan then leaves to this
-    one (``hopper_weight_only_large.plan``). There, the fused kernel's 64-row blocks must split K to
-    fill the GPU, and over a short K the split's second launch and finish cost more than the stacked
-    blocks lose by running fewer, longer blocks; over a long K the split wins again
-    (``benchmarks/results/gemv-few-rows-*.txt``)."""
+    """Whether 2 .. 16 rows of x (4-bit weights: up to ``_FEW_M``) on a weight with fewer than 32 rows
+    per SM and K at most ``_SHORT_K`` take stacked blocks without a K split (``_stacked``), which the
+    large-M plan then leaves to this one (``hopper_weight_only_large.plan``). There, the fused
+    kernel's 64-row blocks must split K to fill the GPU, and over a short K the split's second launch
+    and finish cost more than the stacked blocks lose by running fewer, longer blocks; over a long K
+    the split wins again (``benchmarks/results/gemv-few-rows-*.txt``)."""
     return k <= _SHORT_K and ceil_div(n, 32) < sms and _stacked(m, n, k, layout, sms) is not None
 
 

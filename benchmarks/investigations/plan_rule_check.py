@@ -77,8 +77,8 @@ def check(rows: list, sms: int, rules: dict | None = None, out=print) -> dict:
             cands = {c: v for c, v in per[key].items() if c not in NOT_OPTIONS}
             cfg = wl.plan(m, n, k, layout_of_format(fmt), rules, sms)
             if cfg is None and wo.short_k_stacked(m, n, k, layout_of_format(fmt), sms):
-                # The small-M plan's narrow stacked blocks without a K split, which these sweeps did not
-                # time (benchmarks/results/gemv-few-rows-stacked-*): left out of every geomean.
+                # The small-M plan's stacked blocks without a K split, which these sweeps did not time
+                # (benchmarks/results/gemv-few-rows-*): left out of every geomean.
                 out(f"{fmt} {n}x{k} M={m}: the small-M plan's unsplit stacked blocks (not in this sweep)")
                 continue
             pick = candidate_name(cfg, cands)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import pathlib
 import sys
 
@@ -74,8 +75,6 @@ def main(argv=None) -> int:
           f"prompt {args.prompt}; compiled step (reduce-overhead); GPU us per step by class", flush=True)
     base = build_model(LLAMA3_8B, args.layers, device)
     variants = [("bf16", base)]
-    import copy
-
     quantized = tilemm.quantize_model(copy.deepcopy(base), args.format, weight_only=True, skip=("lm_head",))
     variants.append((f"{args.format}-weight-only", quantized))
     for batch in map(int, args.batches.split(",")):

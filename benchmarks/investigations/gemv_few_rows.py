@@ -83,10 +83,14 @@ def main(argv=None) -> int:
                     cfgs = [("stacked", wo.WeightOnlyConfig(tile_m, tile_n, 1, warps, occupancy, cat=1, stack=stack))]
                     if args.more_blocks and m > 8:
                         tile_n, stack, warps, occupancy = wo._STACKED[8][1]
-                        cfgs += [("8-row tiles", wo.WeightOnlyConfig(8, tile_n, 1, warps, occupancy, cat=1, stack=stack)),
-                                 ("16x16", wo.WeightOnlyConfig(16, 16, 1, 4, 3, cat=1, stack=4))]
+                        cfgs.append(("8-row tiles", wo.WeightOnlyConfig(8, tile_n, 1, warps, occupancy, cat=1,
+                                                                        stack=stack)))
+                        tile_n, stack, warps, occupancy = wo._STACKED[16][2]  # 16 rows, 4 K tiles
+                        cfgs.append(("16x16", wo.WeightOnlyConfig(16, tile_n, 1, warps, occupancy, cat=1, stack=stack)))
                     if args.eight_rows:
-                        cfgs.append((f"{tile_m}x8 s8", wo.WeightOnlyConfig(tile_m, 8, 1, 4, 3, cat=1, stack=8)))
+                        tile_n, stack, warps, occupancy = wo._STACKED[8][2]  # 8 rows, 8 K tiles
+                        cfgs.append((f"{tile_m}x8 s8", wo.WeightOnlyConfig(tile_m, tile_n, 1, warps, occupancy, cat=1,
+                                                                           stack=stack)))
                 else:
                     cfgs = [(f"fma u{u}", wo.WeightOnlyConfig(m, 16, 1, 4, 4, unroll=u, gemv=1)) for u in (8, 2)]
                 for spec in filter(None, args.configs.split(",")):

@@ -316,6 +316,57 @@ def test_runner_dispatches_through_the_table(emulated, monkeypatch, kind):
     assert calls == [{"fused": "run", "decode": "decode_gemm", "overlap": "overlap_gemm"}[kind]]
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_decoded_once_decodes_each_weight_once(emulated, monkeypatch, bias):
+    """Inside ``decoded_once()`` a layer on the decode design decodes its weight on its first call only
+    (pieces of one batch, as ``tilemm.parallel.overlapped`` runs them), two layers each their own; every
+    call's output is the reference's. Outside the block every call decodes again."""
+    import tilemm.weight_only as wol
+
+    rule = wl.FamilyRule(first_m=16, large_m=16, large=wl.LargeConfig("decode", chunk=0), l2_bytes=0, fused=())
+    monkeypatch.setattr(wl, "RULES", {"4bit": rule, "8bit": rule})
+    monkeypatch.setattr(wol, "stream_handle", lambda device: 0)
+    monkeypatch.setattr(wol, "family", lambda device: wol.Family.HOPPER)
+    if bias:  # the bias path's fp32-output GEMM, which the CPU's addmm lacks: the same sums in fp32
+        addmm = torch.addmm
+
+        def fp32_addmm(b, a, m, *, out_dtype=None, alpha=1.0, **kw):
+            if out_dtype is None:
+                return addmm(b, a, m, alpha=alpha, **kw)
+            return b + alpha * (a.to(out_dtype) @ m.to(out_dtype))
+
+        monkeypatch.setattr(torch, "addmm", fp32_addmm)
+        monkeypatch.setattr(wol, "_GEMM_FP32_OUT", [True])
+    decodes = []
+    for owner, name in ((wl, "_decode_rows"), (wo, "dequantize")):
+        original = getattr(owner, name)
+        monkeypatch.setattr(owner, name, (lambda f, nm: lambda *a, **k: (decodes.append(nm), f(*a, **k))[1])(
+            original, name))
+    layers = []
+    for seed, fmt in ((21, MXFP4), (22, NVFP4)):
+        w_q = _weight(fmt, 40, 320, seed=seed)
+        b = torch.randn(40, generator=torch.Generator().manual_seed(seed)) if bias else None
+        runner = wol.WeightOnlyRunner(prepack(w_q), b)
+        runner._sms = 4
+        layers.append((w_q, b, runner))
+    xs = [torch.randn(m, 320, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16) for m in (16, 24, 16)]
+
+    def run_all():
+        for x in xs:
+            for w_q, b, runner in layers:
+                assert_matches(runner(x).float(), _reference(x, w_q, b), torch.bfloat16)
+
+    with wol.decoded_once():
+        run_all()
+        with wol.decoded_once():  # nested: part of the outer block
+            run_all()
+    assert len(decodes) == 2, decodes
+    assert wol._DECODED is None
+    decodes.clear()
+    run_all()
+    assert len(decodes) == 2 * len(xs), decodes
+
+
 @pytest.mark.parametrize("m", [16, 48, 600])
 @pytest.mark.parametrize("why", ["fp32 output", "not Hopper"])
 def test_runner_where_the_fused_kernel_cannot_serve(monkeypatch, m, why):

@@ -40,6 +40,7 @@ from swizzle import swizzle_32_4_4, unswizzle_32_4_4
 
 from . import matmul as _matmul
 from . import quantize as _quantize
+from . import weight_only as _weight_only
 from .formats import FP8_BLOCK, Granularity
 from .numerics import ceil_div
 from .kernels import quantize_kernels as _quantize_kernels
@@ -1015,7 +1016,9 @@ def overlapped(fn, x: torch.Tensor, chunks: int) -> torch.Tensor:
     must return the row-wise layers' outputs without reading them (their sums arrive when
     ``overlapped`` returns) and treat rows independently. Layers that quantize the activation with
     one scale for the whole tensor (NVFP4 both sides, FP8 per tensor) raise ValueError: a piece's
-    scale would differ from the whole tensor's. Not reentrant.
+    scale would differ from the whole tensor's. Weight-only layers that multiply the pieces through
+    their weight decoded to bf16 (many rows) decode it once for all pieces
+    (``tilemm.weight_only.decoded_once``). Not reentrant.
     """
     global _PENDING
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
@@ -1025,7 +1028,8 @@ def overlapped(fn, x: torch.Tensor, chunks: int) -> torch.Tensor:
     pending: list = []
     _PENDING = pending
     try:
-        outs = [fn(piece) for piece in x.chunk(chunks, dim=0)]
+        with _weight_only.decoded_once():  # a weight decoded for cuBLAS (many rows) is decoded once
+            outs = [fn(piece) for piece in x.chunk(chunks, dim=0)]
     finally:
         _PENDING = None
         for work in pending:
@@ -1129,13 +1133,14 @@ class ShardedLinear(Linear):
         # Every piece's partial sum stays referenced until the waits: the side stream reads it while
         # the current stream goes on, which could otherwise reuse its memory.
         parts, works, start = [], [], 0
-        for piece in pieces:
-            part = self._partial(piece, tp, on_nccl_stream=True)
-            target = None if out is None else out[start:start + piece.shape[0]]
-            work, written = tp.start_all_reduce(part, target)
-            works.append(work)
-            parts.append((part, None if written else target))
-            start += piece.shape[0]
+        with _weight_only.decoded_once():  # a weight decoded for cuBLAS (many rows): once, not per piece
+            for piece in pieces:
+                part = self._partial(piece, tp, on_nccl_stream=True)
+                target = None if out is None else out[start:start + piece.shape[0]]
+                work, written = tp.start_all_reduce(part, target)
+                works.append(work)
+                parts.append((part, None if written else target))
+                start += piece.shape[0]
         for work in works:
             if work is not None:
                 work.wait()

@@ -19,6 +19,7 @@ here), which ``torch.compile`` traces as one op with ``fullgraph=True``.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -36,7 +37,32 @@ from .packed import PackedWeight, _unpack_words, layout_of
 from .reference import decode_elements, decode_scales
 from .numerics import pack_e2m1
 
-__all__ = ["weight_only_linear", "WeightOnlyRunner", "QuantizedActivationRunner"]
+__all__ = ["weight_only_linear", "WeightOnlyRunner", "QuantizedActivationRunner", "decoded_once"]
+
+#: While ``decoded_once()`` runs: id(runner) -> (runner, its weight decoded to bf16); else None.
+_DECODED: dict | None = None
+
+
+@contextlib.contextmanager
+def decoded_once():
+    """Within the block, a layer whose large-M plan multiplies through the weight decoded to bf16 (the
+    decode design, ``hopper_weight_only_large.decode_gemm``) decodes it on its first call only; its
+    later calls in the block multiply the same bf16 copy, held until the block ends (one (N, K) bf16
+    tensor per such layer). Each call's result is what it would be alone: the copy is the same decode.
+
+    For callers that run a layer on several pieces of one batch, as ``tilemm.parallel.overlapped``
+    does: without it, every piece would decode the whole weight again. The layers' weights must not
+    change inside the block. A nested block is part of the outer one. Captures in a CUDA graph (the
+    copy is then the graph's memory, decoded once per replay)."""
+    global _DECODED
+    if _DECODED is not None:
+        yield
+        return
+    _DECODED = {}
+    try:
+        yield
+    finally:
+        _DECODED = None
 
 
 def _check_x(fn: str, x, k: int) -> None:
@@ -120,9 +146,25 @@ class WeightOnlyRunner:
         bf16 (exact, times 2^-E), then cuBLAS's bf16 GEMM with ``alpha = 2^E * decode scale`` and the
         bias in its fp32 epilogue (fp32 output), rounded once to ``out_dtype``."""
         p = self.packed
-        w16 = _kernel.dequantize(p.words, p.scale_t, p.constants, self.layout, self.k)
+        buffer, decoded = self._held()
+        w16 = (buffer[:, :self.k] if decoded else
+               _kernel.dequantize(p.words, p.scale_t, p.constants, self.layout, self.k, out=buffer))
         acc = torch.addmm(self.bias, x2d, w16.t(), out_dtype=torch.float32, alpha=p.alpha_host)
         return acc.to(out_dtype)
+
+    def _held(self) -> tuple[torch.Tensor | None, bool]:
+        """Inside ``decoded_once()``: (this layer's (N, Kp) bf16 copy of its decoded weight, whether a
+        call of the block has decoded it already); outside: (None, False)."""
+        held = _DECODED
+        if held is None:
+            return None, False
+        entry = held.get(id(self))
+        if entry is not None:
+            return entry[1], True
+        kp = self.packed.words.shape[1] // self.layout.words_per_tile * self.layout.tile_k
+        buffer = torch.empty((self.n, kp), dtype=torch.bfloat16, device=self.device)
+        held[id(self)] = (self, buffer)  # the runner stays referenced, so its id is not reused meanwhile
+        return buffer, False
 
     def _large_route(self, m: int, x_dtype: torch.dtype, out_dtype: torch.dtype):
         """(large-M config or None, the fused kernel's prepared launch where it serves the call, else None)."""
@@ -168,6 +210,9 @@ class WeightOnlyRunner:
                 if large.kind == "overlap":
                     return _large_kernel.overlap_gemm(x2d, p.words, p.scale_t, p.constants, p.alpha_host, out,
                                                       self.layout, self.k, large.chunk)
+                buffer, decoded = self._held() if large.chunk <= 0 else (None, False)
+                return _large_kernel.decode_gemm(x2d, p.words, p.scale_t, p.constants, p.alpha_host, out,
+                                                 self.layout, self.k, large.chunk, stream, buffer, decoded)
                 return _large_kernel.decode_gemm(x2d, p.words, p.scale_t, p.constants, p.alpha_host, out,
                                                  self.layout, self.k, large.chunk, stream)
             if _GEMM_FP32_OUT[0]:  # a bias or another output dtype: fp32 GEMM output, then one rounding

@@ -483,11 +483,14 @@ def _decode_rows(words, scale_t, mult, layout: _wo.Layout, out16: torch.Tensor, 
 
 def decode_gemm(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
                 alpha_host: float, out: torch.Tensor, layout: _wo.Layout, k: int, chunk: int, stream,
-                buffer: torch.Tensor | None = None) -> torch.Tensor:
+                buffer: torch.Tensor | None = None, decoded: bool = False) -> torch.Tensor:
     """out (M, N) = (x @ (decode(W) * 2^-E).T) * alpha_host, x bf16, no bias: the weight decoded to bf16
     ``chunk`` rows at a time (all at once for chunk = 0) and multiplied by cuBLAS, whose fp32 epilogue
     applies alpha and rounds once to out's dtype (bf16). ``buffer`` (chunk or N rows, Kp) bf16 is the
-    decode's destination (allocated when None). Returns out."""
+    decode's destination (allocated when None); ``decoded``: it already holds the whole weight's
+    decode (chunk 0; ``tilemm.weight_only.decoded_once``), so only the GEMM runs. Returns out."""
+    if decoded and (buffer is None or chunk > 0):
+        raise ValueError("decode_gemm: decoded=True needs the whole weight's decode in buffer (chunk 0)")
     n = words.shape[0]
     rows = n if chunk <= 0 else min(chunk, n)
     kp = words.shape[1] // layout.words_per_tile * layout.tile_k
@@ -503,8 +506,9 @@ def decode_gemm(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, con
             r1 = min(r0 + rows, n)
             whole = r0 == 0 and r1 == n  # the usual case: no views to make (each costs host time per call)
             w16 = buffer if whole else buffer[:r1 - r0]
-            _decode_rows(words if whole else words[r0:r1], scale_t if whole else scale_t[:, r0:r1], mult,
-                         layout, w16, stream)
+            if not decoded:
+                _decode_rows(words if whole else words[r0:r1], scale_t if whole else scale_t[:, r0:r1], mult,
+                             layout, w16, stream)
             target = out if whole else out[:, r0:r1]
             w16t = (w16 if w16.shape[1] == k else w16[:, :k]).t()
             if alpha_host == 1.0:

@@ -455,13 +455,15 @@ DEQUANT_TN = 64
 
 
 def dequantize(words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor, layout: Layout,
-               k: int) -> torch.Tensor:
-    """The prepacked weight as an (N, K) bf16 view (of an (N, Kp) tensor) holding dequantize(w) * 2^-E,
-    exactly."""
+               k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The prepacked weight as an (N, K) bf16 view (of an (N, Kp) tensor, ``out`` where given) holding
+    dequantize(w) * 2^-E, exactly."""
     n = words.shape[0]
     k_tiles = words.shape[1] // layout.words_per_tile
-    out = torch.empty((n, k_tiles * layout.tile_k), dtype=torch.bfloat16, device=words.device)
-    ct.launch(torch.cuda.current_stream(words.device), (ceil_div(n, DEQUANT_TN) * k_tiles, 1, 1),
+    if out is None:
+        out = torch.empty((n, k_tiles * layout.tile_k), dtype=torch.bfloat16, device=words.device)
+    stream = torch.cuda.current_stream(words.device) if words.is_cuda else None  # None: the CPU emulator's
+    ct.launch(stream, (ceil_div(n, DEQUANT_TN) * k_tiles, 1, 1),
               _dequantize_kernel, (words, scale_t, out, constants[1:2], layout.element,
                                    layout.scale_e8m0, layout.block, layout.planes, layout.group,
                                    DEQUANT_TN))

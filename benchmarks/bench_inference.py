@@ -18,6 +18,11 @@ the exactly dequantized weight, then times CUDA-graph replays (L2 flushed before
 * the HBM bound of each weight format: its bytes (data + scales) at the device-to-device copy
   bandwidth measured in the same run.
 
+``--bias``: every layer with a bf16 bias (cuBLAS: ``F.linear(x, w, b)``, its bias in the epilogue), and
+per weight-only format one more row, ``weight_only_<fmt>_b32``: the same layer with the bias as fp32
+(not always a bf16 value: the large-M decode design then takes an fp32-output GEMM and a rounding pass).
+torch's int4 kernel takes no bias: its row stays without one.
+
 Host time per eager call and kernels per call: ``benchmarks/bench_host.py``.
 
 Writes ``inference-<gpu>.json`` and ``.md`` (speed-up over bf16 per format and M, geomeans, the HBM
@@ -108,6 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-both-sides", action="store_true", help="skip the block-scaled nn.Linear rows")
     ap.add_argument("--ms", default=None, help="comma-separated M values (default: the full or quick list)")
     ap.add_argument("--out", default=None, help="result file stem (default inference-<gpu>)")
+    ap.add_argument("--bias", action="store_true", help="layers with a bf16 bias (and fp32-bias weight-only rows)")
     add_options(ap)
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
@@ -125,17 +131,21 @@ def main(argv=None) -> int:
     t_start = time.time()
     for n, k in nks:
         torch.manual_seed(0)
-        lin = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+        lin = torch.nn.Linear(k, n, bias=args.bias, device=device, dtype=torch.bfloat16)
         w = lin.weight.detach()
+        b = None if lin.bias is None else lin.bias.detach()
         layers = {}
         for fmt in formats:
             layers[("weight_only", fmt)] = tilemm.nn.Linear.from_float(lin, fmt, weight_only=True)
+            if args.bias:
+                layers[("weight_only", f"{fmt}_b32")] = b32 = tilemm.nn.Linear.from_float(lin, fmt, weight_only=True)
+                b32.bias = b.float()
             if not args.no_both_sides:
                 layers[("both_sides", fmt)] = tilemm.nn.Linear.from_float(lin, fmt)
         int4 = int4_peer(w)
         for m in ms:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            ms_bf16, _ = timer(lambda: F.linear(x, w))
+            ms_bf16, _ = timer(lambda: F.linear(x, w, b))
             rec = {"n": n, "k": k, "m": m, "bf16_ms": ms_bf16}
             if int4 is not None:
                 rec["int4_ms"], _ = timer(lambda: int4(x))
@@ -146,22 +156,24 @@ def main(argv=None) -> int:
                 else:
                     ref = matmul_fp32(layer._options.quantize_activation(x).dequantize(),
                                       layer.dequantize_weight().t())
+                if b is not None:
+                    ref = ref + b.float()
                 err = rel_err(out, ref)
                 if not err < TOLERANCE:
                     failures.append(f"{mode} {fmt} m={m} n={n} k={k}: rel err {err:.3g}")
                 t, how = timer(lambda: layer(x))
                 rec[f"{mode}_{fmt}_ms"] = t
                 rec[f"{mode}_{fmt}_err"] = err
-                if mode == "weight_only":
+                if mode == "weight_only" and fmt in formats:
                     rec[f"{mode}_{fmt}_hbm_fraction"] = weight_bytes(fmt, n, k) / bw / (t * 1e-3)
             # cuBLAS again, after the others: the first measurement of a shape can run slow (see
             # results/timing-flush-*.txt); the faster of the two is the baseline.
-            ms_bf16 = rec["bf16_ms"] = min(ms_bf16, timer(lambda: F.linear(x, w))[0])
+            ms_bf16 = rec["bf16_ms"] = min(ms_bf16, timer(lambda: F.linear(x, w, b))[0])
             if m >= 512:
                 for fmt in formats:
                     layer = layers[("weight_only", fmt)]
                     rec[f"dequant_then_bf16_{fmt}_ms"], _ = timer(
-                        lambda: F.linear(x, layer.dequantize_weight().to(torch.bfloat16)))
+                        lambda: F.linear(x, layer.dequantize_weight().to(torch.bfloat16), b))
             records.append(rec)
             line = " ".join(f"{key[:-3]}={ms_bf16 / v:.2f}x" for key, v in rec.items()
                             if key.endswith("_ms") and key != "bf16_ms")

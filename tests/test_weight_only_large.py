@@ -155,17 +155,20 @@ def test_runner_few_rows_takes_the_fused_split(emulated, monkeypatch, fmt):
 
 @pytest.mark.parametrize("fmt", [MXFP4, NVFP4, MXFP8_E4M3], ids=["mxfp4", "nvfp4", "mxfp8_e4m3"])
 @pytest.mark.parametrize("chunk", [0, 32, 48])
-def test_decode_gemm_matches_reference(emulated, fmt, chunk):
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bf16-bias"])
+def test_decode_gemm_matches_reference(emulated, fmt, chunk, bias):
     """Two passes: the weight decoded to bf16 (all at once, or 32 / 48 rows at a time, the last chunk
-    partial), each chunk multiplied into its output columns, alpha (2^E * decode scale) in the GEMM."""
+    partial), each chunk multiplied into its output columns, alpha (2^E * decode scale) and the bf16
+    bias (its columns per chunk) in the GEMM's epilogue."""
     m, n, k = 5, 100, 320
     w_q = _weight(fmt, n, k, seed=11)
     packed = prepack(w_q)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    b = (torch.randn(n, generator=torch.Generator().manual_seed(13)) * 4).to(torch.bfloat16) if bias else None
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
     wl.decode_gemm(x, packed.words, packed.scale_t, packed.constants, packed.alpha_host, out, packed.layout,
-                   k, chunk, None)
-    assert_matches(out.float(), _reference(x, w_q), torch.bfloat16)
+                   k, chunk, None, bias=b)
+    assert_matches(out.float(), _reference(x, w_q, None if b is None else b.float()), torch.bfloat16)
 
 
 @pytest.mark.parametrize("fmt", [MXFP4, NVFP4, MXFP8_E4M3], ids=["mxfp4", "nvfp4", "mxfp8_e4m3"])
@@ -289,6 +292,40 @@ def test_plan_rules():
             for layout in (mx4, mx8):
                 cfg = wl.plan(m, n, k, layout)
                 assert cfg is None or cfg.kind in ("fused", "decode")
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_runner_decode_design_with_a_bias(emulated, monkeypatch, bias_dtype):
+    """With a bias on the decode design: a bf16 bias goes into the GEMM's epilogue (``decode_gemm``, a
+    bf16 output), an fp32 or fp16 one (not always a bf16 value) through the fp32-output GEMM; both
+    equal the reference."""
+    import tilemm.weight_only as wol
+
+    rule = wl.FamilyRule(first_m=16, large_m=16, large=wl.LargeConfig("decode", chunk=0), l2_bytes=0, fused=())
+    monkeypatch.setattr(wl, "RULES", {"4bit": rule, "8bit": rule})
+    monkeypatch.setattr(wol, "stream_handle", lambda device: 0)
+    monkeypatch.setattr(wol, "family", lambda device: wol.Family.HOPPER)
+    addmm = torch.addmm
+
+    def fp32_addmm(b, a, m, *, out_dtype=None, alpha=1.0, **kw):  # the CPU's addmm has no out_dtype
+        if out_dtype is None:
+            return addmm(b, a, m, alpha=alpha, **kw)
+        return b + alpha * (a.to(out_dtype) @ m.to(out_dtype))
+
+    monkeypatch.setattr(torch, "addmm", fp32_addmm)
+    monkeypatch.setattr(wol, "_GEMM_FP32_OUT", [True])
+    calls = []
+    for owner, name in ((wl, "decode_gemm"), (wol.WeightOnlyRunner, "_large_m")):
+        original = getattr(owner, name)
+        monkeypatch.setattr(owner, name, (lambda f, nm: lambda *a, **k: (calls.append(nm), f(*a, **k))[1])(
+            original, name))
+    w_q = _weight(NVFP4, 40, 320, seed=31)
+    b = (torch.randn(40, generator=torch.Generator().manual_seed(32)) * 3).to(bias_dtype)
+    runner = wol.WeightOnlyRunner(prepack(w_q), b)
+    runner._sms = 4
+    x = torch.randn(20, 320, generator=torch.Generator().manual_seed(33)).to(torch.bfloat16)
+    assert_matches(runner(x).float(), _reference(x, w_q, b.float()), torch.bfloat16)
+    assert calls == ["decode_gemm" if bias_dtype == torch.bfloat16 else "_large_m"]
 
 
 @pytest.mark.parametrize("kind", ["fused", "decode", "overlap"])

@@ -96,6 +96,27 @@ def test_decode_gemm_matches_the_oracle(fmt, chunk):
     _check(out, _oracle(x, w_q, None), torch.bfloat16)
 
 
+@pytest.mark.parametrize("fmt,m", [(NVFP4, 600), (MXFP4, 2048), (MXFP8_E4M3, 2048)], ids=["nvfp4", "mxfp4", "mxfp8_e4m3"])
+def test_decode_design_adds_a_bf16_bias_before_its_one_rounding(fmt, m):
+    """The runner on the decode design (NVFP4 from 512 rows, every format from 2048) with a bf16 bias:
+    cuBLAS's epilogue adds it in fp32, then rounds once. Against the fp64 oracle rounded once to bf16,
+    at most 2 % of the outputs differ (only where the fp32 sums' order moves a value across a rounding
+    boundary); a bias added after a first rounding to bf16 would change far more. N = 200, K = 4128."""
+    n, k = 200, 4128
+    w_q = _weight(fmt, n, k, seed=5)
+    packed = tilemm.prepack(w_q).to(DEV)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    ref0 = _oracle(x, w_q, None)
+    bias = (torch.randn(n, generator=torch.Generator().manual_seed(7)) * ref0.std()).to(torch.bfloat16)
+    runner = tilemm.weight_only.WeightOnlyRunner(packed, bias.to(DEV))
+    assert wl.plan(m, n, k, packed.layout).kind == "decode"
+    out = runner(x.to(DEV))
+    ref = ref0 + bias.double()
+    _check(out, ref, torch.bfloat16)
+    differ = (out.cpu() != ref.to(torch.bfloat16)).double().mean().item()
+    assert differ <= 0.02, differ
+
+
 @pytest.mark.parametrize("fmt", [MXFP4, NVFP4, MXFP8_E4M3], ids=["mxfp4", "nvfp4", "mxfp8_e4m3"])
 @pytest.mark.parametrize("chunk", [64, 200])
 def test_overlap_gemm_matches_the_oracle_eager_and_in_a_graph(fmt, chunk):

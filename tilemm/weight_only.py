@@ -109,8 +109,8 @@ class WeightOnlyRunner:
     caching allocator), so calls can be captured in a CUDA graph.
     """
 
-    __slots__ = ("packed", "bias", "layout", "n", "k", "device", "_prepared", "_large", "_sms", "bias_source",
-                 "keep_workspace", "has_bias")
+    __slots__ = ("packed", "bias", "bias16", "layout", "n", "k", "device", "_prepared", "_large", "_sms",
+                 "bias_source", "keep_workspace", "has_bias")
 
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None, keep_workspace: bool = True):
         self.packed = packed
@@ -122,6 +122,10 @@ class WeightOnlyRunner:
         self.has_bias = bias is not None
         self.bias = (_kernel.zero_bias(self.device, self.n) if bias is None
                      else bias.detach().to(device=self.device, dtype=torch.float32).contiguous())
+        # A bf16 bias as it is, for the decode design's cuBLAS epilogue (bf16 values are exact there, so
+        # it adds them in fp32 before the one rounding); other dtypes take the fp32-output GEMM.
+        self.bias16 = (bias.detach().to(self.device).contiguous()
+                       if bias is not None and bias.dtype == torch.bfloat16 else None)
         self._prepared: dict = {}
         self._large: dict = {}
         self._sms = None
@@ -205,14 +209,16 @@ class WeightOnlyRunner:
             fused.run(x2d, out, stream, alpha)
             return out
         if large is not None and large.kind in ("decode", "overlap") and alpha is None:
-            if not self.has_bias and out_dtype == torch.bfloat16:
+            if out_dtype == torch.bfloat16 and (not self.has_bias or (self.bias16 is not None
+                                                                     and large.kind == "decode")):
                 p = self.packed
                 if large.kind == "overlap":
                     return _large_kernel.overlap_gemm(x2d, p.words, p.scale_t, p.constants, p.alpha_host, out,
                                                       self.layout, self.k, large.chunk)
                 buffer, decoded = self._held() if large.chunk <= 0 else (None, False)
                 return _large_kernel.decode_gemm(x2d, p.words, p.scale_t, p.constants, p.alpha_host, out,
-                                                 self.layout, self.k, large.chunk, stream, buffer, decoded)
+                                                 self.layout, self.k, large.chunk, stream, buffer, decoded,
+                                                 self.bias16)
                 return _large_kernel.decode_gemm(x2d, p.words, p.scale_t, p.constants, p.alpha_host, out,
                                                  self.layout, self.k, large.chunk, stream)
             if _GEMM_FP32_OUT[0]:  # a bias or another output dtype: fp32 GEMM output, then one rounding

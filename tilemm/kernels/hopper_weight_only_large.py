@@ -483,10 +483,12 @@ def _decode_rows(words, scale_t, mult, layout: _wo.Layout, out16: torch.Tensor, 
 
 def decode_gemm(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tensor,
                 alpha_host: float, out: torch.Tensor, layout: _wo.Layout, k: int, chunk: int, stream,
-                buffer: torch.Tensor | None = None, decoded: bool = False) -> torch.Tensor:
-    """out (M, N) = (x @ (decode(W) * 2^-E).T) * alpha_host, x bf16, no bias: the weight decoded to bf16
-    ``chunk`` rows at a time (all at once for chunk = 0) and multiplied by cuBLAS, whose fp32 epilogue
-    applies alpha and rounds once to out's dtype (bf16). ``buffer`` (chunk or N rows, Kp) bf16 is the
+                buffer: torch.Tensor | None = None, decoded: bool = False,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """out (M, N) = (x @ (decode(W) * 2^-E).T) * alpha_host + bias, x bf16, ``bias`` (N,) bf16 or None:
+    the weight decoded to bf16 ``chunk`` rows at a time (all at once for chunk = 0) and multiplied by
+    cuBLAS, whose fp32 epilogue applies alpha, adds the bias (bf16 values, exact in fp32) and rounds
+    once to out's dtype (bf16). ``buffer`` (chunk or N rows, Kp) bf16 is the
     decode's destination (allocated when None); ``decoded``: it already holds the whole weight's
     decode (chunk 0; ``tilemm.weight_only.decoded_once``), so only the GEMM runs. Returns out."""
     if decoded and (buffer is None or chunk > 0):
@@ -511,7 +513,9 @@ def decode_gemm(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, con
                              layout, w16, stream)
             target = out if whole else out[:, r0:r1]
             w16t = (w16 if w16.shape[1] == k else w16[:, :k]).t()
-            if alpha_host == 1.0:
+            if bias is not None:
+                torch.addmm(bias if whole else bias[r0:r1], x, w16t, alpha=alpha_host, out=target)
+            elif alpha_host == 1.0:
                 torch.mm(x, w16t, out=target)
             else:
                 torch.addmm(target, x, w16t, beta=0, alpha=alpha_host, out=target)

@@ -322,12 +322,17 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #: * 8-bit: 128x128 tiles with one MMA per K tile (cat) from 0.7 tiles per SM, 256 rows of x from 0.7
 #:   tiles per SM at M >= 256, unless cat's 128-row tiles fill their last wave better by more than
 #:   0.15 (6144x4096, M = 1024: 192 tiles of 256 rows fill 0.73 of two waves, 384 of 128 rows 0.97
-#:   of three, and cat wins); with fewer tiles, cat's 128x128 tiles with the K split. At M = 32-64,
-#:   as for 4-bit weights, 64 weight rows x 64 rows of x on one warpgroup, two blocks per SM, with the
-#:   K split where it splits (4096x14336, 8192x8192, 6144x4096: ahead of the small-M kernels and of
-#:   cat's split tiles), else the small-M plan
-#:   (``benchmarks/results/tune-weight-only-large-m8-nvidia-h100-80gb-hbm3.txt``); below 32 rows
-#:   the one-warpgroup blocks with 16 or 32 rows of x ran slower than the small-M plan on every shape.
+#:   of three, and cat wins); with fewer tiles, cat's 128x128 tiles with the K split. At M = 17-64,
+#:   64 weight rows x 64 rows of x on one warpgroup, two blocks per SM, with the K split where it
+#:   splits (4096x14336, 8192x8192, 6144x4096: ahead of the small-M kernels and of cat's split tiles
+#:   at M = 32-64, ``benchmarks/results/tune-weight-only-large-m8-nvidia-h100-80gb-hbm3.txt``; at
+#:   17-31 rows, half empty or more, 1.17-1.22x bf16 against the small-M plan's 0.96-1.00x on
+#:   4096x14336 and 8192x8192 and the 32-row x tiles' 1.04-1.09x,
+#:   ``benchmarks/results/tune-weight-only-m17-mxfp8-nvidia-h100-80gb-hbm3.txt``), else the small-M
+#:   plan; below 17 rows the one-warpgroup blocks with 16 or 32 rows of x ran slower than the small-M
+#:   plan on every shape.
+#: * Any family, up to ``weight_only_kernels._FEW_M`` rows: the small-M plan where its stacked blocks
+#:   take the problem without a split (``short_k_stacked``: few weight rows, K at most 8192).
 #:
 #: What the rules reach on that sweep, per family and M (geomean over the five shapes of the picked
 #: candidate's speed-up over bf16, against the per-shape best candidate, one candidate per (family, M)
@@ -340,7 +345,7 @@ RULES = {
     "4bit": FamilyRule(first_m=2, large_m=2048, large=_DECODE, l2_bytes=16 << 20, fused=((_MID_4, 0.7),),
                        split=((_SPLIT_X16, 16), (_SPLIT_X32, 32), (_SPLIT_X64, 128), (_MID_4, 1 << 30)),
                        narrow_m=16, whole_m=32),
-    "8bit": FamilyRule(first_m=32, large_m=2048, large=_DECODE, l2_bytes=16 << 20,
+    "8bit": FamilyRule(first_m=17, large_m=2048, large=_DECODE, l2_bytes=16 << 20,
                        fused=((_WIDE_8, 0.7), (_MID_8, 0.7)), split=((_SPLIT_X64, 64), (_MID_8, 1 << 30))),
 }
 RULES["nvfp4"] = dataclasses.replace(RULES["4bit"], large_m=512)
@@ -379,7 +384,7 @@ def plan(m: int, n: int, k: int, layout: _wo.Layout, rules: dict | None = None, 
     """The large-M config for an (M, K) x (N, K) problem, or None where the small-M plan applies
     (``FamilyRule`` says how)."""
     rule = _rule(layout, rules)
-    if m < rule.first_m:
+    if m < rule.first_m or (m <= _wo._FEW_M and _wo.short_k_stacked(m, n, k, layout, sms)):
         return None
     splits = [cfg for cfg, last_m in rule.split if m <= last_m]
     if m <= max(rule.narrow_m, rule.whole_m):

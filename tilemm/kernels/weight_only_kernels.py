@@ -557,7 +557,7 @@ _GEMV_WIDE = (8, (4, 2))
 
 
 #: Up to this K the few-row kernels do not split K where their blocks are few: the FMA kernel at one row
-#: (``_gemv``) and the stacked blocks at 2 .. 16 rows, 4-bit weights up to ``_FEW_M`` (``_stacked``,
+#: (``_gemv``) and the stacked blocks at 2 .. 16 rows, and up to ``_FEW_M`` (``_stacked``,
 #: ``short_k_stacked``). A split's finish
 #: (partial tiles, an arrival counter, the last block's sum; or a second launch) sits on the critical
 #: path of every output tile, and over a K of a few thousand it cost more than the extra blocks saved;
@@ -597,17 +597,18 @@ def _gemv(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig:
 _STACKED = {8: ((32, 2, 4, 3), (16, 4, 4, 3), (8, 8, 4, 3)), 16: ((32, 2, 4, 2), (32, 4, 8, 1), (16, 4, 4, 3))}
 
 
-#: 4-bit weights: up to this many rows of x, over M tiles of 16, where K is short, the "few" blocks of
-#: tile_m 16 where they (all M tiles' together) are at most one per SM, else the narrow ones where
-#: those are (the k / v projections of grouped-query attention at 17-32 rows, 1024 and 2048 x 4096:
-#: one launch, where the fused kernel's 64-row blocks split K in two launches; from 33 rows on the
-#: large-M plan's decode design wins there; ``benchmarks/results/gemv-few-rows-more-blocks-*.txt``).
+#: Up to this many rows of x, over M tiles of 16, where K is short, the "few" blocks of tile_m 16 where
+#: they (all M tiles' together) are at most one per SM, else the narrow ones where those are (the
+#: k / v projections of grouped-query attention at 17-32 rows, 1024 and 2048 x 4096: one launch, where
+#: the fused kernel's 64-row blocks split K in two launches (4-bit) or the small-M plan's 64-row blocks
+#: split it 16 ways (8-bit); from 33 rows on the large-M plan's decode design wins there;
+#: ``benchmarks/results/gemv-few-rows-more-blocks-*.txt``, MXFP8: ``tune-weight-only-m17-mxfp8-*.txt``).
 _FEW_M = 32
 
 
 def _stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig | None:
-    """The stacked config for 2 .. 16 rows of x where it beats the 64-row blocks (4-bit weights: up to
-    ``_FEW_M`` rows, over M tiles of 16, where the few or narrow blocks fit one per SM), or None.
+    """The stacked config for 2 .. 16 rows of x where it beats the 64-row blocks (and up to ``_FEW_M``
+    rows, over M tiles of 16, where the few or narrow blocks fit one per SM), or None.
 
     Blocks of 32 (or 16) weight rows give the GPU enough blocks without a K split where 64-row blocks
     split K. Wide blocks are used while they fit one wave of resident blocks, or (tile_m 8) fill at
@@ -619,7 +620,7 @@ def _stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConf
     9-16 rows NVFP4 does not take tile_m 16's narrow blocks, which ran slower than the K split
     (``benchmarks/results/tune-weight-only-designs-*.md``), but does take the few ones, and above 16
     rows both (``benchmarks/results/gemv-few-rows-*.txt``)."""
-    if _SMALL_M < m <= _FEW_M and layout.planes == 4 and k <= _SHORT_K:
+    if _SMALL_M < m <= _FEW_M and k <= _SHORT_K:
         for tile_n, stack, warps, occupancy in (_STACKED[16][2], _STACKED[16][1]):  # few, then narrow
             if ceil_div(n, tile_n) * ceil_div(m, 16) <= sms:
                 return WeightOnlyConfig(16, tile_n, 1, warps, occupancy, cat=1, stack=stack)
@@ -647,7 +648,7 @@ def _stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConf
 
 
 def short_k_stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> bool:
-    """Whether 2 .. 16 rows of x (4-bit weights: up to ``_FEW_M``) on a weight with fewer than 32 rows
+    """Whether 2 .. ``_FEW_M`` rows of x on a weight with fewer than 32 rows
     per SM and K at most ``_SHORT_K`` take stacked blocks without a K split (``_stacked``), which the
     large-M plan then leaves to this one (``hopper_weight_only_large.plan``). There, the fused
     kernel's 64-row blocks must split K to fill the GPU, and over a short K the split's second launch

@@ -401,7 +401,7 @@ def test_decoded_once_decodes_each_weight_once(emulated, monkeypatch, bias):
         with wol.decoded_once():  # nested: part of the outer block
             run_all()
     assert len(decodes) == 2, decodes
-    assert wol._DECODED is None
+    assert wol._DECODED.get() is None
     decodes.clear()
     run_all()
     assert len(decodes) == 2 * len(xs), decodes

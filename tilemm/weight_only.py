@@ -20,6 +20,7 @@ here), which ``torch.compile`` traces as one op with ``fullgraph=True``.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Optional
 
 import torch
@@ -39,8 +40,9 @@ from .numerics import pack_e2m1
 
 __all__ = ["weight_only_linear", "WeightOnlyRunner", "QuantizedActivationRunner", "decoded_once"]
 
-#: While ``decoded_once()`` runs: id(runner) -> (runner, its weight decoded to bf16); else None.
-_DECODED: dict | None = None
+#: While ``decoded_once()`` runs (in this thread / context): id(runner) -> (runner, its weight decoded
+#: to bf16); else None.
+_DECODED: contextvars.ContextVar = contextvars.ContextVar("tilemm_decoded_once", default=None)
 
 
 @contextlib.contextmanager
@@ -52,17 +54,17 @@ def decoded_once():
 
     For callers that run a layer on several pieces of one batch, as ``tilemm.parallel.overlapped``
     does: without it, every piece would decode the whole weight again. The layers' weights must not
-    change inside the block. A nested block is part of the outer one. Captures in a CUDA graph (the
-    copy is then the graph's memory, decoded once per replay)."""
-    global _DECODED
-    if _DECODED is not None:
+    change inside the block. A nested block is part of the outer one; the block covers the calls of its
+    own thread (a context variable). Captures in a CUDA graph (the copy is then the graph's memory,
+    decoded once per replay)."""
+    if _DECODED.get() is not None:
         yield
         return
-    _DECODED = {}
+    token = _DECODED.set({})
     try:
         yield
     finally:
-        _DECODED = None
+        _DECODED.reset(token)
 
 
 def _check_x(fn: str, x, k: int) -> None:
@@ -159,7 +161,7 @@ class WeightOnlyRunner:
     def _held(self) -> tuple[torch.Tensor | None, bool]:
         """Inside ``decoded_once()``: (this layer's (N, Kp) bf16 copy of its decoded weight, whether a
         call of the block has decoded it already); outside: (None, False)."""
-        held = _DECODED
+        held = _DECODED.get()
         if held is None:
             return None, False
         entry = held.get(id(self))

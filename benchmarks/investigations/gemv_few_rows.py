@@ -9,7 +9,7 @@ where N gives few such blocks (the k / v projections of grouped-query attention,
 split K, and a split's finish costs microseconds (``tune-weight-only-gemv-split-*``). Per shape and
 M this times the layer as planned (``tilemm.nn.Linear(weight_only=True)``, what a user runs) and,
 without a K split, either the FMA kernel with tile_m = M (16 weight rows, 4 warps, 4 blocks per SM,
-8 or 2 K tiles per load; it spends M FMAs and M conversions of x per weight element) or, with
+8 or 2 K tiles per load; it spends M FMAs and M conversions of x per weight element; M a power of two) or, with
 ``--stacked``, the MMA kernel's narrow stacked blocks (16 or 32 weight rows, K tiles stacked into the
 wgmma's rows; ``--more-blocks`` adds, above 8 rows, two configs with more blocks, ``--eight-rows``
 blocks of 8 weight rows), against cuBLAS bf16 in the same run (CUDA-graph replays, L2 flushed). Each output is
@@ -91,8 +91,10 @@ def main(argv=None) -> int:
                         tile_n, stack, warps, occupancy = wo._STACKED[8][2]  # 8 rows, 8 K tiles
                         cfgs.append((f"{tile_m}x8 s8", wo.WeightOnlyConfig(tile_m, tile_n, 1, warps, occupancy, cat=1,
                                                                            stack=stack)))
-                else:
+                elif m & (m - 1) == 0:  # tile_m = M: cuTile tiles take powers of two
                     cfgs = [(f"fma u{u}", wo.WeightOnlyConfig(m, 16, 1, 4, 4, unroll=u, gemv=1)) for u in (8, 2)]
+                else:
+                    cfgs = []
                 for spec in filter(None, args.configs.split(",")):
                     tm, tn, stack, split, warps, occupancy = map(int, spec.split("x"))
                     cfgs.append((spec, wo.WeightOnlyConfig(tm, tn, split, warps, occupancy, cat=1, stack=stack)))

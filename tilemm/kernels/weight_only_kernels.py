@@ -597,7 +597,9 @@ def _gemv(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConfig:
 _STACKED = {8: ((32, 2, 4, 3), (16, 4, 4, 3), (8, 8, 4, 3)), 16: ((32, 2, 4, 2), (32, 4, 8, 1), (16, 4, 4, 3))}
 
 
-#: Up to this many rows of x, over M tiles of 16, where K is short, the "few" blocks of tile_m 16 where
+#: Up to this many rows of x, over M tiles of 16, where K is short (a weight row of at most 4 KiB: K up
+#: to ``_SHORT_K`` for 4-bit weights, half that for 8-bit ones, whose 1024 x 8192 k / v projection ran
+#: faster on the large-M plan's decode design), the "few" blocks of tile_m 16 where
 #: they (all M tiles' together) are at most one per SM, else the narrow ones where those are (the
 #: k / v projections of grouped-query attention at 17-32 rows, 1024 and 2048 x 4096: one launch, where
 #: the fused kernel's 64-row blocks split K in two launches (4-bit) or the small-M plan's 64-row blocks
@@ -620,7 +622,7 @@ def _stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConf
     9-16 rows NVFP4 does not take tile_m 16's narrow blocks, which ran slower than the K split
     (``benchmarks/results/tune-weight-only-designs-*.md``), but does take the few ones, and above 16
     rows both (``benchmarks/results/gemv-few-rows-*.txt``)."""
-    if _SMALL_M < m <= _FEW_M and k <= _SHORT_K:
+    if _SMALL_M < m <= _FEW_M and k * (2 if layout.planes == 2 else 1) <= _SHORT_K:
         for tile_n, stack, warps, occupancy in (_STACKED[16][2], _STACKED[16][1]):  # few, then narrow
             if ceil_div(n, tile_n) * ceil_div(m, 16) <= sms:
                 return WeightOnlyConfig(16, tile_n, 1, warps, occupancy, cat=1, stack=stack)

@@ -464,10 +464,11 @@ def test_plan_schemes():
     assert wo.plan(16, 4096, 4096, nv4).stack == 1 and not wo.short_k_stacked(16, 4096, 4096, nv4, 132)
     # 17-32 rows: the 16-row few blocks over two M tiles, one launch (8-bit weights too)
     for layout in (mx4, nv4, mx8):
+        k = 8192 if layout is not mx8 else 4096  # weight rows of at most 4 KiB
         for m, n in ((17, 1024), (32, 1024), (24, 1056)):
-            cfg = wo.plan(m, n, 8192, layout)
+            cfg = wo.plan(m, n, k, layout)
             assert (cfg.tile_m, cfg.tile_n, cfg.stack, cfg.split_k) == (16, 16, 4, 1), (layout, m, n)
-            assert wo.short_k_stacked(m, n, 8192, layout, 132)
+            assert wo.short_k_stacked(m, n, k, layout, 132)
         cfg = wo.plan(24, 2048, 4096, layout)  # two M tiles of 128 16-row blocks: too many; 32-row ones
         assert (cfg.tile_m, cfg.tile_n, cfg.stack, cfg.split_k) == (16, 32, 4, 1)
         assert not wo.short_k_stacked(24, 4096, 4096, layout, 132)
@@ -475,6 +476,9 @@ def test_plan_schemes():
     from tilemm.kernels import hopper_weight_only_large as wl
 
     assert wl.plan(24, 1024, 4096, mx8) is None and wl.plan(32, 1024, 4096, mx8) is None  # not the decode design
+    # 8-bit rows of 8 KiB (1024 x 8192) at 17-32 rows: the decode design (0.71-0.73x against 0.63-0.68x)
+    assert not wo.short_k_stacked(24, 1024, 8192, mx8, 132) and wl.plan(24, 1024, 8192, mx8).kind == "decode"
+    assert wo.short_k_stacked(16, 1024, 8192, mx8, 132)  # up to 16 rows the stacked blocks stay
     # ... but not over a long K, where the split wins
     for layout in (mx4, nv4, mx8):
         assert wo.plan(16, 1024, 14336, layout).stack == 1 and not wo.short_k_stacked(16, 1024, 14336, layout, 132)

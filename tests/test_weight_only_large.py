@@ -297,31 +297,49 @@ def test_plan_rules():
                 assert cfg is None or cfg.kind in ("fused", "decode")
 
 
-@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32, torch.float16])
-def test_runner_decode_design_with_a_bias(emulated, monkeypatch, bias_dtype):
-    """With a bias on the decode design: a bf16 bias goes into the GEMM's epilogue (``decode_gemm``, a
-    bf16 output), an fp32 or fp16 one (not always a bf16 value) through the fp32-output GEMM; both
-    equal the reference."""
+def _route_to(monkeypatch, cfg):
+    """The runner, on a CPU tensor, as on Hopper, with rules that name ``cfg`` from M = 16 on."""
     import tilemm.weight_only as wol
 
-    rule = wl.FamilyRule(first_m=16, large_m=16, large=wl.LargeConfig("decode", chunk=0), l2_bytes=0, fused=())
+    rule = wl.FamilyRule(first_m=16, large_m=16, large=cfg, l2_bytes=0, fused=())
     monkeypatch.setattr(wl, "RULES", {"4bit": rule, "8bit": rule})
     monkeypatch.setattr(wol, "stream_handle", lambda device: 0)
     monkeypatch.setattr(wol, "family", lambda device: wol.Family.HOPPER)
+    return wol
+
+
+def _fp32_output_addmm(monkeypatch, wol):
+    """The bias path's fp32-output GEMM (``addmm(..., out_dtype=)``), which the CPU's addmm lacks: the
+    same sums in fp32."""
     addmm = torch.addmm
 
-    def fp32_addmm(b, a, m, *, out_dtype=None, alpha=1.0, **kw):  # the CPU's addmm has no out_dtype
+    def fp32_addmm(b, a, m, *, out_dtype=None, alpha=1.0, **kw):
         if out_dtype is None:
             return addmm(b, a, m, alpha=alpha, **kw)
         return b + alpha * (a.to(out_dtype) @ m.to(out_dtype))
 
     monkeypatch.setattr(torch, "addmm", fp32_addmm)
     monkeypatch.setattr(wol, "_GEMM_FP32_OUT", [True])
+
+
+def _count_calls(monkeypatch, targets) -> list:
+    """The names of ``targets`` ((owner, name) pairs) in the order they are called."""
     calls = []
-    for owner, name in ((wl, "decode_gemm"), (wol.WeightOnlyRunner, "_large_m")):
+    for owner, name in targets:
         original = getattr(owner, name)
         monkeypatch.setattr(owner, name, (lambda f, nm: lambda *a, **k: (calls.append(nm), f(*a, **k))[1])(
             original, name))
+    return calls
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_runner_decode_design_with_a_bias(emulated, monkeypatch, bias_dtype):
+    """With a bias on the decode design: a bf16 bias goes into the GEMM's epilogue (``decode_gemm``, a
+    bf16 output), an fp32 or fp16 one (not always a bf16 value) through the fp32-output GEMM; both
+    equal the reference."""
+    wol = _route_to(monkeypatch, wl.LargeConfig("decode", chunk=0))
+    _fp32_output_addmm(monkeypatch, wol)
+    calls = _count_calls(monkeypatch, ((wl, "decode_gemm"), (wol.WeightOnlyRunner, "_large_m")))
     w_q = _weight(NVFP4, 40, 320, seed=31)
     b = (torch.randn(40, generator=torch.Generator().manual_seed(32)) * 3).to(bias_dtype)
     runner = wol.WeightOnlyRunner(prepack(w_q), b)
@@ -335,18 +353,9 @@ def test_runner_decode_design_with_a_bias(emulated, monkeypatch, bias_dtype):
 def test_runner_dispatches_through_the_table(emulated, monkeypatch, kind):
     """``WeightOnlyRunner`` takes the design the rules name for bf16 x (here from M = 16 on, with
     small tiles so that the emulator is quick); below first_m, the small-M kernel."""
-    import tilemm.weight_only as wol
-
     cfg = wl.LargeConfig("fused", 16, 16) if kind == "fused" else wl.LargeConfig(kind, chunk=32)
-    rule = wl.FamilyRule(first_m=16, large_m=16, large=cfg, l2_bytes=0, fused=())
-    monkeypatch.setattr(wl, "RULES", {"4bit": rule, "8bit": rule})
-    monkeypatch.setattr(wol, "stream_handle", lambda device: 0)
-    monkeypatch.setattr(wol, "family", lambda device: wol.Family.HOPPER)
-    calls = []
-    for owner, name in ((wl.Prepared, "run"), (wl, "decode_gemm"), (wl, "overlap_gemm")):
-        original = getattr(owner, name)
-        counted = (lambda f, nm: lambda *a, **k: (calls.append(nm), f(*a, **k))[1])(original, name)
-        monkeypatch.setattr(owner, name, counted)
+    wol = _route_to(monkeypatch, cfg)
+    calls = _count_calls(monkeypatch, ((wl.Prepared, "run"), (wl, "decode_gemm"), (wl, "overlap_gemm")))
     w_q = _weight(MXFP4, 40, 512, seed=9)
     runner = wol.WeightOnlyRunner(prepack(w_q), None)
     runner._sms = 1  # one SM: the stacked blocks' short-K rule leaves these small shapes to the rules
@@ -361,27 +370,10 @@ def test_decoded_once_decodes_each_weight_once(emulated, monkeypatch, bias):
     """Inside ``decoded_once()`` a layer on the decode design decodes its weight on its first call only
     (pieces of one batch, as ``tilemm.parallel.overlapped`` runs them), two layers each their own; every
     call's output is the reference's. Outside the block every call decodes again."""
-    import tilemm.weight_only as wol
-
-    rule = wl.FamilyRule(first_m=16, large_m=16, large=wl.LargeConfig("decode", chunk=0), l2_bytes=0, fused=())
-    monkeypatch.setattr(wl, "RULES", {"4bit": rule, "8bit": rule})
-    monkeypatch.setattr(wol, "stream_handle", lambda device: 0)
-    monkeypatch.setattr(wol, "family", lambda device: wol.Family.HOPPER)
-    if bias:  # the bias path's fp32-output GEMM, which the CPU's addmm lacks: the same sums in fp32
-        addmm = torch.addmm
-
-        def fp32_addmm(b, a, m, *, out_dtype=None, alpha=1.0, **kw):
-            if out_dtype is None:
-                return addmm(b, a, m, alpha=alpha, **kw)
-            return b + alpha * (a.to(out_dtype) @ m.to(out_dtype))
-
-        monkeypatch.setattr(torch, "addmm", fp32_addmm)
-        monkeypatch.setattr(wol, "_GEMM_FP32_OUT", [True])
-    decodes = []
-    for owner, name in ((wl, "_decode_rows"), (wo, "dequantize")):
-        original = getattr(owner, name)
-        monkeypatch.setattr(owner, name, (lambda f, nm: lambda *a, **k: (decodes.append(nm), f(*a, **k))[1])(
-            original, name))
+    wol = _route_to(monkeypatch, wl.LargeConfig("decode", chunk=0))
+    if bias:
+        _fp32_output_addmm(monkeypatch, wol)
+    decodes = _count_calls(monkeypatch, ((wl, "_decode_rows"), (wo, "dequantize")))
     layers = []
     for seed, fmt in ((21, MXFP4), (22, NVFP4)):
         w_q = _weight(fmt, 40, 320, seed=seed)

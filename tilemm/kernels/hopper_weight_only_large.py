@@ -220,13 +220,13 @@ class FamilyRule:
     (M, N, K, the SMs, each candidate's output tiles), so that a shape the sweep never saw gets the
     design its measured neighbours got.
 
-    * ``first_m``: below it, the small-M plan (``weight_only_kernels.plan``).
+    * ``first_m``: below it, the small-M plan (``weight_only_kernels.plan``); so too, whatever the
+      family, up to ``weight_only_kernels._FEW_M`` rows where its stacked blocks take the problem
+      without a K split (``weight_only_kernels.short_k_stacked``).
     * Up to ``narrow_m`` rows: the first ``split`` entry's config (``last_m`` >= M) with the K split
       ``with_split`` gives it, where N gives fewer than one 32-row block per SM (the small-M kernels
-      then split K or stack narrow blocks), unless K is short enough for the small-M plan's narrow
-      stacked blocks without a split (``weight_only_kernels.short_k_stacked``); else the small-M plan.
-    * Up to ``whole_m`` rows: that entry's config with its K split, split or not, unless the small-M
-      plan's stacked blocks take the problem without a split (``short_k_stacked``).
+      then split K or stack narrow blocks); else the small-M plan.
+    * Up to ``whole_m`` rows: that entry's config with its K split, split or not.
     * ``large`` from ``large_m`` rows of x on, and for a weight whose bf16 copy takes at most
       ``l2_bytes`` (it then stays in L2 between the decode and the GEMM, and the fused kernels have
       too few output tiles to fill the GPU).
@@ -326,13 +326,13 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #:   64 weight rows x 64 rows of x on one warpgroup, two blocks per SM, with the K split where it
 #:   splits (4096x14336, 8192x8192, 6144x4096: ahead of the small-M kernels and of cat's split tiles
 #:   at M = 32-64, ``benchmarks/results/tune-weight-only-large-m8-nvidia-h100-80gb-hbm3.txt``; at
-#:   17-31 rows, half empty or more, 1.17-1.22x bf16 against the small-M plan's 0.96-1.00x on
-#:   4096x14336 and 8192x8192 and the 32-row x tiles' 1.04-1.09x,
+#:   17-31 rows, half empty or more, 1.18-1.21x bf16 against the small-M plan's 0.96-0.99x on
+#:   4096x14336 and 8192x8192 and the 32-row x tiles' 1.05-1.10x,
 #:   ``benchmarks/results/tune-weight-only-m17-mxfp8-nvidia-h100-80gb-hbm3.txt``), else the small-M
 #:   plan; below 17 rows the one-warpgroup blocks with 16 or 32 rows of x ran slower than the small-M
 #:   plan on every shape.
 #: * Any family, up to ``weight_only_kernels._FEW_M`` rows: the small-M plan where its stacked blocks
-#:   take the problem without a split (``short_k_stacked``: few weight rows, K at most 8192).
+#:   take the problem without a split (``short_k_stacked``: few weight rows, rows of at most 4 KiB).
 #:
 #: What the rules reach on that sweep, per family and M (geomean over the five shapes of the picked
 #: candidate's speed-up over bf16, against the per-shape best candidate, one candidate per (family, M)
@@ -388,8 +388,7 @@ def plan(m: int, n: int, k: int, layout: _wo.Layout, rules: dict | None = None, 
         return None
     splits = [cfg for cfg, last_m in rule.split if m <= last_m]
     if m <= max(rule.narrow_m, rule.whole_m):
-        if (not splits or (m <= rule.narrow_m and ceil_div(n, _NARROW_ROWS) >= sms)
-                or _wo.short_k_stacked(m, n, k, layout, sms)):
+        if not splits or (m <= rule.narrow_m and ceil_div(n, _NARROW_ROWS) >= sms):
             return None
         return with_split(splits[0], m, n, k, layout, sms)
     if m >= rule.large_m or n * k * 2 <= rule.l2_bytes:

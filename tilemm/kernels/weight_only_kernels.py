@@ -622,7 +622,8 @@ def _stacked(m: int, n: int, k: int, layout: Layout, sms: int) -> WeightOnlyConf
     9-16 rows NVFP4 does not take tile_m 16's narrow blocks, which ran slower than the K split
     (``benchmarks/results/tune-weight-only-designs-*.md``), but does take the few ones, and above 16
     rows both (``benchmarks/results/gemv-few-rows-*.txt``)."""
-    if _SMALL_M < m <= _FEW_M and k * (2 if layout.planes == 2 else 1) <= _SHORT_K:
+    # Rows of at most 4 KiB there: a 4-bit row of _SHORT_K elements, an 8-bit one of half as many.
+    if _SMALL_M < m <= _FEW_M and k * 4 // layout.elements_per_word <= _SHORT_K // 2:
         for tile_n, stack, warps, occupancy in (_STACKED[16][2], _STACKED[16][1]):  # few, then narrow
             if ceil_div(n, tile_n) * ceil_div(m, 16) <= sms:
                 return WeightOnlyConfig(16, tile_n, 1, warps, occupancy, cat=1, stack=stack)

@@ -46,12 +46,31 @@ _FP32_MAX_LOG2 = 128.0  # values at or above 2^128 overflow fp32
 LAYOUT_VERSION = 2
 
 
-def layout_of(fmt: Format) -> Layout:
-    """The prepacked layout for a weight format (MXFP4, NVFP4, MXFP8 e4m3 / e5m2)."""
+def layout_of(fmt: Format, normal_scales: bool = False) -> Layout:
+    """The prepacked layout for a weight format (MXFP4, NVFP4, MXFP8 e4m3 / e5m2); ``normal_scales``:
+    NVFP4's layout for a weight whose scale bytes ``prepack`` found all normal (``Layout``)."""
     layout = LAYOUTS.get(getattr(fmt, "name", None))
     if layout is None or layout.format != fmt:
         raise TypeError(f"prepack: weight-only layouts exist for MXFP4, NVFP4 and MXFP8 weights, got {fmt}")
-    return layout
+    return _NORMAL_SCALES[layout] if normal_scales else layout
+
+
+#: NVFP4's layout with ``normal_scales``, one object per layout (plans are cached per layout).
+_NORMAL_SCALES = {layout: dataclasses.replace(layout, normal_scales=True)
+                  for layout in LAYOUTS.values() if not layout.format.is_mx}
+
+
+def _all_normal(scale: torch.Tensor, codes: torch.Tensor, block: int) -> bool:
+    """Whether every e4m3 scale byte of ``scale`` (N, K / B) is normal and positive (exponent field 1..15,
+    not the NaN byte 0x7F), or 0 over a block whose e2m1 ``codes`` (N, K) have zero magnitudes: the
+    condition of ``Layout.normal_scales``. A byte 0 decodes to a finite multiplier there, which times
+    zero elements gives the reference's signed zeros."""
+    s = scale.view(torch.uint8)
+    normal = (s >= 0x08) & (s < 0x7F)
+    if bool(normal.all()):
+        return True
+    zero_data = (codes & 0x7).reshape(s.shape[0], s.shape[1], block).amax(dim=-1) == 0
+    return bool((normal | ((s == 0) & zero_data)).all())
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -88,10 +107,13 @@ class PackedWeight:
     nan_scale: torch.Tensor | None = None
     #: constants[0] as a Python float (2^E * decode scale), for host-side GEMM calls without a sync.
     alpha_host: float = 1.0
+    #: NVFP4: every scale byte is normal (``Layout.normal_scales``), which ``prepack`` checks; the
+    #: kernels then decode scales with fewer instructions. False is always correct.
+    normal_scales: bool = False
 
     @property
     def layout(self) -> Layout:
-        return layout_of(self.fmt)
+        return layout_of(self.fmt, self.normal_scales)
 
     @property
     def out_features(self) -> int:
@@ -310,9 +332,10 @@ def prepack(w_q) -> PackedWeight:
                              device=w_q.data.device)
     if gs is not None:
         constants[0] = constants[0] * gs
+    normal = fmt.is_packed and not fmt.is_mx and _all_normal(scale, codes, fmt.block)
     return PackedWeight(fmt=fmt, words=_pack_words(codes, layout), scale_t=scale.t().contiguous(),
                         constants=constants, exponent=exponent, in_features=k, global_scale=gs,
-                        nan_scale=nan_scale, alpha_host=float(constants[0]))
+                        nan_scale=nan_scale, alpha_host=float(constants[0]), normal_scales=normal)
 
 
 def _prepack_experts(fn: str, experts: list) -> PackedWeight:
@@ -344,7 +367,8 @@ def _prepack_experts(fn: str, experts: list) -> PackedWeight:
     return PackedWeight(fmt=parts[0].fmt, words=torch.stack([p.words for p in parts]),
                         scale_t=torch.stack([p.scale_t for p in parts]), constants=constants.contiguous(),
                         exponent=exponent, in_features=parts[0].in_features, global_scale=gs,
-                        nan_scale=nan_scale, alpha_host=float(constants[0, 0]))
+                        nan_scale=nan_scale, alpha_host=float(constants[0, 0]),
+                        normal_scales=all(p.normal_scales for p in parts))
 
 
 def unpack(packed: PackedWeight):
@@ -385,4 +409,4 @@ def expert(packed: PackedWeight, e: int) -> PackedWeight:
                         in_features=packed.in_features,
                         global_scale=None if packed.global_scale is None else packed.global_scale[e],
                         nan_scale=None if packed.nan_scale is None else packed.nan_scale[e],
-                        alpha_host=packed.alpha_host)
+                        alpha_host=packed.alpha_host, normal_scales=packed.normal_scales)

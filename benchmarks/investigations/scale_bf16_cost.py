@@ -12,7 +12,7 @@ value times a power of two that ``prepack``'s E keeps in range), two bytes per b
 
 This script compiles the large-M fused kernel (``hopper_weight_only_large._large_kernel``) and the
 small-M kernels as ``plan`` picks them at M = 1 and 16 for sm_90, twice per config: as it is, and with ``_multipliers`` replaced, for this process only, by one that
-takes S as those bf16 words (SCALE_E8M0 = 2, a value no layout has). It then counts the main loop as
+takes S as those bf16 words (SCALE_MODE = 3, a value no layout has). It then counts the main loop as
 ``benchmarks/decode_cost.py`` does (SASS instructions per weight element). It runs nothing and
 changes no committed kernel: a count to decide on, before building the layout.
 """
@@ -36,14 +36,14 @@ from tilemm.kernels._aot import AotVariant, array  # noqa: E402
 #: one-warpgroup split blocks the plan takes at few rows of x.
 CONFIGS = (wl.CANDIDATES[0], wl.LargeConfig("fused", 16, 64, warps=4, occupancy=3, split_k=2),
            wl.LargeConfig("fused", 64, 64, warps=4, occupancy=2, split_k=2))
-BF16_SCALES = 2  # the SCALE_E8M0 value that selects the stand-in below
+BF16_SCALES = 3  # the SCALE_MODE value that selects the stand-in below
 
 
 def _with_bf16_scales(original):
-    def multipliers(s_raw, Mult, SCALE_E8M0):
-        if SCALE_E8M0 == BF16_SCALES:  # S holds the multipliers themselves
+    def multipliers(s_raw, Mult, SCALE_MODE):
+        if SCALE_MODE == BF16_SCALES:  # S holds the multipliers themselves
             return s_raw
-        return original(s_raw, Mult, SCALE_E8M0)
+        return original(s_raw, Mult, SCALE_MODE)
     return multipliers
 
 

@@ -36,10 +36,10 @@ from tilemm.kernels import weight_only_kernels as wo  # noqa: E402
 
 @dataclasses.dataclass(frozen=True)
 class Bf16Layout(wo.Layout):
-    """The layout with SCALE_E8M0 = scale_bf16_cost.BF16_SCALES: the kernels read S as bf16 multipliers."""
+    """The layout with SCALE_MODE = scale_bf16_cost.BF16_SCALES: the kernels read S as bf16 multipliers."""
 
     @property
-    def scale_e8m0(self) -> int:
+    def scale_mode(self) -> int:
         return scale_bf16_cost.BF16_SCALES
 
 

@@ -65,7 +65,7 @@ def _load_w(W, bn, kt, TN, WORDS, LATENCY):
     return ct.bitcast(ct.load(W, (bn, kt), (TN, WORDS), padding_mode=_ZERO), ct.uint32)
 
 
-def _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN, LATENCY_W,
+def _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_MODE, BLOCK, PLANES, GROUP, TM, TN, LATENCY_W,
           LATENCY_X, X_PARTS, CAT):
     """acc + decode(W tile (bn, kt)) @ x tile (bm, kt).T."""
     WORDS = GROUP * BLOCK // 2
@@ -74,12 +74,12 @@ def _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GR
     w = _load_w(W, bn, kt, TN, WORDS, LATENCY_W)
     s_raw = ct.load(S, (kt, bn), (SC, TN), padding_mode=_ZERO).transpose()
     x = _load_x(X, bm, kt, TM, TK, LATENCY_X)
-    return _k_tile(w, s_raw, Mult, x, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT)
+    return _k_tile(w, s_raw, Mult, x, acc, ELEMENT, SCALE_MODE, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT)
 
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
 def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Splits,
-                  ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
+                  ELEMENT: ConstInt, SCALE_MODE: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                   GROUP: ConstInt, TM: ConstInt, TN: ConstInt, GROUP_SIZE_M: ConstInt,
                   LATENCY_W: ConstInt, LATENCY_X: ConstInt, X_PARTS: ConstInt, CAT: ConstInt,
                   SPLIT: ConstInt):
@@ -116,10 +116,10 @@ def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Splits,
             # The first K tile outside the loop: a loop that starts from zeros makes tileiras 13.4
             # select between the accumulator and a copy of it on every iteration (2 instructions per
             # accumulator register, about 1 per weight element at 128x128; sm_90 SASS).
-            acc = _step(X, W, S, Mult, ct.zeros((TN, TM), ct.float32), bm, bn, 0, ELEMENT, SCALE_E8M0, BLOCK,
+            acc = _step(X, W, S, Mult, ct.zeros((TN, TM), ct.float32), bm, bn, 0, ELEMENT, SCALE_MODE, BLOCK,
                         PLANES, GROUP, TM, TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
             for kt in range(1, k_tiles):
-                acc = _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
+                acc = _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_MODE, BLOCK, PLANES, GROUP, TM, TN,
                             LATENCY_W, LATENCY_X, X_PARTS, CAT)
             _epilogue(acc.transpose(), C, Alpha, Bias, bm, bn, TM, TN)
     else:
@@ -129,10 +129,10 @@ def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Splits,
             k_begin = split * k_tiles // Splits
             k_end = (split + 1) * k_tiles // Splits
             # The first K tile peeled, as above (the range is never empty).
-            acc = _step(X, W, S, Mult, ct.zeros((TN, TM), ct.float32), bm, bn, k_begin, ELEMENT, SCALE_E8M0,
+            acc = _step(X, W, S, Mult, ct.zeros((TN, TM), ct.float32), bm, bn, k_begin, ELEMENT, SCALE_MODE,
                         BLOCK, PLANES, GROUP, TM, TN, LATENCY_W, LATENCY_X, X_PARTS, CAT)
             for kt in range(k_begin + 1, k_end):
-                acc = _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN,
+                acc = _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_MODE, BLOCK, PLANES, GROUP, TM, TN,
                             LATENCY_W, LATENCY_X, X_PARTS, CAT)
             ct.store(Partial, (split, bm, bn), acc.transpose().reshape((1, TM, TN)))
 
@@ -406,7 +406,7 @@ def plan(m: int, n: int, k: int, layout: _wo.Layout, rules: dict | None = None, 
 
 
 def _constants(layout: _wo.Layout, cfg: LargeConfig, x_parts: int) -> tuple:
-    return (layout.element, layout.scale_e8m0, layout.block, layout.planes, layout.group,
+    return (layout.element, layout.scale_mode, layout.block, layout.planes, layout.group,
             cfg.tile_m, cfg.tile_n, cfg.group_size_m, cfg.latency_w, cfg.latency_x, x_parts, cfg.cat,
             int(cfg.split_k > 1))
 
@@ -481,7 +481,7 @@ def _decode_rows(words, scale_t, mult, layout: _wo.Layout, out16: torch.Tensor, 
     rows = words.shape[0]
     k_tiles = words.shape[1] // layout.words_per_tile
     ct.launch(stream, (ceil_div(rows, _wo.DEQUANT_TN) * k_tiles, 1, 1), _wo._dequantize_kernel,
-              (words, scale_t, out16, mult, layout.element, layout.scale_e8m0, layout.block,
+              (words, scale_t, out16, mult, layout.element, layout.scale_mode, layout.block,
                layout.planes, layout.group, _wo.DEQUANT_TN))
 
 

@@ -80,7 +80,7 @@ def _gpt_oss_glu(gate, up):
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
 def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, Longest, Groups,
-                ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
+                ELEMENT: ConstInt, SCALE_MODE: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                 GROUP: ConstInt, TM: ConstInt, TN: ConstInt, X_PARTS: ConstInt, CAT: ConstInt,
                 ACT: ConstInt, SORTED_OUT: ConstInt, UNROLL: ConstInt):
     """Work items (slot, g, bn): the Out rows of expert SlotExpert[slot]'s tokens, weight rows bn * TN ..
@@ -114,12 +114,12 @@ def _moe_kernel(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, Lo
     for item in range(ct.bid(0), band * groups, ct.num_blocks(0)):
         rem = item % band
         _moe_item(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, rem % num_n, item // band,
-                  rem // num_n, groups, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN, X_PARTS, CAT, ACT,
+                  rem // num_n, groups, ELEMENT, SCALE_MODE, BLOCK, PLANES, GROUP, TM, TN, X_PARTS, CAT, ACT,
                   SORTED_OUT, UNROLL)
 
 
 def _moe_item(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, bn, group, slot, groups,
-              ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN, X_PARTS, CAT, ACT, SORTED_OUT, UNROLL):
+              ELEMENT, SCALE_MODE, BLOCK, PLANES, GROUP, TM, TN, X_PARTS, CAT, ACT, SORTED_OUT, UNROLL):
     """Work item (slot, group, bn) of ``_moe_kernel``: chunks group, group + groups, .. of expert
     SlotExpert[slot]'s tokens times weight rows bn * TN .. (nothing when the expert has no such chunk)."""
     ROWS = Out.shape[0]
@@ -155,7 +155,7 @@ def _moe_item(X, W, S, Out, Consts, Mult, Bias, Order, Offsets, SlotExpert, bn, 
                         for u in ct.static_iter(range(UNROLL)):
                             acc = _k_tile(ct.extract(ws, (0, u), (TN, WORDS)),
                                           ct.extract(ss, (u, 0), (SC, TN)).transpose(), Mult,
-                                          ct.extract(xk, (0, u), (TM, TK)), acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES,
+                                          ct.extract(xk, (0, u), (TM, TK)), acc, ELEMENT, SCALE_MODE, BLOCK, PLANES,
                                           GROUP, TN, TM, X_PARTS, CAT)
                     out = (acc.transpose() * alpha + bias).astype(Out.dtype)
                     if ACT != 0:
@@ -191,7 +191,7 @@ def _glu_pairs(out, TM, TO, dtype, ACT):
     return h.astype(dtype)
 
 
-def _pair_step(ws, ss, xs, Mult, acc_lo, acc_hi, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN, UNROLL):
+def _pair_step(ws, ss, xs, Mult, acc_lo, acc_hi, ELEMENT, SCALE_MODE, BLOCK, PLANES, GROUP, TN, UNROLL):
     """One load of a pair's product (``_gemv_kernel``'s scheme): the decoded planes of ws (TN, UNROLL *
     WORDS) as fp32 halves times x's (xs (1, UNROLL * TK)), into the two fp32 accumulators."""
     WORDS = GROUP * BLOCK // 2
@@ -199,7 +199,7 @@ def _pair_step(ws, ss, xs, Mult, acc_lo, acc_hi, ELEMENT, SCALE_E8M0, BLOCK, PLA
     SC = PLANES * GROUP
     for u in ct.static_iter(range(UNROLL)):
         w = ct.extract(ws, (0, u), (TN, WORDS))
-        mult = _multipliers(ct.extract(ss, (u, 0), (SC, TN)).transpose(), Mult, SCALE_E8M0)
+        mult = _multipliers(ct.extract(ss, (u, 0), (SC, TN)).transpose(), Mult, SCALE_MODE)
         mult = mult.reshape((TN, PLANES, GROUP, 1))
         for q in ct.static_iter(range(PLANES)):
             w_lo, w_hi = _f32_halves(_scaled_plane(w, mult, q, ELEMENT, BLOCK, GROUP, TN), TN, TP, True)
@@ -228,7 +228,7 @@ def _pair_out(acc_lo, acc_hi, Consts, Bias, e, bn, dtype, TN, ACT):
     return _glu_pairs(y, 1, TO, dtype, ACT) if ACT != 0 else y
 
 
-def _pair_row(X, W, S, Consts, Mult, Bias, Ids, p, bn, dtype, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN,
+def _pair_row(X, W, S, Consts, Mult, Bias, Ids, p, bn, dtype, ELEMENT, SCALE_MODE, BLOCK, PLANES, GROUP, TN,
               UNROLL, ACT):
     """(1, TO) in ``dtype``: (token, slot) pair p's product with weight rows bn * TN .. of its expert
     Ids[p], on the FMA pipes (``_gemv_kernel``'s scheme: decoded planes as fp32 halves times x's, two
@@ -251,13 +251,13 @@ def _pair_row(X, W, S, Consts, Mult, Bias, Ids, p, bn, dtype, ELEMENT, SCALE_E8M
             acc_hi = ct.zeros((1, TN, TP // 2), ct.float32)
             for g in range(groups):
                 ws, ss, xs = _pair_load(X, W, S, e, x_row, bn, g, TN, UNROLL, WORDS, SC, TK)
-                acc_lo, acc_hi = _pair_step(ws, ss, xs, Mult, acc_lo, acc_hi, ELEMENT, SCALE_E8M0, BLOCK, PLANES,
+                acc_lo, acc_hi = _pair_step(ws, ss, xs, Mult, acc_lo, acc_hi, ELEMENT, SCALE_MODE, BLOCK, PLANES,
                                             GROUP, TN, UNROLL)
             out = _pair_out(acc_lo, acc_hi, Consts, Bias, e, bn, dtype, TN, ACT)
     return out
 
 
-def _pair_rows2(X, W, S, Consts, Mult, Bias, Ids, p, bn, dtype, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN,
+def _pair_rows2(X, W, S, Consts, Mult, Bias, Ids, p, bn, dtype, ELEMENT, SCALE_MODE, BLOCK, PLANES, GROUP, TN,
                 UNROLL, ACT):
     """Pairs p and p + 1 as ``_pair_row`` computes each, with both pairs' loads issued together (one
     wait for two experts' weights instead of two in a row: the combining block's chain of loads is
@@ -284,8 +284,8 @@ def _pair_rows2(X, W, S, Consts, Mult, Bias, Ids, p, bn, dtype, ELEMENT, SCALE_E
     for g in range(groups):
         wa, sa, xa = _pair_load(X, W, S, ca, p // per_x, bn, g, TN, UNROLL, WORDS, SC, TK)
         wb, sb, xb = _pair_load(X, W, S, cb, (p + 1) // per_x, bn, g, TN, UNROLL, WORDS, SC, TK)
-        a_lo, a_hi = _pair_step(wa, sa, xa, Mult, a_lo, a_hi, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN, UNROLL)
-        b_lo, b_hi = _pair_step(wb, sb, xb, Mult, b_lo, b_hi, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN, UNROLL)
+        a_lo, a_hi = _pair_step(wa, sa, xa, Mult, a_lo, a_hi, ELEMENT, SCALE_MODE, BLOCK, PLANES, GROUP, TN, UNROLL)
+        b_lo, b_hi = _pair_step(wb, sb, xb, Mult, b_lo, b_hi, ELEMENT, SCALE_MODE, BLOCK, PLANES, GROUP, TN, UNROLL)
     nan = ct.full((1, TO), float("nan"), dtype)
     ya = ct.where(ok_a == 1, _pair_out(a_lo, a_hi, Consts, Bias, ca, bn, dtype, TN, ACT), nan)
     yb = ct.where(ok_b == 1, _pair_out(b_lo, b_hi, Consts, Bias, cb, bn, dtype, TN, ACT), nan)
@@ -294,7 +294,7 @@ def _pair_rows2(X, W, S, Consts, Mult, Bias, Ids, p, bn, dtype, ELEMENT, SCALE_E
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
 def _moe_gemv_kernel(X, W, S, Out, Consts, Mult, Bias, Ids, Weights,
-                     ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
+                     ELEMENT: ConstInt, SCALE_MODE: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                      GROUP: ConstInt, TN: ConstInt, UNROLL: ConstInt, ACT: ConstInt, COMBINE: ConstInt):
     """One (token, slot) pair per block row, no routing: the design for a decode step of one token,
     whose k experts are distinct (each expert's weight tile then read once).
@@ -318,7 +318,7 @@ def _moe_gemv_kernel(X, W, S, Out, Consts, Mult, Bias, Ids, Weights,
         top_k = Ids.shape[0] // Out.shape[0]
         total = ct.zeros((1, TO), ct.float32)
         for j in range(top_k):
-            y = _pair_row(X, W, S, Consts, Mult, Bias, Ids, row * top_k + j, bn, Out.dtype, ELEMENT, SCALE_E8M0,
+            y = _pair_row(X, W, S, Consts, Mult, Bias, Ids, row * top_k + j, bn, Out.dtype, ELEMENT, SCALE_MODE,
                           BLOCK, PLANES, GROUP, TN, UNROLL, ACT)
             total = total + y.astype(ct.float32) * ct.load(Weights, (row, j), (1, 1)).astype(ct.float32)
         ct.store(Out, (row, bn), total.astype(Out.dtype))
@@ -328,17 +328,17 @@ def _moe_gemv_kernel(X, W, S, Out, Consts, Mult, Bias, Ids, Weights,
         for h in range(top_k // 2):  # two slots per step, their loads together (``_pair_rows2``)
             j = 2 * h
             ya, yb = _pair_rows2(X, W, S, Consts, Mult, Bias, Ids, row * top_k + j, bn, Out.dtype, ELEMENT,
-                                 SCALE_E8M0, BLOCK, PLANES, GROUP, TN, UNROLL, ACT)
+                                 SCALE_MODE, BLOCK, PLANES, GROUP, TN, UNROLL, ACT)
             total = total + ya.astype(ct.float32) * ct.load(Weights, (row, j), (1, 1)).astype(ct.float32)
             total = total + yb.astype(ct.float32) * ct.load(Weights, (row, j + 1), (1, 1)).astype(ct.float32)
         if top_k % 2 == 1:
             y = _pair_row(X, W, S, Consts, Mult, Bias, Ids, row * top_k + top_k - 1, bn, Out.dtype, ELEMENT,
-                          SCALE_E8M0, BLOCK, PLANES, GROUP, TN, UNROLL, ACT)
+                          SCALE_MODE, BLOCK, PLANES, GROUP, TN, UNROLL, ACT)
             total = total + y.astype(ct.float32) * ct.load(Weights, (row, top_k - 1), (1, 1)).astype(ct.float32)
         ct.store(Out, (row, bn), total.astype(Out.dtype))
     else:
         ct.store(Out, (row, bn), _pair_row(X, W, S, Consts, Mult, Bias, Ids, row, bn, Out.dtype, ELEMENT,
-                                           SCALE_E8M0, BLOCK, PLANES, GROUP, TN, UNROLL, ACT))
+                                           SCALE_MODE, BLOCK, PLANES, GROUP, TN, UNROLL, ACT))
 
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
@@ -757,12 +757,12 @@ class PreparedPairs:
 
 
 def _pairs_constants(layout: Layout, cfg: PairsConfig, act: int, combine: int) -> tuple:
-    return (layout.element, layout.scale_e8m0, layout.block, layout.planes, layout.group,
+    return (layout.element, layout.scale_mode, layout.block, layout.planes, layout.group,
             cfg.tile_n, cfg.unroll, act, cfg.slots if combine else 0)
 
 
 def _constants(layout: Layout, cfg: MoEConfig, x_parts: int, act: int, sorted_out: int) -> tuple:
-    return (layout.element, layout.scale_e8m0, layout.block, layout.planes, layout.group,
+    return (layout.element, layout.scale_mode, layout.block, layout.planes, layout.group,
             cfg.tile_m, cfg.tile_n, x_parts, cfg.cat, act, sorted_out, cfg.unroll)
 
 

@@ -54,11 +54,19 @@ class Layout:
 
     ``tile_k = planes * group * block`` elements make one K tile; a row of a tile is
     ``group * block / 2`` 32-bit words. ``offset`` is the power of two the element decode divides by.
+    ``normal_scales`` (NVFP4 only; ``prepack`` sets it per weight): every e4m3 scale byte is normal
+    and positive, or 0 over a block of zero elements, so the kernels decode scales by one integer
+    multiply-add (``scale_mode`` 2).
     """
 
     format: Format
     planes: int
     group: int
+    normal_scales: bool = False
+
+    def __post_init__(self):
+        if self.normal_scales and (self.format.is_mx or self.format.block != 16):
+            raise ValueError(f"Layout: normal_scales is for NVFP4's e4m3 scales, not {self.format.name}")
 
     @property
     def element(self) -> int:
@@ -72,8 +80,14 @@ class Layout:
 
     @property
     def scale_e8m0(self) -> int:
-        """1 for e8m0 (MX) scale bytes, 0 for NVFP4's e4m3 ones (the kernels' SCALE_E8M0 constant)."""
+        """1 for e8m0 (MX) scale bytes, 0 for NVFP4's e4m3 ones."""
         return int(self.format.is_mx)
+
+    @property
+    def scale_mode(self) -> int:
+        """How the kernels decode a scale byte (their SCALE_MODE constant, ``_multipliers``): 1 e8m0,
+        0 e4m3, 2 e4m3 known normal (``normal_scales``)."""
+        return 2 if self.normal_scales else int(self.format.is_mx)
 
     @property
     def offset(self) -> int:
@@ -152,18 +166,27 @@ def _as_bf16_pairs(bits, ROWS, WORDS):
     return ct.unpack_from_bytes(raw, ct.bfloat16).reshape((ROWS, 2 * WORDS))
 
 
-def _multipliers(s_raw, Mult, SCALE_E8M0):
+def _multipliers(s_raw, Mult, SCALE_MODE):
     """Scale bytes (TN, SC) -> bf16 ``scale * 2^(OFFSET - E)`` (Mult holds 2^(OFFSET - E)), exactly.
+    SCALE_MODE is ``Layout.scale_mode``.
 
-    e8m0: ``e8m0_bits_bf16`` with base = (OFFSET - E) * 128, read off Mult's fp32 exponent field: one
+    1, e8m0: ``e8m0_bits_bf16`` with base = (OFFSET - E) * 128, read off Mult's fp32 exponent field: one
     integer multiply-add and a min per byte. ``prepack`` keeps 1 <= OFFSET - E and every finite field
     s + OFFSET - E <= 254 (s = 0 included, the zero padding past K too), which that form needs.
-    e4m3 (NVFP4): the byte as bf16 (exact, subnormals and NaN included) times 2^(OFFSET - E) in bf16,
-    exact below 2^128, which ``prepack``'s E guarantees."""
+    0, e4m3 (NVFP4): the byte as bf16 (exact, subnormals and NaN included) times 2^(OFFSET - E) in
+    bf16, exact below 2^128, which ``prepack``'s E guarantees.
+    2, e4m3 bytes that ``prepack`` found all normal and positive (or 0 over a block of zeros): the
+    byte's exponent and mantissa fields, shifted into bf16's (s * 16), plus the exponent bias
+    (120 + OFFSET - E) * 128: one integer multiply-add per byte. The field stays in 1..254 for
+    exponents 1..15 because the largest multiplier is below 2^128; a byte 0 (the zero padding past K
+    too) gives a finite multiplier that meets only zero elements."""
     mult = ct.load(Mult, (0,), (1,)).reshape((1, 1))
-    if SCALE_E8M0:
+    if SCALE_MODE == 1:
         base = ((ct.bitcast(mult, ct.int32) >> 16) & 0x7F80) - 0x3F80
         return ct.bitcast(e8m0_bits_bf16(s_raw, ct.uint16, base, 1), ct.bfloat16)
+    if SCALE_MODE == 2:
+        base = ((ct.bitcast(mult, ct.int32) >> 16) & 0x7F80) - (7 << 7)
+        return ct.bitcast((s_raw.astype(ct.int32) * 16 + base).astype(ct.uint16), ct.bfloat16)
     return ct.bitcast(s_raw, ct.float8_e4m3fn).astype(ct.bfloat16) * mult.astype(ct.bfloat16)
 
 
@@ -193,7 +216,7 @@ def _scaled_plane(w, mult, P, ELEMENT, BLOCK, GROUP, TN):
     return (plane * m_p).reshape((TN, GROUP * BLOCK))
 
 
-def _k_tile(w, s_raw, Mult, x, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT):
+def _k_tile(w, s_raw, Mult, x, acc, ELEMENT, SCALE_MODE, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT):
     """acc + decode(w) @ x.T for one K tile: w (TN, WORDS) uint32 words, s_raw (TN, PLANES * GROUP)
     scale bytes, x (TM, TK).
 
@@ -205,7 +228,7 @@ def _k_tile(w, s_raw, Mult, x, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, T
     exact only if the unscaled products could not underflow (the decoded e2m1 * 2^-126 makes them),
     and an NVFP4 e4m3 factor would round each partial once more, which summation order does not allow."""
     TP = GROUP * BLOCK
-    mult = _multipliers(s_raw, Mult, SCALE_E8M0).reshape((TN, PLANES, GROUP, 1))
+    mult = _multipliers(s_raw, Mult, SCALE_MODE).reshape((TN, PLANES, GROUP, 1))
     if CAT == 1:
         a = ct.cat((_scaled_plane(w, mult, 0, ELEMENT, BLOCK, GROUP, TN),
                     _scaled_plane(w, mult, 1, ELEMENT, BLOCK, GROUP, TN)), 1)
@@ -241,7 +264,7 @@ def _split_k_finish(out, C, Alpha, Bias, Partial, Counter, split, bm, bn, num_m,
         ct.atomic_xchg(Counter, tile, 0)
 
 
-def _stacked_step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM, TN, X_PARTS,
+def _stacked_step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_MODE, BLOCK, PLANES, GROUP, TM, TN, X_PARTS,
                   CAT, STACK):
     """acc + the product of K tile (or stack of STACK K tiles) kt, loaded one tile at a time (see the
     stacked-K-tiles comment in ``_weight_only_kernel``)."""
@@ -252,13 +275,13 @@ def _stacked_step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PL
     s_raw = ct.load(S, (kt, bn), (STACK * SC, TN), padding_mode=_ZERO).transpose()
     x = ct.load(X, (bm, kt), (TM, STACK * TK), padding_mode=_ZERO)
     return _k_tile(w.reshape((TN * STACK, WORDS)), s_raw.reshape((TN * STACK, SC)), Mult,
-                   x.reshape((TM * STACK, TK)), acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP,
+                   x.reshape((TM * STACK, TK)), acc, ELEMENT, SCALE_MODE, BLOCK, PLANES, GROUP,
                    TN * STACK, TM * STACK, X_PARTS, CAT)
 
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=8))
 def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
-                        ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
+                        ELEMENT: ConstInt, SCALE_MODE: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                         GROUP: ConstInt, TM: ConstInt, TN: ConstInt, SPLIT_K: ConstInt,
                         X_PARTS: ConstInt, UNROLL: ConstInt, CAT: ConstInt, STACK: ConstInt):
     """acc (TN, TM) = sum over this block's K tiles and planes of decode(W plane) @ x_plane.T: the
@@ -322,11 +345,11 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
         first = k_begin
         if STACK == 1 and TM >= 64:
             if k_begin < k_end:
-                acc = _stacked_step(X, W, S, Mult, acc, bm, bn, k_begin, ELEMENT, SCALE_E8M0, BLOCK, PLANES,
+                acc = _stacked_step(X, W, S, Mult, acc, bm, bn, k_begin, ELEMENT, SCALE_MODE, BLOCK, PLANES,
                                     GROUP, TM, TN, X_PARTS, CAT, STACK)
             first = k_begin + 1
         for kt in range(first, k_end):
-            acc = _stacked_step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TM,
+            acc = _stacked_step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_MODE, BLOCK, PLANES, GROUP, TM,
                                 TN, X_PARTS, CAT, STACK)
         if STACK > 1:
             acc4 = acc.reshape((TN, STACK, TM, STACK))
@@ -342,13 +365,13 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
             xs = ct.load(X, (bm, g), (TM, UNROLL * TK), padding_mode=_ZERO)
             for u in ct.static_iter(range(UNROLL)):
                 acc = _k_tile(ct.extract(ws, (0, u), (TN, WORDS)), ct.extract(ss, (u, 0), (SC, TN)).transpose(),
-                              Mult, ct.extract(xs, (0, u), (TM, TK)), acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES,
+                              Mult, ct.extract(xs, (0, u), (TM, TK)), acc, ELEMENT, SCALE_MODE, BLOCK, PLANES,
                               GROUP, TN, TM, X_PARTS, CAT)
         for kt in range(k_begin + groups * UNROLL, k_end):  # the K tiles left over, one at a time
             w = ct.bitcast(ct.load(W, (bn, kt), (TN, WORDS), padding_mode=_ZERO), ct.uint32)
             s_raw = ct.load(S, (kt, bn), (SC, TN), padding_mode=_ZERO)
             x = ct.load(X, (bm, kt), (TM, TK), padding_mode=_ZERO)
-            acc = _k_tile(w, s_raw.transpose(), Mult, x, acc, ELEMENT, SCALE_E8M0, BLOCK, PLANES, GROUP, TN,
+            acc = _k_tile(w, s_raw.transpose(), Mult, x, acc, ELEMENT, SCALE_MODE, BLOCK, PLANES, GROUP, TN,
                           TM, X_PARTS, CAT)
     out = acc.transpose()
     if SPLIT_K == 1:
@@ -372,7 +395,7 @@ def _f32_halves(t, ROWS, COLS, BF16):
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
 def _gemv_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
-                 ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
+                 ELEMENT: ConstInt, SCALE_MODE: ConstInt, BLOCK: ConstInt, PLANES: ConstInt,
                  GROUP: ConstInt, TM: ConstInt, TN: ConstInt, SPLIT_K: ConstInt, UNROLL: ConstInt):
     """The weight-only product for the few rows of a decode step, on the FMA pipes, without ``ct.mma``:
     acc (TM, TN, TP / 2) += decode(W plane) * x_plane, element by element in fp32, reduced over K once
@@ -413,7 +436,7 @@ def _gemv_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
         xs = ct.load(X, (bm, g), (TM, UNROLL * TK), padding_mode=_ZERO)
         for u in ct.static_iter(range(UNROLL)):
             w = ct.extract(ws, (0, u), (TN, WORDS))
-            mult = _multipliers(ct.extract(ss, (u, 0), (SC, TN)).transpose(), Mult, SCALE_E8M0)
+            mult = _multipliers(ct.extract(ss, (u, 0), (SC, TN)).transpose(), Mult, SCALE_MODE)
             mult = mult.reshape((TN, PLANES, GROUP, 1))
             for p in ct.static_iter(range(PLANES)):
                 w_lo, w_hi = _f32_halves(_scaled_plane(w, mult, p, ELEMENT, BLOCK, GROUP, TN), TN, TP, True)
@@ -429,7 +452,7 @@ def _gemv_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
 
 
 @ct.kernel
-def _dequantize_kernel(W, S, Out, Mult, ELEMENT: ConstInt, SCALE_E8M0: ConstInt, BLOCK: ConstInt,
+def _dequantize_kernel(W, S, Out, Mult, ELEMENT: ConstInt, SCALE_MODE: ConstInt, BLOCK: ConstInt,
                        PLANES: ConstInt, GROUP: ConstInt, TN: ConstInt):
     """Out (N, Kp) bf16 = the prepacked weight decoded, times 2^-E (the MMA operand of the kernel
     above, in K order); Kp = k_tiles * TK, columns past K are zero. Grid: cdiv(N, TN) * k_tiles, K
@@ -443,7 +466,7 @@ def _dequantize_kernel(W, S, Out, Mult, ELEMENT: ConstInt, SCALE_E8M0: ConstInt,
     bn = pid // k_tiles
     w = ct.bitcast(ct.load(W, (bn, kt), (TN, WORDS), padding_mode=_ZERO), ct.uint32)
     s_raw = ct.load(S, (kt, bn), (SC, TN), padding_mode=_ZERO).transpose()
-    mult = _multipliers(s_raw, Mult, SCALE_E8M0).reshape((TN, PLANES, GROUP, 1))
+    mult = _multipliers(s_raw, Mult, SCALE_MODE).reshape((TN, PLANES, GROUP, 1))
     for p in ct.static_iter(range(PLANES)):
         plane = _as_bf16_pairs(_decode_plane(w, p, ELEMENT), TN, WORDS).reshape((TN, GROUP, BLOCK))
         m_p = ct.extract(mult, (0, p, 0, 0), (TN, 1, GROUP, 1)).reshape((TN, GROUP, 1))
@@ -465,7 +488,7 @@ def dequantize(words: torch.Tensor, scale_t: torch.Tensor, constants: torch.Tens
     stream = torch.cuda.current_stream(words.device) if words.is_cuda else None  # None: the CPU emulator's
     ct.launch(stream, (ceil_div(n, DEQUANT_TN) * k_tiles, 1, 1),
               _dequantize_kernel, (words, scale_t, out, constants[1:2], layout.element,
-                                   layout.scale_e8m0, layout.block, layout.planes, layout.group,
+                                   layout.scale_mode, layout.block, layout.planes, layout.group,
                                    DEQUANT_TN))
     return out[:, :k]
 
@@ -721,7 +744,7 @@ def plan(m: int, n: int, k: int, layout: Layout, sms: int = 132, m1_kernel: str 
 
 
 def _constants(layout: Layout, cfg: WeightOnlyConfig, x_parts: int) -> tuple:
-    common = (layout.element, layout.scale_e8m0, layout.block, layout.planes, layout.group,
+    common = (layout.element, layout.scale_mode, layout.block, layout.planes, layout.group,
               cfg.tile_m, cfg.tile_n, cfg.split_k)
     if cfg.gemv:
         return common + (cfg.unroll,)
@@ -996,7 +1019,7 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                 variants += [aot_variant(name, cfg, x_dtype, c_ct) for cfg in c_configs]
     for name, layout in LAYOUTS.items():
         params = [array(ct.int32, 2), array(ct.uint8, 2), array(ct.bfloat16, 2), array(ct.float32, 1),
-                  layout.element, layout.scale_e8m0, layout.block, layout.planes, layout.group,
+                  layout.element, layout.scale_mode, layout.block, layout.planes, layout.group,
                   DEQUANT_TN]
         variants.append(AotVariant(f"weight_only_dequantize_{name}", _dequantize_kernel, params))
     return variants

@@ -669,3 +669,95 @@ def test_runner_cache_stays_out_of_copies():
     assert runner_for(packed, bias) is not with_bias
     for twin in (copy.deepcopy(packed), pickle.loads(pickle.dumps(packed))):
         assert "_runners" not in twin.__dict__ and torch.equal(twin.words, packed.words)
+
+
+# --------------------------------------------------------------------------------------------------
+# NVFP4 weights whose scale bytes are all normal (Layout.normal_scales)
+# --------------------------------------------------------------------------------------------------
+
+def normal_nvfp4(n, k, *, seed=0, zero_blocks=0, lo=0x08, hi=0x7F):
+    """An NVFP4 (N, K) weight with every element code and scale bytes in [lo, hi) (normal: 0x08 ..
+    0x7E); the first ``zero_blocks`` blocks of row 0 get scale 0 and zero data (sign bits kept)."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    scale = torch.randint(lo, hi, (n, k // 16), dtype=torch.uint8, generator=gen)
+    for b in range(zero_blocks):
+        codes[0, 16 * b:16 * (b + 1)] &= 0x8
+        scale[0, b] = 0
+    return tilemm.NVFP4Tensor(tilemm.numerics.pack_e2m1(codes), scale.view(torch.float8_e4m3fn),
+                              torch.tensor(0.0123, dtype=torch.float32))
+
+
+def test_prepack_finds_normal_scales():
+    assert prepack(normal_nvfp4(16, 64)).normal_scales
+    assert prepack(normal_nvfp4(16, 64, zero_blocks=2)).normal_scales  # 0 over zero elements
+    assert prepack(tilemm.quantize_nvfp4(torch.randn(32, 64))).normal_scales
+    assert prepack(tilemm.quantize_nvfp4(torch.zeros(32, 64))).normal_scales
+    assert not prepack(normal_nvfp4(16, 64, lo=0x01, hi=0x08)).normal_scales  # subnormal bytes
+    w = normal_nvfp4(16, 64)
+    for byte in (0x7F, 0x80 | 0x38, 0x00):  # NaN, negative, 0 over nonzero elements
+        scale = w.scale.view(torch.uint8).clone()
+        scale[3, 1] = byte
+        if byte == 0x00:
+            assert bool((unpack_e2m1(w.data)[3, 16:32] & 0x7).any())
+        assert not prepack(tilemm.NVFP4Tensor(w.data, scale.view(torch.float8_e4m3fn), w.global_scale)).normal_scales
+    nan = tilemm.quantize_nvfp4(torch.tensor([[float("nan")] + [1.0] * 31] * 4))  # a NaN block: scale 0x7F
+    assert not prepack(nan).normal_scales
+    for fmt in (MXFP4, MXFP8_E4M3):
+        assert not prepack(quantized_weight(fmt, 16, 64)).normal_scales
+    packed = prepack(normal_nvfp4(16, 64))
+    assert packed.layout.normal_scales and packed.layout.scale_mode == 2
+    assert wo.LAYOUTS["nvfp4"].scale_mode == 0 and wo.LAYOUTS["mxfp4"].scale_mode == 1
+    with pytest.raises(ValueError, match="normal_scales"):
+        wo.Layout(MXFP4, planes=4, group=2, normal_scales=True)
+
+
+def test_normal_scales_survive_copies_and_layers():
+    import copy
+    import pickle
+
+    packed = prepack(normal_nvfp4(16, 64))
+    assert pickle.loads(pickle.dumps(packed)).normal_scales
+    assert copy.deepcopy(packed).normal_scales
+    assert tilemm.packed.expert(prepack([normal_nvfp4(16, 64), normal_nvfp4(16, 64, seed=1)]), 1).normal_scales
+    assert not prepack([normal_nvfp4(16, 64), normal_nvfp4(16, 64, lo=1, hi=8)]).normal_scales
+    lin = torch.nn.Linear(64, 16)
+    layer = tilemm.nn.Linear.from_float(lin, "nvfp4", weight_only=True)
+    assert layer.packed_weight().normal_scales
+    loaded = tilemm.nn.Linear(64, 16, format="nvfp4", weight_only=True)
+    loaded.load_state_dict(layer.state_dict())
+    assert loaded.packed_weight().normal_scales
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_normal_scale_kernels_match_reference(emulated, x_dtype):
+    # Scale bytes over the whole normal range (0x08 .. 0x7E: the exponent E is 7), two zero blocks;
+    # K = 320 leaves a zero-padded last K tile, whose scale bytes load as 0.
+    m, n, k = 3, 20, 320
+    w_q = normal_nvfp4(n, k, seed=4, zero_blocks=2)
+    packed = prepack(w_q)
+    assert packed.normal_scales and packed.exponent == 7
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(5)) * 3).to(x_dtype)
+    bias = torch.randn(n)
+    for cfg in (wo.WeightOnlyConfig(16, 16, 1), wo.WeightOnlyConfig(16, 16, 2), _gemv(1, 1, 2), _gemv(2, 2, 1)):
+        out = _run(x, packed, cfg, bias)
+        assert_matches(out.float(), _reference(x, w_q, bias), torch.float32 if x_dtype == torch.float32
+                       else x_dtype)
+    deq = wo.dequantize(packed.words, packed.scale_t, packed.constants, packed.layout, k)
+    general = wo.dequantize(packed.words, packed.scale_t, packed.constants, wo.LAYOUTS["nvfp4"], k)
+    assert torch.equal(deq.view(torch.int16), general.view(torch.int16))  # signed zeros too
+    expected = w_q.dequantize().double() * 2.0 ** -packed.exponent / w_q.global_scale.double()
+    torch.testing.assert_close(deq.double(), expected, rtol=2 ** -20, atol=0)
+
+
+def test_the_operator_takes_normal_scales():
+    """``torch.ops.tilemm.weight_only_linear`` carries the PackedWeight's flag (under torch.compile
+    the layer is this operator); on the CPU it runs the reference either way."""
+    w_q = normal_nvfp4(16, 64)
+    packed = prepack(w_q)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    args = (x, packed.words, packed.scale_t, packed.constants, "nvfp4", 64)
+    general = torch.ops.tilemm.weight_only_linear(*args)
+    normal = torch.ops.tilemm.weight_only_linear(*args, normal_scales=True)
+    assert torch.equal(general, normal)
+    assert torch.equal(tilemm.linear(x, packed), normal)

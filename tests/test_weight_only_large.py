@@ -53,6 +53,24 @@ def test_fused_kernel_matches_reference(emulated, fmt):
 
 
 
+def test_fused_kernel_with_normal_nvfp4_scales(emulated):
+    """NVFP4 scale bytes over the whole normal range and two zero blocks (``Layout.normal_scales``):
+    one MMA per plane and one per K tile, and the K split."""
+    from test_weight_only import normal_nvfp4
+
+    m, n, k = 37, 50, 1344
+    w_q = normal_nvfp4(n, k, seed=7, zero_blocks=2)
+    packed = prepack(w_q)
+    assert packed.layout.scale_mode == 2
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(8)) * 3).to(torch.bfloat16)
+    bias = torch.randn(n)
+    for cfg in (wl.LargeConfig("fused", 16, 16), wl.LargeConfig("fused", 16, 16, cat=1),
+                wl.LargeConfig("fused", 16, 16, split_k=3)):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+        wl.launch(x, packed.words, packed.scale_t, packed.constants, bias, out, packed.layout, cfg, 5, None)
+        assert_matches(out.float(), _reference(x, w_q, bias), torch.bfloat16)
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
 def test_fused_kernel_split_k_matches_reference(emulated, fmt):
     # The split-K work items, then the partial tiles' sum (a second launch): K = 1344 is 6 4-bit K

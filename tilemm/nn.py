@@ -234,6 +234,7 @@ class Linear(torch.nn.Module):
         self._bias32 = None
         self._exponent = 0
         self._alpha_host = 1.0
+        self._normal_scales = False
         if self._options.packed:
             # Weight-only: the weight lives only in the prepacked layout (non-persistent buffers);
             # state_dict shows the interchange form (see _packed_state_dict / _load_from_state_dict).
@@ -386,7 +387,8 @@ class Linear(torch.nn.Module):
                                     constants=self.weight_constants, exponent=self._exponent,
                                     in_features=self.in_features,
                                     global_scale=self._buffers.get("weight_global_scale"),
-                                    nan_scale=self.weight_nan_scale, alpha_host=self._alpha_host)
+                                    nan_scale=self.weight_nan_scale, alpha_host=self._alpha_host,
+                                    normal_scales=self._normal_scales)
 
     def _set_packed(self, packed: "_packed.PackedWeight") -> None:
         self.weight_packed = packed.words
@@ -397,6 +399,7 @@ class Linear(torch.nn.Module):
             self.weight_global_scale = packed.global_scale
         self._exponent = packed.exponent
         self._alpha_host = packed.alpha_host
+        self._normal_scales = packed.normal_scales
         self._runner = None
 
     def dequantize_weight(self) -> torch.Tensor:

@@ -297,7 +297,7 @@ def runner_for(packed: PackedWeight, bias: torch.Tensor | None, bias32: torch.Te
 
 
 def run_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: int, bias, alpha,
-                    alpha_host: float = 1.0, out_dtype: torch.dtype | None = None):
+                    alpha_host: float = 1.0, out_dtype: torch.dtype | None = None, normal_scales: bool = False):
     """What ``torch.ops.tilemm.weight_only_linear`` runs on checked tensors."""
     if x2d.device.type != "cuda":
         return reference_weight_only(x2d, words, scale_t, constants, fmt_name, in_features, bias, alpha,
@@ -305,7 +305,7 @@ def run_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: 
     family(x2d.device)  # raises UnsupportedGPUError below sm_90
     fmt = FORMATS[fmt_name]
     packed = PackedWeight(fmt=fmt, words=words, scale_t=scale_t, constants=constants, exponent=0,
-                          in_features=in_features, alpha_host=alpha_host)
+                          in_features=in_features, alpha_host=alpha_host, normal_scales=normal_scales)
     # A runner per call that keeps nothing of its own: under torch.compile's CUDA graphs
     # (mode="reduce-overhead") the call allocates only its output and launches one kernel (two where
     # the large-M plan splits K in the fused kernel; a missing bias and a K split's workspace are
@@ -318,18 +318,18 @@ def run_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: 
 def _weight_only_linear_op(x: Tensor, words: Tensor, scale_t: Tensor, constants: Tensor, format: str,
                        in_features: int, bias: Optional[Tensor] = None,
                        alpha: Optional[Tensor] = None, alpha_host: float = 1.0,
-                       out_dtype: Optional[torch.dtype] = None) -> Tensor:
+                       out_dtype: Optional[torch.dtype] = None, normal_scales: bool = False) -> Tensor:
     """x (M, K) float times a prepacked (N, K) weight (``tilemm.packed.PackedWeight``'s tensors);
     ``alpha`` replaces constants[0] (2^E * decode scale) in the epilogue when given; ``alpha_host`` is
     constants[0] as a float (for the large-M GEMM, which takes a host scalar); ``out_dtype`` None is
-    x's dtype."""
+    x's dtype; ``normal_scales`` is the PackedWeight's (NVFP4 scale bytes all normal)."""
     return run_weight_only(x, words, scale_t, constants, format, in_features, bias, alpha,
-                           alpha_host, out_dtype)
+                           alpha_host, out_dtype, normal_scales)
 
 
 @_weight_only_linear_op.register_fake
 def _(x, words, scale_t, constants, format, in_features, bias=None, alpha=None, alpha_host=1.0,
-      out_dtype=None):
+      out_dtype=None, normal_scales=False):
     return x.new_empty((x.shape[0], words.shape[0]), dtype=out_dtype or x.dtype)
 
 
@@ -369,5 +369,5 @@ def weight_only_linear(x: torch.Tensor, packed: PackedWeight, *, bias=None, alph
         return out.reshape(*x.shape[:-1], n)
     out = _weight_only_linear_op(rows, packed.words, packed.scale_t, packed.constants,
                                               packed.fmt.name, k, bias32, alpha32, packed.alpha_host,
-                                              out_dtype)
+                                              out_dtype, packed.normal_scales)
     return out.reshape(*x.shape[:-1], n)

@@ -744,8 +744,13 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
     on sm_90: the runner takes the fused design on Hopper only (elsewhere the decode design; sm_120
     compiles of the 256-column tiles took minutes and megabytes of code)."""
     variants = []
-    for name, layout in _wo.LAYOUTS.items():
-        for cfg in _configs(name):
+    # NVFP4 with normal scale bytes (``Layout.normal_scales``): the configs its family's rules name.
+    rule = RULES["nvfp4"]
+    named = [c for c, _ in rule.fused] + [dataclasses.replace(c, split_k=2) for c, _ in rule.split]
+    normal = [("nvfp4_normal", dataclasses.replace(_wo.LAYOUTS["nvfp4"], normal_scales=True),
+               [c for c in dict.fromkeys(named) if c.kind == "fused"])]
+    for name, layout, configs in (*((n, lay, _configs(n)) for n, lay in _wo.LAYOUTS.items()), *normal):
+        for cfg in configs:
             partial = array(ct.float32, 3) if cfg.split_k > 1 else array(ct.float32, 1)  # or a stand-in
             params = [array(ct.bfloat16, 2), array(ct.int32, 2), array(ct.uint8, 2), array(ct.bfloat16, 2),
                       array(ct.float32, 1), array(ct.float32, 1), array(ct.float32, 1), partial,

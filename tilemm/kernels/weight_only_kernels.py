@@ -986,11 +986,14 @@ def _code_paths(every: list[WeightOnlyConfig]) -> list[WeightOnlyConfig]:
     return out
 
 
-def aot_variant(name: str, cfg: WeightOnlyConfig, x_dtype: torch.dtype = torch.bfloat16, out_ct=None
-                ) -> AotVariant:
-    """The kernel of ``cfg`` for layout ``name`` and an activation of ``x_dtype`` (output dtype
-    ``out_ct``, default x's), as its launch specialises it, for sm_90, sm_100 and sm_120."""
+def aot_variant(name: str, cfg: WeightOnlyConfig, x_dtype: torch.dtype = torch.bfloat16, out_ct=None,
+                normal_scales: bool = False) -> AotVariant:
+    """The kernel of ``cfg`` for layout ``name`` (with ``normal_scales``: NVFP4's layout for normal
+    scale bytes, named ``nvfp4_normal``) and an activation of ``x_dtype`` (output dtype ``out_ct``,
+    default x's), as its launch specialises it, for sm_90, sm_100 and sm_120."""
     layout, x_ct = LAYOUTS[name], _CT_DTYPES[x_dtype]
+    if normal_scales:
+        layout, name = dataclasses.replace(layout, normal_scales=True), f"{name}_normal"
     c_ct = x_ct if out_ct is None else out_ct
     params = [array(x_ct, 2), array(ct.int32, 2), array(ct.uint8, 2), array(c_ct, 2),
               array(ct.float32, 1), array(ct.float32, 1), array(ct.float32, 1),
@@ -1017,7 +1020,11 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                                         if x_dtype == torch.bfloat16 else [])
             for c_ct, c_configs in outs:
                 variants += [aot_variant(name, cfg, x_dtype, c_ct) for cfg in c_configs]
-    for name, layout in LAYOUTS.items():
+    # NVFP4 weights with normal scale bytes: their scale decode (SCALE_MODE 2) on every code path,
+    # bf16 x (the decode differs from the general layout's in ``_multipliers`` only).
+    normal = dataclasses.replace(LAYOUTS["nvfp4"], normal_scales=True)
+    variants += [aot_variant("nvfp4", cfg, normal_scales=True) for cfg in _code_paths(_configs(normal))]
+    for name, layout in (*LAYOUTS.items(), ("nvfp4_normal", normal)):
         params = [array(ct.int32, 2), array(ct.uint8, 2), array(ct.bfloat16, 2), array(ct.float32, 1),
                   layout.element, layout.scale_mode, layout.block, layout.planes, layout.group,
                   DEQUANT_TN]

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_inference.py            # 6 shapes x M in {1, 2, 4, ..., 256, 1024}
     python benchmarks/bench_inference.py --quick    # 3 shapes x M in {1, 16, 64, 128}
+    python benchmarks/bench_inference.py --shapes 4096x2880,512x2880 --ms 1,16   # any shapes and M
 
 For (N, K) in {4096x4096, 14336x4096, 4096x14336, 8192x8192, 28672x8192, 8192x28672} and each M, with
 bf16 activations and bf16 outputs, it first checks every tilemm result against an fp32 matmul of x and
@@ -114,6 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ms", default=None, help="comma-separated M values (default: the full or quick list)")
     ap.add_argument("--out", default=None, help="result file stem (default inference-<gpu>)")
     ap.add_argument("--bias", action="store_true", help="layers with a bf16 bias (and fp32-bias weight-only rows)")
+    ap.add_argument("--shapes", default=None, help="comma-separated NxK weight shapes (default: the full or quick list)")
     add_options(ap)
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
@@ -126,8 +128,11 @@ def main(argv=None) -> int:
     nks, ms = (NK_QUICK, MS_QUICK) if args.quick else (NK, MS)
     if args.cpu_smoke:
         nks, ms = [(128, 64)], [1]
-    elif args.ms:
-        ms = [int(v) for v in args.ms.split(",")]
+    else:
+        if args.ms:
+            ms = [int(v) for v in args.ms.split(",")]
+        if args.shapes:
+            nks = [tuple(map(int, v.split("x"))) for v in args.shapes.split(",")]
     t_start = time.time()
     for n, k in nks:
         torch.manual_seed(0)

@@ -7,6 +7,8 @@ decode is exact; its result is compared with the reference ``x @ dequantize(w).T
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -761,3 +763,23 @@ def test_the_operator_takes_normal_scales():
     normal = torch.ops.tilemm.weight_only_linear(*args, normal_scales=True)
     assert torch.equal(general, normal)
     assert torch.equal(tilemm.linear(x, packed), normal)
+
+
+def test_scale_rows_start_on_16_byte_boundaries():
+    """N not a multiple of 16: prepack pads the scale rows (the kernels' tile loads need 16-byte row
+    strides), moving the weight keeps them so, and a runner aligns a weight built any other way, once."""
+    import tilemm.weight_only as wol
+    from tilemm.packed import aligned_scale_t
+
+    w_q = quantized_weight(MXFP4, 1000, 256)
+    packed = prepack(w_q)
+    assert packed.scale_t.shape == (8, 1000) and packed.scale_t.stride() == (1008, 1)
+    assert packed.to("cpu").scale_t.stride() == (1008, 1)
+    assert torch.equal(unpack(packed).scale.view(torch.uint8), w_q.scale.view(torch.uint8))
+    aligned = prepack(quantized_weight(MXFP4, 1024, 256)).scale_t
+    assert aligned_scale_t(aligned) is aligned and aligned.is_contiguous()
+    plain = dataclasses.replace(packed, scale_t=packed.scale_t.contiguous())
+    runner = wol.WeightOnlyRunner(plain)
+    assert runner.packed.scale_t.stride() == (1008, 1) and torch.equal(runner.packed.scale_t, plain.scale_t)
+    layer = tilemm.nn.Linear.from_float(torch.nn.Linear(256, 1000), "mxfp4", weight_only=True)
+    assert layer.to(torch.float64).weight_scale_packed.stride() == (1008, 1)

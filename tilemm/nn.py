@@ -584,6 +584,8 @@ class Linear(torch.nn.Module):
         finally:
             for name, dtype in dtypes.items():
                 self._buffers[name] = self._buffers[name].view(dtype)
+            if self._buffers.get("weight_scale_packed") is not None:  # a move made its rows contiguous
+                self._buffers["weight_scale_packed"] = _packed.aligned_scale_t(self._buffers["weight_scale_packed"])
             # The cached runner holds device tensors (for a block-scaled layer, a prepacked copy of the
             # weight): drop it, so that moving the layer frees them; the next call rebuilds it.
             self._runner = None

@@ -36,7 +36,8 @@ from .numerics import as_uint8, e2m1_decode, unpack_e2m1, pack_e2m1
 from .quantize import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
 from .reference import decode_scales
 
-__all__ = ["PackedWeight", "prepack", "unpack", "layout_of", "expert", "relayout_words", "LAYOUT_VERSION"]
+__all__ = ["PackedWeight", "prepack", "unpack", "layout_of", "expert", "relayout_words", "aligned_scale_t",
+           "LAYOUT_VERSION"]
 
 _FP32_MAX_LOG2 = 128.0  # values at or above 2^128 overflow fp32
 
@@ -58,6 +59,21 @@ def layout_of(fmt: Format, normal_scales: bool = False) -> Layout:
 #: NVFP4's layout with ``normal_scales``, one object per layout (plans are cached per layout).
 _NORMAL_SCALES = {layout: dataclasses.replace(layout, normal_scales=True)
                   for layout in LAYOUTS.values() if not layout.format.is_mx}
+
+
+def aligned_scale_t(scale_t: torch.Tensor) -> torch.Tensor:
+    """``scale_t`` (K / B, N) with every row starting on a 16-byte boundary: itself where it does, else
+    a view of a copy whose rows are padded to a multiple of 16 bytes. The kernels load scale tiles
+    with the tensor memory accelerator, which takes 16-byte row strides only; with N not a multiple
+    of 16 the plain contiguous bytes would put them on a slower load path (on the H100, 1000 x 4096
+    at M = 1: 0.72x bf16 against 1.22x for 1024 x 4096)."""
+    if scale_t.ndim != 2 or (scale_t.stride(1) == 1 and scale_t.stride(0) * scale_t.element_size() % 16 == 0
+                             and scale_t.data_ptr() % 16 == 0):
+        return scale_t
+    rows, n = scale_t.shape
+    padded = torch.zeros(rows, -(-n // 16) * 16, dtype=scale_t.dtype, device=scale_t.device)
+    padded[:, :n] = scale_t
+    return padded[:, :n]
 
 
 def _all_normal(scale: torch.Tensor, codes: torch.Tensor, block: int) -> bool:
@@ -137,7 +153,7 @@ class PackedWeight:
     def to(self, device) -> "PackedWeight":
         """The same weight on another device."""
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return dataclasses.replace(self, words=move(self.words), scale_t=move(self.scale_t),
+        return dataclasses.replace(self, words=move(self.words), scale_t=aligned_scale_t(move(self.scale_t)),
                                    constants=move(self.constants), global_scale=move(self.global_scale),
                                    nan_scale=move(self.nan_scale))
 
@@ -333,7 +349,7 @@ def prepack(w_q) -> PackedWeight:
     if gs is not None:
         constants[0] = constants[0] * gs
     normal = fmt.is_packed and not fmt.is_mx and _all_normal(scale, codes, fmt.block)
-    return PackedWeight(fmt=fmt, words=_pack_words(codes, layout), scale_t=scale.t().contiguous(),
+    return PackedWeight(fmt=fmt, words=_pack_words(codes, layout), scale_t=aligned_scale_t(scale.t().contiguous()),
                         constants=constants, exponent=exponent, in_features=k, global_scale=gs,
                         nan_scale=nan_scale, alpha_host=float(constants[0]), normal_scales=normal)
 

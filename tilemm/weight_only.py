@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from typing import Optional
 
 import torch
@@ -34,7 +35,7 @@ from .kernels._common import num_sms, stream_handle
 from .kernels import weight_only_kernels as _kernel
 from .kernels import hopper_weight_only_large as _large_kernel
 from .kernels.quantize_kernels import FakeQuant
-from .packed import PackedWeight, _unpack_words, layout_of
+from .packed import PackedWeight, _unpack_words, aligned_scale_t, layout_of
 from .reference import decode_elements, decode_scales
 from .numerics import pack_e2m1
 
@@ -115,7 +116,10 @@ class WeightOnlyRunner:
                  "bias_source", "keep_workspace", "has_bias")
 
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None, keep_workspace: bool = True):
-        self.packed = packed
+        # Scale rows on 16-byte boundaries (``aligned_scale_t``: prepack lays them out so; a weight
+        # moved or built elsewhere may not be), copied once here where they are not.
+        scale_t = aligned_scale_t(packed.scale_t)
+        self.packed = packed if scale_t is packed.scale_t else dataclasses.replace(packed, scale_t=scale_t)
         self.keep_workspace = keep_workspace
         self.layout = packed.layout
         self.n, self.k = packed.shape

@@ -99,7 +99,8 @@ class PackedWeight:
       ``E2M1_FIELDS`` names (chosen for the fewest decode instructions); 8-bit elements take a lane's
       low (plane 0) and high (plane 1) byte.
     * ``scale_t`` (K / B, N) uint8: the scale bytes (e8m0, or e4m3 for NVFP4), transposed, which is
-      how the kernel loads them. MXFP8 only: a block holding a NaN element gets the NaN scale byte
+      how the kernel loads them, each row starting on a 16-byte boundary (``aligned_scale_t``: for N
+      not a multiple of 16, a view of padded rows). MXFP8 only: a block holding a NaN element gets the NaN scale byte
       255, since a NaN anywhere in weight row n makes output column n NaN either way (the original
       bytes are kept in ``nan_scale`` for ``unpack``).
     * ``exponent`` E and ``constants`` = [2^E * decode scale, 2^(offset - E)] (fp32, on the device):

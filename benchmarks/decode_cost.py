@@ -37,11 +37,14 @@ import tempfile
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _results import Transcript, add_options, command, results_path  # noqa: E402
 
+import cuda.tile as ct  # noqa: E402
+from cuda.tile import compilation as cc  # noqa: E402
+
 from tilemm.kernels import hopper_block_scaled as hbs  # noqa: E402
 from tilemm.kernels import hopper_weight_only_large as wol  # noqa: E402
 from tilemm.kernels import moe_kernels  # noqa: E402
 from tilemm.kernels import weight_only_kernels as wo  # noqa: E402
-from tilemm.kernels._aot import AotVariant, compile_variant  # noqa: E402
+from tilemm.kernels._aot import AotVariant, array, compile_variant  # noqa: E402
 from tilemm.formats import MXFP4, MXFP8_E4M3, NVFP4  # noqa: E402
 
 
@@ -107,11 +110,28 @@ def _opcodes(body: list[str]) -> collections.Counter:
     return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0] for b in body)
 
 
+#: NVFP4's layout for weights whose scale bytes are all normal (``Layout.normal_scales``), which is
+#: what prepack gives a quantized trained weight; counted beside the general layouts.
+NORMAL = "nvfp4_normal"
+
+
+def _layout(name: str) -> wo.Layout:
+    return dataclasses.replace(wo.LAYOUTS["nvfp4"], normal_scales=True) if name == NORMAL else wo.LAYOUTS[name]
+
+
+def _layouts() -> dict:
+    """The layouts the default count covers: ``weight_only_kernels.LAYOUTS`` and NVFP4's normal one."""
+    return {**wo.LAYOUTS, NORMAL: _layout(NORMAL)}
+
+
 def weight_only_variant(name: str, cfg: wo.WeightOnlyConfig) -> tuple[AotVariant, float, int]:
     """(variant, weight elements per thread per main-loop iteration, K tiles per iteration) for a bf16
-    activation."""
-    layout = wo.LAYOUTS[name]
-    v = [a for a in wo.aot_variants(full=True) if a.name == f"weight_only_{name}_bfloat16_{cfg.name}"]
+    activation; ``name`` a key of ``_layouts()``."""
+    layout = _layout(name)
+    if name == NORMAL:
+        v = [wo.aot_variant("nvfp4", cfg, normal_scales=True)]
+    else:
+        v = [a for a in wo.aot_variants(full=True) if a.name == f"weight_only_{name}_bfloat16_{cfg.name}"]
     if not v:
         raise KeyError(f"no weight-only variant {name} {cfg.name}")
     threads = 32 * cfg.num_worker_warps
@@ -123,8 +143,14 @@ def large_variant(name: str, cfg) -> tuple[AotVariant, float, int]:
     """(variant, weight elements per thread per main-loop iteration, 1) of the large-M fused kernel
     (``hopper_weight_only_large``) for a bf16 activation: each K tile's tile_n x tile_k weight elements
     are decoded once by the block's threads and feed tile_m columns of x."""
-    layout = wo.LAYOUTS[name]
+    layout = _layout(name)
     v = [a for a in wol.aot_variants() if a.name == f"weight_only_large_{name}_{cfg.name}"]
+    if not v and name == NORMAL:  # a config the rules do not name for it: specialised here
+        partial = array(ct.float32, 3) if cfg.split_k > 1 else array(ct.float32, 1)
+        v = [AotVariant(f"weight_only_large_{name}_{cfg.name}", cfg.kernel,
+                        [array(ct.bfloat16, 2), array(ct.int32, 2), array(ct.uint8, 2), array(ct.bfloat16, 2),
+                         array(ct.float32, 1), array(ct.float32, 1), array(ct.float32, 1), partial,
+                         cc.ScalarConstraint(ct.int32), *wol._constants(layout, cfg, 1)], targets=("sm_90",))]
     if not v:
         raise KeyError(f"no large-M weight-only variant {name} {cfg.name}")
     # A block of num_ctas CTAs: each CTA's 32 * warps threads decode its tile_n / num_ctas rows.
@@ -171,13 +197,15 @@ def default_variants():
 K = 4096 4-bit MX weights take stacked blocks there) and without (N = 14336, K = 4096),
     with stacked K tiles at M = 4 (N = 8192: 32-row blocks; N = 4096: 16-row blocks; N = 1024: the
     "few" blocks of 8 rows) and M = 16 (N = 4096: 32 rows in 128 MMA rows; N = 1024: the few blocks of
-    16 rows); the block-scaled stream kernel at M = 16; and the large-M fused
+    16 rows), for every layout and NVFP4's normal-scale one (``NORMAL``); the block-scaled stream
+    kernel at M = 16; and the large-M fused
     kernel (its first candidate: 128 weight rows x 128 rows of x, one MMA per K tile) and its
     one-warpgroup split blocks that the runner takes at few rows (``few_rows_fused``)."""
-    out = [weight_only_variant(name, cfg) for name, layout in wo.LAYOUTS.items() for cfg in _planned(layout)]
+    out = [weight_only_variant(name, cfg) for name, layout in _layouts().items() for cfg in _planned(layout)]
     out += [stream_variant(fmt) for fmt in (MXFP4, NVFP4, MXFP8_E4M3)]
-    out += [large_variant(name, wol.CANDIDATES[0]) for name in ("mxfp4", "nvfp4", "mxfp8_e4m3")]
-    out += [large_variant(name, cfg) for name in ("mxfp4", "nvfp4", "mxfp8_e4m3") for cfg in few_rows_fused(name)]
+    large = ("mxfp4", "nvfp4", NORMAL, "mxfp8_e4m3")
+    out += [large_variant(name, wol.CANDIDATES[0]) for name in large]
+    out += [large_variant(name, cfg) for name in large for cfg in few_rows_fused(name)]
     return out
 
 
@@ -185,7 +213,7 @@ def few_rows_fused(name: str) -> list:
     """The fused kernel's configs that the weight-only runner takes at few rows of x (the large-M
     plan's one-warpgroup split blocks: 4096 x 14336 at M = 16 / 32 for 4-bit weights, M = 32 for 8-bit
     ones), each once, with split_k 2 (the count is a run-time argument: one code path)."""
-    cfgs = [wol.plan(m, 4096, 14336, wo.LAYOUTS[name]) for m in (16, 32)]
+    cfgs = [wol.plan(m, 4096, 14336, _layout(name)) for m in (16, 32)]
     return list(dict.fromkeys(dataclasses.replace(c, split_k=2) for c in cfgs if c is not None and c.kind == "fused"))
 
 

@@ -1,6 +1,6 @@
 """Scale rows padded to 16 bytes against contiguous ones, for weights whose N is not a multiple of 16.
 
-    python benchmarks/investigations/scale_row_alignment.py
+    python benchmarks/investigations/scale_row_alignment.py [mxfp4,nvfp4,mxfp8]
 
 ``tilemm.prepack`` lays the (K / B, N) scale bytes out with rows padded to a multiple of 16 bytes
 (``packed.aligned_scale_t``), since the kernels' scale tiles are loaded by the tensor memory
@@ -32,7 +32,7 @@ def main() -> int:
     dev = torch.device("cuda")
     timer = Timer(20, dev)
     print("# scale rows padded to 16 bytes (aligned) against contiguous (stride N), the plan's kernel, same run")
-    for fmt in ("mxfp4", "nvfp4", "mxfp8"):
+    for fmt in sys.argv[1].split(",") if len(sys.argv) > 1 else ("mxfp4", "nvfp4", "mxfp8"):
         for n, k in ((1000, 4000), (1000, 4096), (50257, 4096)):
             torch.manual_seed(0)
             lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)

@@ -731,14 +731,16 @@ def test_normal_scales_survive_copies_and_layers():
     assert loaded.packed_weight().normal_scales
 
 
-@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_normal_scale_kernels_match_reference(emulated, x_dtype):
-    # Scale bytes over the whole normal range (0x08 .. 0x7E: the exponent E is 7), two zero blocks;
+@pytest.mark.parametrize("x_dtype,hi,exponent", [(torch.bfloat16, 0x7F, 7), (torch.float32, 0x7F, 7),
+                                                  (torch.bfloat16, 0x50, 1), (torch.bfloat16, 0x30, 0)],
+                         ids=["bf16", "fp32", "bf16-E1", "bf16-E0"])
+def test_normal_scale_kernels_match_reference(emulated, x_dtype, hi, exponent):
+    # Scale bytes over the normal range 0x08 .. hi - 1 (E = 7 for the whole range), two zero blocks;
     # K = 320 leaves a zero-padded last K tile, whose scale bytes load as 0.
     m, n, k = 3, 20, 320
-    w_q = normal_nvfp4(n, k, seed=4, zero_blocks=2)
+    w_q = normal_nvfp4(n, k, seed=4, zero_blocks=2, hi=hi)
     packed = prepack(w_q)
-    assert packed.normal_scales and packed.exponent == 7
+    assert packed.normal_scales and packed.exponent == exponent
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(5)) * 3).to(x_dtype)
     bias = torch.randn(n)
     for cfg in (wo.WeightOnlyConfig(16, 16, 1), wo.WeightOnlyConfig(16, 16, 2), _gemv(1, 1, 2), _gemv(2, 2, 1)):
@@ -752,17 +754,31 @@ def test_normal_scale_kernels_match_reference(emulated, x_dtype):
     torch.testing.assert_close(deq.double(), expected, rtol=2 ** -20, atol=0)
 
 
-def test_the_operator_takes_normal_scales():
-    """``torch.ops.tilemm.weight_only_linear`` carries the PackedWeight's flag (under torch.compile
-    the layer is this operator); on the CPU it runs the reference either way."""
-    w_q = normal_nvfp4(16, 64)
-    packed = prepack(w_q)
+def test_the_operator_takes_normal_scales(monkeypatch):
+    """``torch.ops.tilemm.weight_only_linear`` carries the PackedWeight's flag to what it runs (under
+    torch.compile the layer is this operator), from ``tilemm.linear`` and from ``nn.Linear``; the
+    flag is refused on other formats."""
+    import tilemm.weight_only as wol
+
+    seen = []
+    run = wol.run_weight_only
+    monkeypatch.setattr(wol, "run_weight_only", lambda *a, **k: seen.append(a[-1]) or run(*a, **k))
+    packed = prepack(normal_nvfp4(16, 64))
     x = torch.randn(2, 64, dtype=torch.bfloat16)
-    args = (x, packed.words, packed.scale_t, packed.constants, "nvfp4", 64)
-    general = torch.ops.tilemm.weight_only_linear(*args)
-    normal = torch.ops.tilemm.weight_only_linear(*args, normal_scales=True)
-    assert torch.equal(general, normal)
-    assert torch.equal(tilemm.linear(x, packed), normal)
+    tilemm.linear(x, packed)
+    tilemm.linear(x, dataclasses.replace(packed, normal_scales=False))
+    layer = tilemm.nn.Linear.from_float(torch.nn.Linear(64, 16), "nvfp4", weight_only=True)
+    layer(x)
+    assert seen == [True, False, True]
+    with pytest.raises(ValueError, match="normal_scales is for NVFP4"):
+        dataclasses.replace(prepack(quantized_weight(MXFP4, 16, 64)), normal_scales=True)
+
+
+def test_a_layer_pickled_before_normal_scales_still_runs():
+    layer = tilemm.nn.Linear.from_float(torch.nn.Linear(64, 16), "nvfp4", weight_only=True)
+    del layer._normal_scales  # as a layer saved whole before the attribute existed
+    assert not layer.packed_weight().normal_scales
+    layer(torch.randn(2, 64))
 
 
 def test_scale_rows_start_on_16_byte_boundaries():
@@ -774,7 +790,8 @@ def test_scale_rows_start_on_16_byte_boundaries():
     w_q = quantized_weight(MXFP4, 1000, 256)
     packed = prepack(w_q)
     assert packed.scale_t.shape == (8, 1000) and packed.scale_t.stride() == (1008, 1)
-    assert packed.to("cpu").scale_t.stride() == (1008, 1)
+    moved = packed.to("meta").scale_t  # a move that copies (on the CPU, .to("cpu") is the same tensor)
+    assert moved is not packed.scale_t and moved.stride() == (1008, 1)
     assert torch.equal(unpack(packed).scale.view(torch.uint8), w_q.scale.view(torch.uint8))
     aligned = prepack(quantized_weight(MXFP4, 1024, 256)).scale_t
     assert aligned_scale_t(aligned) is aligned and aligned.is_contiguous()
@@ -782,4 +799,21 @@ def test_scale_rows_start_on_16_byte_boundaries():
     runner = wol.WeightOnlyRunner(plain)
     assert runner.packed.scale_t.stride() == (1008, 1) and torch.equal(runner.packed.scale_t, plain.scale_t)
     layer = tilemm.nn.Linear.from_float(torch.nn.Linear(256, 1000), "mxfp4", weight_only=True)
-    assert layer.to(torch.float64).weight_scale_packed.stride() == (1008, 1)
+    before = layer.weight_scale_packed
+    layer._apply(torch.clone)  # what Module.to(device) does to every buffer: a contiguous copy
+    assert layer.weight_scale_packed is not before and layer.weight_scale_packed.stride() == (1008, 1)
+    assert torch.equal(layer.weight_scale_packed, before)
+
+
+def test_normal_scale_experts_under_a_shared_exponent(emulated):
+    """Stacked experts share the largest exponent (here 7 against an expert's own 0): each expert's
+    multipliers move down, and the normal-scale decode still gives the expert's product."""
+    from tilemm.packed import expert
+
+    small, large = normal_nvfp4(20, 256, seed=6, hi=0x30), normal_nvfp4(20, 256, seed=7)
+    stacked = prepack([small, large])
+    assert stacked.normal_scales and stacked.exponent == 7 and prepack(small).exponent == 0
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    for e, w_q in enumerate((small, large)):
+        out = _run(x, expert(stacked, e), wo.WeightOnlyConfig(16, 16, 1))
+        assert_matches(out.float(), _reference(x, w_q), torch.bfloat16)

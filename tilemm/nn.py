@@ -212,6 +212,9 @@ class Linear(torch.nn.Module):
     fp32) and ``bias`` (out_features,) or None.
     """
 
+    #: Set by ``_set_packed`` (``PackedWeight.normal_scales``); a class default for layers pickled before it.
+    _normal_scales = False
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, format: str = "mxfp8",
                  swizzle: bool | None = None, weight_only: bool = False, granularity=None,
                  elem_dtype: torch.dtype | None = None, rounding: str | None = None,

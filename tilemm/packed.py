@@ -99,8 +99,9 @@ class PackedWeight:
       ``E2M1_FIELDS`` names (chosen for the fewest decode instructions); 8-bit elements take a lane's
       low (plane 0) and high (plane 1) byte.
     * ``scale_t`` (K / B, N) uint8: the scale bytes (e8m0, or e4m3 for NVFP4), transposed, which is
-      how the kernel loads them, each row starting on a 16-byte boundary (``aligned_scale_t``: for N
-      not a multiple of 16, a view of padded rows). MXFP8 only: a block holding a NaN element gets the NaN scale byte
+      how the kernel loads them. ``prepack`` starts each row of a single weight's scales on a 16-byte
+      boundary (``aligned_scale_t``: for N not a multiple of 16, a view of padded rows); stacked
+      experts' rows are contiguous. MXFP8 only: a block holding a NaN element gets the NaN scale byte
       255, since a NaN anywhere in weight row n makes output column n NaN either way (the original
       bytes are kept in ``nan_scale`` for ``unpack``).
     * ``exponent`` E and ``constants`` = [2^E * decode scale, 2^(offset - E)] (fp32, on the device):
@@ -125,8 +126,13 @@ class PackedWeight:
     #: constants[0] as a Python float (2^E * decode scale), for host-side GEMM calls without a sync.
     alpha_host: float = 1.0
     #: NVFP4: every scale byte is normal (``Layout.normal_scales``), which ``prepack`` checks; the
-    #: kernels then decode scales with fewer instructions. False is always correct.
+    #: kernels then decode scales with fewer instructions. The kernels trust it (set it only as
+    #: ``prepack`` does); False is always correct.
     normal_scales: bool = False
+
+    def __post_init__(self):
+        if self.normal_scales and (self.fmt.is_mx or not self.fmt.is_packed):
+            raise ValueError(f"PackedWeight: normal_scales is for NVFP4 weights, got {self.fmt.name}")
 
     @property
     def layout(self) -> Layout:

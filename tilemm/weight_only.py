@@ -313,7 +313,9 @@ def run_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_features: 
     # A runner per call that keeps nothing of its own: under torch.compile's CUDA graphs
     # (mode="reduce-overhead") the call allocates only its output and launches one kernel (two where
     # the large-M plan splits K in the fused kernel; a missing bias and a K split's workspace are
-    # persistent buffers shared per device / stream, ``weight_only_kernels.zero_bias`` / ``workspace``).
+    # persistent buffers shared per device / stream, ``weight_only_kernels.zero_bias`` / ``workspace``),
+    # as long as the scale rows start on 16-byte boundaries, as ``prepack`` lays them out (else each
+    # call also copies them to padded rows: ``aligned_scale_t``).
     runner = WeightOnlyRunner(packed, bias, keep_workspace=False)
     return runner(x2d.contiguous(), None if alpha is None else alpha.reshape(1), out_dtype=out_dtype)
 
@@ -326,7 +328,8 @@ def _weight_only_linear_op(x: Tensor, words: Tensor, scale_t: Tensor, constants:
     """x (M, K) float times a prepacked (N, K) weight (``tilemm.packed.PackedWeight``'s tensors);
     ``alpha`` replaces constants[0] (2^E * decode scale) in the epilogue when given; ``alpha_host`` is
     constants[0] as a float (for the large-M GEMM, which takes a host scalar); ``out_dtype`` None is
-    x's dtype; ``normal_scales`` is the PackedWeight's (NVFP4 scale bytes all normal)."""
+    x's dtype; ``normal_scales`` is the PackedWeight's (NVFP4 scale bytes all normal, as ``prepack``
+    found them; the kernels trust it)."""
     return run_weight_only(x, words, scale_t, constants, format, in_features, bias, alpha,
                            alpha_host, out_dtype, normal_scales)
 

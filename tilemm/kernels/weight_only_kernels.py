@@ -1020,10 +1020,11 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                                         if x_dtype == torch.bfloat16 else [])
             for c_ct, c_configs in outs:
                 variants += [aot_variant(name, cfg, x_dtype, c_ct) for cfg in c_configs]
-    # NVFP4 weights with normal scale bytes: their scale decode (SCALE_MODE 2) on every code path,
-    # bf16 x (the decode differs from the general layout's in ``_multipliers`` only).
+    # NVFP4 weights with normal scale bytes: their scale decode (SCALE_MODE 2) on every code path and
+    # activation dtype (the decode differs from the general layout's in ``_multipliers`` only).
     normal = dataclasses.replace(LAYOUTS["nvfp4"], normal_scales=True)
-    variants += [aot_variant("nvfp4", cfg, normal_scales=True) for cfg in _code_paths(_configs(normal))]
+    variants += [aot_variant("nvfp4", cfg, x_dtype, normal_scales=True)
+                 for x_dtype in _CT_DTYPES for cfg in _code_paths(_configs(normal))]
     for name, layout in (*LAYOUTS.items(), ("nvfp4_normal", normal)):
         params = [array(ct.int32, 2), array(ct.uint8, 2), array(ct.bfloat16, 2), array(ct.float32, 1),
                   layout.element, layout.scale_mode, layout.block, layout.planes, layout.group,

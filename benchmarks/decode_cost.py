@@ -116,7 +116,7 @@ NORMAL = "nvfp4_normal"
 
 
 def _layout(name: str) -> wo.Layout:
-    return dataclasses.replace(wo.LAYOUTS["nvfp4"], normal_scales=True) if name == NORMAL else wo.LAYOUTS[name]
+    return wo.NVFP4_NORMAL if name == NORMAL else wo.LAYOUTS[name]
 
 
 def _layouts() -> dict:

@@ -31,7 +31,7 @@ import torch
 import swizzle as _swizzle
 
 from .formats import Format
-from .kernels.weight_only_kernels import E2M1_FIELDS, LAYOUTS, Layout
+from .kernels.weight_only_kernels import E2M1_FIELDS, LAYOUTS, NVFP4_NORMAL, Layout
 from .numerics import as_uint8, e2m1_decode, unpack_e2m1, pack_e2m1
 from .quantize import MXFP4Tensor, MXFP8Tensor, NVFP4Tensor
 from .reference import decode_scales
@@ -53,20 +53,19 @@ def layout_of(fmt: Format, normal_scales: bool = False) -> Layout:
     layout = LAYOUTS.get(getattr(fmt, "name", None))
     if layout is None or layout.format != fmt:
         raise TypeError(f"prepack: weight-only layouts exist for MXFP4, NVFP4 and MXFP8 weights, got {fmt}")
-    return _NORMAL_SCALES[layout] if normal_scales else layout
-
-
-#: NVFP4's layout with ``normal_scales``, one object per layout (plans are cached per layout).
-_NORMAL_SCALES = {layout: dataclasses.replace(layout, normal_scales=True)
-                  for layout in LAYOUTS.values() if not layout.format.is_mx}
+    if not normal_scales:
+        return layout
+    if layout.format != NVFP4_NORMAL.format:
+        raise ValueError(f"PackedWeight: normal_scales is for NVFP4 weights, got {fmt.name}")
+    return NVFP4_NORMAL
 
 
 def aligned_scale_t(scale_t: torch.Tensor) -> torch.Tensor:
     """``scale_t`` (K / B, N) with every row starting on a 16-byte boundary: itself where it does, else
     a view of a copy whose rows are padded to a multiple of 16 bytes. The kernels load scale tiles
     with the tensor memory accelerator, which takes 16-byte row strides only; with N not a multiple
-    of 16 the plain contiguous bytes would put them on a slower load path (on the H100, 1000 x 4096
-    at M = 1: 0.72x bf16 against 1.22x for 1024 x 4096)."""
+    of 16 the plain contiguous bytes would put them on a slower load path
+    (``benchmarks/results/scale-row-alignment-*.txt``)."""
     if scale_t.ndim != 2 or (scale_t.stride(1) == 1 and scale_t.stride(0) * scale_t.element_size() % 16 == 0
                              and scale_t.data_ptr() % 16 == 0):
         return scale_t
@@ -131,8 +130,8 @@ class PackedWeight:
     normal_scales: bool = False
 
     def __post_init__(self):
-        if self.normal_scales and (self.fmt.is_mx or not self.fmt.is_packed):
-            raise ValueError(f"PackedWeight: normal_scales is for NVFP4 weights, got {self.fmt.name}")
+        if self.normal_scales:
+            layout_of(self.fmt, True)  # raises for formats other than NVFP4
 
     @property
     def layout(self) -> Layout:

@@ -14,7 +14,6 @@ block scales are all normal.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import pathlib
 import sys
 
@@ -45,7 +44,7 @@ def main(argv=None) -> int:
         lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
         packed = tilemm.prepack(tilemm.quantize_nvfp4(lin.weight.detach()))
         general = wo.LAYOUTS["nvfp4"]
-        normal = dataclasses.replace(general, normal_scales=True)
+        normal = wo.NVFP4_NORMAL
         w_deq = tilemm.unpack(packed).dequantize().float()
         zero = wo.zero_bias(dev, n)
         for m in map(int, args.ms.split(",")):

@@ -747,7 +747,7 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
     # NVFP4 with normal scale bytes (``Layout.normal_scales``): the configs its family's rules name.
     rule = RULES["nvfp4"]
     named = [c for c, _ in rule.fused] + [dataclasses.replace(c, split_k=2) for c, _ in rule.split]
-    normal = [("nvfp4_normal", dataclasses.replace(_wo.LAYOUTS["nvfp4"], normal_scales=True),
+    normal = [("nvfp4_normal", _wo.NVFP4_NORMAL,
                [c for c in dict.fromkeys(named) if c.kind == "fused"])]
     for name, layout, configs in (*((n, lay, _configs(n)) for n, lay in _wo.LAYOUTS.items()), *normal):
         for cfg in configs:

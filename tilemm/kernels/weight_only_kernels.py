@@ -38,7 +38,8 @@ from ._aot import AotVariant, array
 from ._common import Described, e2m1_bits, e8m0_bits_bf16, hinted, sm90_hints
 
 
-__all__ = ["WeightOnlyConfig", "plan", "M1_KERNELS", "launch", "Prepared", "aot_variants", "LAYOUTS", "Layout"]
+__all__ = ["WeightOnlyConfig", "plan", "M1_KERNELS", "launch", "Prepared", "aot_variants", "LAYOUTS", "NVFP4_NORMAL",
+           "Layout"]
 
 ConstInt = ct.Constant[int]
 
@@ -119,6 +120,10 @@ LAYOUTS = {layout.format.name: layout for layout in (
     Layout(MXFP8_E4M3, planes=2, group=2),
     Layout(MXFP8_E5M2, planes=2, group=2),
 )}
+
+#: NVFP4's layout for a weight whose scale bytes are all normal (``Layout.normal_scales``; ``prepack``
+#: decides, ``tilemm.packed.layout_of`` hands it out).
+NVFP4_NORMAL = dataclasses.replace(LAYOUTS["nvfp4"], normal_scales=True)
 
 
 #: e2m1 fields within each 16-bit lane, per plane p: (lowest of the 3 magnitude bits, sign bit). Planes
@@ -988,12 +993,12 @@ def _code_paths(every: list[WeightOnlyConfig]) -> list[WeightOnlyConfig]:
 
 def aot_variant(name: str, cfg: WeightOnlyConfig, x_dtype: torch.dtype = torch.bfloat16, out_ct=None,
                 normal_scales: bool = False) -> AotVariant:
-    """The kernel of ``cfg`` for layout ``name`` (with ``normal_scales``: NVFP4's layout for normal
-    scale bytes, named ``nvfp4_normal``) and an activation of ``x_dtype`` (output dtype ``out_ct``,
+    """The kernel of ``cfg`` for layout ``name`` (with ``normal_scales``: ``NVFP4_NORMAL``, named
+    ``nvfp4_normal``) and an activation of ``x_dtype`` (output dtype ``out_ct``,
     default x's), as its launch specialises it, for sm_90, sm_100 and sm_120."""
     layout, x_ct = LAYOUTS[name], _CT_DTYPES[x_dtype]
     if normal_scales:
-        layout, name = dataclasses.replace(layout, normal_scales=True), f"{name}_normal"
+        layout, name = NVFP4_NORMAL, f"{name}_normal"
     c_ct = x_ct if out_ct is None else out_ct
     params = [array(x_ct, 2), array(ct.int32, 2), array(ct.uint8, 2), array(c_ct, 2),
               array(ct.float32, 1), array(ct.float32, 1), array(ct.float32, 1),
@@ -1022,10 +1027,9 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
                 variants += [aot_variant(name, cfg, x_dtype, c_ct) for cfg in c_configs]
     # NVFP4 weights with normal scale bytes: their scale decode (SCALE_MODE 2) on every code path and
     # activation dtype (the decode differs from the general layout's in ``_multipliers`` only).
-    normal = dataclasses.replace(LAYOUTS["nvfp4"], normal_scales=True)
     variants += [aot_variant("nvfp4", cfg, x_dtype, normal_scales=True)
-                 for x_dtype in _CT_DTYPES for cfg in _code_paths(_configs(normal))]
-    for name, layout in (*LAYOUTS.items(), ("nvfp4_normal", normal)):
+                 for x_dtype in _CT_DTYPES for cfg in _code_paths(_configs(NVFP4_NORMAL))]
+    for name, layout in (*LAYOUTS.items(), ("nvfp4_normal", NVFP4_NORMAL)):
         params = [array(ct.int32, 2), array(ct.uint8, 2), array(ct.bfloat16, 2), array(ct.float32, 1),
                   layout.element, layout.scale_mode, layout.block, layout.planes, layout.group,
                   DEQUANT_TN]

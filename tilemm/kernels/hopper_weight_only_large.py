@@ -73,6 +73,15 @@ def _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_MODE, BLOCK, PLANES, GR
     SC = PLANES * GROUP
     w = _load_w(W, bn, kt, TN, WORDS, LATENCY_W)
     s_raw = ct.load(S, (kt, bn), (SC, TN), padding_mode=_ZERO).transpose()
+    if CAT == 2:
+        # One x load per plane (its own shared-memory buffer), one MMA per plane.
+        TP = GROUP * BLOCK
+        mult = _wo._multipliers(s_raw, Mult, SCALE_MODE).reshape((TN, PLANES, GROUP, 1))
+        for p in ct.static_iter(range(PLANES)):
+            plane = _wo._scaled_plane(w, mult, p, ELEMENT, BLOCK, GROUP, TN)
+            x_p = _load_x(X, bm, kt * PLANES + p, TM, TP, LATENCY_X)
+            acc = _wo._mma_x(plane, x_p, acc, X_PARTS)
+        return acc
     x = _load_x(X, bm, kt, TM, TK, LATENCY_X)
     return _k_tile(w, s_raw, Mult, x, acc, ELEMENT, SCALE_MODE, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT)
 

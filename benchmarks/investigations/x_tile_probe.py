@@ -60,7 +60,7 @@ def main(argv=None) -> int:
         for n, k in (tuple(map(int, s.split("x"))) for s in args.shapes.split(",")):
             lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
             packed = tilemm.prepack(quantize(lin.weight.detach()))
-            layout = packed_mod.layout_of(packed.format, packed.normal_scales)
+            layout = packed_mod.layout_of(packed.fmt, packed.normal_scales)
             w_deq = tilemm.unpack(packed).dequantize().float()
             zero = wo.zero_bias(dev, n)
             for m in map(int, args.ms.split(",")):

@@ -78,7 +78,8 @@ def main(argv=None) -> int:
                     else:
                         cfg = wl.with_split(parse(spec), m, n, k, layout, sms) if "s" not in spec else parse(spec)
                     try:
-                        prep = wl.Prepared(packed.words, packed.scale_t, packed.constants, zero, layout, cfg, m,
+                        scales = packed.scale_t.T.contiguous() if cfg.cat == 3 else packed.scale_t
+                        prep = wl.Prepared(packed.words, scales, packed.constants, zero, layout, cfg, m,
                                            sms, x.dtype)
                         run = lambda: prep.run(x, out, torch.cuda.current_stream(dev))  # noqa: E731
                         out.fill_(float("nan"))

@@ -72,6 +72,11 @@ def _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_MODE, BLOCK, PLANES, GR
     TK = PLANES * GROUP * BLOCK
     SC = PLANES * GROUP
     w = _load_w(W, bn, kt, TN, WORDS, LATENCY_W)
+    if CAT == 3:
+        # Probe: S holds the scale bytes row-major (N, K / BLOCK), a row's bytes of a K tile contiguous.
+        s_raw = ct.load(S, (bn, kt), (TN, SC), padding_mode=_ZERO)
+        x = _load_x(X, bm, kt, TM, TK, LATENCY_X)
+        return _k_tile(w, s_raw, Mult, x, acc, ELEMENT, SCALE_MODE, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, 0)
     s_raw = ct.load(S, (kt, bn), (SC, TN), padding_mode=_ZERO).transpose()
     if CAT == 2:
         # One x load per plane (its own shared-memory buffer), one MMA per plane.

@@ -805,6 +805,50 @@ def test_scale_rows_start_on_16_byte_boundaries():
     assert torch.equal(layer.weight_scale_packed, before)
 
 
+def test_nvfp4_scales_are_row_major():
+    """A single NVFP4 weight keeps its scale bytes row-major (N, K / 16), rows on 16-byte boundaries;
+    the MX formats and stacked experts keep them transposed. A scale tensor of the other orientation
+    is refused, and a weight pickled before the row-major layout (version 2) is turned row-major."""
+    from tilemm.packed import LAYOUT_VERSION, expert
+
+    w_q = quantized_weight(NVFP4, 40, 480)  # K / 16 = 30 bytes per row: padded to 32
+    packed = prepack(w_q)
+    assert packed.scale_rows and packed.scale_t.shape == (40, 30) and packed.scale_t.stride() == (32, 1)
+    assert torch.equal(packed.scale_t, _bytes(w_q.scale))
+    assert torch.equal(unpack(packed).scale.view(torch.uint8), _bytes(w_q.scale))
+    mx = prepack(quantized_weight(MXFP4, 40, 480))
+    assert not mx.scale_rows and mx.scale_t.shape == (15, 40)
+    with pytest.raises(ValueError, match=r"scale_t must be \(N, K/B\) = \(40, 30\)"):
+        dataclasses.replace(packed, scale_t=packed.scale_t.t())
+    with pytest.raises(ValueError, match=r"scale_t must be \(K/B, N\) = \(15, 40\)"):
+        dataclasses.replace(mx, scale_t=mx.scale_t.t())
+
+    state = packed.__getstate__()
+    assert state.pop("layout_version") == LAYOUT_VERSION == 3
+    state.update(layout_version=2, scale_t=packed.scale_t.t().contiguous())  # as pickled by version 2
+    old = object.__new__(type(packed))
+    old.__setstate__(state)
+    assert torch.equal(old.scale_t, packed.scale_t) and old.scale_t.stride() == (32, 1)
+
+    stacked = prepack([w_q, quantized_weight(NVFP4, 40, 480, seed=1)])
+    assert not stacked.scale_rows and stacked.scale_t.shape == (2, 30, 40)
+    first = expert(stacked, 0)
+    assert first.scale_rows and torch.equal(first.scale_t, packed.scale_t)
+    assert torch.equal(unpack(stacked).scale[0].view(torch.uint8), _bytes(w_q.scale))
+
+
+def test_a_layer_pickled_before_row_major_scales_still_runs():
+    layer = tilemm.nn.Linear.from_float(torch.nn.Linear(64, 16), "nvfp4", weight_only=True)
+    x = torch.randn(2, 64)
+    expected = layer(x)
+    # as a layer saved whole by version 2: transposed scales, no version attribute
+    layer.weight_scale_packed = layer.weight_scale_packed.t().contiguous()
+    del layer._packed_version
+    layer._runner = None
+    assert layer.packed_weight().scale_t.shape == (16, 4)
+    assert torch.equal(layer(x), expected)
+
+
 def test_normal_scale_experts_under_a_shared_exponent(emulated):
     """Stacked experts share the largest exponent (here 7 against an expert's own 0): each expert's
     multipliers move down, and the normal-scale decode still gives the expert's product."""

@@ -214,6 +214,9 @@ class Linear(torch.nn.Module):
 
     #: Set by ``_set_packed`` (``PackedWeight.normal_scales``); a class default for layers pickled before it.
     _normal_scales = False
+    #: The prepacked layout's version (``tilemm.packed.LAYOUT_VERSION``) of the packed buffers; a class
+    #: default for layers pickled before version 3, whose NVFP4 scales ``packed_weight`` turns row-major.
+    _packed_version = 2
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, format: str = "mxfp8",
                  swizzle: bool | None = None, weight_only: bool = False, granularity=None,
@@ -238,6 +241,7 @@ class Linear(torch.nn.Module):
         self._exponent = 0
         self._alpha_host = 1.0
         self._normal_scales = False
+        self._packed_version = _packed.LAYOUT_VERSION
         if self._options.packed:
             # Weight-only: the weight lives only in the prepacked layout (non-persistent buffers);
             # state_dict shows the interchange form (see _packed_state_dict / _load_from_state_dict).
@@ -245,9 +249,10 @@ class Linear(torch.nn.Module):
             words = ceil_div(in_features, layout.tile_k) * layout.words_per_tile
             self.register_buffer("weight_packed", torch.zeros(out_features, words, dtype=torch.int32,
                                                               device=device), persistent=False)
-            self.register_buffer("weight_scale_packed", torch.zeros(in_features // layout.block,
-                                                                    out_features, dtype=torch.uint8,
-                                                                    device=device), persistent=False)
+            scale_shape = (out_features, in_features // layout.block)  # PackedWeight.scale_t
+            self.register_buffer("weight_scale_packed",
+                                 torch.zeros(scale_shape if layout.scale_rows else scale_shape[::-1],
+                                             dtype=torch.uint8, device=device), persistent=False)
             self.register_buffer("weight_constants", torch.tensor([1.0, 2.0 ** layout.offset],
                                                                   device=device), persistent=False)
             self.register_buffer("weight_nan_scale", None, persistent=False)
@@ -386,6 +391,9 @@ class Linear(torch.nn.Module):
             raise ValueError(f"tilemm.nn.Linear.packed_weight: this layer ({self._describe_format()}, "
                              f"weight_only={self.weight_only}) stores no prepacked weight")
         fmt = _FORMAT_OF[(self.format, self._options.elem_dtype)]
+        if self._packed_version < 3 and _packed.layout_of(fmt).scale_rows:  # pickled before row-major scales
+            self.weight_scale_packed = _packed.aligned_scale_t(self.weight_scale_packed.t().contiguous())
+            self._packed_version = _packed.LAYOUT_VERSION
         return _packed.PackedWeight(fmt=fmt, words=self.weight_packed, scale_t=self.weight_scale_packed,
                                     constants=self.weight_constants, exponent=self._exponent,
                                     in_features=self.in_features,
@@ -403,6 +411,7 @@ class Linear(torch.nn.Module):
         self._exponent = packed.exponent
         self._alpha_host = packed.alpha_host
         self._normal_scales = packed.normal_scales
+        self._packed_version = _packed.LAYOUT_VERSION
         self._runner = None
 
     def dequantize_weight(self) -> torch.Tensor:

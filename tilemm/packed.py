@@ -6,7 +6,7 @@ quantizers' tensors (``MXFP8Tensor``, ``MXFP4Tensor``, ``NVFP4Tensor``) as the i
 ``unpack(prepack(w))`` returns exactly the bytes of ``w`` (with logical scales).
 
 A ``PackedWeight`` (its docstring lists the tensors) holds the elements as int32 words permuted within
-K tiles, the scale bytes transposed as the kernel loads them, and a power-of-two exponent E: the
+K tiles, the scale bytes in the orientation the kernels load them, and a power-of-two exponent E: the
 kernel's bf16 multipliers ``scale * 2^(offset - E)`` must stay finite, and the epilogue's alpha
 carries 2^E (times NVFP4's per-tensor decode scale).
 
@@ -41,10 +41,12 @@ __all__ = ["PackedWeight", "prepack", "unpack", "layout_of", "expert", "relayout
 
 _FP32_MAX_LOG2 = 128.0  # values at or above 2^128 overflow fp32
 
-#: Version of the word layout: 2 since the e2m1 fields moved to ``E2M1_FIELDS`` (1: magnitudes at lane
-#: bits 3p..3p+2, signs at 12 + p). Pickled PackedWeights and ``MoEExperts`` state dicts record it, and
-#: words of an older version are re-laid out when they are loaded (``relayout_words``).
-LAYOUT_VERSION = 2
+#: Version of the prepacked layout: 3 since a single NVFP4 weight keeps its scale bytes row-major
+#: (``Layout.scale_rows``; before, transposed like the others'), 2 since the e2m1 fields moved to
+#: ``E2M1_FIELDS`` (1: magnitudes at lane bits 3p..3p+2, signs at 12 + p). Pickled PackedWeights and
+#: ``MoEExperts`` state dicts record it, and an older layout is converted when it is loaded
+#: (``relayout_words``; the scales in ``PackedWeight.__setstate__``).
+LAYOUT_VERSION = 3
 
 
 def layout_of(fmt: Format, normal_scales: bool = False) -> Layout:
@@ -61,11 +63,11 @@ def layout_of(fmt: Format, normal_scales: bool = False) -> Layout:
 
 
 def aligned_scale_t(scale_t: torch.Tensor) -> torch.Tensor:
-    """``scale_t`` (K / B, N) with every row starting on a 16-byte boundary: itself where it does, else
-    a view of a copy whose rows are padded to a multiple of 16 bytes. The kernels load scale tiles
-    with the tensor memory accelerator, which takes 16-byte row strides only; with N not a multiple
-    of 16 the plain contiguous bytes would put them on a slower load path
-    (``benchmarks/results/scale-row-alignment-*.txt``)."""
+    """A single weight's ``scale_t`` ((K / B, N), or NVFP4's (N, K / 16)) with every row starting on a
+    16-byte boundary: itself where it does, else a view of a copy whose rows are padded to a multiple
+    of 16 bytes. The kernels load scale tiles with the tensor memory accelerator, which takes 16-byte
+    row strides only; with rows of another length the plain contiguous bytes would put them on a
+    slower load path (``benchmarks/results/scale-row-alignment-*.txt``)."""
     if scale_t.ndim != 2 or (scale_t.stride(1) == 1 and scale_t.stride(0) * scale_t.element_size() % 16 == 0
                              and scale_t.data_ptr() % 16 == 0):
         return scale_t
@@ -97,10 +99,12 @@ class PackedWeight:
       lane holds one element of each of the 4 planes, its 3 magnitude bits and its sign at the bits
       ``E2M1_FIELDS`` names (chosen for the fewest decode instructions); 8-bit elements take a lane's
       low (plane 0) and high (plane 1) byte.
-    * ``scale_t`` (K / B, N) uint8: the scale bytes (e8m0, or e4m3 for NVFP4), transposed, which is
-      how the kernel loads them. ``prepack`` starts each row of a single weight's scales on a 16-byte
-      boundary (``aligned_scale_t``: for N not a multiple of 16, a view of padded rows); stacked
-      experts' rows are contiguous. MXFP8 only: a block holding a NaN element gets the NaN scale byte
+    * ``scale_t`` uint8: the scale bytes (e8m0, or e4m3 for NVFP4) in the orientation the kernels load
+      them: transposed, (K / B, N), or for a single NVFP4 weight row-major, (N, K / 16)
+      (``scale_rows``: one 16-byte vector per row and K tile). ``prepack`` starts each row of a single
+      weight's scales on a 16-byte boundary (``aligned_scale_t``: a view of padded rows where the row
+      length is not a multiple of 16 bytes); stacked experts' rows are contiguous, transposed in
+      every format. MXFP8 only: a block holding a NaN element gets the NaN scale byte
       255, since a NaN anywhere in weight row n makes output column n NaN either way (the original
       bytes are kept in ``nan_scale`` for ``unpack``).
     * ``exponent`` E and ``constants`` = [2^E * decode scale, 2^(offset - E)] (fp32, on the device):
@@ -132,6 +136,22 @@ class PackedWeight:
     def __post_init__(self):
         if self.normal_scales:
             layout_of(self.fmt, True)  # raises for formats other than NVFP4
+        n, ks = self.words.shape[-2], self.in_features // self.fmt.block
+        expected = (n, ks) if self.scale_rows else (ks, n)
+        if tuple(self.scale_t.shape[-2:]) != expected:
+            raise ValueError(f"PackedWeight: scale_t must be {'(N, K/B)' if self.scale_rows else '(K/B, N)'} = "
+                             f"{expected} for this {self.fmt.name} weight, got {tuple(self.scale_t.shape)}")
+
+    @property
+    def scale_rows(self) -> bool:
+        """Whether ``scale_t`` is row-major, (N, K / B): a single NVFP4 weight (``Layout.scale_rows``)."""
+        return self.layout.scale_rows and self.words.ndim == 2
+
+    def logical_scale(self) -> torch.Tensor:
+        """The scale bytes as the quantizer lays them out, (N, K / B) (per expert for stacked experts),
+        a contiguous copy (MXFP8: the kernels' bytes, NaN blocks marked; ``unpack`` restores the
+        quantizer's)."""
+        return (self.scale_t if self.scale_rows else self.scale_t.transpose(-1, -2)).contiguous()
 
     @property
     def layout(self) -> Layout:
@@ -172,10 +192,13 @@ class PackedWeight:
         return state
 
     def __setstate__(self, state: dict) -> None:
-        # A PackedWeight pickled under an older word layout (no version: 1) is re-laid out.
+        # A PackedWeight pickled under an older layout (no version: 1) is re-laid out: its words, and
+        # before version 3 a single NVFP4 weight's transposed scales.
         state = dict(state)
         version = state.pop("layout_version", 1)
         state["words"] = relayout_words(state["words"], state["fmt"], version)
+        if version < 3 and state["words"].ndim == 2 and layout_of(state["fmt"]).scale_rows:
+            state["scale_t"] = aligned_scale_t(state["scale_t"].t().contiguous())
         self.__dict__.update(state)
 
     def __repr__(self) -> str:
@@ -211,7 +234,7 @@ def _e2m1_fields(device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 #: The e2m1 lane fields of each word layout version (``E2M1_FIELDS`` is the current one's).
-_E2M1_FIELDS_OF = {1: ((0, 12), (3, 13), (6, 14), (9, 15)), LAYOUT_VERSION: E2M1_FIELDS}
+_E2M1_FIELDS_OF = {1: ((0, 12), (3, 13), (6, 14), (9, 15)), 2: E2M1_FIELDS, 3: E2M1_FIELDS}
 
 
 def relayout_words(words: torch.Tensor, fmt: Format, src: int, dst: int = LAYOUT_VERSION) -> torch.Tensor:
@@ -355,7 +378,8 @@ def prepack(w_q) -> PackedWeight:
     if gs is not None:
         constants[0] = constants[0] * gs
     normal = fmt.is_packed and not fmt.is_mx and _all_normal(scale, codes, fmt.block)
-    return PackedWeight(fmt=fmt, words=_pack_words(codes, layout), scale_t=aligned_scale_t(scale.t().contiguous()),
+    scale_t = scale if layout.scale_rows else scale.t()
+    return PackedWeight(fmt=fmt, words=_pack_words(codes, layout), scale_t=aligned_scale_t(scale_t.contiguous()),
                         constants=constants, exponent=exponent, in_features=k, global_scale=gs,
                         nan_scale=nan_scale, alpha_host=float(constants[0]), normal_scales=normal)
 
@@ -385,9 +409,11 @@ def _prepack_experts(fn: str, experts: list) -> PackedWeight:
     constants = torch.stack((alpha, torch.full_like(alpha, 2.0 ** (layout.offset - exponent))), dim=1)
     nan_scale = None
     if any(p.nan_scale is not None for p in parts):
-        nan_scale = torch.stack([p.nan_scale if p.nan_scale is not None else p.scale_t.t() for p in parts])
+        nan_scale = torch.stack([p.nan_scale if p.nan_scale is not None else p.logical_scale() for p in parts])
+    # Stacked experts' scales are transposed in every format (the grouped kernels' loads).
+    scale_t = torch.stack([p.scale_t.t() if p.scale_rows else p.scale_t for p in parts])
     return PackedWeight(fmt=parts[0].fmt, words=torch.stack([p.words for p in parts]),
-                        scale_t=torch.stack([p.scale_t for p in parts]), constants=constants.contiguous(),
+                        scale_t=scale_t, constants=constants.contiguous(),
                         exponent=exponent, in_features=parts[0].in_features, global_scale=gs,
                         nan_scale=nan_scale, alpha_host=float(constants[0, 0]),
                         normal_scales=all(p.normal_scales for p in parts))
@@ -413,7 +439,7 @@ def unpack(packed: PackedWeight):
         return type(experts[0])(data, scale)
     fmt, layout = packed.fmt, packed.layout
     codes = _unpack_words(packed.words, layout, packed.in_features)
-    scale = packed.nan_scale if packed.nan_scale is not None else packed.scale_t.t().contiguous()
+    scale = packed.nan_scale if packed.nan_scale is not None else packed.logical_scale()
     scale = scale.view(fmt.scale_dtype)
     if fmt.is_packed:
         data = pack_e2m1(codes)
@@ -424,9 +450,13 @@ def unpack(packed: PackedWeight):
 
 
 def expert(packed: PackedWeight, e: int) -> PackedWeight:
-    """Expert ``e`` of a stacked expert weight as a 2-D PackedWeight (views of the stacked tensors; the
-    shared exponent stays, so its multipliers are those the grouped kernel uses)."""
-    return PackedWeight(fmt=packed.fmt, words=packed.words[e], scale_t=packed.scale_t[e],
+    """Expert ``e`` of a stacked expert weight as a 2-D PackedWeight (views of the stacked tensors, an
+    NVFP4 expert's scales transposed to a single weight's row-major orientation, so not contiguous
+    then: a runner aligns them once; the shared exponent stays, so its multipliers are those the
+    grouped kernel uses)."""
+    scale_t = packed.scale_t[e]
+    return PackedWeight(fmt=packed.fmt, words=packed.words[e],
+                        scale_t=scale_t.t() if packed.layout.scale_rows else scale_t,
                         constants=packed.constants[e], exponent=packed.exponent,
                         in_features=packed.in_features,
                         global_scale=None if packed.global_scale is None else packed.global_scale[e],

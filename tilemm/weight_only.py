@@ -87,7 +87,8 @@ def reference_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_feat
     codes = _unpack_words(words, layout, in_features)
     data = pack_e2m1(codes) if fmt.is_packed else codes.view(fmt.data_dtype)
     values = decode_elements(fmt, data)
-    scale = decode_scales(fmt, scale_t.t().contiguous().view(fmt.scale_dtype))
+    logical = scale_t if layout.scale_rows else scale_t.t()  # (N, K / B)
+    scale = decode_scales(fmt, logical.contiguous().view(fmt.scale_dtype))
     w = values * scale.repeat_interleave(fmt.block, dim=-1)
     # The kernel's accumulator carries 2^-E (constants[1] = 2^(offset - E)); this one does not.
     c = constants.to(torch.float64)

@@ -1,17 +1,15 @@
-"""The large-M fused weight-only kernel with its x tile loaded per plane (``LargeConfig.cat`` 2: one load and
-one MMA per plane of a K tile) against the whole-K-tile load, timed, for tiles of 128 and 256 rows of x.
+"""Fused configs of the large-M weight-only kernel (``hopper_weight_only_large``) timed side by side.
 
     python benchmarks/investigations/x_tile_probe.py [--formats mxfp4,nvfp4] [--ms 128,256,512,1024]
-        [--configs 128x128c0,128x128c2,128x256c0,128x256c2] [--shapes 14336x4096,...]
+        [--configs plan,128x128c0,128x256c0] [--shapes 14336x4096,...]
 
-A 4-bit K tile is 256 elements, so a 256-row x tile takes 128 KB of shared memory per stage and tileiras
-13.4 gives it one stage (146 KB in all, sm_90): its loads then wait for the whole tile to be consumed.
-Loaded per plane (four (256, 64) tiles, each its own buffer) the next K tile's plane can load while the
-later planes of this one are multiplied. Configs are ``<weight rows>x<rows of x>c<cat>``, optionally
-with ``s<split>``; "plan" is what the committed plan picks. Every config is checked against an fp32
-product with the exactly dequantized weight (relative Frobenius error printed), then timed as CUDA-graph
-replays with the L2 flushed (median; ``benchmarks/_timing.Timer``), as ratios to cuBLAS bf16 ``F.linear``
-in the same run. NVFP4 weights are ``nn.Linear``'s random initialisation (normal scales).
+Configs are ``<weight rows>x<rows of x>c<cat>``, optionally with ``s<split>`` (else the K split
+``with_split`` gives) and ``g<group size>``; "plan" is what the committed plan picks. Every config is
+checked against an fp32 product with the exactly dequantized weight (relative Frobenius error printed),
+then timed as CUDA-graph replays with the L2 flushed (median; ``benchmarks/_timing.Timer``), as ratios
+to cuBLAS bf16 ``F.linear`` in the same run. Weights are ``nn.Linear``'s random initialisation (NVFP4:
+normal scales). ``benchmarks/results/x-tile-probe-*.txt`` holds what it measured, with the two kernel
+variants it then timed (x loaded per plane; NVFP4 scales read row-major), since folded in or dropped.
 """
 
 from __future__ import annotations
@@ -47,7 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="mxfp4,nvfp4")
     ap.add_argument("--ms", default="128,256,512,1024")
     ap.add_argument("--shapes", default="14336x4096,4096x14336,8192x8192", help="NxK,...")
-    ap.add_argument("--configs", default="plan,128x128c0,128x128c2,128x256c0,128x256c2")
+    ap.add_argument("--configs", default="plan,128x128c0,128x256c0")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -78,8 +76,7 @@ def main(argv=None) -> int:
                     else:
                         cfg = wl.with_split(parse(spec), m, n, k, layout, sms) if "s" not in spec else parse(spec)
                     try:
-                        scales = packed.scale_t.T.contiguous() if cfg.cat == 3 else packed.scale_t
-                        prep = wl.Prepared(packed.words, scales, packed.constants, zero, layout, cfg, m,
+                        prep = wl.Prepared(packed.words, packed.scale_t, packed.constants, zero, layout, cfg, m,
                                            sms, x.dtype)
                         run = lambda: prep.run(x, out, torch.cuda.current_stream(dev))  # noqa: E731
                         out.fill_(float("nan"))

@@ -38,7 +38,7 @@ from ..numerics import ceil_div
 from ._aot import AotVariant, array
 from ._common import Described, hinted, sm90_hints, tile_coords_at
 from . import weight_only_kernels as _wo
-from .weight_only_kernels import _epilogue, _k_tile
+from .weight_only_kernels import _epilogue, _k_tile, _scale_tile
 
 __all__ = ["LargeConfig", "FamilyRule", "RULES", "CANDIDATES", "plan", "first_m", "decode_fallback", "family",
            "output_tiles", "wave_fill", "with_split", "SWEEP", "VARIANTS", "grid", "launch", "Prepared", "decode_gemm",
@@ -72,21 +72,7 @@ def _step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_MODE, BLOCK, PLANES, GR
     TK = PLANES * GROUP * BLOCK
     SC = PLANES * GROUP
     w = _load_w(W, bn, kt, TN, WORDS, LATENCY_W)
-    if CAT == 3:
-        # Probe: S holds the scale bytes row-major (N, K / BLOCK), a row's bytes of a K tile contiguous.
-        s_raw = ct.load(S, (bn, kt), (TN, SC), padding_mode=_ZERO)
-        x = _load_x(X, bm, kt, TM, TK, LATENCY_X)
-        return _k_tile(w, s_raw, Mult, x, acc, ELEMENT, SCALE_MODE, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, 0)
-    s_raw = ct.load(S, (kt, bn), (SC, TN), padding_mode=_ZERO).transpose()
-    if CAT == 2:
-        # One x load per plane (its own shared-memory buffer), one MMA per plane.
-        TP = GROUP * BLOCK
-        mult = _wo._multipliers(s_raw, Mult, SCALE_MODE).reshape((TN, PLANES, GROUP, 1))
-        for p in ct.static_iter(range(PLANES)):
-            plane = _wo._scaled_plane(w, mult, p, ELEMENT, BLOCK, GROUP, TN)
-            x_p = _load_x(X, bm, kt * PLANES + p, TM, TP, LATENCY_X)
-            acc = _wo._mma_x(plane, x_p, acc, X_PARTS)
-        return acc
+    s_raw = _scale_tile(S, kt, bn, SC, TN, BLOCK)
     x = _load_x(X, bm, kt, TM, TK, LATENCY_X)
     return _k_tile(w, s_raw, Mult, x, acc, ELEMENT, SCALE_MODE, BLOCK, PLANES, GROUP, TN, TM, X_PARTS, CAT)
 
@@ -100,7 +86,7 @@ def _large_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Splits,
     """C (M, N) = (X (M, K) @ decode(W).T) * alpha + bias, persistent over work items.
 
     X (M, K) activations (bf16; fp16 / fp32 split exactly into X_PARTS bf16 parts as in the small-M
-    kernel); W (N, k_tiles * WORDS) int32 prepacked words; S (K / BLOCK, N) scale bytes; Alpha (1,)
+    kernel); W (N, k_tiles * WORDS) int32 prepacked words; S scale bytes (``_scale_tile``); Alpha (1,)
     and Mult (1,) fp32 (the PackedWeight's constants); Bias (N,) fp32. Grid: any number of blocks;
     block b takes work items b, b + blocks, ... of Splits * cdiv(M, TM) * cdiv(N, TN): item i is
     output tile i % tiles (numbered in GROUP_SIZE_M-row groups of M tiles) and K range i // tiles.
@@ -490,6 +476,11 @@ def _prepared(cfg: LargeConfig, layout: _wo.Layout, m: int, n: int, sms: int, x_
 # Two-pass: decode (in chunks) + cuBLAS
 # --------------------------------------------------------------------------------------------------
 
+def _scale_rows(scale_t: torch.Tensor, r0: int, r1: int, layout: _wo.Layout) -> torch.Tensor:
+    """The scale bytes of weight rows r0:r1 (``scale_t`` row-major for NVFP4, transposed otherwise)."""
+    return scale_t[r0:r1] if layout.scale_rows else scale_t[:, r0:r1]
+
+
 def _decode_rows(words, scale_t, mult, layout: _wo.Layout, out16: torch.Tensor, stream) -> None:
     """out16 (rows, Kp) bf16 = the prepacked rows ``words`` (rows, k_tiles * WORDS) decoded, times 2^-E."""
     rows = words.shape[0]
@@ -527,7 +518,8 @@ def decode_gemm(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, con
             whole = r0 == 0 and r1 == n  # the usual case: no views to make (each costs host time per call)
             w16 = buffer if whole else buffer[:r1 - r0]
             if not decoded:
-                _decode_rows(words if whole else words[r0:r1], scale_t if whole else scale_t[:, r0:r1], mult,
+                _decode_rows(words if whole else words[r0:r1],
+                             scale_t if whole else _scale_rows(scale_t, r0, r1, layout), mult,
                              layout, w16, stream)
             target = out if whole else out[:, r0:r1]
             w16t = (w16 if w16.shape[1] == k else w16[:, :k]).t()
@@ -630,7 +622,8 @@ def overlap_gemm(x: torch.Tensor, words: torch.Tensor, scale_t: torch.Tensor, co
         r0, r1 = i * rows, min((i + 1) * rows, n)
         if cuda and i >= 2:
             side.wait_event(multiplied[i - 2])
-        _decode_rows(words[r0:r1], scale_t[:, r0:r1], mult, layout, buffers[i % 2, :r1 - r0], side_handle)
+        _decode_rows(words[r0:r1], _scale_rows(scale_t, r0, r1, layout), mult, layout, buffers[i % 2, :r1 - r0],
+                     side_handle)
         if cuda:
             decoded[i].record(side)
 

@@ -100,6 +100,14 @@ class Layout:
         return 127 - (2 ** (exponent_bits - 1) - 1)
 
     @property
+    def scale_rows(self) -> bool:
+        """Whether a single weight of this layout keeps its scale bytes row-major, (N, K / B), rather than
+        transposed, (K / B, N): NVFP4's, whose 16 scale bytes per row and K tile the kernels read with
+        one vector load instead of one byte load each (``_scale_tile``, which keys it on B = 16).
+        Stacked experts keep theirs transposed whatever the format."""
+        return self.block == 16
+
+    @property
     def tile_k(self) -> int:
         return self.planes * self.group * self.block
 
@@ -169,6 +177,18 @@ def _as_bf16_pairs(bits, ROWS, WORDS):
     """(ROWS, WORDS) uint32 -> (ROWS, 2 * WORDS) bf16: low half of word j is element 2j, high 2j + 1."""
     raw = ct.pack_to_bytes(bits.reshape((ROWS * WORDS,)))
     return ct.unpack_from_bytes(raw, ct.bfloat16).reshape((ROWS, 2 * WORDS))
+
+
+def _scale_tile(S, kt, bn, ROWS, TN, BLOCK):
+    """The (TN, ROWS) scale bytes of weight-row tile ``bn``, scale columns ``kt * ROWS`` on (ROWS per K
+    tile, or per group of K tiles). A single NVFP4 weight (BLOCK 16, ``Layout.scale_rows``) keeps its
+    scales row-major, (N, K / 16): a weight row's scales of a K tile are 16 contiguous bytes, one
+    vector load. The MX formats keep them transposed, (K / B, N): a K tile holds 8 of a row's bytes,
+    fewer than a tile row of the tensor memory accelerator takes (16), and their tile comes
+    transposed, one byte load per scale."""
+    if BLOCK == 16:
+        return ct.load(S, (bn, kt), (TN, ROWS), padding_mode=_ZERO)
+    return ct.load(S, (kt, bn), (ROWS, TN), padding_mode=_ZERO).transpose()
 
 
 def _multipliers(s_raw, Mult, SCALE_MODE):
@@ -277,7 +297,7 @@ def _stacked_step(X, W, S, Mult, acc, bm, bn, kt, ELEMENT, SCALE_MODE, BLOCK, PL
     TK = PLANES * GROUP * BLOCK
     SC = PLANES * GROUP
     w = ct.bitcast(ct.load(W, (bn, kt), (TN, STACK * WORDS), padding_mode=_ZERO), ct.uint32)
-    s_raw = ct.load(S, (kt, bn), (STACK * SC, TN), padding_mode=_ZERO).transpose()
+    s_raw = _scale_tile(S, kt, bn, STACK * SC, TN, BLOCK)
     x = ct.load(X, (bm, kt), (TM, STACK * TK), padding_mode=_ZERO)
     return _k_tile(w.reshape((TN * STACK, WORDS)), s_raw.reshape((TN * STACK, SC)), Mult,
                    x.reshape((TM * STACK, TK)), acc, ELEMENT, SCALE_MODE, BLOCK, PLANES, GROUP,
@@ -294,7 +314,7 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
     TM = 16 covers M <= 16 with one MMA column block.
 
     X (M, K) activations; W (N, k_tiles * WORDS) int32, WORDS = GROUP * BLOCK / 2 words per row and
-    K tile; S (K / BLOCK, N) raw scale bytes (transposed, so that a tile's rows are N-contiguous); C
+    K tile; S the raw scale bytes, (K / BLOCK, N) or NVFP4's (N, K / 16) (``_scale_tile``); C
     (M, N) output; Partial (SPLIT_K, M, N) fp32 and Counter (one int32 per output tile, zero
     between launches), used when SPLIT_K > 1. Grid: SPLIT_K * cdiv(N, TN) * cdiv(M, TM) blocks, M tiles
     fastest.
@@ -366,17 +386,17 @@ def _weight_only_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
         groups = (k_end - k_begin) // UNROLL
         for g in range(k_begin // UNROLL, k_begin // UNROLL + groups):
             ws = ct.bitcast(ct.load(W, (bn, g), (TN, UNROLL * WORDS), padding_mode=_ZERO), ct.uint32)
-            ss = ct.load(S, (g, bn), (UNROLL * SC, TN), padding_mode=_ZERO)
+            ss = _scale_tile(S, g, bn, UNROLL * SC, TN, BLOCK)
             xs = ct.load(X, (bm, g), (TM, UNROLL * TK), padding_mode=_ZERO)
             for u in ct.static_iter(range(UNROLL)):
-                acc = _k_tile(ct.extract(ws, (0, u), (TN, WORDS)), ct.extract(ss, (u, 0), (SC, TN)).transpose(),
+                acc = _k_tile(ct.extract(ws, (0, u), (TN, WORDS)), ct.extract(ss, (0, u), (TN, SC)),
                               Mult, ct.extract(xs, (0, u), (TM, TK)), acc, ELEMENT, SCALE_MODE, BLOCK, PLANES,
                               GROUP, TN, TM, X_PARTS, CAT)
         for kt in range(k_begin + groups * UNROLL, k_end):  # the K tiles left over, one at a time
             w = ct.bitcast(ct.load(W, (bn, kt), (TN, WORDS), padding_mode=_ZERO), ct.uint32)
-            s_raw = ct.load(S, (kt, bn), (SC, TN), padding_mode=_ZERO)
+            s_raw = _scale_tile(S, kt, bn, SC, TN, BLOCK)
             x = ct.load(X, (bm, kt), (TM, TK), padding_mode=_ZERO)
-            acc = _k_tile(w, s_raw.transpose(), Mult, x, acc, ELEMENT, SCALE_MODE, BLOCK, PLANES, GROUP, TN,
+            acc = _k_tile(w, s_raw, Mult, x, acc, ELEMENT, SCALE_MODE, BLOCK, PLANES, GROUP, TN,
                           TM, X_PARTS, CAT)
     out = acc.transpose()
     if SPLIT_K == 1:
@@ -437,11 +457,11 @@ def _gemv_kernel(X, W, S, C, Alpha, Mult, Bias, Partial, Counter,
     acc = ct.zeros((TM, TN, TP // 2), ct.float32)
     for g in range(g_begin, g_end):
         ws = ct.bitcast(ct.load(W, (bn, g), (TN, UNROLL * WORDS), padding_mode=_ZERO), ct.uint32)
-        ss = ct.load(S, (g, bn), (UNROLL * SC, TN), padding_mode=_ZERO)
+        ss = _scale_tile(S, g, bn, UNROLL * SC, TN, BLOCK)
         xs = ct.load(X, (bm, g), (TM, UNROLL * TK), padding_mode=_ZERO)
         for u in ct.static_iter(range(UNROLL)):
             w = ct.extract(ws, (0, u), (TN, WORDS))
-            mult = _multipliers(ct.extract(ss, (u, 0), (SC, TN)).transpose(), Mult, SCALE_MODE)
+            mult = _multipliers(ct.extract(ss, (0, u), (TN, SC)), Mult, SCALE_MODE)
             mult = mult.reshape((TN, PLANES, GROUP, 1))
             for p in ct.static_iter(range(PLANES)):
                 w_lo, w_hi = _f32_halves(_scaled_plane(w, mult, p, ELEMENT, BLOCK, GROUP, TN), TN, TP, True)
@@ -470,7 +490,7 @@ def _dequantize_kernel(W, S, Out, Mult, ELEMENT: ConstInt, SCALE_MODE: ConstInt,
     kt = pid % k_tiles
     bn = pid // k_tiles
     w = ct.bitcast(ct.load(W, (bn, kt), (TN, WORDS), padding_mode=_ZERO), ct.uint32)
-    s_raw = ct.load(S, (kt, bn), (SC, TN), padding_mode=_ZERO).transpose()
+    s_raw = _scale_tile(S, kt, bn, SC, TN, BLOCK)
     mult = _multipliers(s_raw, Mult, SCALE_MODE).reshape((TN, PLANES, GROUP, 1))
     for p in ct.static_iter(range(PLANES)):
         plane = _as_bf16_pairs(_decode_plane(w, p, ELEMENT), TN, WORDS).reshape((TN, GROUP, BLOCK))

@@ -301,9 +301,10 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #: * The decode design wins from M = 2048 on everywhere, and from M = 33 on the GQA k / v projection
 #:   (1024x4096: 8 MiB of bf16 weight, L2-resident between the two passes), ahead of every kernel that
 #:   reads the packed weight.
-#: * NVFP4 as the other 4-bit weights, but the decode design from M = 512 on, where it was level with
-#:   or ahead of NVFP4's fused kernel on every shape (its e4m3 block scales cost the fused kernel more
-#:   instructions per element than e8m0 ones; MXFP4's fused kernel stays ahead up to M = 1024).
+#: * NVFP4 as MXFP4 since its single weights keep their scales row-major (``Layout.scale_rows``): its
+#:   fused kernel then ran level with MXFP4's, and ahead of the decode design up to M = 1024 (before,
+#:   NVFP4 took the decode design from M = 512;
+#:   ``benchmarks/results/tune-weight-only-large-nvfp4-rows-nvidia-h100-80gb-hbm3.txt``).
 #: * 4-bit, M = 2-16: 64 weight rows x 16 rows of x on one warpgroup, three blocks per SM, with the K
 #:   split that fills the block slots, where N gives fewer than one 32-row block per SM (4096x14336,
 #:   1024x4096: there the small-M kernels stack narrow blocks or end a K split in the kernel, and ran
@@ -348,16 +349,11 @@ RULES = {
     "8bit": FamilyRule(first_m=17, large_m=2048, large=_DECODE, l2_bytes=16 << 20,
                        fused=((_WIDE_8, 0.7), (_MID_8, 0.7)), split=((_SPLIT_X64, 64), (_MID_8, 1 << 30))),
 }
-RULES["nvfp4"] = dataclasses.replace(RULES["4bit"], large_m=512)
 
 
 def _rule(layout: _wo.Layout, rules: dict | None) -> FamilyRule:
-    """The layout's rule: its family's, or for 4-bit elements with e4m3 scales (NVFP4) the "nvfp4"
-    entry where the rules have one."""
-    rules = rules or RULES
-    if family(layout) == "4bit" and not layout.scale_e8m0 and "nvfp4" in rules:
-        return rules["nvfp4"]
-    return rules[family(layout)]
+    """The layout's rule: its family's."""
+    return (rules or RULES)[family(layout)]
 
 
 def first_m(layout: _wo.Layout, rules: dict | None = None) -> int:
@@ -752,7 +748,7 @@ def aot_variants(full: bool = True) -> list[AotVariant]:
     compiles of the 256-column tiles took minutes and megabytes of code)."""
     variants = []
     # NVFP4 with normal scale bytes (``Layout.normal_scales``): the configs its family's rules name.
-    rule = RULES["nvfp4"]
+    rule = RULES["4bit"]
     named = [c for c, _ in rule.fused] + [dataclasses.replace(c, split_k=2) for c, _ in rule.split]
     normal = [("nvfp4_normal", _wo.NVFP4_NORMAL,
                [c for c in dict.fromkeys(named) if c.kind == "fused"])]

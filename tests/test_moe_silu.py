@@ -597,7 +597,7 @@ def test_silu_state_dict_with_halves_loads(fmt):
 
     module = _silu_module(fmt)
     state = module.state_dict()
-    assert state._metadata[""]["version"] == MoEExperts._version == 3
+    assert state._metadata[""]["version"] == MoEExperts._version == 4
     halves = dict(state)
     halves["gate_up_words"] = torch.cat((state["gate_up_words"][:, 0::2], state["gate_up_words"][:, 1::2]), 1)
     halves["gate_up_scale_t"] = torch.cat((state["gate_up_scale_t"][..., 0::2], state["gate_up_scale_t"][..., 1::2]),
@@ -621,5 +621,5 @@ def test_silu_state_dict_with_halves_loads(fmt):
     assert torch.equal(gpt_oss.gate_up_words, halves["gate_up_words"])  # taken as given
     newer = type(state)(state)
     newer._metadata = {"": {"version": MoEExperts._version + 1}}
-    with pytest.raises(RuntimeError, match=r"a state dict of version 4, which this tilemm does not know"):
+    with pytest.raises(RuntimeError, match=r"a state dict of version 5, which this tilemm does not know"):
         fresh.load_state_dict(newer)

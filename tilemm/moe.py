@@ -57,11 +57,14 @@ def reference_moe(x, words, scale_t, constants, fmt_name: str, in_features: int,
     flat = topk_ids.reshape(-1).to(torch.int64)
     out = torch.full((tokens * top_k, n), float("nan"), dtype=x.dtype, device=x.device)
     rows_x = x.repeat_interleave(top_k, dim=0) if top_k > 1 else x
+    # A single weight's scale orientation (stacked experts' are transposed in every format).
+    rows_major = layout_of(FORMATS[fmt_name]).scale_rows
     for e in torch.unique(flat).tolist():
         if not 0 <= e < num_experts:
             continue
         rows = (flat == e).nonzero().reshape(-1)
-        out[rows] = reference_weight_only(rows_x[rows], words[e], scale_t[e], constants[e], fmt_name,
+        scale_e = scale_t[e].t() if rows_major else scale_t[e]
+        out[rows] = reference_weight_only(rows_x[rows], words[e], scale_e, constants[e], fmt_name,
                                           in_features, None if bias is None else bias[e], None)
     return out.reshape(tokens, top_k, n)
 
@@ -617,8 +620,9 @@ class MoEExperts(torch.nn.Module):
     #: State dicts record the module's version (a state dict without it is version 1). Each version's
     #: prepacked word layout (``tilemm.packed.LAYOUT_VERSION``; words of an older one are re-laid out
     #: on load), and from version 3 on SiLU gate_up rows are interleaved (before: halves, permuted on
-    #: load). A new word layout needs a new version here.
-    _WORD_LAYOUT = {1: 1, 2: 2, 3: 2}
+    #: load). A new word layout needs a new version here (version 4: layout 3, whose change, single
+    #: NVFP4 weights' row-major scales, leaves stacked experts as they were).
+    _WORD_LAYOUT = {1: 1, 2: 2, 3: 2, 4: 3}
     #: Eager signatures whose prepared launches the module keeps before its table starts over.
     MAX_LAUNCHES = 16
 
@@ -640,7 +644,7 @@ class MoEExperts(torch.nn.Module):
         state["_launches"] = {}  # kernels and device tensors: planned again after unpickling
         return state
     _SILU_INTERLEAVED_SINCE = 3
-    _version = 3
+    _version = 4
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):

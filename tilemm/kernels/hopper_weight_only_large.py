@@ -317,9 +317,12 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #:   (14336x4096) the small-M plan, within a few percent of it there. (At M = 32 those 64-row x tiles,
 #:   half empty, lost to the small-M plan's 32-row ones on three of four shapes:
 #:   ``benchmarks/results/tune-weight-only-large-m32-nvidia-h100-80gb-hbm3.txt``.)
-#: * 4-bit, 128 <= M < 2048: 128x128 tiles from 0.7 tiles per SM; with fewer, the K split of the
-#:   same one-warpgroup blocks up to M = 128, and of 128x128 tiles beyond (two launches: the
-#:   partial tiles, then their sum).
+#: * 4-bit, 64 < M < 2048: 128x128 tiles (below M = 128 one partly empty x tile), with the K split
+#:   that fills the GPU where they give fewer than 0.7 tiles per SM (two launches: the partial tiles,
+#:   then their sum). At M = 80-128 they ran ahead of the one-warpgroup 64x64 blocks, whose second x
+#:   tile is mostly empty below M = 128, on three of four shapes (geomean 1.21-1.23x bf16 against
+#:   0.84-0.96x at M = 80 / 96; 6144x4096 at M = 128: 0.84-0.86x against 0.92-0.93x;
+#:   ``benchmarks/results/tune-weight-only-large-m80-nvidia-h100-80gb-hbm3.txt``).
 #: * 8-bit: 128x128 tiles with one MMA per K tile (cat) from 0.7 tiles per SM, 256 rows of x from 0.7
 #:   tiles per SM at M >= 256, unless cat's 128-row tiles fill their last wave better by more than
 #:   0.15 (6144x4096, M = 1024: 192 tiles of 256 rows fill 0.73 of two waves, 384 of 128 rows 0.97
@@ -344,7 +347,7 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #: ``tests/test_weight_only_large.py`` checks the picks on those shapes.
 RULES = {
     "4bit": FamilyRule(first_m=2, large_m=2048, large=_DECODE, l2_bytes=16 << 20, fused=((_MID_4, 0.7),),
-                       split=((_SPLIT_X16, 16), (_SPLIT_X32, 32), (_SPLIT_X64, 128), (_MID_4, 1 << 30)),
+                       split=((_SPLIT_X16, 16), (_SPLIT_X32, 32), (_SPLIT_X64, 64), (_MID_4, 1 << 30)),
                        narrow_m=16, whole_m=32),
     "8bit": FamilyRule(first_m=17, large_m=2048, large=_DECODE, l2_bytes=16 << 20,
                        fused=((_WIDE_8, 0.7), (_MID_8, 0.7)), split=((_SPLIT_X64, 64), (_MID_8, 1 << 30))),

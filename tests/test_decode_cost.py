@@ -40,7 +40,7 @@ FMA_BOUNDS = {"mxfp4": 5.7, "nvfp4": 5.95, "nvfp4_normal": 5.7, "mxfp8_e4m3": 6.
 # 3.51 / 3.66 NVFP4, 3.47 / 3.47 MXFP8 with tileiras 13.4 (the same decode, fewer rows per block).
 # NVFP4 with normal scales: 3.48 / 3.62 (3.14 / 3.16 while NVFP4's scales were transposed: the row-major
 # tile's bytes take permutes where the transposed one took byte loads, and times no slower,
-# ``benchmarks/results/scale-rows-small-m-nvidia-h200.txt``).
+# ``benchmarks/results/inference-scale-rows-small-m-nvidia-h200.txt``).
 STACKED_BOUNDS = {"mxfp4": 3.5, "nvfp4": 3.8, "nvfp4_normal": 3.7, "mxfp8_e4m3": 3.7, "mxfp8_e5m2": 3.7}
 #: The "few" stacked blocks (8 weight rows, 8 K tiles; N of at most 8 rows per SM, where the kernel waits
 #: on latency, not on issue): 8-byte rows of scales cost NVFP4 byte permutes and 8-bit x tiles a pass

@@ -122,6 +122,22 @@ def test_experts_state_dict_of_an_older_word_layout_loads(fmt):
     assert torch.equal(unpack(fresh.packed("gate_up")).data, unpack(gate_up).data)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_experts_state_dict_of_version_3_loads_as_it_is(fmt):
+    """Version 4 (layout 3) changed only single NVFP4 weights' scale orientation: a version-3 state
+    dict's stacked words and (E, K/B, N) scales load unchanged, NVFP4's included."""
+    _, gate_up = stacked(fmt, 2, 64, 64, seed=5)
+    _, down = stacked(fmt, 2, 64, 32, seed=6)
+    state = MoEExperts(gate_up, down).state_dict()
+    assert tuple(state["gate_up_scale_t"].shape) == (2, 64 // gate_up.fmt.block, 64)
+    old = type(state)(state)
+    old._metadata = {"": {"version": 3}}
+    fresh = MoEExperts(*(stacked(fmt, 2, n, k, seed=9)[1] for n, k in ((64, 64), (64, 32))))
+    fresh.load_state_dict(old)
+    for name, t in state.items():
+        assert torch.equal(getattr(fresh, name), t), name
+
+
 def test_stacked_prepack_errors():
     a = tilemm.quantize_mxfp4(torch.randn(8, 64))
     with pytest.raises(ValueError, match="one format and shape"):

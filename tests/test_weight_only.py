@@ -816,12 +816,17 @@ def test_nvfp4_scales_are_row_major():
     assert packed.scale_rows and packed.scale_t.shape == (40, 30) and packed.scale_t.stride() == (32, 1)
     assert torch.equal(packed.scale_t, _bytes(w_q.scale))
     assert torch.equal(unpack(packed).scale.view(torch.uint8), _bytes(w_q.scale))
+    # The kernels key the orientation on the block size (``_scale_tile``): the layouts must agree.
+    assert all(layout.scale_rows == (layout.block == 16) for layout in wo.LAYOUTS.values())
+    assert [name for name, layout in wo.LAYOUTS.items() if layout.scale_rows] == ["nvfp4"]
     mx = prepack(quantized_weight(MXFP4, 40, 480))
     assert not mx.scale_rows and mx.scale_t.shape == (15, 40)
     with pytest.raises(ValueError, match=r"scale_t must be \(N, K/B\) = \(40, 30\)"):
         dataclasses.replace(packed, scale_t=packed.scale_t.t())
     with pytest.raises(ValueError, match=r"scale_t must be \(K/B, N\) = \(15, 40\)"):
         dataclasses.replace(mx, scale_t=mx.scale_t.t())
+    with pytest.raises(ValueError, match=r"scale_t must be \(N, K/B\) = \(40, 30\)"):
+        dataclasses.replace(packed, scale_t=packed.scale_t.unsqueeze(0))  # stacked scales, single words
 
     state = packed.__getstate__()
     assert state.pop("layout_version") == LAYOUT_VERSION == 3

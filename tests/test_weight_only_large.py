@@ -467,6 +467,14 @@ def test_rules_on_the_committed_h100_sweep():
     for key, g in result.items():
         assert not g["missing"], key
         assert g["rule"] >= g["best"] - 0.02 and g["rule"] >= g["family"] - 1e-9, (key, g)
+    # NVFP4 with row-major scales at M = 512-2048: the 4-bit rule (fused to 1024, then the decode design).
+    rows, sms = plan_rule_check.read_rows(
+        str(root / "benchmarks/results/tune-weight-only-large-nvfp4-rows-nvidia-h100-80gb-hbm3.txt"))
+    result = plan_rule_check.check([r for r in rows if r["m"] >= 512], sms, out=lambda *a: None)
+    assert set(result) == {("4bit", m) for m in (512, 1024, 2048)}
+    for key, g in result.items():
+        assert not g["missing"] and g["rule"] >= g["best"] - 0.02, (key, g)
+        assert key[1] == 2048 or g["rule"] >= g["wired"] + 0.05, (key, g)  # the wired rule: decode from 512
     # M = 80-192, MXFP4 and NVFP4 with row-major scales: the 128x128 tiles from M = 65.
     rows, sms = plan_rule_check.read_rows(
         str(root / "benchmarks/results/tune-weight-only-large-m80-nvidia-h100-80gb-hbm3.txt"))

@@ -136,11 +136,14 @@ class PackedWeight:
     def __post_init__(self):
         if self.normal_scales:
             layout_of(self.fmt, True)  # raises for formats other than NVFP4
+        # A shape check: where N = K / B it cannot tell the orientations apart (build weights with prepack).
         n, ks = self.words.shape[-2], self.in_features // self.fmt.block
         expected = (n, ks) if self.scale_rows else (ks, n)
-        if tuple(self.scale_t.shape[-2:]) != expected:
-            raise ValueError(f"PackedWeight: scale_t must be {'(N, K/B)' if self.scale_rows else '(K/B, N)'} = "
-                             f"{expected} for this {self.fmt.name} weight, got {tuple(self.scale_t.shape)}")
+        if self.scale_t.ndim != self.words.ndim or tuple(self.scale_t.shape[-2:]) != expected:
+            lead = "" if self.words.ndim == 2 else "E, "
+            raise ValueError(f"PackedWeight: scale_t must be ({lead}{'N, K/B' if self.scale_rows else 'K/B, N'}) = "
+                             f"({lead}{expected[0]}, {expected[1]}) for this {self.fmt.name} weight (words "
+                             f"{tuple(self.words.shape)}), got {tuple(self.scale_t.shape)}")
 
     @property
     def scale_rows(self) -> bool:

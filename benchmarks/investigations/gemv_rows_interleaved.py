@@ -34,7 +34,7 @@ from tilemm.kernels import weight_only_kernels as wo  # noqa: E402
 from tilemm.kernels._aot import AotVariant, array, compile_variant  # noqa: E402
 # Imported as names so that the CPU emulator, which rebinds a kernel's global helpers, reaches them.
 from tilemm.kernels.weight_only_kernels import (_decode_plane, _epilogue, _f32_halves,  # noqa: E402
-                                                _multipliers)
+                                                _multipliers, _scale_tile)
 
 ConstInt = ct.Constant[int]
 _ZERO = ct.PaddingMode.ZERO
@@ -61,11 +61,11 @@ def gemv_interleaved_kernel(X, W, S, C, Alpha, Mult, Bias,
     acc = ct.zeros((TM, TR, WORDS, R), ct.float32)
     for g in range(groups):
         ws = ct.bitcast(ct.load(W, (bn, g, 0), (TR, UNROLL * WORDS, R), padding_mode=_ZERO), ct.uint32)
-        ss = ct.load(S, (g, bn), (UNROLL * SC, TN), padding_mode=_ZERO)
+        ss = _scale_tile(S, g, bn, UNROLL * SC, TN, BLOCK)  # (TN, UNROLL * SC)
         xs = ct.load(X, (bm, g), (TM, UNROLL * TK), padding_mode=_ZERO)
         for u in ct.static_iter(range(UNROLL)):
             w = ct.extract(ws, (0, u, 0), (TR, WORDS, R))
-            mult = _multipliers(ct.extract(ss, (u, 0), (SC, TN)).transpose(), Mult, SCALE_E8M0)
+            mult = _multipliers(ct.extract(ss, (0, u), (TN, SC)), Mult, SCALE_E8M0)
             mult = mult.reshape((TR, R, PLANES, GROUP)).permute((0, 2, 3, 1))  # (TR, PLANES, GROUP, R)
             for p in ct.static_iter(range(PLANES)):
                 # Decoded pairs as fp32 halves first, then the block scale in fp32 (one multiply per

@@ -3,7 +3,9 @@
     python benchmarks/investigations/scale_row_alignment.py [mxfp4,nvfp4,mxfp8]
 
 ``tilemm.prepack`` lays the (K / B, N) scale bytes out with rows padded to a multiple of 16 bytes
-(``packed.aligned_scale_t``), since the kernels' scale tiles are loaded by the tensor memory
+(``packed.aligned_scale_t``; a single NVFP4 weight's are row-major, (N, K / 16), since layout
+version 3, so for NVFP4 N no longer sets the row length and the two cases below coincide where K / 16
+is a multiple of 16), since the kernels' scale tiles are loaded by the tensor memory
 accelerator, which takes 16-byte row strides only. For N = 1000 (K = 4000 and 4096) and 50257 (a
 GPT-2-sized vocabulary), per format and M, this times the layer and the plan's kernel on the padded
 scale rows and on the same bytes contiguous (row stride N, what ``prepack`` wrote before), as

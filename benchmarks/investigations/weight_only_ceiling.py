@@ -44,34 +44,45 @@ Z = ct.PaddingMode.ZERO
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
 def load_only(X, W, S, C, TN: ConstInt, WORDS: ConstInt, UNROLL: ConstInt, SC: ConstInt, TK: ConstInt,
-              TMA: ConstBool):
+              TMA: ConstBool, ROWS: ConstBool):
+    # ROWS: S holds row-major scales (N, K / B), as a single NVFP4 weight's (``Layout.scale_rows``).
     bn = ct.bid(0)
     groups = ct.cdiv(W.shape[1], UNROLL * WORDS)
     acc = ct.zeros((TN, UNROLL * WORDS), ct.int32)
     xacc = ct.zeros((1, UNROLL * TK), ct.float32)
     sacc = ct.zeros((UNROLL * SC, TN), ct.int32)
+    racc = ct.zeros((TN, UNROLL * SC), ct.int32)
     for g in range(groups):
         acc = acc + ct.load(W, (bn, g), (TN, UNROLL * WORDS), padding_mode=Z, allow_tma=TMA)
-        sacc = sacc + ct.load(S, (g, bn), (UNROLL * SC, TN), padding_mode=Z, allow_tma=TMA).astype(ct.int32)
+        if ROWS:
+            racc = racc + ct.load(S, (bn, g), (TN, UNROLL * SC), padding_mode=Z, allow_tma=TMA).astype(ct.int32)
+        else:
+            sacc = sacc + ct.load(S, (g, bn), (UNROLL * SC, TN), padding_mode=Z, allow_tma=TMA).astype(ct.int32)
         xacc = xacc + ct.load(X, (0, g), (1, UNROLL * TK), padding_mode=Z, allow_tma=TMA).astype(ct.float32)
-    tot = ct.sum(acc, axis=1).astype(ct.float32) + ct.sum(sacc, axis=0).astype(ct.float32) + ct.sum(xacc)
+    scales = ct.sum(racc, axis=1) if ROWS else ct.sum(sacc, axis=0)
+    tot = ct.sum(acc, axis=1).astype(ct.float32) + scales.astype(ct.float32) + ct.sum(xacc)
     ct.store(C, (bn,), tot)
 
 
 @ct.kernel(num_worker_warps=ct.ByTarget(sm_90=4))
 def load_only_persistent(X, W, S, C, TN: ConstInt, WORDS: ConstInt, UNROLL: ConstInt, SC: ConstInt,
-                         TK: ConstInt):
+                         TK: ConstInt, ROWS: ConstBool):
     groups = ct.cdiv(W.shape[1], UNROLL * WORDS)
     tiles = ct.cdiv(W.shape[0], TN)
     for bn in range(ct.bid(0), tiles, ct.num_blocks(0)):
         acc = ct.zeros((TN, UNROLL * WORDS), ct.int32)
         xacc = ct.zeros((1, UNROLL * TK), ct.float32)
         sacc = ct.zeros((UNROLL * SC, TN), ct.int32)
+        racc = ct.zeros((TN, UNROLL * SC), ct.int32)
         for g in range(groups):
             acc = acc + ct.load(W, (bn, g), (TN, UNROLL * WORDS), padding_mode=Z)
-            sacc = sacc + ct.load(S, (g, bn), (UNROLL * SC, TN), padding_mode=Z).astype(ct.int32)
+            if ROWS:
+                racc = racc + ct.load(S, (bn, g), (TN, UNROLL * SC), padding_mode=Z).astype(ct.int32)
+            else:
+                sacc = sacc + ct.load(S, (g, bn), (UNROLL * SC, TN), padding_mode=Z).astype(ct.int32)
             xacc = xacc + ct.load(X, (0, g), (1, UNROLL * TK), padding_mode=Z).astype(ct.float32)
-        tot = ct.sum(acc, axis=1).astype(ct.float32) + ct.sum(sacc, axis=0).astype(ct.float32) + ct.sum(xacc)
+        scales = ct.sum(racc, axis=1) if ROWS else ct.sum(sacc, axis=0)
+        tot = ct.sum(acc, axis=1).astype(ct.float32) + scales.astype(ct.float32) + ct.sum(xacc)
         ct.store(C, (bn,), tot)
 
 
@@ -92,7 +103,7 @@ def launcher(variant, kernel, packed, x, out, sms):
     grid = (min(tiles, sms * occ) if pers else tiles, 1, 1)
     L = packed.layout
     args = (x, packed.words, packed.scale_t, out, tn, L.words_per_tile, unroll, L.planes * L.group, L.tile_k)
-    args = args if pers else args + (tma,)
+    args = (args if pers else args + (tma,)) + (packed.scale_rows,)
     return lambda: ct.launch(torch.cuda.current_stream(), grid, kernel, args)
 
 

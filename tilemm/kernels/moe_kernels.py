@@ -1,7 +1,8 @@
 """Grouped weight-only matmul for mixture-of-experts layers: every token's top-k expert products,
 ``out[t * k + j] = (x[t] @ dequantize(W[ids[t, j]]).T) * alpha[e] + bias[e]`` (fp32 sums, one
 rounding), on stacked prepacked MXFP4 / NVFP4 / MXFP8 weights (E, N, K), decoded with the weight-only
-kernel's helpers (``weight_only_kernels``: same layout, same exact decode); sm_90 / sm_100 / sm_120.
+kernel's helpers (``weight_only_kernels``: the same words and exact decode; the scale bytes transposed,
+(E, K / B, N), for NVFP4 too, whose single weights keep theirs row-major); sm_90 / sm_100 / sm_120.
 
 Two designs (``benchmarks/bench_moe.py`` times both).
 

@@ -32,9 +32,9 @@ from tilemm.kernels import weight_only_kernels as wo  # noqa: E402
 
 
 def parse(spec: str) -> wl.LargeConfig:
-    m = re.fullmatch(r"(\d+)x(\d+)c(\d)(?:s(\d+))?(?:g(\d+))?", spec)
+    m = re.fullmatch(r"(\d+)x(\d+)c([01])(?:s(\d+))?(?:g(\d+))?", spec)
     if not m:
-        raise ValueError(f"config {spec!r}: expected <weight rows>x<rows of x>c<cat>[s<split>][g<group>]")
+        raise ValueError(f"config {spec!r}: expected <weight rows>x<rows of x>c<cat: 0 or 1>[s<split>][g<group>]")
     tn, tm, cat, split, group = m.groups()
     return wl.LargeConfig("fused", int(tm), int(tn), cat=int(cat), split_k=int(split or 1),
                           group_size_m=int(group or 8))

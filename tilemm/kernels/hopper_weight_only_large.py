@@ -302,8 +302,9 @@ _WIDE_8 = LargeConfig("fused", 256, 128)
 #:   (1024x4096: 8 MiB of bf16 weight, L2-resident between the two passes), ahead of every kernel that
 #:   reads the packed weight.
 #: * NVFP4 as MXFP4 since its single weights keep their scales row-major (``Layout.scale_rows``): its
-#:   fused kernel then ran level with MXFP4's, and ahead of the decode design up to M = 1024 (before,
-#:   NVFP4 took the decode design from M = 512;
+#:   fused kernel then ran within 3 % of MXFP4's at M = 512-1024
+#:   (``benchmarks/results/inference-rows-m80-nvidia-h100-80gb-hbm3.md``) and ahead of the decode
+#:   design up to M = 1024 (before, NVFP4 took the decode design from M = 512;
 #:   ``benchmarks/results/tune-weight-only-large-nvfp4-rows-nvidia-h100-80gb-hbm3.txt``).
 #: * 4-bit, M = 2-16: 64 weight rows x 16 rows of x on one warpgroup, three blocks per SM, with the K
 #:   split that fills the block slots, where N gives fewer than one 32-row block per SM (4096x14336,

@@ -951,3 +951,34 @@ def test_weight_only_few_rows_launches(m):
         partial = args[7]
         assert sum_args[0] is partial and first[0][2][7] is partial  # the kept workspace view
         assert args[8] == sum_args[4] > 1  # K ranges
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "mxfp8"])
+@pytest.mark.parametrize("m", [300, 2048])
+def test_block_scaled_layer_at_many_rows_runs_the_weight_only_path(monkeypatch, fmt, m):
+    # A block-scaled tilemm.nn.Linear on Hopper at prefill sizes, as at small batch: the activation's
+    # fake quant (one launch: NVFP4's amax in it, or in a launch of its own first), then exactly the
+    # launches of the weight-only runner for that many rows; never the block-scaled matmul, which
+    # decodes both operands for every output tile.
+    from tilemm import weight_only
+
+    # The CPU has no fp32-output bf16 GEMM: the flag that records it, scoped to this test.
+    monkeypatch.setattr(weight_only, "_GEMM_FP32_OUT", [True])
+    lin = torch.nn.Linear(1024, 512, dtype=torch.bfloat16)
+    layer = tilemm.nn.Linear.from_float(lin, fmt)
+    x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    with HOST_PATH.cuda_route():
+        layer(x)  # builds the runner
+        HOST_PATH.LAUNCHES.clear()
+        layer(x)
+        launches = list(HOST_PATH.LAUNCHES)
+        HOST_PATH.LAUNCHES.clear()
+        runner = layer._runner.runner
+        assert runner is not None
+        runner.inner(x, None if fmt != "nvfp4" else runner.fake_quant.alpha)
+        weight_only = list(HOST_PATH.LAUNCHES)
+        HOST_PATH.LAUNCHES.clear()
+    quantize = [k for _, k, _ in launches].index(runner.fake_quant._kernel)
+    assert quantize <= (1 if fmt == "nvfp4" else 0)
+    rest = launches[quantize + 1:]
+    assert [(g, k) for g, k, _ in rest] == [(g, k) for g, k, _ in weight_only]

@@ -343,6 +343,21 @@ def test_gpu_module_matches_cpu_module(name, kw, quantize_x, quantize_w):
     torch.testing.assert_close(gpu.cpu().float(), cpu.float(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(GPU_SKIP_REASON is not None, reason=GPU_SKIP_REASON or "")
+@pytest.mark.parametrize("rows", [300, 2400])
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4"])
+def test_gpu_block_scaled_module_at_many_rows_matches_cpu(fmt, rows):
+    # Prefill sizes on Hopper run the fake quant and the weight-only plan of that many rows (the fused
+    # large-M kernel at 300; at 2400 the weight decoded for cuBLAS, NVFP4's device alpha applied to
+    # its fp32 output), with a bias and an out_features that is no tile multiple.
+    q = Linear.from_float(_linear(512, 200), format=fmt)
+    x = _x(rows, 512, dtype=torch.bfloat16)
+    cpu = q(x)
+    gpu = q.to("cuda")(x.cuda())
+    torch.testing.assert_close(gpu.cpu().float(), cpu.float(), rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("weight_only", [False, True])
 def test_moving_a_layer_drops_its_cached_runner(weight_only):
     # The runner holds device tensors (a block-scaled layer's small-batch runner: a prepacked copy of

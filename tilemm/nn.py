@@ -14,12 +14,15 @@ unpacked on the way out and prepacked on the way in); ``Module.to(dtype)``, ``.h
 ``.bfloat16()`` move them between devices but never cast their encodings (the bias does follow).
 Inference only: no gradient flows through the quantized matmul.
 
-Small batch on Hopper: a block-scaled layer called eagerly on CUDA with at most ``SMALL_BATCH_ROWS``
-rows runs ``weight_only.QuantizedActivationRunner``: one kernel writes ``dequantize(q(x))`` as bf16
-(exactly the activation the matmul reads; NVFP4's decode scale goes to the epilogue), the weight-only
-kernel multiplies it with a prepacked copy of the weight (made on the first such call: twice the
-layer's weight memory). Same result up to the order of the fp32 additions; ``torch.compile`` traces
-the block-scaled path, so compiled and eager calls agree to docs/numerics.md's matmul tolerance.
+On Hopper, a block-scaled layer called eagerly on CUDA, at any number of rows, runs
+``weight_only.QuantizedActivationRunner``: one kernel writes ``dequantize(q(x))`` as bf16 (exactly the
+activation the matmul reads; NVFP4's decode scale goes to the epilogue), the weight-only path
+multiplies it with a prepacked copy of the weight (made on the first such call: twice the layer's
+weight memory), with the weight-only plan of that many rows (the small-M kernels, the fused large-M
+kernel, or decode + cuBLAS). Hopper has no block-scaled tensor cores, so its block-scaled matmul
+decodes both operands in software for every output tile, which this avoids. Same result up to the
+order of the fp32 additions; ``torch.compile`` traces the block-scaled path, so compiled and eager
+calls agree to docs/numerics.md's matmul tolerance.
 
 ``quantize_model(model, format)`` swaps every ``torch.nn.Linear`` of a model for this class in place.
 """
@@ -61,10 +64,6 @@ _ENCODED_BUFFERS = _QUANTIZED_BUFFERS + ("weight_constants",)
 _FORMAT_OF = {("mxfp8", torch.float8_e4m3fn): MXFP8_E4M3, ("mxfp8", torch.float8_e5m2): MXFP8_E5M2,
               ("mxfp4", None): MXFP4, ("nvfp4", None): NVFP4}
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-#: Rows (the product of x's leading dimensions) up to which a block-scaled layer on Hopper runs
-#: ``QuantizedActivationRunner``: the activation decoded once, then the weight-only kernel on a
-#: prepacked copy of the weight. Above it, the block-scaled matmul (``tilemm.linear``).
-SMALL_BATCH_ROWS = 128
 
 
 class _Options:
@@ -438,7 +437,7 @@ class Linear(torch.nn.Module):
                 if out is not None:
                     return out
         elif (small is not None and type(x) is torch.Tensor and x.ndim == 2 and x.is_cuda
-                and x.shape[0] <= SMALL_BATCH_ROWS and x.shape[1] == self.in_features
+                and x.shape[1] == self.in_features
                 and x.dtype in _ACTIVATION_DTYPES and small.runner is not None
                 and small.source == self._small_batch_key(x.device) and not torch.compiler.is_compiling()):
             # The common eager call, already checked by the conditions above.
@@ -451,8 +450,8 @@ class Linear(torch.nn.Module):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             out = F.linear(rows, self.dequantize_weight().to(x.dtype), bias)
         else:
-            runner = (self._small_batch_runner(x.device) if x.is_cuda and rows.shape[0] <= SMALL_BATCH_ROWS
-                      and self.format != "fp8" and not torch.compiler.is_compiling() else None)
+            runner = (self._small_batch_runner(x.device) if x.is_cuda and self.format != "fp8"
+                      and not torch.compiler.is_compiling() else None)
             if runner is not None:
                 out = runner(rows if rows.is_contiguous() else rows.contiguous())
             else:
@@ -499,7 +498,7 @@ class Linear(torch.nn.Module):
         return cached[2]
 
     def _small_batch_runner(self, device):
-        """The two-launch path of an MXFP8 / MXFP4 / NVFP4 layer at small batch on Hopper
+        """The two-launch path of an MXFP8 / MXFP4 / NVFP4 layer on Hopper
         (``weight_only.QuantizedActivationRunner``), built on first use from a prepacked copy of the
         weight and rebuilt when what ``_small_batch_key`` lists changes; None where it does not apply
         (another GPU family, or a weight that ``prepack`` refuses)."""
@@ -663,7 +662,7 @@ def _identities(tensors) -> tuple:
 
 
 class _SmallBatch:
-    """A block-scaled layer's cached small-batch runner (or None) and the state it was built from
+    """A block-scaled layer's cached Hopper runner (``QuantizedActivationRunner``, or None) and the state it was built from
     (``source``: identities and versions; ``tensors``: those tensors, held so that their identities
     stay theirs)."""
 

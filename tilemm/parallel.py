@@ -46,8 +46,12 @@ from .numerics import ceil_div
 from .kernels import quantize_kernels as _quantize_kernels
 from .kernels._common import stream_handle
 from .nn import _ACTIVATION_DTYPES
-from .nn import SMALL_BATCH_ROWS as _SMALL_BATCH_ROWS
 from .nn import Linear
+
+#: Rows (the product of x's leading dimensions) up to which a sharded NVFP4 block-scaled layer runs
+#: ``QuantizedActivationRunner`` with its activation's amax exchanged per tile (``_small_batch_nvfp4``);
+#: above it, the block-scaled matmul on the exchanged tensor amax.
+_SMALL_BATCH_ROWS = 128
 
 __all__ = ["STYLES", "ShardInfo", "ShardedLinear", "ColwiseParallel", "RowwiseParallel", "shard_linear",
            "local_shard", "overlapped", "all_reduce_sum", "ONE_SHOT_MAX_BYTES"]

@@ -152,15 +152,23 @@ class WeightOnlyRunner:
             self._prepared[(m, dtype)] = prepared
         return prepared
 
-    def _large_m(self, x2d: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """The large-M plan's decode design with a bias or a non-bf16 output: decode the weight once to
-        bf16 (exact, times 2^-E), then cuBLAS's bf16 GEMM with ``alpha = 2^E * decode scale`` and the
-        bias in its fp32 epilogue (fp32 output), rounded once to ``out_dtype``."""
+    def _large_m(self, x2d: torch.Tensor, out_dtype: torch.dtype, alpha: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """The large-M plan's decode design with a bias, a non-bf16 output or a device ``alpha``: decode
+        the weight once to bf16 (exact, times 2^-E), then cuBLAS's bf16 GEMM with an fp32 output. The
+        epilogue is the kernels' (the fp32 sum times alpha, plus the bias, rounded once to
+        ``out_dtype``): cuBLAS's own with ``alpha = 2^E * decode scale`` known on the host, or, for a
+        (1,) fp32 ``alpha`` on the device (NVFP4 with a quantized activation: its decode scale times the
+        weight's factor), one multiply-add over the fp32 output."""
         p = self.packed
         buffer, decoded = self._held()
         w16 = (buffer[:, :self.k] if decoded else
                _kernel.dequantize(p.words, p.scale_t, p.constants, self.layout, self.k, out=buffer))
-        acc = torch.addmm(self.bias, x2d, w16.t(), out_dtype=torch.float32, alpha=p.alpha_host)
+        if alpha is None:
+            acc = torch.addmm(self.bias, x2d, w16.t(), out_dtype=torch.float32, alpha=p.alpha_host)
+        else:
+            acc = torch.mm(x2d, w16.t(), out_dtype=torch.float32)
+            acc = torch.addcmul(self.bias, acc, alpha)
         return acc.to(out_dtype)
 
     def _held(self) -> tuple[torch.Tensor | None, bool]:
@@ -215,9 +223,9 @@ class WeightOnlyRunner:
         if fused is not None:
             fused.run(x2d, out, stream, alpha)
             return out
-        if large is not None and large.kind in ("decode", "overlap") and alpha is None:
-            if out_dtype == torch.bfloat16 and (not self.has_bias or (self.bias16 is not None
-                                                                     and large.kind == "decode")):
+        if large is not None and large.kind in ("decode", "overlap"):
+            if alpha is None and out_dtype == torch.bfloat16 and (
+                    not self.has_bias or (self.bias16 is not None and large.kind == "decode")):
                 p = self.packed
                 if large.kind == "overlap":
                     return _large_kernel.overlap_gemm(x2d, p.words, p.scale_t, p.constants, p.alpha_host, out,
@@ -226,11 +234,9 @@ class WeightOnlyRunner:
                 return _large_kernel.decode_gemm(x2d, p.words, p.scale_t, p.constants, p.alpha_host, out,
                                                  self.layout, self.k, large.chunk, stream, buffer, decoded,
                                                  self.bias16)
-                return _large_kernel.decode_gemm(x2d, p.words, p.scale_t, p.constants, p.alpha_host, out,
-                                                 self.layout, self.k, large.chunk, stream)
-            if _GEMM_FP32_OUT[0]:  # a bias or another output dtype: fp32 GEMM output, then one rounding
+            if _GEMM_FP32_OUT[0]:  # a bias, another output dtype or a device alpha: fp32 GEMM output
                 try:
-                    return self._large_m(x2d, out_dtype)
+                    return self._large_m(x2d, out_dtype, alpha)
                 except (RuntimeError, TypeError):  # a PyTorch without addmm(..., out_dtype): the fused kernel
                     _GEMM_FP32_OUT[0] = False
         if m * max(self.k, self.n) < _large.LIMIT:

@@ -958,8 +958,9 @@ def test_weight_only_few_rows_launches(m):
 def test_block_scaled_layer_at_many_rows_runs_the_weight_only_path(monkeypatch, fmt, m):
     # A block-scaled tilemm.nn.Linear on Hopper at prefill sizes, as at small batch: the activation's
     # fake quant (one launch: NVFP4's amax in it, or in a launch of its own first), then exactly the
-    # launches of the weight-only runner for that many rows; never the block-scaled matmul, which
-    # decodes both operands for every output tile.
+    # launches of the weight-only runner for that many rows, given the alpha the fake quant gives
+    # (NVFP4: a device tensor, so at 2048 rows the fused kernel, never the decode for cuBLAS); never
+    # the block-scaled matmul, which decodes both operands for every output tile.
     from tilemm import weight_only
 
     # The CPU has no fp32-output bf16 GEMM: the flag that records it, scoped to this test.
@@ -982,3 +983,6 @@ def test_block_scaled_layer_at_many_rows_runs_the_weight_only_path(monkeypatch, 
     assert quantize <= (1 if fmt == "nvfp4" else 0)
     rest = launches[quantize + 1:]
     assert [(g, k) for g, k, _ in rest] == [(g, k) for g, k, _ in weight_only]
+    if fmt == "nvfp4":
+        fused = runner.inner._large[(m, torch.bfloat16, torch.bfloat16, True)][1]
+        assert fused is not None and rest[0][1] is fused.kernel

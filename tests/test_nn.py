@@ -349,8 +349,9 @@ def test_gpu_module_matches_cpu_module(name, kw, quantize_x, quantize_w):
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4"])
 def test_gpu_block_scaled_module_at_many_rows_matches_cpu(fmt, rows):
     # Prefill sizes on Hopper run the fake quant and the weight-only plan of that many rows (the fused
-    # large-M kernel at 300; at 2400 the weight decoded for cuBLAS, NVFP4's device alpha applied to
-    # its fp32 output), with a bias and an out_features that is no tile multiple.
+    # large-M kernel at 300; at 2400 the weight decoded for cuBLAS, or for NVFP4, whose activation
+    # decode scale is a device alpha, the fused kernel), with a bias and an out_features that is no
+    # tile multiple.
     q = Linear.from_float(_linear(512, 200), format=fmt)
     x = _x(rows, 512, dtype=torch.bfloat16)
     cpu = q(x)

@@ -168,7 +168,7 @@ def test_runner_few_rows_takes_the_fused_split(emulated, monkeypatch, fmt):
             out = runner(x, alpha)
             want = ref if alpha is None else _reference(x, w_q) * 0.25 + bias
             assert_matches(out.float(), want, torch.bfloat16)
-        assert runner._large[(m, torch.bfloat16, torch.bfloat16)][1] is not None
+        assert runner._large[(m, torch.bfloat16, torch.bfloat16, False)][1] is not None
 
 
 @pytest.mark.parametrize("fmt", [MXFP4, NVFP4, MXFP8_E4M3], ids=["mxfp4", "nvfp4", "mxfp8_e4m3"])

@@ -185,13 +185,14 @@ class WeightOnlyRunner:
         held[id(self)] = (self, buffer)  # the runner stays referenced, so its id is not reused meanwhile
         return buffer, False
 
-    def _large_route(self, m: int, x_dtype: torch.dtype, out_dtype: torch.dtype):
-        """(large-M config or None, the fused kernel's prepared launch where it serves the call, else None)."""
+    def _large_route(self, m: int, x_dtype: torch.dtype, out_dtype: torch.dtype, fused_only: bool = False):
+        """(large-M config or None, the fused kernel's prepared launch where it serves the call, else None).
+        ``fused_only``: for calls with a device alpha (``hopper_weight_only_large.plan``)."""
         if x_dtype != torch.bfloat16 or m < _large_kernel.first_m(self.layout):
             return None, None
         if self._sms is None:
             self._sms = num_sms(self.device)
-        large = _large_kernel.plan(m, self.n, self.k, self.layout, sms=self._sms)
+        large = _large_kernel.plan(m, self.n, self.k, self.layout, sms=self._sms, fused_only=fused_only)
         if large is not None and large.kind == "fused" and (family(self.device) is not Family.HOPPER
                                                              or out_dtype != torch.bfloat16):
             # The fused kernel is built for sm_90 and a bf16 output; otherwise decode + GEMM, or below
@@ -215,10 +216,13 @@ class WeightOnlyRunner:
         stream = stream_handle(self.device)
         # Many rows of bf16 x: the large-M plan (``hopper_weight_only_large.plan``), where it names a
         # design; worked out once per (M, x dtype, output dtype), as the small-M launches are.
-        key = (m, x2d.dtype, out_dtype)
+        # A device alpha (NVFP4's activation decode scale, ``QuantizedActivationRunner``) cannot be
+        # cuBLAS's: such calls take the fused kernel where the plan would decode for cuBLAS (it ran
+        # ahead of the decode design with the product's fp32 output scaled afterwards).
+        key = (m, x2d.dtype, out_dtype, alpha is not None)
         route = self._large.get(key)
         if route is None:
-            route = self._large[key] = self._large_route(m, x2d.dtype, out_dtype)
+            route = self._large[key] = self._large_route(m, x2d.dtype, out_dtype, alpha is not None)
         large, fused = route
         if fused is not None:
             fused.run(x2d, out, stream, alpha)

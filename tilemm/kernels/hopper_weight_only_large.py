@@ -379,11 +379,15 @@ def decode_fallback(m: int) -> bool:
     return m >= DECODE_FALLBACK_M
 
 
-def plan(m: int, n: int, k: int, layout: _wo.Layout, rules: dict | None = None, sms: int = 132
-         ) -> LargeConfig | None:
+def plan(m: int, n: int, k: int, layout: _wo.Layout, rules: dict | None = None, sms: int = 132,
+         fused_only: bool = False) -> LargeConfig | None:
     """The large-M config for an (M, K) x (N, K) problem, or None where the small-M plan applies
-    (``FamilyRule`` says how)."""
+    (``FamilyRule`` says how). ``fused_only``: never the ``large`` design (the decode for cuBLAS),
+    for a call whose epilogue factor is on the device (cuBLAS's alpha is a host number): the fused
+    configs as for fewer rows instead."""
     rule = _rule(layout, rules)
+    if fused_only:
+        rule = dataclasses.replace(rule, large_m=1 << 62, l2_bytes=-1)
     if m < rule.first_m or (m <= _wo._FEW_M and _wo.short_k_stacked(m, n, k, layout, sms)):
         return None
     splits = [cfg for cfg, last_m in rule.split if m <= last_m]

@@ -986,3 +986,21 @@ def test_block_scaled_layer_at_many_rows_runs_the_weight_only_path(monkeypatch, 
     if fmt == "nvfp4":
         fused = runner.inner._large[(m, torch.bfloat16, torch.bfloat16, True)][1]
         assert fused is not None and rest[0][1] is fused.kernel
+
+
+def test_a_prefill_activation_does_not_grow_the_scratch(monkeypatch):
+    # The fake-quantized activation between the two launches lives in the stream's scratch (kept for
+    # good) only up to SCRATCH_ELEMENTS; a prefill's is allocated per call, so the scratch stays small.
+    from tilemm import weight_only
+
+    monkeypatch.setattr(qk, "_SCRATCH", {})
+    monkeypatch.setattr(weight_only, "_GEMM_FP32_OUT", [True])
+    layer = tilemm.nn.Linear.from_float(torch.nn.Linear(4096, 256, dtype=torch.bfloat16), "mxfp4")
+    with HOST_PATH.cuda_route():
+        for m in (16, 1024):
+            out = layer(torch.randn(m, 4096).to(torch.bfloat16))
+            assert out.shape == (m, 256)
+        HOST_PATH.LAUNCHES.clear()
+    sizes = [s.values.numel() for s in qk._SCRATCH.values()] + [
+        t.numel() for s in qk._SCRATCH.values() for t in s.retired]
+    assert sizes and max(sizes) <= qk.SCRATCH_ELEMENTS and 1024 * 4096 > qk.SCRATCH_ELEMENTS

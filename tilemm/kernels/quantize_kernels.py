@@ -1317,6 +1317,11 @@ def activation_scratch(device: torch.device, stream, elements: int) -> _Scratch:
     return scratch
 
 
+#: Activations of at most this many elements (4 MiB of bf16: 128 rows of K = 16384) take the scratch
+#: buffer; larger ones, whose product costs far more than an allocation, are allocated per call.
+SCRATCH_ELEMENTS = 1 << 21
+
+
 class FakeQuant:
     """``dequantize(quantize(x))`` of an activation x (M, K), contiguous, as a bf16 (M, K) tensor, with
     everything but x worked out once: the format ("mxfp8" with e4m3 / e5m2, "mxfp4", "nvfp4"), the MX
@@ -1325,8 +1330,9 @@ class FakeQuant:
     launch; NVFP4 with more tiles than the GPU has SMs: two, ``tensor_amax`` first.
 
     Its outputs are only ever read by the next launch on the same stream (the weight-only matmul), so
-    outside CUDA-graph captures they live in ``activation_scratch``, shared by every layer on that
-    stream: a call's write follows the previous call's read in stream order. Captures take fresh ones."""
+    outside CUDA-graph captures, up to ``SCRATCH_ELEMENTS``, they live in ``activation_scratch``, shared
+    by every layer on that stream: a call's write follows the previous call's read in stream order.
+    Captures and larger activations take fresh ones."""
 
     __slots__ = ("element", "nv", "floor", "alpha", "config", "_stub_i32", "_kernel", "_sms")
 
@@ -1342,10 +1348,12 @@ class FakeQuant:
         self._sms = num_sms(alpha.device)
 
     def _outputs(self, x: torch.Tensor, stream) -> tuple:
-        """(bf16 (M, K), NVFP4's (1,) fp32 alpha or ``self.alpha``)."""
+        """(bf16 (M, K), NVFP4's (1,) fp32 alpha or ``self.alpha``): in the stream's scratch, or
+        allocated for this call inside a capture and above ``SCRATCH_ELEMENTS`` (a prefill's
+        activation would grow the scratch, which is never freed, to its size for good)."""
         m, k = x.shape
         device = x.device
-        if _capturing(device):
+        if m * k > SCRATCH_ELEMENTS or _capturing(device):
             return (torch.empty((m, k), dtype=torch.bfloat16, device=device),
                     torch.empty(1, dtype=torch.float32, device=device) if self.nv else self.alpha)
         scratch = activation_scratch(device, stream, m * k)

@@ -280,6 +280,21 @@ def test_nvfp4_takes_the_4bit_rule():
     assert wl.first_m(nv) == wl.first_m(mx) == 2
 
 
+def test_plan_fused_only_never_decodes_for_cublas():
+    # A call whose epilogue factor is on the device (NVFP4 with a quantized activation) cannot use
+    # cuBLAS's host alpha: where the rules decode the weight (from large_m, or a weight that fits L2),
+    # fused_only gives the fused configs the rules give below large_m; elsewhere the same plan.
+    for name in ("nvfp4", "mxfp4", "mxfp8_e4m3"):
+        layout = wo.LAYOUTS[name]
+        for m, n, k in ((2048, 8192, 8192), (4096, 14336, 4096), (512, 1024, 4096), (8192, 1024, 4096)):
+            assert wl.plan(m, n, k, layout).kind == "decode"
+            cfg = wl.plan(m, n, k, layout, fused_only=True)
+            assert cfg is not None and cfg.kind == "fused", (name, m, n, k, cfg)
+        assert wl.plan(4096, 8192, 8192, layout, fused_only=True) == wl.plan(1024, 8192, 8192, layout)
+        for m, n, k in ((1, 4096, 4096), (128, 14336, 4096), (1024, 8192, 8192)):
+            assert wl.plan(m, n, k, layout, fused_only=True) == wl.plan(m, n, k, layout)
+
+
 def test_plan_rules():
     """Below first_m: None; the rules' thresholds on made-up rules; any shape gets a design."""
     mx4, mx8 = wo.LAYOUTS["mxfp4"], wo.LAYOUTS["mxfp8_e4m3"]

@@ -1004,3 +1004,35 @@ def test_a_prefill_activation_does_not_grow_the_scratch(monkeypatch):
     sizes = [s.values.numel() for s in qk._SCRATCH.values()] + [
         t.numel() for s in qk._SCRATCH.values() for t in s.retired]
     assert sizes and max(sizes) <= qk.SCRATCH_ELEMENTS and 1024 * 4096 > qk.SCRATCH_ELEMENTS
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sharded_nvfp4_rowwise_many_rows_runs_the_weight_only_path(monkeypatch, rank):
+    # Above 128 rows a row-wise NVFP4 shard exchanges one amax word (its slice's, MAX-all-reduced),
+    # then on Hopper makes the unsharded layer's launches: the fake quant reading that word, the
+    # weight-only plan of that many rows; never the block-scaled matmul.
+    import torch.distributed as dist
+
+    from tilemm import weight_only
+
+    monkeypatch.setattr(weight_only, "_GEMM_FP32_OUT", [True])
+    m = 300
+    lin, gen = _seeded_linear(512, 256, seed=7, bias=False)
+    x = torch.randn(m, 256, generator=gen).to(torch.bfloat16)  # this rank's K-slice
+    with _rowwise_nvfp4_shard(rank, lin) as (layer, group):
+        layer(x)  # builds the runner
+        HOST_PATH.LAUNCHES.clear()
+        group.calls.clear()
+        out = layer(x)
+        launches = list(HOST_PATH.LAUNCHES)
+        runner = layer._runner.runner
+    assert runner is not None
+    kernels = [k for _, k, _ in launches]
+    quantize = kernels.index(runner.fake_quant._kernel)
+    amax_word = launches[quantize][2][3]
+    assert amax_word.numel() == 1
+    assert [(tuple(t[0].shape), op) for t, op in group.calls] == [((1,), dist.ReduceOp.MAX),
+                                                                    ((m, 256), dist.ReduceOp.SUM)]
+    fused = runner.inner._large[(m, torch.bfloat16, torch.bfloat16, True)][1]
+    assert fused is not None and kernels[quantize + 1:] == [fused.kernel] * (len(kernels) - quantize - 1)
+    assert group.calls[1][0][0] is out

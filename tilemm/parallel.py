@@ -48,9 +48,10 @@ from .kernels._common import stream_handle
 from .nn import _ACTIVATION_DTYPES
 from .nn import Linear
 
-#: Rows (the product of x's leading dimensions) up to which a sharded NVFP4 block-scaled layer runs
-#: ``QuantizedActivationRunner`` with its activation's amax exchanged per tile (``_small_batch_nvfp4``);
-#: above it, the block-scaled matmul on the exchanged tensor amax.
+#: Rows (the product of x's leading dimensions) up to which a sharded NVFP4 block-scaled layer
+#: exchanges its activation's per-tile amax maxima (``_small_batch_nvfp4``, four launches); above it,
+#: one amax word per rank, then the same fake quant and weight-only plan on Hopper (elsewhere the
+#: block-scaled matmul).
 _SMALL_BATCH_ROWS = 128
 
 __all__ = ["STYLES", "ShardInfo", "ShardedLinear", "ColwiseParallel", "RowwiseParallel", "shard_linear",
@@ -1199,8 +1200,11 @@ class ShardedLinear(Linear):
         # ``exchange``: the symmetric-memory exchange (one one-shot kernel) where the layer's one-shot
         # all-reduce is live for this call and there is one amax for the whole tensor; else NCCL's MAX.
         runner, amax = None, None
+        if kernels is not None and not torch.compiler.is_compiling():
+            # What Linear.forward runs on Hopper at any number of rows (fake quant, then the weight-only
+            # plan), here with the exchanged amax; None elsewhere.
+            runner = self._small_batch_runner(x.device)
         if kernels is not None and rows.shape[0] <= _SMALL_BATCH_ROWS and not torch.compiler.is_compiling():
-            runner = self._small_batch_runner(x.device)  # what Linear.forward runs at small batch on Hopper
             slots = kernels.amax_slots(rows.shape[0], tp.widest_k)
             tiles = None if exchange is None else one_shot.amax_tiles(x.device, slots)
             if slots <= kernels.AMAX_PARTIALS and (exchange is None or tiles is not None):

@@ -1036,3 +1036,18 @@ def test_sharded_nvfp4_rowwise_many_rows_runs_the_weight_only_path(monkeypatch, 
     fused = runner.inner._large[(m, torch.bfloat16, torch.bfloat16, True)][1]
     assert fused is not None and kernels[quantize + 1:] == [fused.kernel] * (len(kernels) - quantize - 1)
     assert group.calls[1][0][0] is out
+
+
+def test_an_activation_past_int32_offsets_takes_the_block_scaled_matmul(monkeypatch):
+    # The fake quant indexes x with int32 offsets: from 2^31 elements (here a lowered bound) a
+    # block-scaled layer runs the block-scaled matmul, which launches per piece, and builds no runner.
+    monkeypatch.setattr(tilemm.nn, "_INT32_LIMIT", 300 * 1024)
+    layer = tilemm.nn.Linear.from_float(torch.nn.Linear(1024, 256, dtype=torch.bfloat16), "mxfp4")
+    with HOST_PATH.cuda_route():
+        HOST_PATH.LAUNCHES.clear()
+        out = layer(torch.randn(300, 1024).to(torch.bfloat16))
+        launches = list(HOST_PATH.LAUNCHES)
+        assert layer._runner is None and launches and out.shape == (300, 256)
+        layer(torch.randn(299, 1024).to(torch.bfloat16))
+        assert layer._runner is not None and layer._runner.runner is not None
+        HOST_PATH.LAUNCHES.clear()

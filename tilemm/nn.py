@@ -46,6 +46,7 @@ from . import kernels as _kernels
 from . import weight_only as _weight_only
 from .kernels import _common as _kernels_common
 from .kernels import quantize_kernels as _quantize_kernels
+from .kernels._large import LIMIT as _INT32_LIMIT
 from .formats import FP8_BLOCK, MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, Granularity
 from .numerics import ceil_div
 from .moe import MoEExperts, check_silu_experts, experts_activation
@@ -437,7 +438,7 @@ class Linear(torch.nn.Module):
                 if out is not None:
                     return out
         elif (small is not None and type(x) is torch.Tensor and x.ndim == 2 and x.is_cuda
-                and x.shape[1] == self.in_features
+                and x.shape[1] == self.in_features and x.numel() < _INT32_LIMIT
                 and x.dtype in _ACTIVATION_DTYPES and small.runner is not None
                 and small.source == self._small_batch_key(x.device) and not torch.compiler.is_compiling()):
             # The common eager call, already checked by the conditions above.
@@ -450,8 +451,10 @@ class Linear(torch.nn.Module):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             out = F.linear(rows, self.dequantize_weight().to(x.dtype), bias)
         else:
+            # The runner's fake quant indexes x with int32 offsets: an activation of 2^31 elements or
+            # more takes the block-scaled matmul, which launches per piece.
             runner = (self._small_batch_runner(x.device) if x.is_cuda and self.format != "fp8"
-                      and not torch.compiler.is_compiling() else None)
+                      and rows.numel() < _INT32_LIMIT and not torch.compiler.is_compiling() else None)
             if runner is not None:
                 out = runner(rows if rows.is_contiguous() else rows.contiguous())
             else:

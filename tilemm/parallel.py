@@ -45,6 +45,7 @@ from .formats import FP8_BLOCK, Granularity
 from .numerics import ceil_div
 from .kernels import quantize_kernels as _quantize_kernels
 from .kernels._common import stream_handle
+from .kernels._large import LIMIT as _INT32_LIMIT
 from .nn import _ACTIVATION_DTYPES
 from .nn import Linear
 
@@ -1200,9 +1201,10 @@ class ShardedLinear(Linear):
         # ``exchange``: the symmetric-memory exchange (one one-shot kernel) where the layer's one-shot
         # all-reduce is live for this call and there is one amax for the whole tensor; else NCCL's MAX.
         runner, amax = None, None
-        if kernels is not None and not torch.compiler.is_compiling():
+        if kernels is not None and rows.numel() < _INT32_LIMIT and not torch.compiler.is_compiling():
             # What Linear.forward runs on Hopper at any number of rows (fake quant, then the weight-only
-            # plan), here with the exchanged amax; None elsewhere.
+            # plan), here with the exchanged amax; None elsewhere, and for an activation of 2^31
+            # elements or more (the fake quant's offsets are int32).
             runner = self._small_batch_runner(x.device)
         if kernels is not None and rows.shape[0] <= _SMALL_BATCH_ROWS and not torch.compiler.is_compiling():
             slots = kernels.amax_slots(rows.shape[0], tp.widest_k)

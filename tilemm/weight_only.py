@@ -215,8 +215,8 @@ class WeightOnlyRunner:
             return out
         stream = stream_handle(self.device)
         # Many rows of bf16 x: the large-M plan (``hopper_weight_only_large.plan``), where it names a
-        # design; worked out once per (M, x dtype, output dtype), as the small-M launches are.
-        # A device alpha (NVFP4's activation decode scale, ``QuantizedActivationRunner``) cannot be
+        # design; worked out once per (M, x dtype, output dtype, device alpha or not), as the small-M
+        # launches are. A device alpha (NVFP4's activation decode scale, ``QuantizedActivationRunner``) cannot be
         # cuBLAS's: such calls take the fused kernel where the plan would decode for cuBLAS (it ran
         # ahead of the decode design with the product's fp32 output scaled afterwards).
         key = (m, x2d.dtype, out_dtype, alpha is not None)

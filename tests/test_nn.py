@@ -345,15 +345,15 @@ def test_gpu_module_matches_cpu_module(name, kw, quantize_x, quantize_w):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(GPU_SKIP_REASON is not None, reason=GPU_SKIP_REASON or "")
-@pytest.mark.parametrize("rows", [300, 2400])
+@pytest.mark.parametrize("rows,k,n", [(300, 512, 200), (2400, 512, 200), (300, 4096, 4096)], ids=str)
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4"])
-def test_gpu_block_scaled_module_at_many_rows_matches_cpu(fmt, rows):
-    # Prefill sizes on Hopper run the fake quant and the weight-only plan of that many rows (the fused
-    # large-M kernel at 300; at 2400 the weight decoded for cuBLAS, or for NVFP4, whose activation
-    # decode scale is a device alpha, the fused kernel), with a bias and an out_features that is no
-    # tile multiple.
-    q = Linear.from_float(_linear(512, 200), format=fmt)
-    x = _x(rows, 512, dtype=torch.bfloat16)
+def test_gpu_block_scaled_module_at_many_rows_matches_cpu(fmt, rows, k, n):
+    # Prefill sizes on Hopper run the fake quant and the weight-only plan of that many rows, with an
+    # fp32 bias: 512 -> 200 (a weight whose bf16 copy stays in L2) the weight decoded for cuBLAS, or
+    # for NVFP4, whose activation decode scale is a device alpha, the fused kernel; 4096 -> 4096 at
+    # 300 rows the fused large-M kernel for every format.
+    q = Linear.from_float(_linear(k, n), format=fmt)
+    x = _x(rows, k, dtype=torch.bfloat16)
     cpu = q(x)
     gpu = q.to("cuda")(x.cuda())
     torch.testing.assert_close(gpu.cpu().float(), cpu.float(), rtol=1e-2, atol=1e-2)

@@ -387,6 +387,68 @@ def test_runner_decode_design_with_a_bias(emulated, monkeypatch, bias_dtype):
     assert calls == ["decode_gemm" if bias_dtype == torch.bfloat16 else "_large_m"]
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
+def test_runner_decode_design_with_a_device_alpha(emulated, monkeypatch, out_dtype):
+    # A device alpha (NVFP4's activation decode scale times the weight's factor) where the fused kernel
+    # cannot serve the call (an fp16 / fp32 output) at 512 rows: the decode design, cuBLAS's fp32 sums
+    # times that alpha plus the bias, rounded once; alpha replaces the weight's own factor.
+    import tilemm.weight_only as wol
+
+    mm = torch.mm
+
+    def fp32_mm(a, b, *, out_dtype=None, **kw):
+        return mm(a, b, **kw) if out_dtype is None else a.to(out_dtype) @ b.to(out_dtype)
+
+    monkeypatch.setattr(torch, "mm", fp32_mm)
+    monkeypatch.setattr(wol, "_GEMM_FP32_OUT", [True])
+    monkeypatch.setattr(wol, "stream_handle", lambda device: 0)
+    monkeypatch.setattr(wol, "family", lambda device: wol.Family.HOPPER)
+    calls = _count_calls(monkeypatch, ((wl, "decode_gemm"), (wol.WeightOnlyRunner, "_large_m"),
+                                       (wl.Prepared, "run")))
+    w_q = _weight(NVFP4, 40, 320, seed=41)
+    b = torch.randn(40, generator=torch.Generator().manual_seed(42))
+    packed = prepack(w_q)
+    runner = wol.WeightOnlyRunner(packed, b)
+    runner._sms = 132
+    x = torch.randn(512, 320, generator=torch.Generator().manual_seed(43)).to(torch.bfloat16)
+    alpha = packed.constants[0:1] * 0.25
+    out = runner(x, alpha, out_dtype=out_dtype)
+    assert calls == ["_large_m"] and out.dtype == out_dtype
+    assert_matches(out.float(), (_reference(x, w_q) * 0.25 + b).float(), out_dtype)
+
+
+def test_out_of_memory_in_the_fp32_output_gemm_reaches_the_caller(monkeypatch):
+    # Only a missing fp32-output GEMM turns that path off for the process; running out of memory in
+    # it is the caller's error to see, and the path stays on.
+    import tilemm.weight_only as wol
+
+    def oom(self, *args):
+        raise torch.OutOfMemoryError("out of memory")
+
+    monkeypatch.setattr(wol, "_GEMM_FP32_OUT", [True])
+    monkeypatch.setattr(wol.WeightOnlyRunner, "_large_m", oom)
+    monkeypatch.setattr(wol.WeightOnlyRunner, "_large_route",
+                        lambda self, *a: (wl.LargeConfig("decode", chunk=0), None))
+    monkeypatch.setattr(wol, "stream_handle", lambda device: 0)
+    runner = wol.WeightOnlyRunner(prepack(_weight(MXFP4, 40, 320, seed=44)), torch.zeros(40))
+    x = torch.zeros(600, 320, dtype=torch.bfloat16)
+    with pytest.raises(torch.OutOfMemoryError):
+        runner(x, out_dtype=torch.float32)
+    assert wol._GEMM_FP32_OUT == [True]
+
+
+def test_runner_keeps_a_bounded_number_of_row_counts(monkeypatch):
+    # Prefills of many lengths: the prepared launches per row count start over at MAX_ROUTES.
+    import tilemm.weight_only as wol
+
+    monkeypatch.setattr(wol, "MAX_ROUTES", 3)
+    runner = wol.WeightOnlyRunner(prepack(_weight(MXFP4, 40, 320, seed=45)), None)
+    runner._sms = 132
+    for m in range(1, 9):
+        runner._prepare(m, torch.bfloat16)
+        assert 1 <= len(runner._prepared) <= 3 and (m, torch.bfloat16) in runner._prepared
+
+
 @pytest.mark.parametrize("kind", ["fused", "decode", "overlap"])
 def test_runner_dispatches_through_the_table(emulated, monkeypatch, kind):
     """``WeightOnlyRunner`` takes the design the rules name for bf16 x (here from M = 16 on, with

@@ -665,9 +665,9 @@ def _identities(tensors) -> tuple:
 
 
 class _SmallBatch:
-    """A block-scaled layer's cached Hopper runner (``QuantizedActivationRunner``, or None) and the state it was built from
-    (``source``: identities and versions; ``tensors``: those tensors, held so that their identities
-    stay theirs)."""
+    """A block-scaled layer's cached Hopper runner (``QuantizedActivationRunner``, or None) and the
+    state it was built from (``source``: identities and versions; ``tensors``: those tensors, held so
+    that their identities stay theirs)."""
 
     __slots__ = ("runner", "source", "tensors")
 

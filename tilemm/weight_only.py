@@ -102,6 +102,14 @@ def reference_weight_only(x2d, words, scale_t, constants, fmt_name: str, in_feat
 
 #: Whether this PyTorch has cuBLAS bf16 x bf16 -> fp32 ``addmm(..., out_dtype=)`` (the large-M path).
 _GEMM_FP32_OUT = [True]
+#: Errors of the fp32-output GEMM that say nothing about its support, so never turn it off.
+_NOT_A_MISSING_GEMM = tuple(e for e in (getattr(torch, "OutOfMemoryError", None),
+                                         getattr(torch, "AcceleratorError", None)) if e is not None)
+
+
+#: Row counts whose prepared launches (and large-M routes) a runner keeps before it starts over: a
+#: decode server sees few, prefills of every length could otherwise add one per length for good.
+MAX_ROUTES = 64
 
 
 class WeightOnlyRunner:
@@ -149,6 +157,8 @@ class WeightOnlyRunner:
         prepared = _kernel.Prepared(p.words, p.scale_t, p.constants, self.bias, self.layout,
                                     cfg or self.plan(m), m, dtype, keep_workspace=self.keep_workspace)
         if cfg is None:
+            if len(self._prepared) >= MAX_ROUTES:
+                self._prepared.clear()
             self._prepared[(m, dtype)] = prepared
         return prepared
 
@@ -166,9 +176,9 @@ class WeightOnlyRunner:
                _kernel.dequantize(p.words, p.scale_t, p.constants, self.layout, self.k, out=buffer))
         if alpha is None:
             acc = torch.addmm(self.bias, x2d, w16.t(), out_dtype=torch.float32, alpha=p.alpha_host)
-        else:
+        else:  # in place: no second (M, N) fp32 temporary
             acc = torch.mm(x2d, w16.t(), out_dtype=torch.float32)
-            acc = torch.addcmul(self.bias, acc, alpha)
+            acc.mul_(alpha).add_(self.bias)
         return acc.to(out_dtype)
 
     def _held(self) -> tuple[torch.Tensor | None, bool]:
@@ -198,6 +208,9 @@ class WeightOnlyRunner:
             # The fused kernel is built for sm_90 and a bf16 output; otherwise decode + GEMM, or below
             # a few hundred rows the small-M kernels.
             large = _large_kernel.LargeConfig("decode", chunk=0) if _large_kernel.decode_fallback(m) else None
+        if large is not None and large.kind == "fused" and fused_only and m * max(self.k, self.n) >= _large.LIMIT:
+            # 2^31 elements or more: no fused launch; the decode design applies the device alpha afterwards.
+            return _large_kernel.LargeConfig("decode", chunk=0), None
         if large is not None and large.kind == "fused" and m * max(self.k, self.n) < _large.LIMIT:
             p = self.packed
             return large, _large_kernel.Prepared(p.words, p.scale_t, p.constants, self.bias, self.layout, large, m,
@@ -217,11 +230,15 @@ class WeightOnlyRunner:
         # Many rows of bf16 x: the large-M plan (``hopper_weight_only_large.plan``), where it names a
         # design; worked out once per (M, x dtype, output dtype, device alpha or not), as the small-M
         # launches are. A device alpha (NVFP4's activation decode scale, ``QuantizedActivationRunner``) cannot be
-        # cuBLAS's: such calls take the fused kernel where the plan would decode for cuBLAS (it ran
-        # ahead of the decode design with the product's fp32 output scaled afterwards).
+        # cuBLAS's: such calls take the fused kernel where the plan would decode for cuBLAS. (The
+        # decode design with its fp32 output scaled afterwards ran at 0.56-0.65x bf16 at M = 2048 on
+        # the H100, the fused kernel's tiles at 0.81-0.82x in the weight-only sweep at that M:
+        # ``benchmarks/results/inference-both-sides-large-m-*.md``, ``tune-weight-only-large-*.txt``.)
         key = (m, x2d.dtype, out_dtype, alpha is not None)
         route = self._large.get(key)
         if route is None:
+            if len(self._large) >= MAX_ROUTES:
+                self._large.clear()
             route = self._large[key] = self._large_route(m, x2d.dtype, out_dtype, alpha is not None)
         large, fused = route
         if fused is not None:
@@ -241,8 +258,10 @@ class WeightOnlyRunner:
             if _GEMM_FP32_OUT[0]:  # a bias, another output dtype or a device alpha: fp32 GEMM output
                 try:
                     return self._large_m(x2d, out_dtype, alpha)
-                except (RuntimeError, TypeError):  # a PyTorch without addmm(..., out_dtype): the fused kernel
-                    _GEMM_FP32_OUT[0] = False
+                except _NOT_A_MISSING_GEMM:  # out of memory, a device error: the caller's to see
+                    raise
+                except (RuntimeError, TypeError):  # a PyTorch without mm / addmm(..., out_dtype): from now
+                    _GEMM_FP32_OUT[0] = False  # on, the small-M kernels below
         if m * max(self.k, self.n) < _large.LIMIT:
             prepared = self._prepared.get((m, x2d.dtype)) or self._prepare(m, x2d.dtype)
             prepared.run(x2d, out, stream, alpha)
@@ -258,17 +277,17 @@ class WeightOnlyRunner:
 
 
 class QuantizedActivationRunner:
-    """A block-scaled layer (activation and weight quantized) at small batch on Hopper, as two launches:
-    ``dequantize(quantize(x))`` into bf16 (``quantize_kernels.FakeQuant``, exactly the activation the
-    block-scaled matmul reads; NVFP4's decode scale goes to the epilogue's alpha), then the weight-only
-    kernel on that bf16 activation and the prepacked weight.
+    """A block-scaled layer (activation and weight quantized) on Hopper: ``dequantize(quantize(x))``
+    into bf16 (``quantize_kernels.FakeQuant``, exactly the activation the block-scaled matmul reads;
+    NVFP4's decode scale goes to the epilogue's alpha), then the weight-only path for that many rows
+    (``WeightOnlyRunner``) on that bf16 activation and the prepacked weight.
 
     The result equals the block-scaled matmul's, ``dequantize(q(x)) @ dequantize(w).T``, up to the
     order of the fp32 additions: every product is exact in fp32 either way (the decoded activation is a
     bf16 number; for MXFP8 with scale bytes below 3 / 10, as in the block-scaled kernels, magnitudes
-    under 2^-133 are lost). On Hopper the block-scaled kernels decode both operands in software; at
-    small M the weight-only kernel reads the weight at a higher rate, and the activation is too small
-    for its decode to matter."""
+    under 2^-133 are lost). On Hopper the block-scaled kernels decode both operands in software, the
+    weight once for every tile of output rows; here the activation is decoded once, in a pass that
+    reads and writes it once, and the weight-only path decodes the weight as its plan does."""
 
     __slots__ = ("inner", "fake_quant")
 

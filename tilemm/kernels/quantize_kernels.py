@@ -1326,13 +1326,14 @@ class FakeQuant:
     """``dequantize(quantize(x))`` of an activation x (M, K), contiguous, as a bf16 (M, K) tensor, with
     everything but x worked out once: the format ("mxfp8" with e4m3 / e5m2, "mxfp4", "nvfp4"), the MX
     scale rounding, and for NVFP4 the (1,) fp32 ``alpha`` that the tensor's decode scale multiplies
-    (``run`` returns ``S_dec * alpha`` in a (1,) tensor that the next call on the stream rewrites). One
+    (``run`` returns ``S_dec * alpha`` in a (1,) tensor that a later call on the stream may rewrite). One
     launch; NVFP4 with more tiles than the GPU has SMs: two, ``tensor_amax`` first.
 
-    Its outputs are only ever read by the next launch on the same stream (the weight-only matmul), so
-    outside CUDA-graph captures, up to ``SCRATCH_ELEMENTS``, they live in ``activation_scratch``, shared
-    by every layer on that stream: a call's write follows the previous call's read in stream order.
-    Captures and larger activations take fresh ones."""
+    Its outputs are only ever read by what follows on the same stream before the next FakeQuant call
+    there (the weight-only path), so outside CUDA-graph captures, up to ``SCRATCH_ELEMENTS``, they live
+    in ``activation_scratch``, shared by every layer on that stream: a call's write follows the
+    previous call's reads in stream order. Captures and larger activations take fresh ones, allocated
+    on the current stream: ``run``'s stream must be the current one."""
 
     __slots__ = ("element", "nv", "floor", "alpha", "config", "_stub_i32", "_kernel", "_sms")
 

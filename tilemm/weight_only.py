@@ -169,7 +169,7 @@ class WeightOnlyRunner:
         epilogue is the kernels' (the fp32 sum times alpha, plus the bias, rounded once to
         ``out_dtype``): cuBLAS's own with ``alpha = 2^E * decode scale`` known on the host, or, for a
         (1,) fp32 ``alpha`` on the device (NVFP4 with a quantized activation: its decode scale times the
-        weight's factor), one multiply-add over the fp32 output."""
+        weight's factor), a multiply and an add in place over the fp32 output."""
         p = self.packed
         buffer, decoded = self._held()
         w16 = (buffer[:, :self.k] if decoded else
@@ -208,10 +208,11 @@ class WeightOnlyRunner:
             # The fused kernel is built for sm_90 and a bf16 output; otherwise decode + GEMM, or below
             # a few hundred rows the small-M kernels.
             large = _large_kernel.LargeConfig("decode", chunk=0) if _large_kernel.decode_fallback(m) else None
-        if large is not None and large.kind == "fused" and fused_only and m * max(self.k, self.n) >= _large.LIMIT:
-            # 2^31 elements or more: no fused launch; the decode design applies the device alpha afterwards.
+        fits = m * max(self.k, self.n) < _large.LIMIT
+        if large is not None and large.kind == "fused" and fused_only and not fits:
+            # 2^31 elements or more: no fused launch; the decode design applies the device alpha after.
             return _large_kernel.LargeConfig("decode", chunk=0), None
-        if large is not None and large.kind == "fused" and m * max(self.k, self.n) < _large.LIMIT:
+        if large is not None and large.kind == "fused" and fits:
             p = self.packed
             return large, _large_kernel.Prepared(p.words, p.scale_t, p.constants, self.bias, self.layout, large, m,
                                                  self._sms, x_dtype, keep_workspace=self.keep_workspace)
@@ -229,11 +230,10 @@ class WeightOnlyRunner:
         stream = stream_handle(self.device)
         # Many rows of bf16 x: the large-M plan (``hopper_weight_only_large.plan``), where it names a
         # design; worked out once per (M, x dtype, output dtype, device alpha or not), as the small-M
-        # launches are. A device alpha (NVFP4's activation decode scale, ``QuantizedActivationRunner``) cannot be
-        # cuBLAS's: such calls take the fused kernel where the plan would decode for cuBLAS. (The
-        # decode design with its fp32 output scaled afterwards ran at 0.56-0.65x bf16 at M = 2048 on
-        # the H100, the fused kernel's tiles at 0.81-0.82x in the weight-only sweep at that M:
-        # ``benchmarks/results/inference-both-sides-large-m-*.md``, ``tune-weight-only-large-*.txt``.)
+        # launches are. A device alpha (NVFP4's activation decode scale, ``QuantizedActivationRunner``)
+        # cannot be cuBLAS's: such calls take the fused kernel, whose epilogue reads it, where the plan
+        # would decode for cuBLAS (``hopper_weight_only_large.plan``'s ``fused_only``); the decode
+        # design then needs an fp32 output and a pass over it (``_large_m``).
         key = (m, x2d.dtype, out_dtype, alpha is not None)
         route = self._large.get(key)
         if route is None:

@@ -4,8 +4,9 @@ flushed).
 
     python benchmarks/bench_fake_quant.py [--ks 4096,14336] [--ms 1,16]
 
-NVFP4 is timed twice: with its tensor amax inside the launch (a grid-wide barrier, what the path
-runs) and with ``tensor_amax`` first (two launches). Writes what it prints to
+NVFP4 is timed three times, by where its tensor amax comes from: as the path chooses (every block
+loads all of a small x; else a grid-wide barrier), through the barrier, and with ``tensor_amax`` first
+(two launches). Writes what it prints to
 ``fake-quant-<gpu>.txt`` (``benchmarks/_results.py``). ``--cpu-smoke``: K = 64, M = 1 on the CPU, where
 the FakeQuant column is the definition it implements, ``dequantize(quantize(x))`` in bf16 (the kernel
 needs a GPU), and both columns are wall times.
@@ -49,17 +50,20 @@ def main(argv=None) -> int:
             for name, fmt, quantize in (("mxfp4", MXFP4, lambda: tilemm.quantize_mxfp4(x)),
                                         ("mxfp8", MXFP8_E4M3, lambda: tilemm.quantize_mxfp8(x)),
                                         ("nvfp4", NVFP4, lambda: tilemm.quantize_nvfp4(x)),
+                                        ("nvfp4 (barrier)", NVFP4, "barrier"),
                                         ("nvfp4 (tensor_amax)", NVFP4, None)):
                 if args.cpu_smoke:
-                    if quantize is None:
+                    if not callable(quantize):
                         continue  # the same definition as the row above
                     t, _ = timer(lambda: quantize().dequantize().to(torch.bfloat16))
                 else:
                     fq = FakeQuant(fmt, "rceil", alpha)
+                    if not callable(quantize):
+                        fq.whole_elements = 0  # no x is small enough to be loaded whole
                     if quantize is None:
                         fq._sms = 0  # more tiles than "SMs": tensor_amax first
                     t, _ = timer(lambda: fq.run(x, torch.cuda.current_stream()))
-                tq = timer(quantize)[0] * 1e3 if quantize is not None else float("nan")
+                tq = timer(quantize)[0] * 1e3 if callable(quantize) else float("nan")
                 say(f"{name:22s} {m:4d} {k:6d} {t * 1e3:13.1f} {tq:13.1f}")
     say.write(results_path(args.out_dir, "fake-quant", device_name(dev), "txt"))
     return 0

@@ -58,7 +58,7 @@ FAMILY_TARGETS = {"hopper": ("sm_90",), "blackwell": ("sm_100", "sm_120")}
 
 # Kernel constants that choose how fast a kernel runs, not what it computes or which code it runs.
 TUNING = {"TILE_R", "TILE_K", "TM", "TN", "TK", "TR", "LATENCY", "LATENCY_A", "LATENCY_B", "LATENCY_W",
-          "LATENCY_X", "GROUP_SIZE_M", "CHUNK"}
+          "LATENCY_X", "GROUP_SIZE_M", "CHUNK", "WHOLE_R", "WHOLE_K"}
 PRECISION_DTYPES = {"float32", "float16", "bfloat16"}
 
 

@@ -988,6 +988,32 @@ def test_block_scaled_layer_at_many_rows_runs_the_weight_only_path(monkeypatch, 
         assert fused is not None and rest[0][1] is fused.kernel
 
 
+@pytest.mark.parametrize("m,k,source,blocks", [(1, 4096, "whole", 1), (1, 14336, "whole", 4),
+                                               (4, 4096, "whole", 4), (16, 4096, "grid", 16),
+                                               (3, 36864, "partials", 144)])
+def test_nvfp4_fake_quant_takes_the_amax_without_a_barrier_when_x_is_small(m, k, source, blocks):
+    # NVFP4's fake quant needs the tensor amax before any block can round: a small x is loaded whole by
+    # every block (one launch, no atomics); a larger one goes through the grid-wide barrier while its
+    # tiles fit one wave (one launch), else tensor_amax first (two).
+    x = torch.randn(m, k).to(torch.bfloat16)
+    with HOST_PATH.cuda_route():
+        fq = qk.FakeQuant(NVFP4, None, torch.ones(1))
+        fq._sms = 132  # an H100's
+        HOST_PATH.LAUNCHES.clear()
+        fq.run(x, None)
+        launches = list(HOST_PATH.LAUNCHES)
+        HOST_PATH.LAUNCHES.clear()
+    grid, kernel, args = launches[-1]
+    want = {"whole": qk.AMAX_WHOLE, "grid": qk.AMAX_GRID, "partials": qk.AMAX_PARTIALS}[source]
+    assert len(launches) == (2 if source == "partials" else 1)
+    assert args[8] == want and grid[0] == blocks
+    assert kernel is (fq._whole_kernel if source == "whole" else fq._kernel)
+    if source == "whole":
+        whole_r, whole_k, tile_r, tile_k = args[9:13]
+        assert whole_r >= m and whole_k >= k and whole_r * whole_k <= qk.WHOLE_ELEMENTS
+        assert blocks == -(-m // tile_r) * -(-k // tile_k)
+
+
 def test_a_prefill_activation_does_not_grow_the_scratch(monkeypatch):
     # The fake-quantized activation between the two launches lives in the stream's scratch (kept for
     # good) only up to SCRATCH_ELEMENTS; a prefill's is allocated per call, so the scratch stays small.

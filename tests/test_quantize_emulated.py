@@ -72,32 +72,41 @@ def test_nvfp4_kernel_matches_reference(case, dtype, given):
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("grid_amax", [False, True], ids=["amax_pass", "grid_amax"])
-def test_nvfp4_fake_quant_kernel_matches_reference(case, grid_amax):
+@pytest.mark.parametrize("source", ["amax_pass", "grid_amax", "whole", "whole_blocks"])
+def test_nvfp4_fake_quant_kernel_matches_reference(case, source):
     # FakeQuant (the small-batch activation path) decodes what the quantizer stores: e2m1 * s_b, with
     # S_dec * alpha in AlphaOut. The grid-wide amax runs as one block (the emulator runs blocks one
-    # after another, so a barrier over several would never open).
+    # after another, so a barrier over several would never open). "whole": every block loads all of x
+    # for the amax, in the launch FakeQuant makes for this x (one block) and in three blocks.
     emu = TileEmulator()
     x = _input(case, torch.bfloat16)
     r, k = x.shape
-    if grid_amax:
-        tile_r, tile_k, blocks = 32, 128, 1
-        amax = torch.zeros(3, dtype=torch.int32)
-    else:
-        tile_r, tile_k, blocks = TILE_R, TILE_K, -(-r // TILE_R) * -(-k // TILE_K)
+    whole_r = whole_k = 1
+    amax = torch.zeros(3, dtype=torch.int32)
+    if source == "grid_amax":
+        amax_source, tile_r, tile_k = qk.AMAX_GRID, 32, 128
+    elif source == "amax_pass":
+        amax_source, tile_r, tile_k = qk.AMAX_PARTIALS, TILE_R, TILE_K
         amax = _emulated_amax(emu, x.unsqueeze(0))
+    else:
+        amax_source = qk.AMAX_WHOLE
+        whole_r, whole_k, tile_r, tile_k = qk._whole_tiles(r, k)
+        assert (whole_r, whole_k, tile_r, tile_k) == (32, 128, 32, 128)
+        if source == "whole_blocks":
+            tile_k = 32
+    blocks = -(-r // tile_r) * -(-k // tile_k)
+    assert blocks == (3 if source == "whole_blocks" else blocks)
     out = torch.full((r, k), NAN, dtype=torch.bfloat16)
     alpha = torch.tensor([3.0])
     alpha_out = torch.full((1,), NAN)
     emu.launch(None, (blocks, 1, 1), qk._fake_quant_kernel,
-               (x, out, 0, amax, alpha, alpha_out, qk._E2M1, True, grid_amax, tile_r, tile_k))
+               (x, out, 0, amax, alpha, alpha_out, qk._E2M1, True, amax_source, whole_r, whole_k, tile_r, tile_k))
     ref = _quantize_nvfp4_reference(x, None, False)
     expected = dequantize_nvfp4(ref.data, ref.scale, 1.0)  # e2m1 * s_b
     assert torch.equal(out.float().isnan(), expected.isnan())
     assert torch.equal(out.float().nan_to_num(), expected.nan_to_num())
     assert alpha_out.item() == (ref.global_scale * alpha).item()  # fp32 product
-    if grid_amax:
-        assert amax.tolist() == [0, 0, 0]  # left zeroed for the next launch
+    assert amax.tolist() == [0, 0, 0] or source == "amax_pass"  # the barrier's words left zeroed
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -128,7 +137,8 @@ def test_tile_amax_slots_exchanged_quantize_as_the_tensor_amax(monkeypatch, case
             out = torch.full((r, k), NAN, dtype=torch.bfloat16)
             alpha_out = torch.full((1,), NAN)
             emu.launch(None, (blocks, 1, 1), qk._fake_quant_kernel,
-                       (s, out, 0, amax, torch.tensor([3.0]), alpha_out, qk._E2M1, True, False, TILE_R, TILE_K))
+                       (s, out, 0, amax, torch.tensor([3.0]), alpha_out, qk._E2M1, True, qk.AMAX_PARTIALS, 1, 1,
+                        TILE_R, TILE_K))
             outs.append((out.view(torch.int16), alpha_out.view(torch.int32)))
         assert all(torch.equal(a, b) for a, b in zip(*outs))
 
@@ -195,7 +205,7 @@ def test_mx_fake_quant_kernel_matches_reference(fmt, rounding):
     alpha = torch.tensor([3.0])
     emu.launch(None, (-(-r // TILE_R) * -(-k // TILE_K), 1, 1), qk._fake_quant_kernel,
                (x, out, int(rounding == "floor"), torch.zeros(1, dtype=torch.int32), alpha, alpha,
-                fmt.element_code, False, False, TILE_R, TILE_K))
+                fmt.element_code, False, qk.AMAX_PARTIALS, 1, 1, TILE_R, TILE_K))
     expected = expected.to(torch.bfloat16)
     assert torch.equal(out.isnan(), expected.isnan())
     assert torch.equal(out.nan_to_num().view(torch.int16), expected.nan_to_num().view(torch.int16))

@@ -43,10 +43,11 @@ def _same(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert torch.equal(out.float()[~nan], ref[~nan])
 
 
-# K = 288: 9 MX blocks / 18 NVFP4 blocks, one whole and one partial 256-column tile; K = 36864 with 3
-# rows: 144 tiles, more than the H100's 132 SMs, so NVFP4 takes tensor_amax first instead of the
-# in-launch amax.
-@pytest.mark.parametrize("m,k", [(1, 288), (5, 288), (16, 288), (40, 288), (3, 36864)])
+# K = 288: 9 MX blocks / 18 NVFP4 blocks, one whole and one partial 256-column tile. NVFP4's tensor
+# amax: up to 16 rows of K = 288, and one row of K = 14336 (four blocks), every block loads all of x;
+# 40 rows, the grid-wide barrier; K = 36864 with 3 rows (144 tiles, more than the H100's 132 SMs),
+# tensor_amax first.
+@pytest.mark.parametrize("m,k", [(1, 288), (5, 288), (16, 288), (40, 288), (1, 14336), (3, 36864)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("fmt,rounding", [(MXFP4, "rceil"), (MXFP4, "floor"), (MXFP8_E4M3, "rceil"),
                                           (MXFP8_E4M3, "floor"), (MXFP8_E5M2, "rceil"), (NVFP4, None)],

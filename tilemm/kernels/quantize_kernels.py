@@ -476,7 +476,8 @@ def _grid_amax(Sync, bits):
 
 @ct.kernel(occupancy=_OCCUPANCY)
 def _fake_quant_kernel(X, Out, Floor, Amax, Alpha, AlphaOut, ELEMENT: ConstInt, NV: ConstBool,
-                       GRID_AMAX: ConstBool, TILE_R: ConstInt, TILE_K: ConstInt):
+                       AMAX_SOURCE: ConstInt, WHOLE_R: ConstInt, WHOLE_K: ConstInt, TILE_R: ConstInt,
+                       TILE_K: ConstInt):
     """Out (R, K) bf16 = dequantize(quantize(X)) for X (R, K): the activation as the block-scaled
     matmul reads it, quantized exactly as ``_mx_quantize_kernel`` / ``_nvfp4_quantize_kernel`` do
     (logical scales), then decoded, in one pass and with no quantized bytes stored.
@@ -485,11 +486,14 @@ def _fake_quant_kernel(X, Out, Floor, Amax, Alpha, AlphaOut, ELEMENT: ConstInt, 
     rounding as in ``_mx_quantize_kernel``; blocks with scale byte 0 give +0, byte 255 NaN. NVFP4 (NV):
     ``element * s_b``, without the tensor's decode scale S_dec, which block 0 instead multiplies into
     ``AlphaOut = S_dec * Alpha`` (so that the matmul's epilogue applies it to the fp32 sum, as
-    ``nvfp4_matmul``'s alpha does). The tensor amax (over the finite elements) comes from ``tensor_amax``'s partial
-    maxima in Amax, or, with GRID_AMAX, from this launch: every block adds its tile's maximum to Amax
-    (int32 [maximum bits, arrived, departed], zero between launches) and waits until all blocks have
-    (``_grid_amax``), which saves a launch. The grid must then be resident at once (the launcher keeps
-    it within one block per SM).
+    ``nvfp4_matmul``'s alpha does). The tensor amax (over the finite elements) comes from
+    ``AMAX_SOURCE``: ``AMAX_PARTIALS`` (0), ``tensor_amax``'s partial maxima in Amax; ``AMAX_GRID``
+    (1), this launch: every block adds its tile's maximum to Amax (int32 [maximum bits, arrived,
+    departed], zero between launches) and waits until all blocks have (``_grid_amax``), which saves a
+    launch, and the grid must be resident at once (the launcher keeps it within one block per SM);
+    ``AMAX_WHOLE`` (2), every block's own load of all of X, one (WHOLE_R, WHOLE_K) tile (a few KB,
+    read again from L2 by every block): no atomics and no wait, which a grid-wide barrier costs even
+    over a few blocks. WHOLE_R and WHOLE_K are unused (1) otherwise.
 
     Exactness: e2m1 * 2^k is a bf16 number for every e8m0 byte and e2m1 * e4m3 (at most 5
     significant bits, 2^-10 .. 2688) too; e4m3 * 2^k for k >= -124 and e5m2 * 2^k for k >= -117, so
@@ -510,7 +514,10 @@ def _fake_quant_kernel(X, Out, Floor, Amax, Alpha, AlphaOut, ELEMENT: ConstInt, 
         ct.float32).reshape((TILE_R, NB, BLOCK))
     amax = ct.max(ct.abs(x), axis=2, keepdims=True, propagate_nan=True)
     if NV:
-        if GRID_AMAX:
+        if AMAX_SOURCE == AMAX_WHOLE:
+            whole = ct.load(X, (0, 0), (WHOLE_R, WHOLE_K), padding_mode=_ZERO).astype(ct.float32)
+            g = ct.bitcast(ct.full((1,), 0, ct.int32) + _amax_bits(whole), ct.float32)
+        elif AMAX_SOURCE == AMAX_GRID:
             g = ct.bitcast(_grid_amax(Amax, _amax_bits(x)), ct.float32)
         else:
             g = _tensor_amax(Amax)
@@ -888,6 +895,15 @@ FP8_TRANSPOSED_CONFIGS = {
 
 #: Tile of ``_fake_quant_kernel`` (activations of a few rows).
 FAKE_QUANT_CONFIG = QuantizeConfig(16, 256)
+#: ``_fake_quant_kernel``'s sources of NVFP4's tensor amax (AMAX_SOURCE).
+AMAX_PARTIALS, AMAX_GRID, AMAX_WHOLE = 0, 1, 2
+#: The most elements (rows and columns each rounded up to a power of two) of an NVFP4 activation
+#: whose every fake-quant block loads all of it for the tensor amax (AMAX_WHOLE): 64 fp32 registers
+#: per thread at WHOLE_WARPS warps, no spills on sm_90.
+WHOLE_ELEMENTS = 16384
+WHOLE_WARPS = 8
+#: The elements of those launches' tiles: (rows rounded up to a power of two, WHOLE_TILE / that).
+WHOLE_TILE = 4096
 AMAX_CONFIG = QuantizeConfig(64, 128)
 #: Blocks of the amax reduction per SM (each loops over its share of the tiles).
 AMAX_BLOCKS_PER_SM = 4
@@ -1327,7 +1343,9 @@ class FakeQuant:
     everything but x worked out once: the format ("mxfp8" with e4m3 / e5m2, "mxfp4", "nvfp4"), the MX
     scale rounding, and for NVFP4 the (1,) fp32 ``alpha`` that the tensor's decode scale multiplies
     (``run`` returns ``S_dec * alpha`` in a (1,) tensor that a later call on the stream may rewrite). One
-    launch; NVFP4 with more tiles than the GPU has SMs: two, ``tensor_amax`` first.
+    launch; NVFP4 with more tiles than the GPU has SMs: two, ``tensor_amax`` first. NVFP4's tensor
+    amax, for x of at most ``whole_elements`` (``_whole_tiles``): every block loads all of x; else
+    through a grid-wide barrier (``_grid_amax``).
 
     Its outputs are only ever read by what follows on the same stream before the next FakeQuant call
     there (the weight-only path), so outside CUDA-graph captures, up to ``SCRATCH_ELEMENTS``, they live
@@ -1335,7 +1353,8 @@ class FakeQuant:
     previous call's reads in stream order. Captures and larger activations take fresh ones, allocated
     on the current stream: ``run``'s stream must be the current one."""
 
-    __slots__ = ("element", "nv", "floor", "alpha", "config", "_stub_i32", "_kernel", "_sms")
+    __slots__ = ("element", "nv", "floor", "alpha", "config", "whole_elements", "_stub_i32", "_kernel",
+                 "_whole_kernel", "_sms")
 
     def __init__(self, fmt: Format, rounding: str | None, alpha: torch.Tensor):
         self.element = fmt.element_code
@@ -1346,6 +1365,8 @@ class FakeQuant:
         self._stub_i32 = Described(torch.zeros(1, dtype=torch.int32, device=alpha.device))
         self.config = plan("fake_quant")
         self._kernel = _kernel(_fake_quant_kernel, self.config)
+        self._whole_kernel = _whole_kernel()
+        self.whole_elements = WHOLE_ELEMENTS
         self._sms = num_sms(alpha.device)
 
     def _outputs(self, x: torch.Tensor, stream) -> tuple:
@@ -1367,23 +1388,42 @@ class FakeQuant:
         instead of x's, as int32 fp32 bits: (1,), or (P,) per-block maxima whose maximum it is, P <=
         AMAX_PARTIALS (a row-wise tensor-parallel rank's all-reduced one)."""
         m, k = x.shape
-        cfg = self.config
+        tile_r, tile_k = self.config.tile_r, self.config.tile_k
         out, alpha_out = self._outputs(x, stream)
-        blocks = ceil_div(m, cfg.tile_r) * ceil_div(k, cfg.tile_k)
-        grid_amax = self.nv and blocks <= self._sms and amax is None
+        kernel, source, whole_r, whole_k = self._kernel, AMAX_PARTIALS, 1, 1
         if not self.nv:
             amax = self._stub_i32
         elif amax is not None:
             if amax.dtype != torch.int32 or amax.ndim != 1:
                 amax = amax.view(torch.int32).reshape(-1)
-        elif grid_amax:
-            amax = _grid_sync(x.device, stream)
+        elif (whole := _whole_tiles(m, k, self.whole_elements)) is not None:
+            kernel, source, amax = self._whole_kernel, AMAX_WHOLE, self._stub_i32
+            whole_r, whole_k, tile_r, tile_k = whole
+        elif ceil_div(m, tile_r) * ceil_div(k, tile_k) <= self._sms:
+            source, amax = AMAX_GRID, _grid_sync(x.device, stream)
         else:
             amax = tensor_amax(x, propagate_nan=False)
-        ct.launch(stream, (blocks, 1, 1), self._kernel,
-                  (x, out, self.floor, amax, self.alpha, alpha_out, self.element, self.nv, grid_amax, cfg.tile_r,
-                   cfg.tile_k))
+        ct.launch(stream, (ceil_div(m, tile_r) * ceil_div(k, tile_k), 1, 1), kernel,
+                  (x, out, self.floor, amax, self.alpha, alpha_out, self.element, self.nv, source, whole_r, whole_k,
+                   tile_r, tile_k))
         return out, alpha_out if self.nv else None
+
+
+def _whole_tiles(m: int, k: int, most: int = WHOLE_ELEMENTS) -> tuple[int, int, int, int] | None:
+    """(WHOLE_R, WHOLE_K, tile_r, tile_k) of an AMAX_WHOLE fake-quant launch for x (m, k): x's rows and
+    columns rounded up to powers of two, and tiles of ``WHOLE_TILE`` elements over those rows (at
+    least one NVFP4 block wide); None where the rounded x has more than ``most`` elements."""
+    whole_r = 1 << max(0, m - 1).bit_length()
+    whole_k = 1 << max(0, k - 1).bit_length()
+    if whole_r * whole_k > most:
+        return None
+    return whole_r, whole_k, whole_r, min(whole_k, max(16, WHOLE_TILE // whole_r))
+
+
+def _whole_kernel():
+    """``_fake_quant_kernel`` as AMAX_WHOLE launches run it: WHOLE_WARPS warps, so that the whole-x tile
+    stays in registers."""
+    return hinted(_fake_quant_kernel, num_worker_warps=ct.ByTarget(sm_90=WHOLE_WARPS))
 
 
 _GRID_SYNC: dict = {}
@@ -1565,12 +1605,21 @@ def aot_variants() -> list[AotVariant]:
                                     [x, _data_array(element), scale, amax, _INT32, code, gran.code, transposed,
                                      grid_amax, tma], targets)
         for element, code in ELEMENT_CODES.items():
-            for nv, grid_amax in ((False, False),) if element != "e2m1" else ((False, False), (True, False),
-                                                                               (True, True)):
-                kind = ("nvfp4_grid_amax" if grid_amax else "nvfp4") if nv else f"mx_{element}"
+            sources = [(False, AMAX_PARTIALS)]
+            if element == "e2m1":
+                sources += [(True, AMAX_PARTIALS), (True, AMAX_GRID)]
+            for nv, source in sources:
+                kind = ("nvfp4_grid_amax" if source == AMAX_GRID else "nvfp4") if nv else f"mx_{element}"
                 add(f"fake_quant_{kind}_{in_name}", _fake_quant_kernel, plan("fake_quant"),
                     [array(in_dtype, 2), array(ct.bfloat16, 2), _INT32, i32_1, f32_1, f32_1, code, nv,
-                     grid_amax])
+                     source, 1, 1])
+            if element == "e2m1":  # one row of K = 4096 and of K = 14336, as a decode step has
+                for k in (4096, 14336):
+                    whole_r, whole_k, tile_r, tile_k = _whole_tiles(1, k)
+                    variants.append(AotVariant(
+                        f"fake_quant_nvfp4_whole{whole_k}_{in_name}", _whole_kernel(),
+                        [array(in_dtype, 2), array(ct.bfloat16, 2), _INT32, i32_1, f32_1, f32_1, code, True,
+                         AMAX_WHOLE, whole_r, whole_k, tile_r, tile_k]))
         add(f"amax_columns_{in_name}", _column_amax_kernel, plan("fp8_row_amax"),
             [array(in_dtype, 3), array(ct.int32, 2), ROW_AMAX_CHUNK])
         for propagate in (False, True):

@@ -989,8 +989,7 @@ def test_block_scaled_layer_at_many_rows_runs_the_weight_only_path(monkeypatch, 
 
 
 @pytest.mark.parametrize("m,k,source,blocks", [(1, 4096, "whole", 1), (1, 14336, "whole", 4),
-                                               (4, 4096, "whole", 4), (16, 4096, "whole", 16),
-                                               (16, 8192, "grid", 32), (17, 256, "grid", 2),
+                                               (4, 4096, "whole", 4), (16, 4096, "grid", 16),
                                                (3, 36864, "partials", 144)])
 def test_nvfp4_fake_quant_takes_the_amax_without_a_barrier_when_x_is_small(m, k, source, blocks):
     # NVFP4's fake quant needs the tensor amax before any block can round: a small x is loaded whole by
@@ -1011,9 +1010,8 @@ def test_nvfp4_fake_quant_takes_the_amax_without_a_barrier_when_x_is_small(m, k,
     assert kernel is (fq._whole_kernel if source == "whole" else fq._kernel)
     if source == "whole":
         whole_r, whole_k, tile_r, tile_k = args[9:13]
-        assert tile_r == whole_r >= m and whole_r * whole_k <= qk.WHOLE_TILE_ELEMENTS
-        assert whole_r * -(-k // whole_k) * whole_k <= qk.WHOLE_ELEMENTS
-        assert tile_r * tile_k <= qk.WHOLE_TILE and blocks == -(-k // tile_k)
+        assert whole_r >= m and whole_k >= k and whole_r * whole_k <= qk.WHOLE_ELEMENTS
+        assert blocks == -(-m // tile_r) * -(-k // tile_k)
 
 
 def test_a_prefill_activation_does_not_grow_the_scratch(monkeypatch):

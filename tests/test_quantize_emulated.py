@@ -77,7 +77,7 @@ def test_nvfp4_fake_quant_kernel_matches_reference(case, source):
     # FakeQuant (the small-batch activation path) decodes what the quantizer stores: e2m1 * s_b, with
     # S_dec * alpha in AlphaOut. The grid-wide amax runs as one block (the emulator runs blocks one
     # after another, so a barrier over several would never open). "whole": every block loads all of x
-    # for the amax, in one block and tile, and in three blocks that loop over three tiles.
+    # for the amax, in the launch FakeQuant makes for this x (one block) and in three blocks.
     emu = TileEmulator()
     x = _input(case, torch.bfloat16)
     r, k = x.shape
@@ -88,11 +88,14 @@ def test_nvfp4_fake_quant_kernel_matches_reference(case, source):
     elif source == "amax_pass":
         amax_source, tile_r, tile_k = qk.AMAX_PARTIALS, TILE_R, TILE_K
         amax = _emulated_amax(emu, x.unsqueeze(0))
-    elif source == "whole":  # one block, one load of all of x
-        amax_source, whole_r, whole_k, tile_r, tile_k = qk.AMAX_WHOLE, 32, 128, 32, 128
-    else:  # three blocks, each loading x in three tiles
-        amax_source, whole_r, whole_k, tile_r, tile_k = qk.AMAX_WHOLE, 32, 32, 32, 32
+    else:
+        amax_source = qk.AMAX_WHOLE
+        whole_r, whole_k, tile_r, tile_k = qk._whole_tiles(r, k)
+        assert (whole_r, whole_k, tile_r, tile_k) == (32, 128, 32, 128)
+        if source == "whole_blocks":
+            tile_k = 32
     blocks = -(-r // tile_r) * -(-k // tile_k)
+    assert blocks == (3 if source == "whole_blocks" else blocks)
     out = torch.full((r, k), NAN, dtype=torch.bfloat16)
     alpha = torch.tensor([3.0])
     alpha_out = torch.full((1,), NAN)

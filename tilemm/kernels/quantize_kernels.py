@@ -491,9 +491,9 @@ def _fake_quant_kernel(X, Out, Floor, Amax, Alpha, AlphaOut, ELEMENT: ConstInt, 
     (1), this launch: every block adds its tile's maximum to Amax (int32 [maximum bits, arrived,
     departed], zero between launches) and waits until all blocks have (``_grid_amax``), which saves a
     launch, and the grid must be resident at once (the launcher keeps it within one block per SM);
-    ``AMAX_WHOLE`` (2), every block's own loads of all of X, (WHOLE_R, WHOLE_K) tiles with WHOLE_R >= R
-    (at most a few tens of KB, read again from L2 by every block): no atomics and no wait, which a
-    grid-wide barrier costs even over a few blocks. WHOLE_R and WHOLE_K are unused (1) otherwise.
+    ``AMAX_WHOLE`` (2), every block's own load of all of X, one (WHOLE_R, WHOLE_K) tile (a few KB,
+    read again from L2 by every block): no atomics and no wait, which a grid-wide barrier costs even
+    over a few blocks. WHOLE_R and WHOLE_K are unused (1) otherwise.
 
     Exactness: e2m1 * 2^k is a bf16 number for every e8m0 byte and e2m1 * e4m3 (at most 5
     significant bits, 2^-10 .. 2688) too; e4m3 * 2^k for k >= -124 and e5m2 * 2^k for k >= -117, so
@@ -515,11 +515,8 @@ def _fake_quant_kernel(X, Out, Floor, Amax, Alpha, AlphaOut, ELEMENT: ConstInt, 
     amax = ct.max(ct.abs(x), axis=2, keepdims=True, propagate_nan=True)
     if NV:
         if AMAX_SOURCE == AMAX_WHOLE:
-            bits = ct.full((1,), 0, ct.int32)
-            for t in range(ct.cdiv(K, WHOLE_K)):
-                whole = ct.load(X, (0, t), (WHOLE_R, WHOLE_K), padding_mode=_ZERO).astype(ct.float32)
-                bits = ct.maximum(bits, _amax_bits(whole))
-            g = ct.bitcast(bits, ct.float32)
+            whole = ct.load(X, (0, 0), (WHOLE_R, WHOLE_K), padding_mode=_ZERO).astype(ct.float32)
+            g = ct.bitcast(ct.full((1,), 0, ct.int32) + _amax_bits(whole), ct.float32)
         elif AMAX_SOURCE == AMAX_GRID:
             g = ct.bitcast(_grid_amax(Amax, _amax_bits(x)), ct.float32)
         else:
@@ -900,15 +897,12 @@ FP8_TRANSPOSED_CONFIGS = {
 FAKE_QUANT_CONFIG = QuantizeConfig(16, 256)
 #: ``_fake_quant_kernel``'s sources of NVFP4's tensor amax (AMAX_SOURCE).
 AMAX_PARTIALS, AMAX_GRID, AMAX_WHOLE = 0, 1, 2
-#: NVFP4 activations whose every fake-quant block loads all of them for the tensor amax (AMAX_WHOLE):
-#: at most WHOLE_ROWS rows and WHOLE_ELEMENTS elements once rounded up to the loop's tiles, 128 KB of
-#: bf16 per block. Each load is a tile of WHOLE_TILE_ELEMENTS (32 fp32 per thread at WHOLE_WARPS
-#: warps; tiles of 16384 spilled on sm_90 once the loop kept a second load in flight); the quantizing
-#: tiles have WHOLE_TILE elements.
-WHOLE_ROWS = 16
-WHOLE_ELEMENTS = 65536
-WHOLE_TILE_ELEMENTS = 8192
+#: The most elements (rows and columns each rounded up to a power of two) of an NVFP4 activation
+#: whose every fake-quant block loads all of it for the tensor amax (AMAX_WHOLE): 64 fp32 registers
+#: per thread at WHOLE_WARPS warps, no spills on sm_90.
+WHOLE_ELEMENTS = 16384
 WHOLE_WARPS = 8
+#: The elements of those launches' tiles: (rows rounded up to a power of two, WHOLE_TILE / that).
 WHOLE_TILE = 4096
 AMAX_CONFIG = QuantizeConfig(64, 128)
 #: Blocks of the amax reduction per SM (each loops over its share of the tiles).
@@ -1416,17 +1410,14 @@ class FakeQuant:
 
 
 def _whole_tiles(m: int, k: int, most: int = WHOLE_ELEMENTS) -> tuple[int, int, int, int] | None:
-    """(WHOLE_R, WHOLE_K, tile_r, tile_k) of an AMAX_WHOLE fake-quant launch for x (m, k): the amax
-    loop's tiles, x's rows rounded up to a power of two by up to ``WHOLE_TILE_ELEMENTS`` / those
-    columns, and the quantizing tiles, ``WHOLE_TILE`` elements over the same rows (at least one
-    NVFP4 block wide); None for more than ``WHOLE_ROWS`` rows, or more than ``most`` elements in the
-    amax loop's tiles."""
+    """(WHOLE_R, WHOLE_K, tile_r, tile_k) of an AMAX_WHOLE fake-quant launch for x (m, k): x's rows and
+    columns rounded up to powers of two, and tiles of ``WHOLE_TILE`` elements over those rows (at
+    least one NVFP4 block wide); None where the rounded x has more than ``most`` elements."""
     whole_r = 1 << max(0, m - 1).bit_length()
-    k_pow2 = 1 << max(0, k - 1).bit_length()
-    whole_k = min(k_pow2, WHOLE_TILE_ELEMENTS // whole_r)
-    if whole_r > WHOLE_ROWS or whole_r * ceil_div(k, whole_k) * whole_k > most:
+    whole_k = 1 << max(0, k - 1).bit_length()
+    if whole_r * whole_k > most:
         return None
-    return whole_r, whole_k, whole_r, min(k_pow2, WHOLE_TILE // whole_r)
+    return whole_r, whole_k, whole_r, min(whole_k, max(16, WHOLE_TILE // whole_r))
 
 
 def _whole_kernel():
@@ -1622,11 +1613,11 @@ def aot_variants() -> list[AotVariant]:
                 add(f"fake_quant_{kind}_{in_name}", _fake_quant_kernel, plan("fake_quant"),
                     [array(in_dtype, 2), array(ct.bfloat16, 2), _INT32, i32_1, f32_1, f32_1, code, nv,
                      source, 1, 1])
-            if element == "e2m1":  # one row of K = 14336 and 16 of K = 4096, as decode steps have
-                for m, k in ((1, 14336), (16, 4096)):
-                    whole_r, whole_k, tile_r, tile_k = _whole_tiles(m, k)
+            if element == "e2m1":  # one row of K = 4096 and of K = 14336, as a decode step has
+                for k in (4096, 14336):
+                    whole_r, whole_k, tile_r, tile_k = _whole_tiles(1, k)
                     variants.append(AotVariant(
-                        f"fake_quant_nvfp4_whole{whole_r}x{whole_k}_{in_name}", _whole_kernel(),
+                        f"fake_quant_nvfp4_whole{whole_k}_{in_name}", _whole_kernel(),
                         [array(in_dtype, 2), array(ct.bfloat16, 2), _INT32, i32_1, f32_1, f32_1, code, True,
                          AMAX_WHOLE, whole_r, whole_k, tile_r, tile_k]))
         add(f"amax_columns_{in_name}", _column_amax_kernel, plan("fp8_row_amax"),

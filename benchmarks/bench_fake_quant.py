@@ -4,9 +4,10 @@ flushed).
 
     python benchmarks/bench_fake_quant.py [--ks 4096,14336] [--ms 1,16]
 
-NVFP4 is timed three times, by where its tensor amax comes from: as the path chooses (every block
-loads all of a small x; else a grid-wide barrier), through the barrier, and with ``tensor_amax`` first
-(two launches). Writes what it prints to
+NVFP4 is timed three times, by where its tensor amax comes from: as the path chooses inside a CUDA
+graph (every block loads all of a small x; else ``tensor_amax`` first, two launches), through a
+grid-wide barrier in the one launch (what eager calls take when x is not small), and with
+``tensor_amax`` first. Writes what it prints to
 ``fake-quant-<gpu>.txt`` (``benchmarks/_results.py``). ``--cpu-smoke``: K = 64, M = 1 on the CPU, where
 the FakeQuant column is the definition it implements, ``dequantize(quantize(x))`` in bf16 (the kernel
 needs a GPU), and both columns are wall times.
@@ -60,8 +61,7 @@ def main(argv=None) -> int:
                     fq = FakeQuant(fmt, "rceil", alpha)
                     if not callable(quantize):
                         fq.whole_elements = 0  # no x is small enough to be loaded whole
-                    if quantize is None:
-                        fq._sms = 0  # more tiles than "SMs": tensor_amax first
+                        fq.barrier = "always" if quantize == "barrier" else "never"
                     t, _ = timer(lambda: fq.run(x, torch.cuda.current_stream()))
                 tq = timer(quantize)[0] * 1e3 if callable(quantize) else float("nan")
                 say(f"{name:22s} {m:4d} {k:6d} {t * 1e3:13.1f} {tq:13.1f}")

@@ -988,15 +988,18 @@ def test_block_scaled_layer_at_many_rows_runs_the_weight_only_path(monkeypatch, 
         assert fused is not None and rest[0][1] is fused.kernel
 
 
-@pytest.mark.parametrize("m,k,source,blocks", [(1, 4096, "whole", 1), (1, 14336, "whole", 4),
-                                               (4, 4096, "whole", 4), (16, 4096, "grid", 16),
-                                               (3, 36864, "partials", 144)])
-def test_nvfp4_fake_quant_takes_the_amax_without_a_barrier_when_x_is_small(m, k, source, blocks):
+@pytest.mark.parametrize("m,k,capturing,source,blocks", [
+    (1, 4096, False, "whole", 1), (1, 14336, True, "whole", 4), (4, 4096, False, "whole", 4),
+    (16, 4096, False, "grid", 16), (16, 4096, True, "partials", 16), (3, 36864, False, "partials", 144)])
+def test_nvfp4_fake_quant_takes_the_amax_without_a_barrier_when_x_is_small(monkeypatch, m, k, capturing,
+                                                                            source, blocks):
     # NVFP4's fake quant needs the tensor amax before any block can round: a small x is loaded whole by
-    # every block (one launch, no atomics); a larger one goes through the grid-wide barrier while its
-    # tiles fit one wave (one launch), else tensor_amax first (two).
+    # every block (one launch, no atomics); a larger one goes through the grid-wide barrier in eager
+    # calls while its tiles fit one wave (one launch), else -- and inside CUDA graphs, where the
+    # barrier costs more GPU time than a launch -- tensor_amax first (two).
     x = torch.randn(m, k).to(torch.bfloat16)
-    with HOST_PATH.cuda_route():
+    with HOST_PATH.cuda_route(), monkeypatch.context() as patch:
+        patch.setattr(qk, "_capturing", lambda device: capturing)  # over the route's own, undone first
         fq = qk.FakeQuant(NVFP4, None, torch.ones(1))
         fq._sms = 132  # an H100's
         HOST_PATH.LAUNCHES.clear()

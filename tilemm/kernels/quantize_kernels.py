@@ -1343,9 +1343,11 @@ class FakeQuant:
     everything but x worked out once: the format ("mxfp8" with e4m3 / e5m2, "mxfp4", "nvfp4"), the MX
     scale rounding, and for NVFP4 the (1,) fp32 ``alpha`` that the tensor's decode scale multiplies
     (``run`` returns ``S_dec * alpha`` in a (1,) tensor that a later call on the stream may rewrite). One
-    launch; NVFP4 with more tiles than the GPU has SMs: two, ``tensor_amax`` first. NVFP4's tensor
-    amax, for x of at most ``whole_elements`` (``_whole_tiles``): every block loads all of x; else
-    through a grid-wide barrier (``_grid_amax``).
+    launch, but NVFP4's tensor amax comes first: for x of at most ``whole_elements`` (``_whole_tiles``)
+    every block loads all of x, in the same launch; else, in eager calls whose tiles fit one wave,
+    through a grid-wide barrier in the same launch (``_grid_amax``, ``barrier`` "eager"); else from
+    ``tensor_amax``, a launch of its own. Inside a CUDA graph the second launch costs less GPU time
+    than the barrier; in eager calls the barrier saves a launch's host time.
 
     Its outputs are only ever read by what follows on the same stream before the next FakeQuant call
     there (the weight-only path), so outside CUDA-graph captures, up to ``SCRATCH_ELEMENTS``, they live
@@ -1353,8 +1355,8 @@ class FakeQuant:
     previous call's reads in stream order. Captures and larger activations take fresh ones, allocated
     on the current stream: ``run``'s stream must be the current one."""
 
-    __slots__ = ("element", "nv", "floor", "alpha", "config", "whole_elements", "_stub_i32", "_kernel",
-                 "_whole_kernel", "_sms")
+    __slots__ = ("element", "nv", "floor", "alpha", "config", "whole_elements", "barrier", "_stub_i32",
+                 "_kernel", "_whole_kernel", "_sms")
 
     def __init__(self, fmt: Format, rounding: str | None, alpha: torch.Tensor):
         self.element = fmt.element_code
@@ -1367,6 +1369,7 @@ class FakeQuant:
         self._kernel = _kernel(_fake_quant_kernel, self.config)
         self._whole_kernel = _whole_kernel()
         self.whole_elements = WHOLE_ELEMENTS
+        self.barrier = "eager"  # or "always", "never" (benchmarks compare them)
         self._sms = num_sms(alpha.device)
 
     def _outputs(self, x: torch.Tensor, stream) -> tuple:
@@ -1399,7 +1402,8 @@ class FakeQuant:
         elif (whole := _whole_tiles(m, k, self.whole_elements)) is not None:
             kernel, source, amax = self._whole_kernel, AMAX_WHOLE, self._stub_i32
             whole_r, whole_k, tile_r, tile_k = whole
-        elif ceil_div(m, tile_r) * ceil_div(k, tile_k) <= self._sms:
+        elif ceil_div(m, tile_r) * ceil_div(k, tile_k) <= self._sms and (
+                self.barrier == "always" or self.barrier == "eager" and not _capturing(x.device)):
             source, amax = AMAX_GRID, _grid_sync(x.device, stream)
         else:
             amax = tensor_amax(x, propagate_nan=False)

@@ -595,3 +595,18 @@ def test_rules_on_the_committed_h100_sweep():
     assert set(result) == {("8bit", 17), ("8bit", 24), ("8bit", 31)}
     for key, g in result.items():
         assert not g["missing"] and g["rule"] >= g["best"] - 0.03 and g["rule"] >= g["wired"] + 0.05, (key, g)
+
+
+def test_the_fused_split_at_16_rows_is_nvfp4s_on_a_square_weight():
+    # test_small_batch_gpu's kernel count allows the fused kernel's sum launch where this plan names
+    # the split: at 16 rows of a 4096 x 4096 weight, NVFP4's (4-bit MX weights take the stacked
+    # small-M kernel there, 8-bit ones too), and at one row none.
+    from tilemm.kernels import hopper_weight_only_large as wl
+    from tilemm.kernels.weight_only_kernels import LAYOUTS
+
+    def split(m, layout):
+        large = wl.plan(m, 4096, 4096, LAYOUTS[layout])
+        return large is not None and large.kind == "fused" and large.split_k > 1
+
+    assert [split(16, f) for f in ("mxfp4", "nvfp4", "mxfp8_e4m3")] == [False, True, False]
+    assert not any(split(1, f) for f in ("mxfp4", "nvfp4", "mxfp8_e4m3"))

@@ -491,9 +491,10 @@ def _fake_quant_kernel(X, Out, Floor, Amax, Alpha, AlphaOut, ELEMENT: ConstInt, 
     (1), this launch: every block adds its tile's maximum to Amax (int32 [maximum bits, arrived,
     departed], zero between launches) and waits until all blocks have (``_grid_amax``), which saves a
     launch, and the grid must be resident at once (the launcher keeps it within one block per SM);
-    ``AMAX_WHOLE`` (2), every block's own load of all of X, one (WHOLE_R, WHOLE_K) tile (a few KB,
-    read again from L2 by every block): no atomics and no wait, which a grid-wide barrier costs even
-    over a few blocks. WHOLE_R and WHOLE_K are unused (1) otherwise.
+    ``AMAX_WHOLE`` (2), every block's own load of all of X, one (WHOLE_R, WHOLE_K) tile of at most
+    ``WHOLE_ELEMENTS`` (read again from L2 by every block): no atomics and no wait, which a grid-wide
+    barrier costs even over a few blocks. WHOLE_R and WHOLE_K are unused (1) otherwise. (Looping over
+    tiles to cover larger X made each block's loads sequential: slower than the barrier at 16 rows.)
 
     Exactness: e2m1 * 2^k is a bf16 number for every e8m0 byte and e2m1 * e4m3 (at most 5
     significant bits, 2^-10 .. 2688) too; e4m3 * 2^k for k >= -124 and e5m2 * 2^k for k >= -117, so

@@ -72,7 +72,9 @@ class _Plain:
 @contextlib.contextmanager
 def cuda_route(target: str = "sm_90"):
     """Make eager calls on CPU tensors take the CUDA route of ``target`` ("sm_90", or "sm_100" /
-    "sm_120": the Blackwell matmul launchers), with launches recorded, not run."""
+    "sm_120": the Blackwell matmul launchers), with launches recorded, not run. The launches the
+    route prepared (``tilemm.kernels.PLANS``, keyed by signatures that name the CPU device) are
+    forgotten on the way out, so that a later CPU call outside it takes the CPU path."""
     patches = []
     arch = os.environ.get("TILEMM_ARCH")
     os.environ["TILEMM_ARCH"] = target
@@ -111,6 +113,7 @@ def cuda_route(target: str = "sm_90"):
     try:
         yield
     finally:
+        tilemm.kernels.PLANS.clear()
         del torch.Tensor.is_cuda
         if arch is None:
             del os.environ["TILEMM_ARCH"]

@@ -900,7 +900,8 @@ FAKE_QUANT_CONFIG = QuantizeConfig(16, 256)
 AMAX_PARTIALS, AMAX_GRID, AMAX_WHOLE = 0, 1, 2
 #: The most elements (rows and columns each rounded up to a power of two) of an NVFP4 activation
 #: whose every fake-quant block loads all of it for the tensor amax (AMAX_WHOLE): 64 fp32 registers
-#: per thread at WHOLE_WARPS warps, no spills on sm_90.
+#: per thread at WHOLE_WARPS warps. For sm_90 the (1, 16384) variant compiles without spills; the
+#: (1, 4096) one stores and reloads one register once.
 WHOLE_ELEMENTS = 16384
 WHOLE_WARPS = 8
 #: The elements of those launches' tiles: (rows rounded up to a power of two, WHOLE_TILE / that).
